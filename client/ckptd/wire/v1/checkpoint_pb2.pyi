@@ -1,0 +1,287 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Box(_message.Message):
+    __slots__ = ("offsets", "lengths")
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "kind", "dtype", "shape", "box", "aliases")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    box: Box
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RankId(_message.Message):
+    __slots__ = ("job", "rank", "world_size")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class BeginSaveRequest(_message.Message):
+    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    step: int
+    fingerprint: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    quantize: str
+    metric: float
+    has_metric: bool
+    timeout_s: float
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("name", "offset", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class BeginSaveResponse(_message.Message):
+    __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    skipped: bool
+    skip_reason: str
+    arena_path: str
+    arena_size: int
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+
+class CommitSnapshotRequest(_message.Message):
+    __slots__ = ("who", "save_id", "extras_json")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    save_id: str
+    extras_json: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ...) -> None: ...
+
+class CommitSnapshotResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortSaveRequest(_message.Message):
+    __slots__ = ("who", "save_id", "reason")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    save_id: str
+    reason: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortSaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WaitDurableRequest(_message.Message):
+    __slots__ = ("job", "step", "timeout_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    timeout_s: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SaveProgress(_message.Message):
+    __slots__ = ("state", "bytes_total", "bytes_written", "done", "error", "step_dir")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_DIR_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    bytes_total: int
+    bytes_written: int
+    done: bool
+    error: str
+    step_dir: str
+    def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
+
+class PlanLoadRequest(_message.Message):
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_READ_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    step: int
+    latest: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    strict: bool
+    direct_read: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ...) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    path: str
+    offset: int
+    nbytes: int
+    fragment: Box
+    dtype: str
+    checksum: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class PlanLoadResponse(_message.Message):
+    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier")
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    UNEXPECTED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    load_id: str
+    step: int
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    extras_json: str
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    unexpected: _containers.RepeatedScalarFieldContainer[str]
+    tier: str
+    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class LoadDoneRequest(_message.Message):
+    __slots__ = ("who", "load_id")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    load_id: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., load_id: _Optional[str] = ...) -> None: ...
+
+class LoadDoneResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("step", "created_at", "size_bytes", "file_count", "path", "in_memory", "metric", "has_metric")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    created_at: float
+    size_bytes: int
+    file_count: int
+    path: str
+    in_memory: bool
+    metric: float
+    has_metric: bool
+    def __init__(self, step: _Optional[int] = ..., created_at: _Optional[float] = ..., size_bytes: _Optional[int] = ..., file_count: _Optional[int] = ..., path: _Optional[str] = ..., in_memory: _Optional[bool] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("job", "step", "state", "bytes_total", "bytes_written", "age_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    state: str
+    bytes_total: int
+    bytes_written: int
+    age_s: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_COUNT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    root: str
+    in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
+    arena_bytes: int
+    arena_count: int
+    committed_total: int
+    failed_total: int
+    skipped_total: int
+    last_error: str
+    draining: bool
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...

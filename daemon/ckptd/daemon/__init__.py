@@ -1,0 +1,1 @@
+"""ckptd daemon: serves checkpoints for the ranks of its node (DESIGN.md)."""
