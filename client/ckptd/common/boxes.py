@@ -7,6 +7,7 @@ Data of a box is stored contiguously in row-major (C) order of the box's own sha
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -110,3 +111,34 @@ def coverage_problems(shape: Sequence[int], boxes: Iterable[Box]) -> list[str]:
     if covered != total:
         problems.append(f"boxes cover {covered} of {total} elements")
     return problems
+
+
+def contiguous_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Where the elements of `box` lie in a row-major tensor of `shape`, as contiguous runs.
+
+    Returns (offset in the tensor, offset in the box's own row-major data, length), all in
+    elements, in increasing order. Trailing dimensions that the box spans fully are merged,
+    so a block of whole rows is one run.
+    """
+    if not box.fits_in(shape):
+        raise ValueError(f"box {box} lies outside shape {list(shape)}")
+    if box.numel == 0:
+        return []
+    ndim = len(shape)
+    # The innermost dims that the box spans fully, plus the one before them, form one run.
+    split = ndim
+    run = 1
+    while split > 0:
+        split -= 1
+        run *= box.lengths[split]
+        if box.lengths[split] != shape[split]:
+            break
+    strides = [math.prod(shape[d + 1 :]) for d in range(ndim)]
+    base = sum(o * s for o, s in zip(box.offsets, strides))
+    outer = [range(n) for n in box.lengths[:split]]
+    runs = []
+    for src, index in enumerate(itertools.product(*outer)):
+        start = base + sum(i * strides[d] for d, i in enumerate(index))
+        runs.append((start, src * run, run))
+    return runs
+

@@ -1,0 +1,345 @@
+"""The on-disk format (DESIGN.md §7), as pure functions: no file system access here.
+
+- safetensors files: an 8-byte little-endian header length, a JSON header
+  ({key: {dtype, shape, data_offsets}, "__metadata__": {"format": "pt"}}) padded with spaces
+  to a multiple of 8 bytes, then the tensors' bytes back to back in header order.
+- `ckptd.index.json`: the full index, written last; its presence makes a step committed.
+- `<group>.safetensors.index.json`: the Hugging Face index (metadata.total_size + weight_map).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box
+
+INDEX_NAME = "ckptd.index.json"
+EXTRA_JSON = "extra.json"
+LATEST = "latest"
+INDEX_FORMAT = "ckptd/1"
+EXTRA_FORMAT = "ckptd-extra/1"
+HEADER_ALIGN = 8
+MAX_HEADER_BYTES = 100 * 2**20
+
+# kind -> file name stem. Model files are what Hugging Face and safetensors users read.
+GROUP_OF_KIND = {"model": "model", "master": "master_weights", "optimizer": "optimizer", "extra": "extra"}
+
+
+class FormatError(ValueError):
+    """A file or index that does not follow the format; the message names the file and the problem."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a directory named like step_dir_name(), else None."""
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:]
+    return int(digits) if digits.isdigit() and len(digits) >= 8 else None
+
+
+# ------------------------------------------------------------------ safetensors
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offset in the data region
+    end: int
+
+
+def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[HeaderEntry]]:
+    """The header bytes (length prefix included) for tensors stored back to back in this order.
+
+    Returns the bytes and each tensor's place; a tensor's absolute file offset is
+    len(header) + entry.begin.
+    """
+    meta = {"format": "pt", **(metadata or {})}
+    header: dict[str, Any] = {"__metadata__": meta}
+    placed = []
+    cursor = 0
+    for key, dtype, shape in entries:
+        if key in header:
+            raise FormatError(f"key {key!r} appears twice in one safetensors file")
+        nbytes = dtypes.itemsize(dtype)
+        for d in shape:
+            nbytes *= d
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        placed.append(HeaderEntry(key, dtype, tuple(shape), cursor, cursor + nbytes))
+        cursor += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text, placed
+
+
+def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tuple[int, dict[str, HeaderEntry]]:
+    """Parse a header from the first bytes of a file. Returns (data region offset, entries by key).
+
+    `prefix` must hold at least the whole header; raises FormatError on anything malformed.
+    """
+    if len(prefix) < 8:
+        raise FormatError("file too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > len(prefix):
+        raise FormatError(f"safetensors header of {length} bytes is larger than the file or the {MAX_HEADER_BYTES} limit")
+    try:
+        header = json.loads(prefix[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"safetensors header is not JSON: {exc}") from None
+    entries = {}
+    for key, value in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in value["data_offsets"])
+            entry = HeaderEntry(key, str(value["dtype"]), tuple(int(d) for d in value["shape"]), begin, end)
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"safetensors header entry {key!r} is malformed: {value!r}") from None
+        expected = dtypes.itemsize(entry.dtype)
+        for d in entry.shape:
+            expected *= d
+        if end - begin != expected:
+            raise FormatError(f"tensor {key!r}: {end - begin} bytes for {entry.dtype}{list(entry.shape)}")
+        if file_size is not None and 8 + length + end > file_size:
+            raise FormatError(f"tensor {key!r} ends past the end of the file")
+        entries[key] = entry
+    return 8 + length, entries
+
+
+# ------------------------------------------------------------------ index
+
+
+@dataclass(frozen=True)
+class FragmentRecord:
+    """Where one fragment of a logical tensor is stored."""
+
+    file: str  # file name inside the step directory
+    key: str  # safetensors key
+    box: Box
+    dtype: str  # stored dtype (equals the tensor's unless quantized)
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+    checksum: str  # "xxh3-64:<hex>" of the fragment's bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "key": self.key,
+            "offsets": list(self.box.offsets),
+            "lengths": list(self.box.lengths),
+            "dtype": self.dtype,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "FragmentRecord":
+        return FragmentRecord(
+            file=str(d["file"]),
+            key=str(d["key"]),
+            box=Box(tuple(int(x) for x in d["offsets"]), tuple(int(x) for x in d["lengths"])),
+            dtype=str(d["dtype"]),
+            offset=int(d["offset"]),
+            nbytes=int(d["nbytes"]),
+            checksum=str(d["checksum"]),
+        )
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    fragments: tuple[FragmentRecord, ...]
+    aliases: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "aliases": list(self.aliases),
+            "fragments": [f.to_json() for f in self.fragments],
+        }
+
+    @staticmethod
+    def from_json(name: str, d: dict[str, Any]) -> "TensorRecord":
+        return TensorRecord(
+            name=name,
+            kind=str(d["kind"]),
+            dtype=str(d["dtype"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            fragments=tuple(FragmentRecord.from_json(f) for f in d["fragments"]),
+            aliases=tuple(str(a) for a in d.get("aliases", ())),
+        )
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    header_checksum: str  # xxh3 of the safetensors header (data is covered by the fragments' checksums)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "header_checksum": self.header_checksum}
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """The content of ckptd.index.json (schema INDEX_FORMAT)."""
+
+    job: str
+    step: int
+    created_at: float  # unix seconds
+    world_size: int
+    tensors: tuple[TensorRecord, ...]
+    files: tuple[FileRecord, ...]
+    metric: float | None = None
+    writer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def by_name(self) -> dict[str, TensorRecord]:
+        """Tensors by logical name and by every alias."""
+        table = {}
+        for t in self.tensors:
+            table[t.name] = t
+            for alias in t.aliases:
+                table[alias] = t
+        return table
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": INDEX_FORMAT,
+            "job": self.job,
+            "step": self.step,
+            "created_at": self.created_at,
+            "world_size": self.world_size,
+            "metric": self.metric,
+            "writer": self.writer,
+            "files": {f.name: f.to_json() for f in self.files},
+            "tensors": {t.name: t.to_json() for t in self.tensors},
+        }
+        return json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
+
+    @staticmethod
+    def from_json_bytes(data: bytes, where: str = INDEX_NAME) -> "CheckpointIndex":
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != INDEX_FORMAT:
+                raise FormatError(f"{where}: format {doc.get('format')!r}, this ckptd reads {INDEX_FORMAT!r}")
+            return CheckpointIndex(
+                job=str(doc["job"]),
+                step=int(doc["step"]),
+                created_at=float(doc["created_at"]),
+                world_size=int(doc["world_size"]),
+                metric=None if doc.get("metric") is None else float(doc["metric"]),
+                writer=dict(doc.get("writer", {})),
+                files=tuple(FileRecord(n, int(f["size"]), str(f["header_checksum"])) for n, f in doc["files"].items()),
+                tensors=tuple(TensorRecord.from_json(n, t) for n, t in doc["tensors"].items()),
+            )
+        except FormatError:
+            raise
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FormatError(f"{where} is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
+    """A Hugging Face `*.safetensors.index.json`: which file holds each key."""
+    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(doc, indent=2).encode() + b"\n"
+
+
+def extra_json(step: int, ranks: dict[int, Any]) -> bytes:
+    """extra.json: the step and every rank's JSON-able extras (scheduler, RNG, user values)."""
+    doc = {"format": EXTRA_FORMAT, "step": step, "ranks": {str(r): ranks[r] for r in sorted(ranks)}}
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def parse_extra_json(data: bytes) -> dict[int, Any]:
+    try:
+        doc = json.loads(data)
+        return {int(r): tree for r, tree in doc["ranks"].items()}
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"{EXTRA_JSON} is malformed: {exc}") from None
+
+
+# ------------------------------------------------------------------ file layout
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor as it goes into a file: under `key`, whole or as one fragment (`box`)."""
+
+    name: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]  # the stored shape (the box's lengths)
+    box: Box
+
+    @property
+    def nbytes(self) -> int:
+        n = dtypes.itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    name: str
+    group: str
+    tensors: tuple[StoredTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def file_key(name: str, kind: str) -> str:
+    """The safetensors key of a logical tensor: model files use the state_dict name (HF-loadable)."""
+    if kind == "model":
+        return name.split("/", 1)[1] if "/" in name else name
+    return name
+
+
+def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_file_bytes: int) -> list[FileLayout]:
+    """Group stored tensors into files by kind and split groups at `max_file_bytes`.
+
+    Files are named `<group>-0000k-of-0000n.safetensors`, except extras, which go to
+    `extra.safetensors` when they fit in one file. Order inside a group is the given order.
+    """
+    by_group: dict[str, list[StoredTensor]] = {}
+    for t in tensors:
+        by_group.setdefault(GROUP_OF_KIND[kinds[t.name]], []).append(t)
+    files = []
+    for group in GROUP_OF_KIND.values():
+        members = by_group.get(group)
+        if not members:
+            continue
+        chunks: list[list[StoredTensor]] = [[]]
+        size = 0
+        for t in members:
+            if chunks[-1] and size + t.nbytes > max_file_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(t)
+            size += t.nbytes
+        n = len(chunks)
+        for k, chunk in enumerate(chunks, start=1):
+            name = "extra.safetensors" if group == "extra" and n == 1 else f"{group}-{k:05d}-of-{n:05d}.safetensors"
+            files.append(FileLayout(name, group, tuple(chunk)))
+    return files

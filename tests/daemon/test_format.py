@@ -1,0 +1,106 @@
+"""The on-disk format: golden bytes of the safetensors header, index round trip, file layout."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from ckptd.common.boxes import Box
+from ckptd.daemon.format import (
+    CheckpointIndex,
+    FileRecord,
+    FormatError,
+    FragmentRecord,
+    StoredTensor,
+    TensorRecord,
+    file_key,
+    layout_files,
+    parse_safetensors_header,
+    parse_step_dir_name,
+    safetensors_header,
+    step_dir_name,
+)
+
+
+def test_header_golden_bytes() -> None:
+    header, entries = safetensors_header([("a", "F32", (2,)), ("b", "BF16", (1, 3))])
+    text = b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,3],"data_offsets":[8,14]}}'
+    pad = b" " * (-(len(text) + 8) % 8)
+    assert header == struct.pack("<Q", len(text) + len(pad)) + text + pad
+    assert len(header) % 8 == 0
+    assert [(e.key, e.begin, e.end) for e in entries] == [("a", 0, 8), ("b", 8, 14)]
+
+
+def test_header_is_read_by_the_safetensors_library() -> None:
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.tensor([1, 2, 3], dtype=torch.int64)
+    header, _ = safetensors_header([("a", "F32", (2, 3)), ("b", "I64", (3,))])
+    loaded = st_load(header + a.numpy().tobytes() + b.numpy().tobytes())
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
+    data_start, entries = parse_safetensors_header(header)
+    assert data_start == len(header) and entries["b"].begin == 24
+
+
+@pytest.mark.parametrize(
+    "blob, message",
+    [
+        (b"\x01", "too short"),
+        (struct.pack("<Q", 1 << 40), "larger than"),
+        (struct.pack("<Q", 4) + b"nope", "not JSON"),
+        (struct.pack("<Q", 48) + b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'[:48], "not JSON"),
+    ],
+)
+def test_malformed_headers_are_refused(blob: bytes, message: str) -> None:
+    with pytest.raises(FormatError, match=message):
+        parse_safetensors_header(blob)
+
+
+def test_wrong_size_entry_is_refused() -> None:
+    text = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'
+    with pytest.raises(FormatError, match="4 bytes for F32"):
+        parse_safetensors_header(struct.pack("<Q", len(text)) + text)
+
+
+def test_index_round_trip() -> None:
+    frag = FragmentRecord("model-00001-of-00001.safetensors", "w", Box((0,), (4,)), "F32", 128, 16, "xxh3-64:00ff")
+    index = CheckpointIndex(
+        job="j", step=7, created_at=1.5, world_size=2,
+        tensors=(TensorRecord("model/w", "model", "F32", (4,), (frag,), ("model/v",)),),
+        files=(FileRecord("model-00001-of-00001.safetensors", 144, "xxh3-64:1"),), metric=0.25,
+    )
+    again = CheckpointIndex.from_json_bytes(index.to_json_bytes())
+    assert again == index
+    assert again.by_name()["model/v"].name == "model/w"
+    doc = json.loads(index.to_json_bytes())
+    assert doc["format"] == "ckptd/1" and doc["tensors"]["model/w"]["fragments"][0]["offset"] == 128
+
+
+@pytest.mark.parametrize("blob", [b"{}", b"[]", b'{"format": "ckptd/1"}', b"\xff", b'{"format": "other/9"}'])
+def test_bad_index_is_a_format_error(blob: bytes) -> None:
+    with pytest.raises(FormatError):
+        CheckpointIndex.from_json_bytes(blob)
+
+
+def test_layout_groups_kinds_and_splits_files() -> None:
+    def t(name: str, n: int) -> StoredTensor:
+        return StoredTensor(name, name.split("/", 1)[1], "F32", (n,), Box.full((n,)))
+
+    tensors = [t("model/a", 10), t("model/b", 10), t("model/c", 10), t("optimizer/x", 4), t("rng/r", 2)]
+    kinds = {"model/a": "model", "model/b": "model", "model/c": "model", "optimizer/x": "optimizer", "rng/r": "extra"}
+    files = layout_files(tensors, kinds, max_file_bytes=80)
+    assert [(f.name, [x.name for x in f.tensors]) for f in files] == [
+        ("model-00001-of-00002.safetensors", ["model/a", "model/b"]),
+        ("model-00002-of-00002.safetensors", ["model/c"]),
+        ("optimizer-00001-of-00001.safetensors", ["optimizer/x"]),
+        ("extra.safetensors", ["rng/r"]),
+    ]
+
+
+def test_names() -> None:
+    assert file_key("model/layers.0.weight", "model") == "layers.0.weight"
+    assert file_key("optimizer/state/w/exp_avg", "optimizer") == "optimizer/state/w/exp_avg"
+    assert step_dir_name(42) == "step-00000042"
+    assert parse_step_dir_name("step-00000042") == 42
+    assert parse_step_dir_name("step-42") is None and parse_step_dir_name("latest") is None

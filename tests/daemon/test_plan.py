@@ -1,0 +1,63 @@
+"""Save planning as tables: dedup of replicas, balance, slots, validation. No I/O."""
+
+import pytest
+
+from ckptd.common.boxes import Box
+from ckptd.daemon.plan import PAGE, PlanError, TensorSpec, make_save_plan
+
+
+def full(name: str, shape: tuple[int, ...], dtype: str = "F32", kind: str = "model", aliases: tuple[str, ...] = ()) -> TensorSpec:
+    return TensorSpec(name, kind, dtype, shape, Box.full(shape), aliases)
+
+
+def part(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> TensorSpec:
+    return TensorSpec(name, "model", "F32", shape, Box(offsets, lengths))
+
+
+def test_replicas_are_copied_once_and_spread_by_bytes() -> None:
+    tensors = [full(f"model/w{i}", (1024 * (i + 1),)) for i in range(8)]
+    plan = make_save_plan([tensors] * 4)  # 4 DDP replicas
+    assert len(plan.slots) == 8
+    assert sorted(s.name for s in plan.slots) == sorted(t.name for t in tensors)
+    per_rank = [sum(s.nbytes for s in plan.slots_of(r)) for r in range(4)]
+    assert sum(per_rank) == sum(t.nbytes for t in tensors)
+    assert max(per_rank) - min(per_rank) <= 4096 * 2  # greedy: within the largest fragment
+
+
+def test_sharded_fragments_stay_with_their_holder() -> None:
+    shape = (4, 8)
+    plan = make_save_plan([[part("model/w", shape, (0, 0), (2, 8))], [part("model/w", shape, (2, 0), (2, 8))]])
+    assert [(s.rank, s.box) for s in plan.slots] == [(0, Box((0, 0), (2, 8))), (1, Box((2, 0), (2, 8)))]
+
+
+def test_slots_are_aligned_and_inside_the_arena() -> None:
+    plan = make_save_plan([[full("model/a", (3,)), full("model/b", (5000,)), full("model/c", (7,))]])
+    for slot in plan.slots:
+        assert slot.offset % (PAGE if slot.nbytes >= PAGE else 64) == 0
+        assert slot.offset + slot.nbytes <= plan.arena_bytes[slot.rank]
+    ends = sorted((s.offset, s.offset + s.nbytes) for s in plan.slots)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+
+
+def test_zero_dim_and_empty_tensors() -> None:
+    plan = make_save_plan([[full("optimizer/state/w/step", ()), full("model/empty", (0, 3))]])
+    assert {s.name: s.nbytes for s in plan.slots} == {"optimizer/state/w/step": 4, "model/empty": 0}
+
+
+@pytest.mark.parametrize(
+    "ranks, message",
+    [
+        ([[full("model/w", (4,))], [full("model/w", (5,))]], "ranks disagree"),
+        ([[full("model/w", (4,), "F32")], [full("model/w", (4,), "BF16")]], "ranks disagree"),
+        ([[full("model/w", (4,)), full("model/w", (4,))]], "twice"),
+        ([[part("model/w", (4,), (0,), (2,))]], "do not tile"),
+        ([[part("model/w", (4,), (0,), (3,))], [part("model/w", (4,), (2,), (2,))]], "overlap"),
+        ([[TensorSpec("model/w", "weights", "F32", (4,), Box.full((4,)))]], "kind"),
+        ([[TensorSpec("model/w", "model", "F31", (4,), Box.full((4,)))]], "unknown dtype"),
+        ([[full("model/a", (4,), aliases=("model/b",)), full("model/b", (4,))]], "both a tensor and an alias"),
+        ([], "at least one rank"),
+    ],
+)
+def test_bad_metadata_is_refused_with_the_tensor_named(ranks: list[list[TensorSpec]], message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        make_save_plan(ranks)
