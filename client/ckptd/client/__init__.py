@@ -1,1 +1,18 @@
-"""ckptd client."""
+"""ckptd client: hand checkpoints to the node's daemon and load them back.
+
+    from ckptd.client import CheckpointClient
+"""
+
+from ckptd.client.client import CheckpointClient, CheckpointInfo
+from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
+from ckptd.client.handle import DurableInfo, SaveHandle
+
+__all__ = [
+    "CheckpointClient",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "DaemonUnavailable",
+    "DurableInfo",
+    "SaveHandle",
+]

@@ -1,0 +1,308 @@
+"""CheckpointClient: what a training rank uses to save to and load from its node's daemon.
+
+`save` and `load` are collective: every rank of the job calls them for the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import grpc
+import torch
+
+from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
+from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
+from ckptd.client.transport import ArenaMaps, Source, copy_to_arena, fill_from_sources
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box
+from ckptd.common.names import check_job_id
+from ckptd.common.paths import default_address
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptd.client")
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+MODES = ("auto", "copy", "overlap", "ipc")
+ON_ERROR = ("warn", "raise")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as the daemon lists it."""
+
+    step: int
+    created_at: float  # unix seconds
+    size_bytes: int
+    file_count: int
+    path: str
+    in_memory: bool  # the snapshot is still in the daemon's memory (fast restore)
+    metric: float | None
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return (torch.distributed.get_rank() if rank is None else rank,
+                torch.distributed.get_world_size() if world_size is None else world_size)
+    env_rank = int(os.environ.get("RANK", "0"))
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    return (env_rank if rank is None else rank, env_world if world_size is None else world_size)
+
+
+def _meta(entry: TensorEntry) -> pb.TensorMeta:
+    shape = tuple(entry.tensor.shape)
+    box = Box.full(shape)
+    return pb.TensorMeta(
+        name=entry.name,
+        kind=entry.kind,
+        dtype=dtypes.from_torch_name(str(entry.tensor.dtype)),
+        shape=shape,
+        box=pb.Box(offsets=box.offsets, lengths=box.lengths),
+        aliases=entry.aliases,
+    )
+
+
+class CheckpointClient:
+    """A training rank's connection to its node's ckptd.
+
+    job: the training run's id. address: "unix:///path.sock" (default: $CKPTD_ADDRESS, else the
+    default socket). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
+    on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
+    goes on) or "raise". timeout_s: how long a save or load may wait for the other ranks.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        address: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        mode: str = "auto",
+        on_error: str = "warn",
+        timeout_s: float = 600.0,
+        copy_threads: int | None = None,
+    ) -> None:
+        self.job = check_job_id(job)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.address = address or default_address()
+        self.mode = mode
+        self.on_error = on_error
+        self.timeout_s = float(timeout_s)
+        self._channel = grpc.insecure_channel(
+            self.address,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        self._stub = pb_grpc.CheckpointStub(self._channel)
+        self._pool = ThreadPoolExecutor(copy_threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
+        self._maps = ArenaMaps()
+        self._known_fingerprints: set[str] = set()
+        self.failed_saves = 0
+
+    @property
+    def _who(self) -> pb.RankId:
+        return pb.RankId(job=self.job, rank=self.rank, world_size=self.world_size)
+
+    # ------------------------------------------------------------ save
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metric: float | None = None,
+        quantize: str | None = None,
+        rng: bool = False,
+    ) -> SaveHandle:
+        """Hand `state` to the daemon as checkpoint `step`; returns once it may be modified again."""
+        started = time.perf_counter()
+        try:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"step must be an integer >= 0, got {step!r}")
+            if quantize is not None:
+                raise ValueError(f"quantize={quantize!r} is not supported yet; use None")
+            flat = flatten_state(state, rank=self.rank, rng=rng)
+            return self._save(step, flat, metric, started)
+        except Exception as exc:
+            return self._failed_save(step, exc, started)
+
+    def _save(self, step: int, flat: FlatState, metric: float | None, started: float) -> SaveHandle:
+        fingerprint = flat.fingerprint()
+        request = pb.BeginSaveRequest(
+            who=self._who,
+            step=step,
+            fingerprint=fingerprint,
+            timeout_s=self.timeout_s,
+            metric=metric or 0.0,
+            has_metric=metric is not None,
+        )
+        if fingerprint not in self._known_fingerprints:
+            request.tensors.extend(_meta(e) for e in flat.tensors)
+        try:
+            reply = self._call(self._stub.BeginSave, request)
+        except CheckpointError as exc:
+            if exc.code != "FAILED_PRECONDITION" or "unknown fingerprint" not in str(exc):
+                raise
+            request.tensors.extend(_meta(e) for e in flat.tensors)  # the daemon restarted: describe again
+            reply = self._call(self._stub.BeginSave, request)
+        self._known_fingerprints.add(fingerprint)
+        if reply.skipped:
+            log.warning("checkpoint of step %s skipped: %s", step, reply.skip_reason)
+            return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=reply.skip_reason)
+        try:
+            by_name = {e.name: e.tensor for e in flat.tensors}
+            if reply.slots:
+                arena = self._maps.get(reply.arena_path, reply.arena_size)
+                copy_to_arena(self._pool, arena, [(by_name[s.name], s.offset, s.nbytes) for s in reply.slots])
+            extras = json.dumps(flat.extras, allow_nan=False)
+        except BaseException as exc:
+            self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
+            raise
+        self._call(self._stub.CommitSnapshot, pb.CommitSnapshotRequest(who=self._who, save_id=reply.save_id, extras_json=extras))
+        nbytes = sum(s.nbytes for s in reply.slots)
+        return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes)
+
+    def _abort(self, save_id: str, reason: str) -> None:
+        try:
+            self._stub.AbortSave(pb.AbortSaveRequest(who=self._who, save_id=save_id, reason=reason), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("could not abort save %s: %s", save_id, exc.details())
+
+    def _failed_save(self, step: int, exc: Exception, started: float) -> SaveHandle:
+        self.failed_saves += 1
+        if self.on_error == "raise":
+            raise exc
+        log.warning("checkpoint of step %s failed, training goes on: %s", step, exc)
+        return SaveHandle(self, step, time.perf_counter() - started, error=str(exc))
+
+    def _wait_durable(self, step: int, timeout: float | None) -> DurableInfo:
+        request = pb.WaitDurableRequest(job=self.job, step=step, timeout_s=timeout or 0.0)
+        last = None
+        try:
+            for last in self._stub.WaitDurable(request, timeout=None if timeout is None else timeout + 30):
+                if last.done:
+                    break
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from None
+        if last is None or last.state != "committed":
+            reason = last.error if last is not None else "no answer"
+            raise CheckpointError(f"step {step} was not committed: {reason}", "ABORTED")
+        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written)
+
+    # ------------------------------------------------------------ load
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True, rng: bool = False) -> int | None:
+        """Restore `state` in place from `step` (None: the newest committed); returns the step.
+
+        Returns None when step is None and the job has no checkpoint yet. Raises CheckpointError
+        (CheckpointNotFound for a missing step) with the tensors named when strict checks fail.
+        """
+        flat = flatten_state(state, rank=self.rank, rng=rng)
+        request = pb.PlanLoadRequest(
+            who=self._who,
+            step=step or 0,
+            latest=step is None,
+            tensors=[_meta(e) for e in flat.tensors],
+            kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
+            strict=strict,
+            direct_read=True,
+        )
+        try:
+            plan = self._call(self._stub.PlanLoad, request)
+        except CheckpointNotFound:
+            if step is None:
+                return None
+            raise
+        try:
+            self._fill(flat, plan)
+            extras = json.loads(plan.extras_json) if plan.extras_json else {}
+            restore_state(state, flat, extras)
+        finally:
+            try:
+                self._stub.LoadDone(pb.LoadDoneRequest(who=self._who, load_id=plan.load_id), timeout=10)
+            except grpc.RpcError as exc:
+                log.warning("LoadDone failed (the daemon releases the step later by itself): %s", exc.details())
+        for name in plan.missing:
+            log.warning("not in step %s, left as it was: %s", plan.step, name)
+        return plan.step
+
+    def _fill(self, flat: FlatState, plan: pb.PlanLoadResponse) -> None:
+        sources: dict[str, list[Source]] = {}
+        for source in _sources(plan):
+            sources.setdefault(source.name, []).append(source)
+        for entry in flat.tensors:
+            found = sources.get(entry.name)
+            if not found:
+                continue
+            target = entry.tensor
+            with torch.no_grad():
+                fill_from_sources(self._pool, self._maps, target, Box.full(tuple(target.shape)), found)
+
+    # ------------------------------------------------------------ queries
+
+    def list(self) -> list[CheckpointInfo]:
+        """The job's committed checkpoints, oldest first."""
+        reply = self._call(self._stub.List, pb.ListRequest(job=self.job))
+        return [
+            CheckpointInfo(c.step, c.created_at, c.size_bytes, c.file_count, c.path, c.in_memory, c.metric if c.has_metric else None)
+            for c in reply.checkpoints
+        ]
+
+    def latest(self) -> int | None:
+        """The newest committed step of the job, or None."""
+        infos = self.list()
+        return infos[-1].step if infos else None
+
+    def status(self) -> pb.StatusResponse:
+        return self._call(self._stub.Status, pb.StatusRequest(job=self.job))
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s + 30)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._maps.close()
+        self._channel.close()
+
+    def __enter__(self) -> "CheckpointClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:
+    code = exc.code()
+    details = exc.details() or str(code)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return DaemonUnavailable(
+            f"no ckptd answers at {address} ({details}); start it with `ckptd serve` or set CKPTD_ADDRESS", code.name
+        )
+    if code == grpc.StatusCode.NOT_FOUND:
+        return CheckpointNotFound(details, code.name)
+    return CheckpointError(details, code.name)
+
+
+
+def _sources(plan: pb.PlanLoadResponse) -> Iterator[Source]:
+    for p in plan.pieces:
+        box = Box(tuple(p.fragment.offsets), tuple(p.fragment.lengths))
+        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, box, p.dtype, p.checksum)

@@ -1,0 +1,419 @@
+"""A training state as flat, named tensors plus JSON extras, and back (DESIGN.md section 4).
+
+`flatten_state` reads what a user passes to save/load:
+
+    {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": {"epoch": 3}}
+
+Top-level keys choose the kind of the tensors under them ("model", "master", "optimizer" are
+themselves, any other key is "extra"); values choose how they are read:
+
+- nn.Module: its state_dict(); tensors named "<key>/<fqn>". Tensors that share memory (tied
+  embeddings) become one entry under the first name, with the other names as aliases.
+  `*._extra_state` items and other non-tensor items go to the extras.
+- torch.optim.Optimizer: torch.distributed.checkpoint's get_optimizer_state_dict, which keys
+  the state by parameter name (FQN) instead of by integer id, so it needs the model of the same
+  state under "model". Tensors are named "<key>/state/<fqn>/<field>"; param_groups go to the
+  extras. A fresh optimizer gets its state initialized (a zero-lr step), which gives a load the
+  tensors to fill.
+- anything with state_dict()/load_state_dict() (LR schedulers, user objects): its state_dict
+  tree, tensors named "<key>/<path>".
+- tensors and JSON-able values (see ckptd.client.tree): tensors named "<key>/<path>".
+
+Loading is the same walk on the load side: `flatten_state` of a fresh state of the same
+structure yields the same names, dtypes and shapes; the transport copies the checkpoint's
+bytes into those entries' tensors in place (for modules and optimizers they are the live
+parameters and state); then `restore_state` puts back what in-place copies cannot.
+No I/O and no gRPC here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ckptd.client import tree
+from ckptd.common import dtypes
+from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
+
+log = logging.getLogger("ckptd.client")
+
+RNG_KEY = "rng"
+MODEL_KEY = "model"
+_EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One logical tensor of a rank's state.
+
+    name: "<top-level key>/<path>", e.g. "model/embed.weight". kind: model, master, optimizer
+    or extra. tensor: the live tensor (may be non-contiguous). aliases: the other logical names
+    of the same memory (tied weights), stored once under `name`.
+    """
+
+    name: str
+    kind: str
+    tensor: torch.Tensor
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A rank's state as tensors in a deterministic order plus JSON-able extras {top key: tree}."""
+
+    tensors: tuple[TensorEntry, ...]
+    extras: dict[str, Any]
+
+    def fingerprint(self) -> str:
+        """A hex digest of every entry's (name, kind, dtype, shape, aliases), in order.
+
+        Equal across processes and runs for equal metadata; tensor values do not enter it.
+        """
+        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases)] for e in self.tensors]
+        return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
+
+
+def flatten_state(state: Mapping[str, Any], *, rank: int, rng: bool = False) -> FlatState:
+    """The tensors and extras of `state` (see the module docstring); nothing is copied.
+
+    rng=True adds the random generators' states under the extras key "rng": torch's CPU (and
+    CUDA) generators as tensors named "rng/rank<rank>/...", Python's and NumPy's as JSON.
+    Raises TypeError/ValueError naming the key for values that cannot be checkpointed.
+    """
+    _check_state(state, rng)
+    entries = _Entries()
+    extras: dict[str, Any] = {}
+    for key in sorted(state):
+        value = state[key]
+        add = entries.adder(kind_of(key))
+        if isinstance(value, nn.Module):
+            encoded = _flatten_module(key, value, entries)
+        elif isinstance(value, torch.optim.Optimizer):
+            model = _model_of(state, key)
+            encoded = tree.encode(_optimizer_state(model, key, value), key, _optimizer_adder(key, model, entries))
+        elif _is_stateful(value):
+            encoded = tree.encode(value.state_dict(), key, add)
+        else:
+            encoded = tree.encode(value, key, add)
+        if encoded is not None:
+            extras[key] = encoded
+    if rng:
+        extras[RNG_KEY] = tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
+    return FlatState(tuple(entries.entries), extras)
+
+
+def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
+    """Put a loaded checkpoint back into `state` once the transport has filled `targets`.
+
+    targets: `flatten_state(state, ...)` whose tensors now hold the checkpoint's values.
+    extras: the checkpoint's extras {top key: tree} of this rank.
+    - modules: already restored by the in-place fill (state_dict tensors share the parameters'
+      memory, so tied weights stay tied); load_state_dict is called only for their non-tensor
+      items (extra state);
+    - optimizers: set_optimizer_state_dict with the filled tensors and the saved param_groups
+      (the load side's structure: see _restore_optimizer);
+    - stateful objects: load_state_dict of the saved tree;
+    - tensors: copied into in place; lists: their items replaced in place;
+    - dicts: updated in place (cleared, then filled), so references to them see the values;
+    - other values (int, str, tuple, ...) cannot change in place: state[key] is replaced,
+      which needs a mutable mapping (pass a dict, or wrap the value in a dict);
+    - "rng" (when targets has it): every generator is set back.
+    A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
+    as it is with a warning.
+    """
+    tensors = _tensor_lookup(targets)
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, nn.Module) and key not in targets.extras:
+            continue  # only tensors, and the transport has filled them in place
+        if key not in extras:
+            _missing(key, strict)
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            live = tree.decode(targets.extras[key], _getter(tensors, key))
+            _restore_optimizer(state, key, value, live, extras[key])
+            continue
+        loaded = tree.decode(extras[key], _getter(tensors, key))
+        if isinstance(value, nn.Module):
+            _restore_module_items(key, value, loaded)
+        elif _is_stateful(value):
+            value.load_state_dict(loaded)
+        else:
+            _put_back(state, key, value, loaded)
+    if RNG_KEY in targets.extras and RNG_KEY not in state:
+        if RNG_KEY not in extras:
+            _missing(RNG_KEY, strict)
+        else:
+            _set_rng_state(tree.decode(extras[RNG_KEY], _getter(tensors, RNG_KEY)))
+
+
+# ------------------------------------------------------------------ flatten
+
+
+class _Entries:
+    """Collects entries in order; refuses duplicate names and tensors without storable data."""
+
+    def __init__(self) -> None:
+        self.entries: list[TensorEntry] = []
+        self.names: set[str] = set()
+
+    def adder(self, kind: str) -> Callable[[str, torch.Tensor], None]:
+        return lambda name, tensor: self.add(TensorEntry(name, kind, tensor))
+
+    def add(self, entry: TensorEntry) -> None:
+        for name in (entry.name, *entry.aliases):
+            _check_tensor(name, entry.tensor)
+            if name in self.names:
+                raise ValueError(
+                    f"two tensors of the state are both named {name!r}; rename a key so that "
+                    "no key path joined with '/' equals another"
+                )
+            self.names.add(name)
+        self.entries.append(entry)
+
+
+def _check_state(state: Mapping[str, Any], rng: bool) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping such as {{'model': model, 'optimizer': optimizer}}, got {type(state).__name__}")
+    if not state:
+        raise ValueError("state is empty: pass what to checkpoint, e.g. {'model': model, 'optimizer': optimizer}")
+    for key in state:
+        if not isinstance(key, str):
+            raise TypeError(f"state key {key!r} is a {type(key).__name__}: top-level keys must be strings such as 'model'")
+        if not key or "/" in key:
+            raise ValueError(f"state key {key!r} must be a non-empty string without '/'")
+    if rng and RNG_KEY in state:
+        raise ValueError(f"state has a key {RNG_KEY!r}, which rng=True uses for the random generators; rename the key")
+
+
+def _check_tensor(name: str, tensor: torch.Tensor) -> None:
+    try:
+        check_tensor_name(name)
+    except InvalidNameError as exc:
+        raise ValueError(f"cannot checkpoint {name!r}: {exc}") from None
+    if tensor.layout != torch.strided:
+        raise TypeError(f"cannot checkpoint {name!r}: it is a {tensor.layout} tensor; convert it with .to_dense() first")
+    if tensor.is_meta:
+        raise ValueError(
+            f"cannot checkpoint {name!r}: it is on the meta device and has no data; "
+            "materialize it first (e.g. module.to_empty(device='cpu') and initialize it)"
+        )
+    try:
+        dtypes.from_torch_name(str(tensor.dtype))
+    except dtypes.UnknownDtypeError as exc:
+        raise TypeError(f"cannot checkpoint {name!r}: {exc}") from None
+
+
+def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
+    """Add the module's state_dict tensors (tied ones once, with aliases); return its other items encoded, or None."""
+    kind = kind_of(key)
+    names: dict[str, list[str]] = {}  # first name -> [aliases]
+    tensor_of: dict[str, torch.Tensor] = {}
+    first_name_of: dict[tuple, str] = {}
+    others: dict[str, Any] = {}
+    for fqn, value in module.state_dict().items():
+        name = f"{key}/{fqn}"
+        if not isinstance(value, torch.Tensor) or fqn.endswith(_EXTRA_STATE_SUFFIX):
+            # Extra state is produced on demand, not a view of the module: restored by load_state_dict.
+            others[fqn] = value
+            continue
+        ident = _memory_identity(value)
+        if ident is not None and ident in first_name_of:
+            names[first_name_of[ident]].append(name)
+            continue
+        if ident is not None:
+            first_name_of[ident] = name
+        names[name] = []
+        tensor_of[name] = value
+    for name, aliases in names.items():
+        entries.add(TensorEntry(name, kind, tensor_of[name], tuple(aliases)))
+    return tree.encode(others, key, entries.adder(kind)) if others else None
+
+
+def _memory_identity(t: torch.Tensor) -> tuple | None:
+    """What makes two tensors the same data: equal storage, offset, shape, stride and dtype (None if empty)."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _model_of(state: Mapping[str, Any], key: str) -> nn.Module:
+    model = state.get(MODEL_KEY)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"state[{key!r}] is an optimizer, whose state ckptd keys by parameter name: put its model "
+            f"in the same state under {MODEL_KEY!r}, e.g. {{'model': model, {key!r}: optimizer}}"
+        )
+    return model
+
+
+def _optimizer_state(model: nn.Module, key: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
+        raise ValueError(
+            f"cannot read the optimizer state of state[{key!r}] by parameter name ({type(exc).__name__}: {exc}); "
+            f"every parameter the optimizer updates must belong to state[{MODEL_KEY!r}]"
+        ) from exc
+
+
+def _optimizer_adder(key: str, model: nn.Module, entries: _Entries) -> Callable[[str, torch.Tensor], None]:
+    """Adds optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
+
+    As aliases, these names let a checkpoint of a tied model load into an untied one.
+    """
+    tied = _tied_parameter_names(model)
+    kind = kind_of(key)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        parts = name.split("/", 3)  # key, "state", fqn, field path
+        aliases: tuple[str, ...] = ()
+        if len(parts) == 4 and parts[1] == "state" and parts[2] in tied:
+            aliases = tuple(f"{key}/state/{other}/{parts[3]}" for other in tied[parts[2]])
+        entries.add(TensorEntry(name, kind, tensor, aliases))
+
+    return add
+
+
+def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
+    """{first FQN: [other FQNs]} of every parameter that the model holds under several names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+# ------------------------------------------------------------------ restore
+
+
+def _tensor_lookup(targets: FlatState) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for entry in targets.tensors:
+        for name in (entry.name, *entry.aliases):
+            found[name] = entry.tensor
+    return found
+
+
+def _getter(tensors: Mapping[str, torch.Tensor], key: str) -> Callable[[str], torch.Tensor]:
+    def get(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ValueError(
+                f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
+                f"no place for; give state[{key!r}] the structure it had when it was saved"
+            ) from None
+
+    return get
+
+
+def _missing(key: str, strict: bool) -> None:
+    if strict:
+        raise ValueError(f"the checkpoint has no value for {key!r}; save it with that key, or leave it out of the load")
+    log.warning("the checkpoint has no value for %r: left as it was", key)
+
+
+class _SavedTensor:
+    """Stands for a tensor of the checkpoint's tree: its bytes are already in the targets."""
+
+
+_SAVED_TENSOR = _SavedTensor()
+
+
+def _restore_optimizer(
+    state: Mapping[str, Any], key: str, optimizer: torch.optim.Optimizer, live: Any, saved_json: Any
+) -> None:
+    """Load the optimizer with the load side's structure and filled tensors plus the saved non-tensor values.
+
+    The structure (which parameters, which fields, the params of each group) is the load side's,
+    so a checkpoint of a tied model loads into an untied one (the tensors came by alias); the
+    checkpoint gives the param_groups' hyperparameters and non-tensor state fields.
+    """
+    saved = tree.decode(saved_json, lambda name: _SAVED_TENSOR)
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("param_groups"), list)):
+        raise ValueError(f"the checkpoint's value of {key!r} is not an optimizer state that ckptd wrote")
+    if len(saved["param_groups"]) != len(live["param_groups"]):
+        raise ValueError(
+            f"the checkpoint's optimizer {key!r} has {len(saved['param_groups'])} parameter groups, "
+            f"the one being loaded has {len(live['param_groups'])}; build the optimizer with the same groups"
+        )
+    for group, saved_group in zip(live["param_groups"], saved["param_groups"]):
+        group.update((k, v) for k, v in saved_group.items() if k != "params" and v is not _SAVED_TENSOR)
+    for fqn, fields in live["state"].items():
+        saved_fields = saved["state"].get(fqn, {})
+        fields.update((k, v) for k, v in saved_fields.items() if v is not _SAVED_TENSOR)
+    set_optimizer_state_dict(_model_of(state, key), optimizer, optim_state_dict=live)
+
+
+def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
+    if not isinstance(items, dict):
+        raise ValueError(f"the checkpoint's extra items of module {key!r} are a {type(items).__name__}, not a dict")
+    result = module.load_state_dict(items, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
+
+
+def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor) or loaded.shape != value.shape:
+            raise ValueError(f"state[{key!r}] is a tensor of shape {list(value.shape)}; the checkpoint holds {_describe(loaded)}")
+        if loaded is not value:
+            with torch.no_grad():
+                value.copy_(loaded)
+    elif isinstance(value, dict):
+        if not isinstance(loaded, dict):
+            raise ValueError(f"state[{key!r}] is a dict; the checkpoint holds {_describe(loaded)}")
+        value.clear()
+        value.update(loaded)
+    elif isinstance(value, list):
+        if not isinstance(loaded, list):
+            raise ValueError(f"state[{key!r}] is a list; the checkpoint holds {_describe(loaded)}")
+        value[:] = loaded
+    elif isinstance(state, MutableMapping):
+        state[key] = loaded
+    else:
+        raise TypeError(
+            f"state[{key!r}] is a {type(value).__name__}, which cannot be changed in place, and the state is a "
+            f"read-only {type(state).__name__}; pass the state as a dict or wrap the value in a dict"
+        )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _set_rng_state(saved: Any) -> None:
+    if not isinstance(saved, dict) or not {"torch_cpu", "python", "numpy"} <= saved.keys():
+        raise ValueError("the checkpoint's 'rng' value is not a set of generator states that ckptd wrote")
+    torch.set_rng_state(saved["torch_cpu"])
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+    if "torch_cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["torch_cuda"])

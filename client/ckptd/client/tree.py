@@ -1,0 +1,177 @@
+"""Exact, pickle-free JSON encoding of the non-tensor parts of a checkpoint ("extras trees").
+
+`encode` turns a tree of Python values into strict JSON (no NaN or Infinity literals) and hands
+every tensor it meets to a callback under a logical name; `decode` turns that JSON back into
+equal values, asking a callback for the tensors by name. What goes in comes back:
+
+    dict (str keys)          JSON object
+    dict (other keys)        {"__dict__": [[key, value], ...]}      keys keep their type (int, tuple, ...)
+    list                     JSON array
+    tuple                    {"__tuple__": [...]}                   comes back as a tuple
+    str, bool, None, int     themselves (ints of any size)
+    float                    itself; NaN and +-inf as {"__float__": "nan" | "inf" | "-inf"}
+    bytes                    {"__bytes__": "<base64>"}
+    torch.Tensor             {"__tensor__": "<logical name>"}       the tensor goes to add_tensor
+    numpy.ndarray            {"__ndarray__": {"dtype", "shape", "data": "<base64>"}}
+    numpy scalar             {"__npscalar__": {"dtype", "shape": [], "data": "<base64>"}}
+
+NumPy arrays are stored inline as raw bytes (exact, NaN payloads included) rather than as
+tensors: they are small in practice (RNG states, data-loader positions) and keep their NumPy
+dtype and type this way. Subclasses come back as their base type (an OrderedDict as a dict, a
+namedtuple or torch.Size as a tuple). A tag is a JSON object with exactly one key from TAGS; a
+user dict that would look like one is written in the `__dict__` form, so nothing collides.
+
+A tensor's logical name is the prefix and the path of keys and list indices below it, joined
+by "/": encode({"a": [t]}, "extra", add) names the tensor "extra/a/0". A tensor at the top of
+the tree is named by the prefix alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+TENSOR = "__tensor__"
+TUPLE = "__tuple__"
+FLOAT = "__float__"
+BYTES = "__bytes__"
+NDARRAY = "__ndarray__"
+NPSCALAR = "__npscalar__"
+MAPPING = "__dict__"
+TAGS = frozenset({TENSOR, TUPLE, FLOAT, BYTES, NDARRAY, NPSCALAR, MAPPING})
+
+# numpy dtype kinds stored exactly as raw bytes: bool, signed and unsigned ints, floats, complex.
+_NUMPY_KINDS = "biufc"
+_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+AddTensor = Callable[[str, torch.Tensor], None]
+GetTensor = Callable[[str], torch.Tensor]
+
+
+def encode(value: Any, tensor_name_prefix: str, add_tensor: AddTensor) -> Any:
+    """The strict-JSON form of `value`; every tensor in it is passed to add_tensor(name, tensor).
+
+    Raises TypeError naming the path of the first value that cannot be encoded (an unsupported
+    type, a tensor used as a dict key, an object dtype array, a container that contains itself).
+    """
+    return _Encoder(tensor_name_prefix, add_tensor).value(value, ())
+
+
+def decode(json_value: Any, get_tensor: GetTensor) -> Any:
+    """The value that `encode` turned into `json_value`; tensors come from get_tensor(name).
+
+    Raises ValueError when json_value is not something encode wrote (a malformed tag).
+    """
+    if isinstance(json_value, dict):
+        if len(json_value) == 1:
+            (key, payload), = json_value.items()
+            if key in TAGS:
+                return _decode_tag(key, payload, get_tensor)
+        return {k: decode(v, get_tensor) for k, v in json_value.items()}
+    if isinstance(json_value, list):
+        return [decode(v, get_tensor) for v in json_value]
+    if json_value is None or isinstance(json_value, (str, bool, int, float)):
+        return json_value
+    raise ValueError(f"not an encoded tree: a value of type {type(json_value).__name__}")
+
+
+class _Encoder:
+    def __init__(self, prefix: str, add_tensor: AddTensor) -> None:
+        self.prefix = prefix
+        self.add_tensor = add_tensor
+        self.open: set[int] = set()  # ids of the containers on the current path (cycle check)
+
+    def where(self, path: tuple[str, ...]) -> str:
+        return "/".join((self.prefix, *path))
+
+    def value(self, value: Any, path: tuple[str, ...], in_key: bool = False) -> Any:
+        # Order matters: bool is an int, numpy's float64 is a float.
+        if value is None or isinstance(value, (str, bool)):
+            return value
+        if isinstance(value, np.generic):
+            return {NPSCALAR: self.array(np.asarray(value), path)}
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value) if math.isfinite(value) else {FLOAT: repr(float(value))}
+        if isinstance(value, bytes):
+            return {BYTES: base64.b64encode(value).decode("ascii")}
+        if isinstance(value, torch.Tensor) and not in_key:
+            self.add_tensor(self.where(path), value)
+            return {TENSOR: self.where(path)}
+        if isinstance(value, np.ndarray) and not in_key:
+            return {NDARRAY: self.array(value, path)}
+        if isinstance(value, (dict, list, tuple)):
+            return self.container(value, path, in_key)
+        what = "a dict key" if in_key else "a value"
+        raise TypeError(
+            f"cannot checkpoint {self.where(path)!r}: {what} of type {_type_name(value)} is not supported; "
+            "convert it to a JSON-able value (dict, list, tuple, str, int, float, bool, None, bytes), "
+            "a tensor or a NumPy array, or give the object state_dict()/load_state_dict()"
+        )
+
+    def container(self, value: dict | list | tuple, path: tuple[str, ...], in_key: bool) -> Any:
+        if id(value) in self.open:
+            raise TypeError(f"cannot checkpoint {self.where(path)!r}: the {_type_name(value)} contains itself")
+        self.open.add(id(value))
+        try:
+            if isinstance(value, dict):
+                return self.mapping(value, path)
+            items = [self.value(v, (*path, str(i)), in_key) for i, v in enumerate(value)]
+            return {TUPLE: items} if isinstance(value, tuple) else items
+        finally:
+            self.open.discard(id(value))
+
+    def mapping(self, value: dict, path: tuple[str, ...]) -> Any:
+        plain = all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in TAGS)
+        if plain:
+            return {k: self.value(v, (*path, k)) for k, v in value.items()}
+        return {MAPPING: [[self.value(k, (*path, str(k)), in_key=True), self.value(v, (*path, str(k)))] for k, v in value.items()]}
+
+    def array(self, array: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
+        if array.dtype.kind not in _NUMPY_KINDS:
+            raise TypeError(
+                f"cannot checkpoint {self.where(path)!r}: NumPy dtype {array.dtype} is not supported; "
+                "use a bool, integer, float or complex dtype (or a list of plain values)"
+            )
+        data = np.ascontiguousarray(array).tobytes()
+        return {"dtype": array.dtype.str, "shape": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def _decode_tag(tag: str, payload: Any, get_tensor: GetTensor) -> Any:
+    if tag == TENSOR and isinstance(payload, str):
+        return get_tensor(payload)
+    if tag == TUPLE and isinstance(payload, list):
+        return tuple(decode(v, get_tensor) for v in payload)
+    if tag == FLOAT and payload in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[payload]
+    if tag == BYTES and isinstance(payload, str):
+        return base64.b64decode(payload.encode("ascii"), validate=True)
+    if tag == NDARRAY:
+        return _decode_array(payload)
+    if tag == NPSCALAR:
+        return _decode_array(payload)[()]
+    if tag == MAPPING and isinstance(payload, list) and all(isinstance(p, list) and len(p) == 2 for p in payload):
+        return {decode(k, get_tensor): decode(v, get_tensor) for k, v in payload}
+    raise ValueError(f"malformed {tag} tag in an encoded tree: {str(payload)[:200]}")
+
+
+def _decode_array(payload: Any) -> np.ndarray:
+    try:
+        dtype = np.dtype(payload["dtype"])
+        shape = tuple(int(n) for n in payload["shape"])
+        data = base64.b64decode(payload["data"].encode("ascii"), validate=True)
+        if dtype.kind not in _NUMPY_KINDS:
+            raise ValueError(f"dtype {dtype} is not one encode writes")
+        return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed NumPy array in an encoded tree ({exc}): {str(payload)[:200]}") from None
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,376 @@
+"""The daemon's configuration: flags > CKPTD_* environment variables > TOML file > defaults.
+
+Each setting has one name, the `DaemonConfig` field name; the same name, spelled per source:
+
+- flag: `--` + the name with dashes (`--max-inflight`); exception: `save_timeout_s` is `--save-timeout`;
+- environment: `CKPTD_` + the name upper-cased (`CKPTD_MAX_INFLIGHT`); an empty value counts as unset;
+- TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the
+  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`).
+  Relative paths in the file are relative to the file's directory. Unknown keys are errors.
+
+deploy/ckptd.example.toml lists every setting with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Final, Mapping
+
+from ckptd.common.paths import default_root, default_socket
+
+GiB: Final = 1 << 30
+ENV_PREFIX: Final = "CKPTD_"
+CONFIG_ENV: Final = "CKPTD_CONFIG"
+RETENTION_TABLE: Final = "retention"
+RETENTION_KEYS: Final = ("keep_last", "keep_every")
+ARENA_POLICIES: Final = ("wait", "skip")
+LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+
+_TRUE: Final = ("1", "true", "yes", "on")
+_FALSE: Final = ("0", "false", "no", "off")
+_SIZE_UNITS: Final = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_PATTERN: Final = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """A setting that is missing, malformed or out of range; the message names the setting and where it came from."""
+
+
+class _Expected(Exception):
+    """Raised by a parser: carries what the value should have been (e.g. 'an integer >= 1')."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything `ckptd serve` needs. Fields are validated (and str paths made Path) at construction.
+
+    root: storage root; checkpoints live under <root>/<job>/step-<8 digits>/.
+    socket: the Unix socket ranks connect to.
+    shm_dir: where the shared-memory arenas live (a tmpfs, normally /dev/shm).
+    arena_policy: what a save does when none of its rank's arenas is free: "wait" (backpressure)
+        or "skip" (the checkpoint is skipped and reported on the handle).
+    max_inflight: arenas (snapshots) per rank, so a save can start while older ones are written.
+    keep_last: retention, the number of newest committed steps to keep; 0 = keep all.
+    keep_every: retention, also keep every step divisible by this forever; 0 = off.
+    write_threads: threads that write and fsync files.
+    max_file_bytes: model/optimizer files are split above this size, in bytes.
+    save_timeout_s: seconds all ranks may take to arrive at and commit a snapshot.
+    write_throttle: limit on the write rate in bytes per second (a slow disk for tests and drills); 0 = off.
+    log_level: one of debug, info, warning, error, critical.
+    log_json: one JSON object per log line instead of plain text.
+    """
+
+    root: Path
+    socket: Path
+    shm_dir: Path = Path("/dev/shm")
+    arena_policy: str = "wait"
+    max_inflight: int = 2
+    keep_last: int = 3
+    keep_every: int = 0
+    write_threads: int = 4
+    max_file_bytes: int = 4 * GiB
+    save_timeout_s: float = 600.0
+    write_throttle: int = 0
+    log_level: str = "info"
+    log_json: bool = False
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name, spec in _SPECS.items():
+            value = getattr(self, name)
+            try:
+                parsed = spec.parse(value, False)
+            except _Expected as exc:
+                errors.append(f"DaemonConfig.{name}={value!r}: expected {exc}")
+                continue
+            if parsed != value or type(parsed) is not type(value):
+                object.__setattr__(self, name, parsed)  # normalize, e.g. "INFO" -> "info", str -> Path
+        if errors:
+            raise ConfigError("\n".join(errors))
+
+
+# ------------------------------------------------------------------ parsers
+# A parser takes the raw value and whether it is text (a flag or an environment variable, where
+# every value is a string) or typed (TOML or Python, where an integer must already be one), and
+# returns the value for DaemonConfig or raises _Expected.
+
+Parser = Callable[[Any, bool], Any]
+
+
+def _path(raw: Any, text: bool) -> Path:
+    if isinstance(raw, (str, os.PathLike)) and os.fspath(raw) != "":
+        return Path(raw).expanduser()
+    raise _Expected("a non-empty path")
+
+
+def _integer(minimum: int, note: str = "") -> Parser:
+    expected = f"an integer >= {minimum}{note}"
+
+    def parse(raw: Any, text: bool) -> int:
+        if text and isinstance(raw, str):
+            try:
+                raw = int(raw.strip(), 10)
+            except ValueError:
+                raise _Expected(expected) from None
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < minimum:
+            raise _Expected(expected)
+        return raw
+
+    return parse
+
+
+def _seconds(raw: Any, text: bool) -> float:
+    expected = "a number of seconds > 0"
+    if text and isinstance(raw, str):
+        try:
+            raw = float(raw.strip())
+        except ValueError:
+            raise _Expected(expected) from None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw <= 0:
+        raise _Expected(expected)
+    return float(raw)
+
+
+def _choice(choices: tuple[str, ...]) -> Parser:
+    expected = "one of " + ", ".join(repr(c) for c in choices)
+
+    def parse(raw: Any, text: bool) -> str:
+        if isinstance(raw, str) and raw.strip().lower() in choices:
+            return raw.strip().lower()
+        raise _Expected(expected)
+
+    return parse
+
+
+def _boolean(raw: Any, text: bool) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if text and isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise _Expected("true or false (also 1/0, yes/no, on/off)")
+    raise _Expected("true or false")
+
+
+def _size(raw: Any, text: bool) -> int:
+    """Bytes: an integer, or a string such as '4GiB', '512 MiB', '1.5GiB' (binary units only)."""
+    expected = "a size in bytes >= 1: an integer, or a number with B, KiB, MiB, GiB or TiB (e.g. '4GiB')"
+    if isinstance(raw, str):
+        match = _SIZE_PATTERN.fullmatch(raw)
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise _Expected(expected)
+        number, unit = match.groups()
+        if "." in number and not unit:
+            raise _Expected(expected)
+        raw = int(float(number) * _SIZE_UNITS[unit.lower()])
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise _Expected(expected)
+    return raw
+
+
+def _size_or_off(raw: Any, text: bool) -> int:
+    """A size as for _size, or 0 (off)."""
+    if raw == 0 or (isinstance(raw, str) and raw.strip() == "0"):
+        return 0
+    return _size(raw, text)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    parse: Parser
+    flag: str
+    metavar: str
+    help: str
+
+
+# Every DaemonConfig field, in declaration order (tests/daemon/test_config.py checks they match).
+_SPECS: Final[dict[str, _Spec]] = {
+    "root": _Spec(_path, "--root", "DIR", "storage root (default: /var/lib/ckptd as root, else $XDG_DATA_HOME/ckptd or ~/.local/share/ckptd)"),
+    "socket": _Spec(_path, "--socket", "PATH", "Unix socket for the ranks (default: $XDG_RUNTIME_DIR/ckptd/ckptd.sock, else /run/ckptd/ckptd.sock as root, else /tmp/ckptd-<uid>/ckptd.sock)"),
+    "shm_dir": _Spec(_path, "--shm-dir", "DIR", "directory (a tmpfs) for the shared-memory arenas (default: /dev/shm)"),
+    "arena_policy": _Spec(_choice(ARENA_POLICIES), "--arena-policy", "{wait,skip}", "when no arena is free: wait (backpressure) or skip the checkpoint (default: wait)"),
+    "max_inflight": _Spec(_integer(1), "--max-inflight", "N", "arenas (snapshots) per rank (default: 2)"),
+    "keep_last": _Spec(_integer(0, " (0 = keep all)"), "--keep-last", "N", "keep the newest N committed steps; 0 keeps all (default: 3)"),
+    "keep_every": _Spec(_integer(0, " (0 = off)"), "--keep-every", "N", "also keep every step divisible by N forever; 0 = off (default: 0)"),
+    "write_threads": _Spec(_integer(1), "--write-threads", "N", "threads writing checkpoint files (default: 4)"),
+    "max_file_bytes": _Spec(_size, "--max-file-bytes", "SIZE", "split model/optimizer files above this size, e.g. 4GiB (default: 4GiB)"),
+    "save_timeout_s": _Spec(_seconds, "--save-timeout", "SECONDS", "seconds all ranks may take to arrive at and commit a snapshot (default: 600)"),
+    "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
+    "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
+    "log_json": _Spec(_boolean, "--log-json", "", "log one JSON object per line (default: off)"),
+}
+
+
+# ------------------------------------------------------------------ loading
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting: CKPTD_ + the field name upper-cased."""
+    return ENV_PREFIX + field.upper()
+
+
+@dataclass(frozen=True)
+class _Given:
+    """One setting as a source gave it, before parsing."""
+
+    value: Any
+    where: str  # for messages: "--max-inflight", "CKPTD_MAX_INFLIGHT", "/etc/ckptd.toml: max_inflight"
+    text: bool  # a flag or environment string (parsed from text) rather than a typed TOML value
+    base_dir: Path | None = None  # relative paths are relative to this (the config file's directory)
+
+
+def load_config(argv_values: Mapping[str, Any], environ: Mapping[str, str], config_file: Path | None) -> DaemonConfig:
+    """Merge the sources: flags > environment > TOML file > defaults, and validate.
+
+    argv_values: field name -> value of the flags the user gave (a value of None = not given);
+        strings are parsed as on the command line.
+    environ: the environment; CKPTD_<FIELD> variables are read, empty ones count as unset.
+    config_file: the TOML file; None = $CKPTD_CONFIG if set, else no file.
+    Raises ConfigError naming every bad setting and where it came from.
+    """
+    unknown = sorted(set(argv_values) - set(_SPECS))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid ones are {', '.join(_SPECS)}")
+    if config_file is None and environ.get(CONFIG_ENV):
+        config_file = Path(environ[CONFIG_ENV]).expanduser()
+
+    given: dict[str, _Given] = {}  # later sources override earlier ones
+    if config_file is not None:
+        given.update(_read_file(config_file))
+    for name in _SPECS:
+        if environ.get(env_name(name)):
+            given[name] = _Given(environ[env_name(name)], env_name(name), text=True)
+    for name, value in argv_values.items():
+        if value is not None:
+            given[name] = _Given(value, _SPECS[name].flag, text=True)
+
+    values: dict[str, Any] = {}
+    errors = []
+    for name in _SPECS:
+        g = given.get(name)
+        if g is None:
+            continue
+        try:
+            value = _SPECS[name].parse(g.value, g.text)
+        except _Expected as exc:
+            errors.append(f"{g.where}={g.value!r}: expected {exc}")
+            continue
+        if isinstance(value, Path) and g.base_dir is not None and not value.is_absolute():
+            value = g.base_dir / value
+        values[name] = value
+    if errors:
+        raise ConfigError("\n".join(errors))
+    values.setdefault("root", default_root(environ))
+    values.setdefault("socket", default_socket(environ))
+    return DaemonConfig(**values)
+
+
+def _read_file(path: Path) -> dict[str, _Given]:
+    """The settings a TOML file gives, by field name."""
+    try:
+        with path.open("rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; check --config / ${CONFIG_ENV}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+    found: dict[str, _Given] = {}
+    for key, value in doc.items():
+        if key == RETENTION_TABLE:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key!r} must be a table ([{key}]) with keys {', '.join(RETENTION_KEYS)}")
+            for sub, sub_value in value.items():
+                if sub not in RETENTION_KEYS:
+                    raise ConfigError(
+                        f"{path}: unknown key {sub!r} in [{key}]; valid keys there are {', '.join(RETENTION_KEYS)}"
+                    )
+                if sub in doc:
+                    raise ConfigError(f"{path}: {sub} is set both at the top level and in [{key}]; keep one")
+                found[sub] = _Given(sub_value, f"{path}: {key}.{sub}", text=False)
+        elif key in _SPECS:
+            found[key] = _Given(value, f"{path}: {key}", text=False, base_dir=path.parent)
+        else:
+            raise ConfigError(
+                f"{path}: unknown key {key!r}; valid keys are {', '.join(_SPECS)}, "
+                f"and the table [{RETENTION_TABLE}] with {', '.join(RETENTION_KEYS)}"
+            )
+    return found
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `ckptd serve` flags. All default to None (= not given) so the environment and file can apply."""
+    parser.add_argument("--config", default=None, metavar="FILE", help=f"TOML config file (default: ${CONFIG_ENV}, else none)")
+    for name, spec in _SPECS.items():
+        where = f" [env {env_name(name)}]"
+        if spec.parse is _boolean:
+            parser.add_argument(spec.flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=spec.help + where)
+        else:
+            parser.add_argument(spec.flag, dest=name, default=None, metavar=spec.metavar, help=spec.help + where)
+
+
+def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str]) -> DaemonConfig:
+    """The config for parsed `ckptd serve` arguments (see add_serve_arguments) and an environment."""
+    given = {name: getattr(ns, name, None) for name in _SPECS}
+    config = getattr(ns, "config", None)
+    return load_config(given, environ, Path(config).expanduser() if config else None)
+
+
+# ------------------------------------------------------------------ start-up checks
+
+_SHM_FIX: Final = (
+    "give it more shared memory: Docker `docker run --shm-size=16g ...` (or `shm_size:` in compose); "
+    "Kubernetes: mount an emptyDir with `medium: Memory` and a `sizeLimit` at /dev/shm "
+    "(or use hostIPC: true); or point --shm-dir / CKPTD_SHM_DIR at a larger tmpfs"
+)
+
+
+def _human(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
+    """None when `shm_dir` is a writable directory with at least `needed_bytes` free; else what is wrong and how to fix it.
+
+    Containers get a 64 MiB /dev/shm by default, far too little for checkpoint arenas (DESIGN.md section 10).
+    """
+    if not shm_dir.is_dir():
+        return (
+            f"shared-memory directory {shm_dir} does not exist or is not a directory; create it, or point "
+            "--shm-dir / CKPTD_SHM_DIR at a tmpfs such as /dev/shm (in Kubernetes: an emptyDir with `medium: Memory`)"
+        )
+    if not os.access(shm_dir, os.W_OK | os.X_OK):
+        return f"shared-memory directory {shm_dir} is not writable by uid {os.geteuid()}; fix its permissions or choose another --shm-dir"
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError as exc:
+        return f"cannot check the free space of {shm_dir}: {exc.strerror or exc}"
+    free = st.f_bavail * st.f_frsize
+    if free < needed_bytes:
+        total = st.f_blocks * st.f_frsize
+        return (
+            f"{shm_dir} has {_human(free)} free (of {_human(total)}) but the checkpoint arenas need "
+            f"{_human(needed_bytes)}; {_SHM_FIX}"
+        )
+    return None

@@ -1,0 +1,39 @@
+"""Domain errors of the daemon. Each maps to one gRPC status code, in one place (servicer.py)."""
+
+from __future__ import annotations
+
+
+class CkptdError(Exception):
+    """Base of the errors a request can meet; the message says what was wrong and how to fix it."""
+
+
+class InvalidRequest(CkptdError):
+    """Bad names, shapes, dtypes, boxes or values (INVALID_ARGUMENT)."""
+
+
+class NotFound(CkptdError):
+    """Unknown job, step or save (NOT_FOUND)."""
+
+
+class AlreadyExists(CkptdError):
+    """The step is already committed (ALREADY_EXISTS)."""
+
+
+class Precondition(CkptdError):
+    """The request does not fit the current state, e.g. an unknown fingerprint (FAILED_PRECONDITION)."""
+
+
+class Exhausted(CkptdError):
+    """Out of arena memory or disk (RESOURCE_EXHAUSTED)."""
+
+
+class Aborted(CkptdError):
+    """The save was aborted (a rank failed, timed out or moved on) (ABORTED)."""
+
+
+class Unavailable(CkptdError):
+    """The daemon is draining or a peer is down (UNAVAILABLE)."""
+
+
+class Timeout(CkptdError):
+    """A wait ran past its limit (DEADLINE_EXCEEDED)."""

@@ -1,0 +1,106 @@
+"""`ckptd serve`: the grpc.aio server on a Unix socket, health service, graceful shutdown.
+
+SIGTERM/SIGINT: stop taking new saves (health NOT_SERVING, BeginSave UNAVAILABLE), let open
+snapshots complete and everything handed over be committed, then exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket as socket_module
+import stat
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ckptd.daemon.config import DaemonConfig, check_shm
+from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.servicer import CheckpointServicer
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DRAIN_GRACE_S = 60.0
+MAX_MESSAGE_BYTES = 256 * 2**20
+SERVICE_NAME = "ckptd.v1.Checkpoint"
+
+
+class SocketInUse(RuntimeError):
+    """Another daemon already answers on the socket."""
+
+
+def _prepare_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket; choose another --socket path")
+        probe = socket_module.socket(socket_module.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink()  # left by a daemon that died
+        else:
+            raise SocketInUse(f"another daemon is listening on {path}; stop it or choose another --socket")
+        finally:
+            probe.close()
+
+
+async def serve(config: DaemonConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
+    if len(str(config.socket)) > 100:
+        raise ValueError(f"socket path {config.socket} is longer than the 100 characters a Unix socket allows; use a shorter path")
+    problem = check_shm(config.shm_dir, 0)
+    if problem:
+        raise RuntimeError(problem)
+    _prepare_socket(config.socket)
+    service = CheckpointService(config)
+    await asyncio.to_thread(service.start)
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    pb_grpc.add_CheckpointServicer_to_server(CheckpointServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"unix://{config.socket}"
+    server.add_insecure_port(address)
+    await server.start()
+    os.chmod(config.socket, 0o660)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("ckptd serving on %s, root %s, shared memory in %s", address, config.root, config.shm_dir)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("shutting down: no new saves; committing what is in flight")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await service.drain(DRAIN_GRACE_S)
+    await server.stop(grace=2.0)
+    await asyncio.to_thread(service.close)
+    try:
+        config.socket.unlink()
+    except FileNotFoundError:
+        pass
+    log.info("ckptd stopped")
+    return 0
+
+
+def run(config: DaemonConfig) -> int:
+    """Run `serve` on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:  # uvloop is not available on every platform; asyncio's loop works too
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

@@ -1,0 +1,603 @@
+"""The daemon's domain layer: save sessions, arenas, persisting, committed steps, load plans.
+
+Runs on the event loop; blocking work (arena allocation, persisting, reading indexes) goes
+to threads. The servicer (servicer.py) validates requests, calls this and maps `CkptdError`s
+to gRPC status codes.
+
+A save of step S of a job is collective: every rank calls BeginSave(S). The last rank to
+arrive plans the save (cached by the ranks' fingerprints) and takes an arena set; every rank
+then copies its slots and calls CommitSnapshot. When all have, the snapshot is complete and
+is persisted in the background; WaitDurable reports progress until it is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from ckptd.common.boxes import intersect
+from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState, remove_stale_arenas
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.errors import AlreadyExists, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
+from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
+from ckptd.daemon.pipeline import VERSION, PersistRequest, Progress, persist
+from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.storage import Storage
+
+log = logging.getLogger(__name__)
+
+MAX_EXTRAS_BYTES = 64 * 2**20
+LOAD_LEASE_S = 3600.0
+RECENT_RESULTS = 16
+OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+
+
+@dataclass
+class SaveSession:
+    job: str
+    step: int
+    world_size: int
+    save_id: str
+    metric: float | None
+    timeout_s: float
+    created: float = field(default_factory=time.monotonic)
+    arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
+    committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
+    plan: SavePlan | None = None
+    arenas: ArenaSet | None = None
+    skip_reason: str | None = None
+    state: str = "gathering"  # gathering | snapshotting | writing | committed | failed | skipped
+    error: str = ""
+    refused: bool = False  # failed because the request itself was bad (INVALID_ARGUMENT)
+    step_dir: str = ""
+    progress: Progress | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # plan + arenas decided (or failed)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # committed, failed or skipped
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @property
+    def open(self) -> bool:
+        return self.state in ("gathering", "snapshotting")
+
+    @property
+    def bytes_total(self) -> int:
+        return self.plan.total_bytes if self.plan else 0
+
+
+@dataclass
+class LoadLease:
+    job: str
+    step: int
+    arenas: ArenaSet | None
+    expires: float
+
+
+@dataclass
+class JobState:
+    world_size: int
+    pool: ArenaPool
+    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, fingerprint)
+    plans: dict[tuple[str, ...], SavePlan] = field(default_factory=dict)
+    sessions: dict[int, SaveSession] = field(default_factory=dict)  # open or writing, by step
+    recent: dict[int, SaveSession] = field(default_factory=dict)  # finished, newest RECENT_RESULTS
+    acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    arena_freed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    name: str  # the requested name
+    source: str  # "shm" | "file"
+    path: str
+    offset: int
+    nbytes: int
+    fragment: Any  # Box
+    dtype: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    load_id: str
+    step: int
+    pieces: tuple[PieceInfo, ...]
+    extras: Any
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    tier: str
+
+
+@dataclass
+class Counters:
+    committed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    last_error: str = ""
+
+
+class CheckpointService:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.storage = Storage(config.root)
+        self.retention = RetentionPolicy(keep_last=config.keep_last, keep_every=config.keep_every)
+        self.jobs: dict[str, JobState] = {}
+        self.leases: dict[str, LoadLease] = {}
+        self.counters = Counters()
+        self.draining = False
+        self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist")
+        self._index_cache: dict[tuple[str, int], CheckpointIndex] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Prepare the root and shared memory: remove what crashed daemons left behind."""
+        self.config.root.mkdir(parents=True, exist_ok=True)
+        for path in self.storage.clean_uncommitted():
+            log.warning("removed uncommitted leftover %s", path)
+        self.config.shm_dir.mkdir(parents=True, exist_ok=True)
+        for path in remove_stale_arenas(self.config.shm_dir, os.getpid()):
+            log.warning("removed stale shared-memory arena %s", path)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking saves; let open snapshots complete (up to `grace_s`) and persisting finish."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        for job in self.jobs.values():
+            for session in list(job.sessions.values()):
+                if session.open:
+                    try:
+                        await asyncio.wait_for(session.ready.wait(), max(0.0, deadline - time.monotonic()))
+                        while session.open and time.monotonic() < deadline:
+                            async with session.changed:
+                                await asyncio.wait_for(session.changed.wait(), max(0.01, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        pass  # still incomplete at the deadline: aborted below
+                    if session.open:
+                        await self._fail(job, session, "the daemon shut down before every rank handed its snapshot over")
+        for job in self.jobs.values():
+            for session in list(job.sessions.values()):
+                await session.finished.wait()
+
+    def close(self) -> None:
+        self._persist_executor.shutdown(wait=True)
+        for job in self.jobs.values():
+            job.pool.close()
+
+    # ------------------------------------------------------------ save
+
+    def _job(self, job: str, world_size: int) -> JobState:
+        state = self.jobs.get(job)
+        if state is None or state.world_size != world_size:
+            if state is not None:
+                if any(s.open for s in state.sessions.values()):
+                    raise InvalidRequest(
+                        f"job {job!r} has a save in flight with world size {state.world_size}, "
+                        f"this rank says {world_size}; all ranks of a job must agree on the world size"
+                    )
+                state.pool.close()
+            pool = ArenaPool(self.config.shm_dir, job, self.config.max_inflight)
+            state = JobState(world_size=world_size, pool=pool)
+            self.jobs[job] = state
+        return state
+
+    async def begin_save(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        step: int,
+        fingerprint: str,
+        specs: Sequence[TensorSpec] | None,
+        metric: float | None,
+        timeout_s: float,
+    ) -> tuple[SaveSession, int]:
+        """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived)."""
+        if self.draining:
+            raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
+        state = self._job(job, world_size)
+        if specs is not None:
+            state.specs[(rank, fingerprint)] = tuple(specs)
+        elif (rank, fingerprint) not in state.specs:
+            raise Precondition("unknown fingerprint: send the tensor metadata with this request")
+        if step in state.recent and state.recent[step].state == "committed" or await self._committed(job, step):
+            raise AlreadyExists(f"step {step} of job {job!r} is already committed; save under a new step")
+        await self._abort_left_behind(state, rank, step)
+        session = state.sessions.get(step)
+        if session is None or not session.open:
+            if session is not None:
+                raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
+            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout_s or self.config.save_timeout_s)
+            state.sessions[step] = session
+            self._spawn(self._watchdog(state, session))
+        if rank in session.arrived:
+            raise InvalidRequest(f"rank {rank} joined the save of step {step} twice")
+        session.arrived[rank] = fingerprint
+        if len(session.arrived) == world_size:
+            self._spawn(self._prepare(state, session))
+        await session.ready.wait()
+        if session.state == "failed":
+            if session.refused:
+                raise InvalidRequest(session.error)
+            raise Aborted(f"save of step {step} aborted: {session.error}")
+        return session, rank
+
+    async def _committed(self, job: str, step: int) -> bool:
+        return await asyncio.to_thread(self.storage.is_committed, job, step)
+
+    async def _abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
+        """A rank that starts another save or a load will never finish an older open one."""
+        for other in list(state.sessions.values()):
+            if other.step != step and other.open and rank in other.arrived and rank not in other.committed:
+                await self._fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})")
+
+    async def _prepare(self, state: JobState, session: SaveSession) -> None:
+        try:
+            key = tuple(session.arrived[r] for r in range(session.world_size))
+            plan = state.plans.get(key)
+            if plan is None:
+                specs = [state.specs[(r, fp)] for r, fp in enumerate(key)]
+                plan = await asyncio.to_thread(make_save_plan, specs)
+                state.plans[key] = plan
+            session.plan = plan
+            session.progress = Progress(plan.total_bytes)
+            session.arenas = await self._acquire(state, session, plan)
+            if session.arenas is not None:
+                session.state = "snapshotting"
+        except PlanError as exc:
+            session.refused = True
+            await self._fail(state, session, str(exc), count=True)
+        except Exhausted as exc:
+            await self._fail(state, session, str(exc), count=True)
+        except Exception as exc:
+            log.exception("planning step %s of job %s failed", session.step, session.job)
+            await self._fail(state, session, f"internal error while planning: {exc}", count=True)
+        finally:
+            session.ready.set()
+
+    async def _acquire(self, state: JobState, session: SaveSession, plan: SavePlan) -> ArenaSet | None:
+        deadline = session.created + session.timeout_s
+        while True:
+            async with state.acquire_lock:
+                arenas = await asyncio.to_thread(state.pool.acquire, plan.arena_bytes)
+            if arenas is not None:
+                return arenas
+            if self.config.arena_policy == "skip":
+                session.skip_reason = (
+                    f"all {self.config.max_inflight} snapshots of job {session.job!r} are still being written"
+                )
+                session.state = "skipped"
+                self.counters.skipped += 1
+                self._finish(state, session)
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Exhausted(f"no free arena for step {session.step} within {session.timeout_s:.0f} s")
+            async with state.arena_freed:
+                try:
+                    await asyncio.wait_for(state.arena_freed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def commit_snapshot(self, job: str, rank: int, save_id: str, extras_json: str) -> None:
+        state, session = self._session(job, save_id)
+        if session.state != "snapshotting":
+            raise Precondition(f"save of step {session.step} is {session.state}, it cannot take a snapshot now")
+        if rank not in session.arrived:
+            raise InvalidRequest(f"rank {rank} did not join the save of step {session.step}")
+        if len(extras_json) > MAX_EXTRAS_BYTES:
+            raise InvalidRequest(f"extras of rank {rank} are {len(extras_json)} bytes; the limit is {MAX_EXTRAS_BYTES}")
+        try:
+            extras = json.loads(extras_json) if extras_json else {}
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+        session.committed[rank] = extras
+        if len(session.committed) == session.world_size:
+            session.state = "writing"
+            assert session.arenas is not None
+            session.arenas.state = SetState.PERSISTING
+            session.arenas.step = session.step
+            self._spawn(self._persist(state, session))
+        async with session.changed:
+            session.changed.notify_all()
+
+    async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
+        state, session = self._session(job, save_id)
+        if session.open:
+            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", count=True)
+
+    def _session(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
+        state = self.jobs.get(job)
+        if state is not None:
+            for session in list(state.sessions.values()) + list(state.recent.values()):
+                if session.save_id == save_id:
+                    return state, session
+        raise NotFound(f"no save {save_id!r} in job {job!r} (it finished, timed out or the daemon restarted)")
+
+    async def _persist(self, state: JobState, session: SaveSession) -> None:
+        assert session.plan is not None and session.arenas is not None and session.progress is not None
+        request = PersistRequest(
+            job=session.job,
+            step=session.step,
+            plan=session.plan,
+            arenas=session.arenas,
+            extras=dict(session.committed),
+            metric=session.metric,
+            max_file_bytes=self.config.max_file_bytes,
+            write_threads=self.config.write_threads,
+            throttle_bytes_per_s=self.config.write_throttle,
+        )
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        try:
+            index = await loop.run_in_executor(self._persist_executor, persist, self.storage, request, session.progress)
+        except Exception as exc:
+            log.exception("writing step %s of job %s failed", session.step, session.job)
+            await self._fail(state, session, f"writing failed: {exc}", count=True)
+            return
+        self._index_cache[(session.job, session.step)] = index
+        session.state = "committed"
+        session.step_dir = str(self.storage.step_dir(session.job, session.step))
+        self.counters.committed += 1
+        state.pool.hold(session.arenas, session.step)
+        session.arenas.plan = session.plan
+        session.arenas.extras = dict(session.committed)
+        log.info(
+            "committed step %s of job %s: %.1f MiB in %.2f s",
+            session.step, session.job, session.plan.total_bytes / 2**20, time.monotonic() - started,
+        )
+        await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
+        self._finish(state, session)
+        async with state.arena_freed:
+            state.arena_freed.notify_all()
+
+    async def _apply_retention(self, job: str) -> None:
+        steps = await asyncio.to_thread(self.storage.committed_steps, job)
+        protected = {lease.step for lease in self.leases.values() if lease.job == job}
+        for step in self.retention.to_delete(steps, protected):
+            try:
+                await asyncio.to_thread(self.storage.remove_step, job, step)
+                self._index_cache.pop((job, step), None)
+                log.info("retention removed step %s of job %s", step, job)
+            except OSError as exc:
+                log.error("retention could not remove step %s of job %s: %s", step, job, exc)
+
+    async def _fail(self, state: JobState, session: SaveSession, reason: str, count: bool = True) -> None:
+        if session.state in ("committed", "failed", "skipped"):
+            return
+        session.state = "failed"
+        session.error = reason
+        if count:
+            self.counters.failed += 1
+        self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
+        log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason)
+        if session.arenas is not None:
+            state.pool.release(session.arenas)
+            async with state.arena_freed:
+                state.arena_freed.notify_all()
+        session.ready.set()
+        self._finish(state, session)
+        async with session.changed:
+            session.changed.notify_all()
+
+    def _finish(self, state: JobState, session: SaveSession) -> None:
+        state.sessions.pop(session.step, None)
+        state.recent[session.step] = session
+        while len(state.recent) > RECENT_RESULTS:
+            state.recent.pop(min(state.recent))
+        session.finished.set()
+
+    async def _watchdog(self, state: JobState, session: SaveSession) -> None:
+        try:
+            await asyncio.wait_for(self._snapshot_done(session), session.timeout_s)
+        except asyncio.TimeoutError:
+            waiting = sorted(set(range(session.world_size)) - set(session.committed))
+            missing = sorted(set(range(session.world_size)) - set(session.arrived))
+            what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
+            await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s")
+
+    async def _snapshot_done(self, session: SaveSession) -> None:
+        async with session.changed:
+            await session.changed.wait_for(lambda: not session.open)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def progress(self, job: str, step: int, timeout_s: float) -> AsyncIterator[SaveSession | str]:
+        """Yield the session at each change until it is finished; a str "committed" for a step
+        committed earlier (e.g. before this daemon started)."""
+        state = self.jobs.get(job)
+        session = None
+        if state is not None:
+            session = state.sessions.get(step) or state.recent.get(step)
+        if session is None:
+            if await self._committed(job, step):
+                yield "committed"
+                return
+            raise NotFound(f"job {job!r} has no save of step {step} in flight and no such committed step")
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        while True:
+            yield session
+            if session.finished.is_set():
+                return
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise Timeout(f"step {step} of job {job!r} is not durable after {timeout_s} s (state {session.state})")
+            try:
+                await asyncio.wait_for(session.finished.wait(), min(0.5, remaining) if remaining is not None else 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ load
+
+    async def plan_load(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        step: int | None,
+        wanted: Sequence[TensorSpec],
+        kinds: Sequence[str],
+        strict: bool,
+    ) -> LoadPlan:
+        state = self.jobs.get(job)
+        if state is not None:
+            await self._abort_left_behind(state, rank, None)
+        if step is None:
+            step = await asyncio.to_thread(self.storage.latest_step, job)
+            if step is None:
+                raise NotFound(f"job {job!r} has no committed checkpoint in {self.storage.root}")
+        elif not await self._committed(job, step):
+            raise NotFound(f"step {step} of job {job!r} is not committed in {self.storage.root}")
+        index = await self._index(job, step)
+        held = state.pool.held(step) if state is not None else None
+        table = index.by_name()
+
+        missing = []
+        pieces: list[PieceInfo] = []
+        found: set[str] = set()
+        for spec in wanted:
+            record = table.get(spec.name)
+            if record is None:
+                if not spec.name.startswith(OPTIONAL_PREFIXES):
+                    missing.append(spec.name)
+                continue
+            found.add(record.name)
+            if tuple(record.shape) != tuple(spec.shape):
+                raise InvalidRequest(
+                    f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
+                    f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
+                )
+            pieces += self._pieces_for(spec, record, index, held)
+        requested_keys = set(kinds)
+        unexpected = sorted(
+            t.name
+            for t in index.tensors
+            if t.name not in found and t.name.split("/", 1)[0] in requested_keys and not t.name.startswith(OPTIONAL_PREFIXES)
+        )
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing from step {step}: {_names(missing)}")
+            if unexpected:
+                parts.append(f"in step {step} but not in the state being loaded: {_names(unexpected)}")
+            raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
+
+        extras_by_rank = held.extras if held is not None else None
+        if extras_by_rank is None:
+            extras_by_rank = await self._extras(job, step)
+        extras = extras_by_rank.get(rank, extras_by_rank.get(0, {}))
+        load_id = uuid.uuid4().hex
+        if held is not None:
+            held.readers += 1
+        self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
+        self._expire_leases()
+        tiers = {p.source for p in pieces}
+        tier = "memory" if tiers == {"shm"} else "disk" if tiers == {"file"} else "mixed" if tiers else "disk"
+        return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
+
+    def _pieces_for(self, spec: TensorSpec, record: Any, index: CheckpointIndex, held: ArenaSet | None) -> list[PieceInfo]:
+        plan: SavePlan | None = held.plan if held is not None else None
+        out = []
+        if plan is not None and held is not None:
+            for slot in plan.slots:
+                if slot.name == record.name and intersect(slot.box, spec.box) is not None:
+                    arena = held.arenas[slot.rank]
+                    assert arena is not None
+                    out.append(PieceInfo(spec.name, "shm", str(arena.path), slot.offset, slot.nbytes, slot.box, record.dtype, ""))
+            return out
+        step_dir = self.storage.step_dir(index.job, index.step)
+        for frag in record.fragments:
+            if intersect(frag.box, spec.box) is not None:
+                out.append(
+                    PieceInfo(spec.name, "file", str(step_dir / frag.file), frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum)
+                )
+        return out
+
+    async def _index(self, job: str, step: int) -> CheckpointIndex:
+        key = (job, step)
+        if key not in self._index_cache:
+            try:
+                self._index_cache[key] = await asyncio.to_thread(self.storage.read_index, job, step)
+            except FormatError as exc:
+                raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
+        return self._index_cache[key]
+
+    async def _extras(self, job: str, step: int) -> dict[int, Any]:
+        path = self.storage.step_dir(job, step) / EXTRA_JSON
+        try:
+            return parse_extra_json(await asyncio.to_thread(path.read_bytes))
+        except FileNotFoundError:
+            return {}
+        except FormatError as exc:
+            raise Precondition(f"step {step} of job {job!r}: {exc}") from None
+
+    def load_done(self, load_id: str) -> None:
+        lease = self.leases.pop(load_id, None)
+        if lease is not None and lease.arenas is not None:
+            lease.arenas.readers = max(0, lease.arenas.readers - 1)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for load_id, lease in list(self.leases.items()):
+            if lease.expires < now:
+                self.load_done(load_id)
+
+    # ------------------------------------------------------------ queries
+
+    async def list_checkpoints(self, job: str) -> list[tuple[CheckpointIndex, Path, bool]]:
+        steps = await asyncio.to_thread(self.storage.committed_steps, job)
+        state = self.jobs.get(job)
+        out = []
+        for step in steps:
+            try:
+                index = await self._index(job, step)
+            except Precondition as exc:
+                log.warning("%s", exc)
+                continue
+            in_memory = state is not None and state.pool.held(step) is not None
+            out.append((index, self.storage.step_dir(job, step), in_memory))
+        return out
+
+    def status(self) -> dict[str, Any]:
+        in_flight = []
+        for job, state in self.jobs.items():
+            for session in state.sessions.values():
+                in_flight.append(
+                    {
+                        "job": job,
+                        "step": session.step,
+                        "state": session.state,
+                        "bytes_total": session.bytes_total,
+                        "bytes_written": session.progress.written if session.progress else 0,
+                        "age_s": time.monotonic() - session.created,
+                    }
+                )
+        return {
+            "version": VERSION,
+            "root": str(self.storage.root),
+            "in_flight": in_flight,
+            "arena_bytes": sum(s.pool.nbytes for s in self.jobs.values()),
+            "arena_count": sum(s.pool.count for s in self.jobs.values()),
+            "committed_total": self.counters.committed,
+            "failed_total": self.counters.failed,
+            "skipped_total": self.counters.skipped,
+            "last_error": self.counters.last_error,
+            "draining": self.draining,
+        }
+
+
+def _names(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,259 @@
+"""The gRPC servicer of ckptd.v1.Checkpoint: validate each request, call the service, map errors.
+
+Every field that reaches the service is checked here (job ids, ranks, steps, names, dtypes,
+shapes, boxes, sizes); domain errors become status codes in `_STATUS` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box
+from ckptd.common.names import KINDS, InvalidNameError, check_job_id, check_tensor_name
+from ckptd.daemon import errors
+from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.service import CheckpointService, SaveSession
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 16
+MAX_DIM = 1 << 48
+MAX_TENSORS = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+_STATUS: dict[type[errors.CkptdError], grpc.StatusCode] = {
+    errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.Precondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Exhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Timeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+T = TypeVar("T")
+
+
+def _status_of(exc: errors.CkptdError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def _mapped(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Turn domain errors into status codes; anything unexpected is INTERNAL and logged (the daemon stays up)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "CheckpointServicer", request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except errors.CkptdError as exc:
+            await context.abort(_status_of(exc), str(exc))
+        except (InvalidNameError, dtypes.UnknownDtypeError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_who(who: pb.RankId) -> tuple[str, int, int]:
+    job = check_job_id(who.job)
+    if not 1 <= who.world_size <= MAX_WORLD_SIZE:
+        raise errors.InvalidRequest(f"world_size {who.world_size} must be between 1 and {MAX_WORLD_SIZE}")
+    if not 0 <= who.rank < who.world_size:
+        raise errors.InvalidRequest(f"rank {who.rank} must be in [0, world_size={who.world_size})")
+    return job, who.rank, who.world_size
+
+
+def _check_step(step: int) -> int:
+    if step < 0:
+        raise errors.InvalidRequest(f"step {step} must be >= 0")
+    return step
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if not math.isfinite(timeout_s) or timeout_s < 0 or timeout_s > MAX_TIMEOUT_S:
+        raise errors.InvalidRequest(f"timeout_s {timeout_s} must be between 0 (default) and {MAX_TIMEOUT_S:.0f}")
+    return timeout_s
+
+
+def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
+    """Validated TensorSpecs from the wire; raises InvalidRequest naming the tensor."""
+    if len(metas) > MAX_TENSORS:
+        raise errors.InvalidRequest(f"{len(metas)} tensors in one request; the limit is {MAX_TENSORS}")
+    specs = []
+    for meta in metas:
+        name = check_tensor_name(meta.name)
+        if meta.kind not in KINDS:
+            raise errors.InvalidRequest(f"tensor {name!r}: kind {meta.kind!r} is not one of {', '.join(KINDS)}")
+        if meta.dtype not in dtypes.DTYPE_NAMES:
+            raise errors.InvalidRequest(f"tensor {name!r}: dtype {meta.dtype!r} is not one of {', '.join(sorted(dtypes.DTYPE_NAMES))}")
+        shape = tuple(meta.shape)
+        if len(shape) > MAX_NDIM or any(not 0 <= d <= MAX_DIM for d in shape):
+            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} has a negative, huge or too many dimensions")
+        if math.prod(shape) * dtypes.itemsize(meta.dtype) > MAX_DIM:
+            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} is larger than ckptd accepts")
+        if meta.HasField("box"):
+            if len(meta.box.offsets) != len(shape) or len(meta.box.lengths) != len(shape):
+                raise errors.InvalidRequest(f"tensor {name!r}: box has {len(meta.box.offsets)} offsets and {len(meta.box.lengths)} lengths for a {len(shape)}-dim shape")
+            try:
+                box = Box(tuple(meta.box.offsets), tuple(meta.box.lengths))
+            except ValueError as exc:
+                raise errors.InvalidRequest(f"tensor {name!r}: {exc}") from None
+            if not box.fits_in(shape):
+                raise errors.InvalidRequest(f"tensor {name!r}: box {box} does not lie inside shape {list(shape)}")
+        else:
+            box = Box.full(shape)
+        aliases = tuple(check_tensor_name(a) for a in meta.aliases)
+        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases))
+    return specs
+
+
+def _box(box: Box) -> pb.Box:
+    return pb.Box(offsets=box.offsets, lengths=box.lengths)
+
+
+# ---------------------------------------------------------------- servicer
+
+
+class CheckpointServicer(pb_grpc.CheckpointServicer):
+    def __init__(self, service: CheckpointService) -> None:
+        self.service = service
+
+    @_mapped
+    async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
+        job, rank, world_size = _check_who(request.who)
+        step = _check_step(request.step)
+        if request.quantize not in ("",):
+            raise errors.InvalidRequest(f"quantize={request.quantize!r} is not supported by this daemon yet; use None")
+        if not request.fingerprint or len(request.fingerprint) > 256:
+            raise errors.InvalidRequest("fingerprint must be a non-empty string of at most 256 characters")
+        specs = tensor_specs(request.tensors) if request.tensors else None
+        if request.has_metric and not math.isfinite(request.metric):
+            raise errors.InvalidRequest(f"metric {request.metric} must be a finite number")
+        session, _ = await self.service.begin_save(
+            job, rank, world_size, step, request.fingerprint, specs,
+            request.metric if request.has_metric else None, _check_timeout(request.timeout_s),
+        )
+        return self._begin_response(session, rank)
+
+    @staticmethod
+    def _begin_response(session: SaveSession, rank: int) -> pb.BeginSaveResponse:
+        if session.state == "skipped" or session.arenas is None or session.plan is None:
+            return pb.BeginSaveResponse(save_id=session.save_id, skipped=True, skip_reason=session.skip_reason or session.state)
+        arena = session.arenas.arenas[rank]
+        slots = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes) for s in session.plan.slots_of(rank)]
+        return pb.BeginSaveResponse(
+            save_id=session.save_id,
+            arena_path=str(arena.path) if arena is not None else "",
+            arena_size=arena.size if arena is not None else 0,
+            slots=slots,
+        )
+
+    @_mapped
+    async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
+        job, rank, _ = _check_who(request.who)
+        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json)
+        return pb.CommitSnapshotResponse()
+
+    @_mapped
+    async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.AbortSaveResponse:
+        job, rank, _ = _check_who(request.who)
+        await self.service.abort_save(job, rank, request.save_id, request.reason[:1000])
+        return pb.AbortSaveResponse()
+
+    async def WaitDurable(self, request: pb.WaitDurableRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SaveProgress]:
+        try:
+            job = check_job_id(request.job)
+            step = _check_step(request.step)
+            async for item in self.service.progress(job, step, _check_timeout(request.timeout_s)):
+                if isinstance(item, str):
+                    path = str(self.service.storage.step_dir(job, step))
+                    yield pb.SaveProgress(state="committed", done=True, step_dir=path)
+                    return
+                written = item.progress.written if item.progress else 0
+                yield pb.SaveProgress(
+                    state=item.state,
+                    bytes_total=item.bytes_total,
+                    bytes_written=written,
+                    done=item.finished.is_set(),
+                    error=item.error or (item.skip_reason or "" if item.state == "skipped" else ""),
+                    step_dir=item.step_dir,
+                )
+        except errors.CkptdError as exc:
+            await context.abort(_status_of(exc), str(exc))
+        except InvalidNameError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    @_mapped
+    async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:
+        job, rank, world_size = _check_who(request.who)
+        step = None if request.latest else _check_step(request.step)
+        wanted = tensor_specs(request.tensors)
+        for key in request.kinds:
+            if not key or "/" in key or len(key) > 256:
+                raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
+        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict)
+        pieces = [
+            pb.Piece(
+                name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
+                fragment=_box(p.fragment), dtype=p.dtype, checksum=p.checksum,
+            )
+            for p in plan.pieces
+        ]
+        return pb.PlanLoadResponse(
+            load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),
+            missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier,
+        )
+
+    @_mapped
+    async def LoadDone(self, request: pb.LoadDoneRequest, context: grpc.aio.ServicerContext) -> pb.LoadDoneResponse:
+        _check_who(request.who)
+        self.service.load_done(request.load_id)
+        return pb.LoadDoneResponse()
+
+    @_mapped
+    async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
+        job = check_job_id(request.job)
+        infos = []
+        for index, path, in_memory in await self.service.list_checkpoints(job):
+            infos.append(
+                pb.CheckpointInfo(
+                    step=index.step, created_at=index.created_at, size_bytes=index.size_bytes,
+                    file_count=len(index.files) + 1, path=str(path), in_memory=in_memory,
+                    metric=index.metric or 0.0, has_metric=index.metric is not None,
+                )
+            )
+        return pb.ListResponse(checkpoints=infos)
+
+    @_mapped
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        status = self.service.status()
+        if request.job:
+            check_job_id(request.job)
+            status["in_flight"] = [f for f in status["in_flight"] if f["job"] == request.job]
+        return pb.StatusResponse(
+            version=status["version"], root=status["root"],
+            in_flight=[pb.InFlight(**f) for f in status["in_flight"]],
+            arena_bytes=status["arena_bytes"], arena_count=status["arena_count"],
+            committed_total=status["committed_total"], failed_total=status["failed_total"],
+            skipped_total=status["skipped_total"], last_error=status["last_error"], draining=status["draining"],
+        )

@@ -1,0 +1,153 @@
+"""The storage root on the file system: where jobs and steps live, atomic writes, listing, cleanup.
+
+Every path is built here from a validated job id and an integer step, so no request can
+name a path outside the root. Write order for a step (pipeline.py drives it): data files
+under temporary names → fsync → rename → directory fsync → small JSON files the same way →
+ckptd.index.json last → `latest`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptd.common.names import check_job_id
+from ckptd.daemon.format import INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name, step_dir_name
+
+log = logging.getLogger(__name__)
+
+TMP_MARK = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(final: Path) -> Path:
+    return final.with_name(f"{TMP_MARK}{final.name}.{os.getpid()}")
+
+
+def write_small_file(path: Path, data: bytes) -> None:
+    """Write a small file atomically: temporary name, fsync, rename, directory fsync."""
+    tmp = tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed step as found on disk."""
+
+    step: int
+    path: Path
+    index: CheckpointIndex
+
+
+class Storage:
+    """The root directory: `<root>/<job>/step-XXXXXXXX/...` and `<root>/<job>/latest`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def job_dir(self, job: str) -> Path:
+        return self.root / check_job_id(job)
+
+    def step_dir(self, job: str, step: int) -> Path:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        return self.job_dir(job) / step_dir_name(step)
+
+    def jobs(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def is_committed(self, job: str, step: int) -> bool:
+        return (self.step_dir(job, step) / INDEX_NAME).is_file()
+
+    def committed_steps(self, job: str) -> list[int]:
+        """Steps whose directory holds ckptd.index.json, ascending."""
+        job_dir = self.job_dir(job)
+        if not job_dir.is_dir():
+            return []
+        steps = []
+        for p in job_dir.iterdir():
+            step = parse_step_dir_name(p.name)
+            if step is not None and (p / INDEX_NAME).is_file():
+                steps.append(step)
+        return sorted(steps)
+
+    def latest_step(self, job: str) -> int | None:
+        """The newest committed step. `latest` is a hint for other tools; the index files decide."""
+        steps = self.committed_steps(job)
+        return steps[-1] if steps else None
+
+    def read_index(self, job: str, step: int) -> CheckpointIndex:
+        path = self.step_dir(job, step) / INDEX_NAME
+        return CheckpointIndex.from_json_bytes(path.read_bytes(), where=str(path))
+
+    def write_latest(self, job: str, step: int) -> None:
+        write_small_file(self.job_dir(job) / LATEST, (step_dir_name(step) + "\n").encode())
+
+    def prepare_step_dir(self, job: str, step: int) -> Path:
+        """An empty directory for a new step; leftovers of an earlier failed attempt are removed."""
+        path = self.step_dir(job, step)
+        if (path / INDEX_NAME).exists():
+            raise FileExistsError(f"{path} is already committed")
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        fsync_dir(path.parent)
+        return path
+
+    def remove_step(self, job: str, step: int) -> None:
+        """Delete a step: rename it away first (one atomic step), then remove the files."""
+        path = self.step_dir(job, step)
+        if not path.exists():
+            return
+        doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(path, doomed)
+        fsync_dir(path.parent)
+        shutil.rmtree(doomed)
+
+    def clean_uncommitted(self) -> list[Path]:
+        """Remove what a crash left: step directories without an index, temporary files and
+        half-deleted steps. Then rewrite each job's `latest` from the committed steps."""
+        removed = []
+        for job in self.jobs():
+            job_dir = self.job_dir(job)
+            for p in job_dir.iterdir():
+                stale = p.name.startswith(DELETING_PREFIX) or p.name.startswith(TMP_MARK)
+                step = parse_step_dir_name(p.name)
+                if step is not None and p.is_dir() and not (p / INDEX_NAME).is_file():
+                    stale = True
+                if step is not None and p.is_dir() and (p / INDEX_NAME).is_file():
+                    for q in p.iterdir():
+                        if q.name.startswith(TMP_MARK):
+                            q.unlink()
+                            removed.append(q)
+                if stale:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+                    removed.append(p)
+            latest = self.latest_step(job)
+            if latest is not None:
+                self.write_latest(job, latest)
+            elif (job_dir / LATEST).exists():
+                (job_dir / LATEST).unlink()
+        for p in removed:
+            log.info("removed uncommitted leftover %s", p)
+        return removed

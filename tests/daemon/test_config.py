@@ -1,0 +1,289 @@
+"""Daemon configuration: precedence, parsing, validation messages, the example file, the shm check."""
+
+import argparse
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.daemon.config import (
+    GiB,
+    ConfigError,
+    DaemonConfig,
+    add_serve_arguments,
+    check_shm,
+    config_from_args,
+    env_name,
+    load_config,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "ckptd.example.toml"
+FIELDS = [f.name for f in dataclasses.fields(DaemonConfig)]
+BASE_ENV = {"XDG_RUNTIME_DIR": "/run/user/1000", "XDG_DATA_HOME": "/home/u/.data"}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ckptd.toml"
+    path.write_text(text)
+    return path
+
+
+def parse_serve(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------ defaults
+
+
+def test_defaults_need_no_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    config = load_config({}, BASE_ENV, None)
+    assert config == DaemonConfig(root=Path("/home/u/.data/ckptd"), socket=Path("/run/user/1000/ckptd/ckptd.sock"))
+    assert (config.shm_dir, config.arena_policy, config.max_inflight) == (Path("/dev/shm"), "wait", 2)
+    assert (config.keep_last, config.keep_every, config.write_threads) == (3, 0, 4)
+    assert (config.max_file_bytes, config.save_timeout_s) == (4 * GiB, 600.0)
+    assert (config.log_level, config.log_json) == ("info", False)
+
+
+@pytest.mark.parametrize(
+    ("euid", "environ", "root", "socket"),
+    [
+        (0, {}, "/var/lib/ckptd", "/run/ckptd/ckptd.sock"),
+        (0, {"XDG_RUNTIME_DIR": "/run/user/0"}, "/var/lib/ckptd", "/run/user/0/ckptd/ckptd.sock"),
+        (1000, {"XDG_DATA_HOME": "/d"}, "/d/ckptd", "/tmp/ckptd-1000/ckptd.sock"),
+        (1000, {"HOME": "/ignored", "XDG_DATA_HOME": "/d", "XDG_RUNTIME_DIR": "/r"}, "/d/ckptd", "/r/ckptd/ckptd.sock"),
+    ],
+)
+def test_default_locations(monkeypatch: pytest.MonkeyPatch, euid: int, environ: dict[str, str], root: str, socket: str) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    config = load_config({}, environ, None)
+    assert (config.root, config.socket) == (Path(root), Path(socket))
+
+
+# ------------------------------------------------------------------ precedence
+
+
+@pytest.mark.parametrize("in_file", [False, True])
+@pytest.mark.parametrize("in_env", [False, True])
+@pytest.mark.parametrize("in_flag", [False, True])
+def test_flags_beat_environment_beat_file_beat_defaults(tmp_path: Path, in_file: bool, in_env: bool, in_flag: bool) -> None:
+    path = write(tmp_path, "max_inflight = 3\n") if in_file else None
+    environ = {**BASE_ENV, **({"CKPTD_MAX_INFLIGHT": "4"} if in_env else {})}
+    flags = {"max_inflight": "5" if in_flag else None}
+    expected = 5 if in_flag else 4 if in_env else 3 if in_file else 2
+    assert load_config(flags, environ, path).max_inflight == expected
+
+
+def test_sources_mix_per_setting(tmp_path: Path) -> None:
+    path = write(tmp_path, 'root = "/file/root"\nkeep_every = 100\n[retention]\nkeep_last = 7\n')
+    environ = {**BASE_ENV, "CKPTD_KEEP_LAST": "9", "CKPTD_LOG_LEVEL": "DEBUG"}
+    config = load_config({"root": "/flag/root", "write_threads": None}, environ, path)
+    assert (config.root, config.keep_last, config.keep_every, config.log_level) == (Path("/flag/root"), 9, 100, "debug")
+    assert config.write_threads == 4
+
+
+def test_config_file_from_environment_and_flag(tmp_path: Path) -> None:
+    from_env = write(tmp_path, "keep_last = 11\n")
+    from_flag = tmp_path / "other.toml"
+    from_flag.write_text("keep_last = 12\n")
+    environ = {**BASE_ENV, "CKPTD_CONFIG": str(from_env)}
+    assert load_config({}, environ, None).keep_last == 11
+    assert config_from_args(parse_serve(), environ).keep_last == 11
+    assert config_from_args(parse_serve("--config", str(from_flag)), environ).keep_last == 12
+
+
+def test_empty_environment_values_count_as_unset() -> None:
+    environ = {**BASE_ENV, "CKPTD_MAX_INFLIGHT": "", "CKPTD_CONFIG": ""}
+    assert load_config({}, environ, None).max_inflight == 2
+
+
+# ------------------------------------------------------------------ every setting from every source
+
+# field, text (flag / environment), TOML literal, expected value
+SETTINGS: list[tuple[str, str, str, Any]] = [
+    ("root", "/srv/ckpt", '"/srv/ckpt"', Path("/srv/ckpt")),
+    ("socket", "/run/x/d.sock", '"/run/x/d.sock"', Path("/run/x/d.sock")),
+    ("shm_dir", "/dev/shm/ckptd", '"/dev/shm/ckptd"', Path("/dev/shm/ckptd")),
+    ("arena_policy", "skip", '"skip"', "skip"),
+    ("max_inflight", "4", "4", 4),
+    ("keep_last", "0", "0", 0),
+    ("keep_every", "1000", "1000", 1000),
+    ("write_threads", "16", "16", 16),
+    ("max_file_bytes", "512MiB", '"512MiB"', 512 << 20),
+    ("max_file_bytes", "1048576", "1048576", 1 << 20),
+    ("save_timeout_s", "20", "20", 20.0),
+    ("save_timeout_s", "0.5", "0.5", 0.5),
+    ("write_throttle", "2MiB", '"2MiB"', 2 << 20),
+    ("write_throttle", "0", "0", 0),
+    ("log_level", "WARNING", '"warning"', "warning"),
+    ("log_json", "true", "true", True),
+    ("log_json", "0", "false", False),
+]
+
+
+def test_every_field_is_covered() -> None:
+    assert {f for f, *_ in SETTINGS} == set(FIELDS)
+
+
+@pytest.mark.parametrize(("field", "text", "toml", "expected"), SETTINGS)
+def test_each_source_sets_each_field(tmp_path: Path, field: str, text: str, toml: str, expected: Any) -> None:
+    assert getattr(load_config({}, {**BASE_ENV, env_name(field): text}, None), field) == expected
+    assert getattr(load_config({field: text}, BASE_ENV, None), field) == expected
+    assert getattr(load_config({}, BASE_ENV, write(tmp_path, f"{field} = {toml}\n")), field) == expected
+
+
+def test_every_field_has_a_flag() -> None:
+    ns = parse_serve()
+    assert all(getattr(ns, name) is None for name in FIELDS) and ns.config is None
+    ns = parse_serve("--save-timeout", "20", "--max-file-bytes", "1GiB", "--no-log-json", "--arena-policy", "skip")
+    config = config_from_args(ns, {**BASE_ENV, "CKPTD_LOG_JSON": "yes"})
+    assert (config.save_timeout_s, config.max_file_bytes, config.log_json, config.arena_policy) == (20.0, GiB, False, "skip")
+    assert config_from_args(parse_serve("--log-json"), BASE_ENV).log_json is True
+
+
+def test_paths_expand_home_and_file_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'root = "data"\nshm_dir = "~/shm"\n')
+    config = load_config({"socket": "rel/d.sock"}, BASE_ENV, path)
+    assert config.root == tmp_path / "data"
+    assert config.shm_dir == Path("~/shm").expanduser()
+    assert config.socket == Path("rel/d.sock")  # a flag is relative to the working directory, as typed
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", 1), ("4GiB", 4 * GiB), ("512 MiB", 512 << 20), ("1.5GiB", 3 * GiB // 2), ("64kib", 64 << 10), ("100B", 100), ("2TiB", 2 << 40)],
+)
+def test_sizes(text: str, expected: int) -> None:
+    assert load_config({"max_file_bytes": text}, BASE_ENV, None).max_file_bytes == expected
+
+
+# ------------------------------------------------------------------ bad values
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "expected"),
+    [
+        ("max_inflight", "x", "an integer >= 1"),
+        ("max_inflight", "0", "an integer >= 1"),
+        ("max_inflight", "2.5", "an integer >= 1"),
+        ("keep_last", "-1", "an integer >= 0 (0 = keep all)"),
+        ("keep_every", "ten", "an integer >= 0 (0 = off)"),
+        ("write_threads", "0", "an integer >= 1"),
+        ("arena_policy", "drop", "one of 'wait', 'skip'"),
+        ("log_level", "verbose", "one of 'debug', 'info', 'warning', 'error', 'critical'"),
+        ("log_json", "maybe", "true or false"),
+        ("save_timeout_s", "0", "a number of seconds > 0"),
+        ("save_timeout_s", "inf", "a number of seconds > 0"),
+        ("save_timeout_s", "soon", "a number of seconds > 0"),
+        ("max_file_bytes", "4GB", "a size in bytes >= 1"),
+        ("max_file_bytes", "0", "a size in bytes >= 1"),
+        ("max_file_bytes", "1.5", "a size in bytes >= 1"),
+        ("max_file_bytes", "-1GiB", "a size in bytes >= 1"),
+    ],
+)
+def test_bad_values_name_the_source(field: str, text: str, expected: str) -> None:
+    env = env_name(field)
+    with pytest.raises(ConfigError) as from_env:
+        load_config({}, {**BASE_ENV, env: text}, None)
+    assert str(from_env.value).startswith(f"{env}={text!r}: expected {expected}")
+    with pytest.raises(ConfigError, match=re.escape(f"={text!r}: expected {expected}")) as from_flag:
+        load_config({field: text}, BASE_ENV, None)
+    assert str(from_flag.value).startswith("--")
+
+
+def test_the_documented_message() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({}, {**BASE_ENV, "CKPTD_MAX_INFLIGHT": "x"}, None)
+    assert str(exc.value) == "CKPTD_MAX_INFLIGHT='x': expected an integer >= 1"
+    assert isinstance(exc.value, ValueError)
+
+
+def test_all_bad_settings_are_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({"save_timeout_s": "-3"}, {**BASE_ENV, "CKPTD_MAX_INFLIGHT": "x", "CKPTD_LOG_LEVEL": "loud"}, None)
+    lines = str(exc.value).splitlines()
+    assert [line.split("=")[0] for line in lines] == ["CKPTD_MAX_INFLIGHT", "--save-timeout", "CKPTD_LOG_LEVEL"]
+
+
+def test_an_overridden_bad_value_is_not_used() -> None:
+    assert load_config({"max_inflight": "3"}, {**BASE_ENV, "CKPTD_MAX_INFLIGHT": "x"}, None).max_inflight == 3
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("max_inflights = 2\n", "unknown key 'max_inflights'; valid keys are root, socket, shm_dir, arena_policy"),
+        ("[storage]\nroot = '/x'\n", "unknown key 'storage'"),
+        ("[retention]\nkeep_best = 3\n", "unknown key 'keep_best' in [retention]; valid keys there are keep_last, keep_every"),
+        ("retention = 3\n", "'retention' must be a table"),
+        ("keep_last = 2\n[retention]\nkeep_last = 3\n", "keep_last is set both at the top level and in [retention]"),
+        ('max_inflight = "2"\n', "max_inflight='2': expected an integer >= 1"),
+        ("log_json = 1\n", "log_json=1: expected true or false"),
+        ("[retention]\nkeep_every = -2\n", "retention.keep_every=-2: expected an integer >= 0"),
+        ("root = 7\n", "root=7: expected a non-empty path"),
+        ("max_inflight = \n", "is not valid TOML"),
+    ],
+)
+def test_bad_files_name_the_file_and_key(tmp_path: Path, toml: str, message: str) -> None:
+    path = write(tmp_path, toml)
+    with pytest.raises(ConfigError) as exc:
+        load_config({}, BASE_ENV, path)
+    assert str(path) in str(exc.value)
+    assert message in str(exc.value)
+
+
+def test_unknown_key_lists_all_valid_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config({}, BASE_ENV, write(tmp_path, "colour = 'blue'\n"))
+    assert all(name in str(exc.value) for name in FIELDS)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({}, {**BASE_ENV, "CKPTD_CONFIG": str(tmp_path / "nope.toml")}, None)
+
+
+def test_direct_construction_validates_and_normalizes() -> None:
+    config = DaemonConfig(root="/r", socket="/s", log_level="INFO", save_timeout_s=5)  # type: ignore[arg-type]
+    assert (config.root, config.log_level, config.save_timeout_s) == (Path("/r"), "info", 5.0)
+    assert isinstance(config.save_timeout_s, float)
+    with pytest.raises(ConfigError, match=r"DaemonConfig.max_inflight=0: expected an integer >= 1"):
+        DaemonConfig(root=Path("/r"), socket=Path("/s"), max_inflight=0)
+
+
+# ------------------------------------------------------------------ the example file
+
+
+def test_example_file_matches_the_defaults() -> None:
+    assert load_config({}, BASE_ENV, EXAMPLE) == load_config({}, BASE_ENV, None)
+
+
+def test_example_file_documents_every_setting() -> None:
+    text = EXAMPLE.read_text()
+    for name in FIELDS:
+        assert re.search(rf"^#? ?{name} = ", text, re.MULTILINE), f"{name} is missing from {EXAMPLE.name}"
+
+
+# ------------------------------------------------------------------ shared memory
+
+
+def test_shm_check_passes_for_a_roomy_directory(tmp_path: Path) -> None:
+    assert check_shm(tmp_path, 0) is None
+    assert check_shm(tmp_path, 1) is None
+
+
+def test_shm_check_reports_a_missing_directory(tmp_path: Path) -> None:
+    message = check_shm(tmp_path / "missing", 0)
+    assert message is not None and "does not exist" in message and "--shm-dir" in message
+
+
+def test_shm_check_reports_too_little_space_with_the_container_fix(tmp_path: Path) -> None:
+    message = check_shm(tmp_path, 1 << 60)
+    assert message is not None
+    assert str(tmp_path) in message and "free" in message
+    assert "--shm-size" in message and "medium: Memory" in message

@@ -1,0 +1,202 @@
+"""Save and load through a real daemon over its Unix socket: bit-exact round trips, tiers, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ckptd.client import CheckpointClient, CheckpointError
+from ckptd.daemon.format import INDEX_NAME
+
+
+class Net(nn.Module):
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.seen += tokens.numel()
+        return self.head(self.norm(self.body(self.embed(tokens))))
+
+
+def make_training(seed: int, tied: bool = False) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(seed)
+    model = Net(tied)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched
+
+
+def train_step(model: Net, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 50, (4, 12), generator=g)
+    logits = model(tokens[:, :-1])  # dropout draws from the global RNG: restored with rng=True
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 50), tokens[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def state_of(model: Net, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, extra: dict) -> dict:
+    return {"model": model, "optimizer": opt, "scheduler": sched, "extra": extra}
+
+
+def assert_same_training_state(a: tuple, b: tuple) -> None:
+    (ma, oa, sa), (mb, ob, sb) = a, b
+    for (na, ta), (nb, tb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert na == nb and torch.equal(ta, tb), na
+    sda, sdb = oa.state_dict(), ob.state_dict()
+    assert sda["param_groups"] == sdb["param_groups"]
+    for pid, st in sda["state"].items():
+        for key, value in st.items():
+            assert torch.equal(value, sdb["state"][pid][key]), (pid, key)
+    assert sa.state_dict() == sb.state_dict()
+
+
+def test_round_trip_is_bit_exact_from_memory_and_from_disk(daemons) -> None:
+    daemon = daemons.start()
+    src = make_training(0)
+    for step in range(1, 5):
+        train_step(*src, step)
+    extra = {"epoch": 3, "tokens_seen": 123456789, "note": "hello", "ratio": 0.125, "nested": {"a": [1, 2, 3]}}
+    random.seed(5)
+    np.random.seed(6)
+    with CheckpointClient("rt", address=daemon.address, on_error="raise") as ckpt:
+        handle = ckpt.save(4, state_of(*src, extra), rng=True)
+        assert handle.ok and handle.stall_s > 0
+        info = handle.wait_durable(timeout=60)
+        assert info is not None and Path(info.step_dir).name == "step-00000004"
+        expected_next = (torch.rand(3), random.random(), np.random.rand())
+
+        for tier in ("memory", "disk"):
+            if tier == "disk":
+                daemon.stop()
+                daemon = daemons.start()
+                ckpt = CheckpointClient("rt", address=daemon.address, on_error="raise")
+            dst = make_training(1)
+            got_extra: dict = {"epoch": 0}
+            torch.manual_seed(99)
+            random.seed(99)
+            step = ckpt.load(state_of(*dst, got_extra), rng=True)
+            assert step == 4
+            assert_same_training_state(src, dst)
+            assert got_extra == extra
+            assert (torch.rand(3), random.random(), np.random.rand())[1:] == expected_next[1:]
+            infos = ckpt.list()
+            assert [i.step for i in infos] == [4] and infos[0].in_memory == (tier == "memory")
+
+
+def test_resumed_training_follows_the_uninterrupted_run(daemon) -> None:
+    total, cut = 10, 4
+    reference = make_training(7)  # seeds the global RNG, which dropout draws from
+    ref_losses = [train_step(*reference, s) for s in range(1, total + 1)]
+
+    first = make_training(7)
+    losses = [train_step(*first, s) for s in range(1, cut + 1)]
+    with CheckpointClient("resume", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(cut, state_of(*first, {"step": cut}), rng=True).wait_durable(timeout=60)
+        torch.manual_seed(555)  # the restarted process starts from other random state
+        second = make_training(8)
+        extra: dict = {}
+        start = ckpt.load(state_of(*second, extra), rng=True)
+    assert start == cut and extra == {"step": cut}
+    losses += [train_step(*second, s) for s in range(start + 1, total + 1)]
+    assert losses == ref_losses
+
+
+def test_model_files_load_with_safetensors_and_tied_weights_are_stored_once(daemon) -> None:
+    model, opt, sched = make_training(0, tied=True)
+    train_step(model, opt, sched, 1)
+    with CheckpointClient("tied", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(1, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
+        step_dir = Path(info.step_dir)
+        weights = load_file(step_dir / "model-00001-of-00001.safetensors")
+        assert "embed.weight" in weights and "head.weight" not in weights
+        for name, tensor in model.state_dict().items():
+            if name != "head.weight":
+                assert torch.equal(weights[name], tensor), name
+        hf_index = json.loads((step_dir / "model.safetensors.index.json").read_text())
+        assert set(hf_index["weight_map"]) == set(weights)
+        index = json.loads((step_dir / INDEX_NAME).read_text())
+        assert index["tensors"]["model/embed.weight"]["aliases"] == ["model/head.weight"]
+
+        fresh, fresh_opt, _ = make_training(3, tied=True)
+        assert ckpt.load({"model": fresh, "optimizer": fresh_opt}) == 1
+        assert fresh.head.weight is fresh.embed.weight
+        assert torch.equal(fresh.head.weight, model.head.weight)
+
+        untied, _, _ = make_training(3, tied=False)  # a tied checkpoint into an untied model
+        assert ckpt.load({"model": untied}) == 1
+        assert torch.equal(untied.head.weight, model.embed.weight)
+
+
+def test_strict_load_names_missing_and_unexpected_tensors(daemon) -> None:
+    model, opt, sched = make_training(0)
+    with CheckpointClient("strict", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model}).wait_durable(timeout=60)
+        bigger = nn.Sequential(nn.Linear(3, 3))
+        with pytest.raises(CheckpointError, match=r"missing from step 1: model/0\.weight.*not in the state being loaded: model/body"):
+            ckpt.load({"model": bigger})
+        other, _, _ = make_training(0)
+        other.embed = nn.Embedding(51, 16)
+        with pytest.raises(CheckpointError, match=r"'model/embed.weight' has shape \[50, 16\]"):
+            ckpt.load({"model": other})
+        with pytest.raises(CheckpointError, match="step 2 of job 'strict' is not committed"):
+            ckpt.load({"model": model}, step=2)
+        assert CheckpointClient("nothing-yet", address=daemon.address).load({"model": model}) is None
+
+
+def test_saving_a_committed_step_again_is_refused_and_the_old_one_kept(daemon) -> None:
+    model, _, _ = make_training(0)
+    with CheckpointClient("again", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(5, {"model": model}).wait_durable(timeout=60)
+        with pytest.raises(CheckpointError, match="already committed"):
+            ckpt.save(5, {"model": model})
+        assert ckpt.latest() == 5
+
+
+def test_retention_keeps_the_last_three(daemon) -> None:
+    model, _, _ = make_training(0)
+    with CheckpointClient("keep", address=daemon.address, on_error="raise") as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, {"model": model}).wait_durable(timeout=60)
+        assert [i.step for i in ckpt.list()] == [4, 5, 6]
+    job_dir = daemon.root / "keep"
+    assert sorted(p.name for p in job_dir.iterdir()) == ["latest", "step-00000004", "step-00000005", "step-00000006"]
+    assert (job_dir / "latest").read_text().strip() == "step-00000006"
+
+
+def test_a_missing_daemon_does_not_stop_training(tmp_path: Path) -> None:
+    model, _, _ = make_training(0)
+    ckpt = CheckpointClient("nodaemon", address=f"unix://{tmp_path}/none.sock", timeout_s=2)
+    handle = ckpt.save(1, {"model": model})
+    assert not handle.ok and "no ckptd answers" in (handle.error or "")
+    assert handle.wait_durable() is None
+    assert ckpt.failed_saves == 1
+    with pytest.raises(CheckpointError, match="no ckptd answers"):
+        CheckpointClient("nodaemon", address=f"unix://{tmp_path}/none.sock", on_error="raise", timeout_s=2).save(1, {"model": model})
+
+
+def test_sigterm_commits_what_was_handed_over(daemons) -> None:
+    daemon = daemons.start()
+    model, _, _ = make_training(0)
+    with CheckpointClient("term", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model})
+    assert daemon.stop() == 0
+    assert (daemon.root / "term" / "step-00000001" / INDEX_NAME).is_file()
+    assert daemons.arenas() == []
