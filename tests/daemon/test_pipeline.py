@@ -58,7 +58,7 @@ def test_fragments_of_two_ranks_are_written_whole_and_loadable(tmp_path: Path, s
     _fill(arenas, plan, tensors)
     storage = Storage(tmp_path)
     progress = Progress(plan.total_bytes)
-    request = PersistRequest("job", 3, plan, arenas, {0: {"a": 1}, 1: {"a": 2}}, None, 2**30, 2)
+    request = PersistRequest("job", 3, plan, arenas, {0: {"a": 1}, 1: {"a": 2}}, {"config.json": b"{}"}, None, 2**30, 2)
     index = persist(storage, request, progress)
     pool.close()
 
@@ -71,6 +71,7 @@ def test_fragments_of_two_ranks_are_written_whole_and_loadable(tmp_path: Path, s
     assert CheckpointIndex.from_json_bytes((step_dir / INDEX_NAME).read_bytes()) == index
     assert json.loads((step_dir / "extra.json").read_text())["ranks"] == {"0": {"a": 1}, "1": {"a": 2}}
     assert (tmp_path / "job" / "latest").read_text() == "step-00000003\n"
+    assert (step_dir / "config.json").read_bytes() == b"{}"
     assert sorted(p.name for p in step_dir.iterdir() if p.name.startswith(".")) == []
     assert storage.committed_steps("job") == [3]
 
@@ -82,7 +83,7 @@ def test_a_failed_write_leaves_no_step(tmp_path: Path, shm_dir: Path) -> None:
     arenas.arenas[0].close()  # the data vanished: writing must fail
     storage = Storage(tmp_path)
     with pytest.raises(Exception):
-        persist(storage, PersistRequest("job", 1, plan, arenas, {}, None, 2**30, 1), Progress(16))
+        persist(storage, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 1), Progress(16))
     assert not (tmp_path / "job" / "step-00000001").exists()
     assert storage.committed_steps("job") == []
 

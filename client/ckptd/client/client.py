@@ -47,6 +47,20 @@ class CheckpointInfo:
     metric: float | None
 
 
+def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
+    """config.json (and generation_config.json) of a Hugging Face model, so the step directory
+    loads with `from_pretrained` as it is."""
+    model = state.get("model")
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return {}
+    files = {"config.json": config.to_json_string()}
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and callable(getattr(generation, "to_json_string", None)):
+        files["generation_config.json"] = generation.to_json_string()
+    return files
+
+
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         return rank, world_size
@@ -137,11 +151,11 @@ class CheckpointClient:
             if quantize is not None:
                 raise ValueError(f"quantize={quantize!r} is not supported yet; use None")
             flat = flatten_state(state, rank=self.rank, rng=rng)
-            return self._save(step, flat, metric, started)
+            return self._save(step, state, flat, metric, started)
         except Exception as exc:
             return self._failed_save(step, exc, started)
 
-    def _save(self, step: int, flat: FlatState, metric: float | None, started: float) -> SaveHandle:
+    def _save(self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float) -> SaveHandle:
         fingerprint = flat.fingerprint()
         request = pb.BeginSaveRequest(
             who=self._who,
@@ -173,7 +187,10 @@ class CheckpointClient:
         except BaseException as exc:
             self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
             raise
-        self._call(self._stub.CommitSnapshot, pb.CommitSnapshotRequest(who=self._who, save_id=reply.save_id, extras_json=extras))
+        commit = pb.CommitSnapshotRequest(who=self._who, save_id=reply.save_id, extras_json=extras)
+        if self.rank == 0:
+            commit.model_files.update(_model_files(state))
+        self._call(self._stub.CommitSnapshot, commit)
         nbytes = sum(s.nbytes for s in reply.slots)
         return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes)
 

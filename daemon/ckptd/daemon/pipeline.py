@@ -59,6 +59,7 @@ class PersistRequest:
     plan: SavePlan
     arenas: ArenaSet
     extras: dict[int, Any]  # rank -> JSON tree
+    model_files: dict[str, bytes]  # small files for model tools (config.json), validated names
     metric: float | None
     max_file_bytes: int
     write_threads: int
@@ -185,7 +186,9 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
             total = sum(layout.nbytes for layout in group_files)
             (step_dir / f"{group}.safetensors.index.json").write_bytes(hf_index_json(total, weight_map))
     (step_dir / EXTRA_JSON).write_bytes(extra_json(req.step, req.extras))
-    small = [f"{g}.safetensors.index.json" for g in ("model", "master_weights", "optimizer")] + [EXTRA_JSON]
+    for name, data in req.model_files.items():
+        (step_dir / name).write_bytes(data)
+    small = [f"{g}.safetensors.index.json" for g in ("model", "master_weights", "optimizer")] + [EXTRA_JSON, *req.model_files]
     for name in small:
         path = step_dir / name
         if path.exists():

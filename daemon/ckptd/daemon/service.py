@@ -52,6 +52,7 @@ class SaveSession:
     created: float = field(default_factory=time.monotonic)
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
+    model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
     plan: SavePlan | None = None
     arenas: ArenaSet | None = None
     skip_reason: str | None = None
@@ -288,7 +289,9 @@ class CheckpointService:
                 except asyncio.TimeoutError:
                     pass
 
-    async def commit_snapshot(self, job: str, rank: int, save_id: str, extras_json: str) -> None:
+    async def commit_snapshot(
+        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None
+    ) -> None:
         state, session = self._session(job, save_id)
         if session.state != "snapshotting":
             raise Precondition(f"save of step {session.step} is {session.state}, it cannot take a snapshot now")
@@ -301,6 +304,8 @@ class CheckpointService:
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
         session.committed[rank] = extras
+        if rank == 0 and model_files:
+            session.model_files = dict(model_files)
         if len(session.committed) == session.world_size:
             session.state = "writing"
             assert session.arenas is not None
@@ -331,6 +336,7 @@ class CheckpointService:
             plan=session.plan,
             arenas=session.arenas,
             extras=dict(session.committed),
+            model_files=dict(session.model_files),
             metric=session.metric,
             max_file_bytes=self.config.max_file_bytes,
             write_threads=self.config.write_threads,

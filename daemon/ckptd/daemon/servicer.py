@@ -30,6 +30,8 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48
 MAX_TENSORS = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MODEL_FILES = ("config.json", "generation_config.json")
+MAX_MODEL_FILE_BYTES = 1 << 20
 
 _STATUS: dict[type[errors.CkptdError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -171,7 +173,18 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
     @_mapped
     async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
         job, rank, _ = _check_who(request.who)
-        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json)
+        model_files = {}
+        for name, text in request.model_files.items():
+            if name not in MODEL_FILES:
+                raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)}")
+            if len(text) > MAX_MODEL_FILE_BYTES:
+                raise errors.InvalidRequest(f"model file {name} is {len(text)} bytes; the limit is {MAX_MODEL_FILE_BYTES}")
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise errors.InvalidRequest(f"model file {name} is not valid JSON: {exc}") from None
+            model_files[name] = text.encode()
+        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files)
         return pb.CommitSnapshotResponse()
 
     @_mapped

@@ -87,14 +87,23 @@ class BeginSaveResponse(_message.Message):
     def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("who", "save_id", "extras_json")
+    __slots__ = ("who", "save_id", "extras_json", "model_files")
+    class ModelFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WHO_FIELD_NUMBER: _ClassVar[int]
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     save_id: str
     extras_json: str
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ...) -> None: ...
+    model_files: _containers.ScalarMap[str, str]
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ..., model_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CommitSnapshotResponse(_message.Message):
     __slots__ = ()
