@@ -152,3 +152,26 @@ def test_bad_extras_are_refused(daemon) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         stub.CommitSnapshot(pb.CommitSnapshotRequest(who=WHO, save_id=begin.save_id, extras_json="{not json"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in caught.value.details()
+
+
+def _save_as_ranks(address: str, job: str, world: int, step: int, state: dict) -> list:
+    """`world` ranks as threads of this process, each with its own client (the save is collective)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients = [CheckpointClient(job, address=address, rank=r, world_size=world, on_error="raise") for r in range(world)]
+    with ThreadPoolExecutor(world) as pool:
+        handles = list(pool.map(lambda c: c.save(step, state), clients))
+    return handles
+
+
+def test_elastic_restart_with_another_world_size_keeps_the_save_being_written(daemons) -> None:
+    daemon = daemons.start("--write-throttle", "4MiB")
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])  # ~2 MiB: written in ~0.5 s
+    handles = _save_as_ranks(daemon.address, "elastic", 2, 1, {"model": model})
+    with CheckpointClient("elastic", address=daemon.address, rank=0, world_size=1, on_error="raise") as single:
+        restored = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        assert single.load({"model": restored}) == 1  # waits for the step every rank handed over
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+        single.save(2, {"model": model}).wait_durable(timeout=60)
+        assert handles[0].wait_durable(timeout=60).step == 1
+        assert [i.step for i in single.list()] == [1, 2]

@@ -48,7 +48,9 @@ class ArenaMaps:
         fd = os.open(path, os.O_RDWR)
         try:
             length = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE maps every page now, in one go, instead of one fault per page during the copy.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, length, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._maps[path] = mm

@@ -195,6 +195,16 @@ class ArenaPool:
         chosen.step = None
         return chosen
 
+    def prewarm(self, sizes: tuple[int, ...]) -> bool:
+        """Create one more FREE set of `sizes` if the pool has room, so that the next save does
+        not pay for fresh pages while the trainer waits. Returns whether it created one."""
+        if len(self.sets) >= self.max_inflight or any(s.state is SetState.FREE and s.fits(sizes) for s in self.sets):
+            return False
+        arena_set = ArenaSet(index=len(self.sets))
+        self._allocate(arena_set, sizes)
+        self.sets.append(arena_set)
+        return True
+
     def _allocate(self, arena_set: ArenaSet, sizes: tuple[int, ...]) -> None:
         arena_set.close()
         self._generation += 1

@@ -177,18 +177,21 @@ class CheckpointService:
     # ------------------------------------------------------------ save
 
     def _job(self, job: str, world_size: int) -> JobState:
+        """The job's state. A new world size (an elastic restart) forgets the cached plans but
+        keeps the arenas: snapshots still being written or held for restores stay valid."""
         state = self.jobs.get(job)
-        if state is None or state.world_size != world_size:
-            if state is not None:
-                if any(s.open for s in state.sessions.values()):
-                    raise InvalidRequest(
-                        f"job {job!r} has a save in flight with world size {state.world_size}, "
-                        f"this rank says {world_size}; all ranks of a job must agree on the world size"
-                    )
-                state.pool.close()
-            pool = ArenaPool(self.config.shm_dir, job, self.config.max_inflight)
-            state = JobState(world_size=world_size, pool=pool)
+        if state is None:
+            state = JobState(world_size=world_size, pool=ArenaPool(self.config.shm_dir, job, self.config.max_inflight))
             self.jobs[job] = state
+        elif state.world_size != world_size:
+            if any(s.open for s in state.sessions.values()):
+                raise InvalidRequest(
+                    f"job {job!r} has a save in flight with world size {state.world_size}, "
+                    f"this rank says {world_size}; all ranks of a job must agree on the world size"
+                )
+            state.world_size = world_size
+            state.specs.clear()
+            state.plans.clear()
         return state
 
     async def begin_save(
@@ -254,6 +257,7 @@ class CheckpointService:
             session.arenas = await self._acquire(state, session, plan)
             if session.arenas is not None:
                 session.state = "snapshotting"
+                self._spawn(self._prewarm(state, plan))
         except PlanError as exc:
             session.refused = True
             await self._fail(state, session, str(exc), count=True)
@@ -288,6 +292,16 @@ class CheckpointService:
                     await asyncio.wait_for(state.arena_freed.wait(), remaining)
                 except asyncio.TimeoutError:
                     pass
+
+    async def _prewarm(self, state: JobState, plan: SavePlan) -> None:
+        """Allocate the next arena set in the background while this snapshot is copied and written."""
+        try:
+            async with state.acquire_lock:
+                if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes):
+                    async with state.arena_freed:
+                        state.arena_freed.notify_all()
+        except Exhausted as exc:
+            log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
     async def commit_snapshot(
         self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None
@@ -461,6 +475,8 @@ class CheckpointService:
         if state is not None:
             await self._abort_left_behind(state, rank, None)
         if step is None:
+            if state is not None:
+                await self._wait_for_writes(state)
             step = await asyncio.to_thread(self.storage.latest_step, job)
             if step is None:
                 raise NotFound(f"job {job!r} has no committed checkpoint in {self.storage.root}")
@@ -512,6 +528,15 @@ class CheckpointService:
         tiers = {p.source for p in pieces}
         tier = "memory" if tiers == {"shm"} else "disk" if tiers == {"file"} else "mixed" if tiers else "disk"
         return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
+
+    async def _wait_for_writes(self, state: JobState) -> None:
+        """A restarted trainer asking for the newest step gets the one every rank already handed
+        over, not an older one: wait for snapshots that are being written."""
+        for session in [s for s in state.sessions.values() if s.state == "writing"]:
+            try:
+                await asyncio.wait_for(session.finished.wait(), session.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
     def _pieces_for(self, spec: TensorSpec, record: Any, index: CheckpointIndex, held: ArenaSet | None) -> list[PieceInfo]:
         plan: SavePlan | None = held.plan if held is not None else None
