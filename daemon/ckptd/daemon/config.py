@@ -179,9 +179,12 @@ def _size(raw: Any, text: bool) -> int:
 
 def _size_or_off(raw: Any, text: bool) -> int:
     """A size as for _size, or 0 (off)."""
-    if raw == 0 or (isinstance(raw, str) and raw.strip() == "0"):
+    if (type(raw) is int and raw == 0) or (isinstance(raw, str) and raw.strip() == "0"):
         return 0
-    return _size(raw, text)
+    try:
+        return _size(raw, text)
+    except _Expected as exc:
+        raise _Expected(f"0 (off) or {exc}") from None
 
 
 @dataclass(frozen=True)

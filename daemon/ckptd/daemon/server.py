@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE_S = 60.0
 MAX_MESSAGE_BYTES = 256 * 2**20
 SERVICE_NAME = "ckptd.v1.Checkpoint"
+SHM_WARN_BYTES = 1 << 30
 
 
 class SocketInUse(RuntimeError):
@@ -53,9 +54,15 @@ async def serve(config: DaemonConfig) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
     if len(str(config.socket)) > 100:
         raise ValueError(f"socket path {config.socket} is longer than the 100 characters a Unix socket allows; use a shorter path")
+    if config.shm_dir.parent.is_dir():
+        config.shm_dir.mkdir(exist_ok=True)
     problem = check_shm(config.shm_dir, 0)
     if problem:
         raise RuntimeError(problem)
+    # A container's default 64 MiB /dev/shm fails every real save: say so now, not at the first save.
+    small = check_shm(config.shm_dir, SHM_WARN_BYTES)
+    if small:
+        log.warning("%s", small)
     _prepare_socket(config.socket)
     service = CheckpointService(config)
     await asyncio.to_thread(service.start)

@@ -1,0 +1,48 @@
+"""The `ckptd` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ckptd.client import CheckpointClient
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_ls_lists_committed_checkpoints(daemon) -> None:
+    model = torch.nn.Linear(64, 64)
+    with CheckpointClient("listed", address=daemon.address, on_error="raise") as ckpt:
+        for step in (10, 20):
+            ckpt.save(step, {"model": model}).wait_durable(timeout=60)
+    (daemon.root / "listed" / "step-00000030").mkdir()  # uncommitted: never listed
+
+    out = ckptd("ls", str(daemon.root), "listed")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:5] == ["JOB", "STEP", "CREATED", "SIZE", "FILES"]
+    assert [line.split()[1] for line in lines[1:]] == ["10", "20"]
+
+    rows = json.loads(ckptd("ls", str(daemon.root), "--json").stdout)
+    assert [(r["job"], r["step"]) for r in rows] == [("listed", 10), ("listed", 20)]
+    assert all(r["size_bytes"] > 64 * 64 * 4 and r["files"] >= 4 for r in rows)
+
+
+def test_ls_explains_bad_input(tmp_path: Path) -> None:
+    out = ckptd("ls", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+    tmp_path.mkdir(exist_ok=True)
+    out = ckptd("ls", str(tmp_path), "../x")
+    assert out.returncode == 2 and "invalid job id" in out.stderr
+    assert "no committed checkpoints" in ckptd("ls", str(tmp_path)).stdout
+
+
+def test_serve_refuses_a_bad_configuration(tmp_path: Path) -> None:
+    out = ckptd("serve", "--root", str(tmp_path), "--socket", str(tmp_path / "s.sock"), "--max-inflight", "zero")
+    assert out.returncode == 2 and "--max-inflight" in out.stderr
