@@ -12,9 +12,9 @@ themselves, any other key is "extra"); values choose how they are read:
   `*._extra_state` items and other non-tensor items go to the extras.
 - torch.optim.Optimizer: torch.distributed.checkpoint's get_optimizer_state_dict, which keys
   the state by parameter name (FQN) instead of by integer id, so it needs the model of the same
-  state under "model". Tensors are named "<key>/state/<fqn>/<field>"; param_groups go to the
-  extras. A fresh optimizer gets its state initialized (a zero-lr step), which gives a load the
-  tensors to fill.
+  state under "model". Tensors are named "<key>/state/<fqn>/<field>" (a tied parameter's state
+  has its other FQNs as aliases); param_groups go to the extras. A fresh optimizer gets its
+  state initialized (a zero-lr step), which gives a load the tensors to fill.
 - anything with state_dict()/load_state_dict() (LR schedulers, user objects): its state_dict
   tree, tensors named "<key>/<path>".
 - tensors and JSON-able values (see ckptd.client.tree): tensors named "<key>/<path>".
