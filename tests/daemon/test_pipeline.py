@@ -118,3 +118,29 @@ def test_arena_pool_reuses_and_bounds_sets(shm_dir: Path) -> None:
     assert d is b and d.arenas[0].size == 2 * 8192
     pool.close()
     assert list(shm_dir.iterdir()) == []
+
+
+def test_retention_recycles_data_files_into_the_next_save(tmp_path: Path, shm_dir: Path) -> None:
+    specs = [TensorSpec(f"model/w{i}", "model", "F32", (1000 * (i + 1),), Box.full((1000 * (i + 1),))) for i in range(3)]
+    plan = make_save_plan([specs])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = pool.acquire(plan.arena_bytes)
+    tensors = {s.name: torch.randn(s.shape) for s in specs}
+    _fill(arenas, plan, tensors)
+    storage = Storage(tmp_path)
+
+    def save(step: int, max_file_bytes: int) -> None:
+        persist(storage, PersistRequest("job", step, plan, arenas, {}, {}, None, max_file_bytes, 2), Progress(plan.total_bytes))
+
+    save(1, 8000)  # three model files
+    old_inodes = {p.stat().st_ino for p in (tmp_path / "job" / "step-00000001").glob("*.safetensors")}
+    storage.remove_step("job", 1, recycle=True)
+    assert len(storage.take_recycled("job")) == 3 and not (tmp_path / "job" / "step-00000001").exists()
+    save(2, 2**30)  # one bigger file: made from the largest recycled one
+    step_dir = tmp_path / "job" / "step-00000002"
+    new = step_dir / "model-00001-of-00001.safetensors"
+    assert new.stat().st_ino in old_inodes
+    assert len(storage.take_recycled("job")) == 2
+    loaded = load_file(new)
+    assert all(torch.equal(loaded[n.split("/", 1)[1]], t) for n, t in tensors.items())
+    pool.close()

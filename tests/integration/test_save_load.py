@@ -177,7 +177,8 @@ def test_retention_keeps_the_last_three(daemon) -> None:
             ckpt.save(step, {"model": model}).wait_durable(timeout=60)
         assert [i.step for i in ckpt.list()] == [4, 5, 6]
     job_dir = daemon.root / "keep"
-    assert sorted(p.name for p in job_dir.iterdir()) == ["latest", "step-00000004", "step-00000005", "step-00000006"]
+    # .recycle holds the data files of the last deleted step, to be overwritten by the next save
+    assert sorted(p.name for p in job_dir.iterdir()) == [".recycle", "latest", "step-00000004", "step-00000005", "step-00000006"]
     assert (job_dir / "latest").read_text().strip() == "step-00000006"
 
 
@@ -200,3 +201,17 @@ def test_sigterm_commits_what_was_handed_over(daemons) -> None:
     assert daemon.stop() == 0
     assert (daemon.root / "term" / "step-00000001" / INDEX_NAME).is_file()
     assert daemons.arenas() == []
+
+
+def test_more_ranks_than_at_save_time_get_the_state_but_not_another_ranks_rng(daemon) -> None:
+    model, opt, sched = make_training(0)
+    train_step(model, opt, sched, 1)
+    with CheckpointClient("grow", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        ckpt.save(1, state_of(model, opt, sched, {"epoch": 1}), rng=True).wait_durable(timeout=60)
+    for rank in range(2):
+        dst = make_training(rank + 5)
+        extra: dict = {}
+        with CheckpointClient("grow", address=daemon.address, rank=rank, world_size=2, on_error="raise") as ckpt:
+            assert ckpt.load(state_of(*dst, extra), rng=True) == 1
+        assert_same_training_state((model, opt, sched), dst)
+        assert extra == {"epoch": 1}

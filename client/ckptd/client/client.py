@@ -19,7 +19,7 @@ import torch
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
-from ckptd.client.transport import ArenaMaps, Source, copy_to_arena, fill_from_sources
+from ckptd.client.transport import ArenaMaps, Fill, Source, copy_to_arena, fill_all
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import check_job_id
@@ -182,7 +182,9 @@ class CheckpointClient:
             by_name = {e.name: e.tensor for e in flat.tensors}
             if reply.slots:
                 arena = self._maps.get(reply.arena_path, reply.arena_size)
-                copy_to_arena(self._pool, arena, [(by_name[s.name], s.offset, s.nbytes) for s in reply.slots])
+                placements = [(by_name[s.name], s.offset, s.nbytes) for s in reply.slots]
+                copy_to_arena(self._pool, arena, placements, cold=self._maps.is_cold(reply.arena_path))
+                self._maps.mark_warm(reply.arena_path)
             extras = json.dumps(flat.extras, allow_nan=False)
         except BaseException as exc:
             self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
@@ -262,13 +264,13 @@ class CheckpointClient:
         sources: dict[str, list[Source]] = {}
         for source in _sources(plan):
             sources.setdefault(source.name, []).append(source)
-        for entry in flat.tensors:
-            found = sources.get(entry.name)
-            if not found:
-                continue
-            target = entry.tensor
-            with torch.no_grad():
-                fill_from_sources(self._pool, self._maps, target, Box.full(tuple(target.shape)), found)
+        fills = [
+            Fill(entry.tensor, Box.full(tuple(entry.tensor.shape)), sources[entry.name])
+            for entry in flat.tensors
+            if entry.name in sources
+        ]
+        with torch.no_grad():
+            fill_all(self._pool, self._maps, fills)
 
     # ------------------------------------------------------------ queries
 

@@ -152,7 +152,8 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             _put_back(state, key, value, loaded)
     if RNG_KEY in targets.extras and RNG_KEY not in state:
         if RNG_KEY not in extras:
-            _missing(RNG_KEY, strict)
+            # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
+            log.warning("the checkpoint has no RNG state for this rank: the generators are left as they are")
         else:
             _set_rng_state(tree.decode(extras[RNG_KEY], _getter(tensors, RNG_KEY)))
 

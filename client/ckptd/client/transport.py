@@ -34,10 +34,23 @@ def byte_view(t: torch.Tensor) -> np.ndarray | None:
 
 
 class ArenaMaps:
-    """The arenas this process has mapped, by path; each is mapped once and reused."""
+    """The arenas this process has mapped, by path; each is mapped once and reused.
+
+    A mapping is "cold" until a copy has gone through it: its pages are not in this process's
+    page tables yet, so copies populate them chunk by chunk first (see CopyTask). On a warm
+    mapping that would only cost time.
+    """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._warm: set[str] = set()
+
+    def is_cold(self, path: str) -> bool:
+        return path not in self._warm
+
+    def mark_warm(self, path: str) -> None:
+        if path in self._maps:
+            self._warm.add(path)
 
     def get(self, path: str, size: int | None = None) -> mmap.mmap:
         mm = self._maps.get(path)
@@ -48,9 +61,7 @@ class ArenaMaps:
         fd = os.open(path, os.O_RDWR)
         try:
             length = os.fstat(fd).st_size
-            # MAP_POPULATE maps every page now, in one go, instead of one fault per page during the copy.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, length, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._maps[path] = mm
@@ -59,6 +70,7 @@ class ArenaMaps:
         return mm
 
     def _drop(self, path: str) -> None:
+        self._warm.discard(path)
         mm = self._maps.pop(path)
         try:
             mm.close()
@@ -70,25 +82,51 @@ class ArenaMaps:
             self._drop(path)
 
 
+# madvise(2) advice that maps a range's pages in one call (Linux >= 5.14). A fresh mapping of
+# an arena otherwise takes one page fault per 4 KiB during the copy, which costs more than the
+# copy itself; populating chunk by chunk on the copying threads spreads that work over cores.
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
+
+
 @dataclass(frozen=True)
 class CopyTask:
-    """Copy `src` bytes into `dst` (both flat uint8 arrays of the same length)."""
+    """Copy `src` bytes into `dst` (both flat uint8 arrays of the same length).
+
+    `arena`, `offset`: the arena range (of the same length) to populate first, if any.
+    """
 
     dst: np.ndarray
     src: np.ndarray
+    arena: mmap.mmap | None = None
+    offset: int = 0
+    advice: int = MADV_POPULATE_WRITE
+
+    def run(self) -> None:
+        if self.arena is not None and len(self.src):
+            try:
+                start = self.offset - self.offset % mmap.PAGESIZE
+                self.arena.madvise(self.advice, start, self.offset + len(self.src) - start)
+            except OSError:
+                pass  # kernel without MADV_POPULATE_*: the copy faults the pages in instead
+        np.copyto(self.dst, self.src)
 
 
-def _chunks(dst: np.ndarray, src: np.ndarray) -> list[CopyTask]:
-    return [CopyTask(dst[i : i + CHUNK], src[i : i + CHUNK]) for i in range(0, len(src), CHUNK)]
+def _chunks(dst: np.ndarray, src: np.ndarray, arena: mmap.mmap | None = None, offset: int = 0, advice: int = MADV_POPULATE_WRITE) -> list[CopyTask]:
+    return [
+        CopyTask(dst[i : i + CHUNK], src[i : i + CHUNK], arena, offset + i, advice) for i in range(0, len(src), CHUNK)
+    ]
 
 
 def _run_copies(pool: ThreadPoolExecutor, tasks: list[CopyTask]) -> None:
-    for future in [pool.submit(np.copyto, t.dst, t.src) for t in tasks]:
+    for future in [pool.submit(t.run) for t in tasks]:
         future.result()
 
 
-def copy_to_arena(pool: ThreadPoolExecutor, arena: mmap.mmap, placements: Sequence[tuple[torch.Tensor, int, int]]) -> None:
-    """Copy each (tensor, offset, nbytes) into the arena at `offset`."""
+def copy_to_arena(
+    pool: ThreadPoolExecutor, arena: mmap.mmap, placements: Sequence[tuple[torch.Tensor, int, int]], cold: bool
+) -> None:
+    """Copy each (tensor, offset, nbytes) into the arena at `offset` (`cold`: a fresh mapping)."""
     tasks = []
     for tensor, offset, nbytes in placements:
         if nbytes != tensor.numel() * tensor.element_size():
@@ -101,7 +139,7 @@ def copy_to_arena(pool: ThreadPoolExecutor, arena: mmap.mmap, placements: Sequen
             target = torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape)
             target.copy_(tensor)
         else:
-            tasks += _chunks(dst, src)
+            tasks += _chunks(dst, src, arena if cold else None, offset, MADV_POPULATE_WRITE)
     _run_copies(pool, tasks)
 
 
@@ -119,27 +157,41 @@ class Source:
     checksum: str
 
 
-def fill_from_sources(
-    pool: ThreadPoolExecutor, maps: ArenaMaps, target: torch.Tensor, want: Box, sources: Sequence[Source]
-) -> None:
-    """Fill `target` (holding box `want` of its logical tensor) from fragments that cover it."""
+@dataclass(frozen=True)
+class Fill:
+    """Fill `target`, which holds box `want` of its logical tensor, from fragments that cover it."""
+
+    target: torch.Tensor
+    want: Box
+    sources: Sequence[Source]
+
+
+def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
+    """Run every fill's copies and reads on the pool at once, then wait for all of them."""
     jobs = []
-    for src in sources:
-        common = intersect(src.box, want)
-        if common is None:
-            continue
-        dst_bytes = byte_view(target)
-        whole = src.box == want and dst_bytes is not None and src.dtype == dtypes.from_torch_name(str(target.dtype))
-        if whole and src.kind == "shm":
-            arena = maps.get(src.path, src.offset + src.nbytes)
-            tasks = _chunks(dst_bytes, np.frombuffer(arena, dtype=np.uint8, count=src.nbytes, offset=src.offset))
-            jobs += [pool.submit(np.copyto, t.dst, t.src) for t in tasks]
-        elif whole:
-            jobs.append(pool.submit(_read_verified, src, dst_bytes))
-        else:
-            jobs.append(pool.submit(_fill_part, maps, src, common, target, want))
+    for fill in fills:
+        for src in fill.sources:
+            common = intersect(src.box, fill.want)
+            if common is None:
+                continue
+            dst_bytes = byte_view(fill.target)
+            same_dtype = src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
+            whole = src.box == fill.want and dst_bytes is not None and same_dtype
+            if whole and src.kind == "shm":
+                arena = maps.get(src.path, src.offset + src.nbytes)
+                raw = np.frombuffer(arena, dtype=np.uint8, count=src.nbytes, offset=src.offset)
+                populate = arena if maps.is_cold(src.path) else None
+                jobs += [pool.submit(t.run) for t in _chunks(dst_bytes, raw, populate, src.offset, MADV_POPULATE_READ)]
+            elif whole:
+                jobs.append(pool.submit(_read_verified, src, dst_bytes))
+            else:
+                jobs.append(pool.submit(_fill_part, maps, src, common, fill.target, fill.want))
     for job in jobs:
         job.result()
+    for fill in fills:
+        for src in fill.sources:
+            if src.kind == "shm":
+                maps.mark_warm(src.path)
 
 
 def _fill_part(maps: ArenaMaps, src: Source, common: Box, target: torch.Tensor, want: Box) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from ckptd.daemon.errors import Exhausted
 
 ARENA_PREFIX = "ckptd-"
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module before 3.13
 
 
 class Arena:
@@ -48,12 +49,11 @@ class Arena:
 
     def _prefault(self) -> None:
         """Touch every page once, so the trainer's first copy finds them allocated and mapped."""
-        if hasattr(mmap, "MADV_POPULATE_WRITE"):
-            try:
-                self._mmap.madvise(mmap.MADV_POPULATE_WRITE)
-                return
-            except OSError:
-                pass  # older kernels: fall back to touching the pages by hand below
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError:
+            pass  # kernel older than 5.14: touch the pages by hand below
         view = memoryview(self._mmap)
         for offset in range(0, self.size, mmap.PAGESIZE):
             view[offset] = 0

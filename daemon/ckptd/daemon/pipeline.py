@@ -152,10 +152,11 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
         opened = []
         try:
             jobs = []
-            for layout in layouts:
+            recycled = storage.take_recycled(req.job)
+            for layout in sorted(layouts, key=lambda f: -f.nbytes):
                 header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
                 path = step_dir / layout.name
-                fd = os.open(tmp_name(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+                fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, len(header) + layout.nbytes)
                 opened.append((fd, path))
                 _pwrite_all(fd, memoryview(header), 0)
                 files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header))))
@@ -175,7 +176,7 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
 
-    names_in_order = [t.name for layout in layouts for t in layout.tensors]
+    names_in_order = [t.name for layout in sorted(layouts, key=lambda f: -f.nbytes) for t in layout.tensors]
     for name, digest in zip(names_in_order, digests):
         fragments[name] = _with_checksum(fragments[name], digest)
 
@@ -212,6 +213,18 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
     write_small_file(step_dir / INDEX_NAME, index.to_json_bytes())
     storage.write_latest(req.job, req.step)
     return index
+
+
+def _open_for_writing(path: Path, recycled: Path | None, size: int) -> int:
+    """A new file at `path` of `size` bytes, made from a recycled file when there is one: its
+    blocks are overwritten in place (no new allocation), and any excess is cut off."""
+    if recycled is None:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    os.replace(recycled, path)
+    fd = os.open(path, os.O_WRONLY)
+    if os.fstat(fd).st_size > size:
+        os.ftruncate(fd, size)
+    return fd
 
 
 def _with_checksum(record: FragmentRecord, digest: int) -> FragmentRecord:

@@ -50,6 +50,7 @@ class SaveSession:
     metric: float | None
     timeout_s: float
     created: float = field(default_factory=time.monotonic)
+    snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
     model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
@@ -322,6 +323,7 @@ class CheckpointService:
             session.model_files = dict(model_files)
         if len(session.committed) == session.world_size:
             session.state = "writing"
+            session.snapshot_done = time.monotonic()
             assert session.arenas is not None
             session.arenas.state = SetState.PERSISTING
             session.arenas.step = session.step
@@ -371,11 +373,13 @@ class CheckpointService:
         state.pool.hold(session.arenas, session.step)
         session.arenas.plan = session.plan
         session.arenas.extras = dict(session.committed)
-        log.info(
-            "committed step %s of job %s: %.1f MiB in %.2f s",
-            session.step, session.job, session.plan.total_bytes / 2**20, time.monotonic() - started,
-        )
+        written = time.monotonic()
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
+        log.info(
+            "committed step %s of job %s: %.1f MiB written in %.2f s, retention %.3f s, %.2f s after the snapshot",
+            session.step, session.job, session.plan.total_bytes / 2**20, written - started,
+            time.monotonic() - written, time.monotonic() - session.snapshot_done,
+        )
         self._finish(state, session)
         async with state.arena_freed:
             state.arena_freed.notify_all()
@@ -385,7 +389,7 @@ class CheckpointService:
         protected = {lease.step for lease in self.leases.values() if lease.job == job}
         for step in self.retention.to_delete(steps, protected):
             try:
-                await asyncio.to_thread(self.storage.remove_step, job, step)
+                await asyncio.to_thread(self.storage.remove_step, job, step, True)
                 self._index_cache.pop((job, step), None)
                 log.info("retention removed step %s of job %s", step, job)
             except OSError as exc:
@@ -519,7 +523,9 @@ class CheckpointService:
         extras_by_rank = held.extras if held is not None else None
         if extras_by_rank is None:
             extras_by_rank = await self._extras(job, step)
-        extras = extras_by_rank.get(rank, extras_by_rank.get(0, {}))
+        extras = extras_by_rank.get(rank)
+        if extras is None:  # more ranks than at save time: rank 0's extras, without its RNG state
+            extras = {k: v for k, v in extras_by_rank.get(0, {}).items() if k != "rng"}
         load_id = uuid.uuid4().hex
         if held is not None:
             held.readers += 1

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 DELETING_PREFIX = ".deleting-"
+RECYCLE_DIR = ".recycle"
 
 
 def fsync_dir(path: Path) -> None:
@@ -112,8 +113,12 @@ class Storage:
         fsync_dir(path.parent)
         return path
 
-    def remove_step(self, job: str, step: int) -> None:
-        """Delete a step: rename it away first (one atomic step), then remove the files."""
+    def remove_step(self, job: str, step: int, recycle: bool = False) -> None:
+        """Delete a step: rename it away first (one atomic step), then remove the files.
+
+        recycle: keep its data files in the job's recycle bin (replacing what was there), so the
+        next save overwrites their blocks instead of allocating new ones (see take_recycled).
+        """
         path = self.step_dir(job, step)
         if not path.exists():
             return
@@ -122,7 +127,31 @@ class Storage:
             shutil.rmtree(doomed)
         os.replace(path, doomed)
         fsync_dir(path.parent)
+        if recycle:
+            bin_dir = self.recycle_dir(job)
+            if bin_dir.exists():
+                shutil.rmtree(bin_dir)
+            bin_dir.mkdir()
+            for i, f in enumerate(sorted(doomed.glob("*.safetensors"))):
+                os.replace(f, bin_dir / f"{i:05d}")
         shutil.rmtree(doomed)
+
+    def recycle_dir(self, job: str) -> Path:
+        """Data files of deleted steps, kept to be overwritten by the next save.
+
+        Overwriting allocated blocks in place is several times faster than writing new ones on
+        thin-provisioned and cloud disks (here: 0.3 s against 3.3 s per GiB), and saves the
+        file system's block allocation. Nothing in it is ever read.
+        """
+        return self.job_dir(job) / RECYCLE_DIR
+
+    def take_recycled(self, job: str) -> list[tuple[Path, int]]:
+        """The recycle bin's files with their sizes, largest first (the caller renames them away)."""
+        bin_dir = self.recycle_dir(job)
+        if not bin_dir.is_dir():
+            return []
+        files = [(p, p.stat().st_size) for p in bin_dir.iterdir() if p.is_file()]
+        return sorted(files, key=lambda f: -f[1])
 
     def clean_uncommitted(self) -> list[Path]:
         """Remove what a crash left: step directories without an index, temporary files and
