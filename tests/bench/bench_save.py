@@ -18,6 +18,7 @@ pass or fail; 1 only if a part could not run.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -41,7 +42,11 @@ CHUNK = 64 * 2**20  # bytes per os.write / readinto call in the floors
 PARTS = ("floors", "dcp", "ckptd")
 LAYERS = 4
 JOB = "bench"
-WARMUP_SAVES = 2  # one per arena set: the daemon's default --max-inflight
+# Steady state starts after 5 saves: the first into each of the 2 arena sets (--max-inflight)
+# plans and maps new memory, and until keep_last=3 steps exist retention has deleted nothing, so
+# the files go to blocks never written before (3-5x slower on thin-provisioned disks) instead of
+# overwriting a deleted step's recycled files.
+WARMUP_SAVES = 5
 
 State = dict[str, Any]
 
@@ -90,12 +95,13 @@ ROWS: dict[str, str] = {
     "floor.memcpy": "floor: memcpy (the faster of the two) [best]",
     "floor.write_fsync": "floor: write + fsync, one file",
     "floor.read_cold": "floor: read one file, cold",
+    "floor.read_cold_beside": "floor: read one file, cold, before each ckptd cold restore",
     "dcp.first_total": "DCP first call (spawns its process): total",
     "dcp.blocked": "DCP async_save: blocked",
     "dcp.staged": "DCP async_save: staged (state reusable)",
     "dcp.total": "DCP async_save: total (durable)",
-    "ckptd.warmup_stall": "ckptd warm-up saves (plan, new arenas): stall",
-    "ckptd.warmup_durable": "ckptd warm-up saves (plan, new arenas): durable",
+    "ckptd.warmup_stall": "ckptd warm-up saves (new arenas, new blocks): stall",
+    "ckptd.warmup_durable": "ckptd warm-up saves (new arenas, new blocks): durable",
     "ckptd.stall": "ckptd save: stall (handle.stall_s)",
     "ckptd.save_wall": "ckptd save: wall time of save()",
     "ckptd.durable": "ckptd save: durable (save() to wait_durable)",
@@ -123,7 +129,7 @@ TARGETS: tuple[Target, ...] = (
     Target("durable / DCP total", "ckptd.durable", "dcp.total", 0.5),
     Target("durable / write+fsync floor", "ckptd.durable", "floor.write_fsync", 1.3),
     Target("restore from memory / memcpy floor", "ckptd.restore_memory", "floor.memcpy", 2.0, den_stat="best"),
-    Target("restore cold / cold-read floor", "ckptd.restore_cold", "floor.read_cold", 1.3),
+    Target("restore cold / cold-read floor", "ckptd.restore_cold", "floor.read_cold_beside", 1.3),
 )
 
 
@@ -277,6 +283,16 @@ def drop_page_cache(files: list[Path]) -> str:
     except OSError as exc:
         print(f"  warning: could not drop the page cache ({exc}); 'cold' reads are not cold", flush=True)
         return "none"
+
+
+def shm_mount_options(path: Path) -> str:
+    """The options of the tmpfs mount holding `path` (e.g. "huge=always"), from /proc/mounts."""
+    best, options = "", "?"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
+            best, options = fields[1], f"{fields[2]} {fields[3]}"
+    return options
 
 
 def files_under(root: Path) -> list[Path]:
@@ -457,9 +473,13 @@ class DaemonRig:
     root: Path
     logs: Path
     sock_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp")))
-    shm_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/dev/shm")))
+    shm_parent: Path = Path("/dev/shm")
+    shm_dir: Path = field(init=False)
     daemon: Any = None  # the running ckptd.daemon.process.DaemonProcess, if any
     started: int = 0
+
+    def __post_init__(self) -> None:
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir=self.shm_parent))
 
     @property
     def address(self) -> str:
@@ -501,8 +521,7 @@ def client_for(address: str) -> Any:
 def ckptd_saves(client: Any, state: State, reps: int, results: Results) -> int:
     """Warm-up saves, then `reps` timed saves, each waited until durable; returns the last step.
 
-    The daemon keeps WARMUP_SAVES arena sets per job and alternates between them; the first
-    save into each plans (the first) and maps a new arena, so steady state starts after them.
+    See WARMUP_SAVES for why steady state starts after them.
     """
     nbytes = state_bytes(state)
     warm_stall, warm_durable = [], []
@@ -558,9 +577,9 @@ def newest_in_memory(address: str) -> bool:
         return bool(client.list()[-1].in_memory)
 
 
-def bench_ckptd(state: State, workdir: Path, reps: int, results: Results) -> None:
+def bench_ckptd(state: State, workdir: Path, reps: int, results: Results, shm_parent: Path = Path("/dev/shm")) -> None:
     """Saves, restores from the daemon's memory, and cold restores from disk by a new daemon."""
-    rig = DaemonRig(root=workdir / "ckptd-root", logs=workdir)
+    rig = DaemonRig(root=workdir / "ckptd-root", logs=workdir, shm_parent=shm_parent)
     try:
         rig.start()
         ckptd_save_and_restore(rig, state, reps, results)
@@ -580,9 +599,18 @@ def ckptd_save_and_restore(rig: DaemonRig, state: State, reps: int, results: Res
     results.timings["ckptd.restore_memory_same_client"] = Timing(tuple(same), nbytes)
     memory = [timed_fresh_load(rig.address, state, step, expected) for _ in range(reps)]
     results.timings["ckptd.restore_memory"] = Timing(tuple(memory), nbytes)
-    starts, cold = [], []
+    # The disk's read speed drifts a lot on a shared machine: a cold read of a plain file of the
+    # same size right before each cold restore gives the floor under the same conditions.
+    floor_file = rig.root.parent / "floor-beside.bin"
+    flat = flat_copy(state).view(torch.uint8).numpy()
+    write_fsync(flat, floor_file)
+    starts, cold, floor = [], [], []
     for _ in range(reps):
         rig.stop()
+        results.cold.add(drop_page_cache([floor_file]))
+        start = time.perf_counter()
+        read_into(floor_file, flat)
+        floor.append(time.perf_counter() - start)
         results.cold.add(drop_page_cache(files_under(rig.root)))
         start = time.perf_counter()
         rig.start()
@@ -592,6 +620,8 @@ def ckptd_save_and_restore(rig: DaemonRig, state: State, reps: int, results: Res
         cold.append(timed_fresh_load(rig.address, state, step, expected))
     results.timings["ckptd.daemon_start"] = Timing(tuple(starts), 0)
     results.timings["ckptd.restore_cold"] = Timing(tuple(cold), nbytes)
+    results.timings["floor.read_cold_beside"] = Timing(tuple(floor), nbytes)
+    floor_file.unlink()
     results.notes.append("ckptd: every restore was checked against the saved values (sampled) and matched")
 
 
@@ -682,6 +712,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (default: 3)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="scratch directory on the disk under test, not a tmpfs (default: ./bench-out)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)")
+    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for ckptd's arenas, e.g. one mounted with huge=always (default: /dev/shm)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and daemon logs under --out (kept anyway when a part fails)")
     p.add_argument("--json", action="store_true", help="also print a JSON summary at the end")
     args = p.parse_args(argv)
@@ -701,14 +732,14 @@ BENCHES: dict[str, Callable[[State, Path, int, Results], None]] = {
 }
 
 
-def run_part(name: str, state: State, workdir: Path, reps: int, results: Results) -> None:
+def run_part(name: str, bench: Callable[..., None], state: State, workdir: Path, reps: int, results: Results) -> None:
     """Run one part; a failure is recorded and printed, and the other parts still run."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     print(f"running {name} ...", flush=True)
     start = time.perf_counter()
     try:
-        BENCHES[name](state, workdir, reps, results)
+        bench(state, workdir, reps, results)
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
         results.errors[name] = f"{type(exc).__name__}: {exc}"
         print(f"  {name} FAILED: {results.errors[name]}", flush=True)
@@ -730,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         f"software: Python {machine['python']}, torch {machine['torch']} ({machine['torch_threads']} threads), numpy {machine['numpy']}",
         f"state: {ntensors} fp32 tensors, {nbytes:,} bytes ({nbytes / GIB:.2f} GiB): weights + AdamW exp_avg, exp_avg_sq "
         f"of a {shape.layers}-layer transformer, hidden {shape.hidden}, vocab {shape.vocab}",
-        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}",
+        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}   ckptd arenas in: {args.shm_dir} ({shm_mount_options(args.shm_dir)})",
         f"load average at start: {load_average()}",
     ]
     print("\n".join(header), flush=True)
@@ -740,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     results = Results()
     for name in PARTS:
         if name in args.parts:
-            run_part(name, state, workdir, args.reps, results)
+            bench = functools.partial(bench_ckptd, shm_parent=args.shm_dir) if name == "ckptd" else BENCHES[name]
+            run_part(name, bench, state, workdir, args.reps, results)
             gc.collect()
     if args.keep or results.errors:
         results.notes.append(f"kept {workdir} (checkpoints, daemon logs)")

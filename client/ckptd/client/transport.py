@@ -168,6 +168,7 @@ class Fill:
 
 def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
     """Run every fill's copies and reads on the pool at once, then wait for all of them."""
+    _prefetch([src for fill in fills for src in fill.sources if src.kind == "file"])
     jobs = []
     for fill in fills:
         for src in fill.sources:
@@ -192,6 +193,24 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         for src in fill.sources:
             if src.kind == "shm":
                 maps.mark_warm(src.path)
+
+
+def _prefetch(sources: Sequence[Source]) -> None:
+    """Ask the kernel to start reading every needed byte range now (POSIX_FADV_WILLNEED), so the
+    disk works on all of them while the reading threads wait on the first ones."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for src in sources:
+        lo, hi = ranges.get(src.path, (src.offset, src.offset + src.nbytes))
+        ranges[src.path] = (min(lo, src.offset), max(hi, src.offset + src.nbytes))
+    for path, (lo, hi) in ranges.items():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # reported by the read itself, with the tensor's name
+        try:
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def _fill_part(maps: ArenaMaps, src: Source, common: Box, target: torch.Tensor, want: Box) -> None:
