@@ -46,3 +46,9 @@ def test_ls_explains_bad_input(tmp_path: Path) -> None:
 def test_serve_refuses_a_bad_configuration(tmp_path: Path) -> None:
     out = ckptd("serve", "--root", str(tmp_path), "--socket", str(tmp_path / "s.sock"), "--max-inflight", "zero")
     assert out.returncode == 2 and "--max-inflight" in out.stderr
+
+
+def test_the_socket_is_group_accessible_only(daemon) -> None:
+    import stat
+
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
