@@ -44,6 +44,14 @@ def itemsize(dtype: str) -> int:
         ) from None
 
 
+def nbytes(dtype: str, shape: "tuple[int, ...] | list[int]") -> int:
+    """Bytes of a tensor of this dtype and shape, e.g. nbytes("BF16", (2, 3)) == 12."""
+    n = itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
 def torch_name(dtype: str) -> str:
     """The torch attribute name of a safetensors dtype name, e.g. "BF16" -> "bfloat16"."""
     itemsize(dtype)

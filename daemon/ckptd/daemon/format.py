@@ -70,9 +70,7 @@ def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int]]], metada
     for key, dtype, shape in entries:
         if key in header:
             raise FormatError(f"key {key!r} appears twice in one safetensors file")
-        nbytes = dtypes.itemsize(dtype)
-        for d in shape:
-            nbytes *= d
+        nbytes = dtypes.nbytes(dtype, shape)
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
         placed.append(HeaderEntry(key, dtype, tuple(shape), cursor, cursor + nbytes))
         cursor += nbytes
@@ -104,9 +102,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tup
             entry = HeaderEntry(key, str(value["dtype"]), tuple(int(d) for d in value["shape"]), begin, end)
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"safetensors header entry {key!r} is malformed: {value!r}") from None
-        expected = dtypes.itemsize(entry.dtype)
-        for d in entry.shape:
-            expected *= d
+        expected = dtypes.nbytes(entry.dtype, entry.shape)
         if end - begin != expected:
             raise FormatError(f"tensor {key!r}: {end - begin} bytes for {entry.dtype}{list(entry.shape)}")
         if file_size is not None and 8 + length + end > file_size:
@@ -292,10 +288,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        n = dtypes.itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return dtypes.nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,7 @@ class LogicalTensor:
 
     @property
     def nbytes(self) -> int:
-        n = dtypes.itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return dtypes.nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
