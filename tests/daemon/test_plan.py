@@ -39,6 +39,13 @@ def test_slots_are_aligned_and_inside_the_arena() -> None:
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
 
 
+def test_a_rank_may_hold_several_fragments_of_one_tensor() -> None:
+    fused = [part("model/qkv", (6, 2), (0, 0), (1, 2)), part("model/qkv", (6, 2), (2, 0), (1, 2)), part("model/qkv", (6, 2), (4, 0), (1, 2))]
+    other = [part("model/qkv", (6, 2), (1, 0), (1, 2)), part("model/qkv", (6, 2), (3, 0), (1, 2)), part("model/qkv", (6, 2), (5, 0), (1, 2))]
+    plan = make_save_plan([fused, other])
+    assert [len(plan.slots_of(r)) for r in (0, 1)] == [3, 3]
+
+
 def test_zero_dim_and_empty_tensors() -> None:
     plan = make_save_plan([[full("optimizer/state/w/step", ()), full("model/empty", (0, 3))]])
     assert {s.name: s.nbytes for s in plan.slots} == {"optimizer/state/w/step": 4, "model/empty": 0}
@@ -50,6 +57,7 @@ def test_zero_dim_and_empty_tensors() -> None:
         ([[full("model/w", (4,))], [full("model/w", (5,))]], "ranks disagree"),
         ([[full("model/w", (4,), "F32")], [full("model/w", (4,), "BF16")]], "ranks disagree"),
         ([[full("model/w", (4,)), full("model/w", (4,))]], "twice"),
+        ([[part("model/w", (4,), (0,), (2,)), part("model/w", (4,), (1,), (2,))]], "overlap"),
         ([[part("model/w", (4,), (0,), (2,))]], "do not tile"),
         ([[part("model/w", (4,), (0,), (3,))], [part("model/w", (4,), (2,), (2,))]], "overlap"),
         ([[TensorSpec("model/w", "weights", "F32", (4,), Box.full((4,)))]], "kind"),

@@ -72,17 +72,39 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return (env_rank if rank is None else rank, env_world if world_size is None else world_size)
 
 
-def _meta(entry: TensorEntry) -> pb.TensorMeta:
-    shape = tuple(entry.tensor.shape)
-    box = Box.full(shape)
+@dataclass(frozen=True)
+class _Fragment:
+    """A piece of a logical tensor this rank holds: `local` is a view of exactly `box`."""
+
+    entry: TensorEntry
+    shape: tuple[int, ...]  # global (logical) shape
+    box: Box
+    local: torch.Tensor
+
+
+def _fragments(flat: FlatState) -> list[_Fragment]:
+    """Where each of this rank's tensors sits in its logical tensor (plain tensors: whole replicas)."""
+    out = []
+    for entry in flat.tensors:
+        shape = tuple(entry.tensor.shape)
+        out.append(_Fragment(entry, shape, Box.full(shape), entry.tensor))
+    return out
+
+
+def _meta(fragment: _Fragment) -> pb.TensorMeta:
+    box = fragment.box
     return pb.TensorMeta(
-        name=entry.name,
-        kind=entry.kind,
-        dtype=dtypes.from_torch_name(str(entry.tensor.dtype)),
-        shape=shape,
+        name=fragment.entry.name,
+        kind=fragment.entry.kind,
+        dtype=dtypes.from_torch_name(str(fragment.local.dtype)),
+        shape=fragment.shape,
         box=pb.Box(offsets=box.offsets, lengths=box.lengths),
-        aliases=entry.aliases,
+        aliases=fragment.entry.aliases,
     )
+
+
+def _box_of(message: pb.Box) -> Box:
+    return Box(tuple(message.offsets), tuple(message.lengths))
 
 
 class CheckpointClient:
@@ -157,6 +179,7 @@ class CheckpointClient:
 
     def _save(self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float) -> SaveHandle:
         fingerprint = flat.fingerprint()
+        fragments = _fragments(flat)
         request = pb.BeginSaveRequest(
             who=self._who,
             step=step,
@@ -166,23 +189,23 @@ class CheckpointClient:
             has_metric=metric is not None,
         )
         if fingerprint not in self._known_fingerprints:
-            request.tensors.extend(_meta(e) for e in flat.tensors)
+            request.tensors.extend(_meta(f) for f in fragments)
         try:
             reply = self._call(self._stub.BeginSave, request)
         except CheckpointError as exc:
             if exc.code != "FAILED_PRECONDITION" or "unknown fingerprint" not in str(exc):
                 raise
-            request.tensors.extend(_meta(e) for e in flat.tensors)  # the daemon restarted: describe again
+            request.tensors.extend(_meta(f) for f in fragments)  # the daemon restarted: describe again
             reply = self._call(self._stub.BeginSave, request)
         self._known_fingerprints.add(fingerprint)
         if reply.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, reply.skip_reason)
             return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=reply.skip_reason)
         try:
-            by_name = {e.name: e.tensor for e in flat.tensors}
+            local = {(f.entry.name, f.box): f.local for f in fragments}
             if reply.slots:
                 arena = self._maps.get(reply.arena_path, reply.arena_size)
-                placements = [(by_name[s.name], s.offset, s.nbytes) for s in reply.slots]
+                placements = [(local[(s.name, _box_of(s.box))], s.offset, s.nbytes) for s in reply.slots]
                 copy_to_arena(self._pool, arena, placements, cold=self._maps.is_cold(reply.arena_path))
                 self._maps.mark_warm(reply.arena_path)
             extras = json.dumps(flat.extras, allow_nan=False)
@@ -232,11 +255,12 @@ class CheckpointClient:
         (CheckpointNotFound for a missing step) with the tensors named when strict checks fail.
         """
         flat = flatten_state(state, rank=self.rank, rng=rng)
+        fragments = _fragments(flat)
         request = pb.PlanLoadRequest(
             who=self._who,
             step=step or 0,
             latest=step is None,
-            tensors=[_meta(e) for e in flat.tensors],
+            tensors=[_meta(f) for f in fragments],
             kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
             strict=strict,
             direct_read=True,
@@ -248,7 +272,7 @@ class CheckpointClient:
                 return None
             raise
         try:
-            self._fill(flat, plan)
+            self._fill(fragments, plan)
             extras = json.loads(plan.extras_json) if plan.extras_json else {}
             restore_state(state, flat, extras)
         finally:
@@ -260,15 +284,11 @@ class CheckpointClient:
             log.warning("not in step %s, left as it was: %s", plan.step, name)
         return plan.step
 
-    def _fill(self, flat: FlatState, plan: pb.PlanLoadResponse) -> None:
+    def _fill(self, fragments: list[_Fragment], plan: pb.PlanLoadResponse) -> None:
         sources: dict[str, list[Source]] = {}
         for source in _sources(plan):
             sources.setdefault(source.name, []).append(source)
-        fills = [
-            Fill(entry.tensor, Box.full(tuple(entry.tensor.shape)), sources[entry.name])
-            for entry in flat.tensors
-            if entry.name in sources
-        ]
+        fills = [Fill(f.local, f.box, sources[f.entry.name]) for f in fragments if f.entry.name in sources]
         with torch.no_grad():
             fill_all(self._pool, self._maps, fills)
 
@@ -323,5 +343,4 @@ def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:
 
 def _sources(plan: pb.PlanLoadResponse) -> Iterator[Source]:
     for p in plan.pieces:
-        box = Box(tuple(p.fragment.offsets), tuple(p.fragment.lengths))
-        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, box, p.dtype, p.checksum)
+        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum)

@@ -120,12 +120,12 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> SavePlan:
     logical: dict[str, LogicalTensor] = {}
     holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
     for rank, specs in enumerate(specs_by_rank):
-        seen: set[str] = set()
+        seen: set[tuple[str, Box]] = set()
         for spec in specs:
             validate_spec(spec)
-            if spec.name in seen:
-                raise PlanError(f"rank {rank} sends tensor {spec.name!r} twice; names must be unique per rank")
-            seen.add(spec.name)
+            if (spec.name, spec.box) in seen:
+                raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
+            seen.add((spec.name, spec.box))
             described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases))
             known = logical.setdefault(spec.name, described)
             if known != described:

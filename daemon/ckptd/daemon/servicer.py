@@ -162,7 +162,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         if session.state == "skipped" or session.arenas is None or session.plan is None:
             return pb.BeginSaveResponse(save_id=session.save_id, skipped=True, skip_reason=session.skip_reason or session.state)
         arena = session.arenas.arenas[rank]
-        slots = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes) for s in session.plan.slots_of(rank)]
+        slots = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes, box=_box(s.box)) for s in session.plan.slots_of(rank)]
         return pb.BeginSaveResponse(
             save_id=session.save_id,
             arena_path=str(arena.path) if arena is not None else "",

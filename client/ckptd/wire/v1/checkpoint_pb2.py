@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63kptd/v1/checkpoint.proto\x12\x08\x63kptd.v1\"\'\n\x03\x42ox\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"s\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x1a\n\x03\x62ox\x18\x05 \x01(\x0b\x32\r.ckptd.v1.Box\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"7\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"\xc4\x01\n\x10\x42\x65ginSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\x10\n\x08quantize\x18\x05 \x01(\t\x12\x0e\n\x06metric\x18\x06 \x01(\x01\x12\x12\n\nhas_metric\x18\x07 \x01(\x08\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"4\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\x91\x01\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x02 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x12\n\narena_size\x18\x05 \x01(\x03\x12\x1d\n\x05slots\x18\x06 \x03(\x0b\x32\x0e.ckptd.v1.Slot\"\xd5\x01\n\x15\x43ommitSnapshotRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65xtras_json\x18\x03 \x01(\t\x12\x44\n\x0bmodel_files\x18\x04 \x03(\x0b\x32/.ckptd.v1.CommitSnapshotRequest.ModelFilesEntry\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x18\n\x16\x43ommitSnapshotResponse\"R\n\x10\x41\x62ortSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"B\n\x12WaitDurableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"x\n\x0cSaveProgress\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x03\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08step_dir\x18\x06 \x01(\t\"\xa9\x01\n\x0fPlanLoadRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\r\n\x05kinds\x18\x05 \x03(\t\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x13\n\x0b\x64irect_read\x18\x07 \x01(\x08\"\x95\x01\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x1f\n\x08\x66ragment\x18\x06 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"\x9a\x01\n\x10PlanLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x06pieces\x18\x03 \x03(\x0b\x32\x0f.ckptd.v1.Piece\x12\x13\n\x0b\x65xtras_json\x18\x04 \x01(\t\x12\x0f\n\x07missing\x18\x05 \x03(\t\x12\x12\n\nunexpected\x18\x06 \x03(\t\x12\x0c\n\x04tier\x18\x07 \x01(\t\"A\n\x0fLoadDoneRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07load_id\x18\x02 \x01(\t\"\x12\n\x10LoadDoneResponse\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9f\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\ncreated_at\x18\x02 \x01(\x01\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nfile_count\x18\x04 \x01(\x05\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x0e\n\x06metric\x18\x07 \x01(\x01\x12\x12\n\nhas_metric\x18\x08 \x01(\x08\"=\n\x0cListResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"o\n\x08InFlight\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x03\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\"\xec\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12%\n\tin_flight\x18\x03 \x03(\x0b\x32\x12.ckptd.v1.InFlight\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x61rena_count\x18\x05 \x01(\x03\x12\x17\n\x0f\x63ommitted_total\x18\x06 \x01(\x03\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x03\x12\x15\n\rskipped_total\x18\x08 \x01(\x03\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x32\xae\x04\n\nCheckpoint\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12S\n\x0e\x43ommitSnapshot\x12\x1f.ckptd.v1.CommitSnapshotRequest\x1a .ckptd.v1.CommitSnapshotResponse\x12\x44\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x1b.ckptd.v1.AbortSaveResponse\x12\x45\n\x0bWaitDurable\x12\x1c.ckptd.v1.WaitDurableRequest\x1a\x16.ckptd.v1.SaveProgress0\x01\x12\x41\n\x08PlanLoad\x12\x19.ckptd.v1.PlanLoadRequest\x1a\x1a.ckptd.v1.PlanLoadResponse\x12\x41\n\x08LoadDone\x12\x19.ckptd.v1.LoadDoneRequest\x1a\x1a.ckptd.v1.LoadDoneResponse\x12\x35\n\x04List\x12\x15.ckptd.v1.ListRequest\x1a\x16.ckptd.v1.ListResponse\x12;\n\x06Status\x12\x17.ckptd.v1.StatusRequest\x1a\x18.ckptd.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63kptd/v1/checkpoint.proto\x12\x08\x63kptd.v1\"\'\n\x03\x42ox\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"s\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x1a\n\x03\x62ox\x18\x05 \x01(\x0b\x32\r.ckptd.v1.Box\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"7\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"\xc4\x01\n\x10\x42\x65ginSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\x10\n\x08quantize\x18\x05 \x01(\t\x12\x0e\n\x06metric\x18\x06 \x01(\x01\x12\x12\n\nhas_metric\x18\x07 \x01(\x08\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"P\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x1a\n\x03\x62ox\x18\x04 \x01(\x0b\x32\r.ckptd.v1.Box\"\x91\x01\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x02 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x12\n\narena_size\x18\x05 \x01(\x03\x12\x1d\n\x05slots\x18\x06 \x03(\x0b\x32\x0e.ckptd.v1.Slot\"\xd5\x01\n\x15\x43ommitSnapshotRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65xtras_json\x18\x03 \x01(\t\x12\x44\n\x0bmodel_files\x18\x04 \x03(\x0b\x32/.ckptd.v1.CommitSnapshotRequest.ModelFilesEntry\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x18\n\x16\x43ommitSnapshotResponse\"R\n\x10\x41\x62ortSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"B\n\x12WaitDurableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"x\n\x0cSaveProgress\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x03\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08step_dir\x18\x06 \x01(\t\"\xa9\x01\n\x0fPlanLoadRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\r\n\x05kinds\x18\x05 \x03(\t\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x13\n\x0b\x64irect_read\x18\x07 \x01(\x08\"\x95\x01\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x1f\n\x08\x66ragment\x18\x06 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"\x9a\x01\n\x10PlanLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x06pieces\x18\x03 \x03(\x0b\x32\x0f.ckptd.v1.Piece\x12\x13\n\x0b\x65xtras_json\x18\x04 \x01(\t\x12\x0f\n\x07missing\x18\x05 \x03(\t\x12\x12\n\nunexpected\x18\x06 \x03(\t\x12\x0c\n\x04tier\x18\x07 \x01(\t\"A\n\x0fLoadDoneRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07load_id\x18\x02 \x01(\t\"\x12\n\x10LoadDoneResponse\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9f\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\ncreated_at\x18\x02 \x01(\x01\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nfile_count\x18\x04 \x01(\x05\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x0e\n\x06metric\x18\x07 \x01(\x01\x12\x12\n\nhas_metric\x18\x08 \x01(\x08\"=\n\x0cListResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"o\n\x08InFlight\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x03\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\"\xec\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12%\n\tin_flight\x18\x03 \x03(\x0b\x32\x12.ckptd.v1.InFlight\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x61rena_count\x18\x05 \x01(\x03\x12\x17\n\x0f\x63ommitted_total\x18\x06 \x01(\x03\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x03\x12\x15\n\rskipped_total\x18\x08 \x01(\x03\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x32\xae\x04\n\nCheckpoint\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12S\n\x0e\x43ommitSnapshot\x12\x1f.ckptd.v1.CommitSnapshotRequest\x1a .ckptd.v1.CommitSnapshotResponse\x12\x44\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x1b.ckptd.v1.AbortSaveResponse\x12\x45\n\x0bWaitDurable\x12\x1c.ckptd.v1.WaitDurableRequest\x1a\x16.ckptd.v1.SaveProgress0\x01\x12\x41\n\x08PlanLoad\x12\x19.ckptd.v1.PlanLoadRequest\x1a\x1a.ckptd.v1.PlanLoadResponse\x12\x41\n\x08LoadDone\x12\x19.ckptd.v1.LoadDoneRequest\x1a\x1a.ckptd.v1.LoadDoneResponse\x12\x35\n\x04List\x12\x15.ckptd.v1.ListRequest\x1a\x16.ckptd.v1.ListResponse\x12;\n\x06Status\x12\x17.ckptd.v1.StatusRequest\x1a\x18.ckptd.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEGINSAVEREQUEST']._serialized_start=255
   _globals['_BEGINSAVEREQUEST']._serialized_end=451
   _globals['_SLOT']._serialized_start=453
-  _globals['_SLOT']._serialized_end=505
-  _globals['_BEGINSAVERESPONSE']._serialized_start=508
-  _globals['_BEGINSAVERESPONSE']._serialized_end=653
-  _globals['_COMMITSNAPSHOTREQUEST']._serialized_start=656
-  _globals['_COMMITSNAPSHOTREQUEST']._serialized_end=869
-  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_start=820
-  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_end=869
-  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_start=871
-  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_end=895
-  _globals['_ABORTSAVEREQUEST']._serialized_start=897
-  _globals['_ABORTSAVEREQUEST']._serialized_end=979
-  _globals['_ABORTSAVERESPONSE']._serialized_start=981
-  _globals['_ABORTSAVERESPONSE']._serialized_end=1000
-  _globals['_WAITDURABLEREQUEST']._serialized_start=1002
-  _globals['_WAITDURABLEREQUEST']._serialized_end=1068
-  _globals['_SAVEPROGRESS']._serialized_start=1070
-  _globals['_SAVEPROGRESS']._serialized_end=1190
-  _globals['_PLANLOADREQUEST']._serialized_start=1193
-  _globals['_PLANLOADREQUEST']._serialized_end=1362
-  _globals['_PIECE']._serialized_start=1365
-  _globals['_PIECE']._serialized_end=1514
-  _globals['_PLANLOADRESPONSE']._serialized_start=1517
-  _globals['_PLANLOADRESPONSE']._serialized_end=1671
-  _globals['_LOADDONEREQUEST']._serialized_start=1673
-  _globals['_LOADDONEREQUEST']._serialized_end=1738
-  _globals['_LOADDONERESPONSE']._serialized_start=1740
-  _globals['_LOADDONERESPONSE']._serialized_end=1758
-  _globals['_LISTREQUEST']._serialized_start=1760
-  _globals['_LISTREQUEST']._serialized_end=1786
-  _globals['_CHECKPOINTINFO']._serialized_start=1789
-  _globals['_CHECKPOINTINFO']._serialized_end=1948
-  _globals['_LISTRESPONSE']._serialized_start=1950
-  _globals['_LISTRESPONSE']._serialized_end=2011
-  _globals['_STATUSREQUEST']._serialized_start=2013
-  _globals['_STATUSREQUEST']._serialized_end=2041
-  _globals['_INFLIGHT']._serialized_start=2043
-  _globals['_INFLIGHT']._serialized_end=2154
-  _globals['_STATUSRESPONSE']._serialized_start=2157
-  _globals['_STATUSRESPONSE']._serialized_end=2393
-  _globals['_CHECKPOINT']._serialized_start=2396
-  _globals['_CHECKPOINT']._serialized_end=2954
+  _globals['_SLOT']._serialized_end=533
+  _globals['_BEGINSAVERESPONSE']._serialized_start=536
+  _globals['_BEGINSAVERESPONSE']._serialized_end=681
+  _globals['_COMMITSNAPSHOTREQUEST']._serialized_start=684
+  _globals['_COMMITSNAPSHOTREQUEST']._serialized_end=897
+  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_start=848
+  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_end=897
+  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_start=899
+  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_end=923
+  _globals['_ABORTSAVEREQUEST']._serialized_start=925
+  _globals['_ABORTSAVEREQUEST']._serialized_end=1007
+  _globals['_ABORTSAVERESPONSE']._serialized_start=1009
+  _globals['_ABORTSAVERESPONSE']._serialized_end=1028
+  _globals['_WAITDURABLEREQUEST']._serialized_start=1030
+  _globals['_WAITDURABLEREQUEST']._serialized_end=1096
+  _globals['_SAVEPROGRESS']._serialized_start=1098
+  _globals['_SAVEPROGRESS']._serialized_end=1218
+  _globals['_PLANLOADREQUEST']._serialized_start=1221
+  _globals['_PLANLOADREQUEST']._serialized_end=1390
+  _globals['_PIECE']._serialized_start=1393
+  _globals['_PIECE']._serialized_end=1542
+  _globals['_PLANLOADRESPONSE']._serialized_start=1545
+  _globals['_PLANLOADRESPONSE']._serialized_end=1699
+  _globals['_LOADDONEREQUEST']._serialized_start=1701
+  _globals['_LOADDONEREQUEST']._serialized_end=1766
+  _globals['_LOADDONERESPONSE']._serialized_start=1768
+  _globals['_LOADDONERESPONSE']._serialized_end=1786
+  _globals['_LISTREQUEST']._serialized_start=1788
+  _globals['_LISTREQUEST']._serialized_end=1814
+  _globals['_CHECKPOINTINFO']._serialized_start=1817
+  _globals['_CHECKPOINTINFO']._serialized_end=1976
+  _globals['_LISTRESPONSE']._serialized_start=1978
+  _globals['_LISTRESPONSE']._serialized_end=2039
+  _globals['_STATUSREQUEST']._serialized_start=2041
+  _globals['_STATUSREQUEST']._serialized_end=2069
+  _globals['_INFLIGHT']._serialized_start=2071
+  _globals['_INFLIGHT']._serialized_end=2182
+  _globals['_STATUSRESPONSE']._serialized_start=2185
+  _globals['_STATUSRESPONSE']._serialized_end=2421
+  _globals['_CHECKPOINT']._serialized_start=2424
+  _globals['_CHECKPOINT']._serialized_end=2982
 # @@protoc_insertion_point(module_scope)

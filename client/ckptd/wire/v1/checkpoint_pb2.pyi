@@ -61,14 +61,16 @@ class BeginSaveRequest(_message.Message):
     def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("name", "offset", "nbytes")
+    __slots__ = ("name", "offset", "nbytes", "box")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    box: Box
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., box: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots")
