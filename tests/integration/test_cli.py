@@ -52,3 +52,23 @@ def test_the_socket_is_group_accessible_only(daemon) -> None:
     import stat
 
     assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+
+
+def test_export_writes_a_consolidated_hugging_face_copy(daemon, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    with CheckpointClient("exported", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(3, {"model": model, "extra": {"note": 1}}).wait_durable(timeout=60)
+    out = tmp_path / "hf"
+    result = ckptd("export", info.step_dir, str(out))
+    assert result.returncode == 0, result.stderr
+    weights = load_file(out / "model-00001-of-00001.safetensors")
+    assert set(weights) == set(model.state_dict())
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["1.weight"] == "model-00001-of-00001.safetensors"
+
+    again = ckptd("export", info.step_dir, str(out))
+    assert again.returncode == 1 and "not empty" in again.stderr
+    missing = ckptd("export", str(tmp_path), str(tmp_path / "x"))
+    assert missing.returncode == 1 and "not a committed checkpoint" in missing.stderr

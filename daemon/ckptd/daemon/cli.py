@@ -96,6 +96,19 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from ckptd.daemon.export import ExportError, export_model
+
+    try:
+        files = export_model(Path(args.step_dir), Path(args.out))
+    except (ExportError, OSError) as exc:
+        print(f"ckptd export: {exc}", file=sys.stderr)
+        return 1
+    for path in files:
+        print(f"{path.stat().st_size:>14}  {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ckptd.daemon import demo
 
@@ -117,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("job", nargs="?", help="only this job")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=_ls)
+
+    export = sub.add_parser("export", help="write a consolidated Hugging Face-loadable copy of a step's model weights")
+    export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    export.add_argument("out", help="a new directory to write")
+    export.set_defaults(func=_export)
 
     demo = sub.add_parser("demo", help="a daemon + a small multi-rank training job: save, crash, resume")
     from ckptd.daemon import demo as demo_module
