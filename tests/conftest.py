@@ -52,3 +52,11 @@ def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
 @pytest.fixture
 def daemon(daemons: DaemonFactory) -> DaemonProcess:
     return daemons.start()
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonFactory]:
+    """A DaemonFactory shared by the tests of one module (for expensive set-ups such as a save)."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("module") / "root")
+    yield factory
+    factory.close()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
 from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.layout import LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
 from ckptd.client.transport import ArenaMaps, Fill, Source, copy_to_arena, fill_all
 from ckptd.common import dtypes
@@ -82,13 +84,22 @@ class _Fragment:
     local: torch.Tensor
 
 
-def _fragments(flat: FlatState) -> list[_Fragment]:
-    """Where each of this rank's tensors sits in its logical tensor (plain tensors: whole replicas)."""
-    out = []
-    for entry in flat.tensors:
-        shape = tuple(entry.tensor.shape)
-        out.append(_Fragment(entry, shape, Box.full(shape), entry.tensor))
-    return out
+def _fragments(flat: FlatState, rules: LayoutRules | None = None, coords: RankCoords | None = None) -> list[_Fragment]:
+    """Where each of this rank's tensors sits in its logical tensor: DTensor placements, the
+    layout rules (manual tensor parallelism), else a whole replica."""
+    return [
+        _Fragment(layout.entry, f.global_shape, f.box, f.local)
+        for layout in layout_state(flat, rules, coords)
+        for f in layout.fragments
+    ]
+
+
+def _fingerprint(flat: FlatState, fragments: list[_Fragment]) -> str:
+    """Names, dtypes, shapes and boxes: what the daemon's cached plan depends on."""
+    h = hashlib.sha256(flat.fingerprint().encode())
+    for f in fragments:
+        h.update(f"{f.entry.name}|{f.box.offsets}|{f.box.lengths}\n".encode())
+    return h.hexdigest()
 
 
 def _meta(fragment: _Fragment) -> pb.TensorMeta:
@@ -114,6 +125,8 @@ class CheckpointClient:
     default socket). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
     on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
     goes on) or "raise". timeout_s: how long a save or load may wait for the other ranks.
+    layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
+    tensor parallelism (ckptd.client.layout); DTensors need none.
     """
 
     def __init__(
@@ -127,6 +140,8 @@ class CheckpointClient:
         on_error: str = "warn",
         timeout_s: float = 600.0,
         copy_threads: int | None = None,
+        layout: LayoutRules | None = None,
+        coords: RankCoords | None = None,
     ) -> None:
         self.job = check_job_id(job)
         if mode not in MODES:
@@ -140,6 +155,10 @@ class CheckpointClient:
         self.mode = mode
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
+        if layout is not None and coords is None:
+            raise ValueError("layout rules need coords=RankCoords(tp_rank, tp_size): where this rank sits in tensor parallelism")
+        self.layout = layout
+        self.coords = coords
         self._channel = grpc.insecure_channel(
             self.address,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
@@ -178,8 +197,8 @@ class CheckpointClient:
             return self._failed_save(step, exc, started)
 
     def _save(self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float) -> SaveHandle:
-        fingerprint = flat.fingerprint()
-        fragments = _fragments(flat)
+        fragments = _fragments(flat, self.layout, self.coords)
+        fingerprint = _fingerprint(flat, fragments)
         request = pb.BeginSaveRequest(
             who=self._who,
             step=step,
@@ -255,7 +274,7 @@ class CheckpointClient:
         (CheckpointNotFound for a missing step) with the tensors named when strict checks fail.
         """
         flat = flatten_state(state, rank=self.rank, rng=rng)
-        fragments = _fragments(flat)
+        fragments = _fragments(flat, self.layout, self.coords)
         request = pb.PlanLoadRequest(
             who=self._who,
             step=step or 0,

@@ -2,7 +2,9 @@
 
 Copies are split into chunks and run on a few threads (numpy releases the GIL while it
 copies), so a hand-off runs at memory bandwidth. Reads of committed files go straight into
-the target tensors with pread and are checked against the index's xxh3 checksums.
+the target tensors with pread and are checked against the index's xxh3 checksums. A target
+that wants only part of a fragment (resharding) gets only the byte ranges it needs (see
+ckptd.common.reshard).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import xxhash
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative
+from ckptd.common.reshard import CopyRun, copy_runs, read_ranges
 
 CHUNK = 32 * 2**20
 READ_CHUNK = 64 * 2**20
@@ -168,25 +171,40 @@ class Fill:
 
 def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
     """Run every fill's copies and reads on the pool at once, then wait for all of them."""
-    _prefetch([src for fill in fills for src in fill.sources if src.kind == "file"])
-    jobs = []
+    wholes: list[tuple[Source, np.ndarray]] = []
+    parts: list[_Part] = []
     for fill in fills:
+        if fill.sources and tuple(fill.target.shape) != fill.want.lengths:
+            raise CheckpointError(
+                f"the target for tensor {fill.sources[0].name!r} has shape {list(fill.target.shape)} but the wanted box "
+                f"{fill.want} has lengths {list(fill.want.lengths)}; pass a target of the wanted box's shape"
+            )
+        dst_bytes = byte_view(fill.target)
         for src in fill.sources:
             common = intersect(src.box, fill.want)
             if common is None:
                 continue
-            dst_bytes = byte_view(fill.target)
-            same_dtype = src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
-            whole = src.box == fill.want and dst_bytes is not None and same_dtype
-            if whole and src.kind == "shm":
-                arena = maps.get(src.path, src.offset + src.nbytes)
-                raw = np.frombuffer(arena, dtype=np.uint8, count=src.nbytes, offset=src.offset)
-                populate = arena if maps.is_cold(src.path) else None
-                jobs += [pool.submit(t.run) for t in _chunks(dst_bytes, raw, populate, src.offset, MADV_POPULATE_READ)]
-            elif whole:
-                jobs.append(pool.submit(_read_verified, src, dst_bytes))
+            direct = dst_bytes is not None and src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
+            if direct and src.box == fill.want:
+                wholes.append((src, dst_bytes))
             else:
-                jobs.append(pool.submit(_fill_part, maps, src, common, fill.target, fill.want))
+                itemsize = dtypes.itemsize(src.dtype)
+                runs = copy_runs(src.box, fill.want if direct else common, itemsize)
+                parts.append(_Part(src, common, fill, runs, direct))
+    _prefetch(
+        [(src.path, src.offset, src.nbytes) for src, _ in wholes if src.kind == "file"]
+        + [(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()]
+    )
+    jobs = []
+    for src, dst_bytes in wholes:
+        if src.kind == "shm":
+            arena = maps.get(src.path, src.offset + src.nbytes)
+            raw = np.frombuffer(arena, dtype=np.uint8, count=src.nbytes, offset=src.offset)
+            populate = arena if maps.is_cold(src.path) else None
+            jobs += [pool.submit(t.run) for t in _chunks(dst_bytes, raw, populate, src.offset, MADV_POPULATE_READ)]
+        else:
+            jobs.append(pool.submit(_read_verified, src, dst_bytes))
+    jobs += [pool.submit(_fill_part, maps, part) for part in parts]
     for job in jobs:
         job.result()
     for fill in fills:
@@ -195,57 +213,152 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
                 maps.mark_warm(src.path)
 
 
-def _prefetch(sources: Sequence[Source]) -> None:
-    """Ask the kernel to start reading every needed byte range now (POSIX_FADV_WILLNEED), so the
-    disk works on all of them while the reading threads wait on the first ones."""
-    ranges: dict[str, tuple[int, int]] = {}
-    for src in sources:
-        lo, hi = ranges.get(src.path, (src.offset, src.offset + src.nbytes))
-        ranges[src.path] = (min(lo, src.offset), max(hi, src.offset + src.nbytes))
-    for path, (lo, hi) in ranges.items():
+@dataclass(frozen=True)
+class _Part:
+    """The share of fragment `src` in `fill` (box `common`) when it is not one plain whole copy.
+
+    `runs` move bytes of the fragment's data straight into the target's bytes when `direct`
+    (a contiguous CPU target of the stored dtype), else into a temporary holding `common` in the
+    stored dtype, which torch then copies into the target (strided, converting the dtype).
+    """
+
+    src: Source
+    common: Box
+    fill: Fill
+    runs: list[CopyRun]
+    direct: bool
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The (offset, nbytes) ranges of the fragment's data to read, each at most READ_CHUNK
+        bytes unless a single run is longer."""
+        return read_ranges(self.runs, max_len=READ_CHUNK)
+
+
+def _prefetch(ranges: Sequence[tuple[str, int, int]]) -> None:
+    """Ask the kernel to start reading every needed (path, offset, nbytes) range now
+    (POSIX_FADV_WILLNEED), so the disk works on all of them while the reading threads wait on
+    the first ones. Ranges of a file closer than 64 KiB are advised together."""
+    by_path: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, nbytes in ranges:
+        by_path.setdefault(path, []).append((offset, offset + nbytes))
+    for path, spans in by_path.items():
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1] + 64 * 1024:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue  # reported by the read itself, with the tensor's name
         try:
-            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            for lo, hi in merged:
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 
 
-def _fill_part(maps: ArenaMaps, src: Source, common: Box, target: torch.Tensor, want: Box) -> None:
+def _fill_part(maps: ArenaMaps, part: _Part) -> None:
+    """Place the part's runs (from the arena or from only the needed byte ranges of the file)."""
+    src, fill = part.src, part.fill
+    expected = dtypes.nbytes(src.dtype, src.box.lengths)
+    if src.nbytes != expected:
+        raise CheckpointError(
+            f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but box {src.box} of {src.dtype} "
+            f"needs {expected}; the index and the data disagree — load an older step"
+        )
+    if part.direct:
+        dest = byte_view(fill.target)
+        assert dest is not None  # direct is only chosen for targets that have a byte view
+    else:
+        dest = np.empty(dtypes.nbytes(src.dtype, part.common.lengths), dtype=np.uint8)
     if src.kind == "shm":
         raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
+        for r in part.runs:
+            dest[r.dst : r.dst + r.nbytes] = raw[r.src : r.src + r.nbytes]
     else:
-        raw = np.empty(src.nbytes, dtype=np.uint8)
-        _read_verified(src, raw)
-    dtype = getattr(torch, dtypes.torch_name(src.dtype))
-    fragment = torch.from_numpy(raw).view(dtype).view(src.box.lengths)
-    target[relative(common, want)].copy_(fragment[relative(common, src.box)])
+        _read_runs(src, part.runs, part.ranges(), dest)
+    if not part.direct:
+        stored = getattr(torch, dtypes.torch_name(src.dtype))
+        assembled = torch.from_numpy(dest).view(stored).view(part.common.lengths)
+        fill.target[relative(part.common, fill.want)].copy_(assembled)
 
 
-def _read_verified(src: Source, out: np.ndarray) -> None:
-    """pread `src` into `out` and check its checksum; raise CheckpointError naming the file on a mismatch."""
-    hasher = xxhash.xxh3_64()
+def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, int]], dest: np.ndarray) -> None:
+    """pread the fragment's `ranges` (read_ranges of `runs`) and place each run into `dest`.
+
+    A range that is exactly one run is read straight into `dest`; others go through one
+    temporary buffer. The index's checksum covers the whole fragment, so it is checked only
+    when the ranges happen to cover all of it: the bytes of a partial read are not verified.
+    """
+    whole = bool(ranges) and ranges[0][0] == 0 and sum(n for _, n in ranges) == src.nbytes
+    whole = whole and all(lo == plo + pn for (plo, pn), (lo, _) in zip(ranges, ranges[1:]))
+    hasher = xxhash.xxh3_64() if whole and src.checksum else None
+    buf = np.empty(0, dtype=np.uint8)  # grown to the longest range of several runs (<= READ_CHUNK)
+    fd = _open(src)
     try:
-        fd = os.open(src.path, os.O_RDONLY)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {src.path}: {exc.strerror}") from None
-    try:
-        done = 0
-        while done < src.nbytes:
-            n = min(READ_CHUNK, src.nbytes - done)
-            view = memoryview(out[done : done + n])
-            got = os.preadv(fd, [view], src.offset + done)
-            if got == 0:
-                raise CheckpointError(f"{src.path} ends before byte {src.offset + done}: the file is truncated")
-            hasher.update(view[:got])
-            done += got
+        i = 0  # runs are in increasing order of src (copy_runs), so each range takes the next few
+        for lo, n in ranges:
+            j = i
+            while j < len(runs) and runs[j].src < lo + n:
+                j += 1
+            group, i = runs[i:j], j
+            if len(group) == 1 and group[0].src == lo and group[0].nbytes == n:
+                data = dest[group[0].dst : group[0].dst + n]
+                _pread_exact(fd, data, src.offset + lo, src.path)
+            else:
+                if len(buf) < n:
+                    buf = np.empty(n, dtype=np.uint8)
+                data = buf[:n]
+                _pread_exact(fd, data, src.offset + lo, src.path)
+                for r in group:
+                    dest[r.dst : r.dst + r.nbytes] = data[r.src - lo : r.src - lo + r.nbytes]
+            if hasher is not None:
+                hasher.update(memoryview(data))
     finally:
         os.close(fd)
+    if hasher is not None:
+        _check(src, hasher)
+
+
+def _open(src: Source) -> int:
+    try:
+        return os.open(src.path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {src.path} (tensor {src.name!r}): {exc.strerror}") from None
+
+
+def _pread_exact(fd: int, out: np.ndarray, offset: int, path: str) -> None:
+    """Fill `out` (a flat uint8 array) with the file's bytes from `offset`, READ_CHUNK at a time."""
+    done = 0
+    while done < len(out):
+        n = min(READ_CHUNK, len(out) - done)
+        got = os.preadv(fd, [memoryview(out[done : done + n])], offset + done)
+        if got == 0:
+            raise CheckpointError(f"{path} ends before byte {offset + done}: the file is truncated")
+        done += got
+
+
+def _check(src: Source, hasher: "xxhash.xxh3_64") -> None:
+    """Raise CheckpointError naming the tensor and file if the hash differs from the index's checksum."""
     actual = f"xxh3-64:{hasher.intdigest():016x}"
     if src.checksum and actual != src.checksum:
         raise CheckpointError(
             f"checksum mismatch for tensor {src.name!r} in {Path(src.path).name} at byte {src.offset} ({src.nbytes} bytes): expected "
             f"{src.checksum}, read {actual}; the file is damaged — load an older step"
         )
+
+
+def _read_verified(src: Source, out: np.ndarray) -> None:
+    """pread `src` into `out` and check its checksum; raise CheckpointError naming the file on a mismatch."""
+    hasher = xxhash.xxh3_64()
+    fd = _open(src)
+    try:
+        for done in range(0, src.nbytes, READ_CHUNK):
+            view = out[done : done + READ_CHUNK]
+            _pread_exact(fd, view, src.offset + done, src.path)
+            hasher.update(memoryview(view))
+    finally:
+        os.close(fd)
+    _check(src, hasher)

@@ -1,0 +1,575 @@
+"""Where each of a rank's tensors sits in its global (unsharded) tensor (DESIGN.md sections 3, 4).
+
+A rank's tensor is one or more *fragments*: boxes of the logical tensor, each with a view of the
+rank's memory that holds exactly that box. Three sources of layout, in this order:
+
+1. `DTensor` (FSDP2, HSDP, tensor parallel): the placements on the device mesh say it all; any
+   mesh, `Shard(d)` on any dim (uneven shards split like `torch.chunk`), `Replicate`, several
+   mesh dims sharding the same tensor dim (nested, left to right), and `_StridedShard` (FSDP2
+   over TP: a rank's shard may be several separate pieces of the global tensor, one fragment
+   each). `Partial` is refused: reduce it before saving. A rule matching a DTensor is an error.
+2. Megatron-style manual tensor parallelism, declared with a `LayoutRules` table: `Split`,
+   `Fused` (QKV with grouped-query sizes, gate/up), `PaddedVocab`, `Replicated`; the first rule
+   whose pattern fully matches the tensor's *layout key* (see `layout_key`) wins.
+3. Anything else: a full replica, one fragment covering the whole tensor.
+
+Empty shares (more ranks than rows, a rank holding only vocabulary padding) are kept as one
+fragment with an empty box, so every rank names every tensor it has; an empty box covers
+nothing and overlaps nothing (ckptd.common.boxes), so consumers may skip it.
+A fragment's `local` is a view, never a copy; it may be non-contiguous (a split along a dim
+other than the first). No I/O here; only `verify_replicated` talks to other processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ckptd.client.state import FlatState, TensorEntry
+from ckptd.common.boxes import Box
+
+
+class LayoutError(ValueError):
+    """A tensor whose layout cannot be described or does not fit its rule; says which and how to fix it."""
+
+
+# ------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True, eq=False)
+class Fragment:
+    """A piece of a logical tensor that this rank holds: `local` is a view of the rank's memory.
+
+    name: the logical name (as in TensorEntry). global_shape: the logical tensor's shape.
+    box: where `local` sits in the global tensor. local: a view (no copy) of the rank's data for
+    exactly that box; `local.shape == box.lengths`.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    box: Box
+    local: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """This rank's place in the manual (Megatron-style) tensor-parallel group."""
+
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+
+
+@dataclass(frozen=True)
+class Split:
+    """The tensor is split evenly along `dim` over the TP ranks: global size = local size * tp_size."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Sub-tensors concatenated along `dim`, each split over TP separately.
+
+    sizes: the global sizes of the sub-tensors along `dim`, e.g. QKV with grouped-query attention
+    (n_q * head_dim, n_kv * head_dim, n_kv * head_dim), or SwiGLU gate/up (ffn, ffn). A rank's
+    local tensor along `dim` is [its part of sub 0, its part of sub 1, ...]; the global tensor is
+    [whole sub 0, whole sub 1, ...] (the Hugging Face layout). If the framework's TP=1 tensor is
+    itself interleaved per rank or head group (Megatron's QKV), the global tensor is the plain
+    concatenation of the rank slices: use `Split` instead.
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PaddedVocab:
+    """Split along `dim` over TP, with the rows from `size` on being padding (vocabulary padded
+    to a multiple of tp_size * k). The global tensor has `size` rows: padding is not saved and,
+    on load, left as it is. Rank r holds padded rows [r * L, (r + 1) * L), L = its local rows."""
+
+    dim: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """The same on every TP rank. check_equal: the caller should verify it (`verify_replicated`)."""
+
+    check_equal: bool = True
+
+
+Layout = Split | Fused | PaddedVocab | Replicated
+
+
+@dataclass(frozen=True)
+class Rule:
+    """pattern: a regular expression that must match a tensor's layout key entirely (re.fullmatch)."""
+
+    pattern: str
+    layout: Layout
+
+
+class LayoutRules:
+    """A declarative table of layout rules for manually sharded tensors; the first match wins.
+
+    Patterns are written against parameter FQNs, e.g. r"layers\\.\\d+\\.attn\\.qkv\\.weight",
+    and cover the parameter's optimizer state and master copy too (see `layout_key`).
+    The table remembers which rules have matched: `unused()` lists the others, which are
+    usually typos — report them after the first save.
+    """
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self._compiled = [_compile(i, rule) for i, rule in enumerate(self.rules)]
+        self._used: set[int] = set()
+
+    def match(self, name: str) -> Rule | None:
+        """The first rule whose pattern fully matches `name` (a layout key), or None."""
+        for i, pattern in enumerate(self._compiled):
+            if pattern.fullmatch(name):
+                self._used.add(i)
+                return self.rules[i]
+        return None
+
+    def unused(self) -> list[Rule]:
+        """The rules that have matched nothing so far, in table order."""
+        return [rule for i, rule in enumerate(self.rules) if i not in self._used]
+
+
+def _compile(index: int, rule: Rule) -> re.Pattern[str]:
+    if not isinstance(rule, Rule):
+        raise TypeError(f"layout rule #{index} is a {type(rule).__name__}; write Rule(pattern, layout)")
+    _check_layout(rule)
+    try:
+        return re.compile(rule.pattern)
+    except re.error as exc:
+        raise ValueError(f"layout rule #{index} has an invalid pattern {rule.pattern!r}: {exc}") from None
+
+
+def _check_layout(rule: Rule) -> None:
+    layout = rule.layout
+    if isinstance(layout, Fused):
+        if not layout.sizes or any(not isinstance(s, int) or s <= 0 for s in layout.sizes):
+            raise ValueError(f"rule {rule.pattern!r}: Fused sizes must be positive integers, got {layout.sizes!r}")
+    elif isinstance(layout, PaddedVocab):
+        if layout.size <= 0:
+            raise ValueError(f"rule {rule.pattern!r}: PaddedVocab size must be positive, got {layout.size}")
+    elif not isinstance(layout, (Split, Replicated)):
+        raise TypeError(
+            f"rule {rule.pattern!r} has layout {layout!r}; use Split, Fused, PaddedVocab or Replicated"
+        )
+
+
+# ------------------------------------------------------------------ names
+
+
+def layout_key(entry_name: str) -> str:
+    """The name that layout rules are matched against, for a logical tensor name.
+
+    - "model/<fqn>" and "master/<fqn>" -> "<fqn>" (weights and their fp32 master copies);
+    - "optimizer/state/<fqn>/<field...>" -> "<fqn>" (Adam's exp_avg, exp_avg_sq, step, ...):
+      optimizer state follows its parameter's rule;
+    - any other name (extras, optimizer param_groups) is matched as it is, e.g. a rule
+      r"ema/layers\\.\\d+\\.qkv\\.weight" for an EMA copy kept under the top-level key "ema".
+    FQNs contain no "/" (module names are joined with "."), so the split is unambiguous.
+    """
+    key, _, rest = entry_name.partition("/")
+    if key in ("model", "master") and rest:
+        return rest
+    parts = entry_name.split("/", 3)
+    if key == "optimizer" and len(parts) == 4 and parts[1] == "state":
+        return parts[2]
+    return entry_name
+
+
+def _is_optimizer_state(entry_name: str) -> bool:
+    parts = entry_name.split("/", 3)
+    return len(parts) == 4 and parts[0] == "optimizer" and parts[1] == "state"
+
+
+# ------------------------------------------------------------------ fragments
+
+
+def fragments_of(
+    entry_name: str,
+    tensor: torch.Tensor,
+    rules: LayoutRules | None,
+    coords: RankCoords | None,
+    *,
+    param_shape: tuple[int, ...] | None = None,
+) -> list[Fragment]:
+    """The fragments of this rank's `tensor`, the local part of logical tensor `entry_name`.
+
+    DTensor: from its placements (a matching rule is an error). Otherwise the first rule of
+    `rules` matching `layout_key(entry_name)` with this rank's `coords`; no rule: a full replica.
+    Optimizer state (names "optimizer/state/<fqn>/<field>") with at most one element, such as
+    Adam's "step", is a replica whatever its parameter's rule. param_shape: the parameter's local
+    shape, when known, for optimizer state and master copies; a ruled tensor of another shape
+    (e.g. a factored second moment) is refused, since its layout would be guessed.
+    Raises LayoutError naming the tensor when its layout cannot be described.
+    """
+    if isinstance(tensor, DTensor):
+        if rules is not None and (rule := rules.match(layout_key(entry_name))) is not None:
+            raise LayoutError(
+                f"{entry_name!r} is a DTensor but also matches layout rule {rule.pattern!r}; remove the rule: "
+                "DTensor placements already describe it"
+            )
+        return _dtensor_fragments(entry_name, tensor)
+    rule = rules.match(layout_key(entry_name)) if rules is not None else None
+    return _ruled_fragments(entry_name, tensor, rule, coords, param_shape)
+
+
+def _ruled_fragments(
+    name: str, tensor: torch.Tensor, rule: Rule | None, coords: RankCoords | None, param_shape: tuple[int, ...] | None
+) -> list[Fragment]:
+    shape = tuple(tensor.shape)
+    if rule is None or isinstance(rule.layout, Replicated):
+        return [Fragment(name, shape, Box.full(shape), tensor)]
+    if _is_optimizer_state(name) and tensor.numel() <= 1:
+        return [Fragment(name, shape, Box.full(shape), tensor)]
+    if param_shape is not None and shape != tuple(param_shape):
+        raise LayoutError(
+            f"{name!r} has shape {list(shape)} but its parameter has {list(param_shape)}, so rule {rule.pattern!r} "
+            f"cannot place it; add a rule for {name!r} itself (rules match other names as they are)"
+        )
+    if coords is None:
+        raise LayoutError(
+            f"{name!r} matches layout rule {rule.pattern!r}, which needs this rank's tensor-parallel coordinates: "
+            "pass coords=RankCoords(tp_rank, tp_size)"
+        )
+    layout = rule.layout
+    dim = _dim(name, rule, tensor)
+    if isinstance(layout, Split):
+        return [_split(name, tensor, dim, coords)]
+    if isinstance(layout, Fused):
+        return _fused(name, tensor, dim, layout.sizes, coords, rule)
+    return [_padded(name, tensor, dim, layout.size, coords, rule)]
+
+
+def _dim(name: str, rule: Rule, tensor: torch.Tensor) -> int:
+    dim = rule.layout.dim  # type: ignore[union-attr]  # every layout but Replicated has one
+    if not -tensor.ndim <= dim < tensor.ndim:
+        raise LayoutError(
+            f"layout rule {rule.pattern!r} splits dim {dim} of {name!r}, which has shape {list(tensor.shape)}; "
+            "fix the rule's dim or its pattern"
+        )
+    return dim % tensor.ndim
+
+
+def _with(shape: Sequence[int], dim: int, value: int) -> tuple[int, ...]:
+    return tuple(value if d == dim else int(n) for d, n in enumerate(shape))
+
+
+def _split(name: str, tensor: torch.Tensor, dim: int, coords: RankCoords) -> Fragment:
+    local = tensor.shape[dim]
+    global_shape = _with(tensor.shape, dim, local * coords.tp_size)
+    box = Box(_with([0] * tensor.ndim, dim, coords.tp_rank * local), tuple(tensor.shape))
+    return Fragment(name, global_shape, box, tensor)
+
+
+def _fused(
+    name: str, tensor: torch.Tensor, dim: int, sizes: tuple[int, ...], coords: RankCoords, rule: Rule
+) -> list[Fragment]:
+    tp = coords.tp_size
+    if any(s % tp for s in sizes) or tensor.shape[dim] * tp != sum(sizes):
+        raise LayoutError(
+            f"{name!r} has {tensor.shape[dim]} rows along dim {dim} at tp_size {tp}, but rule {rule.pattern!r} fuses "
+            f"sub-tensors of sizes {list(sizes)}: every size must divide by tp_size and the local size must be "
+            f"sum(sizes) / tp_size = {sum(sizes) / tp:g}; fix the sizes"
+        )
+    global_shape = _with(tensor.shape, dim, sum(sizes))
+    if tp == 1:  # the subs are adjacent in both tensors: one fragment
+        return [Fragment(name, global_shape, Box.full(global_shape), tensor)]
+    fragments = []
+    local_start = global_start = 0
+    for size in sizes:
+        part = size // tp
+        box = Box(_with([0] * tensor.ndim, dim, global_start + coords.tp_rank * part), _with(tensor.shape, dim, part))
+        fragments.append(Fragment(name, global_shape, box, tensor.narrow(dim, local_start, part)))
+        local_start += part
+        global_start += size
+    return fragments
+
+
+def _padded(name: str, tensor: torch.Tensor, dim: int, size: int, coords: RankCoords, rule: Rule) -> Fragment:
+    rows = tensor.shape[dim]
+    if size > rows * coords.tp_size:
+        raise LayoutError(
+            f"{name!r} has {rows} rows along dim {dim} at tp_size {coords.tp_size} ({rows * coords.tp_size} padded "
+            f"rows in all), fewer than the vocabulary size {size} of rule {rule.pattern!r}; fix the rule's size"
+        )
+    start = coords.tp_rank * rows
+    kept = max(0, min(rows, size - start))
+    offset = start if kept else size  # an empty share sits at the end, like DTensor's
+    global_shape = _with(tensor.shape, dim, size)
+    box = Box(_with([0] * tensor.ndim, dim, offset), _with(tensor.shape, dim, kept))
+    return Fragment(name, global_shape, box, tensor.narrow(dim, 0, kept))
+
+
+# ------------------------------------------------------------------ DTensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of a rank's shard that is one box of the global tensor.
+
+    box: where it sits in the global tensor. local: where it sits in the rank's local tensor.
+    """
+
+    box: Box
+    local: Box
+
+
+def dtensor_pieces(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], list[Piece]]:
+    """The local shape of a DTensor's shard at mesh `coordinate`, and its pieces of the global tensor.
+
+    Pure arithmetic, equal to what DTensor does: placements apply left to right, each splitting
+    the part that the earlier ones left along its dim like torch.chunk (chunks of ceil(n / k),
+    the last ones short or empty); `_StridedShard(d, split_factor=f)` first cuts that part into
+    f chunks, splits each over the mesh dim, and joins the rank's pieces. Replicate splits
+    nothing. A shard that is one box (all but strided shards) is one piece; an empty shard is one
+    piece with an empty box placed at the global end of its empty dims (as
+    torch's compute_local_shape_and_global_offset does). Raises LayoutError for Partial.
+    """
+    if len(mesh_shape) != len(placements) or len(coordinate) != len(placements):
+        raise ValueError(
+            f"mesh shape {list(mesh_shape)}, coordinate {list(coordinate)} and placements {list(placements)} "
+            "must have one entry per mesh dim"
+        )
+    runs: list[list[tuple[int, int]]] = [[(0, int(n))] if n else [] for n in global_shape]
+    for placement, n, i in zip(placements, mesh_shape, coordinate):
+        if isinstance(placement, _StridedShard):  # not a Shard subclass in recent torch; test it first
+            d = _shard_dim(placement.dim, global_shape)
+            factor = int(placement.split_factor)
+            parts = [_take(runs[d], *_chunk(_length(runs[d]), factor, j)) for j in range(factor)]
+            runs[d] = _merge([r for part in parts for r in _take(part, *_chunk(_length(part), n, i))])
+        elif isinstance(placement, Shard):
+            d = _shard_dim(placement.dim, global_shape)
+            runs[d] = _take(runs[d], *_chunk(_length(runs[d]), n, i))
+        elif placement.is_partial():
+            raise LayoutError(
+                f"placement {placement} holds partial sums, not values: reduce it before saving "
+                "(e.g. dtensor.redistribute(placements=[Replicate()] * mesh.ndim))"
+            )
+        elif not isinstance(placement, Replicate):
+            raise LayoutError(f"placement {placement!r} is not one that ckptd knows (Shard, Replicate, _StridedShard)")
+    local_shape = tuple(_length(r) for r in runs)
+    if 0 in local_shape:
+        offsets = tuple(r[0][0] if r else int(n) for r, n in zip(runs, global_shape))
+        return local_shape, [Piece(Box(offsets, local_shape), Box((0,) * len(local_shape), local_shape))]
+    per_dim = [_with_local_offsets(r) for r in runs]
+    pieces = []
+    for combo in itertools.product(*per_dim):
+        box = Box(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo))
+        local = Box(tuple(o for _, o, _ in combo), box.lengths)
+        pieces.append(Piece(box, local))
+    return local_shape, pieces
+
+
+def _shard_dim(dim: int, global_shape: Sequence[int]) -> int:
+    if not -len(global_shape) <= dim < len(global_shape):
+        raise LayoutError(f"a placement shards dim {dim} of a tensor of shape {list(global_shape)}")
+    return dim % len(global_shape)
+
+
+def _chunk(total: int, n: int, i: int) -> tuple[int, int]:
+    """(start, length) of the i-th of n chunks of `total` items, as torch.chunk (padded with empties) cuts them."""
+    size = -(-total // n)
+    start = min(total, i * size)
+    return start, min(total, start + size) - start
+
+
+def _length(runs: list[tuple[int, int]]) -> int:
+    return sum(n for _, n in runs)
+
+
+def _take(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """Items [start, start + length) of the sequence that `runs` (global start, length) describe, as runs."""
+    out = []
+    pos = 0
+    for g, n in runs:
+        lo, hi = max(start, pos), min(start + length, pos + n)
+        if lo < hi:
+            out.append((g + lo - pos, hi - lo))
+        pos += n
+    return out
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for g, n in runs:
+        if out and out[-1][0] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((g, n))
+    return out
+
+
+def _with_local_offsets(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    out, local = [], 0
+    for g, n in runs:
+        out.append((g, local, n))
+        local += n
+    return out
+
+
+def _dtensor_fragments(name: str, tensor: DTensor) -> list[Fragment]:
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise LayoutError(f"{name!r} is a DTensor on a device mesh that this rank is not part of; save it from the mesh's ranks")
+    global_shape = tuple(int(n) for n in tensor.shape)
+    try:
+        local_shape, pieces = dtensor_pieces(global_shape, tuple(mesh.shape), coordinate, tensor.placements)
+    except LayoutError as exc:
+        raise LayoutError(f"{name!r}: {exc}") from None
+    local = tensor.to_local()
+    if tuple(local.shape) != local_shape:
+        raise LayoutError(
+            f"{name!r} is a DTensor whose local tensor has shape {list(local.shape)}, but its placements "
+            f"{list(tensor.placements)} on mesh {list(mesh.shape)} give {list(local_shape)}; ckptd supports "
+            "DTensors whose shards split like torch.chunk"
+        )
+    return [Fragment(name, global_shape, p.box, local[_slices(p.local)]) for p in pieces]
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
+
+
+# ------------------------------------------------------------------ a whole state
+
+
+@dataclass(frozen=True, eq=False)
+class EntryLayout:
+    """One tensor entry of a rank's state with its fragments (one or more, all of one logical tensor).
+
+    check_equal: the entry matched a Replicated(check_equal=True) rule, so every TP rank must hold
+    the same values: pass it to `verify_replicated` with the TP group.
+    """
+
+    entry: TensorEntry
+    global_shape: tuple[int, ...]
+    fragments: tuple[Fragment, ...]
+    check_equal: bool
+
+
+def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: RankCoords | None = None) -> list[EntryLayout]:
+    """`fragments_of` for every entry of a flattened state, in order: what save and load need.
+
+    Optimizer state and master copies are checked against their parameter's local shape (the
+    entry "model/<fqn>", or one of its aliases). A tied tensor's names (entry name and aliases)
+    must match the same rule, or none: otherwise LayoutError. After the first call,
+    `rules.unused()` tells which rules matched nothing.
+    """
+    param_shapes = {
+        layout_key(name): tuple(e.tensor.shape)
+        for e in flat.tensors
+        for name in (e.name, *e.aliases)
+        if name.startswith("model/")
+    }
+    out = []
+    for entry in flat.tensors:
+        rule = _entry_rule(entry, rules)
+        param_shape = None if entry.name.startswith("model/") else param_shapes.get(layout_key(entry.name))
+        if isinstance(entry.tensor, DTensor):
+            fragments = fragments_of(entry.name, entry.tensor, rules, coords)
+        else:
+            fragments = _ruled_fragments(entry.name, entry.tensor, rule, coords, param_shape)
+        check = rule is not None and isinstance(rule.layout, Replicated) and rule.layout.check_equal
+        out.append(EntryLayout(entry, fragments[0].global_shape, tuple(fragments), check))
+    return out
+
+
+def _entry_rule(entry: TensorEntry, rules: LayoutRules | None) -> Rule | None:
+    if rules is None:
+        return None
+    matched = {name: rules.match(layout_key(name)) for name in (entry.name, *entry.aliases)}
+    distinct = {id(rule): rule for rule in matched.values()}
+    if len(distinct) > 1:
+        described = ", ".join(f"{n!r} -> {r.pattern if r else 'no rule'}" for n, r in matched.items())
+        raise LayoutError(f"the names of one tied tensor match different layout rules ({described}); make them agree")
+    return matched[entry.name]
+
+
+# ------------------------------------------------------------------ replicas
+
+
+def replicated_checksum(tensor: torch.Tensor) -> str:
+    """A hex digest of a tensor's dtype, shape and values: equal on two ranks iff they hold the same bytes.
+
+    Copies the tensor to the CPU if needed (meant for the small replicated tensors of TP: norms,
+    biases). A DTensor is digested by its local tensor.
+    """
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{data.dtype}{list(tensor.shape)}".encode())
+    if data.numel():
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distributed.ProcessGroup | None = None) -> None:
+    """Check that every rank of `group` (e.g. the TP group) holds the same values for each tensor.
+
+    A collective: every rank of the group must call it with the same names (in any order).
+    The digests travel as uint8 tensors (no pickling), on the CPU unless the group only has NCCL.
+    Raises LayoutError on every rank naming the tensors that differ and the ranks that disagree.
+    """
+    dist = torch.distributed
+    names = sorted(tensors)
+    device = _collective_device(group)
+    names_digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
+    header = torch.tensor(list(names_digest), dtype=torch.uint8, device=device)
+    headers = _all_gather(header, group)
+    if any(not torch.equal(h, headers[0]) for h in headers):
+        raise LayoutError(
+            "the ranks of the group passed different sets of replicated tensors to verify_replicated; "
+            "call it with the same names on every rank"
+        )
+    if not names:
+        return
+    rows = [bytes.fromhex(replicated_checksum(tensors[n])) for n in names]
+    mine = torch.tensor([list(r) for r in rows], dtype=torch.uint8, device=device).reshape(len(names), 16)
+    gathered = _all_gather(mine, group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    problems = []
+    for i, name in enumerate(names):
+        differing = [ranks[r] for r, g in enumerate(gathered) if not torch.equal(g[i], gathered[0][i])]
+        if differing:
+            problems.append(f"{name!r} (ranks {differing} differ from rank {ranks[0]})")
+    if problems:
+        raise LayoutError(
+            "tensors declared Replicated differ across tensor-parallel ranks: " + "; ".join(problems)
+            + ". Find why they drift (a missing all-reduce), or declare them Replicated(check_equal=False)"
+        )
+
+
+def _collective_device(group: torch.distributed.ProcessGroup | None) -> torch.device:
+    backend = str(torch.distributed.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _all_gather(tensor: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> list[torch.Tensor]:
+    size = torch.distributed.get_world_size(group)
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor, group=group)
+    return [t.cpu() for t in out]

@@ -1,0 +1,218 @@
+"""Filling trainer tensors from stored fragments: whole and partial (resharded), from files and arenas.
+
+Fragments are written as raw bytes at offsets of a real file (after a fake header, as in a
+safetensors file) or of a real arena (a file in /dev/shm mapped by ArenaMaps).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import xxhash
+
+from ckptd.client import transport
+from ckptd.client.errors import CheckpointError
+from ckptd.client.transport import ArenaMaps, Fill, Source, fill_all
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box, relative
+from ckptd.common.reshard import shard_boxes
+
+HEADER = 136  # bytes before the first fragment, like a safetensors header
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as p:
+        yield p
+
+
+@pytest.fixture
+def maps() -> Iterator[ArenaMaps]:
+    m = ArenaMaps()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator["Store"]:
+    s = Store(tmp_path)
+    yield s
+    s.close()
+
+
+class Store:
+    """Writes fragments of a tensor into a file ("file") or an arena in /dev/shm ("shm")."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.arenas: list[str] = []
+
+    def put(self, kind: str, name: str, whole: torch.Tensor, boxes: list[Box]) -> list[Source]:
+        """Store box after box of `whole` back to back after HEADER bytes; return their sources."""
+        if kind == "shm":
+            fd, path = tempfile.mkstemp(prefix="ckptd-test-transport-", dir="/dev/shm")
+            os.close(fd)
+            self.arenas.append(path)
+        else:
+            path = str(self.tmp_path / f"{name.replace('/', '_')}-{len(boxes)}.safetensors")
+        dtype = dtypes.from_torch_name(str(whole.dtype))
+        full = Box.full(tuple(whole.shape))
+        sources = []
+        with open(path, "wb") as f:
+            f.write(b"{" * HEADER)
+            for box in boxes:
+                data = whole[relative(box, full)].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                checksum = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
+                sources.append(Source(name, kind, path, f.tell(), len(data), box, dtype, checksum))
+                f.write(data)
+            f.write(b"}" * 64)
+        return sources
+
+    def close(self) -> None:
+        for path in self.arenas:
+            os.unlink(path)
+
+
+def ramp(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Distinct values, exact in float32 and in bfloat16 after rounding."""
+    return (torch.arange(int(torch.Size(shape).numel()), dtype=torch.float64) * 0.25 - 3).to(dtype).reshape(shape)
+
+
+SHAPE = (13, 10)
+WANTS = {
+    "whole": Box((0, 0), (13, 10)),
+    "rows": Box((2, 0), (5, 10)),
+    "columns": Box((0, 3), (13, 4)),
+    "block": Box((4, 2), (6, 5)),
+    "one element": Box((12, 9), (1, 1)),
+}
+LAYOUTS = {
+    "one fragment": [Box.full(SHAPE)],
+    "3 row shards": shard_boxes(SHAPE, 0, 3),
+    "4 column shards": shard_boxes(SHAPE, 1, 4),
+    "2x2 blocks": [Box((0, 0), (7, 6)), Box((0, 6), (7, 4)), Box((7, 0), (6, 6)), Box((7, 6), (6, 4))],
+}
+
+
+def contiguous(want: Box, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.full(want.lengths, -99.0, dtype=dtype)
+    return t, t
+
+
+def transposed(want: Box, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    base = torch.full(want.lengths[::-1], -99.0, dtype=dtype)
+    return base.t(), base
+
+
+def narrowed(want: Box, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view into the middle of a larger tensor, like a DTensor's local view or a slice of fused QKV."""
+    base = torch.full((want.lengths[0] + 3, want.lengths[1] + 5), -99.0, dtype=dtype)
+    return base[1 : 1 + want.lengths[0], 2 : 2 + want.lengths[1]], base
+
+
+TARGETS = {"contiguous": contiguous, "transposed": transposed, "narrowed": narrowed}
+
+
+@pytest.mark.parametrize("kind", ["file", "shm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("target_kind", TARGETS)
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+def test_fills_every_wanted_box_exactly(
+    pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str, layout: str, target_kind: str, target_dtype: torch.dtype
+) -> None:
+    whole = ramp(SHAPE)
+    sources = store.put(kind, "model/w", whole, LAYOUTS[layout])
+    fills, expected = [], []
+    for want in WANTS.values():
+        target, base = TARGETS[target_kind](want, target_dtype)
+        fills.append(Fill(target, want, sources))
+        expected.append((target, base, whole[relative(want, Box.full(SHAPE))].to(target_dtype)))
+    fill_all(pool, maps, fills)
+    for target, base, values in expected:
+        assert torch.equal(target, values)
+        assert int((base == -99).sum()) == base.numel() - target.numel()  # nothing written outside the target
+
+
+@pytest.mark.parametrize("kind", ["file", "shm"])
+def test_0_dim_and_3_dim_tensors(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str) -> None:
+    scalar = torch.tensor(7, dtype=torch.int64)
+    cube = ramp((5, 11, 3))
+    scalar_sources = store.put(kind, "step", scalar, [Box((), ())])
+    cube_sources = store.put(kind, "cube", cube, shard_boxes((5, 11, 3), 1, 3))
+    out_scalar = torch.zeros((), dtype=torch.int64)
+    want = Box((1, 2, 0), (3, 6, 3))
+    out_cube = torch.zeros(want.lengths)
+    fill_all(pool, maps, [Fill(out_scalar, Box((), ()), scalar_sources), Fill(out_cube, want, cube_sources)])
+    assert int(out_scalar) == 7
+    assert torch.equal(out_cube, cube[1:4, 2:8, :])
+
+
+def test_a_partial_read_reads_only_the_needed_bytes(
+    pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shape = (16, 32768)  # rows of 128 KiB: gaps between column runs are too wide to read through
+    whole = ramp(shape)
+    sources = store.put("file", "emb", whole, shard_boxes(shape, 0, 2))
+    reads: list[tuple[int, int]] = []
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        got = real_preadv(fd, buffers, offset)
+        reads.append((offset, got))
+        return got
+
+    monkeypatch.setattr(transport.os, "preadv", preadv)
+
+    rows = Box((3, 0), (9, shape[1]))  # rows 3..11: the end of fragment 0 and the start of fragment 1
+    out = torch.empty(rows.lengths)
+    fill_all(pool, maps, [Fill(out, rows, sources)])
+    assert torch.equal(out, whole[3:12])
+    row_bytes = shape[1] * 4
+    assert sorted(reads) == [(sources[0].offset + 3 * row_bytes, 5 * row_bytes), (sources[1].offset, 4 * row_bytes)]
+
+    reads.clear()
+    columns = Box((0, 1000), (16, 1024))
+    out = torch.empty(columns.lengths)
+    fill_all(pool, maps, [Fill(out, columns, sources)])
+    assert torch.equal(out, whole[:, 1000:2024])
+    assert len(reads) == 16 and all(n == 1024 * 4 for _, n in reads)
+    assert sum(n for _, n in reads) == sum(s.nbytes for s in sources) // 32
+
+
+def test_whole_read_with_bad_checksum_names_the_tensor(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    whole = ramp(SHAPE)
+    (source,) = store.put("file", "model/layer.0.weight", whole, [Box.full(SHAPE)])
+    with open(source.path, "r+b") as f:
+        f.seek(source.offset + 17)
+        f.write(b"\x5a")
+    for target in [torch.empty(SHAPE), transposed(Box.full(SHAPE), torch.float32)[0], torch.empty(SHAPE, dtype=torch.bfloat16)]:
+        with pytest.raises(CheckpointError, match=r"checksum mismatch for tensor 'model/layer.0.weight'"):
+            fill_all(pool, maps, [Fill(target, Box.full(SHAPE), [source])])
+
+
+def test_a_fragment_scattered_whole_into_the_target_is_verified(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    whole = ramp(SHAPE)
+    sources = store.put("file", "w", whole, shard_boxes(SHAPE, 1, 2))  # column shards, restored whole: one run per row
+    with open(sources[1].path, "r+b") as f:
+        f.seek(sources[1].offset + 30)
+        f.write(b"\x5a")
+    with pytest.raises(CheckpointError, match="checksum mismatch for tensor 'w'"):
+        fill_all(pool, maps, [Fill(torch.empty(SHAPE), Box.full(SHAPE), sources)])
+
+
+def test_truncated_file_and_wrong_target_shape_are_errors(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    whole = ramp(SHAPE)
+    (source,) = store.put("file", "w", whole, [Box.full(SHAPE)])
+    os.truncate(source.path, source.offset + 100)
+    with pytest.raises(CheckpointError, match="truncated"):
+        fill_all(pool, maps, [Fill(torch.empty(SHAPE), Box.full(SHAPE), [source])])
+    with pytest.raises(CheckpointError, match="truncated"):
+        fill_all(pool, maps, [Fill(torch.empty(3, 10), Box((5, 0), (3, 10)), [source])])
+    with pytest.raises(CheckpointError, match="has shape \\[10, 13\\]"):
+        fill_all(pool, maps, [Fill(torch.empty(10, 13), Box.full(SHAPE), [source])])

@@ -1,0 +1,66 @@
+"""One rank of a gloo job that saves or loads DTensors through ckptd: `python dist_worker.py SPEC_JSON`.
+
+The spec (JSON): address, job, step, mode ("save" | "load"), mesh (list of sizes), placements
+({tensor name: [placement per mesh dim]}, a placement being ["S", dim] or ["R"]), world_size,
+port, rank, out (a directory: rank r writes r.json with what it found). The global values are a
+pure function of the tensor name, so every layout can check what it loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+SHAPES = {"w_even": (8, 6), "w_uneven": (13, 7), "b": (5,), "tiny": (2, 3)}
+
+
+def global_value(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(SHAPES[name], generator=g)
+
+
+def placements_of(spec: list[list]) -> list:
+    return [Shard(p[1]) if p[0] == "S" else Replicate() for p in spec]
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
+    try:
+        run(spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(spec: dict) -> None:
+    from ckptd.client import CheckpointClient
+
+    mesh = init_device_mesh("cpu", tuple(spec["mesh"]))
+    model = {}
+    for name, placement in spec["placements"].items():
+        value = global_value(name) if spec["mode"] == "save" else torch.zeros(SHAPES[name])
+        model[name] = distribute_tensor(value, mesh, placements_of(placement))
+    result: dict = {"rank": spec["rank"]}
+    with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
+        if spec["mode"] == "save":
+            handle = ckpt.save(spec["step"], {"model": model})
+            result["bytes_copied"] = handle.bytes_copied
+            handle.wait_durable(timeout=60)
+        else:
+            result["step"] = ckpt.load({"model": model}, step=spec["step"])
+            result["exact"] = {name: bool(torch.equal(t.full_tensor(), global_value(name))) for name, t in model.items()}
+    Path(spec["out"], f"{spec['rank']}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
