@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -245,6 +246,11 @@ def _memory_identity(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same data: equal storage, offset, shape, stride and dtype (None if empty)."""
     if t.numel() == 0:
         return None
+    if isinstance(t, DTensor):  # its own storage is not real memory: identify it by its local shard
+        local = t.to_local()
+        if local.numel() == 0:
+            return ("dtensor", id(t))
+        return ("dtensor", *(_memory_identity(local) or ()), tuple(t.shape), tuple(t.placements))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
