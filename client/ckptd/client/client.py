@@ -159,6 +159,7 @@ class CheckpointClient:
             raise ValueError("layout rules need coords=RankCoords(tp_rank, tp_size): where this rank sits in tensor parallelism")
         self.layout = layout
         self.coords = coords
+        self._rules_reported = False
         self._channel = grpc.insecure_channel(
             self.address,
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
@@ -198,6 +199,10 @@ class CheckpointClient:
 
     def _save(self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float) -> SaveHandle:
         fragments = _fragments(flat, self.layout, self.coords)
+        if self.layout is not None and not self._rules_reported:
+            self._rules_reported = True  # after the first save every rule has had its chance
+            for rule in self.layout.unused():
+                log.warning("layout rule %r matched no tensor: check its pattern", rule.pattern)
         fingerprint = _fingerprint(flat, fragments)
         request = pb.BeginSaveRequest(
             who=self._who,

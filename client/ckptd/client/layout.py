@@ -122,9 +122,9 @@ class Rule:
 
 
 class LayoutRules:
-    """A declarative table of layout rules for manually sharded tensors; the first match wins.
+    r"""A declarative table of layout rules for manually sharded tensors; the first match wins.
 
-    Patterns are written against parameter FQNs, e.g. r"layers\\.\\d+\\.attn\\.qkv\\.weight",
+    Patterns are written against parameter FQNs, e.g. r"layers\.\d+\.attn\.qkv\.weight",
     and cover the parameter's optimizer state and master copy too (see `layout_key`).
     The table remembers which rules have matched: `unused()` lists the others, which are
     usually typos — report them after the first save.
@@ -176,27 +176,27 @@ def _check_layout(rule: Rule) -> None:
 
 
 def layout_key(entry_name: str) -> str:
-    """The name that layout rules are matched against, for a logical tensor name.
+    r"""The name that layout rules are matched against, for a logical tensor name.
 
     - "model/<fqn>" and "master/<fqn>" -> "<fqn>" (weights and their fp32 master copies);
-    - "optimizer/state/<fqn>/<field...>" -> "<fqn>" (Adam's exp_avg, exp_avg_sq, step, ...):
+    - "<key>/state/<fqn>/<field...>", the optimizer state that ckptd.client.state names under
+      any top-level key (normally "optimizer"), e.g. "optimizer/state/<fqn>/exp_avg" -> "<fqn>":
       optimizer state follows its parameter's rule;
     - any other name (extras, optimizer param_groups) is matched as it is, e.g. a rule
-      r"ema/layers\\.\\d+\\.qkv\\.weight" for an EMA copy kept under the top-level key "ema".
+      r"ema/layers\.\d+\.qkv\.weight" for an EMA copy kept under the top-level key "ema".
     FQNs contain no "/" (module names are joined with "."), so the split is unambiguous.
     """
     key, _, rest = entry_name.partition("/")
     if key in ("model", "master") and rest:
         return rest
-    parts = entry_name.split("/", 3)
-    if key == "optimizer" and len(parts) == 4 and parts[1] == "state":
-        return parts[2]
+    if _is_optimizer_state(entry_name):
+        return entry_name.split("/", 3)[2]
     return entry_name
 
 
 def _is_optimizer_state(entry_name: str) -> bool:
     parts = entry_name.split("/", 3)
-    return len(parts) == 4 and parts[0] == "optimizer" and parts[1] == "state"
+    return len(parts) == 4 and parts[0] not in ("model", "master") and parts[1] == "state" and all(parts)
 
 
 # ------------------------------------------------------------------ fragments
@@ -214,7 +214,7 @@ def fragments_of(
 
     DTensor: from its placements (a matching rule is an error). Otherwise the first rule of
     `rules` matching `layout_key(entry_name)` with this rank's `coords`; no rule: a full replica.
-    Optimizer state (names "optimizer/state/<fqn>/<field>") with at most one element, such as
+    Optimizer state ("<key>/state/<fqn>/<field>", see `layout_key`) with at most one element, such as
     Adam's "step", is a replica whatever its parameter's rule. param_shape: the parameter's local
     shape, when known, for optimizer state and master copies; a ruled tensor of another shape
     (e.g. a factored second moment) is refused, since its layout would be guessed.
@@ -241,8 +241,9 @@ def _ruled_fragments(
         return [Fragment(name, shape, Box.full(shape), tensor)]
     if param_shape is not None and shape != tuple(param_shape):
         raise LayoutError(
-            f"{name!r} has shape {list(shape)} but its parameter has {list(param_shape)}, so rule {rule.pattern!r} "
-            f"cannot place it; add a rule for {name!r} itself (rules match other names as they are)"
+            f"{name!r} has shape {list(shape)} but its parameter has {list(param_shape)}: rule {rule.pattern!r} "
+            "describes the parameter, and how this state field is split over TP ranks cannot be guessed; use an "
+            "optimizer whose state has its parameters' shapes, or DTensor parameters (their state carries placements)"
         )
     if coords is None:
         raise LayoutError(
