@@ -216,3 +216,36 @@ def test_truncated_file_and_wrong_target_shape_are_errors(pool: ThreadPoolExecut
         fill_all(pool, maps, [Fill(torch.empty(3, 10), Box((5, 0), (3, 10)), [source])])
     with pytest.raises(CheckpointError, match="has shape \\[10, 13\\]"):
         fill_all(pool, maps, [Fill(torch.empty(10, 13), Box.full(SHAPE), [source])])
+
+
+@pytest.mark.parametrize("kind", ["file", "shm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_column_slice_of_many_rows_is_placed_by_one_strided_copy(tmp_path, kind: str, dtype: torch.dtype) -> None:
+    import tempfile
+
+    import xxhash
+
+    from ckptd.client.transport import ArenaMaps, Fill, Source, fill_all
+
+    full = torch.arange(300 * 7, dtype=torch.float32).reshape(300, 7)
+    frag_box = Box((0, 0), (300, 7))
+    data = full.numpy().tobytes()
+    checksum = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
+    shm_file = None
+    if kind == "file":
+        path = tmp_path / "f.bin"
+        path.write_bytes(b"\0" * 40 + data)
+        offset = 40
+    else:
+        shm_file = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="ckptd-test-")
+        shm_file.write(data)
+        shm_file.flush()
+        path, offset = Path(shm_file.name), 0
+    want = Box((10, 2), (250, 3))  # 250 runs of 3 elements
+    target = torch.zeros(3, 250, dtype=dtype).T  # non-contiguous, another dtype
+    source = Source("model/w", kind, str(path), offset, len(data), frag_box, "F32", checksum)
+    with ThreadPoolExecutor(2) as pool:
+        fill_all(pool, ArenaMaps(), [Fill(target, want, [source])])
+    assert torch.equal(target, full[10:260, 2:5].to(dtype))
+    if shm_file is not None:
+        shm_file.close()

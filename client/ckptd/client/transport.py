@@ -27,6 +27,7 @@ from ckptd.common.reshard import CopyRun, copy_runs, read_ranges
 
 CHUNK = 32 * 2**20
 READ_CHUNK = 64 * 2**20
+MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:
@@ -268,6 +269,9 @@ def _fill_part(maps: ArenaMaps, part: _Part) -> None:
             f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but box {src.box} of {src.dtype} "
             f"needs {expected}; the index and the data disagree — load an older step"
         )
+    if len(part.runs) > MANY_RUNS:
+        _fill_strided(maps, part)
+        return
     if part.direct:
         dest = byte_view(fill.target)
         assert dest is not None  # direct is only chosen for targets that have a byte view
@@ -283,6 +287,36 @@ def _fill_part(maps: ArenaMaps, part: _Part) -> None:
         stored = getattr(torch, dtypes.torch_name(src.dtype))
         assembled = torch.from_numpy(dest).view(stored).view(part.common.lengths)
         fill.target[relative(part.common, fill.want)].copy_(assembled)
+
+
+def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
+    """One strided torch copy instead of one copy per run (e.g. a column slice: a run per row).
+
+    From a file, the fragment's rows that hold the overlap are read as one block (other columns
+    included: neighbouring runs would be coalesced into the same reads anyway)."""
+    src, fill = part.src, part.fill
+    stored = getattr(torch, dtypes.torch_name(src.dtype))
+    inside = relative(part.common, src.box)
+    if src.kind == "shm":
+        raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
+        block = torch.from_numpy(raw).view(stored).view(src.box.lengths)[inside]
+    else:
+        first, stop = inside[0].start, inside[0].stop
+        row_bytes = dtypes.nbytes(src.dtype, src.box.lengths[1:])
+        data = np.empty((stop - first) * row_bytes, dtype=np.uint8)
+        whole = first == 0 and stop == src.box.lengths[0]
+        fd = _open(src)
+        try:
+            _pread_exact(fd, data, src.offset + first * row_bytes, src.path)
+        finally:
+            os.close(fd)
+        if whole and src.checksum:
+            hasher = xxhash.xxh3_64()
+            hasher.update(memoryview(data))
+            _check(src, hasher)
+        rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
+        block = rows[(slice(None), *inside[1:])]
+    fill.target[relative(part.common, fill.want)].copy_(block)
 
 
 def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, int]], dest: np.ndarray) -> None:
