@@ -285,16 +285,6 @@ def drop_page_cache(files: list[Path]) -> str:
         return "none"
 
 
-def shm_mount_options(path: Path) -> str:
-    """The options of the tmpfs mount holding `path` (e.g. "huge=always"), from /proc/mounts."""
-    best, options = "", "?"
-    for line in Path("/proc/mounts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and str(path.resolve()).startswith(fields[1]) and len(fields[1]) > len(best):
-            best, options = fields[1], f"{fields[2]} {fields[3]}"
-    return options
-
-
 def files_under(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
@@ -747,6 +737,8 @@ def run_part(name: str, bench: Callable[..., None], state: State, workdir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ckptd.daemon.server import tmpfs_options
+
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="run-", dir=args.out.resolve()))
@@ -761,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         f"software: Python {machine['python']}, torch {machine['torch']} ({machine['torch_threads']} threads), numpy {machine['numpy']}",
         f"state: {ntensors} fp32 tensors, {nbytes:,} bytes ({nbytes / GIB:.2f} GiB): weights + AdamW exp_avg, exp_avg_sq "
         f"of a {shape.layers}-layer transformer, hidden {shape.hidden}, vocab {shape.vocab}",
-        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}   ckptd arenas in: {args.shm_dir} ({shm_mount_options(args.shm_dir)})",
+        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}   ckptd arenas in: {args.shm_dir} ({tmpfs_options(args.shm_dir) or 'mount options unknown'})",
         f"load average at start: {load_average()}",
     ]
     print("\n".join(header), flush=True)

@@ -108,7 +108,7 @@ def test_arena_pool_reuses_and_bounds_sets(shm_dir: Path) -> None:
     a = pool.acquire((8192, 4096))
     b = pool.acquire((8192, 4096))
     assert a is not b and pool.acquire((8192, 4096)) is None  # both in use: the caller waits or skips
-    pool.hold(a, 1)
+    pool.hold(a, 1, None, {})
     c = pool.acquire((8192, 4096))
     assert c is a  # a committed snapshot in memory is given up before a new allocation is refused
     names = sorted(p.name for p in shm_dir.iterdir())

@@ -9,15 +9,13 @@ pure function of the tensor name, so every layout can check what it loaded.
 from __future__ import annotations
 
 import json
-import os
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from gloo_rank import run_rank  # beside this script
 
 SHAPES = {"w_even": (8, 6), "w_uneven": (13, 7), "b": (5,), "tiny": (2, 3)}
 
@@ -29,17 +27,6 @@ def global_value(name: str) -> torch.Tensor:
 
 def placements_of(spec: list[list]) -> list:
     return [Shard(p[1]) if p[0] == "S" else Replicate() for p in spec]
-
-
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
-    dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
-    try:
-        run(spec)
-    finally:
-        dist.destroy_process_group()
 
 
 def run(spec: dict) -> None:
@@ -63,4 +50,4 @@ def run(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(run)

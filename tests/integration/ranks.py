@@ -40,7 +40,7 @@ def die_mid_save(address: str, job: str, rank: int, world: int, step: int) -> No
     ckpt = CheckpointClient(job, address=address, rank=rank, world_size=world, on_error="raise", timeout_s=60)
     flat = flatten_state({"model": replicated_model()}, rank=rank)
     reply = ckpt._stub.BeginSave(
-        pb.BeginSaveRequest(who=ckpt._who, step=step, fingerprint=_fingerprint(flat, _fragments(flat)), tensors=[_meta(f) for f in _fragments(flat)], timeout_s=60),
+        pb.BeginSaveRequest(who=ckpt._who, step=step, fingerprint=_fingerprint(flat, _fragments(flat)), tensors=[_meta(e, f) for e, f in _fragments(flat)], timeout_s=60),
         timeout=60,
     )
     fd = os.open(reply.arena_path, os.O_RDWR)

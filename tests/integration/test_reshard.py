@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -19,20 +20,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(daemon, tmp: Path, mode: str, mesh: list[int], placements: dict, step: int, job: str = "reshard") -> list[dict]:
-    world = 1
-    for n in mesh:
-        world *= n
-    out = tmp / f"{mode}-{'x'.join(map(str, mesh))}-{free_port()}"
-    out.mkdir()
+def launch(script: Path, world: int, **spec: object) -> None:
+    """Run `world` rank processes of `script` (a gloo group on a free port) and wait for all."""
     port = free_port()
-    procs = []
-    for rank in range(world):
-        spec = dict(address=daemon.address, job=job, step=step, mode=mode, mesh=mesh, placements=placements,
-                    world_size=world, port=port, rank=rank, out=str(out))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)]))
+    procs = [
+        subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
+        for rank in range(world)
+    ]
     codes = [p.wait(180) for p in procs]
     assert codes == [0] * world, codes
+
+
+def run_job(daemon, tmp: Path, mode: str, mesh: list[int], placements: dict, step: int, job: str = "reshard") -> list[dict]:
+    world = math.prod(mesh)
+    out = tmp / f"{mode}-{'x'.join(map(str, mesh))}-{free_port()}"
+    out.mkdir()
+    launch(WORKER, world, address=daemon.address, job=job, step=step, mode=mode, mesh=mesh, placements=placements, out=str(out))
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -74,12 +77,8 @@ TRAINER = Path(__file__).with_name("train_worker.py")
 
 
 def train(daemon, tmp: Path, world: int, start: int, stop: int, save_at: int, job: str) -> dict[int, float]:
-    out, port = tmp / f"losses-{job}-{world}-{start}.json", free_port()
-    procs = []
-    for rank in range(world):
-        spec = dict(address=daemon.address, job=job, rank=rank, world_size=world, port=port, start=start, stop=stop, save_at=save_at, out=str(out))
-        procs.append(subprocess.Popen([sys.executable, str(TRAINER), json.dumps(spec)]))
-    assert [p.wait(180) for p in procs] == [0] * world
+    out = tmp / f"losses-{job}-{world}-{start}.json"
+    launch(TRAINER, world, address=daemon.address, job=job, start=start, stop=stop, save_at=save_at, out=str(out))
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 

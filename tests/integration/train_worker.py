@@ -10,16 +10,14 @@ save_at (0: never), out (rank 0 writes the losses as JSON there).
 from __future__ import annotations
 
 import json
-import os
-import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+
+from gloo_rank import run_rank  # beside this script
 
 SHAPES = {"w1": (13, 8), "w2": (5, 13), "b1": (13,)}
 
@@ -52,17 +50,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 5, generator=g)
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
-    dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
-    try:
-        train(spec)
-    finally:
-        dist.destroy_process_group()
-
-
 def train(spec: dict) -> None:
     from ckptd.client import CheckpointClient
 
@@ -85,4 +72,4 @@ def train(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(train)

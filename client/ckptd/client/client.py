@@ -19,7 +19,7 @@ import torch
 
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
 from ckptd.client.handle import DurableInfo, SaveHandle
-from ckptd.client.layout import LayoutRules, RankCoords, layout_state
+from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
 from ckptd.client.transport import ArenaMaps, Fill, Source, copy_to_arena, fill_all
 from ckptd.common import dtypes
@@ -74,43 +74,29 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return (env_rank if rank is None else rank, env_world if world_size is None else world_size)
 
 
-@dataclass(frozen=True)
-class _Fragment:
-    """A piece of a logical tensor this rank holds: `local` is a view of exactly `box`."""
-
-    entry: TensorEntry
-    shape: tuple[int, ...]  # global (logical) shape
-    box: Box
-    local: torch.Tensor
-
-
-def _fragments(flat: FlatState, rules: LayoutRules | None = None, coords: RankCoords | None = None) -> list[_Fragment]:
+def _fragments(flat: FlatState, rules: LayoutRules | None = None, coords: RankCoords | None = None) -> list[tuple[TensorEntry, Fragment]]:
     """Where each of this rank's tensors sits in its logical tensor: DTensor placements, the
     layout rules (manual tensor parallelism), else a whole replica."""
-    return [
-        _Fragment(layout.entry, f.global_shape, f.box, f.local)
-        for layout in layout_state(flat, rules, coords)
-        for f in layout.fragments
-    ]
+    return [(layout.entry, f) for layout in layout_state(flat, rules, coords) for f in layout.fragments]
 
 
-def _fingerprint(flat: FlatState, fragments: list[_Fragment]) -> str:
+def _fingerprint(flat: FlatState, fragments: list[tuple[TensorEntry, Fragment]]) -> str:
     """Names, dtypes, shapes and boxes: what the daemon's cached plan depends on."""
     h = hashlib.sha256(flat.fingerprint().encode())
-    for f in fragments:
-        h.update(f"{f.entry.name}|{f.box.offsets}|{f.box.lengths}\n".encode())
+    for _, f in fragments:
+        h.update(f"{f.name}|{f.box.offsets}|{f.box.lengths}\n".encode())
     return h.hexdigest()
 
 
-def _meta(fragment: _Fragment) -> pb.TensorMeta:
+def _meta(entry: TensorEntry, fragment: Fragment) -> pb.TensorMeta:
     box = fragment.box
     return pb.TensorMeta(
-        name=fragment.entry.name,
-        kind=fragment.entry.kind,
+        name=entry.name,
+        kind=entry.kind,
         dtype=dtypes.from_torch_name(str(fragment.local.dtype)),
-        shape=fragment.shape,
+        shape=fragment.global_shape,
         box=pb.Box(offsets=box.offsets, lengths=box.lengths),
-        aliases=fragment.entry.aliases,
+        aliases=entry.aliases,
     )
 
 
@@ -213,20 +199,20 @@ class CheckpointClient:
             has_metric=metric is not None,
         )
         if fingerprint not in self._known_fingerprints:
-            request.tensors.extend(_meta(f) for f in fragments)
+            request.tensors.extend(_meta(e, f) for e, f in fragments)
         try:
             reply = self._call(self._stub.BeginSave, request)
         except CheckpointError as exc:
             if exc.code != "FAILED_PRECONDITION" or "unknown fingerprint" not in str(exc):
                 raise
-            request.tensors.extend(_meta(f) for f in fragments)  # the daemon restarted: describe again
+            request.tensors.extend(_meta(e, f) for e, f in fragments)  # the daemon restarted: describe again
             reply = self._call(self._stub.BeginSave, request)
         self._known_fingerprints.add(fingerprint)
         if reply.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, reply.skip_reason)
             return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=reply.skip_reason)
         try:
-            local = {(f.entry.name, f.box): f.local for f in fragments}
+            local = {(f.name, f.box): f.local for _, f in fragments}
             if reply.slots:
                 arena = self._maps.get(reply.arena_path, reply.arena_size)
                 placements = [(local[(s.name, _box_of(s.box))], s.offset, s.nbytes) for s in reply.slots]
@@ -284,7 +270,7 @@ class CheckpointClient:
             who=self._who,
             step=step or 0,
             latest=step is None,
-            tensors=[_meta(f) for f in fragments],
+            tensors=[_meta(e, f) for e, f in fragments],
             kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
             strict=strict,
             direct_read=True,
@@ -308,11 +294,11 @@ class CheckpointClient:
             log.warning("not in step %s, left as it was: %s", plan.step, name)
         return plan.step
 
-    def _fill(self, fragments: list[_Fragment], plan: pb.PlanLoadResponse) -> None:
+    def _fill(self, fragments: list[tuple[TensorEntry, Fragment]], plan: pb.PlanLoadResponse) -> None:
         sources: dict[str, list[Source]] = {}
         for source in _sources(plan):
             sources.setdefault(source.name, []).append(source)
-        fills = [Fill(f.local, f.box, sources[f.entry.name]) for f in fragments if f.entry.name in sources]
+        fills = [Fill(f.local, f.box, sources[f.name]) for _, f in fragments if f.name in sources]
         with torch.no_grad():
             fill_all(self._pool, self._maps, fills)
 

@@ -230,10 +230,12 @@ class ArenaPool:
         arena_set.plan = None
         arena_set.extras = None
 
-    def hold(self, arena_set: ArenaSet, step: int) -> None:
-        """Keep a committed snapshot for tier-0 restores; older held snapshots become free."""
+    def hold(self, arena_set: ArenaSet, step: int, plan: Any, extras: dict[int, Any]) -> None:
+        """Keep a committed snapshot (laid out by `plan`) for tier-0 restores; older held snapshots become free."""
         arena_set.state = SetState.HELD
         arena_set.step = step
+        arena_set.plan = plan
+        arena_set.extras = extras
         for other in self.sets:
             if other is not arena_set and other.state is SetState.HELD and other.readers == 0:
                 self.release(other)

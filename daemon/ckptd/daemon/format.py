@@ -185,10 +185,12 @@ class TensorRecord:
 class FileRecord:
     name: str
     size: int
-    header_checksum: str  # xxh3 of the safetensors header (data is covered by the fragments' checksums)
+    # "xxh3-64:<hex>" of a safetensors file's header (its data is covered by the fragments'
+    # checksums), or of the whole file for the small JSON files
+    checksum: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "header_checksum": self.header_checksum}
+        return {"size": self.size, "checksum": self.checksum}
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,7 @@ class CheckpointIndex:
                 world_size=int(doc["world_size"]),
                 metric=None if doc.get("metric") is None else float(doc["metric"]),
                 writer=dict(doc.get("writer", {})),
-                files=tuple(FileRecord(n, int(f["size"]), str(f["header_checksum"])) for n, f in doc["files"].items()),
+                files=tuple(FileRecord(n, int(f["size"]), str(f["checksum"])) for n, f in doc["files"].items()),
                 tensors=tuple(TensorRecord.from_json(n, t) for n, t in doc["tensors"].items()),
             )
         except FormatError:

@@ -6,8 +6,8 @@ of zero-copy views, several tensors in parallel; each stored tensor's xxh3 check
 computed from the same views while it is written.
 
 Commit order (a crash anywhere before the last rename leaves no visible step):
-data files (temp names) → fsync each → rename → fsync dir → HF indexes, extra.json →
-ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
+data files (temp names) → fsync each → rename; HF indexes, extra.json (each fsynced) → fsync
+dir → ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +41,7 @@ from ckptd.daemon.format import (
     layout_files,
     safetensors_header,
 )
-from ckptd.daemon.plan import FragmentSlot, SavePlan
+from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan
 from ckptd.daemon.storage import Storage, fsync_dir, tmp_name, write_small_file
 
 WRITE_CHUNK = 64 * 2**20
@@ -143,17 +143,18 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
     stored = [
         StoredTensor(t.name, file_key(t.name, t.kind), t.dtype, t.shape, Box.full(t.shape)) for t in plan.tensors
     ]
-    layouts = layout_files(stored, kinds, req.max_file_bytes)
+    # Largest files first: they take the largest recycled files.
+    layouts = sorted(layout_files(stored, kinds, req.max_file_bytes), key=lambda f: -f.nbytes)
 
-    fragments: dict[str, FragmentRecord] = {}
+    placed: dict[str, tuple[str, str, int]] = {}  # tensor name -> (file, key, offset)
+    digests: dict[str, Future[int]] = {}
     files: list[FileRecord] = []
     throttle = Throttle(req.throttle_bytes_per_s)
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
         opened = []
         try:
-            jobs = []
             recycled = storage.take_recycled(req.job)
-            for layout in sorted(layouts, key=lambda f: -f.nbytes):
+            for layout in layouts:
                 header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
                 path = step_dir / layout.name
                 fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, len(header) + layout.nbytes)
@@ -162,11 +163,11 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
                 files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header))))
                 for tensor, entry in zip(layout.tensors, entries):
                     offset = len(header) + entry.begin
-                    itemsize = dtypes.itemsize(tensor.dtype)
-                    pieces = _pieces(tensor.shape, itemsize, slots_by_name[tensor.name], offset)
-                    jobs.append(pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle))
-                    fragments[tensor.name] = FragmentRecord(layout.name, tensor.key, tensor.box, tensor.dtype, offset, tensor.nbytes, "")
-            digests = [j.result() for j in jobs]
+                    pieces = _pieces(tensor.shape, dtypes.itemsize(tensor.dtype), slots_by_name[tensor.name], offset)
+                    digests[tensor.name] = pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle)
+                    placed[tensor.name] = (layout.name, tensor.key, offset)
+            for job in digests.values():
+                job.result()
             for fsync_job in [pool.submit(os.fsync, fd) for fd, _ in opened]:
                 fsync_job.result()
         finally:
@@ -174,38 +175,32 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
                 os.close(fd)
     for _, path in opened:
         os.replace(tmp_name(path), path)
-    fsync_dir(step_dir)
 
-    names_in_order = [t.name for layout in sorted(layouts, key=lambda f: -f.nbytes) for t in layout.tensors]
-    for name, digest in zip(names_in_order, digests):
-        fragments[name] = _with_checksum(fragments[name], digest)
-
+    small: dict[str, bytes] = {}
     for group in ("model", "master_weights", "optimizer"):
         group_files = [layout for layout in layouts if layout.group == group]
         if group_files:
             weight_map = {t.key: layout.name for layout in group_files for t in layout.tensors}
             total = sum(layout.nbytes for layout in group_files)
-            (step_dir / f"{group}.safetensors.index.json").write_bytes(hf_index_json(total, weight_map))
-    (step_dir / EXTRA_JSON).write_bytes(extra_json(req.step, req.extras))
-    for name, data in req.model_files.items():
-        (step_dir / name).write_bytes(data)
-    small = [f"{g}.safetensors.index.json" for g in ("model", "master_weights", "optimizer")] + [EXTRA_JSON, *req.model_files]
-    for name in small:
-        path = step_dir / name
-        if path.exists():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            files.append(FileRecord(name, path.stat().st_size, checksum_name(xxhash.xxh3_64_intdigest(path.read_bytes()))))
+            small[f"{group}.safetensors.index.json"] = hf_index_json(total, weight_map)
+    small[EXTRA_JSON] = extra_json(req.step, req.extras)
+    small.update(req.model_files)
+    for name, data in small.items():
+        _write_synced(step_dir / name, data)
+        files.append(FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))))
     fsync_dir(step_dir)
+
+    def record(t: LogicalTensor) -> TensorRecord:
+        file, key, offset = placed[t.name]
+        fragment = FragmentRecord(file, key, Box.full(t.shape), t.dtype, offset, t.nbytes, checksum_name(digests[t.name].result()))
+        return TensorRecord(t.name, t.kind, t.dtype, t.shape, (fragment,), t.aliases)
 
     index = CheckpointIndex(
         job=req.job,
         step=req.step,
         created_at=clock(),
         world_size=plan.world_size,
-        tensors=tuple(
-            TensorRecord(t.name, t.kind, t.dtype, t.shape, (fragments[t.name],), t.aliases) for t in plan.tensors
-        ),
+        tensors=tuple(record(t) for t in plan.tensors),
         files=tuple(files),
         metric=req.metric,
         writer={"host": socket.gethostname(), "ckptd": VERSION},
@@ -227,8 +222,12 @@ def _open_for_writing(path: Path, recycled: Path | None, size: int) -> int:
     return fd
 
 
-def _with_checksum(record: FragmentRecord, digest: int) -> FragmentRecord:
-    return FragmentRecord(record.file, record.key, record.box, record.dtype, record.offset, record.nbytes, checksum_name(digest))
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write a small file of the (not yet committed) step directory and fsync it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Progress, throttle: Throttle) -> int:

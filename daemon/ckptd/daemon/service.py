@@ -27,7 +27,7 @@ from ckptd.common.boxes import intersect
 from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
-from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
+from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.pipeline import VERSION, PersistRequest, Progress, persist
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
@@ -63,8 +63,8 @@ class SaveSession:
     step_dir: str = ""
     progress: Progress | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # plan + arenas decided (or failed)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # no longer open: handed over, failed or skipped
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # committed, failed or skipped
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
     def open(self) -> bool:
@@ -158,10 +158,7 @@ class CheckpointService:
             for session in list(job.sessions.values()):
                 if session.open:
                     try:
-                        await asyncio.wait_for(session.ready.wait(), max(0.0, deadline - time.monotonic()))
-                        while session.open and time.monotonic() < deadline:
-                            async with session.changed:
-                                await asyncio.wait_for(session.changed.wait(), max(0.01, deadline - time.monotonic()))
+                        await asyncio.wait_for(session.closed.wait(), max(0.0, deadline - time.monotonic()))
                     except asyncio.TimeoutError:
                         pass  # still incomplete at the deadline: aborted below
                     if session.open:
@@ -205,7 +202,7 @@ class CheckpointService:
         specs: Sequence[TensorSpec] | None,
         metric: float | None,
         timeout_s: float,
-    ) -> tuple[SaveSession, int]:
+    ) -> SaveSession:
         """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived)."""
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
@@ -234,7 +231,7 @@ class CheckpointService:
             if session.refused:
                 raise InvalidRequest(session.error)
             raise Aborted(f"save of step {step} aborted: {session.error}")
-        return session, rank
+        return session
 
     async def _committed(self, job: str, step: int) -> bool:
         return await asyncio.to_thread(self.storage.is_committed, job, step)
@@ -259,14 +256,12 @@ class CheckpointService:
             if session.arenas is not None:
                 session.state = "snapshotting"
                 self._spawn(self._prewarm(state, plan))
-        except PlanError as exc:
-            session.refused = True
-            await self._fail(state, session, str(exc), count=True)
-        except Exhausted as exc:
-            await self._fail(state, session, str(exc), count=True)
+        except (PlanError, Exhausted) as exc:
+            session.refused = isinstance(exc, PlanError)
+            await self._fail(state, session, str(exc))
         except Exception as exc:
             log.exception("planning step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"internal error while planning: {exc}", count=True)
+            await self._fail(state, session, f"internal error while planning: {exc}")
         finally:
             session.ready.set()
 
@@ -299,8 +294,7 @@ class CheckpointService:
         try:
             async with state.acquire_lock:
                 if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes):
-                    async with state.arena_freed:
-                        state.arena_freed.notify_all()
+                    await _notify(state.arena_freed)
         except Exhausted as exc:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
@@ -327,14 +321,13 @@ class CheckpointService:
             assert session.arenas is not None
             session.arenas.state = SetState.PERSISTING
             session.arenas.step = session.step
+            session.closed.set()
             self._spawn(self._persist(state, session))
-        async with session.changed:
-            session.changed.notify_all()
 
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         state, session = self._session(job, save_id)
         if session.open:
-            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", count=True)
+            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}")
 
     def _session(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
         state = self.jobs.get(job)
@@ -364,15 +357,13 @@ class CheckpointService:
             index = await loop.run_in_executor(self._persist_executor, persist, self.storage, request, session.progress)
         except Exception as exc:
             log.exception("writing step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"writing failed: {exc}", count=True)
+            await self._fail(state, session, f"writing failed: {exc}")
             return
         self._index_cache[(session.job, session.step)] = index
         session.state = "committed"
         session.step_dir = str(self.storage.step_dir(session.job, session.step))
         self.counters.committed += 1
-        state.pool.hold(session.arenas, session.step)
-        session.arenas.plan = session.plan
-        session.arenas.extras = dict(session.committed)
+        state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
         written = time.monotonic()
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
         log.info(
@@ -381,8 +372,7 @@ class CheckpointService:
             time.monotonic() - written, time.monotonic() - session.snapshot_done,
         )
         self._finish(state, session)
-        async with state.arena_freed:
-            state.arena_freed.notify_all()
+        await _notify(state.arena_freed)
 
     async def _apply_retention(self, job: str) -> None:
         steps = await asyncio.to_thread(self.storage.committed_steps, job)
@@ -395,43 +385,36 @@ class CheckpointService:
             except OSError as exc:
                 log.error("retention could not remove step %s of job %s: %s", step, job, exc)
 
-    async def _fail(self, state: JobState, session: SaveSession, reason: str, count: bool = True) -> None:
+    async def _fail(self, state: JobState, session: SaveSession, reason: str) -> None:
         if session.state in ("committed", "failed", "skipped"):
             return
         session.state = "failed"
         session.error = reason
-        if count:
-            self.counters.failed += 1
+        self.counters.failed += 1
         self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
         log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason)
         if session.arenas is not None:
             state.pool.release(session.arenas)
-            async with state.arena_freed:
-                state.arena_freed.notify_all()
+            await _notify(state.arena_freed)
         session.ready.set()
         self._finish(state, session)
-        async with session.changed:
-            session.changed.notify_all()
 
     def _finish(self, state: JobState, session: SaveSession) -> None:
         state.sessions.pop(session.step, None)
         state.recent[session.step] = session
         while len(state.recent) > RECENT_RESULTS:
             state.recent.pop(min(state.recent))
+        session.closed.set()
         session.finished.set()
 
     async def _watchdog(self, state: JobState, session: SaveSession) -> None:
         try:
-            await asyncio.wait_for(self._snapshot_done(session), session.timeout_s)
+            await asyncio.wait_for(session.closed.wait(), session.timeout_s)
         except asyncio.TimeoutError:
             waiting = sorted(set(range(session.world_size)) - set(session.committed))
             missing = sorted(set(range(session.world_size)) - set(session.arrived))
             what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
             await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s")
-
-    async def _snapshot_done(self, session: SaveSession) -> None:
-        async with session.changed:
-            await session.changed.wait_for(lambda: not session.open)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -531,8 +514,7 @@ class CheckpointService:
             held.readers += 1
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
         self._expire_leases()
-        tiers = {p.source for p in pieces}
-        tier = "memory" if tiers == {"shm"} else "disk" if tiers == {"file"} else "mixed" if tiers else "disk"
+        tier = "memory" if held is not None else "disk"
         return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
 
     async def _wait_for_writes(self, state: JobState) -> None:
@@ -544,11 +526,10 @@ class CheckpointService:
             except asyncio.TimeoutError:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
-    def _pieces_for(self, spec: TensorSpec, record: Any, index: CheckpointIndex, held: ArenaSet | None) -> list[PieceInfo]:
-        plan: SavePlan | None = held.plan if held is not None else None
+    def _pieces_for(self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None) -> list[PieceInfo]:
         out = []
-        if plan is not None and held is not None:
-            for slot in plan.slots:
+        if held is not None:
+            for slot in held.plan.slots:
                 if slot.name == record.name and intersect(slot.box, spec.box) is not None:
                     arena = held.arenas[slot.rank]
                     assert arena is not None
@@ -633,6 +614,11 @@ class CheckpointService:
             "last_error": self.counters.last_error,
             "draining": self.draining,
         }
+
+
+async def _notify(condition: asyncio.Condition) -> None:
+    async with condition:
+        condition.notify_all()
 
 
 def _names(names: Sequence[str], limit: int = 20) -> str:

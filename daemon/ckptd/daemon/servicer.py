@@ -47,27 +47,34 @@ _STATUS: dict[type[errors.CkptdError], grpc.StatusCode] = {
 T = TypeVar("T")
 
 
-def _status_of(exc: errors.CkptdError) -> grpc.StatusCode:
+def _status_of(exc: Exception) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _STATUS:
             return _STATUS[cls]  # type: ignore[index]
+    if isinstance(exc, (InvalidNameError, dtypes.UnknownDtypeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
 
 
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, where: str) -> None:
+    """End the call with the status of `exc`; anything unexpected is INTERNAL and logged (the daemon stays up)."""
+    code = _status_of(exc)
+    message = str(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", where)
+        message = f"internal error in {where}: {type(exc).__name__}: {exc}"
+    await context.abort(code, message)
+
+
 def _mapped(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Turn domain errors into status codes; anything unexpected is INTERNAL and logged (the daemon stays up)."""
+    """Map the exceptions of a unary method to status codes (see _abort)."""
 
     @functools.wraps(method)
     async def wrapper(self: "CheckpointServicer", request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
             return await method(self, request, context)
-        except errors.CkptdError as exc:
-            await context.abort(_status_of(exc), str(exc))
-        except (InvalidNameError, dtypes.UnknownDtypeError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}")
+            await _abort(context, exc, method.__name__)
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
@@ -151,7 +158,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         specs = tensor_specs(request.tensors) if request.tensors else None
         if request.has_metric and not math.isfinite(request.metric):
             raise errors.InvalidRequest(f"metric {request.metric} must be a finite number")
-        session, _ = await self.service.begin_save(
+        session = await self.service.begin_save(
             job, rank, world_size, step, request.fingerprint, specs,
             request.metric if request.has_metric else None, _check_timeout(request.timeout_s),
         )
@@ -199,22 +206,18 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             step = _check_step(request.step)
             async for item in self.service.progress(job, step, _check_timeout(request.timeout_s)):
                 if isinstance(item, str):
-                    path = str(self.service.storage.step_dir(job, step))
-                    yield pb.SaveProgress(state="committed", done=True, step_dir=path)
+                    yield pb.SaveProgress(state="committed", done=True, step_dir=str(self.service.storage.step_dir(job, step)))
                     return
-                written = item.progress.written if item.progress else 0
                 yield pb.SaveProgress(
                     state=item.state,
                     bytes_total=item.bytes_total,
-                    bytes_written=written,
+                    bytes_written=item.progress.written if item.progress else 0,
                     done=item.finished.is_set(),
-                    error=item.error or (item.skip_reason or "" if item.state == "skipped" else ""),
+                    error=item.error or item.skip_reason or "",
                     step_dir=item.step_dir,
                 )
-        except errors.CkptdError as exc:
-            await context.abort(_status_of(exc), str(exc))
-        except InvalidNameError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            await _abort(context, exc, "WaitDurable")
 
     @_mapped
     async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:

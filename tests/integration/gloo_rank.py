@@ -1,0 +1,24 @@
+"""The set-up every rank script of the integration tests shares: a gloo group on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def run_rank(body: Callable[[dict], None]) -> None:
+    """Parse the spec (JSON in argv[1]: rank, world_size, port, ...), join the group, run `body(spec)`."""
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
+    try:
+        body(spec)
+    finally:
+        dist.destroy_process_group()
