@@ -144,3 +144,50 @@ def test_retention_recycles_data_files_into_the_next_save(tmp_path: Path, shm_di
     loaded = load_file(new)
     assert all(torch.equal(loaded[n.split("/", 1)[1]], t) for n, t in tensors.items())
     pool.close()
+
+
+def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(tmp_path: Path, shm_dir: Path) -> None:
+    from ckptd.daemon.pipeline import IncompleteStep, step_files, write_node_files, write_step_files
+
+    w = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    b = torch.arange(6, dtype=torch.float32)
+    specs = [
+        [TensorSpec("model/w", "model", "F32", (8, 4), Box((2 * r, 0), (2, 4))), TensorSpec("model/b", "model", "F32", (6,), Box.full((6,)))]
+        for r in range(4)
+    ]
+    plan = make_save_plan(specs, node_of_rank=[0, 0, 1, 1])  # w sharded over both nodes (FSDP)
+    storage = Storage(tmp_path)  # one root shared by both "nodes"
+    manifests = []
+    for node in (0, 1):
+        pool = ArenaPool(shm_dir / f"n{node}", "job", max_inflight=1)
+        (shm_dir / f"n{node}").mkdir()
+        arenas = pool.acquire(plan.arena_bytes_of(node))
+        assert arenas is not None
+        _fill_node(arenas, plan, {"model/w": w, "model/b": b}, node)
+        request = PersistRequest("job", 7, plan, arenas, {}, {}, None, 2**30, 2, node=node, shared_dir=True)
+        manifests.append(write_node_files(storage, request, Progress(plan.node_bytes(node))))
+        pool.close()
+    assert not storage.is_committed("job", 7)  # data files alone commit nothing
+    with pytest.raises(IncompleteStep, match="model/w"):
+        step_files("job", 7, plan, manifests[:1], {}, {}, None)
+    index, files = step_files("job", 7, plan, manifests, {0: {}}, {}, None)
+    assert list(files)[-1] == INDEX_NAME
+    write_step_files(storage, "job", 7, files)
+    assert storage.is_committed("job", 7)
+    record = index.by_name()["model/w"]
+    assert [f.file for f in record.fragments] == ["model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2
+    assert {f.node for f in index.files if f.name.startswith("model-")} == {0, 1}
+    step_dir = tmp_path / "job" / "step-00000007"
+    stored = {**load_file(step_dir / "model-00001-of-00002.safetensors"), **load_file(step_dir / "model-00002-of-00002.safetensors")}
+    assert torch.equal(torch.cat([stored[f"w@{2 * r},0"] for r in range(4)]), w) and torch.equal(stored["b"], b)
+    assert not (step_dir / "model.safetensors.index.json").exists()  # not HF-loadable until exported
+
+
+def _fill_node(arenas, plan, tensors: dict[str, torch.Tensor], node: int) -> None:
+    for slot in plan.slots:
+        if plan.node(slot.rank) != node:
+            continue
+        data = tensors[slot.name][tuple(slice(o, o + n) for o, n in zip(slot.box.offsets, slot.box.lengths))]
+        view = arenas.arenas[slot.rank].view(slot.offset, slot.nbytes)
+        np.frombuffer(view, dtype=np.uint8)[:] = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+        view.release()

@@ -69,3 +69,56 @@ def test_zero_dim_and_empty_tensors() -> None:
 def test_bad_metadata_is_refused_with_the_tensor_named(ranks: list[list[TensorSpec]], message: str) -> None:
     with pytest.raises(PlanError, match=message):
         make_save_plan(ranks)
+
+
+# ------------------------------------------------------------------ several nodes
+
+
+def test_replicas_on_two_nodes_are_written_whole_and_spread_evenly_over_nodes() -> None:
+    tensors = [full(f"model/w{i}", (1000 + 37 * i,)) for i in range(40)]
+    plan = make_save_plan([tensors] * 4, node_of_rank=[0, 0, 1, 1])  # DDP over 2 nodes x 2 ranks
+    assert all(p.whole for p in plan.parts) and len(plan.parts) == 40
+    per_node = [plan.node_bytes(n) for n in (0, 1)]
+    assert sum(per_node) == sum(t.nbytes for t in tensors)
+    assert abs(per_node[0] - per_node[1]) <= 0.1 * sum(per_node) / 2
+    for slot in plan.slots:  # a node's ranks copy exactly what that node writes
+        node = plan.node(slot.rank)
+        assert any(p.name == slot.name and p.node == node for p in plan.parts)
+    per_rank = [sum(s.nbytes for s in plan.slots_of(r)) for r in range(4)]
+    assert min(per_rank) > 0
+
+
+@pytest.mark.parametrize(
+    ("node_of_rank", "whole"),
+    [
+        ([0, 0, 0, 0], True),  # one node holds every shard: written whole
+        ([0, 0, 1, 1], False),  # shards on both nodes: each node writes its own fragments
+        ([0, 1, 0, 1], False),
+    ],
+)
+def test_a_tensor_sharded_across_nodes_is_written_as_fragments_by_their_holders(node_of_rank: list[int], whole: bool) -> None:
+    shape = (8, 4)
+    ranks = [[part("model/w", shape, (2 * r, 0), (2, 4))] for r in range(4)]
+    plan = make_save_plan(ranks, node_of_rank=node_of_rank)
+    assert {p.whole for p in plan.parts} == {whole}
+    for p in plan.parts:
+        holder = next(r for r in range(4) if ranks[r][0].box == p.box)
+        assert p.node == node_of_rank[holder]
+    assert sorted(p.box for p in plan.parts) == sorted(r[0].box for r in ranks)
+
+
+def test_tensor_parallel_inside_nodes_and_data_parallel_across_them_writes_whole_tensors() -> None:
+    shape = (4, 6)
+    tp = [part("model/w", shape, (0, 0), (2, 6)), part("model/w", shape, (2, 0), (2, 6))]
+    ranks = [[tp[0]], [tp[1]], [tp[0]], [tp[1]]]  # TP=2 in each node, DP=2 over the nodes
+    plan = make_save_plan(ranks, node_of_rank=[0, 0, 1, 1])
+    nodes = {p.node for p in plan.parts}
+    assert len(nodes) == 1 and all(p.whole for p in plan.parts)
+    node = nodes.pop()
+    assert {s.rank for s in plan.slots} == {r for r in range(4) if plan.node(r) == node}
+    assert plan.arena_bytes_of(1 - node) == (0, 0, 0, 0)
+
+
+def test_node_of_rank_must_name_a_node_per_rank() -> None:
+    with pytest.raises(PlanError, match="node_of_rank"):
+        make_save_plan([[full("model/w", (4,))]] * 2, node_of_rank=[0])

@@ -188,9 +188,10 @@ class FileRecord:
     # "xxh3-64:<hex>" of a safetensors file's header (its data is covered by the fragments'
     # checksums), or of the whole file for the small JSON files
     checksum: str
+    node: int = 0  # the node that wrote it (node-local roots: where to fetch it from)
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "checksum": self.checksum}
+        return {"size": self.size, "checksum": self.checksum, "node": self.node}
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,9 @@ class CheckpointIndex:
                 world_size=int(doc["world_size"]),
                 metric=None if doc.get("metric") is None else float(doc["metric"]),
                 writer=dict(doc.get("writer", {})),
-                files=tuple(FileRecord(n, int(f["size"]), str(f["checksum"])) for n, f in doc["files"].items()),
+                files=tuple(
+                    FileRecord(n, int(f["size"]), str(f["checksum"]), int(f.get("node", 0))) for n, f in doc["files"].items()
+                ),
                 tensors=tuple(TensorRecord.from_json(n, t) for n, t in doc["tensors"].items()),
             )
         except FormatError:
@@ -287,6 +290,7 @@ class StoredTensor:
     dtype: str
     shape: tuple[int, ...]  # the stored shape (the box's lengths)
     box: Box
+    node: int = 0  # the node that writes it
 
     @property
     def nbytes(self) -> int:
@@ -298,6 +302,7 @@ class FileLayout:
     name: str
     group: str
     tensors: tuple[StoredTensor, ...]
+    node: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -311,30 +316,36 @@ def file_key(name: str, kind: str) -> str:
     return name
 
 
-def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_file_bytes: int) -> list[FileLayout]:
-    """Group stored tensors into files by kind and split groups at `max_file_bytes`.
+def fragment_key(key: str, box: Box) -> str:
+    """The safetensors key of a fragment stored apart from the rest of its tensor (a tensor
+    sharded across nodes): the whole tensor's key and the fragment's offsets."""
+    return f"{key}@{','.join(str(o) for o in box.offsets)}"
 
-    Files are named `<group>-0000k-of-0000n.safetensors`, except extras, which go to
-    `extra.safetensors` when they fit in one file. Order inside a group is the given order.
+
+def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_file_bytes: int) -> list[FileLayout]:
+    """Group stored tensors into files by kind and node, and split groups at `max_file_bytes`.
+
+    Files are named `<group>-0000k-of-0000n.safetensors`, numbered across nodes in node order
+    (each file is written by one node), except extras, which go to `extra.safetensors` when
+    they fit in one file. Order inside a group is the given order.
     """
-    by_group: dict[str, list[StoredTensor]] = {}
+    by_group: dict[str, dict[int, list[StoredTensor]]] = {}
     for t in tensors:
-        by_group.setdefault(GROUP_OF_KIND[kinds[t.name]], []).append(t)
+        by_group.setdefault(GROUP_OF_KIND[kinds[t.name]], {}).setdefault(t.node, []).append(t)
     files = []
     for group in GROUP_OF_KIND.values():
-        members = by_group.get(group)
-        if not members:
-            continue
-        chunks: list[list[StoredTensor]] = [[]]
-        size = 0
-        for t in members:
-            if chunks[-1] and size + t.nbytes > max_file_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(t)
-            size += t.nbytes
+        chunks: list[tuple[int, list[StoredTensor]]] = []
+        for node, members in sorted(by_group.get(group, {}).items()):
+            chunks.append((node, []))
+            size = 0
+            for t in members:
+                if chunks[-1][1] and size + t.nbytes > max_file_bytes:
+                    chunks.append((node, []))
+                    size = 0
+                chunks[-1][1].append(t)
+                size += t.nbytes
         n = len(chunks)
-        for k, chunk in enumerate(chunks, start=1):
+        for k, (node, chunk) in enumerate(chunks, start=1):
             name = "extra.safetensors" if group == "extra" and n == 1 else f"{group}-{k:05d}-of-{n:05d}.safetensors"
-            files.append(FileLayout(name, group, tuple(chunk)))
+            files.append(FileLayout(name, group, tuple(chunk), node))
     return files

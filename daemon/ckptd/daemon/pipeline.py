@@ -19,29 +19,30 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import xxhash
 
 from ckptd.common import dtypes
-from ckptd.common.boxes import Box, contiguous_runs
+from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
+    GROUP_OF_KIND,
     INDEX_NAME,
     CheckpointIndex,
-    FileLayout,
     FileRecord,
     FragmentRecord,
     StoredTensor,
     TensorRecord,
     extra_json,
     file_key,
+    fragment_key,
     hf_index_json,
     layout_files,
     safetensors_header,
 )
-from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan
+from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
 from ckptd.daemon.storage import Storage, fsync_dir, tmp_name, write_small_file
 
 WRITE_CHUNK = 64 * 2**20
@@ -64,6 +65,8 @@ class PersistRequest:
     max_file_bytes: int
     write_threads: int
     throttle_bytes_per_s: float = 0.0  # 0: as fast as the disk goes (a slow disk, for tests and drills)
+    node: int = 0  # this daemon's node: it writes the plan's parts of this node
+    shared_dir: bool = False  # other nodes write into the same step directory
 
 
 class Throttle:
@@ -121,33 +124,66 @@ def _pieces(tensor_shape: tuple[int, ...], itemsize: int, slots: list[FragmentSl
     return pieces
 
 
+@dataclass(frozen=True)
+class NodeManifest:
+    """What one node wrote of a step: its data files (fsynced, renamed) and where each stored
+    tensor or fragment is in them."""
+
+    node: int
+    files: tuple[FileRecord, ...]
+    fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
+
+
+class IncompleteStep(ValueError):
+    """The nodes' manifests do not cover every tensor exactly once; the message names them."""
+
+
 def persist(storage: Storage, req: PersistRequest, progress: Progress, clock: Callable[[], float] = time.time) -> CheckpointIndex:
-    """Write the snapshot in `req.arenas` as committed step `req.step`; returns its index.
+    """One node: write the snapshot in `req.arenas` as committed step `req.step`; returns its index.
 
     Raises OSError (disk full, I/O error) with the step directory removed again.
     """
-    step_dir = storage.prepare_step_dir(req.job, req.step)
     try:
-        return _persist(storage, step_dir, req, progress, clock)
+        manifest = write_node_files(storage, req, progress)
+        index, files = step_files(req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock)
+        write_step_files(storage, req.job, req.step, files)
+        storage.write_latest(req.job, req.step)
+        return index
     except BaseException:
         storage.remove_step(req.job, req.step)
         raise
 
 
-def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Progress, clock: Callable[[], float]) -> CheckpointIndex:
+def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) -> NodeManifest:
+    """Write the data files that the plan gives to node `req.node`: temp names, fsync, rename.
+
+    The step is not committed by this (no index). With `req.shared_dir` other nodes write into
+    the same step directory at the same time, so it is not emptied first.
+    """
     plan = req.plan
+    step_dir = storage.prepare_step_dir(req.job, req.step, fresh=not req.shared_dir)
     slots_by_name: dict[str, list[FragmentSlot]] = {}
     for slot in plan.slots:
         slots_by_name.setdefault(slot.name, []).append(slot)
+    slot_of = {(s.name, s.box): s for s in plan.slots}
+    tensors = {t.name: t for t in plan.tensors}
     kinds = {t.name: t.kind for t in plan.tensors}
-    stored = [
-        StoredTensor(t.name, file_key(t.name, t.kind), t.dtype, t.shape, Box.full(t.shape)) for t in plan.tensors
-    ]
+    stored = []
+    whole_done: set[str] = set()  # a whole tensor has a part per fragment; it is stored once
+    for part in plan.parts or _whole_parts(plan):
+        t = tensors[part.name]
+        if part.whole:
+            if t.name not in whole_done:
+                whole_done.add(t.name)
+                stored.append(StoredTensor(t.name, file_key(t.name, t.kind), t.dtype, t.shape, Box.full(t.shape), part.node))
+        else:
+            key = fragment_key(file_key(t.name, t.kind), part.box)
+            stored.append(StoredTensor(t.name, key, t.dtype, part.box.lengths, part.box, part.node))
     # Largest files first: they take the largest recycled files.
-    layouts = sorted(layout_files(stored, kinds, req.max_file_bytes), key=lambda f: -f.nbytes)
+    layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
+    layouts.sort(key=lambda f: -f.nbytes)
 
-    placed: dict[str, tuple[str, str, int]] = {}  # tensor name -> (file, key, offset)
-    digests: dict[str, Future[int]] = {}
+    placed: list[tuple[StoredTensor, str, int, Future[int]]] = []  # (tensor, file, offset, digest)
     files: list[FileRecord] = []
     throttle = Throttle(req.throttle_bytes_per_s)
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
@@ -160,14 +196,19 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
                 fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, len(header) + layout.nbytes)
                 opened.append((fd, path))
                 _pwrite_all(fd, memoryview(header), 0)
-                files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header))))
+                files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
                 for tensor, entry in zip(layout.tensors, entries):
                     offset = len(header) + entry.begin
-                    pieces = _pieces(tensor.shape, dtypes.itemsize(tensor.dtype), slots_by_name[tensor.name], offset)
-                    digests[tensor.name] = pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle)
-                    placed[tensor.name] = (layout.name, tensor.key, offset)
-            for job in digests.values():
-                job.result()
+                    itemsize = dtypes.itemsize(tensor.dtype)
+                    if tensor.box == Box.full(tensors[tensor.name].shape):
+                        pieces = _pieces(tensor.shape, itemsize, slots_by_name[tensor.name], offset)
+                    else:  # a fragment stored on its own: one run from its slot
+                        slot = slot_of[(tensor.name, tensor.box)]
+                        pieces = [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
+                    digest = pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle)
+                    placed.append((tensor, layout.name, offset, digest))
+            for _, _, _, digest in placed:
+                digest.result()
             for fsync_job in [pool.submit(os.fsync, fd) for fd, _ in opened]:
                 fsync_job.result()
         finally:
@@ -175,47 +216,98 @@ def _persist(storage: Storage, step_dir: Path, req: PersistRequest, progress: Pr
                 os.close(fd)
     for _, path in opened:
         os.replace(tmp_name(path), path)
+    fsync_dir(step_dir)
+    fragments = tuple(
+        (t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result())))
+        for t, file, offset, digest in placed
+    )
+    return NodeManifest(req.node, tuple(files), fragments)
 
+
+def _whole_parts(plan: SavePlan) -> list[StoredPart]:
+    return [StoredPart(t.name, Box.full(t.shape), 0, True) for t in plan.tensors]
+
+
+def step_files(
+    job: str,
+    step: int,
+    plan: SavePlan,
+    manifests: Sequence[NodeManifest],
+    extras: dict[int, Any],
+    model_files: dict[str, bytes],
+    metric: float | None,
+    clock: Callable[[], float] = time.time,
+) -> tuple[CheckpointIndex, dict[str, bytes]]:
+    """The index and the small files that commit a step whose data files the nodes wrote.
+
+    Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
+    IncompleteStep when the manifests do not hold every tensor's bytes exactly once.
+    """
+    by_name: dict[str, list[FragmentRecord]] = {}
+    for manifest in manifests:
+        for name, fragment in manifest.fragments:
+            by_name.setdefault(name, []).append(fragment)
+    problems = []
+    for t in plan.tensors:
+        found = coverage_problems(t.shape, [f.box for f in by_name.get(t.name, [])])
+        if found:
+            problems.append(f"{t.name}: {found[0]}")
+    if problems:
+        raise IncompleteStep(f"{len(problems)} tensors are not written exactly once: " + "; ".join(problems[:5]))
+    data_files = [f for manifest in sorted(manifests, key=lambda m: m.node) for f in manifest.files]
+    kinds = {t.name: t.kind for t in plan.tensors}
     small: dict[str, bytes] = {}
     for group in ("model", "master_weights", "optimizer"):
-        group_files = [layout for layout in layouts if layout.group == group]
-        if group_files:
-            weight_map = {t.key: layout.name for layout in group_files for t in layout.tensors}
-            total = sum(layout.nbytes for layout in group_files)
-            small[f"{group}.safetensors.index.json"] = hf_index_json(total, weight_map)
-    small[EXTRA_JSON] = extra_json(req.step, req.extras)
-    small.update(req.model_files)
-    for name, data in small.items():
-        _write_synced(step_dir / name, data)
-        files.append(FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))))
-    fsync_dir(step_dir)
+        in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
+        split = any(len(by_name[name]) > 1 for name, _ in in_group)
+        if in_group and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
+            weight_map = {f.key: f.file for _, f in in_group}
+            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(f.nbytes for _, f in in_group), weight_map)
+    small[EXTRA_JSON] = extra_json(step, extras)
+    small.update(model_files)
+    records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
 
     def record(t: LogicalTensor) -> TensorRecord:
-        file, key, offset = placed[t.name]
-        fragment = FragmentRecord(file, key, Box.full(t.shape), t.dtype, offset, t.nbytes, checksum_name(digests[t.name].result()))
-        return TensorRecord(t.name, t.kind, t.dtype, t.shape, (fragment,), t.aliases)
+        fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
+        return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases)
 
     index = CheckpointIndex(
-        job=req.job,
-        step=req.step,
+        job=job,
+        step=step,
         created_at=clock(),
         world_size=plan.world_size,
         tensors=tuple(record(t) for t in plan.tensors),
-        files=tuple(files),
-        metric=req.metric,
-        writer={"host": socket.gethostname(), "ckptd": VERSION},
+        files=tuple(data_files + records),
+        metric=metric,
+        writer={"host": socket.gethostname(), "ckptd": VERSION, "nodes": len(manifests)},
     )
-    write_small_file(step_dir / INDEX_NAME, index.to_json_bytes())
-    storage.write_latest(req.job, req.step)
-    return index
+    small[INDEX_NAME] = index.to_json_bytes()
+    return index, small
+
+
+def write_step_files(storage: Storage, job: str, step: int, files: dict[str, bytes]) -> None:
+    """Write a step's small files (each fsynced), fsync the directory, then the index: the commit.
+
+    `files` comes from step_files(); its ckptd.index.json is written last, atomically."""
+    step_dir = storage.step_dir(job, step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        if name != INDEX_NAME:
+            _write_synced(step_dir / name, data)
+    fsync_dir(step_dir)
+    write_small_file(step_dir / INDEX_NAME, files[INDEX_NAME])
 
 
 def _open_for_writing(path: Path, recycled: Path | None, size: int) -> int:
     """A new file at `path` of `size` bytes, made from a recycled file when there is one: its
     blocks are overwritten in place (no new allocation), and any excess is cut off."""
+    if recycled is not None:
+        try:
+            os.replace(recycled, path)
+        except FileNotFoundError:  # another node sharing the root took it first
+            recycled = None
     if recycled is None:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-    os.replace(recycled, path)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     fd = os.open(path, os.O_WRONLY)
     if os.fstat(fd).st_size > size:
         os.ftruncate(fd, size)

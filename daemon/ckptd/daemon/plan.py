@@ -1,13 +1,21 @@
-"""Save planning: from what every rank holds to who copies what where. Pure; no I/O.
+"""Save planning: from what every rank holds to which node writes what and who copies it where.
+Pure; no I/O.
 
-Every rank of a job describes the fragments it holds (`TensorSpec`). The plan
+Every rank of a job describes the fragments it holds (`TensorSpec`); ranks live on nodes
+(one daemon each). The plan
 - checks that the ranks agree on each logical tensor (kind, dtype, global shape, aliases)
   and that the distinct boxes of each tensor tile it exactly;
-- removes replicas: a fragment held by several ranks (data parallelism) is copied by one
-  of them only, chosen so that the bytes each rank copies are as even as possible;
-- gives every copied fragment a slot in its rank's arena.
+- gives every logical tensor to the nodes that write it, spreading bytes evenly over nodes:
+  a tensor that some node holds entirely is written whole by one such node (so model files
+  stay loadable by Hugging Face); a tensor no node holds entirely (sharded across nodes) is
+  written as fragments, each by a node that holds it;
+- removes replicas inside a node: a fragment held by several of its ranks (data parallelism)
+  is copied by one of them only, chosen so that the bytes each rank copies are as even as
+  possible, and gets a slot in that rank's arena.
 
-Plans are frozen and cached by the daemon under the ranks' fingerprints.
+Every node computes the same plan from the same input (the coordinator sends the metadata
+of every rank), so only the input travels. Plans are frozen and cached under the ranks'
+fingerprints.
 """
 
 from __future__ import annotations
@@ -69,14 +77,40 @@ class FragmentSlot:
 
 
 @dataclass(frozen=True)
+class StoredPart:
+    """What `node` writes of a logical tensor: all of it (`whole`) or the fragment `box`."""
+
+    name: str
+    box: Box
+    node: int
+    whole: bool
+
+
+@dataclass(frozen=True)
 class SavePlan:
     world_size: int
     tensors: tuple[LogicalTensor, ...]  # sorted by name
     slots: tuple[FragmentSlot, ...]  # sorted by (name, box)
     arena_bytes: tuple[int, ...]  # per rank; 0 = the rank copies nothing
+    parts: tuple[StoredPart, ...] = ()  # sorted by (name, box)
+    node_of_rank: tuple[int, ...] = ()  # empty: every rank on node 0
 
     def slots_of(self, rank: int) -> tuple[FragmentSlot, ...]:
         return tuple(s for s in self.slots if s.rank == rank)
+
+    def node(self, rank: int) -> int:
+        return self.node_of_rank[rank] if self.node_of_rank else 0
+
+    def parts_of(self, node: int) -> tuple[StoredPart, ...]:
+        return tuple(p for p in self.parts if p.node == node)
+
+    def arena_bytes_of(self, node: int) -> tuple[int, ...]:
+        """arena_bytes with 0 for the ranks of other nodes (their arenas live there)."""
+        return tuple(n if self.node(r) == node else 0 for r, n in enumerate(self.arena_bytes))
+
+    def node_bytes(self, node: int) -> int:
+        """Bytes of tensor data `node` writes."""
+        return sum(s.nbytes for s in self.slots if self.node(s.rank) == node)
 
     def tensor(self, name: str) -> LogicalTensor:
         for t in self.tensors:
@@ -112,11 +146,17 @@ def validate_spec(spec: TensorSpec) -> None:
         raise PlanError(f"tensor {spec.name!r}: box {spec.box} does not lie inside shape {list(spec.shape)}")
 
 
-def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> SavePlan:
-    """Plan a save of the fragments every rank holds (index = rank). Raises PlanError."""
+def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: Sequence[int] | None = None) -> SavePlan:
+    """Plan a save of the fragments every rank holds (index = rank). Raises PlanError.
+
+    `node_of_rank[r]`: the node of rank r (default: every rank on node 0).
+    """
     world_size = len(specs_by_rank)
     if world_size == 0:
         raise PlanError("a save needs at least one rank")
+    nodes = tuple(node_of_rank) if node_of_rank is not None else (0,) * world_size
+    if len(nodes) != world_size or any(n < 0 for n in nodes):
+        raise PlanError(f"node_of_rank {list(nodes)} does not give a node >= 0 for each of the {world_size} ranks")
     logical: dict[str, LogicalTensor] = {}
     holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
     for rank, specs in enumerate(specs_by_rank):
@@ -136,7 +176,7 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> SavePlan:
             holders[(spec.name, spec.box)].append(rank)
     _check_aliases(logical)
     _check_coverage(logical, holders)
-    return _assign(world_size, logical, holders)
+    return _assign(logical, holders, nodes)
 
 
 def _describe(t: LogicalTensor) -> str:
@@ -162,17 +202,40 @@ def _check_coverage(logical: dict[str, LogicalTensor], holders: dict[tuple[str, 
                             + "; ".join(problems[:3]))
 
 
-def _assign(world_size: int, logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]]) -> SavePlan:
-    """Greedy balance: the largest fragments first, each to the holder with the fewest bytes so far."""
-    load = [0] * world_size
-    chosen: dict[tuple[str, Box], int] = {}
+def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]], nodes: tuple[int, ...]) -> SavePlan:
+    """Greedy balance, largest first: tensors (or fragments) to the least loaded node that holds
+    them, then each fragment to the least loaded of that node's ranks that hold it."""
     itemsizes = {name: dtypes.itemsize(t.dtype) for name, t in logical.items()}
-    order = sorted(holders, key=lambda key: (-key[1].numel * itemsizes[key[0]], key))
-    for key in order:
-        rank = min(holders[key], key=lambda r: (load[r], r))
-        chosen[key] = rank
-        load[rank] += key[1].numel * itemsizes[key[0]]
-    cursor = [0] * world_size
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for name, box in holders:
+        boxes[name].append(box)
+
+    def nodes_holding(name: str, box: Box) -> set[int]:
+        return {nodes[r] for r in holders[(name, box)]}
+
+    node_load: dict[int, int] = defaultdict(int)
+    parts: list[StoredPart] = []
+    for name in sorted(logical, key=lambda n: (-logical[n].nbytes, n)):
+        tensor_boxes = sorted(boxes[name])
+        everywhere = set.intersection(*(nodes_holding(name, b) for b in tensor_boxes))
+        if everywhere:
+            node = min(everywhere, key=lambda n: (node_load[n], n))
+            parts += [StoredPart(name, b, node, True) for b in tensor_boxes]
+            node_load[node] += logical[name].nbytes
+            continue
+        for box in sorted(tensor_boxes, key=lambda b: (-b.numel, b)):
+            node = min(nodes_holding(name, box), key=lambda n: (node_load[n], n))
+            parts.append(StoredPart(name, box, node, False))
+            node_load[node] += box.numel * itemsizes[name]
+
+    rank_load = [0] * len(nodes)
+    chosen: dict[tuple[str, Box], int] = {}
+    for part in sorted(parts, key=lambda p: (-p.box.numel * itemsizes[p.name], p.name, p.box)):
+        candidates = [r for r in holders[(part.name, part.box)] if nodes[r] == part.node]
+        rank = min(candidates, key=lambda r: (rank_load[r], r))
+        chosen[(part.name, part.box)] = rank
+        rank_load[rank] += part.box.numel * itemsizes[part.name]
+    cursor = [0] * len(nodes)
     slots = []
     for name, box in sorted(chosen):
         rank = chosen[(name, box)]
@@ -181,4 +244,11 @@ def _assign(world_size: int, logical: dict[str, LogicalTensor], holders: dict[tu
         slots.append(FragmentSlot(name, box, rank, offset, nbytes))
         cursor[rank] = offset + nbytes
     arena_bytes = tuple(-(-c // PAGE) * PAGE for c in cursor)
-    return SavePlan(world_size, tuple(logical[n] for n in sorted(logical)), tuple(slots), arena_bytes)
+    return SavePlan(
+        world_size=len(nodes),
+        tensors=tuple(logical[n] for n in sorted(logical)),
+        slots=tuple(slots),
+        arena_bytes=arena_bytes,
+        parts=tuple(sorted(parts, key=lambda p: (p.name, p.box))),
+        node_of_rank=nodes,
+    )

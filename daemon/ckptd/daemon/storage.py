@@ -102,14 +102,15 @@ class Storage:
     def write_latest(self, job: str, step: int) -> None:
         write_small_file(self.job_dir(job) / LATEST, (step_dir_name(step) + "\n").encode())
 
-    def prepare_step_dir(self, job: str, step: int) -> Path:
-        """An empty directory for a new step; leftovers of an earlier failed attempt are removed."""
+    def prepare_step_dir(self, job: str, step: int, fresh: bool = True) -> Path:
+        """The directory for a new step. `fresh`: empty, leftovers of an earlier failed attempt
+        removed; else (several nodes writing into one shared root) created if missing."""
         path = self.step_dir(job, step)
         if (path / INDEX_NAME).exists():
             raise FileExistsError(f"{path} is already committed")
-        if path.exists():
+        if fresh and path.exists():
             shutil.rmtree(path)
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=not fresh)
         fsync_dir(path.parent)
         return path
 

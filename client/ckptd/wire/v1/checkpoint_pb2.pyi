@@ -31,14 +31,16 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankId(_message.Message):
-    __slots__ = ("job", "rank", "world_size")
+    __slots__ = ("job", "rank", "world_size", "local_world_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    local_world_size: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
     __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s")

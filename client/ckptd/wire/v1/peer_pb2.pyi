@@ -1,0 +1,193 @@
+from ckptd.wire.v1 import checkpoint_pb2 as _checkpoint_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RankTensors(_message.Message):
+    __slots__ = ("rank", "fingerprint", "tensors")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: str
+    tensors: _containers.RepeatedCompositeFieldContainer[_checkpoint_pb2.TensorMeta]
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_checkpoint_pb2.TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class JoinSaveRequest(_message.Message):
+    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric")
+    class FingerprintsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PLANS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    node: int
+    world_size: int
+    fingerprints: _containers.ScalarMap[int, str]
+    tensors: _containers.RepeatedCompositeFieldContainer[RankTensors]
+    known_plans: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    metric: float
+    has_metric: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ...) -> None: ...
+
+class JoinSaveResponse(_message.Message):
+    __slots__ = ("save_id", "plan_key", "node_of_rank", "tensors", "shared_root")
+    class NodeOfRankEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
+    NODE_OF_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ROOT_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    plan_key: str
+    node_of_rank: _containers.ScalarMap[int, int]
+    tensors: _containers.RepeatedCompositeFieldContainer[RankTensors]
+    shared_root: bool
+    def __init__(self, save_id: _Optional[str] = ..., plan_key: _Optional[str] = ..., node_of_rank: _Optional[_Mapping[int, int]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., shared_root: _Optional[bool] = ...) -> None: ...
+
+class FileEntry(_message.Message):
+    __slots__ = ("name", "size", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    checksum: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class StoredFragment(_message.Message):
+    __slots__ = ("name", "file", "key", "box", "dtype", "offset", "nbytes", "checksum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    file: str
+    key: str
+    box: _checkpoint_pb2.Box
+    dtype: str
+    offset: int
+    nbytes: int
+    checksum: str
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class ReportManifestRequest(_message.Message):
+    __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files")
+    class ExtrasJsonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    class ModelFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    save_id: str
+    node: int
+    ok: bool
+    error: str
+    files: _containers.RepeatedCompositeFieldContainer[FileEntry]
+    fragments: _containers.RepeatedCompositeFieldContainer[StoredFragment]
+    extras_json: _containers.ScalarMap[int, str]
+    model_files: _containers.ScalarMap[str, str]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., save_id: _Optional[str] = ..., node: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[StoredFragment, _Mapping]]] = ..., extras_json: _Optional[_Mapping[int, str]] = ..., model_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ReportManifestResponse(_message.Message):
+    __slots__ = ("committed", "error", "step_files")
+    class StepFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FILES_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    error: str
+    step_files: _containers.ScalarMap[str, bytes]
+    def __init__(self, committed: _Optional[bool] = ..., error: _Optional[str] = ..., step_files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class InventoryRequest(_message.Message):
+    __slots__ = ("job", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class InventoryResponse(_message.Message):
+    __slots__ = ("root_id", "committed", "files")
+    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    root_id: str
+    committed: bool
+    files: _containers.RepeatedCompositeFieldContainer[FileEntry]
+    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("job", "step", "file", "offset", "nbytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    file: str
+    offset: int
+    nbytes: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
