@@ -60,3 +60,89 @@ def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonF
     factory = DaemonFactory(tmp_path_factory.mktemp("module") / "root")
     yield factory
     factory.close()
+
+
+PEER_TOKEN = "test-peer-token-0123456789"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeSet:
+    """Daemons of several nodes on loopback: each with its own socket, shared memory and root
+    (or one root shared by all: `shared_root`), peers on free TCP ports, one peer token."""
+
+    def __init__(self, base: Path, nodes: int, shared_root: bool) -> None:
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        self.shared_root = shared_root
+        self.peers = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        self.nodes = [DaemonFactory(base / ("root" if shared_root else f"root-{n}")) for n in range(nodes)]
+        self.running: dict[int, DaemonProcess] = {}
+
+    def root(self, node: int) -> Path:
+        return self.nodes[node].root
+
+    def start(self, node: int, *extra_args: str) -> DaemonProcess:
+        import os
+
+        factory = self.nodes[node]
+        daemon = start_daemon(
+            root=factory.root,
+            socket=factory.sock_dir / "d.sock",
+            extra_args=["--shm-dir", str(factory.shm_dir), "--node-rank", str(node), "--peers", ",".join(self.peers), *extra_args],
+            env={**os.environ, "CKPTD_PEER_TOKEN": PEER_TOKEN},
+            log_path=self.base / f"node{node}-{len(factory.started)}.log",
+        )
+        factory.started.append(daemon)
+        self.running[node] = daemon
+        return daemon
+
+    def start_all(self, *extra_args: str) -> list[DaemonProcess]:
+        return [self.start(n, *extra_args) for n in range(len(self.nodes))]
+
+    def address(self, node: int) -> str:
+        return self.running[node].address
+
+    def close(self) -> None:
+        for factory in self.nodes:
+            factory.close()
+
+
+def _node_set_factory(base: Path) -> tuple[Callable[..., NodeSet], list[NodeSet]]:
+    made: list[NodeSet] = []
+
+    def make(nodes: int, shared_root: bool = True) -> NodeSet:
+        made.append(NodeSet(base / f"cluster{len(made)}", nodes, shared_root))
+        return made[-1]
+
+    return make, made
+
+
+@pytest.fixture
+def node_sets(tmp_path: Path) -> Iterator[Callable[..., NodeSet]]:
+    """make(nodes, shared_root=True) -> a NodeSet (not started); all are stopped at the end."""
+    make, made = _node_set_factory(tmp_path)
+    yield make
+    for node_set in made:
+        node_set.close()
+
+
+@pytest.fixture(scope="module")
+def module_node_sets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., NodeSet]]:
+    """node_sets shared by the tests of one module."""
+    make, made = _node_set_factory(tmp_path_factory.mktemp("nodes"))
+    yield make
+    for node_set in made:
+        node_set.close()
+
+
+@pytest.fixture
+def port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_port()

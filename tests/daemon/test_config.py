@@ -123,7 +123,36 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("log_level", "WARNING", '"warning"', "warning"),
     ("log_json", "true", "true", True),
     ("log_json", "0", "false", False),
+    ("node_rank", "0", "0", 0),
+    ("peers", "node0:7070", '["node0:7070"]', ("node0:7070",)),
+    ("peer_token", "0123456789abcdef", '"0123456789abcdef"', "0123456789abcdef"),
 ]
+
+
+TOKEN = "0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"node_rank": "1"}, "--node-rank 1 needs --peers"),
+        ({"node_rank": "2", "peers": "a:1,b:2", "peer_token": TOKEN}, "not a position in --peers"),
+        ({"peers": "a:1,a:1", "peer_token": TOKEN}, "lists an address twice"),
+        ({"peers": "a:1,b:2"}, "shared secret of at least 16 characters"),
+        ({"peers": "a:1,b:2", "peer_token": "short"}, "shared secret"),
+        ({"peers": "a,b:2", "peer_token": TOKEN}, "'a' is not host:port"),
+        ({"peers": "a:99999", "peer_token": TOKEN}, "is not host:port"),
+    ],
+)
+def test_bad_multi_node_settings_say_what_to_fix(given: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(given, BASE_ENV, None)
+
+
+def test_several_nodes_and_the_token_from_the_environment() -> None:
+    config = load_config({"node_rank": "1", "peers": "n0:7070, n1:7070"}, {**BASE_ENV, "CKPTD_PEER_TOKEN": TOKEN}, None)
+    assert config.multi_node and config.peer_address == "n1:7070" and config.peer_token == TOKEN
+    assert TOKEN not in repr(config)
 
 
 def test_every_field_is_covered() -> None:

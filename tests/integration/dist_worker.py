@@ -3,7 +3,9 @@
 The spec (JSON): address, job, step, mode ("save" | "load"), mesh (list of sizes), placements
 ({tensor name: [placement per mesh dim]}, a placement being ["S", dim] or ["R"]), world_size,
 port, rank, out (a directory: rank r writes r.json with what it found). The global values are a
-pure function of the tensor name, so every layout can check what it loaded.
+pure function of the tensor name, so every layout can check what it loaded. Several nodes:
+`addresses` (each rank's daemon) and `local_world_size` (per rank: the ranks on its node)
+replace `address`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def run(spec: dict) -> None:
         value = global_value(name) if spec["mode"] == "save" else torch.zeros(SHAPES[name])
         model[name] = distribute_tensor(value, mesh, placements_of(placement))
     result: dict = {"rank": spec["rank"]}
-    with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
+    address = spec["addresses"][spec["rank"]] if "addresses" in spec else spec["address"]
+    local = spec.get("local_world_size")  # several nodes: ranks on this rank's node
+    local_world_size = local[spec["rank"]] if isinstance(local, list) else local
+    with CheckpointClient(spec["job"], address=address, on_error="raise", timeout_s=60, local_world_size=local_world_size) as ckpt:
         if spec["mode"] == "save":
             handle = ckpt.save(spec["step"], {"model": model})
             result["bytes_copied"] = handle.bytes_copied

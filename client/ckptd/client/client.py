@@ -113,6 +113,8 @@ class CheckpointClient:
     goes on) or "raise". timeout_s: how long a save or load may wait for the other ranks.
     layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
     tensor parallelism (ckptd.client.layout); DTensors need none.
+    local_world_size: how many of the job's ranks use this node's daemon; needed when the job
+    spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class CheckpointClient:
         copy_threads: int | None = None,
         layout: LayoutRules | None = None,
         coords: RankCoords | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         self.job = check_job_id(job)
         if mode not in MODES:
@@ -137,6 +140,11 @@ class CheckpointClient:
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if not 0 <= local_world_size <= self.world_size:
+            raise ValueError(f"local_world_size={local_world_size} must be between 1 and world_size={self.world_size}")
+        self.local_world_size = local_world_size
         self.address = address or default_address()
         self.mode = mode
         self.on_error = on_error
@@ -158,7 +166,7 @@ class CheckpointClient:
 
     @property
     def _who(self) -> pb.RankId:
-        return pb.RankId(job=self.job, rank=self.rank, world_size=self.world_size)
+        return pb.RankId(job=self.job, rank=self.rank, world_size=self.world_size, local_world_size=self.local_world_size)
 
     # ------------------------------------------------------------ save
 

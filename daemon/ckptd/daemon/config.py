@@ -18,7 +18,7 @@ import math
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
@@ -64,6 +64,10 @@ class DaemonConfig:
     write_throttle: limit on the write rate in bytes per second (a slow disk for tests and drills); 0 = off.
     log_level: one of debug, info, warning, error, critical.
     log_json: one JSON object per log line instead of plain text.
+    node_rank: this daemon's place in `peers` (several nodes); node 0 coordinates.
+    peers: every node's daemon-to-daemon address "host:port", in node-rank order; this daemon
+        listens on its own entry. Empty: a single node.
+    peer_token: the shared secret every daemon of the job's nodes presents (required with peers).
     """
 
     root: Path
@@ -79,6 +83,9 @@ class DaemonConfig:
     write_throttle: int = 0
     log_level: str = "info"
     log_json: bool = False
+    node_rank: int = 0
+    peers: tuple[str, ...] = ()
+    peer_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         errors = []
@@ -91,8 +98,41 @@ class DaemonConfig:
                 continue
             if parsed != value or type(parsed) is not type(value):
                 object.__setattr__(self, name, parsed)  # normalize, e.g. "INFO" -> "info", str -> Path
+        errors += _peer_problems(self)
         if errors:
             raise ConfigError("\n".join(errors))
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.peers) > 1
+
+    @property
+    def peer_address(self) -> str:
+        """This daemon's own daemon-to-daemon address (its entry in `peers`)."""
+        return self.peers[self.node_rank]
+
+
+MIN_TOKEN_CHARS: Final = 16
+
+
+def _peer_problems(config: "DaemonConfig") -> list[str]:
+    if not config.peers:
+        if config.node_rank != 0:
+            return [f"--node-rank {config.node_rank} needs --peers: the daemon-to-daemon address of every node, in node-rank order"]
+        return []
+    problems = []
+    if config.node_rank >= len(config.peers):
+        problems.append(
+            f"--node-rank {config.node_rank} is not a position in --peers, which lists {len(config.peers)} nodes (0..{len(config.peers) - 1})"
+        )
+    if len(set(config.peers)) != len(config.peers):
+        problems.append(f"--peers lists an address twice: {','.join(config.peers)}; give each node its own host:port")
+    if len(config.peers) > 1 and len(config.peer_token) < MIN_TOKEN_CHARS:
+        problems.append(
+            f"several nodes need a shared secret of at least {MIN_TOKEN_CHARS} characters in --peer-token or "
+            f"{ENV_PREFIX}PEER_TOKEN (e.g. `openssl rand -hex 32`), the same on every node"
+        )
+    return problems
 
 
 # ------------------------------------------------------------------ parsers
@@ -187,6 +227,26 @@ def _size_or_off(raw: Any, text: bool) -> int:
         raise _Expected(f"0 (off) or {exc}") from None
 
 
+def _peers(raw: Any, text: bool) -> tuple[str, ...]:
+    """'host:port,host:port,...' (or a TOML list of such strings)."""
+    expected = "a comma-separated list of host:port in node-rank order, e.g. 'node0:7070,node1:7070'"
+    if isinstance(raw, str):
+        raw = [p.strip() for p in raw.split(",")] if raw.strip() else []
+    if not isinstance(raw, (list, tuple)) or not all(isinstance(p, str) for p in raw):
+        raise _Expected(expected)
+    for peer in raw:
+        host, sep, port = peer.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _Expected(f"{expected}; {peer!r} is not host:port")
+    return tuple(raw)
+
+
+def _token(raw: Any, text: bool) -> str:
+    if isinstance(raw, str):
+        return raw.strip()
+    raise _Expected("a string")
+
+
 @dataclass(frozen=True)
 class _Spec:
     parse: Parser
@@ -210,6 +270,9 @@ _SPECS: Final[dict[str, _Spec]] = {
     "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
     "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
     "log_json": _Spec(_boolean, "--log-json", "", "log one JSON object per line (default: off)"),
+    "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),
+    "peers": _Spec(_peers, "--peers", "HOST:PORT,...", "daemon-to-daemon address of every node in node-rank order; this daemon listens on its own (default: none, a single node)"),
+    "peer_token": _Spec(_token, "--peer-token", "TOKEN", "shared secret of the daemons (prefer the environment variable: flags show in ps)"),
 }
 
 

@@ -37,3 +37,7 @@ class Unavailable(CkptdError):
 
 class Timeout(CkptdError):
     """A wait ran past its limit (DEADLINE_EXCEEDED)."""
+
+
+class Unauthenticated(CkptdError):
+    """A daemon-to-daemon call without the right peer token (UNAUTHENTICATED)."""

@@ -18,9 +18,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ckptd.daemon.config import DaemonConfig, check_shm
+from ckptd.daemon.peer_servicer import PeerServicer
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,11 @@ async def serve(config: DaemonConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"unix://{config.socket}"
     server.add_insecure_port(address)
+    peer_server = _peer_server(config, service) if service.cluster is not None else None
     await server.start()
+    if peer_server is not None:
+        await peer_server.start()
+        log.info("node %s of %s: peer service on %s", config.node_rank, len(config.peers), config.peer_address)
     os.chmod(config.socket, 0o660)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -115,6 +121,10 @@ async def serve(config: DaemonConfig) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await service.drain(DRAIN_GRACE_S)
     await server.stop(grace=2.0)
+    if peer_server is not None:
+        await peer_server.stop(grace=2.0)
+    if service.cluster is not None:
+        await service.cluster.close()
     await asyncio.to_thread(service.close)
     try:
         config.socket.unlink()
@@ -122,6 +132,24 @@ async def serve(config: DaemonConfig) -> int:
         pass
     log.info("ckptd stopped")
     return 0
+
+
+def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.Server:
+    """The daemon-to-daemon server on this node's --peers entry (TCP): the Peer service and
+    health, nothing else (the Checkpoint service stays on the Unix socket)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    ppb_grpc.add_PeerServicer_to_server(PeerServicer(service, config.peer_token), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(config.peer_address) == 0:
+        raise RuntimeError(f"cannot listen on {config.peer_address} (this node's --peers entry): is the port in use or the host not this machine's?")
+    return server
 
 
 def run(config: DaemonConfig) -> int:

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ckptd.common.boxes import intersect
-from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState, remove_stale_arenas
+from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
+from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
-from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
-from ckptd.daemon.pipeline import VERSION, PersistRequest, Progress, persist
+from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
 from ckptd.daemon.storage import Storage
@@ -49,7 +50,11 @@ class SaveSession:
     save_id: str
     metric: float | None
     timeout_s: float
+    local_ranks: int  # ranks of the job this daemon serves (all of them on a single node)
     created: float = field(default_factory=time.monotonic)
+    global_id: str = ""  # several nodes: the coordinator's id of the save
+    reported: bool = False  # several nodes: this node's part (or failure) went to the coordinator
+    shared_root: bool = False  # several nodes writing into one storage root
     snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
@@ -88,7 +93,8 @@ class JobState:
     world_size: int
     pool: ArenaPool
     specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, fingerprint)
-    plans: dict[tuple[str, ...], SavePlan] = field(default_factory=dict)
+    plans: dict[Any, SavePlan] = field(default_factory=dict)  # by the ranks' fingerprints (or the coordinator's plan key)
+    announced: set[tuple[int, str]] = field(default_factory=set)  # (rank, fingerprint) whose metadata the coordinator has
     sessions: dict[int, SaveSession] = field(default_factory=dict)  # open or writing, by step
     recent: dict[int, SaveSession] = field(default_factory=dict)  # finished, newest RECENT_RESULTS
     acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -138,6 +144,12 @@ class CheckpointService:
         self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist")
         self._index_cache: dict[tuple[str, int], CheckpointIndex] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.node = config.node_rank
+        self.cluster = (
+            Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention) if config.multi_node else None
+        )
+        self._sources: dict[tuple[str, int], tuple[float, dict[str, int]]] = {}  # (job, step) -> (checked at, file -> node)
+        self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -149,6 +161,8 @@ class CheckpointService:
         self.config.shm_dir.mkdir(parents=True, exist_ok=True)
         for path in remove_stale_arenas(self.config.shm_dir, os.getpid()):
             log.warning("removed stale shared-memory arena %s", path)
+        if self.cluster is not None:
+            self.cluster.start()
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking saves; let open snapshots complete (up to `grace_s`) and persisting finish."""
@@ -171,6 +185,8 @@ class CheckpointService:
         self._persist_executor.shutdown(wait=True)
         for job in self.jobs.values():
             job.pool.close()
+        for path in self.config.shm_dir.glob(f"{ARENA_PREFIX}{os.getpid()}-fetch-*"):
+            path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ save
 
@@ -202,10 +218,14 @@ class CheckpointService:
         specs: Sequence[TensorSpec] | None,
         metric: float | None,
         timeout_s: float,
+        local_world_size: int = 0,
     ) -> SaveSession:
-        """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived)."""
+        """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived).
+
+        local_world_size: the job's ranks this daemon serves (0: all, on a single node)."""
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
+        local_ranks = self._local_ranks(world_size, local_world_size)
         state = self._job(job, world_size)
         if specs is not None:
             state.specs[(rank, fingerprint)] = tuple(specs)
@@ -218,13 +238,17 @@ class CheckpointService:
         if session is None or not session.open:
             if session is not None:
                 raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
-            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout_s or self.config.save_timeout_s)
+            session = SaveSession(
+                job, step, world_size, uuid.uuid4().hex, metric, timeout_s or self.config.save_timeout_s, local_ranks
+            )
             state.sessions[step] = session
             self._spawn(self._watchdog(state, session))
         if rank in session.arrived:
             raise InvalidRequest(f"rank {rank} joined the save of step {step} twice")
+        if local_ranks != session.local_ranks:
+            raise InvalidRequest(f"rank {rank} says this node serves {local_ranks} ranks, an earlier rank said {session.local_ranks}")
         session.arrived[rank] = fingerprint
-        if len(session.arrived) == world_size:
+        if len(session.arrived) == local_ranks:
             self._spawn(self._prepare(state, session))
         await session.ready.wait()
         if session.state == "failed":
@@ -232,6 +256,21 @@ class CheckpointService:
                 raise InvalidRequest(session.error)
             raise Aborted(f"save of step {step} aborted: {session.error}")
         return session
+
+    def _local_ranks(self, world_size: int, local_world_size: int) -> int:
+        if self.cluster is None:
+            if local_world_size not in (0, world_size):
+                raise InvalidRequest(
+                    f"this daemon runs as a single node (no --peers) but the job has {world_size} ranks and this node "
+                    f"{local_world_size} (LOCAL_WORLD_SIZE); start every node's daemon with --node-rank and --peers"
+                )
+            return world_size
+        if not 1 <= local_world_size <= world_size:
+            raise InvalidRequest(
+                f"this daemon is node {self.node} of {self.cluster.nodes}: it needs the number of the job's ranks on "
+                "this node; set LOCAL_WORLD_SIZE (torchrun does) or pass local_world_size= to CheckpointClient"
+            )
+        return local_world_size
 
     async def _committed(self, job: str, step: int) -> bool:
         return await asyncio.to_thread(self.storage.is_committed, job, step)
@@ -244,20 +283,23 @@ class CheckpointService:
 
     async def _prepare(self, state: JobState, session: SaveSession) -> None:
         try:
-            key = tuple(session.arrived[r] for r in range(session.world_size))
-            plan = state.plans.get(key)
-            if plan is None:
-                specs = [state.specs[(r, fp)] for r, fp in enumerate(key)]
-                plan = await asyncio.to_thread(make_save_plan, specs)
-                state.plans[key] = plan
+            if self.cluster is None:
+                key = tuple(session.arrived[r] for r in range(session.world_size))
+                plan = state.plans.get(key)
+                if plan is None:
+                    specs = [state.specs[(r, fp)] for r, fp in enumerate(key)]
+                    plan = await asyncio.to_thread(make_save_plan, specs)
+                    state.plans[key] = plan
+            else:
+                plan = await self._join_nodes(state, session)
             session.plan = plan
             session.progress = Progress(plan.total_bytes)
             session.arenas = await self._acquire(state, session, plan)
             if session.arenas is not None:
                 session.state = "snapshotting"
                 self._spawn(self._prewarm(state, plan))
-        except (PlanError, Exhausted) as exc:
-            session.refused = isinstance(exc, PlanError)
+        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable) as exc:
+            session.refused = isinstance(exc, (PlanError, InvalidRequest))
             await self._fail(state, session, str(exc))
         except Exception as exc:
             log.exception("planning step %s of job %s failed", session.step, session.job)
@@ -265,11 +307,39 @@ class CheckpointService:
         finally:
             session.ready.set()
 
+    async def _join_nodes(self, state: JobState, session: SaveSession) -> SavePlan:
+        """Several nodes: join the save at the coordinator; plan from what it sends back."""
+        assert self.cluster is not None
+        fingerprints = dict(session.arrived)
+
+        async def join(resend: bool) -> JoinResult:
+            assert self.cluster is not None
+            specs = {r: state.specs[(r, fp)] for r, fp in fingerprints.items() if resend or (r, fp) not in state.announced}
+            return await self.cluster.join_save(
+                session.job, session.step, session.world_size, fingerprints, specs, [k for k in state.plans if isinstance(k, str)],
+                session.timeout_s, session.metric,
+            )
+
+        try:
+            result = await join(resend=False)
+        except Precondition:  # the coordinator restarted and forgot the metadata
+            result = await join(resend=True)
+        state.announced.update(fingerprints.items())
+        plan = state.plans.get(result.plan_key)
+        if plan is None:
+            if result.specs is None:
+                raise Aborted(f"the coordinator assumed this node knows plan {result.plan_key[:12]}; retry the save")
+            plan = await asyncio.to_thread(make_save_plan, result.specs, result.node_of_rank)
+            state.plans[result.plan_key] = plan
+        session.global_id = result.save_id
+        session.shared_root = result.shared_root
+        return plan
+
     async def _acquire(self, state: JobState, session: SaveSession, plan: SavePlan) -> ArenaSet | None:
         deadline = session.created + session.timeout_s
         while True:
             async with state.acquire_lock:
-                arenas = await asyncio.to_thread(state.pool.acquire, plan.arena_bytes)
+                arenas = await asyncio.to_thread(state.pool.acquire, plan.arena_bytes_of(self.node))
             if arenas is not None:
                 return arenas
             if self.config.arena_policy == "skip":
@@ -293,7 +363,7 @@ class CheckpointService:
         """Allocate the next arena set in the background while this snapshot is copied and written."""
         try:
             async with state.acquire_lock:
-                if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes):
+                if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes_of(self.node)):
                     await _notify(state.arena_freed)
         except Exhausted as exc:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
@@ -315,7 +385,7 @@ class CheckpointService:
         session.committed[rank] = extras
         if rank == 0 and model_files:
             session.model_files = dict(model_files)
-        if len(session.committed) == session.world_size:
+        if len(session.committed) == session.local_ranks:
             session.state = "writing"
             session.snapshot_done = time.monotonic()
             assert session.arenas is not None
@@ -339,6 +409,9 @@ class CheckpointService:
 
     async def _persist(self, state: JobState, session: SaveSession) -> None:
         assert session.plan is not None and session.arenas is not None and session.progress is not None
+        if self.cluster is not None:
+            await self._persist_node(state, session)
+            return
         request = PersistRequest(
             job=session.job,
             step=session.step,
@@ -359,12 +432,8 @@ class CheckpointService:
             log.exception("writing step %s of job %s failed", session.step, session.job)
             await self._fail(state, session, f"writing failed: {exc}")
             return
-        self._index_cache[(session.job, session.step)] = index
-        session.state = "committed"
-        session.step_dir = str(self.storage.step_dir(session.job, session.step))
-        self.counters.committed += 1
-        state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
         written = time.monotonic()
+        self._committed_here(state, session, index)
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
         log.info(
             "committed step %s of job %s: %.1f MiB written in %.2f s, retention %.3f s, %.2f s after the snapshot",
@@ -373,6 +442,73 @@ class CheckpointService:
         )
         self._finish(state, session)
         await _notify(state.arena_freed)
+
+    def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:
+        assert session.arenas is not None and session.plan is not None
+        self._index_cache[(session.job, session.step)] = index
+        session.state = "committed"
+        session.step_dir = str(self.storage.step_dir(session.job, session.step))
+        self.counters.committed += 1
+        state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
+
+    async def _persist_node(self, state: JobState, session: SaveSession) -> None:
+        """Several nodes: write this node's files, report them, and commit or abort as the
+        coordinator decides."""
+        assert self.cluster is not None and session.plan is not None and session.arenas is not None
+        request = PersistRequest(
+            job=session.job,
+            step=session.step,
+            plan=session.plan,
+            arenas=session.arenas,
+            extras={},
+            model_files={},
+            metric=session.metric,
+            max_file_bytes=self.config.max_file_bytes,
+            write_threads=self.config.write_threads,
+            throttle_bytes_per_s=self.config.write_throttle,
+            node=self.node,
+            shared_dir=session.shared_root,
+        )
+        loop = asyncio.get_running_loop()
+        manifest: NodeManifest | None = None
+        error = ""
+        try:
+            manifest = await loop.run_in_executor(self._persist_executor, write_node_files, self.storage, request, session.progress)
+        except Exception as exc:
+            log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
+            error = f"writing failed on node {self.node}: {exc}"
+        session.reported = True
+        extras = {r: json.dumps(e) for r, e in session.committed.items()}
+        outcome = await self.cluster.report(session.job, session.step, session.global_id, manifest, error, extras, session.model_files)
+        if outcome.committed:
+            try:
+                if outcome.step_files and self.node != 0:  # node-local root: the same index here
+                    await asyncio.to_thread(self._write_commit_here, session.job, session.step, outcome.step_files)
+                index = await asyncio.to_thread(self.storage.read_index, session.job, session.step)
+            except (OSError, FormatError) as exc:
+                log.exception("step %s of job %s is committed but node %s could not record it", session.step, session.job, self.node)
+                await self._fail(state, session, f"committed elsewhere, but node {self.node} could not write its index: {exc}")
+                return
+            self._committed_here(state, session, index)
+            if self.node != 0 and outcome.step_files:
+                await self._apply_retention(session.job)  # node 0 applies it for a shared root (Coordinator.on_commit)
+            self._finish(state, session)
+            await _notify(state.arena_freed)
+            return
+        if self.node != 0:  # the coordinator removed the step from its own root already
+            names = [f.name for f in manifest.files] if manifest is not None else []
+            await asyncio.to_thread(self.storage.discard_part, session.job, session.step, names, session.shared_root)
+        await self._fail(state, session, outcome.error)
+
+    def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
+        write_step_files(self.storage, job, step, files)
+        self.storage.write_latest(job, step)
+
+    async def _report_failure(self, session: SaveSession) -> None:
+        """Several nodes: tell the coordinator this node's part of the save failed, so every node aborts."""
+        assert self.cluster is not None
+        outcome = await self.cluster.report(session.job, session.step, session.global_id, None, session.error, {}, {})
+        log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
     async def _apply_retention(self, job: str) -> None:
         steps = await asyncio.to_thread(self.storage.committed_steps, job)
@@ -398,6 +534,9 @@ class CheckpointService:
             await _notify(state.arena_freed)
         session.ready.set()
         self._finish(state, session)
+        if self.cluster is not None and session.global_id and not session.reported:
+            session.reported = True
+            self._spawn(self._report_failure(session))
 
     def _finish(self, state: JobState, session: SaveSession) -> None:
         state.sessions.pop(session.step, None)
@@ -469,9 +608,10 @@ class CheckpointService:
                 raise NotFound(f"job {job!r} has no committed checkpoint in {self.storage.root}")
         elif not await self._committed(job, step):
             raise NotFound(f"step {step} of job {job!r} is not committed in {self.storage.root}")
-        index = await self._index(job, step)
+        index = await self.index(job, step)
         held = state.pool.held(step) if state is not None else None
         table = index.by_name()
+        where = await self._file_sources(index) if self.cluster is not None else {}
 
         missing = []
         pieces: list[PieceInfo] = []
@@ -488,7 +628,7 @@ class CheckpointService:
                     f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
                     f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
                 )
-            pieces += self._pieces_for(spec, record, index, held)
+            pieces += await self._pieces_for(spec, record, index, held, where)
         requested_keys = set(kinds)
         unexpected = sorted(
             t.name
@@ -503,9 +643,9 @@ class CheckpointService:
                 parts.append(f"in step {step} but not in the state being loaded: {_names(unexpected)}")
             raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
 
-        extras_by_rank = held.extras if held is not None else None
-        if extras_by_rank is None:
-            extras_by_rank = await self._extras(job, step)
+        # the held snapshot has the extras of this node's ranks; others (more ranks than at save
+        # time, or ranks of other nodes) come from extra.json
+        extras_by_rank = held.extras if held is not None and rank in held.extras else await self._extras(job, step)
         extras = extras_by_rank.get(rank)
         if extras is None:  # more ranks than at save time: rank 0's extras, without its RNG state
             extras = {k: v for k, v in extras_by_rank.get(0, {}).items() if k != "rng"}
@@ -514,7 +654,8 @@ class CheckpointService:
             held.readers += 1
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
         self._expire_leases()
-        tier = "memory" if held is not None else "disk"
+        kinds_used = {p.source for p in pieces}
+        tier = "memory" if kinds_used == {"shm"} or (held is not None and not pieces) else "disk" if "shm" not in kinds_used else "mixed"
         return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
 
     async def _wait_for_writes(self, state: JobState) -> None:
@@ -526,24 +667,88 @@ class CheckpointService:
             except asyncio.TimeoutError:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
-    def _pieces_for(self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None) -> list[PieceInfo]:
-        out = []
+    async def _pieces_for(
+        self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None, where: dict[str, int]
+    ) -> list[PieceInfo]:
+        """Where the bytes of `spec`'s box are: this daemon's arenas when it holds every
+        overlapping fragment of the newest snapshot, else the committed files (fetched from the
+        node that has them when they are not in this node's root: `where`)."""
         if held is not None:
-            for slot in held.plan.slots:
-                if slot.name == record.name and intersect(slot.box, spec.box) is not None:
+            overlapping = [s for s in held.plan.slots if s.name == record.name and intersect(s.box, spec.box) is not None]
+            if all(held.arenas[s.rank] is not None for s in overlapping):
+                out = []
+                for slot in overlapping:
                     arena = held.arenas[slot.rank]
                     assert arena is not None
                     out.append(PieceInfo(spec.name, "shm", str(arena.path), slot.offset, slot.nbytes, slot.box, record.dtype, ""))
-            return out
+                return out
         step_dir = self.storage.step_dir(index.job, index.step)
+        out = []
         for frag in record.fragments:
-            if intersect(frag.box, spec.box) is not None:
-                out.append(
-                    PieceInfo(spec.name, "file", str(step_dir / frag.file), frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum)
-                )
+            if intersect(frag.box, spec.box) is None:
+                continue
+            path = str(step_dir / frag.file)
+            node = where.get(frag.file, self.node)
+            if node != self.node:
+                path = await self._fetched(index, frag.file, node, frag.offset, frag.nbytes)
+            out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum))
         return out
 
-    async def _index(self, job: str, step: int) -> CheckpointIndex:
+    async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:
+        """Several nodes: which node to read each data file of the step from (this one when it
+        has the file). Checked before any byte is served, so a load either finds one complete
+        copy on the nodes present or fails with every missing tensor and the node that wrote it."""
+        assert self.cluster is not None
+        key = (index.job, index.step)
+        cached = self._sources.get(key)
+        if cached is not None and time.monotonic() - cached[0] < SOURCES_TTL_S:
+            return cached[1]
+        data_files = [f for f in index.files if f.name.endswith(".safetensors")]
+        step_dir = self.storage.step_dir(index.job, index.step)
+        local = await asyncio.to_thread(_present, step_dir, data_files)
+        where = {name: self.node for name in local}
+        unreachable: dict[int, str] = {}
+        if len(local) < len(data_files):
+            for node in range(self.cluster.nodes):
+                if node == self.node:
+                    continue
+                answer = await self.cluster.inventory(node, index.job, index.step)
+                if isinstance(answer, str):
+                    unreachable[node] = answer
+                    continue
+                _, _, sizes = answer
+                for f in data_files:
+                    if f.name not in where and sizes.get(f.name) == f.size:
+                        where[f.name] = node
+        missing = [f for f in data_files if f.name not in where]
+        if missing:
+            raise Precondition(_incomplete_message(index, missing, unreachable, self.cluster.describe))
+        self._sources[key] = (time.monotonic(), where)
+        return where
+
+    async def _fetched(self, index: CheckpointIndex, file: str, node: int, offset: int, nbytes: int) -> str:
+        """A local copy of bytes [offset, offset + nbytes) of a peer's file, at the same offset of
+        a staging file in shared memory; fetched once however many local ranks ask."""
+        assert self.cluster is not None
+        staging = self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{index.job}-{index.step}-{file}"
+        key = (index.job, index.step, file, offset)
+        task = self._fetches.get(key)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.get_running_loop().create_task(self._fetch_into(staging, node, index, file, offset, nbytes))
+            self._fetches[key] = task
+        await asyncio.shield(task)
+        return str(staging)
+
+    async def _fetch_into(self, staging: Path, node: int, index: CheckpointIndex, file: str, offset: int, nbytes: int) -> None:
+        assert self.cluster is not None
+        fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
+        try:
+            await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
+        finally:
+            os.close(fd)
+
+    async def index(self, job: str, step: int) -> CheckpointIndex:
+        """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
         key = (job, step)
         if key not in self._index_cache:
             try:
@@ -580,7 +785,7 @@ class CheckpointService:
         out = []
         for step in steps:
             try:
-                index = await self._index(job, step)
+                index = await self.index(job, step)
             except Precondition as exc:
                 log.warning("%s", exc)
                 continue
@@ -619,6 +824,36 @@ class CheckpointService:
 async def _notify(condition: asyncio.Condition) -> None:
     async with condition:
         condition.notify_all()
+
+
+SOURCES_TTL_S = 60.0  # how long a check of which node holds which file of a step is trusted
+
+
+def _present(step_dir: Path, files: Sequence[FileRecord]) -> list[str]:
+    """The names of `files` that are in `step_dir` with their recorded size."""
+    present = []
+    for f in files:
+        try:
+            if (step_dir / f.name).stat().st_size == f.size:
+                present.append(f.name)
+        except FileNotFoundError:
+            continue
+    return present
+
+
+def _incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], unreachable: dict[int, str], describe: Any) -> str:
+    lost = {f.name for f in missing}
+    tensors = sorted({t.name for t in index.tensors for frag in t.fragments if frag.file in lost})
+    writers = sorted({f.node for f in missing})
+    parts = [
+        f"step {index.step} of job {index.job!r} is not complete on the nodes present: "
+        f"{len(missing)} files ({_names([f.name for f in missing], 5)}) with tensors {_names(tensors, 10)} were written by "
+        + ", ".join(describe(n) for n in writers)
+    ]
+    for node, why in sorted(unreachable.items()):
+        parts.append(f"{describe(node)} did not answer ({why})")
+    parts.append("start the missing nodes' daemons on their storage, or load an older step")
+    return "; ".join(parts)
 
 
 def _names(names: Sequence[str], limit: int = 20) -> str:

@@ -10,26 +10,21 @@ import functools
 import json
 import logging
 import math
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import KINDS, InvalidNameError, check_job_id, check_tensor_name
+from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.daemon import errors
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
 from ckptd.daemon.service import CheckpointService, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_WORLD_SIZE = 1 << 20
-MAX_NDIM = 16
-MAX_DIM = 1 << 48
-MAX_TENSORS = 1 << 20
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MODEL_FILES = ("config.json", "generation_config.json")
 MAX_MODEL_FILE_BYTES = 1 << 20
 
@@ -42,6 +37,7 @@ _STATUS: dict[type[errors.CkptdError], grpc.StatusCode] = {
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.Timeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 T = TypeVar("T")
@@ -80,62 +76,6 @@ def _mapped(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-# ---------------------------------------------------------------- validation
-
-
-def _check_who(who: pb.RankId) -> tuple[str, int, int]:
-    job = check_job_id(who.job)
-    if not 1 <= who.world_size <= MAX_WORLD_SIZE:
-        raise errors.InvalidRequest(f"world_size {who.world_size} must be between 1 and {MAX_WORLD_SIZE}")
-    if not 0 <= who.rank < who.world_size:
-        raise errors.InvalidRequest(f"rank {who.rank} must be in [0, world_size={who.world_size})")
-    return job, who.rank, who.world_size
-
-
-def _check_step(step: int) -> int:
-    if step < 0:
-        raise errors.InvalidRequest(f"step {step} must be >= 0")
-    return step
-
-
-def _check_timeout(timeout_s: float) -> float:
-    if not math.isfinite(timeout_s) or timeout_s < 0 or timeout_s > MAX_TIMEOUT_S:
-        raise errors.InvalidRequest(f"timeout_s {timeout_s} must be between 0 (default) and {MAX_TIMEOUT_S:.0f}")
-    return timeout_s
-
-
-def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
-    """Validated TensorSpecs from the wire; raises InvalidRequest naming the tensor."""
-    if len(metas) > MAX_TENSORS:
-        raise errors.InvalidRequest(f"{len(metas)} tensors in one request; the limit is {MAX_TENSORS}")
-    specs = []
-    for meta in metas:
-        name = check_tensor_name(meta.name)
-        if meta.kind not in KINDS:
-            raise errors.InvalidRequest(f"tensor {name!r}: kind {meta.kind!r} is not one of {', '.join(KINDS)}")
-        if meta.dtype not in dtypes.DTYPE_NAMES:
-            raise errors.InvalidRequest(f"tensor {name!r}: dtype {meta.dtype!r} is not one of {', '.join(sorted(dtypes.DTYPE_NAMES))}")
-        shape = tuple(meta.shape)
-        if len(shape) > MAX_NDIM or any(not 0 <= d <= MAX_DIM for d in shape):
-            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} has a negative, huge or too many dimensions")
-        if math.prod(shape) * dtypes.itemsize(meta.dtype) > MAX_DIM:
-            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} is larger than ckptd accepts")
-        if meta.HasField("box"):
-            if len(meta.box.offsets) != len(shape) or len(meta.box.lengths) != len(shape):
-                raise errors.InvalidRequest(f"tensor {name!r}: box has {len(meta.box.offsets)} offsets and {len(meta.box.lengths)} lengths for a {len(shape)}-dim shape")
-            try:
-                box = Box(tuple(meta.box.offsets), tuple(meta.box.lengths))
-            except ValueError as exc:
-                raise errors.InvalidRequest(f"tensor {name!r}: {exc}") from None
-            if not box.fits_in(shape):
-                raise errors.InvalidRequest(f"tensor {name!r}: box {box} does not lie inside shape {list(shape)}")
-        else:
-            box = Box.full(shape)
-        aliases = tuple(check_tensor_name(a) for a in meta.aliases)
-        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases))
-    return specs
-
-
 def _box(box: Box) -> pb.Box:
     return pb.Box(offsets=box.offsets, lengths=box.lengths)
 
@@ -149,8 +89,10 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     @_mapped
     async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
-        job, rank, world_size = _check_who(request.who)
-        step = _check_step(request.step)
+        job, rank, world_size = check_who(request.who)
+        step = check_step(request.step)
+        if not 0 <= request.who.local_world_size <= world_size:
+            raise errors.InvalidRequest(f"local_world_size {request.who.local_world_size} must be between 0 and world_size={world_size}")
         if request.quantize not in ("",):
             raise errors.InvalidRequest(f"quantize={request.quantize!r} is not supported by this daemon yet; use None")
         if not request.fingerprint or len(request.fingerprint) > 256:
@@ -160,7 +102,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             raise errors.InvalidRequest(f"metric {request.metric} must be a finite number")
         session = await self.service.begin_save(
             job, rank, world_size, step, request.fingerprint, specs,
-            request.metric if request.has_metric else None, _check_timeout(request.timeout_s),
+            request.metric if request.has_metric else None, check_timeout(request.timeout_s), request.who.local_world_size,
         )
         return self._begin_response(session, rank)
 
@@ -179,7 +121,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     @_mapped
     async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
-        job, rank, _ = _check_who(request.who)
+        job, rank, _ = check_who(request.who)
         model_files = {}
         for name, text in request.model_files.items():
             if name not in MODEL_FILES:
@@ -196,15 +138,15 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     @_mapped
     async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.AbortSaveResponse:
-        job, rank, _ = _check_who(request.who)
+        job, rank, _ = check_who(request.who)
         await self.service.abort_save(job, rank, request.save_id, request.reason[:1000])
         return pb.AbortSaveResponse()
 
     async def WaitDurable(self, request: pb.WaitDurableRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SaveProgress]:
         try:
             job = check_job_id(request.job)
-            step = _check_step(request.step)
-            async for item in self.service.progress(job, step, _check_timeout(request.timeout_s)):
+            step = check_step(request.step)
+            async for item in self.service.progress(job, step, check_timeout(request.timeout_s)):
                 if isinstance(item, str):
                     yield pb.SaveProgress(state="committed", done=True, step_dir=str(self.service.storage.step_dir(job, step)))
                     return
@@ -221,8 +163,8 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     @_mapped
     async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:
-        job, rank, world_size = _check_who(request.who)
-        step = None if request.latest else _check_step(request.step)
+        job, rank, world_size = check_who(request.who)
+        step = None if request.latest else check_step(request.step)
         wanted = tensor_specs(request.tensors)
         for key in request.kinds:
             if not key or "/" in key or len(key) > 256:
@@ -242,7 +184,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     @_mapped
     async def LoadDone(self, request: pb.LoadDoneRequest, context: grpc.aio.ServicerContext) -> pb.LoadDoneResponse:
-        _check_who(request.who)
+        check_who(request.who)
         self.service.load_done(request.load_id)
         return pb.LoadDoneResponse()
 

@@ -13,6 +13,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon.format import INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name, step_dir_name
@@ -136,6 +137,24 @@ class Storage:
             for i, f in enumerate(sorted(doomed.glob("*.safetensors"))):
                 os.replace(f, bin_dir / f"{i:05d}")
         shutil.rmtree(doomed)
+
+    def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
+        """Remove what this node wrote of an aborted step: the whole step directory of a
+        node-local root; in a root shared with other nodes, only `names` and temporary files
+        (the coordinator removes the rest), and the directory once it is empty."""
+        if not shared:
+            self.remove_step(job, step)
+            return
+        path = self.step_dir(job, step)
+        if (path / INDEX_NAME).exists():
+            return  # committed after all (a newer attempt): nothing of it is ours to remove
+        for name in names:
+            (path / name).unlink(missing_ok=True)
+            tmp_name(path / name).unlink(missing_ok=True)
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # not empty (other nodes' files, removed by the coordinator) or already gone
 
     def recycle_dir(self, job: str) -> Path:
         """Data files of deleted steps, kept to be overwritten by the next save.

@@ -18,7 +18,7 @@ class RankTensors(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_checkpoint_pb2.TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class JoinSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric")
+    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id")
     class FingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class JoinSaveRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
+    ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     node: int
@@ -46,7 +47,8 @@ class JoinSaveRequest(_message.Message):
     timeout_s: float
     metric: float
     has_metric: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ...) -> None: ...
+    root_id: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ...) -> None: ...
 
 class JoinSaveResponse(_message.Message):
     __slots__ = ("save_id", "plan_key", "node_of_rank", "tensors", "shared_root")

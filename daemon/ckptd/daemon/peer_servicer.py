@@ -1,0 +1,168 @@
+"""The gRPC servicer of ckptd.v1.Peer (daemon to daemon, on TCP): check the token, validate,
+call the coordinator or the storage, map errors to status codes (servicer._abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import os
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+
+from ckptd.common.names import check_job_id
+from ckptd.daemon import errors
+from ckptd.daemon.checks import MAX_WORLD_SIZE, check_step, check_timeout, tensor_specs
+from ckptd.daemon.cluster import FETCH_CHUNK, PEER_TOKEN_KEY, manifest_from_wire, meta_of
+from ckptd.daemon.format import INDEX_NAME
+from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.servicer import MAX_MODEL_FILE_BYTES, MODEL_FILES, _abort
+from ckptd.wire.v1 import peer_pb2 as ppb
+from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
+
+T = TypeVar("T")
+
+
+def _authorized(context: grpc.aio.ServicerContext, token: str) -> None:
+    given = dict(context.invocation_metadata() or ()).get(PEER_TOKEN_KEY, "")
+    if not hmac.compare_digest(str(given).encode(), token.encode()):
+        raise errors.Unauthenticated("wrong or missing peer token: every daemon needs the same --peer-token / CKPTD_PEER_TOKEN")
+
+
+def _peer_call(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Check the token, then map the method's exceptions to status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "PeerServicer", request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            _authorized(context, self.token)
+            return await method(self, request, context)
+        except Exception as exc:
+            await _abort(context, exc, method.__name__)
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class PeerServicer(ppb_grpc.PeerServicer):
+    def __init__(self, service: CheckpointService, token: str) -> None:
+        assert service.cluster is not None, "the peer service runs only with several nodes"
+        self.service = service
+        self.cluster = service.cluster
+        self.token = token
+
+    def _check_node(self, node: int) -> int:
+        if not 0 <= node < self.cluster.nodes:
+            raise errors.InvalidRequest(f"node {node} is not in [0, {self.cluster.nodes}): check --peers on every node")
+        return node
+
+    def _coordinator(self) -> Any:
+        if self.cluster.coordinator is None:
+            raise errors.Precondition(
+                f"this daemon is node {self.cluster.node}, not the coordinator (node 0): check that --peers lists the nodes in the same order everywhere"
+            )
+        return self.cluster.coordinator
+
+    @_peer_call
+    async def JoinSave(self, request: ppb.JoinSaveRequest, context: grpc.aio.ServicerContext) -> ppb.JoinSaveResponse:
+        coordinator = self._coordinator()
+        job = check_job_id(request.job)
+        step = check_step(request.step)
+        node = self._check_node(request.node)
+        if not 1 <= request.world_size <= MAX_WORLD_SIZE:
+            raise errors.InvalidRequest(f"world_size {request.world_size} must be between 1 and {MAX_WORLD_SIZE}")
+        if not request.fingerprints:
+            raise errors.InvalidRequest(f"node {node} joined the save of step {step} without ranks")
+        specs = {}
+        for entry in request.tensors:
+            if request.fingerprints.get(entry.rank) != entry.fingerprint:
+                raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
+            specs[entry.rank] = tuple(tensor_specs(entry.tensors))
+        timeout_s = check_timeout(request.timeout_s) or self.service.config.save_timeout_s
+        result = await coordinator.join(
+            job, step, node, request.world_size, dict(request.fingerprints), specs, list(request.known_plans),
+            request.root_id, timeout_s, request.metric if request.has_metric else None,
+        )
+        tensors = []
+        if result.specs is not None:
+            for rank, rank_specs in enumerate(result.specs):
+                tensors.append(ppb.RankTensors(rank=rank, fingerprint="", tensors=[meta_of(s) for s in rank_specs]))
+        return ppb.JoinSaveResponse(
+            save_id=result.save_id, plan_key=result.plan_key, node_of_rank=dict(enumerate(result.node_of_rank)),
+            tensors=tensors, shared_root=result.shared_root,
+        )
+
+    @_peer_call
+    async def ReportManifest(self, request: ppb.ReportManifestRequest, context: grpc.aio.ServicerContext) -> ppb.ReportManifestResponse:
+        coordinator = self._coordinator()
+        job = check_job_id(request.job)
+        step = check_step(request.step)
+        node = self._check_node(request.node)
+        extras = {}
+        for rank, text in request.extras_json.items():
+            try:
+                extras[rank] = json.loads(text) if text else {}
+            except json.JSONDecodeError as exc:
+                raise errors.InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+        model_files = {}
+        for name, text in request.model_files.items():
+            if name not in MODEL_FILES or len(text) > MAX_MODEL_FILE_BYTES:
+                raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)} or too large")
+            model_files[name] = text.encode()
+        manifest = manifest_from_wire(node, request.files, request.fragments) if request.ok else None
+        for record in manifest.files if manifest is not None else ():
+            _check_file_name(record.name)
+        outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)
+        return ppb.ReportManifestResponse(committed=outcome.committed, error=outcome.error, step_files=outcome.step_files)
+
+    @_peer_call
+    async def Inventory(self, request: ppb.InventoryRequest, context: grpc.aio.ServicerContext) -> ppb.InventoryResponse:
+        job = check_job_id(request.job)
+        step = check_step(request.step)
+        step_dir = self.service.storage.step_dir(job, step)
+        committed = await asyncio.to_thread((step_dir / INDEX_NAME).is_file)
+        files = []
+        if committed:
+            for path in await asyncio.to_thread(lambda: sorted(step_dir.glob("*.safetensors"))):
+                files.append(ppb.FileEntry(name=path.name, size=path.stat().st_size))
+        return ppb.InventoryResponse(root_id=self.cluster.root_id, committed=committed, files=files)
+
+    async def Fetch(self, request: ppb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.Chunk]:
+        try:
+            _authorized(context, self.token)
+            job = check_job_id(request.job)
+            step = check_step(request.step)
+            name = _check_file_name(request.file)
+            try:
+                index = await self.service.index(job, step)
+            except (errors.Precondition, OSError):
+                raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}") from None
+            record = next((f for f in index.files if f.name == name), None)
+            if record is None:
+                raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
+            if request.offset < 0 or request.nbytes < 0 or request.offset + request.nbytes > record.size:
+                raise errors.InvalidRequest(f"bytes [{request.offset}, +{request.nbytes}) are outside {name} ({record.size} bytes)")
+            path = self.service.storage.step_dir(job, step) / name
+            fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < request.nbytes:
+                    n = min(FETCH_CHUNK, request.nbytes - done)
+                    data = await asyncio.to_thread(os.pread, fd, n, request.offset + done)
+                    if not data:
+                        raise errors.Precondition(f"{name} on node {self.cluster.node} ends before byte {request.offset + done}")
+                    done += len(data)
+                    yield ppb.Chunk(data=data)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            await _abort(context, exc, "Fetch")
+
+
+def _check_file_name(name: str) -> str:
+    if not name or "/" in name or name.startswith(".") or not name.endswith(".safetensors") or len(name) > 255:
+        raise errors.InvalidRequest(f"{name!r} is not a checkpoint data file name")
+    return name
