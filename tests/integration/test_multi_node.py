@@ -121,3 +121,123 @@ def test_a_call_without_the_token_is_refused(shared_cluster) -> None:
                 stub.Inventory(peer_pb2.InventoryRequest(job="mn", step=1), metadata=metadata, timeout=10)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "peer token" in info.value.details()
+
+
+# ------------------------------------------------------------------ node-local roots
+
+
+@pytest.fixture(scope="module")
+def local_cluster(module_node_sets):
+    """Two nodes, each with its own root, and one save by 4 ranks (2 per node)."""
+    cluster = module_node_sets(2, shared_root=False)
+    cluster.start_all()
+    run_job(cluster, cluster.base, "save", [4], SAVED, step=1, node_of_rank=spread(4, 2), job="local")
+    return cluster
+
+
+def test_each_node_keeps_its_own_files_and_the_same_index(local_cluster) -> None:
+    cluster = local_cluster
+    indexes = [index_of(cluster.root(n), "local", 1) for n in (0, 1)]
+    assert indexes[0].tensors == indexes[1].tensors
+    for node in (0, 1):
+        step_dir = cluster.root(node) / "local" / "step-00000001"
+        data = {p.name for p in step_dir.glob("*.safetensors")}
+        assert data == {f.name for f in indexes[0].files if f.node == node and f.name.endswith(".safetensors")}
+        assert (cluster.root(node) / "local" / "latest").read_text().strip() == "step-00000001"
+
+
+def test_a_node_fetches_what_the_other_node_wrote(local_cluster) -> None:
+    cluster = local_cluster
+    loaded = run_job(cluster, cluster.base, "load", [1], {"w_even": [R], "w_uneven": [R], "b": [R], "tiny": [R]}, step=1, node_of_rank=[0], job="local")
+    assert loaded[0]["step"] == 1 and all(loaded[0]["exact"].values()), loaded
+    loaded = run_job(cluster, cluster.base, "load", [2], {"w_even": [S1], "w_uneven": [S0], "b": [R], "tiny": [S1]}, step=1, node_of_rank=[1, 1], job="local")
+    assert all(r["step"] == 1 and all(r["exact"].values()) for r in loaded), loaded
+
+
+def test_a_missing_node_is_named_before_any_byte_is_served(local_cluster) -> None:
+    cluster = local_cluster
+    cluster.running[1].stop()
+    try:
+        sys.path.insert(0, str(WORKER.parent))
+        from dist_worker import SHAPES
+
+        model = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+        with CheckpointClient("local", address=cluster.address(0), rank=0, world_size=1, local_world_size=1, on_error="raise") as ckpt:
+            with pytest.raises(CheckpointError) as info:
+                ckpt.load({"model": model}, step=1)
+        message = str(info.value)
+        assert info.value.code == "FAILED_PRECONDITION"
+        assert "not complete" in message and f"node 1 ({cluster.peers[1]})" in message and "model/w_even" in message, message
+        assert all(not t.any() for t in model.values())  # nothing was served
+    finally:
+        cluster.start(1)
+
+
+# ------------------------------------------------------------------ replicas, failures
+
+
+def replicated_state(tensors: int = 24, scale: int = 1) -> dict:
+    """A data-parallel replica: the same values on every rank, tensors of different sizes."""
+    g = torch.Generator().manual_seed(0)
+    return {"model": {f"layer{i}": torch.randn(scale * (1000 + 300 * i), generator=g) for i in range(tensors)}}
+
+
+def save_from_threads(cluster, node_of_rank: list[int], step: int, state: dict, job: str, on_saved=None) -> list:
+    """Every rank (a thread with its own client to its node's daemon) saves `state`; returns
+    each rank's wait_durable() result, or the CheckpointError it raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    world = len(node_of_rank)
+
+    def rank_saves(rank: int) -> object:
+        node = node_of_rank[rank]
+        with CheckpointClient(job, address=cluster.address(node), rank=rank, world_size=world,
+                              local_world_size=node_of_rank.count(node), on_error="raise", timeout_s=60) as ckpt:
+            handle = ckpt.save(step, state)
+            if on_saved is not None and rank == 0:
+                on_saved()
+            try:
+                return handle.wait_durable(timeout=60)
+            except CheckpointError as exc:
+                return exc
+
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(rank_saves, range(world)))
+
+
+def test_a_replicated_save_spreads_the_writing_evenly_over_nodes(node_sets) -> None:
+    cluster = node_sets(2, shared_root=True)
+    cluster.start_all()
+    results = save_from_threads(cluster, [0, 0, 1, 1], 1, replicated_state(), "ddp")
+    assert all(not isinstance(r, Exception) for r in results), results
+    index = index_of(cluster.root(0), "ddp", 1)
+    per_node = [sum(f.size for f in index.files if f.node == n and f.name.endswith(".safetensors")) for n in (0, 1)]
+    assert all(len(t.fragments) == 1 for t in index.tensors)  # replicas are written whole, once
+    assert abs(per_node[0] - per_node[1]) <= 0.1 * sum(per_node) / 2, per_node
+
+
+def test_a_daemon_killed_while_writing_aborts_the_step_everywhere(node_sets) -> None:
+    import threading
+
+    cluster = node_sets(2, shared_root=False)
+    cluster.start(0)
+    cluster.start(1, "--write-throttle", "1MiB")  # node 1 writes slowly: still writing when killed
+    state = replicated_state(tensors=8, scale=200)  # about 7 MiB: 3-4 s of writing on node 1
+    first = save_from_threads(cluster, [0, 0, 1, 1], 1, state, "kill")
+    assert all(not isinstance(r, Exception) for r in first), first
+
+    def kill_node_1() -> None:
+        threading.Timer(1.0, cluster.running[1].kill).start()
+
+    second = save_from_threads(cluster, [0, 0, 1, 1], 2, state, "kill", on_saved=kill_node_1)
+    assert all(isinstance(r, CheckpointError) for r in second), second
+    assert "node 1" in str(second[0]) and "stopped answering" in str(second[0]), second[0]
+    assert not (cluster.root(0) / "kill" / "step-00000002").exists()
+    assert (cluster.root(0) / "kill" / "latest").read_text().strip() == "step-00000001"
+    cluster.start(1)  # a restarted daemon removes its half-written step
+    assert not (cluster.root(1) / "kill" / "step-00000002").exists()
+    for node in (0, 1):
+        restored = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        with CheckpointClient("kill", address=cluster.address(node), rank=0, world_size=1, local_world_size=1, on_error="raise") as ckpt:
+            assert ckpt.load(restored) == 1
+        assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())

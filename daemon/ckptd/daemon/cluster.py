@@ -51,6 +51,7 @@ ROOT_ID_FILE = ".ckptd-root-id"
 LIVENESS_PERIOD_S = 1.0
 LIVENESS_FAILURES = 3  # consecutive failed health checks before a writing node counts as gone
 FETCH_CHUNK = 4 * 2**20
+INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as absent for a load
 MAX_MESSAGE_BYTES = 256 * 2**20
 RECENT_SAVES = 16
 
@@ -134,7 +135,15 @@ class PeerLinks:
         if channel is None:
             channel = grpc.aio.insecure_channel(
                 self.peers[node],
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    # a restarted peer is reachable again within a second, not after gRPC's
+                    # default backoff of up to two minutes
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
             )
             self._channels[node] = channel
         return channel
@@ -490,7 +499,9 @@ class Cluster:
     async def inventory(self, node: int, job: str, step: int) -> tuple[str, bool, dict[str, int]] | str:
         """(root id, has the index, {data file: size}) of a peer, or why it did not answer."""
         try:
-            reply = await self.links.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=10, metadata=self.links.metadata)
+            reply = await self.links.stub(node).Inventory(
+                ppb.InventoryRequest(job=job, step=step), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
+            )
         except grpc.RpcError as exc:
             return exc.details() or exc.code().name
         return reply.root_id, reply.committed, {f.name: f.size for f in reply.files}

@@ -148,7 +148,6 @@ class CheckpointService:
         self.cluster = (
             Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention) if config.multi_node else None
         )
-        self._sources: dict[tuple[str, int], tuple[float, dict[str, int]]] = {}  # (job, step) -> (checked at, file -> node)
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -697,12 +696,9 @@ class CheckpointService:
     async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:
         """Several nodes: which node to read each data file of the step from (this one when it
         has the file). Checked before any byte is served, so a load either finds one complete
-        copy on the nodes present or fails with every missing tensor and the node that wrote it."""
+        copy on the nodes present or fails with every missing tensor and the node that wrote it.
+        Asked on every load that needs another node's files: nodes come and go between loads."""
         assert self.cluster is not None
-        key = (index.job, index.step)
-        cached = self._sources.get(key)
-        if cached is not None and time.monotonic() - cached[0] < SOURCES_TTL_S:
-            return cached[1]
         data_files = [f for f in index.files if f.name.endswith(".safetensors")]
         step_dir = self.storage.step_dir(index.job, index.step)
         local = await asyncio.to_thread(_present, step_dir, data_files)
@@ -723,7 +719,6 @@ class CheckpointService:
         missing = [f for f in data_files if f.name not in where]
         if missing:
             raise Precondition(_incomplete_message(index, missing, unreachable, self.cluster.describe))
-        self._sources[key] = (time.monotonic(), where)
         return where
 
     async def _fetched(self, index: CheckpointIndex, file: str, node: int, offset: int, nbytes: int) -> str:
@@ -824,9 +819,6 @@ class CheckpointService:
 async def _notify(condition: asyncio.Condition) -> None:
     async with condition:
         condition.notify_all()
-
-
-SOURCES_TTL_S = 60.0  # how long a check of which node holds which file of a step is trusted
 
 
 def _present(step_dir: Path, files: Sequence[FileRecord]) -> list[str]:
