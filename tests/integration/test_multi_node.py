@@ -98,6 +98,23 @@ def test_saved_on_two_nodes_loaded_by_another_layout(shared_cluster, mesh: list[
         assert result["step"] == 1 and all(result["exact"].values()), result
 
 
+def test_export_makes_whole_tensors_of_fragments_written_by_several_nodes(shared_cluster, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from ckptd.daemon.export import export_model
+
+    cluster, _, _ = shared_cluster
+    sys.path.insert(0, str(WORKER.parent))
+    from dist_worker import SHAPES, global_value
+
+    step_dir = cluster.root(0) / "mn" / "step-00000001"
+    assert not (step_dir / "model.safetensors.index.json").exists()  # fragments: not HF-loadable as they are
+    export_model(step_dir, tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    assert sorted(exported) == sorted(SHAPES)
+    assert all(torch.equal(exported[name], global_value(name)) for name in SHAPES)
+
+
 def test_one_process_loads_plain_tensors(shared_cluster) -> None:
     cluster, _, _ = shared_cluster
     sys.path.insert(0, str(WORKER.parent))
