@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ckptd.common.boxes import Box, coverage_problems, relative
-from ckptd.common.reshard import CopyRun, copy_runs, even_shards, read_ranges, shard_boxes
+from ckptd.common.reshard import CopyRun, copy_runs, even_shards, read_ranges, run_count, shard_boxes
 
 
 @pytest.mark.parametrize(
@@ -146,6 +146,7 @@ def test_n_to_m_restores_every_slice_exactly(shape: tuple[int, ...], saved: str,
                     src = np.frombuffer(data, dtype=np.uint8)
                     runs = copy_runs(fragment, want, itemsize)
                     check_runs(runs, len(src), len(out))
+                    assert run_count(fragment, want) == len(runs)
                     for r in runs:
                         dst[r.dst : r.dst + r.nbytes] = src[r.src : r.src + r.nbytes]
                         writes[r.dst : r.dst + r.nbytes] += 1

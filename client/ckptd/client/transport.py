@@ -23,7 +23,7 @@ import xxhash
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative
-from ckptd.common.reshard import CopyRun, copy_runs, read_ranges
+from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 CHUNK = 32 * 2**20
 READ_CHUNK = 64 * 2**20
@@ -186,9 +186,10 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
             direct = dst_bytes is not None and src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
             if direct and src.box == fill.want:
                 wholes.append((src, dst_bytes))
+            elif run_count(src.box, fill.want if direct else common) > MANY_RUNS:
+                parts.append(_Part(src, common, fill, [], direct, strided=True))
             else:
-                itemsize = dtypes.itemsize(src.dtype)
-                runs = copy_runs(src.box, fill.want if direct else common, itemsize)
+                runs = copy_runs(src.box, fill.want if direct else common, dtypes.itemsize(src.dtype))
                 parts.append(_Part(src, common, fill, runs, direct))
     _prefetch(
         [(src.path, src.offset, src.nbytes) for src, _ in wholes if src.kind == "file"]
@@ -236,12 +237,17 @@ class _Part:
     src: Source
     common: Box
     fill: Fill
-    runs: list[CopyRun]
+    runs: list[CopyRun]  # empty when `strided`
     direct: bool
+    strided: bool = False  # many runs: placed by one strided copy of the rows that hold them
 
     def ranges(self) -> list[tuple[int, int]]:
         """The (offset, nbytes) ranges of the fragment's data to read, each at most READ_CHUNK
-        bytes unless a single run is longer."""
+        bytes unless a single run is longer (strided: the rows that hold the overlap)."""
+        if self.strided:
+            inside = relative(self.common, self.src.box)
+            row_bytes = dtypes.nbytes(self.src.dtype, self.src.box.lengths[1:])
+            return [(inside[0].start * row_bytes, (inside[0].stop - inside[0].start) * row_bytes)]
         return read_ranges(self.runs, max_len=READ_CHUNK)
 
 
@@ -279,7 +285,7 @@ def _fill_part(maps: ArenaMaps, part: _Part) -> None:
             f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but box {src.box} of {src.dtype} "
             f"needs {expected}; the index and the data disagree — load an older step"
         )
-    if len(part.runs) > MANY_RUNS:
+    if part.strided:
         _fill_strided(maps, part)
         return
     if part.direct:
@@ -302,7 +308,7 @@ def _fill_part(maps: ArenaMaps, part: _Part) -> None:
 def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
     """One strided torch copy instead of one copy per run (e.g. a column slice: a run per row).
 
-    From a file, the fragment's rows that hold the overlap are read as one block (other columns
+    From a file, the fragment's rows that hold the overlap are mapped as one block (other columns
     included: neighbouring runs would be coalesced into the same reads anyway)."""
     src, fill = part.src, part.fill
     stored = getattr(torch, dtypes.torch_name(src.dtype))
@@ -310,23 +316,34 @@ def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
     if src.kind == "shm":
         raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
         block = torch.from_numpy(raw).view(stored).view(src.box.lengths)[inside]
-    else:
-        first, stop = inside[0].start, inside[0].stop
-        row_bytes = dtypes.nbytes(src.dtype, src.box.lengths[1:])
-        data = np.empty((stop - first) * row_bytes, dtype=np.uint8)
-        whole = first == 0 and stop == src.box.lengths[0]
-        fd = _open(src)
-        try:
-            _pread_exact(fd, data, src.offset + first * row_bytes, src.path)
-        finally:
-            os.close(fd)
-        if whole and src.checksum:
-            hasher = xxhash.xxh3_64()
-            hasher.update(memoryview(data))
-            _check(src, hasher)
-        rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
-        block = rows[(slice(None), *inside[1:])]
-    fill.target[relative(part.common, fill.want)].copy_(block)
+        fill.target[relative(part.common, fill.want)].copy_(block)
+        return
+    # From a file: map the fragment's rows that hold the overlap and copy straight out of the
+    # page cache; a temporary buffer would cost a fresh allocation and a second pass over the bytes.
+    first, stop = inside[0].start, inside[0].stop
+    row_bytes = dtypes.nbytes(src.dtype, src.box.lengths[1:])
+    begin = src.offset + first * row_bytes
+    length = (stop - first) * row_bytes
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    fd = _open(src)
+    try:
+        if os.fstat(fd).st_size < begin + length:
+            raise CheckpointError(f"{src.path} ends before byte {begin + length}: the file is truncated")
+        # private and writable only so that torch accepts the view (it warns on read-only
+        # memory); nothing writes to it, so no page is ever copied
+        mm = mmap.mmap(fd, begin + length - start, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    finally:
+        os.close(fd)
+    mm.madvise(mmap.MADV_SEQUENTIAL)
+    mm.madvise(mmap.MADV_WILLNEED)
+    # no explicit close: the mapping goes when the last view of it does (numpy holds an export)
+    data = np.frombuffer(mm, dtype=np.uint8, count=length, offset=begin - start)
+    if first == 0 and stop == src.box.lengths[0] and src.checksum:
+        hasher = xxhash.xxh3_64()
+        hasher.update(memoryview(data))
+        _check(src, hasher)
+    rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
+    fill.target[relative(part.common, fill.want)].copy_(rows[(slice(None), *inside[1:])])
 
 
 def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, int]], dest: np.ndarray) -> None:

@@ -51,7 +51,17 @@ def copy_runs(fragment: Box, want: Box, itemsize: int) -> list[CopyRun]:
     common = intersect(fragment, want)
     if common is None:
         return []
-    # Dims split..ndim-1 form one run: all of them spanned fully on both sides except `split`.
+    split, run = _run_shape(common, fragment, want)
+    nbytes = run * itemsize
+    return [
+        CopyRun(s * itemsize, d * itemsize, nbytes)
+        for s, d in zip(_starts(common, fragment, split), _starts(common, want, split))
+    ]
+
+
+def _run_shape(common: Box, fragment: Box, want: Box) -> tuple[int, int]:
+    """(split, run): dims split..ndim-1 of `common` form one run of `run` elements; all of them
+    are spanned fully in both boxes except `split`."""
     split = common.ndim
     run = 1
     while split > 0:
@@ -59,11 +69,17 @@ def copy_runs(fragment: Box, want: Box, itemsize: int) -> list[CopyRun]:
         run *= common.lengths[split]
         if common.lengths[split] != fragment.lengths[split] or common.lengths[split] != want.lengths[split]:
             break
-    nbytes = run * itemsize
-    return [
-        CopyRun(s * itemsize, d * itemsize, nbytes)
-        for s, d in zip(_starts(common, fragment, split), _starts(common, want, split))
-    ]
+    return split, run
+
+
+def run_count(fragment: Box, want: Box) -> int:
+    """len(copy_runs(fragment, want, ...)), without building the runs (a column slice of a
+    large matrix has a run per row)."""
+    common = intersect(fragment, want)
+    if common is None:
+        return 0
+    split, _ = _run_shape(common, fragment, want)
+    return math.prod(common.lengths[:split])
 
 
 def read_ranges(runs: Sequence[CopyRun], max_gap: int = 64 * 1024, max_len: int | None = None) -> list[tuple[int, int]]:
