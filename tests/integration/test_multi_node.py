@@ -258,3 +258,45 @@ def test_a_daemon_killed_while_writing_aborts_the_step_everywhere(node_sets) -> 
         with CheckpointClient("kill", address=cluster.address(node), rank=0, world_size=1, local_world_size=1, on_error="raise") as ckpt:
             assert ckpt.load(restored) == 1
         assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
+
+
+def test_a_node_restarted_before_it_recorded_the_commit_adopts_node_0s_decision(node_sets) -> None:
+    """Node-local roots: a node that dies after writing its part, but before node 0's answer
+    reached it, restarts with a prepared part and no index. Node 0 decides: the step it
+    committed gets its index on the restarted node; a step it never committed is removed."""
+    import time
+
+    from ckptd.daemon.format import PREPARED_NAME
+
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all()
+    state = replicated_state(tensors=8)
+    for step in (1, 2):
+        assert all(not isinstance(r, Exception) for r in save_from_threads(cluster, [0, 0, 1, 1], step, state, "prep"))
+    job_dir = cluster.root(1) / "prep"
+    cluster.running[1].stop()
+    # What a crash in the window leaves: node 1's data files of step 2 and its prepared marker,
+    # no index; and a part of step 3, which node 0 never heard of.
+    committed = job_dir / "step-00000002"
+    for path in committed.iterdir():
+        if not path.name.endswith(".safetensors"):
+            path.unlink()
+    (committed / PREPARED_NAME).write_text('{"save_id": "x", "node": 1, "step": 2}\n')
+    (job_dir / "latest").write_text("step-00000001\n")
+    orphan = job_dir / "step-00000003"
+    orphan.mkdir()
+    (orphan / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+    (orphan / PREPARED_NAME).write_text('{"save_id": "y", "node": 1, "step": 3}\n')
+
+    cluster.start(1)
+    deadline = time.monotonic() + 30
+    while ((committed / "ckptd.index.json").exists() is False or orphan.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (committed / "ckptd.index.json").read_bytes() == (cluster.root(0) / "prep" / "step-00000002" / "ckptd.index.json").read_bytes()
+    assert not (committed / PREPARED_NAME).exists()
+    assert not orphan.exists()
+    assert (job_dir / "latest").read_text().strip() == "step-00000002"
+    restored = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    with CheckpointClient("prep", address=cluster.address(1), rank=0, world_size=1, local_world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load(restored) == 2
+    assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())

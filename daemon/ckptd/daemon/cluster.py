@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.checks import tensor_specs
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 PEER_TOKEN_KEY = "ckptd-peer-token"
 ROOT_ID_FILE = ".ckptd-root-id"
 LIVENESS_PERIOD_S = 1.0
-LIVENESS_FAILURES = 3  # consecutive failed health checks before a writing node counts as gone
+LIVENESS_FAILURES = 3  # consecutive failed checks before a writing node counts as gone
 FETCH_CHUNK = 4 * 2**20
 INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as absent for a load
 MAX_MESSAGE_BYTES = 256 * 2**20
@@ -155,13 +154,13 @@ class PeerLinks:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
-    async def alive(self, node: int, timeout_s: float = 2.0) -> bool:
-        """Whether node's daemon answers its health service."""
+    async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
+        """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
         try:
-            reply = await health_pb2_grpc.HealthStub(self._channel(node)).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+            return None
+        return reply.in_flight
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -334,19 +333,25 @@ class Coordinator:
             log.error("could not remove the aborted step %s of job %s: %s", save.step, save.job, exc)
 
     async def _watch_writers(self, save: _GlobalSave) -> None:
-        """Abort the save when a node that has not reported stops answering."""
+        """Abort the save when a node that has not reported stops answering, or answers but no
+        longer has the save (its daemon restarted)."""
         failures: dict[int, int] = {}
         while not save.decided.is_set():
             await asyncio.sleep(LIVENESS_PERIOD_S)
             for node in sorted(save.nodes - set(save.manifests) - {0}):
                 if save.decided.is_set():
                     return
-                failures[node] = 0 if await self.links.alive(node) else failures.get(node, 0) + 1
+                saving = await self.links.saving(node, save.job, save.step)
+                failures[node] = 0 if saving else failures.get(node, 0) + 1
                 if failures[node] >= LIVENESS_FAILURES:
-                    await self._abort(
-                        save, f"node {node} ({self.links.peers[node]}) stopped answering while writing step {save.step}"
-                    )
+                    what = "stopped answering" if saving is None else "lost the save (its daemon restarted)"
+                    await self._abort(save, f"node {node} ({self.links.peers[node]}) {what} while writing step {save.step}")
                     return
+
+    def deciding(self, job: str, step: int) -> bool:
+        """Whether the save of `step` is under way here (joined, neither committed nor aborted)."""
+        save = self._saves.get((job, step))
+        return save is not None and not save.decided.is_set()
 
     def _forget_old(self, job: str) -> None:
         done = sorted(step for (j, step), s in self._saves.items() if j == job and s.decided.is_set())
@@ -496,15 +501,15 @@ class Cluster:
                 raise Unavailable(f"the coordinator {self.describe(0)} is not reachable: {details}") from None
             raise Aborted(f"the coordinator {self.describe(0)} refused: {details}") from None
 
-    async def inventory(self, node: int, job: str, step: int) -> tuple[str, bool, dict[str, int]] | str:
-        """(root id, has the index, {data file: size}) of a peer, or why it did not answer."""
+    async def inventory(self, node: int, job: str, step: int) -> tuple[str, bool, dict[str, int], bool] | str:
+        """(root id, has the index, {data file: size}, saving it now) of a peer, or why it did not answer."""
         try:
             reply = await self.links.stub(node).Inventory(
                 ppb.InventoryRequest(job=job, step=step), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             return exc.details() or exc.code().name
-        return reply.root_id, reply.committed, {f.name: f.size for f in reply.files}
+        return reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight
 
     async def fetch(self, node: int, job: str, step: int, file: str, offset: int, nbytes: int, out_fd: int) -> None:
         """Copy bytes [offset, offset + nbytes) of a peer's step file to the same offset of out_fd."""
@@ -518,6 +523,19 @@ class Cluster:
             raise Unavailable(f"fetching {file} of {step_dir_name(step)} from {self.describe(node)} failed: {exc.details() or exc.code().name}") from None
         if position != offset + nbytes:
             raise Unavailable(f"{self.describe(node)} sent {position - offset} of {nbytes} bytes of {file}")
+
+    async def fetch_bytes(self, node: int, job: str, step: int, file: str, limit: int = 256 * 2**20) -> bytes:
+        """A whole small file of a peer's committed step (the index, extra.json, ...)."""
+        request = ppb.FetchRequest(job=job, step=step, file=file, offset=0, nbytes=0)
+        parts: list[bytes] = []
+        try:
+            async for chunk in self.links.stub(node).Fetch(request, timeout=600, metadata=self.links.metadata):
+                parts.append(chunk.data)
+                if sum(map(len, parts)) > limit:
+                    raise Unavailable(f"{file} of {step_dir_name(step)} on {self.describe(node)} is larger than {limit} bytes")
+        except grpc.RpcError as exc:
+            raise Unavailable(f"fetching {file} of {step_dir_name(step)} from {self.describe(node)} failed: {exc.details() or exc.code().name}") from None
+        return b"".join(parts)
 
     async def close(self) -> None:
         await self.links.close()

@@ -18,6 +18,9 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 
 INDEX_NAME = "ckptd.index.json"
+# A node's part of a step across nodes is written and fsynced (node-local roots): kept at
+# start-up until the coordinator says whether the step was committed.
+PREPARED_NAME = "ckptd.prepared.json"
 EXTRA_JSON = "extra.json"
 LATEST = "latest"
 INDEX_FORMAT = "ckptd/1"

@@ -128,29 +128,35 @@ class PeerServicer(ppb_grpc.PeerServicer):
         if committed:
             for path in await asyncio.to_thread(lambda: sorted(step_dir.glob("*.safetensors"))):
                 files.append(ppb.FileEntry(name=path.name, size=path.stat().st_size))
-        return ppb.InventoryResponse(root_id=self.cluster.root_id, committed=committed, files=files)
+        coordinator = self.cluster.coordinator
+        in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
+        return ppb.InventoryResponse(root_id=self.cluster.root_id, committed=committed, files=files, in_flight=in_flight)
 
     async def Fetch(self, request: ppb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.Chunk]:
         try:
             _authorized(context, self.token)
             job = check_job_id(request.job)
             step = check_step(request.step)
-            name = _check_file_name(request.file)
+            name = _check_file_name(request.file, data_only=False)
             try:
                 index = await self.service.index(job, step)
             except (errors.Precondition, OSError):
                 raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}") from None
-            record = next((f for f in index.files if f.name == name), None)
-            if record is None:
-                raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
-            if request.offset < 0 or request.nbytes < 0 or request.offset + request.nbytes > record.size:
-                raise errors.InvalidRequest(f"bytes [{request.offset}, +{request.nbytes}) are outside {name} ({record.size} bytes)")
             path = self.service.storage.step_dir(job, step) / name
+            sizes = {f.name: f.size for f in index.files}
+            if name == INDEX_NAME:
+                sizes[name] = await asyncio.to_thread(lambda: path.stat().st_size)
+            if name not in sizes:
+                raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
+            size = sizes[name]
+            nbytes = request.nbytes or size - request.offset  # 0: to the end
+            if request.offset < 0 or nbytes < 0 or request.offset + nbytes > size:
+                raise errors.InvalidRequest(f"bytes [{request.offset}, +{request.nbytes}) are outside {name} ({size} bytes)")
             fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
             try:
                 done = 0
-                while done < request.nbytes:
-                    n = min(FETCH_CHUNK, request.nbytes - done)
+                while done < nbytes:
+                    n = min(FETCH_CHUNK, nbytes - done)
                     data = await asyncio.to_thread(os.pread, fd, n, request.offset + done)
                     if not data:
                         raise errors.Precondition(f"{name} on node {self.cluster.node} ends before byte {request.offset + done}")
@@ -162,7 +168,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
             await _abort(context, exc, "Fetch")
 
 
-def _check_file_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or not name.endswith(".safetensors") or len(name) > 255:
+def _check_file_name(name: str, data_only: bool = True) -> str:
+    """A plain file name inside a step directory (a data file unless not `data_only`)."""
+    if not name or "/" in name or "\0" in name or name.startswith(".") or len(name) > 255:
+        raise errors.InvalidRequest(f"{name!r} is not a file name of a step directory")
+    if data_only and not name.endswith(".safetensors"):
         raise errors.InvalidRequest(f"{name!r} is not a checkpoint data file name")
     return name

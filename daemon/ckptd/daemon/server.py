@@ -102,9 +102,12 @@ async def serve(config: DaemonConfig) -> int:
     server.add_insecure_port(address)
     peer_server = _peer_server(config, service) if service.cluster is not None else None
     await server.start()
+    background = []
     if peer_server is not None:
         await peer_server.start()
         log.info("node %s of %s: peer service on %s", config.node_rank, len(config.peers), config.peer_address)
+        if config.node_rank != 0:  # parts written before a restart: committed by node 0 or not?
+            background.append(asyncio.get_running_loop().create_task(service.resolve_prepared()))
     os.chmod(config.socket, 0o660)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -119,6 +122,8 @@ async def serve(config: DaemonConfig) -> int:
     log.info("shutting down: no new saves; committing what is in flight")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for task in background:
+        task.cancel()
     await service.drain(DRAIN_GRACE_S)
     await server.stop(grace=2.0)
     if peer_server is not None:

@@ -27,8 +27,8 @@ from ckptd.common.boxes import intersect
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.errors import AlreadyExists, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
-from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
+from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
@@ -476,6 +476,11 @@ class CheckpointService:
         except Exception as exc:
             log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
             error = f"writing failed on node {self.node}: {exc}"
+        if manifest is not None and not session.shared_root and self.node != 0:
+            try:  # kept at a restart until node 0 says whether the step was committed
+                await asyncio.to_thread(self.storage.mark_prepared, session.job, session.step, session.global_id, self.node)
+            except OSError as exc:
+                manifest, error = None, f"node {self.node} could not mark its part written: {exc}"
         session.reported = True
         extras = {r: json.dumps(e) for r, e in session.committed.items()}
         outcome = await self.cluster.report(session.job, session.step, session.global_id, manifest, error, extras, session.model_files)
@@ -501,7 +506,56 @@ class CheckpointService:
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
         write_step_files(self.storage, job, step, files)
-        self.storage.write_latest(job, step)
+        self.storage.unmark_prepared(job, step)
+        if (self.storage.latest_step(job) or -1) <= step:
+            self.storage.write_latest(job, step)
+
+    def saving(self, job: str, step: int) -> bool:
+        """Whether this daemon has a save of the job's step open or being written."""
+        state = self.jobs.get(job)
+        return state is not None and step in state.sessions
+
+    async def resolve_prepared(self, retry_s: float = 10.0) -> None:
+        """Several nodes with their own roots: finish or discard the parts this node wrote before
+        it restarted. Node 0 decides: a step it committed gets its index here too; a step it
+        neither committed nor is still saving is removed. Runs until every part is resolved."""
+        assert self.cluster is not None
+        pending = await asyncio.to_thread(self.storage.prepared_steps)
+        while pending:
+            unresolved = []
+            for job, step in pending:
+                answer = await self.cluster.inventory(0, job, step)
+                if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
+                    unresolved.append((job, step))
+                    continue
+                try:
+                    if answer[1]:
+                        await self._adopt_commit(job, step)
+                    else:
+                        log.warning("removing node %s's part of step %s of job %s: node 0 did not commit it", self.node, step, job)
+                        await asyncio.to_thread(self.storage.remove_step, job, step)
+                except (CkptdError, FormatError, OSError) as exc:
+                    log.warning("could not resolve step %s of job %s with node 0 yet: %s", step, job, exc)
+                    unresolved.append((job, step))
+            pending = unresolved
+            if pending:
+                await asyncio.sleep(retry_s)
+
+    async def _adopt_commit(self, job: str, step: int) -> None:
+        """Write the index (and the small files) that node 0 committed for a step whose data
+        files this node wrote before it restarted."""
+        assert self.cluster is not None
+        data = await self.cluster.fetch_bytes(0, job, step, INDEX_NAME)
+        index = CheckpointIndex.from_json_bytes(data, where=f"node 0's {INDEX_NAME}")
+        if index.job != job or index.step != step:
+            raise FormatError(f"node 0 sent the index of job {index.job!r} step {index.step} for step {step} of job {job!r}")
+        files = {}
+        for record in index.files:
+            if not record.name.endswith(".safetensors"):
+                files[record.name] = await self.cluster.fetch_bytes(0, job, step, record.name)
+        files[INDEX_NAME] = data
+        await asyncio.to_thread(self._write_commit_here, job, step, files)
+        log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.node)
 
     async def _report_failure(self, session: SaveSession) -> None:
         """Several nodes: tell the coordinator this node's part of the save failed, so every node aborts."""
@@ -712,7 +766,7 @@ class CheckpointService:
                 if isinstance(answer, str):
                     unreachable[node] = answer
                     continue
-                _, _, sizes = answer
+                _, _, sizes, _ = answer
                 for f in data_files:
                     if f.name not in where and sizes.get(f.name) == f.size:
                         where[f.name] = node

@@ -9,6 +9,7 @@ ckptd.index.json last → `latest`.
 from __future__ import annotations
 
 import logging
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format import INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name, step_dir_name
+from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, parse_step_dir_name, step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,24 @@ class Storage:
                 os.replace(f, bin_dir / f"{i:05d}")
         shutil.rmtree(doomed)
 
+    def mark_prepared(self, job: str, step: int, save_id: str, node: int) -> None:
+        """Record that this node's part of the step is written and fsynced (see PREPARED_NAME)."""
+        doc = {"save_id": save_id, "node": node, "step": step}
+        write_small_file(self.step_dir(job, step) / PREPARED_NAME, (json.dumps(doc) + "\n").encode())
+
+    def unmark_prepared(self, job: str, step: int) -> None:
+        (self.step_dir(job, step) / PREPARED_NAME).unlink(missing_ok=True)
+
+    def prepared_steps(self) -> list[tuple[str, int]]:
+        """(job, step) of step directories that hold a node's prepared part but no index."""
+        found = []
+        for job in self.jobs():
+            for p in self.job_dir(job).iterdir():
+                step = parse_step_dir_name(p.name)
+                if step is not None and (p / PREPARED_NAME).is_file() and not (p / INDEX_NAME).is_file():
+                    found.append((job, step))
+        return sorted(found)
+
     def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
         """Remove what this node wrote of an aborted step: the whole step directory of a
         node-local root; in a root shared with other nodes, only `names` and temporary files
@@ -183,7 +202,7 @@ class Storage:
                 stale = p.name.startswith(DELETING_PREFIX) or p.name.startswith(TMP_MARK)
                 step = parse_step_dir_name(p.name)
                 if step is not None and p.is_dir() and not (p / INDEX_NAME).is_file():
-                    stale = True
+                    stale = not (p / PREPARED_NAME).is_file()  # prepared: resolved with the coordinator
                 if step is not None and p.is_dir() and (p / INDEX_NAME).is_file():
                     for q in p.iterdir():
                         if q.name.startswith(TMP_MARK):

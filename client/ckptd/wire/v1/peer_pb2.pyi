@@ -165,14 +165,16 @@ class InventoryRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("root_id", "committed", "files")
+    __slots__ = ("root_id", "committed", "files", "in_flight")
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     root_id: str
     committed: bool
     files: _containers.RepeatedCompositeFieldContainer[FileEntry]
-    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ...) -> None: ...
+    in_flight: bool
+    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "step", "file", "offset", "nbytes")

@@ -80,7 +80,8 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Bytes of a committed step's file, in chunks (node-local roots: restore on another node).
+        """Bytes of a committed step's file, in chunks: data files (node-local roots: restore on another
+        node) and the small files that commit a step (a restarted node that wrote its part).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
