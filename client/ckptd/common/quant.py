@@ -1,0 +1,284 @@
+"""Blockwise quantization of optimizer state and master-weight residuals (DESIGN.md §8), as pure
+functions: torch tensor math only, no file system, no RPC. Imported by the daemon (encoding,
+in its background writer) and by the client (decoding the slices it reads itself).
+
+Blocks are defined in the logical (unsharded) tensor's coordinates: block j of a row holds the
+elements whose last-dim index c satisfies j*B <= c < (j+1)*B. A stored piece (a whole tensor or
+a fragment with box F) has one scale entry per row and per block that meets F's columns, so its
+scale tensor has shape (*F.lengths[:-1], nblocks(F), width). A fragment that cuts a block (only
+possible for a tensor sharded along its last dim across nodes) computes that block's scale over
+its own part; every element's decoded value depends only on its own code and the scale entry of
+(its row, its block) in the piece that stores it, so any slice of any piece decodes exactly as
+the same elements of the whole piece do.
+
+Codecs (the scheme's name in the index):
+
+- "lin-i8" / "lin-i4" (first moment, signed): q = round(x / absmax * Q), Q = 127 or 7, one fp32
+  absmax per block. |decoded - x| <= absmax / (2 Q) (+ float32 rounding).
+- "log-u8" / "log-u4" (second moment v >= 0): s = sqrt(v) is coded on a log2 scale between the
+  block's smallest and largest non-zero s: code 0 only for v == 0 exactly, codes 1..Q
+  (Q = 255 or 15) for the rest, two fp32 values per block (log2 of the smallest and largest s).
+  A non-zero v never decodes to zero (decoded values are clamped to >= float32 `tiny`), and
+  |log2(decoded v) - log2(v)| <= (hi - lo) / (Q - 1) where hi - lo is the block's log2 range of s.
+- "residual-bf16" (master weights): master - float(model) stored in bfloat16; the master weight
+  comes back as float(model) + float(residual) (relative error about 2^-16 of the weight).
+
+int4 codes pack two per byte along each row of the stored piece: element 2i of the row in the
+low nibble, 2i+1 in the high nibble; a row of odd length has its last high nibble zero. Signed
+int4 codes are stored as q + 8 (1..15). Rows always start on a byte boundary, so a slice reads
+whole rows and whole bytes and unpacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final, Sequence
+
+import torch
+
+from ckptd.common.boxes import Box, relative
+
+SCHEMES: Final = ("O1", "O2")
+MASTER_MODES: Final = ("keep", "drop", "residual")
+LOSSLESS_MAX_ELEMENTS: Final = 4096  # tensors this small stay lossless (so do 1-D tensors)
+FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
+SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
+FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
+RESIDUAL: Final = "residual-bf16"
+CAST: Final = "cast"  # master weight dropped: the stored model weight, upcast on load
+_TINY: Final = torch.finfo(torch.float32).tiny
+
+
+class QuantError(ValueError):
+    """Input that cannot be quantized (non-finite values, a negative second moment, a bad
+    scheme name); the message says what and what to do."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one stored piece is coded. name: see the module docstring; block: elements per block
+    along the last dim, in logical coordinates."""
+
+    name: str
+    block: int
+
+    def __post_init__(self) -> None:
+        if self.name not in _LEVELS:
+            raise QuantError(f"unknown codec {self.name!r}; expected one of {', '.join(sorted(_LEVELS))}")
+        if self.block < 2 or self.block % 2:
+            raise QuantError(f"block size {self.block} must be an even number >= 2")
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.name.endswith("4") else 8
+
+    @property
+    def levels(self) -> int:
+        """Q: the largest code magnitude (linear) or the number of non-zero codes (log)."""
+        return _LEVELS[self.name]
+
+    @property
+    def is_log(self) -> bool:
+        return self.name.startswith("log")
+
+    @property
+    def codes_dtype(self) -> str:
+        """The safetensors dtype the codes are stored in."""
+        return "I8" if self.name == "lin-i8" else "U8"
+
+    @property
+    def scale_width(self) -> int:
+        """Scale values per block: absmax (linear), or log2 of the smallest and largest sqrt(v) (log)."""
+        return 2 if self.is_log else 1
+
+    def codes_shape(self, lengths: Sequence[int]) -> tuple[int, ...]:
+        """The stored shape of the codes of a piece of these lengths (int4: half the last dim, rounded up)."""
+        n = lengths[-1]
+        return (*lengths[:-1], (n + 1) // 2 if self.bits == 4 else n)
+
+    def scales_shape(self, box: Box) -> tuple[int, ...]:
+        """The stored shape of the scales of a piece with this box."""
+        return (*box.lengths[:-1], nblocks(box.offsets[-1], box.lengths[-1], self.block), self.scale_width)
+
+
+_LEVELS: Final = {"lin-i8": 127, "lin-i4": 7, "log-u8": 255, "log-u4": 15}
+# scheme -> (first-moment codec, second-moment codec)
+_SCHEME_CODECS: Final = {
+    "O1": (Codec("lin-i8", 256), Codec("log-u8", 256)),
+    "O2": (Codec("lin-i4", 128), Codec("log-u4", 128)),
+}
+
+
+def check_scheme(scheme: str | None) -> str | None:
+    """None/"" (lossless) or "O1"/"O2"; raises QuantError naming the choices otherwise."""
+    if scheme in (None, ""):
+        return None
+    if scheme not in SCHEMES:
+        raise QuantError(f"quantize={scheme!r}: use None (lossless), 'O1' (int8) or 'O2' (int4)")
+    return scheme
+
+
+def check_master_mode(mode: str | None) -> str | None:
+    """None/"" (the daemon's default) or one of keep, drop, residual."""
+    if mode in (None, ""):
+        return None
+    if mode not in MASTER_MODES:
+        raise QuantError(f"master_weights={mode!r}: use 'keep', 'drop' or 'residual'")
+    return mode
+
+
+def nblocks(offset: int, length: int, block: int) -> int:
+    """How many logical blocks the columns [offset, offset + length) meet."""
+    if length == 0:
+        return 0
+    return (offset + length - 1) // block - offset // block + 1
+
+
+def codec_for(scheme: str | None, name: str, kind: str, dtype: str, shape: Sequence[int]) -> Codec | None:
+    """The codec for a logical tensor under `scheme`, or None when it stays lossless.
+
+    Only optimizer state fields known to be Adam moments are quantized (exp_avg: signed,
+    exp_avg_sq: log of its square root), only floating point, only with >= 2 dims and more
+    than LOSSLESS_MAX_ELEMENTS elements. Everything else (step, unknown fields, norms, biases)
+    is stored as it is.
+    """
+    if scheme is None or kind != "optimizer" or dtype not in FLOAT_DTYPES or len(shape) < 2:
+        return None
+    if math.prod(shape) <= LOSSLESS_MAX_ELEMENTS or shape[-1] == 0:
+        return None
+    field = name.rsplit("/", 1)[-1]
+    first, second = _SCHEME_CODECS[scheme]
+    if field in FIRST_MOMENT_FIELDS:
+        return first
+    if field in SECOND_MOMENT_FIELDS:
+        return second
+    return None
+
+
+def _blocked(x: torch.Tensor, offset: int, block: int, fill: float) -> torch.Tensor:
+    """x (*lead, n) padded with `fill` to whole logical blocks: (*lead, nblocks, block)."""
+    n = x.shape[-1]
+    left = offset % block
+    total = nblocks(offset, n, block) * block
+    if left == 0 and total == n:
+        return x.reshape(*x.shape[:-1], total // block, block)
+    padded = torch.full((*x.shape[:-1], total), fill, dtype=x.dtype)
+    padded[..., left : left + n] = x
+    return padded.view(*x.shape[:-1], total // block, block)
+
+
+def _per_element(scales: torch.Tensor, offset: int, n: int, block: int) -> torch.Tensor:
+    """Block values (*lead, nblocks) expanded to the n columns starting at logical `offset`,
+    given that scales[..., 0] is the block holding column `offset`."""
+    first = offset // block
+    index = torch.arange(offset, offset + n) // block - first
+    return scales.index_select(-1, index)
+
+
+def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the values `x` (shape box.lengths, any float dtype) of the piece with box `box`.
+
+    Returns (codes, scales): codes of shape codec.codes_shape(box.lengths) and dtype int8/uint8,
+    scales float32 of shape codec.scales_shape(box). Raises QuantError for non-finite values or
+    (second moment) negative values: the caller stores such a tensor losslessly.
+    """
+    if tuple(x.shape) != box.lengths or box.ndim < 1:
+        raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
+    x = x.to(torch.float32)
+    if not bool(torch.isfinite(x).all()):
+        raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
+    offset, block, q = box.offsets[-1], codec.block, codec.levels
+    if codec.is_log:
+        if bool((x < 0).any()):
+            raise QuantError("second moment has negative values; it is stored losslessly")
+        s = x.sqrt()
+        nonzero = s > 0
+        e = torch.where(nonzero, s.log2(), torch.zeros((), dtype=torch.float32))
+        lo = _blocked(torch.where(nonzero, e, torch.tensor(math.inf)), offset, block, math.inf).amin(-1)
+        hi = _blocked(torch.where(nonzero, e, torch.tensor(-math.inf)), offset, block, -math.inf).amax(-1)
+        empty = torch.isinf(lo)
+        lo = torch.where(empty, 0.0, lo)
+        hi = torch.where(empty, 0.0, hi)
+        span = _per_element(hi - lo, offset, x.shape[-1], block)
+        base = _per_element(lo, offset, x.shape[-1], block)
+        step = torch.where(span > 0, span / (q - 1), torch.ones((), dtype=torch.float32))
+        codes = (1 + ((e - base) / step).round_().clamp_(0, q - 1)).to(torch.uint8)
+        codes = torch.where(nonzero, codes, torch.zeros((), dtype=torch.uint8))
+        scales = torch.stack([lo, hi], dim=-1)
+    else:
+        absmax = _blocked(x.abs(), offset, block, 0.0).amax(-1)
+        scale = _per_element(absmax, offset, x.shape[-1], block)
+        inv = torch.where(scale > 0, q / scale, torch.zeros((), dtype=torch.float32))
+        signed = (x * inv).round_().clamp_(-q, q)
+        codes = signed.to(torch.int8) if codec.bits == 8 else (signed + 8).to(torch.uint8)
+        scales = absmax.unsqueeze(-1)
+    if codec.bits == 4:
+        codes = pack4(codes)
+    return codes.contiguous(), scales.contiguous()
+
+
+def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
+    """The float32 values of box `want` from the codes and scales of `region`.
+
+    `region` is a stored piece, or the rows of it that were read: any sub-box with the piece's
+    full last-dim range (codes and scales are its rows, of codec.codes_shape(region.lengths) and
+    codec.scales_shape(region)). `want` must lie inside `region`.
+    """
+    if tuple(codes.shape) != codec.codes_shape(region.lengths) or tuple(scales.shape) != codec.scales_shape(region):
+        raise QuantError(
+            f"codes {list(codes.shape)} / scales {list(scales.shape)} do not match region {region} for codec {codec.name}: "
+            f"expected {list(codec.codes_shape(region.lengths))} / {list(codec.scales_shape(region))}; the index and the data disagree"
+        )
+    inside = relative(want, region)
+    lead, cols = inside[:-1], inside[-1]
+    c0, c1 = cols.start, cols.stop
+    part = codes[lead]
+    if codec.bits == 4:
+        b0, b1 = c0 // 2, (c1 + 1) // 2
+        part = unpack4(part[..., b0:b1])[..., c0 - 2 * b0 : c0 - 2 * b0 + (c1 - c0)]
+    else:
+        part = part[..., c0:c1]
+    first_col = region.offsets[-1] + c0
+    # scales of the blocks from the one holding column first_col, then per element
+    skip = first_col // codec.block - region.offsets[-1] // codec.block
+    block_scales = scales[lead][..., skip:, :]
+    per = _per_element(block_scales.movedim(-1, 0), first_col, c1 - c0, codec.block)  # (width, *lead, n)
+    if codec.is_log:
+        # float64, then rounded once: vectorized and scalar exp2 differ in the last float32
+        # bit, and a slice must decode bit for bit as the whole piece does
+        lo, hi = per[0].to(torch.float64), per[1].to(torch.float64)
+        q = codec.levels
+        code = part.to(torch.float64)
+        s = torch.exp2(lo + (code - 1) * ((hi - lo) / (q - 1)))
+        v = (s * s).to(torch.float32).clamp_(min=_TINY)
+        return torch.where(part > 0, v, torch.zeros((), dtype=torch.float32))
+    signed = part.to(torch.float32) if codec.bits == 8 else part.to(torch.float32) - 8
+    return signed * (per[0] / codec.levels)
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 of shape (*lead, n) packed two per byte: (*lead, ceil(n/2))."""
+    n = codes.shape[-1]
+    if n % 2:
+        codes = torch.cat([codes, torch.zeros((*codes.shape[:-1], 1), dtype=torch.uint8)], dim=-1)
+    pairs = codes.view(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack4: (*lead, m) bytes -> (*lead, 2m) codes 0..15."""
+    out = torch.stack([packed & 0x0F, packed >> 4], dim=-1)
+    return out.view(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def residual_encode(master: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """master - float(model) in bfloat16 (same shape). Raises QuantError on a shape mismatch."""
+    if master.shape != model.shape:
+        raise QuantError(f"master weight of shape {list(master.shape)} and model weight of shape {list(model.shape)} differ")
+    return (master.to(torch.float32) - model.to(torch.float32)).to(torch.bfloat16)
+
+
+def residual_decode(model: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """float(model) + float(residual): the master weight, float32."""
+    return model.to(torch.float32) + residual.to(torch.float32)
