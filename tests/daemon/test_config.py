@@ -126,6 +126,10 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("node_rank", "0", "0", 0),
     ("peers", "node0:7070", '["node0:7070"]', ("node0:7070",)),
     ("peer_token", "0123456789abcdef", '"0123456789abcdef"', "0123456789abcdef"),
+    ("quantize", "o2", '"O2"', "O2"),
+    ("quantize", "None", '"none"', "none"),
+    ("master_weights", "Residual", '"residual"', "residual"),
+    ("quant_max_generations", "0", "0", 0),
 ]
 
 

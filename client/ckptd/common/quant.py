@@ -38,9 +38,13 @@ from typing import Final, Sequence
 import torch
 
 from ckptd.common.boxes import Box, relative
+from ckptd.common.quant_options import MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
 
-SCHEMES: Final = ("O1", "O2")
-MASTER_MODES: Final = ("keep", "drop", "residual")
+__all__ = [
+    "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "codec_for", "encode", "decode",
+    "pack4", "unpack4", "nblocks", "residual_encode", "residual_decode",
+]
+
 LOSSLESS_MAX_ELEMENTS: Final = 4096  # tensors this small stay lossless (so do 1-D tensors)
 FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
 SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
@@ -48,11 +52,6 @@ FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
 RESIDUAL: Final = "residual-bf16"
 CAST: Final = "cast"  # master weight dropped: the stored model weight, upcast on load
 _TINY: Final = torch.finfo(torch.float32).tiny
-
-
-class QuantError(ValueError):
-    """Input that cannot be quantized (non-finite values, a negative second moment, a bad
-    scheme name); the message says what and what to do."""
 
 
 @dataclass(frozen=True)
@@ -108,24 +107,6 @@ _SCHEME_CODECS: Final = {
     "O1": (Codec("lin-i8", 256), Codec("log-u8", 256)),
     "O2": (Codec("lin-i4", 128), Codec("log-u4", 128)),
 }
-
-
-def check_scheme(scheme: str | None) -> str | None:
-    """None/"" (lossless) or "O1"/"O2"; raises QuantError naming the choices otherwise."""
-    if scheme in (None, ""):
-        return None
-    if scheme not in SCHEMES:
-        raise QuantError(f"quantize={scheme!r}: use None (lossless), 'O1' (int8) or 'O2' (int4)")
-    return scheme
-
-
-def check_master_mode(mode: str | None) -> str | None:
-    """None/"" (the daemon's default) or one of keep, drop, residual."""
-    if mode in (None, ""):
-        return None
-    if mode not in MASTER_MODES:
-        raise QuantError(f"master_weights={mode!r}: use 'keep', 'drop' or 'residual'")
-    return mode
 
 
 def nblocks(offset: int, length: int, block: int) -> int:

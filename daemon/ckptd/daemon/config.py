@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.paths import default_root, default_socket
+from ckptd.common.quant_options import MASTER_MODES
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -68,6 +69,13 @@ class DaemonConfig:
     peers: every node's daemon-to-daemon address "host:port", in node-rank order; this daemon
         listens on its own entry. Empty: a single node.
     peer_token: the shared secret every daemon of the job's nodes presents (required with peers).
+    quantize: the default compression of optimizer moments for saves that do not choose:
+        "none" (lossless), "O1" (int8) or "O2" (int4) (DESIGN.md §8).
+    master_weights: the default for fp32 master weights beside bf16/fp16 model weights:
+        "keep", "drop" (rebuilt from the model weights on load) or "residual" (bf16 difference).
+    quant_max_generations: lossy save/restore cycles allowed in a lineage: once a trainer resumed
+        from a checkpoint with this many behind its values, its saves are lossless (no
+        quantization, master weights kept); 0 = no limit.
     """
 
     root: Path
@@ -86,6 +94,9 @@ class DaemonConfig:
     node_rank: int = 0
     peers: tuple[str, ...] = ()
     peer_token: str = field(default="", repr=False)
+    quantize: str = "none"
+    master_weights: str = "keep"
+    quant_max_generations: int = 1
 
     def __post_init__(self) -> None:
         errors = []
@@ -188,6 +199,14 @@ def _choice(choices: tuple[str, ...]) -> Parser:
     return parse
 
 
+def _quantize(raw: Any, text: bool) -> str:
+    """"none", "O1" or "O2" (any case)."""
+    if isinstance(raw, str) and raw.strip().lower() in ("none", "o1", "o2"):
+        word = raw.strip().lower()
+        return word if word == "none" else word.upper()
+    raise _Expected("'none' (lossless), 'O1' (int8) or 'O2' (int4)")
+
+
 def _boolean(raw: Any, text: bool) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -273,6 +292,9 @@ _SPECS: Final[dict[str, _Spec]] = {
     "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),
     "peers": _Spec(_peers, "--peers", "HOST:PORT,...", "daemon-to-daemon address of every node in node-rank order; this daemon listens on its own (default: none, a single node)"),
     "peer_token": _Spec(_token, "--peer-token", "TOKEN", "shared secret of the daemons (prefer the environment variable: flags show in ps)"),
+    "quantize": _Spec(_quantize, "--quantize", "{none,O1,O2}", "default compression of optimizer moments for saves that do not choose: none, O1 (int8), O2 (int4) (default: none)"),
+    "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
+    "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),
 }
 
 

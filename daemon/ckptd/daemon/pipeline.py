@@ -12,6 +12,7 @@ dir → ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from ckptd.common import dtypes
@@ -33,6 +35,8 @@ from ckptd.daemon.format import (
     CheckpointIndex,
     FileRecord,
     FragmentRecord,
+    QuantRecord,
+    SideRecord,
     StoredTensor,
     TensorRecord,
     extra_json,
@@ -41,9 +45,12 @@ from ckptd.daemon.format import (
     hf_index_json,
     layout_files,
     safetensors_header,
+    scales_key,
 )
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
 from ckptd.daemon.storage import Storage, fsync_dir, tmp_name, write_small_file
+
+log = logging.getLogger(__name__)
 
 WRITE_CHUNK = 64 * 2**20
 VERSION = "0.1.0"
@@ -67,6 +74,9 @@ class PersistRequest:
     throttle_bytes_per_s: float = 0.0  # 0: as fast as the disk goes (a slow disk, for tests and drills)
     node: int = 0  # this daemon's node: it writes the plan's parts of this node
     shared_dir: bool = False  # other nodes write into the same step directory
+    quantize: str | None = None  # "O1" | "O2": quantize the optimizer moments (ckptd.common.quant)
+    master_weights: str = "keep"  # "keep" | "drop" | "residual"
+    quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
 
 
 class Throttle:
@@ -145,7 +155,9 @@ def persist(storage: Storage, req: PersistRequest, progress: Progress, clock: Ca
     """
     try:
         manifest = write_node_files(storage, req, progress)
-        index, files = step_files(req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock)
+        index, files = step_files(
+            req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
+        )
         write_step_files(storage, req.job, req.step, files)
         storage.write_latest(req.job, req.step)
         return index
@@ -179,14 +191,17 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         else:
             key = fragment_key(file_key(t.name, t.kind), part.box)
             stored.append(StoredTensor(t.name, key, t.dtype, part.box.lengths, part.box, part.node))
-    # Largest files first: they take the largest recycled files.
-    layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
-    layouts.sort(key=lambda f: -f.nbytes)
-
     placed: list[tuple[StoredTensor, str, int, Future[int]]] = []  # (tensor, file, offset, digest)
     files: list[FileRecord] = []
     throttle = Throttle(req.throttle_bytes_per_s)
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
+        # Compression first (quantized codes, master residuals): it changes the stored sizes,
+        # so it must be done before the file headers are laid out.
+        source = _Source(req.arenas, tensors, slots_by_name, slot_of)
+        stored, encoded, cast = _compress(pool, source, stored, kinds, req, progress)
+        # Largest files first: they take the largest recycled files.
+        layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
+        layouts.sort(key=lambda f: -f.nbytes)
         opened = []
         try:
             recycled = storage.take_recycled(req.job)
@@ -199,13 +214,11 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                 files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
                 for tensor, entry in zip(layout.tensors, entries):
                     offset = len(header) + entry.begin
-                    itemsize = dtypes.itemsize(tensor.dtype)
-                    if tensor.box == Box.full(tensors[tensor.name].shape):
-                        pieces = _pieces(tensor.shape, itemsize, slots_by_name[tensor.name], offset)
-                    else:  # a fragment stored on its own: one run from its slot
-                        slot = slot_of[(tensor.name, tensor.box)]
-                        pieces = [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
-                    digest = pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle)
+                    done = encoded.get((tensor.name, tensor.box, tensor.role))
+                    if done is not None:
+                        digest = pool.submit(_write_buffer, fd, done, offset, throttle)
+                    else:
+                        digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
                     placed.append((tensor, layout.name, offset, digest))
             for _, _, _, digest in placed:
                 digest.result()
@@ -217,11 +230,181 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     for _, path in opened:
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
-    fragments = tuple(
-        (t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result())))
-        for t, file, offset, digest in placed
-    )
-    return NodeManifest(req.node, tuple(files), fragments)
+    return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast))
+
+
+class _Source:
+    """Where a stored tensor's bytes are in the arenas."""
+
+    def __init__(
+        self, arenas: ArenaSet, tensors: dict[str, LogicalTensor], slots_by_name: dict[str, list[FragmentSlot]],
+        slot_of: dict[tuple[str, Box], FragmentSlot],
+    ) -> None:
+        self.arenas = arenas
+        self.tensors = tensors
+        self.slots_by_name = slots_by_name
+        self.slot_of = slot_of
+
+    def pieces(self, tensor: StoredTensor, offset: int) -> list[_Piece]:
+        """The arena runs of `tensor` (a whole tensor or a fragment) placed from byte `offset` on."""
+        itemsize = dtypes.itemsize(self.tensors[tensor.name].dtype)
+        if tensor.box == Box.full(self.tensors[tensor.name].shape):
+            return _pieces(tensor.box.lengths, itemsize, self.slots_by_name[tensor.name], offset)
+        slot = self.slot_of[(tensor.name, tensor.box)]  # a fragment stored on its own: one run from its slot
+        return [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
+
+    def gather(self, tensor: StoredTensor) -> np.ndarray:
+        """A copy of the tensor's bytes (its logical dtype, the box's shape) as a flat uint8 array."""
+        logical = self.tensors[tensor.name]
+        out = np.empty(dtypes.nbytes(logical.dtype, tensor.box.lengths), dtype=np.uint8)
+        for piece in self.pieces(tensor, 0):
+            arena = self.arenas.arenas[piece.rank]
+            assert arena is not None, "plan gave a fragment to a rank without an arena"
+            view = arena.view(piece.src, piece.nbytes)
+            try:
+                out[piece.dst : piece.dst + piece.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            finally:
+                view.release()
+        return out
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A stored tensor's bytes made before writing: quantized codes and their scales, or a
+    master weight's residual. `codec`/`block` go into the index's QuantRecord."""
+
+    data: np.ndarray  # flat uint8
+    codec: str
+    block: int = 0
+
+
+def _compress(
+    pool: ThreadPoolExecutor, source: _Source, stored: list[StoredTensor], kinds: dict[str, str], req: PersistRequest, progress: Progress
+) -> tuple[list[StoredTensor], dict[tuple[str, Box, str], _Encoded], dict[str, StoredTensor]]:
+    """Quantize the optimizer moments (req.quantize) and drop or encode the master weights
+    (req.master_weights) of `stored`, on the pool's threads.
+
+    Returns the tensors to lay out (codes, scales and residuals with their stored dtypes and
+    shapes), the bytes of each encoded one by (name, box, role), and the dropped master weights
+    (name -> the stored model tensor whose bytes stand for it). A tensor that cannot be encoded
+    (non-finite values) is stored as it is, with a warning.
+    """
+    mode = req.master_weights
+    if req.quantize is None and mode == "keep":
+        return stored, {}, {}
+    from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
+
+    whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
+    jobs: dict[tuple[str, Box], tuple[StoredTensor, Future[Any]]] = {}
+    cast: dict[str, StoredTensor] = {}
+    for t in stored:
+        logical = source.tensors[t.name]
+        codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
+        if codec is not None:
+            jobs[(t.name, t.box)] = (t, pool.submit(_quantize, quant, codec, source, t, progress))
+            continue
+        model = _model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
+        if model is None:
+            continue
+        if mode == "drop":
+            cast[t.name] = model
+            progress.add(t.nbytes)
+        else:
+            jobs[(t.name, t.box)] = (t, pool.submit(_residual, quant, source, t, model, progress))
+    out: list[StoredTensor] = []
+    encoded: dict[tuple[str, Box, str], _Encoded] = {}
+    for t in stored:
+        if t.name in cast:
+            continue
+        job = jobs.get((t.name, t.box))
+        result = job[1].result() if job is not None else None
+        if result is None:
+            out.append(t)
+            continue
+        data, scales, codec, dtype, shape, scales_shape = result
+        out.append(StoredTensor(t.name, t.key, dtype, shape, t.box, t.node))
+        encoded[(t.name, t.box, "data")] = _Encoded(data, codec.name if hasattr(codec, "name") else codec, getattr(codec, "block", 0))
+        if scales is not None:
+            out.append(StoredTensor(t.name, scales_key(t.key), "F32", scales_shape, t.box, t.node, role="scales"))
+            encoded[(t.name, t.box, "scales")] = _Encoded(scales, "")
+    return out, encoded, cast
+
+
+def _model_twin(t: StoredTensor, logical: LogicalTensor, source: _Source, whole_model: dict[str, StoredTensor]) -> StoredTensor | None:
+    """The stored model weight a whole fp32 master weight can be rebuilt from: "model/<fqn>" for
+    "master/<fqn>", stored whole by this node, of the same shape in bf16 or fp16. None otherwise
+    (the master weight is then kept)."""
+    if logical.dtype != "F32" or t.box != Box.full(logical.shape):
+        return None
+    model = whole_model.get("model/" + t.name.split("/", 1)[1])
+    if model is None or model.node != t.node:
+        return None
+    twin = source.tensors[model.name]
+    if twin.dtype not in ("BF16", "F16") or twin.shape != logical.shape:
+        return None
+    return model
+
+
+def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
+
+
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[Any, ...] | None:
+    logical = source.tensors[t.name]
+    values = _as_torch(source.gather(t), logical.dtype, t.box.lengths)
+    try:
+        codes, scales = quant.encode(codec, values, t.box)
+    except quant.QuantError as exc:
+        log.warning("tensor %s stays lossless: %s", t.name, exc)
+        return None
+    progress.add(t.nbytes)
+    flat_codes = codes.reshape(-1).view(_torch_uint8()).numpy()
+    flat_scales = scales.reshape(-1).view(_torch_uint8()).numpy()
+    return flat_codes, flat_scales, codec, codec.codes_dtype, tuple(codes.shape), tuple(scales.shape)
+
+
+def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[Any, ...]:
+    master = _as_torch(source.gather(t), "F32", t.box.lengths)
+    weights = _as_torch(source.gather(model), source.tensors[model.name].dtype, model.box.lengths)
+    residual = quant.residual_encode(master, weights)
+    progress.add(t.nbytes)
+    return residual.reshape(-1).view(_torch_uint8()).numpy(), None, quant.RESIDUAL, "BF16", tuple(residual.shape), ()
+
+
+def _torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _fragment_records(
+    placed: list[tuple[StoredTensor, str, int, Future[int]]], encoded: dict[tuple[str, Box, str], _Encoded], cast: dict[str, StoredTensor]
+) -> tuple[tuple[str, FragmentRecord], ...]:
+    """The index records of what was written: codes with their scales (and residuals with the
+    model weight they add to) in QuantRecords; dropped master weights as the model weight's bytes."""
+    where = {(t.name, t.box, t.role): (t, file, offset, checksum_name(digest.result())) for t, file, offset, digest in placed}
+
+    def side(t: StoredTensor, file: str, offset: int, checksum: str) -> SideRecord:
+        return SideRecord(file, t.key, t.dtype, t.shape, offset, t.nbytes, checksum)
+
+    records = []
+    for t, file, offset, digest in placed:
+        if t.role != "data":
+            continue
+        quant = None
+        done = encoded.get((t.name, t.box, "data"))
+        if done is not None and done.codec == "residual-bf16":
+            model = next(m for m in where.values() if m[0].name == "model/" + t.name.split("/", 1)[1] and m[0].role == "data")
+            quant = QuantRecord(done.codec, base=side(*model))
+        elif done is not None:
+            quant = QuantRecord(done.codec, done.block, scales=side(*where[(t.name, t.box, "scales")]))
+        records.append((t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result()), quant)))
+    for name, model in cast.items():
+        m, file, offset, checksum = where[(model.name, model.box, "data")]
+        records.append((name, FragmentRecord(file, m.key, m.box, m.dtype, offset, m.nbytes, checksum, QuantRecord("cast"))))
+    return tuple(records)
 
 
 def _whole_parts(plan: SavePlan) -> list[StoredPart]:
@@ -237,6 +420,7 @@ def step_files(
     model_files: dict[str, bytes],
     metric: float | None,
     clock: Callable[[], float] = time.time,
+    quantization: dict[str, Any] | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
@@ -260,9 +444,14 @@ def step_files(
     for group in ("model", "master_weights", "optimizer"):
         in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
         split = any(len(by_name[name]) > 1 for name, _ in in_group)
+        # a dropped master weight is the model weight's bytes: not in the master files
+        in_group = [(name, f) for name, f in in_group if f.quant is None or f.quant.codec != "cast"]
         if in_group and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
             weight_map = {f.key: f.file for _, f in in_group}
-            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(f.nbytes for _, f in in_group), weight_map)
+            scales = [f.quant.scales for _, f in in_group if f.quant is not None and f.quant.scales is not None]
+            weight_map.update({s.key: s.file for s in scales})
+            total = sum(f.nbytes for _, f in in_group) + sum(s.nbytes for s in scales)
+            small[f"{group}.safetensors.index.json"] = hf_index_json(total, weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
     records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
@@ -280,6 +469,7 @@ def step_files(
         files=tuple(data_files + records),
         metric=metric,
         writer={"host": socket.gethostname(), "ckptd": VERSION, "nodes": len(manifests)},
+        quantization=quantization,
     )
     small[INDEX_NAME] = index.to_json_bytes()
     return index, small
@@ -341,6 +531,16 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
             done += n
             progress.add(n)
     return hasher.intdigest()
+
+
+def _write_buffer(fd: int, encoded: _Encoded, offset: int, throttle: Throttle) -> int:
+    """Write bytes made in memory (codes, scales, residuals) at `offset`; returns their xxh3-64."""
+    data = memoryview(encoded.data)
+    for done in range(0, len(data), WRITE_CHUNK):
+        chunk = data[done : done + WRITE_CHUNK]
+        throttle.wait(len(chunk))
+        _pwrite_all(fd, chunk, offset + done)
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
