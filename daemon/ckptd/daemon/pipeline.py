@@ -142,6 +142,7 @@ class NodeManifest:
     node: int
     files: tuple[FileRecord, ...]
     fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
+    quantization: dict[str, Any] | None = None  # the index's record as this node decided it (several nodes)
 
 
 class IncompleteStep(ValueError):
@@ -230,7 +231,7 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     for _, path in opened:
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
-    return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast))
+    return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast), req.quantization)
 
 
 class _Source:
@@ -295,37 +296,52 @@ def _compress(
     from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
-    jobs: dict[tuple[str, Box], tuple[StoredTensor, Future[Any]]] = {}
+    jobs: dict[tuple[str, Box], Future[Any]] = {}
+    codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL, for every node's tensors (file layout)
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
+        mine = t.node == req.node  # other nodes' tensors: only their stored shapes, which the file layout needs
         codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
         if codec is not None:
-            jobs[(t.name, t.box)] = (t, pool.submit(_quantize, quant, codec, source, t, progress))
+            codecs[(t.name, t.box)] = codec
+            if mine:
+                jobs[(t.name, t.box)] = pool.submit(_quantize, quant, codec, source, t, progress)
             continue
         model = _model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
         if model is None:
             continue
         if mode == "drop":
             cast[t.name] = model
-            progress.add(t.nbytes)
+            progress.add(t.nbytes if mine else 0)
         else:
-            jobs[(t.name, t.box)] = (t, pool.submit(_residual, quant, source, t, model, progress))
+            codecs[(t.name, t.box)] = quant.RESIDUAL
+            if mine:
+                jobs[(t.name, t.box)] = pool.submit(_residual, quant, source, t, model, progress)
     out: list[StoredTensor] = []
     encoded: dict[tuple[str, Box, str], _Encoded] = {}
     for t in stored:
         if t.name in cast:
             continue
-        job = jobs.get((t.name, t.box))
-        result = job[1].result() if job is not None else None
-        if result is None:
+        codec = codecs.get((t.name, t.box))
+        if codec is None:
             out.append(t)
+        elif codec == quant.RESIDUAL:
+            out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
+        else:
+            out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
+            out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
+        job = jobs.get((t.name, t.box))
+        if job is None:
             continue
-        data, scales, codec, dtype, shape, scales_shape = result
-        out.append(StoredTensor(t.name, t.key, dtype, shape, t.box, t.node))
-        encoded[(t.name, t.box, "data")] = _Encoded(data, codec.name if hasattr(codec, "name") else codec, getattr(codec, "block", 0))
+        result = job.result()
+        if result is None:  # could not be encoded: stored as it is (only this node's files change)
+            out = [s for s in out if (s.name, s.box) != (t.name, t.box)] + [t]
+            continue
+        data, scales = result
+        name = codec if codec == quant.RESIDUAL else codec.name
+        encoded[(t.name, t.box, "data")] = _Encoded(data, name, 0 if codec == quant.RESIDUAL else codec.block)
         if scales is not None:
-            out.append(StoredTensor(t.name, scales_key(t.key), "F32", scales_shape, t.box, t.node, role="scales"))
             encoded[(t.name, t.box, "scales")] = _Encoded(scales, "")
     return out, encoded, cast
 
@@ -351,7 +367,8 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[Any, ...] | None:
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray] | None:
+    """The tensor's codes and scales as flat bytes, or None when it cannot be quantized."""
     logical = source.tensors[t.name]
     values = _as_torch(source.gather(t), logical.dtype, t.box.lengths)
     try:
@@ -360,17 +377,16 @@ def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress
         log.warning("tensor %s stays lossless: %s", t.name, exc)
         return None
     progress.add(t.nbytes)
-    flat_codes = codes.reshape(-1).view(_torch_uint8()).numpy()
-    flat_scales = scales.reshape(-1).view(_torch_uint8()).numpy()
-    return flat_codes, flat_scales, codec, codec.codes_dtype, tuple(codes.shape), tuple(scales.shape)
+    return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
 
 
-def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[Any, ...]:
+def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[np.ndarray, None]:
+    """The master weight's bf16 residual to its model weight, as flat bytes."""
     master = _as_torch(source.gather(t), "F32", t.box.lengths)
     weights = _as_torch(source.gather(model), source.tensors[model.name].dtype, model.box.lengths)
     residual = quant.residual_encode(master, weights)
     progress.add(t.nbytes)
-    return residual.reshape(-1).view(_torch_uint8()).numpy(), None, quant.RESIDUAL, "BF16", tuple(residual.shape), ()
+    return residual.reshape(-1).view(_torch_uint8()).numpy(), None
 
 
 def _torch_uint8() -> Any:
