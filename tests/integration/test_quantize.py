@@ -245,3 +245,23 @@ def test_inspect_shows_the_quantization(daemon) -> None:
     assert tensor["fragments"][0]["quant"]["scales"]["key"].endswith("@scales")
     text = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True).stdout
     assert "lin-i8" in text and "generation 1" in text and "optimizer/state/up.weight/exp_avg_sq" in text
+
+
+def test_a_tensor_with_non_finite_values_is_stored_losslessly(daemon) -> None:
+    model, opt = trained()
+    state = opt_state(model, opt)
+    state["up.weight"]["exp_avg"][3, 4] = float("nan")
+    state["down.weight"]["exp_avg_sq"][0, 0] = float("inf")
+    with CheckpointClient("nonfinite", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(5, {"model": model, "optimizer": opt}, quantize="O2").wait_durable(timeout=60)
+        m2, o2 = fresh()
+        ckpt.load({"model": m2, "optimizer": o2})
+    index = index_of(daemon, "nonfinite", 5).by_name()
+    assert index["optimizer/state/up.weight/exp_avg"].fragments[0].quant is None
+    assert index["optimizer/state/down.weight/exp_avg_sq"].fragments[0].quant is None
+    assert index["optimizer/state/up.weight/exp_avg_sq"].fragments[0].quant is not None
+    loaded = opt_state(m2, o2)
+    nan = torch.isnan(state["up.weight"]["exp_avg"])
+    assert torch.equal(torch.isnan(loaded["up.weight"]["exp_avg"]), nan)
+    assert torch.equal(loaded["up.weight"]["exp_avg"][~nan], state["up.weight"]["exp_avg"][~nan])
+    assert torch.equal(loaded["down.weight"]["exp_avg_sq"], state["down.weight"]["exp_avg_sq"])

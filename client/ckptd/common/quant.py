@@ -157,6 +157,9 @@ def _per_element(scales: torch.Tensor, offset: int, n: int, block: int) -> torch
     return scales.index_select(-1, index)
 
 
+CHUNK_ELEMENTS: Final = 1 << 18  # rows are coded in chunks of about this many elements: temporaries stay in cache
+
+
 def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the values `x` (shape box.lengths, any float dtype) of the piece with box `box`.
 
@@ -166,37 +169,49 @@ def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch
     """
     if tuple(x.shape) != box.lengths or box.ndim < 1:
         raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
+    n = box.lengths[-1]
+    rows = x.reshape(-1, n)
+    codes = torch.empty((rows.shape[0], codec.codes_shape((n,))[0]), dtype=torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
+    scales = torch.empty((rows.shape[0], nblocks(box.offsets[-1], n, codec.block), codec.scale_width), dtype=torch.float32)
+    step = max(1, CHUNK_ELEMENTS // max(1, n))
+    for r in range(0, rows.shape[0], step):
+        _encode_rows(codec, rows[r : r + step], box.offsets[-1], codes[r : r + step], scales[r : r + step])
+    return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
+
+
+def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """Code rows x (r, n) whose first column is logical column `offset` into codes_out, scales_out."""
     x = x.to(torch.float32)
+    n, block, q = x.shape[-1], codec.block, codec.levels
     if not bool(torch.isfinite(x).all()):
         raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
-    offset, block, q = box.offsets[-1], codec.block, codec.levels
+    left = offset % block
+    xb = _blocked(x, offset, block, 0.0)  # (r, nb, B), a view when the row is whole blocks
     if codec.is_log:
         if bool((x < 0).any()):
             raise QuantError("second moment has negative values; it is stored losslessly")
-        s = x.sqrt()
-        nonzero = s > 0
-        e = torch.where(nonzero, s.log2(), torch.zeros((), dtype=torch.float32))
-        lo = _blocked(torch.where(nonzero, e, torch.tensor(math.inf)), offset, block, math.inf).amin(-1)
-        hi = _blocked(torch.where(nonzero, e, torch.tensor(-math.inf)), offset, block, -math.inf).amax(-1)
-        empty = torch.isinf(lo)
-        lo = torch.where(empty, 0.0, lo)
-        hi = torch.where(empty, 0.0, hi)
-        span = _per_element(hi - lo, offset, x.shape[-1], block)
-        base = _per_element(lo, offset, x.shape[-1], block)
-        step = torch.where(span > 0, span / (q - 1), torch.ones((), dtype=torch.float32))
-        codes = (1 + ((e - base) / step).round_().clamp_(0, q - 1)).to(torch.uint8)
-        codes = torch.where(nonzero, codes, torch.zeros((), dtype=torch.uint8))
-        scales = torch.stack([lo, hi], dim=-1)
+        hi_v = xb.amax(-1, keepdim=True)
+        lo_v = xb.masked_fill(xb <= 0, math.inf).amin(-1, keepdim=True)
+        empty = torch.isinf(lo_v)
+        # log2 of sqrt(v) = 0.5 * log2(v): only the block's bounds need the square root's log
+        lo = torch.where(empty, 0.0, lo_v.log2() * 0.5)
+        hi = torch.where(empty, 0.0, hi_v.log2() * 0.5)
+        span = hi - lo
+        inv = torch.where(span > 0, (q - 1) / span, 0.0)
+        coded = xb.log2().mul_(0.5).sub_(lo).mul_(inv).round_().clamp_(0, q - 1).add_(1)  # v == 0: -inf -> clamped, masked below
+        coded.masked_fill_(xb <= 0, 0)
+        codes = coded.to(torch.uint8)
+        scales_out.copy_(torch.cat([lo, hi], dim=-1))
     else:
-        absmax = _blocked(x.abs(), offset, block, 0.0).amax(-1)
-        scale = _per_element(absmax, offset, x.shape[-1], block)
-        inv = torch.where(scale > 0, q / scale, torch.zeros((), dtype=torch.float32))
-        signed = (x * inv).round_().clamp_(-q, q)
-        codes = signed.to(torch.int8) if codec.bits == 8 else (signed + 8).to(torch.uint8)
-        scales = absmax.unsqueeze(-1)
+        absmax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(absmax > 0, q / absmax, 0.0)
+        coded = (xb * inv).round_().clamp_(-q, q)
+        codes = coded.to(torch.int8) if codec.bits == 8 else coded.add_(8).to(torch.uint8)
+        scales_out.copy_(absmax)
+    codes = codes.view(x.shape[0], -1)[:, left : left + n]
     if codec.bits == 4:
         codes = pack4(codes)
-    return codes.contiguous(), scales.contiguous()
+    codes_out.copy_(codes)
 
 
 def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:

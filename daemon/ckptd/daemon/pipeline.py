@@ -195,11 +195,15 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     placed: list[tuple[StoredTensor, str, int, Future[int]]] = []  # (tensor, file, offset, digest)
     files: list[FileRecord] = []
     throttle = Throttle(req.throttle_bytes_per_s)
-    with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
-        # Compression first (quantized codes, master residuals): it changes the stored sizes,
-        # so it must be done before the file headers are laid out.
+    compressing = req.quantize is not None or req.master_weights != "keep"
+    with (
+        ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool,
+        ThreadPoolExecutor(ENCODE_THREADS if compressing else 1, thread_name_prefix="ckptd-encode") as encoders,
+    ):
+        # Compression (quantized codes, master residuals) changes the stored sizes, which are
+        # known from the shapes; encoding runs on its own threads while the writers write.
         source = _Source(req.arenas, tensors, slots_by_name, slot_of)
-        stored, encoded, cast = _compress(pool, source, stored, kinds, req, progress)
+        stored, encoded, cast = _compress(pool, encoders, source, stored, kinds, req, progress)
         # Largest files first: they take the largest recycled files.
         layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
         layouts.sort(key=lambda f: -f.nbytes)
@@ -215,9 +219,9 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                 files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
                 for tensor, entry in zip(layout.tensors, entries):
                     offset = len(header) + entry.begin
-                    done = encoded.get((tensor.name, tensor.box, tensor.role))
-                    if done is not None:
-                        digest = pool.submit(_write_buffer, fd, done, offset, throttle)
+                    pending = encoded.get((tensor.name, tensor.box))
+                    if pending is not None:
+                        digest = pool.submit(_write_encoded, fd, pending, tensor.role, offset, throttle)
                     else:
                         digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
                     placed.append((tensor, layout.name, offset, digest))
@@ -269,26 +273,37 @@ class _Source:
         return out
 
 
+ENCODE_THREADS = 2  # threads quantizing (each also uses torch's intra-op threads)
+
+
 @dataclass(frozen=True)
 class _Encoded:
-    """A stored tensor's bytes made before writing: quantized codes and their scales, or a
-    master weight's residual. `codec`/`block` go into the index's QuantRecord."""
+    """A stored tensor whose bytes are made in memory: quantized codes and their scales, or a
+    master weight's residual. `future` gives (data bytes, scales bytes or None), both flat uint8;
+    `codec`/`block` go into the index's QuantRecord."""
 
-    data: np.ndarray  # flat uint8
     codec: str
-    block: int = 0
+    block: int
+    future: Future[tuple[np.ndarray, np.ndarray | None]]
 
 
 def _compress(
-    pool: ThreadPoolExecutor, source: _Source, stored: list[StoredTensor], kinds: dict[str, str], req: PersistRequest, progress: Progress
-) -> tuple[list[StoredTensor], dict[tuple[str, Box, str], _Encoded], dict[str, StoredTensor]]:
-    """Quantize the optimizer moments (req.quantize) and drop or encode the master weights
-    (req.master_weights) of `stored`, on the pool's threads.
+    pool: ThreadPoolExecutor,
+    encoders: ThreadPoolExecutor,
+    source: _Source,
+    stored: list[StoredTensor],
+    kinds: dict[str, str],
+    req: PersistRequest,
+    progress: Progress,
+) -> tuple[list[StoredTensor], dict[tuple[str, Box], _Encoded], dict[str, StoredTensor]]:
+    """Decide how each of `stored` is compressed (req.quantize, req.master_weights) and start
+    encoding this node's tensors on `encoders`.
 
     Returns the tensors to lay out (codes, scales and residuals with their stored dtypes and
-    shapes), the bytes of each encoded one by (name, box, role), and the dropped master weights
-    (name -> the stored model tensor whose bytes stand for it). A tensor that cannot be encoded
-    (non-finite values) is stored as it is, with a warning.
+    shapes, for every node's tensors: all nodes lay out the same files), the pending encodings by
+    (name, box), and the dropped master weights (name -> the stored model tensor whose bytes
+    stand for it). A tensor with non-finite values (or a negative second moment) is stored as it
+    is: a quick check on `pool` finds them before the layout.
     """
     mode = req.master_weights
     if req.quantize is None and mode == "keep":
@@ -296,54 +311,75 @@ def _compress(
     from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
-    jobs: dict[tuple[str, Box], Future[Any]] = {}
-    codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL, for every node's tensors (file layout)
+    codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL
+    checks: dict[tuple[str, Box], Future[str]] = {}
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
-        mine = t.node == req.node  # other nodes' tensors: only their stored shapes, which the file layout needs
         codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
         if codec is not None:
             codecs[(t.name, t.box)] = codec
-            if mine:
-                jobs[(t.name, t.box)] = pool.submit(_quantize, quant, codec, source, t, progress)
+            if t.node == req.node:
+                checks[(t.name, t.box)] = pool.submit(_check_codable, source, t, codec.is_log)
             continue
         model = _model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
         if model is None:
             continue
         if mode == "drop":
             cast[t.name] = model
-            progress.add(t.nbytes if mine else 0)
+            progress.add(t.nbytes if t.node == req.node else 0)
         else:
             codecs[(t.name, t.box)] = quant.RESIDUAL
-            if mine:
-                jobs[(t.name, t.box)] = pool.submit(_residual, quant, source, t, model, progress)
     out: list[StoredTensor] = []
-    encoded: dict[tuple[str, Box, str], _Encoded] = {}
+    encoded: dict[tuple[str, Box], _Encoded] = {}
     for t in stored:
         if t.name in cast:
             continue
         codec = codecs.get((t.name, t.box))
+        check = checks.get((t.name, t.box))
+        problem = check.result() if check is not None else ""
+        if problem:
+            log.warning("tensor %s of step %s stays lossless: %s", t.name, req.step, problem)
+            codec = None
         if codec is None:
             out.append(t)
         elif codec == quant.RESIDUAL:
             out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
+            if t.node == req.node:
+                model = _model_twin(t, source.tensors[t.name], source, whole_model)
+                assert model is not None
+                encoded[(t.name, t.box)] = _Encoded(codec, 0, encoders.submit(_residual, quant, source, t, model, progress))
         else:
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
-        job = jobs.get((t.name, t.box))
-        if job is None:
-            continue
-        result = job.result()
-        if result is None:  # could not be encoded: stored as it is (only this node's files change)
-            out = [s for s in out if (s.name, s.box) != (t.name, t.box)] + [t]
-            continue
-        data, scales = result
-        name = codec if codec == quant.RESIDUAL else codec.name
-        encoded[(t.name, t.box, "data")] = _Encoded(data, name, 0 if codec == quant.RESIDUAL else codec.block)
-        if scales is not None:
-            encoded[(t.name, t.box, "scales")] = _Encoded(scales, "")
+            if t.node == req.node:
+                encoded[(t.name, t.box)] = _Encoded(codec.name, codec.block, encoders.submit(_quantize, quant, codec, source, t, progress))
     return out, encoded, cast
+
+
+def _check_codable(source: _Source, t: StoredTensor, second_moment: bool) -> str:
+    """"" if the tensor can be quantized, else why not (non-finite values, a negative second
+    moment). Reads the arena in place: a sum is non-finite if any value is (or if it overflows,
+    which only makes a tensor lossless that need not be)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtypes.torch_name(source.tensors[t.name].dtype))
+    for piece in source.pieces(t, 0):
+        arena = source.arenas.arenas[piece.rank]
+        assert arena is not None
+        view = arena.view(piece.src, piece.nbytes)
+        try:
+            values = torch.from_numpy(np.frombuffer(view, dtype=np.uint8)).view(torch_dtype)
+            finite = bool(torch.isfinite(values.sum(dtype=torch.float32)))
+            negative = second_moment and bool(values.amin() < 0) if values.numel() else False
+            del values
+        finally:
+            view.release()
+        if not finite:
+            return "it has non-finite values (inf or nan)"
+        if negative:
+            return "the second moment has negative values"
+    return ""
 
 
 def _model_twin(t: StoredTensor, logical: LogicalTensor, source: _Source, whole_model: dict[str, StoredTensor]) -> StoredTensor | None:
@@ -367,15 +403,11 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray] | None:
-    """The tensor's codes and scales as flat bytes, or None when it cannot be quantized."""
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
+    """The tensor's codes and scales as flat bytes (_check_codable said it can be coded)."""
     logical = source.tensors[t.name]
     values = _as_torch(source.gather(t), logical.dtype, t.box.lengths)
-    try:
-        codes, scales = quant.encode(codec, values, t.box)
-    except quant.QuantError as exc:
-        log.warning("tensor %s stays lossless: %s", t.name, exc)
-        return None
+    codes, scales = quant.encode(codec, values, t.box)
     progress.add(t.nbytes)
     return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
 
@@ -396,7 +428,7 @@ def _torch_uint8() -> Any:
 
 
 def _fragment_records(
-    placed: list[tuple[StoredTensor, str, int, Future[int]]], encoded: dict[tuple[str, Box, str], _Encoded], cast: dict[str, StoredTensor]
+    placed: list[tuple[StoredTensor, str, int, Future[int]]], encoded: dict[tuple[str, Box], _Encoded], cast: dict[str, StoredTensor]
 ) -> tuple[tuple[str, FragmentRecord], ...]:
     """The index records of what was written: codes with their scales (and residuals with the
     model weight they add to) in QuantRecords; dropped master weights as the model weight's bytes."""
@@ -410,7 +442,7 @@ def _fragment_records(
         if t.role != "data":
             continue
         quant = None
-        done = encoded.get((t.name, t.box, "data"))
+        done = encoded.get((t.name, t.box))
         if done is not None and done.codec == "residual-bf16":
             model = next(m for m in where.values() if m[0].name == "model/" + t.name.split("/", 1)[1] and m[0].role == "data")
             quant = QuantRecord(done.codec, base=side(*model))
@@ -549,9 +581,12 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
     return hasher.intdigest()
 
 
-def _write_buffer(fd: int, encoded: _Encoded, offset: int, throttle: Throttle) -> int:
-    """Write bytes made in memory (codes, scales, residuals) at `offset`; returns their xxh3-64."""
-    data = memoryview(encoded.data)
+def _write_encoded(fd: int, encoded: _Encoded, role: str, offset: int, throttle: Throttle) -> int:
+    """Wait for an encoding, write its data (codes, residual) or its scales at `offset`; returns their xxh3-64."""
+    codes, scales = encoded.future.result()
+    chosen = scales if role == "scales" else codes
+    assert chosen is not None
+    data = memoryview(chosen)
     for done in range(0, len(data), WRITE_CHUNK):
         chunk = data[done : done + WRITE_CHUNK]
         throttle.wait(len(chunk))
