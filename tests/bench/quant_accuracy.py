@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["fp32", "mixed"], choices=["fp32", "mixed"])
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: on a shared 2-core machine two threads were 4x slower)")
     parser.add_argument("--json", type=Path, help="write the curves and the summary here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the curves here")
     args = parser.parse_args()

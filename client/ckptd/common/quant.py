@@ -149,14 +149,6 @@ def _blocked(x: torch.Tensor, offset: int, block: int, fill: float) -> torch.Ten
     return padded.view(*x.shape[:-1], total // block, block)
 
 
-def _per_element(scales: torch.Tensor, offset: int, n: int, block: int) -> torch.Tensor:
-    """Block values (*lead, nblocks) expanded to the n columns starting at logical `offset`,
-    given that scales[..., 0] is the block holding column `offset`."""
-    first = offset // block
-    index = torch.arange(offset, offset + n) // block - first
-    return scales.index_select(-1, index)
-
-
 CHUNK_ELEMENTS: Final = 1 << 18  # rows are coded in chunks of about this many elements: temporaries stay in cache
 
 
@@ -183,15 +175,16 @@ def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Te
     """Code rows x (r, n) whose first column is logical column `offset` into codes_out, scales_out."""
     x = x.to(torch.float32)
     n, block, q = x.shape[-1], codec.block, codec.levels
-    if not bool(torch.isfinite(x).all()):
-        raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
     left = offset % block
     xb = _blocked(x, offset, block, 0.0)  # (r, nb, B), a view when the row is whole blocks
     if codec.is_log:
-        if bool((x < 0).any()):
+        hi_v = xb.amax(-1, keepdim=True)  # NaN propagates: checked below on the small tensor
+        if bool(xb.amin() < 0):
             raise QuantError("second moment has negative values; it is stored losslessly")
-        hi_v = xb.amax(-1, keepdim=True)
-        lo_v = xb.masked_fill(xb <= 0, math.inf).amin(-1, keepdim=True)
+        positive = xb > 0
+        lo_v = xb.masked_fill(~positive, math.inf).amin(-1, keepdim=True)
+        if not bool(torch.isfinite(hi_v).all()):
+            raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
         empty = torch.isinf(lo_v)
         # log2 of sqrt(v) = 0.5 * log2(v): only the block's bounds need the square root's log
         lo = torch.where(empty, 0.0, lo_v.log2() * 0.5)
@@ -199,11 +192,13 @@ def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Te
         span = hi - lo
         inv = torch.where(span > 0, (q - 1) / span, 0.0)
         coded = xb.log2().mul_(0.5).sub_(lo).mul_(inv).round_().clamp_(0, q - 1).add_(1)  # v == 0: -inf -> clamped, masked below
-        coded.masked_fill_(xb <= 0, 0)
+        coded.masked_fill_(~positive, 0)
         codes = coded.to(torch.uint8)
         scales_out.copy_(torch.cat([lo, hi], dim=-1))
     else:
         absmax = xb.abs().amax(-1, keepdim=True)
+        if not bool(torch.isfinite(absmax).all()):
+            raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
         inv = torch.where(absmax > 0, q / absmax, 0.0)
         coded = (xb * inv).round_().clamp_(-q, q)
         codes = coded.to(torch.int8) if codec.bits == 8 else coded.add_(8).to(torch.uint8)
@@ -235,22 +230,35 @@ def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box,
         part = unpack4(part[..., b0:b1])[..., c0 - 2 * b0 : c0 - 2 * b0 + (c1 - c0)]
     else:
         part = part[..., c0:c1]
+    n = c1 - c0
     first_col = region.offsets[-1] + c0
-    # scales of the blocks from the one holding column first_col, then per element
     skip = first_col // codec.block - region.offsets[-1] // codec.block
-    block_scales = scales[lead][..., skip:, :]
-    per = _per_element(block_scales.movedim(-1, 0), first_col, c1 - c0, codec.block)  # (width, *lead, n)
+    nb = nblocks(first_col, n, codec.block)
+    block_scales = scales[lead][..., skip : skip + nb, :]  # the blocks from the one holding column first_col
+    outer = part.shape[:-1]
+    rows = part.reshape(-1, n)
+    blocked = _blocked(rows, first_col, codec.block, 0)  # (r, nb, B): each element beside its block's scales
+    per_block = block_scales.reshape(-1, nb, codec.scale_width)
     if codec.is_log:
-        # float64, then rounded once: vectorized and scalar exp2 differ in the last float32
-        # bit, and a slice must decode bit for bit as the whole piece does
-        lo, hi = per[0].to(torch.float64), per[1].to(torch.float64)
-        q = codec.levels
-        code = part.to(torch.float64)
-        s = torch.exp2(lo + (code - 1) * ((hi - lo) / (q - 1)))
-        v = (s * s).to(torch.float32).clamp_(min=_TINY)
-        return torch.where(part > 0, v, torch.zeros((), dtype=torch.float32))
-    signed = part.to(torch.float32) if codec.bits == 8 else part.to(torch.float32) - 8
-    return signed * (per[0] / codec.levels)
+        # one value per (block, code), computed in float64 and rounded once: vectorized and
+        # scalar exp2 differ in the last float32 bit, and a slice must decode bit for bit as the
+        # whole piece does; then a lookup per element
+        values = torch.gather(_log_table(codec, per_block), -1, blocked.to(torch.int64))
+    else:
+        signed = blocked.to(torch.float32) if codec.bits == 8 else blocked.to(torch.float32) - 8
+        values = signed * (per_block[..., 0:1] / codec.levels)
+    left = first_col % codec.block
+    return values.reshape(rows.shape[0], -1)[:, left : left + n].reshape(*outer, n)
+
+
+def _log_table(codec: Codec, bounds: torch.Tensor) -> torch.Tensor:
+    """(r, nb, Q + 1) float32: the decoded v of each code of each block (code 0: 0)."""
+    q = codec.levels
+    lo, hi = bounds[..., 0:1].to(torch.float64), bounds[..., 1:2].to(torch.float64)
+    k = torch.arange(q, dtype=torch.float64)
+    s = torch.exp2(lo + k * ((hi - lo) / (q - 1)))
+    v = (s * s).to(torch.float32).clamp_(min=_TINY)
+    return torch.cat([torch.zeros((*v.shape[:-1], 1), dtype=torch.float32), v], dim=-1)
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,10 @@ class _Source:
         return out
 
 
-ENCODE_THREADS = 2  # threads quantizing (each also uses torch's intra-op threads)
+# Threads quantizing, each with one torch intra-op thread (set when the daemon first compresses:
+# torch is used for nothing else in the daemon). Parallel over tensors instead of inside each op:
+# on a busy machine, OpenMP's spinning intra-op threads cost several times the work itself.
+ENCODE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,10 @@ def _compress(
     if req.quantize is None and mode == "keep":
         return stored, {}, {}
     from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
     codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL
