@@ -213,33 +213,48 @@ def report(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Per setting: the held-out loss curves (mean over seeds), and below them each variant's
+    relative difference to the lossless resume of the same seed (mean line, min-max band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     settings = list(results["settings"])
-    fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 4.5), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
+    seeds = results["seeds"]
+    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False)
+    for col, setting in enumerate(settings):
         data = results["settings"][setting]
-        seeds = results["seeds"]
-        base = [statistics.fmean(data["base"][s][i][1] for s in seeds) for i in range(len(data["base"][seeds[0]]))]
-        ax.plot([p[0] for p in data["base"][seeds[0]]], base, color="black", label="before the checkpoint")
+        top, bottom = axes[0][col], axes[1][col]
+        base_steps = [p[0] for p in data["base"][seeds[0]]]
+        base = [statistics.fmean(data["base"][s][i][1] for s in seeds) for i in range(len(base_steps))]
+        top.plot(base_steps, base, color="black", label="training, before the checkpoint")
+        lossless = data["resumed"]["lossless"]
         for name, by_seed in data["resumed"].items():
             steps = [p[0] for p in by_seed[seeds[0]]]
             mean = [statistics.fmean(by_seed[s][i][1] for s in seeds) for i in range(len(steps))]
             style = ":" if "other batches" in name else "-"
-            ax.plot(steps, mean, style, label=f"resumed: {name} ({data['summary'][name]['delta_pct_mean']:+.2f}%)")
+            label = f"resumed: {name} ({data['summary'][name]['delta_pct_mean']:+.2f}% at the end)"
+            line = top.plot(steps, mean, style, label=label)[0]
+            if name == "lossless":
+                continue
+            rel = [[100 * (by_seed[s][i][1] / lossless[s][i][1] - 1) for s in seeds] for i in range(len(steps))]
+            bottom.plot(steps, [statistics.fmean(r) for r in rel], style, color=line.get_color(), label=name)
+            bottom.fill_between(steps, [min(r) for r in rel], [max(r) for r in rel], color=line.get_color(), alpha=0.15)
         k = results["steps"]
-        ax.axvline(k, color="grey", lw=0.5)
-        ax.set_title(f"{setting}: held-out loss, mean of {len(seeds)} seeds")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/byte)")
-        tail = [statistics.fmean(data["resumed"]["lossless"][s][i][1] for s in seeds) for i in range(len(data["resumed"]["lossless"][seeds[0]]))]
-        ax.set_ylim(min(tail) - 0.1, base[min(2, len(base) - 1)])
-        ax.legend(fontsize=8)
+        top.axvline(k, color="grey", lw=0.5)
+        top.set_ylim(min(min(p[1] for p in lossless[s]) for s in seeds) - 0.05, base[min(len(base) - 1, max(1, len(base) // 4))])
+        top.set_title(f"{setting}: held-out loss (mean of {len(seeds)} seeds)")
+        top.set_xlabel("step")
+        top.set_ylabel("loss (nats/byte)")
+        top.legend(fontsize=7)
+        bottom.axhline(0, color="black", lw=0.5)
+        bottom.set_title(f"{setting}: vs the lossless resume of the same seed (band: min-max)")
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("held-out loss vs lossless resume (%)")
+        bottom.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -252,10 +267,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: on a shared 2-core machine two threads were 4x slower)")
     parser.add_argument("--json", type=Path, help="write the curves and the summary here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the curves here")
+    parser.add_argument("--from-json", type=Path, help="do not train: report and plot the results in this file")
     args = parser.parse_args()
-    results = experiment(args)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        for data in results["settings"].values():  # JSON object keys are strings
+            data["base"] = {int(k): v for k, v in data["base"].items()}
+            data["resumed"] = {n: {int(k): v for k, v in by.items()} for n, by in data["resumed"].items()}
+        results["seeds"] = [int(x) for x in results["seeds"]]
+    else:
+        results = experiment(args)
     print(report(results))
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:
         plot(results, args.plot)
