@@ -186,7 +186,7 @@ class CheckpointClient:
                 raise ValueError(f"step must be an integer >= 0, got {step!r}")
             if quantize is not None:
                 raise ValueError(f"quantize={quantize!r} is not supported yet; use None")
-            flat = flatten_state(state, rank=self.rank, rng=rng)
+            flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True)
             return self._save(step, state, flat, metric, started)
         except Exception as exc:
             return self._failed_save(step, exc, started)
