@@ -361,4 +361,4 @@ def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:
 
 def _sources(plan: pb.PlanLoadResponse) -> Iterator[Source]:
     for p in plan.pieces:
-        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum)
+        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3)

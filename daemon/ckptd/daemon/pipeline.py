@@ -25,6 +25,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
+from ckptd.common.chunks import ChunkHasher, chunk_bytes_for
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
@@ -218,7 +219,7 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
     fragments = tuple(
-        (t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result())))
+        (t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result()[0]), chunk_bytes_for(t.nbytes), digest.result()[1]))
         for t, file, offset, digest in placed
     )
     return NodeManifest(req.node, tuple(files), fragments)
@@ -322,9 +323,11 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Progress, throttle: Throttle) -> int:
-    """Write one tensor's runs (in file order) and return the xxh3-64 of its bytes."""
+def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
+    """Write one tensor's runs (in file order, contiguous); return the xxh3-64 of its bytes and
+    the digests of its chunks (ckptd.common.chunks)."""
     hasher = xxhash.xxh3_64()
+    chunks = ChunkHasher(chunk_bytes_for(sum(p.nbytes for p in pieces)))
     for piece in pieces:
         arena = arenas.arenas[piece.rank]
         assert arena is not None, "plan gave a fragment to a rank without an arena"
@@ -335,12 +338,13 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
             view = arena.view(piece.src + done, n)
             try:
                 hasher.update(view)
+                chunks.update(view)
                 _pwrite_all(fd, view, piece.dst + done)
             finally:
                 view.release()
             done += n
             progress.add(n)
-    return hasher.intdigest()
+    return hasher.intdigest(), chunks.hexdigests()
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -111,6 +111,8 @@ class PieceInfo:
     fragment: Any  # Box
     dtype: str
     checksum: str
+    chunk_bytes: int = 0  # file pieces: the fragment's chunk checksums (FragmentRecord)
+    chunk_xxh3: str = ""
 
 
 @dataclass(frozen=True)
@@ -744,7 +746,7 @@ class CheckpointService:
             node = where.get(frag.file, self.node)
             if node != self.node:
                 path = await self._fetched(index, frag.file, node, frag.offset, frag.nbytes)
-            out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum))
+            out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum, frag.chunk_bytes, frag.chunk_xxh3))
         return out
 
     async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:

@@ -174,6 +174,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             pb.Piece(
                 name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
                 fragment=_box(p.fragment), dtype=p.dtype, checksum=p.checksum,
+                chunk_bytes=p.chunk_bytes, chunk_xxh3=p.chunk_xxh3,
             )
             for p in plan.pieces
         ]

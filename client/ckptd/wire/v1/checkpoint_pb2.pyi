@@ -172,7 +172,7 @@ class PlanLoadRequest(_message.Message):
     def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum")
+    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,8 @@ class Piece(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     path: str
@@ -189,7 +191,9 @@ class Piece(_message.Message):
     fragment: Box
     dtype: str
     checksum: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ...) -> None: ...
+    chunk_bytes: int
+    chunk_xxh3: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ...) -> None: ...
 
 class PlanLoadResponse(_message.Message):
     __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier")
