@@ -394,6 +394,7 @@ def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[
         ppb.StoredFragment(
             name=name, file=f.file, key=f.key, box=pb.Box(offsets=f.box.offsets, lengths=f.box.lengths),
             dtype=f.dtype, offset=f.offset, nbytes=f.nbytes, checksum=f.checksum,
+            chunk_bytes=f.chunk_bytes, chunk_xxh3=f.chunk_xxh3,
         )
         for name, f in manifest.fragments
     ]
@@ -405,7 +406,13 @@ def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Seq
         node,
         tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files),
         tuple(
-            (f.name, FragmentRecord(f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum))
+            (
+                f.name,
+                FragmentRecord(
+                    f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
+                    f.chunk_bytes, f.chunk_xxh3,
+                ),
+            )
             for f in fragments
         ),
     )
