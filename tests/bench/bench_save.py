@@ -8,7 +8,10 @@ AdamW's exp_avg and exp_avg_sq, the same state for every part):
 - dcp: torch.distributed.checkpoint.async_save with the PROCESS executor and a reused
   DefaultStager (shared memory, async staging): blocked, staged, total (durable);
 - ckptd: a real daemon; stall and durable time of save(), restore from the daemon's memory,
-  and restore from disk after a daemon restart with the page cache dropped.
+  and restore from disk after a daemon restart with the page cache dropped;
+- paired (when dcp runs too): one DCP async_save right before each timed ckptd save, and one
+  memcpy right before each memory restore, so those targets also compare figures taken under
+  the same load (the parts run minutes apart on a shared machine).
 
 It prints a table of times and GB/s, then each target ratio with PASS or FAIL. See
 tests/bench/README.md. Run as root for real cold reads (drop_caches). Exits 0 whether targets
@@ -18,6 +21,7 @@ pass or fail; 1 only if a part could not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -100,6 +104,9 @@ ROWS: dict[str, str] = {
     "dcp.blocked": "DCP async_save: blocked",
     "dcp.staged": "DCP async_save: staged (state reusable)",
     "dcp.total": "DCP async_save: total (durable)",
+    "dcp.staged_beside": "DCP async_save: staged, right before each ckptd save",
+    "dcp.total_beside": "DCP async_save: total, right before each ckptd save",
+    "floor.memcpy_beside": "floor: memcpy (torch), right before each memory restore",
     "ckptd.warmup_stall": "ckptd warm-up saves (new arenas, new blocks): stall",
     "ckptd.warmup_durable": "ckptd warm-up saves (new arenas, new blocks): durable",
     "ckptd.stall": "ckptd save: stall (handle.stall_s)",
@@ -126,9 +133,12 @@ class Target:
 
 TARGETS: tuple[Target, ...] = (
     Target("stall / DCP staged", "ckptd.stall", "dcp.staged", 1.0),
+    Target("stall / DCP staged, paired", "ckptd.stall", "dcp.staged_beside", 1.0),
     Target("durable / DCP total", "ckptd.durable", "dcp.total", 0.5),
+    Target("durable / DCP total, paired", "ckptd.durable", "dcp.total_beside", 0.5),
     Target("durable / write+fsync floor", "ckptd.durable", "floor.write_fsync", 1.3),
     Target("restore from memory / memcpy floor", "ckptd.restore_memory", "floor.memcpy", 2.0, den_stat="best"),
+    Target("restore from memory / memcpy, paired", "ckptd.restore_memory", "floor.memcpy_beside", 2.0),
     Target("restore cold / cold-read floor", "ckptd.restore_cold", "floor.read_cold_beside", 1.3),
 )
 
@@ -416,8 +426,11 @@ def stop_dcp_process() -> None:
         process.__del__()
 
 
-def bench_dcp(state: State, workdir: Path, reps: int, results: Results) -> None:
-    """A warm-up call (spawns DCP's process), then `reps` saves, each to a new directory."""
+@contextlib.contextmanager
+def dcp_session(state: State, workdir: Path) -> Iterator[Callable[[str], tuple[float, float, float]]]:
+    """DCP's fastest CPU set-up, warmed up (the first call spawns its process and is not timed);
+    yields save(name) -> (blocked, staged, total) seconds of one async_save of `state` to a new
+    directory `workdir/name`, which is removed afterwards."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -428,8 +441,17 @@ def bench_dcp(state: State, workdir: Path, reps: int, results: Results) -> None:
         stager = DefaultStager(
             StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False)
         )
+
+        def save(name: str) -> tuple[float, float, float]:
+            os.sync()
+            try:
+                return dcp_save_once(state, workdir / name, stager)
+            finally:
+                shutil.rmtree(workdir / name, ignore_errors=True)
+
         try:
-            dcp_saves(state, workdir, reps, stager, results)
+            save("dcp-warmup")
+            yield save
         finally:
             stager.close()
             stop_dcp_process()
@@ -438,17 +460,13 @@ def bench_dcp(state: State, workdir: Path, reps: int, results: Results) -> None:
         gc.collect()
 
 
-def dcp_saves(state: State, workdir: Path, reps: int, stager: Any, results: Results) -> None:
+def bench_dcp(state: State, workdir: Path, reps: int, results: Results) -> None:
+    """`reps` saves after a warm-up call that spawns DCP's process, each to a new directory."""
     nbytes = state_bytes(state)
-    os.sync()
-    first = dcp_save_once(state, workdir / "dcp-warmup", stager)
-    results.timings["dcp.first_total"] = Timing((first[2],), nbytes)
-    shutil.rmtree(workdir / "dcp-warmup")
-    runs = []
-    for i in range(reps):
-        os.sync()
-        runs.append(dcp_save_once(state, workdir / f"dcp-{i}", stager))
-        shutil.rmtree(workdir / f"dcp-{i}")
+    start = time.perf_counter()
+    with dcp_session(state, workdir) as save:
+        results.timings["dcp.first_total"] = Timing((time.perf_counter() - start,), nbytes)
+        runs = [save(f"dcp-{i}") for i in range(reps)]
     for j, key in enumerate(("dcp.blocked", "dcp.staged", "dcp.total")):
         results.timings[key] = Timing(tuple(r[j] for r in runs), nbytes)
 
@@ -508,10 +526,11 @@ def client_for(address: str) -> Any:
     return CheckpointClient(job=JOB, address=address, rank=0, world_size=1, on_error="raise")
 
 
-def ckptd_saves(client: Any, state: State, reps: int, results: Results) -> int:
+def ckptd_saves(client: Any, state: State, reps: int, results: Results, beside: Callable[[], None] | None = None) -> int:
     """Warm-up saves, then `reps` timed saves, each waited until durable; returns the last step.
 
-    See WARMUP_SAVES for why steady state starts after them.
+    See WARMUP_SAVES for why steady state starts after them. `beside()` runs (and records its
+    own timings) right before each timed save.
     """
     nbytes = state_bytes(state)
     warm_stall, warm_durable = [], []
@@ -526,6 +545,8 @@ def ckptd_saves(client: Any, state: State, reps: int, results: Results) -> int:
     stall, wall, durable = [], [], []
     last = WARMUP_SAVES + reps - 1
     for step in range(WARMUP_SAVES, last + 1):
+        if beside is not None:
+            beside()
         os.sync()
         start = time.perf_counter()
         handle = client.save(step, state)
@@ -567,27 +588,52 @@ def newest_in_memory(address: str) -> bool:
         return bool(client.list()[-1].in_memory)
 
 
-def bench_ckptd(state: State, workdir: Path, reps: int, results: Results, shm_parent: Path = Path("/dev/shm")) -> None:
-    """Saves, restores from the daemon's memory, and cold restores from disk by a new daemon."""
+def bench_ckptd(
+    state: State, workdir: Path, reps: int, results: Results, shm_parent: Path = Path("/dev/shm"), paired: bool = True
+) -> None:
+    """Saves, restores from the daemon's memory, and cold restores from disk by a new daemon.
+
+    paired: each timed save follows one DCP async_save and each memory restore one memcpy of
+    the same bytes, so the targets compare figures taken under the same load (this machine is
+    shared: load shifts between parts run minutes apart)."""
     rig = DaemonRig(root=workdir / "ckptd-root", logs=workdir, shm_parent=shm_parent)
     try:
         rig.start()
-        ckptd_save_and_restore(rig, state, reps, results)
+        with contextlib.ExitStack() as stack:
+            dcp_save = stack.enter_context(dcp_session(state, workdir)) if paired else None
+            ckptd_save_and_restore(rig, state, reps, results, dcp_save)
     finally:
         rig.close()
         gc.collect()
 
 
-def ckptd_save_and_restore(rig: DaemonRig, state: State, reps: int, results: Results) -> None:
+def ckptd_save_and_restore(
+    rig: DaemonRig, state: State, reps: int, results: Results, dcp_save: Callable[[str], tuple[float, float, float]] | None = None
+) -> None:
     nbytes = state_bytes(state)
     expected = sample_sums(state)
+    dcp_runs: list[tuple[float, float, float]] = []
+    beside = None if dcp_save is None else lambda: dcp_runs.append(dcp_save(f"dcp-beside-{len(dcp_runs)}"))
     with client_for(rig.address) as client:
-        step = ckptd_saves(client, state, reps, results)
+        step = ckptd_saves(client, state, reps, results, beside)
         if not newest_in_memory(rig.address):
             results.notes.append("ckptd: the newest snapshot was NOT in the daemon's memory at the memory restore")
         same = [timed_load(client, state, step, expected) for _ in range(reps)]
+    if dcp_runs:
+        results.timings["dcp.staged_beside"] = Timing(tuple(r[1] for r in dcp_runs), nbytes)
+        results.timings["dcp.total_beside"] = Timing(tuple(r[2] for r in dcp_runs), nbytes)
     results.timings["ckptd.restore_memory_same_client"] = Timing(tuple(same), nbytes)
-    memory = [timed_fresh_load(rig.address, state, step, expected) for _ in range(reps)]
+    src = flat_copy(state)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # faults dst in
+    memory, memcpy = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        memcpy.append(time.perf_counter() - start)
+        memory.append(timed_fresh_load(rig.address, state, step, expected))
+    del src, dst
+    results.timings["floor.memcpy_beside"] = Timing(tuple(memcpy), nbytes)
     results.timings["ckptd.restore_memory"] = Timing(tuple(memory), nbytes)
     # The disk's read speed drifts a lot on a shared machine: a cold read of a plain file of the
     # same size right before each cold restore gives the floor under the same conditions.
@@ -763,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
     results = Results()
     for name in PARTS:
         if name in args.parts:
-            bench = functools.partial(bench_ckptd, shm_parent=args.shm_dir) if name == "ckptd" else BENCHES[name]
+            bench = BENCHES[name]
+            if name == "ckptd":
+                bench = functools.partial(bench_ckptd, shm_parent=args.shm_dir, paired="dcp" in args.parts)
             run_part(name, bench, state, workdir, args.reps, results)
             gc.collect()
     if args.keep or results.errors:

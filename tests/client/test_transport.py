@@ -6,6 +6,7 @@ safetensors file) or of a real arena (a file in /dev/shm mapped by ArenaMaps).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from ckptd.client.errors import CheckpointError
 from ckptd.client.transport import ArenaMaps, Fill, Source, fill_all
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
+from ckptd.common.chunks import ChunkHasher
 from ckptd.common.reshard import shard_boxes
 
 HEADER = 136  # bytes before the first fragment, like a safetensors header
@@ -53,8 +55,9 @@ class Store:
         self.tmp_path = tmp_path
         self.arenas: list[str] = []
 
-    def put(self, kind: str, name: str, whole: torch.Tensor, boxes: list[Box]) -> list[Source]:
-        """Store box after box of `whole` back to back after HEADER bytes; return their sources."""
+    def put(self, kind: str, name: str, whole: torch.Tensor, boxes: list[Box], chunk_bytes: int = 0) -> list[Source]:
+        """Store box after box of `whole` back to back after HEADER bytes; return their sources
+        (with the checksums of chunks of `chunk_bytes`, if not 0)."""
         if kind == "shm":
             fd, path = tempfile.mkstemp(prefix="ckptd-test-transport-", dir="/dev/shm")
             os.close(fd)
@@ -69,7 +72,10 @@ class Store:
             for box in boxes:
                 data = whole[relative(box, full)].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 checksum = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
-                sources.append(Source(name, kind, path, f.tell(), len(data), box, dtype, checksum))
+                chunks = ChunkHasher(chunk_bytes) if chunk_bytes else None
+                if chunks is not None:
+                    chunks.update(data)
+                sources.append(Source(name, kind, path, f.tell(), len(data), box, dtype, checksum, chunk_bytes, chunks.hexdigests() if chunks else ""))
                 f.write(data)
             f.write(b"}" * 64)
         return sources
@@ -249,3 +255,63 @@ def test_a_column_slice_of_many_rows_is_placed_by_one_strided_copy(tmp_path, kin
     assert torch.equal(target, full[10:260, 2:5].to(dtype))
     if shm_file is not None:
         shm_file.close()
+
+
+# ------------------------------------------------------------------ chunk checksums of partial reads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_reads_checked_by_chunks_fill_every_wanted_box_exactly(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, layout: str) -> None:
+    whole = ramp(SHAPE)
+    sources = store.put("file", "model/w", whole, LAYOUTS[layout], chunk_bytes=48)  # 12 floats: chunks cut rows
+    for want in WANTS.values():
+        out = torch.zeros(want.lengths)
+        fill_all(pool, maps, [Fill(out, want, sources)])
+        assert torch.equal(out, whole[relative(want, Box.full(SHAPE))])
+
+
+def flip_byte(source: Source, at: int) -> None:
+    with open(source.path, "r+b") as f:
+        f.seek(source.offset + at)
+        byte = f.read(1)
+        f.seek(source.offset + at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+ROWS_3_TO_9 = Box((3, 0), (6, 10))  # fragment bytes [120, 360): chunks of 64 B 1 and 5 are cut, 2-4 inside
+
+
+@pytest.mark.parametrize("at, damaged", [(200, True), (130, True), (121, True), (70, True), (370, True), (10, False), (500, False)])
+def test_a_partial_read_checks_every_chunk_it_touches(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, at: int, damaged: bool) -> None:
+    """A byte flipped in a chunk the read touches is found, also outside the bytes it needs
+    (the edge chunks are read whole); one in a chunk it does not touch is not read at all."""
+    whole = ramp(SHAPE)
+    (source,) = store.put("file", "model/w", whole, [Box.full(SHAPE)], chunk_bytes=64)
+    flip_byte(source, at)
+    out = torch.zeros(ROWS_3_TO_9.lengths)
+    if damaged:
+        with pytest.raises(CheckpointError, match=r"checksum mismatch for tensor 'model/w' .* \(chunk \d+ of the fragment\)"):
+            fill_all(pool, maps, [Fill(out, ROWS_3_TO_9, [source])])
+    else:
+        fill_all(pool, maps, [Fill(out, ROWS_3_TO_9, [source])])
+        assert torch.equal(out, whole[3:9])
+
+
+def test_a_column_slice_mapped_from_the_file_is_checked_by_chunks(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    shape = (300, 7)  # a column slice of rows 10..259 is one strided copy of a mapping of those rows
+    whole = ramp(shape)
+    (source,) = store.put("file", "w", whole, [Box.full(shape)], chunk_bytes=1024)
+    want = Box((10, 2), (250, 3))
+    out = torch.zeros(want.lengths)
+    fill_all(pool, maps, [Fill(out, want, [source])])
+    assert torch.equal(out, whole[10:260, 2:5])
+    flip_byte(source, 9 * 28)  # row 9, outside the rows read but in the chunk cut at their start
+    with pytest.raises(CheckpointError, match="checksum mismatch for tensor 'w'"):
+        fill_all(pool, maps, [Fill(out, want, [source])])
+
+
+def test_malformed_chunk_checksums_are_an_error_naming_the_tensor(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    (source,) = store.put("file", "model/w", ramp(SHAPE), [Box.full(SHAPE)], chunk_bytes=64)
+    bad = dataclasses.replace(source, chunk_xxh3=source.chunk_xxh3[:-1])
+    with pytest.raises(CheckpointError, match="chunk checksums of tensor 'model/w' .* are malformed"):
+        fill_all(pool, maps, [Fill(torch.zeros(ROWS_3_TO_9.lengths), ROWS_3_TO_9, [bad])])

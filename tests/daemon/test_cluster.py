@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.cluster import Coordinator, PeerLinks, plan_key, root_id
+from ckptd.daemon.cluster import Coordinator, PeerLinks, manifest_from_wire, manifest_to_wire, plan_key, root_id
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format import FileRecord, FragmentRecord
 from ckptd.daemon.pipeline import NodeManifest
@@ -124,3 +124,12 @@ def test_bad_joins_are_refused_with_what_to_fix(tmp_path: Path, second: dict, er
             await first
 
     asyncio.run(scenario())
+
+
+def test_a_manifest_crosses_the_wire_unchanged_chunk_checksums_included() -> None:
+    sent = NodeManifest(
+        1,
+        (FileRecord("model-00002-of-00002.safetensors", 100, "xxh3-64:0", 1),),
+        (("model/w", FragmentRecord("model-00002-of-00002.safetensors", "w@2,0", HALVES[1], "F32", 84, 16, "xxh3-64:1", 65536, "0123456789abcdef")),),
+    )
+    assert manifest_from_wire(1, *manifest_to_wire(sent)) == sent

@@ -159,8 +159,27 @@ def test_several_nodes_and_the_token_from_the_environment() -> None:
     assert TOKEN not in repr(config)
 
 
+TLS_FIELDS = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")  # only together: tested below
+
+
 def test_every_field_is_covered() -> None:
-    assert {f for f, *_ in SETTINGS} == set(FIELDS)
+    assert {f for f, *_ in SETTINGS} | set(TLS_FIELDS) == set(FIELDS)
+
+
+def test_the_peer_tls_files_come_together_from_each_source(tmp_path: Path) -> None:
+    paths = {f: f"/etc/ckptd/{f}.pem" for f in TLS_FIELDS}
+    expected = tuple(Path(paths[f]) for f in TLS_FIELDS)
+    assert load_config(paths, BASE_ENV, None).peer_tls_files == expected
+    assert load_config({}, {**BASE_ENV, **{env_name(f): v for f, v in paths.items()}}, None).peer_tls_files == expected
+    toml = "".join(f'{f} = "tls/{f}.pem"\n' for f in TLS_FIELDS)  # relative to the file's directory
+    from_file = load_config({}, BASE_ENV, write(tmp_path, toml)).peer_tls_files
+    assert from_file == tuple(tmp_path / "tls" / f"{f}.pem" for f in TLS_FIELDS)
+    assert load_config({}, BASE_ENV, None).peer_tls_files is None
+
+
+def test_a_peer_tls_file_alone_says_which_are_missing() -> None:
+    with pytest.raises(ConfigError, match="--peer-tls-cert without --peer-tls-key, --peer-tls-ca"):
+        load_config({"peer_tls_cert": "/etc/ckptd/node.crt"}, BASE_ENV, None)
 
 
 @pytest.mark.parametrize(("field", "text", "toml", "expected"), SETTINGS)

@@ -85,12 +85,12 @@ def test_compressed_index_round_trip_and_golden_records() -> None:
     scales = SideRecord("optimizer-00001-of-00001.safetensors", "optimizer/state/w/exp_avg@scales", "F32", (4, 1, 1), 208, 16, "xxh3-64:02")
     quantized = FragmentRecord(
         "optimizer-00001-of-00001.safetensors", "optimizer/state/w/exp_avg", Box((0, 0), (4, 6)), "U8", 192, 12, "xxh3-64:01",
-        QuantRecord("lin-i4", 128, scales=scales),
+        quant=QuantRecord("lin-i4", 128, scales=scales),
     )
     model = FragmentRecord("model-00001-of-00001.safetensors", "w", Box((0, 0), (4, 6)), "BF16", 96, 48, "xxh3-64:03")
     base = SideRecord(model.file, model.key, "BF16", (4, 6), 96, 48, "xxh3-64:03")
-    residual = FragmentRecord("master_weights-00001-of-00001.safetensors", "master/w", model.box, "BF16", 80, 48, "xxh3-64:04", QuantRecord("residual-bf16", base=base))
-    cast = FragmentRecord(model.file, model.key, model.box, "BF16", 96, 48, "xxh3-64:03", QuantRecord("cast"))
+    residual = FragmentRecord("master_weights-00001-of-00001.safetensors", "master/w", model.box, "BF16", 80, 48, "xxh3-64:04", quant=QuantRecord("residual-bf16", base=base))
+    cast = FragmentRecord(model.file, model.key, model.box, "BF16", 96, 48, "xxh3-64:03", quant=QuantRecord("cast"))
     index = CheckpointIndex(
         job="j", step=3, created_at=2.0, world_size=1,
         tensors=(

@@ -57,17 +57,33 @@ def local_model(full: dict[str, torch.Tensor], tp: int, r: int) -> dict[str, tor
     }
 
 
-def as_ranks(tp: int, job: str, daemon, action) -> list:
+def as_ranks(tp: int, job: str, addresses: list[str], action) -> list:
+    """Run action(r, client) for TP ranks 0..tp-1; `addresses`: the daemons of the nodes, the
+    ranks spread over them in consecutive blocks as torchrun places them."""
+    node_of = [r * len(addresses) // tp for r in range(tp)]
+
     def one(r: int):
-        with CheckpointClient(job, address=daemon.address, rank=r, world_size=tp, on_error="raise", layout=rules(), coords=RankCoords(r, tp)) as ckpt:
+        with CheckpointClient(job, address=addresses[node_of[r]], rank=r, world_size=tp, local_world_size=node_of.count(node_of[r]),
+                              on_error="raise", layout=rules(), coords=RankCoords(r, tp)) as ckpt:
             return action(r, ckpt)
 
     with ThreadPoolExecutor(tp) as pool:
         return list(pool.map(one, range(tp)))
 
 
+@pytest.fixture(params=["one node", "two nodes"])
+def addresses(request, daemons, node_sets) -> list[str]:
+    """The daemons the ranks talk to: one, or two with node-local roots (each TP rank of the
+    TP=2 save on its own node, so the sharded tensors are written as fragments by both)."""
+    if request.param == "one node":
+        return [daemons.start().address]
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all()
+    return [cluster.address(0), cluster.address(1)]
+
+
 @pytest.mark.parametrize("load_tp", [1, 4])
-def test_tp2_checkpoint_restores_exactly_at_other_tp_sizes(daemon, load_tp: int) -> None:
+def test_tp2_checkpoint_restores_exactly_at_other_tp_sizes(addresses: list[str], load_tp: int) -> None:
     full = global_model()
     moments = {name: t * 0.5 for name, t in full.items()}  # stand-ins for Adam's exp_avg, sharded alike
 
@@ -75,7 +91,7 @@ def test_tp2_checkpoint_restores_exactly_at_other_tp_sizes(daemon, load_tp: int)
         state = {"model": local_model(full, 2, r), "optimizer": {"state": {n: {"exp_avg": t} for n, t in local_model(moments, 2, r).items()}}}
         return ckpt.save(1, state).wait_durable(timeout=60)
 
-    as_ranks(2, f"tp-{load_tp}", daemon, save)
+    as_ranks(2, f"tp-{load_tp}", addresses, save)
 
     def load(r: int, ckpt: CheckpointClient):
         model = {name: torch.zeros_like(t) for name, t in local_model(full, load_tp, r).items()}
@@ -83,7 +99,8 @@ def test_tp2_checkpoint_restores_exactly_at_other_tp_sizes(daemon, load_tp: int)
         step = ckpt.load({"model": model, "optimizer": {"state": moment}})
         return step, model, moment
 
-    for r, (step, model, moment) in enumerate(as_ranks(load_tp, f"tp-{load_tp}", daemon, load)):
+    load_on = addresses if load_tp > 1 else addresses[-1:]  # TP=1: the last node, which fetches what others wrote
+    for r, (step, model, moment) in enumerate(as_ranks(load_tp, f"tp-{load_tp}", load_on, load)):
         assert step == 1
         expected, expected_m = local_model(full, load_tp, r), local_model(moments, load_tp, r)
         for name in full:

@@ -3,6 +3,8 @@ root), trainer ranks as gloo processes, each talking to its node's daemon."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import math
 import socket
@@ -82,6 +84,8 @@ def test_four_ranks_on_two_nodes_commit_one_checkpoint(shared_cluster) -> None:
     assert index.world_size == 4
     w = index.by_name()["model/w_even"]
     assert len(w.fragments) == 4  # sharded across the nodes: stored as fragments by their holders
+    fragments = [f for t in index.tensors for f in t.fragments]
+    assert all(f.chunk_bytes and len(f.chunk_xxh3) == 16 * -(-f.nbytes // f.chunk_bytes) for f in fragments)  # partial reads are checked
     assert {f.node for f in index.files if f.name.startswith("model-")} == {0, 1}
     assert (cluster.root(0) / "mn" / "latest").read_text().strip() == "step-00000001"
 
@@ -336,3 +340,86 @@ def test_quantized_fragments_written_by_two_nodes_load_the_same_in_any_layout(sh
             assert float((got[0][name] - want).abs().max()) <= float(want.abs().max()) / 14 * 1.001
         else:
             assert bool(((got[0][name] > 0) == (want > 0)).all())
+
+
+# ------------------------------------------------------------------ mutual TLS on the peer port
+
+def make_pki(out: Path, name: str) -> dict[str, Path]:
+    """PEM files of a new CA ("ca") and of one certificate ("cert", "key") it signed for
+    127.0.0.1 and localhost, good for server and client use."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def signed(subject: str, public_key, issuer: str, signer, extensions: list) -> "x509.Certificate":
+        builder = (
+            x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = signed(f"{name} CA", ca_key.public_key(), f"{name} CA", ca_key, [(x509.BasicConstraints(ca=True, path_length=None), True)])
+    cert = signed("ckptd", key.public_key(), f"{name} CA", ca_key, [
+        (x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
+    ])
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"cert": out / "node.crt", "key": out / "node.key", "ca": out / "ca.crt"}
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return paths
+
+
+def tls_args(pki: dict[str, Path]) -> list[str]:
+    return ["--peer-tls-cert", str(pki["cert"]), "--peer-tls-key", str(pki["key"]), "--peer-tls-ca", str(pki["ca"])]
+
+
+def test_two_daemons_save_and_load_over_mutual_tls(node_sets, tmp_path: Path) -> None:
+    from ckptd.wire.v1 import peer_pb2, peer_pb2_grpc
+
+    pki = make_pki(tmp_path / "pki", "cluster")
+    cluster = node_sets(2, shared_root=False)  # node-local roots: loads fetch over the TLS port
+    for node in (0, 1):
+        cluster.start(node, *tls_args(pki))
+    state = replicated_state(tensors=6)
+    assert all(not isinstance(r, Exception) for r in save_from_threads(cluster, [0, 0, 1, 1], 1, state, "tls"))
+    restored = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    with CheckpointClient("tls", address=cluster.address(1), rank=0, world_size=1, local_world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load(restored) == 1
+    assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
+
+    request = peer_pb2.InventoryRequest(job="tls", step=1)
+    metadata = (("ckptd-peer-token", "any-token-0123456789"),)  # refused before the token counts
+    with grpc.insecure_channel(cluster.peers[0]) as plain:  # no TLS: the handshake fails
+        with pytest.raises(grpc.RpcError) as info:
+            peer_pb2_grpc.PeerStub(plain).Inventory(request, metadata=metadata, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    stranger = make_pki(tmp_path / "stranger", "stranger")  # a certificate of another CA
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=pki["ca"].read_bytes(), private_key=stranger["key"].read_bytes(), certificate_chain=stranger["cert"].read_bytes()
+    )
+    with grpc.secure_channel(cluster.peers[0], credentials) as foreign:
+        with pytest.raises(grpc.RpcError) as info:
+            peer_pb2_grpc.PeerStub(foreign).Inventory(request, metadata=metadata, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_unreadable_certificate_stops_the_daemon_with_the_file_named(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki", "cluster")
+    pki["key"].unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(tmp_path / "root"), "--socket", str(tmp_path / "d.sock"),
+         "--node-rank", "0", "--peers", "127.0.0.1:1,127.0.0.1:2", "--peer-token", "0123456789abcdef", *tls_args(pki)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"--peer-tls-key {pki['key']}: cannot read it" in result.stderr, result.stderr

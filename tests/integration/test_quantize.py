@@ -137,7 +137,7 @@ def test_client_reads_any_slice_like_the_whole(daemon) -> None:
             sc = frag.quant.scales
             src = Source(
                 "t", "file", str(step_dir / frag.file), frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
-                Decoding(frag.quant.codec, frag.quant.block, Source("t", "file", str(step_dir / sc.file), sc.offset, sc.nbytes, frag.box, sc.dtype, sc.checksum), None),
+                decode=Decoding(frag.quant.codec, frag.quant.block, Source("t", "file", str(step_dir / sc.file), sc.offset, sc.nbytes, frag.box, sc.dtype, sc.checksum), None),
             )
             whole = torch.empty(300, 96)
             fill_all(pool, ArenaMaps(), [Fill(whole, Box.full((300, 96)), [src])])

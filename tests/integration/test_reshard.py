@@ -76,9 +76,14 @@ def test_saved_by_four_ranks_loaded_by_another_layout(saved, mesh: list[int], pl
 TRAINER = Path(__file__).with_name("train_worker.py")
 
 
-def train(daemon, tmp: Path, world: int, start: int, stop: int, save_at: int, job: str) -> dict[int, float]:
+def train(daemon, tmp: Path, world: int, start: int, stop: int, save_at: int, job: str, nodes=None) -> dict[int, float]:
+    """Losses of a training run; `nodes`: (a NodeSet, the node of each rank) instead of `daemon`."""
     out = tmp / f"losses-{job}-{world}-{start}.json"
-    launch(TRAINER, world, address=daemon.address, job=job, start=start, stop=stop, save_at=save_at, out=str(out))
+    where = {"address": daemon.address} if nodes is None else {
+        "addresses": [nodes[0].address(n) for n in nodes[1]],
+        "local_world_size": [nodes[1].count(n) for n in nodes[1]],
+    }
+    launch(TRAINER, world, job=job, start=start, stop=stop, save_at=save_at, out=str(out), **where)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
@@ -90,3 +95,15 @@ def test_adam_state_is_resharded_and_training_continues_the_same(daemon, tmp_pat
     losses = {**first, **resumed}
     assert sorted(losses) == sorted(reference)
     assert losses == reference  # exactly: same global computation, Adam moments resharded 2 -> 3
+
+
+@pytest.mark.slow
+def test_adam_state_saved_on_two_nodes_is_resharded_and_training_continues_the_same(node_sets, tmp_path: Path) -> None:
+    """The same on two daemons with node-local roots: 2 ranks (one per node) save, 3 ranks
+    (2 on node 0, 1 on node 1) resume; each node fetches the shards the other node wrote."""
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all()
+    reference = train(None, tmp_path, world=2, start=0, stop=6, save_at=0, job="adam-ref", nodes=(cluster, [0, 1]))
+    first = train(None, tmp_path, world=2, start=0, stop=3, save_at=3, job="adam", nodes=(cluster, [0, 1]))
+    resumed = train(None, tmp_path, world=3, start=3, stop=6, save_at=0, job="adam", nodes=(cluster, [0, 0, 1]))
+    assert {**first, **resumed} == reference

@@ -119,6 +119,24 @@ def test_resumed_training_follows_the_uninterrupted_run(daemon) -> None:
     assert losses == ref_losses
 
 
+def test_a_save_before_the_first_optimizer_step_changes_neither_training_nor_a_resume(daemon) -> None:
+    """Reading a fresh optimizer's state initializes it (Adam's step becomes 1); ckptd takes that
+    state out again and marks the checkpoint, so both the run that saved and one resumed from
+    the step-0 checkpoint follow a run that never saved."""
+    total = 5
+    reference = make_training(7)
+    ref_losses = [train_step(*reference, s) for s in range(1, total + 1)]
+    with CheckpointClient("fresh", address=daemon.address, on_error="raise") as ckpt:
+        saving = make_training(7)
+        ckpt.save(0, state_of(*saving, {}), rng=True).wait_durable(timeout=60)
+        assert not saving[1].state  # still fresh
+        assert [train_step(*saving, s) for s in range(1, total + 1)] == ref_losses
+        resumed = make_training(8)
+        assert ckpt.load(state_of(*resumed, {}), step=0, rng=True) == 0
+        assert not resumed[1].state
+        assert [train_step(*resumed, s) for s in range(1, total + 1)] == ref_losses
+
+
 def test_model_files_load_with_safetensors_and_tied_weights_are_stored_once(daemon) -> None:
     model, opt, sched = make_training(0, tied=True)
     train_step(model, opt, sched, 1)

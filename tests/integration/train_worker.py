@@ -4,7 +4,8 @@ and AdamW, saving or resuming through ckptd: `python train_worker.py SPEC_JSON`.
 Every rank computes the same loss on the same global batch from the gathered parameters, so the
 training is the same computation whatever the number of ranks; only the sharding of parameters
 and Adam moments changes. Spec: address, job, rank, world_size, port, start (0: fresh), stop,
-save_at (0: never), out (rank 0 writes the losses as JSON there).
+save_at (0: never), out (rank 0 writes the losses as JSON there). Several nodes: `addresses`
+(each rank's daemon) and `local_world_size` (per rank: the ranks on its node) replace `address`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def train(spec: dict) -> None:
     model = ShardedMLP(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     losses = {}
-    with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
+    rank = spec["rank"]
+    address = spec["addresses"][rank] if "addresses" in spec else spec["address"]
+    local = spec.get("local_world_size")
+    local_world_size = local[rank] if isinstance(local, list) else None
+    with CheckpointClient(spec["job"], address=address, on_error="raise", timeout_s=60, local_world_size=local_world_size) as ckpt:
         start = spec["start"]
         if start:
             assert ckpt.load({"model": model, "optimizer": opt}, step=start) == start

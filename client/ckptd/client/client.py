@@ -197,7 +197,7 @@ class CheckpointClient:
             no_quantize = quantize == "none"
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
-            flat = flatten_state(state, rank=self.rank, rng=rng)
+            flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True)
             options = _SaveOptions(scheme, no_quantize, master_weights or "")
             return self._save(step, state, flat, metric, started, options)
         except Exception as exc:
@@ -390,7 +390,9 @@ def _source(p: pb.Piece) -> Source:
         decoding = Decoding(
             d.codec, d.block, _source(d.scales) if d.HasField("scales") else None, _source(d.base) if d.HasField("base") else None
         )
-    return Source(p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, decoding)
+    return Source(
+        p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3, decoding
+    )
 
 
 @dataclass(frozen=True)

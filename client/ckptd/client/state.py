@@ -13,8 +13,11 @@ themselves, any other key is "extra"); values choose how they are read:
 - torch.optim.Optimizer: torch.distributed.checkpoint's get_optimizer_state_dict, which keys
   the state by parameter name (FQN) instead of by integer id, so it needs the model of the same
   state under "model". Tensors are named "<key>/state/<fqn>/<field>" (a tied parameter's state
-  has its other FQNs as aliases); param_groups go to the extras. A fresh optimizer gets its
-  state initialized (a zero-lr step), which gives a load the tensors to fill.
+  has its other FQNs as aliases); param_groups go to the extras. A fresh optimizer (no step
+  taken yet) gets its state initialized by a zero-lr step, which gives a load the tensors to
+  fill; when saving, that state is taken out of the optimizer again and the checkpoint marks the
+  optimizer fresh, so a save before the first step changes neither the training that goes on
+  nor a resume from it (Adam's step count starts at 0 in both).
 - anything with state_dict()/load_state_dict() (LR schedulers, user objects): its state_dict
   tree, tensors named "<key>/<path>".
 - tensors and JSON-able values (see ckptd.client.tree): tensors named "<key>/<path>".
@@ -49,6 +52,8 @@ from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 log = logging.getLogger("ckptd.client")
 
 RNG_KEY = "rng"
+# Marks, in the saved optimizer's extras, an optimizer that had taken no step when it was saved.
+FRESH_OPTIMIZER = "ckptd_fresh"
 MODEL_KEY = "model"
 _EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
@@ -84,8 +89,10 @@ class FlatState:
         return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
 
 
-def flatten_state(state: Mapping[str, Any], *, rank: int, rng: bool = False) -> FlatState:
+def flatten_state(state: Mapping[str, Any], *, rank: int, rng: bool = False, for_save: bool = False) -> FlatState:
     """The tensors and extras of `state` (see the module docstring); nothing is copied.
+
+    for_save: the flat state is about to be saved: fresh optimizers are left fresh (see above).
 
     rng=True adds the random generators' states under the extras key "rng": torch's CPU (and
     CUDA) generators as tensors named "rng/rank<rank>/...", Python's and NumPy's as JSON.
@@ -101,7 +108,12 @@ def flatten_state(state: Mapping[str, Any], *, rank: int, rng: bool = False) -> 
             encoded = _flatten_module(key, value, entries)
         elif isinstance(value, torch.optim.Optimizer):
             model = _model_of(state, key)
-            encoded = tree.encode(_optimizer_state(model, key, value), key, _optimizer_adder(key, model, entries))
+            fresh = not value.state
+            optimizer_state = _optimizer_state(model, key, value)
+            if fresh and for_save:
+                value.state.clear()  # the tensors stay referenced by this flat state until copied
+                optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
+            encoded = tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
         elif _is_stateful(value):
             encoded = tree.encode(value.state_dict(), key, add)
         else:
@@ -375,6 +387,8 @@ def _restore_optimizer(
         saved_fields = saved["state"].get(fqn, {})
         fields.update((k, v) for k, v in saved_fields.items() if v is not _SAVED_TENSOR)
     set_optimizer_state_dict(_model_of(state, key), optimizer, optim_state_dict=live)
+    if saved.get(FRESH_OPTIMIZER) is True:
+        optimizer.state.clear()  # saved before its first step: it resumes as fresh as it was
 
 
 def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:

@@ -4,7 +4,8 @@ Copies are split into chunks and run on a few threads (numpy releases the GIL wh
 copies), so a hand-off runs at memory bandwidth. Reads of committed files go straight into
 the target tensors with pread and are checked against the index's xxh3 checksums. A target
 that wants only part of a fragment (resharding) gets only the byte ranges it needs (see
-ckptd.common.reshard).
+ckptd.common.reshard), checked against the checksums of the fragment's chunks they touch (see
+ckptd.common.chunks).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import xxhash
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative
+from ckptd.common.chunks import ChunkCheck, digest_of
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 CHUNK = 32 * 2**20
@@ -158,6 +160,8 @@ class Source:
     box: Box
     dtype: str
     checksum: str
+    chunk_bytes: int = 0  # files: xxh3-64 of each chunk of the fragment (ckptd.common.chunks)
+    chunk_xxh3: str = ""
     decode: "Decoding | None" = None  # the bytes are codes or a residual (ckptd.common.quant)
 
 
@@ -363,6 +367,10 @@ def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
         hasher = xxhash.xxh3_64()
         hasher.update(memoryview(data))
         _check(src, hasher)
+    else:
+        check = _PartialCheck(src)
+        check.saw(first * row_bytes, data)
+        check.finish()
     rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
     fill.target[relative(part.common, fill.want)].copy_(rows[(slice(None), *inside[1:])])
 
@@ -371,12 +379,13 @@ def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int,
     """pread the fragment's `ranges` (read_ranges of `runs`) and place each run into `dest`.
 
     A range that is exactly one run is read straight into `dest`; others go through one
-    temporary buffer. The index's checksum covers the whole fragment, so it is checked only
-    when the ranges happen to cover all of it: the bytes of a partial read are not verified.
+    temporary buffer. The fragment's checksum is checked when the ranges happen to cover all of
+    it, else the checksums of the chunks they touch.
     """
     whole = bool(ranges) and ranges[0][0] == 0 and sum(n for _, n in ranges) == src.nbytes
     whole = whole and all(lo == plo + pn for (plo, pn), (lo, _) in zip(ranges, ranges[1:]))
     hasher = xxhash.xxh3_64() if whole and src.checksum else None
+    partial = None if whole else _PartialCheck(src)
     buf = np.empty(0, dtype=np.uint8)  # grown to the longest range of several runs (<= READ_CHUNK)
     fd = _open(src)
     try:
@@ -398,10 +407,14 @@ def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int,
                     dest[r.dst : r.dst + r.nbytes] = data[r.src - lo : r.src - lo + r.nbytes]
             if hasher is not None:
                 hasher.update(memoryview(data))
+            if partial is not None:
+                partial.saw(lo, data)
     finally:
         os.close(fd)
     if hasher is not None:
         _check(src, hasher)
+    if partial is not None:
+        partial.finish()
 
 
 def _open(src: Source) -> int:
@@ -430,6 +443,59 @@ def _check(src: Source, hasher: "xxhash.xxh3_64") -> None:
             f"checksum mismatch for tensor {src.name!r} in {Path(src.path).name} at byte {src.offset} ({src.nbytes} bytes): expected "
             f"{src.checksum}, read {actual}; the file is damaged — load an older step"
         )
+
+
+class _PartialCheck:
+    """Checks what a read of part of a fragment saw against the chunk checksums of the index:
+    each chunk wholly inside a range read as soon as it is seen, the chunks cut at the ranges'
+    edges by reading them whole at the end. Without chunk checksums (an index written before
+    they existed) it checks nothing."""
+
+    def __init__(self, src: Source) -> None:
+        self.src = src
+        try:
+            self.chunks = ChunkCheck(src.nbytes, src.chunk_bytes, src.chunk_xxh3) if src.chunk_bytes else None
+        except ValueError as exc:
+            raise CheckpointError(f"the index's chunk checksums of tensor {src.name!r} in {Path(src.path).name} are malformed: {exc}") from None
+        self.checked: set[int] = set()
+        self.edges: set[int] = set()
+
+    def saw(self, lo: int, data: np.ndarray) -> None:
+        """`data`: the fragment's bytes [lo, lo + len(data)) as read from the file."""
+        if self.chunks is None:
+            return
+        inner, edges = self.chunks.split(lo, len(data))
+        for chunk in inner:
+            begin, end = self.chunks.span(chunk)
+            self._compare(chunk, digest_of(memoryview(data[begin - lo : end - lo])))
+        self.checked.update(inner)
+        self.edges.update(edges)
+
+    def finish(self) -> None:
+        """Read and check the chunks cut by the ranges seen."""
+        todo = sorted(self.edges - self.checked) if self.chunks is not None else []
+        if not todo:
+            return
+        assert self.chunks is not None
+        fd = _open(self.src)
+        try:
+            for chunk in todo:
+                begin, end = self.chunks.span(chunk)
+                buf = np.empty(end - begin, dtype=np.uint8)
+                _pread_exact(fd, buf, self.src.offset + begin, self.src.path)
+                self._compare(chunk, digest_of(memoryview(buf)))
+        finally:
+            os.close(fd)
+
+    def _compare(self, chunk: int, actual: str) -> None:
+        assert self.chunks is not None
+        if actual != self.chunks.expected(chunk):
+            begin, end = self.chunks.span(chunk)
+            raise CheckpointError(
+                f"checksum mismatch for tensor {self.src.name!r} in {Path(self.src.path).name} at bytes "
+                f"[{self.src.offset + begin}, {self.src.offset + end}) (chunk {chunk} of the fragment): expected "
+                f"xxh3-64:{self.chunks.expected(chunk)}, read xxh3-64:{actual}; the file is damaged — load an older step"
+            )
 
 
 def _read_verified(src: Source, out: np.ndarray) -> None:
@@ -502,5 +568,9 @@ def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int
         hasher = xxhash.xxh3_64()
         hasher.update(memoryview(out))
         _check(src, hasher)
+    else:  # part of the fragment: its chunk checksums, when the index has them
+        check = _PartialCheck(src)
+        check.saw(r0 * row_bytes, out)
+        check.finish()
     stored = getattr(torch, dtypes.torch_name(dtype))
     return torch.from_numpy(out).view(stored).view((r1 - r0, *shape[1:]) if shape else ())

@@ -36,6 +36,7 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.checks import tensor_specs
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, Unavailable
 from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, step_dir_name
+from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.pipeline import IncompleteStep, NodeManifest, step_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage
@@ -124,26 +125,28 @@ class _GlobalSave:
 class PeerLinks:
     """gRPC channels to the other daemons, with the token on every call."""
 
-    def __init__(self, peers: Sequence[str], token: str) -> None:
+    def __init__(self, peers: Sequence[str], token: str, tls: PeerTls | None = None) -> None:
         self.peers = tuple(peers)
+        self.tls = tls
         self._metadata = ((PEER_TOKEN_KEY, token),)
         self._channels: dict[int, grpc.aio.Channel] = {}
 
     def _channel(self, node: int) -> grpc.aio.Channel:
         channel = self._channels.get(node)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                self.peers[node],
-                options=[
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    # a restarted peer is reachable again within a second, not after gRPC's
-                    # default backoff of up to two minutes
-                    ("grpc.initial_reconnect_backoff_ms", 200),
-                    ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
-                ],
-            )
+            options = [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # a restarted peer is reachable again within a second, not after gRPC's
+                # default backoff of up to two minutes
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(self.peers[node], options=options)
+            else:
+                channel = grpc.aio.secure_channel(self.peers[node], self.tls.channel_credentials(), options=options)
             self._channels[node] = channel
         return channel
 
@@ -397,6 +400,7 @@ def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[
         ppb.StoredFragment(
             name=name, file=f.file, key=f.key, box=pb.Box(offsets=f.box.offsets, lengths=f.box.lengths),
             dtype=f.dtype, offset=f.offset, nbytes=f.nbytes, checksum=f.checksum,
+            chunk_bytes=f.chunk_bytes, chunk_xxh3=f.chunk_xxh3,
             quant_json=json.dumps(f.quant.to_json()) if f.quant is not None else "",
         )
         for name, f in manifest.fragments
@@ -415,6 +419,7 @@ def manifest_from_wire(
                 f.name,
                 FragmentRecord(
                     f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
+                    f.chunk_bytes, f.chunk_xxh3,
                     QuantRecord.from_json(json.loads(f.quant_json)) if f.quant_json else None,
                 ),
             )
@@ -431,9 +436,11 @@ class Cluster:
     """This node's view of the other nodes: the coordinator (in process on node 0, over gRPC
     elsewhere) and the peers' inventories and files."""
 
-    def __init__(self, node: int, peers: Sequence[str], token: str, storage: Storage, on_commit: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(
+        self, node: int, peers: Sequence[str], token: str, storage: Storage, on_commit: Callable[[str], Awaitable[None]], tls: PeerTls | None = None
+    ) -> None:
         self.node = node
-        self.links = PeerLinks(peers, token)
+        self.links = PeerLinks(peers, token, tls)
         self.storage = storage
         self.root_id = ""
         self._on_commit = on_commit

@@ -69,6 +69,8 @@ class DaemonConfig:
     peers: every node's daemon-to-daemon address "host:port", in node-rank order; this daemon
         listens on its own entry. Empty: a single node.
     peer_token: the shared secret every daemon of the job's nodes presents (required with peers).
+    peer_tls_cert, peer_tls_key, peer_tls_ca: PEM files for mutual TLS on the peer port (all
+        three or none): this daemon's certificate and key, and the CA that signed every daemon's.
     quantize: the default compression of optimizer moments for saves that do not choose:
         "none" (lossless), "O1" (int8) or "O2" (int4) (DESIGN.md §8).
     master_weights: the default for fp32 master weights beside bf16/fp16 model weights:
@@ -94,6 +96,9 @@ class DaemonConfig:
     node_rank: int = 0
     peers: tuple[str, ...] = ()
     peer_token: str = field(default="", repr=False)
+    peer_tls_cert: Path | None = None
+    peer_tls_key: Path | None = None
+    peer_tls_ca: Path | None = None
     quantize: str = "none"
     master_weights: str = "keep"
     quant_max_generations: int = 1
@@ -118,6 +123,13 @@ class DaemonConfig:
         return len(self.peers) > 1
 
     @property
+    def peer_tls_files(self) -> tuple[Path, Path, Path] | None:
+        """(cert, key, CA) when the peer port uses TLS, else None."""
+        if self.peer_tls_cert is None or self.peer_tls_key is None or self.peer_tls_ca is None:
+            return None
+        return self.peer_tls_cert, self.peer_tls_key, self.peer_tls_ca
+
+    @property
     def peer_address(self) -> str:
         """This daemon's own daemon-to-daemon address (its entry in `peers`)."""
         return self.peers[self.node_rank]
@@ -127,6 +139,11 @@ MIN_TOKEN_CHARS: Final = 16
 
 
 def _peer_problems(config: "DaemonConfig") -> list[str]:
+    tls = {"--peer-tls-cert": config.peer_tls_cert, "--peer-tls-key": config.peer_tls_key, "--peer-tls-ca": config.peer_tls_ca}
+    given = [flag for flag, value in tls.items() if value is not None]
+    if given and len(given) < len(tls):
+        missing = [flag for flag in tls if flag not in given]
+        return [f"{', '.join(given)} without {', '.join(missing)}: TLS on the peer port needs this daemon's certificate, its key and the CA, all three"]
     if not config.peers:
         if config.node_rank != 0:
             return [f"--node-rank {config.node_rank} needs --peers: the daemon-to-daemon address of every node, in node-rank order"]
@@ -158,6 +175,13 @@ def _path(raw: Any, text: bool) -> Path:
     if isinstance(raw, (str, os.PathLike)) and os.fspath(raw) != "":
         return Path(raw).expanduser()
     raise _Expected("a non-empty path")
+
+
+def _optional_path(raw: Any, text: bool) -> Path | None:
+    """A path, or None when not given (None or an empty string)."""
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return None
+    return _path(raw, text)
 
 
 def _integer(minimum: int, note: str = "") -> Parser:
@@ -292,6 +316,9 @@ _SPECS: Final[dict[str, _Spec]] = {
     "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),
     "peers": _Spec(_peers, "--peers", "HOST:PORT,...", "daemon-to-daemon address of every node in node-rank order; this daemon listens on its own (default: none, a single node)"),
     "peer_token": _Spec(_token, "--peer-token", "TOKEN", "shared secret of the daemons (prefer the environment variable: flags show in ps)"),
+    "peer_tls_cert": _Spec(_optional_path, "--peer-tls-cert", "FILE", "PEM certificate of this daemon for mutual TLS on the peer port (with --peer-tls-key and --peer-tls-ca; default: no TLS)"),
+    "peer_tls_key": _Spec(_optional_path, "--peer-tls-key", "FILE", "PEM private key of --peer-tls-cert"),
+    "peer_tls_ca": _Spec(_optional_path, "--peer-tls-ca", "FILE", "PEM certificate of the CA that signed every daemon's certificate"),
     "quantize": _Spec(_quantize, "--quantize", "{none,O1,O2}", "default compression of optimizer moments for saves that do not choose: none, O1 (int8), O2 (int4) (default: none)"),
     "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
     "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),

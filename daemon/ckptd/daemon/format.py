@@ -195,10 +195,14 @@ class FragmentRecord:
     offset: int  # absolute byte offset of the data in the file
     nbytes: int
     checksum: str  # "xxh3-64:<hex>" of the fragment's bytes
+    # xxh3-64 of each chunk of chunk_bytes (ckptd.common.chunks), 16 hex characters each,
+    # concatenated; verifies reads of part of the fragment. 0 and "": not recorded.
+    chunk_bytes: int = 0
+    chunk_xxh3: str = ""
     quant: QuantRecord | None = None  # None: the stored bytes are the values
 
     def to_json(self) -> dict[str, Any]:
-        doc = {
+        doc: dict[str, Any] = {
             "file": self.file,
             "key": self.key,
             "offsets": list(self.box.offsets),
@@ -208,6 +212,8 @@ class FragmentRecord:
             "nbytes": self.nbytes,
             "checksum": self.checksum,
         }
+        if self.chunk_bytes:
+            doc["chunks"] = {"bytes": self.chunk_bytes, "xxh3": self.chunk_xxh3}
         if self.quant is not None:
             doc["quant"] = self.quant.to_json()
         return doc
@@ -222,6 +228,8 @@ class FragmentRecord:
             offset=int(d["offset"]),
             nbytes=int(d["nbytes"]),
             checksum=str(d["checksum"]),
+            chunk_bytes=int(d["chunks"]["bytes"]) if "chunks" in d else 0,
+            chunk_xxh3=str(d["chunks"]["xxh3"]) if "chunks" in d else "",
             quant=QuantRecord.from_json(d["quant"]) if "quant" in d else None,
         )
 

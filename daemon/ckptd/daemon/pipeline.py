@@ -27,6 +27,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
+from ckptd.common.chunks import ChunkHasher, chunk_bytes_for
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
@@ -439,7 +440,7 @@ def _fragment_records(
 ) -> tuple[tuple[str, FragmentRecord], ...]:
     """The index records of what was written: codes with their scales (and residuals with the
     model weight they add to) in QuantRecords; dropped master weights as the model weight's bytes."""
-    where = {(t.name, t.box, t.role): (t, file, offset, checksum_name(digest.result())) for t, file, offset, digest in placed}
+    where = {(t.name, t.box, t.role): (t, file, offset, checksum_name(digest.result()[0])) for t, file, offset, digest in placed}
 
     def side(t: StoredTensor, file: str, offset: int, checksum: str) -> SideRecord:
         return SideRecord(file, t.key, t.dtype, t.shape, offset, t.nbytes, checksum)
@@ -455,10 +456,13 @@ def _fragment_records(
             quant = QuantRecord(done.codec, base=side(*model))
         elif done is not None:
             quant = QuantRecord(done.codec, done.block, scales=side(*where[(t.name, t.box, "scales")]))
-        records.append((t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result()), quant)))
+        full, chunks = digest.result()
+        records.append((t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(full), chunk_bytes_for(t.nbytes), chunks, quant)))
+    chunks_of = {(t.name, t.box): digest.result()[1] for t, _, _, digest in placed if t.role == "data"}
     for name, model in cast.items():
         m, file, offset, checksum = where[(model.name, model.box, "data")]
-        records.append((name, FragmentRecord(file, m.key, m.box, m.dtype, offset, m.nbytes, checksum, QuantRecord("cast"))))
+        chunks = chunks_of[(model.name, model.box)]
+        records.append((name, FragmentRecord(file, m.key, m.box, m.dtype, offset, m.nbytes, checksum, chunk_bytes_for(m.nbytes), chunks, QuantRecord("cast"))))
     return tuple(records)
 
 
@@ -567,9 +571,11 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Progress, throttle: Throttle) -> int:
-    """Write one tensor's runs (in file order) and return the xxh3-64 of its bytes."""
+def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
+    """Write one tensor's runs (in file order, contiguous); return the xxh3-64 of its bytes and
+    the digests of its chunks (ckptd.common.chunks)."""
     hasher = xxhash.xxh3_64()
+    chunks = ChunkHasher(chunk_bytes_for(sum(p.nbytes for p in pieces)))
     for piece in pieces:
         arena = arenas.arenas[piece.rank]
         assert arena is not None, "plan gave a fragment to a rank without an arena"
@@ -580,25 +586,29 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
             view = arena.view(piece.src + done, n)
             try:
                 hasher.update(view)
+                chunks.update(view)
                 _pwrite_all(fd, view, piece.dst + done)
             finally:
                 view.release()
             done += n
             progress.add(n)
-    return hasher.intdigest()
+    return hasher.intdigest(), chunks.hexdigests()
 
 
-def _write_encoded(fd: int, encoded: _Encoded, role: str, offset: int, throttle: Throttle) -> int:
-    """Wait for an encoding, write its data (codes, residual) or its scales at `offset`; returns their xxh3-64."""
+def _write_encoded(fd: int, encoded: _Encoded, role: str, offset: int, throttle: Throttle) -> tuple[int, str]:
+    """Wait for an encoding, write its data (codes, residual) or its scales at `offset`; returns
+    their xxh3-64 and the digests of their chunks (ckptd.common.chunks)."""
     codes, scales = encoded.future.result()
     chosen = scales if role == "scales" else codes
     assert chosen is not None
     data = memoryview(chosen)
+    chunks = ChunkHasher(chunk_bytes_for(len(data)))
     for done in range(0, len(data), WRITE_CHUNK):
         chunk = data[done : done + WRITE_CHUNK]
         throttle.wait(len(chunk))
         _pwrite_all(fd, chunk, offset + done)
-    return xxhash.xxh3_64_intdigest(data)
+        chunks.update(chunk)
+    return xxhash.xxh3_64_intdigest(data), chunks.hexdigests()
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -152,7 +152,13 @@ def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.S
     ppb_grpc.add_PeerServicer_to_server(PeerServicer(service, config.peer_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(config.peer_address) == 0:
+    assert service.cluster is not None
+    tls = service.cluster.links.tls
+    if tls is None:
+        bound = server.add_insecure_port(config.peer_address)
+    else:
+        bound = server.add_secure_port(config.peer_address, tls.server_credentials())
+    if bound == 0:
         raise RuntimeError(f"cannot listen on {config.peer_address} (this node's --peers entry): is the port in use or the host not this machine's?")
     return server
 

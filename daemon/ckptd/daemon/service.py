@@ -29,6 +29,7 @@ from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
@@ -117,6 +118,8 @@ class PieceInfo:
     fragment: Any  # Box
     dtype: str
     checksum: str
+    chunk_bytes: int = 0  # file pieces: the fragment's chunk checksums (FragmentRecord)
+    chunk_xxh3: str = ""
     decode: "DecodeInfo | None" = None  # the bytes are codes or a residual, not values
 
 
@@ -174,8 +177,9 @@ class CheckpointService:
         self._index_cache: dict[tuple[str, int], CheckpointIndex] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.node = config.node_rank
+        tls = PeerTls.from_files(*config.peer_tls_files) if config.peer_tls_files is not None else None
         self.cluster = (
-            Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention) if config.multi_node else None
+            Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention, tls) if config.multi_node else None
         )
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
 
@@ -836,7 +840,12 @@ class CheckpointService:
                     side_path = await path_of(side.file, side.offset, side.nbytes)
                     sides.append(PieceInfo(spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum))
                 decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1])
-            out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum, decode))
+            out.append(
+                PieceInfo(
+                    spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
+                    chunk_bytes=frag.chunk_bytes, chunk_xxh3=frag.chunk_xxh3, decode=decode,
+                )
+            )
         return out
 
     async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:

@@ -88,6 +88,7 @@ def _piece(p: PieceInfo) -> pb.Piece:
     piece = pb.Piece(
         name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
         fragment=_box(p.fragment), dtype=p.dtype, checksum=p.checksum,
+        chunk_bytes=p.chunk_bytes, chunk_xxh3=p.chunk_xxh3,
     )
     if p.decode is not None:
         piece.decode.codec = p.decode.codec

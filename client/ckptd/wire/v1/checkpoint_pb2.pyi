@@ -178,7 +178,7 @@ class PlanLoadRequest(_message.Message):
     def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "decode")
+    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class Piece(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
@@ -196,8 +198,10 @@ class Piece(_message.Message):
     fragment: Box
     dtype: str
     checksum: str
+    chunk_bytes: int
+    chunk_xxh3: str
     decode: Decode
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("codec", "block", "scales", "base")

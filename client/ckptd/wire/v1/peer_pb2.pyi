@@ -82,7 +82,7 @@ class FileEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class StoredFragment(_message.Message):
-    __slots__ = ("name", "file", "key", "box", "dtype", "offset", "nbytes", "checksum", "quant_json")
+    __slots__ = ("name", "file", "key", "box", "dtype", "offset", "nbytes", "checksum", "chunk_bytes", "chunk_xxh3", "quant_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class StoredFragment(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
     QUANT_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     file: str
@@ -100,8 +102,10 @@ class StoredFragment(_message.Message):
     offset: int
     nbytes: int
     checksum: str
+    chunk_bytes: int
+    chunk_xxh3: str
     quant_json: str
-    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., quant_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., quant_json: _Optional[str] = ...) -> None: ...
 
 class ReportManifestRequest(_message.Message):
     __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files", "quantization_json")
