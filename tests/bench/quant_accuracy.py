@@ -189,7 +189,16 @@ def summarize(per_seed: dict[str, dict[int, list[tuple[int, float]]]], seeds: li
     for name, by_seed in per_seed.items():
         finals = [by_seed[s][-1][1] for s in seeds]
         deltas = [100.0 * (by_seed[s][-1][1] / per_seed["lossless"][s][-1][1] - 1.0) for s in seeds]
+        # the same, averaged over the evaluations of the last quarter of the resumed steps: less
+        # of the noise of one evaluation point
+        tails = []
+        for s in seeds:
+            points = by_seed[s][1:]
+            last = points[-max(1, len(points) // 4) :]
+            ref = per_seed["lossless"][s][1:][-len(last) :]
+            tails.append(statistics.fmean(100.0 * (a[1] / b[1] - 1.0) for a, b in zip(last, ref)))
         out[name] = {
+            "tail_delta_pct_mean": statistics.fmean(tails), "tail_delta_pct": tails,
             "final_mean": statistics.fmean(finals), "final_min": min(finals), "final_max": max(finals),
             "delta_pct_mean": statistics.fmean(deltas), "delta_pct_min": min(deltas), "delta_pct_max": max(deltas),
             "delta_pct": deltas,
@@ -201,12 +210,14 @@ def report(results: dict[str, Any]) -> str:
     lines = []
     for setting, data in results["settings"].items():
         lines.append(f"setting {setting}: {results['steps']} steps, then {results['steps']} resumed steps; seeds {results['seeds']}")
-        lines.append(f"{'variant':<26} {'final held-out loss':>22} {'delta vs lossless (same seed), %':>40}")
+        lines.append(f"{'variant':<26} {'final held-out loss':>22} {'delta vs lossless (same seed), %':>40}   last quarter, %")
         for name, s in data["summary"].items():
             per = " ".join(f"{d:+.2f}" for d in s["delta_pct"])
+            tail = " ".join(f"{d:+.2f}" for d in s["tail_delta_pct"])
             lines.append(
                 f"{name:<26} {s['final_mean']:.4f} [{s['final_min']:.4f}-{s['final_max']:.4f}] "
                 f"{s['delta_pct_mean']:+7.2f} [{s['delta_pct_min']:+.2f} .. {s['delta_pct_max']:+.2f}]  per seed: {per}"
+                f"   {s['tail_delta_pct_mean']:+.2f} ({tail})"
             )
         lines.append("")
     return "\n".join(lines)
@@ -275,6 +286,8 @@ def main() -> None:
             data["base"] = {int(k): v for k, v in data["base"].items()}
             data["resumed"] = {n: {int(k): v for k, v in by.items()} for n, by in data["resumed"].items()}
         results["seeds"] = [int(x) for x in results["seeds"]]
+        for data in results["settings"].values():
+            data["summary"] = summarize(data["resumed"], results["seeds"])
     else:
         results = experiment(args)
     print(report(results))
