@@ -181,18 +181,21 @@ def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Te
         hi_v = xb.amax(-1, keepdim=True)  # NaN propagates: checked below on the small tensor
         if bool(xb.amin() < 0):
             raise QuantError("second moment has negative values; it is stored losslessly")
-        positive = xb > 0
-        lo_v = xb.masked_fill(~positive, math.inf).amin(-1, keepdim=True)
         if not bool(torch.isfinite(hi_v).all()):
             raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
-        empty = torch.isinf(lo_v)
+        # the smallest non-zero v per block without a mask: non-negative floats order as their
+        # bit patterns; (bits - 1) & 0x7fffffff turns 0 into the largest int32 and keeps the order
+        bits = xb.view(torch.int32)
+        lo_bits = bits.sub(1).bitwise_and_(0x7FFFFFFF).amin(-1, keepdim=True).add_(1)
+        empty = lo_bits < 0  # a block of zeros: the largest int32 + 1
+        lo_v = lo_bits.view(torch.float32)
         # log2 of sqrt(v) = 0.5 * log2(v): only the block's bounds need the square root's log
         lo = torch.where(empty, 0.0, lo_v.log2() * 0.5)
         hi = torch.where(empty, 0.0, hi_v.log2() * 0.5)
         span = hi - lo
-        inv = torch.where(span > 0, (q - 1) / span, 0.0)
-        coded = xb.log2().mul_(0.5).sub_(lo).mul_(inv).round_().clamp_(0, q - 1).add_(1)  # v == 0: -inf -> clamped, masked below
-        coded.masked_fill_(~positive, 0)
+        inv = torch.where(span > 0, (q - 1) / span, 1.0)
+        # non-zero v: >= lo, so codes 1..Q; v == 0: log2 = -inf, clamped to -1, code 0
+        coded = xb.log2().mul_(0.5).sub_(lo).mul_(inv).round_().clamp_(-1, q - 1).add_(1)
         codes = coded.to(torch.uint8)
         scales_out.copy_(torch.cat([lo, hi], dim=-1))
     else:
