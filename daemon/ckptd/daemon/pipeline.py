@@ -414,8 +414,19 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
 def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
     """The tensor's codes and scales as flat bytes (_check_codable said it can be coded)."""
     logical = source.tensors[t.name]
-    values = _as_torch(source.gather(t), logical.dtype, t.box.lengths)
-    codes, scales = quant.encode(codec, values, t.box)
+    pieces = source.pieces(t, 0)
+    if len(pieces) == 1:  # one run in one arena (the usual case): code it in place, no copy
+        arena = source.arenas.arenas[pieces[0].rank]
+        assert arena is not None
+        view = arena.view(pieces[0].src, pieces[0].nbytes)
+        try:
+            values = _as_torch(np.frombuffer(view, dtype=np.uint8), logical.dtype, t.box.lengths)
+            codes, scales = quant.encode(codec, values, t.box)
+            del values  # no export of the view may outlive it
+        finally:
+            view.release()
+    else:
+        codes, scales = quant.encode(codec, _as_torch(source.gather(t), logical.dtype, t.box.lengths), t.box)
     progress.add(t.nbytes)
     return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
 
