@@ -265,3 +265,22 @@ def test_a_tensor_with_non_finite_values_is_stored_losslessly(daemon) -> None:
     assert torch.equal(torch.isnan(loaded["up.weight"]["exp_avg"]), nan)
     assert torch.equal(loaded["up.weight"]["exp_avg"][~nan], state["up.weight"]["exp_avg"][~nan])
     assert torch.equal(loaded["down.weight"]["exp_avg_sq"], state["down.weight"]["exp_avg_sq"])
+
+
+def test_a_client_that_cannot_decode_is_refused(daemon) -> None:
+    """An older client (no PlanLoadRequest.decodes) would take codes for values: refused."""
+    import grpc
+
+    from ckptd.wire.v1 import checkpoint_pb2 as pb
+    from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+    model, opt = trained()
+    with CheckpointClient("old", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(5, {"model": model, "optimizer": opt}, quantize="O1").wait_durable(timeout=60)
+    meta = pb.TensorMeta(name="optimizer/state/up.weight/exp_avg", kind="optimizer", dtype="F32", shape=[300, 96],
+                         box=pb.Box(offsets=[0, 0], lengths=[300, 96]))
+    request = pb.PlanLoadRequest(who=pb.RankId(job="old", rank=0, world_size=1), latest=True, tensors=[meta], kinds=["optimizer"])
+    with grpc.insecure_channel(daemon.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CheckpointStub(channel).PlanLoad(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot decode" in info.value.details()

@@ -300,6 +300,7 @@ class CheckpointClient:
             kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
             strict=strict,
             direct_read=True,
+            decodes=True,
         )
         try:
             plan = self._call(self._stub.PlanLoad, request)

@@ -160,7 +160,7 @@ class SaveProgress(_message.Message):
     def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class PlanLoadRequest(_message.Message):
-    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read")
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class PlanLoadRequest(_message.Message):
     KINDS_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READ_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     latest: bool
@@ -175,7 +176,8 @@ class PlanLoadRequest(_message.Message):
     kinds: _containers.RepeatedScalarFieldContainer[str]
     strict: bool
     direct_read: bool
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ...) -> None: ...
+    decodes: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
