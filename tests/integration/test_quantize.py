@@ -284,3 +284,14 @@ def test_a_client_that_cannot_decode_is_refused(daemon) -> None:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.CheckpointStub(channel).PlanLoad(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot decode" in info.value.details()
+
+
+def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -> None:
+    model, opt = trained(steps=1)
+    with CheckpointClient("plain", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
+    step_dir = daemon.root / "plain" / "step-00000001"
+    run = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True)
+    assert "quantization: none (lossless, generation 0)" in run.stdout and "model/up.weight" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a committed step directory" in bad.stderr
