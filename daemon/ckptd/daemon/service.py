@@ -153,6 +153,8 @@ class CheckpointService:
             Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention, tls) if config.multi_node else None
         )
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
+        # (job, step) -> loads being planned: their peer fetches' staging files must stay
+        self._planning: dict[tuple[str, int], int] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -666,6 +668,26 @@ class CheckpointService:
         elif not await self._committed(job, step):
             raise NotFound(f"step {step} of job {job!r} is not committed in {self.storage.root}")
         index = await self.index(job, step)
+        self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
+        try:
+            return await self._plan_load(job, rank, step, index, state, wanted, kinds, strict)
+        finally:
+            self._planning[(job, step)] -= 1
+            if not self._planning[(job, step)]:
+                del self._planning[(job, step)]
+            self._release_staging(job, step)
+
+    async def _plan_load(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        index: CheckpointIndex,
+        state: JobState | None,
+        wanted: Sequence[TensorSpec],
+        kinds: Sequence[str],
+        strict: bool,
+    ) -> LoadPlan:
         held = state.pool.held(step) if state is not None else None
         table = index.by_name()
         where = await self._file_sources(index) if self.cluster is not None else {}
@@ -783,7 +805,7 @@ class CheckpointService:
         """A local copy of bytes [offset, offset + nbytes) of a peer's file, at the same offset of
         a staging file in shared memory; fetched once however many local ranks ask."""
         assert self.cluster is not None
-        staging = self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{index.job}-{index.step}-{file}"
+        staging = self._staging_path(index.job, index.step, file)
         key = (index.job, index.step, file, offset)
         task = self._fetches.get(key)
         if task is None or (task.done() and task.exception() is not None):
@@ -791,6 +813,9 @@ class CheckpointService:
             self._fetches[key] = task
         await asyncio.shield(task)
         return str(staging)
+
+    def _staging_path(self, job: str, step: int, file: str) -> Path:
+        return self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
 
     async def _fetch_into(self, staging: Path, node: int, index: CheckpointIndex, file: str, offset: int, nbytes: int) -> None:
         assert self.cluster is not None
@@ -821,8 +846,24 @@ class CheckpointService:
 
     def load_done(self, load_id: str) -> None:
         lease = self.leases.pop(load_id, None)
-        if lease is not None and lease.arenas is not None:
+        if lease is None:
+            return
+        if lease.arenas is not None:
             lease.arenas.readers = max(0, lease.arenas.readers - 1)
+        self._release_staging(lease.job, lease.step)
+
+    def _release_staging(self, job: str, step: int) -> None:
+        """Remove the step's peer-fetch staging files (shared memory) once no load of the step
+        is being planned or reading: they would otherwise hold host memory until shutdown. A
+        later load of the step fetches again."""
+        if (job, step) in self._planning or any(lease.job == job and lease.step == step for lease in self.leases.values()):
+            return
+        keys = [k for k in self._fetches if k[:2] == (job, step)]
+        if any(not self._fetches[k].done() for k in keys):  # fetches run inside plan_load: not expected
+            return
+        for key in keys:
+            del self._fetches[key]
+            self._staging_path(job, step, key[2]).unlink(missing_ok=True)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
