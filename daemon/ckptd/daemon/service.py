@@ -41,6 +41,7 @@ MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
 RECENT_RESULTS = 16
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+STAGE_CHUNK = 8 * 2**20  # bytes per read when staging a file's fragment in shared memory
 
 
 @dataclass
@@ -655,7 +656,12 @@ class CheckpointService:
         wanted: Sequence[TensorSpec],
         kinds: Sequence[str],
         strict: bool,
+        direct_read: bool = True,
     ) -> LoadPlan:
+        """Where the bytes of each wanted tensor box are. direct_read: the rank reads committed
+        files in this node's root itself; else this daemon copies the needed fragments into
+        shared memory first (once however many local ranks want them), for ranks that cannot
+        see the root."""
         state = self.jobs.get(job)
         if state is not None:
             await self._abort_left_behind(state, rank, None)
@@ -670,7 +676,7 @@ class CheckpointService:
         index = await self.index(job, step)
         self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
         try:
-            return await self._plan_load(job, rank, step, index, state, wanted, kinds, strict)
+            return await self._plan_load(job, rank, step, index, state, wanted, kinds, strict, direct_read)
         finally:
             self._planning[(job, step)] -= 1
             if not self._planning[(job, step)]:
@@ -687,6 +693,7 @@ class CheckpointService:
         wanted: Sequence[TensorSpec],
         kinds: Sequence[str],
         strict: bool,
+        direct_read: bool,
     ) -> LoadPlan:
         held = state.pool.held(step) if state is not None else None
         table = index.by_name()
@@ -707,7 +714,7 @@ class CheckpointService:
                     f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
                     f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
                 )
-            pieces += await self._pieces_for(spec, record, index, held, where)
+            pieces += await self._pieces_for(spec, record, index, held, where, direct_read)
         requested_keys = set(kinds)
         unexpected = sorted(
             t.name
@@ -747,11 +754,12 @@ class CheckpointService:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
     async def _pieces_for(
-        self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None, where: dict[str, int]
+        self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None, where: dict[str, int], direct_read: bool
     ) -> list[PieceInfo]:
         """Where the bytes of `spec`'s box are: this daemon's arenas when it holds every
         overlapping fragment of the newest snapshot, else the committed files (fetched from the
-        node that has them when they are not in this node's root: `where`)."""
+        node that has them when they are not in this node's root: `where`; copied into shared
+        memory when not `direct_read`)."""
         if held is not None:
             overlapping = [s for s in held.plan.slots if s.name == record.name and intersect(s.box, spec.box) is not None]
             if all(held.arenas[s.rank] is not None for s in overlapping):
@@ -768,7 +776,7 @@ class CheckpointService:
                 continue
             path = str(step_dir / frag.file)
             node = where.get(frag.file, self.node)
-            if node != self.node:
+            if node != self.node or not direct_read:
                 path = await self._fetched(index, frag.file, node, frag.offset, frag.nbytes)
             out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum, frag.chunk_bytes, frag.chunk_xxh3))
         return out
@@ -802,9 +810,9 @@ class CheckpointService:
         return where
 
     async def _fetched(self, index: CheckpointIndex, file: str, node: int, offset: int, nbytes: int) -> str:
-        """A local copy of bytes [offset, offset + nbytes) of a peer's file, at the same offset of
-        a staging file in shared memory; fetched once however many local ranks ask."""
-        assert self.cluster is not None
+        """A copy of bytes [offset, offset + nbytes) of `node`'s file (this node's, or a peer's),
+        at the same offset of a staging file in shared memory; made once however many local
+        ranks ask, removed once no load of the step uses it (_release_staging)."""
         staging = self._staging_path(index.job, index.step, file)
         key = (index.job, index.step, file, offset)
         task = self._fetches.get(key)
@@ -818,10 +826,14 @@ class CheckpointService:
         return self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
 
     async def _fetch_into(self, staging: Path, node: int, index: CheckpointIndex, file: str, offset: int, nbytes: int) -> None:
-        assert self.cluster is not None
         fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
         try:
-            await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
+            if node == self.node:
+                source = self.storage.step_dir(index.job, index.step) / file
+                await asyncio.to_thread(_copy_range, source, fd, offset, nbytes)
+            else:
+                assert self.cluster is not None
+                await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
         finally:
             os.close(fd)
 
@@ -950,3 +962,18 @@ def _incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], u
 def _names(names: Sequence[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+
+def _copy_range(source: Path, out_fd: int, offset: int, nbytes: int) -> None:
+    """Copy bytes [offset, offset + nbytes) of `source` to the same offset of out_fd."""
+    with open(source, "rb", buffering=0) as f:
+        done = 0
+        while done < nbytes:
+            data = os.pread(f.fileno(), min(STAGE_CHUNK, nbytes - done), offset + done)
+            if not data:
+                raise Precondition(f"{source} ends at byte {offset + done}, before the {nbytes} bytes its index gives from {offset}")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(out_fd, memoryview(data)[written:], offset + done + written)
+            done += len(data)

@@ -169,7 +169,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         for key in request.kinds:
             if not key or "/" in key or len(key) > 256:
                 raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
-        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict)
+        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read)
         pieces = [
             pb.Piece(
                 name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
