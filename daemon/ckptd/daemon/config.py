@@ -5,7 +5,8 @@ Each setting has one name, the `DaemonConfig` field name; the same name, spelled
 - flag: `--` + the name with dashes (`--max-inflight`); exception: `save_timeout_s` is `--save-timeout`;
 - environment: `CKPTD_` + the name upper-cased (`CKPTD_MAX_INFLIGHT`); an empty value counts as unset;
 - TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the
-  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`).
+  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`,
+  `keep_best`, `best_mode`).
   Relative paths in the file are relative to the file's directory. Unknown keys are errors.
 
 deploy/ckptd.example.toml lists every setting with its default.
@@ -28,9 +29,10 @@ GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
 CONFIG_ENV: Final = "CKPTD_CONFIG"
 RETENTION_TABLE: Final = "retention"
-RETENTION_KEYS: Final = ("keep_last", "keep_every")
+RETENTION_KEYS: Final = ("keep_last", "keep_every", "keep_best", "best_mode")
 ARENA_POLICIES: Final = ("wait", "skip")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+BEST_MODES: Final = ("min", "max")
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
@@ -68,6 +70,10 @@ class DaemonConfig:
     peers: every node's daemon-to-daemon address "host:port", in node-rank order; this daemon
         listens on its own entry. Empty: a single node.
     peer_token: the shared secret every daemon of the job's nodes presents (required with peers).
+    keep_best: retention, also keep the N committed steps with the best `metric` given to save(); 0 = off.
+    best_mode: "min" (a lower metric is better, e.g. a loss) or "max" (higher is better, e.g. accuracy).
+    metrics_port: TCP port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = no endpoint.
+    metrics_host: address the metrics endpoint listens on ("0.0.0.0": every interface).
     """
 
     root: Path
@@ -86,6 +92,10 @@ class DaemonConfig:
     node_rank: int = 0
     peers: tuple[str, ...] = ()
     peer_token: str = field(default="", repr=False)
+    keep_best: int = 0
+    best_mode: str = "min"
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         errors = []
@@ -255,6 +265,24 @@ class _Spec:
     help: str
 
 
+def _port_or_off(raw: Any, text: bool) -> int:
+    """A TCP port 1..65535, or 0 (off)."""
+    try:
+        port = _integer(0)(raw, text)
+    except _Expected:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise _Expected("a TCP port between 1 and 65535, or 0 (off)")
+    return port
+
+
+def _host(raw: Any, text: bool) -> str:
+    """A host name or IP address to listen on (no port, no spaces)."""
+    if isinstance(raw, str) and raw.strip() and not any(c.isspace() or c == "/" for c in raw.strip()):
+        return raw.strip()
+    raise _Expected("a host name or IP address to listen on, e.g. '0.0.0.0' or '127.0.0.1'")
+
+
 # Every DaemonConfig field, in declaration order (tests/daemon/test_config.py checks they match).
 _SPECS: Final[dict[str, _Spec]] = {
     "root": _Spec(_path, "--root", "DIR", "storage root (default: /var/lib/ckptd as root, else $XDG_DATA_HOME/ckptd or ~/.local/share/ckptd)"),
@@ -273,6 +301,10 @@ _SPECS: Final[dict[str, _Spec]] = {
     "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),
     "peers": _Spec(_peers, "--peers", "HOST:PORT,...", "daemon-to-daemon address of every node in node-rank order; this daemon listens on its own (default: none, a single node)"),
     "peer_token": _Spec(_token, "--peer-token", "TOKEN", "shared secret of the daemons (prefer the environment variable: flags show in ps)"),
+    "keep_best": _Spec(_integer(0, " (0 = off)"), "--keep-best", "N", "also keep the N steps with the best metric given to save(); 0 = off (default: 0)"),
+    "best_mode": _Spec(_choice(BEST_MODES), "--best-mode", "{min,max}", "for --keep-best: min = a lower metric is better (a loss), max = higher is better (default: min)"),
+    "metrics_port": _Spec(_port_or_off, "--metrics-port", "PORT", "serve Prometheus metrics on http://HOST:PORT/metrics; 0 = off (default: 0)"),
+    "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics endpoint listens on (default: 0.0.0.0, every interface)"),
 }
 
 

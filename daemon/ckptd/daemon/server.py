@@ -18,7 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ckptd.daemon.config import DaemonConfig, check_shm
+from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.peer_servicer import PeerServicer
+from ckptd.daemon.pipeline import VERSION
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -88,6 +90,16 @@ async def serve(config: DaemonConfig) -> int:
     _prepare_socket(config.socket)
     service = CheckpointService(config)
     await asyncio.to_thread(service.start)
+    if config.metrics_port:
+        service.metrics.watch(read_on_loop(asyncio.get_running_loop(), service.live_state))
+        service.metrics.info.labels(VERSION, str(config.node_rank)).set(1)
+        try:
+            service.metrics.serve(config.metrics_host, config.metrics_port)
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror or exc}; "
+                "choose a free --metrics-port (or 0 to turn the endpoint off)"
+            ) from None
 
     server = grpc.aio.server(
         options=[
@@ -131,6 +143,7 @@ async def serve(config: DaemonConfig) -> int:
     if service.cluster is not None:
         await service.cluster.close()
     await asyncio.to_thread(service.close)
+    service.metrics.close()
     try:
         config.socket.unlink()
     except FileNotFoundError:
