@@ -50,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(config.log_level, config.log_json, config.node_rank)
     try:
-        return run(config)
+        return run(config, reload=lambda: config_from_args(args, os.environ))
     except (OSError, RuntimeError, ValueError) as exc:
         logging.getLogger("ckptd").error("cannot serve: %s", exc)
         return 1

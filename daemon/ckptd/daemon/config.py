@@ -73,7 +73,9 @@ class DaemonConfig:
     keep_best: retention, also keep the N committed steps with the best `metric` given to save(); 0 = off.
     best_mode: "min" (a lower metric is better, e.g. a loss) or "max" (higher is better, e.g. accuracy).
     metrics_port: TCP port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = no endpoint.
-    metrics_host: address the metrics endpoint listens on ("0.0.0.0": every interface).
+    metrics_host: address the metrics and health endpoints listen on ("0.0.0.0": every interface).
+    health_port: TCP port of a gRPC health service (grpc.health.v1) for probes such as Kubernetes'
+        `grpc:` liveness/readiness probes; 0 = none (health is always on the Unix socket).
     """
 
     root: Path
@@ -96,6 +98,7 @@ class DaemonConfig:
     best_mode: str = "min"
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
+    health_port: int = 0
 
     def __post_init__(self) -> None:
         errors = []
@@ -304,7 +307,8 @@ _SPECS: Final[dict[str, _Spec]] = {
     "keep_best": _Spec(_integer(0, " (0 = off)"), "--keep-best", "N", "also keep the N steps with the best metric given to save(); 0 = off (default: 0)"),
     "best_mode": _Spec(_choice(BEST_MODES), "--best-mode", "{min,max}", "for --keep-best: min = a lower metric is better (a loss), max = higher is better (default: min)"),
     "metrics_port": _Spec(_port_or_off, "--metrics-port", "PORT", "serve Prometheus metrics on http://HOST:PORT/metrics; 0 = off (default: 0)"),
-    "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics endpoint listens on (default: 0.0.0.0, every interface)"),
+    "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics and health endpoints listen on (default: 0.0.0.0, every interface)"),
+    "health_port": _Spec(_port_or_off, "--health-port", "PORT", "serve gRPC health (grpc.health.v1) on TCP for probes; 0 = off (default: 0)"),
 }
 
 

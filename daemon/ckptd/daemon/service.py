@@ -41,6 +41,10 @@ MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
 RECENT_RESULTS = 16
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+# Settings a running daemon cannot change (reconfigure keeps their old values; restart instead).
+RESTART_SETTINGS = (
+    "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "metrics_port", "metrics_host", "health_port", "log_json",
+)
 
 
 @dataclass
@@ -193,6 +197,19 @@ class CheckpointService:
             log.warning("removed stale shared-memory arena %s", path)
         if self.cluster is not None:
             self.cluster.start()
+
+    def reconfigure(self, new: DaemonConfig) -> list[str]:
+        """Take the settings of `new` that can change while serving (SIGHUP, `systemctl reload`):
+        retention, arena policy, timeouts, writing, logging. Returns the changed settings that
+        need a restart instead (they keep their old values)."""
+        import dataclasses
+
+        fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(self.config, n)]
+        self.config = dataclasses.replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
+        self.retention = RetentionPolicy(
+            keep_last=new.keep_last, keep_every=new.keep_every, keep_best=new.keep_best, best_mode=new.best_mode
+        )
+        return fixed
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking saves; let open snapshots complete (up to `grace_s`) and persisting finish."""
