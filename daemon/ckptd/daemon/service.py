@@ -685,9 +685,18 @@ class CheckpointService:
             busy = set(state.sessions) if state is not None else set()
             leftovers = await asyncio.to_thread(self.storage.leftovers, name, busy, min_age, dry_run)
             removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
-            if self.cluster is None or self.node == 0:  # the coordinator applies retention
+            if self._applies_retention(name):
                 removed += await self._apply_retention(name, dry_run)
         return removed
+
+    def _applies_retention(self, job: str) -> bool:
+        """Whether this daemon applies the job's retention: a single node, node 0 (the coordinator;
+        in a shared root it does so for every node), or a node with its own root (as after commits)."""
+        if self.cluster is None or self.node == 0:
+            return True
+        state = self.jobs.get(job)
+        done = [s for s in state.recent.values() if s.state == "committed"] if state is not None else []
+        return bool(done) and not max(done, key=lambda s: s.step).shared_root
 
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
