@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
@@ -202,10 +202,8 @@ class CheckpointService:
         """Take the settings of `new` that can change while serving (SIGHUP, `systemctl reload`):
         retention, arena policy, timeouts, writing, logging. Returns the changed settings that
         need a restart instead (they keep their old values)."""
-        import dataclasses
-
         fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(self.config, n)]
-        self.config = dataclasses.replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
+        self.config = replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
         self.retention = RetentionPolicy(
             keep_last=new.keep_last, keep_every=new.keep_every, keep_best=new.keep_best, best_mode=new.best_mode
         )
