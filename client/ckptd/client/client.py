@@ -238,7 +238,9 @@ class CheckpointClient:
         except BaseException as exc:
             self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
             raise
-        commit = pb.CommitSnapshotRequest(who=self._who, save_id=reply.save_id, extras_json=extras)
+        commit = pb.CommitSnapshotRequest(
+            who=self._who, save_id=reply.save_id, extras_json=extras, stall_s=time.perf_counter() - started
+        )
         if self.rank == 0:
             commit.model_files.update(_model_files(state))
         self._call(self._stub.CommitSnapshot, commit)

@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
@@ -30,10 +30,11 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.peer_tls import PeerTls
+from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
-from ckptd.daemon.storage import Storage
+from ckptd.daemon.storage import Storage, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ LOAD_LEASE_S = 3600.0
 RECENT_RESULTS = 16
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
 STAGE_CHUNK = 8 * 2**20  # bytes per read when staging a file's fragment in shared memory
+# Settings a running daemon cannot change (reconfigure keeps their old values; restart instead).
+RESTART_SETTINGS = (
+    "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
+    "metrics_port", "metrics_host", "health_port", "log_json",
+)
 
 
 @dataclass
@@ -58,6 +64,7 @@ class SaveSession:
     reported: bool = False  # several nodes: this node's part (or failure) went to the coordinator
     shared_root: bool = False  # several nodes writing into one storage root
     snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
+    write_started: float = 0.0  # when writing started (monotonic); 0 before
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
     model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
@@ -134,13 +141,42 @@ class Counters:
     failed: int = 0
     skipped: int = 0
     last_error: str = ""
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The newest commit this daemon made or recorded (for `ckptd status`)."""
+
+    job: str
+    step: int
+    committed_at: float  # unix seconds
+    latency_s: float  # complete snapshot -> committed
+    bytes: int
+    step_dir: str
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One thing `collect` removed (or would remove, dry run)."""
+
+    job: str
+    step: int  # -1: not a step directory
+    path: str
+    reason: str  # "retention" | "uncommitted" | "temporary"
+    bytes: int
 
 
 class CheckpointService:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.storage = Storage(config.root)
-        self.retention = RetentionPolicy(keep_last=config.keep_last, keep_every=config.keep_every)
+        self.retention = RetentionPolicy(
+            keep_last=config.keep_last, keep_every=config.keep_every, keep_best=config.keep_best, best_mode=config.best_mode
+        )
+        self.metrics = Metrics(config.node_rank)
+        self.started_at = time.time()
+        self.last_commit: CommitRecord | None = None
         self.jobs: dict[str, JobState] = {}
         self.leases: dict[str, LoadLease] = {}
         self.counters = Counters()
@@ -170,6 +206,17 @@ class CheckpointService:
         if self.cluster is not None:
             self.cluster.start()
 
+    def reconfigure(self, new: DaemonConfig) -> list[str]:
+        """Take the settings of `new` that can change while serving (SIGHUP, `systemctl reload`):
+        retention, arena policy, timeouts, writing, logging. Returns the changed settings that
+        need a restart instead (they keep their old values)."""
+        fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(self.config, n)]
+        self.config = replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
+        self.retention = RetentionPolicy(
+            keep_last=new.keep_last, keep_every=new.keep_every, keep_best=new.keep_best, best_mode=new.best_mode
+        )
+        return fixed
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking saves; let open snapshots complete (up to `grace_s`) and persisting finish."""
         self.draining = True
@@ -182,7 +229,7 @@ class CheckpointService:
                     except asyncio.TimeoutError:
                         pass  # still incomplete at the deadline: aborted below
                     if session.open:
-                        await self._fail(job, session, "the daemon shut down before every rank handed its snapshot over")
+                        await self._fail(job, session, "the daemon shut down before every rank handed its snapshot over", "shutdown")
         for job in self.jobs.values():
             for session in list(job.sessions.values()):
                 await session.finished.wait()
@@ -285,7 +332,7 @@ class CheckpointService:
         """A rank that starts another save or a load will never finish an older open one."""
         for other in list(state.sessions.values()):
             if other.step != step and other.open and rank in other.arrived and rank not in other.committed:
-                await self._fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})")
+                await self._fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})", "rank_restarted")
 
     async def _prepare(self, state: JobState, session: SaveSession) -> None:
         try:
@@ -306,10 +353,11 @@ class CheckpointService:
                 self._spawn(self._prewarm(state, plan))
         except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable) as exc:
             session.refused = isinstance(exc, (PlanError, InvalidRequest))
-            await self._fail(state, session, str(exc))
+            cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "peer"
+            await self._fail(state, session, str(exc), cause)
         except Exception as exc:
             log.exception("planning step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"internal error while planning: {exc}")
+            await self._fail(state, session, f"internal error while planning: {exc}", "internal")
         finally:
             session.ready.set()
 
@@ -354,6 +402,7 @@ class CheckpointService:
                 )
                 session.state = "skipped"
                 self.counters.skipped += 1
+                self.metrics.skipped.labels(session.job).inc()
                 self._finish(state, session)
                 return None
             remaining = deadline - time.monotonic()
@@ -375,8 +424,9 @@ class CheckpointService:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
     async def commit_snapshot(
-        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None
+        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None, stall_s: float = 0.0
     ) -> None:
+        """A rank's snapshot is copied. stall_s: seconds its save() blocked training so far (0: not reported)."""
         state, session = self._session(job, save_id)
         if session.state != "snapshotting":
             raise Precondition(f"save of step {session.step} is {session.state}, it cannot take a snapshot now")
@@ -389,11 +439,13 @@ class CheckpointService:
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
         session.committed[rank] = extras
+        if stall_s > 0:
+            self.metrics.stall.labels(job).observe(stall_s)
         if rank == 0 and model_files:
             session.model_files = dict(model_files)
         if len(session.committed) == session.local_ranks:
             session.state = "writing"
-            session.snapshot_done = time.monotonic()
+            session.snapshot_done = session.write_started = time.monotonic()
             assert session.arenas is not None
             session.arenas.state = SetState.PERSISTING
             session.arenas.step = session.step
@@ -403,7 +455,7 @@ class CheckpointService:
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         state, session = self._session(job, save_id)
         if session.open:
-            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}")
+            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", "rank_aborted")
 
     def _session(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
         state = self.jobs.get(job)
@@ -436,15 +488,17 @@ class CheckpointService:
             index = await loop.run_in_executor(self._persist_executor, persist, self.storage, request, session.progress)
         except Exception as exc:
             log.exception("writing step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"writing failed: {exc}")
+            await self._fail(state, session, f"writing failed: {exc}", "write_error")
             return
         written = time.monotonic()
+        self._wrote(session, index, self.node, written - started)
         self._committed_here(state, session, index)
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
         log.info(
             "committed step %s of job %s: %.1f MiB written in %.2f s, retention %.3f s, %.2f s after the snapshot",
             session.step, session.job, session.plan.total_bytes / 2**20, written - started,
             time.monotonic() - written, time.monotonic() - session.snapshot_done,
+            extra={"job": session.job, "step": session.step},
         )
         self._finish(state, session)
         await _notify(state.arena_freed)
@@ -456,6 +510,20 @@ class CheckpointService:
         session.step_dir = str(self.storage.step_dir(session.job, session.step))
         self.counters.committed += 1
         state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
+        latency = time.monotonic() - session.snapshot_done
+        self.last_commit = CommitRecord(session.job, session.step, time.time(), latency, index.size_bytes, session.step_dir)
+        self.metrics.commits.labels(session.job).inc()
+        self.metrics.commit_latency.labels(session.job).observe(latency)
+        self.metrics.last_commit.labels(session.job).set(self.last_commit.committed_at)
+        self.metrics.last_step.labels(session.job).set(session.step)
+
+    def _wrote(self, session: SaveSession, index: CheckpointIndex, node: int, seconds: float) -> None:
+        """Count the data bytes this node wrote for a step (metrics: bytes, throughput)."""
+        nbytes = sum(f.size for f in index.files if f.node == node and f.name.endswith(".safetensors"))
+        self.counters.bytes_written += nbytes
+        self.metrics.bytes_written.labels(session.job).inc(nbytes)
+        if seconds > 0:
+            self.metrics.throughput.labels(session.job).set(nbytes / seconds)
 
     async def _persist_node(self, state: JobState, session: SaveSession) -> None:
         """Several nodes: write this node's files, report them, and commit or abort as the
@@ -478,8 +546,13 @@ class CheckpointService:
         loop = asyncio.get_running_loop()
         manifest: NodeManifest | None = None
         error = ""
+        started = time.monotonic()
         try:
             manifest = await loop.run_in_executor(self._persist_executor, write_node_files, self.storage, request, session.progress)
+            nbytes = sum(f.size for f in manifest.files)
+            self.counters.bytes_written += nbytes
+            self.metrics.bytes_written.labels(session.job).inc(nbytes)
+            self.metrics.throughput.labels(session.job).set(nbytes / max(time.monotonic() - started, 1e-9))
         except Exception as exc:
             log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
             error = f"writing failed on node {self.node}: {exc}"
@@ -498,7 +571,7 @@ class CheckpointService:
                 index = await asyncio.to_thread(self.storage.read_index, session.job, session.step)
             except (OSError, FormatError) as exc:
                 log.exception("step %s of job %s is committed but node %s could not record it", session.step, session.job, self.node)
-                await self._fail(state, session, f"committed elsewhere, but node {self.node} could not write its index: {exc}")
+                await self._fail(state, session, f"committed elsewhere, but node {self.node} could not write its index: {exc}", "write_error")
                 return
             self._committed_here(state, session, index)
             if self.node != 0 and outcome.step_files:
@@ -509,7 +582,7 @@ class CheckpointService:
         if self.node != 0:  # the coordinator removed the step from its own root already
             names = [f.name for f in manifest.files] if manifest is not None else []
             await asyncio.to_thread(self.storage.discard_part, session.job, session.step, names, session.shared_root)
-        await self._fail(state, session, outcome.error)
+        await self._fail(state, session, outcome.error, "write_error" if error else "peer")
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
         write_step_files(self.storage, job, step, files)
@@ -570,25 +643,93 @@ class CheckpointService:
         outcome = await self.cluster.report(session.job, session.step, session.global_id, None, session.error, {}, {})
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
-    async def _apply_retention(self, job: str) -> None:
+    async def _apply_retention(self, job: str, dry_run: bool = False) -> list[Collected]:
+        """Delete the job's committed steps that the retention policy does not keep; returns them."""
         steps = await asyncio.to_thread(self.storage.committed_steps, job)
+        self._expire_leases()
         protected = {lease.step for lease in self.leases.values() if lease.job == job}
-        for step in self.retention.to_delete(steps, protected):
-            try:
-                await asyncio.to_thread(self.storage.remove_step, job, step, True)
+        metrics = await self._step_metrics(job, steps) if self.retention.keep_best else {}
+        removed = []
+        for step in self.retention.to_delete(steps, protected, metrics):
+            path = self.storage.step_dir(job, step)
+            size = await asyncio.to_thread(tree_bytes, path)
+            if not dry_run:
+                try:
+                    await asyncio.to_thread(self.storage.remove_step, job, step, True)
+                except OSError as exc:
+                    log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
+                    continue
                 self._index_cache.pop((job, step), None)
-                log.info("retention removed step %s of job %s", step, job)
-            except OSError as exc:
-                log.error("retention could not remove step %s of job %s: %s", step, job, exc)
+                self.metrics.retention_deleted.labels(job).inc()
+                log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
+            removed.append(Collected(job, step, str(path), "retention", size))
+        return removed
 
-    async def _fail(self, state: JobState, session: SaveSession, reason: str) -> None:
+    async def _step_metrics(self, job: str, steps: Sequence[int]) -> dict[int, float]:
+        """step -> the metric it was saved with, for the steps that have one (keep-best retention)."""
+        out = {}
+        for step in steps:
+            try:
+                index = await self.index(job, step)
+            except (Precondition, OSError) as exc:
+                log.warning("retention: cannot read the metric of step %s of job %s: %s", step, job, exc)
+                continue
+            if index.metric is not None:
+                out[step] = index.metric
+        return out
+
+    async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
+        """`ckptd gc`: apply retention now and remove uncommitted leftovers, for one job or all.
+
+        Never touches a step this daemon is saving; with several nodes, step directories changed
+        within the last save timeout are left alone too (another node may be writing them)."""
+        jobs = [job] if job else await asyncio.to_thread(self.storage.jobs)
+        removed: list[Collected] = []
+        min_age = self.config.save_timeout_s if self.cluster is not None else 0.0
+        for name in jobs:
+            state = self.jobs.get(name)
+            busy = set(state.sessions) if state is not None else set()
+            leftovers = await asyncio.to_thread(self.storage.leftovers, name, busy, min_age, dry_run)
+            removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
+            if self._applies_retention(name):
+                removed += await self._apply_retention(name, dry_run)
+        return removed
+
+    def _applies_retention(self, job: str) -> bool:
+        """Whether this daemon applies the job's retention: a single node, node 0 (the coordinator;
+        in a shared root it does so for every node), or a node with its own root (as after commits)."""
+        if self.cluster is None or self.node == 0:
+            return True
+        state = self.jobs.get(job)
+        done = [s for s in state.recent.values() if s.state == "committed"] if state is not None else []
+        return bool(done) and not max(done, key=lambda s: s.step).shared_root
+
+    def live_state(self) -> LiveState:
+        """The gauges of the metrics endpoint (read on the event loop)."""
+        queue: dict[str, int] = {}
+        open_saves: dict[str, int] = {}
+        for job, state in self.jobs.items():
+            queue[job] = sum(1 for s in state.sessions.values() if s.state == "writing")
+            open_saves[job] = sum(1 for s in state.sessions.values() if s.open)
+        return LiveState(
+            queue_depth=queue,
+            open_saves=open_saves,
+            arena_bytes=sum(s.pool.nbytes for s in self.jobs.values()),
+            arenas=sum(s.pool.count for s in self.jobs.values()),
+            loads_active=len(self.leases),
+            draining=self.draining,
+        )
+
+    async def _fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
+        """Fail the save. cause: the label of ckptd_save_failures_total (metrics.FAILURE_CAUSES)."""
         if session.state in ("committed", "failed", "skipped"):
             return
         session.state = "failed"
         session.error = reason
         self.counters.failed += 1
         self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
-        log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason)
+        self.metrics.failed(cause)
+        log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason, extra={"job": session.job, "step": session.step, "cause": cause})
         if session.arenas is not None:
             state.pool.release(session.arenas)
             await _notify(state.arena_freed)
@@ -613,7 +754,7 @@ class CheckpointService:
             waiting = sorted(set(range(session.world_size)) - set(session.committed))
             missing = sorted(set(range(session.world_size)) - set(session.arrived))
             what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
-            await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s")
+            await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s", "timeout")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -742,6 +883,7 @@ class CheckpointService:
         self._expire_leases()
         kinds_used = {p.source for p in pieces}
         tier = "memory" if kinds_used == {"shm"} or (held is not None and not pieces) else "disk" if "shm" not in kinds_used else "mixed"
+        self.metrics.loads.labels(tier).inc()
         return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
 
     async def _wait_for_writes(self, state: JobState) -> None:
@@ -901,6 +1043,7 @@ class CheckpointService:
 
     def status(self) -> dict[str, Any]:
         in_flight = []
+        now = time.monotonic()
         for job, state in self.jobs.items():
             for session in state.sessions.values():
                 in_flight.append(
@@ -910,7 +1053,10 @@ class CheckpointService:
                         "state": session.state,
                         "bytes_total": session.bytes_total,
                         "bytes_written": session.progress.written if session.progress else 0,
-                        "age_s": time.monotonic() - session.created,
+                        "age_s": now - session.created,
+                        "ranks_arrived": len(session.committed) if session.state == "snapshotting" else len(session.arrived),
+                        "ranks_expected": session.local_ranks,
+                        "write_s": now - session.write_started if session.write_started else 0.0,
                     }
                 )
         return {
@@ -924,6 +1070,13 @@ class CheckpointService:
             "skipped_total": self.counters.skipped,
             "last_error": self.counters.last_error,
             "draining": self.draining,
+            "queue_depth": sum(1 for s in self.jobs.values() for x in s.sessions.values() if x.state == "writing"),
+            "last_commit": self.last_commit,
+            "node_rank": self.node,
+            "nodes": self.cluster.nodes if self.cluster is not None else 1,
+            "bytes_written_total": self.counters.bytes_written,
+            "uptime_s": time.time() - self.started_at,
+            "loads_active": len(self.leases),
         }
 
 
