@@ -131,6 +131,15 @@ def test_verify_catches_a_flipped_byte_and_a_missing_file(daemon, tmp_path: Path
     out = ckptd("verify", str(small), "--json")
     assert out.returncode == 1 and json.loads(out.stdout)["problems"][0]["file"] == "extra.json"
 
+    chunks = tmp_path / "chunks"  # chunk checksums that do not fit the data: resharded loads would fail
+    shutil.copytree(step_dir, chunks)
+    damaged = json.loads((chunks / INDEX_NAME).read_text())
+    digests = damaged["tensors"]["model/0.weight"]["fragments"][0]["chunks"]["xxh3"]
+    damaged["tensors"]["model/0.weight"]["fragments"][0]["chunks"]["xxh3"] = ("0" if digests[0] != "0" else "1") + digests[1:]
+    (chunks / INDEX_NAME).write_text(json.dumps(damaged))
+    out = ckptd("verify", str(chunks))
+    assert out.returncode == 1 and "model/0.weight" in out.stdout and "not its chunk checksums" in out.stdout, out.stdout
+
     (uncommitted := tmp_path / "step-00000009").mkdir()
     out = ckptd("verify", str(uncommitted))
     assert out.returncode == 1 and "not a committed checkpoint" in out.stdout

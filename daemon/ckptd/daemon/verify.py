@@ -5,7 +5,7 @@ Checks, each reported as a `Problem` naming the file and tensor:
 - every file the index lists is there with its recorded size; the small JSON files match their
   xxh3 checksum; each safetensors file's header matches its checksum, parses, and holds each
   stored tensor under its key at the recorded offset;
-- every stored tensor or fragment matches its xxh3-64 checksum;
+- every stored tensor or fragment matches its xxh3-64 checksum, and its chunks their checksums;
 - coverage: the fragments of each logical tensor cover its global shape exactly once.
 
 Reads only; never changes the step directory. Files another node wrote into a node-local root
@@ -23,6 +23,7 @@ from typing import Callable
 import xxhash
 
 from ckptd.common.boxes import coverage_problems
+from ckptd.common.chunks import ChunkHasher
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
 from ckptd.daemon.pipeline import checksum_name
 from ckptd.daemon.storage import TMP_MARK
@@ -56,18 +57,22 @@ class VerifyReport:
         return not self.problems
 
 
-def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None]) -> tuple[str, int]:
-    """The xxh3-64 checksum name of bytes [offset, offset + nbytes) and how many could be read."""
+def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None], chunk_bytes: int = 0) -> tuple[str, int, str]:
+    """The xxh3-64 checksum name of bytes [offset, offset + nbytes), how many could be read, and
+    the digests of their chunks of `chunk_bytes` (ckptd.common.chunks; "" when 0)."""
     hasher = xxhash.xxh3_64()
+    chunks = ChunkHasher(chunk_bytes) if chunk_bytes else None
     done = 0
     while done < nbytes:
-        chunk = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
-        if not chunk:
+        data = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        if not data:
             break
-        hasher.update(chunk)
-        done += len(chunk)
-        on_bytes(len(chunk))
-    return checksum_name(hasher.intdigest()), done
+        hasher.update(data)
+        if chunks is not None:
+            chunks.update(data)
+        done += len(data)
+        on_bytes(len(data))
+    return checksum_name(hasher.intdigest()), done, chunks.hexdigests() if chunks is not None else ""
 
 
 def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
@@ -119,7 +124,7 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
         with open(path, "rb") as f:
             fd = f.fileno()
             if not is_data:
-                digest, _ = _hash_range(fd, 0, size, on_bytes)
+                digest, _, _ = _hash_range(fd, 0, size, on_bytes)
                 nbytes += size
                 if digest != record.checksum:
                     problems.append(Problem("checksum", record.name, f"{record.name} does not match its checksum ({digest}, the index says {record.checksum})"))
@@ -161,11 +166,15 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
                 problems.append(Problem("header", frag.file, f"{frag.file} does not hold {frag.key!r} (tensor {t.name}) where the index says"))
                 continue
             with open(step_dir / frag.file, "rb") as f:
-                digest, got = _hash_range(f.fileno(), frag.offset, frag.nbytes, on_bytes)
+                digest, got, chunk_digests = _hash_range(f.fileno(), frag.offset, frag.nbytes, on_bytes, frag.chunk_bytes)
             nbytes += got
             if digest != frag.checksum:
                 problems.append(
                     Problem("checksum", frag.file, f"tensor {t.name} (key {frag.key!r}, {frag.nbytes} bytes at offset {frag.offset} of {frag.file}) does not match its checksum: the data is corrupt")
+                )
+            elif frag.chunk_bytes and chunk_digests != frag.chunk_xxh3:
+                problems.append(
+                    Problem("checksum", frag.file, f"tensor {t.name} (key {frag.key!r} in {frag.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
                 )
     return VerifyReport(
         str(step_dir), index.job, index.step, checked, skipped, nbytes, len(index.tensors), tuple(problems), tuple(notes)
