@@ -9,7 +9,7 @@
 #   docker run --ipc=container:ckptd --group-add 10001 -v /run/ckptd:/run/ckptd \
 #       -e CKPTD_ADDRESS=unix:///run/ckptd/ckptd.sock <trainer image> ...
 # --shm-size must hold max_inflight snapshots of every local rank; Docker's default 64 MiB does not.
-# Kubernetes: see deploy/ (hostIPC, or a sidecar sharing an emptyDir with medium: Memory at /dev/shm).
+# Kubernetes: deploy/kubernetes/ (a DaemonSet with hostIPC; README: Deployment / Kubernetes).
 
 # Pinned tag; for reproducible builds pin its digest too (python:3.11.14-slim-bookworm@sha256:...).
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
@@ -44,10 +44,13 @@ RUN groupadd --system --gid 10001 ckptd \
  && useradd --system --uid 10001 --gid ckptd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin ckptd \
  && install -d -o ckptd -g ckptd -m 0750 /var/lib/ckptd \
  && install -d -o ckptd -g ckptd -m 0770 /run/ckptd
-USER ckptd:ckptd
+# Numeric, so Kubernetes' runAsNonRoot can check it without the image's /etc/passwd.
+USER 10001:10001
 
 # Checkpoints (node-local disk or a shared file system) and the socket directory shared with the trainers.
 VOLUME ["/var/lib/ckptd", "/run/ckptd"]
+# Peer service (several nodes), Prometheus metrics (--metrics-port), gRPC health for probes (--health-port).
+EXPOSE 7070 9477 9478
 
 ENTRYPOINT ["ckptd"]
 CMD ["serve", "--root", "/var/lib/ckptd", "--socket", "/run/ckptd/ckptd.sock"]

@@ -126,6 +126,11 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("node_rank", "0", "0", 0),
     ("peers", "node0:7070", '["node0:7070"]', ("node0:7070",)),
     ("peer_token", "0123456789abcdef", '"0123456789abcdef"', "0123456789abcdef"),
+    ("keep_best", "2", "2", 2),
+    ("best_mode", "MAX", '"max"', "max"),
+    ("metrics_port", "9477", "9477", 9477),
+    ("metrics_host", "127.0.0.1", '"127.0.0.1"', "127.0.0.1"),
+    ("health_port", "9478", "9478", 9478),
     ("quantize", "o2", '"O2"', "O2"),
     ("quantize", "None", '"none"', "none"),
     ("master_weights", "Residual", '"residual"', "residual"),
@@ -271,7 +276,7 @@ def test_an_overridden_bad_value_is_not_used() -> None:
     [
         ("max_inflights = 2\n", "unknown key 'max_inflights'; valid keys are root, socket, shm_dir, arena_policy"),
         ("[storage]\nroot = '/x'\n", "unknown key 'storage'"),
-        ("[retention]\nkeep_best = 3\n", "unknown key 'keep_best' in [retention]; valid keys there are keep_last, keep_every"),
+        ("[retention]\nkeep_worst = 3\n", "unknown key 'keep_worst' in [retention]; valid keys there are keep_last, keep_every, keep_best, best_mode"),
         ("retention = 3\n", "'retention' must be a table"),
         ("keep_last = 2\n[retention]\nkeep_last = 3\n", "keep_last is set both at the top level and in [retention]"),
         ('max_inflight = "2"\n', "max_inflight='2': expected an integer >= 1"),
@@ -339,3 +344,30 @@ def test_shm_check_reports_too_little_space_with_the_container_fix(tmp_path: Pat
     assert message is not None
     assert str(tmp_path) in message and "free" in message
     assert "--shm-size" in message and "medium: Memory" in message
+
+
+# ------------------------------------------------------------------ operations settings (issue 6)
+
+
+def test_operations_settings_from_every_source(tmp_path: Path) -> None:
+    path = write(tmp_path, '[retention]\nkeep_best = 2\nbest_mode = "max"\n')
+    config = load_config({"metrics_port": "9477"}, {**BASE_ENV, "CKPTD_HEALTH_PORT": "9478", "CKPTD_METRICS_HOST": "127.0.0.1"}, path)
+    assert (config.keep_best, config.best_mode, config.metrics_port, config.health_port, config.metrics_host) == (2, "max", 9477, 9478, "127.0.0.1")
+    assert load_config({}, BASE_ENV, None).metrics_port == 0  # no endpoint unless asked
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"metrics_port": "70000"}, "--metrics-port='70000': expected a TCP port between 1 and 65535, or 0 (off)"),
+        ({"metrics_port": "http"}, "--metrics-port='http': expected a TCP port"),
+        ({"health_port": "-1"}, "--health-port='-1': expected a TCP port"),
+        ({"metrics_host": "a b"}, "--metrics-host='a b': expected a host name or IP address"),
+        ({"best_mode": "lower"}, "--best-mode='lower': expected one of 'min', 'max'"),
+        ({"keep_best": "-2"}, "--keep-best='-2': expected an integer >= 0 (0 = off)"),
+    ],
+)
+def test_bad_operations_settings_say_what_to_give(given: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(given, BASE_ENV, None)
+    assert message in str(info.value)

@@ -178,6 +178,8 @@ def test_a_node_fetches_what_the_other_node_wrote(local_cluster) -> None:
     assert loaded[0]["step"] == 1 and all(loaded[0]["exact"].values()), loaded
     loaded = run_job(cluster, cluster.base, "load", [2], {"w_even": [S1], "w_uneven": [S0], "b": [R], "tiny": [S1]}, step=1, node_of_rank=[1, 1], job="local")
     assert all(r["step"] == 1 and all(r["exact"].values()) for r in loaded), loaded
+    for node in (0, 1):  # the fetched copies in shared memory are gone once the loads are done
+        assert not list(cluster.nodes[node].shm_dir.glob("*-fetch-*"))
 
 
 def test_a_missing_node_is_named_before_any_byte_is_served(local_cluster) -> None:

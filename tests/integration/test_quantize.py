@@ -295,3 +295,28 @@ def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -
     assert "quantization: none (lossless, generation 0)" in run.stdout and "model/up.weight" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a committed step directory" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["O2", "residual"])
+def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemon, mode: str) -> None:
+    """read_files=False: the daemon copies codes, scales and residual bases into shared memory;
+    the client decodes from there exactly as from the files."""
+    if mode == "O2":
+        model, opt = trained()
+        state, kwargs = {"model": model, "optimizer": opt}, {"quantize": "O2"}
+    else:
+        model, master, _ = mixed_precision()
+        state, kwargs = {"model": model, "master": master}, {"master_weights": "residual"}
+    job = f"staged-{mode}"
+    with CheckpointClient(job, address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, state, **kwargs).wait_durable(timeout=60)
+    loaded = []
+    for read_files in (True, False):
+        fresh_state = dict(zip(("model", "optimizer"), fresh())) if mode == "O2" else dict(zip(("model", "master"), mixed_precision(seed=5)[:2]))
+        with CheckpointClient(job, address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
+            ckpt.load(fresh_state)
+        if mode == "O2":
+            loaded.append(opt_state(fresh_state["model"], fresh_state["optimizer"])["up.weight"]["exp_avg_sq"].clone())
+        else:
+            loaded.append(fresh_state["master"]["up.weight"].clone())
+    assert torch.equal(loaded[0], loaded[1])

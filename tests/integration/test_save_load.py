@@ -233,3 +233,38 @@ def test_more_ranks_than_at_save_time_get_the_state_but_not_another_ranks_rng(da
             assert ckpt.load(state_of(*dst, extra), rng=True) == 1
         assert_same_training_state((model, opt, sched), dst)
         assert extra == {"epoch": 1}
+
+
+@pytest.mark.parametrize("read_files", [False, None])
+def test_a_trainer_that_cannot_read_the_root_loads_through_the_daemon(daemons, read_files, monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_files=False, and None when the files cannot be opened here (a container without the
+    storage volume): the daemon copies the bytes into shared memory, the rank reads them from
+    there and checks their checksums as for a file; the copies go once the load is done."""
+    from ckptd.client import client as client_module
+
+    daemon = daemons.start()
+    saved = make_training(3)
+    train_step(*saved, 1)
+    with CheckpointClient("staged", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, state_of(*saved, {"k": 1})).wait_durable(timeout=60)
+    daemon.stop()  # a new daemon: nothing in memory, every byte from disk
+    daemon = daemons.start()
+    if read_files is None:
+        real_access = client_module.os.access
+        root = str(daemons.root)
+        monkeypatch.setattr(client_module.os, "access", lambda path, mode: not str(path).startswith(root) and real_access(path, mode))
+    read_from: list[str] = []
+    real_fill = CheckpointClient._fill
+
+    def fill(self, fragments, plan):
+        read_from.extend(piece.path for piece in plan.pieces)
+        return real_fill(self, fragments, plan)
+
+    monkeypatch.setattr(CheckpointClient, "_fill", fill)
+    restored, extra = make_training(4), {}
+    with CheckpointClient("staged", address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
+        assert ckpt.load(state_of(*restored, extra)) == 1
+    assert_same_training_state(saved, restored)
+    assert extra == {"k": 1}
+    assert read_from and all(path.startswith(str(daemons.shm_dir)) for path in read_from), read_from
+    assert not list(daemons.shm_dir.glob("*-fetch-*"))

@@ -116,6 +116,10 @@ class CheckpointClient:
     tensor parallelism (ckptd.client.layout); DTensors need none.
     local_world_size: how many of the job's ranks use this node's daemon; needed when the job
     spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
+    read_files: how loads get bytes from disk: True, read the committed files directly (the
+    storage root must be visible here); False, the daemon copies what is needed into shared
+    memory first (a trainer container without the storage volume); None (default), read
+    directly when this process can open the files, else go through the daemon.
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class CheckpointClient:
         layout: LayoutRules | None = None,
         coords: RankCoords | None = None,
         local_world_size: int | None = None,
+        read_files: bool | None = None,
     ) -> None:
         self.job = check_job_id(job)
         if mode not in MODES:
@@ -146,6 +151,9 @@ class CheckpointClient:
         if not 0 <= local_world_size <= self.world_size:
             raise ValueError(f"local_world_size={local_world_size} must be between 1 and world_size={self.world_size}")
         self.local_world_size = local_world_size
+        if read_files not in (None, True, False):
+            raise ValueError(f"read_files={read_files!r}: use None (read committed files when this process can), True or False")
+        self.read_files = read_files
         self.address = address or default_address()
         self.mode = mode
         self.on_error = on_error
@@ -248,7 +256,9 @@ class CheckpointClient:
         except BaseException as exc:
             self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
             raise
-        commit = pb.CommitSnapshotRequest(who=self._who, save_id=reply.save_id, extras_json=extras)
+        commit = pb.CommitSnapshotRequest(
+            who=self._who, save_id=reply.save_id, extras_json=extras, stall_s=time.perf_counter() - started
+        )
         if self.rank == 0:
             commit.model_files.update(_model_files(state))
         self._call(self._stub.CommitSnapshot, commit)
@@ -299,11 +309,16 @@ class CheckpointClient:
             tensors=[_meta(e, f) for e, f in fragments],
             kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
             strict=strict,
-            direct_read=True,
+            direct_read=self.read_files is not False,
             decodes=True,
         )
         try:
             plan = self._call(self._stub.PlanLoad, request)
+            if self.read_files is None and (unreadable := _unreadable_file(plan)) is not None:
+                log.info("cannot read %s here: the daemon copies the checkpoint's bytes into shared memory instead", unreadable)
+                self._load_done(plan.load_id)
+                request.direct_read = False
+                plan = self._call(self._stub.PlanLoad, request)
         except CheckpointNotFound:
             if step is None:
                 return None
@@ -314,13 +329,16 @@ class CheckpointClient:
             extras = json.loads(plan.extras_json) if plan.extras_json else {}
             restore_state(state, flat, extras)
         finally:
-            try:
-                self._stub.LoadDone(pb.LoadDoneRequest(who=self._who, load_id=plan.load_id), timeout=10)
-            except grpc.RpcError as exc:
-                log.warning("LoadDone failed (the daemon releases the step later by itself): %s", exc.details())
+            self._load_done(plan.load_id)
         for name in plan.missing:
             log.warning("not in step %s, left as it was: %s", plan.step, name)
         return plan.step
+
+    def _load_done(self, load_id: str) -> None:
+        try:
+            self._stub.LoadDone(pb.LoadDoneRequest(who=self._who, load_id=load_id), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("LoadDone failed (the daemon releases the step later by itself): %s", exc.details())
 
     def _fill(self, fragments: list[tuple[TensorEntry, Fragment]], plan: pb.PlanLoadResponse) -> None:
         sources: dict[str, list[Source]] = {}
@@ -377,6 +395,15 @@ def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:
         return CheckpointNotFound(details, code.name)
     return CheckpointError(details, code.name)
 
+
+
+def _unreadable_file(plan: pb.PlanLoadResponse) -> str | None:
+    """A committed file of the plan that this process cannot open for reading (e.g. a trainer
+    container without the storage volume), or None."""
+    for path in sorted({p.path for p in plan.pieces if p.source == "file"}):
+        if not os.access(path, os.R_OK):
+            return path
+    return None
 
 
 def _sources(plan: pb.PlanLoadResponse) -> Iterator[Source]:

@@ -1,4 +1,4 @@
-"""The `ckptd` command: serve, demo, ls, export, inspect."""
+"""The `ckptd` command: serve, demo, ls, status, verify, gc, export, inspect."""
 
 from __future__ import annotations
 
@@ -7,25 +7,35 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
-from ckptd.daemon.format import FormatError
-from ckptd.daemon.storage import Storage
+
+
+# Context a log call may attach with extra={...}; JSON lines carry them as fields.
+LOG_CONTEXT = ("job", "step", "rank", "cause")
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, node, and job/step/rank/cause when known."""
+
+    def __init__(self, node: int = 0) -> None:
+        super().__init__()
+        self.node = node
+
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": record.created, "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        doc = {"time": record.created, "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage(), "node": self.node}
+        for key in LOG_CONTEXT:
+            if key in record.__dict__:
+                doc[key] = record.__dict__[key]
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return json.dumps(doc)
 
 
-def setup_logging(level: str, as_json: bool) -> None:
+def setup_logging(level: str, as_json: bool, node: int = 0) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_JsonFormatter(node) if as_json else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
@@ -38,62 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"ckptd serve: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level, config.log_json)
+    setup_logging(config.log_level, config.log_json, config.node_rank)
     try:
-        return run(config)
+        return run(config, reload=lambda: config_from_args(args, os.environ))
     except (OSError, RuntimeError, ValueError) as exc:
         logging.getLogger("ckptd").error("cannot serve: %s", exc)
         return 1
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _ls(args: argparse.Namespace) -> int:
-    storage = Storage(Path(args.root))
-    if not storage.root.is_dir():
-        print(f"ckptd ls: {storage.root} is not a directory", file=sys.stderr)
-        return 2
-    jobs = [args.job] if args.job else storage.jobs()
-    rows = []
-    for job in jobs:
-        try:
-            steps = storage.committed_steps(job)
-        except ValueError as exc:
-            print(f"ckptd ls: {exc}", file=sys.stderr)
-            return 2
-        for step in steps:
-            try:
-                index = storage.read_index(job, step)
-            except (OSError, FormatError) as exc:
-                print(f"ckptd ls: skipping step {step} of {job}: {exc}", file=sys.stderr)
-                continue
-            rows.append(
-                {
-                    "job": job,
-                    "step": step,
-                    "created_at": index.created_at,
-                    "size_bytes": index.size_bytes,
-                    "files": len(index.files) + 1,
-                    "path": str(storage.step_dir(job, step)),
-                }
-            )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    if not rows:
-        print(f"no committed checkpoints in {storage.root}" + (f" for job {args.job}" if args.job else ""))
-        return 0
-    print(f"{'JOB':<20} {'STEP':>10}  {'CREATED':<19}  {'SIZE':>10}  {'FILES':>5}  PATH")
-    for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"]))
-        print(f"{r['job']:<20} {r['step']:>10}  {created:<19}  {_human_bytes(r['size_bytes']):>10}  {r['files']:>5}  {r['path']}")
-    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -136,11 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    ls = sub.add_parser("ls", help="list committed checkpoints under a storage root")
-    ls.add_argument("root", help="the daemon's --root")
-    ls.add_argument("job", nargs="?", help="only this job")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(func=_ls)
+    from ckptd.daemon import ops
+
+    ls = sub.add_parser("ls", help="list checkpoints under a storage root: step, time, size, tensors, metric")
+    ops.add_ls_arguments(ls)
+    ls.set_defaults(func=ops.cmd_ls)
+
+    status = sub.add_parser("status", help="what the running daemon is doing: checkpoints in flight, queue, arena memory, last commit")
+    ops.add_status_arguments(status)
+    status.set_defaults(func=ops.cmd_status)
+
+    verify = sub.add_parser("verify", help="check a step's files, checksums and coverage; exit 1 on any problem")
+    ops.add_verify_arguments(verify)
+    verify.set_defaults(func=ops.cmd_verify)
+
+    gc = sub.add_parser("gc", help="apply retention now and remove uncommitted leftovers (asks the running daemon)")
+    ops.add_gc_arguments(gc)
+    gc.set_defaults(func=ops.cmd_gc)
 
     export = sub.add_parser("export", help="write a consolidated Hugging Face-loadable copy of a step's model weights")
     export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
@@ -162,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # `ckptd ls ROOT | head`: the reader stopped reading; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's final flush is quiet
+        return 141
 
 
 if __name__ == "__main__":

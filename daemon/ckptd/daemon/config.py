@@ -5,7 +5,8 @@ Each setting has one name, the `DaemonConfig` field name; the same name, spelled
 - flag: `--` + the name with dashes (`--max-inflight`); exception: `save_timeout_s` is `--save-timeout`;
 - environment: `CKPTD_` + the name upper-cased (`CKPTD_MAX_INFLIGHT`); an empty value counts as unset;
 - TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the
-  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`).
+  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`,
+  `keep_best`, `best_mode`).
   Relative paths in the file are relative to the file's directory. Unknown keys are errors.
 
 deploy/ckptd.example.toml lists every setting with its default.
@@ -29,9 +30,10 @@ GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
 CONFIG_ENV: Final = "CKPTD_CONFIG"
 RETENTION_TABLE: Final = "retention"
-RETENTION_KEYS: Final = ("keep_last", "keep_every")
+RETENTION_KEYS: Final = ("keep_last", "keep_every", "keep_best", "best_mode")
 ARENA_POLICIES: Final = ("wait", "skip")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
+BEST_MODES: Final = ("min", "max")
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
@@ -71,6 +73,12 @@ class DaemonConfig:
     peer_token: the shared secret every daemon of the job's nodes presents (required with peers).
     peer_tls_cert, peer_tls_key, peer_tls_ca: PEM files for mutual TLS on the peer port (all
         three or none): this daemon's certificate and key, and the CA that signed every daemon's.
+    keep_best: retention, also keep the N committed steps with the best `metric` given to save(); 0 = off.
+    best_mode: "min" (a lower metric is better, e.g. a loss) or "max" (higher is better, e.g. accuracy).
+    metrics_port: TCP port of the Prometheus endpoint (http://HOST:PORT/metrics); 0 = no endpoint.
+    metrics_host: address the metrics and health endpoints listen on ("0.0.0.0": every interface).
+    health_port: TCP port of a gRPC health service (grpc.health.v1) for probes such as Kubernetes'
+        `grpc:` liveness/readiness probes; 0 = none (health is always on the Unix socket).
     quantize: the default compression of optimizer moments for saves that do not choose:
         "none" (lossless), "O1" (int8) or "O2" (int4) (DESIGN.md §8).
     master_weights: the default for fp32 master weights beside bf16/fp16 model weights:
@@ -99,6 +107,11 @@ class DaemonConfig:
     peer_tls_cert: Path | None = None
     peer_tls_key: Path | None = None
     peer_tls_ca: Path | None = None
+    keep_best: int = 0
+    best_mode: str = "min"
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
+    health_port: int = 0
     quantize: str = "none"
     master_weights: str = "keep"
     quant_max_generations: int = 1
@@ -298,6 +311,24 @@ class _Spec:
     help: str
 
 
+def _port_or_off(raw: Any, text: bool) -> int:
+    """A TCP port 1..65535, or 0 (off)."""
+    try:
+        port = _integer(0)(raw, text)
+    except _Expected:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise _Expected("a TCP port between 1 and 65535, or 0 (off)")
+    return port
+
+
+def _host(raw: Any, text: bool) -> str:
+    """A host name or IP address to listen on (no port, no spaces)."""
+    if isinstance(raw, str) and raw.strip() and not any(c.isspace() or c == "/" for c in raw.strip()):
+        return raw.strip()
+    raise _Expected("a host name or IP address to listen on, e.g. '0.0.0.0' or '127.0.0.1'")
+
+
 # Every DaemonConfig field, in declaration order (tests/daemon/test_config.py checks they match).
 _SPECS: Final[dict[str, _Spec]] = {
     "root": _Spec(_path, "--root", "DIR", "storage root (default: /var/lib/ckptd as root, else $XDG_DATA_HOME/ckptd or ~/.local/share/ckptd)"),
@@ -319,6 +350,11 @@ _SPECS: Final[dict[str, _Spec]] = {
     "peer_tls_cert": _Spec(_optional_path, "--peer-tls-cert", "FILE", "PEM certificate of this daemon for mutual TLS on the peer port (with --peer-tls-key and --peer-tls-ca; default: no TLS)"),
     "peer_tls_key": _Spec(_optional_path, "--peer-tls-key", "FILE", "PEM private key of --peer-tls-cert"),
     "peer_tls_ca": _Spec(_optional_path, "--peer-tls-ca", "FILE", "PEM certificate of the CA that signed every daemon's certificate"),
+    "keep_best": _Spec(_integer(0, " (0 = off)"), "--keep-best", "N", "also keep the N steps with the best metric given to save(); 0 = off (default: 0)"),
+    "best_mode": _Spec(_choice(BEST_MODES), "--best-mode", "{min,max}", "for --keep-best: min = a lower metric is better (a loss), max = higher is better (default: min)"),
+    "metrics_port": _Spec(_port_or_off, "--metrics-port", "PORT", "serve Prometheus metrics on http://HOST:PORT/metrics; 0 = off (default: 0)"),
+    "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics and health endpoints listen on (default: 0.0.0.0, every interface)"),
+    "health_port": _Spec(_port_or_off, "--health-port", "PORT", "serve gRPC health (grpc.health.v1) on TCP for probes; 0 = off (default: 0)"),
     "quantize": _Spec(_quantize, "--quantize", "{none,O1,O2}", "default compression of optimizer moments for saves that do not choose: none, O1 (int8), O2 (int4) (default: none)"),
     "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
     "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),

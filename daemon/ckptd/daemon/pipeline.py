@@ -85,6 +85,8 @@ class Throttle:
 
     def __init__(self, bytes_per_s: float) -> None:
         self.bytes_per_s = bytes_per_s
+        # bytes per write: about 1/8 s of throttled writing (at least 1 MiB), so progress moves smoothly
+        self.chunk = WRITE_CHUNK if bytes_per_s <= 0 else int(max(1 << 20, min(WRITE_CHUNK, bytes_per_s / 8)))
         self._next = time.monotonic()
         self._lock = threading.Lock()
 
@@ -592,7 +594,7 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
         assert arena is not None, "plan gave a fragment to a rank without an arena"
         done = 0
         while done < piece.nbytes:
-            n = min(WRITE_CHUNK, piece.nbytes - done)
+            n = min(throttle.chunk, piece.nbytes - done)
             throttle.wait(n)
             view = arena.view(piece.src + done, n)
             try:

@@ -5,16 +5,19 @@ A step is kept when any rule keeps it; every other committed step is deleted. Th
 - the newest committed step, always (`latest` points at it);
 - protected steps (being read by a load), always;
 - the `keep_last` newest committed steps (0 = keep all, no step is deleted);
-- steps divisible by `keep_every` (0 = off), forever.
-
-Keep-best-by-metric will be one more rule that adds steps to the kept set; it needs each
-step's metric, so it will take a mapping step -> metric next to `committed_steps`.
+- steps divisible by `keep_every` (0 = off), forever;
+- the `keep_best` steps with the best metric (the `metric` given to save), lower is better
+  with `best_mode="min"` (a loss), higher with "max" (an accuracy); 0 = off. Steps saved
+  without a metric never count as best; ties go to the newer step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
+
+BEST_MODES = ("min", "max")
 
 
 @dataclass(frozen=True)
@@ -23,28 +26,38 @@ class RetentionPolicy:
 
     keep_last: the number of newest committed steps to keep; 0 keeps all.
     keep_every: also keep, forever, every step divisible by this; 0 turns the rule off.
+    keep_best: also keep the steps with the `keep_best` best metrics; 0 turns the rule off.
+    best_mode: "min" (lower metric is better) or "max" (higher is better).
     """
 
     keep_last: int = 3
     keep_every: int = 0
+    keep_best: int = 0
+    best_mode: str = "min"
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every"):
+        for name in ("keep_last", "keep_every", "keep_best"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RetentionPolicy.{name}={value!r}: expected an integer >= 0 (0 = off)")
+        if self.best_mode not in BEST_MODES:
+            raise ValueError(f"RetentionPolicy.best_mode={self.best_mode!r}: expected 'min' (lower is better) or 'max' (higher is better)")
 
     @property
     def keeps_all(self) -> bool:
         """True when the policy never deletes anything."""
         return self.keep_last == 0
 
-    def to_delete(self, committed_steps: Iterable[int], protected: Iterable[int] = ()) -> list[int]:
+    def to_delete(
+        self, committed_steps: Iterable[int], protected: Iterable[int] = (), metrics: Mapping[int, float] | None = None
+    ) -> list[int]:
         """The committed steps to delete, ascending.
 
         committed_steps: the job's committed steps, in any order (duplicates are ignored).
         protected: steps that must survive whatever the rules say (e.g. being loaded);
             steps here that are not committed are ignored.
+        metrics: step -> the metric it was saved with; steps without one (or with a NaN) are
+            never among the best. Entries for steps that are not committed are ignored.
         Never returns the newest committed step nor a protected one.
         """
         unique = set(committed_steps)
@@ -58,4 +71,34 @@ class RetentionPolicy:
         keep.update(steps[-self.keep_last :])  # includes the newest, since keep_last >= 1 here
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
+        keep.update(self.best(steps, metrics or {}))
         return [s for s in steps if s not in keep]
+
+    def best(self, committed_steps: Iterable[int], metrics: Mapping[int, float]) -> list[int]:
+        """The steps the keep-best rule keeps, best first (empty when the rule is off)."""
+        if not self.keep_best:
+            return []
+        scored = [(float(metrics[s]), s) for s in set(committed_steps) if s in metrics and not math.isnan(float(metrics[s]))]
+        sign = 1.0 if self.best_mode == "min" else -1.0
+        scored.sort(key=lambda ms: (sign * ms[0], -ms[1]))  # best metric first; ties: the newer step
+        return [s for _, s in scored[: self.keep_best]]
+
+    def reasons(self, step: int, committed_steps: Iterable[int], protected: Iterable[int] = (), metrics: Mapping[int, float] | None = None) -> list[str]:
+        """Why `step` is kept (empty: it would be deleted), for `ckptd ls` and `ckptd gc`."""
+        steps = sorted(set(committed_steps))
+        if step not in steps:
+            return []
+        why = []
+        if step == steps[-1]:
+            why.append("newest")
+        if step in set(protected):
+            why.append("being loaded")
+        if self.keeps_all:
+            why.append("keep_last=0 keeps all")
+        elif step in steps[-self.keep_last :]:
+            why.append(f"last {self.keep_last}")
+        if self.keep_every and step % self.keep_every == 0:
+            why.append(f"every {self.keep_every}")
+        if step in self.best(steps, metrics or {}):
+            why.append(f"best {self.keep_best} ({self.best_mode})")
+        return why

@@ -2,6 +2,8 @@
 
 SIGTERM/SIGINT: stop taking new saves (health NOT_SERVING, BeginSave UNAVAILABLE), let open
 snapshots complete and everything handed over be committed, then exit 0.
+SIGHUP: read the configuration again (same flags, environment and file) and apply what can
+change while serving (CheckpointService.reconfigure); a bad file keeps the old settings.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import signal
 import socket as socket_module
 import stat
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ckptd.daemon.config import DaemonConfig, check_shm
+from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.peer_servicer import PeerServicer
+from ckptd.daemon.pipeline import VERSION
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE_S = 60.0
 MAX_MESSAGE_BYTES = 256 * 2**20
 SERVICE_NAME = "ckptd.v1.Checkpoint"
+LIVENESS = "liveness"  # health service name that stays SERVING while the process runs (drain included)
 SHM_WARN_BYTES = 1 << 30
 
 
@@ -67,8 +73,10 @@ def tmpfs_options(path: Path) -> str:
     return options
 
 
-async def serve(config: DaemonConfig) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
+async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the process exit code.
+
+    reload: reads the configuration again on SIGHUP (None: SIGHUP is ignored, with a warning)."""
     if len(str(config.socket)) > 100:
         raise ValueError(f"socket path {config.socket} is longer than the 100 characters a Unix socket allows; use a shorter path")
     if config.shm_dir.parent.is_dir():
@@ -83,11 +91,21 @@ async def serve(config: DaemonConfig) -> int:
     if "huge=always" not in tmpfs_options(config.shm_dir):
         log.info(
             "arenas in %s use 4 KiB pages; a tmpfs mounted with huge=always makes restores into a "
-            "restarted trainer about 2x faster (README: Shared memory)", config.shm_dir,
+            "restarted trainer about 2x faster (README: The daemon, shared memory)", config.shm_dir,
         )
     _prepare_socket(config.socket)
     service = CheckpointService(config)
     await asyncio.to_thread(service.start)
+    if config.metrics_port:
+        service.metrics.watch(read_on_loop(asyncio.get_running_loop(), service.live_state))
+        service.metrics.info.labels(VERSION, str(config.node_rank)).set(1)
+        try:
+            service.metrics.serve(config.metrics_host, config.metrics_port)
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror or exc}; "
+                "choose a free --metrics-port (or 0 to turn the endpoint off)"
+            ) from None
 
     server = grpc.aio.server(
         options=[
@@ -101,7 +119,10 @@ async def serve(config: DaemonConfig) -> int:
     address = f"unix://{config.socket}"
     server.add_insecure_port(address)
     peer_server = _peer_server(config, service) if service.cluster is not None else None
+    probe_server = _probe_server(config, health_servicer) if config.health_port else None
     await server.start()
+    if probe_server is not None:
+        await probe_server.start()
     background = []
     if peer_server is not None:
         await peer_server.start()
@@ -109,7 +130,7 @@ async def serve(config: DaemonConfig) -> int:
         if config.node_rank != 0:  # parts written before a restart: committed by node 0 or not?
             background.append(asyncio.get_running_loop().create_task(service.resolve_prepared()))
     os.chmod(config.socket, 0o660)
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ckptd serving on %s, root %s, shared memory in %s", address, config.root, config.shm_dir)
 
@@ -117,6 +138,7 @@ async def serve(config: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: background.append(loop.create_task(_reload(service, reload))))
     await stop.wait()
 
     log.info("shutting down: no new saves; committing what is in flight")
@@ -128,15 +150,51 @@ async def serve(config: DaemonConfig) -> int:
     await server.stop(grace=2.0)
     if peer_server is not None:
         await peer_server.stop(grace=2.0)
+    if probe_server is not None:
+        await probe_server.stop(grace=1.0)
     if service.cluster is not None:
         await service.cluster.close()
     await asyncio.to_thread(service.close)
+    service.metrics.close()
     try:
         config.socket.unlink()
     except FileNotFoundError:
         pass
     log.info("ckptd stopped")
     return 0
+
+
+async def _reload(service: CheckpointService, reload: Callable[[], DaemonConfig] | None) -> None:
+    """SIGHUP: apply the settings that can change while serving; log what needs a restart."""
+    from ckptd.daemon.config import ConfigError
+
+    if reload is None:
+        log.warning("SIGHUP: this daemon was started without a way to re-read its configuration; ignored")
+        return
+    try:
+        new = await asyncio.to_thread(reload)
+    except (ConfigError, OSError) as exc:
+        log.error("SIGHUP: configuration not reloaded, the old settings stay: %s", exc)
+        return
+    logging.getLogger().setLevel(new.log_level.upper())
+    fixed = service.reconfigure(new)
+    log.info(
+        "SIGHUP: configuration reloaded (retention keep_last=%s keep_every=%s keep_best=%s best_mode=%s)",
+        new.keep_last, new.keep_every, new.keep_best, new.best_mode,
+    )
+    if fixed:
+        log.warning("SIGHUP: %s changed but only take effect after a restart (systemctl restart ckptd)", ", ".join(fixed))
+
+
+def _probe_server(config: DaemonConfig, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """gRPC health on TCP (--health-port) for probes; the same statuses as on the Unix socket."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{config.metrics_host}:{config.health_port}"
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot listen on {address} for health probes (--health-port): is the port in use?")
+    log.info("gRPC health for probes on %s", address)
+    return server
 
 
 def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.Server:
@@ -163,10 +221,10 @@ def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.S
     return server
 
 
-def run(config: DaemonConfig) -> int:
-    """Run `serve` on uvloop when available."""
+def run(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
+    """Run `serve` on uvloop when available. reload: re-reads the configuration on SIGHUP."""
     try:
         import uvloop
     except ImportError:  # uvloop is not available on every platform; asyncio's loop works too
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+        return asyncio.run(serve(config, reload))
+    return uvloop.run(serve(config, reload))

@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
@@ -30,10 +30,11 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.peer_tls import PeerTls
+from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
-from ckptd.daemon.storage import Storage
+from ckptd.daemon.storage import Storage, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
 RECENT_RESULTS = 16
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+STAGE_CHUNK = 8 * 2**20  # bytes per read when staging a file's fragment in shared memory
+# Settings a running daemon cannot change (reconfigure keeps their old values; restart instead).
+RESTART_SETTINGS = (
+    "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
+    "metrics_port", "metrics_host", "health_port", "log_json",
+)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class SaveSession:
     reported: bool = False  # several nodes: this node's part (or failure) went to the coordinator
     shared_root: bool = False  # several nodes writing into one storage root
     snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
+    write_started: float = 0.0  # when writing started (monotonic); 0 before
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
     model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
@@ -162,13 +170,42 @@ class Counters:
     failed: int = 0
     skipped: int = 0
     last_error: str = ""
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The newest commit this daemon made or recorded (for `ckptd status`)."""
+
+    job: str
+    step: int
+    committed_at: float  # unix seconds
+    latency_s: float  # complete snapshot -> committed
+    bytes: int
+    step_dir: str
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One thing `collect` removed (or would remove, dry run)."""
+
+    job: str
+    step: int  # -1: not a step directory
+    path: str
+    reason: str  # "retention" | "uncommitted" | "temporary"
+    bytes: int
 
 
 class CheckpointService:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.storage = Storage(config.root)
-        self.retention = RetentionPolicy(keep_last=config.keep_last, keep_every=config.keep_every)
+        self.retention = RetentionPolicy(
+            keep_last=config.keep_last, keep_every=config.keep_every, keep_best=config.keep_best, best_mode=config.best_mode
+        )
+        self.metrics = Metrics(config.node_rank)
+        self.started_at = time.time()
+        self.last_commit: CommitRecord | None = None
         self.jobs: dict[str, JobState] = {}
         self.leases: dict[str, LoadLease] = {}
         self.counters = Counters()
@@ -182,6 +219,8 @@ class CheckpointService:
             Cluster(config.node_rank, config.peers, config.peer_token, self.storage, self._apply_retention, tls) if config.multi_node else None
         )
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
+        # (job, step) -> loads being planned: their peer fetches' staging files must stay
+        self._planning: dict[tuple[str, int], int] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -196,6 +235,17 @@ class CheckpointService:
         if self.cluster is not None:
             self.cluster.start()
 
+    def reconfigure(self, new: DaemonConfig) -> list[str]:
+        """Take the settings of `new` that can change while serving (SIGHUP, `systemctl reload`):
+        retention, arena policy, timeouts, writing, logging. Returns the changed settings that
+        need a restart instead (they keep their old values)."""
+        fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(self.config, n)]
+        self.config = replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
+        self.retention = RetentionPolicy(
+            keep_last=new.keep_last, keep_every=new.keep_every, keep_best=new.keep_best, best_mode=new.best_mode
+        )
+        return fixed
+
     async def drain(self, grace_s: float) -> None:
         """Stop taking saves; let open snapshots complete (up to `grace_s`) and persisting finish."""
         self.draining = True
@@ -208,7 +258,7 @@ class CheckpointService:
                     except asyncio.TimeoutError:
                         pass  # still incomplete at the deadline: aborted below
                     if session.open:
-                        await self._fail(job, session, "the daemon shut down before every rank handed its snapshot over")
+                        await self._fail(job, session, "the daemon shut down before every rank handed its snapshot over", "shutdown")
         for job in self.jobs.values():
             for session in list(job.sessions.values()):
                 await session.finished.wait()
@@ -326,7 +376,7 @@ class CheckpointService:
         """A rank that starts another save or a load will never finish an older open one."""
         for other in list(state.sessions.values()):
             if other.step != step and other.open and rank in other.arrived and rank not in other.committed:
-                await self._fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})")
+                await self._fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})", "rank_restarted")
 
     async def _prepare(self, state: JobState, session: SaveSession) -> None:
         try:
@@ -347,10 +397,11 @@ class CheckpointService:
                 self._spawn(self._prewarm(state, plan))
         except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable) as exc:
             session.refused = isinstance(exc, (PlanError, InvalidRequest))
-            await self._fail(state, session, str(exc))
+            cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "peer"
+            await self._fail(state, session, str(exc), cause)
         except Exception as exc:
             log.exception("planning step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"internal error while planning: {exc}")
+            await self._fail(state, session, f"internal error while planning: {exc}", "internal")
         finally:
             session.ready.set()
 
@@ -395,6 +446,7 @@ class CheckpointService:
                 )
                 session.state = "skipped"
                 self.counters.skipped += 1
+                self.metrics.skipped.labels(session.job).inc()
                 self._finish(state, session)
                 return None
             remaining = deadline - time.monotonic()
@@ -416,8 +468,9 @@ class CheckpointService:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
     async def commit_snapshot(
-        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None
+        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None, stall_s: float = 0.0
     ) -> None:
+        """A rank's snapshot is copied. stall_s: seconds its save() blocked training so far (0: not reported)."""
         state, session = self._session(job, save_id)
         if session.state != "snapshotting":
             raise Precondition(f"save of step {session.step} is {session.state}, it cannot take a snapshot now")
@@ -430,11 +483,13 @@ class CheckpointService:
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
         session.committed[rank] = extras
+        if stall_s > 0:
+            self.metrics.stall.labels(job).observe(stall_s)
         if rank == 0 and model_files:
             session.model_files = dict(model_files)
         if len(session.committed) == session.local_ranks:
             session.state = "writing"
-            session.snapshot_done = time.monotonic()
+            session.snapshot_done = session.write_started = time.monotonic()
             assert session.arenas is not None
             session.arenas.state = SetState.PERSISTING
             session.arenas.step = session.step
@@ -444,7 +499,7 @@ class CheckpointService:
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         state, session = self._session(job, save_id)
         if session.open:
-            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}")
+            await self._fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", "rank_aborted")
 
     def _session(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
         state = self.jobs.get(job)
@@ -481,15 +536,17 @@ class CheckpointService:
             index = await loop.run_in_executor(self._persist_executor, persist, self.storage, request, session.progress)
         except Exception as exc:
             log.exception("writing step %s of job %s failed", session.step, session.job)
-            await self._fail(state, session, f"writing failed: {exc}")
+            await self._fail(state, session, f"writing failed: {exc}", "write_error")
             return
         written = time.monotonic()
+        self._wrote(session, index, self.node, written - started)
         self._committed_here(state, session, index)
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
         log.info(
             "committed step %s of job %s: %.1f MiB written in %.2f s, retention %.3f s, %.2f s after the snapshot",
             session.step, session.job, session.plan.total_bytes / 2**20, written - started,
             time.monotonic() - written, time.monotonic() - session.snapshot_done,
+            extra={"job": session.job, "step": session.step},
         )
         self._finish(state, session)
         await _notify(state.arena_freed)
@@ -524,6 +581,20 @@ class CheckpointService:
         session.step_dir = str(self.storage.step_dir(session.job, session.step))
         self.counters.committed += 1
         state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
+        latency = time.monotonic() - session.snapshot_done
+        self.last_commit = CommitRecord(session.job, session.step, time.time(), latency, index.size_bytes, session.step_dir)
+        self.metrics.commits.labels(session.job).inc()
+        self.metrics.commit_latency.labels(session.job).observe(latency)
+        self.metrics.last_commit.labels(session.job).set(self.last_commit.committed_at)
+        self.metrics.last_step.labels(session.job).set(session.step)
+
+    def _wrote(self, session: SaveSession, index: CheckpointIndex, node: int, seconds: float) -> None:
+        """Count the data bytes this node wrote for a step (metrics: bytes, throughput)."""
+        nbytes = sum(f.size for f in index.files if f.node == node and f.name.endswith(".safetensors"))
+        self.counters.bytes_written += nbytes
+        self.metrics.bytes_written.labels(session.job).inc(nbytes)
+        if seconds > 0:
+            self.metrics.throughput.labels(session.job).set(nbytes / seconds)
 
     async def _persist_node(self, state: JobState, session: SaveSession) -> None:
         """Several nodes: write this node's files, report them, and commit or abort as the
@@ -550,8 +621,13 @@ class CheckpointService:
         loop = asyncio.get_running_loop()
         manifest: NodeManifest | None = None
         error = ""
+        started = time.monotonic()
         try:
             manifest = await loop.run_in_executor(self._persist_executor, write_node_files, self.storage, request, session.progress)
+            nbytes = sum(f.size for f in manifest.files)
+            self.counters.bytes_written += nbytes
+            self.metrics.bytes_written.labels(session.job).inc(nbytes)
+            self.metrics.throughput.labels(session.job).set(nbytes / max(time.monotonic() - started, 1e-9))
         except Exception as exc:
             log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
             error = f"writing failed on node {self.node}: {exc}"
@@ -570,7 +646,7 @@ class CheckpointService:
                 index = await asyncio.to_thread(self.storage.read_index, session.job, session.step)
             except (OSError, FormatError) as exc:
                 log.exception("step %s of job %s is committed but node %s could not record it", session.step, session.job, self.node)
-                await self._fail(state, session, f"committed elsewhere, but node {self.node} could not write its index: {exc}")
+                await self._fail(state, session, f"committed elsewhere, but node {self.node} could not write its index: {exc}", "write_error")
                 return
             self._committed_here(state, session, index)
             if self.node != 0 and outcome.step_files:
@@ -581,7 +657,7 @@ class CheckpointService:
         if self.node != 0:  # the coordinator removed the step from its own root already
             names = [f.name for f in manifest.files] if manifest is not None else []
             await asyncio.to_thread(self.storage.discard_part, session.job, session.step, names, session.shared_root)
-        await self._fail(state, session, outcome.error)
+        await self._fail(state, session, outcome.error, "write_error" if error else "peer")
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
         write_step_files(self.storage, job, step, files)
@@ -642,25 +718,93 @@ class CheckpointService:
         outcome = await self.cluster.report(session.job, session.step, session.global_id, None, session.error, {}, {})
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
-    async def _apply_retention(self, job: str) -> None:
+    async def _apply_retention(self, job: str, dry_run: bool = False) -> list[Collected]:
+        """Delete the job's committed steps that the retention policy does not keep; returns them."""
         steps = await asyncio.to_thread(self.storage.committed_steps, job)
+        self._expire_leases()
         protected = {lease.step for lease in self.leases.values() if lease.job == job}
-        for step in self.retention.to_delete(steps, protected):
-            try:
-                await asyncio.to_thread(self.storage.remove_step, job, step, True)
+        metrics = await self._step_metrics(job, steps) if self.retention.keep_best else {}
+        removed = []
+        for step in self.retention.to_delete(steps, protected, metrics):
+            path = self.storage.step_dir(job, step)
+            size = await asyncio.to_thread(tree_bytes, path)
+            if not dry_run:
+                try:
+                    await asyncio.to_thread(self.storage.remove_step, job, step, True)
+                except OSError as exc:
+                    log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
+                    continue
                 self._index_cache.pop((job, step), None)
-                log.info("retention removed step %s of job %s", step, job)
-            except OSError as exc:
-                log.error("retention could not remove step %s of job %s: %s", step, job, exc)
+                self.metrics.retention_deleted.labels(job).inc()
+                log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
+            removed.append(Collected(job, step, str(path), "retention", size))
+        return removed
 
-    async def _fail(self, state: JobState, session: SaveSession, reason: str) -> None:
+    async def _step_metrics(self, job: str, steps: Sequence[int]) -> dict[int, float]:
+        """step -> the metric it was saved with, for the steps that have one (keep-best retention)."""
+        out = {}
+        for step in steps:
+            try:
+                index = await self.index(job, step)
+            except (Precondition, OSError) as exc:
+                log.warning("retention: cannot read the metric of step %s of job %s: %s", step, job, exc)
+                continue
+            if index.metric is not None:
+                out[step] = index.metric
+        return out
+
+    async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
+        """`ckptd gc`: apply retention now and remove uncommitted leftovers, for one job or all.
+
+        Never touches a step this daemon is saving; with several nodes, step directories changed
+        within the last save timeout are left alone too (another node may be writing them)."""
+        jobs = [job] if job else await asyncio.to_thread(self.storage.jobs)
+        removed: list[Collected] = []
+        min_age = self.config.save_timeout_s if self.cluster is not None else 0.0
+        for name in jobs:
+            state = self.jobs.get(name)
+            busy = set(state.sessions) if state is not None else set()
+            leftovers = await asyncio.to_thread(self.storage.leftovers, name, busy, min_age, dry_run)
+            removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
+            if self._applies_retention(name):
+                removed += await self._apply_retention(name, dry_run)
+        return removed
+
+    def _applies_retention(self, job: str) -> bool:
+        """Whether this daemon applies the job's retention: a single node, node 0 (the coordinator;
+        in a shared root it does so for every node), or a node with its own root (as after commits)."""
+        if self.cluster is None or self.node == 0:
+            return True
+        state = self.jobs.get(job)
+        done = [s for s in state.recent.values() if s.state == "committed"] if state is not None else []
+        return bool(done) and not max(done, key=lambda s: s.step).shared_root
+
+    def live_state(self) -> LiveState:
+        """The gauges of the metrics endpoint (read on the event loop)."""
+        queue: dict[str, int] = {}
+        open_saves: dict[str, int] = {}
+        for job, state in self.jobs.items():
+            queue[job] = sum(1 for s in state.sessions.values() if s.state == "writing")
+            open_saves[job] = sum(1 for s in state.sessions.values() if s.open)
+        return LiveState(
+            queue_depth=queue,
+            open_saves=open_saves,
+            arena_bytes=sum(s.pool.nbytes for s in self.jobs.values()),
+            arenas=sum(s.pool.count for s in self.jobs.values()),
+            loads_active=len(self.leases),
+            draining=self.draining,
+        )
+
+    async def _fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
+        """Fail the save. cause: the label of ckptd_save_failures_total (metrics.FAILURE_CAUSES)."""
         if session.state in ("committed", "failed", "skipped"):
             return
         session.state = "failed"
         session.error = reason
         self.counters.failed += 1
         self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
-        log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason)
+        self.metrics.failed(cause)
+        log.warning("save of step %s of job %s failed: %s", session.step, session.job, reason, extra={"job": session.job, "step": session.step, "cause": cause})
         if session.arenas is not None:
             state.pool.release(session.arenas)
             await _notify(state.arena_freed)
@@ -685,7 +829,7 @@ class CheckpointService:
             waiting = sorted(set(range(session.world_size)) - set(session.committed))
             missing = sorted(set(range(session.world_size)) - set(session.arrived))
             what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
-            await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s")
+            await self._fail(state, session, f"{what} within {session.timeout_s:.0f} s", "timeout")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -728,7 +872,12 @@ class CheckpointService:
         wanted: Sequence[TensorSpec],
         kinds: Sequence[str],
         strict: bool,
+        direct_read: bool = True,
     ) -> LoadPlan:
+        """Where the bytes of each wanted tensor box are. direct_read: the rank reads committed
+        files in this node's root itself; else this daemon copies the needed fragments into
+        shared memory first (once however many local ranks want them), for ranks that cannot
+        see the root."""
         state = self.jobs.get(job)
         if state is not None:
             await self._abort_left_behind(state, rank, None)
@@ -743,6 +892,27 @@ class CheckpointService:
         index = await self.index(job, step)
         if state is not None:
             state.lineage = index.generation  # the compounding guard of this job's next saves
+        self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
+        try:
+            return await self._plan_load(job, rank, step, index, state, wanted, kinds, strict, direct_read)
+        finally:
+            self._planning[(job, step)] -= 1
+            if not self._planning[(job, step)]:
+                del self._planning[(job, step)]
+            self._release_staging(job, step)
+
+    async def _plan_load(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        index: CheckpointIndex,
+        state: JobState | None,
+        wanted: Sequence[TensorSpec],
+        kinds: Sequence[str],
+        strict: bool,
+        direct_read: bool,
+    ) -> LoadPlan:
         held = state.pool.held(step) if state is not None else None
         table = index.by_name()
         where = await self._file_sources(index) if self.cluster is not None else {}
@@ -762,7 +932,7 @@ class CheckpointService:
                     f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
                     f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
                 )
-            pieces += await self._pieces_for(spec, record, index, held, where)
+            pieces += await self._pieces_for(spec, record, index, held, where, direct_read)
         requested_keys = set(kinds)
         unexpected = sorted(
             t.name
@@ -790,6 +960,7 @@ class CheckpointService:
         self._expire_leases()
         kinds_used = {p.source for p in pieces}
         tier = "memory" if kinds_used == {"shm"} or (held is not None and not pieces) else "disk" if "shm" not in kinds_used else "mixed"
+        self.metrics.loads.labels(tier).inc()
         return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier, index.generation)
 
     async def _wait_for_writes(self, state: JobState) -> None:
@@ -802,11 +973,12 @@ class CheckpointService:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
     async def _pieces_for(
-        self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None, where: dict[str, int]
+        self, spec: TensorSpec, record: TensorRecord, index: CheckpointIndex, held: ArenaSet | None, where: dict[str, int], direct_read: bool
     ) -> list[PieceInfo]:
         """Where the bytes of `spec`'s box are: this daemon's arenas when it holds every
         overlapping fragment of the newest snapshot, else the committed files (fetched from the
-        node that has them when they are not in this node's root: `where`)."""
+        node that has them when they are not in this node's root: `where`; copied into shared
+        memory when not `direct_read`)."""
         lossy = any(f.quant is not None for f in record.fragments)
         if held is not None and not lossy:  # a compressed tensor loads as stored, from any tier
             overlapping = [s for s in held.plan.slots if s.name == record.name and intersect(s.box, spec.box) is not None]
@@ -821,7 +993,7 @@ class CheckpointService:
 
         async def path_of(file: str, offset: int, nbytes: int) -> str:
             node = where.get(file, self.node)
-            if node != self.node:
+            if node != self.node or not direct_read:
                 return await self._fetched(index, file, node, offset, nbytes)
             return str(step_dir / file)
 
@@ -877,10 +1049,10 @@ class CheckpointService:
         return where
 
     async def _fetched(self, index: CheckpointIndex, file: str, node: int, offset: int, nbytes: int) -> str:
-        """A local copy of bytes [offset, offset + nbytes) of a peer's file, at the same offset of
-        a staging file in shared memory; fetched once however many local ranks ask."""
-        assert self.cluster is not None
-        staging = self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{index.job}-{index.step}-{file}"
+        """A copy of bytes [offset, offset + nbytes) of `node`'s file (this node's, or a peer's),
+        at the same offset of a staging file in shared memory; made once however many local
+        ranks ask, removed once no load of the step uses it (_release_staging)."""
+        staging = self._staging_path(index.job, index.step, file)
         key = (index.job, index.step, file, offset)
         task = self._fetches.get(key)
         if task is None or (task.done() and task.exception() is not None):
@@ -889,11 +1061,18 @@ class CheckpointService:
         await asyncio.shield(task)
         return str(staging)
 
+    def _staging_path(self, job: str, step: int, file: str) -> Path:
+        return self.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
+
     async def _fetch_into(self, staging: Path, node: int, index: CheckpointIndex, file: str, offset: int, nbytes: int) -> None:
-        assert self.cluster is not None
         fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
         try:
-            await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
+            if node == self.node:
+                source = self.storage.step_dir(index.job, index.step) / file
+                await asyncio.to_thread(_copy_range, source, fd, offset, nbytes)
+            else:
+                assert self.cluster is not None
+                await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
         finally:
             os.close(fd)
 
@@ -918,8 +1097,24 @@ class CheckpointService:
 
     def load_done(self, load_id: str) -> None:
         lease = self.leases.pop(load_id, None)
-        if lease is not None and lease.arenas is not None:
+        if lease is None:
+            return
+        if lease.arenas is not None:
             lease.arenas.readers = max(0, lease.arenas.readers - 1)
+        self._release_staging(lease.job, lease.step)
+
+    def _release_staging(self, job: str, step: int) -> None:
+        """Remove the step's peer-fetch staging files (shared memory) once no load of the step
+        is being planned or reading: they would otherwise hold host memory until shutdown. A
+        later load of the step fetches again."""
+        if (job, step) in self._planning or any(lease.job == job and lease.step == step for lease in self.leases.values()):
+            return
+        keys = [k for k in self._fetches if k[:2] == (job, step)]
+        if any(not self._fetches[k].done() for k in keys):  # fetches run inside plan_load: not expected
+            return
+        for key in keys:
+            del self._fetches[key]
+            self._staging_path(job, step, key[2]).unlink(missing_ok=True)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -945,6 +1140,7 @@ class CheckpointService:
 
     def status(self) -> dict[str, Any]:
         in_flight = []
+        now = time.monotonic()
         for job, state in self.jobs.items():
             for session in state.sessions.values():
                 in_flight.append(
@@ -954,7 +1150,10 @@ class CheckpointService:
                         "state": session.state,
                         "bytes_total": session.bytes_total,
                         "bytes_written": session.progress.written if session.progress else 0,
-                        "age_s": time.monotonic() - session.created,
+                        "age_s": now - session.created,
+                        "ranks_arrived": len(session.committed) if session.state == "snapshotting" else len(session.arrived),
+                        "ranks_expected": session.local_ranks,
+                        "write_s": now - session.write_started if session.write_started else 0.0,
                     }
                 )
         return {
@@ -968,6 +1167,13 @@ class CheckpointService:
             "skipped_total": self.counters.skipped,
             "last_error": self.counters.last_error,
             "draining": self.draining,
+            "queue_depth": sum(1 for s in self.jobs.values() for x in s.sessions.values() if x.state == "writing"),
+            "last_commit": self.last_commit,
+            "node_rank": self.node,
+            "nodes": self.cluster.nodes if self.cluster is not None else 1,
+            "bytes_written_total": self.counters.bytes_written,
+            "uptime_s": time.time() - self.started_at,
+            "loads_active": len(self.leases),
         }
 
 
@@ -1006,3 +1212,18 @@ def _incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], u
 def _names(names: Sequence[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+
+def _copy_range(source: Path, out_fd: int, offset: int, nbytes: int) -> None:
+    """Copy bytes [offset, offset + nbytes) of `source` to the same offset of out_fd."""
+    with open(source, "rb", buffering=0) as f:
+        done = 0
+        while done < nbytes:
+            data = os.pread(f.fileno(), min(STAGE_CHUNK, nbytes - done), offset + done)
+            if not data:
+                raise Precondition(f"{source} ends at byte {offset + done}, before the {nbytes} bytes its index gives from {offset}")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(out_fd, memoryview(data)[written:], offset + done + written)
+            done += len(data)

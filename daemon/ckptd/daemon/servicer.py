@@ -20,7 +20,7 @@ from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
-from ckptd.daemon.service import CheckpointService, PieceInfo, SaveSession
+from ckptd.daemon.service import CheckpointService, CommitRecord, PieceInfo, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -158,7 +158,8 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             except json.JSONDecodeError as exc:
                 raise errors.InvalidRequest(f"model file {name} is not valid JSON: {exc}") from None
             model_files[name] = text.encode()
-        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files)
+        stall_s = request.stall_s if math.isfinite(request.stall_s) and 0 <= request.stall_s < 86400 else 0.0
+        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, stall_s)
         return pb.CommitSnapshotResponse()
 
     @_mapped
@@ -194,7 +195,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         for key in request.kinds:
             if not key or "/" in key or len(key) > 256:
                 raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
-        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict)
+        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read)
         if not request.decodes and any(p.decode is not None for p in plan.pieces):
             self.service.load_done(plan.load_id)
             raise errors.Precondition(
@@ -239,4 +240,24 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             arena_bytes=status["arena_bytes"], arena_count=status["arena_count"],
             committed_total=status["committed_total"], failed_total=status["failed_total"],
             skipped_total=status["skipped_total"], last_error=status["last_error"], draining=status["draining"],
+            queue_depth=status["queue_depth"], node_rank=status["node_rank"], nodes=status["nodes"],
+            bytes_written_total=status["bytes_written_total"], uptime_s=status["uptime_s"], loads_active=status["loads_active"],
+            last_commit=_last_commit(status["last_commit"]),
         )
+
+    @_mapped
+    async def Collect(self, request: pb.CollectRequest, context: grpc.aio.ServicerContext) -> pb.CollectResponse:
+        job = check_job_id(request.job) if request.job else None
+        removed = await self.service.collect(job, request.dry_run)
+        return pb.CollectResponse(
+            removed=[pb.Removed(job=r.job, step=r.step, path=r.path, reason=r.reason, bytes=r.bytes) for r in removed]
+        )
+
+
+def _last_commit(record: CommitRecord | None) -> pb.LastCommit | None:
+    if record is None:
+        return None
+    return pb.LastCommit(
+        job=record.job, step=record.step, committed_at=record.committed_at, latency_s=record.latency_s,
+        bytes=record.bytes, step_dir=record.step_dir,
+    )

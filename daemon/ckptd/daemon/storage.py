@@ -12,6 +12,7 @@ import logging
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -47,6 +48,20 @@ def write_small_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a file or a directory); 0 when it is gone."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
 
 
 @dataclass(frozen=True)
@@ -191,6 +206,40 @@ class Storage:
             return []
         files = [(p, p.stat().st_size) for p in bin_dir.iterdir() if p.is_file()]
         return sorted(files, key=lambda f: -f[1])
+
+    def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[tuple[Path, int, str, int]]:
+        """Remove (unless `dry_run`) what a crash or a failed save left in a job's directory while
+        the daemon runs: step directories without an index (not in `busy`, the steps being saved,
+        nor a node's prepared part), temporary files and half-deleted steps, unchanged for at
+        least `min_age_s` seconds. Returns (path, step or -1, reason, bytes) of each."""
+        job_dir = self.job_dir(job)
+        if not job_dir.is_dir():
+            return []
+        found = []
+        now = time.time()
+        for p in sorted(job_dir.iterdir()):
+            step = parse_step_dir_name(p.name)
+            try:
+                age = now - p.lstat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age < min_age_s:
+                continue
+            if p.name.startswith(DELETING_PREFIX) or p.name.startswith(TMP_MARK):
+                found.append((p, -1, "temporary"))
+            elif step is not None and p.is_dir():
+                if (p / INDEX_NAME).is_file():
+                    found += [(q, step, "temporary") for q in sorted(p.iterdir()) if q.name.startswith(TMP_MARK)]
+                elif step not in busy and not (p / PREPARED_NAME).is_file():
+                    found.append((p, step, "uncommitted"))
+        out = []
+        for path, step, reason in found:
+            size = tree_bytes(path)
+            if not dry_run:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+                log.info("gc removed %s leftover %s", reason, path)
+            out.append((path, step, reason, size))
+        return out
 
     def clean_uncommitted(self) -> list[Path]:
         """Remove what a crash left: step directories without an index, temporary files and

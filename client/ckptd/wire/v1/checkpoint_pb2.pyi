@@ -97,7 +97,7 @@ class BeginSaveResponse(_message.Message):
     def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("who", "save_id", "extras_json", "model_files")
+    __slots__ = ("who", "save_id", "extras_json", "model_files", "stall_s")
     class ModelFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,11 +109,13 @@ class CommitSnapshotRequest(_message.Message):
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     save_id: str
     extras_json: str
     model_files: _containers.ScalarMap[str, str]
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ..., model_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    stall_s: float
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ..., model_files: _Optional[_Mapping[str, str]] = ..., stall_s: _Optional[float] = ...) -> None: ...
 
 class CommitSnapshotResponse(_message.Message):
     __slots__ = ()
@@ -288,23 +290,45 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class InFlight(_message.Message):
-    __slots__ = ("job", "step", "state", "bytes_total", "bytes_written", "age_s")
+    __slots__ = ("job", "step", "state", "bytes_total", "bytes_written", "age_s", "ranks_arrived", "ranks_expected", "write_s")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RANKS_ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    WRITE_S_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: str
     bytes_total: int
     bytes_written: int
     age_s: float
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+    ranks_arrived: int
+    ranks_expected: int
+    write_s: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., age_s: _Optional[float] = ..., ranks_arrived: _Optional[int] = ..., ranks_expected: _Optional[int] = ..., write_s: _Optional[float] = ...) -> None: ...
+
+class LastCommit(_message.Message):
+    __slots__ = ("job", "step", "committed_at", "latency_s", "bytes", "step_dir")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_DIR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    committed_at: float
+    latency_s: float
+    bytes: int
+    step_dir: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed_at: _Optional[float] = ..., latency_s: _Optional[float] = ..., bytes: _Optional[int] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining")
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +339,13 @@ class StatusResponse(_message.Message):
     SKIPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LOADS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
@@ -325,4 +356,39 @@ class StatusResponse(_message.Message):
     skipped_total: int
     last_error: str
     draining: bool
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    queue_depth: int
+    last_commit: LastCommit
+    node_rank: int
+    nodes: int
+    bytes_written_total: int
+    uptime_s: float
+    loads_active: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ...) -> None: ...
+
+class CollectRequest(_message.Message):
+    __slots__ = ("job", "dry_run")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    dry_run: bool
+    def __init__(self, job: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class Removed(_message.Message):
+    __slots__ = ("job", "step", "path", "reason", "bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    path: str
+    reason: str
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class CollectResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedCompositeFieldContainer[Removed]
+    def __init__(self, removed: _Optional[_Iterable[_Union[Removed, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class CheckpointStub:
                 request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Collect = channel.unary_unary(
+                '/ckptd.v1.Checkpoint/Collect',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServicer:
@@ -127,6 +132,12 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Collect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.StatusRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.StatusResponse.SerializeToString,
+            ),
+            'Collect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Collect,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class Checkpoint:
             '/ckptd.v1.Checkpoint/Status',
             ckptd_dot_v1_dot_checkpoint__pb2.StatusRequest.SerializeToString,
             ckptd_dot_v1_dot_checkpoint__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Collect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/Collect',
+            ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,168 @@
+"""Prometheus metrics of the daemon, served over HTTP on `--metrics-port` (0 = off).
+
+One `Metrics` object per daemon with its own registry (no process-global state). Counters and
+histograms are updated by the service as events happen (prometheus_client makes that
+thread-safe); gauges that describe the service's current state (queue depth, arena memory,
+saves in flight) are read at scrape time on the event loop, so a scrape sees a consistent
+picture and never races the loop. The HTTP server is prometheus_client's own thread server:
+it never blocks the grpc.aio event loop.
+
+Every series, with its unit and meaning, is listed in README.md (Operations: metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+# Stall: a hand-off is milliseconds to seconds; commit latency: seconds to many minutes.
+STALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+# Causes of a failed save (label `cause` of ckptd_save_failures_total).
+FAILURE_CAUSES = (
+    "timeout",  # ranks did not arrive or hand over within --save-timeout
+    "rank_aborted",  # a rank gave up (its copy failed) and called AbortSave
+    "rank_restarted",  # a rank moved on to another step or a load (it restarted)
+    "no_arena",  # no free arena within the timeout (policy wait), or shared memory full
+    "invalid",  # the save itself was refused (bad plan, inconsistent ranks)
+    "write_error",  # writing or fsyncing the files failed (disk full, I/O error)
+    "peer",  # another node failed, stopped answering, or the coordinator aborted the step
+    "shutdown",  # the daemon stopped before every rank handed over
+    "internal",  # a bug: see the daemon's log
+)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """The service's current state, as read on the event loop at scrape time.
+
+    queue_depth: job -> snapshots handed over and not yet committed (being written).
+    open_saves: job -> saves waiting for ranks or copying (not yet handed over).
+    arena_bytes / arenas: shared memory reserved for snapshots (bytes / count), all jobs.
+    loads_active: loads being read (their steps are protected from retention).
+    draining: 1 while shutting down.
+    """
+
+    queue_depth: dict[str, int] = field(default_factory=dict)
+    open_saves: dict[str, int] = field(default_factory=dict)
+    arena_bytes: int = 0
+    arenas: int = 0
+    loads_active: int = 0
+    draining: bool = False
+
+
+class _LiveCollector(Collector):
+    """Gauges read from the service at scrape time (see module docstring)."""
+
+    def __init__(self, read: Callable[[], LiveState | None]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self._read()
+        if state is None:
+            return
+        queue = GaugeMetricFamily("ckptd_queue_depth", "Snapshots handed over and not yet committed (being written), per job.", labels=["job"])
+        for job, n in sorted(state.queue_depth.items()):
+            queue.add_metric([job], n)
+        yield queue
+        open_saves = GaugeMetricFamily("ckptd_saves_open", "Saves waiting for ranks or being copied into the arenas, per job.", labels=["job"])
+        for job, n in sorted(state.open_saves.items()):
+            open_saves.add_metric([job], n)
+        yield open_saves
+        yield GaugeMetricFamily("ckptd_arena_bytes", "Shared memory reserved for snapshot arenas, in bytes (all jobs).", value=state.arena_bytes)
+        yield GaugeMetricFamily("ckptd_arenas", "Snapshot arenas allocated (all jobs).", value=state.arenas)
+        yield GaugeMetricFamily("ckptd_loads_active", "Loads in progress (their steps are kept by retention).", value=state.loads_active)
+        yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is shutting down and takes no new saves.", value=int(state.draining))
+
+
+class Metrics:
+    """The daemon's metrics. Methods are safe to call from any thread."""
+
+    def __init__(self, node: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        self.node = node
+        r = self.registry
+        self.stall = Histogram(
+            "ckptd_stall_seconds", "Seconds a rank's save() blocked training (the hand-off), as reported by the client.",
+            ["job"], buckets=STALL_BUCKETS, registry=r,
+        )
+        self.bytes_written = Counter("ckptd_written_bytes", "Bytes of checkpoint data this daemon wrote to its storage.", ["job"], registry=r)
+        self.throughput = Gauge(
+            "ckptd_write_throughput_bytes_per_second", "Write rate of the newest step this daemon wrote: its bytes / seconds spent writing and fsyncing.",
+            ["job"], registry=r,
+        )
+        self.commit_latency = Histogram(
+            "ckptd_commit_latency_seconds", "Seconds from a complete snapshot (every rank handed over) to the commit (index written, durable).",
+            ["job"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.commits = Counter("ckptd_commits", "Steps committed (made durable and visible).", ["job"], registry=r)
+        self.last_commit = Gauge("ckptd_last_commit_timestamp_seconds", "Unix time of the newest commit.", ["job"], registry=r)
+        self.last_step = Gauge("ckptd_last_committed_step", "The newest committed step.", ["job"], registry=r)
+        self.failures = Counter("ckptd_save_failures", "Saves that failed, by cause (see README: Operations).", ["cause"], registry=r)
+        for cause in FAILURE_CAUSES:
+            self.failures.labels(cause)  # every cause is exported from the start, at 0
+        self.skipped = Counter("ckptd_saves_skipped", "Saves skipped because no arena was free (--arena-policy skip).", ["job"], registry=r)
+        self.retention_deleted = Counter("ckptd_retention_deleted_steps", "Committed steps deleted by retention (after commits and by ckptd gc).", ["job"], registry=r)
+        self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
+        self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch(self, read: Callable[[], LiveState | None]) -> None:
+        """Export the gauges of LiveState, read by `read` at each scrape."""
+        self.registry.register(_LiveCollector(read))
+
+    def failed(self, cause: str) -> None:
+        self.failures.labels(cause if cause in FAILURE_CAUSES else "internal").inc()
+
+    def serve(self, host: str, port: int) -> None:
+        """Start the HTTP endpoint (http://host:port/metrics) in a daemon thread.
+
+        Raises OSError when the port cannot be bound (in use, or the host is not this machine's)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        log.info("Prometheus metrics on http://%s:%s/metrics", host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server.server_close()  # type: ignore[attr-defined]
+            self._server = None
+
+
+def read_on_loop(loop: asyncio.AbstractEventLoop, read: Callable[[], LiveState]) -> Callable[[], LiveState | None]:
+    """A reader for Metrics.watch that runs `read` on `loop` (from the HTTP thread) and waits for it.
+
+    Returns None (the gauges are left out of that scrape) when the loop does not answer in time."""
+
+    def from_thread() -> LiveState | None:
+        if loop.is_closed():
+            return None
+        done: concurrent.futures.Future[LiveState] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(read())
+            except Exception as exc:  # reported to the waiting thread below
+                done.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(run)
+            return done.result(SNAPSHOT_TIMEOUT_S)
+        except (RuntimeError, concurrent.futures.TimeoutError) as exc:
+            log.warning("metrics: the daemon's state could not be read for a scrape: %s", exc)
+            return None
+
+    return from_thread

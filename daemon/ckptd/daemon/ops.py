@@ -1,0 +1,322 @@
+"""Operator commands: `ckptd status`, `ckptd gc`, `ckptd verify`, `ckptd ls`.
+
+Human-readable output by default, `--json` for scripts (one JSON document on stdout). Exit
+codes: 0 = fine, 1 = a problem was found or the daemon did not answer, 2 = bad input.
+`status` and `gc` talk to a running daemon (--address, else $CKPTD_ADDRESS, else the default
+socket); `verify` and `ls` read the storage root directly and work with the daemon stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from ckptd.common.paths import default_address
+from ckptd.daemon.format import FormatError, parse_step_dir_name
+from ckptd.daemon.storage import Storage, tree_bytes
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+RPC_TIMEOUT_S = 30.0
+BAR_WIDTH = 24
+T = TypeVar("T")
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(s: float) -> str:
+    """75 -> '1m15s'."""
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return f"{d}d{h}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
+    """'[#########...............]  37%'; an unknown total shows an empty bar."""
+    frac = min(1.0, done / total) if total > 0 else 0.0
+    filled = int(round(frac * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}%"
+
+
+def _call(address: str, what: str, fn: Callable[[pb_grpc.CheckpointStub], T]) -> T:
+    """Call the daemon at `address`; on failure print what to check and exit 1."""
+    target = address[len("unix://") :] if address.startswith("unix://") else None
+    if target is not None and not Path(target).exists():
+        _fail(
+            f"ckptd {what}: no daemon socket at {target}; is the daemon running (`systemctl status ckptd`, "
+            "`kubectl -n ckptd get pods`)? Point --address or CKPTD_ADDRESS at its socket (unix:///run/ckptd/ckptd.sock)"
+        )
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return fn(pb_grpc.CheckpointStub(channel))
+    except grpc.RpcError as exc:
+        code = exc.code()  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.UNAVAILABLE:
+            _fail(f"ckptd {what}: no daemon answers at {address} ({exc.details()}); start it (`ckptd serve`, `systemctl start ckptd`) or fix --address / CKPTD_ADDRESS")  # type: ignore[attr-defined]
+        _fail(f"ckptd {what}: the daemon at {address} answered {code.name}: {exc.details()}")  # type: ignore[attr-defined]
+    raise AssertionError("unreachable")
+
+
+def _fail(message: str, code: int = 1) -> None:
+    print(message, file=sys.stderr)
+    raise SystemExit(code)
+
+
+# ------------------------------------------------------------------ status
+
+
+def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
+    """The status as a JSON-able dict (the --json output; stable keys)."""
+    last = None
+    if reply.HasField("last_commit"):
+        c = reply.last_commit
+        last = {"job": c.job, "step": c.step, "committed_at": c.committed_at, "latency_s": c.latency_s, "bytes": c.bytes, "step_dir": c.step_dir}
+    return {
+        "address": address,
+        "version": reply.version,
+        "root": reply.root,
+        "node_rank": reply.node_rank,
+        "nodes": reply.nodes,
+        "uptime_s": reply.uptime_s,
+        "draining": reply.draining,
+        "queue_depth": reply.queue_depth,
+        "arena_bytes": reply.arena_bytes,
+        "arena_count": reply.arena_count,
+        "loads_active": reply.loads_active,
+        "committed_total": reply.committed_total,
+        "failed_total": reply.failed_total,
+        "skipped_total": reply.skipped_total,
+        "bytes_written_total": reply.bytes_written_total,
+        "last_commit": last,
+        "last_error": reply.last_error,
+        "in_flight": [
+            {
+                "job": f.job, "step": f.step, "state": f.state, "bytes_total": f.bytes_total, "bytes_written": f.bytes_written,
+                "age_s": f.age_s, "ranks_arrived": f.ranks_arrived, "ranks_expected": f.ranks_expected, "write_s": f.write_s,
+            }
+            for f in reply.in_flight
+        ],
+    }
+
+
+def render_status(doc: dict[str, Any], now: float) -> str:
+    lines = [
+        f"ckptd {doc['version']} at {doc['address']} (node {doc['node_rank']} of {doc['nodes']}), root {doc['root']}, "
+        f"up {human_seconds(doc['uptime_s'])}" + (", DRAINING (shutting down, no new saves)" if doc["draining"] else ""),
+        f"arenas: {doc['arena_count']} holding {human_bytes(doc['arena_bytes'])} of shared memory; queue depth {doc['queue_depth']}; "
+        f"loads in progress {doc['loads_active']}",
+        f"since start: {doc['committed_total']} committed, {doc['failed_total']} failed, {doc['skipped_total']} skipped; "
+        f"{human_bytes(doc['bytes_written_total'])} written",
+    ]
+    last = doc["last_commit"]
+    if last:
+        lines.append(
+            f"last commit: job {last['job']} step {last['step']}, {human_seconds(max(0.0, now - last['committed_at']))} ago, "
+            f"{human_bytes(last['bytes'])}, durable {last['latency_s']:.2f} s after the snapshot ({last['step_dir']})"
+        )
+    else:
+        lines.append("last commit: none since the daemon started")
+    if doc["last_error"]:
+        lines.append(f"last error: {doc['last_error']}")
+    if not doc["in_flight"]:
+        lines.append("no checkpoint in flight")
+        return "\n".join(lines)
+    lines.append("")
+    lines.append(f"{'JOB':<20} {'STEP':>10}  {'STATE':<12} {'PROGRESS':<{BAR_WIDTH + 7}} {'WRITTEN / TOTAL':<23} {'RATE':>12}  AGE")
+    for f in doc["in_flight"]:
+        if f["state"] == "writing":
+            rate = f"{human_bytes(f['bytes_written'] / f['write_s'])}/s" if f["write_s"] > 0 else "-"
+            bar = progress_bar(f["bytes_written"], f["bytes_total"])
+        else:  # gathering ranks or copying into the arenas: progress = ranks done
+            rate = f"ranks {f['ranks_arrived']}/{f['ranks_expected']}"
+            bar = progress_bar(f["ranks_arrived"], f["ranks_expected"])
+        amount = f"{human_bytes(f['bytes_written'])} / {human_bytes(f['bytes_total'])}"
+        lines.append(f"{f['job']:<20} {f['step']:>10}  {f['state']:<12} {bar:<{BAR_WIDTH + 7}} {amount:<23} {rate:>12}  {human_seconds(f['age_s'])}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    address = args.address or default_address()
+    request = pb.StatusRequest(job=args.job or "")
+    while True:
+        reply = _call(address, "status", lambda stub: stub.Status(request, timeout=RPC_TIMEOUT_S))
+        doc = status_doc(reply, address)
+        if args.json:
+            print(json.dumps(doc, indent=1), flush=True)
+        else:
+            if args.watch:
+                print("\033[H\033[J", end="")  # clear the terminal between refreshes
+            print(render_status(doc, time.time()), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+# ------------------------------------------------------------------ gc
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    address = args.address or default_address()
+    request = pb.CollectRequest(job=args.job or "", dry_run=args.dry_run)
+    reply = _call(address, "gc", lambda stub: stub.Collect(request, timeout=600.0))
+    rows = [{"job": r.job, "step": r.step, "path": r.path, "reason": r.reason, "bytes": r.bytes} for r in reply.removed]
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": rows}, indent=1))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for r in rows:
+        what = f"step {r['step']}" if r["step"] >= 0 else "leftover"
+        print(f"{verb} {r['reason']:<11} {r['job']:<20} {what:<14} {human_bytes(r['bytes']):>10}  {r['path']}")
+    total = sum(r["bytes"] for r in rows)
+    print(f"{verb} {len(rows)} item(s), {human_bytes(total)}" + (" (dry run: nothing was deleted)" if args.dry_run else ""))
+    return 0
+
+
+# ------------------------------------------------------------------ verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ckptd.daemon.verify import verify_step
+
+    step_dir = Path(args.step_dir)
+    if not step_dir.is_dir():
+        _fail(f"ckptd verify: {step_dir} is not a directory; give a step directory such as ROOT/JOB/step-00001000 (`ckptd ls ROOT` lists them)", 2)
+    report = verify_step(step_dir, node=args.node)
+    if args.json:
+        doc = {
+            "step_dir": report.step_dir, "job": report.job, "step": report.step, "ok": report.ok,
+            "files_checked": report.files_checked, "files_skipped": report.files_skipped,
+            "bytes_checked": report.bytes_checked, "tensors": report.tensors,
+            "problems": [{"kind": p.kind, "file": p.file, "message": p.message} for p in report.problems],
+            "notes": list(report.notes),
+        }
+        print(json.dumps(doc, indent=1))
+        return 0 if report.ok else 1
+    print(f"verifying {report.step_dir}" + (f" (job {report.job}, step {report.step})" if report.step >= 0 else ""))
+    for p in report.problems:
+        print(f"  PROBLEM [{p.kind}] {p.message}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    skipped = f", {report.files_skipped} file(s) of other nodes left out" if report.files_skipped else ""
+    summary = f"{report.files_checked} file(s), {report.tensors} tensor(s), {human_bytes(report.bytes_checked)} read{skipped}"
+    if report.ok:
+        print(f"OK: {summary}; every checksum matches and every tensor is fully covered")
+        return 0
+    print(f"FAILED: {len(report.problems)} problem(s); {summary}")
+    return 1
+
+
+# ------------------------------------------------------------------ ls
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage = Storage(Path(args.root))
+    if not storage.root.is_dir():
+        _fail(f"ckptd ls: {storage.root} is not a directory", 2)
+    jobs = [args.job] if args.job else storage.jobs()
+    rows = []
+    for job in jobs:
+        try:
+            steps = storage.committed_steps(job)
+        except ValueError as exc:
+            _fail(f"ckptd ls: {exc}", 2)
+        latest = steps[-1] if steps else None
+        for step in steps:
+            try:
+                index = storage.read_index(job, step)
+            except (OSError, FormatError) as exc:
+                print(f"ckptd ls: skipping step {step} of {job}: {exc}", file=sys.stderr)
+                continue
+            rows.append(
+                {
+                    "job": job, "step": step, "state": "committed", "latest": step == latest,
+                    "created_at": index.created_at, "size_bytes": index.size_bytes, "files": len(index.files) + 1,
+                    "tensors": len(index.tensors), "world_size": index.world_size, "nodes": int(index.writer.get("nodes", 1)),
+                    "metric": index.metric, "path": str(storage.step_dir(job, step)),
+                }
+            )
+        if args.all:
+            rows += _uncommitted_rows(storage, job)
+    rows.sort(key=lambda r: (r["job"], r["step"]))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no committed checkpoints in {storage.root}" + (f" for job {args.job}" if args.job else ""))
+        return 0
+    print(f"{'JOB':<20} {'STEP':>10}  {'CREATED':<19}  {'SIZE':>10}  {'FILES':>5}  {'TENSORS':>7}  {'RANKS':>5}  {'METRIC':>10}  PATH")
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"]))
+        metric = f"{r['metric']:.6g}" if r["metric"] is not None else "-"
+        tensors = str(r["tensors"]) if r["tensors"] is not None else "-"
+        ranks = str(r["world_size"]) if r["world_size"] is not None else "-"
+        note = "  (latest)" if r["latest"] else "  (uncommitted: no index; `ckptd gc` removes it)" if r["state"] != "committed" else ""
+        print(
+            f"{r['job']:<20} {r['step']:>10}  {created:<19}  {human_bytes(r['size_bytes']):>10}  {r['files']:>5}  {tensors:>7}  "
+            f"{ranks:>5}  {metric:>10}  {r['path']}{note}"
+        )
+    return 0
+
+
+def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
+    """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
+    rows = []
+    job_dir = storage.job_dir(job)
+    for p in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
+        step = parse_step_dir_name(p.name)
+        if step is None or not p.is_dir() or storage.is_committed(job, step):
+            continue
+        rows.append(
+            {
+                "job": job, "step": step, "state": "uncommitted", "latest": False, "created_at": p.stat().st_mtime,
+                "size_bytes": tree_bytes(p), "files": sum(1 for _ in p.iterdir()), "tensors": None, "world_size": None,
+                "nodes": None, "metric": None, "path": str(p),
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------ argument parsers
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="the daemon, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
+    parser.add_argument("--job", help="only this job's checkpoints in flight")
+    parser.add_argument("--watch", type=float, metavar="SECONDS", default=0.0, help="refresh every SECONDS until interrupted")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="the daemon, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
+    parser.add_argument("--job", help="only this job (default: every job under the daemon's root)")
+    parser.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    parser.add_argument("--node", type=int, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", help="the daemon's --root")
+    parser.add_argument("job", nargs="?", help="only this job")
+    parser.add_argument("--all", action="store_true", help="also list uncommitted step directories (interrupted or in-flight saves)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")

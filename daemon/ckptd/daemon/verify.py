@@ -1,0 +1,181 @@
+"""`ckptd verify STEP_DIR`: check a committed step against its index, reading every byte.
+
+Checks, each reported as a `Problem` naming the file and tensor:
+- the index exists and parses (its presence is what makes a step committed);
+- every file the index lists is there with its recorded size; the small JSON files match their
+  xxh3 checksum; each safetensors file's header matches its checksum, parses, and holds each
+  stored tensor under its key at the recorded offset;
+- every stored tensor or fragment matches its xxh3-64 checksum, and its chunks their checksums;
+- coverage: the fragments of each logical tensor cover its global shape exactly once.
+
+Reads only; never changes the step directory. Files another node wrote into a node-local root
+can be left out with `node` (check them on that node).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import xxhash
+
+from ckptd.common.boxes import coverage_problems
+from ckptd.common.chunks import ChunkHasher
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
+from ckptd.daemon.pipeline import checksum_name
+from ckptd.daemon.storage import TMP_MARK
+
+READ_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a step. kind: index | missing | size | checksum | header | coverage."""
+
+    kind: str
+    file: str  # the file concerned, relative to the step directory ("" for coverage)
+    message: str  # says what is wrong and what it affects
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    step_dir: str
+    job: str = ""
+    step: int = -1
+    files_checked: int = 0
+    files_skipped: int = 0  # written by other nodes (node-local roots), left out on request
+    bytes_checked: int = 0
+    tensors: int = 0
+    problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = field(default=())  # harmless findings, e.g. files the index does not list
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None], chunk_bytes: int = 0) -> tuple[str, int, str]:
+    """The xxh3-64 checksum name of bytes [offset, offset + nbytes), how many could be read, and
+    the digests of their chunks of `chunk_bytes` (ckptd.common.chunks; "" when 0)."""
+    hasher = xxhash.xxh3_64()
+    chunks = ChunkHasher(chunk_bytes) if chunk_bytes else None
+    done = 0
+    while done < nbytes:
+        data = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        if not data:
+            break
+        hasher.update(data)
+        if chunks is not None:
+            chunks.update(data)
+        done += len(data)
+        on_bytes(len(data))
+    return checksum_name(hasher.intdigest()), done, chunks.hexdigests() if chunks is not None else ""
+
+
+def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
+    """Verify the committed step in `step_dir` (see the module docstring).
+
+    node: check only the data files written by this node (and the small files every node has);
+        None checks every file. on_bytes: called with each chunk's size as data is read (progress).
+    """
+    problems: list[Problem] = []
+    index_path = step_dir / INDEX_NAME
+    try:
+        index = CheckpointIndex.from_json_bytes(index_path.read_bytes(), where=str(index_path))
+    except FileNotFoundError:
+        return VerifyReport(str(step_dir), problems=(Problem("index", INDEX_NAME, f"{step_dir} is not a committed checkpoint: it has no {INDEX_NAME} (an interrupted save; `ckptd gc` removes it)"),))
+    except (OSError, FormatError) as exc:
+        return VerifyReport(str(step_dir), problems=(Problem("index", INDEX_NAME, f"the index cannot be read: {exc}"),))
+
+    tensors_in: dict[str, list[str]] = {}
+    for t in index.tensors:
+        for frag in t.fragments:
+            tensors_in.setdefault(frag.file, []).append(t.name)
+
+    def affected(file: str) -> str:
+        names = sorted(set(tensors_in.get(file, [])))
+        if not names:
+            return ""
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"; tensors affected: {shown}"
+
+    headers: dict[str, tuple[int, dict[str, HeaderEntry]]] = {}  # file -> (data offset, entries)
+    readable: set[str] = set()
+    skipped = checked = nbytes = 0
+    for record in index.files:
+        is_data = record.name.endswith(".safetensors")
+        if node is not None and is_data and record.node != node:
+            skipped += 1
+            continue
+        path = step_dir / record.name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            where = f" (written by node {record.node}; with node-local roots verify it there, or pass --node)" if record.node else ""
+            problems.append(Problem("missing", record.name, f"{record.name} is missing{where}{affected(record.name)}"))
+            continue
+        checked += 1
+        if size != record.size:
+            problems.append(Problem("size", record.name, f"{record.name} has {size} bytes, the index says {record.size} (truncated or replaced){affected(record.name)}"))
+            continue
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            if not is_data:
+                digest, _, _ = _hash_range(fd, 0, size, on_bytes)
+                nbytes += size
+                if digest != record.checksum:
+                    problems.append(Problem("checksum", record.name, f"{record.name} does not match its checksum ({digest}, the index says {record.checksum})"))
+                continue
+            prefix = os.pread(fd, 8, 0)
+            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            if not 0 <= length <= size - 8:
+                problems.append(Problem("header", record.name, f"{record.name} has no valid safetensors header{affected(record.name)}"))
+                continue
+            header = prefix + os.pread(fd, length, 8)
+            nbytes += len(header)
+            digest = checksum_name(xxhash.xxh3_64_intdigest(header))
+            if digest != record.checksum:
+                problems.append(Problem("checksum", record.name, f"the safetensors header of {record.name} does not match its checksum{affected(record.name)}"))
+                continue
+            try:
+                headers[record.name] = parse_safetensors_header(header, size)
+            except FormatError as exc:
+                problems.append(Problem("header", record.name, f"{record.name}: {exc}{affected(record.name)}"))
+                continue
+            readable.add(record.name)
+
+    listed = {f.name for f in index.files} | {INDEX_NAME}
+    notes = []
+    for p in sorted(step_dir.iterdir()):
+        if p.name not in listed:
+            kind = "a temporary file of an interrupted write (`ckptd gc` removes it)" if p.name.startswith(TMP_MARK) else "not listed in the index (ignored by ckptd)"
+            notes.append(f"{p.name}: {kind}")
+
+    for t in index.tensors:
+        for problem in coverage_problems(t.shape, [f.box for f in t.fragments]):
+            problems.append(Problem("coverage", "", f"tensor {t.name} ({t.dtype}{list(t.shape)}): {problem}"))
+        for frag in t.fragments:
+            if frag.file not in readable:
+                continue  # reported above (missing, damaged) or left out (another node's)
+            data_offset, entries = headers[frag.file]
+            entry = entries.get(frag.key)
+            if entry is None or data_offset + entry.begin != frag.offset or entry.end - entry.begin != frag.nbytes:
+                problems.append(Problem("header", frag.file, f"{frag.file} does not hold {frag.key!r} (tensor {t.name}) where the index says"))
+                continue
+            with open(step_dir / frag.file, "rb") as f:
+                digest, got, chunk_digests = _hash_range(f.fileno(), frag.offset, frag.nbytes, on_bytes, frag.chunk_bytes)
+            nbytes += got
+            if digest != frag.checksum:
+                problems.append(
+                    Problem("checksum", frag.file, f"tensor {t.name} (key {frag.key!r}, {frag.nbytes} bytes at offset {frag.offset} of {frag.file}) does not match its checksum: the data is corrupt")
+                )
+            elif frag.chunk_bytes and chunk_digests != frag.chunk_xxh3:
+                problems.append(
+                    Problem("checksum", frag.file, f"tensor {t.name} (key {frag.key!r} in {frag.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
+                )
+    return VerifyReport(
+        str(step_dir), index.job, index.step, checked, skipped, nbytes, len(index.tensors), tuple(problems), tuple(notes)
+    )

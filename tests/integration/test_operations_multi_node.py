@@ -1,0 +1,68 @@
+"""Operations with several nodes on loopback: retention by metric applied on every node's own
+root after each commit, and status and metrics on each node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ckptd.client import CheckpointClient
+from ckptd.daemon.format import INDEX_NAME
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def committed(root: Path, job: str) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (root / job).glob("step-*") if (p / INDEX_NAME).is_file())
+
+
+def save_on_two_nodes(cluster, step: int, state: dict, metric: float) -> None:
+    """Ranks 0, 1 on node 0 and 2, 3 on node 1 save `state` with `metric`, until committed."""
+
+    def rank_saves(rank: int) -> None:
+        node = rank // 2
+        with CheckpointClient("mnk", address=cluster.address(node), rank=rank, world_size=4, local_world_size=2, on_error="raise", timeout_s=60) as ckpt:
+            ckpt.save(step, state, metric=metric).wait_durable(timeout=60)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(rank_saves, range(4)))
+
+
+def test_retention_by_metric_on_node_local_roots_and_status_per_node(node_sets) -> None:
+    cluster = node_sets(2, shared_root=False)
+    ports = [free_port(), free_port()]
+    for node in (0, 1):
+        cluster.start(node, "--keep-last", "1", "--keep-best", "1", "--best-mode", "max", "--metrics-port", str(ports[node]), "--metrics-host", "127.0.0.1")
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}": torch.randn(20000 + 3000 * i, generator=g) for i in range(8)}}  # a replica on every rank
+    accuracy = {1: 0.5, 2: 0.8, 3: 0.6, 4: 0.7, 5: 0.1}  # higher is better: step 2 is the best
+    kept_after = {1: [1], 2: [2], 3: [2, 3], 4: [2, 4], 5: [2, 5]}
+    for step, metric in accuracy.items():
+        save_on_two_nodes(cluster, step, state, metric)
+        for node in (0, 1):  # each node keeps the same steps in its own root
+            assert committed(cluster.root(node), "mnk") == kept_after[step], (node, step)
+
+    for node in (0, 1):
+        out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", cluster.address(node), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        doc = json.loads(out.stdout)
+        assert (doc["node_rank"], doc["nodes"], doc["committed_total"]) == (node, 2, 5)
+        assert doc["last_commit"]["step"] == 5 and doc["bytes_written_total"] > 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{ports[node]}/metrics", timeout=10).read().decode()
+        assert f'ckptd_info{{node="{node}",version="0.1.0"}} 1.0' in text
+        assert 'ckptd_commits_total{job="mnk"} 5.0' in text
+        assert 'ckptd_retention_deleted_steps_total{job="mnk"} 3.0' in text
+        # each node wrote about half of the data (replicas are spread over the nodes)
+        assert 'ckptd_written_bytes_total{job="mnk"}' in text
