@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63kptd/v1/checkpoint.proto\x12\x08\x63kptd.v1\"\'\n\x03\x42ox\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"s\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x1a\n\x03\x62ox\x18\x05 \x01(\x0b\x32\r.ckptd.v1.Box\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"Q\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x18\n\x10local_world_size\x18\x04 \x01(\x05\"\xc4\x01\n\x10\x42\x65ginSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\x10\n\x08quantize\x18\x05 \x01(\t\x12\x0e\n\x06metric\x18\x06 \x01(\x01\x12\x12\n\nhas_metric\x18\x07 \x01(\x08\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"P\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x1a\n\x03\x62ox\x18\x04 \x01(\x0b\x32\r.ckptd.v1.Box\"\x91\x01\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x02 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x12\n\narena_size\x18\x05 \x01(\x03\x12\x1d\n\x05slots\x18\x06 \x03(\x0b\x32\x0e.ckptd.v1.Slot\"\xd5\x01\n\x15\x43ommitSnapshotRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65xtras_json\x18\x03 \x01(\t\x12\x44\n\x0bmodel_files\x18\x04 \x03(\x0b\x32/.ckptd.v1.CommitSnapshotRequest.ModelFilesEntry\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x18\n\x16\x43ommitSnapshotResponse\"R\n\x10\x41\x62ortSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"B\n\x12WaitDurableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"x\n\x0cSaveProgress\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x03\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08step_dir\x18\x06 \x01(\t\"\xa9\x01\n\x0fPlanLoadRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\r\n\x05kinds\x18\x05 \x03(\t\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x13\n\x0b\x64irect_read\x18\x07 \x01(\x08\"\x95\x01\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x1f\n\x08\x66ragment\x18\x06 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"\x9a\x01\n\x10PlanLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x06pieces\x18\x03 \x03(\x0b\x32\x0f.ckptd.v1.Piece\x12\x13\n\x0b\x65xtras_json\x18\x04 \x01(\t\x12\x0f\n\x07missing\x18\x05 \x03(\t\x12\x12\n\nunexpected\x18\x06 \x03(\t\x12\x0c\n\x04tier\x18\x07 \x01(\t\"A\n\x0fLoadDoneRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07load_id\x18\x02 \x01(\t\"\x12\n\x10LoadDoneResponse\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9f\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\ncreated_at\x18\x02 \x01(\x01\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nfile_count\x18\x04 \x01(\x05\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x0e\n\x06metric\x18\x07 \x01(\x01\x12\x12\n\nhas_metric\x18\x08 \x01(\x08\"=\n\x0cListResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"o\n\x08InFlight\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x03\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\"\xec\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12%\n\tin_flight\x18\x03 \x03(\x0b\x32\x12.ckptd.v1.InFlight\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x61rena_count\x18\x05 \x01(\x03\x12\x17\n\x0f\x63ommitted_total\x18\x06 \x01(\x03\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x03\x12\x15\n\rskipped_total\x18\x08 \x01(\x03\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x32\xae\x04\n\nCheckpoint\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12S\n\x0e\x43ommitSnapshot\x12\x1f.ckptd.v1.CommitSnapshotRequest\x1a .ckptd.v1.CommitSnapshotResponse\x12\x44\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x1b.ckptd.v1.AbortSaveResponse\x12\x45\n\x0bWaitDurable\x12\x1c.ckptd.v1.WaitDurableRequest\x1a\x16.ckptd.v1.SaveProgress0\x01\x12\x41\n\x08PlanLoad\x12\x19.ckptd.v1.PlanLoadRequest\x1a\x1a.ckptd.v1.PlanLoadResponse\x12\x41\n\x08LoadDone\x12\x19.ckptd.v1.LoadDoneRequest\x1a\x1a.ckptd.v1.LoadDoneResponse\x12\x35\n\x04List\x12\x15.ckptd.v1.ListRequest\x1a\x16.ckptd.v1.ListResponse\x12;\n\x06Status\x12\x17.ckptd.v1.StatusRequest\x1a\x18.ckptd.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63kptd/v1/checkpoint.proto\x12\x08\x63kptd.v1\"\'\n\x03\x42ox\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0f\n\x07lengths\x18\x02 \x03(\x03\"s\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x1a\n\x03\x62ox\x18\x05 \x01(\x0b\x32\r.ckptd.v1.Box\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"Q\n\x06RankId\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x18\n\x10local_world_size\x18\x04 \x01(\x05\"\xc4\x01\n\x10\x42\x65ginSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\x10\n\x08quantize\x18\x05 \x01(\t\x12\x0e\n\x06metric\x18\x06 \x01(\x01\x12\x12\n\nhas_metric\x18\x07 \x01(\x08\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"P\n\x04Slot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x1a\n\x03\x62ox\x18\x04 \x01(\x0b\x32\r.ckptd.v1.Box\"\x91\x01\n\x11\x42\x65ginSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0f\n\x07skipped\x18\x02 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x03 \x01(\t\x12\x12\n\narena_path\x18\x04 \x01(\t\x12\x12\n\narena_size\x18\x05 \x01(\x03\x12\x1d\n\x05slots\x18\x06 \x03(\x0b\x32\x0e.ckptd.v1.Slot\"\x90\x02\n\x15\x43ommitSnapshotRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65xtras_json\x18\x03 \x01(\t\x12\x44\n\x0bmodel_files\x18\x04 \x03(\x0b\x32/.ckptd.v1.CommitSnapshotRequest.ModelFilesEntry\x12\x12\n\nstaging_id\x18\x05 \x01(\t\x12%\n\x06staged\x18\x06 \x03(\x0b\x32\x15.ckptd.v1.StagedRange\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0bStagedRange\x12\x16\n\x0estaging_offset\x18\x01 \x01(\x03\x12\x14\n\x0c\x61rena_offset\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"\x18\n\x16\x43ommitSnapshotResponse\"v\n\x12OpenStagingRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x12\n\nipc_handle\x18\x03 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x0b\n\x03pid\x18\x05 \x01(\x05\"9\n\x13OpenStagingResponse\x12\x12\n\nstaging_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"H\n\x13\x43loseStagingRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x12\n\nstaging_id\x18\x02 \x01(\t\"\x16\n\x14\x43loseStagingResponse\"R\n\x10\x41\x62ortSaveRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07save_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"B\n\x12WaitDurableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"x\n\x0cSaveProgress\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x03\x12\x15\n\rbytes_written\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08step_dir\x18\x06 \x01(\t\"\xa9\x01\n\x0fPlanLoadRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\x12\r\n\x05kinds\x18\x05 \x03(\t\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x13\n\x0b\x64irect_read\x18\x07 \x01(\x08\"\x95\x01\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x1f\n\x08\x66ragment\x18\x06 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"\x9a\x01\n\x10PlanLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1f\n\x06pieces\x18\x03 \x03(\x0b\x32\x0f.ckptd.v1.Piece\x12\x13\n\x0b\x65xtras_json\x18\x04 \x01(\t\x12\x0f\n\x07missing\x18\x05 \x03(\t\x12\x12\n\nunexpected\x18\x06 \x03(\t\x12\x0c\n\x04tier\x18\x07 \x01(\t\"A\n\x0fLoadDoneRequest\x12\x1d\n\x03who\x18\x01 \x01(\x0b\x32\x10.ckptd.v1.RankId\x12\x0f\n\x07load_id\x18\x02 \x01(\t\"\x12\n\x10LoadDoneResponse\"\x1a\n\x0bListRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9f\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\ncreated_at\x18\x02 \x01(\x01\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x12\n\nfile_count\x18\x04 \x01(\x05\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x11\n\tin_memory\x18\x06 \x01(\x08\x12\x0e\n\x06metric\x18\x07 \x01(\x01\x12\x12\n\nhas_metric\x18\x08 \x01(\x08\"=\n\x0cListResponse\x12-\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x18.ckptd.v1.CheckpointInfo\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"o\n\x08InFlight\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0b\x62ytes_total\x18\x04 \x01(\x03\x12\x15\n\rbytes_written\x18\x05 \x01(\x03\x12\r\n\x05\x61ge_s\x18\x06 \x01(\x01\"\xec\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12%\n\tin_flight\x18\x03 \x03(\x0b\x32\x12.ckptd.v1.InFlight\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x61rena_count\x18\x05 \x01(\x03\x12\x17\n\x0f\x63ommitted_total\x18\x06 \x01(\x03\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x03\x12\x15\n\rskipped_total\x18\x08 \x01(\x03\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x32\xc9\x05\n\nCheckpoint\x12\x44\n\tBeginSave\x12\x1a.ckptd.v1.BeginSaveRequest\x1a\x1b.ckptd.v1.BeginSaveResponse\x12S\n\x0e\x43ommitSnapshot\x12\x1f.ckptd.v1.CommitSnapshotRequest\x1a .ckptd.v1.CommitSnapshotResponse\x12\x44\n\tAbortSave\x12\x1a.ckptd.v1.AbortSaveRequest\x1a\x1b.ckptd.v1.AbortSaveResponse\x12\x45\n\x0bWaitDurable\x12\x1c.ckptd.v1.WaitDurableRequest\x1a\x16.ckptd.v1.SaveProgress0\x01\x12\x41\n\x08PlanLoad\x12\x19.ckptd.v1.PlanLoadRequest\x1a\x1a.ckptd.v1.PlanLoadResponse\x12\x41\n\x08LoadDone\x12\x19.ckptd.v1.LoadDoneRequest\x1a\x1a.ckptd.v1.LoadDoneResponse\x12\x35\n\x04List\x12\x15.ckptd.v1.ListRequest\x1a\x16.ckptd.v1.ListResponse\x12;\n\x06Status\x12\x17.ckptd.v1.StatusRequest\x1a\x18.ckptd.v1.StatusResponse\x12J\n\x0bOpenStaging\x12\x1c.ckptd.v1.OpenStagingRequest\x1a\x1d.ckptd.v1.OpenStagingResponse\x12M\n\x0c\x43loseStaging\x12\x1d.ckptd.v1.CloseStagingRequest\x1a\x1e.ckptd.v1.CloseStagingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,41 +46,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEGINSAVERESPONSE']._serialized_start=562
   _globals['_BEGINSAVERESPONSE']._serialized_end=707
   _globals['_COMMITSNAPSHOTREQUEST']._serialized_start=710
-  _globals['_COMMITSNAPSHOTREQUEST']._serialized_end=923
-  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_start=874
-  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_end=923
-  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_start=925
-  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_end=949
-  _globals['_ABORTSAVEREQUEST']._serialized_start=951
-  _globals['_ABORTSAVEREQUEST']._serialized_end=1033
-  _globals['_ABORTSAVERESPONSE']._serialized_start=1035
-  _globals['_ABORTSAVERESPONSE']._serialized_end=1054
-  _globals['_WAITDURABLEREQUEST']._serialized_start=1056
-  _globals['_WAITDURABLEREQUEST']._serialized_end=1122
-  _globals['_SAVEPROGRESS']._serialized_start=1124
-  _globals['_SAVEPROGRESS']._serialized_end=1244
-  _globals['_PLANLOADREQUEST']._serialized_start=1247
-  _globals['_PLANLOADREQUEST']._serialized_end=1416
-  _globals['_PIECE']._serialized_start=1419
-  _globals['_PIECE']._serialized_end=1568
-  _globals['_PLANLOADRESPONSE']._serialized_start=1571
-  _globals['_PLANLOADRESPONSE']._serialized_end=1725
-  _globals['_LOADDONEREQUEST']._serialized_start=1727
-  _globals['_LOADDONEREQUEST']._serialized_end=1792
-  _globals['_LOADDONERESPONSE']._serialized_start=1794
-  _globals['_LOADDONERESPONSE']._serialized_end=1812
-  _globals['_LISTREQUEST']._serialized_start=1814
-  _globals['_LISTREQUEST']._serialized_end=1840
-  _globals['_CHECKPOINTINFO']._serialized_start=1843
-  _globals['_CHECKPOINTINFO']._serialized_end=2002
-  _globals['_LISTRESPONSE']._serialized_start=2004
-  _globals['_LISTRESPONSE']._serialized_end=2065
-  _globals['_STATUSREQUEST']._serialized_start=2067
-  _globals['_STATUSREQUEST']._serialized_end=2095
-  _globals['_INFLIGHT']._serialized_start=2097
-  _globals['_INFLIGHT']._serialized_end=2208
-  _globals['_STATUSRESPONSE']._serialized_start=2211
-  _globals['_STATUSRESPONSE']._serialized_end=2447
-  _globals['_CHECKPOINT']._serialized_start=2450
-  _globals['_CHECKPOINT']._serialized_end=3008
+  _globals['_COMMITSNAPSHOTREQUEST']._serialized_end=982
+  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_start=933
+  _globals['_COMMITSNAPSHOTREQUEST_MODELFILESENTRY']._serialized_end=982
+  _globals['_STAGEDRANGE']._serialized_start=984
+  _globals['_STAGEDRANGE']._serialized_end=1059
+  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_start=1061
+  _globals['_COMMITSNAPSHOTRESPONSE']._serialized_end=1085
+  _globals['_OPENSTAGINGREQUEST']._serialized_start=1087
+  _globals['_OPENSTAGINGREQUEST']._serialized_end=1205
+  _globals['_OPENSTAGINGRESPONSE']._serialized_start=1207
+  _globals['_OPENSTAGINGRESPONSE']._serialized_end=1264
+  _globals['_CLOSESTAGINGREQUEST']._serialized_start=1266
+  _globals['_CLOSESTAGINGREQUEST']._serialized_end=1338
+  _globals['_CLOSESTAGINGRESPONSE']._serialized_start=1340
+  _globals['_CLOSESTAGINGRESPONSE']._serialized_end=1362
+  _globals['_ABORTSAVEREQUEST']._serialized_start=1364
+  _globals['_ABORTSAVEREQUEST']._serialized_end=1446
+  _globals['_ABORTSAVERESPONSE']._serialized_start=1448
+  _globals['_ABORTSAVERESPONSE']._serialized_end=1467
+  _globals['_WAITDURABLEREQUEST']._serialized_start=1469
+  _globals['_WAITDURABLEREQUEST']._serialized_end=1535
+  _globals['_SAVEPROGRESS']._serialized_start=1537
+  _globals['_SAVEPROGRESS']._serialized_end=1657
+  _globals['_PLANLOADREQUEST']._serialized_start=1660
+  _globals['_PLANLOADREQUEST']._serialized_end=1829
+  _globals['_PIECE']._serialized_start=1832
+  _globals['_PIECE']._serialized_end=1981
+  _globals['_PLANLOADRESPONSE']._serialized_start=1984
+  _globals['_PLANLOADRESPONSE']._serialized_end=2138
+  _globals['_LOADDONEREQUEST']._serialized_start=2140
+  _globals['_LOADDONEREQUEST']._serialized_end=2205
+  _globals['_LOADDONERESPONSE']._serialized_start=2207
+  _globals['_LOADDONERESPONSE']._serialized_end=2225
+  _globals['_LISTREQUEST']._serialized_start=2227
+  _globals['_LISTREQUEST']._serialized_end=2253
+  _globals['_CHECKPOINTINFO']._serialized_start=2256
+  _globals['_CHECKPOINTINFO']._serialized_end=2415
+  _globals['_LISTRESPONSE']._serialized_start=2417
+  _globals['_LISTRESPONSE']._serialized_end=2478
+  _globals['_STATUSREQUEST']._serialized_start=2480
+  _globals['_STATUSREQUEST']._serialized_end=2508
+  _globals['_INFLIGHT']._serialized_start=2510
+  _globals['_INFLIGHT']._serialized_end=2621
+  _globals['_STATUSRESPONSE']._serialized_start=2624
+  _globals['_STATUSRESPONSE']._serialized_end=2860
+  _globals['_CHECKPOINT']._serialized_start=2863
+  _globals['_CHECKPOINT']._serialized_end=3576
 # @@protoc_insertion_point(module_scope)
