@@ -110,6 +110,14 @@ def test_the_cuda_modules_are_not_imported_by_a_cpu_client(daemon) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_the_gpu_benchmark_fails_fast_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    script = HERE.parent / "bench" / "gpu_stall.py"
+    out = subprocess.run([sys.executable, str(script), "--sizes", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stderr
+
+
 # ------------------------------------------------------------------ CPU tensors: fences are no-ops
 
 

@@ -74,6 +74,8 @@ class PinnedMapping:
         for offset in range(0, self.size, REGISTER_CHUNK):
             n = min(REGISTER_CHUNK, self.size - offset)
             code = int(cudart.cudaHostRegister(base + offset, n, HOST_REGISTER_PORTABLE))
+            if code != 0:
+                _clear_last_error()  # else torch's next kernel-launch check would report it
             if code == ERROR_ALREADY_REGISTERED:
                 continue
             if code != 0:
@@ -239,6 +241,17 @@ def copy_to_devices(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for device, stream in streams.items():
         stream.synchronize()
         torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _clear_last_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (torch's cudart bindings lack
+    cudaGetLastError; the library torch loaded is found through ckptd.common.cudart)."""
+    from ckptd.common.cudart import CudaRuntime, CudaRuntimeError
+
+    try:
+        CudaRuntime.load().lib.cudaGetLastError()
+    except CudaRuntimeError as exc:
+        log.debug("cannot reset the CUDA error state: %s", exc)
 
 
 def cuda_problem() -> str | None:
