@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,7 @@ def test_open_matches_the_gpu_by_uuid_and_drains_ranges_into_the_arena(tmp_path:
     arena = Arena(tmp_path / "ckptd-1-job-s0-g1-r0", 16384)
 
     async def scenario() -> None:
-        staging_id, reason = await staging.open("job", 0, UUID_B, b"h" * 64, 8192, 123)
+        staging_id, reason = await staging.open("job", 0, UUID_B, b"h" * 64, 8192, os.getpid())
         assert reason == "" and staging_id
         assert ("open", 1) in rt.calls  # the daemon's index of GPU b, whatever the trainer calls it
         ranges = [StagedRange(0, 4096, 100), StagedRange(4096, 0, 256)]
@@ -124,6 +126,23 @@ def test_a_rank_that_opens_a_new_buffer_closes_its_old_one() -> None:
     run(scenario())
     staging.shutdown()
     assert sum(c[0] == "close" for c in rt.calls) == 2  # and the rest at exit
+
+
+def test_buffers_of_dead_trainers_are_closed() -> None:
+    rt = FakeRuntime()
+    rt.buffers[b"1" * 64] = (ctypes.c_char * 64)()
+    rt.buffers[b"2" * 64] = (ctypes.c_char * 64)()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    staging = GpuStaging(lambda: rt)  # type: ignore[arg-type, return-value]
+
+    async def scenario() -> None:
+        await staging.open("job", 0, UUID_A, b"1" * 64, 64, dead.pid)
+        alive, _ = await staging.open("job", 1, UUID_A, b"2" * 64, 64, os.getpid())  # reaps rank 0's
+        assert list(staging.buffers) == [alive]
+
+    run(scenario())
+    staging.shutdown()
 
 
 def test_registration_chunks_are_at_most_one_gib() -> None:

@@ -306,15 +306,23 @@ class CheckpointClient:
         eager = device_idx - lazy
         staging = self._staging_for(placements, device_idx, reply.arena_size) if gpu.mode.in_use == "ipc" else None
         dst = staging.tensor if staging is not None else backend.host_view(reply.arena_path, reply.arena_size)
-        copies = [backend.copy(placements, dst, group) for group in (eager, lazy) if group]
-        if gpu.mode.in_use != "copy" and eager:
-            copies[0].fence()  # forward passes may change these: the compute stream waits for their copy now
-        cpu = [p for i, p in enumerate(placements) if i not in device_idx]
-        if cpu:
-            arena = self._maps.get(reply.arena_path, reply.arena_size)
-            copy_to_arena(self._pool, arena, cpu, cold=self._maps.is_cold(reply.arena_path))
-            self._maps.mark_warm(reply.arena_path)
-        commit = self._commit_request(reply.save_id, json.dumps(flat.extras, allow_nan=False), state)
+        copies = []
+        try:
+            for group in (eager, lazy):
+                if group:
+                    copies.append(backend.copy(placements, dst, group))
+            if gpu.mode.in_use != "copy" and eager:
+                copies[0].fence()  # forward passes may change these: the compute stream waits for their copy now
+            cpu = [p for i, p in enumerate(placements) if i not in device_idx]
+            if cpu:
+                arena = self._maps.get(reply.arena_path, reply.arena_size)
+                copy_to_arena(self._pool, arena, cpu, cold=self._maps.is_cold(reply.arena_path))
+                self._maps.mark_warm(reply.arena_path)
+            commit = self._commit_request(reply.save_id, json.dumps(flat.extras, allow_nan=False), state)
+        except BaseException:
+            for copy in copies:  # the arena goes back to the daemon: nothing may still write into it
+                copy.wait()
+            raise
         if staging is not None:
             items = [item_of(t, off, n, "staged" if i in device_idx else None) for i, (t, off, n) in enumerate(placements)]
             commit.staging_id = staging.staging_id

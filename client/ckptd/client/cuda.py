@@ -115,6 +115,8 @@ class PinnedArenas:
             return mapping
         if mapping is not None:  # the daemon grew the arena: a new file under the same name
             self._maps.pop(path).close()
+        for stale in [p for p in self._maps if not os.path.exists(p)]:  # arenas the daemon deleted
+            self._maps.pop(stale).close()
         mapping = PinnedMapping(path, size)
         self.register_s += mapping.register_s
         self.registrations += 1
@@ -200,7 +202,7 @@ class CudaCopier:
                 event.record(stream)
             for i in {i for r in sub.runs for i in r.items} | {i for g in sub.gathers for i, _ in g.members}:
                 sources[i].record_stream(stream)
-            for t in temporaries:
+            for t in temporaries + ([bounce] if bounce is not None else []):
                 t.record_stream(stream)
             copy.events[device] = event
             copy.keep += temporaries + ([bounce] if bounce is not None else [])

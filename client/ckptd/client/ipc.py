@@ -79,9 +79,11 @@ class DeviceStaging:
             rt = runtime or CudaRuntime.load()
         except CudaRuntimeError as exc:
             raise IpcUnavailable(str(exc)) from None
-        with torch.cuda.device(device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(index):
             torch.cuda.init()
             try:
+                rt.set_device(index)  # the same device in the runtime we call (torch's, or another copy)
                 ptr = rt.malloc(nbytes)
             except CudaRuntimeError as exc:
                 if exc.code == ERROR_MEMORY_ALLOCATION:

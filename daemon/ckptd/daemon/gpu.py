@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,7 @@ class GpuStaging:
         if not 0 < nbytes <= MAX_STAGING_BYTES:
             raise InvalidRequest(f"a staging buffer of {nbytes} bytes: it must be between 1 byte and 1 TiB")
         await self.close_rank(job, rank)
+        await self.reap_dead()
         try:
             runtime, devices = await asyncio.to_thread(self._runtime_and_devices)
         except CudaRuntimeError as exc:
@@ -180,6 +182,14 @@ class GpuStaging:
             except CudaRuntimeError as exc:
                 log.warning("could not unlock arena memory: %s", exc)
 
+    async def reap_dead(self) -> None:
+        """Close the buffers of trainers that died without closing them: the mapping would keep
+        their GPU memory allocated, and a restarted trainer needs room for its new buffer."""
+        for buf in list(self.buffers.values()):
+            if not _alive(buf.pid):
+                log.info("closing the staging buffer of job %s rank %s: its process %s is gone", buf.job, buf.rank, buf.pid)
+                await self._close(buf)
+
     async def close(self, job: str, rank: int, staging_id: str) -> None:
         buf = self.buffer(job, rank, staging_id)
         await self._close(buf)
@@ -211,3 +221,16 @@ class GpuStaging:
         for pool in self._threads.values():
             pool.shutdown(wait=True)
         self._threads.clear()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (0: unknown, taken as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -228,6 +228,8 @@ class CheckpointService:
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
         local_ranks = self._local_ranks(world_size, local_world_size)
+        if self.gpu.buffers:  # mode "ipc": a restarted trainer needs the GPU memory its dead predecessor held
+            await self.gpu.reap_dead()
         state = self._job(job, world_size)
         if specs is not None:
             state.specs[(rank, fingerprint)] = tuple(specs)
