@@ -212,7 +212,13 @@ class CheckpointClient:
         quantize: str | None = None,
         rng: bool = False,
     ) -> SaveHandle:
-        """Hand `state` to the daemon as checkpoint `step`; returns once it may be modified again."""
+        """Hand `state` to the daemon as checkpoint `step`.
+
+        Returns once the state may be modified again — for CUDA tensors in modes "overlap" and
+        "ipc", once it is fenced: the optimizers of `state` fence themselves (a step pre-hook);
+        other changes need `ckpt.fence()` or `handle.wait_snapshot()` first. `handle.stall_s`
+        is how long this call blocked the caller.
+        """
         started = time.perf_counter()
         try:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
