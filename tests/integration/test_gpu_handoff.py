@@ -221,6 +221,7 @@ def test_a_failed_device_copy_is_aborted_and_never_persisted(daemon) -> None:
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         assert handle.wait_durable(timeout=60) is None
         assert not handle.ok and "simulated device error" in (handle.error or "")
+        assert ckpt.failed_saves == 1  # counted (and logged) when it failed, not at the next save
         backend.fail_copies = False
         assert ckpt.save(2, {"model": model, "optimizer": opt}).wait_durable(timeout=60) is not None
         assert [c.step for c in ckpt.list()] == [2]

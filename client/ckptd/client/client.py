@@ -350,7 +350,15 @@ class CheckpointClient:
                 raise
 
         pending = gpu.start_commit(step, copies, send, lambda reason: self._abort(reply.save_id, reason))
+        pending.future.add_done_callback(lambda done: self._late_failure(step, done))
         return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes, pending=pending, mode=mode)
+
+    def _late_failure(self, step: int, done: Any) -> None:
+        """A snapshot that failed after save() returned (copy or commit): logged and counted at once."""
+        exc = done.exception()
+        if exc is not None:
+            self.failed_saves += 1
+            log.warning("checkpoint of step %s failed after save() returned, training goes on: %s", step, exc)
 
     def _staging_for(self, placements: list[tuple[torch.Tensor, int, int]], device_idx: set[int], arena_size: int) -> Any:
         """The rank's device staging buffer, opened by the daemon (at least `arena_size` bytes:

@@ -80,8 +80,8 @@ class PinnedMapping:
                 continue
             if code != 0:
                 raise CheckpointError(
-                    f"cudaHostRegister of {n} bytes of arena {self.path} failed with CUDA error {code}; "
-                    "check the locked-memory limit (ulimit -l) of the trainer, or use mode='copy' on a CPU state"
+                    f"cudaHostRegister of {n} bytes of arena {self.path} failed with CUDA error {code}: the "
+                    "trainer cannot page-lock the daemon's shared memory (host memory or container limits?)"
                 )
             self._chunks.append(base + offset)
 
