@@ -264,10 +264,14 @@ def lazy_placements(state: Mapping[str, Any], kinds: Sequence[str], tensors: Seq
     """Indices of the tensors that only an optimizer step changes: parameters of the state's
     modules, and tensors of kind "optimizer" or "master". Others (buffers, extras) may change
     in a forward pass and are fenced in `save` itself."""
-    params: set[int] = set()
+    params: set[int] = set()  # the storages of parameters: views of them (shards, fused pieces) count too
     for value in state.values():
         if isinstance(value, nn.Module):
             for p in value.parameters():
                 local = p.to_local() if hasattr(p, "to_local") else p
-                params.add(local.data_ptr())
-    return {i for i, (kind, t) in enumerate(zip(kinds, tensors)) if kind in LAZY_KINDS or (t.numel() and t.data_ptr() in params)}
+                if local.numel():
+                    params.add(local.untyped_storage().data_ptr())
+    return {
+        i for i, (kind, t) in enumerate(zip(kinds, tensors))
+        if kind in LAZY_KINDS or (t.numel() and t.untyped_storage().data_ptr() in params)
+    }
