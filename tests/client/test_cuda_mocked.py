@@ -176,3 +176,76 @@ def test_cuda_problem_on_a_cpu_build() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert "CUDA is not available" in (cuda.cuda_problem() or "")
+
+
+class FakeRuntime:
+    """The ctypes CUDA runtime as DeviceStaging uses it."""
+
+    def __init__(self, malloc_error: int = 0) -> None:
+        self.malloc_error = malloc_error
+        self.calls: list[tuple] = []
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(("set_device", index))
+
+    def malloc(self, nbytes: int) -> int:
+        from ckptd.common.cudart import CudaRuntimeError
+
+        if self.malloc_error:
+            raise CudaRuntimeError(f"cudaMalloc failed: error {self.malloc_error} (out of memory)", self.malloc_error)
+        self.calls.append(("malloc", nbytes))
+        return 0x7000_0000
+
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        return b"\x07" * 64
+
+    def free(self, ptr: int) -> None:
+        self.calls.append(("free", ptr))
+
+
+@pytest.fixture
+def fake_device_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Props:
+        uuid = "GPU-01234567-89ab-cdef-0123-456789abcdef"
+
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(obj.__cuda_array_interface__["shape"], dtype=torch.uint8))
+
+
+def test_staging_buffer_is_allocated_on_its_device_exported_and_freed(fake_device_calls: None) -> None:
+    from ckptd.client.ipc import DeviceStaging
+
+    rt = FakeRuntime()
+    staging = DeviceStaging.allocate(torch.device("cuda", 3), 4096, runtime=rt)  # type: ignore[arg-type]
+    assert rt.calls[:2] == [("set_device", 3), ("malloc", 4096)]
+    assert staging.handle == b"\x07" * 64 and staging.uuid == "0123456789abcdef0123456789abcdef"
+    assert staging.tensor.numel() == 4096
+    staging.free()
+    staging.free()  # twice is harmless
+    assert rt.calls.count(("free", 0x7000_0000)) == 1
+
+
+def test_no_gpu_memory_for_the_staging_buffer_is_a_fallback_reason(fake_device_calls: None) -> None:
+    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+
+    with pytest.raises(IpcUnavailable, match=r"no GPU memory left for a 2.00 GiB staging buffer on cuda:0 \(1.00 GiB free of 80.00 GiB\)"):
+        DeviceStaging.allocate(torch.device("cuda", 0), 2 * 2**30, runtime=FakeRuntime(malloc_error=2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive size"):
+        DeviceStaging.allocate(torch.device("cuda", 0), 0, runtime=FakeRuntime())  # type: ignore[arg-type]
+
+
+def test_without_a_usable_cuda_runtime_ipc_is_unavailable_with_the_reason(fake_device_calls: None) -> None:
+    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+    from ckptd.common.cudart import CudaRuntime
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    # no libcudart at all, or one without a driver (error 35): either way a reason, not a crash
+    with pytest.raises(IpcUnavailable, match="libcudart|cudaSetDevice failed"):
+        DeviceStaging.allocate(torch.device("cuda", 0), 4096)
+    with pytest.raises(Exception, match="tried"):
+        CudaRuntime.load(lambda: ["/nonexistent/libcudart.so.12"])
