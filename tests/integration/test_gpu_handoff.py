@@ -209,6 +209,7 @@ def test_copy_mode_waits_for_the_copy(daemon) -> None:
         threading.Timer(0.3, backend.gate.set).start()
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         assert handle.mode == "copy" and handle.snapshot_done and handle.stall_s >= 0.25
+        assert handle.copy_s is not None and 0.25 <= handle.copy_s <= handle.stall_s
         assert not any(e[0] == "fence" for e in backend.events)
         assert handle.wait_durable(timeout=60) is not None
 

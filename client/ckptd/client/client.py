@@ -313,6 +313,7 @@ class CheckpointClient:
         staging = self._staging_for(placements, device_idx, reply.arena_size) if gpu.mode.in_use == "ipc" else None
         dst = staging.tensor if staging is not None else backend.host_view(reply.arena_path, reply.arena_size)
         copies = []
+        queued = time.perf_counter()
         try:
             for group in (eager, lazy):
                 if group:
@@ -337,8 +338,9 @@ class CheckpointClient:
         if gpu.mode.in_use == "copy":
             for copy in copies:
                 copy.wait()
+            copy_s = time.perf_counter() - queued
             self._call(self._stub.CommitSnapshot, commit)
-            return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes, mode="copy")
+            return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes, mode="copy", copy_s=copy_s)
         mode = gpu.mode.in_use
 
         def send() -> None:

@@ -43,6 +43,7 @@ class SaveHandle:
         error: str | None = None,
         pending: "Pending | None" = None,
         mode: str = "cpu",
+        copy_s: float | None = None,
     ) -> None:
         self._client = client
         self.step = step
@@ -52,6 +53,7 @@ class SaveHandle:
         self._error = error
         self._pending = pending
         self.mode = mode  # "cpu" (no CUDA tensors), "copy", "overlap" or "ipc"
+        self.copy_s = copy_s  # mode "copy": seconds from queueing the device copies until they were done
 
     @property
     def error(self) -> str | None:
