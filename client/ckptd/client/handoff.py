@@ -29,7 +29,6 @@ ckptd.client.ipc), a CPU fake in the tests.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,7 +170,6 @@ class GpuHandoff:
         self._pending: Pending | None = None
         self._committer: ThreadPoolExecutor | None = None
         self._hooks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
         self.staging: Any = None
 
     @property
