@@ -138,7 +138,7 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
         pid_text = path.name[len(ARENA_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == live_pid:
             continue
-        if _pid_alive(int(pid_text)) and _is_ckptd(int(pid_text)):
+        if pid_alive(int(pid_text)) and _is_ckptd(int(pid_text)):
             continue
         try:
             path.unlink()
@@ -148,7 +148,8 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import uuid as uuidlib
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from ckptd.common.cudart import IPC_HANDLE_BYTES, CudaRuntime, CudaRuntimeError
-from ckptd.daemon.arena import Arena
+from ckptd.daemon.arena import Arena, pid_alive
 from ckptd.daemon.errors import Aborted, InvalidRequest, NotFound
 
 log = logging.getLogger(__name__)
@@ -225,12 +224,4 @@ class GpuStaging:
 
 def _alive(pid: int) -> bool:
     """Whether process `pid` exists (0: unknown, taken as alive)."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid <= 0 or pid_alive(pid)
