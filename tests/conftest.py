@@ -12,6 +12,18 @@ import pytest
 from ckptd.daemon.process import DaemonProcess, start_daemon
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA: skipped, with the reason, where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 class DaemonFactory:
     """Starts `ckptd serve` processes that share one root (restarts) and stops them at the end."""
 

@@ -17,8 +17,10 @@ from typing import Any, Iterator, Mapping
 import grpc
 import torch
 
+from ckptd.client.devcopy import coalesced_ranges, item_of
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
 from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.handoff import MODES, CudaBackend, DeviceBackend, Fenced, GpuHandoff, lazy_placements
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
 from ckptd.client.transport import ArenaMaps, Decoding, Fill, Source, copy_to_arena, fill_all
@@ -33,7 +35,6 @@ from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 log = logging.getLogger("ckptd.client")
 
 MAX_MESSAGE_BYTES = 256 * 2**20
-MODES = ("auto", "copy", "overlap", "ipc")
 ON_ERROR = ("warn", "raise")
 
 
@@ -120,6 +121,9 @@ class CheckpointClient:
     storage root must be visible here); False, the daemon copies what is needed into shared
     memory first (a trainer container without the storage volume); None (default), read
     directly when this process can open the files, else go through the daemon.
+    mode: how CUDA tensors are handed over (ckptd.client.handoff): "auto" (= "overlap"), "copy",
+    "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
+    `mode_reason` say what is used now and why it differs from the request (a fallback).
     """
 
     def __init__(
@@ -137,10 +141,17 @@ class CheckpointClient:
         coords: RankCoords | None = None,
         local_world_size: int | None = None,
         read_files: bool | None = None,
+        _device_backend: DeviceBackend | None = None,
     ) -> None:
         self.job = check_job_id(job)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+        # the GPU hand-off; _device_backend: a stand-in for CUDA (tests)
+        self._gpu = GpuHandoff(
+            mode,
+            (lambda: _device_backend) if _device_backend is not None else CudaBackend,
+            _device_backend.owns if _device_backend is not None else _is_cuda,
+        )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -175,6 +186,28 @@ class CheckpointClient:
         self._lineage = 0  # quantization generation of the step this client loaded last (compounding guard)
 
     @property
+    def mode_in_use(self) -> str:
+        """How CUDA tensors are handed over now: "copy", "overlap" or "ipc" (CPU tensors always
+        take the plain shared-memory copy)."""
+        return self._gpu.mode.in_use
+
+    @property
+    def mode_reason(self) -> str | None:
+        """Why `mode_in_use` is not the mode asked for (e.g. why "ipc" fell back), else None."""
+        return self._gpu.mode.reason
+
+    def fence(self, host: bool = False) -> Fenced:
+        """Make later changes of the saved state wait for the last save's device copies.
+
+        GPU-side by default: the current CUDA stream waits on the copy-done event, the host goes
+        on. host=True blocks the host instead (for state changed outside the CUDA stream order).
+        A no-op when no copy is in flight (always for CPU tensors). Optimizers of the saved
+        state get it as a step pre-hook; call it (or `with ckpt.fence(): ...`) before any other
+        change of saved tensors, e.g. an EMA update.
+        """
+        return self._gpu.fence(host)
+
+    @property
     def _who(self) -> pb.RankId:
         return pb.RankId(job=self.job, rank=self.rank, world_size=self.world_size, local_world_size=self.local_world_size)
 
@@ -190,7 +223,12 @@ class CheckpointClient:
         rng: bool = False,
         master_weights: str | None = None,
     ) -> SaveHandle:
-        """Hand `state` to the daemon as checkpoint `step`; returns once it may be modified again.
+        """Hand `state` to the daemon as checkpoint `step`.
+
+        Returns once the state may be modified again — for CUDA tensors in modes "overlap" and
+        "ipc", once it is fenced: the optimizers of `state` fence themselves (a step pre-hook);
+        other changes need `ckpt.fence()` or `handle.wait_snapshot()` first. `handle.stall_s`
+        is how long this call blocked the caller.
 
         quantize: None (the daemon's default, `--quantize`, lossless unless configured), "none"
         (lossless), "O1" (optimizer moments in int8) or "O2" (int4); done by the daemon in the
@@ -206,6 +244,11 @@ class CheckpointClient:
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
             flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True)
+            previous = self._gpu.settle()  # the previous snapshot must be committed before the next begins
+            if previous is not None:
+                log.warning("the previous checkpoint was not handed over: %s", previous)
+            if self.mode_in_use != "copy":
+                self._gpu.install_hooks(state)
             options = _SaveOptions(scheme, no_quantize, master_weights or "")
             return self._save(step, state, flat, metric, started, options)
         except Exception as exc:
@@ -245,25 +288,147 @@ class CheckpointClient:
         if reply.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, reply.skip_reason)
             return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=reply.skip_reason)
+        nbytes = sum(s.nbytes for s in reply.slots)
         try:
             local = {(f.name, f.box): f.local for _, f in fragments}
-            if reply.slots:
+            placements = [(local[(s.name, _box_of(s.box))], s.offset, s.nbytes) for s in reply.slots]
+            if any(self._gpu.owns(t) for t, _, _ in placements):
+                kinds = {(f.name, f.box): e.kind for e, f in fragments}
+                slot_kinds = [kinds[(s.name, _box_of(s.box))] for s in reply.slots]
+                return self._save_device(step, state, flat, reply, placements, slot_kinds, started)
+            if placements:
                 arena = self._maps.get(reply.arena_path, reply.arena_size)
-                placements = [(local[(s.name, _box_of(s.box))], s.offset, s.nbytes) for s in reply.slots]
                 copy_to_arena(self._pool, arena, placements, cold=self._maps.is_cold(reply.arena_path))
                 self._maps.mark_warm(reply.arena_path)
             extras = json.dumps(flat.extras, allow_nan=False)
         except BaseException as exc:
             self._abort(reply.save_id, f"{type(exc).__name__}: {exc}")
             raise
-        commit = pb.CommitSnapshotRequest(
-            who=self._who, save_id=reply.save_id, extras_json=extras, stall_s=time.perf_counter() - started
-        )
+        stall_s = time.perf_counter() - started
+        self._call(self._stub.CommitSnapshot, self._commit_request(reply.save_id, extras, state, stall_s))
+        return SaveHandle(self, step, stall_s, bytes_copied=nbytes)
+
+    def _commit_request(self, save_id: str, extras: str, state: Mapping[str, Any], stall_s: float) -> pb.CommitSnapshotRequest:
+        """stall_s: how long save() has blocked training so far (for the daemon's stall metric)."""
+        commit = pb.CommitSnapshotRequest(who=self._who, save_id=save_id, extras_json=extras, stall_s=stall_s)
         if self.rank == 0:
             commit.model_files.update(_model_files(state))
-        self._call(self._stub.CommitSnapshot, commit)
-        nbytes = sum(s.nbytes for s in reply.slots)
-        return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes)
+        return commit
+
+    def _save_device(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        flat: FlatState,
+        reply: pb.BeginSaveResponse,
+        placements: list[tuple[torch.Tensor, int, int]],
+        slot_kinds: list[str],
+        started: float,
+    ) -> SaveHandle:
+        """Hand over a state with CUDA tensors in the mode in use (ckptd.client.handoff).
+
+        Tensors that a forward pass may change are copied first and fenced at once; the rest
+        (parameters, optimizer state) are fenced before the next optimizer step. CPU tensors are
+        copied meanwhile by the CPU path. Mode "copy" waits for the copies and commits; the
+        others return at once and commit from a helper thread when the copies are done.
+        """
+        gpu = self._gpu
+        backend = gpu.backend
+        device_idx = {i for i, (t, _, _) in enumerate(placements) if gpu.owns(t)}
+        lazy = lazy_placements(state, slot_kinds, [t for t, _, _ in placements]) & device_idx if gpu.mode.in_use != "copy" else set()
+        eager = device_idx - lazy
+        staging = self._staging_for(placements, device_idx, reply.arena_size) if gpu.mode.in_use == "ipc" else None
+        dst = staging.tensor if staging is not None else backend.host_view(reply.arena_path, reply.arena_size)
+        copies = []
+        queued = time.perf_counter()
+        try:
+            for group in (eager, lazy):
+                if group:
+                    copies.append(backend.copy(placements, dst, group))
+            if gpu.mode.in_use != "copy" and eager:
+                copies[0].fence()  # forward passes may change these: the compute stream waits for their copy now
+            cpu = [p for i, p in enumerate(placements) if i not in device_idx]
+            if cpu:
+                arena = self._maps.get(reply.arena_path, reply.arena_size)
+                copy_to_arena(self._pool, arena, cpu, cold=self._maps.is_cold(reply.arena_path))
+                self._maps.mark_warm(reply.arena_path)
+            commit = self._commit_request(reply.save_id, json.dumps(flat.extras, allow_nan=False), state, time.perf_counter() - started)
+        except BaseException:
+            for copy in copies:  # the arena goes back to the daemon: nothing may still write into it
+                copy.wait()
+            raise
+        if staging is not None:
+            items = [item_of(t, off, n, "staged" if i in device_idx else None) for i, (t, off, n) in enumerate(placements)]
+            commit.staging_id = staging.staging_id
+            commit.staged.extend(pb.StagedRange(staging_offset=o, arena_offset=o, nbytes=n) for o, n in coalesced_ranges(items))
+        nbytes = sum(n for _, _, n in placements)
+        if gpu.mode.in_use == "copy":
+            for copy in copies:
+                copy.wait()
+            copy_s = time.perf_counter() - queued
+            self._call(self._stub.CommitSnapshot, commit)
+            return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes, mode="copy", copy_s=copy_s)
+        mode = gpu.mode.in_use
+
+        def send() -> None:
+            try:
+                self._call(self._stub.CommitSnapshot, commit)
+            except CheckpointError as exc:
+                if staging is not None:
+                    gpu.fall_back(f"the daemon could not copy the staging buffer: {exc}")
+                raise
+
+        pending = gpu.start_commit(step, copies, send, lambda reason: self._abort(reply.save_id, reason))
+        pending.future.add_done_callback(lambda done: self._late_failure(step, done))
+        return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=nbytes, pending=pending, mode=mode)
+
+    def _late_failure(self, step: int, done: Any) -> None:
+        """A snapshot that failed after save() returned (copy or commit): logged and counted at once."""
+        exc = done.exception()
+        if exc is not None:
+            self.failed_saves += 1
+            log.warning("checkpoint of step %s failed after save() returned, training goes on: %s", step, exc)
+
+    def _staging_for(self, placements: list[tuple[torch.Tensor, int, int]], device_idx: set[int], arena_size: int) -> Any:
+        """The rank's device staging buffer, opened by the daemon (at least `arena_size` bytes:
+        it mirrors the arena's layout); None after falling back to "overlap" (reason logged)."""
+        from ckptd.client.ipc import IpcUnavailable
+
+        gpu = self._gpu
+        devices = {placements[i][0].device for i in device_idx}
+        if len(devices) != 1:
+            gpu.fall_back(f"this rank's CUDA tensors are on {len(devices)} devices; one staging buffer serves one")
+            return None
+        if gpu.staging is not None and gpu.staging.nbytes >= arena_size and gpu.staging.device in devices:
+            return gpu.staging
+        if gpu.staging is not None:  # the plan grew: a larger buffer
+            self._close_staging(gpu.staging)
+            gpu.staging.free()
+            gpu.staging = None
+        try:
+            staging = gpu.backend.staging(next(iter(devices)), arena_size)
+        except IpcUnavailable as exc:
+            gpu.fall_back(str(exc))
+            return None
+        request = pb.OpenStagingRequest(who=self._who, gpu_uuid=staging.uuid, ipc_handle=staging.handle, nbytes=staging.nbytes, pid=os.getpid())
+        try:
+            answer = self._call(self._stub.OpenStaging, request)
+        except CheckpointError as exc:
+            answer = pb.OpenStagingResponse(reason=f"the daemon refused the staging buffer: {exc}")
+        if not answer.staging_id:
+            staging.free()
+            gpu.fall_back(answer.reason or "the daemon could not open the staging buffer")
+            return None
+        staging.staging_id = answer.staging_id
+        gpu.staging = staging
+        return staging
+
+    def _close_staging(self, staging: Any) -> None:
+        if staging.staging_id:
+            try:
+                self._stub.CloseStaging(pb.CloseStagingRequest(who=self._who, staging_id=staging.staging_id), timeout=30)
+            except grpc.RpcError as exc:
+                log.warning("could not close the staging buffer in the daemon: %s", exc.details())
 
     def _abort(self, save_id: str, reason: str) -> None:
         try:
@@ -301,6 +466,9 @@ class CheckpointClient:
         (CheckpointNotFound for a missing step) with the tensors named when strict checks fail.
         """
         flat = flatten_state(state, rank=self.rank, rng=rng)
+        previous = self._gpu.settle()  # a snapshot still being handed over would be abandoned by the load
+        if previous is not None:
+            log.warning("the previous checkpoint was not handed over: %s", previous)
         fragments = _fragments(flat, self.layout, self.coords)
         request = pb.PlanLoadRequest(
             who=self._who,
@@ -345,8 +513,37 @@ class CheckpointClient:
         for source in _sources(plan):
             sources.setdefault(source.name, []).append(source)
         fills = [Fill(f.local, f.box, sources[f.name]) for _, f in fragments if f.name in sources]
+        to_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if any(self._gpu.owns(fill.target) for fill in fills):
+            fills, to_device = self._device_fills(fills)
         with torch.no_grad():
             fill_all(self._pool, self._maps, fills)
+            if to_device:
+                self._gpu.backend.to_devices(to_device)
+
+    def _device_fills(self, fills: list[Fill]) -> tuple[list[Fill], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Restore onto GPUs: a fragment that is whole in the daemon's memory goes host-to-device
+        straight from the pinned arena; anything else is assembled in a pinned host tensor first
+        (read, resharded, converted by the CPU path), which then goes over."""
+        backend = self._gpu.backend
+        host_fills: list[Fill] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for fill in fills:
+            target = fill.target
+            if not self._gpu.owns(target):
+                host_fills.append(fill)
+                continue
+            whole = [s for s in fill.sources if s.box == fill.want]
+            if (len(fill.sources) == 1 and whole and whole[0].kind == "shm"
+                    and whole[0].dtype == dtypes.from_torch_name(str(target.dtype)) and target.numel()):
+                src = whole[0]
+                arena = backend.host_view(src.path, src.offset + src.nbytes)
+                pairs.append((arena[src.offset : src.offset + src.nbytes].view(target.dtype).view(target.shape), target))
+                continue
+            host = backend.pinned_empty(target.shape, target.dtype)
+            host_fills.append(Fill(host, fill.want, fill.sources))
+            pairs.append((host, target))
+        return host_fills, pairs
 
     # ------------------------------------------------------------ queries
 
@@ -373,6 +570,8 @@ class CheckpointClient:
             raise _translate(exc, self.address) from None
 
     def close(self) -> None:
+        """Wait for a snapshot still being handed over, release the GPU resources and the arenas."""
+        self._gpu.close(self._close_staging)
         self._pool.shutdown(wait=True)
         self._maps.close()
         self._channel.close()
@@ -382,6 +581,10 @@ class CheckpointClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
 
 
 def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:

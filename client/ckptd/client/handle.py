@@ -10,6 +10,7 @@ from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
+    from ckptd.client.handoff import Pending
 
 log = logging.getLogger("ckptd.client")
 
@@ -24,7 +25,12 @@ class DurableInfo:
 
 
 class SaveHandle:
-    """The result of one `save`. `ok` is False when the hand-off failed or was skipped."""
+    """The result of one `save`. `ok` is False when the hand-off failed or was skipped.
+
+    In modes "overlap" and "ipc" (CUDA tensors) the device copies may still be running when
+    `save` returns: `snapshot_done` says whether the snapshot is handed over (copied and
+    committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both.
+    """
 
     def __init__(
         self,
@@ -35,20 +41,54 @@ class SaveHandle:
         bytes_copied: int = 0,
         skipped: bool = False,
         error: str | None = None,
+        pending: "Pending | None" = None,
+        mode: str = "cpu",
+        copy_s: float | None = None,
     ) -> None:
         self._client = client
         self.step = step
         self.stall_s = stall_s  # seconds save() blocked the caller
         self.bytes_copied = bytes_copied  # bytes this rank copied into shared memory
         self.skipped = skipped
-        self.error = error
+        self._error = error
+        self._pending = pending
+        self.mode = mode  # "cpu" (no CUDA tensors), "copy", "overlap" or "ipc"
+        self.copy_s = copy_s  # mode "copy": seconds from queueing the device copies until they were done
+
+    @property
+    def error(self) -> str | None:
+        """Why the save failed: at the hand-off, or (overlap, ipc) later, while copying or committing."""
+        if self._error is None and self._pending is not None and self._pending.future.done():
+            exc = self._pending.future.exception()
+            if exc is not None:
+                self._error = f"{type(exc).__name__}: {exc}"
+        return self._error
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
-    def wait_snapshot(self) -> None:
-        """Return once the state may be modified. CPU hand-offs are complete when save() returns."""
+    @property
+    def snapshot_done(self) -> bool:
+        """The snapshot is copied and committed to the daemon (always true in the CPU and "copy" paths)."""
+        return self._pending is None or self._pending.future.done()
+
+    def wait_snapshot(self, host: bool = False) -> None:
+        """Fence: later changes of the saved state wait for this save's device copies.
+
+        GPU-side by default (the current CUDA stream waits on the copy-done event; the host goes
+        on); host=True blocks until the snapshot is copied and committed. Call it before the
+        state changes other than by an optimizer of the state (those fence themselves). A no-op
+        for CPU hand-offs, which are complete when save() returns.
+        """
+        pending = self._pending
+        if pending is None or pending.future.done():
+            return
+        if host:
+            pending.future.exception()  # waits; an error shows in `error`
+            return
+        for copy in pending.copies:
+            copy.fence()
 
     def wait_durable(self, timeout: float | None = None) -> DurableInfo | None:
         """Block until the step is committed (fsynced, index written) and return where it is.
@@ -57,6 +97,8 @@ class SaveHandle:
         logged and None is returned, so training goes on.
         """
         try:
+            if self._pending is not None:
+                self._pending.future.exception()  # the hand-off first
             if self.error is not None:
                 raise CheckpointError(f"step {self.step} was not handed over: {self.error}")
             return self._client._wait_durable(self.step, timeout)
@@ -67,5 +109,5 @@ class SaveHandle:
             return None
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self.error else "handed over"
+        state = "skipped" if self.skipped else "failed" if self.error else "handed over" if self.snapshot_done else "copying"
         return f"SaveHandle(step={self.step}, {state}, stall={self.stall_s * 1e3:.1f} ms)"

@@ -12,14 +12,18 @@ of a fresh one), and grows only when the plan needs more.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import logging
 import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ckptd.daemon.errors import Exhausted
+
+log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "ckptd-"
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module before 3.13
@@ -31,6 +35,7 @@ class Arena:
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
         self.size = size
+        self.on_close: list[Callable[[], None]] = []  # run before unmapping (e.g. unlock pinned pages)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             try:
@@ -65,8 +70,22 @@ class Arena:
             raise ValueError(f"range {offset}+{nbytes} outside arena {self.path} of {self.size} bytes")
         return memoryview(self._mmap)[offset : offset + nbytes]
 
+    def address(self) -> int:
+        """The address of the daemon's mapping (for CUDA copies into it)."""
+        window = (ctypes.c_char * max(self.size, 1)).from_buffer(self._mmap)
+        try:
+            return ctypes.addressof(window)
+        finally:
+            del window  # releases the buffer export, so close() can unmap
+
     def close(self) -> None:
         """Unmap and delete the file. Views still held elsewhere keep the mapping alive until released."""
+        for callback in self.on_close:
+            try:
+                callback()
+            except Exception:
+                log.exception("cleanup before unmapping arena %s failed", self.path)
+        self.on_close = []
         try:
             self._mmap.close()
         except BufferError:
@@ -119,7 +138,7 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
         pid_text = path.name[len(ARENA_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == live_pid:
             continue
-        if _pid_alive(int(pid_text)) and _is_ckptd(int(pid_text)):
+        if pid_alive(int(pid_text)) and _is_ckptd(int(pid_text)):
             continue
         try:
             path.unlink()
@@ -129,7 +148,8 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

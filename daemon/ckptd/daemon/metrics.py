@@ -40,6 +40,7 @@ FAILURE_CAUSES = (
     "write_error",  # writing or fsyncing the files failed (disk full, I/O error)
     "peer",  # another node failed, stopped answering, or the coordinator aborted the step
     "shutdown",  # the daemon stopped before every rank handed over
+    "gpu_staging",  # mode "ipc": copying a rank's device staging buffer into its arena failed
     "internal",  # a bug: see the daemon's log
 )
 

@@ -28,6 +28,7 @@ from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remo
 from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
+from ckptd.daemon.gpu import GpuStaging, StagedRange
 from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.metrics import LiveState, Metrics
@@ -221,6 +222,7 @@ class CheckpointService:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         # (job, step) -> loads being planned: their peer fetches' staging files must stay
         self._planning: dict[tuple[str, int], int] = {}
+        self.gpu = GpuStaging()  # mode "ipc": loads CUDA only when a rank opens a staging buffer
 
     # ------------------------------------------------------------ lifecycle
 
@@ -265,6 +267,7 @@ class CheckpointService:
 
     def close(self) -> None:
         self._persist_executor.shutdown(wait=True)
+        self.gpu.shutdown()
         for job in self.jobs.values():
             job.pool.close()
         for path in self.config.shm_dir.glob(f"{ARENA_PREFIX}{os.getpid()}-fetch-*"):
@@ -314,6 +317,8 @@ class CheckpointService:
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
         local_ranks = self._local_ranks(world_size, local_world_size)
+        if self.gpu.buffers:  # mode "ipc": a restarted trainer needs the GPU memory its dead predecessor held
+            await self.gpu.reap_dead()
         state = self._job(job, world_size)
         if specs is not None:
             state.specs[(rank, fingerprint)] = tuple(specs)
@@ -468,20 +473,42 @@ class CheckpointService:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
     async def commit_snapshot(
-        self, job: str, rank: int, save_id: str, extras_json: str, model_files: dict[str, bytes] | None = None, stall_s: float = 0.0
+        self,
+        job: str,
+        rank: int,
+        save_id: str,
+        extras_json: str,
+        model_files: dict[str, bytes] | None = None,
+        staged: tuple[str, Sequence[StagedRange]] | None = None,
+        stall_s: float = 0.0,
     ) -> None:
-        """A rank's snapshot is copied. stall_s: seconds its save() blocked training so far (0: not reported)."""
+        """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
+        mode "ipc", copied from its staging buffer into its arena first; if that fails the save
+        fails (nothing of it is persisted). stall_s: seconds its save() blocked training so far
+        (0: not reported)."""
         state, session = self._session(job, save_id)
         if session.state != "snapshotting":
             raise Precondition(f"save of step {session.step} is {session.state}, it cannot take a snapshot now")
         if rank not in session.arrived:
             raise InvalidRequest(f"rank {rank} did not join the save of step {session.step}")
+        if rank in session.committed:
+            raise InvalidRequest(f"rank {rank} handed its snapshot of step {session.step} over twice")
         if len(extras_json) > MAX_EXTRAS_BYTES:
             raise InvalidRequest(f"extras of rank {rank} are {len(extras_json)} bytes; the limit is {MAX_EXTRAS_BYTES}")
         try:
             extras = json.loads(extras_json) if extras_json else {}
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+        if staged is not None:
+            assert session.arenas is not None
+            arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
+            try:
+                await self.gpu.drain(job, rank, staged[0], arena, staged[1])
+            except Aborted as exc:
+                await self._fail(state, session, str(exc), "gpu_staging")
+                raise
+            if session.state != "snapshotting":  # failed or timed out while copying
+                raise Aborted(f"save of step {session.step} is {session.state}: {session.error}")
         session.committed[rank] = extras
         if stall_s > 0:
             self.metrics.stall.labels(job).observe(stall_s)

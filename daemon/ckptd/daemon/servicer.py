@@ -20,6 +20,7 @@ from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
+from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.service import CheckpointService, CommitRecord, PieceInfo, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILES = ("config.json", "generation_config.json")
 MAX_MODEL_FILE_BYTES = 1 << 20
+MAX_STAGED_RANGES = 1 << 20
 
 _STATUS: dict[type[errors.CkptdError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -159,8 +161,29 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
                 raise errors.InvalidRequest(f"model file {name} is not valid JSON: {exc}") from None
             model_files[name] = text.encode()
         stall_s = request.stall_s if math.isfinite(request.stall_s) and 0 <= request.stall_s < 86400 else 0.0
-        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, stall_s)
+        staged = None
+        if request.staging_id:
+            if len(request.staged) > MAX_STAGED_RANGES:
+                raise errors.InvalidRequest(f"{len(request.staged)} staged ranges; the limit is {MAX_STAGED_RANGES}")
+            staged = (request.staging_id, [StagedRange(r.staging_offset, r.arena_offset, r.nbytes) for r in request.staged])
+        elif request.staged:
+            raise errors.InvalidRequest("staged ranges without a staging_id: open a staging buffer first (OpenStaging)")
+        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s)
         return pb.CommitSnapshotResponse()
+
+    @_mapped
+    async def OpenStaging(self, request: pb.OpenStagingRequest, context: grpc.aio.ServicerContext) -> pb.OpenStagingResponse:
+        job, rank, _ = check_who(request.who)
+        staging_id, reason = await self.service.gpu.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
+        if reason:
+            log.warning("rank %s of job %s cannot use mode 'ipc' (it falls back to 'overlap'): %s", rank, job, reason)
+        return pb.OpenStagingResponse(staging_id=staging_id, reason=reason)
+
+    @_mapped
+    async def CloseStaging(self, request: pb.CloseStagingRequest, context: grpc.aio.ServicerContext) -> pb.CloseStagingResponse:
+        job, rank, _ = check_who(request.who)
+        await self.service.gpu.close(job, rank, request.staging_id)
+        return pb.CloseStagingResponse()
 
     @_mapped
     async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.AbortSaveResponse:

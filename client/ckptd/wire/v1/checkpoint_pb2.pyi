@@ -97,7 +97,7 @@ class BeginSaveResponse(_message.Message):
     def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("who", "save_id", "extras_json", "model_files", "stall_s")
+    __slots__ = ("who", "save_id", "extras_json", "model_files", "stall_s", "staging_id", "staged")
     class ModelFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,14 +110,62 @@ class CommitSnapshotRequest(_message.Message):
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
     STALL_S_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     save_id: str
     extras_json: str
     model_files: _containers.ScalarMap[str, str]
     stall_s: float
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ..., model_files: _Optional[_Mapping[str, str]] = ..., stall_s: _Optional[float] = ...) -> None: ...
+    staging_id: str
+    staged: _containers.RepeatedCompositeFieldContainer[StagedRange]
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., save_id: _Optional[str] = ..., extras_json: _Optional[str] = ..., model_files: _Optional[_Mapping[str, str]] = ..., stall_s: _Optional[float] = ..., staging_id: _Optional[str] = ..., staged: _Optional[_Iterable[_Union[StagedRange, _Mapping]]] = ...) -> None: ...
+
+class StagedRange(_message.Message):
+    __slots__ = ("staging_offset", "arena_offset", "nbytes")
+    STAGING_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ARENA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    staging_offset: int
+    arena_offset: int
+    nbytes: int
+    def __init__(self, staging_offset: _Optional[int] = ..., arena_offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class CommitSnapshotResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenStagingRequest(_message.Message):
+    __slots__ = ("who", "gpu_uuid", "ipc_handle", "nbytes", "pid")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    gpu_uuid: str
+    ipc_handle: bytes
+    nbytes: int
+    pid: int
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class OpenStagingResponse(_message.Message):
+    __slots__ = ("staging_id", "reason")
+    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    staging_id: str
+    reason: str
+    def __init__(self, staging_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CloseStagingRequest(_message.Message):
+    __slots__ = ("who", "staging_id")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    staging_id: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., staging_id: _Optional[str] = ...) -> None: ...
+
+class CloseStagingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

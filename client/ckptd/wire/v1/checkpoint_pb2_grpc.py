@@ -79,6 +79,16 @@ class CheckpointStub:
                 request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.FromString,
                 _registered_method=True)
+        self.OpenStaging = channel.unary_unary(
+                '/ckptd.v1.Checkpoint/OpenStaging',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingResponse.FromString,
+                _registered_method=True)
+        self.CloseStaging = channel.unary_unary(
+                '/ckptd.v1.Checkpoint/CloseStaging',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServicer:
@@ -138,6 +148,18 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenStaging(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseStaging(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.Collect,
                     request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.SerializeToString,
+            ),
+            'OpenStaging': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenStaging,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingResponse.SerializeToString,
+            ),
+            'CloseStaging': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseStaging,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class Checkpoint:
             '/ckptd.v1.Checkpoint/Collect',
             ckptd_dot_v1_dot_checkpoint__pb2.CollectRequest.SerializeToString,
             ckptd_dot_v1_dot_checkpoint__pb2.CollectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenStaging(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/OpenStaging',
+            ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.OpenStagingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseStaging(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/CloseStaging',
+            ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.FromString,
             options,
             channel_credentials,
             insecure,
