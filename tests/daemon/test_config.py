@@ -131,6 +131,10 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("metrics_port", "9477", "9477", 9477),
     ("metrics_host", "127.0.0.1", '"127.0.0.1"', "127.0.0.1"),
     ("health_port", "9478", "9478", 9478),
+    ("quantize", "o2", '"O2"', "O2"),
+    ("quantize", "None", '"none"', "none"),
+    ("master_weights", "Residual", '"residual"', "residual"),
+    ("quant_max_generations", "0", "0", 0),
 ]
 
 

@@ -13,6 +13,8 @@ from ckptd.daemon.format import (
     FileRecord,
     FormatError,
     FragmentRecord,
+    QuantRecord,
+    SideRecord,
     StoredTensor,
     TensorRecord,
     file_key,
@@ -77,7 +79,49 @@ def test_index_round_trip() -> None:
     assert doc["format"] == "ckptd/1" and doc["tensors"]["model/w"]["fragments"][0]["offset"] == 128
 
 
-@pytest.mark.parametrize("blob", [b"{}", b"[]", b'{"format": "ckptd/1"}', b"\xff", b'{"format": "other/9"}'])
+def test_compressed_index_round_trip_and_golden_records() -> None:
+    """A quantized fragment, a residual and a dropped master weight: `ckptd/2`, the records as
+    they appear in the JSON, and the same index back."""
+    scales = SideRecord("optimizer-00001-of-00001.safetensors", "optimizer/state/w/exp_avg@scales", "F32", (4, 1, 1), 208, 16, "xxh3-64:02")
+    quantized = FragmentRecord(
+        "optimizer-00001-of-00001.safetensors", "optimizer/state/w/exp_avg", Box((0, 0), (4, 6)), "U8", 192, 12, "xxh3-64:01",
+        quant=QuantRecord("lin-i4", 128, scales=scales),
+    )
+    model = FragmentRecord("model-00001-of-00001.safetensors", "w", Box((0, 0), (4, 6)), "BF16", 96, 48, "xxh3-64:03")
+    base = SideRecord(model.file, model.key, "BF16", (4, 6), 96, 48, "xxh3-64:03")
+    residual = FragmentRecord("master_weights-00001-of-00001.safetensors", "master/w", model.box, "BF16", 80, 48, "xxh3-64:04", quant=QuantRecord("residual-bf16", base=base))
+    cast = FragmentRecord(model.file, model.key, model.box, "BF16", 96, 48, "xxh3-64:03", quant=QuantRecord("cast"))
+    index = CheckpointIndex(
+        job="j", step=3, created_at=2.0, world_size=1,
+        tensors=(
+            TensorRecord("model/w", "model", "BF16", (4, 6), (model,)),
+            TensorRecord("master/w", "master", "F32", (4, 6), (residual,)),
+            TensorRecord("master/v", "master", "F32", (4, 6), (cast,)),
+            TensorRecord("optimizer/state/w/exp_avg", "optimizer", "F32", (4, 6), (quantized,)),
+        ),
+        files=(), quantization={"generation": 1, "quantize": "O2", "master_weights": "residual"},
+    )
+    data = index.to_json_bytes()
+    again = CheckpointIndex.from_json_bytes(data)
+    assert again == index and again.generation == 1 and again.compressed
+    doc = json.loads(data)
+    assert doc["format"] == "ckptd/2"
+    assert doc["quantization"] == {"generation": 1, "quantize": "O2", "master_weights": "residual"}
+    assert doc["tensors"]["optimizer/state/w/exp_avg"]["fragments"][0]["quant"] == {
+        "codec": "lin-i4", "block": 128,
+        "scales": {"file": "optimizer-00001-of-00001.safetensors", "key": "optimizer/state/w/exp_avg@scales", "dtype": "F32",
+                   "shape": [4, 1, 1], "offset": 208, "nbytes": 16, "checksum": "xxh3-64:02"},
+    }
+    assert doc["tensors"]["master/v"]["fragments"][0]["quant"] == {"codec": "cast"}
+    assert doc["tensors"]["master/w"]["fragments"][0]["quant"]["base"]["key"] == "w"
+    assert "quant" not in doc["tensors"]["model/w"]["fragments"][0]
+    # a lossless index stays ckptd/1, without a quantization record
+    plain = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "BF16", (4, 6), (model,)),), ())
+    assert json.loads(plain.to_json_bytes())["format"] == "ckptd/1" and "quantization" not in json.loads(plain.to_json_bytes())
+    assert CheckpointIndex.from_json_bytes(plain.to_json_bytes()).generation == 0
+
+
+@pytest.mark.parametrize("blob", [b"{}", b"[]", b'{"format": "ckptd/1"}', b"\xff", b'{"format": "other/9"}', b'{"format": "ckptd/3"}'])
 def test_bad_index_is_a_format_error(blob: bytes) -> None:
     with pytest.raises(FormatError):
         CheckpointIndex.from_json_bytes(blob)

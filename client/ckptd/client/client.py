@@ -23,11 +23,12 @@ from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.handoff import MODES, CudaBackend, DeviceBackend, Fenced, GpuHandoff, lazy_placements
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
-from ckptd.client.transport import ArenaMaps, Fill, Source, copy_to_arena, fill_all
+from ckptd.client.transport import ArenaMaps, Decoding, Fill, Source, copy_to_arena, fill_all
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import default_address
+from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -182,6 +183,7 @@ class CheckpointClient:
         self._maps = ArenaMaps()
         self._known_fingerprints: set[str] = set()
         self.failed_saves = 0
+        self._lineage = 0  # quantization generation of the step this client loaded last (compounding guard)
 
     @property
     def mode_in_use(self) -> str:
@@ -219,6 +221,7 @@ class CheckpointClient:
         metric: float | None = None,
         quantize: str | None = None,
         rng: bool = False,
+        master_weights: str | None = None,
     ) -> SaveHandle:
         """Hand `state` to the daemon as checkpoint `step`.
 
@@ -226,24 +229,34 @@ class CheckpointClient:
         "ipc", once it is fenced: the optimizers of `state` fence themselves (a step pre-hook);
         other changes need `ckpt.fence()` or `handle.wait_snapshot()` first. `handle.stall_s`
         is how long this call blocked the caller.
+
+        quantize: None (the daemon's default, `--quantize`, lossless unless configured), "none"
+        (lossless), "O1" (optimizer moments in int8) or "O2" (int4); done by the daemon in the
+        background. master_weights: None (the daemon's default), "keep", "drop" (rebuilt from
+        the bf16/fp16 model weights on load) or "residual" (a bf16 difference to them). After a
+        load from a lossy checkpoint the daemon may save losslessly (`--quant-max-generations`).
         """
         started = time.perf_counter()
         try:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise ValueError(f"step must be an integer >= 0, got {step!r}")
-            if quantize is not None:
-                raise ValueError(f"quantize={quantize!r} is not supported yet; use None")
+            no_quantize = quantize == "none"
+            scheme = None if no_quantize else check_scheme(quantize)
+            check_master_mode(master_weights)
             flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True)
             previous = self._gpu.settle()  # the previous snapshot must be committed before the next begins
             if previous is not None:
                 log.warning("the previous checkpoint was not handed over: %s", previous)
             if self.mode_in_use != "copy":
                 self._gpu.install_hooks(state)
-            return self._save(step, state, flat, metric, started)
+            options = _SaveOptions(scheme, no_quantize, master_weights or "")
+            return self._save(step, state, flat, metric, started, options)
         except Exception as exc:
             return self._failed_save(step, exc, started)
 
-    def _save(self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float) -> SaveHandle:
+    def _save(
+        self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float, options: "_SaveOptions"
+    ) -> SaveHandle:
         fragments = _fragments(flat, self.layout, self.coords)
         if self.layout is not None and not self._rules_reported:
             self._rules_reported = True  # after the first save every rule has had its chance
@@ -257,6 +270,10 @@ class CheckpointClient:
             timeout_s=self.timeout_s,
             metric=metric or 0.0,
             has_metric=metric is not None,
+            quantize=options.quantize or "",
+            no_quantize=options.no_quantize,
+            master_weights=options.master_weights,
+            lineage_generation=self._lineage,
         )
         if fingerprint not in self._known_fingerprints:
             request.tensors.extend(_meta(e, f) for e, f in fragments)
@@ -461,6 +478,7 @@ class CheckpointClient:
             kinds=sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras)),
             strict=strict,
             direct_read=self.read_files is not False,
+            decodes=True,
         )
         try:
             plan = self._call(self._stub.PlanLoad, request)
@@ -473,6 +491,7 @@ class CheckpointClient:
             if step is None:
                 return None
             raise
+        self._lineage = plan.generation
         try:
             self._fill(fragments, plan)
             extras = json.loads(plan.extras_json) if plan.extras_json else {}
@@ -592,4 +611,25 @@ def _unreadable_file(plan: pb.PlanLoadResponse) -> str | None:
 
 def _sources(plan: pb.PlanLoadResponse) -> Iterator[Source]:
     for p in plan.pieces:
-        yield Source(p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3)
+        yield _source(p)
+
+
+def _source(p: pb.Piece) -> Source:
+    decoding = None
+    if p.HasField("decode"):
+        d = p.decode
+        decoding = Decoding(
+            d.codec, d.block, _source(d.scales) if d.HasField("scales") else None, _source(d.base) if d.HasField("base") else None
+        )
+    return Source(
+        p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3, decoding
+    )
+
+
+@dataclass(frozen=True)
+class _SaveOptions:
+    """A save's compression options as the client sends them."""
+
+    quantize: str | None  # "O1" | "O2" | None
+    no_quantize: bool  # quantize="none": lossless whatever the daemon's default
+    master_weights: str  # "" (the daemon's default) | keep | drop | residual

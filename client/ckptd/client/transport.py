@@ -162,6 +162,19 @@ class Source:
     checksum: str
     chunk_bytes: int = 0  # files: xxh3-64 of each chunk of the fragment (ckptd.common.chunks)
     chunk_xxh3: str = ""
+    decode: "Decoding | None" = None  # the bytes are codes or a residual (ckptd.common.quant)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a quantized or residual fragment becomes values: the codec, its block size, and the
+    other bytes it needs (its scales; the model weight a residual adds to), each a Source with
+    the fragment's box."""
+
+    codec: str
+    block: int
+    scales: Source | None
+    base: Source | None
 
 
 @dataclass(frozen=True)
@@ -177,6 +190,7 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     """Run every fill's copies and reads on the pool at once, then wait for all of them."""
     wholes: list[tuple[Source, np.ndarray]] = []
     parts: list[_Part] = []
+    decoded: list[tuple[Source, Fill, Box]] = []
     for fill in fills:
         if fill.sources and tuple(fill.target.shape) != fill.want.lengths:
             raise CheckpointError(
@@ -187,6 +201,9 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         for src in fill.sources:
             common = intersect(src.box, fill.want)
             if common is None:
+                continue
+            if src.decode is not None:
+                decoded.append((src, fill, common))
                 continue
             direct = dst_bytes is not None and src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
             if direct and src.box == fill.want:
@@ -213,6 +230,7 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         else:
             jobs.append(pool.submit(_read_verified, src, dst_bytes))
     jobs += [pool.submit(_fill_part, maps, part) for part in parts]
+    jobs += [pool.submit(_fill_decoded, src, fill, common) for src, fill, common in decoded]
     for job in jobs:
         job.result()
     for fill in fills:
@@ -492,3 +510,67 @@ def _read_verified(src: Source, out: np.ndarray) -> None:
     finally:
         os.close(fd)
     _check(src, hasher)
+
+
+def _fill_decoded(src: Source, fill: Fill, common: Box) -> None:
+    """Decode the part `common` of a quantized or residual fragment into the target.
+
+    Reads only the fragment's rows (dim 0) that hold `common`, of the codes and of the scales
+    (or of the residual and of the model weight), whole bytes (int4: two codes per byte, rows
+    start on a byte boundary), and decodes the columns wanted (ckptd.common.quant.decode).
+    """
+    from ckptd.common import quant
+
+    decoding = src.decode
+    assert decoding is not None
+    box = src.box
+    r0, r1 = (common.offsets[0] - box.offsets[0], common.end[0] - box.offsets[0]) if box.ndim else (0, 1)
+    region = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.lengths[1:])) if box.ndim else box
+    try:
+        if decoding.codec == quant.RESIDUAL:
+            if decoding.base is None:
+                raise CheckpointError(f"tensor {src.name!r}: a residual without the model weight it adds to; load an older step")
+            residual = _read_rows(src, "BF16", box.lengths, r0, r1)
+            base = _read_rows(decoding.base, decoding.base.dtype, box.lengths, r0, r1)
+            values = quant.residual_decode(base, residual)[relative(common, region)]
+        else:
+            codec = quant.Codec(decoding.codec, decoding.block)
+            if decoding.scales is None:
+                raise CheckpointError(f"tensor {src.name!r}: quantized without scales; load an older step")
+            codes = _read_rows(src, codec.codes_dtype, codec.codes_shape(box.lengths), r0, r1)
+            scales = _read_rows(decoding.scales, "F32", codec.scales_shape(box), r0, r1)
+            values = quant.decode(codec, codes, scales, region, common)
+    except quant.QuantError as exc:
+        raise CheckpointError(f"tensor {src.name!r} in {Path(src.path).name}: {exc}") from None
+    fill.target[relative(common, fill.want)].copy_(values)
+
+
+def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) (along dim 0) of a stored tensor of this dtype and shape, as a tensor; the
+    checksum is verified when all rows are read."""
+    expected = dtypes.nbytes(dtype, shape)
+    if src.nbytes != expected:
+        raise CheckpointError(
+            f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but {dtype}{list(shape)} needs "
+            f"{expected}; the index and the data disagree — load an older step"
+        )
+    if not shape:
+        r0, r1, row_bytes = 0, 1, expected
+    else:
+        row_bytes = dtypes.nbytes(dtype, shape[1:])
+    out = np.empty((r1 - r0) * row_bytes, dtype=np.uint8)
+    fd = _open(src)
+    try:
+        _pread_exact(fd, out, src.offset + r0 * row_bytes, src.path)
+    finally:
+        os.close(fd)
+    if len(out) == src.nbytes and src.checksum:
+        hasher = xxhash.xxh3_64()
+        hasher.update(memoryview(out))
+        _check(src, hasher)
+    else:  # part of the fragment: its chunk checksums, when the index has them
+        check = _PartialCheck(src)
+        check.saw(r0 * row_bytes, out)
+        check.finish()
+    stored = getattr(torch, dtypes.torch_name(dtype))
+    return torch.from_numpy(out).view(stored).view((r1 - r0, *shape[1:]) if shape else ())

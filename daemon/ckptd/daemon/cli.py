@@ -1,4 +1,4 @@
-"""The `ckptd` command: serve, demo, ls, status, verify, gc, export."""
+"""The `ckptd` command: serve, demo, ls, status, verify, gc, export, inspect."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from ckptd.daemon.inspect import InspectError, run
+
+    try:
+        print(run(Path(args.step_dir), args.json))
+    except InspectError as exc:
+        print(f"ckptd inspect: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ckptd.daemon import demo
 
@@ -107,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
     export.add_argument("out", help="a new directory to write")
     export.set_defaults(func=_export)
+
+    inspect = sub.add_parser("inspect", help="show a committed step: tensors, fragments, quantization, sizes")
+    inspect.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=_inspect)
 
     demo = sub.add_parser("demo", help="a daemon + a small multi-rank training job: save, crash, resume")
     from ckptd.daemon import demo as demo_module

@@ -35,7 +35,7 @@ import grpc
 from ckptd.common.boxes import Box
 from ckptd.daemon.checks import tensor_specs
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, Unavailable
-from ckptd.daemon.format import FileRecord, FragmentRecord, step_dir_name
+from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, step_dir_name
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.pipeline import IncompleteStep, NodeManifest, step_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
@@ -313,7 +313,10 @@ class Coordinator:
     def _write_commit(self, save: _GlobalSave, shared: bool) -> dict[str, bytes]:
         assert save.plan is not None
         manifests = [save.manifests[n] for n in sorted(save.manifests)]
-        _, files = step_files(save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric)
+        quantization = next((m.quantization for m in manifests if m.quantization is not None), None)
+        _, files = step_files(
+            save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric, quantization=quantization
+        )
         if shared:
             step_dir = self.storage.step_dir(save.job, save.step)
             for manifest in manifests:
@@ -398,27 +401,35 @@ def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[
             name=name, file=f.file, key=f.key, box=pb.Box(offsets=f.box.offsets, lengths=f.box.lengths),
             dtype=f.dtype, offset=f.offset, nbytes=f.nbytes, checksum=f.checksum,
             chunk_bytes=f.chunk_bytes, chunk_xxh3=f.chunk_xxh3,
+            quant_json=json.dumps(f.quant.to_json()) if f.quant is not None else "",
         )
         for name, f in manifest.fragments
     ]
     return files, fragments
 
 
-def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Sequence[ppb.StoredFragment]) -> NodeManifest:
-    return NodeManifest(
-        node,
-        tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files),
-        tuple(
+def manifest_from_wire(
+    node: int, files: Sequence[ppb.FileEntry], fragments: Sequence[ppb.StoredFragment], quantization_json: str = ""
+) -> NodeManifest:
+    """Raises InvalidRequest for malformed quantization records."""
+    try:
+        quantization = json.loads(quantization_json) if quantization_json else None
+        records = tuple(
             (
                 f.name,
                 FragmentRecord(
                     f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
                     f.chunk_bytes, f.chunk_xxh3,
+                    QuantRecord.from_json(json.loads(f.quant_json)) if f.quant_json else None,
                 ),
             )
             for f in fragments
-        ),
-    )
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidRequest(f"node {node}'s manifest has a malformed quantization record: {exc}") from None
+    if quantization is not None and not isinstance(quantization, dict):
+        raise InvalidRequest(f"node {node}'s quantization record must be a JSON object")
+    return NodeManifest(node, tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files), records, quantization)
 
 
 class Cluster:
@@ -492,6 +503,7 @@ class Cluster:
             job=job, step=step, save_id=save_id, node=self.node, ok=manifest is not None, error=error,
             files=files, fragments=fragments, extras_json=extras,
             model_files={k: v.decode() for k, v in model_files.items()},
+            quantization_json=json.dumps(manifest.quantization) if manifest is not None and manifest.quantization is not None else "",
         )
         try:
             reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)

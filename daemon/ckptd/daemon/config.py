@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.paths import default_root, default_socket
+from ckptd.common.quant_options import MASTER_MODES
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -78,6 +79,13 @@ class DaemonConfig:
     metrics_host: address the metrics and health endpoints listen on ("0.0.0.0": every interface).
     health_port: TCP port of a gRPC health service (grpc.health.v1) for probes such as Kubernetes'
         `grpc:` liveness/readiness probes; 0 = none (health is always on the Unix socket).
+    quantize: the default compression of optimizer moments for saves that do not choose:
+        "none" (lossless), "O1" (int8) or "O2" (int4) (DESIGN.md §8).
+    master_weights: the default for fp32 master weights beside bf16/fp16 model weights:
+        "keep", "drop" (rebuilt from the model weights on load) or "residual" (bf16 difference).
+    quant_max_generations: lossy save/restore cycles allowed in a lineage: once a trainer resumed
+        from a checkpoint with this many behind its values, its saves are lossless (no
+        quantization, master weights kept); 0 = no limit.
     """
 
     root: Path
@@ -104,6 +112,9 @@ class DaemonConfig:
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
     health_port: int = 0
+    quantize: str = "none"
+    master_weights: str = "keep"
+    quant_max_generations: int = 1
 
     def __post_init__(self) -> None:
         errors = []
@@ -225,6 +236,14 @@ def _choice(choices: tuple[str, ...]) -> Parser:
     return parse
 
 
+def _quantize(raw: Any, text: bool) -> str:
+    """"none", "O1" or "O2" (any case)."""
+    if isinstance(raw, str) and raw.strip().lower() in ("none", "o1", "o2"):
+        word = raw.strip().lower()
+        return word if word == "none" else word.upper()
+    raise _Expected("'none' (lossless), 'O1' (int8) or 'O2' (int4)")
+
+
 def _boolean(raw: Any, text: bool) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -336,6 +355,9 @@ _SPECS: Final[dict[str, _Spec]] = {
     "metrics_port": _Spec(_port_or_off, "--metrics-port", "PORT", "serve Prometheus metrics on http://HOST:PORT/metrics; 0 = off (default: 0)"),
     "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics and health endpoints listen on (default: 0.0.0.0, every interface)"),
     "health_port": _Spec(_port_or_off, "--health-port", "PORT", "serve gRPC health (grpc.health.v1) on TCP for probes; 0 = off (default: 0)"),
+    "quantize": _Spec(_quantize, "--quantize", "{none,O1,O2}", "default compression of optimizer moments for saves that do not choose: none, O1 (int8), O2 (int4) (default: none)"),
+    "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
+    "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),
 }
 
 

@@ -24,6 +24,11 @@ PREPARED_NAME = "ckptd.prepared.json"
 EXTRA_JSON = "extra.json"
 LATEST = "latest"
 INDEX_FORMAT = "ckptd/1"
+# Written instead of INDEX_FORMAT when a step is compressed (quantized fragments, dropped or
+# residual master weights, a quantization generation): a reader that does not know how to
+# decode them must refuse the step rather than hand out codes as values. Both are read.
+INDEX_FORMAT_QUANT = "ckptd/2"
+READABLE_FORMATS = (INDEX_FORMAT, INDEX_FORMAT_QUANT)
 EXTRA_FORMAT = "ckptd-extra/1"
 HEADER_ALIGN = 8
 MAX_HEADER_BYTES = 100 * 2**20
@@ -118,6 +123,68 @@ def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tup
 
 
 @dataclass(frozen=True)
+class SideRecord:
+    """Bytes that decoding a fragment needs besides its own codes: its scale tensor, or (a master
+    weight stored as a residual) the model weight it is a residual to."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]  # stored shape
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file, "key": self.key, "dtype": self.dtype, "shape": list(self.shape),
+            "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "SideRecord":
+        return SideRecord(
+            str(d["file"]), str(d["key"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
+            int(d["offset"]), int(d["nbytes"]), str(d["checksum"]),
+        )
+
+
+@dataclass(frozen=True)
+class QuantRecord:
+    """How a fragment's stored bytes become its values (ckptd.common.quant).
+
+    codec: "lin-i8" | "lin-i4" | "log-u8" | "log-u4" (blockwise codes, `block` elements per block
+    along the last dim in logical coordinates, scales in `scales`); "residual-bf16" (a master
+    weight: float(base) + float(stored), `base` = the model weight); "cast" (a dropped master
+    weight: the fragment is the model weight's bytes, upcast on load).
+    """
+
+    codec: str
+    block: int = 0
+    scales: SideRecord | None = None
+    base: SideRecord | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"codec": self.codec}
+        if self.block:
+            doc["block"] = self.block
+        if self.scales is not None:
+            doc["scales"] = self.scales.to_json()
+        if self.base is not None:
+            doc["base"] = self.base.to_json()
+        return doc
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "QuantRecord":
+        return QuantRecord(
+            codec=str(d["codec"]),
+            block=int(d.get("block", 0)),
+            scales=SideRecord.from_json(d["scales"]) if "scales" in d else None,
+            base=SideRecord.from_json(d["base"]) if "base" in d else None,
+        )
+
+
+@dataclass(frozen=True)
 class FragmentRecord:
     """Where one fragment of a logical tensor is stored."""
 
@@ -132,6 +199,7 @@ class FragmentRecord:
     # concatenated; verifies reads of part of the fragment. 0 and "": not recorded.
     chunk_bytes: int = 0
     chunk_xxh3: str = ""
+    quant: QuantRecord | None = None  # None: the stored bytes are the values
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -146,6 +214,8 @@ class FragmentRecord:
         }
         if self.chunk_bytes:
             doc["chunks"] = {"bytes": self.chunk_bytes, "xxh3": self.chunk_xxh3}
+        if self.quant is not None:
+            doc["quant"] = self.quant.to_json()
         return doc
 
     @staticmethod
@@ -160,6 +230,7 @@ class FragmentRecord:
             checksum=str(d["checksum"]),
             chunk_bytes=int(d["chunks"]["bytes"]) if "chunks" in d else 0,
             chunk_xxh3=str(d["chunks"]["xxh3"]) if "chunks" in d else "",
+            quant=QuantRecord.from_json(d["quant"]) if "quant" in d else None,
         )
 
 
@@ -218,6 +289,19 @@ class CheckpointIndex:
     files: tuple[FileRecord, ...]
     metric: float | None = None
     writer: dict[str, Any] = field(default_factory=dict)
+    # Compression of the step (None: lossless and no lossy ancestor):
+    # {"generation": lossy quantize/restore cycles in the values' history (the compounding guard),
+    #  "quantize": "O1" | "O2" | None, "master_weights": "keep" | "drop" | "residual"}
+    quantization: dict[str, Any] | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.quantization is not None or any(f.quant is not None for t in self.tensors for f in t.fragments)
+
+    @property
+    def generation(self) -> int:
+        """How many lossy save/restore cycles the values of this step went through."""
+        return int((self.quantization or {}).get("generation", 0))
 
     @property
     def size_bytes(self) -> int:
@@ -234,7 +318,7 @@ class CheckpointIndex:
 
     def to_json_bytes(self) -> bytes:
         doc = {
-            "format": INDEX_FORMAT,
+            "format": INDEX_FORMAT_QUANT if self.compressed else INDEX_FORMAT,
             "job": self.job,
             "step": self.step,
             "created_at": self.created_at,
@@ -244,14 +328,19 @@ class CheckpointIndex:
             "files": {f.name: f.to_json() for f in self.files},
             "tensors": {t.name: t.to_json() for t in self.tensors},
         }
+        if self.quantization is not None:
+            doc["quantization"] = self.quantization
         return json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str = INDEX_NAME) -> "CheckpointIndex":
         try:
             doc = json.loads(data)
-            if doc.get("format") != INDEX_FORMAT:
-                raise FormatError(f"{where}: format {doc.get('format')!r}, this ckptd reads {INDEX_FORMAT!r}")
+            if doc.get("format") not in READABLE_FORMATS:
+                raise FormatError(f"{where}: format {doc.get('format')!r}, this ckptd reads {' and '.join(map(repr, READABLE_FORMATS))}")
+            quantization = doc.get("quantization")
+            if quantization is not None and not isinstance(quantization, dict):
+                raise FormatError(f"{where}: 'quantization' must be an object, got {quantization!r}")
             return CheckpointIndex(
                 job=str(doc["job"]),
                 step=int(doc["step"]),
@@ -263,6 +352,7 @@ class CheckpointIndex:
                     FileRecord(n, int(f["size"]), str(f["checksum"]), int(f.get("node", 0))) for n, f in doc["files"].items()
                 ),
                 tensors=tuple(TensorRecord.from_json(n, t) for n, t in doc["tensors"].items()),
+                quantization=quantization,
             )
         except FormatError:
             raise
@@ -303,6 +393,7 @@ class StoredTensor:
     shape: tuple[int, ...]  # the stored shape (the box's lengths)
     box: Box
     node: int = 0  # the node that writes it
+    role: str = "data"  # "data" (the fragment's bytes or codes) | "scales" (the scales of the data under key[:-len("@scales")])
 
     @property
     def nbytes(self) -> int:
@@ -326,6 +417,14 @@ def file_key(name: str, kind: str) -> str:
     if kind == "model":
         return name.split("/", 1)[1] if "/" in name else name
     return name
+
+
+SCALES_SUFFIX = "@scales"
+
+
+def scales_key(key: str) -> str:
+    """The safetensors key of the scale tensor of quantized data stored under `key`."""
+    return key + SCALES_SUFFIX
 
 
 def fragment_key(key: str, box: Box) -> str:

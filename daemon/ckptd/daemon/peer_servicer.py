@@ -112,7 +112,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
             if name not in MODEL_FILES or len(text) > MAX_MODEL_FILE_BYTES:
                 raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)} or too large")
             model_files[name] = text.encode()
-        manifest = manifest_from_wire(node, request.files, request.fragments) if request.ok else None
+        manifest = manifest_from_wire(node, request.files, request.fragments, request.quantization_json) if request.ok else None
         for record in manifest.files if manifest is not None else ():
             _check_file_name(record.name)
         outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)

@@ -12,6 +12,7 @@ dir → ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import xxhash
 
 from ckptd.common import dtypes
@@ -34,6 +36,8 @@ from ckptd.daemon.format import (
     CheckpointIndex,
     FileRecord,
     FragmentRecord,
+    QuantRecord,
+    SideRecord,
     StoredTensor,
     TensorRecord,
     extra_json,
@@ -42,9 +46,12 @@ from ckptd.daemon.format import (
     hf_index_json,
     layout_files,
     safetensors_header,
+    scales_key,
 )
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
 from ckptd.daemon.storage import Storage, fsync_dir, tmp_name, write_small_file
+
+log = logging.getLogger(__name__)
 
 WRITE_CHUNK = 64 * 2**20
 VERSION = "0.1.0"
@@ -68,6 +75,9 @@ class PersistRequest:
     throttle_bytes_per_s: float = 0.0  # 0: as fast as the disk goes (a slow disk, for tests and drills)
     node: int = 0  # this daemon's node: it writes the plan's parts of this node
     shared_dir: bool = False  # other nodes write into the same step directory
+    quantize: str | None = None  # "O1" | "O2": quantize the optimizer moments (ckptd.common.quant)
+    master_weights: str = "keep"  # "keep" | "drop" | "residual"
+    quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
 
 
 class Throttle:
@@ -135,6 +145,7 @@ class NodeManifest:
     node: int
     files: tuple[FileRecord, ...]
     fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
+    quantization: dict[str, Any] | None = None  # the index's record as this node decided it (several nodes)
 
 
 class IncompleteStep(ValueError):
@@ -148,7 +159,9 @@ def persist(storage: Storage, req: PersistRequest, progress: Progress, clock: Ca
     """
     try:
         manifest = write_node_files(storage, req, progress)
-        index, files = step_files(req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock)
+        index, files = step_files(
+            req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
+        )
         write_step_files(storage, req.job, req.step, files)
         storage.write_latest(req.job, req.step)
         return index
@@ -182,14 +195,21 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         else:
             key = fragment_key(file_key(t.name, t.kind), part.box)
             stored.append(StoredTensor(t.name, key, t.dtype, part.box.lengths, part.box, part.node))
-    # Largest files first: they take the largest recycled files.
-    layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
-    layouts.sort(key=lambda f: -f.nbytes)
-
     placed: list[tuple[StoredTensor, str, int, Future[int]]] = []  # (tensor, file, offset, digest)
     files: list[FileRecord] = []
     throttle = Throttle(req.throttle_bytes_per_s)
-    with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
+    compressing = req.quantize is not None or req.master_weights != "keep"
+    with (
+        ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool,
+        ThreadPoolExecutor(ENCODE_THREADS if compressing else 1, thread_name_prefix="ckptd-encode") as encoders,
+    ):
+        # Compression (quantized codes, master residuals) changes the stored sizes, which are
+        # known from the shapes; encoding runs on its own threads while the writers write.
+        source = _Source(req.arenas, tensors, slots_by_name, slot_of)
+        stored, encoded, cast = _compress(pool, encoders, source, stored, kinds, req, progress)
+        # Largest files first: they take the largest recycled files.
+        layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
+        layouts.sort(key=lambda f: -f.nbytes)
         opened = []
         try:
             recycled = storage.take_recycled(req.job)
@@ -202,13 +222,11 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                 files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
                 for tensor, entry in zip(layout.tensors, entries):
                     offset = len(header) + entry.begin
-                    itemsize = dtypes.itemsize(tensor.dtype)
-                    if tensor.box == Box.full(tensors[tensor.name].shape):
-                        pieces = _pieces(tensor.shape, itemsize, slots_by_name[tensor.name], offset)
-                    else:  # a fragment stored on its own: one run from its slot
-                        slot = slot_of[(tensor.name, tensor.box)]
-                        pieces = [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
-                    digest = pool.submit(_write_tensor, fd, req.arenas, pieces, progress, throttle)
+                    pending = encoded.get((tensor.name, tensor.box))
+                    if pending is not None:
+                        digest = pool.submit(_write_encoded, fd, pending, tensor.role, offset, throttle)
+                    else:
+                        digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
                     placed.append((tensor, layout.name, offset, digest))
             for _, _, _, digest in placed:
                 digest.result()
@@ -220,11 +238,245 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     for _, path in opened:
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
-    fragments = tuple(
-        (t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(digest.result()[0]), chunk_bytes_for(t.nbytes), digest.result()[1]))
-        for t, file, offset, digest in placed
-    )
-    return NodeManifest(req.node, tuple(files), fragments)
+    return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast), req.quantization)
+
+
+class _Source:
+    """Where a stored tensor's bytes are in the arenas."""
+
+    def __init__(
+        self, arenas: ArenaSet, tensors: dict[str, LogicalTensor], slots_by_name: dict[str, list[FragmentSlot]],
+        slot_of: dict[tuple[str, Box], FragmentSlot],
+    ) -> None:
+        self.arenas = arenas
+        self.tensors = tensors
+        self.slots_by_name = slots_by_name
+        self.slot_of = slot_of
+
+    def pieces(self, tensor: StoredTensor, offset: int) -> list[_Piece]:
+        """The arena runs of `tensor` (a whole tensor or a fragment) placed from byte `offset` on."""
+        itemsize = dtypes.itemsize(self.tensors[tensor.name].dtype)
+        if tensor.box == Box.full(self.tensors[tensor.name].shape):
+            return _pieces(tensor.box.lengths, itemsize, self.slots_by_name[tensor.name], offset)
+        slot = self.slot_of[(tensor.name, tensor.box)]  # a fragment stored on its own: one run from its slot
+        return [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
+
+    def gather(self, tensor: StoredTensor) -> np.ndarray:
+        """A copy of the tensor's bytes (its logical dtype, the box's shape) as a flat uint8 array."""
+        logical = self.tensors[tensor.name]
+        out = np.empty(dtypes.nbytes(logical.dtype, tensor.box.lengths), dtype=np.uint8)
+        for piece in self.pieces(tensor, 0):
+            arena = self.arenas.arenas[piece.rank]
+            assert arena is not None, "plan gave a fragment to a rank without an arena"
+            view = arena.view(piece.src, piece.nbytes)
+            try:
+                out[piece.dst : piece.dst + piece.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            finally:
+                view.release()
+        return out
+
+
+# Threads quantizing, each with one torch intra-op thread (set when the daemon first compresses:
+# torch is used for nothing else in the daemon). Parallel over tensors instead of inside each op:
+# on a busy machine, OpenMP's spinning intra-op threads cost several times the work itself.
+ENCODE_THREADS = min(4, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A stored tensor whose bytes are made in memory: quantized codes and their scales, or a
+    master weight's residual. `future` gives (data bytes, scales bytes or None), both flat uint8;
+    `codec`/`block` go into the index's QuantRecord."""
+
+    codec: str
+    block: int
+    future: Future[tuple[np.ndarray, np.ndarray | None]]
+
+
+def _compress(
+    pool: ThreadPoolExecutor,
+    encoders: ThreadPoolExecutor,
+    source: _Source,
+    stored: list[StoredTensor],
+    kinds: dict[str, str],
+    req: PersistRequest,
+    progress: Progress,
+) -> tuple[list[StoredTensor], dict[tuple[str, Box], _Encoded], dict[str, StoredTensor]]:
+    """Decide how each of `stored` is compressed (req.quantize, req.master_weights) and start
+    encoding this node's tensors on `encoders`.
+
+    Returns the tensors to lay out (codes, scales and residuals with their stored dtypes and
+    shapes, for every node's tensors: all nodes lay out the same files), the pending encodings by
+    (name, box), and the dropped master weights (name -> the stored model tensor whose bytes
+    stand for it). A tensor with non-finite values (or a negative second moment) is stored as it
+    is: a quick check on `pool` finds them before the layout.
+    """
+    mode = req.master_weights
+    if req.quantize is None and mode == "keep":
+        return stored, {}, {}
+    from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+    whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
+    codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL
+    checks: dict[tuple[str, Box], Future[str]] = {}
+    cast: dict[str, StoredTensor] = {}
+    for t in stored:
+        logical = source.tensors[t.name]
+        codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
+        if codec is not None:
+            codecs[(t.name, t.box)] = codec
+            if t.node == req.node:
+                checks[(t.name, t.box)] = pool.submit(_check_codable, source, t, codec.is_log)
+            continue
+        model = _model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
+        if model is None:
+            continue
+        if mode == "drop":
+            cast[t.name] = model
+            progress.add(t.nbytes if t.node == req.node else 0)
+        else:
+            codecs[(t.name, t.box)] = quant.RESIDUAL
+    out: list[StoredTensor] = []
+    encoded: dict[tuple[str, Box], _Encoded] = {}
+    for t in stored:
+        if t.name in cast:
+            continue
+        codec = codecs.get((t.name, t.box))
+        check = checks.get((t.name, t.box))
+        problem = check.result() if check is not None else ""
+        if problem:
+            log.warning("tensor %s of step %s stays lossless: %s", t.name, req.step, problem)
+            codec = None
+        if codec is None:
+            out.append(t)
+        elif codec == quant.RESIDUAL:
+            out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
+            if t.node == req.node:
+                model = _model_twin(t, source.tensors[t.name], source, whole_model)
+                assert model is not None
+                encoded[(t.name, t.box)] = _Encoded(codec, 0, encoders.submit(_residual, quant, source, t, model, progress))
+        else:
+            out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
+            out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
+            if t.node == req.node:
+                encoded[(t.name, t.box)] = _Encoded(codec.name, codec.block, encoders.submit(_quantize, quant, codec, source, t, progress))
+    return out, encoded, cast
+
+
+def _check_codable(source: _Source, t: StoredTensor, second_moment: bool) -> str:
+    """"" if the tensor can be quantized, else why not (non-finite values, a negative second
+    moment). Reads the arena in place: a sum is non-finite if any value is (or if it overflows,
+    which only makes a tensor lossless that need not be)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtypes.torch_name(source.tensors[t.name].dtype))
+    for piece in source.pieces(t, 0):
+        arena = source.arenas.arenas[piece.rank]
+        assert arena is not None
+        view = arena.view(piece.src, piece.nbytes)
+        try:
+            values = torch.from_numpy(np.frombuffer(view, dtype=np.uint8)).view(torch_dtype)
+            finite = bool(torch.isfinite(values.sum(dtype=torch.float32)))
+            negative = second_moment and bool(values.amin() < 0) if values.numel() else False
+            del values
+        finally:
+            view.release()
+        if not finite:
+            return "it has non-finite values (inf or nan)"
+        if negative:
+            return "the second moment has negative values"
+    return ""
+
+
+def _model_twin(t: StoredTensor, logical: LogicalTensor, source: _Source, whole_model: dict[str, StoredTensor]) -> StoredTensor | None:
+    """The stored model weight a whole fp32 master weight can be rebuilt from: "model/<fqn>" for
+    "master/<fqn>", stored whole by this node, of the same shape in bf16 or fp16. None otherwise
+    (the master weight is then kept)."""
+    if logical.dtype != "F32" or t.box != Box.full(logical.shape):
+        return None
+    model = whole_model.get("model/" + t.name.split("/", 1)[1])
+    if model is None or model.node != t.node:
+        return None
+    twin = source.tensors[model.name]
+    if twin.dtype not in ("BF16", "F16") or twin.shape != logical.shape:
+        return None
+    return model
+
+
+def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
+
+
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
+    """The tensor's codes and scales as flat bytes (_check_codable said it can be coded)."""
+    logical = source.tensors[t.name]
+    pieces = source.pieces(t, 0)
+    if len(pieces) == 1:  # one run in one arena (the usual case): code it in place, no copy
+        arena = source.arenas.arenas[pieces[0].rank]
+        assert arena is not None
+        view = arena.view(pieces[0].src, pieces[0].nbytes)
+        try:
+            values = _as_torch(np.frombuffer(view, dtype=np.uint8), logical.dtype, t.box.lengths)
+            codes, scales = quant.encode(codec, values, t.box)
+            del values  # no export of the view may outlive it
+        finally:
+            view.release()
+    else:
+        codes, scales = quant.encode(codec, _as_torch(source.gather(t), logical.dtype, t.box.lengths), t.box)
+    progress.add(t.nbytes)
+    return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
+
+
+def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[np.ndarray, None]:
+    """The master weight's bf16 residual to its model weight, as flat bytes."""
+    master = _as_torch(source.gather(t), "F32", t.box.lengths)
+    weights = _as_torch(source.gather(model), source.tensors[model.name].dtype, model.box.lengths)
+    residual = quant.residual_encode(master, weights)
+    progress.add(t.nbytes)
+    return residual.reshape(-1).view(_torch_uint8()).numpy(), None
+
+
+def _torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _fragment_records(
+    placed: list[tuple[StoredTensor, str, int, Future[int]]], encoded: dict[tuple[str, Box], _Encoded], cast: dict[str, StoredTensor]
+) -> tuple[tuple[str, FragmentRecord], ...]:
+    """The index records of what was written: codes with their scales (and residuals with the
+    model weight they add to) in QuantRecords; dropped master weights as the model weight's bytes."""
+    where = {(t.name, t.box, t.role): (t, file, offset, checksum_name(digest.result()[0])) for t, file, offset, digest in placed}
+
+    def side(t: StoredTensor, file: str, offset: int, checksum: str) -> SideRecord:
+        return SideRecord(file, t.key, t.dtype, t.shape, offset, t.nbytes, checksum)
+
+    records = []
+    for t, file, offset, digest in placed:
+        if t.role != "data":
+            continue
+        quant = None
+        done = encoded.get((t.name, t.box))
+        if done is not None and done.codec == "residual-bf16":
+            model = next(m for m in where.values() if m[0].name == "model/" + t.name.split("/", 1)[1] and m[0].role == "data")
+            quant = QuantRecord(done.codec, base=side(*model))
+        elif done is not None:
+            quant = QuantRecord(done.codec, done.block, scales=side(*where[(t.name, t.box, "scales")]))
+        full, chunks = digest.result()
+        records.append((t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(full), chunk_bytes_for(t.nbytes), chunks, quant)))
+    chunks_of = {(t.name, t.box): digest.result()[1] for t, _, _, digest in placed if t.role == "data"}
+    for name, model in cast.items():
+        m, file, offset, checksum = where[(model.name, model.box, "data")]
+        chunks = chunks_of[(model.name, model.box)]
+        records.append((name, FragmentRecord(file, m.key, m.box, m.dtype, offset, m.nbytes, checksum, chunk_bytes_for(m.nbytes), chunks, QuantRecord("cast"))))
+    return tuple(records)
 
 
 def _whole_parts(plan: SavePlan) -> list[StoredPart]:
@@ -240,6 +492,7 @@ def step_files(
     model_files: dict[str, bytes],
     metric: float | None,
     clock: Callable[[], float] = time.time,
+    quantization: dict[str, Any] | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
@@ -263,9 +516,14 @@ def step_files(
     for group in ("model", "master_weights", "optimizer"):
         in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
         split = any(len(by_name[name]) > 1 for name, _ in in_group)
+        # a dropped master weight is the model weight's bytes: not in the master files
+        in_group = [(name, f) for name, f in in_group if f.quant is None or f.quant.codec != "cast"]
         if in_group and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
             weight_map = {f.key: f.file for _, f in in_group}
-            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(f.nbytes for _, f in in_group), weight_map)
+            scales = [f.quant.scales for _, f in in_group if f.quant is not None and f.quant.scales is not None]
+            weight_map.update({s.key: s.file for s in scales})
+            total = sum(f.nbytes for _, f in in_group) + sum(s.nbytes for s in scales)
+            small[f"{group}.safetensors.index.json"] = hf_index_json(total, weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
     records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
@@ -283,6 +541,7 @@ def step_files(
         files=tuple(data_files + records),
         metric=metric,
         writer={"host": socket.gethostname(), "ckptd": VERSION, "nodes": len(manifests)},
+        quantization=quantization,
     )
     small[INDEX_NAME] = index.to_json_bytes()
     return index, small
@@ -347,6 +606,22 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
             done += n
             progress.add(n)
     return hasher.intdigest(), chunks.hexdigests()
+
+
+def _write_encoded(fd: int, encoded: _Encoded, role: str, offset: int, throttle: Throttle) -> tuple[int, str]:
+    """Wait for an encoding, write its data (codes, residual) or its scales at `offset`; returns
+    their xxh3-64 and the digests of their chunks (ckptd.common.chunks)."""
+    codes, scales = encoded.future.result()
+    chosen = scales if role == "scales" else codes
+    assert chosen is not None
+    data = memoryview(chosen)
+    chunks = ChunkHasher(chunk_bytes_for(len(data)))
+    for done in range(0, len(data), WRITE_CHUNK):
+        chunk = data[done : done + WRITE_CHUNK]
+        throttle.wait(len(chunk))
+        _pwrite_all(fd, chunk, offset + done)
+        chunks.update(chunk)
+    return xxhash.xxh3_64_intdigest(data), chunks.hexdigests()
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -77,6 +77,11 @@ class SaveSession:
     refused: bool = False  # failed because the request itself was bad (INVALID_ARGUMENT)
     step_dir: str = ""
     progress: Progress | None = None
+    # compression asked for by the ranks (None: the daemon's default), see _compression()
+    quantize: str | None = None
+    no_quantize: bool = False
+    master_weights: str | None = None
+    lineage: int = 0  # quantization generation of the checkpoint the ranks last loaded
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # plan + arenas decided (or failed)
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # no longer open: handed over, failed or skipped
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # committed, failed or skipped
@@ -109,6 +114,7 @@ class JobState:
     recent: dict[int, SaveSession] = field(default_factory=dict)  # finished, newest RECENT_RESULTS
     acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     arena_freed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    lineage: int = 0  # quantization generation of the step this job last loaded from this daemon
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,28 @@ class PieceInfo:
     checksum: str
     chunk_bytes: int = 0  # file pieces: the fragment's chunk checksums (FragmentRecord)
     chunk_xxh3: str = ""
+    decode: "DecodeInfo | None" = None  # the bytes are codes or a residual, not values
+
+
+@dataclass(frozen=True)
+class DecodeInfo:
+    """How the client turns a piece's bytes into values (ckptd.common.quant)."""
+
+    codec: str
+    block: int
+    scales: PieceInfo | None
+    base: PieceInfo | None
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What one save stores lossily, decided from the request, the daemon's defaults and the
+    lineage (the compounding guard); `record` goes into the index (None: nothing to record)."""
+
+    quantize: str | None
+    master_weights: str
+    record: dict[str, Any] | None
+    note: str = ""  # why the guard turned compression off, for the log
 
 
 @dataclass(frozen=True)
@@ -134,6 +162,7 @@ class LoadPlan:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     tier: str
+    generation: int = 0
 
 
 @dataclass
@@ -275,10 +304,16 @@ class CheckpointService:
         metric: float | None,
         timeout_s: float,
         local_world_size: int = 0,
+        quantize: str | None = None,
+        master_weights: str | None = None,
+        lineage: int = 0,
+        no_quantize: bool = False,
     ) -> SaveSession:
         """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived).
 
-        local_world_size: the job's ranks this daemon serves (0: all, on a single node)."""
+        local_world_size: the job's ranks this daemon serves (0: all, on a single node).
+        quantize, master_weights, no_quantize: this rank's compression options (every rank must
+        give the same); lineage: the quantization generation of the step the rank last loaded."""
         if self.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
         local_ranks = self._local_ranks(world_size, local_world_size)
@@ -303,6 +338,15 @@ class CheckpointService:
             self._spawn(self._watchdog(state, session))
         if rank in session.arrived:
             raise InvalidRequest(f"rank {rank} joined the save of step {step} twice")
+        options = (quantize, master_weights, no_quantize)
+        if not session.arrived:
+            session.quantize, session.master_weights, session.no_quantize = options
+        elif options != (session.quantize, session.master_weights, session.no_quantize):
+            raise InvalidRequest(
+                f"rank {rank} asks for quantize={quantize!r}, master_weights={master_weights!r} in step {step} but an earlier "
+                f"rank asked for quantize={session.quantize!r}, master_weights={session.master_weights!r}; every rank must pass the same"
+            )
+        session.lineage = max(session.lineage, lineage)
         if local_ranks != session.local_ranks:
             raise InvalidRequest(f"rank {rank} says this node serves {local_ranks} ranks, an earlier rank said {session.local_ranks}")
         session.arrived[rank] = fingerprint
@@ -497,6 +541,7 @@ class CheckpointService:
         if self.cluster is not None:
             await self._persist_node(state, session)
             return
+        compression = self._compression(state, session)
         request = PersistRequest(
             job=session.job,
             step=session.step,
@@ -508,6 +553,9 @@ class CheckpointService:
             max_file_bytes=self.config.max_file_bytes,
             write_threads=self.config.write_threads,
             throttle_bytes_per_s=self.config.write_throttle,
+            quantize=compression.quantize,
+            master_weights=compression.master_weights,
+            quantization=compression.record,
         )
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -529,6 +577,29 @@ class CheckpointService:
         )
         self._finish(state, session)
         await _notify(state.arena_freed)
+
+    def _compression(self, state: JobState, session: SaveSession) -> Compression:
+        """The compression of this save: the ranks' options, else the daemon's defaults; lossless
+        (and master weights kept) once the lineage has config.quant_max_generations lossy cycles
+        behind it, so that error does not pile up over repeated resumes."""
+        scheme = None if session.no_quantize else session.quantize or (None if self.config.quantize == "none" else self.config.quantize)
+        master = session.master_weights or self.config.master_weights
+        lineage = max(session.lineage, state.lineage)
+        limit = self.config.quant_max_generations
+        note = ""
+        if limit and lineage >= limit and (scheme is not None or master == "drop"):
+            note = (
+                f"step {session.step} of job {session.job} is saved losslessly: its values come from a checkpoint "
+                f"{lineage} lossy cycle(s) deep (limit quant_max_generations={limit})"
+            )
+            log.info("%s", note)
+            scheme = None
+            master = "keep" if master == "drop" else master
+        generation = lineage + (1 if scheme is not None or master == "drop" else 0)
+        record = None
+        if generation or scheme is not None or master != "keep":
+            record = {"generation": generation, "quantize": scheme, "master_weights": master}
+        return Compression(scheme, master, record, note)
 
     def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:
         assert session.arenas is not None and session.plan is not None
@@ -556,6 +627,7 @@ class CheckpointService:
         """Several nodes: write this node's files, report them, and commit or abort as the
         coordinator decides."""
         assert self.cluster is not None and session.plan is not None and session.arenas is not None
+        compression = self._compression(state, session)
         request = PersistRequest(
             job=session.job,
             step=session.step,
@@ -569,6 +641,9 @@ class CheckpointService:
             throttle_bytes_per_s=self.config.write_throttle,
             node=self.node,
             shared_dir=session.shared_root,
+            quantize=compression.quantize,
+            master_weights=compression.master_weights,
+            quantization=compression.record,
         )
         loop = asyncio.get_running_loop()
         manifest: NodeManifest | None = None
@@ -842,6 +917,8 @@ class CheckpointService:
         elif not await self._committed(job, step):
             raise NotFound(f"step {step} of job {job!r} is not committed in {self.storage.root}")
         index = await self.index(job, step)
+        if state is not None:
+            state.lineage = index.generation  # the compounding guard of this job's next saves
         self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
         try:
             return await self._plan_load(job, rank, step, index, state, wanted, kinds, strict, direct_read)
@@ -911,7 +988,7 @@ class CheckpointService:
         kinds_used = {p.source for p in pieces}
         tier = "memory" if kinds_used == {"shm"} or (held is not None and not pieces) else "disk" if "shm" not in kinds_used else "mixed"
         self.metrics.loads.labels(tier).inc()
-        return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier)
+        return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier, index.generation)
 
     async def _wait_for_writes(self, state: JobState) -> None:
         """A restarted trainer asking for the newest step gets the one every rank already handed
@@ -929,7 +1006,8 @@ class CheckpointService:
         overlapping fragment of the newest snapshot, else the committed files (fetched from the
         node that has them when they are not in this node's root: `where`; copied into shared
         memory when not `direct_read`)."""
-        if held is not None:
+        lossy = any(f.quant is not None for f in record.fragments)
+        if held is not None and not lossy:  # a compressed tensor loads as stored, from any tier
             overlapping = [s for s in held.plan.slots if s.name == record.name and intersect(s.box, spec.box) is not None]
             if all(held.arenas[s.rank] is not None for s in overlapping):
                 out = []
@@ -939,15 +1017,34 @@ class CheckpointService:
                     out.append(PieceInfo(spec.name, "shm", str(arena.path), slot.offset, slot.nbytes, slot.box, record.dtype, ""))
                 return out
         step_dir = self.storage.step_dir(index.job, index.step)
+
+        async def path_of(file: str, offset: int, nbytes: int) -> str:
+            node = where.get(file, self.node)
+            if node != self.node or not direct_read:
+                return await self._fetched(index, file, node, offset, nbytes)
+            return str(step_dir / file)
+
         out = []
         for frag in record.fragments:
             if intersect(frag.box, spec.box) is None:
                 continue
-            path = str(step_dir / frag.file)
-            node = where.get(frag.file, self.node)
-            if node != self.node or not direct_read:
-                path = await self._fetched(index, frag.file, node, frag.offset, frag.nbytes)
-            out.append(PieceInfo(spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum, frag.chunk_bytes, frag.chunk_xxh3))
+            path = await path_of(frag.file, frag.offset, frag.nbytes)
+            decode = None
+            if frag.quant is not None and frag.quant.codec != "cast":  # "cast": the model weight's bytes, converted as any dtype
+                sides = []
+                for side in (frag.quant.scales, frag.quant.base):
+                    if side is None:
+                        sides.append(None)
+                        continue
+                    side_path = await path_of(side.file, side.offset, side.nbytes)
+                    sides.append(PieceInfo(spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum))
+                decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1])
+            out.append(
+                PieceInfo(
+                    spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
+                    chunk_bytes=frag.chunk_bytes, chunk_xxh3=frag.chunk_xxh3, decode=decode,
+                )
+            )
         return out
 
     async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:

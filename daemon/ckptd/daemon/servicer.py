@@ -17,10 +17,11 @@ import grpc
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import InvalidNameError, check_job_id
+from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
 from ckptd.daemon.gpu import StagedRange
-from ckptd.daemon.service import CheckpointService, CommitRecord, SaveSession
+from ckptd.daemon.service import CheckpointService, CommitRecord, PieceInfo, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -85,6 +86,22 @@ def _box(box: Box) -> pb.Box:
 # ---------------------------------------------------------------- servicer
 
 
+def _piece(p: PieceInfo) -> pb.Piece:
+    piece = pb.Piece(
+        name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
+        fragment=_box(p.fragment), dtype=p.dtype, checksum=p.checksum,
+        chunk_bytes=p.chunk_bytes, chunk_xxh3=p.chunk_xxh3,
+    )
+    if p.decode is not None:
+        piece.decode.codec = p.decode.codec
+        piece.decode.block = p.decode.block
+        if p.decode.scales is not None:
+            piece.decode.scales.CopyFrom(_piece(p.decode.scales))
+        if p.decode.base is not None:
+            piece.decode.base.CopyFrom(_piece(p.decode.base))
+    return piece
+
+
 class CheckpointServicer(pb_grpc.CheckpointServicer):
     def __init__(self, service: CheckpointService) -> None:
         self.service = service
@@ -95,8 +112,15 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         step = check_step(request.step)
         if not 0 <= request.who.local_world_size <= world_size:
             raise errors.InvalidRequest(f"local_world_size {request.who.local_world_size} must be between 0 and world_size={world_size}")
-        if request.quantize not in ("",):
-            raise errors.InvalidRequest(f"quantize={request.quantize!r} is not supported by this daemon yet; use None")
+        try:
+            quantize = check_scheme(request.quantize)
+            master_weights = check_master_mode(request.master_weights)
+        except QuantError as exc:
+            raise errors.InvalidRequest(str(exc)) from None
+        if request.no_quantize and quantize is not None:
+            raise errors.InvalidRequest(f"quantize={quantize!r} and no_quantize contradict each other; send one")
+        if request.lineage_generation < 0:
+            raise errors.InvalidRequest(f"lineage_generation {request.lineage_generation} must be >= 0")
         if not request.fingerprint or len(request.fingerprint) > 256:
             raise errors.InvalidRequest("fingerprint must be a non-empty string of at most 256 characters")
         specs = tensor_specs(request.tensors) if request.tensors else None
@@ -105,6 +129,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         session = await self.service.begin_save(
             job, rank, world_size, step, request.fingerprint, specs,
             request.metric if request.has_metric else None, check_timeout(request.timeout_s), request.who.local_world_size,
+            quantize, master_weights, request.lineage_generation, request.no_quantize,
         )
         return self._begin_response(session, rank)
 
@@ -194,17 +219,16 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             if not key or "/" in key or len(key) > 256:
                 raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
         plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read)
-        pieces = [
-            pb.Piece(
-                name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
-                fragment=_box(p.fragment), dtype=p.dtype, checksum=p.checksum,
-                chunk_bytes=p.chunk_bytes, chunk_xxh3=p.chunk_xxh3,
+        if not request.decodes and any(p.decode is not None for p in plan.pieces):
+            self.service.load_done(plan.load_id)
+            raise errors.Precondition(
+                f"step {plan.step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
+                "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
             )
-            for p in plan.pieces
-        ]
+        pieces = [_piece(p) for p in plan.pieces]
         return pb.PlanLoadResponse(
             load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),
-            missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier,
+            missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation,
         )
 
     @_mapped

@@ -43,7 +43,7 @@ class RankId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s")
+    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,9 @@ class BeginSaveRequest(_message.Message):
     METRIC_FIELD_NUMBER: _ClassVar[int]
     HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NO_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     fingerprint: str
@@ -60,7 +63,10 @@ class BeginSaveRequest(_message.Message):
     metric: float
     has_metric: bool
     timeout_s: float
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    master_weights: str
+    lineage_generation: int
+    no_quantize: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("name", "offset", "nbytes", "box")
@@ -204,7 +210,7 @@ class SaveProgress(_message.Message):
     def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class PlanLoadRequest(_message.Message):
-    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read")
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +218,7 @@ class PlanLoadRequest(_message.Message):
     KINDS_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READ_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     latest: bool
@@ -219,10 +226,11 @@ class PlanLoadRequest(_message.Message):
     kinds: _containers.RepeatedScalarFieldContainer[str]
     strict: bool
     direct_read: bool
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ...) -> None: ...
+    decodes: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3")
+    __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +241,7 @@ class Piece(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     path: str
@@ -243,10 +252,23 @@ class Piece(_message.Message):
     checksum: str
     chunk_bytes: int
     chunk_xxh3: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ...) -> None: ...
+    decode: Decode
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
+
+class Decode(_message.Message):
+    __slots__ = ("codec", "block", "scales", "base")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    block: int
+    scales: Piece
+    base: Piece
+    def __init__(self, codec: _Optional[str] = ..., block: _Optional[int] = ..., scales: _Optional[_Union[Piece, _Mapping]] = ..., base: _Optional[_Union[Piece, _Mapping]] = ...) -> None: ...
 
 class PlanLoadResponse(_message.Message):
-    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier")
+    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation")
     LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +276,7 @@ class PlanLoadResponse(_message.Message):
     MISSING_FIELD_NUMBER: _ClassVar[int]
     UNEXPECTED_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     load_id: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
@@ -261,7 +284,8 @@ class PlanLoadResponse(_message.Message):
     missing: _containers.RepeatedScalarFieldContainer[str]
     unexpected: _containers.RepeatedScalarFieldContainer[str]
     tier: str
-    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LoadDoneRequest(_message.Message):
     __slots__ = ("who", "load_id")

@@ -82,7 +82,7 @@ class FileEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class StoredFragment(_message.Message):
-    __slots__ = ("name", "file", "key", "box", "dtype", "offset", "nbytes", "checksum", "chunk_bytes", "chunk_xxh3")
+    __slots__ = ("name", "file", "key", "box", "dtype", "offset", "nbytes", "checksum", "chunk_bytes", "chunk_xxh3", "quant_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class StoredFragment(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
+    QUANT_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     file: str
     key: str
@@ -103,10 +104,11 @@ class StoredFragment(_message.Message):
     checksum: str
     chunk_bytes: int
     chunk_xxh3: str
-    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ...) -> None: ...
+    quant_json: str
+    def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., quant_json: _Optional[str] = ...) -> None: ...
 
 class ReportManifestRequest(_message.Message):
-    __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files")
+    __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files", "quantization_json")
     class ExtrasJsonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,7 @@ class ReportManifestRequest(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_JSON_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     save_id: str
@@ -141,7 +144,8 @@ class ReportManifestRequest(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[StoredFragment]
     extras_json: _containers.ScalarMap[int, str]
     model_files: _containers.ScalarMap[str, str]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., save_id: _Optional[str] = ..., node: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[StoredFragment, _Mapping]]] = ..., extras_json: _Optional[_Mapping[int, str]] = ..., model_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    quantization_json: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., save_id: _Optional[str] = ..., node: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[StoredFragment, _Mapping]]] = ..., extras_json: _Optional[_Mapping[int, str]] = ..., model_files: _Optional[_Mapping[str, str]] = ..., quantization_json: _Optional[str] = ...) -> None: ...
 
 class ReportManifestResponse(_message.Message):
     __slots__ = ("committed", "error", "step_files")

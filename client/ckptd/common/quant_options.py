@@ -1,0 +1,32 @@
+"""The names of the compression options (DESIGN.md §8), without torch: the daemon checks them
+on its event loop and in its configuration, where importing torch would cost seconds."""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEMES: Final = ("O1", "O2")  # O1: int8 optimizer moments, O2: int4
+MASTER_MODES: Final = ("keep", "drop", "residual")
+
+
+class QuantError(ValueError):
+    """Input that cannot be quantized (non-finite values, a negative second moment, a bad
+    option name); the message says what and what to do."""
+
+
+def check_scheme(scheme: str | None) -> str | None:
+    """None/"" (lossless) or "O1"/"O2"; raises QuantError naming the choices otherwise."""
+    if scheme in (None, ""):
+        return None
+    if scheme not in SCHEMES:
+        raise QuantError(f"quantize={scheme!r}: use None (lossless), 'O1' (int8) or 'O2' (int4)")
+    return scheme
+
+
+def check_master_mode(mode: str | None) -> str | None:
+    """None/"" (the daemon's default) or one of keep, drop, residual; raises QuantError otherwise."""
+    if mode in (None, ""):
+        return None
+    if mode not in MASTER_MODES:
+        raise QuantError(f"master_weights={mode!r}: use 'keep', 'drop' or 'residual'")
+    return mode

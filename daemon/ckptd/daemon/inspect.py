@@ -1,0 +1,119 @@
+"""`ckptd inspect STEP_DIR [--json]`: what a committed step holds, read from its index only.
+
+Tensors (kind, dtype, shape), their fragments (file, key, box, stored dtype, bytes), how each
+is compressed (codec, block size, scale tensor, residual base), the step's quantization record
+(generation, scheme, master weights) and sizes per group of files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckptd.common import dtypes
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, TensorRecord
+
+
+class InspectError(ValueError):
+    """The directory is not a committed step (or its index is damaged); the message says which."""
+
+
+def read_step(step_dir: Path) -> CheckpointIndex:
+    path = step_dir / INDEX_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InspectError(f"{step_dir} has no {INDEX_NAME}: it is not a committed step directory (give ROOT/JOB/step-NNNNNNNN)") from None
+    try:
+        return CheckpointIndex.from_json_bytes(data, str(path))
+    except FormatError as exc:
+        raise InspectError(str(exc)) from None
+
+
+def summary(index: CheckpointIndex) -> dict[str, Any]:
+    """The index as a JSON-able report: the index's own records plus derived sizes."""
+    groups: dict[str, int] = {}
+    for f in index.files:
+        group = f.name.split("-", 1)[0].split(".", 1)[0]
+        groups[group] = groups.get(group, 0) + f.size
+    tensors = {}
+    for t in index.tensors:
+        doc = t.to_json()
+        doc["logical_bytes"] = dtypes.nbytes(t.dtype, t.shape)
+        doc["stored_bytes"] = _stored_bytes(t)
+        tensors[t.name] = doc
+    return {
+        "job": index.job,
+        "step": index.step,
+        "created_at": index.created_at,
+        "world_size": index.world_size,
+        "metric": index.metric,
+        "quantization": index.quantization,
+        "size_bytes": index.size_bytes,
+        "bytes_by_group": dict(sorted(groups.items())),
+        "files": {f.name: f.to_json() for f in index.files},
+        "tensors": tensors,
+    }
+
+
+def _stored_bytes(t: TensorRecord) -> int:
+    """Bytes this tensor adds to the step: its fragments and their scales; a dropped master
+    weight ("cast") adds none, it is the model weight's bytes."""
+    total = 0
+    for f in t.fragments:
+        if f.quant is not None and f.quant.codec == "cast":
+            continue
+        total += f.nbytes + (f.quant.scales.nbytes if f.quant is not None and f.quant.scales is not None else 0)
+    return total
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for people: a header, sizes, then one line per tensor and per fragment."""
+    q = report["quantization"]
+    lines = [
+        f"job {report['job']}  step {report['step']}  world size {report['world_size']}  {_human(report['size_bytes'])} in {len(report['files'])} files",
+        "quantization: "
+        + (
+            "none (lossless, generation 0)"
+            if q is None
+            else f"generation {q.get('generation', 0)}, optimizer moments {q.get('quantize') or 'lossless'}, master weights {q.get('master_weights', 'keep')}"
+        ),
+        "bytes by group: " + ", ".join(f"{g} {_human(n)}" for g, n in report["bytes_by_group"].items()),
+        "",
+        f"{'TENSOR':<48} {'KIND':<9} {'DTYPE':<5} {'SHAPE':<16} {'STORED':>10}  CODEC",
+    ]
+    for name, t in report["tensors"].items():
+        codecs = sorted({(f.get("quant") or {}).get("codec", "-") for f in t["fragments"]})
+        lines.append(
+            f"{name:<48} {t['kind']:<9} {t['dtype']:<5} {str(t['shape']):<16} {_human(t['stored_bytes']):>10}  {','.join(codecs)}"
+        )
+        for f in t["fragments"]:
+            box = "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(f["offsets"], f["lengths"])) + "]"
+            detail = f"    {f['file']} {f['key']} {box} {f['dtype']} {f['nbytes']} B"
+            quant = f.get("quant")
+            if quant:
+                detail += f"  {quant['codec']}"
+                if quant.get("block"):
+                    detail += f" block {quant['block']}"
+                if "scales" in quant:
+                    s = quant["scales"]
+                    detail += f" scales {s['key']} {s['dtype']}{s['shape']}"
+                if "base" in quant:
+                    detail += f" + base {quant['base']['file']}:{quant['base']['key']}"
+            if len(t["fragments"]) > 1 or quant:
+                lines.append(detail)
+    return "\n".join(lines)
+
+
+def run(step_dir: Path, as_json: bool) -> str:
+    report = summary(read_step(step_dir))
+    return json.dumps(report, indent=1) if as_json else render(report)

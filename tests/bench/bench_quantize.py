@@ -1,0 +1,267 @@
+"""Checkpoint compression (issue 4): bytes per parameter, quantizer throughput, time to durable.
+
+One run, one state per setting, everything through a real daemon and the real client:
+
+1. Bytes. The same state saved as each variant (lossless, O1, O2, O2 + drop, O2 + residual):
+   the step's total size (every file, from the index) and bytes per parameter, for a
+   mixed-precision state (bf16 weights, fp32 master weights, Adam) and an fp32 + AdamW state.
+   "+ zstd": the files no other tool reads (optimizer, master weights) additionally compressed
+   losslessly by splitting each element's bytes into planes (byte k of every element together)
+   and compressing each plane with zstd (the planes holding sign and exponent compress; the low
+   mantissa planes do not, and are then kept raw).
+2. Throughput on this machine: encode and decode GB/s of each codec (fp32 input bytes per
+   second), the zstd byte-plane compressor's GB/s, and the write+fsync floor of the same disk.
+3. Time to durable: save() to wait_durable() of the mixed state, lossless vs O1 vs O2
+   (medians of --reps, saves interleaved).
+
+The state is synthetic but shaped like a transformer (embeddings, attention and MLP matrices,
+norms) with value distributions like trained ones: weights N(0, 0.02), first moments signed
+with per-row scales spread over two decades, second moments their squares times a log-normal
+factor, exact zeros in a few rows (unused embeddings).
+
+    python tests/bench/bench_quantize.py --params 25e6 --reps 3 --out ./bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ckptd.client import CheckpointClient
+from ckptd.common import quant
+from ckptd.common.boxes import Box
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
+from ckptd.daemon.process import start_daemon
+
+
+def shapes(params: float) -> dict[str, tuple[int, ...]]:
+    """A transformer's parameter shapes with about `params` parameters (d = 512, vocab 8192, untied head)."""
+    d, vocab = 512, 8192
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
+    per_layer = 12 * d * d
+    layers = max(1, round((params - 2 * vocab * d) / per_layer))
+    for i in range(layers):
+        p = f"layers.{i}."
+        out |= {
+            p + "attn.qkv.weight": (3 * d, d), p + "attn.proj.weight": (d, d),
+            p + "mlp.up.weight": (4 * d, d), p + "mlp.down.weight": (d, 4 * d),
+            p + "norm1.weight": (d,), p + "norm2.weight": (d,),
+        }
+    out |= {"norm.weight": (d,), "head.weight": (vocab, d)}
+    return out
+
+
+def synthetic_state(setting: str, params: float, seed: int = 0) -> tuple[dict[str, Any], int]:
+    """The state dict a trainer hands over, and its parameter count."""
+    g = torch.Generator().manual_seed(seed)
+    weights, master, opt = {}, {}, {}
+    count = 0
+    for name, shape in shapes(params).items():
+        count += math.prod(shape)
+        w = torch.randn(shape, generator=g) * 0.02 if len(shape) > 1 else 1 + 0.05 * torch.randn(shape, generator=g)
+        rows = shape[0] if len(shape) > 1 else 1
+        row_scale = torch.exp(torch.empty(rows).uniform_(math.log(1e-5), math.log(1e-3), generator=g))
+        row_scale = row_scale.view(-1, *([1] * (len(shape) - 1))) if len(shape) > 1 else row_scale
+        m = torch.randn(shape, generator=g) * row_scale
+        v = (torch.randn(shape, generator=g) * row_scale) ** 2 * torch.exp(torch.randn(shape, generator=g))
+        if name == "embed.weight":  # tokens never seen: no gradient, zero moments
+            m[-1000:] = 0
+            v[-1000:] = 0
+        opt[name] = {"step": torch.tensor(1000.0), "exp_avg": m, "exp_avg_sq": v}
+        if setting == "mixed":
+            master[name] = w
+            weights[name] = w.to(torch.bfloat16)
+        else:
+            weights[name] = w
+    state: dict[str, Any] = {"model": weights, "optimizer": {"state": opt}}
+    if setting == "mixed":
+        state["master"] = master
+    return state, count
+
+
+VARIANTS = {
+    "mixed": [("lossless", "none", "keep"), ("O1", "O1", "keep"), ("O2", "O2", "keep"), ("O2 + drop", "O2", "drop"), ("O2 + residual", "O2", "residual")],
+    "fp32": [("lossless", "none", "keep"), ("O1", "O1", "keep"), ("O2", "O2", "keep")],
+}
+
+
+def plane_zstd_size(path: Path, level: int) -> tuple[int, int, float]:
+    """(original bytes, bytes after byte-plane zstd, seconds) of one safetensors file's data."""
+    import zstandard
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    base = 8 + n
+    total = 8 + n
+    seconds = 0.0
+    comp = zstandard.ZstdCompressor(level=level)
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        lo, hi = entry["data_offsets"]
+        data = np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=base + lo)
+        width = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}.get(entry["dtype"], 1)
+        started = time.perf_counter()
+        planes = data.reshape(-1, width).T if width > 1 and len(data) else data.reshape(1, -1)
+        for plane in planes:
+            plane = np.ascontiguousarray(plane)
+            packed = comp.compress(plane.tobytes())
+            total += min(len(packed), len(plane)) + 1  # 1 byte: raw or compressed
+        seconds += time.perf_counter() - started
+    return len(raw), total, seconds
+
+
+def save_variants(daemon: Any, setting: str, params: float) -> list[dict[str, Any]]:
+    state, count = synthetic_state(setting, params)
+    rows = []
+    with CheckpointClient(f"bytes-{setting}", address=daemon.address, on_error="raise") as ckpt:
+        for step, (name, scheme, master) in enumerate(VARIANTS[setting], start=1):
+            ckpt.save(step, state, quantize=scheme, master_weights=master).wait_durable(timeout=1800)
+            step_dir = daemon.root / f"bytes-{setting}" / f"step-{step:08d}"
+            index = CheckpointIndex.from_json_bytes((step_dir / INDEX_NAME).read_bytes())
+            size = index.size_bytes + (step_dir / INDEX_NAME).stat().st_size
+            groups: dict[str, int] = {}
+            for f in index.files:
+                g = f.name.split("-", 1)[0].split(".", 1)[0]
+                groups[g] = groups.get(g, 0) + f.size
+            compressible = [step_dir / f.name for f in index.files if f.name.startswith(("optimizer-", "master_weights-"))]
+            before = after = 0
+            seconds = 0.0
+            for path in compressible:
+                b, a, s = plane_zstd_size(path, level=1)
+                before, after, seconds = before + b, after + a, seconds + s
+            rows.append({
+                "setting": setting, "variant": name, "params": count, "bytes": size, "bytes_per_param": size / count,
+                "groups": groups, "zstd_bytes": size - before + after, "zstd_input": before, "zstd_seconds": seconds,
+            })
+    return rows
+
+
+def time_it(fn: Callable[[], Any], reps: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def codec_throughput(reps: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(1)
+    rows_scale = torch.exp(torch.empty(8192, 1).uniform_(math.log(1e-5), math.log(1e-3), generator=g))
+    m = torch.randn(8192, 8192, generator=g) * rows_scale  # 256 MiB of fp32
+    v = m.square() * 3
+    box = Box.full(tuple(m.shape))
+    out = []
+    for name, block in (("lin-i8", 256), ("log-u8", 256), ("lin-i4", 128), ("log-u4", 128)):
+        codec = quant.Codec(name, block)
+        x = v if codec.is_log else m
+        enc = time_it(lambda: quant.encode(codec, x, box), reps)
+        codes, scales = quant.encode(codec, x, box)
+        dec = time_it(lambda: quant.decode(codec, codes, scales, box, box), reps)
+        nbytes = x.numel() * 4
+        out.append({"codec": name, "encode_gbps": nbytes / statistics.median(enc) / 1e9, "decode_gbps": nbytes / statistics.median(dec) / 1e9,
+                    "stored_fraction": (codes.numel() * codes.element_size() + scales.numel() * 4) / nbytes})
+    return out
+
+
+def write_floor(out_dir: Path, nbytes: int, reps: int) -> float:
+    """Seconds per byte written and fsynced (median), 64 MiB writes into a new file each rep."""
+    import os
+
+    buf = np.random.default_rng(0).integers(0, 255, 64 * 2**20, dtype=np.uint8)
+    times = []
+    for rep in range(reps):
+        path = out_dir / f"floor-{rep}.bin"
+        started = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(nbytes // len(buf)):
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        times.append(time.perf_counter() - started)
+        path.unlink()
+    return statistics.median(times) / nbytes
+
+
+def durable_times(daemon: Any, params: float, reps: int) -> dict[str, list[float]]:
+    state, _ = synthetic_state("mixed", params, seed=3)
+    times: dict[str, list[float]] = {"lossless": [], "O1": [], "O2": [], "O2 + drop": []}
+    options = {"lossless": ("none", "keep"), "O1": ("O1", "keep"), "O2": ("O2", "keep"), "O2 + drop": ("O2", "drop")}
+    step = 0
+    with CheckpointClient("durable", address=daemon.address, on_error="raise") as ckpt:
+        for rep in range(reps + 1):  # the first round warms up (new arenas, new blocks)
+            for name, (scheme, master) in options.items():
+                step += 1
+                started = time.perf_counter()
+                ckpt.save(step, state, quantize=scheme, master_weights=master).wait_durable(timeout=1800)
+                if rep:
+                    times[name].append(time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=25e6, help="parameters of the synthetic model (default 25e6)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="scratch directory on the disk under test")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "codecs", "durable"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"params": args.params}
+    with tempfile.TemporaryDirectory(prefix="ckptd-bq-", dir="/dev/shm") as shm, tempfile.TemporaryDirectory(prefix="ckptd-bq-", dir=args.out) as tmp:
+        daemon = start_daemon(Path(tmp) / "root", Path(shm) / "d.sock", ["--shm-dir", shm, "--keep-last", "0" if "durable" in args.skip else "3"])
+        try:
+            if "bytes" not in args.skip:
+                rows = save_variants(daemon, "mixed", args.params) + save_variants(daemon, "fp32", args.params)
+                results["bytes"] = rows
+                print(f"{'setting':<7} {'variant':<15} {'bytes/param':>11} {'total':>12} {'vs lossless':>11} {'+ zstd planes':>14} {'B/param':>8} {'vs lossless':>11}")
+                for r in rows:
+                    base = next(x for x in rows if x["setting"] == r["setting"] and x["variant"] == "lossless")
+                    print(f"{r['setting']:<7} {r['variant']:<15} {r['bytes_per_param']:>11.3f} {r['bytes'] / 1e6:>10.1f}MB "
+                          f"{100 * (r['bytes'] / base['bytes'] - 1):>+10.1f}% {r['zstd_bytes'] / 1e6:>12.1f}MB "
+                          f"{r['zstd_bytes'] / r['params']:>8.3f} {100 * (r['zstd_bytes'] / base['bytes'] - 1):>+10.1f}%")
+                zin = sum(r["zstd_input"] for r in rows)
+                zs = sum(r["zstd_seconds"] for r in rows)
+                print(f"zstd byte-plane compressor: {zin / zs / 1e9:.3f} GB/s of input (level 1, one thread)")
+                results["zstd_gbps"] = zin / zs / 1e9
+            if "codecs" not in args.skip:
+                floor = write_floor(Path(tmp), 512 * 2**20, args.reps)
+                results["write_floor_gbps"] = 1 / floor / 1e9
+                results["codecs"] = codec_throughput(args.reps)
+                print(f"write + fsync floor: {1 / floor / 1e9:.2f} GB/s")
+                for r in results["codecs"]:
+                    # quantizing pays when encoding 1 byte takes less than writing the bytes it saves
+                    breakeven = (1 / floor / 1e9) / (1 - r["stored_fraction"])
+                    print(f"{r['codec']:<7} encode {r['encode_gbps']:.2f} GB/s  decode {r['decode_gbps']:.2f} GB/s  stored {r['stored_fraction']:.3f} "
+                          f"of the fp32 bytes; break-even encode speed vs the floor {breakeven:.2f} GB/s")
+            if "durable" not in args.skip:
+                times = durable_times(daemon, args.params, args.reps)
+                results["durable"] = times
+                for name, ts in times.items():
+                    print(f"time to durable, mixed state, {name:<10} median {statistics.median(ts):.3f} s  [{min(ts):.3f} - {max(ts):.3f}]  n={len(ts)}")
+        finally:
+            daemon.stop()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The quantization math (ckptd.common.quant): error bounds, zeros, packing, slices."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ckptd.common import quant
+from ckptd.common.boxes import Box
+from ckptd.common.quant import Codec, QuantError, codec_for, decode, encode, nblocks, pack4, unpack4
+
+CODECS = [Codec("lin-i8", 256), Codec("lin-i4", 128), Codec("log-u8", 256), Codec("log-u4", 128), Codec("lin-i4", 4), Codec("log-u4", 4)]
+
+
+def moments(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A first moment (signed, outliers) and a second moment (wide range, exact zeros, tiny values)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(shape, generator=g) * 1e-3
+    m.view(-1)[:: 97] *= 50  # outliers
+    v = (torch.randn(shape, generator=g) * 1e-3) ** 2
+    v.view(-1)[:: 13] = 0.0
+    v.view(-1)[5 :: 31] = 1e-38  # about float32 tiny: must not decode to zero
+    return m, v
+
+
+def values_for(codec: Codec, shape: tuple[int, ...]) -> torch.Tensor:
+    m, v = moments(shape)
+    return v if codec.is_log else m
+
+
+@pytest.mark.parametrize(
+    "scheme, name, kind, dtype, shape, expected",
+    [
+        ("O1", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128), "lin-i8"),
+        ("O1", "optimizer/state/w/exp_avg_sq", "optimizer", "F32", (64, 128), "log-u8"),
+        ("O2", "optimizer/state/w/exp_avg", "optimizer", "BF16", (64, 128), "lin-i4"),
+        ("O2", "optimizer/state/w/exp_avg_sq", "optimizer", "F32", (2, 3, 4096), "log-u4"),
+        ("O2", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 64), None),  # 4096 elements: small
+        ("O2", "optimizer/state/w/exp_avg", "optimizer", "F32", (100000,), None),  # 1-D
+        ("O2", "optimizer/state/w/step", "optimizer", "F32", (64, 128), None),  # unknown field
+        ("O2", "optimizer/state/w/momentum_buffer", "optimizer", "F32", (64, 128), None),
+        ("O2", "optimizer/state/w/exp_avg", "optimizer", "I64", (64, 128), None),
+        ("O2", "model/w", "model", "F32", (64, 128), None),
+        ("O2", "master/w", "master", "F32", (64, 128), None),
+        (None, "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128), None),
+    ],
+)
+def test_which_tensors_are_quantized(scheme, name, kind, dtype, shape, expected) -> None:
+    codec = codec_for(scheme, name, kind, dtype, shape)
+    assert (codec.name if codec else None) == expected
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-b{c.block}")
+@pytest.mark.parametrize("shape", [(7, 1000), (3, 5, 257), (1, 4097)])
+def test_round_trip_error_bounds(codec: Codec, shape: tuple[int, ...]) -> None:
+    x = values_for(codec, shape)
+    box = Box.full(shape)
+    codes, scales = encode(codec, x, box)
+    assert codes.dtype == (torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
+    assert tuple(codes.shape) == codec.codes_shape(shape) and tuple(scales.shape) == codec.scales_shape(box)
+    y = decode(codec, codes, scales, box, box)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    blocks = x.view(-1, shape[-1])
+    if not codec.is_log:
+        # per block: |error| <= absmax / (2 Q)
+        pad = (-shape[-1]) % codec.block
+        err = (y - x).abs().view(-1, shape[-1])
+        xb = torch.nn.functional.pad(blocks.abs(), (0, pad)).view(blocks.shape[0], -1, codec.block).amax(-1)
+        eb = torch.nn.functional.pad(err, (0, pad)).view(blocks.shape[0], -1, codec.block).amax(-1)
+        assert bool((eb <= xb / (2 * codec.levels) * (1 + 1e-5) + 1e-12).all())
+    else:
+        assert bool(((y == 0) == (x == 0)).all()), "a zero second moment must stay zero, a non-zero one non-zero"
+        s = x.sqrt().view(blocks.shape[0], -1)
+        pad = (-shape[-1]) % codec.block
+        sb = torch.nn.functional.pad(s, (0, pad)).view(s.shape[0], -1, codec.block)
+        lo = torch.where(sb > 0, sb, torch.tensor(float("inf"))).amin(-1).log2()
+        hi = sb.amax(-1).log2()
+        bound = ((hi - lo) / (codec.levels - 1)).repeat_interleave(codec.block, dim=-1)[:, : shape[-1]].reshape(shape)
+        nz = x > 1e-37  # below float32 tiny the decoded value is clamped up (never to zero)
+        err = (y[nz].log2() - x[nz].log2()).abs()
+        assert bool((err <= bound[nz] + 1e-4).all())
+
+
+@pytest.mark.parametrize("codec", [Codec("log-u8", 256), Codec("log-u4", 128)], ids=lambda c: c.name)
+def test_no_nonzero_second_moment_decodes_to_zero(codec: Codec) -> None:
+    # one huge value per block and many tiny ones: linear codes would round the tiny ones to zero
+    x = torch.full((4, 512), 1e-30)
+    x[:, ::128] = 1e4
+    x[0, 1] = torch.finfo(torch.float32).smallest_normal
+    x[1, 2] = 1e-45  # a subnormal
+    x[2, 3] = 0.0
+    box = Box.full(x.shape)
+    y = decode(codec, *encode(codec, x, box), box, box)
+    assert bool(((y > 0) == (x > 0)).all())
+    assert y[2, 3] == 0.0
+
+
+def test_all_zero_and_constant_blocks() -> None:
+    for codec in CODECS:
+        box = Box.full((3, 300))
+        for x in (torch.zeros(3, 300), torch.full((3, 300), 0.25)):
+            y = decode(codec, *encode(codec, x, box), box, box)
+            assert torch.allclose(y, x, rtol=1e-5, atol=0), codec
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_are_refused(bad: float) -> None:
+    x = torch.ones(4, 5000)
+    x[1, 2] = bad
+    with pytest.raises(QuantError, match="non-finite"):
+        encode(Codec("lin-i8", 256), x, Box.full(x.shape))
+
+
+def test_negative_second_moment_is_refused() -> None:
+    x = torch.ones(4, 5000)
+    x[0, 0] = -1.0
+    with pytest.raises(QuantError, match="negative"):
+        encode(Codec("log-u8", 256), x, Box.full(x.shape))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 129])
+def test_pack4_round_trip_and_nibble_order(n: int) -> None:
+    codes = torch.arange(n, dtype=torch.uint8) % 16
+    packed = pack4(codes.view(1, n))
+    assert packed.shape == (1, (n + 1) // 2)
+    assert int(packed[0, 0]) & 0x0F == 0  # element 0 in the low nibble
+    if n > 1:
+        assert int(packed[0, 0]) >> 4 == 1
+    assert torch.equal(unpack4(packed)[0, :n], codes)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-b{c.block}")
+def test_any_slice_decodes_as_the_whole_sliced(codec: Codec) -> None:
+    shape = (6, 2, 301)
+    x = values_for(codec, shape)
+    box = Box.full(shape)
+    codes, scales = encode(codec, x, box)
+    whole = decode(codec, codes, scales, box, box)
+    # odd column offsets and lengths: int4 reads start and end inside bytes
+    for r0, c0, c1 in [(0, 0, 301), (1, 1, 2), (2, 3, 130), (5, 127, 301), (0, 255, 257), (3, 128, 129)]:
+        want = Box((r0, 1, c0), (6 - r0, 1, c1 - c0))
+        part = decode(codec, codes, scales, box, want)
+        assert torch.equal(part, whole[r0:, 1:2, c0:c1])
+    # a region of only some rows (what the client reads), sliced again
+    rows = Box((2, 0, 0), (3, 2, 301))
+    sl = (slice(2, 5),)
+    want = Box((3, 0, 77), (2, 2, 101))
+    part = decode(codec, codes[sl], scales[sl], rows, want)
+    assert torch.equal(part, whole[3:5, :, 77:178])
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-b{c.block}")
+@pytest.mark.parametrize("cut", [0, 100, 128, 256, 301])
+def test_fragments_cutting_blocks_decode_each_element_from_its_own_piece(codec: Codec, cut: int) -> None:
+    """Two fragments of a tensor split along its last dim (two nodes): each stores the scales of
+    the logical blocks it meets; a resharded slice across the cut equals the per-fragment decode."""
+    shape = (5, 600)
+    x = values_for(codec, shape)
+    left, right = Box((0, 0), (5, cut)), Box((0, cut), (5, 600 - cut))
+    decoded = []
+    for frag in (left, right):
+        if frag.lengths[-1] == 0:
+            continue
+        vals = x[:, frag.offsets[1] : frag.end[1]]
+        codes, scales = encode(codec, vals, frag)
+        assert scales.shape[-2] == nblocks(frag.offsets[1], frag.lengths[1], codec.block)
+        whole_frag = decode(codec, codes, scales, frag, frag)
+        decoded.append(whole_frag)
+        # any slice of the fragment equals that fragment's whole decode, sliced
+        for c0 in range(frag.offsets[1], frag.end[1], 37):
+            want = Box((1, c0), (3, min(frag.end[1], c0 + 51) - c0))
+            part = decode(codec, codes, scales, frag, want)
+            rel = c0 - frag.offsets[1]
+            assert torch.equal(part, whole_frag[1:4, rel : rel + want.lengths[1]])
+    joined = torch.cat(decoded, dim=1)
+    if not codec.is_log:
+        assert float((joined - x).abs().max()) <= float(x.abs().max()) / (2 * codec.levels) * 1.0001
+
+
+def test_fragment_without_a_cut_block_decodes_as_the_whole_tensor() -> None:
+    """Row shards (the usual case) and column shards on block boundaries store exactly what the
+    whole tensor stores."""
+    codec = Codec("lin-i4", 128)
+    x, _ = moments((8, 512))
+    box = Box.full(x.shape)
+    whole = decode(codec, *encode(codec, x, box), box, box)
+    for frag in (Box((0, 0), (3, 512)), Box((3, 256), (5, 256)), Box((2, 128), (4, 128))):
+        sl = (slice(frag.offsets[0], frag.end[0]), slice(frag.offsets[1], frag.end[1]))
+        got = decode(codec, *encode(codec, x[sl], frag), frag, frag)
+        assert torch.equal(got, whole[sl])
+
+
+def test_decode_checks_shapes() -> None:
+    codec = Codec("lin-i8", 256)
+    box = Box.full((4, 300))
+    codes, scales = encode(codec, torch.randn(4, 300), box)
+    with pytest.raises(QuantError, match="do not match"):
+        decode(codec, codes[:3], scales, box, box)
+
+
+def test_residual_is_near_exact() -> None:
+    master = torch.randn(100, 100) * 0.05
+    model = master.to(torch.bfloat16)
+    back = quant.residual_decode(model, quant.residual_encode(master, model))
+    rel = ((back - master).abs() / master.abs().clamp(min=1e-30)).max()
+    assert float(rel) < 2**-15
+    plain = ((model.float() - master).abs() / master.abs().clamp(min=1e-30)).max()
+    assert float(plain) > 2**-10  # dropping the master weight is much worse
+
+
+@pytest.mark.parametrize("bad", ["O3", "int8", "o1"])
+def test_scheme_names_are_checked(bad: str) -> None:
+    with pytest.raises(QuantError, match="use None"):
+        quant.check_scheme(bad)
+    assert quant.check_scheme("") is None and quant.check_scheme("O2") == "O2"
+    with pytest.raises(QuantError, match="keep"):
+        quant.check_master_mode("fp16")
+
+
+@pytest.mark.parametrize("offset, length, block, expected", [(0, 0, 4, 0), (0, 4, 4, 1), (3, 2, 4, 2), (4, 4, 4, 1), (1, 9, 4, 3)])
+def test_nblocks(offset: int, length: int, block: int, expected: int) -> None:
+    assert nblocks(offset, length, block) == expected
+    assert expected == len({c // block for c in range(offset, offset + length)})
+
+
+def test_codes_use_the_whole_range() -> None:
+    for codec, x in itertools.product(CODECS[:4], [torch.linspace(-1, 1, 4096).view(2, 2048)]):
+        if codec.is_log:
+            x = x.abs()
+        codes, _ = encode(codec, x, Box.full(x.shape))
+        flat = unpack4(codes) if codec.bits == 4 else codes
+        assert int(flat.max()) == (codec.levels if codec.is_log else (codec.levels if codec.bits == 8 else codec.levels + 8))
