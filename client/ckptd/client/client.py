@@ -295,7 +295,7 @@ class CheckpointClient:
             if any(self._gpu.owns(t) for t, _, _ in placements):
                 kinds = {(f.name, f.box): e.kind for e, f in fragments}
                 slot_kinds = [kinds[(s.name, _box_of(s.box))] for s in reply.slots]
-                return self._save_device(step, state, flat, reply, placements, slot_kinds, started)
+                return self._save_device(step, state, flat, reply, placements, slot_kinds, started, nbytes)
             if placements:
                 arena = self._maps.get(reply.arena_path, reply.arena_size)
                 copy_to_arena(self._pool, arena, placements, cold=self._maps.is_cold(reply.arena_path))
@@ -324,6 +324,7 @@ class CheckpointClient:
         placements: list[tuple[torch.Tensor, int, int]],
         slot_kinds: list[str],
         started: float,
+        nbytes: int,
     ) -> SaveHandle:
         """Hand over a state with CUDA tensors in the mode in use (ckptd.client.handoff).
 
@@ -361,7 +362,6 @@ class CheckpointClient:
             items = [item_of(t, off, n, "staged" if i in device_idx else None) for i, (t, off, n) in enumerate(placements)]
             commit.staging_id = staging.staging_id
             commit.staged.extend(pb.StagedRange(staging_offset=o, arena_offset=o, nbytes=n) for o, n in coalesced_ranges(items))
-        nbytes = sum(n for _, _, n in placements)
         if gpu.mode.in_use == "copy":
             for copy in copies:
                 copy.wait()

@@ -363,14 +363,7 @@ def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
         mm.madvise(mmap.MADV_WILLNEED)  # kernel < 5.14: faults as the copy goes, after readahead
     # no explicit close: the mapping goes when the last view of it does (numpy holds an export)
     data = np.frombuffer(mm, dtype=np.uint8, count=length, offset=begin - start)
-    if first == 0 and stop == src.box.lengths[0] and src.checksum:
-        hasher = xxhash.xxh3_64()
-        hasher.update(memoryview(data))
-        _check(src, hasher)
-    else:
-        check = _PartialCheck(src)
-        check.saw(first * row_bytes, data)
-        check.finish()
+    _verify_span(src, first * row_bytes, data)
     rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
     fill.target[relative(part.common, fill.want)].copy_(rows[(slice(None), *inside[1:])])
 
@@ -443,6 +436,19 @@ def _check(src: Source, hasher: "xxhash.xxh3_64") -> None:
             f"checksum mismatch for tensor {src.name!r} in {Path(src.path).name} at byte {src.offset} ({src.nbytes} bytes): expected "
             f"{src.checksum}, read {actual}; the file is damaged — load an older step"
         )
+
+
+def _verify_span(src: Source, lo: int, data: np.ndarray) -> None:
+    """Check the fragment's bytes [lo, lo + len(data)) as read: against the fragment's checksum
+    when they are all of it, else against the checksums of the chunks they touch."""
+    if lo == 0 and len(data) == src.nbytes:
+        hasher = xxhash.xxh3_64()
+        hasher.update(memoryview(data))
+        _check(src, hasher)
+        return
+    check = _PartialCheck(src)
+    check.saw(lo, data)
+    check.finish()
 
 
 class _PartialCheck:
@@ -564,13 +570,6 @@ def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int
         _pread_exact(fd, out, src.offset + r0 * row_bytes, src.path)
     finally:
         os.close(fd)
-    if len(out) == src.nbytes and src.checksum:
-        hasher = xxhash.xxh3_64()
-        hasher.update(memoryview(out))
-        _check(src, hasher)
-    else:  # part of the fragment: its chunk checksums, when the index has them
-        check = _PartialCheck(src)
-        check.saw(r0 * row_bytes, out)
-        check.finish()
+    _verify_span(src, r0 * row_bytes, out)
     stored = getattr(torch, dtypes.torch_name(dtype))
     return torch.from_numpy(out).view(stored).view((r1 - r0, *shape[1:]) if shape else ())

@@ -98,21 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ckptd.daemon import ops
 
-    ls = sub.add_parser("ls", help="list checkpoints under a storage root: step, time, size, tensors, metric")
-    ops.add_ls_arguments(ls)
-    ls.set_defaults(func=ops.cmd_ls)
-
-    status = sub.add_parser("status", help="what the running daemon is doing: checkpoints in flight, queue, arena memory, last commit")
-    ops.add_status_arguments(status)
-    status.set_defaults(func=ops.cmd_status)
-
-    verify = sub.add_parser("verify", help="check a step's files, checksums and coverage; exit 1 on any problem")
-    ops.add_verify_arguments(verify)
-    verify.set_defaults(func=ops.cmd_verify)
-
-    gc = sub.add_parser("gc", help="apply retention now and remove uncommitted leftovers (asks the running daemon)")
-    ops.add_gc_arguments(gc)
-    gc.set_defaults(func=ops.cmd_gc)
+    operator_commands = (
+        ("ls", "list checkpoints under a storage root: step, time, size, tensors, metric", ops.add_ls_arguments, ops.cmd_ls),
+        ("status", "what the running daemon is doing: checkpoints in flight, queue, arena memory, last commit",
+         ops.add_status_arguments, ops.cmd_status),
+        ("verify", "check a step's files, checksums and coverage; exit 1 on any problem", ops.add_verify_arguments, ops.cmd_verify),
+        ("gc", "apply retention now and remove uncommitted leftovers (asks the running daemon)", ops.add_gc_arguments, ops.cmd_gc),
+    )
+    for name, help_text, add_arguments, command in operator_commands:
+        command_parser = sub.add_parser(name, help=help_text)
+        add_arguments(command_parser)
+        command_parser.set_defaults(func=command)
 
     export = sub.add_parser("export", help="write a consolidated Hugging Face-loadable copy of a step's model weights")
     export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")

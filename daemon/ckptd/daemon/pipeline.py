@@ -12,6 +12,7 @@ dir → ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,7 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -261,6 +262,24 @@ class _Source:
         slot = self.slot_of[(tensor.name, tensor.box)]  # a fragment stored on its own: one run from its slot
         return [_Piece(slot.rank, slot.offset, offset, slot.nbytes)]
 
+    @contextlib.contextmanager
+    def values(self, tensor: StoredTensor) -> Iterator[Any]:
+        """The tensor's values as a torch tensor of the box's shape: a view of the arena when its
+        bytes are one run there (the usual case, no copy), else a gathered copy. The view must
+        not outlive the block."""
+        logical = self.tensors[tensor.name]
+        pieces = self.pieces(tensor, 0)
+        if len(pieces) != 1:
+            yield _as_torch(self.gather(tensor), logical.dtype, tensor.box.lengths)
+            return
+        arena = self.arenas.arenas[pieces[0].rank]
+        assert arena is not None, "plan gave a fragment to a rank without an arena"
+        view = arena.view(pieces[0].src, pieces[0].nbytes)
+        try:
+            yield _as_torch(np.frombuffer(view, dtype=np.uint8), logical.dtype, tensor.box.lengths)
+        finally:
+            view.release()
+
     def gather(self, tensor: StoredTensor) -> np.ndarray:
         """A copy of the tensor's bytes (its logical dtype, the box's shape) as a flat uint8 array."""
         logical = self.tensors[tensor.name]
@@ -415,29 +434,18 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
 
 def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
     """The tensor's codes and scales as flat bytes (_check_codable said it can be coded)."""
-    logical = source.tensors[t.name]
-    pieces = source.pieces(t, 0)
-    if len(pieces) == 1:  # one run in one arena (the usual case): code it in place, no copy
-        arena = source.arenas.arenas[pieces[0].rank]
-        assert arena is not None
-        view = arena.view(pieces[0].src, pieces[0].nbytes)
-        try:
-            values = _as_torch(np.frombuffer(view, dtype=np.uint8), logical.dtype, t.box.lengths)
-            codes, scales = quant.encode(codec, values, t.box)
-            del values  # no export of the view may outlive it
-        finally:
-            view.release()
-    else:
-        codes, scales = quant.encode(codec, _as_torch(source.gather(t), logical.dtype, t.box.lengths), t.box)
+    with source.values(t) as values:
+        codes, scales = quant.encode(codec, values, t.box)
+        del values  # no export of an arena view may outlive the block
     progress.add(t.nbytes)
     return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
 
 
 def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[np.ndarray, None]:
     """The master weight's bf16 residual to its model weight, as flat bytes."""
-    master = _as_torch(source.gather(t), "F32", t.box.lengths)
-    weights = _as_torch(source.gather(model), source.tensors[model.name].dtype, model.box.lengths)
-    residual = quant.residual_encode(master, weights)
+    with source.values(t) as master, source.values(model) as weights:
+        residual = quant.residual_encode(master, weights)
+        del master, weights  # no export of an arena view may outlive the block
     progress.add(t.nbytes)
     return residual.reshape(-1).view(_torch_uint8()).numpy(), None
 

@@ -43,7 +43,6 @@ MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
 RECENT_RESULTS = 16
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
-STAGE_CHUNK = 8 * 2**20  # bytes per read when staging a file's fragment in shared memory
 # Settings a running daemon cannot change (reconfigure keeps their old values; restart instead).
 RESTART_SETTINGS = (
     "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
@@ -541,22 +540,7 @@ class CheckpointService:
         if self.cluster is not None:
             await self._persist_node(state, session)
             return
-        compression = self._compression(state, session)
-        request = PersistRequest(
-            job=session.job,
-            step=session.step,
-            plan=session.plan,
-            arenas=session.arenas,
-            extras=dict(session.committed),
-            model_files=dict(session.model_files),
-            metric=session.metric,
-            max_file_bytes=self.config.max_file_bytes,
-            write_threads=self.config.write_threads,
-            throttle_bytes_per_s=self.config.write_throttle,
-            quantize=compression.quantize,
-            master_weights=compression.master_weights,
-            quantization=compression.record,
-        )
+        request = self._persist_request(state, session)
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
@@ -566,7 +550,7 @@ class CheckpointService:
             await self._fail(state, session, f"writing failed: {exc}", "write_error")
             return
         written = time.monotonic()
-        self._wrote(session, index, self.node, written - started)
+        self._wrote(session.job, index.files, written - started)
         self._committed_here(state, session, index)
         await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
         log.info(
@@ -615,46 +599,50 @@ class CheckpointService:
         self.metrics.last_commit.labels(session.job).set(self.last_commit.committed_at)
         self.metrics.last_step.labels(session.job).set(session.step)
 
-    def _wrote(self, session: SaveSession, index: CheckpointIndex, node: int, seconds: float) -> None:
-        """Count the data bytes this node wrote for a step (metrics: bytes, throughput)."""
-        nbytes = sum(f.size for f in index.files if f.node == node and f.name.endswith(".safetensors"))
-        self.counters.bytes_written += nbytes
-        self.metrics.bytes_written.labels(session.job).inc(nbytes)
-        if seconds > 0:
-            self.metrics.throughput.labels(session.job).set(nbytes / seconds)
-
-    async def _persist_node(self, state: JobState, session: SaveSession) -> None:
-        """Several nodes: write this node's files, report them, and commit or abort as the
-        coordinator decides."""
-        assert self.cluster is not None and session.plan is not None and session.arenas is not None
+    def _persist_request(self, state: JobState, session: SaveSession) -> PersistRequest:
+        """What the pipeline writes for `session`: the whole step on a single node; with several
+        nodes, this node's data files (node 0 commits the extras and model files)."""
+        assert session.plan is not None and session.arenas is not None
         compression = self._compression(state, session)
-        request = PersistRequest(
+        several = self.cluster is not None
+        return PersistRequest(
             job=session.job,
             step=session.step,
             plan=session.plan,
             arenas=session.arenas,
-            extras={},
-            model_files={},
+            extras={} if several else dict(session.committed),
+            model_files={} if several else dict(session.model_files),
             metric=session.metric,
             max_file_bytes=self.config.max_file_bytes,
             write_threads=self.config.write_threads,
             throttle_bytes_per_s=self.config.write_throttle,
             node=self.node,
-            shared_dir=session.shared_root,
+            shared_dir=session.shared_root if several else False,
             quantize=compression.quantize,
             master_weights=compression.master_weights,
             quantization=compression.record,
         )
+
+    def _wrote(self, job: str, files: Sequence[FileRecord], seconds: float) -> None:
+        """Count the data bytes this node wrote for a step (metrics: bytes, throughput)."""
+        nbytes = sum(f.size for f in files if f.node == self.node and f.name.endswith(".safetensors"))
+        self.counters.bytes_written += nbytes
+        self.metrics.bytes_written.labels(job).inc(nbytes)
+        if seconds > 0:
+            self.metrics.throughput.labels(job).set(nbytes / seconds)
+
+    async def _persist_node(self, state: JobState, session: SaveSession) -> None:
+        """Several nodes: write this node's files, report them, and commit or abort as the
+        coordinator decides."""
+        assert self.cluster is not None
+        request = self._persist_request(state, session)
         loop = asyncio.get_running_loop()
         manifest: NodeManifest | None = None
         error = ""
         started = time.monotonic()
         try:
             manifest = await loop.run_in_executor(self._persist_executor, write_node_files, self.storage, request, session.progress)
-            nbytes = sum(f.size for f in manifest.files)
-            self.counters.bytes_written += nbytes
-            self.metrics.bytes_written.labels(session.job).inc(nbytes)
-            self.metrics.throughput.labels(session.job).set(nbytes / max(time.monotonic() - started, 1e-9))
+            self._wrote(session.job, manifest.files, time.monotonic() - started)
         except Exception as exc:
             log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
             error = f"writing failed on node {self.node}: {exc}"
@@ -1095,8 +1083,10 @@ class CheckpointService:
         fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
         try:
             if node == self.node:
-                source = self.storage.step_dir(index.job, index.step) / file
-                await asyncio.to_thread(_copy_range, source, fd, offset, nbytes)
+                try:
+                    await asyncio.to_thread(self.storage.copy_range, index.job, index.step, file, fd, offset, nbytes)
+                except FormatError as exc:
+                    raise Precondition(f"step {index.step} of job {index.job!r}: {exc}") from None
             else:
                 assert self.cluster is not None
                 await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)
@@ -1239,18 +1229,3 @@ def _incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], u
 def _names(names: Sequence[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-
-def _copy_range(source: Path, out_fd: int, offset: int, nbytes: int) -> None:
-    """Copy bytes [offset, offset + nbytes) of `source` to the same offset of out_fd."""
-    with open(source, "rb", buffering=0) as f:
-        done = 0
-        while done < nbytes:
-            data = os.pread(f.fileno(), min(STAGE_CHUNK, nbytes - done), offset + done)
-            if not data:
-                raise Precondition(f"{source} ends at byte {offset + done}, before the {nbytes} bytes its index gives from {offset}")
-            written = 0
-            while written < len(data):
-                written += os.pwrite(out_fd, memoryview(data)[written:], offset + done + written)
-            done += len(data)

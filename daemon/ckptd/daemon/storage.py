@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, parse_step_dir_name, step_dir_name
+from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
 
 log = logging.getLogger(__name__)
+COPY_CHUNK = 8 * 2**20  # bytes per read of copy_range
 
 TMP_MARK = ".tmp-"
 DELETING_PREFIX = ".deleting-"
@@ -111,6 +112,22 @@ class Storage:
         """The newest committed step. `latest` is a hint for other tools; the index files decide."""
         steps = self.committed_steps(job)
         return steps[-1] if steps else None
+
+    def copy_range(self, job: str, step: int, file: str, out_fd: int, offset: int, nbytes: int) -> None:
+        """Copy bytes [offset, offset + nbytes) of a step's file to the same offset of out_fd (a
+        staging file in shared memory, for ranks that cannot read the root). Raises FormatError
+        when the file ends early."""
+        source = self.step_dir(job, step) / file
+        with open(source, "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                data = os.pread(f.fileno(), min(COPY_CHUNK, nbytes - done), offset + done)
+                if not data:
+                    raise FormatError(f"{source} ends at byte {offset + done}, before the {nbytes} bytes its index gives from {offset}")
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(out_fd, memoryview(data)[written:], offset + done + written)
+                done += len(data)
 
     def read_index(self, job: str, step: int) -> CheckpointIndex:
         path = self.step_dir(job, step) / INDEX_NAME
