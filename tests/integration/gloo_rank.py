@@ -20,5 +20,8 @@ def run_rank(body: Callable[[dict], None]) -> None:
     dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
     try:
         body(spec)
+        # every rank done before any tears its connections down: gloo aborts a process whose
+        # peer closed a pair it still had a pending operation on
+        dist.barrier()
     finally:
         dist.destroy_process_group()
