@@ -5,12 +5,15 @@ One run, one state per setting, everything through a real daemon and the real cl
 1. Bytes. The same state saved as each variant (lossless, O1, O2, O2 + drop, O2 + residual):
    the step's total size (every file, from the index) and bytes per parameter, for a
    mixed-precision state (bf16 weights, fp32 master weights, Adam) and an fp32 + AdamW state.
-   "+ zstd": the files no other tool reads (optimizer, master weights) additionally compressed
-   losslessly by splitting each element's bytes into planes (byte k of every element together)
-   and compressing each plane with zstd (the planes holding sign and exponent compress; the low
-   mantissa planes do not, and are then kept raw).
+   Quantized codes are stored entropy-coded (zstd frames, ckptd.common.frames); "codes raw"
+   is the same step with the codes stored as they are, for comparison. "+ zstd planes": the
+   files no other tool reads (optimizer, master weights) additionally compressed losslessly by
+   splitting each element's bytes into planes (byte k of every element together) and
+   compressing each plane with zstd (the planes holding sign and exponent compress; the low
+   mantissa planes do not, and are then kept raw) — measured, not part of the format.
 2. Throughput on this machine: encode and decode GB/s of each codec (fp32 input bytes per
-   second), the zstd byte-plane compressor's GB/s, and the write+fsync floor of the same disk.
+   second), with and without the entropy coding of the codes, the zstd byte-plane
+   compressor's GB/s, and the write+fsync floor of the same disk.
 3. Time to durable: save() to wait_durable() of the mixed state, lossless vs O1 vs O2
    (medians of --reps, saves interleaved).
 
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.common import quant
+from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.process import start_daemon
@@ -135,6 +138,12 @@ def save_variants(daemon: Any, setting: str, params: float) -> list[dict[str, An
             for f in index.files:
                 g = f.name.split("-", 1)[0].split(".", 1)[0]
                 groups[g] = groups.get(g, 0) + f.size
+            raw_codes = 0  # what the entropy coding took off the codes
+            for t in index.tensors:
+                for f in t.fragments:
+                    if f.quant is not None and f.quant.frames is not None:
+                        codec = quant.Codec(f.quant.codec, f.quant.block)
+                        raw_codes += math.prod(codec.codes_shape(f.box.lengths)) - f.nbytes
             compressible = [step_dir / f.name for f in index.files if f.name.startswith(("optimizer-", "master_weights-"))]
             before = after = 0
             seconds = 0.0
@@ -143,7 +152,7 @@ def save_variants(daemon: Any, setting: str, params: float) -> list[dict[str, An
                 before, after, seconds = before + b, after + a, seconds + s
             rows.append({
                 "setting": setting, "variant": name, "params": count, "bytes": size, "bytes_per_param": size / count,
-                "groups": groups, "zstd_bytes": size - before + after, "zstd_input": before, "zstd_seconds": seconds,
+                "groups": groups, "raw_codes_bytes": size + raw_codes, "zstd_bytes": size - before + after, "zstd_input": before, "zstd_seconds": seconds,
             })
     return rows
 
@@ -170,10 +179,19 @@ def codec_throughput(reps: int) -> list[dict[str, Any]]:
         x = v if codec.is_log else m
         enc = time_it(lambda: quant.encode(codec, x, box), reps)
         codes, scales = quant.encode(codec, x, box)
+        flat = codes.reshape(-1).view(torch.uint8).numpy()
+        row_bytes = len(flat) // codes.shape[0]
+        pack = time_it(lambda: frames.compress(flat, row_bytes), reps)
+        stored, table = frames.compress(flat, row_bytes)
+        unpack = time_it(lambda: frames.decompress(stored, table, 0, len(table.ends), row_bytes, codes.shape[0]), reps)
         dec = time_it(lambda: quant.decode(codec, codes, scales, box, box), reps)
         nbytes = x.numel() * 4
-        out.append({"codec": name, "encode_gbps": nbytes / statistics.median(enc) / 1e9, "decode_gbps": nbytes / statistics.median(dec) / 1e9,
-                    "stored_fraction": (codes.numel() * codes.element_size() + scales.numel() * 4) / nbytes})
+        out.append({
+            "codec": name, "encode_gbps": nbytes / statistics.median(enc) / 1e9, "decode_gbps": nbytes / statistics.median(dec) / 1e9,
+            "entropy_encode_gbps": nbytes / (statistics.median(enc) + statistics.median(pack)) / 1e9,
+            "entropy_decode_gbps": nbytes / (statistics.median(dec) + statistics.median(unpack)) / 1e9,
+            "raw_fraction": (len(flat) + scales.numel() * 4) / nbytes, "stored_fraction": (len(stored) + scales.numel() * 4) / nbytes,
+        })
     return out
 
 
@@ -232,11 +250,13 @@ def main() -> None:
             if "bytes" not in args.skip:
                 rows = save_variants(daemon, "mixed", args.params) + save_variants(daemon, "fp32", args.params)
                 results["bytes"] = rows
-                print(f"{'setting':<7} {'variant':<15} {'bytes/param':>11} {'total':>12} {'vs lossless':>11} {'+ zstd planes':>14} {'B/param':>8} {'vs lossless':>11}")
+                print(f"{'setting':<7} {'variant':<15} {'bytes/param':>11} {'total':>12} {'vs lossless':>11} {'codes raw':>9} {'vs lossless':>11} "
+                      f"{'+ zstd planes':>14} {'B/param':>8} {'vs lossless':>11}")
                 for r in rows:
                     base = next(x for x in rows if x["setting"] == r["setting"] and x["variant"] == "lossless")
                     print(f"{r['setting']:<7} {r['variant']:<15} {r['bytes_per_param']:>11.3f} {r['bytes'] / 1e6:>10.1f}MB "
-                          f"{100 * (r['bytes'] / base['bytes'] - 1):>+10.1f}% {r['zstd_bytes'] / 1e6:>12.1f}MB "
+                          f"{100 * (r['bytes'] / base['bytes'] - 1):>+10.2f}% {r['raw_codes_bytes'] / r['params']:>9.3f} "
+                          f"{100 * (r['raw_codes_bytes'] / base['bytes'] - 1):>+10.2f}% {r['zstd_bytes'] / 1e6:>12.1f}MB "
                           f"{r['zstd_bytes'] / r['params']:>8.3f} {100 * (r['zstd_bytes'] / base['bytes'] - 1):>+10.1f}%")
                 zin = sum(r["zstd_input"] for r in rows)
                 zs = sum(r["zstd_seconds"] for r in rows)
@@ -250,8 +270,10 @@ def main() -> None:
                 for r in results["codecs"]:
                     # quantizing pays when encoding 1 byte takes less than writing the bytes it saves
                     breakeven = (1 / floor / 1e9) / (1 - r["stored_fraction"])
-                    print(f"{r['codec']:<7} encode {r['encode_gbps']:.2f} GB/s  decode {r['decode_gbps']:.2f} GB/s  stored {r['stored_fraction']:.3f} "
-                          f"of the fp32 bytes; break-even encode speed vs the floor {breakeven:.2f} GB/s")
+                    print(f"{r['codec']:<7} encode {r['encode_gbps']:.2f} GB/s, with zstd frames {r['entropy_encode_gbps']:.2f}  "
+                          f"decode {r['decode_gbps']:.2f}, with frames {r['entropy_decode_gbps']:.2f}  "
+                          f"stored {r['raw_fraction']:.3f} of the fp32 bytes, with frames {r['stored_fraction']:.3f}; "
+                          f"break-even encode speed vs the floor {breakeven:.2f} GB/s")
             if "durable" not in args.skip:
                 times = durable_times(daemon, args.params, args.reps)
                 results["durable"] = times

@@ -315,3 +315,43 @@ def test_malformed_chunk_checksums_are_an_error_naming_the_tensor(pool: ThreadPo
     bad = dataclasses.replace(source, chunk_xxh3=source.chunk_xxh3[:-1])
     with pytest.raises(CheckpointError, match="chunk checksums of tensor 'model/w' .* are malformed"):
         fill_all(pool, maps, [Fill(torch.zeros(ROWS_3_TO_9.lengths), ROWS_3_TO_9, [bad])])
+
+
+@pytest.mark.parametrize("codec_name", ["lin-i4", "log-u8"])
+def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExecutor, maps: ArenaMaps, tmp_path: Path, codec_name: str) -> None:
+    """Codes stored as frames of 3 rows (chunk checksums of 64 bytes): every box reads only the
+    frames holding its rows and decodes as the whole tensor does; a damaged frame is an error
+    naming the tensor."""
+    from ckptd.common import frames, quant
+
+    codec = quant.Codec(codec_name, 16)
+    shape = (20, 40)
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(1)).abs() * 1e-3
+    full = Box.full(shape)
+    codes, scales = quant.encode(codec, values, full)
+    flat = codes.reshape(-1).view(torch.uint8).numpy()
+    stored, table = frames.compress(flat, codes.shape[1], 3 * codes.shape[1])
+    path = tmp_path / "codes.safetensors"
+
+    def source(data: bytes, at: int, dtype: str) -> Source:
+        chunks = ChunkHasher(64)
+        chunks.update(data)
+        return Source("m", "file", str(path), at, len(data), full, dtype, f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}", 64, chunks.hexdigests())
+
+    scale_bytes = scales.reshape(-1).view(torch.uint8).numpy().tobytes()
+    path.write_bytes(b"{" * HEADER + stored.tobytes() + scale_bytes)
+    src = dataclasses.replace(
+        source(stored.tobytes(), HEADER, "U8"),
+        decode=transport.Decoding(codec.name, codec.block, source(scale_bytes, HEADER + len(stored), "F32"), None, table),
+    )
+    whole = quant.decode(codec, codes, scales, full, full)
+    for want in (full, Box((0, 0), (1, 40)), Box((2, 5), (4, 7)), Box((3, 0), (3, 40)), Box((19, 39), (1, 1)), Box((5, 17), (11, 20))):
+        target = torch.full(want.lengths, -99.0)
+        fill_all(pool, maps, [Fill(target, want, [src])])
+        assert torch.equal(target, whole[relative(want, full)]), want
+    damaged = bytearray(path.read_bytes())
+    damaged[HEADER + table.ends[1] - 2] ^= 0xFF  # inside frame 1: rows 3..5
+    path.write_bytes(bytes(damaged))
+    fill_all(pool, maps, [Fill(torch.empty(2, 40), Box((0, 0), (2, 40)), [src])])  # frame 0 only: fine
+    with pytest.raises(CheckpointError, match="tensor 'm'.*checksum mismatch|checksum mismatch for tensor 'm'"):
+        fill_all(pool, maps, [Fill(torch.empty(2, 40), Box((4, 0), (2, 40)), [src])])

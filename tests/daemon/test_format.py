@@ -45,6 +45,17 @@ def test_header_is_read_by_the_safetensors_library() -> None:
     assert data_start == len(header) and entries["b"].begin == 24
 
 
+def test_a_header_padded_into_reserved_room_is_still_read() -> None:
+    """A header written last, into room reserved before the data (codes whose size was known
+    only once coded), is padded with spaces to exactly that room."""
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    header, _ = safetensors_header([("a", "F32", (2, 3))], size=200)
+    assert len(header) == 200 and header.endswith(b" ")
+    assert torch.equal(st_load(header + a.numpy().tobytes())["a"], a)
+    with pytest.raises(FormatError, match="does not fit the 64 bytes reserved"):
+        safetensors_header([("a", "F32", (2, 3))], size=64)
+
+
 @pytest.mark.parametrize(
     "blob, message",
     [

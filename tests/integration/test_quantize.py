@@ -15,7 +15,7 @@ from torch import nn
 
 from ckptd.client import CheckpointClient
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
-from ckptd.common import quant
+from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
 from ckptd.daemon.format import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
 
@@ -89,10 +89,18 @@ def test_quantized_save_loads_within_the_error_bounds(daemon, scheme: str) -> No
     frag = record.fragments[0]
     assert frag.quant is not None and frag.quant.codec == second.name and frag.quant.block == second.block
     assert frag.dtype == "U8" and frag.quant.scales is not None and frag.quant.scales.key.endswith("@scales")
-    # the files stay plain safetensors: codes and scales readable by any tool
+    # the files stay plain safetensors (codes in zstd frames of whole rows, read by any tool as
+    # bytes), and the frames decompress to the codes of the whole tensor
     with safe_open(str(daemon.root / job / "step-00000005" / frag.file), "pt") as f:
-        assert tuple(f.get_tensor(frag.key).shape) == second.codes_shape((300, 96))
+        stored = f.get_tensor(frag.key)
+        assert stored.dtype == torch.uint8 and tuple(stored.shape) == (frag.nbytes,)
         assert tuple(f.get_tensor(frag.quant.scales.key).shape) == second.scales_shape(Box.full((300, 96)))
+    table = frag.quant.frames
+    assert table is not None and table.nbytes == frag.nbytes
+    row_bytes = second.codes_shape((300, 96))[1]
+    codes = frames.decompress(stored.numpy(), table, 0, len(table.ends), row_bytes, 300)
+    assert len(codes) == 300 * row_bytes
+    assert frag.nbytes < len(codes)  # the entropy coder takes bytes off
     assert index.by_name()["optimizer/state/up.bias/exp_avg"].fragments[0].quant is None
 
 
@@ -137,7 +145,10 @@ def test_client_reads_any_slice_like_the_whole(daemon) -> None:
             sc = frag.quant.scales
             src = Source(
                 "t", "file", str(step_dir / frag.file), frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
-                decode=Decoding(frag.quant.codec, frag.quant.block, Source("t", "file", str(step_dir / sc.file), sc.offset, sc.nbytes, frag.box, sc.dtype, sc.checksum), None),
+                decode=Decoding(
+                    frag.quant.codec, frag.quant.block, Source("t", "file", str(step_dir / sc.file), sc.offset, sc.nbytes, frag.box, sc.dtype, sc.checksum),
+                    None, frag.quant.frames,
+                ),
             )
             whole = torch.empty(300, 96)
             fill_all(pool, ArenaMaps(), [Fill(whole, Box.full((300, 96)), [src])])
@@ -243,8 +254,10 @@ def test_inspect_shows_the_quantization(daemon) -> None:
     tensor = doc["tensors"]["optimizer/state/up.weight/exp_avg"]
     assert tensor["fragments"][0]["quant"]["codec"] == "lin-i8" and tensor["fragments"][0]["quant"]["block"] == 256
     assert tensor["fragments"][0]["quant"]["scales"]["key"].endswith("@scales")
+    assert tensor["fragments"][0]["quant"]["frames"]["coder"] == "zstd"
     text = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True).stdout
     assert "lin-i8" in text and "generation 1" in text and "optimizer/state/up.weight/exp_avg_sq" in text
+    assert "in 1 zstd frames of 10922 rows" in text
 
 
 def test_a_tensor_with_non_finite_values_is_stored_losslessly(daemon) -> None:
@@ -267,6 +280,38 @@ def test_a_tensor_with_non_finite_values_is_stored_losslessly(daemon) -> None:
     assert torch.equal(loaded["down.weight"]["exp_avg_sq"], state["down.weight"]["exp_avg_sq"])
 
 
+def test_small_files_split_codes_from_scales_and_stay_valid(daemons) -> None:
+    """Files of at most 20 kB: codes, scales and a tensor that falls back to lossless (a nan)
+    land in different files; each file's header, written after its codes, is read by the
+    safetensors library, `ckptd verify` passes and the load gives the values back."""
+    daemon = daemons.start("--max-file-bytes", "20000")
+    model, opt = trained()
+    opt_state(model, opt)["down.weight"]["exp_avg"][1, 2] = float("nan")
+    with CheckpointClient("split", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(5, {"model": model, "optimizer": opt}, quantize="O2").wait_durable(timeout=60)
+        m2, o2 = fresh()
+        ckpt.load({"model": m2, "optimizer": o2})
+    step_dir = daemon.root / "split" / "step-00000005"
+    index = index_of(daemon, "split", 5)
+    files = sorted(f.name for f in index.files if f.name.startswith("optimizer-"))
+    assert len(files) >= 3
+    for name in files:
+        with safe_open(str(step_dir / name), "pt") as f:
+            for key in f.keys():
+                f.get_tensor(key)
+        assert (step_dir / name).stat().st_size == next(r.size for r in index.files if r.name == name)
+    up = index.by_name()["optimizer/state/up.weight/exp_avg"].fragments[0]
+    assert up.quant is not None and up.quant.frames is not None
+    assert index.by_name()["optimizer/state/down.weight/exp_avg"].fragments[0].quant is None
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    loaded, saved = opt_state(m2, o2), opt_state(model, opt)
+    assert torch.equal(loaded["up.bias"]["exp_avg"], saved["up.bias"]["exp_avg"])
+    nan = torch.isnan(saved["down.weight"]["exp_avg"])
+    assert torch.equal(loaded["down.weight"]["exp_avg"][~nan], saved["down.weight"]["exp_avg"][~nan])
+    assert float((loaded["up.weight"]["exp_avg"] - saved["up.weight"]["exp_avg"]).abs().max()) > 0
+
+
 def test_a_client_that_cannot_decode_is_refused(daemon) -> None:
     """An older client (no PlanLoadRequest.decodes) would take codes for values: refused."""
     import grpc
@@ -283,7 +328,11 @@ def test_a_client_that_cannot_decode_is_refused(daemon) -> None:
     with grpc.insecure_channel(daemon.address) as channel:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.CheckpointStub(channel).PlanLoad(request, timeout=30)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot decode" in info.value.details()
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot decode" in info.value.details()
+        request.decodes = True  # a client of the first compressed format: codes stored as they are, no frames
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CheckpointStub(channel).PlanLoad(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "zstd frames" in info.value.details()
 
 
 def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_st
 from ckptd.client.transport import ArenaMaps, Decoding, Fill, Source, copy_to_arena, fill_all
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
+from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -479,6 +480,7 @@ class CheckpointClient:
             strict=strict,
             direct_read=self.read_files is not False,
             decodes=True,
+            decodes_frames=True,
         )
         try:
             plan = self._call(self._stub.PlanLoad, request)
@@ -619,7 +621,8 @@ def _source(p: pb.Piece) -> Source:
     if p.HasField("decode"):
         d = p.decode
         decoding = Decoding(
-            d.codec, d.block, _source(d.scales) if d.HasField("scales") else None, _source(d.base) if d.HasField("base") else None
+            d.codec, d.block, _source(d.scales) if d.HasField("scales") else None, _source(d.base) if d.HasField("base") else None,
+            Frames(d.frame_rows, tuple(d.frame_ends)) if d.frame_rows else None,
         )
     return Source(
         p.name, p.source, p.path, p.offset, p.nbytes, _box_of(p.fragment), p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3, decoding

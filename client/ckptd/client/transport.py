@@ -25,6 +25,7 @@ from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative
 from ckptd.common.chunks import ChunkCheck, digest_of
+from ckptd.common.frames import Frames, FrameError, decompress
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 CHUNK = 32 * 2**20
@@ -175,6 +176,7 @@ class Decoding:
     block: int
     scales: Source | None
     base: Source | None
+    frames: Frames | None = None  # the codes are stored as zstd frames of whole rows
 
 
 @dataclass(frozen=True)
@@ -543,12 +545,42 @@ def _fill_decoded(src: Source, fill: Fill, common: Box) -> None:
             codec = quant.Codec(decoding.codec, decoding.block)
             if decoding.scales is None:
                 raise CheckpointError(f"tensor {src.name!r}: quantized without scales; load an older step")
-            codes = _read_rows(src, codec.codes_dtype, codec.codes_shape(box.lengths), r0, r1)
+            codes_shape = codec.codes_shape(box.lengths)
+            if decoding.frames is None:
+                codes = _read_rows(src, codec.codes_dtype, codes_shape, r0, r1)
+            else:
+                codes = _read_framed_rows(src, decoding.frames, codec.codes_dtype, codes_shape, r0, r1)
             scales = _read_rows(decoding.scales, "F32", codec.scales_shape(box), r0, r1)
             values = quant.decode(codec, codes, scales, region, common)
     except quant.QuantError as exc:
         raise CheckpointError(f"tensor {src.name!r} in {Path(src.path).name}: {exc}") from None
     fill.target[relative(common, fill.want)].copy_(values)
+
+
+def _read_framed_rows(src: Source, frames: Frames, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) (along dim 0) of codes of this dtype and shape stored as zstd frames of
+    whole rows: reads and checks the frames that hold them, decompresses those frames."""
+    if frames.nbytes != src.nbytes:
+        raise CheckpointError(
+            f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but its frames end at "
+            f"{frames.nbytes}; the index and the data disagree — load an older step"
+        )
+    row_bytes = dtypes.nbytes(dtype, shape[1:])
+    try:
+        f0, f1, begin, end = frames.span(r0, r1)
+        data = np.empty(end - begin, dtype=np.uint8)
+        fd = _open(src)
+        try:
+            _pread_exact(fd, data, src.offset + begin, src.path)
+        finally:
+            os.close(fd)
+        _verify_span(src, begin, data)
+        rows = decompress(data, frames, f0, f1, row_bytes, shape[0])
+    except FrameError as exc:
+        raise CheckpointError(f"tensor {src.name!r} in {Path(src.path).name}: {exc}; load an older step") from None
+    first = r0 - f0 * frames.rows
+    rows = rows[first * row_bytes : (first + r1 - r0) * row_bytes]
+    return torch.from_numpy(rows).view(getattr(torch, dtypes.torch_name(dtype))).view((r1 - r0, *shape[1:]))
 
 
 def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
+from ckptd.common.frames import Frames
 
 INDEX_NAME = "ckptd.index.json"
 # A node's part of a step across nodes is written and fsynced (node-local roots): kept at
@@ -65,11 +66,15 @@ class HeaderEntry:
     end: int
 
 
-def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[HeaderEntry]]:
+def safetensors_header(
+    entries: Iterable[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None = None, size: int = 0
+) -> tuple[bytes, list[HeaderEntry]]:
     """The header bytes (length prefix included) for tensors stored back to back in this order.
 
     Returns the bytes and each tensor's place; a tensor's absolute file offset is
-    len(header) + entry.begin.
+    len(header) + entry.begin. `size` > 0: pad the header with spaces (which the format allows)
+    to exactly `size` bytes, for a header written after data whose place was reserved for it;
+    raises FormatError if it does not fit.
     """
     meta = {"format": "pt", **(metadata or {})}
     header: dict[str, Any] = {"__metadata__": meta}
@@ -83,7 +88,12 @@ def safetensors_header(entries: Iterable[tuple[str, str, Sequence[int]]], metada
         placed.append(HeaderEntry(key, dtype, tuple(shape), cursor, cursor + nbytes))
         cursor += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
+    if size:
+        if 8 + len(text) > size or size % HEADER_ALIGN:
+            raise FormatError(f"a safetensors header of {8 + len(text)} bytes does not fit the {size} bytes reserved for it")
+        text += b" " * (size - 8 - len(text))
+    else:
+        text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
     return struct.pack("<Q", len(text)) + text, placed
 
 
@@ -154,7 +164,8 @@ class QuantRecord:
     """How a fragment's stored bytes become its values (ckptd.common.quant).
 
     codec: "lin-i8" | "lin-i4" | "log-u8" | "log-u4" (blockwise codes, `block` elements per block
-    along the last dim in logical coordinates, scales in `scales`); "residual-bf16" (a master
+    along the last dim in logical coordinates, scales in `scales`; with `frames` the stored bytes
+    are the codes' rows in zstd frames, ckptd.common.frames); "residual-bf16" (a master
     weight: float(base) + float(stored), `base` = the model weight); "cast" (a dropped master
     weight: the fragment is the model weight's bytes, upcast on load).
     """
@@ -163,6 +174,7 @@ class QuantRecord:
     block: int = 0
     scales: SideRecord | None = None
     base: SideRecord | None = None
+    frames: Frames | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"codec": self.codec}
@@ -172,6 +184,8 @@ class QuantRecord:
             doc["scales"] = self.scales.to_json()
         if self.base is not None:
             doc["base"] = self.base.to_json()
+        if self.frames is not None:
+            doc["frames"] = self.frames.to_json()
         return doc
 
     @staticmethod
@@ -181,6 +195,7 @@ class QuantRecord:
             block=int(d.get("block", 0)),
             scales=SideRecord.from_json(d["scales"]) if "scales" in d else None,
             base=SideRecord.from_json(d["base"]) if "base" in d else None,
+            frames=Frames.from_json(d["frames"]) if "frames" in d else None,
         )
 
 

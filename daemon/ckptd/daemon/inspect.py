@@ -107,6 +107,9 @@ def render(report: dict[str, Any]) -> str:
                 if "scales" in quant:
                     s = quant["scales"]
                     detail += f" scales {s['key']} {s['dtype']}{s['shape']}"
+                if "frames" in quant:
+                    fr = quant["frames"]
+                    detail += f" in {len(fr['ends'])} {fr['coder']} frames of {fr['rows']} rows"
                 if "base" in quant:
                     detail += f" + base {quant['base']['file']}:{quant['base']['key']}"
             if len(t["fragments"]) > 1 or quant:

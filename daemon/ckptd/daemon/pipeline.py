@@ -36,6 +36,7 @@ from ckptd.daemon.format import (
     INDEX_NAME,
     CheckpointIndex,
     FileRecord,
+    HEADER_ALIGN,
     FragmentRecord,
     QuantRecord,
     SideRecord,
@@ -196,41 +197,59 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         else:
             key = fragment_key(file_key(t.name, t.kind), part.box)
             stored.append(StoredTensor(t.name, key, t.dtype, part.box.lengths, part.box, part.node))
-    placed: list[tuple[StoredTensor, str, int, Future[int]]] = []  # (tensor, file, offset, digest)
     files: list[FileRecord] = []
+    placed: list[_Placed] = []
     throttle = Throttle(req.throttle_bytes_per_s)
     compressing = req.quantize is not None or req.master_weights != "keep"
     with (
         ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool,
         ThreadPoolExecutor(ENCODE_THREADS if compressing else 1, thread_name_prefix="ckptd-encode") as encoders,
     ):
-        # Compression (quantized codes, master residuals) changes the stored sizes, which are
-        # known from the shapes; encoding runs on its own threads while the writers write.
+        # Compression runs on its own threads while the writers write. Which tensors go into
+        # which file follows from the shapes (all nodes number the same files); where quantized
+        # codes go inside a file is decided once they are coded (their size depends on the
+        # values), so they are placed after the file's other tensors and the header is
+        # written last, into room reserved for it.
         source = _Source(req.arenas, tensors, slots_by_name, slot_of)
-        stored, encoded, cast = _compress(pool, encoders, source, stored, kinds, req, progress)
+        stored, encoded, cast = _compress(encoders, source, stored, kinds, req, progress)
         # Largest files first: they take the largest recycled files.
         layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
         layouts.sort(key=lambda f: -f.nbytes)
-        opened = []
+        opened: list[tuple[int, Path]] = []
+        writes: list[tuple[StoredTensor, str, int, Future[tuple[int, str]]]] = []
+        finishes: list[Future[tuple[FileRecord, list[_Placed]]]] = []
         try:
             recycled = storage.take_recycled(req.job)
+            later_files = []
             for layout in layouts:
-                header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
+                fixed = [t for t in layout.tensors if not _coded_later(t, encoded)]
+                later = [t for t in layout.tensors if _coded_later(t, encoded)]
+                header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in fixed)
+                header_size = _header_room(fixed, later, tensors) if later else len(header)
                 path = step_dir / layout.name
-                fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, len(header) + layout.nbytes)
+                fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, header_size + layout.nbytes)
                 opened.append((fd, path))
-                _pwrite_all(fd, memoryview(header), 0)
-                files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
-                for tensor, entry in zip(layout.tensors, entries):
-                    offset = len(header) + entry.begin
+                for tensor, entry in zip(fixed, entries):
+                    offset = header_size + entry.begin
                     pending = encoded.get((tensor.name, tensor.box))
                     if pending is not None:
-                        digest = pool.submit(_write_encoded, fd, pending, tensor.role, offset, throttle)
+                        digest = pool.submit(_write_encoded, fd, pending, offset, throttle)
                     else:
                         digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
-                    placed.append((tensor, layout.name, offset, digest))
-            for _, _, _, digest in placed:
-                digest.result()
+                    writes.append((tensor, layout.name, offset, digest))
+                if later:
+                    later_files.append((fd, layout.name, fixed, later, header_size))
+                else:
+                    _pwrite_all(fd, memoryview(header), 0)
+                    files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
+            # after every plain write, so that no writer waits for an encoding while plain writes queue
+            for fd, name, fixed, later, header_size in later_files:
+                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, tensors, throttle, req.node))
+            placed += [_Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
+            for finish in finishes:
+                record, coded = finish.result()
+                files.append(record)
+                placed += coded
             for fsync_job in [pool.submit(os.fsync, fd) for fd, _ in opened]:
                 fsync_job.result()
         finally:
@@ -240,6 +259,70 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
     return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast), req.quantization)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A stored tensor as written: its file, absolute offset, xxh3-64 and chunk digests."""
+
+    tensor: StoredTensor
+    file: str
+    offset: int
+    digest: int
+    chunks: str
+
+
+def _coded_later(t: StoredTensor, encoded: dict[tuple[str, Box], "_Encoded"]) -> bool:
+    """Whether `t` (codes or scales of a quantized tensor) is placed after its encoding."""
+    pending = encoded.get((t.name, t.box))
+    return pending is not None and pending.block > 0
+
+
+def _header_room(fixed: list[StoredTensor], later: list[StoredTensor], tensors: dict[str, LogicalTensor]) -> int:
+    """Bytes to reserve for the header of a file whose `later` tensors are placed once coded.
+
+    The header is measured as if every quantized tensor fell back to its values as they are
+    (its logical dtype and shape: more bytes than its codes, so larger offsets, a dtype name at
+    least as long, a shape whose digits outnumber the coded size's) and its scales stayed: the
+    real header is never longer."""
+    bound = [(t.key, t.dtype, t.shape) for t in fixed]
+    for t in later:
+        if t.role == "scales":
+            bound.append((t.key, t.dtype, t.shape))
+        else:
+            bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
+    header, _ = safetensors_header(bound)
+    return len(header) + HEADER_ALIGN * len(later)  # spare room: a compressed size can exceed its codes by a few bytes
+
+
+def _finish_file(
+    fd: int, name: str, fixed: list[StoredTensor], later: list[StoredTensor], header_size: int,
+    encoded: dict[tuple[str, Box], "_Encoded"], tensors: dict[str, LogicalTensor], throttle: Throttle, node: int,
+) -> tuple[FileRecord, list[_Placed]]:
+    """Wait for the encodings of `later`, write them after the `fixed` tensors, then the header
+    (padded to `header_size`); cut the file to its size. Returns its record and their places."""
+    cursor = header_size + sum(t.nbytes for t in fixed)
+    placed = []
+    for t in later:
+        coded = encoded[(t.name, t.box)].future.result()
+        if coded.lossless_why and t.role == "scales":
+            continue  # stored as it is: no scales
+        if coded.lossless_why:
+            stored = StoredTensor(t.name, t.key, tensors[t.name].dtype, t.box.lengths, t.box, t.node)
+            data = coded.data
+        elif t.role == "scales":
+            stored, data = t, coded.scales
+        else:
+            stored = StoredTensor(t.name, t.key, "U8", (len(coded.data),), t.box, t.node)
+            data = coded.data
+        assert data is not None and len(data) == stored.nbytes
+        digest, chunks = _write_bytes(fd, memoryview(data), cursor, throttle)
+        placed.append(_Placed(stored, name, cursor, digest, chunks))
+        cursor += len(data)
+    header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
+    _pwrite_all(fd, memoryview(header), 0)
+    os.ftruncate(fd, cursor)
+    return FileRecord(name, cursor, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
 
 
 class _Source:
@@ -302,18 +385,29 @@ ENCODE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
+class _Coded:
+    """An encoded tensor's bytes, flat uint8: `data` is what is stored under its key (codes in
+    zstd frames with their table `frames`, or a master weight's residual) and `scales` its
+    scales. `lossless_why` non-empty: the values could not be quantized (why), and `data` holds
+    them as they are."""
+
+    data: np.ndarray
+    scales: np.ndarray | None = None
+    frames: Any = None  # ckptd.common.frames.Frames
+    lossless_why: str = ""
+
+
+@dataclass(frozen=True)
 class _Encoded:
-    """A stored tensor whose bytes are made in memory: quantized codes and their scales, or a
-    master weight's residual. `future` gives (data bytes, scales bytes or None), both flat uint8;
-    `codec`/`block` go into the index's QuantRecord."""
+    """A stored tensor whose bytes are made in memory: quantized codes (block > 0) or a master
+    weight's residual (block 0). `codec`/`block` go into the index's QuantRecord."""
 
     codec: str
     block: int
-    future: Future[tuple[np.ndarray, np.ndarray | None]]
+    future: Future[_Coded]
 
 
 def _compress(
-    pool: ThreadPoolExecutor,
     encoders: ThreadPoolExecutor,
     source: _Source,
     stored: list[StoredTensor],
@@ -325,10 +419,10 @@ def _compress(
     encoding this node's tensors on `encoders`.
 
     Returns the tensors to lay out (codes, scales and residuals with their stored dtypes and
-    shapes, for every node's tensors: all nodes lay out the same files), the pending encodings by
-    (name, box), and the dropped master weights (name -> the stored model tensor whose bytes
-    stand for it). A tensor with non-finite values (or a negative second moment) is stored as it
-    is: a quick check on `pool` finds them before the layout.
+    the shapes of uncompressed codes, for every node's tensors: all nodes lay out the same
+    files), the pending encodings by (name, box), and the dropped master weights (name -> the
+    stored model tensor whose bytes stand for it). A tensor that cannot be quantized (inf/nan,
+    a negative second moment) is found by its encoder and stored as it is.
     """
     mode = req.master_weights
     if req.quantize is None and mode == "keep":
@@ -340,75 +434,28 @@ def _compress(
         torch.set_num_threads(1)
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
-    codecs: dict[tuple[str, Box], Any] = {}  # codec or quant.RESIDUAL
-    checks: dict[tuple[str, Box], Future[str]] = {}
+    out: list[StoredTensor] = []
+    encoded: dict[tuple[str, Box], _Encoded] = {}
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
         codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
-        if codec is not None:
-            codecs[(t.name, t.box)] = codec
-            if t.node == req.node:
-                checks[(t.name, t.box)] = pool.submit(_check_codable, source, t, codec.is_log)
-            continue
         model = _model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
-        if model is None:
-            continue
-        if mode == "drop":
-            cast[t.name] = model
-            progress.add(t.nbytes if t.node == req.node else 0)
-        else:
-            codecs[(t.name, t.box)] = quant.RESIDUAL
-    out: list[StoredTensor] = []
-    encoded: dict[tuple[str, Box], _Encoded] = {}
-    for t in stored:
-        if t.name in cast:
-            continue
-        codec = codecs.get((t.name, t.box))
-        check = checks.get((t.name, t.box))
-        problem = check.result() if check is not None else ""
-        if problem:
-            log.warning("tensor %s of step %s stays lossless: %s", t.name, req.step, problem)
-            codec = None
-        if codec is None:
-            out.append(t)
-        elif codec == quant.RESIDUAL:
-            out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
-            if t.node == req.node:
-                model = _model_twin(t, source.tensors[t.name], source, whole_model)
-                assert model is not None
-                encoded[(t.name, t.box)] = _Encoded(codec, 0, encoders.submit(_residual, quant, source, t, model, progress))
-        else:
+        if codec is not None:
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
             if t.node == req.node:
-                encoded[(t.name, t.box)] = _Encoded(codec.name, codec.block, encoders.submit(_quantize, quant, codec, source, t, progress))
+                encoded[(t.name, t.box)] = _Encoded(codec.name, codec.block, encoders.submit(_quantize, quant, codec, source, t, progress, req.step))
+        elif model is not None and mode == "drop":
+            cast[t.name] = model
+            progress.add(t.nbytes if t.node == req.node else 0)
+        elif model is not None:
+            out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
+            if t.node == req.node:
+                encoded[(t.name, t.box)] = _Encoded(quant.RESIDUAL, 0, encoders.submit(_residual, quant, source, t, model, progress))
+        else:
+            out.append(t)
     return out, encoded, cast
-
-
-def _check_codable(source: _Source, t: StoredTensor, second_moment: bool) -> str:
-    """"" if the tensor can be quantized, else why not (non-finite values, a negative second
-    moment). Reads the arena in place: a sum is non-finite if any value is (or if it overflows,
-    which only makes a tensor lossless that need not be)."""
-    import torch
-
-    torch_dtype = getattr(torch, dtypes.torch_name(source.tensors[t.name].dtype))
-    for piece in source.pieces(t, 0):
-        arena = source.arenas.arenas[piece.rank]
-        assert arena is not None
-        view = arena.view(piece.src, piece.nbytes)
-        try:
-            values = torch.from_numpy(np.frombuffer(view, dtype=np.uint8)).view(torch_dtype)
-            finite = bool(torch.isfinite(values.sum(dtype=torch.float32)))
-            negative = second_moment and bool(values.amin() < 0) if values.numel() else False
-            del values
-        finally:
-            view.release()
-        if not finite:
-            return "it has non-finite values (inf or nan)"
-        if negative:
-            return "the second moment has negative values"
-    return ""
 
 
 def _model_twin(t: StoredTensor, logical: LogicalTensor, source: _Source, whole_model: dict[str, StoredTensor]) -> StoredTensor | None:
@@ -432,22 +479,34 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress) -> tuple[np.ndarray, np.ndarray]:
-    """The tensor's codes and scales as flat bytes (_check_codable said it can be coded)."""
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded:
+    """The tensor's codes in zstd frames and its scales; its values as they are when they
+    cannot be quantized (logged)."""
+    from ckptd.common import frames
+
+    problem = ""
     with source.values(t) as values:
-        codes, scales = quant.encode(codec, values, t.box)
+        try:
+            codes, scales = quant.encode(codec, values, t.box)
+        except quant.QuantError as exc:
+            problem = str(exc)
         del values  # no export of an arena view may outlive the block
     progress.add(t.nbytes)
-    return codes.reshape(-1).view(_torch_uint8()).numpy(), scales.reshape(-1).view(_torch_uint8()).numpy()
+    if problem:
+        log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
+        return _Coded(source.gather(t), lossless_why=problem)
+    flat = codes.reshape(-1).view(_torch_uint8()).numpy()
+    data, table = frames.compress(flat, len(flat) // codes.shape[0])
+    return _Coded(data, scales.reshape(-1).view(_torch_uint8()).numpy(), table)
 
 
-def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> tuple[np.ndarray, None]:
+def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> _Coded:
     """The master weight's bf16 residual to its model weight, as flat bytes."""
     with source.values(t) as master, source.values(model) as weights:
         residual = quant.residual_encode(master, weights)
         del master, weights  # no export of an arena view may outlive the block
     progress.add(t.nbytes)
-    return residual.reshape(-1).view(_torch_uint8()).numpy(), None
+    return _Coded(residual.reshape(-1).view(_torch_uint8()).numpy())
 
 
 def _torch_uint8() -> Any:
@@ -457,33 +516,37 @@ def _torch_uint8() -> Any:
 
 
 def _fragment_records(
-    placed: list[tuple[StoredTensor, str, int, Future[int]]], encoded: dict[tuple[str, Box], _Encoded], cast: dict[str, StoredTensor]
+    placed: list[_Placed], encoded: dict[tuple[str, Box], _Encoded], cast: dict[str, StoredTensor]
 ) -> tuple[tuple[str, FragmentRecord], ...]:
-    """The index records of what was written: codes with their scales (and residuals with the
-    model weight they add to) in QuantRecords; dropped master weights as the model weight's bytes."""
-    where = {(t.name, t.box, t.role): (t, file, offset, checksum_name(digest.result()[0])) for t, file, offset, digest in placed}
+    """The index records of what was written: codes with their scales and frames (and residuals
+    with the model weight they add to) in QuantRecords; dropped master weights as the model
+    weight's bytes."""
+    where = {(p.tensor.name, p.tensor.box, p.tensor.role): p for p in placed}
 
-    def side(t: StoredTensor, file: str, offset: int, checksum: str) -> SideRecord:
-        return SideRecord(file, t.key, t.dtype, t.shape, offset, t.nbytes, checksum)
+    def side(p: _Placed) -> SideRecord:
+        return SideRecord(p.file, p.tensor.key, p.tensor.dtype, p.tensor.shape, p.offset, p.tensor.nbytes, checksum_name(p.digest))
+
+    def fragment(p: _Placed, quant: QuantRecord | None) -> FragmentRecord:
+        t = p.tensor
+        return FragmentRecord(p.file, t.key, t.box, t.dtype, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks, quant)
 
     records = []
-    for t, file, offset, digest in placed:
+    for p in placed:
+        t = p.tensor
         if t.role != "data":
             continue
         quant = None
         done = encoded.get((t.name, t.box))
-        if done is not None and done.codec == "residual-bf16":
-            model = next(m for m in where.values() if m[0].name == "model/" + t.name.split("/", 1)[1] and m[0].role == "data")
-            quant = QuantRecord(done.codec, base=side(*model))
+        if done is not None and done.block == 0:
+            model = next(m for m in placed if m.tensor.name == "model/" + t.name.split("/", 1)[1] and m.tensor.role == "data")
+            quant = QuantRecord(done.codec, base=side(model))
         elif done is not None:
-            quant = QuantRecord(done.codec, done.block, scales=side(*where[(t.name, t.box, "scales")]))
-        full, chunks = digest.result()
-        records.append((t.name, FragmentRecord(file, t.key, t.box, t.dtype, offset, t.nbytes, checksum_name(full), chunk_bytes_for(t.nbytes), chunks, quant)))
-    chunks_of = {(t.name, t.box): digest.result()[1] for t, _, _, digest in placed if t.role == "data"}
+            coded = done.future.result()
+            if not coded.lossless_why:
+                quant = QuantRecord(done.codec, done.block, scales=side(where[(t.name, t.box, "scales")]), frames=coded.frames)
+        records.append((t.name, fragment(p, quant)))
     for name, model in cast.items():
-        m, file, offset, checksum = where[(model.name, model.box, "data")]
-        chunks = chunks_of[(model.name, model.box)]
-        records.append((name, FragmentRecord(file, m.key, m.box, m.dtype, offset, m.nbytes, checksum, chunk_bytes_for(m.nbytes), chunks, QuantRecord("cast"))))
+        records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord("cast"))))
     return tuple(records)
 
 
@@ -616,13 +679,14 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
     return hasher.intdigest(), chunks.hexdigests()
 
 
-def _write_encoded(fd: int, encoded: _Encoded, role: str, offset: int, throttle: Throttle) -> tuple[int, str]:
-    """Wait for an encoding, write its data (codes, residual) or its scales at `offset`; returns
-    their xxh3-64 and the digests of their chunks (ckptd.common.chunks)."""
-    codes, scales = encoded.future.result()
-    chosen = scales if role == "scales" else codes
-    assert chosen is not None
-    data = memoryview(chosen)
+def _write_encoded(fd: int, encoded: _Encoded, offset: int, throttle: Throttle) -> tuple[int, str]:
+    """Wait for an encoding of a known size (a master weight's residual) and write it at `offset`."""
+    return _write_bytes(fd, memoryview(encoded.future.result().data), offset, throttle)
+
+
+def _write_bytes(fd: int, data: memoryview, offset: int, throttle: Throttle) -> tuple[int, str]:
+    """Write bytes made in memory at `offset`; returns their xxh3-64 and the digests of their
+    chunks (ckptd.common.chunks)."""
     chunks = ChunkHasher(chunk_bytes_for(len(data)))
     for done in range(0, len(data), WRITE_CHUNK):
         chunk = data[done : done + WRITE_CHUNK]

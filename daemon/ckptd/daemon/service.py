@@ -139,6 +139,7 @@ class DecodeInfo:
     block: int
     scales: PieceInfo | None
     base: PieceInfo | None
+    frames: Any = None  # ckptd.common.frames.Frames: the codes are stored in zstd frames
 
 
 @dataclass(frozen=True)
@@ -1026,7 +1027,7 @@ class CheckpointService:
                         continue
                     side_path = await path_of(side.file, side.offset, side.nbytes)
                     sides.append(PieceInfo(spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum))
-                decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1])
+                decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1], frag.quant.frames)
             out.append(
                 PieceInfo(
                     spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,

@@ -99,6 +99,9 @@ def _piece(p: PieceInfo) -> pb.Piece:
             piece.decode.scales.CopyFrom(_piece(p.decode.scales))
         if p.decode.base is not None:
             piece.decode.base.CopyFrom(_piece(p.decode.base))
+        if p.decode.frames is not None:
+            piece.decode.frame_rows = p.decode.frames.rows
+            piece.decode.frame_ends.extend(p.decode.frames.ends)
     return piece
 
 
@@ -224,6 +227,12 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             raise errors.Precondition(
                 f"step {plan.step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
                 "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
+            )
+        if not request.decodes_frames and any(p.decode is not None and p.decode.frames is not None for p in plan.pieces):
+            self.service.load_done(plan.load_id)
+            raise errors.Precondition(
+                f"step {plan.step} of job {job!r} stores quantized codes in zstd frames, which this client cannot read; "
+                "upgrade the ckptd client"
             )
         pieces = [_piece(p) for p in plan.pieces]
         return pb.PlanLoadResponse(

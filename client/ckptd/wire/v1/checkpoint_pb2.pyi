@@ -210,7 +210,7 @@ class SaveProgress(_message.Message):
     def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class PlanLoadRequest(_message.Message):
-    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes")
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class PlanLoadRequest(_message.Message):
     STRICT_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READ_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FRAMES_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     latest: bool
@@ -227,7 +228,8 @@ class PlanLoadRequest(_message.Message):
     strict: bool
     direct_read: bool
     decodes: bool
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ...) -> None: ...
+    decodes_frames: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ..., decodes_frames: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
@@ -256,16 +258,20 @@ class Piece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., fragment: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("codec", "block", "scales", "base")
+    __slots__ = ("codec", "block", "scales", "base", "frame_rows", "frame_ends")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    FRAME_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_ENDS_FIELD_NUMBER: _ClassVar[int]
     codec: str
     block: int
     scales: Piece
     base: Piece
-    def __init__(self, codec: _Optional[str] = ..., block: _Optional[int] = ..., scales: _Optional[_Union[Piece, _Mapping]] = ..., base: _Optional[_Union[Piece, _Mapping]] = ...) -> None: ...
+    frame_rows: int
+    frame_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, codec: _Optional[str] = ..., block: _Optional[int] = ..., scales: _Optional[_Union[Piece, _Mapping]] = ..., base: _Optional[_Union[Piece, _Mapping]] = ..., frame_rows: _Optional[int] = ..., frame_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanLoadResponse(_message.Message):
     __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation")
