@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import pytest
@@ -232,3 +233,66 @@ def test_codes_use_the_whole_range() -> None:
         codes, _ = encode(codec, x, Box.full(x.shape))
         flat = unpack4(codes) if codec.bits == 4 else codes
         assert int(flat.max()) == (codec.levels if codec.is_log else (codec.levels if codec.bits == 8 else codec.levels + 8))
+
+
+def golden_input(is_log: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Fixed values with magnitudes over 40 octaves, outliers, a zero row, a constant run, tiny values."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn((6, 301), generator=g) * torch.exp2(torch.empty((6, 1)).uniform_(-30, 10, generator=g))
+    x[:, ::7] *= 40
+    x[1, :] = 0.0
+    x[2, 130:] = 0.25
+    x[3, 5::3] = 1e-40
+    if is_log:
+        x = x.square()
+        x[4, ::5] = 0.0
+        x[5, 40] = 1e-45
+    return x.to(dtype)
+
+
+# sha256 (first 16 hex digits) of codes + scales + decoded values, as the first implementation
+# (commit 00a33b4) wrote them: the stored format and the decoded values must never change
+GOLDEN = [
+    ("lin-i8", 256, "float32", 0, "62d37b90ebc16362"),
+    ("lin-i8", 256, "float32", 100, "ba90754a137f228b"),
+    ("lin-i8", 256, "bfloat16", 0, "738b036a5416ce04"),
+    ("lin-i8", 256, "bfloat16", 100, "29175e969850a757"),
+    ("lin-i4", 128, "float32", 0, "4b889e34d3b00834"),
+    ("lin-i4", 128, "float32", 100, "d6cd5fa392d1f6b1"),
+    ("lin-i4", 128, "bfloat16", 0, "a9c5e4c770981ad9"),
+    ("lin-i4", 128, "bfloat16", 100, "d569b66b05f480c5"),
+    ("log-u8", 256, "float32", 0, "a3c0561ae7d06178"),
+    ("log-u8", 256, "float32", 100, "27eb80628eca38e0"),
+    ("log-u8", 256, "bfloat16", 0, "44dbe4ef8fc12bbf"),
+    ("log-u8", 256, "bfloat16", 100, "805f8622a56a1a36"),
+    ("log-u4", 128, "float32", 0, "326be6777abce41e"),
+    ("log-u4", 128, "float32", 100, "acb182f59774b4d9"),
+    ("log-u4", 128, "bfloat16", 0, "415ed9a97b4a9af7"),
+    ("log-u4", 128, "bfloat16", 100, "58c37f9ba434db2c"),
+    ("lin-i4", 6, "float32", 0, "5dc2ece3b948791e"),
+    ("lin-i4", 6, "float32", 100, "ea4cee74604ea540"),
+    ("lin-i4", 6, "bfloat16", 0, "63647552a3e82c3e"),
+    ("lin-i4", 6, "bfloat16", 100, "a9a152f1e71d5613"),
+    ("log-u4", 6, "float32", 0, "9da5125dd73633a0"),
+    ("log-u4", 6, "float32", 100, "22eac2a7fbc046f4"),
+    ("log-u4", 6, "bfloat16", 0, "7e5fef24b8719efb"),
+    ("log-u4", 6, "bfloat16", 100, "6fdcc03d7e441e48"),
+]
+
+
+@pytest.mark.parametrize("name, block, dtype, offset, digest", GOLDEN, ids=lambda v: str(v))
+def test_codes_and_decoded_values_match_the_golden_hashes(name: str, block: int, dtype: str, offset: int, digest: str) -> None:
+    codec = Codec(name, block)
+    x = golden_input(codec.is_log, getattr(torch, dtype))
+    box = Box((0, offset), tuple(x.shape))  # offset 100: a fragment whose first block is cut
+    codes, scales = encode(codec, x, box)
+    decoded = decode(codec, codes, scales, box, box)
+    data = b"".join(t.contiguous().numpy().tobytes() for t in (codes, scales, decoded))
+    assert hashlib.sha256(data).hexdigest()[:16] == digest
+
+
+def test_pack4_and_unpack4_on_every_byte() -> None:
+    every = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    nibbles = unpack4(every)
+    assert torch.equal(nibbles[..., 0::2], every & 0x0F) and torch.equal(nibbles[..., 1::2], every >> 4)
+    assert torch.equal(pack4(nibbles), every)

@@ -137,19 +137,29 @@ def codec_for(scheme: str | None, name: str, kind: str, dtype: str, shape: Seque
     return None
 
 
-def _blocked(x: torch.Tensor, offset: int, block: int, fill: float) -> torch.Tensor:
-    """x (*lead, n) padded with `fill` to whole logical blocks: (*lead, nblocks, block)."""
-    n = x.shape[-1]
+def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> torch.Tensor:
+    """x (r, n) as whole logical blocks (r, nblocks, block): a view when the row is whole blocks
+    (and `out` has x's dtype), else `out` (r, nblocks, block) holding x converted, zero padded."""
+    r, n = x.shape
     left = offset % block
-    total = nblocks(offset, n, block) * block
-    if left == 0 and total == n:
-        return x.reshape(*x.shape[:-1], total // block, block)
-    padded = torch.full((*x.shape[:-1], total), fill, dtype=x.dtype)
-    padded[..., left : left + n] = x
-    return padded.view(*x.shape[:-1], total // block, block)
+    nb = nblocks(offset, n, block)
+    if left == 0 and nb * block == n and x.dtype == out.dtype:
+        return x.reshape(r, nb, block)
+    flat = out.view(r, nb * block)
+    flat[:, :left].zero_()
+    flat[:, left + n :].zero_()
+    flat[:, left : left + n].copy_(x)
+    return out
 
 
-CHUNK_ELEMENTS: Final = 1 << 18  # rows are coded in chunks of about this many elements: temporaries stay in cache
+CHUNK_ELEMENTS: Final = 1 << 19  # rows are coded in chunks of about this many elements: temporaries stay in cache
+# y + _ROUND rounds y to an integer, half to even as torch.round does, for |y| < 2**22: the sum's
+# float32 bit pattern is 0x4B400000 + round(y), so its low byte is the code, wrapped as int8/uint8
+_ROUND: Final = 12582912.0  # 1.5 * 2**23
+
+
+def _chunk_rows(nb: int, block: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, nb * block))
 
 
 def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,22 +171,33 @@ def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch
     """
     if tuple(x.shape) != box.lengths or box.ndim < 1:
         raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
-    n = box.lengths[-1]
-    rows = x.reshape(-1, n)
-    codes = torch.empty((rows.shape[0], codec.codes_shape((n,))[0]), dtype=torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
-    scales = torch.empty((rows.shape[0], nblocks(box.offsets[-1], n, codec.block), codec.scale_width), dtype=torch.float32)
-    step = max(1, CHUNK_ELEMENTS // max(1, n))
-    for r in range(0, rows.shape[0], step):
-        _encode_rows(codec, rows[r : r + step], box.offsets[-1], codes[r : r + step], scales[r : r + step])
+    n, offset = box.lengths[-1], box.offsets[-1]
+    nb = nblocks(offset, n, codec.block)
+    count = math.prod(box.lengths[:-1])
+    codes = torch.empty((count, codec.codes_shape((n,))[0]), dtype=torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
+    scales = torch.empty((count, nb, codec.scale_width), dtype=torch.float32)
+    if codes.numel():
+        rows = x.reshape(count, n)
+        step = _chunk_rows(nb, codec.block)
+        work = torch.empty((min(step, count), nb, codec.block), dtype=torch.float32)  # reused by every chunk
+        padded = torch.empty_like(work) if nb * codec.block != n or offset % codec.block or x.dtype != torch.float32 else None
+        for r in range(0, count, step):
+            rr = slice(r, r + step)
+            _encode_rows(codec, rows[rr], offset, codes[rr], scales[rr], work, padded)
     return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
 
 
-def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-    """Code rows x (r, n) whose first column is logical column `offset` into codes_out, scales_out."""
-    x = x.to(torch.float32)
-    n, block, q = x.shape[-1], codec.block, codec.levels
+def _encode_rows(
+    codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Tensor, scales_out: torch.Tensor,
+    work: torch.Tensor, padded: torch.Tensor | None,
+) -> None:
+    """Code rows x (r, n) whose first column is logical column `offset` into codes_out, scales_out.
+    work, padded: float32 scratch of at least (r, nblocks, block)."""
+    r, n = x.shape
+    block, q = codec.block, codec.levels
     left = offset % block
-    xb = _blocked(x, offset, block, 0.0)  # (r, nb, B), a view when the row is whole blocks
+    work = work[:r]
+    xb = _blocked(x, offset, block, padded[:r] if padded is not None else work)  # (r, nb, B) float32
     if codec.is_log:
         hi_v = xb.amax(-1, keepdim=True)  # NaN propagates: checked below on the small tensor
         if bool(xb.amin() < 0):
@@ -185,8 +206,8 @@ def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Te
             raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
         # the smallest non-zero v per block without a mask: non-negative floats order as their
         # bit patterns; (bits - 1) & 0x7fffffff turns 0 into the largest int32 and keeps the order
-        bits = xb.view(torch.int32)
-        lo_bits = bits.sub(1).bitwise_and_(0x7FFFFFFF).amin(-1, keepdim=True).add_(1)
+        bits = torch.sub(xb.view(torch.int32), 1, out=work.view(torch.int32))
+        lo_bits = bits.bitwise_and_(0x7FFFFFFF).amin(-1, keepdim=True).add_(1)
         empty = lo_bits < 0  # a block of zeros: the largest int32 + 1
         lo_v = lo_bits.view(torch.float32)
         # log2 of sqrt(v) = 0.5 * log2(v): only the block's bounds need the square root's log
@@ -194,22 +215,37 @@ def _encode_rows(codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Te
         hi = torch.where(empty, 0.0, hi_v.log2() * 0.5)
         span = hi - lo
         inv = torch.where(span > 0, (q - 1) / span, 1.0)
-        # non-zero v: >= lo, so codes 1..Q; v == 0: log2 = -inf, clamped to -1, code 0
-        coded = xb.log2().mul_(0.5).sub_(lo).mul_(inv).round_().clamp_(-1, q - 1).add_(1)
-        codes = coded.to(torch.uint8)
         scales_out.copy_(torch.cat([lo, hi], dim=-1))
+        # code - 1 = round((0.5 * log2(v) - lo) * inv), computed as (log2(v) - 2 lo) * (inv / 2):
+        # scaling by 2 is exact, so every intermediate is the same real number rounded the same
+        # way. Non-zero v >= lo: 0..Q-1; v == 0: -inf, clamped to -1 (0xFF); 1 is added to the bytes
+        coded = torch.log2(xb, out=work).sub_(lo * 2).mul_(inv * 0.5).clamp_(min=-1).add_(_ROUND)
     else:
-        absmax = xb.abs().amax(-1, keepdim=True)
+        # max |x| without writing |x|: max(amax, -amin); abs_ turns a -0.0 of a zero block into 0.0
+        absmax = torch.maximum(xb.amax(-1, keepdim=True), xb.amin(-1, keepdim=True).neg_()).abs_()
         if not bool(torch.isfinite(absmax).all()):
             raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
         inv = torch.where(absmax > 0, q / absmax, 0.0)
-        coded = (xb * inv).round_().clamp_(-q, q)
-        codes = coded.to(torch.int8) if codec.bits == 8 else coded.add_(8).to(torch.uint8)
         scales_out.copy_(absmax)
-    codes = codes.view(x.shape[0], -1)[:, left : left + n]
+        if bool(torch.isinf(inv).any()):
+            # absmax < Q / float32 max: x * inv is +-inf, or nan for x == 0 (coded as 0)
+            coded = torch.mul(xb, inv, out=work).round_().clamp_(-q, q)
+            coded = coded.to(torch.int8) if codec.bits == 8 else coded.add_(8).to(torch.uint8)
+        else:
+            # |x * inv| <= Q (+ rounding): no clamp needed; int4 codes are q + 8
+            coded = torch.mul(xb, inv, out=work).add_(_ROUND + (0 if codec.bits == 8 else 8))
+    if coded.dtype == torch.float32:
+        coded = coded.view(torch.int32)
+    coded = coded.view(r, -1)[:, left : left + n]
     if codec.bits == 4:
-        codes = pack4(codes)
-    codes_out.copy_(codes)
+        coded = coded.to(torch.uint8)
+        if codec.is_log:
+            coded.add_(1)
+        codes_out.copy_(pack4(coded))
+    else:
+        codes_out.copy_(coded)
+        if codec.is_log:
+            codes_out.add_(1)
 
 
 def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
@@ -227,41 +263,71 @@ def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box,
     inside = relative(want, region)
     lead, cols = inside[:-1], inside[-1]
     c0, c1 = cols.start, cols.stop
-    part = codes[lead]
-    if codec.bits == 4:
-        b0, b1 = c0 // 2, (c1 + 1) // 2
-        part = unpack4(part[..., b0:b1])[..., c0 - 2 * b0 : c0 - 2 * b0 + (c1 - c0)]
-    else:
-        part = part[..., c0:c1]
     n = c1 - c0
+    part = codes[lead]
+    outer = part.shape[:-1]
     first_col = region.offsets[-1] + c0
     skip = first_col // codec.block - region.offsets[-1] // codec.block
     nb = nblocks(first_col, n, codec.block)
-    block_scales = scales[lead][..., skip : skip + nb, :]  # the blocks from the one holding column first_col
-    outer = part.shape[:-1]
-    rows = part.reshape(-1, n)
-    blocked = _blocked(rows, first_col, codec.block, 0)  # (r, nb, B): each element beside its block's scales
-    per_block = block_scales.reshape(-1, nb, codec.scale_width)
-    if codec.is_log:
-        # one value per (block, code), computed in float64 and rounded once: vectorized and
-        # scalar exp2 differ in the last float32 bit, and a slice must decode bit for bit as the
-        # whole piece does; then a lookup per element
-        values = torch.gather(_log_table(codec, per_block), -1, blocked.to(torch.int64))
+    out = torch.empty((math.prod(outer), n), dtype=torch.float32)
+    if out.numel():
+        rows = part.reshape(out.shape[0], part.shape[-1])
+        per_block = scales[lead][..., skip : skip + nb, :].reshape(-1, nb, codec.scale_width)  # from the block holding first_col
+        step = _chunk_rows(nb, codec.block)
+        for r in range(0, out.shape[0], step):
+            rr = slice(r, r + step)
+            _decode_rows(codec, rows[rr], per_block[rr], c0, first_col, out[rr])
+    return out.view(*outer, n)
+
+
+def _decode_rows(codec: Codec, rows: torch.Tensor, per_block: torch.Tensor, c0: int, first_col: int, out: torch.Tensor) -> None:
+    """Decode columns c0.. of stored code rows `rows` (c0: logical column first_col) into out (r, n)."""
+    r, n = out.shape
+    block = codec.block
+    if codec.bits == 4:
+        b0, b1 = c0 // 2, (c0 + n + 1) // 2
+        part = unpack4(rows[:, b0:b1])[:, c0 - 2 * b0 : c0 - 2 * b0 + n]
     else:
-        signed = blocked.to(torch.float32) if codec.bits == 8 else blocked.to(torch.float32) - 8
-        values = signed * (per_block[..., 0:1] / codec.levels)
-    left = first_col % codec.block
-    return values.reshape(rows.shape[0], -1)[:, left : left + n].reshape(*outer, n)
+        part = rows[:, c0 : c0 + n]
+    nb = per_block.shape[1]
+    left = first_col % block
+    whole = left == 0 and nb * block == n
+    if whole:
+        blocked, values = part.reshape(r, nb, block), out.view(r, nb, block)
+    else:  # pad codes are decoded and dropped
+        blocked = _blocked(part, first_col, block, torch.empty((r, nb, block), dtype=part.dtype))
+        values = torch.empty((r, nb, block), dtype=torch.float32)
+    if codec.is_log:
+        # one value per (block, code), then a lookup per element
+        torch.gather(_log_table(codec, per_block), -1, blocked.to(torch.int64), out=values)
+    else:
+        values.copy_(blocked)
+        if codec.bits == 4:
+            values.sub_(8)
+        values.mul_(per_block[..., 0:1] / codec.levels)
+    if not whole:
+        out.copy_(values.view(r, -1)[:, left : left + n])
 
 
 def _log_table(codec: Codec, bounds: torch.Tensor) -> torch.Tensor:
-    """(r, nb, Q + 1) float32: the decoded v of each code of each block (code 0: 0)."""
+    """(r, nb, Q + 1) float32: the decoded v of each code of each block (code 0: 0).
+
+    Computed in float64 and rounded once, with exp2 on a buffer padded to a multiple of 64
+    elements so that every value takes the same (vectorized) path: torch's vectorized and scalar
+    exp2 differ in the last bit, and a slice must decode bit for bit as the whole piece does.
+    """
     q = codec.levels
     lo, hi = bounds[..., 0:1].to(torch.float64), bounds[..., 1:2].to(torch.float64)
     k = torch.arange(q, dtype=torch.float64)
-    s = torch.exp2(lo + k * ((hi - lo) / (q - 1)))
-    v = (s * s).to(torch.float32).clamp_(min=_TINY)
-    return torch.cat([torch.zeros((*v.shape[:-1], 1), dtype=torch.float32), v], dim=-1)
+    count = lo.numel() * q
+    s = torch.zeros(-(-count // 64) * 64, dtype=torch.float64)
+    args = s[:count].view(*lo.shape[:-1], q)
+    torch.mul(k, (hi - lo) / (q - 1), out=args).add_(lo)
+    s = torch.exp2(s, out=s)
+    table = torch.empty((*lo.shape[:-1], q + 1), dtype=torch.float32)
+    table[..., 0] = 0.0
+    table[..., 1:].copy_(args.mul_(args)).clamp_(min=_TINY)
+    return table
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -269,14 +335,18 @@ def pack4(codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[-1]
     if n % 2:
         codes = torch.cat([codes, torch.zeros((*codes.shape[:-1], 1), dtype=torch.uint8)], dim=-1)
-    pairs = codes.view(*codes.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    elif not codes.is_contiguous() or codes.storage_offset() % 2:
+        codes = codes.clone(memory_format=torch.contiguous_format)
+    # each pair as one little-endian int16: element 2i is its low byte, 2i+1 its high byte
+    w = codes.view(torch.int16)
+    return w.bitwise_or((w >> 4).bitwise_and_(0xF0)).to(torch.uint8)
 
 
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack4: (*lead, m) bytes -> (*lead, 2m) codes 0..15."""
-    out = torch.stack([packed & 0x0F, packed >> 4], dim=-1)
-    return out.view(*packed.shape[:-1], packed.shape[-1] * 2)
+    w = packed.to(torch.int16, memory_format=torch.contiguous_format)
+    # low nibble to the low byte, high nibble to the high byte of each int16
+    return w.bitwise_or((w << 4)).bitwise_and_(0x0F0F).view(torch.uint8)
 
 
 def residual_encode(master: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
