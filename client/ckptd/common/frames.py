@@ -70,13 +70,8 @@ def compress(codes: np.ndarray, row_bytes: int, frame_bytes: int = FRAME_BYTES) 
     step = rows * row_bytes
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     frames = [compressor.compress(codes[i : i + step].data) for i in range(0, len(codes), step)]
-    out = np.empty(sum(len(f) for f in frames), dtype=np.uint8)
-    ends, cursor = [], 0
-    for frame in frames:
-        out[cursor : cursor + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
-        cursor += len(frame)
-        ends.append(cursor)
-    return out, Frames(rows, tuple(ends))
+    ends = np.cumsum([len(f) for f in frames]).tolist()
+    return np.frombuffer(b"".join(frames), dtype=np.uint8), Frames(rows, tuple(ends))
 
 
 def decompress(data: np.ndarray, frames: Frames, f0: int, f1: int, row_bytes: int, total_rows: int) -> np.ndarray:

@@ -13,6 +13,7 @@ dir → ckptd.index.json (temp, fsync, rename, fsync dir) → `latest`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -220,7 +221,7 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         finishes: list[Future[tuple[FileRecord, list[_Placed]]]] = []
         try:
             recycled = storage.take_recycled(req.job)
-            later_files = []
+            later_files, plain_files = [], []
             for layout in layouts:
                 fixed = [t for t in layout.tensors if not _coded_later(t, encoded)]
                 later = [t for t in layout.tensors if _coded_later(t, encoded)]
@@ -229,6 +230,7 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                 path = step_dir / layout.name
                 fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, header_size + layout.nbytes)
                 opened.append((fd, path))
+                file_writes = []
                 for tensor, entry in zip(fixed, entries):
                     offset = header_size + entry.begin
                     pending = encoded.get((tensor.name, tensor.box))
@@ -237,21 +239,26 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                     else:
                         digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
                     writes.append((tensor, layout.name, offset, digest))
+                    file_writes.append(digest)
                 if later:
-                    later_files.append((fd, layout.name, fixed, later, header_size))
+                    later_files.append((fd, layout.name, fixed, later, header_size, file_writes))
                 else:
+                    plain_files.append((fd, file_writes))
                     _pwrite_all(fd, memoryview(header), 0)
                     files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
-            # after every plain write, so that no writer waits for an encoding while plain writes queue
-            for fd, name, fixed, later, header_size in later_files:
-                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, tensors, throttle, req.node))
+            # Queued after every write (a job waits only for jobs queued before it, so none
+            # deadlocks): each plain file is fsynced as soon as it is written, while encodings
+            # may still run; files with coded tensors are finished and fsynced once coded.
+            syncs = [pool.submit(_sync_when_written, fd, file_writes) for fd, file_writes in plain_files]
+            for fd, name, fixed, later, header_size, file_writes in later_files:
+                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, tensors, throttle, req.node, file_writes))
             placed += [_Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
             for finish in finishes:
                 record, coded = finish.result()
                 files.append(record)
                 placed += coded
-            for fsync_job in [pool.submit(os.fsync, fd) for fd, _ in opened]:
-                fsync_job.result()
+            for sync in syncs:
+                sync.result()
         finally:
             for fd, _ in opened:
                 os.close(fd)
@@ -295,12 +302,21 @@ def _header_room(fixed: list[StoredTensor], later: list[StoredTensor], tensors: 
     return len(header) + HEADER_ALIGN * len(later)  # spare room: a compressed size can exceed its codes by a few bytes
 
 
+def _sync_when_written(fd: int, writes: list[Future[Any]]) -> None:
+    """fsync a file once its writes are done (raises what a write raised)."""
+    for write in writes:
+        write.result()
+    os.fsync(fd)
+
+
 def _finish_file(
     fd: int, name: str, fixed: list[StoredTensor], later: list[StoredTensor], header_size: int,
     encoded: dict[tuple[str, Box], "_Encoded"], tensors: dict[str, LogicalTensor], throttle: Throttle, node: int,
+    fixed_writes: list[Future[Any]],
 ) -> tuple[FileRecord, list[_Placed]]:
     """Wait for the encodings of `later`, write them after the `fixed` tensors, then the header
-    (padded to `header_size`); cut the file to its size. Returns its record and their places."""
+    (padded to `header_size`); cut the file to its size and fsync it once `fixed_writes` are
+    done too. Returns its record and their places."""
     cursor = header_size + sum(t.nbytes for t in fixed)
     placed = []
     for t in later:
@@ -312,6 +328,8 @@ def _finish_file(
             data = coded.data
         elif t.role == "scales":
             stored, data = t, coded.scales
+        elif coded.frames is None:
+            stored, data = t, coded.data
         else:
             stored = StoredTensor(t.name, t.key, "U8", (len(coded.data),), t.box, t.node)
             data = coded.data
@@ -322,6 +340,7 @@ def _finish_file(
     header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
     _pwrite_all(fd, memoryview(header), 0)
     os.ftruncate(fd, cursor)
+    _sync_when_written(fd, fixed_writes)
     return FileRecord(name, cursor, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
 
 
@@ -435,7 +454,7 @@ def _compress(
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
     out: list[StoredTensor] = []
-    encoded: dict[tuple[str, Box], _Encoded] = {}
+    jobs: list[tuple[StoredTensor, str, int, Callable[[], _Coded]]] = []  # (tensor, codec, block, encoding)
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
@@ -445,16 +464,19 @@ def _compress(
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
             if t.node == req.node:
-                encoded[(t.name, t.box)] = _Encoded(codec.name, codec.block, encoders.submit(_quantize, quant, codec, source, t, progress, req.step))
+                jobs.append((t, codec.name, codec.block, functools.partial(_quantize, quant, codec, source, t, progress, req.step)))
         elif model is not None and mode == "drop":
             cast[t.name] = model
             progress.add(t.nbytes if t.node == req.node else 0)
         elif model is not None:
             out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
             if t.node == req.node:
-                encoded[(t.name, t.box)] = _Encoded(quant.RESIDUAL, 0, encoders.submit(_residual, quant, source, t, model, progress))
+                jobs.append((t, quant.RESIDUAL, 0, functools.partial(_residual, quant, source, t, model, progress)))
         else:
             out.append(t)
+    # largest first: the encoder threads finish together instead of one coding the last big tensor alone
+    jobs.sort(key=lambda job: -job[0].nbytes)
+    encoded = {(t.name, t.box): _Encoded(codec, block, encoders.submit(encode)) for t, codec, block, encode in jobs}
     return out, encoded, cast
 
 
@@ -496,8 +518,11 @@ def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress
         log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
         return _Coded(source.gather(t), lossless_why=problem)
     flat = codes.reshape(-1).view(_torch_uint8()).numpy()
+    scale_bytes = scales.reshape(-1).view(_torch_uint8()).numpy()
+    if codec.bits != 4:
+        return _Coded(flat, scale_bytes)
     data, table = frames.compress(flat, len(flat) // codes.shape[0])
-    return _Coded(data, scales.reshape(-1).view(_torch_uint8()).numpy(), table)
+    return _Coded(data, scale_bytes, table)
 
 
 def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> _Coded:
