@@ -30,6 +30,8 @@ import xxhash
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
 from ckptd.common.chunks import ChunkHasher, chunk_bytes_for
+from ckptd.common.frames import Frames
+from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
@@ -251,7 +253,7 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
             # may still run; files with coded tensors are finished and fsynced once coded.
             syncs = [pool.submit(_sync_when_written, fd, file_writes) for fd, file_writes in plain_files]
             for fd, name, fixed, later, header_size, file_writes in later_files:
-                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, tensors, throttle, req.node, file_writes))
+                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, source, progress, throttle, req.node, file_writes))
             placed += [_Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
             for finish in finishes:
                 record, coded = finish.result()
@@ -311,32 +313,29 @@ def _sync_when_written(fd: int, writes: list[Future[Any]]) -> None:
 
 def _finish_file(
     fd: int, name: str, fixed: list[StoredTensor], later: list[StoredTensor], header_size: int,
-    encoded: dict[tuple[str, Box], "_Encoded"], tensors: dict[str, LogicalTensor], throttle: Throttle, node: int,
+    encoded: dict[tuple[str, Box], "_Encoded"], source: "_Source", progress: Progress, throttle: Throttle, node: int,
     fixed_writes: list[Future[Any]],
 ) -> tuple[FileRecord, list[_Placed]]:
-    """Wait for the encodings of `later`, write them after the `fixed` tensors, then the header
-    (padded to `header_size`); cut the file to its size and fsync it once `fixed_writes` are
-    done too. Returns its record and their places."""
+    """Wait for the encodings of `later`, write them after the `fixed` tensors (a tensor that
+    could not be quantized: its values, from the arenas), then the header (padded to
+    `header_size`); cut the file to its size and fsync it once `fixed_writes` are done too.
+    Returns its record and their places."""
     cursor = header_size + sum(t.nbytes for t in fixed)
     placed = []
     for t in later:
         coded = encoded[(t.name, t.box)].future.result()
-        if coded.lossless_why and t.role == "scales":
+        if coded is None and t.role == "scales":
             continue  # stored as it is: no scales
-        if coded.lossless_why:
-            stored = StoredTensor(t.name, t.key, tensors[t.name].dtype, t.box.lengths, t.box, t.node)
-            data = coded.data
-        elif t.role == "scales":
-            stored, data = t, coded.scales
-        elif coded.frames is None:
-            stored, data = t, coded.data
+        if coded is None:
+            stored = StoredTensor(t.name, t.key, source.tensors[t.name].dtype, t.box.lengths, t.box, t.node)
+            digest, chunks = _write_tensor(fd, source.arenas, source.pieces(stored, cursor), progress, throttle)
         else:
-            stored = StoredTensor(t.name, t.key, "U8", (len(coded.data),), t.box, t.node)
-            data = coded.data
-        assert data is not None and len(data) == stored.nbytes
-        digest, chunks = _write_bytes(fd, memoryview(data), cursor, throttle)
+            data = coded.scales if t.role == "scales" else coded.data
+            assert data is not None
+            stored = t if t.role == "scales" or coded.frames is None else StoredTensor(t.name, t.key, "U8", (len(data),), t.box, t.node)
+            digest, chunks = _write_bytes(fd, memoryview(data), cursor, throttle)
         placed.append(_Placed(stored, name, cursor, digest, chunks))
-        cursor += len(data)
+        cursor += stored.nbytes
     header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
     _pwrite_all(fd, memoryview(header), 0)
     os.ftruncate(fd, cursor)
@@ -405,25 +404,24 @@ ENCODE_THREADS = min(4, os.cpu_count() or 1)
 
 @dataclass(frozen=True)
 class _Coded:
-    """An encoded tensor's bytes, flat uint8: `data` is what is stored under its key (codes in
-    zstd frames with their table `frames`, or a master weight's residual) and `scales` its
-    scales. `lossless_why` non-empty: the values could not be quantized (why), and `data` holds
-    them as they are."""
+    """An encoded tensor's bytes, flat uint8: `data` is what is stored under its key (codes, in
+    zstd frames when `frames` is their table, or a master weight's residual) and `scales` its
+    scales."""
 
     data: np.ndarray
     scales: np.ndarray | None = None
-    frames: Any = None  # ckptd.common.frames.Frames
-    lossless_why: str = ""
+    frames: Frames | None = None
 
 
 @dataclass(frozen=True)
 class _Encoded:
     """A stored tensor whose bytes are made in memory: quantized codes (block > 0) or a master
-    weight's residual (block 0). `codec`/`block` go into the index's QuantRecord."""
+    weight's residual (block 0). `codec`/`block` go into the index's QuantRecord. The future
+    gives None when the values could not be quantized: they are stored as they are."""
 
     codec: str
     block: int
-    future: Future[_Coded]
+    future: Future[_Coded | None]
 
 
 def _compress(
@@ -501,11 +499,9 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded:
-    """The tensor's codes in zstd frames and its scales; its values as they are when they
-    cannot be quantized (logged)."""
-    from ckptd.common import frames
-
+def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded | None:
+    """The tensor's codes (int4: in zstd frames) and its scales; None (logged) when its values
+    cannot be quantized: the file's writer then stores them as they are."""
     problem = ""
     with source.values(t) as values:
         try:
@@ -513,15 +509,15 @@ def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress
         except quant.QuantError as exc:
             problem = str(exc)
         del values  # no export of an arena view may outlive the block
-    progress.add(t.nbytes)
     if problem:
         log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
-        return _Coded(source.gather(t), lossless_why=problem)
+        return None
+    progress.add(t.nbytes)
     flat = codes.reshape(-1).view(_torch_uint8()).numpy()
     scale_bytes = scales.reshape(-1).view(_torch_uint8()).numpy()
     if codec.bits != 4:
         return _Coded(flat, scale_bytes)
-    data, table = frames.compress(flat, len(flat) // codes.shape[0])
+    data, table = compress_frames(flat, len(flat) // codes.shape[0])
     return _Coded(data, scale_bytes, table)
 
 
@@ -562,12 +558,11 @@ def _fragment_records(
             continue
         quant = None
         done = encoded.get((t.name, t.box))
-        if done is not None and done.block == 0:
-            model = next(m for m in placed if m.tensor.name == "model/" + t.name.split("/", 1)[1] and m.tensor.role == "data")
-            quant = QuantRecord(done.codec, base=side(model))
+        if done is not None and done.block == 0:  # a residual: to the whole model weight of the same name
+            quant = QuantRecord(done.codec, base=side(where[("model/" + t.name.split("/", 1)[1], t.box, "data")]))
         elif done is not None:
             coded = done.future.result()
-            if not coded.lossless_why:
+            if coded is not None:
                 quant = QuantRecord(done.codec, done.block, scales=side(where[(t.name, t.box, "scales")]), frames=coded.frames)
         records.append((t.name, fragment(p, quant)))
     for name, model in cast.items():
