@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Final, Sequence
 
+import numpy as np
 import torch
 
 from ckptd.common.boxes import Box, relative
@@ -219,7 +220,7 @@ def _encode_rows(
         # code - 1 = round((0.5 * log2(v) - lo) * inv), computed as (log2(v) - 2 lo) * (inv / 2):
         # scaling by 2 is exact, so every intermediate is the same real number rounded the same
         # way. Non-zero v >= lo: 0..Q-1; v == 0: -inf, clamped to -1 (0xFF); 1 is added to the bytes
-        coded = torch.log2(xb, out=work).sub_(lo * 2).mul_(inv * 0.5).clamp_(min=-1).add_(_ROUND)
+        coded = _log2(xb, out=work).sub_(lo * 2).mul_(inv * 0.5).clamp_(min=-1).add_(_ROUND)
     else:
         # max |x| without writing |x|: max(amax, -amin); abs_ turns a -0.0 of a zero block into 0.0
         absmax = torch.maximum(xb.amax(-1, keepdim=True), xb.amin(-1, keepdim=True).neg_()).abs_()
@@ -246,6 +247,15 @@ def _encode_rows(
         codes_out.copy_(coded)
         if codec.is_log:
             codes_out.add_(1)
+
+
+def _log2(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """torch.log2(x, out=out) for float32 on the CPU, through NumPy's vectorized log2: five
+    times faster than torch's (MKL VML's high accuracy kernel) on this project's machines, and
+    as accurate (within 1 ulp) for what it feeds: a rounding to at most 255 levels."""
+    with np.errstate(divide="ignore"):  # log2(0) = -inf is wanted: zeros take code 0
+        np.log2(x.numpy(), out=out.numpy())
+    return out
 
 
 def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
