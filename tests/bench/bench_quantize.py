@@ -14,8 +14,11 @@ One run, one state per setting, everything through a real daemon and the real cl
 2. Throughput on this machine: encode and decode GB/s of each codec (fp32 input bytes per
    second), with and without the entropy coding of the codes, the zstd byte-plane
    compressor's GB/s, and the write+fsync floor of the same disk.
-3. Time to durable: save() to wait_durable() of the mixed state, lossless vs O1 vs O2
-   (medians of --reps, saves interleaved).
+3. Time to durable: save() to wait_durable() of the mixed state, lossless vs O1 vs O2 vs
+   O2 + drop, in two regimes: recycled files (default retention: the files of deleted steps are
+   overwritten in place) and new files (a daemon that keeps every step allocates new blocks for
+   each save). Rounds of one save per variant, order rotated per round; ratios are paired
+   within a round, so the machine's drift between rounds cancels.
 
 The state is synthetic but shaped like a transformer (embeddings, attention and MLP matrices,
 norms) with value distributions like trained ones: weights N(0, 0.02), first moments signed
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import struct
 import tempfile
@@ -216,20 +220,47 @@ def write_floor(out_dir: Path, nbytes: int, reps: int) -> float:
     return statistics.median(times) / nbytes
 
 
-def durable_times(daemon: Any, params: float, reps: int) -> dict[str, list[float]]:
+DURABLE_VARIANTS = {"lossless": ("none", "keep"), "O1": ("O1", "keep"), "O2": ("O2", "keep"), "O2 + drop": ("O2", "drop")}
+# A daemon with the default retention overwrites the files of deleted steps (the steady state of
+# a training run); one that keeps every step writes new files, so every save allocates new blocks.
+DURABLE_REGIMES = {"recycled files": 3, "new files": 0}
+
+
+def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last: int) -> dict[str, list[float]]:
+    """Seconds from save() to wait_durable() of the mixed state per variant: `reps` rounds, each
+    saving every variant once in an order rotated per round (each variant follows each other
+    equally often: a save inherits the previous one's writeback). Each variant is its own job,
+    as in a training run that always saves the same way: with retention, a save overwrites the
+    files of its own job's deleted steps. Warm-up rounds first: new arenas, and until retention
+    deletes a step there is nothing to recycle."""
     state, _ = synthetic_state("mixed", params, seed=3)
-    times: dict[str, list[float]] = {"lossless": [], "O1": [], "O2": [], "O2 + drop": []}
-    options = {"lossless": ("none", "keep"), "O1": ("O1", "keep"), "O2": ("O2", "keep"), "O2 + drop": ("O2", "drop")}
-    step = 0
-    with CheckpointClient("durable", address=daemon.address, on_error="raise") as ckpt:
-        for rep in range(reps + 1):  # the first round warms up (new arenas, new blocks)
-            for name, (scheme, master) in options.items():
-                step += 1
+    names = list(DURABLE_VARIANTS)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    root = out_dir / f"root-keep-{keep_last}"
+    daemon = start_daemon(root, shm / f"keep-{keep_last}.sock", ["--shm-dir", str(shm), "--keep-last", str(keep_last)])
+    clients = {name: CheckpointClient(f"durable-{i}", address=daemon.address, on_error="raise") for i, name in enumerate(names)}
+    try:
+        step = 0
+        for rnd in range(-(keep_last + 1), reps):
+            step += 1
+            for i in range(len(names)):
+                name = names[(i + rnd) % len(names)]
+                scheme, master = DURABLE_VARIANTS[name]
                 started = time.perf_counter()
-                ckpt.save(step, state, quantize=scheme, master_weights=master).wait_durable(timeout=1800)
-                if rep:
+                clients[name].save(step, state, quantize=scheme, master_weights=master).wait_durable(timeout=1800)
+                if rnd >= 0:
                     times[name].append(time.perf_counter() - started)
+    finally:
+        for client in clients.values():
+            client.close()
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
     return times
+
+
+def paired_ratios(times: dict[str, list[float]], name: str) -> list[float]:
+    """Per round: the variant's time over the lossless save's of the same round."""
+    return [t / base for t, base in zip(times[name], times["lossless"])]
 
 
 def main() -> None:
@@ -245,7 +276,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"params": args.params}
     with tempfile.TemporaryDirectory(prefix="ckptd-bq-", dir="/dev/shm") as shm, tempfile.TemporaryDirectory(prefix="ckptd-bq-", dir=args.out) as tmp:
-        daemon = start_daemon(Path(tmp) / "root", Path(shm) / "d.sock", ["--shm-dir", shm, "--keep-last", "0" if "durable" in args.skip else "3"])
+        daemon = start_daemon(Path(tmp) / "root", Path(shm) / "d.sock", ["--shm-dir", shm, "--keep-last", "0"])
         try:
             if "bytes" not in args.skip:
                 rows = save_variants(daemon, "mixed", args.params) + save_variants(daemon, "fp32", args.params)
@@ -274,13 +305,20 @@ def main() -> None:
                           f"decode {r['decode_gbps']:.2f}, with frames {r['entropy_decode_gbps']:.2f}  "
                           f"stored {r['raw_fraction']:.3f} of the fp32 bytes, with frames {r['stored_fraction']:.3f}; "
                           f"break-even encode speed vs the floor {breakeven:.2f} GB/s")
-            if "durable" not in args.skip:
-                times = durable_times(daemon, args.params, args.reps)
-                results["durable"] = times
-                for name, ts in times.items():
-                    print(f"time to durable, mixed state, {name:<10} median {statistics.median(ts):.3f} s  [{min(ts):.3f} - {max(ts):.3f}]  n={len(ts)}")
         finally:
             daemon.stop()
+        if "durable" not in args.skip:
+            results["durable"] = {}
+            for regime, keep_last in DURABLE_REGIMES.items():
+                times = durable_times(Path(tmp), Path(shm), args.params, args.reps, keep_last)
+                results["durable"][regime] = times
+                for name, ts in times.items():
+                    line = f"time to durable, mixed state, {regime:<14} {name:<10} median {statistics.median(ts):.3f} s  [{min(ts):.3f} - {max(ts):.3f}]"
+                    if name != "lossless":
+                        r = sorted(paired_ratios(times, name))
+                        q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
+                        line += f"  vs lossless, same round: median {statistics.median(r):.2f}x [quartiles {q1:.2f} - {q3:.2f}]"
+                    print(line + f"  n={len(ts)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
