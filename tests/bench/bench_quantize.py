@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "codecs", "durable"])
+    parser.add_argument("--regimes", nargs="*", default=list(DURABLE_REGIMES), choices=list(DURABLE_REGIMES), help="time to durable: which regimes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -309,8 +310,8 @@ def main() -> None:
             daemon.stop()
         if "durable" not in args.skip:
             results["durable"] = {}
-            for regime, keep_last in DURABLE_REGIMES.items():
-                times = durable_times(Path(tmp), Path(shm), args.params, args.reps, keep_last)
+            for regime in args.regimes:
+                times = durable_times(Path(tmp), Path(shm), args.params, args.reps, DURABLE_REGIMES[regime])
                 results["durable"][regime] = times
                 for name, ts in times.items():
                     line = f"time to durable, mixed state, {regime:<14} {name:<10} median {statistics.median(ts):.3f} s  [{min(ts):.3f} - {max(ts):.3f}]"
