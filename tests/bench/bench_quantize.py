@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import struct
@@ -201,7 +202,6 @@ def codec_throughput(reps: int) -> list[dict[str, Any]]:
 
 def write_floor(out_dir: Path, nbytes: int, reps: int) -> float:
     """Seconds per byte written and fsynced (median), 64 MiB writes into a new file each rep."""
-    import os
 
     buf = np.random.default_rng(0).integers(0, 255, 64 * 2**20, dtype=np.uint8)
     times = []
@@ -226,8 +226,15 @@ DURABLE_VARIANTS = {"lossless": ("none", "keep"), "O1": ("O1", "keep"), "O2": ("
 DURABLE_REGIMES = {"recycled files": 3, "new files": 0}
 
 
-def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last: int) -> dict[str, list[float]]:
-    """Seconds from save() to wait_durable() of the mixed state per variant: `reps` rounds, each
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds from save() to wait_durable() of the mixed state per variant, and the daemon's CPU
+    seconds in the same span (its encoding and writing; the copy is the trainer's): `reps` rounds, each
     saving every variant once in an order rotated per round (each variant follows each other
     equally often: a save inherits the previous one's writeback). Each variant is its own job,
     as in a training run that always saves the same way: with retention, a save overwrites the
@@ -236,6 +243,7 @@ def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last:
     state, _ = synthetic_state("mixed", params, seed=3)
     names = list(DURABLE_VARIANTS)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     root = out_dir / f"root-keep-{keep_last}"
     daemon = start_daemon(root, shm / f"keep-{keep_last}.sock", ["--shm-dir", str(shm), "--keep-last", str(keep_last)])
     clients = {name: CheckpointClient(f"durable-{i}", address=daemon.address, on_error="raise") for i, name in enumerate(names)}
@@ -246,16 +254,17 @@ def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last:
             for i in range(len(names)):
                 name = names[(i + rnd) % len(names)]
                 scheme, master = DURABLE_VARIANTS[name]
-                started = time.perf_counter()
+                started, cpu_before = time.perf_counter(), process_cpu_s(daemon.popen.pid)
                 clients[name].save(step, state, quantize=scheme, master_weights=master).wait_durable(timeout=1800)
                 if rnd >= 0:
                     times[name].append(time.perf_counter() - started)
+                    cpu[name].append(process_cpu_s(daemon.popen.pid) - cpu_before)
     finally:
         for client in clients.values():
             client.close()
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return times
+    return times, cpu
 
 
 def paired_ratios(times: dict[str, list[float]], name: str) -> list[float]:
@@ -311,15 +320,15 @@ def main() -> None:
         if "durable" not in args.skip:
             results["durable"] = {}
             for regime in args.regimes:
-                times = durable_times(Path(tmp), Path(shm), args.params, args.reps, DURABLE_REGIMES[regime])
-                results["durable"][regime] = times
+                times, cpu = durable_times(Path(tmp), Path(shm), args.params, args.reps, DURABLE_REGIMES[regime])
+                results["durable"][regime] = {"seconds": times, "daemon_cpu_seconds": cpu}
                 for name, ts in times.items():
                     line = f"time to durable, mixed state, {regime:<14} {name:<10} median {statistics.median(ts):.3f} s  [{min(ts):.3f} - {max(ts):.3f}]"
                     if name != "lossless":
                         r = sorted(paired_ratios(times, name))
                         q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
                         line += f"  vs lossless, same round: median {statistics.median(r):.2f}x [quartiles {q1:.2f} - {q3:.2f}]"
-                    print(line + f"  n={len(ts)}")
+                    print(line + f"  daemon CPU {statistics.median(cpu[name]):.3f} s  n={len(ts)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
