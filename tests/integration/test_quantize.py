@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
 from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
@@ -128,6 +128,29 @@ def test_resharded_load_equals_the_whole_tensor_sliced(daemon, dim: int, parts: 
             client.load({"optimizer": {"state": {"w": mine}}})
         for field in mine:
             assert torch.equal(mine[field], whole[field].tensor_split(parts, dim)[rank]), (field, rank)
+
+
+def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> None:
+    """Scale tensors carry checksums of their own (whole and per chunk): `ckptd verify` and a
+    load that reads only some rows of them both find a flipped byte."""
+    g = torch.Generator().manual_seed(5)
+    m = torch.randn(300, 1024, generator=g) * 1e-3
+    with CheckpointClient("bad-scales", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"optimizer": {"state": {"w": {"exp_avg": m}}}}, quantize="O1").wait_durable(timeout=60)
+    step_dir = daemon.root / "bad-scales" / "step-00000001"
+    scales = index_of(daemon, "bad-scales", 1).by_name()["optimizer/state/w/exp_avg"].fragments[0].quant.scales
+    assert scales is not None and scales.chunk_bytes and scales.chunk_xxh3
+    with open(step_dir / scales.file, "r+b") as f:  # the last row's scales: read only by the last rank
+        f.seek(scales.offset + scales.nbytes - 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    assert verify.returncode != 0 and "@scales" in verify.stdout and "does not match its checksum" in verify.stdout, verify.stdout
+    rules = LayoutRules([Rule(r"w", Split(dim=0))])
+    with CheckpointClient("bad-scales", address=daemon.address, on_error="raise", rank=2, world_size=3, layout=rules, coords=RankCoords(2, 3)) as client:
+        with pytest.raises(CheckpointError, match="checksum"):
+            client.load({"optimizer": {"state": {"w": {"exp_avg": torch.empty(100, 1024)}}}})
 
 
 def test_client_reads_any_slice_like_the_whole(daemon) -> None:

@@ -144,18 +144,24 @@ class SideRecord:
     offset: int  # absolute byte offset in the file
     nbytes: int
     checksum: str
+    chunk_bytes: int = 0  # chunk checksums as in FragmentRecord; 0 and "": not recorded
+    chunk_xxh3: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "file": self.file, "key": self.key, "dtype": self.dtype, "shape": list(self.shape),
             "offset": self.offset, "nbytes": self.nbytes, "checksum": self.checksum,
         }
+        if self.chunk_bytes:
+            doc["chunks"] = {"bytes": self.chunk_bytes, "xxh3": self.chunk_xxh3}
+        return doc
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "SideRecord":
+        chunks = d.get("chunks", {})
         return SideRecord(
             str(d["file"]), str(d["key"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
-            int(d["offset"]), int(d["nbytes"]), str(d["checksum"]),
+            int(d["offset"]), int(d["nbytes"]), str(d["checksum"]), int(chunks.get("bytes", 0)), str(chunks.get("xxh3", "")),
         )
 
 

@@ -470,14 +470,14 @@ def _compress(
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
             if t.node == req.node:
-                jobs.append((t, codec.name, codec.block, functools.partial(_quantize, quant, codec, source, t, progress, req.step)))
+                jobs.append((t, codec.name, codec.block, functools.partial(_quantize, codec, source, t, progress, req.step)))
         elif model is not None and mode == "drop":
             cast[t.name] = model
             progress.add(t.nbytes if t.node == req.node else 0)
         elif model is not None:
             out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
             if t.node == req.node:
-                jobs.append((t, quant.RESIDUAL, 0, functools.partial(_residual, quant, source, t, model, progress)))
+                jobs.append((t, quant.RESIDUAL, 0, functools.partial(_residual, source, t, model, progress)))
         else:
             out.append(t)
     # largest first: the encoder threads finish together instead of one coding the last big tensor alone
@@ -507,9 +507,11 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded | None:
+def _quantize(codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded | None:
     """The tensor's codes (int4: in zstd frames) and its scales; None (logged) when its values
     cannot be quantized: the file's writer then stores them as they are."""
+    from ckptd.common import quant  # imported by _compress already: a lookup
+
     problem = ""
     with source.values(t) as values:
         try:
@@ -521,27 +523,29 @@ def _quantize(quant: Any, codec: Any, source: _Source, t: StoredTensor, progress
         log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
         return None
     progress.add(t.nbytes)
-    flat = codes.reshape(-1).view(_torch_uint8()).numpy()
-    scale_bytes = scales.reshape(-1).view(_torch_uint8()).numpy()
+    flat, scale_bytes = _flat_bytes(codes), _flat_bytes(scales)
     if codec.bits != 4:
         return _Coded(flat, scale_bytes)
     data, table = compress_frames(flat, len(flat) // codes.shape[0])
     return _Coded(data, scale_bytes, table)
 
 
-def _residual(quant: Any, source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> _Coded:
+def _residual(source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> _Coded:
     """The master weight's bf16 residual to its model weight, as flat bytes."""
+    from ckptd.common import quant
+
     with source.values(t) as master, source.values(model) as weights:
         residual = quant.residual_encode(master, weights)
         del master, weights  # no export of an arena view may outlive the block
     progress.add(t.nbytes)
-    return _Coded(residual.reshape(-1).view(_torch_uint8()).numpy())
+    return _Coded(_flat_bytes(residual))
 
 
-def _torch_uint8() -> Any:
+def _flat_bytes(tensor: Any) -> np.ndarray:
+    """A contiguous torch tensor's bytes as a flat uint8 array (no copy; bf16 included)."""
     import torch
 
-    return torch.uint8
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _fragment_records(
@@ -553,7 +557,8 @@ def _fragment_records(
     where = {(p.tensor.name, p.tensor.box, p.tensor.role): p for p in placed}
 
     def side(p: _Placed) -> SideRecord:
-        return SideRecord(p.file, p.tensor.key, p.tensor.dtype, p.tensor.shape, p.offset, p.tensor.nbytes, checksum_name(p.digest))
+        t = p.tensor
+        return SideRecord(p.file, t.key, t.dtype, t.shape, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks)
 
     def fragment(p: _Placed, quant: QuantRecord | None) -> FragmentRecord:
         t = p.tensor

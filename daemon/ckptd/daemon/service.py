@@ -1026,7 +1026,12 @@ class CheckpointService:
                         sides.append(None)
                         continue
                     side_path = await path_of(side.file, side.offset, side.nbytes)
-                    sides.append(PieceInfo(spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum))
+                    sides.append(
+                        PieceInfo(
+                            spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum,
+                            chunk_bytes=side.chunk_bytes, chunk_xxh3=side.chunk_xxh3,
+                        )
+                    )
                 decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1], frag.quant.frames)
             out.append(
                 PieceInfo(
