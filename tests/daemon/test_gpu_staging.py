@@ -13,6 +13,7 @@ import pytest
 from ckptd.common.cudart import CudaRuntimeError
 from ckptd.daemon.arena import Arena
 from ckptd.daemon.errors import InvalidRequest, NotFound
+from ckptd.daemon import gpu
 from ckptd.daemon.gpu import REGISTER_CHUNK, GpuStaging, StagedRange
 
 UUID_A = "a" * 32
@@ -145,5 +146,23 @@ def test_buffers_of_dead_trainers_are_closed() -> None:
     staging.shutdown()
 
 
-def test_registration_chunks_are_at_most_one_gib() -> None:
+def test_registration_chunks_are_at_most_one_gib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An arena is page-locked in pieces of REGISTER_CHUNK (1 GiB: larger single registrations
+    fail on some drivers), and every piece is unlocked when the arena closes."""
     assert REGISTER_CHUNK == 1 << 30
+    monkeypatch.setattr(gpu, "REGISTER_CHUNK", 4096)
+    rt = FakeRuntime()
+    rt.buffers[b"h" * 64] = (ctypes.c_char * 8192)()
+    staging = GpuStaging(lambda: rt)  # type: ignore[arg-type, return-value]
+    arena = Arena(tmp_path / "ckptd-1-job-s0-g1-r0", 4096 * 3 + 100)
+
+    async def scenario() -> None:
+        staging_id, _ = await staging.open("job", 0, UUID_A, b"h" * 64, 8192, os.getpid())
+        await staging.drain("job", 0, staging_id, arena, [StagedRange(0, 0, 100)])
+        await staging.close("job", 0, staging_id)
+
+    run(scenario())
+    assert [c for c in rt.calls if c[0] == "register"] == [("register", 4096)] * 3 + [("register", 100)]
+    arena.close()
+    assert len([c for c in rt.calls if c[0] == "unregister"]) == 4
+    staging.shutdown()

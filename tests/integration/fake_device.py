@@ -44,9 +44,6 @@ class FakeCopy:
 
         threading.Thread(target=run, daemon=True).start()
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self) -> None:
         if not self._done.wait(60):
             raise TimeoutError("fake copy never finished")

@@ -20,7 +20,7 @@ import torch
 from ckptd.client.devcopy import coalesced_ranges, item_of
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
 from ckptd.client.handle import DurableInfo, SaveHandle
-from ckptd.client.handoff import MODES, CudaBackend, DeviceBackend, Fenced, GpuHandoff, lazy_placements
+from ckptd.client.handoff import CudaBackend, DeviceBackend, Fenced, GpuHandoff, lazy_placements
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
 from ckptd.client.transport import ArenaMaps, Decoding, Fill, Source, copy_to_arena, fill_all
@@ -145,13 +145,11 @@ class CheckpointClient:
         _device_backend: DeviceBackend | None = None,
     ) -> None:
         self.job = check_job_id(job)
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
-        # the GPU hand-off; _device_backend: a stand-in for CUDA (tests)
+        # the GPU hand-off (checks `mode`); _device_backend: a stand-in for CUDA (tests)
         self._gpu = GpuHandoff(
             mode,
             (lambda: _device_backend) if _device_backend is not None else CudaBackend,
-            _device_backend.owns if _device_backend is not None else _is_cuda,
+            _device_backend.owns if _device_backend is not None else CudaBackend.owns,
         )
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
@@ -583,10 +581,6 @@ class CheckpointClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_cuda(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda
 
 
 def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:

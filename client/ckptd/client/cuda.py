@@ -142,9 +142,6 @@ class DeviceCopy:
     keep: list[torch.Tensor] = field(default_factory=list)
     operations: int = 0  # copies queued
 
-    def done(self) -> bool:
-        return all(e.query() for e in self.events.values())
-
     def wait(self) -> None:
         """Block this thread until every copy is done (the event sleeps: it does not spin)."""
         for event in self.events.values():
@@ -168,10 +165,6 @@ class CudaCopier:
         self.max_gather_bytes = max_gather_bytes
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._bounce: dict[torch.device, torch.Tensor] = {}
-
-    @staticmethod
-    def owns(tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)

@@ -55,8 +55,6 @@ class Copy(Protocol):
 
     operations: int
 
-    def done(self) -> bool: ...
-
     def wait(self) -> None: ...
 
     def fence(self, host: bool = False) -> None: ...
@@ -133,11 +131,6 @@ class Pending:
     step: int
     copies: list[Copy]
     future: "Future[None]"
-    operations: int = 0
-
-    @property
-    def committed(self) -> bool:
-        return self.future.done() and self.future.exception() is None
 
 
 @dataclass
@@ -241,7 +234,7 @@ class GpuHandoff:
                 raise
             commit()
 
-        pending = Pending(step, copies, self._committer.submit(finish), sum(c.operations for c in copies))
+        pending = Pending(step, copies, self._committer.submit(finish))
         self._pending = pending
         return pending
 

@@ -23,7 +23,6 @@ IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 UUID_OFFSET = 256  # cudaDeviceProp: char name[256]; cudaUUID_t uuid; ...
 PROPS_BYTES = 8192  # larger than any cudaDeviceProp so far (about 1 KiB)
 MEMCPY_DEVICE_TO_HOST = 2
-MEMCPY_HOST_TO_DEVICE = 1
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 HOST_REGISTER_PORTABLE = 1
 ERROR_MEMORY_ALLOCATION = 2

@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptd.common import dtypes
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, TensorRecord
+from ckptd.daemon.ops import human_bytes
 
 
 class InspectError(ValueError):
@@ -68,33 +69,25 @@ def _stored_bytes(t: TensorRecord) -> int:
     return total
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def render(report: dict[str, Any]) -> str:
     """The report for people: a header, sizes, then one line per tensor and per fragment."""
     q = report["quantization"]
     lines = [
-        f"job {report['job']}  step {report['step']}  world size {report['world_size']}  {_human(report['size_bytes'])} in {len(report['files'])} files",
+        f"job {report['job']}  step {report['step']}  world size {report['world_size']}  {human_bytes(report['size_bytes'])} in {len(report['files'])} files",
         "quantization: "
         + (
             "none (lossless, generation 0)"
             if q is None
             else f"generation {q.get('generation', 0)}, optimizer moments {q.get('quantize') or 'lossless'}, master weights {q.get('master_weights', 'keep')}"
         ),
-        "bytes by group: " + ", ".join(f"{g} {_human(n)}" for g, n in report["bytes_by_group"].items()),
+        "bytes by group: " + ", ".join(f"{g} {human_bytes(n)}" for g, n in report["bytes_by_group"].items()),
         "",
         f"{'TENSOR':<48} {'KIND':<9} {'DTYPE':<5} {'SHAPE':<16} {'STORED':>10}  CODEC",
     ]
     for name, t in report["tensors"].items():
         codecs = sorted({(f.get("quant") or {}).get("codec", "-") for f in t["fragments"]})
         lines.append(
-            f"{name:<48} {t['kind']:<9} {t['dtype']:<5} {str(t['shape']):<16} {_human(t['stored_bytes']):>10}  {','.join(codecs)}"
+            f"{name:<48} {t['kind']:<9} {t['dtype']:<5} {str(t['shape']):<16} {human_bytes(t['stored_bytes']):>10}  {','.join(codecs)}"
         )
         for f in t["fragments"]:
             box = "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(f["offsets"], f["lengths"])) + "]"

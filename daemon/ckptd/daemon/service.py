@@ -150,7 +150,6 @@ class Compression:
     quantize: str | None
     master_weights: str
     record: dict[str, Any] | None
-    note: str = ""  # why the guard turned compression off, for the log
 
 
 @dataclass(frozen=True)
@@ -571,20 +570,18 @@ class CheckpointService:
         master = session.master_weights or self.config.master_weights
         lineage = max(session.lineage, state.lineage)
         limit = self.config.quant_max_generations
-        note = ""
         if limit and lineage >= limit and (scheme is not None or master == "drop"):
-            note = (
-                f"step {session.step} of job {session.job} is saved losslessly: its values come from a checkpoint "
-                f"{lineage} lossy cycle(s) deep (limit quant_max_generations={limit})"
+            log.info(
+                "step %s of job %s is saved losslessly: its values come from a checkpoint %s lossy cycle(s) deep "
+                "(limit quant_max_generations=%s)", session.step, session.job, lineage, limit,
             )
-            log.info("%s", note)
             scheme = None
             master = "keep" if master == "drop" else master
         generation = lineage + (1 if scheme is not None or master == "drop" else 0)
         record = None
         if generation or scheme is not None or master != "keep":
             record = {"generation": generation, "quantize": scheme, "master_weights": master}
-        return Compression(scheme, master, record, note)
+        return Compression(scheme, master, record)
 
     def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:
         assert session.arenas is not None and session.plan is not None
