@@ -376,7 +376,7 @@ def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("mode", ["O2", "residual"])
-def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemon, mode: str) -> None:
+def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemons, daemon, mode: str) -> None:
     """read_files=False: the daemon copies codes, scales and residual bases into shared memory;
     the client decodes from there exactly as from the files."""
     if mode == "O2":
@@ -392,7 +392,16 @@ def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemon
     for read_files in (True, False):
         fresh_state = dict(zip(("model", "optimizer"), fresh())) if mode == "O2" else dict(zip(("model", "master"), mixed_precision(seed=5)[:2]))
         with CheckpointClient(job, address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
+            plans = []
+            plan_load = ckpt._stub.PlanLoad
+            ckpt._stub.PlanLoad = lambda request, **kw: plans.append(plan_load(request, **kw)) or plans[-1]
             ckpt.load(fresh_state)
+        coded = [p for plan in plans for p in plan.pieces if p.decode.codec]
+        assert coded and all(p.decode.scales.path or p.decode.base.path for p in coded)
+        for piece in coded:
+            for where in (piece, piece.decode.scales if piece.decode.scales.path else piece.decode.base):
+                # staged: a copy of the file's bytes in shared memory, read like the file
+                assert Path(where.path).is_relative_to(daemon.root if read_files else daemons.shm_dir), where.path
         if mode == "O2":
             loaded.append(opt_state(fresh_state["model"], fresh_state["optimizer"])["up.weight"]["exp_avg_sq"].clone())
         else:
