@@ -540,7 +540,11 @@ def _fill_decoded(src: Source, fill: Fill, common: Box) -> None:
                 raise CheckpointError(f"tensor {src.name!r}: a residual without the model weight it adds to; load an older step")
             residual = _read_rows(src, "BF16", box.lengths, r0, r1)
             base = _read_rows(decoding.base, decoding.base.dtype, box.lengths, r0, r1)
-            values = quant.residual_decode(base, residual)[relative(common, region)]
+            inside, dst = relative(common, region), fill.target[relative(common, fill.want)]
+            if dst.dtype == torch.float32:  # straight into the target: no float32 temporaries
+                quant.residual_decode(base[inside], residual[inside], out=dst)
+                return
+            values = quant.residual_decode(base, residual)[inside]
         else:
             codec = quant.Codec(decoding.codec, decoding.block)
             if decoding.scales is None:

@@ -367,6 +367,9 @@ def residual_encode(master: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     return (master.to(torch.float32) - model.to(torch.float32)).to(torch.bfloat16)
 
 
-def residual_decode(model: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """float(model) + float(residual): the master weight, float32."""
-    return model.to(torch.float32) + residual.to(torch.float32)
+def residual_decode(model: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float(model) + float(residual): the master weight, float32; written into `out` (a float32
+    tensor of their shape, any strides) when given, without temporaries."""
+    if out is None:
+        return model.to(torch.float32) + residual.to(torch.float32)
+    return out.copy_(model).add_(residual)
