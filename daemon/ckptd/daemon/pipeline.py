@@ -56,7 +56,7 @@ from ckptd.daemon.format import (
     scales_key,
 )
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
-from ckptd.daemon.storage import Storage, fsync_dir, tmp_name, write_small_file
+from ckptd.daemon.storage import Storage, fsync_dir, start_writeback, tmp_name, write_small_file
 
 log = logging.getLogger(__name__)
 
@@ -730,7 +730,11 @@ def _write_bytes(fd: int, data: memoryview, offset: int, throttle: Throttle) -> 
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of `view` at `offset`, then start its writeback: the disk writes it while the
+    rest of the step is copied and coded, and the final fsync waits only for the tail."""
+    start, nbytes = offset, len(view)
     while len(view):
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+    start_writeback(fd, start, nbytes)
