@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.cluster import Coordinator, PeerLinks, manifest_from_wire, manifest_to_wire, plan_key, root_id
+from ckptd.daemon.cluster import Coordinator, PeerLinks, manifest_from_wire, manifest_to_wire, merged_quantization, plan_key, root_id
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format import FileRecord, FragmentRecord
 from ckptd.daemon.pipeline import NodeManifest
@@ -133,3 +134,30 @@ def test_a_manifest_crosses_the_wire_unchanged_chunk_checksums_included() -> Non
         (("model/w", FragmentRecord("model-00002-of-00002.safetensors", "w@2,0", HALVES[1], "F32", 84, 16, "xxh3-64:1", 65536, "0123456789abcdef")),),
     )
     assert manifest_from_wire(1, *manifest_to_wire(sent)) == sent
+
+
+O1 = {"generation": 1, "quantize": "O1", "master_weights": "keep"}
+O2_DEEP = {"generation": 2, "quantize": "O2", "master_weights": "drop"}
+LOSSLESS_AFTER_LOSSY = {"generation": 1, "quantize": None, "master_weights": "keep"}
+
+
+@pytest.mark.parametrize(
+    "records, expected",
+    [
+        ({0: None, 1: None}, None),
+        ({0: O1, 1: O1}, O1),
+        ({0: None, 1: O1}, O1),  # one node compressed: the step is lossy
+        ({0: O1, 1: O2_DEEP}, O2_DEEP),  # the deepest lineage, whichever node has it
+        ({0: LOSSLESS_AFTER_LOSSY, 1: O1}, LOSSLESS_AFTER_LOSSY),  # same generation: the lowest node
+    ],
+)
+def test_merged_quantization_keeps_the_deepest_lineage(records: dict, expected: dict | None) -> None:
+    assert merged_quantization(records) == expected
+
+
+def test_merged_quantization_warns_when_nodes_disagree(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.cluster"):
+        merged_quantization({0: O1, 1: O1})
+        assert not caplog.records
+        merged_quantization({0: O1, 1: O2_DEEP})
+    assert "different compression" in caplog.text and "node 1" in caplog.text

@@ -313,7 +313,7 @@ class Coordinator:
     def _write_commit(self, save: _GlobalSave, shared: bool) -> dict[str, bytes]:
         assert save.plan is not None
         manifests = [save.manifests[n] for n in sorted(save.manifests)]
-        quantization = next((m.quantization for m in manifests if m.quantization is not None), None)
+        quantization = merged_quantization({m.node: m.quantization for m in manifests})
         _, files = step_files(
             save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric, quantization=quantization
         )
@@ -368,6 +368,26 @@ class Coordinator:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def merged_quantization(records: dict[int, dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The index's quantization record of a step written by several nodes, from each node's
+    record (node -> record; None: that node wrote it losslessly with a lossless lineage).
+
+    Nodes decide from their own config (which SIGHUP can change on one of them), so they may
+    disagree. The compounding guard must see the deepest lineage, so the record of the node
+    with the highest generation is kept (the lowest such node on a tie); a disagreement is
+    logged. Each fragment's own codec stays exact in its record either way. Pure."""
+    present = {node: r for node, r in records.items() if r is not None}
+    if not present:
+        return None
+    node = min(present, key=lambda n: (-int(present[n].get("generation", 0)), n))
+    if any(r != present[node] for r in records.values()):
+        log.warning(
+            "nodes saved this step with different compression (%s); the index records node %d's, the deepest lineage",
+            "; ".join(f"node {n}: {records[n]}" for n in sorted(records)), node,
+        )
+    return present[node]
 
 
 def _check_file(path: Path, record: FileRecord, node: int) -> None:
