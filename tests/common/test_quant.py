@@ -106,6 +106,22 @@ def test_all_zero_and_constant_blocks() -> None:
             assert torch.allclose(y, x, rtol=1e-5, atol=0), codec
 
 
+@pytest.mark.parametrize("codec", [c for c in CODECS if not c.is_log], ids=str)
+def test_a_block_of_subnormal_values_codes_without_overflow(codec: Codec) -> None:
+    """absmax below Q / float32 max: Q / absmax is inf, so the encoder's clamped path runs
+    (zeros stay zero, the rest decode within the block's bound, no nan)."""
+    x = torch.zeros(2, 2 * codec.block)
+    x[0, : codec.block] = torch.linspace(-3e-39, 3e-39, codec.block)  # the first block: subnormal values only
+    x[1] = torch.randn(2 * codec.block)  # other rows take the usual path
+    box = Box.full(tuple(x.shape))
+    y = decode(codec, *encode(codec, x, box), box, box)
+    assert not torch.isnan(y).any()
+    assert torch.equal(y[0, codec.block :], x[0, codec.block :])  # a zero block
+    assert float((y[0, : codec.block] - x[0, : codec.block]).abs().max()) <= 3e-39 / (2 * codec.levels) * 1.01
+    bound = x[1].view(2, codec.block).abs().amax(-1, keepdim=True) / (2 * codec.levels)
+    assert bool(((y[1] - x[1]).view(2, codec.block).abs() <= bound * 1.0001).all())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values_are_refused(bad: float) -> None:
     x = torch.ones(4, 5000)

@@ -191,3 +191,26 @@ def _fill_node(arenas, plan, tensors: dict[str, torch.Tensor], node: int) -> Non
         view = arenas.arenas[slot.rank].view(slot.offset, slot.nbytes)
         np.frombuffer(view, dtype=np.uint8)[:] = data.contiguous().reshape(-1).view(torch.uint8).numpy()
         view.release()
+
+
+def test_every_tensor_byte_written_has_its_writeback_started(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.daemon import pipeline
+
+    started: list[tuple[str, int, int]] = []
+    real = pipeline.start_writeback
+
+    def record(fd: int, offset: int, nbytes: int) -> bool:
+        started.append((os.readlink(f"/proc/self/fd/{fd}"), offset, nbytes))
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(pipeline, "start_writeback", record)
+    tensors = {"model/w": torch.randn(64, 1024), "optimizer/state/w/exp_avg": torch.randn(64, 1024), "model/b": torch.randn(8)}
+    plan = make_save_plan([[TensorSpec(name, name.split("/")[0], "F32", tuple(t.shape), Box.full(tuple(t.shape))) for name, t in tensors.items()]])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = pool.acquire(plan.arena_bytes)
+    _fill(arenas, plan, tensors)
+    persist(Storage(tmp_path), PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 2), Progress(plan.total_bytes))
+    pool.close()
+    step_dir = tmp_path / "job" / "step-00000001"
+    assert {Path(path).parent for path, _, _ in started} == {step_dir}
+    assert sum(n for _, _, n in started) == plan.total_bytes  # every tensor byte, once

@@ -442,8 +442,9 @@ def _check(src: Source, hasher: "xxhash.xxh3_64") -> None:
 
 def _verify_span(src: Source, lo: int, data: np.ndarray) -> None:
     """Check the fragment's bytes [lo, lo + len(data)) as read: against the fragment's checksum
-    when they are all of it, else against the checksums of the chunks they touch."""
-    if lo == 0 and len(data) == src.nbytes:
+    when they are all of it (and the index has that checksum), else against the checksums of
+    the chunks they touch."""
+    if src.checksum and lo == 0 and len(data) == src.nbytes:
         hasher = xxhash.xxh3_64()
         hasher.update(memoryview(data))
         _check(src, hasher)
@@ -534,17 +535,16 @@ def _fill_decoded(src: Source, fill: Fill, common: Box) -> None:
     box = src.box
     r0, r1 = (common.offsets[0] - box.offsets[0], common.end[0] - box.offsets[0]) if box.ndim else (0, 1)
     region = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.lengths[1:])) if box.ndim else box
+    dst = fill.target[relative(common, fill.want)]
     try:
         if decoding.codec == quant.RESIDUAL:
             if decoding.base is None:
                 raise CheckpointError(f"tensor {src.name!r}: a residual without the model weight it adds to; load an older step")
             residual = _read_rows(src, "BF16", box.lengths, r0, r1)
             base = _read_rows(decoding.base, decoding.base.dtype, box.lengths, r0, r1)
-            inside, dst = relative(common, region), fill.target[relative(common, fill.want)]
-            if dst.dtype == torch.float32:  # straight into the target: no float32 temporaries
-                quant.residual_decode(base[inside], residual[inside], out=dst)
-                return
-            values = quant.residual_decode(base, residual)[inside]
+            inside = relative(common, region)
+            # only the wanted columns; a float32 target is written in place (no temporaries)
+            values = quant.residual_decode(base[inside], residual[inside], out=dst if dst.dtype == torch.float32 else None)
         else:
             codec = quant.Codec(decoding.codec, decoding.block)
             if decoding.scales is None:
@@ -558,7 +558,8 @@ def _fill_decoded(src: Source, fill: Fill, common: Box) -> None:
             values = quant.decode(codec, codes, scales, region, common)
     except quant.QuantError as exc:
         raise CheckpointError(f"tensor {src.name!r} in {Path(src.path).name}: {exc}") from None
-    fill.target[relative(common, fill.want)].copy_(values)
+    if values is not dst:  # decoded into the target already
+        dst.copy_(values)
 
 
 def _read_framed_rows(src: Source, frames: Frames, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
@@ -572,14 +573,7 @@ def _read_framed_rows(src: Source, frames: Frames, dtype: str, shape: tuple[int,
     row_bytes = dtypes.nbytes(dtype, shape[1:])
     try:
         f0, f1, begin, end = frames.span(r0, r1)
-        data = np.empty(end - begin, dtype=np.uint8)
-        fd = _open(src)
-        try:
-            _pread_exact(fd, data, src.offset + begin, src.path)
-        finally:
-            os.close(fd)
-        _verify_span(src, begin, data)
-        rows = decompress(data, frames, f0, f1, row_bytes, shape[0])
+        rows = decompress(_read_span(src, begin, end - begin), frames, f0, f1, row_bytes, shape[0])
     except FrameError as exc:
         raise CheckpointError(f"tensor {src.name!r} in {Path(src.path).name}: {exc}; load an older step") from None
     first = r0 - f0 * frames.rows
@@ -600,12 +594,18 @@ def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int
         r0, r1, row_bytes = 0, 1, expected
     else:
         row_bytes = dtypes.nbytes(dtype, shape[1:])
-    out = np.empty((r1 - r0) * row_bytes, dtype=np.uint8)
-    fd = _open(src)
-    try:
-        _pread_exact(fd, out, src.offset + r0 * row_bytes, src.path)
-    finally:
-        os.close(fd)
-    _verify_span(src, r0 * row_bytes, out)
+    out = _read_span(src, r0 * row_bytes, (r1 - r0) * row_bytes)
     stored = getattr(torch, dtypes.torch_name(dtype))
     return torch.from_numpy(out).view(stored).view((r1 - r0, *shape[1:]) if shape else ())
+
+
+def _read_span(src: Source, lo: int, nbytes: int) -> np.ndarray:
+    """Bytes [lo, lo + nbytes) of the stored piece, read and checked (_verify_span)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    fd = _open(src)
+    try:
+        _pread_exact(fd, out, src.offset + lo, src.path)
+    finally:
+        os.close(fd)
+    _verify_span(src, lo, out)
+    return out

@@ -138,13 +138,19 @@ def codec_for(scheme: str | None, name: str, kind: str, dtype: str, shape: Seque
     return None
 
 
+def _needs_padding(offset: int, n: int, block: int, dtype: torch.dtype) -> bool:
+    """Whether rows of n values of `dtype` starting at logical column `offset` must be copied into
+    a float32 buffer of whole blocks (else they are viewed as blocks in place)."""
+    return offset % block != 0 or n % block != 0 or dtype != torch.float32
+
+
 def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> torch.Tensor:
-    """x (r, n) as whole logical blocks (r, nblocks, block): a view when the row is whole blocks
-    (and `out` has x's dtype), else `out` (r, nblocks, block) holding x converted, zero padded."""
+    """x (r, n) as whole logical blocks (r, nblocks, block): a view when the row is whole float32
+    blocks (_needs_padding), else `out` (r, nblocks, block) holding x converted, zero padded."""
     r, n = x.shape
     left = offset % block
     nb = nblocks(offset, n, block)
-    if left == 0 and nb * block == n and x.dtype == out.dtype:
+    if not _needs_padding(offset, n, block, x.dtype):
         return x.reshape(r, nb, block)
     flat = out.view(r, nb * block)
     flat[:, :left].zero_()
@@ -181,7 +187,7 @@ def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch
         rows = x.reshape(count, n)
         step = _chunk_rows(nb, codec.block)
         work = torch.empty((min(step, count), nb, codec.block), dtype=torch.float32)  # reused by every chunk
-        padded = torch.empty_like(work) if nb * codec.block != n or offset % codec.block or x.dtype != torch.float32 else None
+        padded = torch.empty_like(work) if _needs_padding(offset, n, codec.block, x.dtype) else None
         for r in range(0, count, step):
             rr = slice(r, r + step)
             _encode_rows(codec, rows[rr], offset, codes[rr], scales[rr], work, padded)
@@ -229,9 +235,10 @@ def _encode_rows(
         inv = torch.where(absmax > 0, q / absmax, 0.0)
         scales_out.copy_(absmax)
         if bool(torch.isinf(inv).any()):
-            # absmax < Q / float32 max: x * inv is +-inf, or nan for x == 0 (coded as 0)
-            coded = torch.mul(xb, inv, out=work).round_().clamp_(-q, q)
-            coded = coded.to(torch.int8) if codec.bits == 8 else coded.add_(8).to(torch.uint8)
+            # a block with absmax < Q / float32 max (subnormal values): Q / absmax overflows, so
+            # such chunks divide by absmax first (|x / absmax| <= 1; a zero block divides by 1)
+            ratio = torch.div(xb, torch.where(absmax > 0, absmax, 1.0), out=work)
+            coded = ratio.mul_(q).add_(_ROUND + (0 if codec.bits == 8 else 8))
         else:
             # |x * inv| <= Q (+ rounding): no clamp needed; int4 codes are q + 8
             coded = torch.mul(xb, inv, out=work).add_(_ROUND + (0 if codec.bits == 8 else 8))

@@ -89,7 +89,8 @@ def safetensors_header(
         cursor += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     if size:
-        if 8 + len(text) > size or size % HEADER_ALIGN:
+        assert size % HEADER_ALIGN == 0, f"header room {size} is not a multiple of {HEADER_ALIGN}"
+        if 8 + len(text) > size:
             raise FormatError(f"a safetensors header of {8 + len(text)} bytes does not fit the {size} bytes reserved for it")
         text += b" " * (size - 8 - len(text))
     else:
@@ -221,6 +222,15 @@ class FragmentRecord:
     chunk_bytes: int = 0
     chunk_xxh3: str = ""
     quant: QuantRecord | None = None  # None: the stored bytes are the values
+
+    def stored_pieces(self) -> tuple["FragmentRecord | SideRecord", ...]:
+        """The byte ranges this fragment adds to its step: itself and its scales. None for a
+        dropped master weight ("cast"): its bytes are the model weight's, stored as that tensor."""
+        if self.quant is None:
+            return (self,)
+        if self.quant.codec == "cast":
+            return ()
+        return (self,) if self.quant.scales is None else (self, self.quant.scales)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {

@@ -61,12 +61,7 @@ def summary(index: CheckpointIndex) -> dict[str, Any]:
 def _stored_bytes(t: TensorRecord) -> int:
     """Bytes this tensor adds to the step: its fragments and their scales; a dropped master
     weight ("cast") adds none, it is the model weight's bytes."""
-    total = 0
-    for f in t.fragments:
-        if f.quant is not None and f.quant.codec == "cast":
-            continue
-        total += f.nbytes + (f.quant.scales.nbytes if f.quant is not None and f.quant.scales is not None else 0)
-    return total
+    return sum(piece.nbytes for f in t.fragments for piece in f.stored_pieces())
 
 
 def render(report: dict[str, Any]) -> str:

@@ -621,13 +621,10 @@ def step_files(
         in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
         split = any(len(by_name[name]) > 1 for name, _ in in_group)
         # a dropped master weight is the model weight's bytes: not in the master files
-        in_group = [(name, f) for name, f in in_group if f.quant is None or f.quant.codec != "cast"]
-        if in_group and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
-            weight_map = {f.key: f.file for _, f in in_group}
-            scales = [f.quant.scales for _, f in in_group if f.quant is not None and f.quant.scales is not None]
-            weight_map.update({s.key: s.file for s in scales})
-            total = sum(f.nbytes for _, f in in_group) + sum(s.nbytes for s in scales)
-            small[f"{group}.safetensors.index.json"] = hf_index_json(total, weight_map)
+        pieces = [piece for _, f in in_group for piece in f.stored_pieces()]
+        if pieces and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
+            weight_map = {piece.key: piece.file for piece in pieces}
+            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
     records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ckptd.common.boxes import intersect
+from ckptd.common.frames import Frames
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
@@ -139,7 +140,7 @@ class DecodeInfo:
     block: int
     scales: PieceInfo | None
     base: PieceInfo | None
-    frames: Any = None  # ckptd.common.frames.Frames: the codes are stored in zstd frames
+    frames: Frames | None = None  # the codes are stored in zstd frames
 
 
 @dataclass(frozen=True)
@@ -615,7 +616,7 @@ class CheckpointService:
             write_threads=self.config.write_threads,
             throttle_bytes_per_s=self.config.write_throttle,
             node=self.node,
-            shared_dir=session.shared_root if several else False,
+            shared_dir=session.shared_root,
             quantize=compression.quantize,
             master_weights=compression.master_weights,
             quantization=compression.record,
@@ -886,11 +887,15 @@ class CheckpointService:
         kinds: Sequence[str],
         strict: bool,
         direct_read: bool = True,
+        decodes: bool = True,
+        decodes_frames: bool = True,
     ) -> LoadPlan:
         """Where the bytes of each wanted tensor box are. direct_read: the rank reads committed
         files in this node's root itself; else this daemon copies the needed fragments into
         shared memory first (once however many local ranks want them), for ranks that cannot
-        see the root."""
+        see the root. decodes / decodes_frames: the client decodes quantized codes and residuals
+        / codes in zstd frames; a client that cannot is refused (Precondition) before any bytes
+        are fetched or staged for it."""
         state = self.jobs.get(job)
         if state is not None:
             await self._abort_left_behind(state, rank, None)
@@ -903,6 +908,14 @@ class CheckpointService:
         elif not await self._committed(job, step):
             raise NotFound(f"step {step} of job {job!r} is not committed in {self.storage.root}")
         index = await self.index(job, step)
+        coded, framed = _needs_decoding(index, wanted)
+        if coded and not decodes:
+            raise Precondition(
+                f"step {step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
+                "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
+            )
+        if framed and not decodes_frames:
+            raise Precondition(f"step {step} of job {job!r} stores quantized codes in zstd frames, which this client cannot read; upgrade the ckptd client")
         if state is not None:
             state.lineage = index.generation  # the compounding guard of this job's next saves
         self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
@@ -1212,6 +1225,18 @@ def _present(step_dir: Path, files: Sequence[FileRecord]) -> list[str]:
         except FileNotFoundError:
             continue
     return present
+
+
+def _needs_decoding(index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tuple[bool, bool]:
+    """Whether the pieces of `wanted` include quantized codes or residuals (which a load always
+    reads as stored, whatever the tier), and whether some of those codes are in zstd frames.
+    "cast" fragments (a dropped master weight: the model weight's bytes) need no decoding."""
+    table = index.by_name()
+    coded = [
+        f.quant for spec in wanted if spec.name in table for f in table[spec.name].fragments
+        if f.quant is not None and f.quant.codec != "cast" and intersect(f.box, spec.box) is not None
+    ]
+    return bool(coded), any(q.frames is not None for q in coded)
 
 
 def _incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], unreachable: dict[int, str], describe: Any) -> str:

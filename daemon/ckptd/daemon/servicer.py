@@ -221,19 +221,9 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         for key in request.kinds:
             if not key or "/" in key or len(key) > 256:
                 raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
-        plan = await self.service.plan_load(job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read)
-        if not request.decodes and any(p.decode is not None for p in plan.pieces):
-            self.service.load_done(plan.load_id)
-            raise errors.Precondition(
-                f"step {plan.step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
-                "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
-            )
-        if not request.decodes_frames and any(p.decode is not None and p.decode.frames is not None for p in plan.pieces):
-            self.service.load_done(plan.load_id)
-            raise errors.Precondition(
-                f"step {plan.step} of job {job!r} stores quantized codes in zstd frames, which this client cannot read; "
-                "upgrade the ckptd client"
-            )
+        plan = await self.service.plan_load(
+            job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read, request.decodes, request.decodes_frames
+        )
         pieces = [_piece(p) for p in plan.pieces]
         return pb.PlanLoadResponse(
             load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),

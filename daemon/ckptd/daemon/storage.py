@@ -23,7 +23,6 @@ from ckptd.common.names import check_job_id
 from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
 
 log = logging.getLogger(__name__)
-COPY_CHUNK = 8 * 2**20  # bytes per read of copy_range
 
 TMP_MARK = ".tmp-"
 DELETING_PREFIX = ".deleting-"
@@ -41,15 +40,20 @@ def fsync_dir(path: Path) -> None:
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 
 
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     """Ask the kernel to start writing `nbytes` at `offset` of `fd` to disk now (Linux
     sync_file_range with SYNC_FILE_RANGE_WRITE), so the disk works while the rest of the file
     is still being written instead of only once fsync is called. Returns at once and guarantees
-    nothing: durability still comes from the fsync that follows. A hint only: where the call
-    is missing (not Linux) it does nothing, and a refusal is logged at debug level."""
+    nothing: durability still comes from the fsync that follows. A hint only: returns whether
+    the kernel took it; where the call is missing (not Linux) it does nothing, and a refusal is
+    logged at debug level."""
     call = _sync_file_range()
-    if call is not None and call(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) != 0:
+    if call is None:
+        return False
+    if call(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) != 0:
         log.debug("sync_file_range(%d, %d, %d) failed (%s): this file's writeback starts at its fsync", fd, offset, nbytes, os.strerror(ctypes.get_errno()))
+        return False
+    return True
 
 
 @functools.cache
@@ -144,19 +148,18 @@ class Storage:
 
     def copy_range(self, job: str, step: int, file: str, out_fd: int, offset: int, nbytes: int) -> None:
         """Copy bytes [offset, offset + nbytes) of a step's file to the same offset of out_fd (a
-        staging file in shared memory, for ranks that cannot read the root). Raises FormatError
-        when the file ends early."""
+        staging file in shared memory, for ranks that cannot read the root; an fd of its own:
+        its file position is moved). The kernel copies (sendfile), the bytes never pass through
+        this process. Raises FormatError when the file ends early."""
         source = self.step_dir(job, step) / file
         with open(source, "rb", buffering=0) as f:
+            os.lseek(out_fd, offset, os.SEEK_SET)
             done = 0
             while done < nbytes:
-                data = os.pread(f.fileno(), min(COPY_CHUNK, nbytes - done), offset + done)
-                if not data:
+                sent = os.sendfile(out_fd, f.fileno(), offset + done, nbytes - done)
+                if not sent:
                     raise FormatError(f"{source} ends at byte {offset + done}, before the {nbytes} bytes its index gives from {offset}")
-                written = 0
-                while written < len(data):
-                    written += os.pwrite(out_fd, memoryview(data)[written:], offset + done + written)
-                done += len(data)
+                done += sent
 
     def read_index(self, job: str, step: int) -> CheckpointIndex:
         path = self.step_dir(job, step) / INDEX_NAME

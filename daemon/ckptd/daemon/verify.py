@@ -157,31 +157,26 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
     for t in index.tensors:
         for problem in coverage_problems(t.shape, [f.box for f in t.fragments]):
             problems.append(Problem("coverage", "", f"tensor {t.name} ({t.dtype}{list(t.shape)}): {problem}"))
-        for frag in t.fragments:
-            if frag.quant is not None and frag.quant.codec == "cast":
-                continue  # the model weight's bytes: checked as that tensor's fragment
-            stored = [(frag, frag.key)]
-            if frag.quant is not None and frag.quant.scales is not None:
-                stored.append((frag.quant.scales, frag.quant.scales.key))
-            for piece, key in stored:
-                if piece.file not in readable:
-                    continue  # reported above (missing, damaged) or left out (another node's)
-                data_offset, entries = headers[piece.file]
-                entry = entries.get(key)
-                if entry is None or data_offset + entry.begin != piece.offset or entry.end - entry.begin != piece.nbytes:
-                    problems.append(Problem("header", piece.file, f"{piece.file} does not hold {key!r} (tensor {t.name}) where the index says"))
-                    continue
-                with open(step_dir / piece.file, "rb") as f:
-                    digest, got, chunk_digests = _hash_range(f.fileno(), piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
-                nbytes += got
-                if digest != piece.checksum:
-                    problems.append(
-                        Problem("checksum", piece.file, f"tensor {t.name} (key {key!r}, {piece.nbytes} bytes at offset {piece.offset} of {piece.file}) does not match its checksum: the data is corrupt")
-                    )
-                elif piece.chunk_bytes and chunk_digests != piece.chunk_xxh3:
-                    problems.append(
-                        Problem("checksum", piece.file, f"tensor {t.name} (key {key!r} in {piece.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
-                    )
+        for piece in (piece for frag in t.fragments for piece in frag.stored_pieces()):  # "cast": checked as the model weight
+            key = piece.key
+            if piece.file not in readable:
+                continue  # reported above (missing, damaged) or left out (another node's)
+            data_offset, entries = headers[piece.file]
+            entry = entries.get(key)
+            if entry is None or data_offset + entry.begin != piece.offset or entry.end - entry.begin != piece.nbytes:
+                problems.append(Problem("header", piece.file, f"{piece.file} does not hold {key!r} (tensor {t.name}) where the index says"))
+                continue
+            with open(step_dir / piece.file, "rb") as f:
+                digest, got, chunk_digests = _hash_range(f.fileno(), piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
+            nbytes += got
+            if digest != piece.checksum:
+                problems.append(
+                    Problem("checksum", piece.file, f"tensor {t.name} (key {key!r}, {piece.nbytes} bytes at offset {piece.offset} of {piece.file}) does not match its checksum: the data is corrupt")
+                )
+            elif piece.chunk_bytes and chunk_digests != piece.chunk_xxh3:
+                problems.append(
+                    Problem("checksum", piece.file, f"tensor {t.name} (key {key!r} in {piece.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
+                )
     return VerifyReport(
         str(step_dir), index.job, index.step, checked, skipped, nbytes, len(index.tensors), tuple(problems), tuple(notes)
     )
