@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -15,6 +16,8 @@ import torch.distributed as dist
 def run_rank(body: Callable[[dict], None]) -> None:
     """Parse the spec (JSON in argv[1]: rank, world_size, port, ...), join the group, run `body(spec)`."""
     spec = json.loads(sys.argv[1])
+    # a native abort (gloo, gRPC) prints every thread's Python stack: where it happened, not just "terminate called"
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world_size"], timeout=timedelta(seconds=60))
@@ -25,3 +28,9 @@ def run_rank(body: Callable[[dict], None]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and its results are written. Interpreter finalization is skipped:
+    # native threads (gloo, gRPC) racing the teardown aborted a finished rank once in CI
+    # ("terminate called without an active exception", exit -6) and failed a passing test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
