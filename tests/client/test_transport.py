@@ -202,6 +202,32 @@ def test_whole_read_with_bad_checksum_names_the_tensor(pool: ThreadPoolExecutor,
             fill_all(pool, maps, [Fill(target, Box.full(SHAPE), [source])])
 
 
+@pytest.mark.parametrize("damage_at", [None, 3, 200, 519])
+def test_reads_hashed_a_slice_at_a_time_check_every_byte(
+    pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, monkeypatch: pytest.MonkeyPatch, damage_at: int | None
+) -> None:
+    """A checked read hashes each slice as it is read (HASH_SLICE, here 64 bytes: 520 bytes are
+    9 slices, the last one short): the digest is the whole fragment's, and a damaged byte in any
+    slice is found, whether the fragment is read straight into the target or through runs."""
+    monkeypatch.setattr(transport, "HASH_SLICE", 64)
+    whole = ramp(SHAPE)
+    (source,) = store.put("file", "w", whole, [Box.full(SHAPE)])
+    fragments = store.put("file", "v", whole, shard_boxes(SHAPE, 1, 2))  # column halves: read through runs
+    if damage_at is not None:
+        for src in (source, fragments[1]):
+            with open(src.path, "r+b") as f:
+                f.seek(src.offset + min(damage_at, src.nbytes - 1))
+                f.write(b"\xff")  # no byte of these values is 0xff
+    fills = [Fill(torch.empty(SHAPE), Box.full(SHAPE), [source]), Fill(torch.empty(SHAPE), Box.full(SHAPE), fragments)]
+    for fill in fills:
+        if damage_at is None:
+            fill_all(pool, maps, [fill])
+            assert torch.equal(fill.target, whole)
+        else:
+            with pytest.raises(CheckpointError, match="checksum mismatch for tensor"):
+                fill_all(pool, maps, [fill])
+
+
 def test_a_fragment_scattered_whole_into_the_target_is_verified(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
     whole = ramp(SHAPE)
     sources = store.put("file", "w", whole, shard_boxes(SHAPE, 1, 2))  # column shards, restored whole: one run per row
