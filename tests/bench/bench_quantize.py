@@ -19,6 +19,11 @@ One run, one state per setting, everything through a real daemon and the real cl
    overwritten in place) and new files (a daemon that keeps every step allocates new blocks for
    each save). Rounds of one save per variant, order rotated per round; ratios are paired
    within a round, so the machine's drift between rounds cancels.
+4. Per core, over a recycled file: CPU seconds of one thread writing the mixed state's Adam
+   moments as they are (the daemon's writer: pwrite over a file's existing blocks with its
+   hashes) against encoding them (O1, O2: the daemon's encoder, int4 codes in zstd frames) and
+   writing the codes and scales the same way. Where the first is smaller, no number of encoder
+   threads makes the compressed save's CPU smaller than the lossless one's.
 
 The state is synthetic but shaped like a transformer (embeddings, attention and MLP matrices,
 norms) with value distributions like trained ones: weights N(0, 0.02), first moments signed
@@ -267,6 +272,56 @@ def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last:
     return times, cpu
 
 
+def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[float]]:
+    """CPU seconds of one thread to put the mixed state's 2-D Adam moments into a file whose
+    blocks already exist, per scheme: None writes them as they are, O1/O2 encode them first and
+    write codes and scales. Uses the daemon's own writer step (pipeline._write_bytes: pwrite 1 MiB
+    at a time with the whole-tensor and chunk hashes, then start_writeback)."""
+    from ckptd.daemon import pipeline
+
+    state, _ = synthetic_state("mixed", params, seed=3)
+    moments = [
+        (f"optimizer/state/{name}/{field}", t)
+        for name, fields in state["optimizer"]["state"].items()
+        for field, t in fields.items()
+        if t.dim() >= 2
+    ]
+    path = out_dir / "per-core.bin"
+    nbytes = sum(t.nbytes for _, t in moments)
+    path.write_bytes(bytes(nbytes))  # the blocks exist: later writes overwrite them, as over a recycled file
+    throttle = pipeline.Throttle(0)
+
+    def write(data: np.ndarray, offset: int) -> int:
+        pipeline._write_bytes(fd, memoryview(data), offset, throttle)
+        return offset + data.nbytes
+
+    def save(scheme: str | None) -> None:
+        offset = 0
+        for name, t in moments:
+            codec = quant.codec_for(scheme, name, "optimizer", "F32", tuple(t.shape))
+            if codec is None:
+                offset = write(t.view(-1).view(torch.uint8).numpy(), offset)
+                continue
+            codes, scales = quant.encode(codec, t, Box.full(tuple(t.shape)))
+            flat = codes.view(-1).view(torch.uint8).numpy()
+            if codec.bits == 4:
+                flat, _ = frames.compress(flat, flat.size // codes.shape[0])
+            offset = write(scales.view(-1).view(torch.uint8).numpy(), write(flat, offset))
+
+    cpu: dict[str, list[float]] = {"lossless": [], "O1": [], "O2": []}
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for _ in range(reps + 1):  # the first round warms up
+            for name, scheme in (("lossless", None), ("O1", "O1"), ("O2", "O2")):
+                started = time.thread_time()
+                save(scheme)
+                cpu[name].append(time.thread_time() - started)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {name: seconds[1:] for name, seconds in cpu.items()}
+
+
 def paired_ratios(times: dict[str, list[float]], name: str) -> list[float]:
     """Per round: the variant's time over the lossless save's of the same round."""
     return [t / base for t, base in zip(times[name], times["lossless"])]
@@ -279,7 +334,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="scratch directory on the disk under test")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "codecs", "durable"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "codecs", "durable", "per-core"])
     parser.add_argument("--regimes", nargs="*", default=list(DURABLE_REGIMES), choices=list(DURABLE_REGIMES), help="time to durable: which regimes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -317,6 +372,13 @@ def main() -> None:
                           f"break-even encode speed vs the floor {breakeven:.2f} GB/s")
         finally:
             daemon.stop()
+        if "per-core" not in args.skip:
+            cpu = per_core_cost(Path(tmp), args.params, args.reps)
+            results["per_core_cpu_seconds"] = cpu
+            base = statistics.median(cpu["lossless"])
+            for name, seconds in cpu.items():
+                print(f"per core, recycled file, moments ({name}): CPU {statistics.median(seconds):.4f} s "
+                      f"[{min(seconds):.4f} - {max(seconds):.4f}], {statistics.median(seconds) / base:.2f}x writing them as they are")
         if "durable" not in args.skip:
             results["durable"] = {}
             for regime in args.regimes:
