@@ -132,7 +132,8 @@ def test_resharded_load_equals_the_whole_tensor_sliced(daemon, dim: int, parts: 
 
 def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> None:
     """Scale tensors carry checksums of their own (whole and per chunk): `ckptd verify` and a
-    load that reads only some rows of them both find a flipped byte."""
+    load that reads only some rows of them (chunk checksums) or all of them (the whole
+    checksum, hashed as they are read) find a flipped byte."""
     g = torch.Generator().manual_seed(5)
     m = torch.randn(300, 1024, generator=g) * 1e-3
     with CheckpointClient("bad-scales", address=daemon.address, on_error="raise") as ckpt:
@@ -151,6 +152,9 @@ def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> N
     with CheckpointClient("bad-scales", address=daemon.address, on_error="raise", rank=2, world_size=3, layout=rules, coords=RankCoords(2, 3)) as client:
         with pytest.raises(CheckpointError, match="checksum"):
             client.load({"optimizer": {"state": {"w": {"exp_avg": torch.empty(100, 1024)}}}})
+    with CheckpointClient("bad-scales", address=daemon.address, on_error="raise") as client:
+        with pytest.raises(CheckpointError, match="checksum mismatch for tensor 'optimizer/state/w/exp_avg'"):
+            client.load({"optimizer": {"state": {"w": {"exp_avg": torch.empty(300, 1024)}}}})
 
 
 def test_client_reads_any_slice_like_the_whole(daemon) -> None:

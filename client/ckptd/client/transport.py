@@ -24,15 +24,12 @@ import xxhash
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative
-from ckptd.common.chunks import ChunkCheck, digest_of
+from ckptd.common.chunks import HASH_SLICE, ChunkCheck, digest_of
 from ckptd.common.frames import Frames, FrameError, decompress
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 CHUNK = 32 * 2**20
 READ_CHUNK = 64 * 2**20
-# Bytes read and hashed at a time when a checksum is checked: the hash then reads them from the
-# CPU cache instead of from memory a second time.
-HASH_SLICE = 2**20
 MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
 
 
@@ -223,7 +220,7 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     # against 0.35-0.42 s): the advice allocates and submits every page up front, on this thread.
     _prefetch([(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()])
     jobs = []
-    # in file order, the order in which the prefetch above has the kernel read them
+    # in file order: each file front to back, as its readahead goes
     for src, dst_bytes in sorted(wholes, key=lambda w: (w[0].path, w[0].offset)):
         if src.kind == "shm" and maps.is_cold(src.path):
             # pread from the arena file: no page-table entries to create in this process, which
@@ -602,12 +599,17 @@ def _read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int
 
 
 def _read_span(src: Source, lo: int, nbytes: int) -> np.ndarray:
-    """Bytes [lo, lo + nbytes) of the stored piece, read and checked (_verify_span)."""
+    """Bytes [lo, lo + nbytes) of the stored piece, read and checked: all of it against its
+    checksum, hashed as it is read; a part by the chunks it touches (_verify_span)."""
     out = np.empty(nbytes, dtype=np.uint8)
+    hasher = xxhash.xxh3_64() if src.checksum and lo == 0 and nbytes == src.nbytes else None
     fd = _open(src)
     try:
-        _pread_exact(fd, out, src.offset + lo, src.path)
+        _pread_exact(fd, out, src.offset + lo, src.path, hasher)
     finally:
         os.close(fd)
-    _verify_span(src, lo, out)
+    if hasher is not None:
+        _check(src, hasher)
+    else:
+        _verify_span(src, lo, out)
     return out

@@ -31,7 +31,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
-from ckptd.common.chunks import ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.arena import ArenaSet
@@ -724,13 +724,8 @@ def _write_bytes(fd: int, data: memoryview, offset: int, throttle: Throttle) -> 
     return hasher.intdigest(), chunks.hexdigests()
 
 
-# Bytes hashed and written at a time: the two hashes and the kernel's copy then read them from
-# the CPU cache instead of memory three times (half the CPU of hashing and writing whole views).
-HASH_SLICE = 1 << 20
-
-
 def _write_hashed(fd: int, view: memoryview, offset: int, hasher: Any, chunks: ChunkHasher) -> None:
-    """Hash `view` into `hasher` and `chunks` and write it at `offset`, a slice at a time; then
+    """Hash `view` into `hasher` and `chunks` and write it at `offset`, HASH_SLICE at a time; then
     start its writeback (storage.start_writeback): the disk writes it while the rest of the
     step is copied and coded, and the final fsync waits only for the tail."""
     for begin in range(0, len(view), HASH_SLICE):

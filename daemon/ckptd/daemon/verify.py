@@ -23,12 +23,11 @@ from typing import Callable
 import xxhash
 
 from ckptd.common.boxes import coverage_problems
-from ckptd.common.chunks import ChunkHasher
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
 from ckptd.daemon.pipeline import checksum_name
 from ckptd.daemon.storage import TMP_MARK
 
-READ_CHUNK = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], Non
     chunks = ChunkHasher(chunk_bytes) if chunk_bytes else None
     done = 0
     while done < nbytes:
-        data = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        data = os.pread(fd, min(HASH_SLICE, nbytes - done), offset + done)
         if not data:
             break
         hasher.update(data)
