@@ -153,6 +153,19 @@ def test_layout_groups_kinds_and_splits_files() -> None:
     ]
 
 
+def test_layout_keeps_scales_in_the_file_of_their_codes() -> None:
+    """The writer puts a quantized tensor's scales beside its codes: a split never falls between them."""
+    box = Box.full((8, 8))
+    codes = [StoredTensor(f"optimizer/{n}", n, "I8", (8, 8), box) for n in "xy"]
+    scales = [StoredTensor(c.name, c.key + "@scales", "F32", (8, 1, 1), box, role="scales") for c in codes]
+    tensors = [codes[0], scales[0], codes[1], scales[1]]
+    files = layout_files(tensors, {"optimizer/x": "optimizer", "optimizer/y": "optimizer"}, max_file_bytes=64)
+    assert [[(x.key, x.role) for x in f.tensors] for f in files] == [
+        [("x", "data"), ("x@scales", "scales")],
+        [("y", "data"), ("y@scales", "scales")],
+    ]
+
+
 def test_names() -> None:
     assert file_key("model/layers.0.weight", "model") == "layers.0.weight"
     assert file_key("optimizer/state/w/exp_avg", "optimizer") == "optimizer/state/w/exp_avg"

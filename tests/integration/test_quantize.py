@@ -314,10 +314,10 @@ def test_a_tensor_with_non_finite_values_is_stored_losslessly(daemon) -> None:
     assert torch.equal(loaded["down.weight"]["exp_avg_sq"], state["down.weight"]["exp_avg_sq"])
 
 
-def test_small_files_split_codes_from_scales_and_stay_valid(daemons) -> None:
-    """Files of at most 20 kB: codes, scales and a tensor that falls back to lossless (a nan)
-    land in different files; each file's header, written after its codes, is read by the
-    safetensors library, `ckptd verify` passes and the load gives the values back."""
+def test_small_files_with_codes_and_a_lossless_fallback_stay_valid(daemons) -> None:
+    """Files of at most 20 kB: coded tensors (with their scales) and a tensor that falls back to
+    lossless (a nan) land in different files; each file's header, written after its codes, is
+    read by the safetensors library, `ckptd verify` passes and the load gives the values back."""
     daemon = daemons.start("--max-file-bytes", "20000")
     model, opt = trained()
     opt_state(model, opt)["down.weight"]["exp_avg"][1, 2] = float("nan")

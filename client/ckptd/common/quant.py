@@ -42,7 +42,7 @@ from ckptd.common.boxes import Box, relative
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
 
 __all__ = [
-    "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "codec_for", "encode", "decode",
+    "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
     "pack4", "unpack4", "nblocks", "residual_encode", "residual_decode",
 ]
 
@@ -169,25 +169,47 @@ def _chunk_rows(nb: int, block: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, nb * block))
 
 
-def encode(codec: Codec, x: torch.Tensor, box: Box) -> tuple[torch.Tensor, torch.Tensor]:
+class Scratch:
+    """Buffers that `encode` reuses from call to call instead of allocating its output and work
+    space anew: fresh memory costs the kernel a page fault and zeroing per 4 KiB touched, about
+    as much as the coding itself. Grow-only (it holds as much as the largest piece coded with it
+    needs); for one thread at a time. What `encode` returns with a Scratch are views of its
+    buffers: valid until the Scratch is used again."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of `shape` and `dtype` in the buffer called `name`."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+
+def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the values `x` (shape box.lengths, any float dtype) of the piece with box `box`.
 
     Returns (codes, scales): codes of shape codec.codes_shape(box.lengths) and dtype int8/uint8,
-    scales float32 of shape codec.scales_shape(box). Raises QuantError for non-finite values or
-    (second moment) negative values: the caller stores such a tensor losslessly.
+    scales float32 of shape codec.scales_shape(box); with `scratch`, both are views of its
+    buffers. Raises QuantError for non-finite values or (second moment) negative values: the
+    caller stores such a tensor losslessly.
     """
     if tuple(x.shape) != box.lengths or box.ndim < 1:
         raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
+    space = scratch or Scratch()
     n, offset = box.lengths[-1], box.offsets[-1]
     nb = nblocks(offset, n, codec.block)
     count = math.prod(box.lengths[:-1])
-    codes = torch.empty((count, codec.codes_shape((n,))[0]), dtype=torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
-    scales = torch.empty((count, nb, codec.scale_width), dtype=torch.float32)
+    codes = space.tensor("codes", (count, codec.codes_shape((n,))[0]), torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
+    scales = space.tensor("scales", (count, nb, codec.scale_width), torch.float32)
     if codes.numel():
         rows = x.reshape(count, n)
         step = _chunk_rows(nb, codec.block)
-        work = torch.empty((min(step, count), nb, codec.block), dtype=torch.float32)  # reused by every chunk
-        padded = torch.empty_like(work) if _needs_padding(offset, n, codec.block, x.dtype) else None
+        chunk = (min(step, count), nb, codec.block)
+        work = space.tensor("work", chunk, torch.float32)  # reused by every chunk
+        padded = space.tensor("padded", chunk, torch.float32) if _needs_padding(offset, n, codec.block, x.dtype) else None
         for r in range(0, count, step):
             rr = slice(r, r + step)
             _encode_rows(codec, rows[rr], offset, codes[rr], scales[rr], work, padded)
@@ -367,11 +389,15 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
     return w.bitwise_or((w << 4)).bitwise_and_(0x0F0F).view(torch.uint8)
 
 
-def residual_encode(master: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
-    """master - float(model) in bfloat16 (same shape). Raises QuantError on a shape mismatch."""
+def residual_encode(master: torch.Tensor, model: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """master - float(model) in bfloat16 (same shape; with `scratch`, a view of its buffers).
+    Raises QuantError on a shape mismatch."""
     if master.shape != model.shape:
         raise QuantError(f"master weight of shape {list(master.shape)} and model weight of shape {list(model.shape)} differ")
-    return (master.to(torch.float32) - model.to(torch.float32)).to(torch.bfloat16)
+    space = scratch or Scratch()
+    shape = tuple(master.shape)
+    difference = torch.sub(master.to(torch.float32), model, out=space.tensor("work", shape, torch.float32))
+    return space.tensor("residual", shape, torch.bfloat16).copy_(difference)
 
 
 def residual_decode(model: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

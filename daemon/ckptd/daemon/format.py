@@ -469,7 +469,8 @@ def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_fil
 
     Files are named `<group>-0000k-of-0000n.safetensors`, numbered across nodes in node order
     (each file is written by one node), except extras, which go to `extra.safetensors` when
-    they fit in one file. Order inside a group is the given order.
+    they fit in one file. Order inside a group is the given order; a quantized tensor's scales
+    stay in the file of its codes (they are written side by side).
     """
     by_group: dict[str, dict[int, list[StoredTensor]]] = {}
     for t in tensors:
@@ -481,7 +482,7 @@ def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_fil
             chunks.append((node, []))
             size = 0
             for t in members:
-                if chunks[-1][1] and size + t.nbytes > max_file_bytes:
+                if chunks[-1][1] and size + t.nbytes > max_file_bytes and t.role != "scales":
                     chunks.append((node, []))
                     size = 0
                 chunks[-1][1].append(t)

@@ -205,71 +205,85 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     files: list[FileRecord] = []
     placed: list[_Placed] = []
     throttle = Throttle(req.throttle_bytes_per_s)
-    compressing = req.quantize is not None or req.master_weights != "keep"
-    with (
-        ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool,
-        ThreadPoolExecutor(ENCODE_THREADS if compressing else 1, thread_name_prefix="ckptd-encode") as encoders,
-    ):
-        # Compression runs on its own threads while the writers write. Which tensors go into
-        # which file follows from the shapes (all nodes number the same files); where quantized
-        # codes go inside a file is decided once they are coded (their size depends on the
-        # values), so they are placed after the file's other tensors and the header is
+    source = _Source(req.arenas, tensors, slots_by_name, slot_of)
+    stored, codings, cast = _compress(source, stored, kinds, req, progress)
+    # Largest files first: they take the largest recycled files.
+    layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
+    layouts.sort(key=lambda f: -f.nbytes)
+    scratch = _ScratchPool(min(req.write_threads, os.cpu_count() or 1))
+    opened: list[tuple[int, Path]] = []
+    with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
+        # Which tensors go into which file follows from the shapes (all nodes number the same
+        # files). Tensors of known size are written at fixed offsets; quantized codes are coded
+        # and written by one writer job each, placed after the file's fixed tensors in the
+        # order they finish (their size depends on the values), and such a file's header is
         # written last, into room reserved for it.
-        source = _Source(req.arenas, tensors, slots_by_name, slot_of)
-        stored, encoded, cast = _compress(encoders, source, stored, kinds, req, progress)
-        # Largest files first: they take the largest recycled files.
-        layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
-        layouts.sort(key=lambda f: -f.nbytes)
-        opened: list[tuple[int, Path]] = []
         writes: list[tuple[StoredTensor, str, int, Future[tuple[int, str]]]] = []
-        finishes: list[Future[tuple[FileRecord, list[_Placed]]]] = []
+        jobs: list[tuple[int, int, Callable[[], _CodedWrite]]] = []  # (file, bytes to code, coding job)
+        files_writes: list[tuple[int, str, list[StoredTensor], int, list[Future[Any]]]] = []
+        coded: list[Future[_CodedWrite]] = []
         try:
             recycled = storage.take_recycled(req.job)
-            later_files, plain_files = [], []
             for layout in layouts:
-                fixed = [t for t in layout.tensors if not _coded_later(t, encoded)]
-                later = [t for t in layout.tensors if _coded_later(t, encoded)]
+                fixed = [t for t in layout.tensors if not _placed_when_coded(t, codings)]
+                late = [t for t in layout.tensors if _placed_when_coded(t, codings) and t.role == "data"]
                 header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in fixed)
-                header_size = _header_room(fixed, later, tensors) if later else len(header)
+                header_size = _header_room(fixed, late, tensors, codings) if late else len(header)
                 path = step_dir / layout.name
                 fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, header_size + layout.nbytes)
                 opened.append((fd, path))
                 file_writes = []
                 for tensor, entry in zip(fixed, entries):
                     offset = header_size + entry.begin
-                    pending = encoded.get((tensor.name, tensor.box))
-                    if pending is not None:
-                        digest = pool.submit(_write_encoded, fd, pending, offset, throttle)
+                    coding = codings.get((tensor.name, tensor.box))
+                    if coding is not None:  # a residual: its size is known
+                        write = functools.partial(_write_residual, fd, offset, tensor, coding, source, progress, throttle, scratch)
                     else:
-                        digest = pool.submit(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
-                    writes.append((tensor, layout.name, offset, digest))
-                    file_writes.append(digest)
-                if later:
-                    later_files.append((fd, layout.name, fixed, later, header_size, file_writes))
-                else:
-                    plain_files.append((fd, file_writes))
+                        write = functools.partial(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
+                    writes.append((tensor, layout.name, offset, pool.submit(write)))
+                    file_writes.append(writes[-1][3])
+                files_writes.append((fd, layout.name, fixed, header_size, file_writes))
+                if not late:
                     _pwrite_all(fd, memoryview(header), 0)
                     files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
-            # Queued after every write (a job waits only for jobs queued before it, so none
-            # deadlocks): each plain file is fsynced as soon as it is written, while encodings
-            # may still run; files with coded tensors are finished and fsynced once coded.
-            syncs = [pool.submit(_sync_when_written, fd, file_writes) for fd, file_writes in plain_files]
-            for fd, name, fixed, later, header_size, file_writes in later_files:
-                finishes.append(pool.submit(_finish_file, fd, name, fixed, later, header_size, encoded, source, progress, throttle, req.node, file_writes))
+                    continue
+                file = _AppendedFile(fd, layout.name, header_size + sum(t.nbytes for t in fixed))
+                for t in late:
+                    job = functools.partial(_write_coded, file, t, codings[(t.name, t.box)], source, progress, throttle, scratch, req.step)
+                    jobs.append((len(files_writes) - 1, t.box.numel, job))
+            # Coding jobs after the fixed writes (those start the disk early), largest first
+            # (the threads finish together instead of one coding the last big tensor alone);
+            # then each file's fsync or finish, queued after every job it waits for (a pool job
+            # waits only for jobs queued before it, so none deadlocks).
+            jobs.sort(key=lambda job: -job[1])
+            coded = [pool.submit(job) for _, _, job in jobs]
+            mine: dict[int, list[Future[_CodedWrite]]] = {}
+            for (k, _, _), future in zip(jobs, coded):
+                mine.setdefault(k, []).append(future)
+            syncs, finishes = [], []
+            for k, (fd, name, fixed, header_size, file_writes) in enumerate(files_writes):
+                if k in mine:
+                    finishes.append(pool.submit(_finish_file, fd, name, fixed, header_size, file_writes, mine[k], req.node))
+                else:
+                    syncs.append(pool.submit(_sync_when_written, fd, file_writes))
             placed += [_Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
             for finish in finishes:
-                record, coded = finish.result()
+                record, late_placed = finish.result()
                 files.append(record)
-                placed += coded
+                placed += late_placed
             for sync in syncs:
                 sync.result()
         finally:
+            for future in coded:  # an error above: no job may still write to a closed descriptor
+                future.cancel()
+            pool.shutdown(wait=True)
             for fd, _ in opened:
                 os.close(fd)
     for _, path in opened:
         os.replace(tmp_name(path), path)
     fsync_dir(step_dir)
-    return NodeManifest(req.node, tuple(files), _fragment_records(placed, encoded, cast), req.quantization)
+    outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
+    return NodeManifest(req.node, tuple(files), _fragment_records(placed, codings, outcomes, cast), req.quantization)
 
 
 @dataclass(frozen=True)
@@ -283,27 +297,75 @@ class _Placed:
     chunks: str
 
 
-def _coded_later(t: StoredTensor, encoded: dict[tuple[str, Box], "_Encoded"]) -> bool:
-    """Whether `t` (codes or scales of a quantized tensor) is placed after its encoding."""
-    pending = encoded.get((t.name, t.box))
-    return pending is not None and pending.block > 0
+def _placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "_Coding"]) -> bool:
+    """Whether `t` (codes or scales of a quantized tensor) is placed once coded. Scales are
+    written beside their codes, in the codes' file, wherever the layout put them."""
+    coding = codings.get((t.name, t.box))
+    return coding is not None and coding.block > 0
 
 
-def _header_room(fixed: list[StoredTensor], later: list[StoredTensor], tensors: dict[str, LogicalTensor]) -> int:
-    """Bytes to reserve for the header of a file whose `later` tensors are placed once coded.
+def _header_room(
+    fixed: list[StoredTensor], late: list[StoredTensor], tensors: dict[str, LogicalTensor], codings: dict[tuple[str, Box], "_Coding"]
+) -> int:
+    """Bytes to reserve for the header of a file whose `late` tensors (codes) are placed, with
+    their scales, once coded.
 
     The header is measured as if every quantized tensor fell back to its values as they are
     (its logical dtype and shape: more bytes than its codes, so larger offsets, a dtype name at
     least as long, a shape whose digits outnumber the coded size's) and its scales stayed: the
     real header is never longer."""
     bound = [(t.key, t.dtype, t.shape) for t in fixed]
-    for t in later:
-        if t.role == "scales":
-            bound.append((t.key, t.dtype, t.shape))
-        else:
-            bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
+    for t in late:
+        bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
+        bound.append((scales_key(t.key), "F32", codings[(t.name, t.box)].codec.scales_shape(t.box)))
     header, _ = safetensors_header(bound)
-    return len(header) + HEADER_ALIGN * len(later)  # spare room: a compressed size can exceed its codes by a few bytes
+    return len(header) + HEADER_ALIGN * 2 * len(late)  # spare room: a compressed size can exceed its codes by a few bytes
+
+
+class _AppendedFile:
+    """A file being written whose coded tensors are placed, as they finish, from byte `end` on."""
+
+    def __init__(self, fd: int, name: str, end: int) -> None:
+        self.fd = fd
+        self.name = name
+        self.end = end
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> int:
+        """The offset of a range of `nbytes` at the end of the file, now this caller's."""
+        with self._lock:
+            offset, self.end = self.end, self.end + nbytes
+        return offset
+
+
+class _ScratchPool:
+    """At most `size` coding buffers (ckptd.common.quant.Scratch), handed from one coding job
+    to the next: a save faults in fresh memory for each buffer once instead of once per tensor,
+    and no more jobs code at once than there are buffers (the rest of the writer threads keep
+    writing; coders beyond the cores only take turns)."""
+
+    def __init__(self, size: int) -> None:
+        self._free: list[Any] = []
+        self._made = 0
+        self._size = max(1, size)
+        self._ready = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[Any]:
+        from ckptd.common import quant  # imported by _compress already: a lookup
+
+        with self._ready:
+            self._ready.wait_for(lambda: self._free or self._made < self._size)
+            if self._free:
+                scratch = self._free.pop()
+            else:
+                scratch, self._made = quant.Scratch(), self._made + 1
+        try:
+            yield scratch
+        finally:
+            with self._ready:
+                self._free.append(scratch)
+                self._ready.notify()
 
 
 def _sync_when_written(fd: int, writes: list[Future[Any]]) -> None:
@@ -314,35 +376,19 @@ def _sync_when_written(fd: int, writes: list[Future[Any]]) -> None:
 
 
 def _finish_file(
-    fd: int, name: str, fixed: list[StoredTensor], later: list[StoredTensor], header_size: int,
-    encoded: dict[tuple[str, Box], "_Encoded"], source: "_Source", progress: Progress, throttle: Throttle, node: int,
-    fixed_writes: list[Future[Any]],
+    fd: int, name: str, fixed: list[StoredTensor], header_size: int, fixed_writes: list[Future[Any]],
+    coded: list[Future["_CodedWrite"]], node: int,
 ) -> tuple[FileRecord, list[_Placed]]:
-    """Wait for the encodings of `later`, write them after the `fixed` tensors (a tensor that
-    could not be quantized: its values, from the arenas), then the header (padded to
-    `header_size`); cut the file to its size and fsync it once `fixed_writes` are done too.
-    Returns its record and their places."""
-    cursor = header_size + sum(t.nbytes for t in fixed)
-    placed = []
-    for t in later:
-        coded = encoded[(t.name, t.box)].future.result()
-        if coded is None and t.role == "scales":
-            continue  # stored as it is: no scales
-        if coded is None:
-            stored = StoredTensor(t.name, t.key, source.tensors[t.name].dtype, t.box.lengths, t.box, t.node)
-            digest, chunks = _write_tensor(fd, source.arenas, source.pieces(stored, cursor), progress, throttle)
-        else:
-            data = coded.scales if t.role == "scales" else coded.data
-            assert data is not None
-            stored = t if t.role == "scales" or coded.frames is None else StoredTensor(t.name, t.key, "U8", (len(data),), t.box, t.node)
-            digest, chunks = _write_bytes(fd, memoryview(data), cursor, throttle)
-        placed.append(_Placed(stored, name, cursor, digest, chunks))
-        cursor += stored.nbytes
+    """Once the file's coding jobs are done, write its header (padded to `header_size`), cut
+    the file after the last coded tensor and fsync it once `fixed_writes` are done too.
+    Returns its record and the coded tensors' places."""
+    placed = sorted((p for job in coded for p in job.result().placed), key=lambda p: p.offset)
+    end = header_size + sum(t.nbytes for t in fixed) + sum(p.tensor.nbytes for p in placed)
     header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
     _pwrite_all(fd, memoryview(header), 0)
-    os.ftruncate(fd, cursor)
+    os.ftruncate(fd, end)
     _sync_when_written(fd, fixed_writes)
-    return FileRecord(name, cursor, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
+    return FileRecord(name, end, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
 
 
 class _Source:
@@ -398,50 +444,39 @@ class _Source:
         return out
 
 
-# Threads quantizing, each with one torch intra-op thread (set when the daemon first compresses:
-# torch is used for nothing else in the daemon). Parallel over tensors instead of inside each op:
-# on a busy machine, OpenMP's spinning intra-op threads cost several times the work itself.
-ENCODE_THREADS = min(4, os.cpu_count() or 1)
-
-
 @dataclass(frozen=True)
-class _Coded:
-    """An encoded tensor's bytes, flat uint8: `data` is what is stored under its key (codes, in
-    zstd frames when `frames` is their table, or a master weight's residual) and `scales` its
-    scales."""
+class _Coding:
+    """A stored tensor whose bytes are made in memory: quantized codes and scales (`codec`, a
+    ckptd.common.quant.Codec; block > 0) or a master weight's residual to the stored model
+    weight `model` (block 0). `name`/`block` go into the index's QuantRecord."""
 
-    data: np.ndarray
-    scales: np.ndarray | None = None
-    frames: Frames | None = None
-
-
-@dataclass(frozen=True)
-class _Encoded:
-    """A stored tensor whose bytes are made in memory: quantized codes (block > 0) or a master
-    weight's residual (block 0). `codec`/`block` go into the index's QuantRecord. The future
-    gives None when the values could not be quantized: they are stored as they are."""
-
-    codec: str
+    name: str
     block: int
-    future: Future[_Coded | None]
+    codec: Any = None
+    model: StoredTensor | None = None
+
+
+@dataclass(frozen=True)
+class _CodedWrite:
+    """What a coding job wrote: the codes and scales of `tensor` (`frames`: the table of int4
+    codes in zstd frames), or its values as they are when they could not be quantized."""
+
+    tensor: StoredTensor
+    placed: tuple[_Placed, ...]
+    frames: Frames | None
+    quantized: bool
 
 
 def _compress(
-    encoders: ThreadPoolExecutor,
-    source: _Source,
-    stored: list[StoredTensor],
-    kinds: dict[str, str],
-    req: PersistRequest,
-    progress: Progress,
-) -> tuple[list[StoredTensor], dict[tuple[str, Box], _Encoded], dict[str, StoredTensor]]:
-    """Decide how each of `stored` is compressed (req.quantize, req.master_weights) and start
-    encoding this node's tensors on `encoders`.
+    source: _Source, stored: list[StoredTensor], kinds: dict[str, str], req: PersistRequest, progress: Progress
+) -> tuple[list[StoredTensor], dict[tuple[str, Box], _Coding], dict[str, StoredTensor]]:
+    """Decide how each of `stored` is compressed (req.quantize, req.master_weights).
 
     Returns the tensors to lay out (codes, scales and residuals with their stored dtypes and
     the shapes of uncompressed codes, for every node's tensors: all nodes lay out the same
-    files), the pending encodings by (name, box), and the dropped master weights (name -> the
-    stored model tensor whose bytes stand for it). A tensor that cannot be quantized (inf/nan,
-    a negative second moment) is found by its encoder and stored as it is.
+    files), how this node's coded tensors are made, by (name, box), and the dropped master
+    weights (name -> the stored model tensor whose bytes stand for it). A tensor that cannot be
+    quantized (inf/nan, a negative second moment) is found when it is coded and stored as it is.
     """
     mode = req.master_weights
     if req.quantize is None and mode == "keep":
@@ -450,6 +485,9 @@ def _compress(
     from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
     import torch
 
+    # One intra-op thread: coding runs in parallel over tensors (on the writer threads) instead
+    # of inside each op; on a busy machine OpenMP's spinning threads cost several times the work.
+    # torch is used for nothing else in the daemon.
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
     if first_import:
@@ -460,7 +498,7 @@ def _compress(
 
     whole_model = {t.name: t for t in stored if kinds[t.name] == "model" and t.box == Box.full(source.tensors[t.name].shape)}
     out: list[StoredTensor] = []
-    jobs: list[tuple[StoredTensor, str, int, Callable[[], _Coded]]] = []  # (tensor, codec, block, encoding)
+    codings: dict[tuple[str, Box], _Coding] = {}
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
@@ -470,20 +508,17 @@ def _compress(
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
             if t.node == req.node:
-                jobs.append((t, codec.name, codec.block, functools.partial(_quantize, codec, source, t, progress, req.step)))
+                codings[(t.name, t.box)] = _Coding(codec.name, codec.block, codec=codec)
         elif model is not None and mode == "drop":
             cast[t.name] = model
             progress.add(t.nbytes if t.node == req.node else 0)
         elif model is not None:
             out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
             if t.node == req.node:
-                jobs.append((t, quant.RESIDUAL, 0, functools.partial(_residual, source, t, model, progress)))
+                codings[(t.name, t.box)] = _Coding(quant.RESIDUAL, 0, model=model)
         else:
             out.append(t)
-    # largest first: the encoder threads finish together instead of one coding the last big tensor alone
-    jobs.sort(key=lambda job: -job[0].nbytes)
-    encoded = {(t.name, t.box): _Encoded(codec, block, encoders.submit(encode)) for t, codec, block, encode in jobs}
-    return out, encoded, cast
+    return out, codings, cast
 
 
 def _model_twin(t: StoredTensor, logical: LogicalTensor, source: _Source, whole_model: dict[str, StoredTensor]) -> StoredTensor | None:
@@ -507,38 +542,59 @@ def _as_torch(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     return torch.from_numpy(data).view(getattr(torch, dtypes.torch_name(dtype))).view(shape)
 
 
-def _quantize(codec: Any, source: _Source, t: StoredTensor, progress: Progress, step: int) -> _Coded | None:
-    """The tensor's codes (int4: in zstd frames) and its scales; None (logged) when its values
-    cannot be quantized: the file's writer then stores them as they are."""
+def _write_coded(
+    file: _AppendedFile, t: StoredTensor, coding: _Coding, source: _Source, progress: Progress, throttle: Throttle,
+    scratch: _ScratchPool, step: int,
+) -> _CodedWrite:
+    """Code one tensor (int4 codes: in zstd frames) and write its codes and scales side by side
+    at the end of `file`. Values that cannot be quantized are logged and written as they are
+    instead."""
     from ckptd.common import quant  # imported by _compress already: a lookup
 
-    problem = ""
-    with source.values(t) as values:
-        try:
-            codes, scales = quant.encode(codec, values, t.box)
-        except quant.QuantError as exc:
-            problem = str(exc)
-        del values  # no export of an arena view may outlive the block
-    if problem:
-        log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
-        return None
+    with scratch.take() as space:
+        problem = ""
+        with source.values(t) as values:
+            try:
+                codes, scale_values = quant.encode(coding.codec, values, t.box, space)
+            except quant.QuantError as exc:
+                problem = str(exc)
+            del values  # no export of an arena view may outlive the block
+        if problem:
+            log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
+            raw = StoredTensor(t.name, t.key, source.tensors[t.name].dtype, t.box.lengths, t.box, t.node)
+            offset = file.take(raw.nbytes)
+            digest, chunks = _write_tensor(file.fd, source.arenas, source.pieces(raw, offset), progress, throttle)
+            return _CodedWrite(t, (_Placed(raw, file.name, offset, digest, chunks),), None, False)
+        data, frames = _flat_bytes(codes), None
+        if coding.codec.bits == 4:
+            data, frames = compress_frames(data, len(data) // codes.shape[0])
+        stored = t if frames is None else StoredTensor(t.name, t.key, "U8", (len(data),), t.box, t.node)
+        scale_bytes = _flat_bytes(scale_values)
+        scales = StoredTensor(t.name, scales_key(t.key), "F32", tuple(scale_values.shape), t.box, t.node, role="scales")
+        offset = file.take(len(data) + len(scale_bytes))
+        placed = (
+            _Placed(stored, file.name, offset, *_write_bytes(file.fd, memoryview(data), offset, throttle)),
+            _Placed(scales, file.name, offset + len(data), *_write_bytes(file.fd, memoryview(scale_bytes), offset + len(data), throttle)),
+        )
     progress.add(t.nbytes)
-    flat, scale_bytes = _flat_bytes(codes), _flat_bytes(scales)
-    if codec.bits != 4:
-        return _Coded(flat, scale_bytes)
-    data, table = compress_frames(flat, len(flat) // codes.shape[0])
-    return _Coded(data, scale_bytes, table)
+    return _CodedWrite(t, placed, frames, True)
 
 
-def _residual(source: _Source, t: StoredTensor, model: StoredTensor, progress: Progress) -> _Coded:
-    """The master weight's bf16 residual to its model weight, as flat bytes."""
+def _write_residual(
+    fd: int, offset: int, t: StoredTensor, coding: _Coding, source: _Source, progress: Progress, throttle: Throttle, scratch: _ScratchPool
+) -> tuple[int, str]:
+    """Write the bf16 residual of master weight `t` to its model weight at `offset`; returns
+    its xxh3-64 and chunk digests."""
     from ckptd.common import quant
 
-    with source.values(t) as master, source.values(model) as weights:
-        residual = quant.residual_encode(master, weights)
-        del master, weights  # no export of an arena view may outlive the block
+    assert coding.model is not None
+    with scratch.take() as space:
+        with source.values(t) as master, source.values(coding.model) as weights:
+            residual = quant.residual_encode(master, weights, space)
+            del master, weights  # no export of an arena view may outlive the block
+        digest = _write_bytes(fd, memoryview(_flat_bytes(residual)), offset, throttle)
     progress.add(t.nbytes)
-    return _Coded(_flat_bytes(residual))
+    return digest
 
 
 def _flat_bytes(tensor: Any) -> np.ndarray:
@@ -549,7 +605,8 @@ def _flat_bytes(tensor: Any) -> np.ndarray:
 
 
 def _fragment_records(
-    placed: list[_Placed], encoded: dict[tuple[str, Box], _Encoded], cast: dict[str, StoredTensor]
+    placed: list[_Placed], codings: dict[tuple[str, Box], _Coding], outcomes: dict[tuple[str, Box], _CodedWrite],
+    cast: dict[str, StoredTensor],
 ) -> tuple[tuple[str, FragmentRecord], ...]:
     """The index records of what was written: codes with their scales and frames (and residuals
     with the model weight they add to) in QuantRecords; dropped master weights as the model
@@ -570,13 +627,11 @@ def _fragment_records(
         if t.role != "data":
             continue
         quant = None
-        done = encoded.get((t.name, t.box))
-        if done is not None and done.block == 0:  # a residual: to the whole model weight of the same name
-            quant = QuantRecord(done.codec, base=side(where[("model/" + t.name.split("/", 1)[1], t.box, "data")]))
-        elif done is not None:
-            coded = done.future.result()
-            if coded is not None:
-                quant = QuantRecord(done.codec, done.block, scales=side(where[(t.name, t.box, "scales")]), frames=coded.frames)
+        coding = codings.get((t.name, t.box))
+        if coding is not None and coding.block == 0:  # a residual: to the whole model weight of the same name
+            quant = QuantRecord(coding.name, base=side(where[("model/" + t.name.split("/", 1)[1], t.box, "data")]))
+        elif coding is not None and outcomes[(t.name, t.box)].quantized:
+            quant = QuantRecord(coding.name, coding.block, scales=side(where[(t.name, t.box, "scales")]), frames=outcomes[(t.name, t.box)].frames)
         records.append((t.name, fragment(p, quant)))
     for name, model in cast.items():
         records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord("cast"))))
@@ -705,11 +760,6 @@ def _write_tensor(fd: int, arenas: ArenaSet, pieces: list[_Piece], progress: Pro
             done += n
             progress.add(n)
     return hasher.intdigest(), chunks.hexdigests()
-
-
-def _write_encoded(fd: int, encoded: _Encoded, offset: int, throttle: Throttle) -> tuple[int, str]:
-    """Wait for an encoding of a known size (a master weight's residual) and write it at `offset`."""
-    return _write_bytes(fd, memoryview(encoded.future.result().data), offset, throttle)
 
 
 def _write_bytes(fd: int, data: memoryview, offset: int, throttle: Throttle) -> tuple[int, str]:
