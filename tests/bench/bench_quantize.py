@@ -22,7 +22,7 @@ One run, one state per setting, everything through a real daemon and the real cl
 4. Per core, over a recycled file: CPU seconds of one thread writing the mixed state's Adam
    moments as they are (the daemon's writer: pwrite over a file's existing blocks with its
    hashes) against encoding them (O1, O2: the daemon's encoder, int4 codes in zstd frames) and
-   writing the codes and scales the same way. Where the first is smaller, no number of encoder
+   writing the codes and scales the same way. Where the first is smaller, no number of coding
    threads makes the compressed save's CPU smaller than the lossless one's.
 
 The state is synthetic but shaped like a transformer (embeddings, attention and MLP matrices,
