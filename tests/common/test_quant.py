@@ -230,6 +230,33 @@ def test_residual_is_near_exact() -> None:
     assert torch.equal(into, back)  # the same values written in place
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.name}-b{c.block}")
+def test_a_reused_scratch_codes_exactly_as_fresh_buffers(codec: Codec) -> None:
+    """One Scratch through pieces of growing and shrinking sizes, offsets that cut blocks and a
+    bf16 input: every result equals encode without a Scratch, and is a view of its buffers."""
+    g = torch.Generator().manual_seed(7)
+    scratch = quant.Scratch()
+    cases = [((300, 512), 0, torch.float32), ((2, 700), 100, torch.float32), ((1200, 256), 0, torch.float32), ((5, 300), 3, torch.bfloat16)]
+    for shape, offset, dtype in cases:
+        x = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
+        x = x * x if codec.is_log else x
+        box = Box((0, offset), shape)
+        codes, scales = encode(codec, x, box, scratch)
+        fresh_codes, fresh_scales = encode(codec, x, box)
+        assert torch.equal(codes, fresh_codes) and torch.equal(scales, fresh_scales)
+    again, _ = encode(codec, x, box, scratch)
+    assert again.data_ptr() == codes.data_ptr()  # the same buffer, not a new allocation
+
+
+def test_residual_with_a_scratch_equals_without() -> None:
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(64, 96, generator=g)
+    model = master.to(torch.bfloat16)
+    scratch = quant.Scratch()
+    quant.residual_encode(torch.randn(200, 200), torch.randn(200, 200).to(torch.bfloat16), scratch)  # grows it first
+    assert torch.equal(quant.residual_encode(master, model, scratch), quant.residual_encode(master, model))
+
+
 @pytest.mark.parametrize("bad", ["O3", "int8", "o1"])
 def test_scheme_names_are_checked(bad: str) -> None:
     with pytest.raises(QuantError, match="use None"):

@@ -88,6 +88,34 @@ def test_a_failed_write_leaves_no_step(tmp_path: Path, shm_dir: Path) -> None:
     assert storage.committed_steps("job") == []
 
 
+def test_a_failed_coded_write_leaves_no_step_and_no_open_file(tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills up while quantized codes are written: persist raises the OSError, every
+    job has stopped and every descriptor is closed before it returns, and no step is left."""
+    import errno
+
+    from ckptd.daemon import pipeline
+
+    specs = [TensorSpec(f"optimizer/state/w{i}/exp_avg", "optimizer", "F32", (64, 128), Box.full((64, 128))) for i in range(6)]
+    specs.append(TensorSpec("model/w", "model", "F32", (64, 128), Box.full((64, 128))))
+    plan = make_save_plan([specs])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = pool.acquire(plan.arena_bytes)
+    _fill(arenas, plan, {s.name: torch.randn(64, 128) for s in specs})
+
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "_write_bytes", full_disk)
+    storage = Storage(tmp_path)
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space left"):
+        persist(storage, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 3, quantize="O1"), Progress(plan.total_bytes))
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    assert not (tmp_path / "job" / "step-00000001").exists()
+    assert storage.committed_steps("job") == []
+    pool.close()
+
+
 def test_clean_uncommitted_removes_crash_leftovers(tmp_path: Path) -> None:
     storage = Storage(tmp_path)
     half = tmp_path / "job" / "step-00000002"

@@ -274,9 +274,8 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
             for sync in syncs:
                 sync.result()
         finally:
-            for future in coded:  # an error above: no job may still write to a closed descriptor
-                future.cancel()
-            pool.shutdown(wait=True)
+            # after an error: no job may still be writing when the descriptors are closed
+            pool.shutdown(wait=True, cancel_futures=True)
             for fd, _ in opened:
                 os.close(fd)
     for _, path in opened:
