@@ -297,8 +297,8 @@ class _Placed:
 
 
 def _placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "_Coding"]) -> bool:
-    """Whether `t` (codes or scales of a quantized tensor) is placed once coded. Scales are
-    written beside their codes, in the codes' file, wherever the layout put them."""
+    """Whether `t` (codes or scales of a quantized tensor) is placed once coded; scales are
+    written beside their codes (layout_files keeps both in one file)."""
     coding = codings.get((t.name, t.box))
     return coding is not None and coding.block > 0
 
