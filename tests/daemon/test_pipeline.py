@@ -116,6 +116,37 @@ def test_a_failed_coded_write_leaves_no_step_and_no_open_file(tmp_path: Path, sh
     pool.close()
 
 
+@pytest.mark.parametrize("quantize, master_weights", [("O1", "residual"), ("O2", "drop")])
+def test_progress_of_a_compressed_save_reaches_the_snapshot_bytes(
+    tmp_path: Path, shm_dir: Path, quantize: str, master_weights: str
+) -> None:
+    """Progress counts the snapshot's bytes (what WaitDurable reports against plan.total_bytes),
+    not the smaller coded bytes: a compressed save ends at 100%, one whose tensor falls back to
+    lossless (a nan) too."""
+    tensors = {
+        "model/w": torch.randn(64, 128).to(torch.bfloat16),
+        "master/w": torch.randn(64, 128),
+        "optimizer/state/w/exp_avg": torch.randn(64, 128),
+        "optimizer/state/w/exp_avg_sq": torch.rand(64, 128),
+        "optimizer/state/v/exp_avg": torch.randn(64, 128),
+    }
+    tensors["optimizer/state/v/exp_avg"][3, 3] = float("nan")
+    dtype = {torch.float32: "F32", torch.bfloat16: "BF16"}
+    specs = [TensorSpec(n, n.split("/")[0], dtype[t.dtype], tuple(t.shape), Box.full(tuple(t.shape))) for n, t in tensors.items()]
+    plan = make_save_plan([specs])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = pool.acquire(plan.arena_bytes)
+    _fill(arenas, plan, tensors)
+    progress = Progress(plan.total_bytes)
+    request = PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 2, quantize=quantize, master_weights=master_weights)
+    index = persist(Storage(tmp_path), request, progress)
+    pool.close()
+    assert {t.name: [f.quant.codec if f.quant else None for f in t.fragments] for t in index.tensors}["master/w"] == [
+        "residual-bf16" if master_weights == "residual" else "cast"
+    ]
+    assert progress.written == plan.total_bytes
+
+
 def test_clean_uncommitted_removes_crash_leftovers(tmp_path: Path) -> None:
     storage = Storage(tmp_path)
     half = tmp_path / "job" / "step-00000002"

@@ -39,10 +39,10 @@ import numpy as np
 import torch
 
 from ckptd.common.boxes import Box, relative
-from ckptd.common.quant_options import MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
+from ckptd.common.quant_options import CAST, MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
 
 __all__ = [
-    "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
+    "CAST", "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
     "pack4", "unpack4", "nblocks", "residual_encode", "residual_decode",
 ]
 
@@ -51,7 +51,6 @@ FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
 SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
 FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
 RESIDUAL: Final = "residual-bf16"
-CAST: Final = "cast"  # master weight dropped: the stored model weight, upcast on load
 _TINY: Final = torch.finfo(torch.float32).tiny
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Sequence
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
+from ckptd.common.quant_options import CAST
 
 INDEX_NAME = "ckptd.index.json"
 # A node's part of a step across nodes is written and fsynced (node-local roots): kept at
@@ -228,7 +229,7 @@ class FragmentRecord:
         dropped master weight ("cast"): its bytes are the model weight's, stored as that tensor."""
         if self.quant is None:
             return (self,)
-        if self.quant.codec == "cast":
+        if self.quant.codec == CAST:
             return ()
         return (self,) if self.quant.scales is None else (self, self.quant.scales)
 

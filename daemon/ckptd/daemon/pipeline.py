@@ -34,6 +34,7 @@ from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.frames import compress as compress_frames
+from ckptd.common.quant_options import CAST
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
@@ -219,8 +220,9 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         # order they finish (their size depends on the values), and such a file's header is
         # written last, into room reserved for it.
         writes: list[tuple[StoredTensor, str, int, Future[tuple[int, str]]]] = []
-        jobs: list[tuple[int, int, Callable[[], _CodedWrite]]] = []  # (file, bytes to code, coding job)
-        files_writes: list[tuple[int, str, list[StoredTensor], int, list[Future[Any]]]] = []
+        jobs: list[tuple[int, Callable[[], _CodedWrite], list[Future[_CodedWrite]]]] = []  # (bytes to code, job, its file's jobs)
+        plain: list[tuple[int, list[Future[Any]]]] = []  # files without coded tensors, and their writes
+        finishes: list[tuple[_AppendedFile, list[StoredTensor], int, list[Future[Any]], list[Future[_CodedWrite]]]] = []
         coded: list[Future[_CodedWrite]] = []
         try:
             recycled = storage.take_recycled(req.job)
@@ -242,32 +244,29 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
                         write = functools.partial(_write_tensor, fd, req.arenas, source.pieces(tensor, offset), progress, throttle)
                     writes.append((tensor, layout.name, offset, pool.submit(write)))
                     file_writes.append(writes[-1][3])
-                files_writes.append((fd, layout.name, fixed, header_size, file_writes))
                 if not late:
                     _pwrite_all(fd, memoryview(header), 0)
                     files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
+                    plain.append((fd, file_writes))
                     continue
                 file = _AppendedFile(fd, layout.name, header_size + sum(t.nbytes for t in fixed))
+                file_jobs: list[Future[_CodedWrite]] = []
                 for t in late:
                     job = functools.partial(_write_coded, file, t, codings[(t.name, t.box)], source, progress, throttle, scratch, req.step)
-                    jobs.append((len(files_writes) - 1, t.box.numel, job))
-            # Coding jobs after the fixed writes (those start the disk early), largest first
-            # (the threads finish together instead of one coding the last big tensor alone);
-            # then each file's fsync or finish, queued after every job it waits for (a pool job
-            # waits only for jobs queued before it, so none deadlocks).
-            jobs.sort(key=lambda job: -job[1])
-            coded = [pool.submit(job) for _, _, job in jobs]
-            mine: dict[int, list[Future[_CodedWrite]]] = {}
-            for (k, _, _), future in zip(jobs, coded):
-                mine.setdefault(k, []).append(future)
-            syncs, finishes = [], []
-            for k, (fd, name, fixed, header_size, file_writes) in enumerate(files_writes):
-                if k in mine:
-                    finishes.append(pool.submit(_finish_file, fd, name, fixed, header_size, file_writes, mine[k], req.node))
-                else:
-                    syncs.append(pool.submit(_sync_when_written, fd, file_writes))
+                    jobs.append((t.box.numel, job, file_jobs))
+                finishes.append((file, fixed, header_size, file_writes, file_jobs))
+            # Coding jobs after the fixed writes (those start the disk early), largest first (the
+            # threads finish together instead of one coding the last big tensor alone); then each
+            # file's fsync or finish, queued after every job it waits for (a pool job waits only
+            # for jobs queued before it, so none deadlocks).
+            jobs.sort(key=lambda job: -job[0])
+            for _, job, file_jobs in jobs:
+                file_jobs.append(pool.submit(job))
+                coded.append(file_jobs[-1])
+            syncs = [pool.submit(_sync_when_written, fd, file_writes) for fd, file_writes in plain]
+            finished = [pool.submit(_finish_file, *finish, req.node) for finish in finishes]
             placed += [_Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
-            for finish in finishes:
+            for finish in finished:
                 record, late_placed = finish.result()
                 files.append(record)
                 placed += late_placed
@@ -375,19 +374,18 @@ def _sync_when_written(fd: int, writes: list[Future[Any]]) -> None:
 
 
 def _finish_file(
-    fd: int, name: str, fixed: list[StoredTensor], header_size: int, fixed_writes: list[Future[Any]],
+    file: _AppendedFile, fixed: list[StoredTensor], header_size: int, fixed_writes: list[Future[Any]],
     coded: list[Future["_CodedWrite"]], node: int,
 ) -> tuple[FileRecord, list[_Placed]]:
     """Once the file's coding jobs are done, write its header (padded to `header_size`), cut
     the file after the last coded tensor and fsync it once `fixed_writes` are done too.
     Returns its record and the coded tensors' places."""
     placed = sorted((p for job in coded for p in job.result().placed), key=lambda p: p.offset)
-    end = header_size + sum(t.nbytes for t in fixed) + sum(p.tensor.nbytes for p in placed)
     header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
-    _pwrite_all(fd, memoryview(header), 0)
-    os.ftruncate(fd, end)
-    _sync_when_written(fd, fixed_writes)
-    return FileRecord(name, end, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
+    _pwrite_all(file.fd, memoryview(header), 0)
+    os.ftruncate(file.fd, file.end)
+    _sync_when_written(file.fd, fixed_writes)
+    return FileRecord(file.name, file.end, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
 
 
 class _Source:
@@ -401,6 +399,11 @@ class _Source:
         self.tensors = tensors
         self.slots_by_name = slots_by_name
         self.slot_of = slot_of
+
+    def nbytes(self, tensor: StoredTensor) -> int:
+        """The snapshot's bytes of a stored tensor (its logical dtype over its box), whatever it
+        is stored as: what Progress counts."""
+        return dtypes.nbytes(self.tensors[tensor.name].dtype, tensor.box.lengths)
 
     def pieces(self, tensor: StoredTensor, offset: int) -> list[_Piece]:
         """The arena runs of `tensor` (a whole tensor or a fragment) placed from byte `offset` on."""
@@ -563,7 +566,7 @@ def _write_coded(
             raw = StoredTensor(t.name, t.key, source.tensors[t.name].dtype, t.box.lengths, t.box, t.node)
             offset = file.take(raw.nbytes)
             digest, chunks = _write_tensor(file.fd, source.arenas, source.pieces(raw, offset), progress, throttle)
-            return _CodedWrite(t, (_Placed(raw, file.name, offset, digest, chunks),), None, False)
+            return _CodedWrite(t, (_Placed(raw, file.name, offset, digest, chunks),), None, False)  # progress counted as written
         data, frames = _flat_bytes(codes), None
         if coding.codec.bits == 4:
             data, frames = compress_frames(data, len(data) // codes.shape[0])
@@ -575,7 +578,7 @@ def _write_coded(
             _Placed(stored, file.name, offset, *_write_bytes(file.fd, memoryview(data), offset, throttle)),
             _Placed(scales, file.name, offset + len(data), *_write_bytes(file.fd, memoryview(scale_bytes), offset + len(data), throttle)),
         )
-    progress.add(t.nbytes)
+    progress.add(source.nbytes(t))
     return _CodedWrite(t, placed, frames, True)
 
 
@@ -592,7 +595,7 @@ def _write_residual(
             residual = quant.residual_encode(master, weights, space)
             del master, weights  # no export of an arena view may outlive the block
         digest = _write_bytes(fd, memoryview(_flat_bytes(residual)), offset, throttle)
-    progress.add(t.nbytes)
+    progress.add(source.nbytes(t))
     return digest
 
 
@@ -633,7 +636,7 @@ def _fragment_records(
             quant = QuantRecord(coding.name, coding.block, scales=side(where[(t.name, t.box, "scales")]), frames=outcomes[(t.name, t.box)].frames)
         records.append((t.name, fragment(p, quant)))
     for name, model in cast.items():
-        records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord("cast"))))
+        records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord(CAST))))
     return tuple(records)
 
 

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from ckptd.common.boxes import intersect
 from ckptd.common.frames import Frames
+from ckptd.common.quant_options import CAST
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
@@ -1029,7 +1030,7 @@ class CheckpointService:
                 continue
             path = await path_of(frag.file, frag.offset, frag.nbytes)
             decode = None
-            if frag.quant is not None and frag.quant.codec != "cast":  # "cast": the model weight's bytes, converted as any dtype
+            if frag.quant is not None and frag.quant.codec != CAST:  # "cast": the model weight's bytes, converted as any dtype
                 sides = []
                 for side in (frag.quant.scales, frag.quant.base):
                     if side is None:
@@ -1234,7 +1235,7 @@ def _needs_decoding(index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tup
     table = index.by_name()
     coded = [
         f.quant for spec in wanted if spec.name in table for f in table[spec.name].fragments
-        if f.quant is not None and f.quant.codec != "cast" and intersect(f.box, spec.box) is not None
+        if f.quant is not None and f.quant.codec != CAST and intersect(f.box, spec.box) is not None
     ]
     return bool(coded), any(q.frames is not None for q in coded)
 

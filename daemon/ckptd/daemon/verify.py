@@ -29,7 +29,6 @@ from ckptd.daemon.pipeline import checksum_name
 from ckptd.daemon.storage import TMP_MARK
 
 
-
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a step. kind: index | missing | size | checksum | header | coverage."""
@@ -157,24 +156,23 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
         for problem in coverage_problems(t.shape, [f.box for f in t.fragments]):
             problems.append(Problem("coverage", "", f"tensor {t.name} ({t.dtype}{list(t.shape)}): {problem}"))
         for piece in (piece for frag in t.fragments for piece in frag.stored_pieces()):  # "cast": checked as the model weight
-            key = piece.key
             if piece.file not in readable:
                 continue  # reported above (missing, damaged) or left out (another node's)
             data_offset, entries = headers[piece.file]
-            entry = entries.get(key)
+            entry = entries.get(piece.key)
             if entry is None or data_offset + entry.begin != piece.offset or entry.end - entry.begin != piece.nbytes:
-                problems.append(Problem("header", piece.file, f"{piece.file} does not hold {key!r} (tensor {t.name}) where the index says"))
+                problems.append(Problem("header", piece.file, f"{piece.file} does not hold {piece.key!r} (tensor {t.name}) where the index says"))
                 continue
             with open(step_dir / piece.file, "rb") as f:
                 digest, got, chunk_digests = _hash_range(f.fileno(), piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
             nbytes += got
             if digest != piece.checksum:
                 problems.append(
-                    Problem("checksum", piece.file, f"tensor {t.name} (key {key!r}, {piece.nbytes} bytes at offset {piece.offset} of {piece.file}) does not match its checksum: the data is corrupt")
+                    Problem("checksum", piece.file, f"tensor {t.name} (key {piece.key!r}, {piece.nbytes} bytes at offset {piece.offset} of {piece.file}) does not match its checksum: the data is corrupt")
                 )
             elif piece.chunk_bytes and chunk_digests != piece.chunk_xxh3:
                 problems.append(
-                    Problem("checksum", piece.file, f"tensor {t.name} (key {key!r} in {piece.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
+                    Problem("checksum", piece.file, f"tensor {t.name} (key {piece.key!r} in {piece.file}) matches its checksum but not its chunk checksums: the index is damaged, resharded loads of it will fail")
                 )
     return VerifyReport(
         str(step_dir), index.job, index.step, checked, skipped, nbytes, len(index.tensors), tuple(problems), tuple(notes)
