@@ -1,6 +1,7 @@
 """Blockwise quantization of optimizer state and master-weight residuals (DESIGN.md §8), as pure
-functions: torch tensor math only, no file system, no RPC. Imported by the daemon (encoding,
-in its background writer) and by the client (decoding the slices it reads itself).
+functions: no file system, no RPC. Encoding is native (ckptd.common._codec, one pass over the
+values); decoding is torch tensor math. Imported by the daemon (encoding, in its background
+writer) and by the client (decoding the slices it reads itself).
 
 Blocks are defined in the logical (unsharded) tensor's coordinates: block j of a row holds the
 elements whose last-dim index c satisfies j*B <= c < (j+1)*B. A stored piece (a whole tensor or
@@ -35,9 +36,9 @@ import math
 from dataclasses import dataclass
 from typing import Final, Sequence
 
-import numpy as np
 import torch
 
+from ckptd.common import _codec
 from ckptd.common.boxes import Box, relative
 from ckptd.common.quant_options import CAST, MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
 
@@ -144,13 +145,11 @@ def _needs_padding(offset: int, n: int, block: int, dtype: torch.dtype) -> bool:
 
 
 def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> torch.Tensor:
-    """x (r, n) as whole logical blocks (r, nblocks, block): a view when the row is whole float32
-    blocks (_needs_padding), else `out` (r, nblocks, block) holding x converted, zero padded."""
+    """`out` (r, nblocks, block) float32 holding x (r, n) converted, at its logical columns,
+    zero padded."""
     r, n = x.shape
     left = offset % block
     nb = nblocks(offset, n, block)
-    if not _needs_padding(offset, n, block, x.dtype):
-        return x.reshape(r, nb, block)
     flat = out.view(r, nb * block)
     flat[:, :left].zero_()
     flat[:, left + n :].zero_()
@@ -158,10 +157,8 @@ def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> tor
     return out
 
 
-CHUNK_ELEMENTS: Final = 1 << 19  # rows are coded in chunks of about this many elements: temporaries stay in cache
-# y + _ROUND rounds y to an integer, half to even as torch.round does, for |y| < 2**22: the sum's
-# float32 bit pattern is 0x4B400000 + round(y), so its low byte is the code, wrapped as int8/uint8
-_ROUND: Final = 12582912.0  # 1.5 * 2**23
+CHUNK_ELEMENTS: Final = 1 << 19  # rows are converted or decoded in chunks of about this many elements: temporaries stay in cache
+_NEGATIVE: Final = 2  # _codec.encode_blocks: 0 coded, 1 a non-finite value, 2 a negative value
 
 
 def _chunk_rows(nb: int, block: int) -> int:
@@ -194,6 +191,10 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
     scales float32 of shape codec.scales_shape(box); with `scratch`, both are views of its
     buffers. Raises QuantError for non-finite values or (second moment) negative values: the
     caller stores such a tensor losslessly.
+
+    The coding itself is native (ckptd.common._codec, one pass over the values, the GIL
+    released); float32 rows of whole blocks are read in place, anything else is first converted
+    into a float32 buffer of whole blocks, chunk by chunk.
     """
     if tuple(x.shape) != box.lengths or box.ndim < 1:
         raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
@@ -205,86 +206,22 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
     scales = space.tensor("scales", (count, nb, codec.scale_width), torch.float32)
     if codes.numel():
         rows = x.reshape(count, n)
-        step = _chunk_rows(nb, codec.block)
-        chunk = (min(step, count), nb, codec.block)
-        work = space.tensor("work", chunk, torch.float32)  # reused by every chunk
-        padded = space.tensor("padded", chunk, torch.float32) if _needs_padding(offset, n, codec.block, x.dtype) else None
+        padding = _needs_padding(offset, n, codec.block, x.dtype) or not rows.is_contiguous()
+        step = _chunk_rows(nb, codec.block) if padding else count
+        padded = space.tensor("padded", (min(step, count), nb, codec.block), torch.float32) if padding else None
         for r in range(0, count, step):
             rr = slice(r, r + step)
-            _encode_rows(codec, rows[rr], offset, codes[rr], scales[rr], work, padded)
+            part = rows[rr]
+            blocked = _blocked(part, offset, codec.block, padded[: part.shape[0]]) if padded is not None else part
+            status = _codec.encode_blocks(
+                codec.is_log, codec.bits, codec.levels, blocked.numpy(), part.shape[0], nb, codec.block,
+                offset % codec.block, n, codes[rr].numpy(), scales[rr].numpy(),
+            )
+            if status == _NEGATIVE:
+                raise QuantError("second moment has negative values; it is stored losslessly")
+            if status != 0:
+                raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
     return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
-
-
-def _encode_rows(
-    codec: Codec, x: torch.Tensor, offset: int, codes_out: torch.Tensor, scales_out: torch.Tensor,
-    work: torch.Tensor, padded: torch.Tensor | None,
-) -> None:
-    """Code rows x (r, n) whose first column is logical column `offset` into codes_out, scales_out.
-    work, padded: float32 scratch of at least (r, nblocks, block)."""
-    r, n = x.shape
-    block, q = codec.block, codec.levels
-    left = offset % block
-    work = work[:r]
-    xb = _blocked(x, offset, block, padded[:r] if padded is not None else work)  # (r, nb, B) float32
-    if codec.is_log:
-        hi_v = xb.amax(-1, keepdim=True)  # NaN propagates: checked below on the small tensor
-        if bool(xb.amin() < 0):
-            raise QuantError("second moment has negative values; it is stored losslessly")
-        if not bool(torch.isfinite(hi_v).all()):
-            raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
-        # the smallest non-zero v per block without a mask: non-negative floats order as their
-        # bit patterns; (bits - 1) & 0x7fffffff turns 0 into the largest int32 and keeps the order
-        bits = torch.sub(xb.view(torch.int32), 1, out=work.view(torch.int32))
-        lo_bits = bits.bitwise_and_(0x7FFFFFFF).amin(-1, keepdim=True).add_(1)
-        empty = lo_bits < 0  # a block of zeros: the largest int32 + 1
-        lo_v = lo_bits.view(torch.float32)
-        # log2 of sqrt(v) = 0.5 * log2(v): only the block's bounds need the square root's log
-        lo = torch.where(empty, 0.0, lo_v.log2() * 0.5)
-        hi = torch.where(empty, 0.0, hi_v.log2() * 0.5)
-        span = hi - lo
-        inv = torch.where(span > 0, (q - 1) / span, 1.0)
-        scales_out.copy_(torch.cat([lo, hi], dim=-1))
-        # code - 1 = round((0.5 * log2(v) - lo) * inv), computed as (log2(v) - 2 lo) * (inv / 2):
-        # scaling by 2 is exact, so every intermediate is the same real number rounded the same
-        # way. Non-zero v >= lo: 0..Q-1; v == 0: -inf, clamped to -1 (0xFF); 1 is added to the bytes
-        coded = _log2(xb, out=work).sub_(lo * 2).mul_(inv * 0.5).clamp_(min=-1).add_(_ROUND)
-    else:
-        # max |x| without writing |x|: max(amax, -amin); abs_ turns a -0.0 of a zero block into 0.0
-        absmax = torch.maximum(xb.amax(-1, keepdim=True), xb.amin(-1, keepdim=True).neg_()).abs_()
-        if not bool(torch.isfinite(absmax).all()):
-            raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
-        inv = torch.where(absmax > 0, q / absmax, 0.0)
-        scales_out.copy_(absmax)
-        if bool(torch.isinf(inv).any()):
-            # a block with absmax < Q / float32 max (subnormal values): Q / absmax overflows, so
-            # such chunks divide by absmax first (|x / absmax| <= 1; a zero block divides by 1)
-            ratio = torch.div(xb, torch.where(absmax > 0, absmax, 1.0), out=work)
-            coded = ratio.mul_(q).add_(_ROUND + (0 if codec.bits == 8 else 8))
-        else:
-            # |x * inv| <= Q (+ rounding): no clamp needed; int4 codes are q + 8
-            coded = torch.mul(xb, inv, out=work).add_(_ROUND + (0 if codec.bits == 8 else 8))
-    if coded.dtype == torch.float32:
-        coded = coded.view(torch.int32)
-    coded = coded.view(r, -1)[:, left : left + n]
-    if codec.bits == 4:
-        coded = coded.to(torch.uint8)
-        if codec.is_log:
-            coded.add_(1)
-        codes_out.copy_(pack4(coded))
-    else:
-        codes_out.copy_(coded)
-        if codec.is_log:
-            codes_out.add_(1)
-
-
-def _log2(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """torch.log2(x, out=out) for float32 CPU tensors, through NumPy's SIMD log2: five times
-    faster than torch's (MKL VML's high-accuracy kernel) here, and the codes it feeds are the
-    same (30 M random log codes and the golden cases compared; a last-bit difference could move
-    a value lying exactly on a rounding boundary to the neighbouring code, which decodes fine)."""
-    with np.errstate(divide="ignore"):  # log2(0) = -inf is wanted: zeros take code 0
-        np.log2(x.numpy(), out=out.numpy())
-    return out
 
 
 def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
