@@ -89,7 +89,7 @@ static int encode_row(int is_log, int bits, int levels, const float *src, Py_ssi
             float inv = absmax > 0.0f ? (1.0f / absmax) * (float)levels : 0.0f;
             scales[j] = absmax;
             if (bits_of(inv) == INF_BITS) {
-                /* subnormal absmax: levels / absmax overflows, so divide by absmax first */
+                /* a tiny absmax (below levels / FLT_MAX): levels / absmax overflows, so divide first */
                 for (Py_ssize_t i = 0; i < block; i++) {
                     float t = x[i] / absmax;
                     t = t * (float)levels;
