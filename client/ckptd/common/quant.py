@@ -40,18 +40,17 @@ import torch
 
 from ckptd.common import _codec
 from ckptd.common.boxes import Box, relative
-from ckptd.common.quant_options import CAST, MASTER_MODES, SCHEMES, QuantError, check_master_mode, check_scheme
+from ckptd.common.quant_options import CAST, MASTER_MODES, RESIDUAL, SCHEMES, QuantError, check_master_mode, check_scheme
 
 __all__ = [
-    "CAST", "MASTER_MODES", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
-    "pack4", "unpack4", "nblocks", "residual_encode", "residual_decode",
+    "CAST", "MASTER_MODES", "RESIDUAL", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
+    "unpack4", "nblocks", "residual_encode", "residual_decode",
 ]
 
 LOSSLESS_MAX_ELEMENTS: Final = 4096  # tensors this small stay lossless (so do 1-D tensors)
 FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
 SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
 FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
-RESIDUAL: Final = "residual-bf16"
 _TINY: Final = torch.finfo(torch.float32).tiny
 
 
@@ -138,15 +137,16 @@ def codec_for(scheme: str | None, name: str, kind: str, dtype: str, shape: Seque
     return None
 
 
-def _needs_padding(offset: int, n: int, block: int, dtype: torch.dtype) -> bool:
-    """Whether rows of n values of `dtype` starting at logical column `offset` must be copied into
-    a float32 buffer of whole blocks (else they are viewed as blocks in place)."""
-    return offset % block != 0 or n % block != 0 or dtype != torch.float32
+def _needs_padding(rows: torch.Tensor, offset: int, block: int) -> bool:
+    """Whether `rows` (r, n), starting at logical column `offset`, must be copied into a float32
+    buffer of whole blocks before coding (else the encoder reads them in place: contiguous
+    float32 rows of whole blocks)."""
+    return offset % block != 0 or rows.shape[1] % block != 0 or rows.dtype != torch.float32 or not rows.is_contiguous()
 
 
 def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> torch.Tensor:
-    """`out` (r, nblocks, block) float32 holding x (r, n) converted, at its logical columns,
-    zero padded."""
+    """`out` (r, nblocks, block), of any dtype, holding x (r, n) converted, at its logical
+    columns, zero padded."""
     r, n = x.shape
     left = offset % block
     nb = nblocks(offset, n, block)
@@ -158,7 +158,6 @@ def _blocked(x: torch.Tensor, offset: int, block: int, out: torch.Tensor) -> tor
 
 
 CHUNK_ELEMENTS: Final = 1 << 19  # rows are converted or decoded in chunks of about this many elements: temporaries stay in cache
-_NEGATIVE: Final = 2  # _codec.encode_blocks: 0 coded, 1 a non-finite value, 2 a negative value
 
 
 def _chunk_rows(nb: int, block: int) -> int:
@@ -206,7 +205,7 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
     scales = space.tensor("scales", (count, nb, codec.scale_width), torch.float32)
     if codes.numel():
         rows = x.reshape(count, n)
-        padding = _needs_padding(offset, n, codec.block, x.dtype) or not rows.is_contiguous()
+        padding = _needs_padding(rows, offset, codec.block)
         step = _chunk_rows(nb, codec.block) if padding else count
         padded = space.tensor("padded", (min(step, count), nb, codec.block), torch.float32) if padding else None
         for r in range(0, count, step):
@@ -217,9 +216,9 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
                 codec.is_log, codec.bits, codec.levels, blocked.numpy(), part.shape[0], nb, codec.block,
                 offset % codec.block, n, codes[rr].numpy(), scales[rr].numpy(),
             )
-            if status == _NEGATIVE:
+            if status == _codec.NEGATIVE:
                 raise QuantError("second moment has negative values; it is stored losslessly")
-            if status != 0:
+            if status == _codec.NON_FINITE:
                 raise QuantError("tensor has non-finite values (inf or nan); it is stored losslessly")
     return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
 
@@ -306,20 +305,9 @@ def _log_table(codec: Codec, bounds: torch.Tensor) -> torch.Tensor:
     return table
 
 
-def pack4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 of shape (*lead, n) packed two per byte: (*lead, ceil(n/2))."""
-    n = codes.shape[-1]
-    if n % 2:
-        codes = torch.cat([codes, torch.zeros((*codes.shape[:-1], 1), dtype=torch.uint8)], dim=-1)
-    elif not codes.is_contiguous() or codes.storage_offset() % 2:
-        codes = codes.clone(memory_format=torch.contiguous_format)
-    # each pair as one little-endian int16: element 2i is its low byte, 2i+1 its high byte
-    w = codes.view(torch.int16)
-    return w.bitwise_or((w >> 4).bitwise_and_(0xF0)).to(torch.uint8)
-
-
 def unpack4(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack4: (*lead, m) bytes -> (*lead, 2m) codes 0..15."""
+    """int4 codes as stored, (*lead, m) bytes -> (*lead, 2m) codes 0..15 (the module docstring
+    gives the nibble order; the encoder packs them)."""
     w = packed.to(torch.int16, memory_format=torch.contiguous_format)
     # low nibble to the low byte, high nibble to the high byte of each int16
     return w.bitwise_or((w << 4)).bitwise_and_(0x0F0F).view(torch.uint8)

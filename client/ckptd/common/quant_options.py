@@ -8,6 +8,7 @@ from typing import Final
 SCHEMES: Final = ("O1", "O2")  # O1: int8 optimizer moments, O2: int4
 MASTER_MODES: Final = ("keep", "drop", "residual")
 CAST: Final = "cast"  # the index's codec of a dropped master weight: the stored model weight, upcast on load
+RESIDUAL: Final = "residual-bf16"  # the index's codec of a master weight stored as its bf16 difference to the model weight
 
 
 class QuantError(ValueError):

@@ -34,7 +34,7 @@ from ckptd.common.boxes import Box, contiguous_runs, coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.frames import compress as compress_frames
-from ckptd.common.quant_options import CAST
+from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import (
     EXTRA_JSON,
@@ -299,7 +299,7 @@ def _placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "_Coding"
     """Whether `t` (codes or scales of a quantized tensor) is placed once coded; scales are
     written beside their codes (layout_files keeps both in one file)."""
     coding = codings.get((t.name, t.box))
-    return coding is not None and coding.block > 0
+    return coding is not None and coding.codec is not None
 
 
 def _header_room(
@@ -449,11 +449,9 @@ class _Source:
 @dataclass(frozen=True)
 class _Coding:
     """A stored tensor whose bytes are made in memory: quantized codes and scales (`codec`, a
-    ckptd.common.quant.Codec; block > 0) or a master weight's residual to the stored model
-    weight `model` (block 0). `name`/`block` go into the index's QuantRecord."""
+    ckptd.common.quant.Codec), or a master weight's bf16 residual to the stored model weight
+    `model` (its whole twin, of the same box)."""
 
-    name: str
-    block: int
     codec: Any = None
     model: StoredTensor | None = None
 
@@ -510,14 +508,14 @@ def _compress(
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))
             out.append(StoredTensor(t.name, scales_key(t.key), "F32", codec.scales_shape(t.box), t.box, t.node, role="scales"))
             if t.node == req.node:
-                codings[(t.name, t.box)] = _Coding(codec.name, codec.block, codec=codec)
+                codings[(t.name, t.box)] = _Coding(codec=codec)
         elif model is not None and mode == "drop":
             cast[t.name] = model
             progress.add(t.nbytes if t.node == req.node else 0)
         elif model is not None:
             out.append(StoredTensor(t.name, t.key, "BF16", t.shape, t.box, t.node))
             if t.node == req.node:
-                codings[(t.name, t.box)] = _Coding(quant.RESIDUAL, 0, model=model)
+                codings[(t.name, t.box)] = _Coding(model=model)
         else:
             out.append(t)
     return out, codings, cast
@@ -630,10 +628,11 @@ def _fragment_records(
             continue
         quant = None
         coding = codings.get((t.name, t.box))
-        if coding is not None and coding.block == 0:  # a residual: to the whole model weight of the same name
-            quant = QuantRecord(coding.name, base=side(where[("model/" + t.name.split("/", 1)[1], t.box, "data")]))
+        if coding is not None and coding.model is not None:
+            quant = QuantRecord(RESIDUAL, base=side(where[(coding.model.name, coding.model.box, "data")]))
         elif coding is not None and outcomes[(t.name, t.box)].quantized:
-            quant = QuantRecord(coding.name, coding.block, scales=side(where[(t.name, t.box, "scales")]), frames=outcomes[(t.name, t.box)].frames)
+            codec = coding.codec
+            quant = QuantRecord(codec.name, codec.block, scales=side(where[(t.name, t.box, "scales")]), frames=outcomes[(t.name, t.box)].frames)
         records.append((t.name, fragment(p, quant)))
     for name, model in cast.items():
         records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord(CAST))))
