@@ -1,249 +1,370 @@
-"""ckptd.client.cuda with stand-ins for the CUDA calls: the control flow runs on CPU.
+"""ckptd.client.cuda and ckptd.client.ipc on a strict CPU stand-in for CUDA (tests/fakecuda.py).
 
-The real thing is tested in test_cuda.py (marked gpu). Here torch.cuda's streams, events and
-cudart are replaced by recorders and CPU tensors pretend to be CUDA tensors, so every line of
-the registration, copy and fence logic runs without a GPU: call order, chunking, once-only
-registration, unregistering before unmapping, bytes in place.
+The real thing is tested in test_cuda.py (marked gpu). Here the REAL registration, copy, fence
+and export code runs against fakecuda, which enforces the CUDA rules that code depends on: an
+asynchronous copy stays inside one host registration, a mapping is registered once, IPC handles
+are 64 raw bytes with zero bytes in them, streams and events order work as on a GPU. The tests
+marked "(H100)" failed on the code before the fix of both GPU bugs (commit 658e943).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import ctypes
+import importlib.util
+import sys
+import threading
+import time
 from pathlib import Path
-from typing import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 
-from ckptd.client import cuda
+from ckptd.client import cuda as cuda_module
 
+GIB = 1 << 30
+MB = 1 << 20
 PAGE = 4096
 
 
-class FakeCudart:
-    def __init__(self, codes: list[int] | None = None) -> None:
-        self.calls: list[tuple[str, int, int]] = []
-        self.codes = list(codes or [])
+def _fakecuda() -> ModuleType:
+    """tests/fakecuda.py, imported by path once per process."""
+    if "fakecuda" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fakecuda", Path(__file__).resolve().parents[1] / "fakecuda.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fakecuda"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fakecuda"]
 
-    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802 - CUDA's name
-        self.calls.append(("register", ptr, n))
-        return self.codes.pop(0) if self.codes else 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
-        self.calls.append(("unregister", ptr, 0))
-        return 0
+fakecuda = _fakecuda()
 
 
 @pytest.fixture
-def arena(tmp_path: Path) -> str:
-    path = tmp_path / "ckptd-1-job-s0-g1-r0"
+def cuda(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201 - a fakecuda.FakeCuda
+    return fakecuda.FakeCuda().install(monkeypatch)
+
+
+def _arena(tmp_path: Path, nbytes: int, name: str = "ckptd-1-job-s0-g1-r0") -> str:
+    """A sparse file that plays an arena: only the pages a test writes cost memory or disk."""
+    path = tmp_path / name
     with open(path, "wb") as f:
-        f.truncate(5 * PAGE)
+        f.truncate(nbytes)
     return str(path)
 
 
-def test_an_arena_is_registered_once_in_chunks_and_unregistered_before_unmapping(monkeypatch: pytest.MonkeyPatch, arena: str) -> None:
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(cuda, "REGISTER_CHUNK", 2 * PAGE)
-    arenas = cuda.PinnedArenas()
-    mapping = arenas.get(arena, 5 * PAGE)
-    assert arenas.get(arena, 5 * PAGE) is mapping and arenas.registrations == 1
-    base = mapping.host.data_ptr()
-    assert fake.calls == [("register", base, 2 * PAGE), ("register", base + 2 * PAGE, 2 * PAGE), ("register", base + 4 * PAGE, PAGE)]
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ------------------------------------------------------------------ the stand-in's own rules
+
+
+def test_the_stand_in_refuses_what_cuda_refuses(cuda) -> None:  # noqa: ANN001
+    from ckptd.common.cudart import CudaRuntimeError, register_host
+
+    host = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    base = host.data_ptr()
+    device = cuda.to_device(torch.arange(4 * PAGE, dtype=torch.int32).view(torch.uint8)[: 4 * PAGE])
+    first = register_host(cuda.runtime, base, 2 * PAGE, "test memory")
+    assert first.owned and cuda.lib.register_calls == [(base, 2 * PAGE)]
+    # a second registration of an overlapping range: cudaErrorHostMemoryAlreadyRegistered
+    assert cuda.lib.cudaHostRegister(base + PAGE, 2 * PAGE, 1) == fakecuda.HOST_MEMORY_ALREADY_REGISTERED
+    assert cuda.runtime.host_register(base + PAGE, 2 * PAGE) is False and cuda.lib.last_error == 0  # cleared
+    with pytest.raises(CudaRuntimeError, match="cudaHostUnregister failed: error 713"):
+        cuda.runtime.host_unregister(base + PAGE)
+    # asynchronous copies: inside one registration, or "invalid argument"
+    host[: 2 * PAGE].copy_(device[: 2 * PAGE], non_blocking=True)
+    with pytest.raises(RuntimeError, match="CUDA error: invalid argument"):
+        host[PAGE : 3 * PAGE].copy_(device[: 2 * PAGE], non_blocking=True)  # half registered, half not
+    with pytest.raises(RuntimeError, match="CUDA error: invalid argument"):
+        host[2 * PAGE :].copy_(device[: 2 * PAGE], non_blocking=True)  # pageable
+    host[2 * PAGE :].copy_(device[: 2 * PAGE])  # synchronous through pageable memory: allowed
+    second = register_host(cuda.runtime, base + 2 * PAGE, 2 * PAGE, "test memory")
+    with pytest.raises(RuntimeError, match="CUDA error: invalid argument"):
+        host[PAGE : 3 * PAGE].copy_(device[: 2 * PAGE], non_blocking=True)  # across two registrations
+    torch.cuda.synchronize()
+    assert torch.equal(host[: 2 * PAGE], device[: 2 * PAGE]) and torch.equal(host[2 * PAGE :], device[: 2 * PAGE])
+    first.close()
+    second.close()
+    assert cuda.lib.registered == {} and len(cuda.lib.register_calls) == 2
+
+
+def test_ipc_handles_of_the_stand_in_have_zero_bytes_at_both_ends_and_inside(cuda) -> None:  # noqa: ANN001
+    from ckptd.common.cudart import IpcMemHandle
+
+    ptr = cuda.runtime.malloc(4096)
+    raw = IpcMemHandle()
+    assert cuda.lib.cudaIpcGetMemHandle(ctypes.byref(raw), ptr) == 0
+    whole = ctypes.string_at(ctypes.addressof(raw), 64)
+    assert whole[0] == 0 and whole[-1] == 0 and 0 in whole[1:-1] and whole in cuda.lib.handles
+    assert ctypes.string_at(ctypes.addressof(raw)) == b""  # what a C-string copy would send
+
+
+def test_streams_and_events_order_copies_as_cuda_does(cuda) -> None:  # noqa: ANN001
+    from ckptd.common.cudart import register_host
+
+    values = cuda.to_device(torch.zeros(1024))
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    register_host(cuda.runtime, dst.data_ptr(), dst.numel(), "test memory")
+    producer, side = torch.cuda.Stream(), torch.cuda.Stream()
+    never_recorded = torch.cuda.Event()
+    assert never_recorded.query()  # as in CUDA: an event never recorded is done
+    gate = cuda.block(producer)  # a long kernel on the producer stream
+    cuda.launch(producer, lambda: values.fill_(7.0), "fill 7")
+    side.wait_stream(producer)
+    with torch.cuda.stream(side):
+        dst.copy_(_bytes(values), non_blocking=True)
+        done = torch.cuda.Event(blocking=True)
+        done.record(side)
+    assert not done.query() and not side.query()  # queued behind the producer's kernel
+    assert torch.all(dst == 0)
+    threading.Timer(0.1, gate.open).start()
+    done.synchronize()
+    assert torch.all(dst.view(torch.float32) == 7.0)
+    ran = [what for _, what in cuda.log]
+    assert ran.index("fill 7") < ran.index("D2H copy of 4096 bytes")
+    # a wait captures the event's last record at the time of the call
+    later = torch.cuda.Event()
+    gate = cuda.block(producer)
+    later.record(producer)
+    side.wait_event(later)
+    cuda.launch(side, lambda: None, "after the wait")
+    later.record(torch.cuda.Stream())  # recorded again, elsewhere: the side stream still waits for the first
+    assert not side.query()
+    gate.open()
+    assert side.query()
+
+
+# ------------------------------------------------------------------ pinned arenas (H100)
+
+
+def test_an_arena_over_one_gib_is_registered_in_one_call_once_across_saves(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    """(H100) An arena registered in 1 GiB pieces made every save over 1 GiB fail."""
+    from ckptd.client.handoff import CudaBackend
+
+    size = GIB + 4 * PAGE
+    backend = CudaBackend()
+    first = backend.host_view(_arena(tmp_path, size), size)
+    for _ in range(20):  # saves after the first reuse the mapping and its registration
+        assert backend.host_view(str(tmp_path / "ckptd-1-job-s0-g1-r0"), size) is first
+    base = first.data_ptr()
+    assert cuda.lib.register_calls == [(base, size)]
+    backend.close()
+    assert cuda.lib.unregister_calls == [base] and cuda.lib.registered == {}  # unregistered before unmapping
+
+
+def test_a_copy_run_across_the_first_gib_of_an_arena_lands_inside_its_one_registration(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    """(H100) Two tensors back to back in one storage, on either side of the arena's first GiB:
+    one coalesced copy, which CUDA refuses if that GiB ends a registration."""
+    from ckptd.client.handoff import CudaBackend
+
+    size = GIB + 4 * MB
+    flat = cuda.to_device(torch.randn(MB // 2))  # 2 MiB: two 1 MiB views
+    first, second = flat[: MB // 4], flat[MB // 4 :]
+    placements = [(first, GIB - MB, MB), (second, GIB, MB)]
+    backend = CudaBackend()
+    dst = backend.host_view(_arena(tmp_path, size), size)
+    backend.copy(placements, dst, {0, 1}).wait()
+    assert torch.equal(dst[GIB - MB : GIB + MB], _bytes(flat))
+    assert [(c.kind, c.nbytes) for c in cuda.copies] == [("D2H", 2 * MB)]  # one coalesced run
+    backend.close()
+
+
+def test_errors_of_registration_say_what_and_where(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    from ckptd.client.errors import CheckpointError
+
+    path = _arena(tmp_path, 5 * PAGE)
+    arenas = cuda_module.PinnedArenas()
+    with pytest.raises(CheckpointError, match="it was replaced"):
+        arenas.get(path, 6 * PAGE)
+    mapping = arenas.get(path, 5 * PAGE)
+    assert cuda.lib.cudaHostUnregister(mapping.host.data_ptr()) == 0  # someone else unlocked it
+    arenas.close()  # the refusal is logged, the arena unmapped anyway
+    cuda.lib.cudaHostRegister = fakecuda._Fn(lambda ptr, n, flags: cuda.lib._fail(fakecuda.MEMORY_ALLOCATION))
+    with pytest.raises(CheckpointError, match=r"cannot page-lock arena .*ckptd-1-job-s0-g1-r0 \(20480 bytes in one cudaHostRegister call\).*error 2"):
+        cuda_module.PinnedArenas().get(path)
+
+
+def test_arenas_the_daemon_deleted_are_released(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    arenas = cuda_module.PinnedArenas()
+    gone = arenas.get(_arena(tmp_path, PAGE))
+    (tmp_path / "ckptd-1-job-s0-g1-r0").unlink()
+    arenas.get(_arena(tmp_path, PAGE, "ckptd-1-job-s1-g2-r0"))
+    assert list(arenas._maps) == [str(tmp_path / "ckptd-1-job-s1-g2-r0")] and gone.registration is None
     arenas.close()
-    assert [c for c in fake.calls if c[0] == "unregister"] == [("unregister", base + i * PAGE, 0) for i in (0, 2, 4)]
+    assert cuda.lib.registered == {}
 
 
-def test_already_registered_chunks_are_not_unregistered_and_errors_are_clear(monkeypatch: pytest.MonkeyPatch, arena: str) -> None:
-    fake = FakeCudart([cuda.ERROR_ALREADY_REGISTERED, 0, 0])
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(cuda, "REGISTER_CHUNK", 2 * PAGE)
-    mapping = cuda.PinnedMapping(arena, 5 * PAGE)
-    mapping.close()
-    assert sum(c[0] == "unregister" for c in fake.calls) == 2  # not the chunk someone else registered
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart([2]))
-    with pytest.raises(cuda.CheckpointError, match="cudaHostRegister of 8192 bytes .* failed with CUDA error 2"):
-        cuda.PinnedMapping(arena, 5 * PAGE)
-    with pytest.raises(cuda.CheckpointError, match="it was replaced"):
-        cuda.PinnedMapping(arena, 6 * PAGE)
+def test_with_registration_pieces_the_copies_are_split_at_their_boundaries(cuda) -> None:  # noqa: ANN001
+    """ckptd registers arenas whole; should a destination ever be registered in pieces, the
+    planner keeps every copy inside one (runs split, a non-contiguous tensor in two pieces)."""
+    from ckptd.common.cudart import register_host
+
+    dst = torch.zeros(8 * MB, dtype=torch.uint8)
+    base = dst.data_ptr()
+    for start, end in ((0, 2 * MB), (2 * MB, 4 * MB), (4 * MB, 8 * MB)):
+        register_host(cuda.runtime, base + start, end - start, "a piece")
+    flat = cuda.to_device(torch.randn(3 * MB // 4))  # 3 MiB: two views back to back
+    first, second = flat[: 3 * MB // 8], flat[3 * MB // 8 :]
+    strided = cuda.to_device(torch.randn(512, 512)).t()  # 1 MiB, not contiguous
+    placements = [(first, MB // 2, 3 * MB // 2), (second, 2 * MB, 3 * MB // 2), (strided, 7 * MB // 2, MB)]
+    copier = cuda_module.CudaCopier()
+    with pytest.raises(RuntimeError, match="CUDA error: invalid argument"):
+        copier.copy(placements, dst)  # no boundaries given: the merged run crosses a piece
+    torch.cuda.synchronize()
+    copier.copy(placements, dst, boundaries=(2 * MB, 4 * MB)).wait()
+    assert torch.equal(dst[MB // 2 : 7 * MB // 2], _bytes(flat))
+    assert torch.equal(dst[7 * MB // 2 : 9 * MB // 2], _bytes(strided))
+    split = [c.nbytes for c in cuda.copies if c.kind == "D2H"][-4:]
+    assert split == [3 * MB // 2, 3 * MB // 2, MB // 2, MB // 2]
 
 
-def test_arenas_the_daemon_deleted_are_released(monkeypatch: pytest.MonkeyPatch, arena: str, tmp_path: Path) -> None:
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
-    arenas = cuda.PinnedArenas()
-    arenas.get(arena)
-    os.unlink(arena)
-    other = tmp_path / "ckptd-1-job-s1-g2-r0"
-    with open(other, "wb") as f:
-        f.truncate(PAGE)
-    arenas.get(str(other))
-    assert list(arenas._maps) == [str(other)]
-    arenas.close()
+# ------------------------------------------------------------------ copies, fences, cached plans
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-
-
-class FakeStream:
-    def __init__(self, rec: Recorder, name: str) -> None:
-        self.rec, self.name = rec, name
-
-    def wait_stream(self, other: "FakeStream") -> None:
-        self.rec.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event: "FakeEvent") -> None:
-        self.rec.log.append(("wait_event", self.name, event.name))
-
-    def synchronize(self) -> None:
-        self.rec.log.append(("synchronize", self.name))
-
-
-class FakeEvent:
-    count = 0
-
-    def __init__(self, rec: Recorder, blocking: bool) -> None:
-        FakeEvent.count += 1
-        self.rec, self.name, self.blocking = rec, f"event{FakeEvent.count}", blocking
-
-    def record(self, stream: FakeStream) -> None:
-        self.rec.log.append(("record", self.name, stream.name))
-
-    def synchronize(self) -> None:
-        self.rec.log.append(("event_synchronize", self.name))
-
-    def query(self) -> bool:
-        return True
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
-    rec = Recorder()
-    current = FakeStream(rec, "compute")
-    state = {"stream": current}
-
-    @contextlib.contextmanager
-    def stream_ctx(s: FakeStream) -> Iterator[None]:
-        previous, state["stream"] = state["stream"], s
-        rec.log.append(("enter", s.name))
-        yield
-        state["stream"] = previous
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(rec, "side"))
-    monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: FakeEvent(rec, blocking))
-    monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: rec.log.append(("record_stream", tuple(self.shape), s.name)))
-    yield rec
-
-
-def test_copier_orders_the_side_stream_after_compute_and_places_every_byte(fake_cuda: Recorder) -> None:
-    big = torch.arange(2 * 2**20 // 4, dtype=torch.float32)  # large: its own copy
-    small = [torch.full((n,), float(n)) for n in (3, 5)]  # gathered
-    strided = torch.arange(12.0).view(3, 4).t()  # not contiguous: a temporary
+def test_the_copier_orders_its_side_stream_after_the_compute_stream_and_places_every_byte(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    big = cuda.to_device(torch.arange(2 * MB // 4, dtype=torch.float32))  # large: its own copy
+    small = [cuda.to_device(torch.full((n,), float(n))) for n in (3, 5)]  # gathered
+    strided = cuda.to_device(torch.arange(12.0)).view(3, 4).t()  # not contiguous: a temporary
     tensors = [big, *small, strided]
-    offsets = [0, 2 * 2**20, 2 * 2**20 + 64, 2 * 2**20 + PAGE]
-    dst = torch.zeros(2 * 2**20 + 2 * PAGE, dtype=torch.uint8)
-    copy = cuda.CudaCopier().copy([(t, o, t.numel() * 4) for t, o in zip(tensors, offsets)], dst)
-    log = fake_cuda.log
-    assert log[0] == ("wait_stream", "side", "compute") and log[1] == ("enter", "side")
-    event = next(e for e in log if e[0] == "record")
-    assert event[2] == "side" and copy.operations == 4  # a run, a gather (2), a run
-    recorded = {e[1] for e in log if e[0] == "record_stream"}
-    assert {tuple(t.shape) for t in tensors} <= recorded
+    offsets = [0, 2 * MB, 2 * MB + 64, 2 * MB + PAGE]
+    arenas = cuda_module.PinnedArenas()
+    dst = arenas.get(_arena(tmp_path, 2 * MB + 2 * PAGE)).host
+    copy = cuda_module.CudaCopier().copy([(t, o, t.numel() * 4) for t, o in zip(tensors, offsets)], dst)
+    assert copy.operations == 4  # a run, a gather (2), a run
+    copy.wait()
     for t, o in zip(tensors, offsets):
-        n = t.numel() * 4
-        assert torch.equal(dst[o : o + n], t.contiguous().reshape(-1).view(torch.uint8))
-    copy.fence()
-    assert log[-1] == ("wait_event", "compute", event[1])
-    copy.fence(host=True)
-    assert log[-1] == ("event_synchronize", event[1]) and copy.keep == []
+        assert torch.equal(dst[o : o + t.numel() * 4], _bytes(t))
+    assert {name for name, what in cuda.log if what.startswith("D2H")} == {"side1"}
+    side = [what for name, what in cuda.log if name == "side1"]
+    assert side[0].startswith("wait for") and side[-1].startswith("record")  # after compute; then done
+    assert cuda.record_streams == []  # the DeviceCopy keeps the sources alive instead, until done
+    arenas.close()
 
 
-def test_restores_wait_for_their_side_stream(fake_cuda: Recorder) -> None:
+def test_the_fence_holds_later_work_until_the_copy_is_done(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    weights = cuda.to_device(torch.ones(2 * MB // 4))
+    arenas = cuda_module.PinnedArenas()
+    dst = arenas.get(_arena(tmp_path, 2 * MB)).host
+    copier = cuda_module.CudaCopier()
+    gate = cuda.block(copier.stream(weights.device))  # the copy stream is busy
+    copy = copier.copy([(weights, 0, 2 * MB)], dst)
+    assert not copy.events[weights.device].query()  # in flight: "overlap" would return here
+    threading.Timer(0.2, gate.open).start()
+    started = time.monotonic()
+    copy.fence()  # the compute stream waits (on the stand-in: the host, which plays it)
+    assert time.monotonic() - started >= 0.15
+    weights.add_(1.0)  # the optimizer step, after the fence
+    copy.wait()
+    assert torch.all(dst.view(torch.float32) == 1.0) and torch.all(weights == 2.0)
+    arenas.close()
+
+
+def test_the_copy_plan_is_built_once_for_the_same_placements_and_rebuilt_when_they_change(
+    cuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    large = [cuda.to_device(torch.zeros(2 * MB // 4)) for _ in range(2)]
+    small = [cuda.to_device(torch.zeros(256)) for _ in range(50)]
+    tensors = large + small
+    placements, cursor = [], 0
+    for t in tensors:
+        placements.append((t, cursor, t.numel() * 4))
+        cursor += -(-t.numel() * 4 // PAGE) * PAGE
+    arenas = cuda_module.PinnedArenas()
+    dsts = [arenas.get(_arena(tmp_path, cursor, f"ckptd-1-job-s{i}-g1-r0")).host for i in range(2)]
+    items_made: list[tuple] = []
+    real_item_of = cuda_module.item_of
+    monkeypatch.setattr(cuda_module, "item_of", lambda *a: items_made.append(a) or real_item_of(*a))
+    copier = cuda_module.CudaCopier()
+    everything = set(range(len(tensors)))
+    for step in range(6):
+        for t in tensors:
+            t.fill_(float(step))  # the values change from save to save, the structure does not
+        before = len(cuda.copies)
+        copier.copy(placements, dsts[step % 2], set(everything)).wait()  # a new, equal `only` each time
+        issued = cuda.copies[before:]
+        assert sum(c.via == "copy_" for c in issued) == 2  # per save: one copy per run...
+        assert sum(c.via == "foreach" for c in issued) == 50  # ...and one pack of the small ones
+        for t, off, n in placements:
+            assert torch.all(dsts[step % 2][off : off + n].view(torch.float32) == float(step))
+    assert copier.plans_built == 2  # one per arena
+    assert len(items_made) == 2 * len(tensors)  # no per-tensor planning on the cached saves
+    copier.copy(list(placements), dsts[0], everything).wait()  # another placements object
+    assert copier.plans_built == 3
+    copier.copy(placements, dsts[0], everything).wait()  # and back: the cache was dropped
+    assert copier.plans_built == 4
+    copier.copy(placements, dsts[0], {0}).wait()  # another `only`
+    assert copier.plans_built == 5
+    swapped = cuda.to_device(torch.full((2 * MB // 4,), 9.0))
+    large[0].data = swapped  # a storage swapped under the same tensor object
+    copier.copy(placements, dsts[0], everything).wait()
+    assert copier.plans_built == 6 and torch.all(dsts[0][: 2 * MB].view(torch.float32) == 9.0)
+    arenas.close()
+
+
+def test_restores_wait_for_their_side_stream(cuda) -> None:  # noqa: ANN001
     host = torch.arange(6.0)
-    target = torch.zeros(6)
-    cuda.copy_to_devices([(host, target)])
+    target = cuda.to_device(torch.zeros(6))
+    cuda_module.copy_to_devices([(host, target)])
     assert torch.equal(target, host)
-    assert fake_cuda.log[-2:] == [("synchronize", "side"), ("wait_stream", "compute", "side")]
+    assert [c.non_blocking for c in cuda.copies] == [False]  # pageable source: a synchronous copy
 
 
 def test_cuda_problem_on_a_cpu_build() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert "CUDA is not available" in (cuda.cuda_problem() or "")
+    assert "CUDA is not available" in (cuda_module.cuda_problem() or "")
 
 
-class FakeRuntime:
-    """The ctypes CUDA runtime as DeviceStaging uses it."""
-
-    def __init__(self, malloc_error: int = 0) -> None:
-        self.malloc_error = malloc_error
-        self.calls: list[tuple] = []
-
-    def set_device(self, index: int) -> None:
-        self.calls.append(("set_device", index))
-
-    def malloc(self, nbytes: int) -> int:
-        from ckptd.common.cudart import CudaRuntimeError
-
-        if self.malloc_error:
-            raise CudaRuntimeError(f"cudaMalloc failed: error {self.malloc_error} (out of memory)", self.malloc_error)
-        self.calls.append(("malloc", nbytes))
-        return 0x7000_0000
-
-    def ipc_get_mem_handle(self, ptr: int) -> bytes:
-        return b"\x07" * 64
-
-    def free(self, ptr: int) -> None:
-        self.calls.append(("free", ptr))
+# ------------------------------------------------------------------ staging buffers (mode "ipc")
 
 
-@pytest.fixture
-def fake_device_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Props:
-        uuid = "GPU-01234567-89ab-cdef-0123-456789abcdef"
-
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
-    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(obj.__cuda_array_interface__["shape"], dtype=torch.uint8))
-
-
-def test_staging_buffer_is_allocated_on_its_device_exported_and_freed(fake_device_calls: None) -> None:
+def test_a_staging_buffer_exports_the_whole_64_byte_handle(cuda) -> None:  # noqa: ANN001
+    """(H100) The handle was cut at its first zero byte, so "ipc" never worked."""
     from ckptd.client.ipc import DeviceStaging
 
-    rt = FakeRuntime()
-    staging = DeviceStaging.allocate(torch.device("cuda", 3), 4096, runtime=rt)  # type: ignore[arg-type]
-    assert rt.calls[:2] == [("set_device", 3), ("malloc", 4096)]
-    assert staging.handle == b"\x07" * 64 and staging.uuid == "0123456789abcdef0123456789abcdef"
-    assert staging.tensor.numel() == 4096
+    staging = DeviceStaging.allocate(torch.device("cuda", 0), 4096)
+    assert len(staging.handle) == 64 and staging.handle in cuda.lib.handles
+    assert staging.handle[0] == 0 and staging.handle[-1] == 0
+    assert staging.uuid == cuda.lib.uuids[0].hex()
+    assert staging.tensor.is_cuda and staging.tensor.numel() == 4096
+    staging.tensor.fill_(7)
+    assert bytes(cuda.lib.allocations[staging.ptr])[:4] == b"\x07" * 4  # the view is of the exported memory
     staging.free()
     staging.free()  # twice is harmless
-    assert rt.calls.count(("free", 0x7000_0000)) == 1
+    assert cuda.lib.allocations == {}
 
 
-def test_no_gpu_memory_for_the_staging_buffer_is_a_fallback_reason(fake_device_calls: None) -> None:
+def test_a_handle_that_is_not_64_bytes_is_never_sent(cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+    from ckptd.common.cudart import CudaRuntime
+
+    monkeypatch.setattr(CudaRuntime, "ipc_get_mem_handle", lambda self, ptr: b"\x07" * 4)
+    with pytest.raises(IpcUnavailable, match="must be the 64 bytes of a cudaIpcMemHandle_t, got 4"):
+        DeviceStaging.allocate(torch.device("cuda", 0), 4096)
+    assert cuda.lib.allocations == {}  # freed
+
+
+def test_no_gpu_memory_for_the_staging_buffer_is_a_fallback_reason(cuda) -> None:  # noqa: ANN001
     from ckptd.client.ipc import DeviceStaging, IpcUnavailable
 
-    with pytest.raises(IpcUnavailable, match=r"no GPU memory left for a 2.00 GiB staging buffer on cuda:0 \(1.00 GiB free of 80.00 GiB\)"):
-        DeviceStaging.allocate(torch.device("cuda", 0), 2 * 2**30, runtime=FakeRuntime(malloc_error=2))  # type: ignore[arg-type]
+    with pytest.raises(IpcUnavailable, match=r"no GPU memory left for a 2.00 GiB staging buffer on cuda:0 \(1.00 GiB free of 1.00 GiB\)"):
+        DeviceStaging.allocate(torch.device("cuda", 0), 2 * GIB)
     with pytest.raises(ValueError, match="positive size"):
-        DeviceStaging.allocate(torch.device("cuda", 0), 0, runtime=FakeRuntime())  # type: ignore[arg-type]
+        DeviceStaging.allocate(torch.device("cuda", 0), 0)
 
 
-def test_without_a_usable_cuda_runtime_ipc_is_unavailable_with_the_reason(fake_device_calls: None) -> None:
+def test_without_a_usable_cuda_runtime_ipc_is_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptd.client.ipc import DeviceStaging, IpcUnavailable
     from ckptd.common.cudart import CudaRuntime
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
     # no libcudart at all, or one without a driver (error 35): either way a reason, not a crash
     with pytest.raises(IpcUnavailable, match="libcudart|cudaSetDevice failed"):
         DeviceStaging.allocate(torch.device("cuda", 0), 4096)

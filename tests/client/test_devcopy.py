@@ -114,3 +114,51 @@ def test_a_gather_into_another_device_needs_a_bounce_buffer() -> None:
     dst = torch.empty(8, dtype=torch.uint8, device="meta")
     with pytest.raises(ValueError, match="bounce buffer"):
         run_copies(plan, [torch.zeros(1), torch.zeros(1)], dst)
+
+
+# ------------------------------------------------------------------ registration boundaries
+# ckptd registers every arena whole, in one call; should a destination ever be registered in
+# pieces, no copy may cross from one into the next (CUDA: "invalid argument").
+
+
+def test_runs_are_split_at_registration_boundaries() -> None:
+    items = [
+        Item(0, 2 * MB, D, (7, 0)),
+        Item(2 * MB, 2 * MB, D, (7, 2 * MB)),  # follows item 0, but across a boundary: not merged
+        Item(6 * MB, 4 * MB, D, (8, 0)),  # large, across a boundary: two pieces
+        Item(12 * MB, 2 * MB, D, None),  # not contiguous, across a boundary: two pieces
+    ]
+    plan = plan_copies(items, boundaries=(MB, 2 * MB, 8 * MB, 13 * MB))
+    assert plan.runs == (
+        Run(0, MB, (0,), 0), Run(MB, MB, (0,), MB),
+        Run(2 * MB, 2 * MB, (1,)),
+        Run(6 * MB, 2 * MB, (2,), 0), Run(8 * MB, 2 * MB, (2,), 2 * MB),
+        Run(12 * MB, MB, (3,), 0), Run(13 * MB, MB, (3,), MB),
+    )
+    merged = [Item(0, 2 * MB, D, (7, 0)), Item(2 * MB, 2 * MB, D, (7, 2 * MB))]
+    assert plan_copies(merged, boundaries=(3 * MB,)).runs == (Run(0, 3 * MB, (0, 1), 0), Run(3 * MB, MB, (0, 1), 3 * MB))
+    assert plan_copies(merged).runs == (Run(0, 4 * MB, (0, 1)),)  # registered whole: one copy
+
+
+def test_gathers_never_cross_a_boundary() -> None:
+    items = [Item(i * 1024, 100, D, (i, 0)) for i in range(8)]
+    plan = plan_copies(items, boundaries=(4096,))
+    assert [g.members for g in plan.gathers] == [tuple((i, i * 1024) for i in range(4)), tuple((i, (i - 4) * 1024) for i in range(4, 8))]
+    small_across = plan_copies([Item(4000, 200, D, (1, 0))], boundaries=(4096,))
+    assert small_across.gathers == () and small_across.runs == (Run(4000, 96, (0,), 0), Run(4096, 104, (0,), 96))
+
+
+def test_split_runs_place_every_byte() -> None:
+    torch.manual_seed(1)
+    flat = torch.randn(3 * 1024)
+    a, b = flat[:1024], flat[1024:]  # back to back in storage and destination: one run of 12 KiB
+    strided = torch.randn(40, 30).t()  # 4800 bytes, not contiguous
+    tensors, offsets = [a, b, strided], [0, 4096, 12288]
+    dst = torch.zeros(12288 + 4800, dtype=torch.uint8)
+    items = [item_of(t, off, t.numel() * t.element_size(), "cpu") for t, off in zip(tensors, offsets)]
+    plan = plan_copies(items, small_bytes=0, boundaries=(1000, 6000, 14000))
+    assert len(plan.runs) == 5 and all(not any(r.offset < c < r.offset + r.nbytes for c in (1000, 6000, 14000)) for r in plan.runs)
+    run_copies(plan, tensors, dst)
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        assert torch.equal(dst[off : off + n], t.contiguous().reshape(-1).view(torch.uint8)), t.shape

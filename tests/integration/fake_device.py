@@ -3,24 +3,49 @@
 Chosen CPU tensors play "device" tensors. Copies run the real plan (ckptd.client.devcopy) on a
 worker thread that first waits for `gate` (so tests can hold a copy "in flight"); a fence
 records itself and, like a stream waiting on an event, lets nothing after it run before the
-copy is done (here: it waits). Also runnable as a script for crash tests:
+copy is done (here: it waits).
+
+Strict where CUDA is (tests/fakecuda.py has the rules and the library it keeps them with): each
+arena mapping is page-locked once, whole, when `host_view` first maps it (`registrations`
+counts the calls; a second registration of it would fail with 712), and every copy of the plan
+into an arena must lie inside one registration, else `copy` raises CUDA's "invalid argument"
+as torch would when the copy is issued. Staging buffers have 64-byte handles with zero bytes.
+(tests/client/test_cuda_mocked.py runs the real CudaBackend on fakecuda; this fake is for the
+hand-off's bookkeeping with a real daemon.) Also runnable as a script for crash tests:
 
     python fake_device.py die-mid-overlap ADDRESS JOB STEP   # overlap save whose copy never ends, then SIGKILL
 """
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Sequence
 
 import torch
 
-from ckptd.client.devcopy import item_of, plan_copies, run_copies
+from ckptd.client.devcopy import CopyPlan, item_of, plan_copies, run_copies
 from ckptd.client.ipc import IpcUnavailable
+
+
+def _fakecuda() -> ModuleType:
+    """tests/fakecuda.py, imported by path once per process."""
+    if "fakecuda" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fakecuda", Path(__file__).resolve().parents[1] / "fakecuda.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fakecuda"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fakecuda"]
+
+
+fakecuda = _fakecuda()
 
 
 class FakeCopy:
@@ -60,7 +85,7 @@ class FakeStaging:
         self.nbytes = nbytes
         self.device = torch.device("cpu")
         self.uuid = "0" * 32
-        self.handle = b"\x01" * 64
+        self.handle = fakecuda.ipc_handle(1, id(self))
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
         self.staging_id = ""
         self.freed = False
@@ -70,7 +95,10 @@ class FakeStaging:
 
 
 class FakeBackend:
-    """owns(): the tensors passed in (by their memory); everything else is a CPU tensor."""
+    """owns(): the tensors passed in (by their memory); everything else is a CPU tensor.
+
+    lib: the strict CUDA library that keeps the arena registrations (fakecuda.FakeCudaLib).
+    """
 
     def __init__(self, device_tensors: Sequence[torch.Tensor], staging_error: str | None = None) -> None:
         self.ptrs = {t.data_ptr() for t in device_tensors if t.numel()}
@@ -81,24 +109,46 @@ class FakeBackend:
         self.staging_error = staging_error
         self.stagings: list[FakeStaging] = []
         self.fail_copies = False
-        self._maps: dict[str, mmap.mmap] = {}
+        self.lib = fakecuda.FakeCudaLib()
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
         self.closed = False
+
+    @property
+    def registrations(self) -> int:
+        """cudaHostRegister calls made (one per arena mapping, whatever the number of saves)."""
+        return len(self.lib.register_calls)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() > 0 and tensor.data_ptr() in self.ptrs
 
     def host_view(self, path: str, size: int) -> torch.Tensor:
+        """The arena mapped once and page-locked once, whole (as ckptd.client.cuda does)."""
         if path not in self._maps:
             fd = os.open(path, os.O_RDWR)
             try:
-                self._maps[path] = mmap.mmap(fd, os.fstat(fd).st_size)
+                mapped = mmap.mmap(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-        return torch.frombuffer(self._maps[path], dtype=torch.uint8)
+            host = torch.frombuffer(mapped, dtype=torch.uint8)
+            code = self.lib.cudaHostRegister(host.data_ptr(), host.numel(), 1)
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister of arena {path} failed with CUDA error {code}")
+            self._maps[path] = (mapped, host)
+        return self._maps[path][1]
+
+    def _check(self, plan: CopyPlan, dst: torch.Tensor) -> None:
+        """Every copy of `plan` into host memory lies inside one registration, or CUDA's error."""
+        if any(dst is host for _, host in self._maps.values()):
+            spans = [(r.offset, r.nbytes) for r in plan.runs] + [(g.offset, g.span) for g in plan.gathers]
+            for offset, nbytes in spans:
+                problem = self.lib.host_copy_problem(dst.data_ptr() + offset, nbytes, asynchronous=True)
+                if problem is not None:
+                    raise RuntimeError(f"CUDA error: invalid argument\n(fakecuda: {problem})")
 
     def copy(self, placements: Sequence[tuple[torch.Tensor, int, int]], dst: torch.Tensor, only: set[int]) -> FakeCopy:
         items = [item_of(t, off, n, "fake" if i in only else None) for i, (t, off, n) in enumerate(placements)]
         plan = plan_copies(items, small_bytes=4096)
+        self._check(plan, dst)
         sources = [t for t, _, _ in placements]
         names = sorted(only)
         self.events.append(("copy", names))
@@ -120,6 +170,8 @@ class FakeBackend:
         return torch.empty(tuple(shape), dtype=dtype)
 
     def close(self) -> None:
+        for _, host in self._maps.values():
+            self.lib.cudaHostUnregister(host.data_ptr())
         self.closed = True
 
 

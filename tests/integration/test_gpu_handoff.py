@@ -246,6 +246,19 @@ def test_a_trainer_killed_before_its_overlap_copy_completed_leaves_nothing(daemo
         assert ckpt.save(7, {"model": {"w": torch.zeros(4096)}}).wait_durable(timeout=60) is not None
 
 
+def test_each_arena_is_page_locked_once_however_many_saves(daemon) -> None:
+    model, opt = training()
+    backend = FakeBackend(device_tensors(model, opt))
+    with CheckpointClient("pin", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+        for s in range(1, 7):
+            handle = ckpt.save(s, {"model": model, "optimizer": opt})
+            step(model, opt)
+            assert handle.wait_durable(timeout=60) is not None
+        arenas = len(backend._maps)
+        assert 1 <= arenas <= 2 and backend.registrations == arenas  # the arenas are reused, never re-registered
+    assert backend.lib.registered == {}  # unregistered at close
+
+
 def test_restore_goes_through_the_device_path(daemon) -> None:
     model, opt = training()
     expected = snapshot(model, opt)

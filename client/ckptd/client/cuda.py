@@ -4,18 +4,25 @@ Imported only when a state holds CUDA tensors (ckptd.client.client imports it la
 CPU-only client never touches CUDA. Nothing happens at import.
 
 - `PinnedArenas`: the arenas this process copies CUDA tensors into, each mapped once and
-  page-locked once with cudaHostRegister in chunks of at most 1 GiB (registration is slow,
-  ~0.1 s/GiB, and blocks other CUDA calls of the process while it runs, so never per save; the
-  daemon reuses the same arenas from save to save, so only the first save into each arena pays).
-  Unregistered before unmapping.
+  page-locked once, in ONE cudaHostRegister call of the whole mapping
+  (ckptd.common.cudart.register_host). Registration is slow (~0.1 s/GiB) and blocks other CUDA
+  calls of the process while it runs, so it is never per save: the daemon reuses the same
+  arenas from save to save, so only the first save into each arena pays. One registration per
+  mapping also keeps every copy inside one registration, which CUDA requires (a copy spanning
+  two fails with `invalid argument`). Unregistered before unmapping.
 - `CudaCopier`: queues a rank's device-to-host (or, for mode "ipc", device-to-device) copies
   as planned by ckptd.client.devcopy on one side stream per device. The side stream first waits
-  for the device's current stream, so the copies see every update queued before `save`.
-  Sources and temporaries are `record_stream`ed so the caching allocator does not hand their
-  memory out while a copy still reads it. Returns a `DeviceCopy`: one event per device.
+  for the device's current stream, so the copies see every update queued before `save`. The
+  plan and the views it copies through are built once and reused while the caller passes the
+  same placements object (see `CudaCopier.copy`), so a save's host work is one copy per run and
+  one pack per group of small tensors. Sources, temporaries and the bounce buffer are kept
+  alive by the returned `DeviceCopy` until its copies are done (instead of record_stream on each
+  tensor), so the caching allocator never hands their memory out while a copy still reads it.
 - `DeviceCopy.fence()`: the current stream waits on the copy-done events (GPU-side: the host
   never blocks; the GPU waits only if the copy is not done yet); `fence(host=True)` blocks the
   host instead, for code that changes the state outside the stream order.
+
+tests/fakecuda.py runs all of this on CPU against a strict stand-in for CUDA.
 """
 
 from __future__ import annotations
@@ -23,31 +30,30 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ckptd.client.devcopy import MAX_GATHER_BYTES, SMALL_BYTES, CopyPlan, Gather, Run, item_of, plan_copies, run_copies
+from ckptd.client.devcopy import MAX_GATHER_BYTES, SMALL_BYTES, BoundCopies, CopyPlan, bind_copies, issue_copies, item_of, plan_copies
 from ckptd.client.errors import CheckpointError
+from ckptd.common.cudart import CudaRuntime, CudaRuntimeError, HostRegistration, register_host
 
 log = logging.getLogger("ckptd.client")
 
-REGISTER_CHUNK = 1 << 30  # bytes per cudaHostRegister call
-HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
-ERROR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 MAX_MAPPINGS = 8
+MAX_CACHED_PLANS = 8  # (only, dst) pairs kept for one placements object: 2 arenas x 2 fence groups, and room
 
 
 class PinnedMapping:
-    """An arena file mapped read-write by this process and page-locked for CUDA.
+    """An arena file mapped read-write by this process and page-locked for CUDA in one call.
 
     host: a flat uint8 CPU tensor over the whole mapping (the destination of copies).
-    register_s: seconds cudaHostRegister took (0 when it was already registered).
+    registration: the one cudaHostRegister of the mapping (ckptd.common.cudart.HostRegistration).
+    register_s: seconds cudaHostRegister took.
     """
 
-    def __init__(self, path: str, size: int | None = None) -> None:
+    def __init__(self, path: str, runtime: CudaRuntime, size: int | None = None) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
             length = os.fstat(fd).st_size
@@ -59,41 +65,22 @@ class PinnedMapping:
         self.path = path
         self.size = length
         self.host = torch.frombuffer(self._mm, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
-        self._chunks: list[int] = []
-        started = time.perf_counter()
+        self.registration: HostRegistration | None = None
         try:
-            self._register()
-        except BaseException:
+            self.registration = register_host(runtime, self.host.data_ptr(), self.size, f"arena {path}")
+        except CudaRuntimeError as exc:
             self.close()
-            raise
-        self.register_s = time.perf_counter() - started
-
-    def _register(self) -> None:
-        cudart = torch.cuda.cudart()
-        base = self.host.data_ptr()
-        for offset in range(0, self.size, REGISTER_CHUNK):
-            n = min(REGISTER_CHUNK, self.size - offset)
-            code = int(cudart.cudaHostRegister(base + offset, n, HOST_REGISTER_PORTABLE))
-            if code != 0:
-                _clear_last_error()  # else torch's next kernel-launch check would report it
-            if code == ERROR_ALREADY_REGISTERED:
-                continue
-            if code != 0:
-                raise CheckpointError(
-                    f"cudaHostRegister of {n} bytes of arena {self.path} failed with CUDA error {code}: the "
-                    "trainer cannot page-lock the daemon's shared memory (host memory or container limits?)"
-                )
-            self._chunks.append(base + offset)
+            raise CheckpointError(f"the trainer cannot page-lock the daemon's shared memory: {exc}") from None
+        self.register_s = self.registration.seconds
 
     def close(self) -> None:
         """Unregister, then unmap (a mapping must never be unmapped while registered)."""
-        if self._chunks:
-            cudart = torch.cuda.cudart()
-            for ptr in self._chunks:
-                code = int(cudart.cudaHostUnregister(ptr))
-                if code != 0:
-                    log.warning("cudaHostUnregister of arena %s failed with CUDA error %s", self.path, code)
-            self._chunks = []
+        if self.registration is not None:
+            try:
+                self.registration.close()
+            except CudaRuntimeError as exc:
+                log.warning("could not unlock arena %s: %s", self.path, exc)
+            self.registration = None
         self.host = torch.empty(0, dtype=torch.uint8)
         try:
             self._mm.close()
@@ -102,14 +89,29 @@ class PinnedMapping:
 
 
 class PinnedArenas:
-    """The pinned arena mappings of this process, by path; each registered once and reused."""
+    """The pinned arena mappings of this process, by path; each registered once and reused.
 
-    def __init__(self) -> None:
+    runtime: the CUDA runtime to page-lock with (default: the libcudart this process loaded,
+    torch's, found on first use). registrations: cudaHostRegister calls made, one per mapping.
+    """
+
+    def __init__(self, runtime: CudaRuntime | None = None) -> None:
+        self._runtime = runtime
         self._maps: dict[str, PinnedMapping] = {}
         self.register_s = 0.0  # total seconds spent in cudaHostRegister
         self.registrations = 0
 
+    def runtime(self) -> CudaRuntime:
+        if self._runtime is None:
+            try:
+                self._runtime = CudaRuntime.load()
+            except CudaRuntimeError as exc:
+                raise CheckpointError(f"cannot page-lock arenas for CUDA copies: {exc}") from None
+        return self._runtime
+
     def get(self, path: str, size: int | None = None) -> PinnedMapping:
+        """The mapping of the arena at `path` (at least `size` bytes), mapped and registered on
+        first use. Raises CheckpointError when it cannot be mapped or page-locked."""
         mapping = self._maps.get(path)
         if mapping is not None and (size is None or mapping.size >= size):
             return mapping
@@ -117,9 +119,9 @@ class PinnedArenas:
             self._maps.pop(path).close()
         for stale in [p for p in self._maps if not os.path.exists(p)]:  # arenas the daemon deleted
             self._maps.pop(stale).close()
-        mapping = PinnedMapping(path, size)
+        mapping = PinnedMapping(path, self.runtime(), size)
         self.register_s += mapping.register_s
-        self.registrations += 1
+        self.registrations += 1 if mapping.registration is not None and mapping.registration.owned else 0
         self._maps[path] = mapping
         if len(self._maps) > MAX_MAPPINGS:  # arenas the daemon replaced: release the oldest
             self._maps.pop(next(iter(self._maps))).close()
@@ -135,11 +137,12 @@ class PinnedArenas:
 class DeviceCopy:
     """Copies queued on side streams: one event per device, recorded after the last copy.
 
-    keep: tensors that must live until the copies are done (sources, temporaries, bounce).
+    keep: what must live until the copies are done (the prepared plan with its sources and
+    views, temporaries, the bounce buffer); released by `wait`.
     """
 
     events: dict[torch.device, torch.cuda.Event]
-    keep: list[torch.Tensor] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
     operations: int = 0  # copies queued
 
     def wait(self) -> None:
@@ -157,14 +160,55 @@ class DeviceCopy:
             torch.cuda.current_stream(device).wait_event(event)
 
 
+@dataclass
+class _DeviceWork:
+    device: torch.device
+    bound: BoundCopies
+    keep: list[torch.Tensor]  # the bounce buffer, if any
+
+
+@dataclass
+class _Prepared:
+    """One `copy` call's plan, bound to its tensors, for reuse while nothing changed.
+
+    placements is held (never only its id, which a new object may reuse) and compared with
+    `is`; ptrs are the sources' data pointers when it was made: a storage swapped under the same
+    tensor object since (`p.data = ...`) makes it stale.
+    """
+
+    placements: Sequence[tuple[torch.Tensor, int, int]]
+    only: frozenset[int] | None
+    dst: torch.Tensor
+    boundaries: tuple[int, ...]
+    sources: list[torch.Tensor]
+    ptrs: list[int]
+    work: list[_DeviceWork]
+    operations: int
+
+    def fits(self, dst: torch.Tensor, only: set[int] | frozenset[int] | None, boundaries: tuple[int, ...]) -> bool:
+        return (
+            self.dst is dst
+            and self.boundaries == boundaries
+            and (self.only is None if only is None else self.only == only)
+            and list(map(torch.Tensor.data_ptr, self.sources)) == self.ptrs
+        )
+
+
 class CudaCopier:
-    """Queues a rank's copies of CUDA tensors on one side stream per device (see module docstring)."""
+    """Queues a rank's copies of CUDA tensors on one side stream per device (see module docstring).
+
+    plans_built: how many copy plans were made (a save whose placements object, `only` and
+    `dst` are those of an earlier one reuses that plan: see `copy`).
+    """
 
     def __init__(self, small_bytes: int = SMALL_BYTES, max_gather_bytes: int = MAX_GATHER_BYTES) -> None:
         self.small_bytes = small_bytes
         self.max_gather_bytes = max_gather_bytes
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._bounce: dict[torch.device, torch.Tensor] = {}
+        self._placements: Sequence[tuple[torch.Tensor, int, int]] | None = None
+        self._plans: list[_Prepared] = []
+        self.plans_built = 0
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         stream = self._streams.get(device)
@@ -172,53 +216,101 @@ class CudaCopier:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
 
-    def copy(self, placements: Sequence[tuple[torch.Tensor, int, int]], dst: torch.Tensor, only: set[int] | None = None) -> DeviceCopy:
+    def copy(
+        self,
+        placements: Sequence[tuple[torch.Tensor, int, int]],
+        dst: torch.Tensor,
+        only: set[int] | frozenset[int] | None = None,
+        boundaries: Sequence[int] = (),
+    ) -> DeviceCopy:
         """Queue the copies of the CUDA tensors among `placements` ((tensor, offset, nbytes), all
         of the arena's slots: the others bound the gathers) into `dst`, a flat uint8 tensor
-        (pinned host memory or a device staging buffer); `only`: just these indices. Returns
-        without waiting."""
+        (pinned host memory or a device staging buffer); `only`: just these indices.
+        `boundaries`: offsets of `dst` no copy may cross (registration pieces; none for arenas,
+        which are registered whole). Returns without waiting.
+
+        Cached: the plan and its views are reused when `placements` is the very object of an
+        earlier call (`is`) with an equal `only`, the same `dst` object and the same boundaries.
+        The caller passes the same object only while every tensor in it keeps its shape, dtype
+        and strides; a storage swapped under the same tensor object is detected here (data
+        pointers) and rebuilds the plan. Any other placements object drops the cache.
+        """
+        prepared = self._prepared(placements, dst, only, tuple(boundaries))
+        copy = DeviceCopy(events={}, keep=[prepared], operations=prepared.operations)
+        for work in prepared.work:
+            stream = self.stream(work.device)
+            stream.wait_stream(torch.cuda.current_stream(work.device))
+            with torch.cuda.stream(stream):
+                copy.keep += issue_copies(work.bound)
+                event = torch.cuda.Event(blocking=True)
+                event.record(stream)
+            copy.events[work.device] = event
+        return copy
+
+    def _prepared(
+        self,
+        placements: Sequence[tuple[torch.Tensor, int, int]],
+        dst: torch.Tensor,
+        only: set[int] | frozenset[int] | None,
+        boundaries: tuple[int, ...],
+    ) -> _Prepared:
+        if placements is not self._placements:
+            self._placements, self._plans = placements, []
+        for i, prepared in enumerate(self._plans):
+            if prepared.fits(dst, only, boundaries):
+                return prepared
+            if prepared.dst is dst and prepared.only == only and prepared.boundaries == boundaries:
+                del self._plans[i]  # stale (a storage was swapped): rebuilt below
+                break
+        prepared = self._build(placements, dst, only, boundaries)
+        self._plans.append(prepared)
+        if len(self._plans) > MAX_CACHED_PLANS:
+            self._plans.pop(0)
+        return prepared
+
+    def _build(
+        self,
+        placements: Sequence[tuple[torch.Tensor, int, int]],
+        dst: torch.Tensor,
+        only: set[int] | frozenset[int] | None,
+        boundaries: tuple[int, ...],
+    ) -> _Prepared:
+        self.plans_built += 1
         items = [
             item_of(t, off, n, t.device if t.is_cuda and (only is None or i in only) else None)
             for i, (t, off, n) in enumerate(placements)
         ]
-        plan = plan_copies(items, self.small_bytes, self.max_gather_bytes)
-        sources = [t for t, _, _ in placements]
-        copy = DeviceCopy(events={})
-        for device in sorted({items[r.items[0]].device for r in plan.runs} | {items[g.members[0][0]].device for g in plan.gathers}, key=str):
-            sub = _for_device(plan, items, device)
-            stream = self.stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            bounce = self._bounce_for(device, sub.max_span) if dst.device != device and sub.gathers else None
-            with torch.cuda.stream(stream):
-                temporaries = run_copies(sub, sources, dst, bounce)
-                event = torch.cuda.Event(blocking=True)
-                event.record(stream)
-            for i in {i for r in sub.runs for i in r.items} | {i for g in sub.gathers for i, _ in g.members}:
-                sources[i].record_stream(stream)
-            for t in temporaries + ([bounce] if bounce is not None else []):
-                t.record_stream(stream)
-            copy.events[device] = event
-            copy.keep += temporaries + ([bounce] if bounce is not None else [])
-            copy.operations += sub.operations
-        return copy
+        plan = plan_copies(items, self.small_bytes, self.max_gather_bytes, boundaries)
+        tensors = [t for t, _, _ in placements]
+        copied = sorted({i for r in plan.runs for i in r.items} | {i for g in plan.gathers for i, _ in g.members})
+        devices = sorted({items[i].device for i in copied}, key=str)
+        work = []
+        for device in devices:
+            runs = tuple(r for r in plan.runs if items[r.items[0]].device == device)
+            gathers = tuple(g for g in plan.gathers if items[g.members[0][0]].device == device)
+            sub = CopyPlan(runs, gathers)
+            bounce = self._bounce_for(device, sub.max_span) if dst.device != device and gathers else None
+            work.append(_DeviceWork(device, bind_copies(sub, tensors, dst, bounce), [bounce] if bounce is not None else []))
+        sources = [tensors[i] for i in copied]
+        return _Prepared(
+            placements, None if only is None else frozenset(only), dst, boundaries,
+            sources, [t.data_ptr() for t in sources], work, plan.operations,
+        )
 
     def _bounce_for(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        """The device's bounce buffer for gathers, grown to `nbytes`; allocated once and reused
-        (a save waits for the previous save's copies before it queues new ones)."""
+        """The device's bounce buffer for gathers, grown to `nbytes`; allocated once, on the
+        device's side stream (so only work ordered after the copies can reuse its memory)."""
         bounce = self._bounce.get(device)
         if bounce is None or bounce.numel() < nbytes:
-            bounce = self._bounce[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            with torch.cuda.stream(self.stream(device)):
+                bounce = self._bounce[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return bounce
 
     def close(self) -> None:
+        self._plans = []
+        self._placements = None
         self._bounce.clear()
         self._streams.clear()
-
-
-def _for_device(plan: CopyPlan, items: Sequence, device: torch.device) -> CopyPlan:
-    runs: tuple[Run, ...] = tuple(r for r in plan.runs if items[r.items[0]].device == device)
-    gathers: tuple[Gather, ...] = tuple(g for g in plan.gathers if items[g.members[0][0]].device == device)
-    return CopyPlan(runs, gathers)
 
 
 def copy_to_devices(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -236,17 +328,6 @@ def copy_to_devices(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for device, stream in streams.items():
         stream.synchronize()
         torch.cuda.current_stream(device).wait_stream(stream)
-
-
-def _clear_last_error() -> None:
-    """Reset the CUDA runtime's last error of this thread (torch's cudart bindings lack
-    cudaGetLastError; the library torch loaded is found through ckptd.common.cudart)."""
-    from ckptd.common.cudart import CudaRuntime, CudaRuntimeError
-
-    try:
-        CudaRuntime.load().lib.cudaGetLastError()
-    except CudaRuntimeError as exc:
-        log.debug("cannot reset the CUDA error state: %s", exc)
 
 
 def cuda_problem() -> str | None:

@@ -13,14 +13,22 @@ device-to-host copy costs its launch and latency). So the copies are planned fir
   buffer laid out exactly like their span of the destination, which then goes over in one copy
   (into a device destination the pack goes straight in, no bounce).
 
-`plan_copies` is pure (tested with tables); `run_copies` issues the torch operations on whatever
-stream is current and is device-agnostic, so it runs on CPU tensors in the tests too. Nothing
-here waits for a copy: the caller records an event (see ckptd.client.cuda).
+One asynchronous copy may never span two host-memory registrations (CUDA refuses it with
+`invalid argument`). Arenas are registered whole, in one call (ckptd.common.cudart.register_host),
+so no run ever crosses one; should a destination ever be registered in pieces, pass the piece
+boundaries to `plan_copies` and no run or gather crosses them (a run that would is split).
+
+`plan_copies` is pure (tested with tables). `bind_copies` makes the views each copy reads and
+writes, once (ckptd.client.cuda caches them from save to save); `issue_copies` queues the torch
+operations on whatever stream is current, one per run and one pack per gather, never one per
+tensor. Both are device-agnostic, so they run on CPU tensors in the tests too. Nothing here
+waits for a copy: the caller records an event (see ckptd.client.cuda).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
@@ -47,11 +55,16 @@ class Item:
 
 @dataclass(frozen=True)
 class Run:
-    """Items (indices into the plan's input) copied by one copy of `nbytes` bytes to `offset`."""
+    """Items (indices into the plan's input) copied by one copy of `nbytes` bytes to `offset`.
+
+    skip: bytes of the items' source before the ones this copy takes (0 unless a run was split
+    at a registration boundary: then each piece is a Run of the same items).
+    """
 
     offset: int
     nbytes: int
     items: tuple[int, ...]
+    skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,9 +93,16 @@ class CopyPlan:
         return max((g.span for g in self.gathers), default=0)
 
 
-def plan_copies(items: Sequence[Item], small_bytes: int = SMALL_BYTES, max_gather_bytes: int = MAX_GATHER_BYTES) -> CopyPlan:
+def plan_copies(
+    items: Sequence[Item],
+    small_bytes: int = SMALL_BYTES,
+    max_gather_bytes: int = MAX_GATHER_BYTES,
+    boundaries: Sequence[int] = (),
+) -> CopyPlan:
     """Plan the copies of every item whose `device` is not None (see the module docstring).
 
+    boundaries: destination offsets that no copy may cross (where one host registration ends
+    and the next begins; empty for a destination registered whole, as arenas are).
     Items must not overlap in the destination. Raises ValueError for negative sizes or offsets.
     """
     if small_bytes < 0 or max_gather_bytes <= 0:
@@ -90,6 +110,12 @@ def plan_copies(items: Sequence[Item], small_bytes: int = SMALL_BYTES, max_gathe
     for item in items:
         if item.offset < 0 or item.nbytes < 0:
             raise ValueError(f"item at offset {item.offset} of {item.nbytes} bytes: both must be >= 0")
+    cuts = sorted(set(boundaries))
+
+    def crosses(start: int, end: int) -> bool:
+        """A boundary lies strictly inside [start, end)."""
+        at = bisect.bisect_right(cuts, start)
+        return at < len(cuts) and cuts[at] < end
     order = sorted((i for i, it in enumerate(items) if it.nbytes > 0), key=lambda i: items[i].offset)
     runs: list[Run] = []
     gathers: list[Gather] = []
@@ -118,23 +144,32 @@ def plan_copies(items: Sequence[Item], small_bytes: int = SMALL_BYTES, max_gathe
             close_run()
             close_gather()
             continue
-        if item.nbytes < small_bytes and item.source is not None:
+        end = item.offset + item.nbytes
+        if item.nbytes < small_bytes and item.source is not None and not crosses(item.offset, end):
             close_run()
             if gather:
                 head = items[gather[0]]
-                if head.device != item.device or item.offset + item.nbytes - head.offset > max_gather_bytes:
+                if head.device != item.device or end - head.offset > max_gather_bytes or crosses(head.offset, end):
                     close_gather()
             gather.append(i)
             continue
         close_gather()
-        if run and not _follows(items[run[-1]], item):
+        if run and not (_follows(items[run[-1]], item) and item.offset not in cuts):
             close_run()
         run.append(i)
         if item.source is None:
             close_run()
     close_run()
     close_gather()
-    return CopyPlan(tuple(sorted(runs, key=lambda r: r.offset)), tuple(gathers))
+    pieces = [piece for r in runs for piece in _split(r, cuts)] if cuts else runs
+    return CopyPlan(tuple(sorted(pieces, key=lambda r: r.offset)), tuple(gathers))
+
+
+def _split(run: Run, cuts: list[int]) -> list[Run]:
+    """`run` cut at every boundary strictly inside it (sorted `cuts`)."""
+    end = run.offset + run.nbytes
+    starts = [run.offset] + [c for c in cuts[bisect.bisect_right(cuts, run.offset) :] if c < end]
+    return [Run(a, b - a, run.items, run.skip + a - run.offset) for a, b in zip(starts, starts[1:] + [end])]
 
 
 def _follows(prev: Item, item: Item) -> bool:
@@ -165,43 +200,95 @@ def storage_bytes(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
     return view.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), (nbytes,), (1,))
 
 
-def run_copies(
+@dataclass
+class Pack:
+    """One gather, bound: `targets[k]` (byte views of the bounce buffer, or of the destination
+    when it is on the sources' device) receive `sources[k]` (byte views of the small tensors)
+    in one `_foreach_copy_`; then `span_src` (the packed bounce bytes) goes to `span_dst` in one
+    copy, unless the pack went straight into the destination (both None)."""
+
+    targets: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    span_dst: torch.Tensor | None
+    span_src: torch.Tensor | None
+
+
+@dataclass
+class BoundCopies:
+    """A CopyPlan bound to its tensors: the views each copy reads and writes. Made once by
+    `bind_copies` (per-tensor work) and reused by `issue_copies` while the tensors stay the same.
+
+    runs: (destination bytes, source bytes), one copy each.
+    strided: (destination bytes, non-contiguous source, skip): copied through a contiguous
+    temporary made at issue time (its values change from save to save).
+    """
+
+    runs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    strided: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
+    packs: list[Pack] = field(default_factory=list)
+    operations: int = 0
+
+
+def bind_copies(
     plan: CopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Queue the plan's copies from `sources` (the plan's items, in the same order) into `dst`
-    (a flat uint8 tensor, host or device) on the current stream, non-blocking.
+) -> BoundCopies:
+    """Bind `plan` to `sources` (the plan's items, in the same order) and `dst` (a flat uint8
+    tensor, host or device). Queues nothing.
 
     bounce: a flat uint8 tensor of at least `plan.max_span` bytes on the sources' device, needed
-    when `dst` is on another device (gathers into host memory). Returns the temporaries made
-    (contiguous copies of non-contiguous sources), which must stay alive until the copies are
-    done. Raises ValueError when a gather needs a bounce buffer and none (or a short one) is given.
+    when `dst` is on another device (gathers into host memory). Raises ValueError when a gather
+    needs a bounce buffer and none (or a short one) is given.
     """
-    temporaries: list[torch.Tensor] = []
+    bound = BoundCopies(operations=plan.operations)
     for run in plan.runs:
         first = sources[run.items[0]]
+        target = dst[run.offset : run.offset + run.nbytes]
         if len(run.items) > 1:
-            src = storage_bytes(first, run.nbytes)
+            bound.runs.append((target, storage_bytes(first, run.skip + run.nbytes)[run.skip :]))
         elif first.is_contiguous():
-            src = flat_bytes(first)
+            bound.runs.append((target, flat_bytes(first)[run.skip : run.skip + run.nbytes]))
         else:
-            contiguous = first.contiguous()
-            temporaries.append(contiguous)
-            src = flat_bytes(contiguous)
-        dst[run.offset : run.offset + run.nbytes].copy_(src, non_blocking=True)
+            bound.strided.append((target, first, run.skip))
     for gather in plan.gathers:
         device = sources[gather.members[0][0]].device
         direct = dst.device == device
         if direct:
-            targets = dst[gather.offset : gather.offset + gather.span]
+            packed = dst[gather.offset : gather.offset + gather.span]
         else:
             if bounce is None or bounce.numel() < gather.span or bounce.device != device:
                 raise ValueError(f"a gather of {gather.span} bytes into {dst.device} needs a bounce buffer of that size on {device}")
-            targets = bounce[: gather.span]
-        views = [targets[pos : pos + sources[i].numel() * sources[i].element_size()] for i, pos in gather.members]
-        torch._foreach_copy_(views, [flat_bytes(sources[i]) for i, _ in gather.members], non_blocking=True)
-        if not direct:
-            dst[gather.offset : gather.offset + gather.span].copy_(targets, non_blocking=True)
+            packed = bounce[: gather.span]
+        targets = [packed[pos : pos + sources[i].numel() * sources[i].element_size()] for i, pos in gather.members]
+        span_dst = None if direct else dst[gather.offset : gather.offset + gather.span]
+        bound.packs.append(Pack(targets, [flat_bytes(sources[i]) for i, _ in gather.members], span_dst, None if direct else packed))
+    return bound
+
+
+def issue_copies(bound: BoundCopies) -> list[torch.Tensor]:
+    """Queue the bound copies on the current stream, non-blocking: one copy per run, one
+    `_foreach_copy_` (and one copy out of the bounce buffer) per gather. Returns the temporaries
+    made (contiguous copies of non-contiguous sources), which must stay alive until the copies
+    are done."""
+    temporaries: list[torch.Tensor] = []
+    for target, src in bound.runs:
+        target.copy_(src, non_blocking=True)
+    for target, tensor, skip in bound.strided:
+        contiguous = tensor.contiguous()
+        temporaries.append(contiguous)
+        target.copy_(flat_bytes(contiguous)[skip : skip + target.numel()], non_blocking=True)
+    for pack in bound.packs:
+        torch._foreach_copy_(pack.targets, pack.sources, non_blocking=True)
+        if pack.span_dst is not None and pack.span_src is not None:
+            pack.span_dst.copy_(pack.span_src, non_blocking=True)
     return temporaries
+
+
+def run_copies(
+    plan: CopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Bind and issue in one go (`bind_copies`, then `issue_copies`): queue the plan's copies
+    from `sources` into `dst` on the current stream; returns the temporaries to keep alive."""
+    return issue_copies(bind_copies(plan, sources, dst, bounce))
 
 
 def coalesced_ranges(items: Sequence[Item]) -> list[tuple[int, int]]:

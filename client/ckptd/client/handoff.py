@@ -85,7 +85,12 @@ class DeviceBackend(Protocol):
 
 
 class CudaBackend:
-    """DeviceBackend for CUDA: pinned arenas, side-stream copies, staging buffers."""
+    """DeviceBackend for CUDA: pinned arenas, side-stream copies, staging buffers.
+
+    Each arena mapping is page-locked once, in one cudaHostRegister call, the first time
+    `host_view` returns it; `copy` reuses its plan while it gets the same placements object
+    (ckptd.client.cuda.CudaCopier.copy). tests/fakecuda.py runs it on CPU, strictly.
+    """
 
     def __init__(self) -> None:
         from ckptd.client.cuda import CudaCopier, PinnedArenas, cuda_problem
@@ -104,6 +109,8 @@ class CudaBackend:
         return self.pinned.get(path, size).host
 
     def copy(self, placements: Sequence[tuple[torch.Tensor, int, int]], dst: torch.Tensor, only: set[int]) -> Copy:
+        """Pass the same `placements` object from save to save while the state's structure is
+        unchanged: the copy plan is then built once, not per save."""
         return self.copier.copy(placements, dst, only)
 
     def staging(self, device: torch.device, nbytes: int) -> Any:

@@ -1,8 +1,9 @@
 """Mode "ipc": a rank's long-lived device staging buffer, exported once to the daemon.
 
 The buffer is allocated with cudaMalloc directly, outside torch's caching allocator, and its
-CUDA IPC handle (the 64 bytes of cudaIpcMemHandle_t) is sent to the daemon once (OpenStaging);
-the daemon opens it once and keeps it open. That avoids the traps of per-tensor handles
+CUDA IPC handle (the 64 raw bytes of cudaIpcMemHandle_t, zero bytes included; its length is
+checked here before it is sent, and again by the daemon on receipt) is sent to the daemon once
+(OpenStaging); the daemon opens it once and keeps it open. That avoids the traps of per-tensor handles
 (research/ipc.md section 1): no ref-count files in /dev/shm, no interprocess event per share (and
 the stream synchronization beyond 1000 of them), no blocks kept in limbo, no exposure of the
 allocator's neighbouring blocks, and `expandable_segments:True` does not matter (its handles
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ckptd.common.cudart import ERROR_MEMORY_ALLOCATION, CudaRuntime, CudaRuntimeError
+from ckptd.common.cudart import ERROR_MEMORY_ALLOCATION, CudaRuntime, CudaRuntimeError, ipc_handle_problem
 
 log = logging.getLogger("ckptd.client")
 
@@ -54,7 +55,7 @@ class _CudaArray:
 
 @dataclass
 class DeviceStaging:
-    """A device buffer of `nbytes` on `device`, exported as `handle` (64 bytes).
+    """A device buffer of `nbytes` on `device`, exported as `handle` (exactly 64 raw bytes).
 
     tensor: a flat uint8 view of the buffer (the destination of the save's copies).
     staging_id: the daemon's id for it, once it has opened it (set by the client).
@@ -95,6 +96,9 @@ class DeviceStaging:
                 raise IpcUnavailable(f"cannot allocate the staging buffer: {exc}") from None
             try:
                 handle = rt.ipc_get_mem_handle(ptr)
+                problem = ipc_handle_problem(handle)  # before it is sent: the daemon would refuse it
+                if problem is not None:
+                    raise CudaRuntimeError(problem)
                 tensor = torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
             except (CudaRuntimeError, RuntimeError, TypeError) as exc:
                 rt.free(ptr)

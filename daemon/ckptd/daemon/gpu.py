@@ -1,12 +1,14 @@
 """The daemon's side of mode "ipc": open each rank's device staging buffer once, drain it to the arena.
 
-A rank sends the CUDA IPC handle of its staging buffer (64 raw bytes, never a pickle) and its
+A rank sends the CUDA IPC handle of its staging buffer (64 raw bytes, never a pickle; a handle of
+any other length is refused on receipt, see ckptd.common.cudart.ipc_handle_problem) and its
 GPU's UUID once (OpenStaging). The daemon finds the GPU with that UUID among the ones it sees
 (device indices differ between processes with different CUDA_VISIBLE_DEVICES), opens the
 handle once with cudaIpcOpenMemHandle and keeps the mapping until the rank closes it, opens a
 new one, or the daemon exits. At each commit it copies the staged ranges to the rank's arena
-with cudaMemcpy, after page-locking the arena once (in chunks of at most 1 GiB; unlocked
-before the arena is unmapped).
+with cudaMemcpy, after page-locking the arena once, in ONE cudaHostRegister call of the whole
+mapping (ckptd.common.cudart.register_host: a copy may not span two registrations, CUDA
+refuses it with `invalid argument`); unlocked before the arena is unmapped.
 
 All CUDA calls run on one thread per GPU, never on the event loop. The CUDA runtime is loaded
 on the first OpenStaging; a daemon that never gets one never touches CUDA (and so never takes
@@ -24,13 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-from ckptd.common.cudart import IPC_HANDLE_BYTES, CudaRuntime, CudaRuntimeError
+from ckptd.common.cudart import CudaRuntime, CudaRuntimeError, HostRegistration, ipc_handle_problem, register_host
 from ckptd.daemon.arena import Arena, pid_alive
 from ckptd.daemon.errors import Aborted, InvalidRequest, NotFound
 
 log = logging.getLogger(__name__)
 
-REGISTER_CHUNK = 1 << 30
 MAX_STAGING_BYTES = 1 << 40
 UUID_RE = re.compile(r"[0-9a-f]{32}")
 NAMESPACE_HINT = (
@@ -70,7 +71,8 @@ class GpuStaging:
         self._devices: dict[str, int] | None = None  # uuid -> index
         self._threads: dict[int, ThreadPoolExecutor] = {}
         self.buffers: dict[str, OpenBuffer] = {}
-        self._pinned: dict[int, list[int]] = {}  # id(arena) -> registered chunk addresses
+        self._pinned: dict[int, tuple[Arena, HostRegistration]] = {}  # id(arena) -> (that arena, its registration)
+        self.registrations = 0  # cudaHostRegister calls made: one per arena mapping
 
     def _thread(self, device: int) -> ThreadPoolExecutor:
         pool = self._threads.get(device)
@@ -94,10 +96,12 @@ class GpuStaging:
     async def open(self, job: str, rank: int, gpu_uuid: str, handle: bytes, nbytes: int, pid: int) -> tuple[str, str]:
         """Open a rank's staging buffer; returns (staging_id, "") or ("", the reason it cannot).
 
-        Raises InvalidRequest for malformed fields. The rank's previous buffer is closed first.
+        Raises InvalidRequest for malformed fields (a handle that is not exactly 64 bytes among
+        them: checked here, on receipt). The rank's previous buffer is closed first.
         """
-        if len(handle) != IPC_HANDLE_BYTES:
-            raise InvalidRequest(f"ipc_handle must be the {IPC_HANDLE_BYTES} bytes of a cudaIpcMemHandle_t, got {len(handle)}")
+        problem = ipc_handle_problem(handle)
+        if problem is not None:
+            raise InvalidRequest(problem)
         if not UUID_RE.fullmatch(gpu_uuid):
             raise InvalidRequest(f"gpu_uuid {gpu_uuid[:80]!r} must be 32 lowercase hex digits")
         if not 0 < nbytes <= MAX_STAGING_BYTES:
@@ -163,23 +167,26 @@ class GpuStaging:
             raise Aborted(f"copying rank {rank}'s staging buffer to host memory failed: {exc}") from None
 
     def _pin(self, runtime: CudaRuntime, arena: Arena) -> int:
-        """Page-lock `arena` once (unlocked when it closes); returns its address."""
+        """Page-lock the whole of `arena` in one call, the first time it is drained into (unlocked
+        when it closes); returns its address. Raises CudaRuntimeError."""
         base = arena.address()
-        if id(arena) not in self._pinned:
-            chunks = []
-            for offset in range(0, arena.size, REGISTER_CHUNK):
-                if runtime.host_register(base + offset, min(REGISTER_CHUNK, arena.size - offset)):
-                    chunks.append(base + offset)
-            self._pinned[id(arena)] = chunks
-            arena.on_close.append(lambda: self._unpin(runtime, id(arena)))
+        pinned = self._pinned.get(id(arena))
+        if pinned is None or pinned[0] is not arena:
+            registration = register_host(runtime, base, arena.size, f"arena {arena.path}")
+            self._pinned[id(arena)] = (arena, registration)
+            self.registrations += 1 if registration.owned else 0
+            arena.on_close.append(lambda: self._unpin(arena))
         return base
 
-    def _unpin(self, runtime: CudaRuntime, key: int) -> None:
-        for ptr in self._pinned.pop(key, []):
-            try:
-                runtime.host_unregister(ptr)
-            except CudaRuntimeError as exc:
-                log.warning("could not unlock arena memory: %s", exc)
+    def _unpin(self, arena: Arena) -> None:
+        pinned = self._pinned.get(id(arena))
+        if pinned is None or pinned[0] is not arena:
+            return
+        del self._pinned[id(arena)]
+        try:
+            pinned[1].close()
+        except CudaRuntimeError as exc:
+            log.warning("could not unlock arena %s: %s", arena.path, exc)
 
     async def reap_dead(self) -> None:
         """Close the buffers of trainers that died without closing them: the mapping would keep
