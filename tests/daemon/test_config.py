@@ -120,6 +120,8 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("save_timeout_s", "0.5", "0.5", 0.5),
     ("write_throttle", "2MiB", '"2MiB"', 2 << 20),
     ("write_throttle", "0", "0", 0),
+    ("disk_reserve", "10GiB", '"10GiB"', 10 << 30),
+    ("disk_reserve", "0", "0", 0),
     ("log_level", "WARNING", '"warning"', "warning"),
     ("log_json", "true", "true", True),
     ("log_json", "0", "false", False),

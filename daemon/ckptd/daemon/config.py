@@ -65,6 +65,12 @@ class DaemonConfig:
     max_file_bytes: model/optimizer files are split above this size, in bytes.
     save_timeout_s: seconds all ranks may take to arrive at and commit a snapshot.
     write_throttle: limit on the write rate in bytes per second (a slow disk for tests and drills); 0 = off.
+    disk_reserve: bytes to leave free on the storage root's file system: a save whose files would
+        leave less is refused before anything of it is written (0: the files only have to fit).
+        Default 1 GiB, a fixed amount rather than a share of the file system (1% of a shared
+        100 TB file system would hold back 1 TB; of a 50 GB disk, 500 MB): it covers what the
+        check leaves out (the step's small files: indexes, extra.json), file system overhead, and
+        leaves the node room to run (logs) when checkpoints fill its disk.
     log_level: one of debug, info, warning, error, critical.
     log_json: one JSON object per log line instead of plain text.
     node_rank: this daemon's place in `peers` (several nodes); node 0 coordinates.
@@ -99,6 +105,7 @@ class DaemonConfig:
     max_file_bytes: int = 4 * GiB
     save_timeout_s: float = 600.0
     write_throttle: int = 0
+    disk_reserve: int = GiB
     log_level: str = "info"
     log_json: bool = False
     node_rank: int = 0
@@ -342,6 +349,7 @@ _SPECS: Final[dict[str, _Spec]] = {
     "max_file_bytes": _Spec(_size, "--max-file-bytes", "SIZE", "split model/optimizer files above this size, e.g. 4GiB (default: 4GiB)"),
     "save_timeout_s": _Spec(_seconds, "--save-timeout", "SECONDS", "seconds all ranks may take to arrive at and commit a snapshot (default: 600)"),
     "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
+    "disk_reserve": _Spec(_size_or_off, "--disk-reserve", "SIZE", "keep SIZE free on the storage root's file system: a save that would leave less is refused before writing, e.g. 10GiB; 0 = the files only have to fit (default: 1GiB)"),
     "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
     "log_json": _Spec(_boolean, "--log-json", "", "log one JSON object per line (default: off)"),
     "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),
@@ -490,7 +498,8 @@ _SHM_FIX: Final = (
 )
 
 
-def _human(nbytes: int) -> str:
+def human_size(nbytes: int) -> str:
+    """Bytes in binary units for messages, the units sizes are given in: 1536 -> '1.5 KiB'."""
     if nbytes < 1024:
         return f"{nbytes} B"
     value = float(nbytes)
@@ -521,7 +530,7 @@ def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
     if free < needed_bytes:
         total = st.f_blocks * st.f_frsize
         return (
-            f"{shm_dir} has {_human(free)} free (of {_human(total)}) but the checkpoint arenas need "
-            f"{_human(needed_bytes)}; {_SHM_FIX}"
+            f"{shm_dir} has {human_size(free)} free (of {human_size(total)}) but the checkpoint arenas need "
+            f"{human_size(needed_bytes)}; {_SHM_FIX}"
         )
     return None

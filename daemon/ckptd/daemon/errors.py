@@ -27,6 +27,11 @@ class Exhausted(CkptdError):
     """Out of arena memory or disk (RESOURCE_EXHAUSTED)."""
 
 
+class NoSpace(Exhausted):
+    """A step's files would not fit in the storage root's free space (less the disk reserve);
+    raised before any file of the step is created (RESOURCE_EXHAUSTED)."""
+
+
 class Aborted(CkptdError):
     """The save was aborted (a rank failed, timed out or moved on) (ABORTED)."""
 

@@ -38,6 +38,7 @@ FAILURE_CAUSES = (
     "no_arena",  # no free arena within the timeout (policy wait), or shared memory full
     "invalid",  # the save itself was refused (bad plan, inconsistent ranks)
     "write_error",  # writing or fsyncing the files failed (disk full, I/O error)
+    "no_space",  # refused before writing: the files would not fit in the free space less --disk-reserve
     "peer",  # another node failed, stopped answering, or the coordinator aborted the step
     "shutdown",  # the daemon stopped before every rank handed over
     "gpu_staging",  # mode "ipc": copying a rank's device staging buffer into its arena failed
@@ -115,6 +116,10 @@ class Metrics:
         for cause in FAILURE_CAUSES:
             self.failures.labels(cause)  # every cause is exported from the start, at 0
         self.skipped = Counter("ckptd_saves_skipped", "Saves skipped because no arena was free (--arena-policy skip).", ["job"], registry=r)
+        self.refused_no_space = Counter(
+            "ckptd_saves_refused_no_space", "Saves refused before writing because their files would not fit in the storage root's free space less --disk-reserve.",
+            ["job"], registry=r,
+        )
         self.retention_deleted = Counter("ckptd_retention_deleted_steps", "Committed steps deleted by retention (after commits and by ckptd gc).", ["job"], registry=r)
         self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
         self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)

@@ -41,6 +41,7 @@ from ckptd.daemon.format import (
     GROUP_OF_KIND,
     INDEX_NAME,
     CheckpointIndex,
+    FileLayout,
     FileRecord,
     HEADER_ALIGN,
     FragmentRecord,
@@ -57,7 +58,8 @@ from ckptd.daemon.format import (
     scales_key,
 )
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
-from ckptd.daemon.storage import Storage, fsync_dir, start_writeback, tmp_name, write_small_file
+from ckptd.daemon.errors import NoSpace
+from ckptd.daemon.storage import Storage, fsync_dir, reused_bytes, space_problem, start_writeback, tmp_name, write_small_file
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class PersistRequest:
     quantize: str | None = None  # "O1" | "O2": quantize the optimizer moments (ckptd.common.quant)
     master_weights: str = "keep"  # "keep" | "drop" | "residual"
     quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
+    disk_reserve: int = 0  # bytes to leave free on the root's file system (check_space); 0: the files only have to fit
 
 
 class Throttle:
@@ -163,7 +166,8 @@ class IncompleteStep(ValueError):
 def persist(storage: Storage, req: PersistRequest, progress: Progress, clock: Callable[[], float] = time.time) -> CheckpointIndex:
     """One node: write the snapshot in `req.arenas` as committed step `req.step`; returns its index.
 
-    Raises OSError (disk full, I/O error) with the step directory removed again.
+    Raises NoSpace, before anything is written, when the step's files would not fit (see
+    check_space); OSError (disk full, I/O error) with the step directory removed again.
     """
     try:
         manifest = write_node_files(storage, req, progress)
@@ -183,9 +187,10 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
 
     The step is not committed by this (no index). With `req.shared_dir` other nodes write into
     the same step directory at the same time, so it is not emptied first.
+    Raises NoSpace when the files would not fit (check_space), before the step directory or any
+    file of it is created.
     """
     plan = req.plan
-    step_dir = storage.prepare_step_dir(req.job, req.step, fresh=not req.shared_dir)
     slots_by_name: dict[str, list[FragmentSlot]] = {}
     for slot in plan.slots:
         slots_by_name.setdefault(slot.name, []).append(slot)
@@ -209,8 +214,12 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
     source = _Source(req.arenas, tensors, slots_by_name, slot_of)
     stored, codings, cast = _compress(source, stored, kinds, req, progress)
     # Largest files first: they take the largest recycled files.
-    layouts = [f for f in layout_files(stored, kinds, req.max_file_bytes) if f.node == req.node]
+    every_node = layout_files(stored, kinds, req.max_file_bytes)
+    layouts = [f for f in every_node if f.node == req.node]
     layouts.sort(key=lambda f: -f.nbytes)
+    recycled = storage.take_recycled(req.job)
+    check_space(storage, req, every_node if req.shared_dir else layouts, tensors, [size for _, size in recycled])
+    step_dir = storage.prepare_step_dir(req.job, req.step, fresh=not req.shared_dir)
     scratch = _ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     opened: list[tuple[int, Path]] = []
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
@@ -225,12 +234,11 @@ def write_node_files(storage: Storage, req: PersistRequest, progress: Progress) 
         finishes: list[tuple[_AppendedFile, list[StoredTensor], int, list[Future[Any]], list[Future[_CodedWrite]]]] = []
         coded: list[Future[_CodedWrite]] = []
         try:
-            recycled = storage.take_recycled(req.job)
             for layout in layouts:
                 fixed = [t for t in layout.tensors if not _placed_when_coded(t, codings)]
                 late = [t for t in layout.tensors if _placed_when_coded(t, codings) and t.role == "data"]
                 header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in fixed)
-                header_size = _header_room(fixed, late, tensors, codings) if late else len(header)
+                header_size = _header_room(fixed, late, tensors, _scales_shapes(layout)) if late else len(header)
                 path = step_dir / layout.name
                 fd = _open_for_writing(tmp_name(path), recycled.pop(0)[0] if recycled else None, header_size + layout.nbytes)
                 opened.append((fd, path))
@@ -303,7 +311,7 @@ def _placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "_Coding"
 
 
 def _header_room(
-    fixed: list[StoredTensor], late: list[StoredTensor], tensors: dict[str, LogicalTensor], codings: dict[tuple[str, Box], "_Coding"]
+    fixed: list[StoredTensor], late: list[StoredTensor], tensors: dict[str, LogicalTensor], scales_shapes: dict[tuple[str, Box], tuple[int, ...]]
 ) -> int:
     """Bytes to reserve for the header of a file whose `late` tensors (codes) are placed, with
     their scales, once coded.
@@ -315,9 +323,70 @@ def _header_room(
     bound = [(t.key, t.dtype, t.shape) for t in fixed]
     for t in late:
         bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
-        bound.append((scales_key(t.key), "F32", codings[(t.name, t.box)].codec.scales_shape(t.box)))
+        bound.append((scales_key(t.key), "F32", scales_shapes[(t.name, t.box)]))
     header, _ = safetensors_header(bound)
     return len(header) + HEADER_ALIGN * 2 * len(late)  # spare room: a compressed size can exceed its codes by a few bytes
+
+
+def _scales_shapes(layout: FileLayout) -> dict[tuple[str, Box], tuple[int, ...]]:
+    """The shapes of the scales of the file's quantized tensors, by (name, box) of their codes."""
+    return {(t.name, t.box): t.shape for t in layout.tensors if t.role == "scales"}
+
+
+def file_bytes_bound(layout: FileLayout, tensors: dict[str, LogicalTensor]) -> int:
+    """The most bytes the file of `layout` can take once written, header included.
+
+    Exact for a file of tensors of known size (values, bf16 residuals). A quantized tensor's
+    size is known only once it is coded (int4 codes are zstd-compressed; a tensor that cannot
+    be quantized is stored as its values instead), so each counts as its values as they are
+    (logical dtype over its box) plus its scales, and the header as _header_room reserves it.
+    Only floating point values (2 bytes or more each) are quantized, to codes of 1 or 1/2 byte
+    per value; zstd adds under 1% to incompressible int4 codes, and a few bytes of framing that
+    can outgrow the values only for a fragment of a handful of values (the reserve covers that)."""
+    shapes = _scales_shapes(layout)
+    if not shapes:
+        header, _ = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
+        return len(header) + layout.nbytes
+    coded = [t for t in layout.tensors if (t.name, t.box) in shapes]
+    fixed = [t for t in layout.tensors if (t.name, t.box) not in shapes]
+    late = [t for t in coded if t.role == "data"]
+    values = sum(dtypes.nbytes(tensors[t.name].dtype, t.box.lengths) for t in late)
+    scales = sum(t.nbytes for t in coded if t.role == "scales")
+    return _header_room(fixed, late, tensors, shapes) + sum(t.nbytes for t in fixed) + values + scales
+
+
+def check_space(
+    storage: Storage, req: PersistRequest, layouts: Sequence[FileLayout], tensors: dict[str, LogicalTensor], recycled: Sequence[int]
+) -> None:
+    """Raise NoSpace unless the data files of `layouts` fit on the storage root's file system
+    with `req.disk_reserve` bytes to spare; called before anything of the step is created.
+
+    Needed = the files' bytes (file_bytes_bound: an upper bound for quantized tensors) - the
+    bytes that overwrite recycled files in place (`recycled`: the bin's sizes, largest first,
+    given to the files in the order of `layouts`, largest first, as write_node_files does) +
+    the reserve, against statvfs's free bytes. The step's small files (indexes, extra.json,
+    model config files) are left to the reserve.
+
+    `layouts` are this node's files; in a root shared by several nodes (req.shared_dir) every
+    node's files, since they all take the same free space at once: files some node has already
+    started then count only for what they still lack (Storage.allocated_in_step), and the rest
+    take the recycled files. With several nodes writing at once this is an estimate (the nodes
+    race for the recycled files); with a root of its own it is a bound. A file system that
+    reports no size is not checked."""
+    measured = storage.free_bytes(req.job)
+    if measured is None:
+        log.debug("the file system of %s reports no size: step %s is written without a free-space check", storage.root, req.step)
+        return
+    free, where = measured
+    present = storage.allocated_in_step(req.job, req.step) if req.shared_dir else {}
+    started = [f for f in layouts if f.name in present]
+    fresh = [f for f in layouts if f.name not in present]
+    fresh.sort(key=lambda f: -f.nbytes)
+    sizes = [file_bytes_bound(f, tensors) for f in fresh]
+    write_bytes = sum(sizes) + sum(max(0, file_bytes_bound(f, tensors) - present[f.name]) for f in started)
+    problem = space_problem(write_bytes, reused_bytes(sizes, recycled), req.disk_reserve, free, where)
+    if problem is not None:
+        raise NoSpace(f"step {req.step} of job {req.job!r} refused: {problem}")
 
 
 class _AppendedFile:

@@ -29,7 +29,7 @@ from ckptd.common.quant_options import CAST
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NotFound, Precondition, Timeout, Unavailable
+from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NoSpace, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.gpu import GpuStaging, StagedRange
 from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.peer_tls import PeerTls
@@ -547,6 +547,10 @@ class CheckpointService:
         started = time.monotonic()
         try:
             index = await loop.run_in_executor(self._persist_executor, persist, self.storage, request, session.progress)
+        except NoSpace as exc:  # refused before anything was written: the previous step is as it was
+            self.metrics.refused_no_space.labels(session.job).inc()
+            await self._fail(state, session, str(exc), "no_space")
+            return
         except Exception as exc:
             log.exception("writing step %s of job %s failed", session.step, session.job)
             await self._fail(state, session, f"writing failed: {exc}", "write_error")
@@ -621,6 +625,7 @@ class CheckpointService:
             quantize=compression.quantize,
             master_weights=compression.master_weights,
             quantization=compression.record,
+            disk_reserve=self.config.disk_reserve,
         )
 
     def _wrote(self, job: str, files: Sequence[FileRecord], seconds: float) -> None:
@@ -639,10 +644,14 @@ class CheckpointService:
         loop = asyncio.get_running_loop()
         manifest: NodeManifest | None = None
         error = ""
+        cause = "write_error"
         started = time.monotonic()
         try:
             manifest = await loop.run_in_executor(self._persist_executor, write_node_files, self.storage, request, session.progress)
             self._wrote(session.job, manifest.files, time.monotonic() - started)
+        except NoSpace as exc:  # refused before writing: the coordinator aborts the step on every node
+            self.metrics.refused_no_space.labels(session.job).inc()
+            error, cause = str(exc), "no_space"
         except Exception as exc:
             log.exception("writing node %s's part of step %s of job %s failed", self.node, session.step, session.job)
             error = f"writing failed on node {self.node}: {exc}"
@@ -669,10 +678,11 @@ class CheckpointService:
             self._finish(state, session)
             await _notify(state.arena_freed)
             return
-        if self.node != 0:  # the coordinator removed the step from its own root already
-            names = [f.name for f in manifest.files] if manifest is not None else []
-            await asyncio.to_thread(self.storage.discard_part, session.job, session.step, names, session.shared_root)
-        await self._fail(state, session, outcome.error, "write_error" if error else "peer")
+        # Node 0 too: the coordinator removed the step from its root when it aborted, but node 0's
+        # own writer may have started after that (another node refused the step at once: NoSpace).
+        names = [f.name for f in manifest.files] if manifest is not None else []
+        await asyncio.to_thread(self.storage.discard_part, session.job, session.step, names, session.shared_root)
+        await self._fail(state, session, outcome.error, cause if error else "peer")
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
         write_step_files(self.storage, job, step, files)
@@ -865,8 +875,11 @@ class CheckpointService:
             raise NotFound(f"job {job!r} has no save of step {step} in flight and no such committed step")
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
         while True:
+            # whether it was finished when yielded: a save that finishes while the consumer holds
+            # the yield (a save refused at once) is yielded once more, with its outcome
+            finished = session.finished.is_set()
             yield session
-            if session.finished.is_set():
+            if finished:
                 return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ckptd.common.names import check_job_id
+from ckptd.daemon.config import human_size
 from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,38 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
+def reused_bytes(sizes: Sequence[int], recycled: Sequence[int]) -> int:
+    """Bytes of new files that overwrite recycled files in place instead of taking free space.
+
+    sizes: the files to write, in the order the pipeline opens them; recycled: the recycle
+    bin's file sizes, largest first. The pipeline gives the k-th file the k-th recycled one
+    (pipeline._open_for_writing): it overwrites min(size, recycled size) bytes already
+    allocated, and cuts off any excess only once written. Pure."""
+    return sum(min(size, old) for size, old in zip(sizes, recycled))
+
+
+def space_problem(write_bytes: int, reused: int, reserve: int, free: int, where: Path | str) -> str | None:
+    """None when a step's files fit on the file system at `where`, else why not and what to do.
+
+    write_bytes: the most bytes the step's files can take; reused: of those, bytes that
+    overwrite recycled files (reused_bytes), which take no free space; reserve: bytes that must
+    stay free (--disk-reserve); free: the file system's free bytes (Storage.free_bytes).
+    The files fit when (write_bytes - reused) + reserve <= free. Pure."""
+    data = max(0, write_bytes - reused)
+    needed = data + reserve
+    if needed <= free:
+        return None
+    recycled = f"; another {human_size(min(reused, write_bytes))} reuse recycled files" if reused else ""
+    if data > free:
+        fix = "free space there (delete old checkpoints, keep fewer with --keep-last) or use a larger storage root"
+    else:
+        fix = "free space or lower --disk-reserve"
+    return (
+        f"not enough disk space: needs {human_size(needed)} ({human_size(data)} of data + "
+        f"{human_size(reserve)} reserve{recycled}), {human_size(free)} free on {where}: {fix}"
+    )
+
+
 @dataclass(frozen=True)
 class Committed:
     """A committed step as found on disk."""
@@ -145,6 +178,39 @@ class Storage:
         """The newest committed step. `latest` is a hint for other tools; the index files decide."""
         steps = self.committed_steps(job)
         return steps[-1] if steps else None
+
+    def free_bytes(self, job: str) -> tuple[int, Path] | None:
+        """(bytes free, where measured) on the file system that holds the job's steps: its
+        directory, else the root (statvfs: f_bavail * f_frsize, the space an unprivileged writer
+        can take; blocks reserved for root do not count). None when the file system reports no
+        size at all (some network and FUSE file systems), so nothing can be checked."""
+        where = self.job_dir(job)
+        if not where.is_dir():
+            where = self.root
+        st = os.statvfs(where)
+        if st.f_blocks == 0:
+            return None
+        return st.f_bavail * st.f_frsize, where
+
+    def allocated_in_step(self, job: str, step: int) -> dict[str, int]:
+        """Bytes allocated on disk (st_blocks) by each file already in a step directory, under
+        its final name (a temporary name counts for its file); {} when there is none. Several
+        nodes writing into one root: what the other nodes have written of the step so far."""
+        path = self.step_dir(job, step)
+        found: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            name = entry.name
+            if name.startswith(TMP_MARK):
+                name = name[len(TMP_MARK) :].rsplit(".", 1)[0]
+            try:
+                found[name] = found.get(name, 0) + entry.stat(follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                continue
+        return found
 
     def copy_range(self, job: str, step: int, file: str, out_fd: int, offset: int, nbytes: int) -> None:
         """Copy bytes [offset, offset + nbytes) of a step's file to the same offset of out_fd (a
