@@ -6,7 +6,6 @@ safetensors file) or of a real arena (a file in /dev/shm mapped by ArenaMaps).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -338,7 +337,7 @@ def test_a_column_slice_mapped_from_the_file_is_checked_by_chunks(pool: ThreadPo
 
 def test_malformed_chunk_checksums_are_an_error_naming_the_tensor(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
     (source,) = store.put("file", "model/w", ramp(SHAPE), [Box.full(SHAPE)], chunk_bytes=64)
-    bad = dataclasses.replace(source, chunk_xxh3=source.chunk_xxh3[:-1])
+    bad = source._replace(chunk_xxh3=source.chunk_xxh3[:-1])
     with pytest.raises(CheckpointError, match="chunk checksums of tensor 'model/w' .* are malformed"):
         fill_all(pool, maps, [Fill(torch.zeros(ROWS_3_TO_9.lengths), ROWS_3_TO_9, [bad])])
 
@@ -366,8 +365,7 @@ def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExec
 
     scale_bytes = scales.reshape(-1).view(torch.uint8).numpy().tobytes()
     path.write_bytes(b"{" * HEADER + stored.tobytes() + scale_bytes)
-    src = dataclasses.replace(
-        source(stored.tobytes(), HEADER, "U8"),
+    src = source(stored.tobytes(), HEADER, "U8")._replace(
         decode=transport.Decoding(codec.name, codec.block, source(scale_bytes, HEADER + len(stored), "F32"), None, table),
     )
     whole = quant.decode(codec, codes, scales, full, full)

@@ -29,7 +29,9 @@ class SaveHandle:
 
     In modes "overlap" and "ipc" (CUDA tensors) the device copies may still be running when
     `save` returns: `snapshot_done` says whether the snapshot is handed over (copied and
-    committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both.
+    committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both. In the
+    CPU path the bytes are copied when `save` returns and only the commit may still be on its
+    way (a helper thread sends it).
     """
 
     def __init__(
@@ -70,7 +72,8 @@ class SaveHandle:
 
     @property
     def snapshot_done(self) -> bool:
-        """The snapshot is copied and committed to the daemon (always true in the CPU and "copy" paths)."""
+        """The snapshot is copied and committed to the daemon (always true in mode "copy"; in the
+        CPU path once the helper thread's commit is through)."""
         return self._pending is None or self._pending.future.done()
 
     def wait_snapshot(self, host: bool = False) -> None:
@@ -78,8 +81,8 @@ class SaveHandle:
 
         GPU-side by default (the current CUDA stream waits on the copy-done event; the host goes
         on); host=True blocks until the snapshot is copied and committed. Call it before the
-        state changes other than by an optimizer of the state (those fence themselves). A no-op
-        for CPU hand-offs, which are complete when save() returns.
+        state changes other than by an optimizer of the state (those fence themselves). The
+        fence is a no-op for CPU hand-offs, whose bytes are copied when save() returns.
         """
         pending = self._pending
         if pending is None or pending.future.done():

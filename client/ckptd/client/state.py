@@ -37,7 +37,7 @@ import logging
 import random
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -58,9 +58,9 @@ MODEL_KEY = "model"
 _EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One logical tensor of a rank's state.
+class TensorEntry(NamedTuple):
+    """One logical tensor of a rank's state (a named tuple: a save makes one per tensor, and a
+    tuple is made in C).
 
     name: "<top-level key>/<path>", e.g. "model/embed.weight". kind: model, master, optimizer
     or extra. tensor: the live tensor (may be non-contiguous). aliases: the other logical names
@@ -89,17 +89,22 @@ class FlatState:
         return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
 
 
-def flatten_state(state: Mapping[str, Any], *, rank: int, rng: bool = False, for_save: bool = False) -> FlatState:
+def flatten_state(
+    state: Mapping[str, Any], *, rank: int, rng: bool = False, for_save: bool = False, validate: bool = True
+) -> FlatState:
     """The tensors and extras of `state` (see the module docstring); nothing is copied.
 
     for_save: the flat state is about to be saved: fresh optimizers are left fresh (see above).
+    validate=False skips the per-tensor checks of names, layouts and dtypes (duplicate names
+    are still refused): for a caller that has checked a state of the same structure before and
+    calls `validate_entries` whenever the structure is new (ckptd.client.structure).
 
     rng=True adds the random generators' states under the extras key "rng": torch's CPU (and
     CUDA) generators as tensors named "rng/rank<rank>/...", Python's and NumPy's as JSON.
     Raises TypeError/ValueError naming the key for values that cannot be checkpointed.
     """
     _check_state(state, rng)
-    entries = _Entries()
+    entries = _Entries(validate)
     extras: dict[str, Any] = {}
     for key in sorted(state):
         value = state[key]
@@ -174,19 +179,30 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
 # ------------------------------------------------------------------ flatten
 
 
-class _Entries:
-    """Collects entries in order; refuses duplicate names and tensors without storable data."""
+def validate_entries(flat: FlatState) -> None:
+    """The checks `flatten_state(validate=False)` skipped: every name and alias is a valid
+    tensor name, every tensor is strided, materialized and of a dtype ckptd stores. Raises
+    ValueError/TypeError naming the tensor and how to fix it."""
+    for entry in flat.tensors:
+        for name in (entry.name, *entry.aliases):
+            _check_tensor(name, entry.tensor)
 
-    def __init__(self) -> None:
+
+class _Entries:
+    """Collects entries in order; refuses duplicate names and (when validating) tensors without storable data."""
+
+    def __init__(self, validate: bool = True) -> None:
         self.entries: list[TensorEntry] = []
         self.names: set[str] = set()
+        self.validate = validate
 
     def adder(self, kind: str) -> Callable[[str, torch.Tensor], None]:
         return lambda name, tensor: self.add(TensorEntry(name, kind, tensor))
 
     def add(self, entry: TensorEntry) -> None:
         for name in (entry.name, *entry.aliases):
-            _check_tensor(name, entry.tensor)
+            if self.validate:
+                _check_tensor(name, entry.tensor)
             if name in self.names:
                 raise ValueError(
                     f"two tensors of the state are both named {name!r}; rename a key so that "

@@ -10,12 +10,14 @@ ckptd.common.chunks).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -29,8 +31,17 @@ from ckptd.common.frames import Frames, FrameError, decompress
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 CHUNK = 32 * 2**20
+SPLIT_BYTES = 4 * 2**20  # whole pieces below this are copied or read in batches, not one task each
+BATCHES = max(2, os.cpu_count() or 1)  # batches of small pieces per fill
 READ_CHUNK = 64 * 2**20
 MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
+T = TypeVar("T")
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (memoized: loads ask once per tensor)."""
+    return dtypes.from_torch_name(str(dtype))
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray | None:
@@ -51,6 +62,7 @@ class ArenaMaps:
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._warm: set[str] = set()
+        self._addresses: dict[str, tuple[mmap.mmap, int]] = {}
 
     def is_cold(self, path: str) -> bool:
         return path not in self._warm
@@ -76,8 +88,18 @@ class ArenaMaps:
             self._drop(next(iter(self._maps)))
         return mm
 
+    def address(self, path: str, size: int | None = None) -> int:
+        """The address of the mapping of `path` (`get` semantics); valid while it stays mapped,
+        that is until `close`, or until more than 8 other arenas have been mapped since."""
+        mm = self.get(path, size)
+        found = self._addresses.get(path)
+        if found is None or found[0] is not mm:
+            found = self._addresses[path] = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)) if len(mm) else 0)
+        return found[1]
+
     def _drop(self, path: str) -> None:
         self._warm.discard(path)
+        self._addresses.pop(path, None)
         mm = self._maps.pop(path)
         try:
             mm.close()
@@ -149,9 +171,10 @@ def copy_to_arena(
     _run_copies(pool, tasks)
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where a fragment's bytes are: an arena ("shm") or a committed file ("file")."""
+class Source(NamedTuple):
+    """Where a fragment's bytes are: an arena ("shm") or a committed file ("file").
+
+    A named tuple, not a dataclass: a load makes one per tensor, and a tuple is made in C."""
 
     name: str  # the logical tensor, for messages
     kind: str
@@ -190,7 +213,7 @@ class Fill:
 
 def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
     """Run every fill's copies and reads on the pool at once, then wait for all of them."""
-    wholes: list[tuple[Source, np.ndarray]] = []
+    wholes: list[tuple[Source, torch.Tensor]] = []  # a whole fragment into a plain (contiguous CPU) target
     parts: list[_Part] = []
     decoded: list[tuple[Source, Fill, Box]] = []
     for fill in fills:
@@ -199,7 +222,8 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
                 f"the target for tensor {fill.sources[0].name!r} has shape {list(fill.target.shape)} but the wanted box "
                 f"{fill.want} has lengths {list(fill.want.lengths)}; pass a target of the wanted box's shape"
             )
-        dst_bytes = byte_view(fill.target)
+        target = fill.target
+        plain = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0  # byte_view would work
         for src in fill.sources:
             common = intersect(src.box, fill.want)
             if common is None:
@@ -207,9 +231,9 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
             if src.decode is not None:
                 decoded.append((src, fill, common))
                 continue
-            direct = dst_bytes is not None and src.dtype == dtypes.from_torch_name(str(fill.target.dtype))
+            direct = plain and src.dtype == _dtype_name(target.dtype)
             if direct and src.box == fill.want:
-                wholes.append((src, dst_bytes))
+                wholes.append((src, target))
             elif run_count(src.box, fill.want if direct else common) > MANY_RUNS:
                 parts.append(_Part(src, common, fill, [], direct, strided=True))
             else:
@@ -220,8 +244,19 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     # against 0.35-0.42 s): the advice allocates and submits every page up front, on this thread.
     _prefetch([(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()])
     jobs = []
-    # in file order: each file front to back, as its readahead goes
-    for src, dst_bytes in sorted(wholes, key=lambda w: (w[0].path, w[0].offset)):
+    small_files: list[tuple[Source, np.ndarray]] = []
+    small_shm: list[tuple[int, int, int]] = []  # (target address, arena address, bytes)
+    # files in file order: each front to back, as its readahead goes
+    wholes = [w for w in wholes if w[0].kind == "shm"] + sorted((w for w in wholes if w[0].kind != "shm"), key=lambda w: (w[0].path, w[0].offset))
+    for src, target in wholes:
+        if src.kind == "shm" and src.nbytes < SPLIT_BYTES:
+            if src.nbytes != target.numel() * target.element_size():
+                raise CheckpointError(f"piece of tensor {src.name!r} has {src.nbytes} bytes for a target of {target.numel() * target.element_size()}")
+            # a memmove by address: no view objects per tensor (the maps and `fills` keep both alive)
+            small_shm.append((target.data_ptr(), maps.address(src.path, src.offset + src.nbytes) + src.offset, src.nbytes))
+            continue
+        dst_bytes = byte_view(target)
+        assert dst_bytes is not None  # wholes are plain targets
         if src.kind == "shm" and maps.is_cold(src.path):
             # pread from the arena file: no page-table entries to create in this process, which
             # on a new mapping cost more than the copy itself (about 3x a memcpy against 1.5x)
@@ -229,8 +264,14 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         elif src.kind == "shm":
             raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
             jobs += [pool.submit(t.run) for t in _chunks(dst_bytes, raw)]
+        elif src.nbytes < SPLIT_BYTES:
+            small_files.append((src, dst_bytes))
         else:
             jobs.append(pool.submit(_read_verified, src, dst_bytes))
+    # small pieces in a few batches of about equal bytes, not one task each (a task costs more
+    # than copying a small tensor)
+    jobs += [pool.submit(_copy_batch, batch) for batch in _batches(small_shm, lambda p: p[2], BATCHES)]
+    jobs += [pool.submit(_read_batch, batch) for batch in _batches(small_files, lambda p: p[0].nbytes, BATCHES)]
     jobs += [pool.submit(_fill_part, maps, part) for part in parts]
     jobs += [pool.submit(_fill_decoded, src, fill, common) for src, fill, common in decoded]
     for job in jobs:
@@ -239,6 +280,77 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         for src in fill.sources:
             if src.kind == "shm":
                 maps.mark_warm(src.path)  # only arenas this process mapped (parts) become warm
+
+
+@dataclass(frozen=True)
+class MemoryCopies:
+    """A load from the daemon's memory reduced to memmoves: every fill is a whole fragment of
+    under SPLIT_BYTES from an arena into a contiguous CPU target of its dtype. Made once for a
+    plan that repeats (ckptd.client.client keeps it with the plan's fills); `run` checks first
+    that every arena is still mapped where it was."""
+
+    bases: tuple[tuple[str, int, int], ...]  # (arena path, bytes it must have, address when prepared)
+    batches: tuple[tuple[tuple[int, int, int], ...], ...]  # (target address, arena address, bytes)
+    keep: tuple[torch.Tensor, ...]  # the targets: their memory must stay while the addresses are used
+
+    @staticmethod
+    def prepare(maps: ArenaMaps, fills: Sequence[Fill]) -> "MemoryCopies | None":
+        """The memmoves of `fills`, or None when any of them needs more than a memmove."""
+        moves: list[tuple[int, int, int]] = []
+        need: dict[str, int] = {}
+        for fill in fills:
+            if len(fill.sources) != 1:
+                return None
+            src, target = fill.sources[0], fill.target
+            if (
+                src.kind != "shm" or src.decode is not None or src.box != fill.want or src.nbytes >= SPLIT_BYTES
+                or target.device.type != "cpu" or not target.is_contiguous() or src.dtype != _dtype_name(target.dtype)
+                or src.nbytes != target.numel() * target.element_size()
+            ):
+                return None
+            need[src.path] = max(need.get(src.path, 0), src.offset + src.nbytes)
+            if src.nbytes:
+                moves.append((target.data_ptr(), src.offset, src.nbytes, src.path))  # type: ignore[arg-type]
+        bases = tuple((path, size, maps.address(path, size)) for path, size in need.items())
+        where = {path: base for path, _, base in bases}
+        resolved = [(dst, where[path] + offset, n) for dst, offset, n, path in moves]  # type: ignore[misc]
+        batches = tuple(tuple(b) for b in _batches(resolved, lambda m: m[2], BATCHES))
+        return MemoryCopies(bases, batches, tuple(f.target for f in fills))
+
+    def run(self, pool: ThreadPoolExecutor, maps: ArenaMaps) -> bool:
+        """Copy; False (nothing copied) when an arena is no longer mapped where it was."""
+        if any(maps.address(path, size) != base for path, size, base in self.bases):
+            return False
+        for job in [pool.submit(_copy_batch, batch) for batch in self.batches]:
+            job.result()
+        return True
+
+
+def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[list[T]]:
+    """`items` in at most `count` runs of consecutive items of about equal total size."""
+    if not items:
+        return []
+    target = -(-sum(size(i) for i in items) // count) or 1
+    out: list[list[T]] = [[]]
+    filled = 0
+    for item in items:
+        if filled >= target and len(out) < count:
+            out.append([])
+            filled = 0
+        out[-1].append(item)
+        filled += size(item)
+    return out
+
+
+def _copy_batch(moves: Sequence[tuple[int, int, int]]) -> None:
+    """memmove each (destination address, source address, bytes); ctypes releases the GIL."""
+    for dst, src, n in moves:
+        ctypes.memmove(dst, src, n)
+
+
+def _read_batch(pieces: Sequence[tuple[Source, np.ndarray]]) -> None:
+    for src, dst in pieces:
+        _read_verified(src, dst)
 
 
 def _pread_shm(src: Source, dst: np.ndarray, start: int) -> None:

@@ -89,7 +89,12 @@ class _Encoder:
         return "/".join((self.prefix, *path))
 
     def value(self, value: Any, path: tuple[str, ...], in_key: bool = False) -> Any:
-        # Order matters: bool is an int, numpy's float64 is a float.
+        # Order matters: bool is an int, numpy's float64 is a float. Tensors first: a state is
+        # mostly tensors, and none of the other types is one.
+        if isinstance(value, torch.Tensor) and not in_key:
+            name = self.where(path)
+            self.add_tensor(name, value)
+            return {TENSOR: name}
         if value is None or isinstance(value, (str, bool)):
             return value
         if isinstance(value, np.generic):
@@ -100,9 +105,6 @@ class _Encoder:
             return float(value) if math.isfinite(value) else {FLOAT: repr(float(value))}
         if isinstance(value, bytes):
             return {BYTES: base64.b64encode(value).decode("ascii")}
-        if isinstance(value, torch.Tensor) and not in_key:
-            self.add_tensor(self.where(path), value)
-            return {TENSOR: self.where(path)}
         if isinstance(value, np.ndarray) and not in_key:
             return {NDARRAY: self.array(value, path)}
         if isinstance(value, (dict, list, tuple)):

@@ -21,7 +21,7 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"box has {len(self.offsets)} offsets but {len(self.lengths)} lengths")
-        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+        if self.offsets and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"box offsets and lengths must be >= 0, got {self}")
 
     @staticmethod
@@ -43,7 +43,9 @@ class Box:
 
     def fits_in(self, shape: Sequence[int]) -> bool:
         """True if the box lies inside a tensor of this shape."""
-        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.end, shape))
+        if len(shape) != self.ndim:
+            return False
+        return all(o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape))
 
     def is_full(self, shape: Sequence[int]) -> bool:
         return self == Box.full(shape)
@@ -59,6 +61,8 @@ def intersect(a: Box, b: Box) -> Box | None:
 
     Two 0-dim boxes overlap (both are the single element). Empty boxes overlap nothing.
     """
+    if a == b:  # the common case of a load into the layout that saved: no arithmetic
+        return None if 0 in a.lengths else a
     if a.ndim != b.ndim:
         raise ValueError(f"boxes of different rank: {a} and {b}")
     if a.numel == 0 or b.numel == 0:

@@ -24,13 +24,16 @@ def check_job_id(job: str) -> str:
     return job
 
 
+_CONTROL = re.compile("[\x00-\x1f]")
+
+
 def check_tensor_name(name: str) -> str:
     """Return `name` if it can be a logical tensor name, else raise InvalidNameError."""
     if not isinstance(name, str) or not name:
         raise InvalidNameError("tensor names must be non-empty strings")
     if len(name) > MAX_TENSOR_NAME:
         raise InvalidNameError(f"tensor name {name[:64]!r}... is longer than {MAX_TENSOR_NAME} characters")
-    if any(ord(c) < 32 for c in name):
+    if _CONTROL.search(name):
         raise InvalidNameError(f"tensor name {name!r} contains control characters")
     return name
 

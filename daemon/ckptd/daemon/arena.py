@@ -34,6 +34,7 @@ class Arena:
 
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
+        self.path_text = str(path)  # what load plans and replies carry (made once: loads name it per tensor)
         self.size = size
         self.on_close: list[Callable[[], None]] = []  # run before unmapping (e.g. unlock pinned pages)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)

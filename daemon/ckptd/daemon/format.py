@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import struct
 from dataclasses import dataclass, field
@@ -275,6 +277,11 @@ class TensorRecord:
     fragments: tuple[FragmentRecord, ...]
     aliases: tuple[str, ...] = ()
 
+    @functools.cached_property
+    def lossy(self) -> bool:
+        """Some fragment is stored coded (quantized, cast or a residual), not as its values."""
+        return any(f.quant is not None for f in self.fragments)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -340,7 +347,11 @@ class CheckpointIndex:
         return sum(f.size for f in self.files)
 
     def by_name(self) -> dict[str, TensorRecord]:
-        """Tensors by logical name and by every alias."""
+        """Tensors by logical name and by every alias (built once per index; do not modify)."""
+        return self._by_name
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorRecord]:
         table = {}
         for t in self.tensors:
             table[t.name] = t

@@ -20,6 +20,8 @@ fingerprints.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -96,7 +98,41 @@ class SavePlan:
     node_of_rank: tuple[int, ...] = ()  # empty: every rank on node 0
 
     def slots_of(self, rank: int) -> tuple[FragmentSlot, ...]:
-        return tuple(s for s in self.slots if s.rank == rank)
+        return self._slots_by_rank.get(rank, ())
+
+    def slots_named(self, name: str) -> tuple[FragmentSlot, ...]:
+        """The slots of logical tensor `name` (every rank's), in (name, box) order."""
+        return self._slots_by_name.get(name, ())
+
+    def layout_id(self, rank: int) -> str:
+        """A digest of `slots_of(rank)` (names, boxes, offsets, sizes): equal ids mean a rank
+        copies the same fragments to the same arena offsets, so it may reuse what it derived
+        from an earlier answer with that id (ckptd.client: BeginSaveRequest.known_layout)."""
+        found = self._layout_ids.get(rank)
+        if found is None:
+            h = hashlib.sha256()
+            for s in self.slots_of(rank):
+                h.update(f"{s.name}|{s.box.offsets}|{s.box.lengths}|{s.offset}|{s.nbytes}\n".encode())
+            found = self._layout_ids[rank] = h.hexdigest()[:32]
+        return found
+
+    @functools.cached_property
+    def _slots_by_rank(self) -> dict[int, tuple[FragmentSlot, ...]]:
+        by_rank: dict[int, list[FragmentSlot]] = defaultdict(list)
+        for s in self.slots:
+            by_rank[s.rank].append(s)
+        return {r: tuple(slots) for r, slots in by_rank.items()}
+
+    @functools.cached_property
+    def _slots_by_name(self) -> dict[str, tuple[FragmentSlot, ...]]:
+        by_name: dict[str, list[FragmentSlot]] = defaultdict(list)
+        for s in self.slots:
+            by_name[s.name].append(s)
+        return {n: tuple(slots) for n, slots in by_name.items()}
+
+    @functools.cached_property
+    def _layout_ids(self) -> dict[int, str]:
+        return {}
 
     def node(self, rank: int) -> int:
         return self.node_of_rank[rank] if self.node_of_rank else 0

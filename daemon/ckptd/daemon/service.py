@@ -13,6 +13,7 @@ is persisted in the background; WaitDurable reports progress until it is committ
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence, NamedTuple
 
 from ckptd.common.boxes import intersect
 from ckptd.common.frames import Frames
@@ -118,8 +119,10 @@ class JobState:
     lineage: int = 0  # quantization generation of the step this job last loaded from this daemon
 
 
-@dataclass(frozen=True)
-class PieceInfo:
+class PieceInfo(NamedTuple):
+    """One source of bytes for (part of) a requested tensor (a named tuple: a load makes one
+    per tensor, and a tuple is made in C)."""
+
     name: str  # the requested name
     source: str  # "shm" | "file"
     path: str
@@ -164,6 +167,52 @@ class LoadPlan:
     unexpected: tuple[str, ...]
     tier: str
     generation: int = 0
+    plan_id: str = ""  # memory tier: a digest of `pieces` (see _MemoryPlans)
+
+
+@dataclass(frozen=True, eq=False)
+class _MemoryPlan:
+    """Pieces of a load served wholly from a held snapshot, for the same request again."""
+
+    held: ArenaSet
+    layout: SavePlan  # the held snapshot's plan when these pieces were derived
+    wanted: Sequence[TensorSpec]
+    pieces: tuple[PieceInfo, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    plan_id: str
+
+
+class _MemoryPlans:
+    """Memory-tier load plans by (job, rank, options, held arena set): a rank that loads the same
+    tensors (the very specs object its fingerprint resolved to) from an arena set laid out by the
+    same save plan again gets the same pieces (they name arena paths and offsets, not steps)
+    without their per-tensor derivation. Keeps the last `keep` plans."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._keep = keep
+        self._plans: dict[tuple[Any, ...], _MemoryPlan] = {}
+
+    def get(self, key: tuple[Any, ...], held: ArenaSet | None, wanted: Sequence[TensorSpec], step: int) -> _MemoryPlan | None:
+        plan = self._plans.get(key)
+        if plan is None or held is None or plan.held is not held or plan.wanted is not wanted or plan.layout is not held.plan:
+            return None
+        if held.state is not SetState.HELD or held.step != step:
+            return None
+        return plan
+
+    def put(self, key: tuple[Any, ...], plan: _MemoryPlan) -> None:
+        self._plans.pop(key, None)
+        self._plans[key] = plan
+        while len(self._plans) > self._keep:
+            del self._plans[next(iter(self._plans))]
+
+
+def _plan_digest(pieces: Sequence[PieceInfo]) -> str:
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(f"{p.name}|{p.path}|{p.offset}|{p.nbytes}|{p.fragment.offsets}|{p.fragment.lengths}|{p.dtype}\n".encode())
+    return h.hexdigest()[:32]
 
 
 @dataclass
@@ -223,6 +272,7 @@ class CheckpointService:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         # (job, step) -> loads being planned: their peer fetches' staging files must stay
         self._planning: dict[tuple[str, int], int] = {}
+        self._memory_plans = _MemoryPlans()
         self.gpu = GpuStaging()  # mode "ipc": loads CUDA only when a rank opens a staging buffer
 
     # ------------------------------------------------------------ lifecycle
@@ -954,6 +1004,10 @@ class CheckpointService:
         direct_read: bool,
     ) -> LoadPlan:
         held = state.pool.held(step) if state is not None else None
+        memo_key = (job, rank, direct_read, strict, tuple(kinds), id(held))
+        memo = self._memory_plans.get(memo_key, held, wanted, step)
+        if memo is not None:
+            return await self._lease(job, rank, step, held, index, memo.pieces, memo.missing, memo.unexpected, memo.plan_id)
         table = index.by_name()
         where = await self._file_sources(index) if self.cluster is not None else {}
 
@@ -986,7 +1040,25 @@ class CheckpointService:
             if unexpected:
                 parts.append(f"in step {step} but not in the state being loaded: {_names(unexpected)}")
             raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
+        plan_id = ""
+        if held is not None and pieces and all(p.source == "shm" for p in pieces):
+            plan_id = _plan_digest(pieces)
+            self._memory_plans.put(memo_key, _MemoryPlan(held, held.plan, wanted, tuple(pieces), tuple(missing), tuple(unexpected), plan_id))
+        return await self._lease(job, rank, step, held, index, tuple(pieces), tuple(missing), tuple(unexpected), plan_id)
 
+    async def _lease(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        held: ArenaSet | None,
+        index: CheckpointIndex,
+        pieces: tuple[PieceInfo, ...],
+        missing: tuple[str, ...],
+        unexpected: tuple[str, ...],
+        plan_id: str,
+    ) -> LoadPlan:
+        """The plan of a load with this rank's extras, leased (the held snapshot stays until LoadDone)."""
         # the held snapshot has the extras of this node's ranks; others (more ranks than at save
         # time, or ranks of other nodes) come from extra.json
         extras_by_rank = held.extras if held is not None and rank in held.extras else await self._extras(job, step)
@@ -1001,7 +1073,7 @@ class CheckpointService:
         kinds_used = {p.source for p in pieces}
         tier = "memory" if kinds_used == {"shm"} or (held is not None and not pieces) else "disk" if "shm" not in kinds_used else "mixed"
         self.metrics.loads.labels(tier).inc()
-        return LoadPlan(load_id, step, tuple(pieces), extras, tuple(missing), tuple(unexpected), tier, index.generation)
+        return LoadPlan(load_id, step, pieces, extras, missing, unexpected, tier, index.generation, plan_id)
 
     async def _wait_for_writes(self, state: JobState) -> None:
         """A restarted trainer asking for the newest step gets the one every rank already handed
@@ -1019,15 +1091,16 @@ class CheckpointService:
         overlapping fragment of the newest snapshot, else the committed files (fetched from the
         node that has them when they are not in this node's root: `where`; copied into shared
         memory when not `direct_read`)."""
-        lossy = any(f.quant is not None for f in record.fragments)
-        if held is not None and not lossy:  # a compressed tensor loads as stored, from any tier
-            overlapping = [s for s in held.plan.slots if s.name == record.name and intersect(s.box, spec.box) is not None]
-            if all(held.arenas[s.rank] is not None for s in overlapping):
-                out = []
-                for slot in overlapping:
-                    arena = held.arenas[slot.rank]
-                    assert arena is not None
-                    out.append(PieceInfo(spec.name, "shm", str(arena.path), slot.offset, slot.nbytes, slot.box, record.dtype, ""))
+        if held is not None and not record.lossy:  # a compressed tensor loads as stored, from any tier
+            out = []
+            for slot in held.plan.slots_named(record.name):
+                if intersect(slot.box, spec.box) is None:
+                    continue
+                arena = held.arenas[slot.rank]
+                if arena is None:  # copied by a rank of another node: not all of it is here
+                    break
+                out.append(PieceInfo(spec.name, "shm", arena.path_text, slot.offset, slot.nbytes, slot.box, record.dtype, ""))
+            else:
                 return out
         step_dir = self.storage.step_dir(index.job, index.step)
 

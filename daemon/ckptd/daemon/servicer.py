@@ -21,6 +21,7 @@ from ckptd.common.quant_options import QuantError, check_master_mode, check_sche
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
 from ckptd.daemon.gpu import StagedRange
+from ckptd.daemon.plan import SavePlan, TensorSpec
 from ckptd.daemon.service import CheckpointService, CommitRecord, PieceInfo, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -105,9 +106,76 @@ def _piece(p: PieceInfo) -> pb.Piece:
     return piece
 
 
+class _SlotMessages:
+    """The Slot messages of a rank's share of a plan, built once per (plan, rank): a save of a
+    known layout then costs no per-tensor work here. Holds the last few plans only."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._by_plan: dict[int, tuple[SavePlan, dict[int, list[pb.Slot]]]] = {}
+
+    def get(self, plan: SavePlan, rank: int) -> list[pb.Slot]:
+        entry = self._by_plan.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            entry = self._by_plan[id(plan)] = (plan, {})
+            while len(self._by_plan) > self._keep:
+                del self._by_plan[next(iter(self._by_plan))]
+        by_rank = entry[1]
+        if rank not in by_rank:
+            by_rank[rank] = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes, box=_box(s.box)) for s in plan.slots_of(rank)]
+        return by_rank[rank]
+
+
+class _ShmPieces:
+    """Piece messages of the daemon's memory tier, by value: the same snapshot is served to a
+    rank's every load from memory, so each message is built once. Forgets all at `keep`."""
+
+    def __init__(self, keep: int = 200_000) -> None:
+        self._keep = keep
+        self._pieces: dict[PieceInfo, pb.Piece] = {}
+
+    def get(self, info: PieceInfo) -> pb.Piece:
+        piece = self._pieces.get(info)
+        if piece is None:
+            if len(self._pieces) >= self._keep:
+                self._pieces.clear()
+            piece = self._pieces[info] = _piece(info)
+        return piece
+
+
+class _LoadSpecs:
+    """Validated tensor specs of PlanLoad requests by (job, rank, fingerprint): a rank that
+    loads the same structure again sends only the fingerprint. Holds the last `keep`."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._keep = keep
+        self._specs: dict[tuple[str, int, str], list[TensorSpec]] = {}
+
+    def resolve(self, job: str, rank: int, fingerprint: str, metas: Any) -> list[TensorSpec]:
+        if len(fingerprint) > 256:
+            raise errors.InvalidRequest("fingerprint must be at most 256 characters")
+        key = (job, rank, fingerprint)
+        if not metas and fingerprint:
+            specs = self._specs.get(key)
+            if specs is None:
+                raise errors.Precondition("unknown fingerprint: send the tensor metadata with this request")
+            self._specs[key] = self._specs.pop(key)  # most recently used last
+            return specs
+        specs = tensor_specs(metas)
+        if fingerprint:
+            self._specs.pop(key, None)
+            self._specs[key] = specs
+            while len(self._specs) > self._keep:
+                del self._specs[next(iter(self._specs))]
+        return specs
+
+
 class CheckpointServicer(pb_grpc.CheckpointServicer):
     def __init__(self, service: CheckpointService) -> None:
         self.service = service
+        self._slot_messages = _SlotMessages()
+        self._load_specs = _LoadSpecs()
+        self._shm_pieces = _ShmPieces()
 
     @_mapped
     async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
@@ -134,20 +202,22 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             request.metric if request.has_metric else None, check_timeout(request.timeout_s), request.who.local_world_size,
             quantize, master_weights, request.lineage_generation, request.no_quantize,
         )
-        return self._begin_response(session, rank)
+        return self._begin_response(session, rank, request.known_layout)
 
-    @staticmethod
-    def _begin_response(session: SaveSession, rank: int) -> pb.BeginSaveResponse:
+    def _begin_response(self, session: SaveSession, rank: int, known_layout: str) -> pb.BeginSaveResponse:
         if session.state == "skipped" or session.arenas is None or session.plan is None:
             return pb.BeginSaveResponse(save_id=session.save_id, skipped=True, skip_reason=session.skip_reason or session.state)
         arena = session.arenas.arenas[rank]
-        slots = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes, box=_box(s.box)) for s in session.plan.slots_of(rank)]
-        return pb.BeginSaveResponse(
+        layout_id = session.plan.layout_id(rank)
+        reply = pb.BeginSaveResponse(
             save_id=session.save_id,
             arena_path=str(arena.path) if arena is not None else "",
             arena_size=arena.size if arena is not None else 0,
-            slots=slots,
+            layout_id=layout_id,
         )
+        if known_layout != layout_id:
+            reply.slots.extend(self._slot_messages.get(session.plan, rank))
+        return reply
 
     @_mapped
     async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
@@ -217,17 +287,22 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
     async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:
         job, rank, world_size = check_who(request.who)
         step = None if request.latest else check_step(request.step)
-        wanted = tensor_specs(request.tensors)
+        wanted = self._load_specs.resolve(job, rank, request.fingerprint, request.tensors)
         for key in request.kinds:
             if not key or "/" in key or len(key) > 256:
                 raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
         plan = await self.service.plan_load(
             job, rank, world_size, step, wanted, list(request.kinds), request.strict, request.direct_read, request.decodes, request.decodes_frames
         )
-        pieces = [_piece(p) for p in plan.pieces]
+        if len(request.known_plans) > 8:
+            raise errors.InvalidRequest(f"{len(request.known_plans)} known plans; send at most 8")
+        if plan.plan_id and plan.plan_id in request.known_plans:
+            pieces = []  # the rank has them from an earlier answer of this plan
+        else:
+            pieces = [self._shm_pieces.get(p) if p.source == "shm" else _piece(p) for p in plan.pieces]
         return pb.PlanLoadResponse(
             load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),
-            missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation,
+            missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation, plan_id=plan.plan_id,
         )
 
     @_mapped

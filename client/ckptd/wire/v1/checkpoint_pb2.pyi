@@ -43,7 +43,7 @@ class RankId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize")
+    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize", "known_layout")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class BeginSaveRequest(_message.Message):
     MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     NO_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     fingerprint: str
@@ -66,7 +67,8 @@ class BeginSaveRequest(_message.Message):
     master_weights: str
     lineage_generation: int
     no_quantize: bool
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ...) -> None: ...
+    known_layout: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("name", "offset", "nbytes", "box")
@@ -81,20 +83,22 @@ class Slot(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., box: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
-    __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots")
+    __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots", "layout_id")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     skipped: bool
     skip_reason: str
     arena_path: str
     arena_size: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
-    def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+    layout_id: str
+    def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., layout_id: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
     __slots__ = ("who", "save_id", "extras_json", "model_files", "stall_s", "staging_id", "staged")
@@ -210,7 +214,7 @@ class SaveProgress(_message.Message):
     def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class PlanLoadRequest(_message.Message):
-    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames")
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames", "fingerprint", "known_plans")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +224,8 @@ class PlanLoadRequest(_message.Message):
     DIRECT_READ_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
     DECODES_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PLANS_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     latest: bool
@@ -229,7 +235,9 @@ class PlanLoadRequest(_message.Message):
     direct_read: bool
     decodes: bool
     decodes_frames: bool
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ..., decodes_frames: _Optional[bool] = ...) -> None: ...
+    fingerprint: str
+    known_plans: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ..., decodes_frames: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., known_plans: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
@@ -274,7 +282,7 @@ class Decode(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., block: _Optional[int] = ..., scales: _Optional[_Union[Piece, _Mapping]] = ..., base: _Optional[_Union[Piece, _Mapping]] = ..., frame_rows: _Optional[int] = ..., frame_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanLoadResponse(_message.Message):
-    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation")
+    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation", "plan_id")
     LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +291,7 @@ class PlanLoadResponse(_message.Message):
     UNEXPECTED_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     load_id: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
@@ -291,7 +300,8 @@ class PlanLoadResponse(_message.Message):
     unexpected: _containers.RepeatedScalarFieldContainer[str]
     tier: str
     generation: int
-    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    plan_id: str
+    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class LoadDoneRequest(_message.Message):
     __slots__ = ("who", "load_id")

@@ -1,0 +1,162 @@
+"""Copies between a rank's CPU tensors and an arena mapping, planned once and run many times.
+
+A save copies the same tensors to the same arena offsets again and again (ckptd.client.structure
+keeps what does not change between saves). `CopyPlan` splits that work once into `workers`
+groups of about equal bytes, in arena order: small tensors stay whole and are copied by one
+`torch._foreach_copy_` call per group (one C++ loop, no Python per tensor); tensors of
+`SPLIT_BYTES` or more are cut into chunks that numpy copies with the GIL released, so a few
+large tensors still spread over every core. Running the plan costs a few Python calls per
+group, whatever the number of tensors: one group runs on the calling thread, the others on the
+client's copy pool.
+
+`copy_pairs` does the same for a one-off list of (destination, source) tensor pairs (loads
+from the daemon's memory), without keeping the plan.
+"""
+
+from __future__ import annotations
+
+import mmap
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+SPLIT_BYTES = 4 * 2**20  # tensors from this size up are copied in chunks, spread over the groups
+CHUNK_BYTES = 16 * 2**20  # largest chunk
+MIN_CHUNK_BYTES = 2**20  # smallest chunk (but the last one of a tensor)
+MIN_PARALLEL_BYTES = 512 * 2**10  # below this in all, one group: a thread hand-off costs more than it saves
+MADV_POPULATE_WRITE = 23  # madvise(2), Linux >= 5.14: map a range's pages for writing in one call
+
+
+@dataclass
+class _Group:
+    """One worker's share: small pairs copied by one foreach call, then chunks of large ones."""
+
+    small_index: list[int] = field(default_factory=list)  # indices into the sources
+    small_dst: list[torch.Tensor] = field(default_factory=list)  # views of the arena, shaped like the sources
+    chunks: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # (index, start, stop, arena bytes)
+    strided: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # large non-contiguous sources: one torch copy
+    span: tuple[int, int] = (0, 0)  # [first, last) arena byte this group writes (to populate a cold mapping)
+    nbytes: int = 0
+
+
+class CopyPlan:
+    """The copies of sources[i] into arena bytes [offsets[i], offsets[i] + nbytes[i]).
+
+    Built from the sources' shapes, dtypes and strides (`like`); `run` takes the tensors of
+    each save, which must have those same shapes, dtypes and strides (ckptd.client.structure
+    guarantees it: a plan is reused only for a state of the same structure). CPU tensors only.
+    """
+
+    def __init__(self, arena: mmap.mmap, like: Sequence[torch.Tensor], offsets: Sequence[int], workers: int) -> None:
+        self.arena = arena
+        self.count = len(like)
+        flat = torch.frombuffer(arena, dtype=torch.uint8) if len(arena) else torch.empty(0, dtype=torch.uint8)
+        raw = np.frombuffer(arena, dtype=np.uint8)
+        total = sum(t.numel() * t.element_size() for t in like)
+        groups = max(1, min(workers, total // MIN_PARALLEL_BYTES if total >= MIN_PARALLEL_BYTES else 1))
+        target = -(-total // groups) if total else 1
+        self.groups: list[_Group] = [_Group()]
+        for i, (t, offset) in enumerate(zip(like, offsets)):
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                continue
+            if nbytes < SPLIT_BYTES:
+                self._take(target, groups, nbytes, offset).small_index.append(i)
+                self.groups[-1].small_dst.append(flat[offset : offset + nbytes].view(t.dtype).view(t.shape))
+            elif not t.is_contiguous():
+                group = self._take(target, groups, nbytes, offset)
+                group.strided.append((i, flat[offset : offset + nbytes].view(t.dtype).view(t.shape)))
+            else:  # cut where the current group is full, so groups end up with about equal bytes
+                start = 0
+                while start < nbytes:
+                    room = target - self.groups[-1].nbytes
+                    if room < MIN_CHUNK_BYTES and len(self.groups) < groups:
+                        room = target
+                    stop = min(nbytes, start + max(MIN_CHUNK_BYTES, min(room, CHUNK_BYTES)))
+                    group = self._take(target, groups, stop - start, offset + start)
+                    group.chunks.append((i, start, stop, raw[offset + start : offset + stop]))
+                    start = stop
+        self.groups = [g for g in self.groups if g.nbytes]
+
+    def _take(self, target: int, groups: int, nbytes: int, offset: int) -> _Group:
+        """The group that gets the next `nbytes` at arena `offset` (a new one once this is full)."""
+        group = self.groups[-1]
+        if group.nbytes >= target and len(self.groups) < groups:
+            group = _Group()
+            self.groups.append(group)
+        if not group.nbytes:
+            group.span = (offset, offset + nbytes)
+        group.span = (min(group.span[0], offset), max(group.span[1], offset + nbytes))
+        group.nbytes += nbytes
+        return group
+
+    def run(self, pool: ThreadPoolExecutor, sources: Sequence[torch.Tensor], cold: bool = False) -> None:
+        """Copy `sources` (same structure as the plan's `like`) into the arena; returns when done.
+
+        cold: the mapping is new in this process: each group first maps its range's pages in one
+        madvise call (a page fault per 4 KiB otherwise costs more than the copy)."""
+        if len(sources) != self.count:
+            raise ValueError(f"copy plan for {self.count} tensors run with {len(sources)}")
+        futures: list[Future[None]] = [pool.submit(self._run_group, g, sources, cold) for g in self.groups[1:]]
+        try:
+            if self.groups:
+                self._run_group(self.groups[0], sources, cold)
+        finally:
+            for f in futures:  # every copy has ended before the arena may be handed back
+                f.result()
+
+    def _run_group(self, group: _Group, sources: Sequence[torch.Tensor], cold: bool) -> None:
+        if cold:
+            _populate(self.arena, *group.span)
+        if group.small_index:
+            torch._foreach_copy_(group.small_dst, [sources[i] for i in group.small_index])
+        for i, dst in group.strided:
+            dst.copy_(sources[i])
+        if group.chunks:
+            views: dict[int, np.ndarray] = {}
+            for i, start, stop, dst_bytes in group.chunks:
+                src = views.get(i)
+                if src is None:
+                    src = views[i] = sources[i].reshape(-1).view(torch.uint8).numpy()
+                np.copyto(dst_bytes, src[start:stop])
+
+
+def copy_pairs(pool: ThreadPoolExecutor, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], workers: int) -> None:
+    """Copy each (destination, source) pair of CPU tensors of equal shape and dtype, spread over
+    `workers` groups of about equal bytes (small pairs by one foreach call per group)."""
+    if not pairs:
+        return
+    total = sum(s.numel() * s.element_size() for _, s in pairs)
+    groups = max(1, min(workers, total // MIN_PARALLEL_BYTES if total >= MIN_PARALLEL_BYTES else 1))
+    target = -(-total // groups)
+    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    filled = 0
+    for dst, src in pairs:
+        if filled >= target and len(shares) < groups:
+            shares.append([])
+            filled = 0
+        shares[-1].append((dst, src))
+        filled += src.numel() * src.element_size()
+
+    def run(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        torch._foreach_copy_([d for d, _ in share], [s for _, s in share])
+
+    futures = [pool.submit(run, share) for share in shares[1:]]
+    try:
+        run(shares[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _populate(arena: mmap.mmap, start: int, stop: int) -> None:
+    begin = start - start % mmap.PAGESIZE
+    if stop <= begin:
+        return
+    try:
+        arena.madvise(MADV_POPULATE_WRITE, begin, stop - begin)
+    except OSError:
+        pass  # kernel < 5.14: the copy faults the pages in instead, page by page

@@ -1,0 +1,149 @@
+"""What a rank's save or load derives from its state's structure, kept from one call to the next.
+
+Between two saves of a training run the state's *structure* does not change: the same tensors
+under the same names, of the same dtypes, shapes and strides, in the same layout. Everything
+derived from it — the validated names, the fragments (boxes in the logical tensors), the
+fingerprint the daemon caches its plan under, the tensor metadata, the placements in the arena
+and the copy plans (ckptd.client.arena_copy) — is the same too. `StructureCache` keeps it, so a
+save of an unchanged state costs a walk of the state, one comparison per tensor and the copies,
+not the checks and layout work again (DESIGN.md section 6: a host-cost budget per tensor).
+
+Two checks decide what can be reused, both cheap and exact:
+
+- the *signature*: per entry its name, kind, aliases, dtype, shape, strides and device (for a
+  DTensor also its placements, its mesh and its local shape and strides), plus the layout rules
+  and this rank's coordinates. Any difference — a new parameter, a resized tensor, optimizer
+  state that appears after the first step, a dtype change, other placements or rules — means a
+  new structure: everything is validated and derived again.
+- the *pointers*: per entry the address of its (local) data. Equal signature and pointer mean
+  the same memory, so the fragments' views taken earlier still show it (they hold its storage,
+  so the address cannot have been reused by another tensor). An entry whose memory moved (a
+  parameter replaced, a tensor made anew on each call such as torch's RNG state) gets its
+  fragments taken again; its structure, and so the fingerprint and metadata, stay valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
+from ckptd.client.state import FlatState, TensorEntry, validate_entries
+
+Signature = tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Structure:
+    """A flattened state's derived structure (see the module docstring).
+
+    fragments: (entry, fragment) for every fragment of every entry, in entry order.
+    fingerprint: hex digest of the names, kinds, dtypes, shapes, aliases and boxes: the key the
+    daemon caches its save plan under. `cache` holds what callers derive from this structure
+    and its bindings (metadata messages, placements, copy plans): it is dropped with it.
+    """
+
+    signature: Signature
+    pointers: tuple[int, ...]
+    fragments: tuple[tuple[TensorEntry, Fragment], ...]
+    fingerprint: str
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+class StructureCache:
+    """The structure of the last state seen, reused while the next one has the same signature.
+
+    `for_state` returns the same Structure object for a state of the same signature and
+    pointers, so a caller may key its own caches on its identity.
+    """
+
+    def __init__(self) -> None:
+        self._last: Structure | None = None
+        self.builds = 0  # how many times a structure was derived from scratch (tests, metrics)
+        self.rebinds = 0  # how many times some entries' memory moved and was taken again
+
+    def for_state(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None) -> Structure:
+        """The Structure of `flat` (flattened with validate=False): the cached one when nothing
+        changed; one with some fragments taken anew when only memory moved; else built (and
+        validated: raises ValueError/TypeError/LayoutError naming the tensor) from scratch."""
+        signature = _signature(flat, rules, coords)
+        last = self._last
+        if signature is None or last is None or signature != last.signature:
+            self._last = self._build(flat, rules, coords, signature)
+            return self._last
+        pointers = _pointers(flat)
+        if pointers == last.pointers:
+            return last
+        self._last = _rebind(last, flat, rules, coords, pointers)
+        self.rebinds += 1
+        return self._last
+
+    def _build(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, signature: Signature | None) -> Structure:
+        validate_entries(flat)
+        fragments = fragments_of_state(flat, rules, coords)
+        self.builds += 1
+        if signature is None:  # cannot happen for a state that validates; never reused
+            signature = (object(),)
+        return Structure(signature, _pointers(flat), fragments, fingerprint_of(flat, fragments))
+
+    def clear(self) -> None:
+        self._last = None
+
+
+def fragments_of_state(
+    flat: FlatState, rules: LayoutRules | None = None, coords: RankCoords | None = None
+) -> tuple[tuple[TensorEntry, Fragment], ...]:
+    """Where each of this rank's tensors sits in its logical tensor: DTensor placements, the
+    layout rules (manual tensor parallelism), else a whole replica."""
+    return tuple((layout.entry, f) for layout in layout_state(flat, rules, coords) for f in layout.fragments)
+
+
+def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragment]]) -> str:
+    """Names, dtypes, shapes, aliases, global shapes and boxes: what the daemon's cached save
+    plan depends on (the global shape too: rank 0's half of a tensor split over two ranks has
+    the box and local shape of a whole tensor of half the size)."""
+    h = hashlib.sha256(flat.fingerprint().encode())
+    for _, f in fragments:
+        h.update(f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n".encode())
+    return h.hexdigest()
+
+
+def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None) -> Signature | None:
+    """Everything the structure depends on, per entry; None when a tensor has no strides (a
+    sparse tensor: validation names it)."""
+    try:
+        return (id(rules), coords, *[_entry_signature(e) for e in flat.tensors])
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
+    t = e.tensor
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        return (e.name, e.kind, e.aliases, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
+                local.shape, local.stride(), local.device)
+    return (e.name, e.kind, e.aliases, t.dtype, t.shape, t.stride(), t.device)
+
+
+def _pointers(flat: FlatState) -> tuple[int, ...]:
+    return tuple((e.tensor._local_tensor if isinstance(e.tensor, DTensor) else e.tensor).data_ptr() for e in flat.tensors)
+
+
+def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: tuple[int, ...]) -> Structure:
+    """`last` with the fragments of the entries whose memory moved taken from `flat` again."""
+    moved = {i for i, (a, b) in enumerate(zip(last.pointers, pointers)) if a != b}
+    by_entry: list[list[tuple[TensorEntry, Fragment]]] = [[] for _ in flat.tensors]
+    index_of = {e.name: i for i, e in enumerate(flat.tensors)} if moved else {}
+    for entry, fragment in last.fragments:
+        by_entry[index_of[entry.name]].append((entry, fragment))
+    for i in moved:
+        entry = flat.tensors[i]
+        layout = layout_state(FlatState((entry,), {}), rules, coords)[0]
+        by_entry[i] = [(entry, f) for f in layout.fragments]
+    fragments = tuple(pair for pairs in by_entry for pair in pairs)
+    return Structure(last.signature, pointers, fragments, last.fingerprint)
