@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -10,6 +11,11 @@ from typing import Callable, Iterator
 import pytest
 
 from ckptd.daemon.process import DaemonProcess, start_daemon
+
+# Test modules are imported by path (--import-mode=importlib); shared test code at the top of
+# tests/ (fakecuda.py, the strict CUDA stand-in) is imported by name from here on.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
-import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -28,18 +25,7 @@ MB = 1 << 20
 PAGE = 4096
 
 
-def _fakecuda() -> ModuleType:
-    """tests/fakecuda.py, imported by path once per process."""
-    if "fakecuda" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fakecuda", Path(__file__).resolve().parents[1] / "fakecuda.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fakecuda"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fakecuda"]
-
-
-fakecuda = _fakecuda()
+import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 
 
 @pytest.fixture

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import importlib.util
 import mmap
 import os
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import pytest
@@ -156,18 +153,7 @@ def test_buffers_of_dead_trainers_are_closed() -> None:
     staging.shutdown()
 
 
-def _fakecuda() -> ModuleType:
-    """tests/fakecuda.py, imported by path once per process."""
-    if "fakecuda" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fakecuda", Path(__file__).resolve().parents[1] / "fakecuda.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fakecuda"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fakecuda"]
-
-
-fakecuda = _fakecuda()
+import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 GIB = 1 << 30
 MB = 1 << 20
 

@@ -18,14 +18,12 @@ hand-off's bookkeeping with a real daemon.) Also runnable as a script for crash 
 
 from __future__ import annotations
 
-import importlib.util
 import mmap
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Sequence
 
 import torch
@@ -34,18 +32,9 @@ from ckptd.client.devcopy import CopyPlan, item_of, plan_copies, run_copies
 from ckptd.client.ipc import IpcUnavailable
 
 
-def _fakecuda() -> ModuleType:
-    """tests/fakecuda.py, imported by path once per process."""
-    if "fakecuda" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fakecuda", Path(__file__).resolve().parents[1] / "fakecuda.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fakecuda"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fakecuda"]
-
-
-fakecuda = _fakecuda()
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (crash tests): tests/ for fakecuda
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fakecuda  # noqa: E402  (tests/fakecuda.py)
 
 
 class FakeCopy:

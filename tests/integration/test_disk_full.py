@@ -10,15 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from metrics_scrape import scrape  # tests/metrics_scrape.py
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.daemon.format import INDEX_NAME
@@ -32,17 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of the daemon's /metrics as {'name{label="v",...}': value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def status(address: str) -> dict:

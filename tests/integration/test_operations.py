@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from metrics_scrape import scrape  # tests/metrics_scrape.py
 from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -34,17 +33,6 @@ def free_port() -> int:
 
 def ckptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120, env=env)
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of the daemon's /metrics as {'name{label="v",...}': value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def committed(root: Path, job: str) -> list[int]:
