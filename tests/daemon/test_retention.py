@@ -45,9 +45,86 @@ def test_nothing_to_delete_in_tiny_jobs(steps: list[int]) -> None:
     assert RetentionPolicy(keep_last=1).to_delete(steps) == []
 
 
-def test_order_and_duplicates_of_the_input_do_not_matter() -> None:
-    shuffled = STEPS[15:] + STEPS[:15] + STEPS[:5]
-    assert RetentionPolicy(keep_last=4).to_delete(shuffled) == STEPS[:-4]
+# ------------------------------------------------------------------ commit order (rollback)
+
+# The input is the commit order, oldest first; "newest" is the last committed, not the highest
+# step (DESIGN.md §9). 10, 20, 30, then a rollback to 10 and a save of 15: 15 is the newest.
+ROLLBACK = [10, 20, 30, 15]
+
+
+@pytest.mark.parametrize(
+    ("order", "keep_last", "keep_every", "protected", "deleted"),
+    [
+        (ROLLBACK, 2, 10, (), []),  # issue 20: 15 (the newest) and 30 by keep_last; 10, 20, 30 by keep_every
+        (ROLLBACK, 1, 10, (), []),  # 15 is the newest: kept whatever keep_last says
+        (ROLLBACK, 1, 0, (), [10, 20, 30]),
+        (ROLLBACK, 2, 0, (), [10, 20]),  # the last two committed are 30 and 15, not 20 and 30
+        (ROLLBACK, 3, 0, (), [10]),
+        (ROLLBACK, 1, 0, (20,), [10, 30]),  # protected (being loaded) survive
+        (ROLLBACK, 0, 0, (), []),  # keep_last=0 keeps all
+        (ROLLBACK + [16, 17], 2, 10, (), [15]),  # the new timeline moves on: 15 ages out, 30 stays by keep_every
+        (ROLLBACK + [16, 17], 2, 20, (), [10, 15, 30]),
+        (ROLLBACK + [16, 17], 4, 0, (), [10, 20]),
+        ([100, 200, 300, 1, 2], 2, 0, (), [100, 200, 300]),  # a job id reused: the old run's higher steps are older
+        ([100, 200, 300, 1], 2, 0, (), [100, 200]),
+        ([100, 200, 300, 1], 2, 100, (), []),
+        ([30, 20, 10], 1, 0, (), [20, 30]),  # counting down: 10 is the newest
+        ([0, 55, 5], 1, 10, (), [55]),  # step 0 is divisible by any keep_every
+        (STEPS, 3, 100, (), sorted(ALL - {100, 200, 280, 290, 300})),  # ascending commits: as by step number
+    ],
+)
+def test_kept_steps_follow_the_commit_order(
+    order: list[int], keep_last: int, keep_every: int, protected: tuple[int, ...], deleted: list[int]
+) -> None:
+    assert RetentionPolicy(keep_last=keep_last, keep_every=keep_every).to_delete(order, protected) == deleted
+
+
+def test_the_same_steps_in_another_commit_order_keep_other_steps() -> None:
+    policy = RetentionPolicy(keep_last=2)
+    assert policy.to_delete([10, 15, 20, 30]) == [10, 15]
+    assert policy.to_delete([10, 20, 30, 15]) == [10, 20]
+    assert policy.to_delete([15, 30, 20, 10]) == [15, 30]
+
+
+def test_a_step_just_committed_after_a_rollback_is_never_deleted_by_its_commit() -> None:
+    """Commit one step at a time and delete what the policy says, as the daemon does after each
+    commit: whatever the timeline, the step just committed survives, and the rolled-back timeline
+    keeps its last `keep_last` steps."""
+    policy = RetentionPolicy(keep_last=2, keep_every=10)
+    present: list[int] = []  # commit order
+    for step in [10, 20, 30, 15, 16, 17, 18, 25, 12, 13]:
+        present.append(step)
+        gone = policy.to_delete(present)
+        assert step not in gone, f"step {step} deleted by its own commit"
+        present = [s for s in present if s not in gone]
+    assert present == [10, 20, 30, 12, 13]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_invariants_in_any_commit_order(seed: int) -> None:
+    import random
+
+    order = random.Random(seed).sample(STEPS, len(STEPS))
+    for keep_last, keep_every in itertools.product([1, 2, 5], [0, 40]):
+        deleted = RetentionPolicy(keep_last, keep_every).to_delete(order, (order[0],))
+        assert deleted == sorted(deleted)
+        assert order[-1] not in deleted  # never the newest (the last committed)
+        assert order[0] not in deleted  # never a protected step
+        assert not set(order[-keep_last:]) & set(deleted)  # the keep_last most recently committed
+        assert set(deleted) == set(order[:-keep_last]) - {order[0]} - {s for s in order if keep_every and s % keep_every == 0}
+
+
+def test_a_step_listed_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"\[30\] are listed more than once"):
+        RetentionPolicy(keep_last=4).to_delete([10, 20, 30, 15, 30])
+
+
+def test_keep_best_ties_and_reasons_follow_the_commit_order() -> None:
+    policy = RetentionPolicy(keep_last=1, keep_best=1)
+    assert policy.best([10, 20, 30, 15], {30: 0.5, 15: 0.5}) == [15]  # tie: the more recently committed
+    assert policy.best([10, 20, 15, 30], {30: 0.5, 15: 0.5}) == [30]
+    assert policy.reasons(15, ROLLBACK) == ["newest", "last 1"]
+    assert policy.reasons(30, ROLLBACK) == []
 
 
 @pytest.mark.parametrize(

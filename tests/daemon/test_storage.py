@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from ckptd.daemon.format import FormatError
-from ckptd.daemon.storage import Storage, start_writeback
+from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, FormatError
+from ckptd.daemon import storage as storage_module
+from ckptd.daemon.storage import Storage, start_writeback, write_small_file
 
 
 def test_start_writeback_is_taken_and_leaves_the_bytes_as_written(tmp_path: Path) -> None:
@@ -72,3 +75,229 @@ def test_copy_range_of_a_short_file_says_where_it_ends(tmp_path: Path) -> None:
             storage.copy_range("job", 1, "data.safetensors", fd, 80, 50)
     finally:
         os.close(fd)
+
+
+# Issue 20, findings 2 and 3: nothing under the root is followed as a link or trusted by its name
+# alone, and modes are 0640 / 0750 whatever the umask.
+
+
+@pytest.fixture
+def umask_007() -> Iterator[None]:
+    """The umask of the shipped systemd unit (UMask=0007) while the test runs."""
+    old = os.umask(0o007)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _committed_step(storage: Storage, job: str, step: int, data: bytes) -> Path:
+    """A committed step of `job` with one data file (another job's shard, for the link to aim at)."""
+    step_dir = storage.prepare_step_dir(job, step)
+    (step_dir / "model-00001-of-00001.safetensors").write_bytes(data)
+    write_small_file(step_dir / INDEX_NAME, b"{}")
+    return step_dir / "model-00001-of-00001.safetensors"
+
+
+def _recycled_bin(storage: Storage, job: str, sizes: list[int]) -> Path:
+    """The job's recycle bin holding files of `sizes`, made the daemon's way (a step removed)."""
+    step_dir = storage.prepare_step_dir(job, 99)
+    for i, size in enumerate(sizes):
+        (step_dir / f"model-{i:05d}.safetensors").write_bytes(b"r" * size)
+    storage.remove_step(job, 99, recycle=True)
+    return storage.recycle_dir(job)
+
+
+def test_take_recycled_accepts_only_the_daemons_own_regular_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 5000)
+    before = victim.read_bytes()
+    bin_dir = _recycled_bin(storage, "b", [3000])
+    own = bin_dir / "00000"
+    (bin_dir / "link").symlink_to(victim)
+    os.link(victim, bin_dir / "hard")  # nlink 2: another job's committed shard
+    os.mkfifo(bin_dir / "fifo")
+    (bin_dir / "dir").mkdir()
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
+        assert storage.take_recycled("b") == [(own, 3000)]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for name, what in (("link", "a symbolic link"), ("hard", "2 hard links"), ("fifo", "a FIFO"), ("dir", "a directory")):
+        assert f"{bin_dir / name} in the recycle bin alone: it is " in warned and what in warned, (name, warned)
+    assert sorted(p.name for p in bin_dir.iterdir()) == ["00000", "dir", "fifo", "hard", "link"]  # all left in place
+    assert victim.read_bytes() == before and os.readlink(bin_dir / "link") == str(victim)
+
+
+def test_a_recycle_bin_that_is_a_link_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 5000)
+    before = victim.read_bytes()
+    storage.prepare_step_dir("b", 1)
+    storage.recycle_dir("b").symlink_to(victim.parent)  # another job's committed step as the bin
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
+        assert storage.take_recycled("b") == []
+        step_dir = storage.prepare_step_dir("b", 2)
+        (step_dir / "model-00001-of-00001.safetensors").write_bytes(b"B" * 100)
+        storage.remove_step("b", 2, recycle=True)  # the bin is not emptied, nothing moves into it
+    assert "not directory the daemon made" not in caplog.text and f"{storage.recycle_dir('b')} is a symbolic link" in caplog.text
+    assert storage.recycle_dir("b").is_symlink()
+    assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name] and victim.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_open_recycled_never_opens_truncates_or_moves_a_foreign_entry(tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 5000)
+    before = victim.read_bytes()
+    bin_dir = _recycled_bin(storage, "b", [])
+    entry = bin_dir / "00000"
+    if kind == "symlink":
+        entry.symlink_to(victim)
+    elif kind == "hardlink":
+        os.link(victim, entry)
+    else:
+        os.mkfifo(entry)
+    dest = storage.prepare_step_dir("b", 2) / ".tmp-model.safetensors.1"
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
+        assert storage_module.open_recycled(entry, dest) is None  # e.g. swapped in after take_recycled looked
+    assert f"leaving {entry} in the recycle bin alone" in caplog.text
+    assert os.path.lexists(entry) and not os.path.lexists(dest)
+    assert victim.read_bytes() == before
+
+
+def test_open_recycled_takes_the_daemons_own_file_as_a_0640_file(tmp_path: Path, umask_007: None) -> None:
+    storage = Storage(tmp_path / "root")
+    bin_dir = _recycled_bin(storage, "b", [4096])
+    os.chmod(bin_dir / "00000", 0o660)  # as an older version under UMask=0007 left it
+    dest = storage.prepare_step_dir("b", 2) / ".tmp-model.safetensors.1"
+    fd = storage_module.open_recycled(bin_dir / "00000", dest)
+    assert fd is not None
+    try:
+        os.pwrite(fd, b"new", 0)
+    finally:
+        os.close(fd)
+    assert not (bin_dir / "00000").exists() and dest.read_bytes()[:4] == b"newr" and _mode(dest) == 0o640
+
+
+def test_create_file_does_not_follow_a_link_and_replaces_only_its_own_leftover(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    with pytest.raises(OSError, match="is a symbolic link, which the daemon did not make"):
+        storage_module.create_file(link)
+    os.link(victim, tmp_path / "hard")
+    with pytest.raises(OSError, match="is a file with 2 hard links"):
+        storage_module.create_file(tmp_path / "hard")
+    assert victim.read_bytes() == b"keep" and link.is_symlink()
+    leftover = tmp_path / "leftover"
+    leftover.write_bytes(b"old attempt")
+    os.close(storage_module.create_file(leftover))
+    assert leftover.read_bytes() == b""
+
+
+def test_write_small_file_replaces_a_link_without_writing_through_it(tmp_path: Path, umask_007: None) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 100)
+    before = victim.read_bytes()
+    storage.prepare_step_dir("b", 1)
+    latest = storage.job_dir("b") / "latest"
+    latest.symlink_to(victim)
+    storage.write_latest("b", 1)
+    assert victim.read_bytes() == before
+    assert not latest.is_symlink() and latest.read_text() == "step-00000001\n" and _mode(latest) == 0o640
+    linked_dir = storage.job_dir("c")
+    linked_dir.symlink_to(victim.parent)  # a job directory that is a link: not written into
+    with pytest.raises(OSError, match="is a symbolic link, not a directory the daemon made"):
+        storage.write_latest("c", 1)
+    assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name]
+
+
+def test_modes_are_0640_and_0750_whatever_the_umask(tmp_path: Path, umask_007: None) -> None:
+    storage = Storage(tmp_path / "root")
+    step_dir = _committed_step(storage, "job", 1, b"x").parent
+    storage.write_latest("job", 1)
+    storage.mark_prepared("job", 1, "save", 0)
+    _recycled_bin(storage, "job", [10])
+    assert _mode(storage.job_dir("job")) == 0o750 and _mode(step_dir) == 0o750 and _mode(storage.recycle_dir("job")) == 0o750
+    for name in (INDEX_NAME, PREPARED_NAME):
+        assert _mode(step_dir / name) == 0o640, name
+    assert _mode(storage.job_dir("job") / "latest") == 0o640
+    for path in (storage.job_dir("job"), storage.recycle_dir("job")):
+        os.chmod(path, 0o770)  # as an older version made them under UMask=0007
+    _recycled_bin(storage, "job", [10])
+    assert _mode(storage.job_dir("job")) == 0o750 and _mode(storage.recycle_dir("job")) == 0o750
+
+
+def test_a_step_directory_that_is_a_link_is_neither_followed_nor_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 100)
+    uncommitted = storage.prepare_step_dir("a", 2)
+    (uncommitted / ".tmp-x.1").write_bytes(b"a's temporary file")
+    storage.mark_prepared("a", 2, "save", 1)  # a node's prepared part: kept by a's clean-up
+    storage.prepare_step_dir("b", 1)
+    storage.prepare_step_dir("b", 7)
+    for step, target in ((5, victim.parent), (6, uncommitted)):
+        storage.step_dir("b", step).symlink_to(target)
+    (storage.job_dir("b") / ".tmp-planted.1").symlink_to(victim)
+    (storage.job_dir("b") / ".deleting-step-00000007").symlink_to(victim.parent)
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
+        storage.remove_step("b", 5, recycle=True)
+        storage.remove_step("b", 7)  # its `.deleting-` name is taken by a link to a's step
+        with pytest.raises(OSError, match="is a symbolic link, not a step directory the daemon made"):
+            storage.prepare_step_dir("b", 6)
+        storage.unmark_prepared("b", 6)
+        storage.discard_part("b", 6, [".tmp-x.1"], shared=True)
+        storage.leftovers("b", set())
+        storage.clean_uncommitted()
+    assert "leaving " in caplog.text and "symbolic link" in caplog.text
+    for step in (5, 6):
+        assert storage.step_dir("b", step).is_symlink(), step
+    assert (storage.job_dir("b") / ".tmp-planted.1").is_symlink() and (storage.job_dir("b") / ".deleting-step-00000007").is_symlink()
+    assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name] and victim.read_bytes() == b"A" * 100
+    assert not os.path.lexists(storage.step_dir("b", 7))  # removed under another name
+    assert sorted(p.name for p in uncommitted.iterdir()) == [".tmp-x.1", PREPARED_NAME]  # nothing removed through the link
+
+
+def test_a_job_directory_that_is_a_link_is_not_a_job(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "root")
+    _committed_step(storage, "a", 1, b"A")
+    storage.job_dir("b").symlink_to(storage.job_dir("a"))
+    assert storage.jobs() == ["a"]
+    with pytest.raises(OSError, match="is a symbolic link, not a directory the daemon made"):
+        storage.prepare_step_dir("b", 2)
+    assert sorted(p.name for p in storage.job_dir("a").iterdir()) == ["step-00000001"]
+
+
+def test_recycling_leaves_foreign_entries_in_the_bin_and_takes_other_names(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 100)
+    bin_dir = _recycled_bin(storage, "b", [7])
+    (bin_dir / "00000").unlink()
+    (bin_dir / "00000").symlink_to(victim)
+    os.mkfifo(bin_dir / "00001")
+    _recycled_bin(storage, "b", [5, 6])  # the next step removed: its two files go in beside them
+    assert os.readlink(bin_dir / "00000") == str(victim) and stat.S_ISFIFO(os.lstat(bin_dir / "00001").st_mode)
+    assert sorted((p.name, p.stat().st_size) for p in bin_dir.iterdir() if p.name not in ("00000", "00001")) == [("00002", 5), ("00003", 6)]
+    assert victim.read_bytes() == b"A" * 100
+
+
+def test_copy_range_and_read_index_do_not_follow_links(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "root")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 100)
+    step_dir = storage.prepare_step_dir("job", 1)
+    (step_dir / "data.safetensors").symlink_to(secret)
+    (step_dir / INDEX_NAME).symlink_to(secret)
+    fd = os.open(tmp_path / "staging", os.O_WRONLY | os.O_CREAT, 0o640)
+    try:
+        with pytest.raises(OSError, match="is a symbolic link"):
+            storage.copy_range("job", 1, "data.safetensors", fd, 0, 10)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="is a symbolic link"):
+        storage.read_index("job", 1)
+    assert (tmp_path / "staging").read_bytes() == b""

@@ -208,6 +208,7 @@ class Coordinator:
         save = self._saves.get((job, step))
         if save is None or save.decided.is_set():
             save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric)
+            self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
             self._spawn(self._join_deadline(save))
@@ -360,7 +361,8 @@ class Coordinator:
         return save is not None and not save.decided.is_set()
 
     def _forget_old(self, job: str) -> None:
-        done = sorted(step for (j, step), s in self._saves.items() if j == job and s.decided.is_set())
+        # the earliest begun, not the lowest steps: a rolled-back job's newest save has a low step
+        done = [step for (j, step), s in list(self._saves.items()) if j == job and s.decided.is_set()]
         for step in done[:-RECENT_SAVES]:
             self._saves.pop((job, step), None)
 

@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import xxhash
+
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
@@ -415,7 +417,24 @@ def extra_json(step: int, ranks: dict[int, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
 
 
-def parse_extra_json(data: bytes) -> dict[int, Any]:
+def small_file_checksum(data: bytes) -> str:
+    """The checksum an index records for a whole small file (extra.json, config.json, ...)."""
+    return f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
+
+
+def check_small_file(record: FileRecord, data: bytes) -> None:
+    """Raise FormatError unless `data` is the small file the index recorded: its size and checksum."""
+    if len(data) != record.size:
+        raise FormatError(f"{record.name} has {len(data)} bytes, the index says {record.size} (changed or damaged after the save)")
+    digest = small_file_checksum(data)
+    if digest != record.checksum:
+        raise FormatError(f"{record.name} does not match its checksum ({digest}, the index says {record.checksum}): changed or damaged after the save")
+
+
+def parse_extra_json(data: bytes, record: FileRecord) -> dict[int, Any]:
+    """Every rank's extras from extra.json, once its bytes match `record` (its entry in the
+    step's index); raises FormatError naming the file otherwise, or when it is malformed."""
+    check_small_file(record, data)
     try:
         doc = json.loads(data)
         return {int(r): tree for r, tree in doc["ranks"].items()}

@@ -233,7 +233,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for job in jobs:
         try:
-            steps = storage.committed_steps(job)
+            steps = storage.commit_order(job)  # the newest is the most recently committed, not the highest step
         except ValueError as exc:
             _fail(f"ckptd ls: {exc}", 2)
         latest = steps[-1] if steps else None

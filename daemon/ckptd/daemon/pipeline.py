@@ -59,7 +59,7 @@ from ckptd.daemon.format import (
 )
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, StoredPart
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.storage import Storage, fsync_dir, reused_bytes, space_problem, start_writeback, tmp_name, write_small_file
+from ckptd.daemon.storage import Storage, create_file, fsync_dir, open_recycled, reused_bytes, space_problem, start_writeback, tmp_name, write_small_file
 
 log = logging.getLogger(__name__)
 
@@ -777,8 +777,7 @@ def write_step_files(storage: Storage, job: str, step: int, files: dict[str, byt
     """Write a step's small files (each fsynced), fsync the directory, then the index: the commit.
 
     `files` comes from step_files(); its ckptd.index.json is written last, atomically."""
-    step_dir = storage.step_dir(job, step)
-    step_dir.mkdir(parents=True, exist_ok=True)
+    step_dir = storage.ensure_step_dir(job, step)
     for name, data in files.items():
         if name != INDEX_NAME:
             _write_synced(step_dir / name, data)
@@ -787,24 +786,22 @@ def write_step_files(storage: Storage, job: str, step: int, files: dict[str, byt
 
 
 def _open_for_writing(path: Path, recycled: Path | None, size: int) -> int:
-    """A new file at `path` of `size` bytes, made from a recycled file when there is one: its
-    blocks are overwritten in place (no new allocation), and any excess is cut off."""
-    if recycled is not None:
-        try:
-            os.replace(recycled, path)
-        except FileNotFoundError:  # another node sharing the root took it first
-            recycled = None
-    if recycled is None:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    fd = os.open(path, os.O_WRONLY)
+    """A new file at `path` of `size` bytes (mode 0640, never through a link), made from a
+    recycled file when there is one that is still the daemon's own (storage.open_recycled: gone,
+    taken by another node sharing the root, or foreign, it is not used): its blocks are
+    overwritten in place (no new allocation), and any excess is cut off."""
+    fd = open_recycled(recycled, path) if recycled is not None else None
+    if fd is None:
+        return create_file(path)
     if os.fstat(fd).st_size > size:
         os.ftruncate(fd, size)
     return fd
 
 
 def _write_synced(path: Path, data: bytes) -> None:
-    """Write a small file of the (not yet committed) step directory and fsync it."""
-    with open(path, "wb") as f:
+    """Write a small file of the (not yet committed) step directory and fsync it (mode 0640,
+    never through a link: storage.create_file)."""
+    with os.fdopen(create_file(path), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

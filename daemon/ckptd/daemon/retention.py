@@ -3,12 +3,16 @@
 A step is kept when any rule keeps it; every other committed step is deleted. The rules:
 
 - the newest committed step, always (`latest` points at it);
-- protected steps (being read by a load), always;
+- protected steps (being read by a load, or just committed), always;
 - the `keep_last` newest committed steps (0 = keep all, no step is deleted);
 - steps divisible by `keep_every` (0 = off), forever;
 - the `keep_best` steps with the best metric (the `metric` given to save), lower is better
   with `best_mode="min"` (a loss), higher with "max" (an accuracy); 0 = off. Steps saved
   without a metric never count as best; ties go to the newer step.
+
+"Newest" is commit order, not step number (DESIGN.md §9): a job that rolled back (loaded step
+10 after saving 30) and saved step 15 has 15 as its newest step, so `keep_last` counts the
+most recently committed steps. The caller passes the steps in the order they were committed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ BEST_MODES = ("min", "max")
 class RetentionPolicy:
     """What to keep of a job's committed steps.
 
-    keep_last: the number of newest committed steps to keep; 0 keeps all.
+    keep_last: the number of most recently committed steps to keep; 0 keeps all.
     keep_every: also keep, forever, every step divisible by this; 0 turns the rule off.
     keep_best: also keep the steps with the `keep_best` best metrics; 0 turns the rule off.
     best_mode: "min" (lower metric is better) or "max" (higher is better).
@@ -53,18 +57,16 @@ class RetentionPolicy:
     ) -> list[int]:
         """The committed steps to delete, ascending.
 
-        committed_steps: the job's committed steps, in any order (duplicates are ignored).
-        protected: steps that must survive whatever the rules say (e.g. being loaded);
-            steps here that are not committed are ignored.
+        committed_steps: the job's committed steps in commit order, oldest first: the last one
+            is the newest, whatever its number (a rolled-back job commits lower numbers later).
+            A step listed twice is refused.
+        protected: steps that must survive whatever the rules say (being loaded, just
+            committed); steps here that are not committed are ignored.
         metrics: step -> the metric it was saved with; steps without one (or with a NaN) are
             never among the best. Entries for steps that are not committed are ignored.
         Never returns the newest committed step nor a protected one.
         """
-        unique = set(committed_steps)
-        for step in unique:
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"committed step {step!r}: expected an integer >= 0")
-        steps = sorted(unique)
+        steps = _commit_order(committed_steps)
         if not steps or self.keeps_all:
             return []
         keep = set(protected)
@@ -72,20 +74,23 @@ class RetentionPolicy:
         if self.keep_every:
             keep.update(s for s in steps if s % self.keep_every == 0)
         keep.update(self.best(steps, metrics or {}))
-        return [s for s in steps if s not in keep]
+        return sorted(s for s in steps if s not in keep)
 
     def best(self, committed_steps: Iterable[int], metrics: Mapping[int, float]) -> list[int]:
-        """The steps the keep-best rule keeps, best first (empty when the rule is off)."""
+        """The steps the keep-best rule keeps, best first (empty when the rule is off).
+        committed_steps in commit order, oldest first, as for to_delete."""
         if not self.keep_best:
             return []
-        scored = [(float(metrics[s]), s) for s in set(committed_steps) if s in metrics and not math.isnan(float(metrics[s]))]
+        order = {s: i for i, s in enumerate(committed_steps)}  # a step listed twice: its last place
+        scored = [(float(metrics[s]), s) for s in order if s in metrics and not math.isnan(float(metrics[s]))]
         sign = 1.0 if self.best_mode == "min" else -1.0
-        scored.sort(key=lambda ms: (sign * ms[0], -ms[1]))  # best metric first; ties: the newer step
+        scored.sort(key=lambda ms: (sign * ms[0], -order[ms[1]]))  # best metric first; ties: the newer step
         return [s for _, s in scored[: self.keep_best]]
 
     def reasons(self, step: int, committed_steps: Iterable[int], protected: Iterable[int] = (), metrics: Mapping[int, float] | None = None) -> list[str]:
-        """Why `step` is kept (empty: it would be deleted), for `ckptd ls` and `ckptd gc`."""
-        steps = sorted(set(committed_steps))
+        """Why `step` is kept (empty: it would be deleted), for `ckptd ls` and `ckptd gc`.
+        committed_steps in commit order, oldest first, as for to_delete."""
+        steps = _commit_order(committed_steps)
         if step not in steps:
             return []
         why = []
@@ -102,3 +107,16 @@ class RetentionPolicy:
         if step in self.best(steps, metrics or {}):
             why.append(f"best {self.keep_best} ({self.best_mode})")
         return why
+
+
+def _commit_order(committed_steps: Iterable[int]) -> list[int]:
+    """The steps as a list in the order given (commit order), each checked: an integer >= 0,
+    listed once."""
+    steps = list(committed_steps)
+    for step in steps:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"committed step {step!r}: expected an integer >= 0")
+    if len(set(steps)) != len(steps):
+        twice = sorted({s for s in steps if steps.count(s) > 1})
+        raise ValueError(f"committed steps {twice} are listed more than once: expected each committed step once, in commit order")
+    return steps

@@ -383,7 +383,7 @@ class CheckpointService:
             if session is not None:
                 raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
             session = SaveSession(
-                job, step, world_size, uuid.uuid4().hex, metric, timeout_s or self.config.save_timeout_s, local_ranks
+                job, step, world_size, uuid.uuid4().hex, metric, min(timeout_s, self.config.save_timeout_s) if timeout_s else self.config.save_timeout_s, local_ranks
             )
             state.sessions[step] = session
             self._spawn(self._watchdog(state, session))
@@ -608,7 +608,7 @@ class CheckpointService:
         written = time.monotonic()
         self._wrote(session.job, index.files, written - started)
         self._committed_here(state, session, index)
-        await self._apply_retention(session.job)  # before finishing: a durable step has its retention applied
+        await self._apply_retention(session.job, committed=session.step)  # before finishing: a durable step has its retention applied
         log.info(
             "committed step %s of job %s: %.1f MiB written in %.2f s, retention %.3f s, %.2f s after the snapshot",
             session.step, session.job, session.plan.total_bytes / 2**20, written - started,
@@ -724,7 +724,7 @@ class CheckpointService:
                 return
             self._committed_here(state, session, index)
             if self.node != 0 and outcome.step_files:
-                await self._apply_retention(session.job)  # node 0 applies it for a shared root (Coordinator.on_commit)
+                await self._apply_retention(session.job, committed=session.step)  # node 0 applies it for a shared root (Coordinator.on_commit)
             self._finish(state, session)
             await _notify(state.arena_freed)
             return
@@ -737,8 +737,8 @@ class CheckpointService:
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
         write_step_files(self.storage, job, step, files)
         self.storage.unmark_prepared(job, step)
-        if (self.storage.latest_step(job) or -1) <= step:
-            self.storage.write_latest(job, step)
+        newest = self.storage.latest_step(job)  # the most recently committed, by node 0's created_at: normally `step`
+        self.storage.write_latest(job, step if newest is None else newest)
 
     def saving(self, job: str, step: int) -> bool:
         """Whether this daemon has a save of the job's step open or being written."""
@@ -793,11 +793,18 @@ class CheckpointService:
         outcome = await self.cluster.report(session.job, session.step, session.global_id, None, session.error, {}, {})
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
-    async def _apply_retention(self, job: str, dry_run: bool = False) -> list[Collected]:
-        """Delete the job's committed steps that the retention policy does not keep; returns them."""
-        steps = await asyncio.to_thread(self.storage.committed_steps, job)
+    async def _apply_retention(self, job: str, dry_run: bool = False, committed: int | None = None) -> list[Collected]:
+        """Delete the job's committed steps that the retention policy does not keep; returns them.
+
+        The policy sees the steps in commit order (a rolled-back job's newest step may have a
+        lower number than older ones). Never deleted: `committed` (the step whose commit runs
+        this), the step `latest` names (written before this runs), steps being loaded."""
+        steps = await asyncio.to_thread(self.storage.commit_order, job)
         self._expire_leases()
         protected = {lease.step for lease in self.leases.values() if lease.job == job}
+        protected.add(await asyncio.to_thread(self.storage.latest_named, job))
+        protected.add(committed)
+        protected.discard(None)
         metrics = await self._step_metrics(job, steps) if self.retention.keep_best else {}
         removed = []
         for step in self.retention.to_delete(steps, protected, metrics):
@@ -852,7 +859,7 @@ class CheckpointService:
             return True
         state = self.jobs.get(job)
         done = [s for s in state.recent.values() if s.state == "committed"] if state is not None else []
-        return bool(done) and not max(done, key=lambda s: s.step).shared_root
+        return bool(done) and not done[-1].shared_root  # the most recently finished
 
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
@@ -891,9 +898,10 @@ class CheckpointService:
 
     def _finish(self, state: JobState, session: SaveSession) -> None:
         state.sessions.pop(session.step, None)
+        state.recent.pop(session.step, None)  # re-inserted: `recent` is in the order saves finished
         state.recent[session.step] = session
         while len(state.recent) > RECENT_RESULTS:
-            state.recent.pop(min(state.recent))
+            state.recent.pop(next(iter(state.recent)))  # the earliest finished (a rolled-back job's newest save has a low step)
         session.closed.set()
         session.finished.set()
 
@@ -1207,13 +1215,22 @@ class CheckpointService:
         return self._index_cache[key]
 
     async def _extras(self, job: str, step: int) -> dict[int, Any]:
+        """Every rank's extras from the step's extra.json, its bytes checked against the index
+        first (a file the index does not list is not part of the step: no extras)."""
+        record = next((f for f in (await self.index(job, step)).files if f.name == EXTRA_JSON), None)
+        if record is None:
+            return {}
         path = self.storage.step_dir(job, step) / EXTRA_JSON
         try:
-            return parse_extra_json(await asyncio.to_thread(path.read_bytes))
-        except FileNotFoundError:
-            return {}
-        except FormatError as exc:
-            raise Precondition(f"step {step} of job {job!r}: {exc}") from None
+            return parse_extra_json(await asyncio.to_thread(path.read_bytes), record)
+        except (OSError, FormatError) as exc:
+            problem = f"{EXTRA_JSON} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
+            older = [s for s in await asyncio.to_thread(self.storage.committed_steps, job) if s < step]
+            example = f"load(state, step={older[-1]})" if older else "load(state, step=N)"
+            raise Precondition(
+                f"step {step} of job {job!r} cannot be loaded: {problem}; load an older step (`{example}`), "
+                f"and see what else is damaged with `ckptd verify {path.parent}`"
+            ) from None
 
     def load_done(self, load_id: str) -> None:
         lease = self.leases.pop(load_id, None)
@@ -1245,7 +1262,9 @@ class CheckpointService:
     # ------------------------------------------------------------ queries
 
     async def list_checkpoints(self, job: str) -> list[tuple[CheckpointIndex, Path, bool]]:
-        steps = await asyncio.to_thread(self.storage.committed_steps, job)
+        """The job's committed steps in commit order, oldest first: the last is the newest (what
+        load() without a step restores), whatever its number."""
+        steps = await asyncio.to_thread(self.storage.commit_order, job)
         state = self.jobs.get(job)
         out = []
         for step in steps:
