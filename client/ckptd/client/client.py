@@ -18,7 +18,7 @@ import torch
 
 from ckptd.client.arena_copy import CopyPlan
 from ckptd.client.devcopy import coalesced_ranges, item_of
-from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
+from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.handoff import CudaBackend, DeviceBackend, Fenced, GpuHandoff, lazy_placements
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords
@@ -109,7 +109,12 @@ class CheckpointClient:
     job: the training run's id. address: "unix:///path.sock" (default: $CKPTD_ADDRESS, else the
     default socket). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
     on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
-    goes on) or "raise". timeout_s: how long a save or load may wait for the other ranks.
+    goes on) or "raise". It covers what can pass (a daemon that is down, a full disk, a timeout,
+    an aborted save); a state that can never be saved (an optimizer without its model, a value
+    of an unsupported type, a bad tensor name, a meta or sparse tensor) raises on the first save
+    whatever it says: ValueError or TypeError, or InvalidState when the daemon refuses the
+    state's metadata, with the message that says how to fix it. timeout_s: how long a save or
+    load may wait for the other ranks.
     layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
     tensor parallelism (ckptd.client.layout); DTensors need none.
     local_world_size: how many of the job's ranks use this node's daemon; needed when the job
@@ -247,20 +252,38 @@ class CheckpointClient:
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
             flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True, validate=False)
+            structure = self._save_structures.for_state(flat, self.layout, self.coords)  # validates the state
+        except (ValueError, TypeError):  # LayoutError, QuantError included
+            # What the caller passed can never be saved: raised now, whatever on_error says, with
+            # the message that says how to fix it (issue 20, finding 8).
+            self.failed_saves += 1
+            raise
+        except Exception as exc:
+            return self._failed_save(step, exc, started)
+        try:
             previous = self._gpu.settle()  # the previous snapshot must be committed before the next begins
             if previous is not None:
                 log.warning("the previous checkpoint was not handed over: %s", previous)
             if self.mode_in_use != "copy":
                 self._gpu.install_hooks(state)
             options = _SaveOptions(scheme, no_quantize, master_weights or "")
-            return self._save(step, state, flat, metric, started, options)
+            return self._save(step, state, flat, structure, metric, started, options)
+        except InvalidState:  # the daemon refused the state's metadata: a caller error as well
+            self.failed_saves += 1
+            raise
         except Exception as exc:
             return self._failed_save(step, exc, started)
 
     def _save(
-        self, step: int, state: Mapping[str, Any], flat: FlatState, metric: float | None, started: float, options: "_SaveOptions"
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        flat: FlatState,
+        structure: Structure,
+        metric: float | None,
+        started: float,
+        options: "_SaveOptions",
     ) -> SaveHandle:
-        structure = self._save_structures.for_state(flat, self.layout, self.coords)
         if self.layout is not None and not self._rules_reported:
             self._rules_reported = True  # after the first save every rule has had its chance
             for rule in self.layout.unused():
@@ -283,12 +306,17 @@ class CheckpointClient:
         if fingerprint not in self._known_fingerprints:
             request.tensors.extend(_metas(structure))
         try:
-            reply = self._call(self._stub.BeginSave, request)
+            try:
+                reply = self._call(self._stub.BeginSave, request)
+            except CheckpointError as exc:
+                if exc.code != "FAILED_PRECONDITION" or "unknown fingerprint" not in str(exc):
+                    raise
+                request.tensors.extend(_metas(structure))  # the daemon restarted: describe again
+                reply = self._call(self._stub.BeginSave, request)
         except CheckpointError as exc:
-            if exc.code != "FAILED_PRECONDITION" or "unknown fingerprint" not in str(exc):
-                raise
-            request.tensors.extend(_metas(structure))  # the daemon restarted: describe again
-            reply = self._call(self._stub.BeginSave, request)
+            if _refused_state(exc):
+                raise InvalidState(str(exc), exc.code) from None
+            raise
         self._known_fingerprints.add(fingerprint)
         if reply.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, reply.skip_reason)
@@ -662,6 +690,14 @@ def _translate(exc: grpc.RpcError, address: str) -> CheckpointError:
         return CheckpointNotFound(details, code.name)
     return CheckpointError(details, code.name)
 
+
+
+def _refused_state(exc: CheckpointError) -> bool:
+    """Whether the daemon's answer to BeginSave refuses what the caller passed (bad tensor names,
+    shapes that do not tile, options or node sizes the ranks disagree on): INVALID_ARGUMENT,
+    except a job whose world size changed while an earlier save is still in flight (an elastic
+    restart; it passes once that save ends)."""
+    return exc.code == "INVALID_ARGUMENT" and "has a save in flight with world size" not in str(exc)
 
 
 def _unreadable_file(plan: pb.PlanLoadResponse) -> str | None:

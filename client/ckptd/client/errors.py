@@ -17,3 +17,10 @@ class CheckpointNotFound(CheckpointError):
 
 class DaemonUnavailable(CheckpointError):
     """No daemon answers at the address (not running, wrong CKPTD_ADDRESS, or shutting down)."""
+
+
+class InvalidState(CheckpointError, ValueError):
+    """The daemon refused what the caller passed to `save` (INVALID_ARGUMENT: bad tensor names,
+    shapes that do not tile, options the ranks disagree on). Like the ValueError/TypeError that
+    `save` raises before asking the daemon, a caller error: retrying cannot help, so `save`
+    raises it whatever `on_error` says; the message says how to fix the state."""
