@@ -24,6 +24,9 @@ user dict that would look like one is written in the `__dict__` form, so nothing
 A tensor's logical name is the prefix and the path of keys and list indices below it, joined
 by "/": encode({"a": [t]}, "extra", add) names the tensor "extra/a/0". A tensor at the top of
 the tree is named by the prefix alone.
+
+A tree may nest at most MAX_EXTRAS_DEPTH (64) containers deep; encode refuses a deeper one with
+a ValueError naming the path (the daemon refuses deeper extras JSON with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from ckptd.common.names import MAX_EXTRAS_DEPTH
 
 TENSOR = "__tensor__"
 TUPLE = "__tuple__"
@@ -56,7 +61,8 @@ def encode(value: Any, tensor_name_prefix: str, add_tensor: AddTensor) -> Any:
     """The strict-JSON form of `value`; every tensor in it is passed to add_tensor(name, tensor).
 
     Raises TypeError naming the path of the first value that cannot be encoded (an unsupported
-    type, a tensor used as a dict key, an object dtype array, a container that contains itself).
+    type, a tensor used as a dict key, an object dtype array, a container that contains itself),
+    ValueError naming the path of a container nested more than MAX_EXTRAS_DEPTH deep.
     """
     return _Encoder(tensor_name_prefix, add_tensor).value(value, ())
 
@@ -119,6 +125,11 @@ class _Encoder:
     def container(self, value: dict | list | tuple, path: tuple[str, ...], in_key: bool) -> Any:
         if id(value) in self.open:
             raise TypeError(f"cannot checkpoint {self.where(path)!r}: the {_type_name(value)} contains itself")
+        if len(self.open) >= MAX_EXTRAS_DEPTH:
+            raise ValueError(
+                f"cannot checkpoint {self.where(path)!r}: it is nested {len(self.open) + 1} containers deep and ckptd "
+                f"stores values nested at most {MAX_EXTRAS_DEPTH} deep; flatten the structure (or store it as bytes)"
+            )
         self.open.add(id(value))
         try:
             if isinstance(value, dict):

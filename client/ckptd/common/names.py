@@ -1,4 +1,5 @@
-"""Validation of the names that reach the file system or the index."""
+"""Validation of the names that reach the file system or the index, and the nesting limit of
+the extras a save sends (checked by the client before sending and by the daemon on arrival)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,19 @@ from typing import Final
 JOB_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TENSOR_NAME: Final = 1024
 KINDS: Final = ("model", "master", "optimizer", "extra")
+# safetensors reserves this key of a file's header for the file's metadata: no tensor may be
+# stored under it. A logical name becomes a key whole or, in model files, without its first
+# "/"-part (daemon format.file_key), so both "__metadata__" and "model/__metadata__" are refused.
+RESERVED_FILE_KEY: Final = "__metadata__"
+
+# Extras (the non-tensor values of a state: configs, counters, RNG states) may nest at most this
+# many containers (dicts, lists, tuples) deep, counted from a top-level state key's value.
+MAX_EXTRAS_DEPTH: Final = 64
+# The JSON a client sends for a rank's extras may nest at most this deep (the daemon's check):
+# encoding a container takes at most 3 JSON levels (a dict with non-string keys is
+# {"__dict__": [[key, value], ...]}), a leaf at most 3 more (a NumPy array), plus 1 for the
+# top-level keys: 3 * 64 + 4 = 196 < 256, so every tree within MAX_EXTRAS_DEPTH fits.
+MAX_EXTRAS_JSON_DEPTH: Final = 4 * MAX_EXTRAS_DEPTH
 
 
 class InvalidNameError(ValueError):
@@ -35,7 +49,31 @@ def check_tensor_name(name: str) -> str:
         raise InvalidNameError(f"tensor name {name[:64]!r}... is longer than {MAX_TENSOR_NAME} characters")
     if _CONTROL.search(name):
         raise InvalidNameError(f"tensor name {name!r} contains control characters")
+    if RESERVED_FILE_KEY in (name, name.partition("/")[2]):
+        raise InvalidNameError(
+            f"tensor name {name!r} is refused: its safetensors key (the name, or in model files the part after the "
+            f"first '/') would be {RESERVED_FILE_KEY!r}, which safetensors reserves for a file's metadata; "
+            "rename the tensor (or the state key holding it)"
+        )
     return name
+
+
+def json_depth(value: object) -> int:
+    """How deep a parsed JSON value nests (a scalar 0, [] or {} 1, [[1]] 2); iterative, so any
+    depth that json.loads accepted is measured without recursion."""
+    deepest = 0
+    todo = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def kind_of(top_level_key: str) -> str:

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
-from ckptd.common.names import KINDS, check_tensor_name
+from ckptd.common.names import KINDS, RESERVED_FILE_KEY, check_tensor_name
+from ckptd.daemon.format import GROUP_OF_KIND, SCALES_SUFFIX, file_key
 
 PAGE = 4096
 SMALL_ALIGN = 64
@@ -211,6 +213,7 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
                 )
             holders[(spec.name, spec.box)].append(rank)
     _check_aliases(logical)
+    _check_file_keys(logical)
     _check_coverage(logical, holders)
     return _assign(logical, holders, nodes)
 
@@ -225,6 +228,35 @@ def _check_aliases(logical: dict[str, LogicalTensor]) -> None:
         for alias in t.aliases:
             if alias in logical:
                 raise PlanError(f"{alias!r} is both a tensor and an alias of {t.name!r}; tied tensors are sent once")
+
+
+_DERIVED_SUFFIX = re.compile(rf"@(?:{re.escape(SCALES_SUFFIX[1:])}|\d+(?:,\d+)*)")
+
+
+def _check_file_keys(logical: dict[str, LogicalTensor]) -> None:
+    """Refuse tensors whose safetensors keys (format.file_key) would clash in the files of one
+    group: the key safetensors reserves, two tensors under one key (model files drop the first
+    "/"-part of a name: "model/w" and "ema/w" are both "w"), or a key that is another tensor's
+    key with the suffix of its scales or of one of its fragments ("w@scales", "w@0,0")."""
+    owner: dict[tuple[str, str], str] = {}
+    for t in logical.values():
+        key = file_key(t.name, t.kind)
+        if key == RESERVED_FILE_KEY:
+            raise PlanError(f"tensor {t.name!r} would be stored under the safetensors key {key!r}, which safetensors reserves; rename it")
+        slot = (GROUP_OF_KIND[t.kind], key)
+        other = owner.setdefault(slot, t.name)
+        if other != t.name:
+            raise PlanError(
+                f"tensors {other!r} and {t.name!r} would both be stored under the safetensors key {key!r} in the "
+                f"{slot[0]} files; rename one of them"
+            )
+    for (group, key), name in owner.items():
+        base, at, _ = key.rpartition("@")
+        if at and _DERIVED_SUFFIX.fullmatch(key[len(base):]) and (group, base) in owner:
+            raise PlanError(
+                f"tensor {name!r} is stored under the safetensors key {key!r}, which ckptd uses for a part of tensor "
+                f"{owner[(group, base)]!r} (its scales or a fragment); rename one of them"
+            )
 
 
 def _check_coverage(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]]) -> None:

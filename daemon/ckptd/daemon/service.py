@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Sequence, NamedTuple
 
 from ckptd.common.boxes import intersect
 from ckptd.common.frames import Frames
+from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
 from ckptd.common.quant_options import CAST
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, SetState, remove_stale_arenas
 from ckptd.daemon.cluster import Cluster, JoinResult
@@ -550,6 +551,15 @@ class CheckpointService:
             extras = json.loads(extras_json) if extras_json else {}
         except json.JSONDecodeError as exc:
             raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+        except RecursionError:  # nested deeper than the parser goes: far past the limit
+            too_deep = True
+        else:
+            too_deep = json_depth(extras) > MAX_EXTRAS_JSON_DEPTH
+        if too_deep:
+            raise InvalidRequest(
+                f"extras of rank {rank} nest deeper than {MAX_EXTRAS_JSON_DEPTH} JSON levels, the limit (a client "
+                f"refuses values nested more than {MAX_EXTRAS_DEPTH} containers deep before sending); flatten them"
+            )
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
@@ -1196,8 +1206,21 @@ class CheckpointService:
             if node == self.node:
                 try:
                     await asyncio.to_thread(self.storage.copy_range, index.job, index.step, file, fd, offset, nbytes)
-                except FormatError as exc:
-                    raise Precondition(f"step {index.step} of job {index.job!r}: {exc}") from None
+                except (FormatError, OSError) as exc:
+                    # A data file of the step is missing, unreadable or short: name it and say what
+                    # to do, as a damaged extra.json or index does (_extras, index).
+                    path = self.storage.step_dir(index.job, index.step) / file
+                    problem = (
+                        f"{path} is missing" if isinstance(exc, FileNotFoundError)
+                        else f"cannot read {path}: {exc.strerror or exc}" if isinstance(exc, OSError)
+                        else str(exc)
+                    )
+                    older = [s for s in await asyncio.to_thread(self.storage.committed_steps, index.job) if s < index.step]
+                    example = f"load(state, step={older[-1]})" if older else "load(state, step=N)"
+                    raise Precondition(
+                        f"step {index.step} of job {index.job!r} cannot be loaded: {problem}; load an older step (`{example}`), "
+                        f"and see what else is damaged with `ckptd verify {path.parent}`"
+                    ) from None
             else:
                 assert self.cluster is not None
                 await self.cluster.fetch(node, index.job, index.step, file, offset, nbytes, fd)

@@ -1,0 +1,142 @@
+"""Input ckptd cannot store is refused up front with INVALID_ARGUMENT (or a ValueError in the
+client) naming what to change, and a damaged step names the file and what to do (issue 20,
+finding 6): extras nested too deep, tensor names that would clash as safetensors keys, a shard
+deleted under a load through shared memory."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, tree
+from ckptd.common.names import InvalidNameError, check_tensor_name
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+WHO = pb.RankId(job="bad", rank=0, world_size=1)
+# The documented limits (ckptd.common.names.MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH), spelled out
+# here as the contract the tests hold the code to.
+MAX_EXTRAS_DEPTH = 64
+MAX_EXTRAS_JSON_DEPTH = 256
+
+
+def _stub(daemon) -> pb_grpc.CheckpointStub:
+    return pb_grpc.CheckpointStub(grpc.insecure_channel(daemon.address))
+
+
+def _meta(name: str = "model/w", kind: str = "model") -> pb.TensorMeta:
+    return pb.TensorMeta(name=name, kind=kind, dtype="F32", shape=(4,), box=pb.Box(offsets=(0,), lengths=(4,)))
+
+
+def _nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+# --- (a) extras nested too deep ---------------------------------------------------------------
+
+
+def test_the_client_refuses_extras_nested_past_the_limit_naming_the_path() -> None:
+    tree.encode(_nested(MAX_EXTRAS_DEPTH), "extra", lambda name, t: None)  # at the limit: fine
+    with pytest.raises(ValueError) as caught:
+        tree.encode({"cfg": _nested(MAX_EXTRAS_DEPTH)}, "extra", lambda name, t: None)
+    message = str(caught.value)
+    assert "'extra/cfg" + "/0" * (MAX_EXTRAS_DEPTH - 1) + "'" in message and f"at most {MAX_EXTRAS_DEPTH} deep" in message
+    with pytest.raises(ValueError, match=f"at most {MAX_EXTRAS_DEPTH} deep"):  # far past it: no RecursionError
+        tree.encode(_nested(5000), "extra", lambda name, t: None)
+
+
+@pytest.mark.parametrize("depth", [MAX_EXTRAS_JSON_DEPTH + 1, 100_000])
+def test_the_daemon_refuses_extras_json_nested_past_the_limit(daemon, depth: int) -> None:
+    """Parseable but too deep, and deeper than the JSON parser goes (was INTERNAL: RecursionError)."""
+    stub = _stub(daemon)
+    begin = stub.BeginSave(pb.BeginSaveRequest(who=WHO, step=1, fingerprint="f", tensors=[_meta()], timeout_s=10), timeout=20)
+    deep = "[" * depth + "]" * depth
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CommitSnapshot(pb.CommitSnapshotRequest(who=WHO, save_id=begin.save_id, extras_json='{"x": ' + deep + "}"), timeout=20)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert f"deeper than {MAX_EXTRAS_JSON_DEPTH} JSON levels" in caught.value.details()
+    assert stub.Status(pb.StatusRequest(), timeout=5).root  # still serving
+
+
+def test_extras_at_the_client_limit_save_and_load_through_the_daemon(daemon) -> None:
+    """The worst case the client lets through (a dict with non-string keys at every level, a
+    NumPy array at the bottom) fits the daemon's JSON limit and comes back equal."""
+    deep = np.arange(3, dtype=np.int16)
+    for level in range(MAX_EXTRAS_DEPTH):
+        deep = {level: deep}
+    with CheckpointClient("deep", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(2, 2), "cfg": deep}).wait_durable(timeout=60)
+        loaded = {"model": torch.nn.Linear(2, 2), "cfg": None}
+        assert ckpt.load(loaded) == 1
+    value = loaded["cfg"]
+    for level in reversed(range(MAX_EXTRAS_DEPTH)):
+        value = value[level]
+    assert value.dtype == np.int16 and value.tolist() == [0, 1, 2]
+
+
+# --- (b) names that cannot be safetensors keys ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        ([("model/__metadata__", "model")], "'__metadata__'"),
+        ([("__metadata__", "extra")], "'__metadata__'"),
+        ([("model/w", "model"), ("ema/w", "model")], "tensors 'model/w' and 'ema/w' would both be stored under the safetensors key 'w'"),
+        ([("model/w", "model"), ("model/w@scales", "model")], "'model/w@scales'"),
+        ([("model/w", "model"), ("model/w@0", "model")], "'model/w@0'"),
+    ],
+)
+def test_begin_save_refuses_names_that_clash_as_file_keys(daemon, names, message) -> None:
+    """Refused by BeginSave, before any byte is handed over (was: by the writer, after it)."""
+    stub = _stub(daemon)
+    metas = [_meta(name, kind) for name, kind in names]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.BeginSave(pb.BeginSaveRequest(who=WHO, step=1, fingerprint="clash", tensors=metas, timeout_s=10), timeout=20)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert message in caught.value.details()
+    # The same names in different groups of files do not clash.
+    ok = stub.BeginSave(
+        pb.BeginSaveRequest(who=WHO, step=2, fingerprint="apart", tensors=[_meta("model/w"), _meta("optimizer/w", "optimizer")], timeout_s=10),
+        timeout=20,
+    )
+    assert ok.save_id
+
+
+def test_the_client_refuses_a_tensor_named_like_the_safetensors_metadata(daemon) -> None:
+    with pytest.raises(InvalidNameError, match="__metadata__"):
+        check_tensor_name("model/__metadata__")
+    check_tensor_name("model/metadata")
+    with CheckpointClient("meta", address=daemon.address, on_error="raise") as ckpt:
+        with pytest.raises(ValueError, match="reserves for a file's metadata"):
+            ckpt.save(1, {"model": torch.nn.Linear(2, 2), "__metadata__": torch.zeros(4)}).wait_durable(timeout=60)
+        assert ckpt.latest() is None
+
+
+# --- (c) a shard deleted under a load through shared memory -----------------------------------
+
+
+def test_a_deleted_shard_loaded_through_shared_memory_names_the_file(daemons) -> None:
+    daemon = daemons.start()
+    with CheckpointClient("gone", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": torch.nn.Linear(4, 4)}).wait_durable(timeout=60)
+        ckpt.save(2, {"model": torch.nn.Linear(4, 4)}).wait_durable(timeout=60)
+    shard = daemons.root / "gone" / "step-00000002" / "model-00001-of-00001.safetensors"
+    shard.unlink()
+    daemon.stop()  # nothing of step 2 left in memory: every byte comes from disk
+    daemon = daemons.start()
+    with CheckpointClient("gone", address=daemon.address, on_error="raise", read_files=False) as ckpt:
+        with pytest.raises(Exception) as caught:
+            ckpt.load({"model": torch.nn.Linear(4, 4)}, step=2)
+        message = str(caught.value)
+        assert "INTERNAL" not in message and "FileNotFoundError" not in message, message
+        assert f"{shard} is missing" in message and "load(state, step=1)" in message, message
+        assert f"ckptd verify {shard.parent}" in message, message
+        assert ckpt.load({"model": torch.nn.Linear(4, 4)}, step=1) == 1  # the older step still loads
+    assert not list(daemons.shm_dir.glob("*-fetch-*"))  # no staging copy left behind
+    assert _stub(daemon).Status(pb.StatusRequest(), timeout=5).root
