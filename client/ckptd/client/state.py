@@ -7,8 +7,12 @@
 Top-level keys choose the kind of the tensors under them ("model", "master", "optimizer" are
 themselves, any other key is "extra"); values choose how they are read:
 
-- nn.Module: its state_dict(); tensors named "<key>/<fqn>". Tensors that share memory (tied
-  embeddings) become one entry under the first name, with the other names as aliases.
+- nn.Module: its state_dict(); tensors named "<key>/<fqn>", the FQN canonical as
+  torch.distributed.checkpoint.state_dict names it (and names the optimizer state): without the
+  prefixes of wrappers (DDP's "module.", torch.compile's "_orig_mod.", FSDP's
+  "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."), so a checkpoint of a wrapped model
+  loads into the bare one and back, and its model files are the bare model's. Tensors that
+  share memory (tied embeddings) become one entry under the first name, with the other names as aliases.
   `*._extra_state` items and other non-tensor items go to the extras.
 - torch.optim.Optimizer: torch.distributed.checkpoint's get_optimizer_state_dict, which keys
   the state by parameter name (FQN) instead of by integer id, so it needs the model of the same
@@ -35,6 +39,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
@@ -43,7 +48,9 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch import nn
+from torch.distributed.checkpoint import state_dict as _dcp_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
 from ckptd.common import dtypes
@@ -251,7 +258,15 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
     tensor_of: dict[str, torch.Tensor] = {}
     first_name_of: dict[tuple, str] = {}
     others: dict[str, Any] = {}
-    for fqn, value in module.state_dict().items():
+    canonical_of: dict[str, str] = {}  # canonical FQN -> state_dict key
+    canonical = _canonical_names(module)
+    for wrapped_fqn, value in module.state_dict().items():
+        fqn = canonical(wrapped_fqn)
+        if canonical_of.setdefault(fqn, wrapped_fqn) != wrapped_fqn:
+            raise ValueError(
+                f"state[{key!r}]: the state_dict keys {canonical_of[fqn]!r} and {wrapped_fqn!r} both name "
+                f"{fqn!r} once the wrappers' prefixes are taken out"
+            )
         name = f"{key}/{fqn}"
         if not isinstance(value, torch.Tensor) or fqn.endswith(_EXTRA_STATE_SUFFIX):
             # Extra state is produced on demand, not a view of the module: restored by load_state_dict.
@@ -268,6 +283,77 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
     for name, aliases in names.items():
         entries.add(TensorEntry(name, kind, tensor_of[name], tuple(aliases)))
     return tree.encode(others, key, entries.adder(kind)) if others else None
+
+
+# a wrapper's attribute as a whole component of an FQN below the top: only such names need the walk
+_INNER_WRAPPER = re.compile(r"(?:^|\.)(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+
+
+def _canonical_names(model: nn.Module) -> Callable[[str], str]:
+    """`_canonical_fqn` for the keys of `model`, fast: the wrappers at the top (DDP's "module.",
+    torch.compile's "_orig_mod.") are one known prefix, cut off as a string; only a name with a
+    wrapper further down (a compiled submodule, FSDP, activation checkpointing) takes torch's
+    walk of the module tree, which costs hundreds of µs per name."""
+    prefix, obj = "", model
+    while True:
+        if isinstance(obj, DistributedDataParallel):
+            prefix, obj = prefix + "module.", obj.module
+        elif isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
+            prefix, obj = prefix + "_orig_mod.", obj._orig_mod
+        else:
+            break
+
+    def canonical(fqn: str) -> str:
+        if prefix:
+            if not fqn.startswith(prefix):
+                return _canonical_fqn(model, fqn)
+            fqn = fqn[len(prefix):]
+        return _canonical_fqn(obj, fqn) if _INNER_WRAPPER.search(fqn) else fqn
+
+    return canonical
+
+
+def _canonical_fqn(model: nn.Module, fqn: str) -> str:
+    """`fqn` (a key of model.state_dict() or a name from named_parameters) without the wrappers' prefixes.
+
+    torch.distributed.checkpoint.state_dict's own helper, which walks the module tree (a prefix is
+    taken out only where the module there is such a wrapper, never a user's own "module"
+    submodule) and names the optimizer state the same way. A name the walk cannot follow (a
+    state_dict hook that renames keys) stays as it is.
+    """
+    try:
+        fqns = _dcp_state_dict._get_fqns(model, fqn)
+    except (AttributeError, AssertionError, RuntimeError):
+        return fqn
+    if len(fqns) != 1:  # an FSDP flat parameter: state_dict() never yields one
+        return fqn
+    return next(iter(fqns))
+
+
+def _wrapped_key(model: nn.Module, fqn: str) -> str:
+    """The key that model.load_state_dict takes for canonical `fqn`: DDP's and torch.compile's
+    prefixes put back where the module tree has such wrappers (FSDP and checkpoint wrappers take
+    canonical keys: their load hooks put their own prefixes back)."""
+    parts = fqn.split(".")
+    out: list[str] = []
+    obj: Any = model
+    for i, part in enumerate(parts):
+        while True:
+            if isinstance(obj, DistributedDataParallel):
+                out.append("module")
+                obj = obj.module
+            elif isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
+                out.append("_orig_mod")
+                obj = obj._orig_mod
+            else:
+                break
+        nxt = getattr(obj, part, None) if isinstance(obj, nn.Module) else None
+        if not isinstance(nxt, nn.Module):
+            out.extend(parts[i:])  # a parameter, buffer or extra state: the rest is as it is
+            break
+        out.append(part)
+        obj = nxt
+    return ".".join(out)
 
 
 def _memory_identity(t: torch.Tensor) -> tuple | None:
@@ -323,8 +409,9 @@ def _optimizer_adder(key: str, model: nn.Module, entries: _Entries) -> Callable[
 def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
     """{first FQN: [other FQNs]} of every parameter that the model holds under several names."""
     names: dict[int, list[str]] = {}
+    canonical = _canonical_names(model)
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+        names.setdefault(id(param), []).append(canonical(name))  # as the optimizer state names it
     return {group[0]: group[1:] for group in names.values() if len(group) > 1}
 
 
@@ -410,7 +497,7 @@ def _restore_optimizer(
 def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
     if not isinstance(items, dict):
         raise ValueError(f"the checkpoint's extra items of module {key!r} are a {type(items).__name__}, not a dict")
-    result = module.load_state_dict(items, strict=False)
+    result = module.load_state_dict({_wrapped_key(module, fqn): value for fqn, value in items.items()}, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
 
