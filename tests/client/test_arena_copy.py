@@ -1,4 +1,4 @@
-"""CopyPlan and copy_pairs place every byte where the plan says, in a few groups, whatever the
+"""CopyPlan places every byte where the plan says, in a few groups, whatever the
 mix of small, large, non-contiguous and odd-dtype tensors."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from ckptd.client import arena_copy
-from ckptd.client.arena_copy import CopyPlan, copy_pairs
+from ckptd.client.arena_copy import CopyPlan
 
 
 @pytest.fixture
@@ -117,12 +116,3 @@ def test_an_error_in_one_group_surfaces_after_every_group_ended(pool: ThreadPool
     with pytest.raises(OSError, match="simulated"):
         plan.run(pool, tensors)
     assert len(calls) == len(plan.groups)
-
-
-def test_copy_pairs_copies_every_pair(pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arena_copy, "MIN_PARALLEL_BYTES", 1024)
-    sources = _state(3)
-    targets = [torch.empty_like(s.contiguous()) for s in sources]
-    copy_pairs(pool, list(zip(targets, sources)), 3)
-    for t, s in zip(targets, sources):
-        assert torch.equal(t, s)

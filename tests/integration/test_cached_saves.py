@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient
-from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
+from ckptd.client.layout import LayoutRules, PaddedVocab, RankCoords, Rule
 from ckptd.daemon.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
@@ -158,15 +158,24 @@ def test_rng_state_is_saved_fresh_on_every_save(daemon: DaemonProcess) -> None:
 
 
 def test_a_new_layout_between_saves_is_a_new_plan(daemon: DaemonProcess) -> None:
+    """A restarted job with other layout rules: its saves get a plan of their own (the logical
+    tensor now has 3 rows, padding dropped), and each step loads as it was saved."""
     w = torch.arange(24.0).reshape(4, 6)
     with CheckpointClient("layouts", address=daemon.address, on_error="raise") as whole:
         whole.save(1, {"model": {"w": w}}).wait_durable(timeout=60)
-    rules = LayoutRules([Rule(r"w", Split(dim=1))])
+    rules = LayoutRules([Rule(r"w", PaddedVocab(dim=0, size=3))])
     with CheckpointClient("layouts", address=daemon.address, on_error="raise", layout=rules, coords=RankCoords(0, 1)) as ruled:
         ruled.save(2, {"model": {"w": w}}).wait_durable(timeout=60)
-        out = {"model": {"w": torch.zeros(4, 6)}}
-        ruled.load(out, step=1)
-        assert torch.equal(out["model"]["w"], w)
+        out = {"model": {"w": torch.full((4, 6), -1.0)}}
+        ruled.load(out, step=2)
+        assert torch.equal(out["model"]["w"][:3], w[:3]) and torch.equal(out["model"]["w"][3], torch.full((6,), -1.0))
+    with CheckpointClient("layouts", address=daemon.address, on_error="raise") as plain:
+        three = {"model": {"w": torch.zeros(3, 6)}}
+        plain.load(three, step=2)  # stored as a 3-row tensor: the ruled save was planned anew
+        assert torch.equal(three["model"]["w"], w[:3])
+        four = {"model": {"w": torch.zeros(4, 6)}}
+        plain.load(four, step=1)
+        assert torch.equal(four["model"]["w"], w)
 
 
 def test_a_restarted_daemon_gets_the_metadata_and_slots_again(daemons: Any) -> None:

@@ -8,9 +8,6 @@ groups of about equal bytes, in arena order: small tensors stay whole and are co
 large tensors still spread over every core. Running the plan costs a few Python calls per
 group, whatever the number of tensors: one group runs on the calling thread, the others on the
 client's copy pool.
-
-`copy_pairs` does the same for a one-off list of (destination, source) tensor pairs (loads
-from the daemon's memory), without keeping the plan.
 """
 
 from __future__ import annotations
@@ -23,11 +20,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-SPLIT_BYTES = 4 * 2**20  # tensors from this size up are copied in chunks, spread over the groups
+from ckptd.client.transport import MADV_POPULATE_WRITE, SPLIT_BYTES  # tensors from SPLIT_BYTES up go in chunks
+
 CHUNK_BYTES = 16 * 2**20  # largest chunk
 MIN_CHUNK_BYTES = 2**20  # smallest chunk (but the last one of a tensor)
 MIN_PARALLEL_BYTES = 512 * 2**10  # below this in all, one group: a thread hand-off costs more than it saves
-MADV_POPULATE_WRITE = 23  # madvise(2), Linux >= 5.14: map a range's pages for writing in one call
 
 
 @dataclass
@@ -122,34 +119,6 @@ class CopyPlan:
                 if src is None:
                     src = views[i] = sources[i].reshape(-1).view(torch.uint8).numpy()
                 np.copyto(dst_bytes, src[start:stop])
-
-
-def copy_pairs(pool: ThreadPoolExecutor, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], workers: int) -> None:
-    """Copy each (destination, source) pair of CPU tensors of equal shape and dtype, spread over
-    `workers` groups of about equal bytes (small pairs by one foreach call per group)."""
-    if not pairs:
-        return
-    total = sum(s.numel() * s.element_size() for _, s in pairs)
-    groups = max(1, min(workers, total // MIN_PARALLEL_BYTES if total >= MIN_PARALLEL_BYTES else 1))
-    target = -(-total // groups)
-    shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    filled = 0
-    for dst, src in pairs:
-        if filled >= target and len(shares) < groups:
-            shares.append([])
-            filled = 0
-        shares[-1].append((dst, src))
-        filled += src.numel() * src.element_size()
-
-    def run(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        torch._foreach_copy_([d for d, _ in share], [s for _, s in share])
-
-    futures = [pool.submit(run, share) for share in shares[1:]]
-    try:
-        run(shares[0])
-    finally:
-        for f in futures:
-            f.result()
 
 
 def _populate(arena: mmap.mmap, start: int, stop: int) -> None:

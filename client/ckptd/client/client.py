@@ -11,7 +11,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import grpc
 import torch
@@ -355,16 +355,12 @@ class CheckpointClient:
         arena = self._maps.get(arena_path, arena_size)
         cached = self._copy_plans.get(arena_path)
         if cached is None or cached[1] is not arena or cached[0].layout_id != placed.layout_id or cached[0].structure.signature is not placed.structure.signature:
-            like = placed.host_sources()
-            plan = CopyPlan(arena, like, [placed.placements[i][1] for i in placed.host], self._copy_workers)
+            plan = CopyPlan(arena, placed.host_sources, [placed.placements[i][1] for i in placed.host], self._copy_workers)
             self._copy_plans.pop(arena_path, None)
             self._copy_plans[arena_path] = cached = (placed, arena, plan)
             while len(self._copy_plans) > 4:  # arenas of earlier layouts or a restarted daemon
                 del self._copy_plans[next(iter(self._copy_plans))]
-        sources = placed.cache.get("host_sources")
-        if sources is None:
-            sources = placed.cache["host_sources"] = placed.host_sources()
-        cached[2].run(self._pool, sources, cold=self._maps.is_cold(arena_path))
+        cached[2].run(self._pool, placed.host_sources, cold=self._maps.is_cold(arena_path))
         self._maps.mark_warm(arena_path)
 
     def _commit_request(self, save_id: str, extras: str, state: Mapping[str, Any], stall_s: float) -> pb.CommitSnapshotRequest:
@@ -528,7 +524,6 @@ class CheckpointClient:
         if previous is not None:
             log.warning("the previous checkpoint was not handed over: %s", previous)
         structure = self._load_structures.for_state(flat, self.layout, self.coords)
-        fragments = structure.fragments
         request = pb.PlanLoadRequest(
             who=self._who,
             step=step or 0,

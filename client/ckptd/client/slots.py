@@ -10,6 +10,7 @@ moved (a rebind of the structure), `rebound` takes their views again and keeps t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol
 
@@ -57,8 +58,10 @@ class Placed:
     def nbytes(self) -> int:
         return sum(n for _, _, n in self.placements)
 
-    def host_sources(self) -> list[torch.Tensor]:
-        return [self.placements[i][0] for i in self.host]
+    @functools.cached_property
+    def host_sources(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of the `host` slots, in order: what the CPU copy plan copies."""
+        return tuple(self.placements[i][0] for i in self.host)
 
     def rebound(self, structure: Structure) -> "Placed":
         """The same placement over a rebind of its structure (same signature, some views new)."""

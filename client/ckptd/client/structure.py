@@ -28,7 +28,6 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
 from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
@@ -89,9 +88,6 @@ class StructureCache:
         if signature is None:  # cannot happen for a state that validates; never reused
             signature = (object(),)
         return Structure(signature, _pointers(flat), fragments, fingerprint_of(flat, fragments))
-
-    def clear(self) -> None:
-        self._last = None
 
 
 def fragments_of_state(

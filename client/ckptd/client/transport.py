@@ -55,7 +55,8 @@ class ArenaMaps:
     """The arenas this process has mapped, by path; each is mapped once and reused.
 
     A mapping is "cold" until a copy has gone through it: its pages are not in this process's
-    page tables yet, so copies populate them chunk by chunk first (see CopyTask). On a warm
+    page tables yet, so copies populate them chunk by chunk first (see CopyTask and
+    ckptd.client.arena_copy). On a warm
     mapping that would only cost time.
     """
 
@@ -144,31 +145,6 @@ def _chunks(dst: np.ndarray, src: np.ndarray, arena: mmap.mmap | None = None, of
     return [
         CopyTask(dst[i : i + CHUNK], src[i : i + CHUNK], arena, offset + i) for i in range(0, len(src), CHUNK)
     ]
-
-
-def _run_copies(pool: ThreadPoolExecutor, tasks: list[CopyTask]) -> None:
-    for future in [pool.submit(t.run) for t in tasks]:
-        future.result()
-
-
-def copy_to_arena(
-    pool: ThreadPoolExecutor, arena: mmap.mmap, placements: Sequence[tuple[torch.Tensor, int, int]], cold: bool
-) -> None:
-    """Copy each (tensor, offset, nbytes) into the arena at `offset` (`cold`: a fresh mapping)."""
-    tasks = []
-    for tensor, offset, nbytes in placements:
-        if nbytes != tensor.numel() * tensor.element_size():
-            raise CheckpointError(f"slot of {nbytes} bytes for a tensor of {tensor.numel() * tensor.element_size()} bytes")
-        if nbytes == 0:
-            continue
-        dst = np.frombuffer(arena, dtype=np.uint8, count=nbytes, offset=offset)
-        src = byte_view(tensor)
-        if src is None:  # non-contiguous or not on the CPU: let torch gather it
-            target = torch.from_numpy(dst).view(tensor.dtype).view(tensor.shape)
-            target.copy_(tensor)
-        else:
-            tasks += _chunks(dst, src, arena if cold else None, offset)
-    _run_copies(pool, tasks)
 
 
 class Source(NamedTuple):
