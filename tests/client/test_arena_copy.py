@@ -54,11 +54,12 @@ def _state(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("cold", [False, True])
-def test_a_plan_copies_every_tensor_into_its_slot(pool: ThreadPoolExecutor, workers: int, cold: bool) -> None:
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_plan_copies_every_tensor_into_its_slot(pool: ThreadPoolExecutor, workers: int, cold: bool, streaming: bool) -> None:
     tensors = _state(0)
-    offsets, size = _layout(tensors)
+    offsets, size = _layout(tensors, align=8 if streaming else 64)  # streaming: destinations off 64-byte lines too
     arena = mmap.mmap(-1, size)
-    plan = CopyPlan(arena, tensors, offsets, workers)
+    plan = CopyPlan(arena, tensors, offsets, workers, streaming=streaming)
     assert 1 <= len(plan.groups) <= workers
     plan.run(pool, tensors, cold=cold)
     _check(arena, tensors, offsets)
@@ -73,6 +74,12 @@ def test_a_plan_runs_again_with_new_tensors_of_the_same_structure(pool: ThreadPo
     _check(arena, first, offsets)
     plan.run(pool, second)  # other tensors (memory), same shapes, dtypes and strides
     _check(arena, second, offsets)
+
+
+def test_a_plan_streams_only_a_state_too_large_to_stay_in_the_cache() -> None:
+    small, large = [torch.zeros(2**20)], [torch.zeros(2**24)]  # 4 MiB, 64 MiB
+    assert not CopyPlan(mmap.mmap(-1, 4 * 2**20), small, [0], 2).streaming
+    assert CopyPlan(mmap.mmap(-1, 64 * 2**20), large, [0], 2).streaming
 
 
 def test_groups_hold_about_equal_bytes_and_many_small_tensors_are_not_one_task_each() -> None:

@@ -4,8 +4,11 @@ A save copies the same tensors to the same arena offsets again and again (ckptd.
 keeps what does not change between saves). `CopyPlan` splits that work once into `workers`
 groups of about equal bytes, in arena order: small tensors stay whole and are copied by one
 `torch._foreach_copy_` call per group (one C++ loop, no Python per tensor); tensors of
-`SPLIT_BYTES` or more are cut into chunks that numpy copies with the GIL released, so a few
-large tensors still spread over every core. Running the plan costs a few Python calls per
+`SPLIT_BYTES` or more are cut into chunks copied with the GIL released, so a few large tensors
+still spread over every core. Once a plan moves `STREAM_MIN_BYTES` or more, the chunks are
+copied with streaming stores (ckptd.common._copy): pieces of a few MiB copied by memcpy pay a
+read of every destination line first, about a third more time than the same bytes copied at
+once (measured in _copy.c's comment). Running the plan costs a few Python calls per
 group, whatever the number of tensors: one group runs on the calling thread, the others on the
 client's copy pool.
 """
@@ -21,10 +24,12 @@ import numpy as np
 import torch
 
 from ckptd.client.transport import MADV_POPULATE_WRITE, SPLIT_BYTES  # tensors from SPLIT_BYTES up go in chunks
+from ckptd.common._copy import stream_copy
 
 CHUNK_BYTES = 16 * 2**20  # largest chunk
 MIN_CHUNK_BYTES = 2**20  # smallest chunk (but the last one of a tensor)
 MIN_PARALLEL_BYTES = 512 * 2**10  # below this in all, one group: a thread hand-off costs more than it saves
+STREAM_MIN_BYTES = 64 * 2**20  # from this in all, chunks bypass the cache (a smaller copy may stay in the L3)
 
 
 @dataclass
@@ -45,9 +50,11 @@ class CopyPlan:
     Built from the sources' shapes, dtypes and strides (`like`); `run` takes the tensors of
     each save, which must have those same shapes, dtypes and strides (ckptd.client.structure
     guarantees it: a plan is reused only for a state of the same structure). CPU tensors only.
+    streaming: copy chunks with streaming stores; None: when the plan moves STREAM_MIN_BYTES or more.
     """
 
-    def __init__(self, arena: mmap.mmap, like: Sequence[torch.Tensor], offsets: Sequence[int], workers: int) -> None:
+    def __init__(self, arena: mmap.mmap, like: Sequence[torch.Tensor], offsets: Sequence[int], workers: int,
+                 streaming: bool | None = None) -> None:
         self.arena = arena
         self.count = len(like)
         flat = torch.frombuffer(arena, dtype=torch.uint8) if len(arena) else torch.empty(0, dtype=torch.uint8)
@@ -77,6 +84,7 @@ class CopyPlan:
                     group.chunks.append((i, start, stop, raw[offset + start : offset + stop]))
                     start = stop
         self.groups = [g for g in self.groups if g.nbytes]
+        self.streaming = total >= STREAM_MIN_BYTES if streaming is None else streaming
 
     def _take(self, target: int, groups: int, nbytes: int, offset: int) -> _Group:
         """The group that gets the next `nbytes` at arena `offset` (a new one once this is full)."""
@@ -113,12 +121,13 @@ class CopyPlan:
         for i, dst in group.strided:
             dst.copy_(sources[i])
         if group.chunks:
+            copy = stream_copy if self.streaming else np.copyto
             views: dict[int, np.ndarray] = {}
             for i, start, stop, dst_bytes in group.chunks:
                 src = views.get(i)
                 if src is None:
                     src = views[i] = sources[i].reshape(-1).view(torch.uint8).numpy()
-                np.copyto(dst_bytes, src[start:stop])
+                copy(dst_bytes, src[start:stop])
 
 
 def _populate(arena: mmap.mmap, start: int, stop: int) -> None:

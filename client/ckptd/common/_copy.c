@@ -1,0 +1,127 @@
+/* Large copies into shared memory with streaming (non-temporal) stores: ckptd.client.arena_copy.
+ *
+ * Why: a save copies the state's large tensors into an arena in pieces of 1-16 MiB (one piece
+ * per tensor or chunk, spread over threads). glibc's memcpy switches to non-temporal stores only
+ * above a threshold derived from the cache size (tens of MiB), so every piece below it is
+ * copied with ordinary stores: each destination line is first read into the cache (read for
+ * ownership) and later written back, about 1.5x the memory traffic of the copy. Measured on a
+ * 2-core EPYC VM: 1 GiB in 81 per-tensor pieces took 0.16-0.19 s by memcpy against 0.11-0.12 s
+ * as one call; with streaming stores the pieces take the time of the one call. The arena is
+ * not read again by this process, so bypassing the cache loses nothing.
+ *
+ * stream_copy(dst, src): dst a writable buffer, src a readable buffer, both contiguous and of
+ * the same length. x86-64: 32-byte (AVX2, where the CPU has it) or 16-byte (SSE2) streaming
+ * stores after a memcpy up to the first 64-byte boundary of dst, then an sfence, so the bytes
+ * are visible to other processes when the call returns. Elsewhere: memcpy. The GIL is released
+ * for the copy; no Python object is touched while it is.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_STREAMING 1
+
+/* Copies the bytes before dst's next 64-byte boundary; returns how many. */
+static size_t align_head(char *dst, const char *src, size_t n) {
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    return head;
+}
+
+static void copy_sse2(char *dst, const char *src, size_t n) {
+    size_t head = align_head(dst, src, n);
+    dst += head, src += head, n -= head;
+    size_t lines = n / 64;
+    for (size_t i = 0; i < lines; i++, src += 64, dst += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+    _mm_sfence();
+    memcpy(dst, src, n - lines * 64);
+}
+
+__attribute__((target("avx2"))) static void copy_avx2(char *dst, const char *src, size_t n) {
+    size_t head = align_head(dst, src, n);
+    dst += head, src += head, n -= head;
+    size_t lines = n / 64;
+    for (size_t i = 0; i < lines; i++, src += 64, dst += 64) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)src);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+        _mm256_stream_si256((__m256i *)dst, a);
+        _mm256_stream_si256((__m256i *)(dst + 32), b);
+    }
+    _mm_sfence();
+    memcpy(dst, src, n - lines * 64);
+}
+#else
+#define HAVE_STREAMING 0
+#endif
+
+typedef void (*copy_fn)(char *, const char *, size_t);
+
+static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+
+/* Chosen once at import from what the CPU supports (a pure function of the machine). */
+static copy_fn chosen = copy_plain;
+static const char *chosen_name = "memcpy";
+
+static PyObject *stream_copy(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst = {0}, src = {0};
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src))
+        return NULL;
+    PyObject *result = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy: destination holds %zd bytes, source %zd; they must be equal",
+                     dst.len, src.len);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    chosen((char *)dst.buf, (const char *)src.buf, (size_t)dst.len);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"stream_copy", stream_copy, METH_VARARGS,
+     "stream_copy(dst, src) -> None\n\n"
+     "Copy the bytes of `src` into `dst` (a writable buffer of the same length) with streaming\n"
+     "stores where the CPU has them (see KIND), releasing the GIL. The bytes are visible to other\n"
+     "processes mapping dst when it returns."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copy", "Large copies with streaming stores (ckptd.client.arena_copy).",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__copy(void) {
+#if HAVE_STREAMING
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        chosen = copy_avx2, chosen_name = "avx2 streaming stores";
+    else
+        chosen = copy_sse2, chosen_name = "sse2 streaming stores";
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddStringConstant(m, "KIND", chosen_name)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
