@@ -67,7 +67,7 @@ def test_other_unusable_states_raise_on_the_first_save(
 def test_metadata_the_daemon_refuses_raises_invalid_state(daemon: Any) -> None:
     """An INVALID_ARGUMENT answer to BeginSave (here: a single-node daemon told that this node
     serves 1 of 2 ranks) is a caller error too: InvalidState, a CheckpointError and a ValueError."""
-    from ckptd.client.errors import InvalidState
+    from ckptd.client import InvalidState
 
     model, optimizer = _training()
     with CheckpointClient("refused", address=daemon.address, rank=0, world_size=2, local_world_size=1, on_error="warn") as ckpt:

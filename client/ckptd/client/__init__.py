@@ -4,7 +4,7 @@
 """
 
 from ckptd.client.client import CheckpointClient, CheckpointInfo
-from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable
+from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "CheckpointNotFound",
     "DaemonUnavailable",
     "DurableInfo",
+    "InvalidState",
     "SaveHandle",
 ]
