@@ -43,3 +43,35 @@ def test_fragments_over_files_become_whole_tensors(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="checksum mismatch for tensor 'model/w'"):
         export_model(step_dir, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def test_config_json_is_checked_against_the_index_and_links_are_not_followed(tmp_path: Path) -> None:
+    """Issue 20: export copied config.json without checking it against the index checksum."""
+    from ckptd.daemon.format import small_file_checksum
+
+    step_dir = tmp_path / "step-00000001"
+    step_dir.mkdir()
+    full = np.arange(6, dtype=np.float32).reshape(2, 3)
+    record = _write_fragments(step_dir, "w", full, [Box((0, 0), (2, 3))])
+    config = b'{"model_type": "llama"}\n'
+    (step_dir / "config.json").write_bytes(config)
+    files = tuple(FileRecord(f.file, 0, "") for f in record.fragments) + (FileRecord("config.json", len(config), small_file_checksum(config)),)
+    (step_dir / INDEX_NAME).write_bytes(CheckpointIndex("j", 1, 0.0, 1, (record,), files).to_json_bytes())
+    export_model(step_dir, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_bytes() == config
+
+    (step_dir / "config.json").write_bytes(b'{"model_type": "gpt2"}\n')  # edited after the save
+    with pytest.raises(ExportError, match="config.json cannot be exported: config.json"):
+        export_model(step_dir, tmp_path / "out2")
+    (step_dir / "config.json").unlink()
+    secret = tmp_path / "secret"
+    secret.write_bytes(config)
+    (step_dir / "config.json").symlink_to(secret)  # the right bytes, through a link
+    with pytest.raises(ExportError, match="is a symbolic link"):
+        export_model(step_dir, tmp_path / "out3")
+    (step_dir / "generation_config.json").write_text("{}")  # not in the index
+    (step_dir / "config.json").unlink()
+    (step_dir / "config.json").write_bytes(config)
+    with pytest.raises(ExportError, match="generation_config.json is not listed in the step's index"):
+        export_model(step_dir, tmp_path / "out4")
+    assert not any((tmp_path / f"out{i}").exists() for i in (2, 3, 4))

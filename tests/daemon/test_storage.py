@@ -14,7 +14,7 @@ import pytest
 
 from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, FormatError
 from ckptd.daemon import storage as storage_module
-from ckptd.daemon.storage import Storage, start_writeback, write_small_file
+from ckptd.daemon.storage import ForeignEntry, Storage, open_for_reading, read_file, start_writeback, write_small_file
 
 
 def test_start_writeback_is_taken_and_leaves_the_bytes_as_written(tmp_path: Path) -> None:
@@ -199,15 +199,19 @@ def test_create_file_does_not_follow_a_link_and_replaces_only_its_own_leftover(t
     assert leftover.read_bytes() == b""
 
 
-def test_write_small_file_replaces_a_link_without_writing_through_it(tmp_path: Path, umask_007: None) -> None:
+def test_write_small_file_neither_writes_through_nor_replaces_a_link(tmp_path: Path, umask_007: None) -> None:
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 100)
     before = victim.read_bytes()
     storage.prepare_step_dir("b", 1)
     latest = storage.job_dir("b") / "latest"
     latest.symlink_to(victim)
+    with pytest.raises(ForeignEntry, match=f"{latest} is a symbolic link, which the daemon did not make: it is not replaced"):
+        storage.write_latest("b", 1)
+    assert victim.read_bytes() == before and os.readlink(latest) == str(victim)
+    assert sorted(p.name for p in latest.parent.iterdir()) == ["latest", "step-00000001"]  # no temporary file left
+    latest.unlink()
     storage.write_latest("b", 1)
-    assert victim.read_bytes() == before
     assert not latest.is_symlink() and latest.read_text() == "step-00000001\n" and _mode(latest) == 0o640
     linked_dir = storage.job_dir("c")
     linked_dir.symlink_to(victim.parent)  # a job directory that is a link: not written into
@@ -301,3 +305,131 @@ def test_copy_range_and_read_index_do_not_follow_links(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="is a symbolic link"):
         storage.read_index("job", 1)
     assert (tmp_path / "staging").read_bytes() == b""
+
+
+def test_a_planted_step_directory_link_is_not_listed_loaded_or_deleted_through(tmp_path: Path) -> None:
+    """Issue 20: committed_steps / is_committed followed `step-00000099 -> /elsewhere`."""
+    storage = Storage(tmp_path / "root")
+    victim = _committed_step(storage, "a", 1, b"A" * 100)  # a committed step elsewhere: what the link aims at
+    _committed_step(storage, "b", 1, b"B")
+    storage.step_dir("b", 99).symlink_to(victim.parent)
+    storage.step_dir("b", 98).symlink_to(tmp_path)  # no index there at all
+    (storage.step_dir("b", 1) / "x").mkdir()
+    assert storage.committed_steps("b") == [1] and storage.commit_order("b") == [1] and storage.latest_step("b") == 1
+    assert not storage.is_committed("b", 99) and storage.is_committed("b", 1)
+    with pytest.raises(ForeignEntry, match="is a symbolic link, not a directory the daemon made"):
+        storage.read_index("b", 99)
+    with pytest.raises(ForeignEntry, match="step-00000099 is a symbolic link"):
+        storage.open_step_file("b", 99, victim.name)
+    storage.remove_step("b", 99, recycle=True)
+    assert storage.step_dir("b", 99).is_symlink() and sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name]
+    assert victim.read_bytes() == b"A" * 100
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dir"])
+def test_open_for_reading_neither_follows_nor_blocks(tmp_path: Path, kind: str) -> None:
+    """A link, a FIFO (which a blocking open would wait on forever) or a directory where a file
+    is read raises ForeignEntry naming it; a regular file is read."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"secret")
+    path = tmp_path / "file"
+    {"symlink": lambda: path.symlink_to(secret), "fifo": lambda: os.mkfifo(path), "dir": lambda: path.mkdir()}[kind]()
+    with pytest.raises(ForeignEntry, match=f"{path} is a "):
+        open_for_reading(path)
+    with pytest.raises(ForeignEntry, match=f"{path} is a "):
+        read_file(path)
+    assert read_file(secret) == b"secret"
+    with pytest.raises(OSError, match="larger than the 3 bytes"):
+        read_file(secret, limit=3)
+
+
+def test_retention_leaves_a_committed_step_that_holds_what_the_daemon_did_not_write(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "root")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v")
+    shard = _committed_step(storage, "a", 1, b"A")
+    (shard.parent / "planted").symlink_to(victim)
+    with pytest.raises(ForeignEntry, match=r"step directory .*step-00000001 is not deleted: it holds what the daemon did not write: .*planted \(a symbolic link\)"):
+        storage.remove_step("a", 1, recycle=True)
+    assert storage.committed_steps("a") == [1] and shard.read_bytes() == b"A"
+    (shard.parent / "planted").unlink()
+    storage.remove_step("a", 1, recycle=True)
+    assert storage.committed_steps("a") == [] and victim.read_bytes() == b"v"
+
+    # an uncommitted attempt: the daemon's own files go, the foreign one stays, and a save of that step says why it cannot start
+    step_dir = storage.prepare_step_dir("a", 2)
+    (step_dir / "own.safetensors").write_bytes(b"x")
+    os.mkfifo(step_dir / "fifo")
+    storage.remove_step("a", 2)
+    assert sorted(p.name for p in step_dir.iterdir()) == ["fifo"]
+    with pytest.raises(ForeignEntry, match=r"step-00000002 holds what the daemon did not write: .*fifo \(a FIFO\)"):
+        storage.prepare_step_dir("a", 2)
+    assert storage.leftovers("a", set()) == [] and stat.S_ISFIFO(os.lstat(step_dir / "fifo").st_mode)
+
+
+def test_the_root_id_file_is_0640_and_never_followed(tmp_path: Path, umask_007: None) -> None:
+    """Issue 20: cluster.root_id wrote 0644 (umask permitting) and opened without O_NOFOLLOW."""
+    from ckptd.daemon.cluster import ROOT_ID_FILE, root_id
+
+    os.umask(0)
+    root = tmp_path / "root"
+    root.mkdir()
+    first = root_id(root)
+    assert len(first) == 32 and root_id(root) == first and _mode(root / ROOT_ID_FILE) == 0o640
+    other = tmp_path / "other"
+    other.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not an id\n")
+    (other / ROOT_ID_FILE).symlink_to(victim)
+    with pytest.raises(ForeignEntry, match="is a symbolic link"):
+        root_id(other)
+    assert victim.read_bytes() == b"not an id\n" and os.readlink(other / ROOT_ID_FILE) == str(victim)
+
+
+def test_peer_fetch_does_not_follow_a_link_in_a_step(tmp_path: Path) -> None:
+    """Issue 20: peer_servicer.Fetch opened a step's file with a plain os.open: a shard replaced
+    by a link to a host file of the same size was served to the peer. Now it is refused
+    (FAILED_PRECONDITION naming the file) and a regular file is served."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import grpc
+
+    from ckptd.daemon.cluster import PEER_TOKEN_KEY
+    from ckptd.daemon.format import CheckpointIndex, FileRecord
+    from ckptd.daemon.peer_servicer import PeerServicer
+    from ckptd.wire.v1 import peer_pb2 as ppb
+
+    storage = Storage(tmp_path / "root")
+    shard = _committed_step(storage, "job", 1, b"D" * 64)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"S" * 64)
+    index = CheckpointIndex("job", 1, 0.0, 1, (), (FileRecord(shard.name, 64, ""),))
+
+    async def index_of(job: str, step: int) -> CheckpointIndex:
+        return index
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def invocation_metadata(self) -> list:
+            return [(PEER_TOKEN_KEY, "t")]
+
+        async def abort(self, code: grpc.StatusCode, message: str) -> None:
+            raise Aborted(code, message)
+
+    service = SimpleNamespace(cluster=SimpleNamespace(node=0, nodes=2), storage=storage, index=index_of)
+    servicer = PeerServicer(service, "t")  # type: ignore[arg-type]
+
+    async def fetch() -> bytes:
+        request = ppb.FetchRequest(job="job", step=1, file=shard.name, offset=0, nbytes=0)
+        return b"".join([chunk.data async for chunk in servicer.Fetch(request, Context())])
+
+    assert asyncio.run(fetch()) == b"D" * 64
+    shard.unlink()
+    shard.symlink_to(secret)
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(fetch())
+    code, message = refused.value.args
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and f"{shard} is a symbolic link" in message, refused.value.args

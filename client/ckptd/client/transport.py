@@ -14,6 +14,7 @@ import ctypes
 import functools
 import mmap
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -500,9 +501,13 @@ def _read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int,
 
 def _open(src: Source) -> int:
     try:
-        return os.open(src.path, os.O_RDONLY)
+        fd = os.open(src.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # never through a link, never waiting on a FIFO
     except OSError as exc:
         raise CheckpointError(f"cannot read {src.path} (tensor {src.name!r}): {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"cannot read {src.path} (tensor {src.name!r}): not a regular file (something other than the daemon put it there)")
+    return fd
 
 
 def _pread_exact(fd: int, out: np.ndarray, offset: int, path: str, hasher: "xxhash.xxh3_64 | None" = None) -> None:

@@ -278,9 +278,9 @@ def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
     """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
     rows = []
     job_dir = storage.job_dir(job)
-    for p in sorted(job_dir.iterdir()) if job_dir.is_dir() else []:
+    for p in sorted(job_dir.iterdir()) if job_dir.is_dir() and not job_dir.is_symlink() else []:
         step = parse_step_dir_name(p.name)
-        if step is None or not p.is_dir() or storage.is_committed(job, step):
+        if step is None or p.is_symlink() or not p.is_dir() or storage.is_committed(job, step):  # a link is not followed
             continue
         rows.append(
             {

@@ -15,7 +15,6 @@ import logging
 import json
 import math
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -125,14 +124,162 @@ def create_file(path: Path | str, dir_fd: int | None = None) -> int:
     return fd
 
 
-def open_nofollow(path: Path) -> int:
-    """A descriptor to read file `path`; a link there is not followed (ForeignEntry)."""
+def open_for_reading(path: Path | str, dir_fd: int | None = None) -> int:
+    """A descriptor to read the regular file at `path` (relative to `dir_fd` when given) under
+    the root. Never follows a link and never blocks on a FIFO (opened O_NONBLOCK, checked on the
+    descriptor, then set blocking): a link, a FIFO, a directory, a socket or a device there
+    raises ForeignEntry naming the path and saying what to do, and is left as it is. A file with
+    other hard links is read (a backup made with `cp -al` is harmless; checksums check content).
+    OSError (FileNotFoundError, PermissionError...) as os.open raises it otherwise."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise ForeignEntry(f"{path} is a symbolic link, not a file the daemon wrote: it is not followed") from None
+        raise ForeignEntry(f"{path} is a symbolic link, not a file the daemon wrote: it is not followed; remove it or move it away") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ForeignEntry(f"{path} is {_kind(st)}, not a file the daemon wrote: it is not read; remove it or move it away")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+
+def read_file(path: Path | str, limit: int = 1 << 30) -> bytes:
+    """The bytes of the regular file `path` under the root, read without following a link or
+    blocking on a FIFO (open_for_reading: ForeignEntry otherwise); at most `limit` bytes (a
+    larger file raises OSError EFBIG naming it)."""
+    with open(open_for_reading(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"{path} is larger than the {limit} bytes expected of it", str(path))
+    return data
+
+
+def check_replaceable(name: Path | str, dir_fd: int | None = None, shown: Path | str | None = None) -> None:
+    """Raise ForeignEntry unless what is at `name` (relative to `dir_fd`) may be replaced by a
+    rename: nothing, or a regular file of the daemon's uid (its other hard links, if any, keep
+    their bytes: a rename only drops this name). A link, a FIFO, a directory or another user's
+    file is never replaced: it stays, and the write that wanted its place fails. `shown`: the
+    path named in the message (default `name`)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        why = _kind(st)
+    elif st.st_uid != os.geteuid():
+        why = f"a file of uid {st.st_uid}, not the daemon's {os.geteuid()}"
+    else:
+        return
+    shown = name if shown is None else shown
+    log.warning("leaving %s alone: it is %s, which the daemon did not make", shown, why)
+    raise ForeignEntry(f"{shown} is {why}, which the daemon did not make: it is not replaced; remove it or move it away")
+
+
+def _own_entry(st: os.stat_result) -> bool:
+    """Whether an entry (lstat) may be deleted by the daemon: a real directory, or a regular
+    file of its uid (any number of hard links: unlinking one name leaves the others' bytes)."""
+    if stat.S_ISDIR(st.st_mode):
+        return True
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def foreign_entries(path: Path) -> list[tuple[Path, str]]:
+    """(entry, what it is) for everything under directory `path` the daemon would not delete
+    (_own_entry: a link, a FIFO, a socket, a device, another user's file). Links are not
+    followed; a `path` that is not a real directory is itself the one entry."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        return [] if _own_entry(st) else [(path, _describe(st))]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        for name in dirnames + filenames:
+            entry = Path(dirpath) / name
+            try:
+                st = os.lstat(entry)
+            except FileNotFoundError:
+                continue
+            if not _own_entry(st):
+                found.append((entry, _describe(st)))
+    return found
+
+
+def _describe(st: os.stat_result) -> str:
+    if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+        return f"a file of uid {st.st_uid}, not the daemon's {os.geteuid()}"
+    return _kind(st)
+
+
+def remove_own_tree(path: Path) -> list[tuple[Path, str]]:
+    """Delete `path` (a directory or a file) and what is under it, except what the daemon did
+    not write (see foreign_entries): those entries stay, each logged as a warning, with the
+    directories that hold them; returns them. Links are removed never, followed never."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        if _own_entry(st):
+            os.unlink(path)
+            return []
+        log.warning("leaving %s alone: it is %s, which the daemon did not make", path, _describe(st))
+        return [(path, _describe(st))]
+    left: list[tuple[Path, str]] = []
+    for dirpath, dirnames, filenames in os.walk(path, topdown=False, followlinks=False):
+        for name in filenames + dirnames:
+            entry = Path(dirpath) / name
+            try:
+                st = os.lstat(entry)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if not any(entry == p or p.is_relative_to(entry) for p, _ in left):
+                    os.rmdir(entry)
+            elif _own_entry(st):
+                os.unlink(entry)
+            else:
+                log.warning("leaving %s alone: it is %s, which the daemon did not make", entry, _describe(st))
+                left.append((entry, _describe(st)))
+    if not left:
+        os.rmdir(path)
+    return left
+
+
+def _unlink_own(path: Path) -> None:
+    """Unlink file `path` when it is the daemon's (a regular file of its uid); anything else there
+    stays, with a warning. Nothing there is fine."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        path.unlink(missing_ok=True)
+    else:
+        log.warning("leaving %s alone: it is %s, which the daemon did not make", path, _describe(st))
+
+
+def _real_dir_at(path: Path) -> bool:
+    """Whether `path` is a directory itself (lstat: a link to one is not)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _real_file_at(path: Path) -> bool:
+    """Whether `path` is a regular file itself (lstat: a link to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def open_recycled(recycled: Path, dest: Path) -> int | None:
@@ -241,10 +388,13 @@ def tmp_name(final: Path) -> Path:
 def write_small_file(path: Path, data: bytes) -> None:
     """Write a small file atomically: temporary name, fsync, rename, directory fsync. Mode
     FILE_MODE; relative to its directory's descriptor, and neither that directory nor the
-    temporary file is followed when it is a link (ForeignEntry)."""
+    temporary file is followed when it is a link (ForeignEntry). What it replaces must be one
+    of the daemon's files (check_replaceable): a link, FIFO, directory or another user's file
+    at `path` stays, and ForeignEntry names it."""
     dir_fd = open_dir(path.parent)
     try:
         tmp = tmp_name(path).name
+        check_replaceable(path.name, dir_fd, path)
         fd = create_file(tmp, dir_fd)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -345,17 +495,25 @@ class Storage:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
     def is_committed(self, job: str, step: int) -> bool:
-        return (self.step_dir(job, step) / INDEX_NAME).is_file()
+        """Whether the step's directory holds its index. The job directory, the step directory
+        and the index must each be what they seem, not links (planted `step-N -> /elsewhere`
+        is not a step of the job: never listed, loaded, or deleted through)."""
+        return _real_dir_at(self.job_dir(job)) and self._committed_at(self.step_dir(job, step))
+
+    @staticmethod
+    def _committed_at(path: Path) -> bool:
+        return _real_dir_at(path) and _real_file_at(path / INDEX_NAME)
 
     def committed_steps(self, job: str) -> list[int]:
-        """Steps whose directory holds ckptd.index.json, ascending."""
+        """Steps whose directory holds ckptd.index.json, ascending (is_committed: links are
+        not followed; a job directory that is a link has none)."""
         job_dir = self.job_dir(job)
-        if not job_dir.is_dir():
+        if not _real_dir_at(job_dir):
             return []
         steps = []
         for p in job_dir.iterdir():
             step = parse_step_dir_name(p.name)
-            if step is not None and (p / INDEX_NAME).is_file():
+            if step is not None and self._committed_at(p):
                 steps.append(step)
         return sorted(steps)
 
@@ -375,7 +533,7 @@ class Storage:
     def _commit_time(self, job: str, step: int) -> float:
         path = self.step_dir(job, step) / INDEX_NAME
         try:
-            st = path.stat()
+            st = os.lstat(path)
         except OSError:
             return float("-inf")  # removed meanwhile: the oldest
         stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -383,7 +541,7 @@ class Storage:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            created = float(json.loads(path.read_bytes())["created_at"])
+            created = float(json.loads(read_file(path))["created_at"])
         except (OSError, ValueError, KeyError, TypeError):
             created = float("nan")
         if not math.isfinite(created):
@@ -401,7 +559,7 @@ class Storage:
         """The step the job's `latest` file names, or None (no file, or not a step name). Not
         followed when it is a link."""
         try:
-            fd = os.open(self.job_dir(job) / LATEST, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_for_reading(self.job_dir(job) / LATEST)
         except OSError:
             return None
         try:
@@ -448,7 +606,7 @@ class Storage:
         its file position is moved). The kernel copies (sendfile), the bytes never pass through
         this process. Raises FormatError when the file ends early."""
         source = self.step_dir(job, step) / file
-        with open(open_nofollow(source), "rb", buffering=0) as f:
+        with open(self.open_step_file(job, step, file), "rb", buffering=0) as f:
             os.lseek(out_fd, offset, os.SEEK_SET)
             done = 0
             while done < nbytes:
@@ -458,9 +616,24 @@ class Storage:
                 done += sent
 
     def read_index(self, job: str, step: int) -> CheckpointIndex:
+        """The step's parsed index; never through a link, never blocking on a FIFO (ForeignEntry)."""
         path = self.step_dir(job, step) / INDEX_NAME
-        with open(open_nofollow(path), "rb") as f:
-            return CheckpointIndex.from_json_bytes(f.read(), where=str(path))
+        if not _real_dir_at(self.job_dir(job)) or (os.path.lexists(path.parent) and not _real_dir_at(path.parent)):
+            where = path.parent if _real_dir_at(self.job_dir(job)) else self.job_dir(job)
+            raise ForeignEntry(f"{where} is {_lkind(where)}, not a directory the daemon made: it is not followed; remove it or move it away")
+        return CheckpointIndex.from_json_bytes(read_file(path), where=str(path))
+
+    def open_step_file(self, job: str, step: int, name: str) -> int:
+        """A descriptor to read file `name` of a step (a plain name, no '/'), never through a
+        link nor blocking on a FIFO (open_for_reading), nor inside a step or job directory that
+        is a link (ForeignEntry naming it)."""
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a file name of a step directory")
+        step_dir = self.step_dir(job, step)
+        for d in (self.job_dir(job), step_dir):
+            if os.path.lexists(d) and not _real_dir_at(d):
+                raise ForeignEntry(f"{d} is {_lkind(d)}, not a directory the daemon made: it is not followed; remove it or move it away")
+        return open_for_reading(step_dir / name)
 
     def write_latest(self, job: str, step: int) -> None:
         write_small_file(self.job_dir(job) / LATEST, (step_dir_name(step) + "\n").encode())
@@ -471,10 +644,13 @@ class Storage:
         path = self.step_dir(job, step)
         if os.path.lexists(path) and not self._real_dir(path):
             raise ForeignEntry(f"{path} is {_lkind(path)}, not a step directory the daemon made: remove it or move it away")
-        if (path / INDEX_NAME).exists():
+        if os.path.lexists(path / INDEX_NAME):
             raise FileExistsError(f"{path} is already committed")
-        if fresh and path.exists():
-            shutil.rmtree(path)
+        if fresh and os.path.lexists(path):
+            left = remove_own_tree(path)  # an earlier failed attempt's files; never what the daemon did not write
+            if left:
+                shown = ", ".join(f"{p} ({what})" for p, what in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+                raise ForeignEntry(f"{path} holds what the daemon did not write: {shown}; remove or move it away, then save again")
         self.ensure_step_dir(job, step)
         fsync_dir(path.parent)
         return path
@@ -502,24 +678,35 @@ class Storage:
 
         recycle: keep its data files in the job's recycle bin (replacing what was there), so the
         next save overwrites their blocks instead of allocating new ones (see take_recycled).
+
+        Never deletes what the daemon did not write (foreign_entries: links, FIFOs, other users'
+        files; a link is never followed). A committed step holding any of that is left whole and
+        ForeignEntry names them (retention logs it and retries at its next pass); of an
+        uncommitted step (a failed attempt) the daemon's own files go and the rest stays, logged.
+        A step or job directory that is itself a link is left alone, with a warning.
         """
         path = self.step_dir(job, step)
         if not os.path.lexists(path):
             return
-        if not self._real_dir(path):
-            log.warning("leaving %s alone: it is %s, not a step directory the daemon made", path, _lkind(path))
+        if not _real_dir_at(path.parent) or not self._real_dir(path):
+            where = path if _real_dir_at(path.parent) else path.parent
+            log.warning("leaving %s alone: it is %s, not a directory the daemon made", where, _lkind(where))
             return
+        foreign = foreign_entries(path)
+        if foreign and not os.path.lexists(path / INDEX_NAME):
+            remove_own_tree(path)  # an attempt that failed: its own files go, the rest stays (logged)
+            return
+        if foreign:
+            shown = ", ".join(f"{p} ({what})" for p, what in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ForeignEntry(f"step directory {path} is not deleted: it holds what the daemon did not write: {shown}; move that away and it is deleted at the next retention pass or `ckptd gc`")
         doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
-        if self._real_dir(doomed):
-            shutil.rmtree(doomed)  # never follows a link (shutil.rmtree.avoids_symlink_attacks)
-        elif os.path.lexists(doomed):
-            log.warning("leaving %s alone: it is %s, which the daemon did not make", doomed, _lkind(doomed))
+        if os.path.lexists(doomed) and remove_own_tree(doomed):
             doomed = path.with_name(f"{DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
         os.replace(path, doomed)
         fsync_dir(path.parent)
         if recycle:
             self._recycle(job, doomed)
-        shutil.rmtree(doomed)
+        remove_own_tree(doomed)
 
     def _recycle(self, job: str, doomed: Path) -> None:
         """Move the data files of `doomed` (a step directory renamed away) into the job's recycle
@@ -560,7 +747,7 @@ class Storage:
     def unmark_prepared(self, job: str, step: int) -> None:
         path = self.step_dir(job, step)
         if self._real_dir(path):
-            (path / PREPARED_NAME).unlink(missing_ok=True)
+            _unlink_own(path / PREPARED_NAME)
 
     def prepared_steps(self) -> list[tuple[str, int]]:
         """(job, step) of step directories that hold a node's prepared part but no index."""
@@ -568,7 +755,7 @@ class Storage:
         for job in self.jobs():
             for p in self.job_dir(job).iterdir():
                 step = parse_step_dir_name(p.name)
-                if step is not None and not p.is_symlink() and (p / PREPARED_NAME).is_file() and not (p / INDEX_NAME).is_file():
+                if step is not None and _real_dir_at(p) and _real_file_at(p / PREPARED_NAME) and not os.path.lexists(p / INDEX_NAME):
                     found.append((job, step))
         return sorted(found)
 
@@ -580,11 +767,11 @@ class Storage:
             self.remove_step(job, step)
             return
         path = self.step_dir(job, step)
-        if not self._real_dir(path) or (path / INDEX_NAME).exists():
+        if not self._real_dir(path) or os.path.lexists(path / INDEX_NAME):
             return  # committed after all (a newer attempt), or a link: nothing of it is ours to remove
         for name in names:
-            (path / name).unlink(missing_ok=True)
-            tmp_name(path / name).unlink(missing_ok=True)
+            _unlink_own(path / name)
+            _unlink_own(tmp_name(path / name))
         try:
             path.rmdir()
         except OSError:
@@ -636,7 +823,9 @@ class Storage:
         nor a node's prepared part), temporary files and half-deleted steps, unchanged for at
         least `min_age_s` seconds. Returns (path, step or -1, reason, bytes) of each."""
         job_dir = self.job_dir(job)
-        if not job_dir.is_dir():
+        if not _real_dir_at(job_dir):
+            if os.path.lexists(job_dir):
+                log.warning("gc leaves %s alone: it is %s, not a job directory the daemon made", job_dir, _lkind(job_dir))
             return []
         found = []
         now = time.time()
@@ -654,48 +843,62 @@ class Storage:
                 continue
             if p.name.startswith(DELETING_PREFIX) or p.name.startswith(TMP_MARK):
                 found.append((p, -1, "temporary"))
-            elif step is not None and p.is_dir():
-                if (p / INDEX_NAME).is_file():
-                    found += [(q, step, "temporary") for q in sorted(p.iterdir()) if q.name.startswith(TMP_MARK) and not q.is_symlink()]
-                elif step not in busy and not (p / PREPARED_NAME).is_file():
+            elif step is not None and stat.S_ISDIR(st.st_mode):
+                if _real_file_at(p / INDEX_NAME):
+                    found += [(q, step, "temporary") for q in sorted(p.iterdir()) if q.name.startswith(TMP_MARK) and _own_entry(q.lstat())]
+                elif step not in busy and not os.path.lexists(p / PREPARED_NAME) and not os.path.lexists(p / INDEX_NAME):
                     found.append((p, step, "uncommitted"))
         out = []
         for path, step, reason in found:
             size = tree_bytes(path)
             if not dry_run:
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+                left = remove_own_tree(path)
+                if left:
+                    log.warning("gc left %s in place: it holds %d entries the daemon did not write (logged above)", path, len(left))
+                    continue
                 log.info("gc removed %s leftover %s", reason, path)
+            elif foreign_entries(path):
+                continue
             out.append((path, step, reason, size))
         return out
 
     def clean_uncommitted(self) -> list[Path]:
         """Remove what a crash left: step directories without an index, temporary files and
-        half-deleted steps. Then rewrite each job's `latest` from the committed steps."""
+        half-deleted steps (only what the daemon wrote: remove_own_tree). Then rewrite each
+        job's `latest` from the committed steps where it does not name the newest. What cannot
+        be changed (a read-only root, a foreign `latest`) is logged, not raised: the daemon
+        starts and serves loads; saves fail naming the cause."""
         removed = []
         for job in self.jobs():
             job_dir = self.job_dir(job)
             for p in job_dir.iterdir():
-                if p.is_symlink():  # not followed, not removed (`latest` is rewritten below)
+                if p.is_symlink():  # not followed, not removed
                     if p.name != LATEST:
                         log.warning("leaving %s alone: a symbolic link, which the daemon did not make", p)
                     continue
                 stale = p.name.startswith(DELETING_PREFIX) or p.name.startswith(TMP_MARK)
                 step = parse_step_dir_name(p.name)
-                if step is not None and p.is_dir() and not (p / INDEX_NAME).is_file():
-                    stale = not (p / PREPARED_NAME).is_file()  # prepared: resolved with the coordinator
-                if step is not None and p.is_dir() and (p / INDEX_NAME).is_file():
-                    for q in p.iterdir():
-                        if q.name.startswith(TMP_MARK) and not q.is_symlink():
-                            q.unlink()
-                            removed.append(q)
-                if stale:
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
-                    removed.append(p)
+                is_dir = _real_dir_at(p)
+                if step is not None and is_dir and not os.path.lexists(p / INDEX_NAME):
+                    stale = not os.path.lexists(p / PREPARED_NAME)  # prepared: resolved with the coordinator
+                try:
+                    if step is not None and is_dir and _real_file_at(p / INDEX_NAME):
+                        for q in p.iterdir():
+                            if q.name.startswith(TMP_MARK) and _own_entry(q.lstat()) and not q.is_dir():
+                                q.unlink()
+                                removed.append(q)
+                    if stale and not remove_own_tree(p):
+                        removed.append(p)
+                except OSError as exc:  # a read-only root: the daemon still starts and serves loads
+                    log.error("cannot remove the leftover %s: %s", p, exc)
             latest = self.latest_step(job)
-            if latest is not None:
-                self.write_latest(job, latest)
-            elif (job_dir / LATEST).exists():
-                (job_dir / LATEST).unlink()
+            try:
+                if latest is not None and self.latest_named(job) != latest:
+                    self.write_latest(job, latest)
+                elif latest is None and os.path.lexists(job_dir / LATEST):
+                    _unlink_own(job_dir / LATEST)
+            except OSError as exc:  # ForeignEntry, or a read-only root: saves will fail, naming it; loads work
+                log.error("cannot update the `latest` of job %s: %s", job, exc)
         for p in removed:
             log.info("removed uncommitted leftover %s", p)
         return removed

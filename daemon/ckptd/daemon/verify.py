@@ -8,7 +8,9 @@ Checks, each reported as a `Problem` naming the file and tensor:
 - every stored tensor or fragment matches its xxh3-64 checksum, and its chunks their checksums;
 - coverage: the fragments of each logical tensor cover its global shape exactly once.
 
-Reads only; never changes the step directory. Files another node wrote into a node-local root
+Reads only; never changes the step directory. No file is read through a symbolic link or
+waited on as a FIFO (storage.open_for_reading): a link, FIFO or directory where the index puts a
+file is a problem of kind "foreign" naming it. Files another node wrote into a node-local root
 can be left out with `node` (check them on that node).
 """
 
@@ -26,12 +28,12 @@ from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
 from ckptd.daemon.pipeline import checksum_name
-from ckptd.daemon.storage import TMP_MARK
+from ckptd.daemon.storage import TMP_MARK, ForeignEntry, open_for_reading, read_file
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a step. kind: index | missing | size | checksum | header | coverage."""
+    """One thing wrong with a step. kind: index | missing | foreign | size | checksum | header | coverage."""
 
     kind: str
     file: str  # the file concerned, relative to the step directory ("" for coverage)
@@ -82,7 +84,7 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
     problems: list[Problem] = []
     index_path = step_dir / INDEX_NAME
     try:
-        index = CheckpointIndex.from_json_bytes(index_path.read_bytes(), where=str(index_path))
+        index = CheckpointIndex.from_json_bytes(read_file(index_path), where=str(index_path))
     except FileNotFoundError:
         return VerifyReport(str(step_dir), problems=(Problem("index", INDEX_NAME, f"{step_dir} is not a committed checkpoint: it has no {INDEX_NAME} (an interrupted save; `ckptd gc` removes it)"),))
     except (OSError, FormatError) as exc:
@@ -110,16 +112,24 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
             continue
         path = step_dir / record.name
         try:
-            size = path.stat().st_size
+            fd = open_for_reading(path)
         except FileNotFoundError:
             where = f" (written by node {record.node}; with node-local roots verify it there, or pass --node)" if record.node else ""
             problems.append(Problem("missing", record.name, f"{record.name} is missing{where}{affected(record.name)}"))
             continue
+        except ForeignEntry as exc:
+            problems.append(Problem("foreign", record.name, f"{exc}{affected(record.name)}"))
+            continue
+        except OSError as exc:
+            problems.append(Problem("missing", record.name, f"{record.name} cannot be read: {exc.strerror or exc}{affected(record.name)}"))
+            continue
         checked += 1
+        size = os.fstat(fd).st_size
         if size != record.size:
+            os.close(fd)
             problems.append(Problem("size", record.name, f"{record.name} has {size} bytes, the index says {record.size} (truncated or replaced){affected(record.name)}"))
             continue
-        with open(path, "rb") as f:
+        with open(fd, "rb") as f:
             fd = f.fileno()
             if not is_data:
                 digest, _, _ = _hash_range(fd, 0, size, on_bytes)
@@ -163,7 +173,7 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
             if entry is None or data_offset + entry.begin != piece.offset or entry.end - entry.begin != piece.nbytes:
                 problems.append(Problem("header", piece.file, f"{piece.file} does not hold {piece.key!r} (tensor {t.name}) where the index says"))
                 continue
-            with open(step_dir / piece.file, "rb") as f:
+            with open(open_for_reading(step_dir / piece.file), "rb") as f:
                 digest, got, chunk_digests = _hash_range(f.fileno(), piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
             nbytes += got
             if digest != piece.checksum:
