@@ -3,8 +3,6 @@ root), trainer ranks as gloo processes, each talking to its node's daemon."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import math
 import socket
@@ -19,6 +17,7 @@ import torch
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.daemon.format import CheckpointIndex
+from pki import make_pki, tls_args  # tests/pki.py (shared with test_peer_security.py)
 
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -345,45 +344,6 @@ def test_quantized_fragments_written_by_two_nodes_load_the_same_in_any_layout(sh
 
 
 # ------------------------------------------------------------------ mutual TLS on the peer port
-
-def make_pki(out: Path, name: str) -> dict[str, Path]:
-    """PEM files of a new CA ("ca") and of one certificate ("cert", "key") it signed for
-    127.0.0.1 and localhost, good for server and client use."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def signed(subject: str, public_key, issuer: str, signer, extensions: list) -> "x509.Certificate":
-        builder = (
-            x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        )
-        for extension, critical in extensions:
-            builder = builder.add_extension(extension, critical=critical)
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = signed(f"{name} CA", ca_key.public_key(), f"{name} CA", ca_key, [(x509.BasicConstraints(ca=True, path_length=None), True)])
-    cert = signed("ckptd", key.public_key(), f"{name} CA", ca_key, [
-        (x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
-        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
-    ])
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"cert": out / "node.crt", "key": out / "node.key", "ca": out / "ca.crt"}
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    return paths
-
-
-def tls_args(pki: dict[str, Path]) -> list[str]:
-    return ["--peer-tls-cert", str(pki["cert"]), "--peer-tls-key", str(pki["key"]), "--peer-tls-ca", str(pki["ca"])]
-
 
 def test_two_daemons_save_and_load_over_mutual_tls(node_sets, tmp_path: Path) -> None:
     from ckptd.wire.v1 import peer_pb2, peer_pb2_grpc

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import os
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -19,7 +18,8 @@ from ckptd.daemon.checks import MAX_WORLD_SIZE, check_step, check_timeout, tenso
 from ckptd.daemon.cluster import FETCH_CHUNK, PEER_TOKEN_KEY, manifest_from_wire, meta_of
 from ckptd.daemon.format import INDEX_NAME
 from ckptd.daemon.service import CheckpointService
-from ckptd.daemon.servicer import MAX_MODEL_FILE_BYTES, MODEL_FILES, _abort
+from ckptd.daemon.servicer import MAX_MODEL_FILE_BYTES, MODEL_FILES, _abort, parse_json
+from ckptd.daemon.storage import ForeignEntry
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
@@ -27,8 +27,14 @@ T = TypeVar("T")
 
 
 def _authorized(context: grpc.aio.ServicerContext, token: str) -> None:
-    given = dict(context.invocation_metadata() or ()).get(PEER_TOKEN_KEY, "")
-    if not hmac.compare_digest(str(given).encode(), token.encode()):
+    """Raise Unauthenticated unless the call carries exactly one peer token, the right one
+    (compared in constant time). Runs before a handler reads its request."""
+    given = [value for key, value in (context.invocation_metadata() or ()) if key == PEER_TOKEN_KEY]
+    presented = given[0] if len(given) == 1 and isinstance(given[0], str) else ""
+    matches = hmac.compare_digest(presented.encode(), token.encode())
+    if len(given) > 1:
+        raise errors.Unauthenticated(f"{len(given)} peer tokens in one call: send exactly one ({PEER_TOKEN_KEY})")
+    if not matches or not token:
         raise errors.Unauthenticated("wrong or missing peer token: every daemon needs the same --peer-token / CKPTD_PEER_TOKEN")
 
 
@@ -101,18 +107,22 @@ class PeerServicer(ppb_grpc.PeerServicer):
         job = check_job_id(request.job)
         step = check_step(request.step)
         node = self._check_node(request.node)
-        extras = {}
-        for rank, text in request.extras_json.items():
-            try:
-                extras[rank] = json.loads(text) if text else {}
-            except json.JSONDecodeError as exc:
-                raise errors.InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+        extras = {rank: parse_json(text, f"extras of rank {rank}") if text else {} for rank, text in request.extras_json.items()}
         model_files = {}
         for name, text in request.model_files.items():
             if name not in MODEL_FILES or len(text) > MAX_MODEL_FILE_BYTES:
                 raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)} or too large")
+            parse_json(text, f"model file {name}")
             model_files[name] = text.encode()
-        manifest = manifest_from_wire(node, request.files, request.fragments, request.quantization_json) if request.ok else None
+        manifest = None
+        if request.ok:
+            # the JSON fields are checked here first: manifest_from_wire trusts the parser's depth
+            if request.quantization_json:
+                parse_json(request.quantization_json, f"node {node}'s quantization record")
+            for fragment in request.fragments:
+                if fragment.quant_json:
+                    parse_json(fragment.quant_json, f"the quantization record of fragment {fragment.name[:200]!r}")
+            manifest = manifest_from_wire(node, request.files, request.fragments, request.quantization_json)
         for record in manifest.files if manifest is not None else ():
             _check_file_name(record.name)
         outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)
@@ -123,7 +133,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         job = check_job_id(request.job)
         step = check_step(request.step)
         step_dir = self.service.storage.step_dir(job, step)
-        committed = await asyncio.to_thread((step_dir / INDEX_NAME).is_file)
+        committed = await asyncio.to_thread(self.service.storage.is_committed, job, step)  # links not followed
         files = []
         if committed:
             for path in await asyncio.to_thread(lambda: sorted(step_dir.glob("*.safetensors"))):
@@ -152,7 +162,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
             nbytes = request.nbytes or size - request.offset  # 0: to the end
             if request.offset < 0 or nbytes < 0 or request.offset + nbytes > size:
                 raise errors.InvalidRequest(f"bytes [{request.offset}, +{request.nbytes}) are outside {name} ({size} bytes)")
-            fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+            try:
+                fd = await asyncio.to_thread(self.service.storage.open_step_file, job, step, name)  # no link followed, no FIFO waited on
+            except ForeignEntry as exc:
+                raise errors.Precondition(f"{name} on node {self.cluster.node} is not served: {exc}") from None
             try:
                 done = 0
                 while done < nbytes:

@@ -16,7 +16,7 @@ import grpc
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import InvalidNameError, check_job_id
+from ckptd.common.names import MAX_EXTRAS_JSON_DEPTH, InvalidNameError, check_job_id, json_depth
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
@@ -78,6 +78,22 @@ def _mapped(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         raise AssertionError("unreachable: context.abort raises")
 
     return wrapper
+
+
+def parse_json(text: str, what: str, max_depth: int = MAX_EXTRAS_JSON_DEPTH) -> Any:
+    """`text` parsed as JSON; InvalidRequest naming `what` if it is not JSON or nests deeper than
+    `max_depth` (also when it nests deeper than the parser goes: no RecursionError escapes)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        too_deep = True
+    else:
+        too_deep = json_depth(value) > max_depth
+    if too_deep:
+        raise errors.InvalidRequest(f"{what} nests deeper than {max_depth} JSON levels, the limit; flatten it")
+    return value
 
 
 def _box(box: Box) -> pb.Box:
@@ -228,10 +244,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
                 raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)}")
             if len(text) > MAX_MODEL_FILE_BYTES:
                 raise errors.InvalidRequest(f"model file {name} is {len(text)} bytes; the limit is {MAX_MODEL_FILE_BYTES}")
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise errors.InvalidRequest(f"model file {name} is not valid JSON: {exc}") from None
+            parse_json(text, f"model file {name}")
             model_files[name] = text.encode()
         stall_s = request.stall_s if math.isfinite(request.stall_s) and 0 <= request.stall_s < 86400 else 0.0
         staged = None
