@@ -39,7 +39,7 @@ from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, step_di
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.pipeline import IncompleteStep, NodeManifest, step_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import Storage
+from ckptd.daemon.storage import FILE_MODE, Storage, read_file
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
@@ -60,14 +60,16 @@ def root_id(root: Path) -> str:
     """The storage root's id, created on first use; daemons that share a root read the same id."""
     path = root / ROOT_ID_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # FILE_MODE (0640) whatever the umask; O_EXCL | O_NOFOLLOW: a link planted there is not followed
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
     except FileExistsError:
-        return path.read_text().strip()
+        return read_file(path, 4096).decode("ascii", "replace").strip()
     with os.fdopen(fd, "w") as f:
         f.write(uuid.uuid4().hex + "\n")
         f.flush()
         os.fsync(f.fileno())
-    return path.read_text().strip()
+    return read_file(path, 4096).decode("ascii", "replace").strip()
 
 
 def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
@@ -92,6 +94,10 @@ class Outcome:
     committed: bool
     error: str = ""
     step_files: dict[str, bytes] = field(default_factory=dict)  # for nodes with their own root
+    # False: nobody who saw the save decided it (the coordinator did not answer, or restarted and
+    # knows no such save): node 0 may have committed the step before it went away, so a node's
+    # written part must stay until node 0's root says (Service.resolve_prepared)
+    decided: bool = True
 
 
 @dataclass
@@ -281,7 +287,7 @@ class Coordinator:
         """Take node's manifest (or its failure); returns the step's outcome once it is decided."""
         save = self._saves.get((job, step))
         if save is None or save.save_id != save_id:
-            return Outcome(False, f"the coordinator knows no save {save_id} of step {step} (it restarted or the save was aborted)")
+            return Outcome(False, f"the coordinator knows no save {save_id} of step {step} (it restarted or the save was aborted)", decided=False)
         if node not in save.nodes:
             raise InvalidRequest(f"node {node} did not join the save of step {step}")
         if not save.decided.is_set():
@@ -530,7 +536,7 @@ class Cluster:
         try:
             reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)
         except grpc.RpcError as exc:
-            return Outcome(False, f"the coordinator {self.describe(0)} did not answer: {exc.details() or exc.code().name}")
+            return Outcome(False, f"the coordinator {self.describe(0)} did not answer: {exc.details() or exc.code().name}", decided=False)
         return Outcome(reply.committed, reply.error, dict(reply.step_files))
 
     async def _call_coordinator(self, method: Any, request: Any, timeout_s: float) -> Any:

@@ -94,8 +94,15 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
             "restarted trainer about 2x faster (README: The daemon, shared memory)", config.shm_dir,
         )
     _prepare_socket(config.socket)
+    faults = None
+    if os.environ.get("CKPTD_FAULT_KILL_AT") or os.environ.get("CKPTD_FAULT_LOG"):  # tests only (faults.py)
+        from ckptd.daemon.faults import install_from_env
+
+        faults = install_from_env(os.environ, config.root)
+        log.warning("fault injection is on (%s): this daemon is for tests only", ", ".join(k for k in os.environ if k.startswith("CKPTD_FAULT_")))
     service = CheckpointService(config)
     await asyncio.to_thread(service.start)
+    await service.retention_at_start()
     if config.metrics_port:
         service.metrics.watch(read_on_loop(asyncio.get_running_loop(), service.live_state))
         service.metrics.info.labels(VERSION, str(config.node_rank)).set(1)
@@ -129,10 +136,13 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         log.info("node %s of %s: peer service on %s", config.node_rank, len(config.peers), config.peer_address)
         if config.node_rank != 0:  # parts written before a restart: committed by node 0 or not?
             background.append(asyncio.get_running_loop().create_task(service.resolve_prepared()))
+            background.append(asyncio.get_running_loop().create_task(service.member_retention_at_start()))
     os.chmod(config.socket, 0o660)
     for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ckptd serving on %s, root %s, shared memory in %s", address, config.root, config.shm_dir)
+    if faults is not None:
+        faults.arm()  # file events are counted from here on: those of start-up recovery are not
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
