@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,15 +34,44 @@ from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NoSpace, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.gpu import GpuStaging, StagedRange
-from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, PREPARED_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.retention import RetentionPolicy
-from ckptd.daemon.storage import Storage, tree_bytes
+from ckptd.daemon.storage import TMP_MARK, Storage, read_file, tree_bytes
 
 log = logging.getLogger(__name__)
+
+INDEX_CACHE_ENTRIES = 16  # parsed indexes kept (about 1 KiB per tensor each): the steps loaded or committed last
+
+
+class IndexCache:
+    """The parsed indexes of the `entries` committed steps used most recently, by (job, step).
+
+    Bounded: a job that keeps every 50th step for months has thousands of committed steps, and
+    an index of every one of them in memory grew the daemon by about 190 KiB per step (200
+    tensors) in the soak benchmark (tests/bench/soak.py)."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
+        index = self._items.get(key)
+        if index is not None:
+            self._items.move_to_end(key)
+        return index
+
+    def put(self, key: tuple[str, int], index: CheckpointIndex) -> None:
+        self._items[key] = index
+        self._items.move_to_end(key)
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+    def pop(self, key: tuple[str, int], default: None = None) -> CheckpointIndex | None:
+        return self._items.pop(key, default)
 
 MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
@@ -263,8 +293,9 @@ class CheckpointService:
         self.counters = Counters()
         self.draining = False
         self._persist_executor = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist")
-        self._index_cache: dict[tuple[str, int], CheckpointIndex] = {}
+        self._index_cache = IndexCache(INDEX_CACHE_ENTRIES)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
         self.node = config.node_rank
         tls = PeerTls.from_files(*config.peer_tls_files) if config.peer_tls_files is not None else None
         self.cluster = (
@@ -283,6 +314,11 @@ class CheckpointService:
         self.config.root.mkdir(parents=True, exist_ok=True)
         for path in self.storage.clean_uncommitted():
             log.warning("removed uncommitted leftover %s", path)
+        for job in self.storage.jobs():  # a member that died between writing node 0's index and removing its marker
+            for step in self.storage.committed_steps(job):
+                if self.storage.step_dir(job, step).joinpath(PREPARED_NAME).is_file():
+                    self.storage.unmark_prepared(job, step)
+                    log.warning("removed the prepared marker of step %s of job %s: the step is committed", step, job)
         self.config.shm_dir.mkdir(parents=True, exist_ok=True)
         for path in remove_stale_arenas(self.config.shm_dir, os.getpid()):
             log.warning("removed stale shared-memory arena %s", path)
@@ -377,7 +413,10 @@ class CheckpointService:
         elif (rank, fingerprint) not in state.specs:
             raise Precondition("unknown fingerprint: send the tensor metadata with this request")
         if step in state.recent and state.recent[step].state == "committed" or await self._committed(job, step):
-            raise AlreadyExists(f"step {step} of job {job!r} is already committed; save under a new step")
+            raise AlreadyExists(
+                f"step {step} of job {job!r} is already committed (after a rollback, the abandoned timeline's steps stay): "
+                "save under a step number not on disk (`ckptd ls` lists them), or move that step's directory out of the root first"
+            )
         await self._abort_left_behind(state, rank, step)
         session = state.sessions.get(step)
         if session is None or not session.open:
@@ -651,7 +690,7 @@ class CheckpointService:
 
     def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:
         assert session.arenas is not None and session.plan is not None
-        self._index_cache[(session.job, session.step)] = index
+        self._index_cache.put((session.job, session.step), index)
         session.state = "committed"
         session.step_dir = str(self.storage.step_dir(session.job, session.step))
         self.counters.committed += 1
@@ -738,6 +777,12 @@ class CheckpointService:
             self._finish(state, session)
             await _notify(state.arena_freed)
             return
+        if not outcome.decided and manifest is not None and not session.shared_root and self.node != 0:
+            # Node 0 went away before it answered: it may have committed the step (its index is
+            # written before the answer). The part stays, marked prepared, until node 0 says.
+            await self._fail(state, session, f"{outcome.error}; node {self.node} keeps its part until node 0 says whether it committed the step", "peer")
+            self._spawn(self.resolve_prepared(retry_s=1.0))
+            return
         # Node 0 too: the coordinator removed the step from its root when it aborted, but node 0's
         # own writer may have started after that (another node refused the step at once: NoSpace).
         names = [f.name for f in manifest.files] if manifest is not None else []
@@ -745,8 +790,14 @@ class CheckpointService:
         await self._fail(state, session, outcome.error, cause if error else "peer")
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
+        """Record node 0's commit in this node's own root. Temporary files in the step directory
+        (of a daemon that died writing this commit before: start-up recovery keeps a prepared
+        part whole) go: nothing else writes into it now."""
         write_step_files(self.storage, job, step, files)
         self.storage.unmark_prepared(job, step)
+        for leftover in self.storage.step_dir(job, step).glob(f"{TMP_MARK}*"):
+            if leftover.is_file() and not leftover.is_symlink():
+                leftover.unlink(missing_ok=True)
         newest = self.storage.latest_step(job)  # the most recently committed, by node 0's created_at: normally `step`
         self.storage.write_latest(job, step if newest is None else newest)
 
@@ -757,29 +808,46 @@ class CheckpointService:
 
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         """Several nodes with their own roots: finish or discard the parts this node wrote before
-        it restarted. Node 0 decides: a step it committed gets its index here too; a step it
-        neither committed nor is still saving is removed. Runs until every part is resolved."""
+        it restarted, or whose save node 0 never answered. Node 0 decides: a step it committed
+        gets its index here too; a step it neither committed nor is still saving is removed.
+        Runs until every part is resolved; the parts of saves in flight here are left to them.
+        Several of these may run at once: one step is resolved by one of them at a time."""
         assert self.cluster is not None
-        pending = await asyncio.to_thread(self.storage.prepared_steps)
+
+        async def pending_now() -> list[tuple[str, int]]:
+            return [(job, step) for job, step in await asyncio.to_thread(self.storage.prepared_steps) if not self.saving(job, step)]
+
+        pending = await pending_now()
         while pending:
             unresolved = []
             for job, step in pending:
-                answer = await self.cluster.inventory(0, job, step)
-                if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
-                    unresolved.append((job, step))
-                    continue
-                try:
-                    if answer[1]:
-                        await self._adopt_commit(job, step)
-                    else:
-                        log.warning("removing node %s's part of step %s of job %s: node 0 did not commit it", self.node, step, job)
-                        await asyncio.to_thread(self.storage.remove_step, job, step)
-                except (CkptdError, FormatError, OSError) as exc:
-                    log.warning("could not resolve step %s of job %s with node 0 yet: %s", step, job, exc)
-                    unresolved.append((job, step))
+                async with self._resolving:
+                    if (job, step) not in await pending_now():
+                        continue  # resolved meanwhile, or saved again
+                    if not await self._resolve_one(job, step):
+                        unresolved.append((job, step))
             pending = unresolved
             if pending:
                 await asyncio.sleep(retry_s)
+                pending = [p for p in await pending_now() if p in pending]
+
+    async def _resolve_one(self, job: str, step: int) -> bool:
+        """Resolve one prepared part with node 0 (resolve_prepared); False: not yet."""
+        assert self.cluster is not None
+        answer = await self.cluster.inventory(0, job, step)
+        if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
+            return False
+        try:
+            if answer[1]:
+                await self._adopt_commit(job, step)
+                await self._apply_retention(job, committed=step)  # as after a commit it heard of (_persist_node)
+            else:
+                log.warning("removing node %s's part of step %s of job %s: node 0 did not commit it", self.node, step, job)
+                await asyncio.to_thread(self.storage.remove_step, job, step)
+        except (CkptdError, FormatError, OSError) as exc:
+            log.warning("could not resolve step %s of job %s with node 0 yet: %s", step, job, exc)
+            return False
+        return True
 
     async def _adopt_commit(self, job: str, step: int) -> None:
         """Write the index (and the small files) that node 0 committed for a step whose data
@@ -802,6 +870,30 @@ class CheckpointService:
         assert self.cluster is not None
         outcome = await self.cluster.report(session.job, session.step, session.global_id, None, session.error, {}, {})
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
+
+    async def retention_at_start(self) -> None:
+        """Apply retention to every job once at start-up, on a single node and on node 0 (the
+        node that applies it to a shared root): a daemon that died after a commit but before
+        that commit's retention ran would otherwise list, until the next commit, a step that
+        other nodes have already deleted (and so no longer loads)."""
+        if self.cluster is not None and self.node != 0:
+            return
+        for job in await asyncio.to_thread(self.storage.jobs):
+            await self._apply_retention(job)
+
+    async def member_retention_at_start(self) -> None:
+        """retention_at_start for a member (node != 0) with a root of its own (node 0 applies it
+        to a shared root): run in the background once serving, as it asks node 0 for its root's
+        id; when node 0 does not answer, the next commit applies it."""
+        assert self.cluster is not None and self.node != 0
+        for job in await asyncio.to_thread(self.storage.jobs):
+            answer = await self.cluster.inventory(0, job, 0)
+            if isinstance(answer, str):
+                log.info("retention at start-up left to the next commit: node 0 did not answer (%s)", answer)
+                return
+            if answer[0] == self.cluster.root_id:
+                return  # a root shared with node 0: its retention is node 0's
+            await self._apply_retention(job)
 
     async def _apply_retention(self, job: str, dry_run: bool = False, committed: int | None = None) -> list[Collected]:
         """Delete the job's committed steps that the retention policy does not keep; returns them.
@@ -1230,12 +1322,14 @@ class CheckpointService:
     async def index(self, job: str, step: int) -> CheckpointIndex:
         """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
         key = (job, step)
-        if key not in self._index_cache:
+        index = self._index_cache.get(key)
+        if index is None:
             try:
-                self._index_cache[key] = await asyncio.to_thread(self.storage.read_index, job, step)
+                index = await asyncio.to_thread(self.storage.read_index, job, step)
             except FormatError as exc:
                 raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
-        return self._index_cache[key]
+            self._index_cache.put(key, index)
+        return index
 
     async def _extras(self, job: str, step: int) -> dict[int, Any]:
         """Every rank's extras from the step's extra.json, its bytes checked against the index
@@ -1245,7 +1339,7 @@ class CheckpointService:
             return {}
         path = self.storage.step_dir(job, step) / EXTRA_JSON
         try:
-            return parse_extra_json(await asyncio.to_thread(path.read_bytes), record)
+            return parse_extra_json(await asyncio.to_thread(read_file, path), record)  # no link followed, no FIFO waited on
         except (OSError, FormatError) as exc:
             problem = f"{EXTRA_JSON} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
             older = [s for s in await asyncio.to_thread(self.storage.committed_steps, job) if s < step]
