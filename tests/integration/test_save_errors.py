@@ -4,6 +4,8 @@ finding 8); what can pass (a daemon that is down) still only warns with on_error
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -107,3 +109,31 @@ def test_load_raises_on_an_unusable_state(daemon: Any) -> None:
     with CheckpointClient("load-bad", address=daemon.address, rank=0, world_size=1, on_error="warn") as ckpt:
         with pytest.raises(ValueError, match="put its model"):
             ckpt.load({"optimizer": optimizer})
+
+
+def test_a_new_world_size_while_the_old_worlds_save_is_open_only_fails_that_save(daemon: Any) -> None:
+    """An elastic restart can meet a save of the old world still waiting for its ranks: that is
+    not an error in the caller's state (FAILED_PRECONDITION, a failed handle with on_error="warn"),
+    and the same client saves once the old save has timed out."""
+    model, optimizer = _training()
+    state = {"model": model, "optimizer": optimizer}
+    old_world = CheckpointClient("elastic", address=daemon.address, rank=0, world_size=2, local_world_size=2, on_error="warn", timeout_s=3)
+    waiting = threading.Thread(target=old_world.save, args=(1, state))  # rank 1 never comes: open until the timeout
+    waiting.start()
+    try:
+        with CheckpointClient("elastic", address=daemon.address, rank=0, world_size=1, on_error="warn") as ckpt:
+            deadline = time.monotonic() + 10
+            while not ckpt.status().in_flight and time.monotonic() < deadline:  # the old world's save is open
+                time.sleep(0.05)
+            handle = ckpt.save(2, state)
+            assert not handle.ok and "save in flight with world size 2" in str(handle.error)
+            waiting.join(timeout=30)
+            deadline = time.monotonic() + 10
+            while ckpt.status().in_flight and time.monotonic() < deadline:  # timed out and gone
+                time.sleep(0.05)
+            handle = ckpt.save(3, state)
+            assert handle.ok, handle.error
+            handle.wait_durable(timeout=60)
+    finally:
+        waiting.join(timeout=30)
+        old_world.close()

@@ -34,7 +34,9 @@ from ckptd.daemon.cluster import Cluster, JoinResult
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NoSpace, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.gpu import GpuStaging, StagedRange
-from ckptd.daemon.format import EXTRA_JSON, INDEX_NAME, PREPARED_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.format import (
+    EXTRA_JSON, INDEX_NAME, PREPARED_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, check_small_file, parse_extra_json,
+)
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
@@ -372,9 +374,9 @@ class CheckpointService:
             self.jobs[job] = state
         elif state.world_size != world_size:
             if any(s.open for s in state.sessions.values()):
-                raise InvalidRequest(
-                    f"job {job!r} has a save in flight with world size {state.world_size}, "
-                    f"this rank says {world_size}; all ranks of a job must agree on the world size"
+                raise Precondition(  # not the caller's state: an elastic restart while the old world's save is still open
+                    f"job {job!r} has a save in flight with world size {state.world_size}, this rank says {world_size}: "
+                    "save again once that save has finished or timed out (all ranks of a save must agree on the world size)"
                 )
             state.world_size = world_size
             state.specs.clear()
@@ -861,6 +863,7 @@ class CheckpointService:
         for record in index.files:
             if not record.name.endswith(".safetensors"):
                 files[record.name] = await self.cluster.fetch_bytes(0, job, step, record.name)
+                check_small_file(record, files[record.name])  # FormatError: not written, resolved later
         files[INDEX_NAME] = data
         await asyncio.to_thread(self._write_commit_here, job, step, files)
         log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.node)
