@@ -17,6 +17,7 @@ from typing import Iterator
 import pytest
 import torch
 
+import small_fs  # tests/small_fs.py
 from metrics_scrape import scrape  # tests/metrics_scrape.py
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
@@ -108,21 +109,8 @@ def test_a_reserve_above_the_free_space_refuses_the_save_and_keeps_the_previous_
 @pytest.fixture
 def small_root(daemons) -> Iterator:
     """The daemons' root on a 32 MiB tmpfs; unmounted (daemons stopped first) at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    root = daemons.root
-    root.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(root)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield daemons
-    finally:
-        for daemon in daemons.started:
-            daemon.kill()
-        unmounted = subprocess.run(["umount", str(root)], capture_output=True, text=True)
-        if unmounted.returncode != 0:
-            subprocess.run(["umount", "-l", str(root)], check=True)
+    with small_fs.tmpfs_root(daemons, "32m") as mounted:
+        yield mounted
 
 
 def test_on_a_small_file_system_a_state_larger_than_the_space_is_refused_and_recycled_files_count(small_root) -> None:

@@ -30,6 +30,8 @@ import grpc
 import pytest
 import torch
 
+import small_fs  # tests/small_fs.py
+
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.daemon.export import ExportError, export_model
@@ -379,22 +381,9 @@ def act(case: Case, ckpt: CheckpointClient, daemon, job: str, state: dict, index
 
 @pytest.fixture
 def tmpfs_root(daemons) -> Iterator:
-    """The daemons' root on a 24 MiB tmpfs (this runs as root here); unmounted at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the root needs root; run as root to cover a read-only root and a full disk")
-    root = daemons.root
-    root.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(root)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs at the root here ({mounted.stderr.strip()}): read-only root and full disk not covered")
-    try:
-        yield daemons
-    finally:
-        for d in daemons.started:
-            if d.popen.poll() is None:
-                d.kill()
-        if subprocess.run(["umount", str(root)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(root)], check=True)
+    """The daemons' root on a 24 MiB tmpfs; unmounted at the end."""
+    with small_fs.tmpfs_root(daemons, "24m") as mounted:
+        yield mounted
 
 
 def remount(root: Path, mode: str) -> None:

@@ -19,7 +19,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon.config import human_size
@@ -199,17 +199,19 @@ def foreign_entries(path: Path) -> list[tuple[Path, str]]:
         return []
     if not stat.S_ISDIR(st.st_mode):
         return [] if _own_entry(st) else [(path, _describe(st))]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+    return [(entry, _describe(st)) for entry, st in _entries_under(path, topdown=True) if not _own_entry(st)]
+
+
+def _entries_under(path: Path, topdown: bool) -> Iterator[tuple[Path, os.stat_result]]:
+    """(entry, lstat) of everything under directory `path`, links not followed; bottom-up (a
+    directory after what it holds) unless `topdown`. Entries gone meanwhile are skipped."""
+    for dirpath, dirnames, filenames in os.walk(path, topdown=topdown, followlinks=False):
         for name in dirnames + filenames:
             entry = Path(dirpath) / name
             try:
-                st = os.lstat(entry)
+                yield entry, os.lstat(entry)
             except FileNotFoundError:
                 continue
-            if not _own_entry(st):
-                found.append((entry, _describe(st)))
-    return found
 
 
 def _describe(st: os.stat_result) -> str:
@@ -233,21 +235,15 @@ def remove_own_tree(path: Path) -> list[tuple[Path, str]]:
         log.warning("leaving %s alone: it is %s, which the daemon did not make", path, _describe(st))
         return [(path, _describe(st))]
     left: list[tuple[Path, str]] = []
-    for dirpath, dirnames, filenames in os.walk(path, topdown=False, followlinks=False):
-        for name in filenames + dirnames:
-            entry = Path(dirpath) / name
-            try:
-                st = os.lstat(entry)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                if not any(entry == p or p.is_relative_to(entry) for p, _ in left):
-                    os.rmdir(entry)
-            elif _own_entry(st):
-                os.unlink(entry)
-            else:
-                log.warning("leaving %s alone: it is %s, which the daemon did not make", entry, _describe(st))
-                left.append((entry, _describe(st)))
+    for entry, st in _entries_under(path, topdown=False):
+        if stat.S_ISDIR(st.st_mode):
+            if not any(entry == p or p.is_relative_to(entry) for p, _ in left):
+                os.rmdir(entry)
+        elif _own_entry(st):
+            os.unlink(entry)
+        else:
+            log.warning("leaving %s alone: it is %s, which the daemon did not make", entry, _describe(st))
+            left.append((entry, _describe(st)))
     if not left:
         os.rmdir(path)
     return left
