@@ -7,7 +7,7 @@ Two trainer ranks (separate processes, world size 2 on one node) save a state of
 tensors (a model both ranks hold, each rank's own optimizer shard and extras) `--saves` times,
 each waited until durable. Every ROLLBACK_EVERY saves both ranks load the step committed two
 saves earlier and continue from it with step numbers below the highest saved (the rollback
-workflow of DESIGN.md §9), so retention (`--keep-last 3 --keep-every 50`) deletes out of step
+workflow of docs/architecture.md §9), so retention (`--keep-last 3 --keep-every 50`) deletes out of step
 order. Every `--every` saves the parent samples the daemon: resident memory (VmRSS), open file
 descriptors, threads, arenas and bytes in its shared-memory directory, step directories and
 other files under the root (recycle bin, `latest`, temporaries).
@@ -123,7 +123,7 @@ def sample(pid: int, shm_dir: Path, root: Path, saves: int) -> Sample:
     rss_kib = int(fields["VmRSS"].split()[0])
     arenas = [p for p in shm_dir.iterdir() if p.is_file()]
     steps = other = 0
-    for where, dirs, names in os.walk(root):
+    for _where, dirs, names in os.walk(root):
         steps += sum(1 for d in dirs if d.startswith("step-"))
         dirs[:] = [d for d in dirs if not d.startswith("step-")]
         other += len(names)

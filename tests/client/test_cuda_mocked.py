@@ -18,14 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 from ckptd.client import cuda as cuda_module
 
 GIB = 1 << 30
 MB = 1 << 20
 PAGE = 4096
-
-
-import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 
 
 @pytest.fixture
@@ -274,7 +272,7 @@ def test_the_copy_plan_is_built_once_for_the_same_placements_and_rebuilt_when_th
         issued = cuda.copies[before:]
         assert sum(c.via == "copy_" for c in issued) == 2  # per save: one copy per run...
         assert sum(c.via == "foreach" for c in issued) == 50  # ...and one pack of the small ones
-        for t, off, n in placements:
+        for _t, off, n in placements:
             assert torch.all(dsts[step % 2][off : off + n].view(torch.float32) == float(step))
     assert copier.plans_built == 2  # one per arena
     assert len(items_made) == 2 * len(tensors)  # no per-tensor planning on the cached saves

@@ -223,7 +223,7 @@ def test_fsdp2_over_tp_uses_strided_shards_and_still_tiles(reports) -> None:
 
 @pytest.mark.slow
 def test_partial_dtensors_and_drifting_replicas_are_refused(reports) -> None:
-    for world, per_rank in reports.items():
+    for _world, per_rank in reports.items():
         for report in per_rank:
             assert "reduce it before saving" in report["errors"]["partial"]
             assert "'b' (ranks [1" in report["errors"]["drift"] and "'a'" not in report["errors"]["drift"]

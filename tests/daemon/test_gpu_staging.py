@@ -18,6 +18,7 @@ from typing import Callable
 
 import pytest
 
+import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 from ckptd.common.cudart import CudaRuntime, CudaRuntimeError, IpcMemHandle
 from ckptd.daemon.arena import Arena
 from ckptd.daemon.errors import Aborted, InvalidRequest, NotFound
@@ -153,7 +154,6 @@ def test_buffers_of_dead_trainers_are_closed() -> None:
     staging.shutdown()
 
 
-import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
 GIB = 1 << 30
 MB = 1 << 20
 

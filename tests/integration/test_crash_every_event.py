@@ -261,6 +261,8 @@ def crash_at_every_event(rig: Rig, victim: int, scenario: str) -> dict:
     killed: list[dict] = []
     committed_after_kill = 0
     warmups = 0
+    before: list[int] = []  # the committed steps and the ack of the previous kill's save (set from n = 1 on)
+    acked = False
     for n in range(1, count + 2):  # count + 1: the save completes, then a SIGKILL right after it
         log, arm = rig.base / f"kill{n}.jsonl", rig.base / f"arm{n}"
         rig.start(victim, kill_at=n, log=log, arm=arm)  # recovers what the kill at n - 1 left

@@ -112,7 +112,7 @@ def test_every_directory_is_0750_and_every_file_0640_under_the_units_umask(daemo
     assert {"latest", ".recycle", "step-00000002"} <= {p.name for p in job_dir.iterdir()}
     assert {"ckptd.index.json", "extra.json"} <= {p.name for p in (job_dir / "step-00000002").iterdir()}
     modes = {}
-    for dirpath, dirnames, filenames in os.walk(daemon.root):
+    for dirpath, _dirnames, filenames in os.walk(daemon.root):
         modes[dirpath] = stat.S_IMODE(os.lstat(dirpath).st_mode)
         for name in filenames:
             modes[os.path.join(dirpath, name)] = stat.S_IMODE(os.lstat(os.path.join(dirpath, name)).st_mode)

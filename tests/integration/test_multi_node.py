@@ -58,7 +58,7 @@ def run_job(
     codes = [p.wait(180) for p in procs]
     assert codes == [0] * world, codes
     results = [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
-    for r, result in enumerate(results):
+    for _r, result in enumerate(results):
         result["dir"] = str(out)
     return results
 

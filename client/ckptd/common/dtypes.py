@@ -5,6 +5,7 @@ The daemon never needs torch to move bytes: it only needs the size of an element
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 # safetensors dtype name -> (bytes per element, torch dtype attribute name)
@@ -44,7 +45,7 @@ def itemsize(dtype: str) -> int:
         ) from None
 
 
-def nbytes(dtype: str, shape: "tuple[int, ...] | list[int]") -> int:
+def nbytes(dtype: str, shape: Sequence[int]) -> int:
     """Bytes of a tensor of this dtype and shape, e.g. nbytes("BF16", (2, 3)) == 12."""
     n = itemsize(dtype)
     for d in shape:

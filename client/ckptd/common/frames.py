@@ -1,4 +1,4 @@
-"""Entropy coding of quantized codes: independent zstd frames of whole rows (DESIGN.md §8).
+"""Entropy coding of quantized codes: independent zstd frames of whole rows (docs/architecture.md §8).
 
 Blockwise int4/int8 codes are far from uniform (most first-moment codes sit near zero), so a
 Huffman stage takes about a fifth off them. Codes are cut into frames of whole rows (dim 0 of
@@ -12,7 +12,7 @@ Pure: bytes in, bytes out; no file system.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import zstandard
@@ -54,10 +54,10 @@ class Frames:
         return {"coder": ENTROPY, "rows": self.rows, "ends": list(self.ends)}
 
     @staticmethod
-    def from_json(d: dict[str, object]) -> "Frames":
+    def from_json(d: dict[str, Any]) -> "Frames":
         if d.get("coder") != ENTROPY:
             raise FrameError(f"unknown entropy coder {d.get('coder')!r}; this ckptd decodes {ENTROPY!r} frames only — upgrade ckptd")
-        return Frames(int(d["rows"]), tuple(int(x) for x in d["ends"]))  # type: ignore[arg-type]
+        return Frames(int(d["rows"]), tuple(int(x) for x in d["ends"]))
 
 
 def compress(codes: np.ndarray, row_bytes: int, frame_bytes: int = FRAME_BYTES) -> tuple[np.ndarray, Frames]:

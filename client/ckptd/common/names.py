@@ -4,6 +4,7 @@ the extras a save sends (checked by the client before sending and by the daemon 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Final
 
 JOB_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -65,6 +66,7 @@ def json_depth(value: object) -> int:
     todo = [(value, 1)]
     while todo:
         item, depth = todo.pop()
+        children: Iterable[object]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

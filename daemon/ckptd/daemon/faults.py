@@ -150,7 +150,7 @@ class FaultInjector:
         if self._log_path is not None:
             self._log_fd = os.open(self._log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         wrappers = self._wrappers()
-        for name, wrapper in wrappers.items():
+        for name, _wrapper in wrappers.items():
             original = getattr(os, name, None) if name != "open_builtin" else builtins.open
             if original is None:
                 continue

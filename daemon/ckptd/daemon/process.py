@@ -43,9 +43,9 @@ class DaemonProcess:
             self.popen.send_signal(signal.SIGTERM)
         try:
             return self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             self.popen.kill()
-            raise DaemonStartError(f"daemon {self.pid} did not stop within {timeout_s} s of SIGTERM; killed it")
+            raise DaemonStartError(f"daemon {self.pid} did not stop within {timeout_s} s of SIGTERM; killed it") from exc
         finally:
             self._close_log()
 
