@@ -48,7 +48,7 @@ def test_nothing_to_delete_in_tiny_jobs(steps: list[int]) -> None:
 # ------------------------------------------------------------------ commit order (rollback)
 
 # The input is the commit order, oldest first; "newest" is the last committed, not the highest
-# step (DESIGN.md §9). 10, 20, 30, then a rollback to 10 and a save of 15: 15 is the newest.
+# step (docs/architecture.md §9). 10, 20, 30, then a rollback to 10 and a save of 15: 15 is the newest.
 ROLLBACK = [10, 20, 30, 15]
 
 

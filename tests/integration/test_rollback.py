@@ -1,4 +1,4 @@
-"""Rollback with a real daemon (issue 20, finding 1; DESIGN.md §9): a job that loads an older
+"""Rollback with a real daemon (issue 20, finding 1; docs/architecture.md §9): a job that loads an older
 step and saves a lower step number than it saved before. The newest step is the most recently
 committed one, for load() without a step, `latest`, `ckptd ls` and retention alike; the commit
 that acknowledged a step never deletes it."""

@@ -1,4 +1,4 @@
-"""The CUDA side of a rank's hand-off (DESIGN.md section 6): pinned arenas, side streams, events.
+"""The CUDA side of a rank's hand-off (docs/architecture.md section 6): pinned arenas, side streams, events.
 
 Imported only when a state holds CUDA tensors (ckptd.client.client imports it lazily), so a
 CPU-only client never touches CUDA. Nothing happens at import.

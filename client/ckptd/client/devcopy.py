@@ -1,4 +1,4 @@
-"""Few, large copies of a rank's device tensors into a flat byte buffer (DESIGN.md section 6).
+"""Few, large copies of a rank's device tensors into a flat byte buffer (docs/architecture.md section 6).
 
 A GPU hand-off copies every CUDA tensor of a rank into its slot of a flat destination: the
 rank's arena (pinned host memory, modes "copy" and "overlap") or its device staging buffer

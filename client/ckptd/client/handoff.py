@@ -1,4 +1,4 @@
-"""How a rank hands its CUDA tensors over, by mode (DESIGN.md section 6): choice, fences, commits.
+"""How a rank hands its CUDA tensors over, by mode (docs/architecture.md section 6): choice, fences, commits.
 
 Modes (`CheckpointClient(mode=...)`) apply to CUDA tensors only; CPU tensors always take the
 plain shared-memory copy (ckptd.client.transport), and a state without CUDA tensors behaves

@@ -1,4 +1,4 @@
-"""Where each of a rank's tensors sits in its global (unsharded) tensor (DESIGN.md sections 3, 4).
+"""Where each of a rank's tensors sits in its global (unsharded) tensor (docs/architecture.md sections 3, 4).
 
 A rank's tensor is one or more *fragments*: boxes of the logical tensor, each with a view of the
 rank's memory that holds exactly that box. Three sources of layout, in this order:

@@ -1,4 +1,4 @@
-"""A training state as flat, named tensors plus JSON extras, and back (DESIGN.md section 4).
+"""A training state as flat, named tensors plus JSON extras, and back (docs/architecture.md section 4).
 
 `flatten_state` reads what a user passes to save/load:
 

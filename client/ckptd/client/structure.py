@@ -6,7 +6,7 @@ derived from it — the validated names, the fragments (boxes in the logical ten
 fingerprint the daemon caches its plan under, the tensor metadata, the placements in the arena
 and the copy plans (ckptd.client.arena_copy) — is the same too. `StructureCache` keeps it, so a
 save of an unchanged state costs a walk of the state, one comparison per tensor and the copies,
-not the checks and layout work again (DESIGN.md section 6: a host-cost budget per tensor).
+not the checks and layout work again (docs/architecture.md section 6: a host-cost budget per tensor).
 
 Two checks decide what can be reused, both cheap and exact:
 

@@ -1,4 +1,4 @@
-/* The blockwise encoder of ckptd.common.quant in one pass over the values (DESIGN.md §8).
+/* The blockwise encoder of ckptd.common.quant in one pass over the values (docs/architecture.md §8).
  *
  * quant.encode arranges a piece's rows as whole logical blocks of float32 (rows, nb, block) and
  * calls encode_blocks, which writes each row's codes (columns [left, left + n) of the blocked

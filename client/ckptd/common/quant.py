@@ -1,4 +1,4 @@
-"""Blockwise quantization of optimizer state and master-weight residuals (DESIGN.md §8), as pure
+"""Blockwise quantization of optimizer state and master-weight residuals (docs/architecture.md §8), as pure
 functions: no file system, no RPC. Encoding is native (ckptd.common._codec, one pass over the
 values); decoding is torch tensor math. Imported by the daemon (encoding, in its background
 writer) and by the client (decoding the slices it reads itself).

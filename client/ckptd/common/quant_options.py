@@ -1,4 +1,4 @@
-"""The names of the compression options (DESIGN.md §8), without torch: the daemon checks them
+"""The names of the compression options (docs/architecture.md §8), without torch: the daemon checks them
 on its event loop and in its configuration, where importing torch would cost seconds."""
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""ckptd daemon: serves checkpoints for the ranks of its node (DESIGN.md)."""
+"""ckptd daemon: serves checkpoints for the ranks of its node (docs/architecture.md)."""

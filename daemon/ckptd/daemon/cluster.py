@@ -1,6 +1,6 @@
 """Several nodes: the coordinator's side of a save, and the links between daemons.
 
-A save across nodes (DESIGN.md §7):
+A save across nodes (docs/architecture.md §12):
 1. Each node's daemon gathers its local ranks (BeginSave), then joins the save at the
    coordinator (node 0) with its ranks' fingerprints, and their tensor metadata the first time.
    The coordinator answers every node once all ranks of the job have joined, with the plan's

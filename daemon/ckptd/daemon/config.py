@@ -86,7 +86,7 @@ class DaemonConfig:
     health_port: TCP port of a gRPC health service (grpc.health.v1) for probes such as Kubernetes'
         `grpc:` liveness/readiness probes; 0 = none (health is always on the Unix socket).
     quantize: the default compression of optimizer moments for saves that do not choose:
-        "none" (lossless), "O1" (int8) or "O2" (int4) (DESIGN.md §8).
+        "none" (lossless), "O1" (int8) or "O2" (int4) (docs/architecture.md §8).
     master_weights: the default for fp32 master weights beside bf16/fp16 model weights:
         "keep", "drop" (rebuilt from the model weights on load) or "residual" (bf16 difference).
     quant_max_generations: lossy save/restore cycles allowed in a lineage: once a trainer resumed
@@ -513,7 +513,7 @@ def human_size(nbytes: int) -> str:
 def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
     """None when `shm_dir` is a writable directory with at least `needed_bytes` free; else what is wrong and how to fix it.
 
-    Containers get a 64 MiB /dev/shm by default, far too little for checkpoint arenas (DESIGN.md section 10).
+    Containers get a 64 MiB /dev/shm by default, far too little for checkpoint arenas (docs/architecture.md section 10).
     """
     if not shm_dir.is_dir():
         return (

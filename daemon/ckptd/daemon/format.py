@@ -1,4 +1,4 @@
-"""The on-disk format (DESIGN.md §7), as pure functions: no file system access here.
+"""The on-disk format (docs/architecture.md §7), as pure functions: no file system access here.
 
 - safetensors files: an 8-byte little-endian header length, a JSON header
   ({key: {dtype, shape, data_offsets}, "__metadata__": {"format": "pt"}}) padded with spaces

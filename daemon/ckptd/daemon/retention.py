@@ -10,7 +10,7 @@ A step is kept when any rule keeps it; every other committed step is deleted. Th
   with `best_mode="min"` (a loss), higher with "max" (an accuracy); 0 = off. Steps saved
   without a metric never count as best; ties go to the newer step.
 
-"Newest" is commit order, not step number (DESIGN.md §9): a job that rolled back (loaded step
+"Newest" is commit order, not step number (docs/architecture.md §9): a job that rolled back (loaded step
 10 after saving 30) and saved step 15 has 15 as its newest step, so `keep_last` counts the
 most recently committed steps. The caller passes the steps in the order they were committed.
 """

@@ -516,7 +516,7 @@ class Storage:
     def commit_order(self, job: str) -> list[int]:
         """The committed steps in the order they were committed, oldest first: by the commit time
         (`created_at`) their index records, ties by step number. A job that rolled back commits a
-        lower step after higher ones (DESIGN.md §9): the last of this list is the newest step,
+        lower step after higher ones (docs/architecture.md §9): the last of this list is the newest step,
         whatever its number. The time is the committing node's clock, written once into the
         index, so every node holding the step orders it alike; an index that cannot be read
         counts at its file's modification time."""
