@@ -342,6 +342,14 @@ def _begin(stub: pb_grpc.CheckpointStub, job: str, step: int) -> pb.BeginSaveRes
     )
 
 
+def _save_to_target(data: st.DataObject, single: Place, stub: pb_grpc.CheckpointStub, job: str, fresh_steps: Iterator[int]) -> tuple[pb.RankId, str, bool]:
+    """(who, save_id, real) for a commit-side request: hostile ones half the time, else those of
+    a save of `job` begun just before (real: the request gets past the "unknown save" check)."""
+    if data.draw(st.booleans()):
+        return pb.RankId(job=job, rank=0, world_size=1), _begin(stub, job, next(fresh_steps)).save_id, True
+    return data.draw(who(single)), data.draw(hostile_names(single)), False
+
+
 # ------------------------------------------------------------------ ckptd.v1.Checkpoint
 
 
@@ -389,13 +397,9 @@ def test_fuzz_commit_snapshot(single: Place, stub: pb_grpc.CheckpointStub, count
     @FUZZ
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
-        save_id = data.draw(hostile_names(single))
-        rank_id = data.draw(who(single))
-        if data.draw(st.booleans()):
-            rank_id = pb.RankId(job="fzc", rank=0, world_size=1)
-            save_id = _begin(stub, "fzc", next(fresh_steps)).save_id
-            if data.draw(st.booleans()):
-                rank_id = data.draw(st.one_of(who(single), st.just(pb.RankId(job="fzc", rank=1, world_size=2))))
+        rank_id, save_id, real = _save_to_target(data, single, stub, "fzc", fresh_steps)
+        if real and data.draw(st.booleans()):  # a real save, the wrong rank
+            rank_id = data.draw(st.one_of(who(single), st.just(pb.RankId(job="fzc", rank=1, world_size=2))))
         request = pb.CommitSnapshotRequest(
             who=rank_id,
             save_id=save_id,
@@ -421,11 +425,7 @@ def test_fuzz_abort_save(single: Place, stub: pb_grpc.CheckpointStub, counts: co
     @FUZZ
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
-        save_id = data.draw(hostile_names(single))
-        rank_id = data.draw(who(single))
-        if data.draw(st.booleans()):
-            rank_id = pb.RankId(job="fza", rank=0, world_size=1)
-            save_id = _begin(stub, "fza", next(fresh_steps)).save_id
+        rank_id, save_id, _ = _save_to_target(data, single, stub, "fza", fresh_steps)
         reason = data.draw(st.one_of(hostile_names(single), st.integers(0, 3).map(lambda n: "r" * (n * 2**20))))
         caller.unary("Checkpoint.AbortSave", stub.AbortSave, pb.AbortSaveRequest(who=rank_id, save_id=save_id, reason=reason))
 
