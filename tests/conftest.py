@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ckptd.daemon.process import DaemonProcess, start_daemon
+from ckptd.demo.process import DaemonProcess, start_daemon
 
 # Test modules are imported by path (--import-mode=importlib); shared test code at the top of
 # tests/ (fakecuda.py, the strict CUDA stand-in) is imported by name from here on.

@@ -54,7 +54,7 @@ from ckptd.client import CheckpointClient
 from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
-from ckptd.daemon.process import start_daemon
+from ckptd.demo.process import start_daemon
 
 
 def shapes(params: float) -> dict[str, tuple[int, ...]]:

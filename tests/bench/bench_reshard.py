@@ -422,7 +422,7 @@ def replicated_node_bytes(workdir: Path, shapes: dict[str, tuple[int, int]], res
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptd.client import CheckpointClient
-    from ckptd.daemon.process import start_daemon
+    from ckptd.demo.process import start_daemon
 
     token = os.urandom(16).hex()
     peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))

@@ -483,7 +483,7 @@ class DaemonRig:
     sock_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp")))
     shm_parent: Path = Path("/dev/shm")
     shm_dir: Path = field(init=False)
-    daemon: Any = None  # the running ckptd.daemon.process.DaemonProcess, if any
+    daemon: Any = None  # the running ckptd.demo.process.DaemonProcess, if any
     started: int = 0
 
     def __post_init__(self) -> None:
@@ -495,7 +495,7 @@ class DaemonRig:
 
     def start(self) -> None:
         """Start a daemon (stopping the previous one first); returns once it answers its health check."""
-        from ckptd.daemon.process import start_daemon
+        from ckptd.demo.process import start_daemon
 
         self.stop()
         self.started += 1

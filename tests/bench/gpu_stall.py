@@ -768,7 +768,7 @@ class Run:
 
 def run_size(run: Run, size: float, reps: int, prev: SizeCost | None) -> tuple[SizeResults, SizeCost | None]:
     """Measure one state size (see the module docstring); never raises for a part that fails."""
-    from ckptd.daemon.process import start_daemon
+    from ckptd.demo.process import start_daemon
 
     r = SizeResults(size)
     began = time.monotonic()
@@ -939,7 +939,7 @@ def gpu_name(device: torch.device) -> str:
 def ckptd_problem() -> str | None:
     """Why ckptd cannot be imported here, or None."""
     try:
-        missing = [m for m in ("ckptd.client", "ckptd.daemon.process") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("ckptd.client", "ckptd.demo.process") if importlib.util.find_spec(m) is None]
     except ImportError as exc:
         return str(exc)
     return f"{', '.join(missing)} not found" if missing else None

@@ -1,6 +1,6 @@
 """What compressed checkpoints cost in training quality, measured (issue 4).
 
-A byte-level transformer (ckptd.daemon.charlm: the Python standard library's sources) is
+A byte-level transformer (ckptd.demo.charlm: the Python standard library's sources) is
 trained for K steps, checkpointed through a real daemon and the real client with each variant,
 then resumed from each checkpoint in a fresh model and optimizer for K more steps, on the same
 batches. The held-out loss (fixed windows of the corpus's tail) after the resumed steps is
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.charlm import CharLM, CharLMConfig, batch_at, evaluate, lm_loss, load_corpus, split_corpus
-from ckptd.daemon.process import start_daemon
+from ckptd.demo.charlm import CharLM, CharLMConfig, batch_at, evaluate, lm_loss, load_corpus, split_corpus
+from ckptd.demo.process import start_daemon
 
 CONFIG = CharLMConfig(d_model=128, n_heads=4, n_layers=2, context=64)
 BATCH = 16

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(args.address, args.job, args.rank, args.saves, args.tensors)
         return 0
 
-    from ckptd.daemon.process import start_daemon
+    from ckptd.demo.process import start_daemon
 
     work = Path(tempfile.mkdtemp(prefix="ckptd-soak-", dir="/var/tmp"))
     sock_dir = Path(tempfile.mkdtemp(prefix="ckptd-soak-", dir="/tmp"))

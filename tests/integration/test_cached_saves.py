@@ -13,7 +13,7 @@ from torch import nn
 
 from ckptd.client import CheckpointClient
 from ckptd.client.layout import LayoutRules, PaddedVocab, RankCoords, Rule
-from ckptd.daemon.process import DaemonProcess
+from ckptd.demo.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 

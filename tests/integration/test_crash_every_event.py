@@ -41,7 +41,7 @@ from ckptd.client.errors import CheckpointError
 from ckptd.daemon.arena import ARENA_PREFIX
 from ckptd.daemon.faults import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
 from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME
-from ckptd.daemon.process import DaemonProcess, start_daemon
+from ckptd.demo.process import DaemonProcess, start_daemon
 from ckptd.daemon.storage import DELETING_PREFIX, RECYCLE_DIR, TMP_MARK, Storage
 
 JOB = "crash"

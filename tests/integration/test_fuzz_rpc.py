@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from ckptd.client import CheckpointClient
 from ckptd.common.names import JOB_ID_PATTERN, KINDS
-from ckptd.daemon.process import DaemonProcess
+from ckptd.demo.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from ckptd.wire.v1 import peer_pb2 as ppb

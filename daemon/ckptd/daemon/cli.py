@@ -81,7 +81,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ckptd.daemon import demo
+    from ckptd.demo import main as demo
 
     return demo.run(args)
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=_inspect)
 
     demo = sub.add_parser("demo", help="a daemon + a small multi-rank training job: save, crash, resume")
-    from ckptd.daemon import demo as demo_module
+    from ckptd.demo import main as demo_module
 
     demo_module.add_arguments(demo)
     demo.set_defaults(func=_demo)

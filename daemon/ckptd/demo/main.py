@@ -1,8 +1,8 @@
 """`ckptd demo`: a daemon plus a small multi-rank training job on CPU: save, crash, resume.
 
 The parent process starts a daemon in a temporary directory and launches `--ranks` worker
-processes (`python -m ckptd.daemon.demo _worker CONFIG_JSON`), which train a small byte-level
-transformer (ckptd.daemon.charlm) on the standard library's sources with DDP over gloo and hand
+processes (`python -m ckptd.demo.main _worker CONFIG_JSON`), which train a small byte-level
+transformer (ckptd.demo.charlm) on the standard library's sources with DDP over gloo and hand
 a checkpoint to the daemon every `--save-every` steps. At `--crash-at` the last rank SIGKILLs
 itself; the parent then tears down the rest of the job as a launcher would, restarts it, and the
 new ranks resume from the newest committed checkpoint. Rank 0 writes what happened to a JSON
@@ -119,7 +119,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code (0: crashed and resumed as expected)."""
     from ckptd.client import CheckpointError
-    from ckptd.daemon.process import DaemonStartError, start_daemon
+    from ckptd.demo.process import DaemonStartError, start_daemon
 
     problem = _check_args(args)
     if problem:
@@ -246,7 +246,7 @@ def _launch(world_size: int, base: dict[str, Any], attempt: int, workdir: Path, 
             rank=rank, world_size=world_size, port=port, attempt=attempt,
             events_path=str(workdir / f"events-{attempt}.jsonl"), **base,
         )
-        cmd = [sys.executable, "-m", "ckptd.daemon.demo", "_worker", json.dumps(asdict(config))]
+        cmd = [sys.executable, "-m", "ckptd.demo.main", "_worker", json.dumps(asdict(config))]
         with open(logs[rank], "ab") as stderr:
             procs.append(subprocess.Popen(cmd, env=_worker_env(), stderr=stderr))
     started = time.monotonic()
@@ -432,7 +432,7 @@ def _train_step(ddp: nn.Module, opt: torch.optim.Optimizer, sched: LRScheduler, 
     """One optimizer and scheduler step; returns the loss averaged over the ranks."""
     import torch.distributed as dist
 
-    from ckptd.daemon.charlm import lm_loss
+    from ckptd.demo.charlm import lm_loss
 
     loss = lm_loss(ddp, x, y)
     opt.zero_grad(set_to_none=True)
@@ -451,7 +451,7 @@ def _worker(config: WorkerConfig) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from ckptd.client import CheckpointClient
-    from ckptd.daemon.charlm import CharLM, CharLMConfig, batch_at, evaluate, load_corpus, split_corpus
+    from ckptd.demo.charlm import CharLM, CharLMConfig, batch_at, evaluate, load_corpus, split_corpus
 
     torch.set_num_threads(1)
     rank, world = config.rank, config.world_size
@@ -513,14 +513,14 @@ def _worker(config: WorkerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m ckptd.daemon.demo [options]` runs the demo (same as `ckptd demo`)."""
+    """`python -m ckptd.demo.main [options]` runs the demo (same as `ckptd demo`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_worker"]:
         if len(argv) != 2:
-            print("usage: python -m ckptd.daemon.demo _worker CONFIG_JSON (started by the demo itself)", file=sys.stderr)
+            print("usage: python -m ckptd.demo.main _worker CONFIG_JSON (started by the demo itself)", file=sys.stderr)
             return 2
         return _worker(WorkerConfig(**json.loads(argv[1])))
-    parser = argparse.ArgumentParser(prog="python -m ckptd.daemon.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ckptd.demo.main", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

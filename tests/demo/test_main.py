@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.daemon import demo
+from ckptd.demo import main as demo
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def test_a_non_empty_workdir_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
 def test_demo_crashes_resumes_and_finishes(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     cmd = [
-        sys.executable, "-m", "ckptd.daemon.demo", "--steps", "12", "--save-every", "4", "--crash-at", "10",
+        sys.executable, "-m", "ckptd.demo.main", "--steps", "12", "--save-every", "4", "--crash-at", "10",
         "--corpus-bytes", "300000", "--workdir", str(workdir), "--timeout", "120",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)

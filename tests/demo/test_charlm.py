@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptd.daemon.charlm import (
+from ckptd.demo.charlm import (
     CharLM,
     CharLMConfig,
     batch_at,
