@@ -32,12 +32,12 @@ from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
+from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ckptd.client")
 
-MAX_MESSAGE_BYTES = 256 * 2**20
 ON_ERROR = ("warn", "raise")
 
 
@@ -176,7 +176,7 @@ class CheckpointClient:
         self._rules_reported = False
         self._channel = grpc.insecure_channel(
             self.address,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=list(MESSAGE_SIZE_OPTIONS),
         )
         self._stub = pb_grpc.CheckpointStub(self._channel)
         self._pool = ThreadPoolExecutor(copy_threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")

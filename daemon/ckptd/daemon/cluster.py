@@ -40,6 +40,7 @@ from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.pipeline import IncompleteStep, NodeManifest, step_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import FILE_MODE, Storage, read_file
+from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
@@ -52,7 +53,6 @@ LIVENESS_PERIOD_S = 1.0
 LIVENESS_FAILURES = 3  # consecutive failed checks before a writing node counts as gone
 FETCH_CHUNK = 4 * 2**20
 INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as absent for a load
-MAX_MESSAGE_BYTES = 256 * 2**20
 RECENT_SAVES = 16
 
 
@@ -141,8 +141,7 @@ class PeerLinks:
         channel = self._channels.get(node)
         if channel is None:
             options = [
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *MESSAGE_SIZE_OPTIONS,
                 # a restarted peer is reachable again within a second, not after gRPC's
                 # default backoff of up to two minutes
                 ("grpc.initial_reconnect_backoff_ms", 200),

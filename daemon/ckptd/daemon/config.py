@@ -25,6 +25,7 @@ from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.quant_options import MASTER_MODES
+from ckptd.daemon.retention import BEST_MODES
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -33,7 +34,6 @@ RETENTION_TABLE: Final = "retention"
 RETENTION_KEYS: Final = ("keep_last", "keep_every", "keep_best", "best_mode")
 ARENA_POLICIES: Final = ("wait", "skip")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
-BEST_MODES: Final = ("min", "max")
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")

@@ -23,6 +23,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
 from ckptd.daemon.format import (
     INDEX_NAME,
+    MODEL_FILES,
     CheckpointIndex,
     FormatError,
     StoredTensor,
@@ -36,7 +37,6 @@ from ckptd.daemon.format import (
 from ckptd.daemon.pipeline import checksum_name
 from ckptd.daemon.storage import fsync_dir, open_for_reading, read_file
 
-MODEL_FILES = ("config.json", "generation_config.json")
 
 
 class ExportError(RuntimeError):

@@ -28,6 +28,7 @@ INDEX_NAME = "ckptd.index.json"
 # start-up until the coordinator says whether the step was committed.
 PREPARED_NAME = "ckptd.prepared.json"
 EXTRA_JSON = "extra.json"
+MODEL_FILES = ("config.json", "generation_config.json")  # a model's own files a step may hold, from rank 0
 LATEST = "latest"
 INDEX_FORMAT = "ckptd/1"
 # Written instead of INDEX_FORMAT when a step is compressed (quantized fragments, dropped or

@@ -18,7 +18,8 @@ from ckptd.daemon.checks import MAX_WORLD_SIZE, check_step, check_timeout, tenso
 from ckptd.daemon.cluster import FETCH_CHUNK, PEER_TOKEN_KEY, manifest_from_wire, meta_of
 from ckptd.daemon.format import INDEX_NAME
 from ckptd.daemon.service import CheckpointService
-from ckptd.daemon.servicer import MAX_MODEL_FILE_BYTES, MODEL_FILES, _abort, parse_json
+from ckptd.daemon.format import MODEL_FILES
+from ckptd.daemon.servicer import MAX_MODEL_FILE_BYTES, _abort, parse_json
 from ckptd.daemon.storage import ForeignEntry
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc

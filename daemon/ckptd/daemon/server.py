@@ -26,13 +26,13 @@ from ckptd.daemon.peer_servicer import PeerServicer
 from ckptd.daemon.pipeline import VERSION
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
+from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 60.0
-MAX_MESSAGE_BYTES = 256 * 2**20
 SERVICE_NAME = "ckptd.v1.Checkpoint"
 LIVENESS = "liveness"  # health service name that stays SERVING while the process runs (drain included)
 SHM_WARN_BYTES = 1 << 30
@@ -114,12 +114,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
                 "choose a free --metrics-port (or 0 to turn the endpoint off)"
             ) from None
 
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
-    )
+    server = grpc.aio.server(options=list(MESSAGE_SIZE_OPTIONS))
     pb_grpc.add_CheckpointServicer_to_server(CheckpointServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -211,11 +206,7 @@ def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.S
     """The daemon-to-daemon server on this node's --peers entry (TCP): the Peer service and
     health, nothing else (the Checkpoint service stays on the Unix socket)."""
     server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ]
+        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
     )
     ppb_grpc.add_PeerServicer_to_server(PeerServicer(service, config.peer_token), server)
     health_servicer = health.aio.HealthServicer()

@@ -21,6 +21,7 @@ from ckptd.common.quant_options import QuantError, check_master_mode, check_sche
 from ckptd.daemon import errors
 from ckptd.daemon.checks import check_step, check_timeout, check_who, tensor_specs
 from ckptd.daemon.gpu import StagedRange
+from ckptd.daemon.format import MODEL_FILES
 from ckptd.daemon.plan import SavePlan, TensorSpec
 from ckptd.daemon.service import CheckpointService, CommitRecord, PieceInfo, SaveSession
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -28,7 +29,6 @@ from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MODEL_FILES = ("config.json", "generation_config.json")
 MAX_MODEL_FILE_BYTES = 1 << 20
 MAX_STAGED_RANGES = 1 << 20
 
