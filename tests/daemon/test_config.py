@@ -373,3 +373,11 @@ def test_bad_operations_settings_say_what_to_give(given: dict[str, str], message
     with pytest.raises(ConfigError) as info:
         load_config(given, BASE_ENV, None)
     assert message in str(info.value)
+
+
+def test_the_retention_policy_is_built_from_the_settings_in_one_place() -> None:
+    from ckptd.daemon.config import DaemonConfig
+    from ckptd.daemon.retention import RetentionPolicy
+
+    config = DaemonConfig(root=Path("/tmp/r"), socket=Path("/tmp/r.sock"), keep_last=2, keep_every=10, keep_best=1, best_mode="max")
+    assert config.retention_policy() == RetentionPolicy(keep_last=2, keep_every=10, keep_best=1, best_mode="max")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.quant_options import MASTER_MODES
-from ckptd.daemon.retention import BEST_MODES
+from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -148,6 +148,10 @@ class DaemonConfig:
         if self.peer_tls_cert is None or self.peer_tls_key is None or self.peer_tls_ca is None:
             return None
         return self.peer_tls_cert, self.peer_tls_key, self.peer_tls_ca
+
+    def retention_policy(self) -> RetentionPolicy:
+        """The retention rules these settings give (keep_last, keep_every, keep_best, best_mode)."""
+        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every, keep_best=self.keep_best, best_mode=self.best_mode)
 
     @property
     def peer_address(self) -> str:

@@ -41,7 +41,6 @@ from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.retention import RetentionPolicy
 from ckptd.daemon.storage import TMP_MARK, Storage, read_file, tree_bytes
 
 log = logging.getLogger(__name__)
@@ -284,9 +283,7 @@ class CheckpointService:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.storage = Storage(config.root)
-        self.retention = RetentionPolicy(
-            keep_last=config.keep_last, keep_every=config.keep_every, keep_best=config.keep_best, best_mode=config.best_mode
-        )
+        self.retention = config.retention_policy()
         self.metrics = Metrics(config.node_rank)
         self.started_at = time.time()
         self.last_commit: CommitRecord | None = None
@@ -333,9 +330,7 @@ class CheckpointService:
         need a restart instead (they keep their old values)."""
         fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(self.config, n)]
         self.config = replace(new, **{n: getattr(self.config, n) for n in RESTART_SETTINGS})
-        self.retention = RetentionPolicy(
-            keep_last=new.keep_last, keep_every=new.keep_every, keep_best=new.keep_best, best_mode=new.best_mode
-        )
+        self.retention = new.retention_policy()
         return fixed
 
     async def drain(self, grace_s: float) -> None:
