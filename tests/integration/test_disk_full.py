@@ -19,9 +19,9 @@ import torch
 
 import small_fs  # tests/small_fs.py
 from metrics_scrape import scrape  # tests/metrics_scrape.py
+from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.format import INDEX_NAME
 
 MiB = 1 << 20
 
@@ -38,10 +38,6 @@ def status(address: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", address, "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def committed(root: Path, job: str) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (root / job).glob("step-*") if (p / INDEX_NAME).is_file())
 
 
 def free_bytes(path: Path) -> int:

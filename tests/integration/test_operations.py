@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from metrics_scrape import scrape  # tests/metrics_scrape.py
+from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -33,10 +34,6 @@ def free_port() -> int:
 
 def ckptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120, env=env)
-
-
-def committed(root: Path, job: str) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (root / job).glob("step-*") if (p / INDEX_NAME).is_file())
 
 
 # ------------------------------------------------------------------ status

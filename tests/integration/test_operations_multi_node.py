@@ -8,12 +8,11 @@ import subprocess
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
+from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format import INDEX_NAME
 
 
 def free_port() -> int:
@@ -22,10 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def committed(root: Path, job: str) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (root / job).glob("step-*") if (p / INDEX_NAME).is_file())
 
 
 def save_on_two_nodes(cluster, step: int, state: dict, metric: float) -> None:

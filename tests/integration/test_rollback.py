@@ -13,14 +13,11 @@ from pathlib import Path
 
 import torch
 
+from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME
 
 RETENTION = ("--keep-last", "2", "--keep-every", "10")
-
-
-def committed(root: Path, job: str) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (root / job).glob("step-*") if (p / INDEX_NAME).is_file())
 
 
 def latest_file(root: Path, job: str) -> str:
