@@ -433,3 +433,26 @@ def test_peer_fetch_does_not_follow_a_link_in_a_step(tmp_path: Path) -> None:
         asyncio.run(fetch())
     code, message = refused.value.args
     assert code == grpc.StatusCode.FAILED_PRECONDITION and f"{shard} is a symbolic link" in message, refused.value.args
+
+
+def test_a_committed_step_loses_its_prepared_marker_and_temporaries_and_keeps_what_is_not_the_daemons(tmp_path: Path) -> None:
+    """A member that died between writing node 0's index and removing its marker: start-up
+    (clean_uncommitted) and unmark_prepared leave the step as a finished commit, links kept."""
+    storage = Storage(tmp_path / "root")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v")
+
+    def interrupted_commit(step: int) -> None:
+        step_dir = storage.prepare_step_dir("job", step)
+        for name in (INDEX_NAME, PREPARED_NAME, ".tmp-extra.json.123"):
+            (step_dir / name).write_bytes(b"{}")
+        (step_dir / ".tmp-planted").symlink_to(victim)
+
+    interrupted_commit(1)
+    storage.clean_uncommitted()
+    interrupted_commit(2)
+    storage.unmark_prepared("job", 2)
+    for step in (1, 2):
+        left = sorted(p.name for p in storage.step_dir("job", step).iterdir())
+        assert left == [".tmp-planted", INDEX_NAME], (step, left)
+    assert victim.read_bytes() == b"v"

@@ -5,7 +5,7 @@
  * above a threshold derived from the cache size (tens of MiB), so every piece below it is
  * copied with ordinary stores: each destination line is first read into the cache (read for
  * ownership) and later written back, about 1.5x the memory traffic of the copy. Measured on a
- * 2-core EPYC VM: 1 GiB in 81 per-tensor pieces took 0.16-0.19 s by memcpy against 0.11-0.12 s
+ * 2-core EPYC VM: 1 GiB in 81 per-tensor pieces took 0.16-0.19 s by memcpy against 0.11-0.14 s
  * as one call; with streaming stores the pieces take the time of the one call. The arena is
  * not read again by this process, so bypassing the cache loses nothing.
  *

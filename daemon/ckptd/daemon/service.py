@@ -35,13 +35,13 @@ from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import AlreadyExists, CkptdError, Aborted, Exhausted, InvalidRequest, NoSpace, NotFound, Precondition, Timeout, Unavailable
 from ckptd.daemon.gpu import GpuStaging, StagedRange
 from ckptd.daemon.format import (
-    EXTRA_JSON, INDEX_NAME, PREPARED_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, check_small_file, parse_extra_json,
+    EXTRA_JSON, INDEX_NAME, CheckpointIndex, FileRecord, FormatError, TensorRecord, check_small_file, parse_extra_json,
 )
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.pipeline import VERSION, NodeManifest, PersistRequest, Progress, persist, write_node_files, write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import TMP_MARK, Storage, read_file, tree_bytes
+from ckptd.daemon.storage import Storage, read_file, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class IndexCache:
         while len(self._items) > self.entries:
             self._items.popitem(last=False)
 
-    def pop(self, key: tuple[str, int], default: None = None) -> CheckpointIndex | None:
-        return self._items.pop(key, default)
+    def pop(self, key: tuple[str, int]) -> CheckpointIndex | None:
+        return self._items.pop(key, None)
 
 MAX_EXTRAS_BYTES = 64 * 2**20
 LOAD_LEASE_S = 3600.0
@@ -313,11 +313,6 @@ class CheckpointService:
         self.config.root.mkdir(parents=True, exist_ok=True)
         for path in self.storage.clean_uncommitted():
             log.warning("removed uncommitted leftover %s", path)
-        for job in self.storage.jobs():  # a member that died between writing node 0's index and removing its marker
-            for step in self.storage.committed_steps(job):
-                if self.storage.step_dir(job, step).joinpath(PREPARED_NAME).is_file():
-                    self.storage.unmark_prepared(job, step)
-                    log.warning("removed the prepared marker of step %s of job %s: the step is committed", step, job)
         self.config.shm_dir.mkdir(parents=True, exist_ok=True)
         for path in remove_stale_arenas(self.config.shm_dir, os.getpid()):
             log.warning("removed stale shared-memory arena %s", path)
@@ -787,14 +782,10 @@ class CheckpointService:
         await self._fail(state, session, outcome.error, cause if error else "peer")
 
     def _write_commit_here(self, job: str, step: int, files: dict[str, bytes]) -> None:
-        """Record node 0's commit in this node's own root. Temporary files in the step directory
-        (of a daemon that died writing this commit before: start-up recovery keeps a prepared
-        part whole) go: nothing else writes into it now."""
+        """Record node 0's commit in this node's own root (unmark_prepared also removes the
+        temporaries of a daemon that died writing this commit before)."""
         write_step_files(self.storage, job, step, files)
         self.storage.unmark_prepared(job, step)
-        for leftover in self.storage.step_dir(job, step).glob(f"{TMP_MARK}*"):
-            if leftover.is_file() and not leftover.is_symlink():
-                leftover.unlink(missing_ok=True)
         newest = self.storage.latest_step(job)  # the most recently committed, by node 0's created_at: normally `step`
         self.storage.write_latest(job, step if newest is None else newest)
 
@@ -916,7 +907,7 @@ class CheckpointService:
                 except OSError as exc:
                     log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
                     continue
-                self._index_cache.pop((job, step), None)
+                self._index_cache.pop((job, step))
                 self.metrics.retention_deleted.labels(job).inc()
                 log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
             removed.append(Collected(job, step, str(path), "retention", size))

@@ -262,6 +262,20 @@ def _unlink_own(path: Path) -> None:
         log.warning("leaving %s alone: it is %s, which the daemon did not make", path, _describe(st))
 
 
+def _tidy_committed(step_dir: Path) -> list[Path]:
+    """Remove from a committed step directory what only an unfinished write leaves there: the
+    daemon's temporary files and a node's prepared marker (a member that died between writing
+    node 0's index and removing its marker). Only regular files of the daemon's uid; returns them."""
+    removed = []
+    for q in step_dir.iterdir():
+        if q.name.startswith(TMP_MARK) or q.name == PREPARED_NAME:
+            st = q.lstat()
+            if stat.S_ISREG(st.st_mode) and _own_entry(st):
+                q.unlink()
+                removed.append(q)
+    return removed
+
+
 def _real_dir_at(path: Path) -> bool:
     """Whether `path` is a directory itself (lstat: a link to one is not)."""
     try:
@@ -741,9 +755,11 @@ class Storage:
         write_small_file(self.step_dir(job, step) / PREPARED_NAME, (json.dumps(doc) + "\n").encode())
 
     def unmark_prepared(self, job: str, step: int) -> None:
+        """The step is committed on this node: its prepared marker and any temporary file of an
+        earlier, interrupted write of the commit go (only the daemon's own files; a link is left)."""
         path = self.step_dir(job, step)
         if self._real_dir(path):
-            _unlink_own(path / PREPARED_NAME)
+            _tidy_committed(path)
 
     def prepared_steps(self) -> list[tuple[str, int]]:
         """(job, step) of step directories that hold a node's prepared part but no index."""
@@ -879,10 +895,7 @@ class Storage:
                     stale = not os.path.lexists(p / PREPARED_NAME)  # prepared: resolved with the coordinator
                 try:
                     if step is not None and is_dir and _real_file_at(p / INDEX_NAME):
-                        for q in p.iterdir():
-                            if q.name.startswith(TMP_MARK) and _own_entry(q.lstat()) and not q.is_dir():
-                                q.unlink()
-                                removed.append(q)
+                        removed += _tidy_committed(p)
                     if stale and not remove_own_tree(p):
                         removed.append(p)
                 except OSError as exc:  # a read-only root: the daemon still starts and serves loads
