@@ -12,15 +12,11 @@ its own part; every element's decoded value depends only on its own code and the
 (its row, its block) in the piece that stores it, so any slice of any piece decodes exactly as
 the same elements of the whole piece do.
 
-Codecs (the scheme's name in the index):
+The codecs (their names in the index, bits, levels, error bounds, framing) are classes in
+ckptd.common.codecs; this module is their shared math: `encode_blockwise` (the native kernel,
+ckptd.common._codec, given the family's flag, bits and levels) and `decode_blockwise` (torch),
+and the master weights' residual:
 
-- "lin-i8" / "lin-i4" (first moment, signed): q = round(x / absmax * Q), Q = 127 or 7, one fp32
-  absmax per block. |decoded - x| <= absmax / (2 Q) (+ float32 rounding).
-- "log-u8" / "log-u4" (second moment v >= 0): s = sqrt(v) is coded on a log2 scale between the
-  block's smallest and largest non-zero s: code 0 only for v == 0 exactly, codes 1..Q
-  (Q = 255 or 15) for the rest, two fp32 values per block (log2 of the smallest and largest s).
-  A non-zero v never decodes to zero (decoded values are clamped to >= float32 `tiny`), and
-  |log2(decoded v) - log2(v)| <= (hi - lo) / (Q - 1) where hi - lo is the block's log2 range of s.
 - "residual-bf16" (master weights): master - float(model) stored in bfloat16; the master weight
   comes back as float(model) + float(residual) (relative error about 2^-16 of the weight).
 
@@ -33,108 +29,31 @@ whole rows and whole bytes and unpacks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Final, Sequence
+from typing import Final
 
 import torch
 
-from ckptd.common import _codec
+from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
+from ckptd.common.codecs import (
+    FIRST_MOMENT_FIELDS, FLOAT_DTYPES, LOSSLESS_MAX_ELEMENTS, SECOND_MOMENT_FIELDS, Blockwise, codec, codec_for, nblocks,
+)
+from ckptd.common.codecs import Codec as CodecProtocol
 from ckptd.common.quant_options import CAST, MASTER_MODES, RESIDUAL, SCHEMES, QuantError, check_master_mode, check_scheme
 
 __all__ = [
     "CAST", "MASTER_MODES", "RESIDUAL", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
-    "unpack4", "nblocks", "residual_encode", "residual_decode",
+    "unpack4", "nblocks", "residual_encode", "residual_decode", "encode_blockwise", "decode_blockwise",
+    "LOSSLESS_MAX_ELEMENTS", "FIRST_MOMENT_FIELDS", "SECOND_MOMENT_FIELDS", "FLOAT_DTYPES",
 ]
 
-LOSSLESS_MAX_ELEMENTS: Final = 4096  # tensors this small stay lossless (so do 1-D tensors)
-FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
-SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
-FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
 _TINY: Final = torch.finfo(torch.float32).tiny
 
 
-@dataclass(frozen=True)
-class Codec:
-    """How one stored piece is coded. name: see the module docstring; block: elements per block
-    along the last dim, in logical coordinates."""
-
-    name: str
-    block: int
-
-    def __post_init__(self) -> None:
-        if self.name not in _LEVELS:
-            raise QuantError(f"unknown codec {self.name!r}; expected one of {', '.join(sorted(_LEVELS))}")
-        if self.block < 2 or self.block % 2:
-            raise QuantError(f"block size {self.block} must be an even number >= 2")
-
-    @property
-    def bits(self) -> int:
-        return 4 if self.name.endswith("4") else 8
-
-    @property
-    def levels(self) -> int:
-        """Q: the largest code magnitude (linear) or the number of non-zero codes (log)."""
-        return _LEVELS[self.name]
-
-    @property
-    def is_log(self) -> bool:
-        return self.name.startswith("log")
-
-    @property
-    def codes_dtype(self) -> str:
-        """The safetensors dtype the codes are stored in."""
-        return "I8" if self.name == "lin-i8" else "U8"
-
-    @property
-    def scale_width(self) -> int:
-        """Scale values per block: absmax (linear), or log2 of the smallest and largest sqrt(v) (log)."""
-        return 2 if self.is_log else 1
-
-    def codes_shape(self, lengths: Sequence[int]) -> tuple[int, ...]:
-        """The stored shape of the codes of a piece of these lengths (int4: half the last dim, rounded up)."""
-        n = lengths[-1]
-        return (*lengths[:-1], (n + 1) // 2 if self.bits == 4 else n)
-
-    def scales_shape(self, box: Box) -> tuple[int, ...]:
-        """The stored shape of the scales of a piece with this box."""
-        return (*box.lengths[:-1], nblocks(box.offsets[-1], box.lengths[-1], self.block), self.scale_width)
-
-
-_LEVELS: Final = {"lin-i8": 127, "lin-i4": 7, "log-u8": 255, "log-u4": 15}
-# scheme -> (first-moment codec, second-moment codec)
-_SCHEME_CODECS: Final = {
-    "O1": (Codec("lin-i8", 256), Codec("log-u8", 256)),
-    "O2": (Codec("lin-i4", 128), Codec("log-u4", 128)),
-}
-
-
-def nblocks(offset: int, length: int, block: int) -> int:
-    """How many logical blocks the columns [offset, offset + length) meet."""
-    if length == 0:
-        return 0
-    return (offset + length - 1) // block - offset // block + 1
-
-
-def codec_for(scheme: str | None, name: str, kind: str, dtype: str, shape: Sequence[int]) -> Codec | None:
-    """The codec for a logical tensor under `scheme`, or None when it stays lossless.
-
-    Only optimizer state fields known to be Adam moments are quantized (exp_avg: signed,
-    exp_avg_sq: log of its square root), only floating point, only with >= 2 dims and more
-    than LOSSLESS_MAX_ELEMENTS elements. Everything else (step, unknown fields, norms, biases)
-    is stored as it is.
-    """
-    if scheme is None or kind != "optimizer" or dtype not in FLOAT_DTYPES or len(shape) < 2:
-        return None
-    if math.prod(shape) <= LOSSLESS_MAX_ELEMENTS or shape[-1] == 0:
-        return None
-    field = name.rsplit("/", 1)[-1]
-    first, second = _SCHEME_CODECS[scheme]
-    if field in FIRST_MOMENT_FIELDS:
-        return first
-    if field in SECOND_MOMENT_FIELDS:
-        return second
-    return None
+def Codec(name: str, block: int) -> CodecProtocol:  # noqa: N802 (was a class; kept callable by its old name)
+    """The codec the index calls `name`, with `block` elements per block (ckptd.common.codecs.codec).
+    Raises QuantError for an unknown name or a bad block size."""
+    return codec(name, block)
 
 
 def _needs_padding(rows: torch.Tensor, offset: int, block: int) -> bool:
@@ -183,7 +102,19 @@ class Scratch:
         return buffer[:nbytes].view(dtype).view(shape)
 
 
-def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(codec: CodecProtocol, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """codec.encode(x, box, scratch): the codes and scales of the values `x` of the piece with
+    box `box` (encode_blockwise states the contract of the built-in codecs)."""
+    return codec.encode(x, box, scratch)
+
+
+def decode(codec: CodecProtocol, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
+    """codec.decode(codes, scales, region, want): the float32 values of box `want` (decode_blockwise
+    states the contract of the built-in codecs)."""
+    return codec.decode(codes, scales, region, want)
+
+
+def encode_blockwise(codec: Blockwise, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the values `x` (shape box.lengths, any float dtype) of the piece with box `box`.
 
     Returns (codes, scales): codes of shape codec.codes_shape(box.lengths) and dtype int8/uint8,
@@ -193,15 +124,18 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
 
     The coding itself is native (ckptd.common._codec, one pass over the values, the GIL
     released); float32 rows of whole blocks are read in place, anything else is first converted
-    into a float32 buffer of whole blocks, chunk by chunk.
+    into a float32 buffer of whole blocks, chunk by chunk. The extension is imported here, not
+    with this module: a client that only decodes never loads it.
     """
+    from ckptd.common import _codec
+
     if tuple(x.shape) != box.lengths or box.ndim < 1:
         raise QuantError(f"values of shape {list(x.shape)} do not match box {box}")
     space = scratch or Scratch()
     n, offset = box.lengths[-1], box.offsets[-1]
     nb = nblocks(offset, n, codec.block)
     count = math.prod(box.lengths[:-1])
-    codes = space.tensor("codes", (count, codec.codes_shape((n,))[0]), torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
+    codes = space.tensor("codes", (count, codec.codes_shape((n,))[0]), getattr(torch, dtypes.torch_name(codec.codes_dtype)))
     scales = space.tensor("scales", (count, nb, codec.scale_width), torch.float32)
     if codes.numel():
         rows = x.reshape(count, n)
@@ -223,7 +157,7 @@ def encode(codec: Codec, x: torch.Tensor, box: Box, scratch: Scratch | None = No
     return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
 
 
-def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
+def decode_blockwise(codec: Blockwise, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
     """The float32 values of box `want` from the codes and scales of `region`.
 
     `region` is a stored piece, or the rows of it that were read: any sub-box with the piece's
@@ -255,7 +189,7 @@ def decode(codec: Codec, codes: torch.Tensor, scales: torch.Tensor, region: Box,
     return out.view(*outer, n)
 
 
-def _decode_rows(codec: Codec, rows: torch.Tensor, per_block: torch.Tensor, c0: int, first_col: int, out: torch.Tensor) -> None:
+def _decode_rows(codec: Blockwise, rows: torch.Tensor, per_block: torch.Tensor, c0: int, first_col: int, out: torch.Tensor) -> None:
     """Decode columns c0.. of stored code rows `rows` (c0: logical column first_col) into out (r, n)."""
     r, n = out.shape
     block = codec.block
@@ -277,14 +211,14 @@ def _decode_rows(codec: Codec, rows: torch.Tensor, per_block: torch.Tensor, c0: 
         torch.gather(_log_table(codec, per_block), -1, blocked.to(torch.int64), out=values)
     else:
         values.copy_(blocked)
-        if codec.bits == 4:
-            values.sub_(8)
+        if codec.zero:
+            values.sub_(codec.zero)
         values.mul_(per_block[..., 0:1] / codec.levels)
     if not whole:
         out.copy_(values.view(r, -1)[:, left : left + n])
 
 
-def _log_table(codec: Codec, bounds: torch.Tensor) -> torch.Tensor:
+def _log_table(codec: Blockwise, bounds: torch.Tensor) -> torch.Tensor:
     """(r, nb, Q + 1) float32: the decoded v of each code of each block (code 0: 0).
 
     Computed in float64 and rounded once, with exp2 on a buffer padded to a multiple of 64

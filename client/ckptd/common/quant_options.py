@@ -1,27 +1,28 @@
 """The names of the compression options (docs/architecture.md §8), without torch: the daemon checks them
-on its event loop and in its configuration, where importing torch would cost seconds."""
+on its event loop and in its configuration, where importing torch would cost seconds. The scheme
+names come from the codec registry (ckptd.common.codecs)."""
 
 from __future__ import annotations
 
 from typing import Final
 
-SCHEMES: Final = ("O1", "O2")  # O1: int8 optimizer moments, O2: int4
+from ckptd.common.codecs import QuantError, builtin
+
+__all__ = ["SCHEMES", "MASTER_MODES", "CAST", "RESIDUAL", "QuantError", "check_scheme", "check_master_mode"]
+
+SCHEMES: Final = builtin().scheme_names()  # ("O1", "O2"); O1: int8 optimizer moments, O2: int4
 MASTER_MODES: Final = ("keep", "drop", "residual")
 CAST: Final = "cast"  # the index's codec of a dropped master weight: the stored model weight, upcast on load
 RESIDUAL: Final = "residual-bf16"  # the index's codec of a master weight stored as its bf16 difference to the model weight
 
 
-class QuantError(ValueError):
-    """Input that cannot be quantized (non-finite values, a negative second moment, a bad
-    option name); the message says what and what to do."""
-
-
 def check_scheme(scheme: str | None) -> str | None:
-    """None/"" (lossless) or "O1"/"O2"; raises QuantError naming the choices otherwise."""
+    """None/"" (lossless) or a registered scheme ("O1"/"O2"); raises QuantError naming the choices otherwise."""
     if scheme in (None, ""):
         return None
     if scheme not in SCHEMES:
-        raise QuantError(f"quantize={scheme!r}: use None (lossless), 'O1' (int8) or 'O2' (int4)")
+        choices = [f"{s.name!r} ({s.summary})" for s in builtin().schemes()]
+        raise QuantError(f"quantize={scheme!r}: use None (lossless), {', '.join(choices[:-1])} or {choices[-1]}")
     return scheme
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.paths import default_root, default_socket
-from ckptd.common.quant_options import MASTER_MODES
+from ckptd.common.codecs import builtin as builtin_codecs
+from ckptd.common.quant_options import MASTER_MODES, SCHEMES
 from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
 
 GiB: Final = 1 << 30
@@ -247,12 +248,20 @@ def _choice(choices: tuple[str, ...]) -> Parser:
     return parse
 
 
+def _quantize_choices() -> str:
+    """The choices of --quantize for messages: "'none' (lossless), 'O1' (int8) or 'O2' (int4)"."""
+    words = ["'none' (lossless)"] + [f"'{s.name}' ({s.summary})" for s in builtin_codecs().schemes()]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
 def _quantize(raw: Any, text: bool) -> str:
-    """"none", "O1" or "O2" (any case)."""
-    if isinstance(raw, str) and raw.strip().lower() in ("none", "o1", "o2"):
+    """"none" or a registered scheme's name ("O1", "O2"; any case)."""
+    schemes = {s.name.lower(): s.name for s in builtin_codecs().schemes()}
+    if isinstance(raw, str):
         word = raw.strip().lower()
-        return word if word == "none" else word.upper()
-    raise _Expected("'none' (lossless), 'O1' (int8) or 'O2' (int4)")
+        if word == "none" or word in schemes:
+            return schemes.get(word, "none")
+    raise _Expected(_quantize_choices())
 
 
 def _boolean(raw: Any, text: bool) -> bool:
@@ -367,7 +376,11 @@ _SPECS: Final[dict[str, _Spec]] = {
     "metrics_port": _Spec(_port_or_off, "--metrics-port", "PORT", "serve Prometheus metrics on http://HOST:PORT/metrics; 0 = off (default: 0)"),
     "metrics_host": _Spec(_host, "--metrics-host", "HOST", "address the metrics and health endpoints listen on (default: 0.0.0.0, every interface)"),
     "health_port": _Spec(_port_or_off, "--health-port", "PORT", "serve gRPC health (grpc.health.v1) on TCP for probes; 0 = off (default: 0)"),
-    "quantize": _Spec(_quantize, "--quantize", "{none,O1,O2}", "default compression of optimizer moments for saves that do not choose: none, O1 (int8), O2 (int4) (default: none)"),
+    "quantize": _Spec(
+        _quantize, "--quantize", "{" + ",".join(("none", *SCHEMES)) + "}",
+        "default compression of optimizer moments for saves that do not choose: "
+        + ", ".join(["none"] + [f"{s.name} ({s.summary})" for s in builtin_codecs().schemes()]) + " (default: none)",
+    ),
     "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
     "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),
 }
