@@ -275,9 +275,22 @@ def durable_times(out_dir: Path, shm: Path, params: float, reps: int, keep_last:
 def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[float]]:
     """CPU seconds of one thread to put the mixed state's 2-D Adam moments into a file whose
     blocks already exist, per scheme: None writes them as they are, O1/O2 encode them first and
-    write codes and scales. Uses the daemon's own writer step (pipeline._write_bytes: pwrite 1 MiB
+    write codes and scales. Uses the daemon's own writer step (writer._write_bytes: pwrite 1 MiB
     at a time with the whole-tensor and chunk hashes, then start_writeback)."""
-    from ckptd.daemon import pipeline
+    from ckptd.daemon import writer
+    from ckptd.daemon.storage.fs import pwrite_all, start_writeback
+
+    class FilePart:
+        """The writer's PartWriter over this benchmark's own file (no rename, no publish)."""
+
+        def __init__(self, fd: int) -> None:
+            self.fd = fd
+
+        def pwrite(self, offset: int, view: memoryview) -> None:
+            pwrite_all(self.fd, view, offset)
+
+        def start_writeback(self, offset: int, nbytes: int) -> bool:
+            return start_writeback(self.fd, offset, nbytes)
 
     state, _ = synthetic_state("mixed", params, seed=3)
     moments = [
@@ -288,11 +301,11 @@ def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[flo
     ]
     path = out_dir / "per-core.bin"
     nbytes = sum(t.nbytes for _, t in moments)
-    throttle = pipeline.Throttle(0)
+    throttle = writer.Throttle(0)
     scratch = quant.Scratch()  # reused from tensor to tensor, as the daemon's coding jobs do
 
     def write(data: np.ndarray, offset: int) -> int:
-        pipeline._write_bytes(fd, memoryview(data), offset, throttle)
+        writer._write_bytes(part, memoryview(data), offset, throttle)  # type: ignore[arg-type]
         return offset + data.nbytes
 
     def save(scheme: str | None) -> None:
@@ -304,18 +317,19 @@ def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[flo
                 continue
             codes, scales = quant.encode(codec, t, Box.full(tuple(t.shape)), scratch)
             flat = codes.view(-1).view(torch.uint8).numpy()
-            if codec.bits == 4:
+            if codec.framed:
                 flat, _ = frames.compress(flat, flat.size // codes.shape[0])
             offset = write(scales.view(-1).view(torch.uint8).numpy(), write(flat, offset))
 
     cpu: dict[str, list[float]] = {"lossless": [], "O1": [], "O2": []}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    part = FilePart(fd)
     try:
         # The blocks exist and their pages are cached as the daemon wrote them, as a recycled
         # file's are: a file made by one big write() costs about 3x the CPU to overwrite here
         # (its cached pages are small folios), which made writing raw look that much dearer.
-        for offset in range(0, nbytes, pipeline.WRITE_CHUNK):
-            pipeline._write_bytes(fd, memoryview(bytes(min(pipeline.WRITE_CHUNK, nbytes - offset))), offset, throttle)
+        for offset in range(0, nbytes, writer.WRITE_CHUNK):
+            writer._write_bytes(part, memoryview(bytes(min(writer.WRITE_CHUNK, nbytes - offset))), offset, throttle)  # type: ignore[arg-type]
         for _ in range(reps + 1):  # the first round warms up
             for name, scheme in (("lossless", None), ("O1", "O1"), ("O2", "O2")):
                 os.fsync(fd)  # the file's pages clean, as a recycled file's are (deleted steps were durable)

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from ckptd.common.boxes import Box
-from ckptd.daemon import pipeline
+from ckptd.daemon import writer
 from ckptd.daemon.arena import ArenaPool
 from ckptd.daemon.config import GiB, DaemonConfig, load_config
 from ckptd.daemon.errors import Exhausted, NoSpace
-from ckptd.daemon.pipeline import PersistRequest, Progress, file_bytes_bound, persist, write_node_files
+from ckptd.daemon.step_build import file_bytes_bound
+from ckptd.daemon.writer import PersistRequest, Progress, persist, write_node_files
 from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, reused_bytes, space_problem
 
@@ -144,10 +145,10 @@ def _plan(tensors: dict[str, torch.Tensor]) -> SavePlan:
 
 
 class _Spy:
-    """Wraps pipeline.check_space: records the bytes it counted for each call."""
+    """Wraps writer.check_space: records the bytes it counted for each call."""
 
     def __init__(self) -> None:
-        self.real = pipeline.check_space
+        self.real = writer.check_space
         self.bounds: list[int] = []
 
     def __call__(self, storage: Storage, req: PersistRequest, layouts: Any, tensors: Any, recycled: Any) -> None:
@@ -176,7 +177,7 @@ def test_the_bytes_counted_bound_the_files_written(
     arenas = pool.acquire(plan.arena_bytes)
     _fill(arenas, plan, tensors)
     spy = _Spy()
-    monkeypatch.setattr(pipeline, "check_space", spy)
+    monkeypatch.setattr(writer, "check_space", spy)
     request = PersistRequest("job", 1, plan, arenas, {}, {}, None, 40_000, 2, quantize=quantize, master_weights=master_weights)
     persist(Storage(tmp_path), request, Progress(plan.total_bytes))
     pool.close()

@@ -14,6 +14,7 @@ from typing import Any
 from ckptd.common import dtypes
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, TensorRecord
 from ckptd.daemon.ops import human_bytes
+from ckptd.daemon.storage import StepReader, step_at
 
 
 class InspectError(ValueError):
@@ -21,13 +22,21 @@ class InspectError(ValueError):
 
 
 def read_step(step_dir: Path) -> CheckpointIndex:
-    path = step_dir / INDEX_NAME
+    """The index of the step in directory `step_dir`."""
+    return read_index_of(step_at(step_dir))
+
+
+def read_index_of(step: StepReader) -> CheckpointIndex:
+    """The index of the step that `step` reads (any backend); InspectError when there is none
+    or it is damaged (a link or FIFO in its place is not followed: InspectError names it)."""
     try:
-        data = path.read_bytes()
+        data = step.read_small(INDEX_NAME)
     except FileNotFoundError:
-        raise InspectError(f"{step_dir} has no {INDEX_NAME}: it is not a committed step directory (give ROOT/JOB/step-NNNNNNNN)") from None
+        raise InspectError(f"{step.where} has no {INDEX_NAME}: it is not a committed step directory (give ROOT/JOB/step-NNNNNNNN)") from None
+    except OSError as exc:
+        raise InspectError(f"cannot read the index of {step.where}: {exc}") from None
     try:
-        return CheckpointIndex.from_json_bytes(data, str(path))
+        return CheckpointIndex.from_json_bytes(data, f"{step.where}/{INDEX_NAME}")
     except FormatError as exc:
         raise InspectError(str(exc)) from None
 

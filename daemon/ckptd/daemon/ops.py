@@ -18,8 +18,8 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from ckptd.common.paths import default_address
-from ckptd.daemon.format import FormatError, parse_step_dir_name
-from ckptd.daemon.storage import Storage, tree_bytes
+from ckptd.daemon.format import FormatError
+from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -276,20 +276,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
     """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
-    rows = []
-    job_dir = storage.job_dir(job)
-    for p in sorted(job_dir.iterdir()) if job_dir.is_dir() and not job_dir.is_symlink() else []:
-        step = parse_step_dir_name(p.name)
-        if step is None or p.is_symlink() or not p.is_dir() or storage.is_committed(job, step):  # a link is not followed
-            continue
-        rows.append(
-            {
-                "job": job, "step": step, "state": "uncommitted", "latest": False, "created_at": p.stat().st_mtime,
-                "size_bytes": tree_bytes(p), "files": sum(1 for _ in p.iterdir()), "tensors": None, "world_size": None,
-                "nodes": None, "metric": None, "path": str(p),
-            }
-        )
-    return rows
+    return [
+        {
+            "job": job, "step": s.step, "state": "uncommitted", "latest": False, "created_at": s.mtime,
+            "size_bytes": s.nbytes, "files": s.files, "tensors": None, "world_size": None,
+            "nodes": None, "metric": None, "path": str(s.path),
+        }
+        for s in storage.uncommitted_steps(job)  # links not followed
+    ]
 
 
 # ------------------------------------------------------------------ argument parsers

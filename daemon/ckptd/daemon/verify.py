@@ -8,15 +8,14 @@ Checks, each reported as a `Problem` naming the file and tensor:
 - every stored tensor or fragment matches its xxh3-64 checksum, and its chunks their checksums;
 - coverage: the fragments of each logical tensor cover its global shape exactly once.
 
-Reads only; never changes the step directory. No file is read through a symbolic link or
-waited on as a FIFO (storage.open_for_reading): a link, FIFO or directory where the index puts a
-file is a problem of kind "foreign" naming it. Files another node wrote into a node-local root
+Reads only, through a StepReader of the storage backend (storage/base.py); never changes the
+step. On POSIX no file is read through a symbolic link or waited on as a FIFO: a link, FIFO or
+directory where the index puts a file is a problem of kind "foreign" naming it. Files another node wrote into a node-local root
 can be left out with `node` (check them on that node).
 """
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,8 @@ import xxhash
 from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
-from ckptd.daemon.pipeline import checksum_name
-from ckptd.daemon.storage import TMP_MARK, ForeignEntry, open_for_reading, read_file
+from ckptd.daemon.step_build import checksum_name
+from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader, step_at
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,14 @@ class VerifyReport:
         return not self.problems
 
 
-def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], None], chunk_bytes: int = 0) -> tuple[str, int, str]:
+def _hash_range(f: ReadHandle, offset: int, nbytes: int, on_bytes: Callable[[int], None], chunk_bytes: int = 0) -> tuple[str, int, str]:
     """The xxh3-64 checksum name of bytes [offset, offset + nbytes), how many could be read, and
     the digests of their chunks of `chunk_bytes` (ckptd.common.chunks; "" when 0)."""
     hasher = xxhash.xxh3_64()
     chunks = ChunkHasher(chunk_bytes) if chunk_bytes else None
     done = 0
     while done < nbytes:
-        data = os.pread(fd, min(HASH_SLICE, nbytes - done), offset + done)
+        data = f.pread(min(HASH_SLICE, nbytes - done), offset + done)
         if not data:
             break
         hasher.update(data)
@@ -76,15 +75,22 @@ def _hash_range(fd: int, offset: int, nbytes: int, on_bytes: Callable[[int], Non
 
 
 def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
-    """Verify the committed step in `step_dir` (see the module docstring).
+    """Verify the committed step in directory `step_dir` (see the module docstring).
 
     node: check only the data files written by this node (and the small files every node has);
         None checks every file. on_bytes: called with each chunk's size as data is read (progress).
     """
+    return verify_files(step_at(step_dir), node, on_bytes)
+
+
+def verify_files(files: StepReader, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
+    """Verify the committed step that `files` reads (any backend: StorageBackend.step_reader);
+    as verify_step."""
     problems: list[Problem] = []
-    index_path = step_dir / INDEX_NAME
+    step_dir = files.where
+    index_path = f"{step_dir}/{INDEX_NAME}"
     try:
-        index = CheckpointIndex.from_json_bytes(read_file(index_path), where=str(index_path))
+        index = CheckpointIndex.from_json_bytes(files.read_small(INDEX_NAME), where=index_path)
     except FileNotFoundError:
         return VerifyReport(str(step_dir), problems=(Problem("index", INDEX_NAME, f"{step_dir} is not a committed checkpoint: it has no {INDEX_NAME} (an interrupted save; `ckptd gc` removes it)"),))
     except (OSError, FormatError) as exc:
@@ -110,9 +116,8 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
         if node is not None and is_data and record.node != node:
             skipped += 1
             continue
-        path = step_dir / record.name
         try:
-            fd = open_for_reading(path)
+            handle = files.open(record.name)
         except FileNotFoundError:
             where = f" (written by node {record.node}; with node-local roots verify it there, or pass --node)" if record.node else ""
             problems.append(Problem("missing", record.name, f"{record.name} is missing{where}{affected(record.name)}"))
@@ -124,25 +129,24 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
             problems.append(Problem("missing", record.name, f"{record.name} cannot be read: {exc.strerror or exc}{affected(record.name)}"))
             continue
         checked += 1
-        size = os.fstat(fd).st_size
+        size = handle.size
         if size != record.size:
-            os.close(fd)
+            handle.close()
             problems.append(Problem("size", record.name, f"{record.name} has {size} bytes, the index says {record.size} (truncated or replaced){affected(record.name)}"))
             continue
-        with open(fd, "rb") as f:
-            fd = f.fileno()
+        with handle as f:
             if not is_data:
-                digest, _, _ = _hash_range(fd, 0, size, on_bytes)
+                digest, _, _ = _hash_range(f, 0, size, on_bytes)
                 nbytes += size
                 if digest != record.checksum:
                     problems.append(Problem("checksum", record.name, f"{record.name} does not match its checksum ({digest}, the index says {record.checksum})"))
                 continue
-            prefix = os.pread(fd, 8, 0)
+            prefix = f.pread(8, 0)
             length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
             if not 0 <= length <= size - 8:
                 problems.append(Problem("header", record.name, f"{record.name} has no valid safetensors header{affected(record.name)}"))
                 continue
-            header = prefix + os.pread(fd, length, 8)
+            header = prefix + f.pread(length, 8)
             nbytes += len(header)
             digest = checksum_name(xxhash.xxh3_64_intdigest(header))
             if digest != record.checksum:
@@ -157,10 +161,10 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
 
     listed = {f.name for f in index.files} | {INDEX_NAME}
     notes = []
-    for p in sorted(step_dir.iterdir()):
-        if p.name not in listed:
-            kind = "a temporary file of an interrupted write (`ckptd gc` removes it)" if p.name.startswith(TMP_MARK) else "not listed in the index (ignored by ckptd)"
-            notes.append(f"{p.name}: {kind}")
+    for name in files.names():
+        if name not in listed:
+            kind = "a temporary file of an interrupted write (`ckptd gc` removes it)" if name.startswith(TMP_MARK) else "not listed in the index (ignored by ckptd)"
+            notes.append(f"{name}: {kind}")
 
     for t in index.tensors:
         for problem in coverage_problems(t.shape, [f.box for f in t.fragments]):
@@ -173,8 +177,8 @@ def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int
             if entry is None or data_offset + entry.begin != piece.offset or entry.end - entry.begin != piece.nbytes:
                 problems.append(Problem("header", piece.file, f"{piece.file} does not hold {piece.key!r} (tensor {t.name}) where the index says"))
                 continue
-            with open(open_for_reading(step_dir / piece.file), "rb") as f:
-                digest, got, chunk_digests = _hash_range(f.fileno(), piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
+            with files.open(piece.file) as f:
+                digest, got, chunk_digests = _hash_range(f, piece.offset, piece.nbytes, on_bytes, piece.chunk_bytes)
             nbytes += got
             if digest != piece.checksum:
                 problems.append(

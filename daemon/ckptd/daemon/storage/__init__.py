@@ -1,0 +1,47 @@
+"""The storage seam (issue 21 item 2): the only package that does I/O on the storage root.
+
+- base.py: the StorageBackend, PartWriter and StepReader protocols;
+- posix.py: Storage, the POSIX backend (a directory tree), with posix_parts.py (data files
+  being written, steps read by the tools) and posix_clean.py (recycle bin, recovery, gc);
+- fs.py: the safe file primitives under them (no link followed, nothing foreign touched);
+- space.py: whether a step fits (pure).
+
+The names below are those `ckptd.daemon.storage` had as one module; they stay importable from
+here.
+"""
+
+from ckptd.daemon.storage.base import PartWriter, ReadHandle, StepReader, StorageBackend
+from ckptd.daemon.storage.fs import (
+    DELETING_PREFIX,
+    DIR_MODE,
+    FILE_MODE,
+    RECYCLE_DIR,
+    TMP_MARK,
+    ForeignEntry,
+    check_replaceable,
+    create_file,
+    foreign_entries,
+    foreign_reason,
+    fsync_dir,
+    make_dir,
+    open_dir,
+    open_for_reading,
+    open_recycled,
+    read_file,
+    remove_own_tree,
+    start_writeback,
+    tmp_name,
+    tree_bytes,
+    write_small_file,
+)
+from ckptd.daemon.storage.posix import ROOT_ID_FILE, Storage, UncommittedStep
+from ckptd.daemon.storage.posix_parts import PosixPartWriter, PosixStepReader, step_at
+from ckptd.daemon.storage.space import reused_bytes, space_problem
+
+__all__ = [
+    "DELETING_PREFIX", "DIR_MODE", "FILE_MODE", "RECYCLE_DIR", "ROOT_ID_FILE", "TMP_MARK",
+    "ForeignEntry", "PartWriter", "PosixPartWriter", "PosixStepReader", "ReadHandle", "StepReader", "Storage",
+    "StorageBackend", "UncommittedStep", "check_replaceable", "create_file", "foreign_entries", "foreign_reason",
+    "fsync_dir", "make_dir", "open_dir", "open_for_reading", "open_recycled", "read_file", "remove_own_tree",
+    "reused_bytes", "space_problem", "start_writeback", "step_at", "tmp_name", "tree_bytes", "write_small_file",
+]

@@ -1,0 +1,214 @@
+"""The storage seam: what the daemon needs of the place its checkpoints live.
+
+`StorageBackend` owns every byte of I/O on the storage root: the writer (parts and small
+files), commit (the index, `latest`, prepared markers), loads and the peer Fetch (ranges,
+indexes), retention and recycling, start-up recovery and gc, and the operator tools (a
+`StepReader` of one step). Nothing outside the storage package opens, writes, renames or
+deletes under the root (tests/test_hygiene.py checks it, statically and at run time).
+
+Implementations: `Storage` (posix.py: a directory tree on a POSIX file system) and, as a test
+double only, tests/memory_backend.py (in memory, with the same rules). Steps are named by a
+validated job id and an integer step; files of a step by a plain name (no '/'), so no request
+can name anything outside the root.
+
+A step becomes visible (committed) only when its index (format.INDEX_NAME) is published, last:
+data parts (`open_part` … `PartWriter.publish`) → `sync_step` → small files (`write_small`,
+not atomic) → `sync_step` → the index (`write_small`, atomic) → `write_latest`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from ckptd.daemon.format import CheckpointIndex
+
+
+class PartWriter(Protocol):
+    """A data file of a step being written (a safetensors file), invisible until `publish`.
+
+    Opened with its size (`open_part`): the final size of a file of tensors of known size; for
+    a file with coded tensors (sizes known once coded) the size reserved, and the final size is
+    given to `sync`. Written at any offsets, from several threads at once (`pwrite` of disjoint
+    ranges); every byte up to the final size must be written before it is published. The writer writes each file's safetensors
+    header LAST, into room reserved at offset 0, once the sizes of coded tensors are known: a
+    local file is written in place; an object store can do the same by uploading the header
+    as part 1 of a multipart upload after the data parts (a single streaming PUT cannot).
+    """
+
+    name: str
+
+    def pwrite(self, offset: int, view: memoryview) -> None:
+        """Write all of `view` at byte `offset`."""
+
+    def start_writeback(self, offset: int, nbytes: int) -> bool:
+        """A hint: start making [offset, offset + nbytes) durable now (sync_step/sync still
+        decide durability). Returns whether the hint was taken."""
+
+    def sync(self, size: int | None = None) -> None:
+        """Every write done: cut the file to `size` bytes when given (coded tensors took less
+        than reserved), then make its bytes durable. Still not visible."""
+
+    def close(self) -> None:
+        """Release what the part holds (idempotent). A part closed without `publish` is never
+        visible; remove_step/discard_part take away what is left of it."""
+
+    def publish(self) -> None:
+        """Make the synced, closed part visible under its final name (a rename or the multipart
+        completion). Durable once `StorageBackend.sync_step` returns."""
+
+
+class ReadHandle(Protocol):
+    """One file of a step open for reading."""
+
+    size: int  # bytes of the file when it was opened
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        """Up to `nbytes` bytes at `offset` (fewer only at the end of the file)."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "ReadHandle": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class StepReader(Protocol):
+    """Read-only view of one step's files, for the operator tools (verify, export, inspect).
+
+    Every method raises FileNotFoundError for a missing file, ForeignEntry for something the
+    daemon did not write there (a link, a FIFO: never followed), OSError otherwise."""
+
+    where: str  # the step as shown to people (a path or a URL)
+
+    def names(self) -> list[str]:
+        """Every entry in the step, temporaries included, sorted."""
+
+    def exists(self, name: str) -> bool: ...
+
+    def read_small(self, name: str, limit: int = 1 << 30) -> bytes:
+        """The whole file; OSError EFBIG when it is larger than `limit`."""
+
+    def open(self, name: str) -> ReadHandle: ...
+
+
+class StorageBackend(Protocol):
+    """Where jobs and their steps live (see the module docstring). Four groups of methods:
+    listing, reading, writing a step, and housekeeping. Blocking: call from worker threads."""
+
+    # ---------------------------------------------------------------- listing
+
+    @property
+    def location(self) -> str:
+        """Where the storage is, for messages and `ckptd status` (a directory, or a URL)."""
+
+    def step_location(self, job: str, step: int) -> str:
+        """Where a step is, for messages and what a commit reports (DurableInfo.step_dir):
+        a directory on POSIX."""
+
+    def jobs(self) -> list[str]: ...
+
+    def root_id(self) -> str:
+        """The storage's id, made on first use: daemons that share one storage read the same."""
+
+    def is_committed(self, job: str, step: int) -> bool:
+        """Whether the step's index is published (links are never taken for a step)."""
+
+    def committed_steps(self, job: str) -> list[int]:
+        """Committed steps, ascending by number."""
+
+    def commit_order(self, job: str) -> list[int]:
+        """Committed steps in the order they were committed (the index's created_at), oldest
+        first: the last is the newest, whatever its number."""
+
+    def latest_step(self, job: str) -> int | None: ...
+
+    def latest_named(self, job: str) -> int | None:
+        """The step the job's `latest` names (a hint for other tools), or None."""
+
+    # ---------------------------------------------------------------- reading
+
+    def read_index(self, job: str, step: int) -> CheckpointIndex: ...
+
+    def read_small(self, job: str, step: int, name: str, limit: int = 1 << 30) -> bytes:
+        """A whole small file of a step (extra.json, the index's bytes)."""
+
+    def read_range(self, job: str, step: int, name: str, offset: int, nbytes: int) -> bytes:
+        """Bytes [offset, offset + nbytes) of a step's file; FormatError when it ends early,
+        ValueError for a negative range."""
+
+    def copy_range(self, job: str, step: int, name: str, out_fd: int, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of a step's file to the same offset of `out_fd` (a
+        staging file in shared memory, for ranks that cannot read the storage directly)."""
+
+    def step_file_sizes(self, job: str, step: int) -> dict[str, int]:
+        """The published files of a step (no temporaries) with their sizes; {} for none."""
+
+    def local_path(self, job: str, step: int, name: str) -> Path | None:
+        """A path ranks may read the file at directly (pread, mmap), or None when the backend
+        has no local files: the engine then stages the bytes into shared memory (copy_range)."""
+
+    def step_reader(self, job: str, step: int) -> StepReader: ...
+
+    def step_bytes(self, job: str, step: int) -> int:
+        """Bytes the step's files take (retention's report); 0 when it is gone."""
+
+    # ---------------------------------------------------------------- writing a step
+
+    def prepare_step(self, job: str, step: int, fresh: bool = True) -> None:
+        """Make room for a new step. `fresh`: an earlier failed attempt's files go; else (nodes
+        sharing the storage write into one step) whatever is there stays. FileExistsError
+        when the step is committed."""
+
+    def ensure_step(self, job: str, step: int) -> None:
+        """The step exists (for the commit of a step other nodes wrote)."""
+
+    def take_recycled(self, job: str) -> list[tuple[Any, int]]:
+        """(handle, size) of deleted steps' data files kept for reuse, largest first; a handle
+        goes to open_part, which may still find it gone."""
+
+    def open_part(self, job: str, step: int, name: str, size: int, recycled: Any = None) -> PartWriter:
+        """A new data file `name` of `size` bytes (see PartWriter), made from `recycled` (from
+        take_recycled) when it is still there. Not visible until PartWriter.publish."""
+
+    def sync_step(self, job: str, step: int) -> None:
+        """Make the names published in the step so far durable (a directory fsync)."""
+
+    def write_small(self, job: str, step: int, name: str, data: bytes, atomic: bool = True) -> None:
+        """Publish a small file of a step, durable on return. `atomic`: readers see the old
+        file or the new one, never a part (the index, a prepared marker); else it is written in
+        place (a small file of a step not yet committed: the index commits it)."""
+
+    def write_latest(self, job: str, step: int) -> None:
+        """Point the job's `latest` at `step` (atomically)."""
+
+    def free_bytes(self, job: str) -> tuple[int, str | Path] | None:
+        """(bytes free for the job's steps, where measured), or None when unknown."""
+
+    def allocated_in_step(self, job: str, step: int) -> dict[str, int]:
+        """Bytes already taken by each data file of a step being written (temporaries count
+        for their file): what other nodes sharing the storage have written so far."""
+
+    # ---------------------------------------------------------------- housekeeping
+
+    def remove_step(self, job: str, step: int, recycle: bool = False) -> None:
+        """Delete a step, atomically invisible first; `recycle` keeps its data files for
+        take_recycled. Never deletes what the daemon did not write (ForeignEntry)."""
+
+    def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
+        """Remove what this node wrote of an aborted step (`shared`: only `names`)."""
+
+    def mark_prepared(self, job: str, step: int, save_id: str, node: int) -> None:
+        """Record that this node's part of the step is written and durable."""
+
+    def unmark_prepared(self, job: str, step: int) -> None:
+        """The step is committed here: its prepared marker and temporaries go."""
+
+    def prepared_steps(self) -> list[tuple[str, int]]:
+        """(job, step) holding a node's prepared part but no index."""
+
+    def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[tuple[Path, int, str, int]]:
+        """Remove (unless `dry_run`) what a failed save left; (where, step or -1, reason, bytes)."""
+
+    def clean_uncommitted(self) -> list[Path]:
+        """Start-up recovery: remove what a crash left, fix each job's `latest`."""

@@ -1,0 +1,126 @@
+"""POSIX files of a step: a data file being written (PosixPartWriter) and a step read by the
+operator tools (PosixStepReader). The descriptor work the writer used to do itself."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from ckptd.daemon.storage.fs import (
+    ForeignEntry,
+    create_file,
+    open_for_reading,
+    open_recycled,
+    pwrite_all,
+    read_file,
+    real_dir_at,
+    start_writeback,
+    tmp_name,
+)
+
+
+class PosixPartWriter:
+    """A data file written under a temporary name in its step directory (mode 0640, never
+    through a link), made from a recycled file when one is given and still the daemon's own
+    (fs.open_recycled: its blocks are overwritten in place, no new allocation; any excess is cut
+    off at open). `publish` renames it to its final name; the step directory's fsync
+    (Storage.sync_step) makes the name durable. See base.PartWriter."""
+
+    def __init__(self, path: Path, size: int, recycled: Path | None) -> None:
+        self.name = path.name
+        self.path = path
+        self.size = size
+        fd = open_recycled(recycled, tmp_name(path)) if recycled is not None else None
+        if fd is None:
+            fd = create_file(tmp_name(path))
+        elif os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+        self._fd: int | None = fd
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        return self._fd
+
+    def pwrite(self, offset: int, view: memoryview) -> None:
+        if offset < 0:
+            raise ValueError(f"a write of {self.name} at offset {offset}")
+        pwrite_all(self.fd, view, offset)
+
+    def start_writeback(self, offset: int, nbytes: int) -> bool:
+        return start_writeback(self.fd, offset, nbytes)
+
+    def sync(self, size: int | None = None) -> None:
+        if size is not None:
+            os.ftruncate(self.fd, size)
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def publish(self) -> None:
+        if self._fd is not None:
+            raise ValueError(f"{self.name} is still open: sync and close it before it is published")
+        os.replace(tmp_name(self.path), self.path)
+
+
+class PosixReadHandle:
+    """A regular file of a step open for reading (fs.open_for_reading)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = open_for_reading(path)
+        self.size = os.fstat(self._fd).st_size
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        return os.pread(self._fd, nbytes, offset)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> "PosixReadHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PosixStepReader:
+    """A step directory read by the operator tools (base.StepReader): any directory, also one
+    copied out of a root. A file name is a plain name; no file is read through a link or waited
+    on as a FIFO (ForeignEntry names it)."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.step_dir = step_dir
+        self.where = str(step_dir)
+
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a file name of a step directory")
+        return self.step_dir / name
+
+    def names(self) -> list[str]:
+        if not real_dir_at(self.step_dir):
+            if os.path.lexists(self.step_dir):
+                raise ForeignEntry(f"{self.step_dir} is not a directory the daemon made: it is not followed")
+            raise FileNotFoundError(errno.ENOENT, "no such step directory", str(self.step_dir))
+        return sorted(p.name for p in self.step_dir.iterdir())
+
+    def exists(self, name: str) -> bool:
+        return os.path.lexists(self._path(name))
+
+    def read_small(self, name: str, limit: int = 1 << 30) -> bytes:
+        return read_file(self._path(name), limit)
+
+    def open(self, name: str) -> PosixReadHandle:
+        return PosixReadHandle(self._path(name))
+
+
+def step_at(step_dir: Path) -> PosixStepReader:
+    """The step in directory `step_dir` (a committed step of a root, or a copy of one)."""
+    return PosixStepReader(step_dir)

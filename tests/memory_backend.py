@@ -1,0 +1,315 @@
+"""MemoryStorage: a StorageBackend (ckptd.daemon.storage.base) held in memory. A TEST DOUBLE
+only: the writer, commit and load tests run against it as well as POSIX, so the writer cannot
+depend on anything but the protocol.
+
+It enforces the protocol's rules, so it hides no bug: a part is invisible until published, is
+published only once synced and closed, and only when every byte up to its final size was
+written (the header last into its reserved room included); a write past a synced part, a range
+outside a file, a second publish, and a commit of an unprepared step all raise.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ckptd.common.names import check_job_id
+from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError, step_dir_name
+
+
+class MemoryPart:
+    """A PartWriter over a bytearray; tracks which bytes were written."""
+
+    def __init__(self, owner: "MemoryStorage", job: str, step: int, name: str, size: int, base: bytearray | None) -> None:
+        self.name = name
+        self.size = size
+        self._owner, self._job, self._step = owner, job, step
+        self._data = base if base is not None else bytearray()
+        del self._data[size:]
+        self._written: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._final: int | None = None
+        self._closed = self._published = False
+        self.writeback: list[tuple[int, int]] = []
+
+    def pwrite(self, offset: int, view: memoryview) -> None:
+        if self._final is not None or self._closed:
+            raise ValueError(f"{self.name}: a write after it was synced or closed")
+        if offset < 0:
+            raise ValueError(f"{self.name}: a write at offset {offset}")
+        data = bytes(view)
+        with self._lock:
+            if len(self._data) < offset + len(data):
+                self._data.extend(bytes(offset + len(data) - len(self._data)))
+            self._data[offset : offset + len(data)] = data
+            self._written.append((offset, offset + len(data)))
+
+    def start_writeback(self, offset: int, nbytes: int) -> bool:
+        self.writeback.append((offset, nbytes))
+        return True
+
+    def sync(self, size: int | None = None) -> None:
+        final = self.size if size is None else size
+        end = max((e for _, e in self._written), default=0)
+        if end > final:
+            raise ValueError(f"{self.name}: bytes written up to {end}, past its final size {final}")
+        covered = 0
+        for begin, stop in sorted(self._written):
+            if begin > covered:
+                raise ValueError(f"{self.name}: bytes [{covered}, {begin}) were never written")
+            covered = max(covered, stop)
+        if covered != final:
+            raise ValueError(f"{self.name}: {covered} bytes written of its final size {final}")
+        del self._data[final:]
+        self._final = final
+
+    def close(self) -> None:
+        self._closed = True
+
+    def publish(self) -> None:
+        if self._final is None or not self._closed:
+            raise ValueError(f"{self.name}: published before it was synced and closed")
+        if self._published:
+            raise ValueError(f"{self.name}: published twice")
+        self._published = True
+        self._owner._step(self._job, self._step).files[self.name] = bytes(self._data)
+
+
+class _Handle:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.size = len(data)
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        return self._data[offset : offset + nbytes]
+
+    def close(self) -> None:
+        pass  # nothing held
+
+    def __enter__(self) -> "_Handle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MemoryStepReader:
+    def __init__(self, files: dict[str, bytes], where: str) -> None:
+        self._files = files
+        self.where = where
+
+    def names(self) -> list[str]:
+        return sorted(self._files)
+
+    def exists(self, name: str) -> bool:
+        return name in self._files
+
+    def read_small(self, name: str, limit: int = 1 << 30) -> bytes:
+        data = self.open(name)._data
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
+        return data
+
+    def open(self, name: str) -> _Handle:
+        if name not in self._files:
+            raise FileNotFoundError(errno.ENOENT, "no such file", f"{self.where}/{name}")
+        return _Handle(self._files[name])
+
+
+@dataclass
+class _Step:
+    files: dict[str, bytes] = field(default_factory=dict)  # published only: parts are not here until publish
+    parts: list[MemoryPart] = field(default_factory=list)
+
+
+class MemoryStorage:
+    """The StorageBackend protocol in memory (see the module docstring). `free`: the free bytes
+    free_bytes reports (None: unknown)."""
+
+    def __init__(self, free: int | None = None) -> None:
+        self.free = free
+        self.steps: dict[tuple[str, int], _Step] = {}
+        self.latest: dict[str, int] = {}
+        self.recycled: dict[str, list[bytearray]] = {}
+        self.parts: list[MemoryPart] = []  # every part opened, for tests
+        self._id = "memory-root"
+
+    def _step(self, job: str, step: int) -> _Step:
+        check_job_id(job)
+        if (job, step) not in self.steps:
+            raise FileNotFoundError(errno.ENOENT, "no such step", f"{job}/{step_dir_name(step)}")
+        return self.steps[(job, step)]
+
+    def _file(self, job: str, step: int, name: str) -> bytes:
+        files = self._step(job, step).files
+        if name not in files:
+            raise FileNotFoundError(errno.ENOENT, "no such file", f"{job}/{step_dir_name(step)}/{name}")
+        return files[name]
+
+    # listing
+    @property
+    def location(self) -> str:
+        return "memory://"
+
+    def step_location(self, job: str, step: int) -> str:
+        return f"memory://{check_job_id(job)}/{step_dir_name(step)}"
+
+    def jobs(self) -> list[str]:
+        return sorted({job for job, _ in self.steps})
+
+    def root_id(self) -> str:
+        return self._id
+
+    def is_committed(self, job: str, step: int) -> bool:
+        return (job, step) in self.steps and INDEX_NAME in self.steps[(job, step)].files
+
+    def committed_steps(self, job: str) -> list[int]:
+        return sorted(s for j, s in self.steps if j == job and self.is_committed(j, s))
+
+    def commit_order(self, job: str) -> list[int]:
+        def created(step: int) -> float:
+            value = float(json.loads(self._file(job, step, INDEX_NAME))["created_at"])
+            return value if math.isfinite(value) else 0.0
+
+        return sorted(self.committed_steps(job), key=lambda s: (created(s), s))
+
+    def latest_step(self, job: str) -> int | None:
+        order = self.commit_order(job)
+        return order[-1] if order else None
+
+    def latest_named(self, job: str) -> int | None:
+        return self.latest.get(job)
+
+    # reading
+    def read_index(self, job: str, step: int) -> CheckpointIndex:
+        return CheckpointIndex.from_json_bytes(self._file(job, step, INDEX_NAME), where=f"{job}/{step_dir_name(step)}/{INDEX_NAME}")
+
+    def read_small(self, job: str, step: int, name: str, limit: int = 1 << 30) -> bytes:
+        return self.step_reader(job, step).read_small(name, limit)
+
+    def read_range(self, job: str, step: int, name: str, offset: int, nbytes: int) -> bytes:
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"bytes [{offset}, +{nbytes}) of {name}")
+        data = self._file(job, step, name)
+        if offset + nbytes > len(data):
+            raise FormatError(f"{name} ends at byte {len(data)}, before the {nbytes} bytes asked from {offset}")
+        return data[offset : offset + nbytes]
+
+    def copy_range(self, job: str, step: int, name: str, out_fd: int, offset: int, nbytes: int) -> None:
+        import os
+
+        data = self.read_range(job, step, name, offset, nbytes)
+        os.pwrite(out_fd, data, offset)  # a staging file in shared memory, not the storage
+
+    def step_file_sizes(self, job: str, step: int) -> dict[str, int]:
+        if (job, step) not in self.steps:
+            return {}
+        return {name: len(data) for name, data in self.steps[(job, step)].files.items()}
+
+    def local_path(self, job: str, step: int, name: str) -> Path | None:
+        return None
+
+    def step_reader(self, job: str, step: int) -> MemoryStepReader:
+        return MemoryStepReader(self._step(job, step).files, f"memory:{job}/{step_dir_name(step)}")
+
+    def step_bytes(self, job: str, step: int) -> int:
+        return sum(self.step_file_sizes(job, step).values())
+
+    # writing a step
+    def prepare_step(self, job: str, step: int, fresh: bool = True) -> None:
+        check_job_id(job)
+        if self.is_committed(job, step):
+            raise FileExistsError(f"{job}/{step_dir_name(step)} is already committed")
+        if fresh or (job, step) not in self.steps:
+            self.steps[(job, step)] = _Step()
+
+    def ensure_step(self, job: str, step: int) -> None:
+        check_job_id(job)
+        self.steps.setdefault((job, step), _Step())
+
+    def take_recycled(self, job: str) -> list[tuple[Any, int]]:
+        return sorted(((buf, len(buf)) for buf in self.recycled.get(job, [])), key=lambda f: -f[1])
+
+    def open_part(self, job: str, step: int, name: str, size: int, recycled: Any = None) -> MemoryPart:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} is not a data file name of a step")
+        record = self._step(job, step)
+        base = None
+        bin_ = self.recycled.get(job, [])
+        if recycled is not None and any(b is recycled for b in bin_):
+            bin_[:] = [b for b in bin_ if b is not recycled]
+            base = recycled
+        part = MemoryPart(self, job, step, name, size, base)
+        record.parts.append(part)
+        self.parts.append(part)
+        return part
+
+    def sync_step(self, job: str, step: int) -> None:
+        self._step(job, step)
+
+    def write_small(self, job: str, step: int, name: str, data: bytes, atomic: bool = True) -> None:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} is not a file name of a step")
+        self._step(job, step).files[name] = bytes(data)
+
+    def write_latest(self, job: str, step: int) -> None:
+        if not self.is_committed(job, step):
+            raise ValueError(f"`latest` would name {job}/{step_dir_name(step)}, which is not committed")
+        self.latest[job] = step
+
+    def free_bytes(self, job: str) -> tuple[int, str] | None:
+        return None if self.free is None else (self.free, "memory")
+
+    def allocated_in_step(self, job: str, step: int) -> dict[str, int]:
+        record = self.steps.get((job, step))
+        if record is None:
+            return {}
+        found = {name: len(data) for name, data in record.files.items()}
+        for part in record.parts:
+            found.setdefault(part.name, part.size)
+        return found
+
+    # housekeeping
+    def remove_step(self, job: str, step: int, recycle: bool = False) -> None:
+        record = self.steps.pop((job, step), None)
+        if record is not None and recycle:
+            self.recycled[job] = [bytearray(data) for name, data in record.files.items() if name.endswith(".safetensors")]
+
+    def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
+        if not shared:
+            self.remove_step(job, step)
+            return
+        record = self.steps.get((job, step))
+        if record is None or INDEX_NAME in record.files:
+            return
+        for name in names:
+            record.files.pop(name, None)
+
+    def mark_prepared(self, job: str, step: int, save_id: str, node: int) -> None:
+        self.write_small(job, step, PREPARED_NAME, json.dumps({"save_id": save_id, "node": node, "step": step}).encode())
+
+    def unmark_prepared(self, job: str, step: int) -> None:
+        if (job, step) in self.steps:
+            self.steps[(job, step)].files.pop(PREPARED_NAME, None)
+
+    def prepared_steps(self) -> list[tuple[str, int]]:
+        return sorted(k for k, s in self.steps.items() if PREPARED_NAME in s.files and INDEX_NAME not in s.files)
+
+    def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[tuple[Path, int, str, int]]:
+        found = [(Path(f"memory:{job}/{step_dir_name(s)}"), s, "uncommitted", self.step_bytes(job, s))
+                 for (j, s), rec in sorted(self.steps.items()) if j == job and s not in busy and INDEX_NAME not in rec.files and PREPARED_NAME not in rec.files]
+        if not dry_run:
+            for _, s, _, _ in found:
+                self.steps.pop((job, s), None)
+        return found
+
+    def clean_uncommitted(self) -> list[Path]:
+        removed = []
+        for job in self.jobs():
+            removed += [p for p, _, _, _ in self.leftovers(job, set())]
+        return removed
