@@ -1,15 +1,19 @@
-"""Validation of what arrives over the wire, shared by the servicers: each function returns the
-checked value or raises errors.InvalidRequest with a message that says what to fix."""
+"""Validation of what arrives over the wire, the one validator of both servicers: each function
+returns the checked value or raises errors.InvalidRequest with a message that says what to fix.
+A servicer method checks its request here, calls the engine, and converts (rpc_convert)."""
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import KINDS, check_job_id, check_tensor_name
+from ckptd.common.names import KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
+from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
+from ckptd.daemon.format import MODEL_FILES
 from ckptd.daemon.plan import TensorSpec
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
@@ -18,6 +22,10 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48
 MAX_TENSORS = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_MODEL_FILE_BYTES = 1 << 20
+MAX_STAGED_RANGES = 1 << 20
+MAX_FINGERPRINT = 256  # characters
+MAX_KNOWN_PLANS = 8
 
 
 
@@ -72,3 +80,136 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
         aliases = tuple(check_tensor_name(a) for a in meta.aliases)
         specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases))
     return specs
+
+
+def check_node(node: int, nodes: int) -> int:
+    if not 0 <= node < nodes:
+        raise errors.InvalidRequest(f"node {node} is not in [0, {nodes}): check --peers on every node")
+    return node
+
+
+def check_world_size(world_size: int) -> int:
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise errors.InvalidRequest(f"world_size {world_size} must be between 1 and {MAX_WORLD_SIZE}")
+    return world_size
+
+
+def check_local_world_size(local_world_size: int, world_size: int) -> int:
+    """0: the daemon's default (every rank local on a single node)."""
+    if not 0 <= local_world_size <= world_size:
+        raise errors.InvalidRequest(f"local_world_size {local_world_size} must be between 0 and world_size={world_size}")
+    return local_world_size
+
+
+def check_compression(quantize: str, master_weights: str, no_quantize: bool, lineage_generation: int) -> tuple[str | None, str | None]:
+    """(scheme or None, master-weights mode or None) of a BeginSave."""
+    try:
+        scheme = check_scheme(quantize)
+        master = check_master_mode(master_weights)
+    except QuantError as exc:
+        raise errors.InvalidRequest(str(exc)) from None
+    if no_quantize and scheme is not None:
+        raise errors.InvalidRequest(f"quantize={scheme!r} and no_quantize contradict each other; send one")
+    if lineage_generation < 0:
+        raise errors.InvalidRequest(f"lineage_generation {lineage_generation} must be >= 0")
+    return scheme, master
+
+
+def check_fingerprint(fingerprint: str, required: bool = True) -> str:
+    """A structure fingerprint; may be empty unless `required`."""
+    if len(fingerprint) > MAX_FINGERPRINT or (required and not fingerprint):
+        shape = "a non-empty string of at most" if required else "at most"
+        raise errors.InvalidRequest(f"fingerprint must be {shape} {MAX_FINGERPRINT} characters")
+    return fingerprint
+
+
+def check_metric(metric: float, has_metric: bool) -> float | None:
+    if not has_metric:
+        return None
+    if not math.isfinite(metric):
+        raise errors.InvalidRequest(f"metric {metric} must be a finite number")
+    return metric
+
+
+def check_stall(stall_s: float) -> float:
+    """The client's stall figure, for the metrics only: anything unusable counts as 0."""
+    return stall_s if math.isfinite(stall_s) and 0 <= stall_s < 86400 else 0.0
+
+
+def check_kinds(kinds: Sequence[str]) -> list[str]:
+    for key in kinds:
+        if not key or "/" in key or len(key) > 256:
+            raise errors.InvalidRequest(f"top-level state key {key!r} must be a non-empty name without '/'")
+    return list(kinds)
+
+
+def check_known_plans(known_plans: Sequence[str]) -> Sequence[str]:
+    if len(known_plans) > MAX_KNOWN_PLANS:
+        raise errors.InvalidRequest(f"{len(known_plans)} known plans; send at most {MAX_KNOWN_PLANS}")
+    return known_plans
+
+
+def check_staged(staging_id: str, n_ranges: int) -> bool:
+    """Whether a CommitSnapshot hands over staged ranges (mode ipc)."""
+    if staging_id:
+        if n_ranges > MAX_STAGED_RANGES:
+            raise errors.InvalidRequest(f"{n_ranges} staged ranges; the limit is {MAX_STAGED_RANGES}")
+        return True
+    if n_ranges:
+        raise errors.InvalidRequest("staged ranges without a staging_id: open a staging buffer first (OpenStaging)")
+    return False
+
+
+def parse_json(text: str, what: str, max_depth: int = MAX_EXTRAS_JSON_DEPTH) -> Any:
+    """`text` parsed as JSON; InvalidRequest naming `what` if it is not JSON or nests deeper than
+    `max_depth` (also when it nests deeper than the parser goes: no RecursionError escapes)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        too_deep = True
+    else:
+        too_deep = json_depth(value) > max_depth
+    if too_deep:
+        raise errors.InvalidRequest(f"{what} nests deeper than {max_depth} JSON levels, the limit; flatten it")
+    return value
+
+
+def check_model_files(model_files: Mapping[str, str]) -> dict[str, bytes]:
+    """The model files (config.json ...) of a save as UTF-8 bytes: known names, at most
+    MAX_MODEL_FILE_BYTES each, JSON within the depth limit."""
+    out = {}
+    for name, text in model_files.items():
+        if name not in MODEL_FILES:
+            raise errors.InvalidRequest(f"model file {name!r} is not one of {', '.join(MODEL_FILES)}")
+        if len(text) > MAX_MODEL_FILE_BYTES:
+            raise errors.InvalidRequest(f"model file {name} is {len(text)} bytes; the limit is {MAX_MODEL_FILE_BYTES}")
+        parse_json(text, f"model file {name}")
+        out[name] = text.encode()
+    return out
+
+
+def check_file_name(name: str, data_only: bool = True) -> str:
+    """A plain file name inside a step directory (a data file unless not `data_only`)."""
+    if not name or "/" in name or "\0" in name or name.startswith(".") or len(name) > 255:
+        raise errors.InvalidRequest(f"{name!r} is not a file name of a step directory")
+    if data_only and not name.endswith(".safetensors"):
+        raise errors.InvalidRequest(f"{name!r} is not a checkpoint data file name")
+    return name
+
+
+def check_byte_range(name: str, size: int, offset: int, nbytes: int) -> int:
+    """The number of bytes of a Fetch of [offset, +nbytes) of a `size`-byte file (nbytes 0: to the end)."""
+    count = nbytes or size - offset
+    if offset < 0 or count < 0 or offset + count > size:
+        raise errors.InvalidRequest(f"bytes [{offset}, +{nbytes}) are outside {name} ({size} bytes)")
+    return count
+
+
+def check_manifest_json(node: int, fragments: Sequence[Any]) -> None:
+    """The JSON fields of a node's manifest (each fragment's quantization record) within the
+    depth limit: rpc_convert.manifest_from_wire trusts the parser's depth."""
+    for fragment in fragments:
+        if fragment.quant_json:
+            parse_json(fragment.quant_json, f"the quantization record of fragment {fragment.name[:200]!r}")

@@ -1,6 +1,8 @@
-"""Domain errors of the daemon. Each maps to one gRPC status code, in one place (servicer.py)."""
+"""Domain errors of the daemon. Each maps to one gRPC status code, in one place (rpc_errors.py)."""
 
 from __future__ import annotations
+
+from ckptd.wire import UNKNOWN_FINGERPRINT
 
 
 class CkptdError(Exception):
@@ -21,6 +23,17 @@ class AlreadyExists(CkptdError):
 
 class Precondition(CkptdError):
     """The request does not fit the current state, e.g. an unknown fingerprint (FAILED_PRECONDITION)."""
+
+
+class UnknownFingerprint(Precondition):
+    """A request named its tensors by a fingerprint this daemon does not know (it restarted, or
+    forgot it): the caller resends the request with the tensor metadata. Carries `reason`, which
+    the wire sends beside the status (rpc_errors.REASON_KEY), so callers act on it, not on the text."""
+
+    reason = UNKNOWN_FINGERPRINT
+
+    def __init__(self, message: str = "unknown fingerprint: send the tensor metadata with this request") -> None:
+        super().__init__(message)
 
 
 class Exhausted(CkptdError):

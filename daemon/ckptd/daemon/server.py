@@ -1,6 +1,10 @@
 """`ckptd serve`: the grpc.aio server on a Unix socket, health service, graceful shutdown.
 
-SIGTERM/SIGINT: stop taking new saves (health NOT_SERVING, BeginSave UNAVAILABLE), let open
+Both gRPC servers (Checkpoint on the socket, Peer on TCP) map domain errors to status codes in
+one interceptor (rpc_errors.ErrorStatusInterceptor); the Peer server also checks the peer token
+in one (rpc_auth.PeerTokenInterceptor).
+
+SIGTERM/SIGINT: stop taking new saves (health NOT_SERVING on every server, BeginSave UNAVAILABLE), let open
 snapshots complete and everything handed over be committed, then exit 0.
 SIGHUP: read the configuration again (same flags, environment and file) and apply what can
 change while serving (CheckpointService.reconfigure); a bad file keeps the old settings.
@@ -23,7 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ckptd.daemon.config import DaemonConfig, check_shm
 from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.peer_servicer import PeerServicer
-from ckptd.daemon.pipeline import VERSION
+from ckptd.daemon.step_build import VERSION
+from ckptd.daemon.rpc_auth import PeerTokenInterceptor
+from ckptd.daemon.rpc_errors import ErrorStatusInterceptor
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
 from ckptd.wire import MESSAGE_SIZE_OPTIONS
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_GRACE_S = 60.0
 SERVICE_NAME = "ckptd.v1.Checkpoint"
+PEER_SERVICE_NAME = "ckptd.v1.Peer"
 LIVENESS = "liveness"  # health service name that stays SERVING while the process runs (drain included)
 SHM_WARN_BYTES = 1 << 30
 
@@ -114,13 +121,13 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
                 "choose a free --metrics-port (or 0 to turn the endpoint off)"
             ) from None
 
-    server = grpc.aio.server(options=list(MESSAGE_SIZE_OPTIONS))
+    server = grpc.aio.server(options=list(MESSAGE_SIZE_OPTIONS), interceptors=[ErrorStatusInterceptor()])
     pb_grpc.add_CheckpointServicer_to_server(CheckpointServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"unix://{config.socket}"
     server.add_insecure_port(address)
-    peer_server = _peer_server(config, service) if service.cluster is not None else None
+    peer_server, peer_health = _peer_server(config, service) if service.cluster is not None else (None, None)
     probe_server = _probe_server(config, health_servicer) if config.health_port else None
     await server.start()
     if probe_server is not None:
@@ -135,6 +142,9 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     os.chmod(config.socket, 0o660)
     for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if peer_health is not None:
+        for name in ("", PEER_SERVICE_NAME):
+            await peer_health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("ckptd serving on %s, root %s, shared memory in %s", address, config.root, config.shm_dir)
     if faults is not None:
         faults.arm()  # file events are counted from here on: those of start-up recovery are not
@@ -149,6 +159,9 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     log.info("shutting down: no new saves; committing what is in flight")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if peer_health is not None:
+        for name in ("", PEER_SERVICE_NAME):
+            await peer_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     for task in background:
         task.cancel()
     await service.drain(DRAIN_GRACE_S)
@@ -202,13 +215,15 @@ def _probe_server(config: DaemonConfig, health_servicer: health.aio.HealthServic
     return server
 
 
-def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.Server:
-    """The daemon-to-daemon server on this node's --peers entry (TCP): the Peer service and
-    health, nothing else (the Checkpoint service stays on the Unix socket)."""
+def _peer_server(config: DaemonConfig, service: CheckpointService) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The daemon-to-daemon server on this node's --peers entry (TCP): the Peer service (every
+    call checked for the peer token) and health, nothing else (the Checkpoint service stays on
+    the Unix socket); and that health servicer, which drain sets NOT_SERVING."""
     server = grpc.aio.server(
-        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
+        options=[*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
+        interceptors=[ErrorStatusInterceptor(), PeerTokenInterceptor(config.peer_token)],  # errors outermost: it maps the token's
     )
-    ppb_grpc.add_PeerServicer_to_server(PeerServicer(service, config.peer_token), server)
+    ppb_grpc.add_PeerServicer_to_server(PeerServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     assert service.cluster is not None
@@ -219,7 +234,7 @@ def _peer_server(config: DaemonConfig, service: CheckpointService) -> grpc.aio.S
         bound = server.add_secure_port(config.peer_address, tls.server_credentials())
     if bound == 0:
         raise RuntimeError(f"cannot listen on {config.peer_address} (this node's --peers entry): is the port in use or the host not this machine's?")
-    return server
+    return server, health_servicer
 
 
 def run(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:

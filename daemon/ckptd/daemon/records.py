@@ -1,0 +1,115 @@
+"""Typed records that cross the daemon's wire edge (no grpc here; `rpc_convert` turns them into
+messages and back): the coordinator's answers to a join and a report, a peer's inventory of a
+step, and the daemon's status snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping, NamedTuple
+
+from ckptd.daemon.engine.compression import Compression
+from ckptd.daemon.format import CheckpointIndex
+from ckptd.daemon.plan import SavePlan, TensorSpec
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """The coordinator's answer to a node joining a save: the plan's input."""
+
+    save_id: str
+    plan_key: str
+    node_of_rank: tuple[int, ...]
+    specs: tuple[tuple[TensorSpec, ...], ...] | None  # every rank's, None when the plan key was known
+    shared_root: bool
+    compression: Compression | None = None  # the save's, decided by the coordinator (None: an older coordinator)
+    plan: SavePlan | None = field(default=None, compare=False)  # in process only (node 0): the coordinator's plan itself
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a save across nodes ended, as the coordinator answers a node's report."""
+
+    committed: bool
+    error: str = ""
+    step_files: dict[str, bytes] = field(default_factory=dict)  # for nodes with their own root
+    # False: nobody who saw the save decided it (the coordinator did not answer, or restarted and
+    # knows no such save): node 0 may have committed the step before it went away, so a node's
+    # written part must stay until node 0's root says (Service.resolve_prepared)
+    decided: bool = True
+    index: CheckpointIndex | None = field(default=None, compare=False)  # in process only (node 0): the committed index
+
+
+class PeerInventory(NamedTuple):
+    """What a peer daemon holds of one step (its Inventory answer). A named tuple so that the
+    engine's positional reads (`answer[1]`, `_, _, sizes, _ = answer`) keep working."""
+
+    root_id: str  # the peer's storage root id: equal to ours when the root is shared
+    committed: bool  # the step's index is on the peer's root
+    sizes: dict[str, int]  # data file name -> bytes (empty unless committed)
+    in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
+
+
+@dataclass(frozen=True)
+class InFlightSave:
+    """One save this daemon has not finished (ckptd status)."""
+
+    job: str
+    step: int
+    state: str
+    bytes_total: int
+    bytes_written: int
+    age_s: float  # seconds since the save began
+    ranks_arrived: int  # ranks of this node that joined the save
+    ranks_expected: int  # ranks of this node the save waits for
+    write_s: float  # seconds since writing started (0 before)
+
+
+@dataclass(frozen=True)
+class LastCommit:
+    """The newest commit this daemon made or recorded."""
+
+    job: str
+    step: int
+    committed_at: float  # unix seconds
+    latency_s: float  # complete snapshot -> committed
+    bytes: int
+    step_dir: str
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """The daemon's state for `ckptd status` (StatusResponse)."""
+
+    version: str
+    root: str
+    in_flight: tuple[InFlightSave, ...]
+    arena_bytes: int
+    arena_count: int
+    committed_total: int
+    failed_total: int
+    skipped_total: int
+    last_error: str
+    draining: bool
+    queue_depth: int  # snapshots handed over and not yet committed (being written)
+    last_commit: LastCommit | None  # None before the first commit
+    node_rank: int
+    nodes: int  # 1: a single node
+    bytes_written_total: int
+    uptime_s: float
+    loads_active: int  # loads being read (their steps are kept by retention)
+
+    @classmethod
+    def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":
+        """From the dict CheckpointService.status() returns today (a KeyError names a missing
+        field); `last_commit` may be any object with LastCommit's attributes."""
+        last = status["last_commit"]
+        values = {f.name: status[f.name] for f in fields(cls) if f.name not in ("in_flight", "last_commit")}
+        return cls(
+            in_flight=tuple(InFlightSave(**f) for f in status["in_flight"]),
+            last_commit=None if last is None else LastCommit(**{f.name: getattr(last, f.name) for f in fields(LastCommit)}),
+            **values,
+        )
+
+    def of_job(self, job: str) -> "StatusSnapshot":
+        """The same snapshot with only `job`'s saves in flight."""
+        return replace(self, in_flight=tuple(f for f in self.in_flight if f.job == job))

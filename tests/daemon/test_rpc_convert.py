@@ -1,0 +1,142 @@
+"""The daemon's wire conversions (rpc_convert): records survive the round trip through their
+messages, and what a peer sends is validated where it becomes a record."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.common.boxes import Box
+from ckptd.common.frames import Frames
+from ckptd.daemon import rpc_convert
+from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.errors import Aborted, InvalidRequest
+from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, SideRecord
+from ckptd.daemon.step_build import NodeManifest
+from ckptd.daemon.plan import TensorSpec, make_save_plan
+from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
+from ckptd.daemon.service import DecodeInfo, PieceInfo
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import peer_pb2 as ppb
+
+HALVES = [Box((0, 0), (2, 2)), Box((2, 0), (2, 2))]
+
+
+def specs(box: Box) -> tuple[TensorSpec, ...]:
+    return (TensorSpec("model/w", "model", "F32", (4, 2), box, ("model/tied",)), TensorSpec("optimizer/step", "optimizer", "I64", (), Box.full(())))
+
+
+def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
+    result = JoinResult("save-1", "key", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True)
+    assert rpc_convert.join_result_of(rpc_convert.join_response(result), 2) == result
+    known = JoinResult("save-2", "key", (0, 0), None, False)
+    assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == known
+    request = rpc_convert.join_request("job", 3, 1, 2, {1: "fp"}, {1: specs(HALVES[1])}, ["k"], 9.5, None, "root", SaveOptions(), 0)
+    assert (request.node, dict(request.fingerprints), request.has_metric, request.root_id) == (1, {1: "fp"}, False, "root")
+    assert [m.name for m in request.tensors[0].tensors] == ["model/w", "optimizer/step"] and list(request.tensors[0].tensors[0].aliases) == ["model/tied"]
+    assert rpc_convert.join_request("job", 3, 1, 2, {}, {}, [], 1.0, 0.0, "r", SaveOptions(), 0).has_metric  # a metric of 0 is a metric
+
+
+def test_the_coordinators_metadata_is_validated_and_must_cover_every_rank() -> None:
+    short = rpc_convert.join_response(JoinResult("s", "k", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True))
+    del short.tensors[1]
+    with pytest.raises(Aborted, match=r"metadata for ranks \[0\], expected 0..1"):
+        rpc_convert.join_result_of(short, 2)
+    bad = rpc_convert.join_response(JoinResult("s", "k", (0,), (specs(HALVES[0]),), True))
+    bad.tensors[0].tensors[0].dtype = "F99"
+    with pytest.raises(InvalidRequest, match="dtype 'F99'"):
+        rpc_convert.join_result_of(bad, 1)
+
+
+def test_a_report_carries_the_manifest_and_model_files() -> None:
+    quant = QuantRecord("lin-i8", 32, SideRecord("f.safetensors", "w.scales", "F32", (4, 1), 200, 16, "xxh3-64:2"), None, Frames(2, (10, 20)))
+    manifest = NodeManifest(
+        1,
+        (FileRecord("model-00002-of-00002.safetensors", 100, "xxh3-64:0", 1),),
+        (("model/w", FragmentRecord("model-00002-of-00002.safetensors", "w@2,0", HALVES[1], "I8", 84, 16, "xxh3-64:1", 65536, "ab", quant)),),
+    )
+    request = rpc_convert.report_request("job", 3, "save", 1, manifest, "", {0: "{}"}, {"config.json": b"{}"})
+    assert request.ok and dict(request.model_files) == {"config.json": "{}"} and dict(request.extras_json) == {0: "{}"}
+    assert rpc_convert.manifest_from_wire(1, request.files, request.fragments) == manifest
+    failed = rpc_convert.report_request("job", 3, "save", 1, None, "disk full", {}, {})
+    assert not failed.ok and not failed.files and failed.error == "disk full"
+
+
+@pytest.mark.parametrize(("quant_json", "message"), [('{"block": 1}', "malformed quantization record"), ("{", "malformed"), ("[1]", "malformed")])
+def test_a_malformed_quantization_record_is_invalid(quant_json: str, message: str) -> None:
+    fragment = ppb.StoredFragment(name="model/w", file="f.safetensors", quant_json=quant_json)
+    with pytest.raises(InvalidRequest, match=message):
+        rpc_convert.manifest_from_wire(2, [], [fragment])
+
+
+@pytest.mark.parametrize(
+    "compression", [None, Compression(None, "keep", 0, False), Compression("O2", "drop", 3, True), Compression(None, "keep", 1, True)]
+)
+def test_the_coordinators_compression_crosses_the_wire_unchanged(compression: Compression | None) -> None:
+    result = JoinResult("s", "k", (0,), None, True, compression)
+    assert rpc_convert.join_result_of(rpc_convert.join_response(result), 1) == result
+
+
+def test_a_node_refuses_a_compression_it_cannot_write() -> None:
+    reply = rpc_convert.join_response(JoinResult("s", "k", (0,), None, True, Compression("O1", "keep", 1, True)))
+    reply.compression.quantize = "O9"
+    with pytest.raises(InvalidRequest, match="the coordinator decided a compression this node cannot write: quantize='O9'"):
+        rpc_convert.join_result_of(reply, 1)
+
+
+def test_a_joining_nodes_options_are_checked_like_a_ranks() -> None:
+    request = rpc_convert.join_request("j", 1, 1, 2, {1: "f"}, {}, [], 10.0, None, "r", SaveOptions("O2", "drop", False), 4)
+    assert rpc_convert.join_options_of(request) == SaveOptions("O2", "drop", False) and request.lineage == 4
+    request.master_weights = "shred"
+    with pytest.raises(InvalidRequest, match="node 1: master_weights='shred'"):
+        rpc_convert.join_options_of(request)
+
+
+def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:
+    outcome = Outcome(True, "", {"ckptd.index.json": b"{...}"})
+    assert rpc_convert.outcome_of(rpc_convert.report_response(outcome)) == outcome
+    inventory = PeerInventory("root", True, {"a.safetensors": 10, "b.safetensors": 20}, False)
+    back = rpc_convert.inventory_of(rpc_convert.inventory_response(inventory))
+    assert back == inventory and back.sizes == inventory.sizes
+    _, committed, sizes, in_flight = back  # the engine still reads it positionally
+    assert (committed, sizes, in_flight, back[0]) == (True, inventory.sizes, False, "root")
+
+
+def test_a_piece_with_its_decoding_side_pieces() -> None:
+    scales = PieceInfo("w.scales", "file", "/r/f", 200, 16, HALVES[0], "F32", "xxh3-64:2")
+    piece = PieceInfo("w", "file", "/r/f", 84, 16, HALVES[0], "I8", "xxh3-64:1", 65536, "ab", DecodeInfo("lin-i8", 32, scales, None, Frames(2, (10, 20))))
+    message = rpc_convert.piece_pb(piece)
+    assert (message.name, message.offset, list(message.fragment.offsets), message.chunk_xxh3) == ("w", 84, [0, 0], "ab")
+    assert (message.decode.codec, message.decode.block, message.decode.frame_rows, list(message.decode.frame_ends)) == ("lin-i8", 32, 2, [10, 20])
+    assert message.decode.scales.name == "w.scales" and not message.decode.HasField("base")
+    assert not rpc_convert.piece_pb(scales).HasField("decode")
+    cache = rpc_convert.ShmPieces(keep=1)
+    assert cache.get(piece) is cache.get(piece)
+
+
+def test_slot_messages_are_built_once_per_plan_and_rank() -> None:
+    plan = make_save_plan([specs(HALVES[0]), specs(HALVES[1])])
+    slots = rpc_convert.SlotMessages()
+    first = slots.get(plan, 1)
+    assert first is slots.get(plan, 1) and [s.name for s in first] == [s.name for s in plan.slots_of(1)]
+
+
+def test_a_status_snapshot_from_the_services_dict() -> None:
+    in_flight = dict(job="a", step=1, state="writing", bytes_total=10, bytes_written=5, age_s=1.5, ranks_arrived=2, ranks_expected=2, write_s=0.5)
+    status = {
+        "version": "1", "root": "/r", "in_flight": [in_flight, {**in_flight, "job": "b"}], "arena_bytes": 1, "arena_count": 2,
+        "committed_total": 3, "failed_total": 4, "skipped_total": 5, "last_error": "e", "draining": True, "queue_depth": 6,
+        "last_commit": LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), "node_rank": 0, "nodes": 2, "bytes_written_total": 7,
+        "uptime_s": 8.0, "loads_active": 9,
+    }
+    snapshot = StatusSnapshot.from_dict(status)
+    message = rpc_convert.status_pb(snapshot.of_job("b"))
+    assert [f.job for f in message.in_flight] == ["b"] and message.in_flight[0].bytes_written == 5
+    assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/a/step-1")
+    assert not rpc_convert.status_pb(StatusSnapshot.from_dict({**status, "last_commit": None})).HasField("last_commit")
+    assert len(snapshot.in_flight) == 2
+
+
+def test_committed_progress_and_staged_ranges() -> None:
+    assert rpc_convert.committed_pb("/r/j/step-1") == pb.SaveProgress(state="committed", done=True, step_dir="/r/j/step-1")
+    ranges = rpc_convert.staged_ranges([pb.StagedRange(staging_offset=1, arena_offset=2, nbytes=3)])
+    assert [(r.staging_offset, r.arena_offset, r.nbytes) for r in ranges] == [(1, 2, 3)]
