@@ -127,7 +127,7 @@ def test_streams_and_events_order_copies_as_cuda_does(cuda) -> None:  # noqa: AN
 
 def test_an_arena_over_one_gib_is_registered_in_one_call_once_across_saves(cuda, tmp_path: Path) -> None:  # noqa: ANN001
     """(H100) An arena registered in 1 GiB pieces made every save over 1 GiB fail."""
-    from ckptd.client.handoff import CudaBackend
+    from ckptd.client._handoff.cuda import CudaBackend
 
     size = GIB + 4 * PAGE
     backend = CudaBackend()
@@ -143,7 +143,7 @@ def test_an_arena_over_one_gib_is_registered_in_one_call_once_across_saves(cuda,
 def test_a_copy_run_across_the_first_gib_of_an_arena_lands_inside_its_one_registration(cuda, tmp_path: Path) -> None:  # noqa: ANN001
     """(H100) Two tensors back to back in one storage, on either side of the arena's first GiB:
     one coalesced copy, which CUDA refuses if that GiB ends a registration."""
-    from ckptd.client.handoff import CudaBackend
+    from ckptd.client._handoff.cuda import CudaBackend
 
     size = GIB + 4 * MB
     flat = cuda.to_device(torch.randn(MB // 2))  # 2 MiB: two 1 MiB views

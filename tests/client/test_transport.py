@@ -1,4 +1,5 @@
-"""Filling trainer tensors from stored fragments: whole and partial (resharded), from files and arenas.
+"""Filling trainer tensors from stored fragments (ckptd.client._restore, _reader, _decode): whole and
+partial (resharded), from files and arenas.
 
 Fragments are written as raw bytes at offsets of a real file (after a fake header, as in a
 safetensors file) or of a real arena (a file in /dev/shm mapped by ArenaMaps).
@@ -16,9 +17,11 @@ import pytest
 import torch
 import xxhash
 
-from ckptd.client import transport
+from ckptd.client import _reader
+from ckptd.client._arenas import ArenaMaps
+from ckptd.client._reader import Decoding, Source
+from ckptd.client._restore import Fill, fill_all
 from ckptd.client.errors import CheckpointError
-from ckptd.client.transport import ArenaMaps, Fill, Source, fill_all
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
 from ckptd.common.chunks import ChunkHasher
@@ -172,7 +175,7 @@ def test_a_partial_read_reads_only_the_needed_bytes(
         reads.append((offset, got))
         return got
 
-    monkeypatch.setattr(transport.os, "preadv", preadv)
+    monkeypatch.setattr(_reader.os, "preadv", preadv)
 
     rows = Box((3, 0), (9, shape[1]))  # rows 3..11: the end of fragment 0 and the start of fragment 1
     out = torch.empty(rows.lengths)
@@ -208,7 +211,7 @@ def test_reads_hashed_a_slice_at_a_time_check_every_byte(
     """A checked read hashes each slice as it is read (HASH_SLICE, here 64 bytes: 520 bytes are
     9 slices, the last one short): the digest is the whole fragment's, and a damaged byte in any
     slice is found, whether the fragment is read straight into the target or through runs."""
-    monkeypatch.setattr(transport, "HASH_SLICE", 64)
+    monkeypatch.setattr(_reader, "HASH_SLICE", 64)
     whole = ramp(SHAPE)
     (source,) = store.put("file", "w", whole, [Box.full(SHAPE)])
     fragments = store.put("file", "v", whole, shard_boxes(SHAPE, 1, 2))  # column halves: read through runs
@@ -256,7 +259,6 @@ def test_a_column_slice_of_many_rows_is_placed_by_one_strided_copy(tmp_path, kin
 
     import xxhash
 
-    from ckptd.client.transport import ArenaMaps, Fill, Source, fill_all
 
     full = torch.arange(300 * 7, dtype=torch.float32).reshape(300, 7)
     frag_box = Box((0, 0), (300, 7))
@@ -366,7 +368,7 @@ def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExec
     scale_bytes = scales.reshape(-1).view(torch.uint8).numpy().tobytes()
     path.write_bytes(b"{" * HEADER + stored.tobytes() + scale_bytes)
     src = source(stored.tobytes(), HEADER, "U8")._replace(
-        decode=transport.Decoding(codec.name, codec.block, source(scale_bytes, HEADER + len(stored), "F32"), None, table),
+        decode=Decoding(codec.name, codec.block, source(scale_bytes, HEADER + len(stored), "F32"), None, table),
     )
     whole = quant.decode(codec, codes, scales, full, full)
     for want in (full, Box((0, 0), (1, 40)), Box((2, 5), (4, 7)), Box((3, 0), (3, 40)), Box((19, 39), (1, 1)), Box((5, 17), (11, 20))):

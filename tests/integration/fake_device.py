@@ -1,4 +1,4 @@
-"""A CPU stand-in for CUDA behind the client's DeviceBackend seam (ckptd.client.handoff).
+"""A CPU stand-in for CUDA behind the client's DeviceBackend seam (ckptd.client._handoff.base).
 
 Chosen CPU tensors play "device" tensors. Copies run the real plan (ckptd.client.devcopy) on a
 worker thread that first waits for `gate` (so tests can hold a copy "in flight"); a fence

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient
-from ckptd.client.client import _meta
+from ckptd.client._rpc import tensor_meta
 from ckptd.client.structure import fingerprint_of, fragments_of_state
 from ckptd.client.state import flatten_state
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -41,8 +41,8 @@ def die_mid_save(address: str, job: str, rank: int, world: int, step: int) -> No
     ckpt = CheckpointClient(job, address=address, rank=rank, world_size=world, on_error="raise", timeout_s=60)
     flat = flatten_state({"model": replicated_model()}, rank=rank)
     fragments = fragments_of_state(flat)
-    reply = ckpt._stub.BeginSave(
-        pb.BeginSaveRequest(who=ckpt._who, step=step, fingerprint=fingerprint_of(flat, fragments), tensors=[_meta(e, f) for e, f in fragments], timeout_s=60),
+    reply = ckpt._rpc.stub.BeginSave(
+        pb.BeginSaveRequest(who=ckpt._rpc.who, step=step, fingerprint=fingerprint_of(flat, fragments), tensors=[tensor_meta(e, f) for e, f in fragments], timeout_s=60),
         timeout=60,
     )
     fd = os.open(reply.arena_path, os.O_RDWR)

@@ -64,14 +64,14 @@ def _assert_restores(ckpt: CheckpointClient, step: int, state: dict[str, Any], e
 def _counting_slots(ckpt: CheckpointClient) -> list[int]:
     """Wrap the client's BeginSave to record how many slots each answer carried."""
     counts: list[int] = []
-    begin = ckpt._stub.BeginSave
+    begin = ckpt._rpc.stub.BeginSave
 
     def counted(request: pb.BeginSaveRequest, **kw: Any) -> pb.BeginSaveResponse:
         reply = begin(request, **kw)
         counts.append(len(reply.slots))
         return reply
 
-    ckpt._stub.BeginSave = counted  # type: ignore[method-assign]
+    ckpt._rpc.stub.BeginSave = counted  # type: ignore[method-assign]
     return counts
 
 
@@ -201,9 +201,9 @@ def test_a_restarted_daemon_gets_the_metadata_and_slots_again(daemons: Any) -> N
 def test_a_plan_load_with_an_unknown_fingerprint_and_no_tensors_is_refused(daemon: DaemonProcess) -> None:
     with CheckpointClient("fp", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(1, {"model": _model()}).wait_durable(timeout=60)
-        request = pb.PlanLoadRequest(who=ckpt._who, latest=True, fingerprint="f" * 64, decodes=True, decodes_frames=True)
+        request = pb.PlanLoadRequest(who=ckpt._rpc.who, latest=True, fingerprint="f" * 64, decodes=True, decodes_frames=True)
         with pytest.raises(Exception, match="unknown fingerprint"):
-            ckpt._call(ckpt._stub.PlanLoad, request)
+            ckpt._rpc.call(ckpt._rpc.stub.PlanLoad, request)
         request.fingerprint = "f" * 300
         with pytest.raises(Exception, match="at most 256"):
-            ckpt._call(ckpt._stub.PlanLoad, request)
+            ckpt._rpc.call(ckpt._rpc.stub.PlanLoad, request)

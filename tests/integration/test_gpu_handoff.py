@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError
-from ckptd.client.handoff import resolve_mode
+from ckptd.client._handoff.modes import resolve_mode
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 

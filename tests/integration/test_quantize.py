@@ -160,7 +160,9 @@ def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> N
 def test_client_reads_any_slice_like_the_whole(daemon) -> None:
     """The client's decode path directly: a PlanLoad piece read for sub-boxes (odd column
     offsets, row ranges) equals the whole decoded tensor sliced."""
-    from ckptd.client.transport import Decoding, Fill, Source, fill_all, ArenaMaps
+    from ckptd.client._arenas import ArenaMaps
+    from ckptd.client._reader import Decoding, Source
+    from ckptd.client._restore import Fill, fill_all
     from concurrent.futures import ThreadPoolExecutor
 
     model, opt = trained()
@@ -398,8 +400,8 @@ def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemon
         fresh_state = dict(zip(("model", "optimizer"), fresh())) if mode == "O2" else dict(zip(("model", "master"), mixed_precision(seed=5)[:2]))
         with CheckpointClient(job, address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
             plans = []
-            plan_load = ckpt._stub.PlanLoad
-            ckpt._stub.PlanLoad = lambda request, **kw: plans.append(plan_load(request, **kw)) or plans[-1]
+            plan_load = ckpt._rpc.stub.PlanLoad
+            ckpt._rpc.stub.PlanLoad = lambda request, **kw: plans.append(plan_load(request, **kw)) or plans[-1]
             ckpt.load(fresh_state)
         coded = [p for plan in plans for p in plan.pieces if p.decode.codec]
         assert coded and all(p.decode.scales.path or p.decode.base.path for p in coded)

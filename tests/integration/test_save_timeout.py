@@ -88,9 +88,9 @@ def test_a_rank_that_never_hands_over_frees_the_arenas_within_the_daemons_save_t
             pb.TensorMeta(name=f"model/{name}", kind="model", dtype="F32", shape=list(value.shape))
             for name, value in _state()["model"].state_dict().items()
         ]
-        request = pb.BeginSaveRequest(who=rank1._who, step=1, fingerprint="rank1-by-hand", tensors=metas, timeout_s=CLIENT_TIMEOUT_S)
+        request = pb.BeginSaveRequest(who=rank1._rpc.who, step=1, fingerprint="rank1-by-hand", tensors=metas, timeout_s=CLIENT_TIMEOUT_S)
         # rank 1 joins the save (as a rank that then hangs or dies would) and never commits
-        joined = threading.Thread(target=lambda: rank1._stub.BeginSave(request, timeout=60), daemon=True)
+        joined = threading.Thread(target=lambda: rank1._rpc.stub.BeginSave(request, timeout=60), daemon=True)
         joined.start()
         handle = rank0.save(1, _state())
         joined.join(30)

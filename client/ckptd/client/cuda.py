@@ -1,6 +1,6 @@
 """The CUDA side of a rank's hand-off (docs/architecture.md section 6): pinned arenas, side streams, events.
 
-Imported only when a state holds CUDA tensors (ckptd.client.client imports it lazily), so a
+Imported only when a state holds CUDA tensors (ckptd.client._handoff.cuda.CudaBackend imports it lazily), so a
 CPU-only client never touches CUDA. Nothing happens at import.
 
 - `PinnedArenas`: the arenas this process copies CUDA tensors into, each mapped once and

@@ -6,9 +6,10 @@ from __future__ import annotations
 class CheckpointError(RuntimeError):
     """A save or load failed. `code` is the gRPC status name when the daemon answered."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: str = "", reason: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.reason = reason  # the daemon's machine-readable reason, e.g. "unknown-fingerprint" ("" for none)
 
 
 class CheckpointNotFound(CheckpointError):

@@ -6,11 +6,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptd.client._handoff.modes import CPU
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient
-    from ckptd.client.handoff import Pending
+    from ckptd.client._handoff.base import Pending
 
 log = logging.getLogger("ckptd.client")
 
@@ -44,7 +45,7 @@ class SaveHandle:
         skipped: bool = False,
         error: str | None = None,
         pending: "Pending | None" = None,
-        mode: str = "cpu",
+        mode: str = CPU,
         copy_s: float | None = None,
     ) -> None:
         self._client = client

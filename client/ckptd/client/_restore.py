@@ -1,0 +1,352 @@
+"""Filling a load's targets from the plan's pieces: copies out of arenas, verified reads of files,
+resharding, dtype conversion and decoding.
+
+Copies are split into chunks and run on a few threads (numpy releases the GIL while it
+copies), so a restore runs at memory bandwidth. Reads of committed files go straight into the
+target tensors with pread and are checked against the index's xxh3 checksums
+(ckptd.client._reader). A target that wants only part of a fragment (resharding) gets only the
+byte ranges it needs (see ckptd.common.reshard), checked against the checksums of the
+fragment's chunks they touch (see ckptd.common.chunks). Quantized pieces go through
+ckptd.client._decode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from ckptd.client._arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
+from ckptd.client._decode import fill_decoded
+from ckptd.client._reader import READ_CHUNK, Source, open_piece, pread_exact, read_runs, read_verified, verify_span
+from ckptd.client.errors import CheckpointError
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box, intersect, relative
+from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
+
+BATCHES = max(2, os.cpu_count() or 1)  # batches of small pieces per fill
+MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
+T = TypeVar("T")
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (memoized: loads ask once per tensor)."""
+    return dtypes.from_torch_name(str(dtype))
+
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Fill `target`, which holds box `want` of its logical tensor, from fragments that cover it."""
+
+    target: torch.Tensor
+    want: Box
+    sources: Sequence[Source]
+
+
+def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
+    """Run every fill's copies and reads on the pool at once, then wait for all of them."""
+    wholes: list[tuple[Source, torch.Tensor]] = []  # a whole fragment into a plain (contiguous CPU) target
+    parts: list[_Part] = []
+    decoded: list[tuple[Source, Fill, Box]] = []
+    for fill in fills:
+        if fill.sources and tuple(fill.target.shape) != fill.want.lengths:
+            raise CheckpointError(
+                f"the target for tensor {fill.sources[0].name!r} has shape {list(fill.target.shape)} but the wanted box "
+                f"{fill.want} has lengths {list(fill.want.lengths)}; pass a target of the wanted box's shape"
+            )
+        target = fill.target
+        plain = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0  # byte_view would work
+        for src in fill.sources:
+            common = intersect(src.box, fill.want)
+            if common is None:
+                continue
+            if src.decode is not None:
+                decoded.append((src, fill, common))
+                continue
+            direct = plain and src.dtype == _dtype_name(target.dtype)
+            if direct and src.box == fill.want:
+                wholes.append((src, target))
+            elif run_count(src.box, fill.want if direct else common) > MANY_RUNS:
+                parts.append(_Part(src, common, fill, [], direct, strided=True))
+            else:
+                runs = copy_runs(src.box, fill.want if direct else common, dtypes.itemsize(src.dtype))
+                parts.append(_Part(src, common, fill, runs, direct))
+    # Only the scattered ranges of parts: whole fragments are read front to back, which the
+    # kernel's readahead follows. Advising them too made a cold 1 GiB restore slower (0.38-0.46 s
+    # against 0.35-0.42 s): the advice allocates and submits every page up front, on this thread.
+    _prefetch([(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()])
+    jobs = []
+    small_files: list[tuple[Source, np.ndarray]] = []
+    small_shm: list[tuple[int, int, int]] = []  # (target address, arena address, bytes)
+    # files in file order: each front to back, as its readahead goes
+    wholes = [w for w in wholes if w[0].kind == "shm"] + sorted((w for w in wholes if w[0].kind != "shm"), key=lambda w: (w[0].path, w[0].offset))
+    for src, target in wholes:
+        if src.kind == "shm" and src.nbytes < SPLIT_BYTES:
+            if src.nbytes != target.numel() * target.element_size():
+                raise CheckpointError(f"piece of tensor {src.name!r} has {src.nbytes} bytes for a target of {target.numel() * target.element_size()}")
+            # a memmove by address: no view objects per tensor (the maps and `fills` keep both alive)
+            small_shm.append((target.data_ptr(), maps.address(src.path, src.offset + src.nbytes) + src.offset, src.nbytes))
+            continue
+        dst_bytes = byte_view(target)
+        assert dst_bytes is not None  # wholes are plain targets
+        if src.kind == "shm" and maps.is_cold(src.path):
+            # pread from the arena file: no page-table entries to create in this process, which
+            # on a new mapping cost more than the copy itself (about 3x a memcpy against 1.5x)
+            jobs += [pool.submit(_pread_shm, src, dst_bytes, i) for i in range(0, src.nbytes, CHUNK)]
+        elif src.kind == "shm":
+            raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
+            jobs += [pool.submit(t.run) for t in chunk_tasks(dst_bytes, raw)]
+        elif src.nbytes < SPLIT_BYTES:
+            small_files.append((src, dst_bytes))
+        else:
+            jobs.append(pool.submit(read_verified, src, dst_bytes))
+    # small pieces in a few batches of about equal bytes, not one task each (a task costs more
+    # than copying a small tensor)
+    jobs += [pool.submit(_copy_batch, batch) for batch in _batches(small_shm, lambda p: p[2], BATCHES)]
+    jobs += [pool.submit(_read_batch, batch) for batch in _batches(small_files, lambda p: p[0].nbytes, BATCHES)]
+    jobs += [pool.submit(_fill_part, maps, part) for part in parts]
+    jobs += [pool.submit(fill_decoded, src, fill.target, fill.want, common) for src, fill, common in decoded]
+    for job in jobs:
+        job.result()
+    for fill in fills:
+        for src in fill.sources:
+            if src.kind == "shm":
+                maps.mark_warm(src.path)  # only arenas this process mapped (parts) become warm
+
+
+@dataclass(frozen=True)
+class MemoryCopies:
+    """A load from the daemon's memory reduced to memmoves: every fill is a whole fragment of
+    under SPLIT_BYTES from an arena into a contiguous CPU target of its dtype. Made once for a
+    plan that repeats (ckptd.client.client keeps it with the plan's fills); `run` checks first
+    that every arena is still mapped where it was."""
+
+    bases: tuple[tuple[str, int, int], ...]  # (arena path, bytes it must have, address when prepared)
+    batches: tuple[tuple[tuple[int, int, int], ...], ...]  # (target address, arena address, bytes)
+    keep: tuple[torch.Tensor, ...]  # the targets: their memory must stay while the addresses are used
+
+    @staticmethod
+    def prepare(maps: ArenaMaps, fills: Sequence[Fill]) -> "MemoryCopies | None":
+        """The memmoves of `fills`, or None when any of them needs more than a memmove."""
+        moves: list[tuple[int, int, int]] = []
+        need: dict[str, int] = {}
+        for fill in fills:
+            if len(fill.sources) != 1:
+                return None
+            src, target = fill.sources[0], fill.target
+            if (
+                src.kind != "shm" or src.decode is not None or src.box != fill.want or src.nbytes >= SPLIT_BYTES
+                or target.device.type != "cpu" or not target.is_contiguous() or src.dtype != _dtype_name(target.dtype)
+                or src.nbytes != target.numel() * target.element_size()
+            ):
+                return None
+            need[src.path] = max(need.get(src.path, 0), src.offset + src.nbytes)
+            if src.nbytes:
+                moves.append((target.data_ptr(), src.offset, src.nbytes, src.path))  # type: ignore[arg-type]
+        bases = tuple((path, size, maps.address(path, size)) for path, size in need.items())
+        where = {path: base for path, _, base in bases}
+        resolved = [(dst, where[path] + offset, n) for dst, offset, n, path in moves]  # type: ignore[misc]
+        batches = tuple(tuple(b) for b in _batches(resolved, lambda m: m[2], BATCHES))
+        return MemoryCopies(bases, batches, tuple(f.target for f in fills))
+
+    def run(self, pool: ThreadPoolExecutor, maps: ArenaMaps) -> bool:
+        """Copy; False (nothing copied) when an arena is no longer mapped where it was."""
+        if any(maps.address(path, size) != base for path, size, base in self.bases):
+            return False
+        for job in [pool.submit(_copy_batch, batch) for batch in self.batches]:
+            job.result()
+        return True
+
+
+def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[list[T]]:
+    """`items` in at most `count` runs of consecutive items of about equal total size."""
+    if not items:
+        return []
+    target = -(-sum(size(i) for i in items) // count) or 1
+    out: list[list[T]] = [[]]
+    filled = 0
+    for item in items:
+        if filled >= target and len(out) < count:
+            out.append([])
+            filled = 0
+        out[-1].append(item)
+        filled += size(item)
+    return out
+
+
+def _copy_batch(moves: Sequence[tuple[int, int, int]]) -> None:
+    """memmove each (destination address, source address, bytes); ctypes releases the GIL."""
+    for dst, src, n in moves:
+        ctypes.memmove(dst, src, n)
+
+
+def _read_batch(pieces: Sequence[tuple[Source, np.ndarray]]) -> None:
+    for src, dst in pieces:
+        read_verified(src, dst)
+
+
+def _pread_shm(src: Source, dst: np.ndarray, start: int) -> None:
+    """Copy bytes [start, start + CHUNK) of arena fragment `src` into `dst` by pread."""
+    fd = open_piece(src)
+    try:
+        pread_exact(fd, dst[start : start + CHUNK], src.offset + start, src.path)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """The share of fragment `src` in `fill` (box `common`) when it is not one plain whole copy.
+
+    `runs` move bytes of the fragment's data straight into the target's bytes when `direct`
+    (a contiguous CPU target of the stored dtype), else into a temporary holding `common` in the
+    stored dtype, which torch then copies into the target (strided, converting the dtype).
+    """
+
+    src: Source
+    common: Box
+    fill: Fill
+    runs: list[CopyRun]  # empty when `strided`
+    direct: bool
+    strided: bool = False  # many runs: placed by one strided copy of the rows that hold them
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The (offset, nbytes) ranges of the fragment's data to read, each at most READ_CHUNK
+        bytes unless a single run is longer (strided: the rows that hold the overlap)."""
+        if self.strided:
+            inside = relative(self.common, self.src.box)
+            row_bytes = dtypes.nbytes(self.src.dtype, self.src.box.lengths[1:])
+            return [(inside[0].start * row_bytes, (inside[0].stop - inside[0].start) * row_bytes)]
+        return read_ranges(self.runs, max_len=READ_CHUNK)
+
+
+def _prefetch(ranges: Sequence[tuple[str, int, int]]) -> None:
+    """Ask the kernel to start reading every needed (path, offset, nbytes) range now
+    (POSIX_FADV_WILLNEED), so the disk works on all of them while the reading threads wait on
+    the first ones. Ranges of a file closer than 64 KiB are advised together."""
+    by_path: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, nbytes in ranges:
+        by_path.setdefault(path, []).append((offset, offset + nbytes))
+    for path, spans in by_path.items():
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1] + 64 * 1024:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # reported by the read itself, with the tensor's name
+        try:
+            for lo, hi in merged:
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def _fill_part(maps: ArenaMaps, part: _Part) -> None:
+    """Place the part's runs (from the arena or from only the needed byte ranges of the file)."""
+    src, fill = part.src, part.fill
+    expected = dtypes.nbytes(src.dtype, src.box.lengths)
+    if src.nbytes != expected:
+        raise CheckpointError(
+            f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes but box {src.box} of {src.dtype} "
+            f"needs {expected}; the index and the data disagree — load an older step"
+        )
+    if part.strided:
+        _fill_strided(maps, part)
+        return
+    if part.direct:
+        dest = byte_view(fill.target)
+        assert dest is not None  # direct is only chosen for targets that have a byte view
+    else:
+        dest = np.empty(dtypes.nbytes(src.dtype, part.common.lengths), dtype=np.uint8)
+    if src.kind == "shm":
+        raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
+        for r in part.runs:
+            dest[r.dst : r.dst + r.nbytes] = raw[r.src : r.src + r.nbytes]
+    else:
+        read_runs(src, part.runs, part.ranges(), dest)
+    if not part.direct:
+        stored = getattr(torch, dtypes.torch_name(src.dtype))
+        assembled = torch.from_numpy(dest).view(stored).view(part.common.lengths)
+        fill.target[relative(part.common, fill.want)].copy_(assembled)
+
+
+def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
+    """One strided torch copy instead of one copy per run (e.g. a column slice: a run per row).
+
+    From a file, the fragment's rows that hold the overlap are mapped as one block (other columns
+    included: neighbouring runs would be coalesced into the same reads anyway)."""
+    src, fill = part.src, part.fill
+    stored = getattr(torch, dtypes.torch_name(src.dtype))
+    inside = relative(part.common, src.box)
+    if src.kind == "shm":
+        raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
+        block = torch.from_numpy(raw).view(stored).view(src.box.lengths)[inside]
+        fill.target[relative(part.common, fill.want)].copy_(block)
+        return
+    # From a file: map the fragment's rows that hold the overlap and copy straight out of the
+    # page cache; a temporary buffer would cost a fresh allocation and a second pass over the bytes.
+    first, stop = inside[0].start, inside[0].stop
+    row_bytes = dtypes.nbytes(src.dtype, src.box.lengths[1:])
+    begin = src.offset + first * row_bytes
+    length = (stop - first) * row_bytes
+    start = begin - begin % mmap.ALLOCATIONGRANULARITY
+    fd = open_piece(src)
+    try:
+        if os.fstat(fd).st_size < begin + length:
+            raise CheckpointError(f"{src.path} ends before byte {begin + length}: the file is truncated")
+        # private and writable only so that torch accepts the view (it warns on read-only
+        # memory); nothing writes to it, so no page is ever copied
+        mm = mmap.mmap(fd, begin + length - start, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    finally:
+        os.close(fd)
+    try:  # map every page in one call (read faults: no copy-on-write) instead of one fault per 64 KiB
+        mm.madvise(MADV_POPULATE_READ)
+    except OSError:
+        mm.madvise(mmap.MADV_WILLNEED)  # kernel < 5.14: faults as the copy goes, after readahead
+    # no explicit close: the mapping goes when the last view of it does (numpy holds an export)
+    data = np.frombuffer(mm, dtype=np.uint8, count=length, offset=begin - start)
+    verify_span(src, first * row_bytes, data)
+    rows = torch.from_numpy(data).view(stored).view((stop - first, *src.box.lengths[1:]))
+    fill.target[relative(part.common, fill.want)].copy_(rows[(slice(None), *inside[1:])])
+
+
+def device_fills(
+    fills: Sequence[Fill], backend: Any, owns: Callable[[torch.Tensor], bool]
+) -> tuple[list[Fill], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Restore onto GPUs (`owns(target)`; backend: ckptd.client._handoff.base.DeviceBackend): a
+    fragment that is whole in the daemon's memory goes host-to-device straight from the pinned
+    arena; anything else is assembled in a pinned host tensor first (read, resharded, converted
+    by the CPU path), which then goes over. Returns the fills to run on the CPU and the (host,
+    device target) pairs to copy after them."""
+    host_fills: list[Fill] = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for fill in fills:
+        target = fill.target
+        if not owns(target):
+            host_fills.append(fill)
+            continue
+        whole = [s for s in fill.sources if s.box == fill.want]
+        if (len(fill.sources) == 1 and whole and whole[0].kind == "shm"
+                and whole[0].dtype == _dtype_name(target.dtype) and target.numel()):
+            src = whole[0]
+            arena = backend.host_view(src.path, src.offset + src.nbytes)
+            pairs.append((arena[src.offset : src.offset + src.nbytes].view(target.dtype).view(target.shape), target))
+            continue
+        host = backend.pinned_empty(target.shape, target.dtype)
+        host_fills.append(Fill(host, fill.want, fill.sources))
+        pairs.append((host, target))
+    return host_fills, pairs

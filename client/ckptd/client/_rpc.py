@@ -1,0 +1,321 @@
+"""The client's wire edge: the only module of ckptd.client that imports grpc and the stubs.
+
+`DaemonRpc` holds the channel and the stub, builds every request, turns the answers into the
+client's records (`SaveGrant`, `LoadPlan`, `CheckpointInfo`, ckptd.client._reader.Source) and
+every failed call into an error with `status_error`. The rest of the client never sees a
+protocol message, except as an opaque value it keeps and hands back (cached tensor metadata,
+staged ranges, a commit request).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import grpc
+
+from ckptd.client._reader import Decoding, Source
+from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
+from ckptd.client.handle import DurableInfo
+from ckptd.client.layout import Fragment
+from ckptd.client.slots import SlotLike
+from ckptd.client.state import TensorEntry
+from ckptd.client.structure import Structure
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box
+from ckptd.common.frames import Frames
+from ckptd.wire import MESSAGE_SIZE_OPTIONS, UNKNOWN_FINGERPRINT, reason_of
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptd.client")
+
+StatusResponse = pb.StatusResponse  # what CheckpointClient.status() returns, as the daemon sent it
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as the daemon lists it."""
+
+    step: int
+    created_at: float  # unix seconds
+    size_bytes: int
+    file_count: int
+    path: str
+    in_memory: bool  # the snapshot is still in the daemon's memory (fast restore)
+    metric: float | None
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """A save's compression options as the client sends them."""
+
+    quantize: str | None  # "O1" | "O2" | None
+    no_quantize: bool  # quantize="none": lossless whatever the daemon's default
+    master_weights: str  # "" (the daemon's default) | keep | drop | residual
+
+
+class SaveGrant(NamedTuple):
+    """The daemon's answer to BeginSave: where this rank's snapshot goes (a tuple: made per save, in C).
+
+    slots: this rank's slots (ckptd.client.slots); empty when the daemon kept the layout
+    `layout_id` the client named as known. skipped: the daemon skips this step (skip_reason).
+    """
+
+    save_id: str
+    skipped: bool
+    skip_reason: str
+    arena_path: str
+    arena_size: int  # bytes
+    layout_id: str
+    slots: Sequence[SlotLike]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """The daemon's answer to PlanLoad. plan_id: set when the plan reads the daemon's memory
+    (then `pieces` is empty when the rank named it as known); generation: the quantization
+    generation of the step (compounding guard for the next save)."""
+
+    load_id: str
+    plan_id: str
+    step: int
+    generation: int
+    extras_json: str
+    missing: Sequence[str]
+    pieces: list[Source]
+
+
+def status_error(exc: grpc.RpcError, address: str, refusal: bool = False) -> CheckpointError:
+    """The client's error for a failed call: DaemonUnavailable, CheckpointNotFound, else
+    CheckpointError with the status name as `code`. refusal: the call was BeginSave, whose
+    INVALID_ARGUMENT refuses what the caller passed (InvalidState), except a job whose world size
+    changed while an earlier save is still in flight (an elastic restart; it passes once that
+    save ends)."""
+    code = exc.code()
+    details = exc.details() or str(code)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return DaemonUnavailable(
+            f"no ckptd answers at {address} ({details}); start it with `ckptd serve` or set CKPTD_ADDRESS", code.name
+        )
+    if code == grpc.StatusCode.NOT_FOUND:
+        return CheckpointNotFound(details, code.name)
+    if refusal and code == grpc.StatusCode.INVALID_ARGUMENT and "has a save in flight with world size" not in details:
+        return InvalidState(details, code.name)
+    return CheckpointError(details, code.name, reason_of(exc))
+
+
+def _unknown_fingerprint(exc: CheckpointError) -> bool:
+    """The daemon does not know the structure's fingerprint (it restarted): describe it again."""
+    return exc.reason == UNKNOWN_FINGERPRINT
+
+
+def tensor_meta(entry: TensorEntry, fragment: Fragment) -> pb.TensorMeta:
+    """The wire description of one fragment of a tensor."""
+    box = fragment.box
+    return pb.TensorMeta(
+        name=entry.name,
+        kind=entry.kind,
+        dtype=dtypes.from_torch_name(str(fragment.local.dtype)),
+        shape=fragment.global_shape,
+        box=pb.Box(offsets=box.offsets, lengths=box.lengths),
+        aliases=entry.aliases,
+    )
+
+
+def tensor_metas(structure: Structure) -> list[pb.TensorMeta]:
+    """The tensor metadata of a structure's fragments, built once per structure."""
+    metas = structure.cache.get("metas")
+    if metas is None:
+        metas = structure.cache["metas"] = [tensor_meta(e, f) for e, f in structure.fragments]
+    return metas
+
+
+def _source(p: pb.Piece) -> Source:
+    decoding = None
+    if p.HasField("decode"):
+        d = p.decode
+        decoding = Decoding(
+            d.codec, d.block, _source(d.scales) if d.HasField("scales") else None, _source(d.base) if d.HasField("base") else None,
+            Frames(d.frame_rows, tuple(d.frame_ends)) if d.frame_rows else None,
+        )
+    box = Box(tuple(p.fragment.offsets), tuple(p.fragment.lengths))
+    return Source(p.name, p.source, p.path, p.offset, p.nbytes, box, p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3, decoding)
+
+
+class DaemonRpc:
+    """One rank's calls to its node's daemon. `stub` is looked up at each call (tests wrap its
+    methods); every call but the best-effort ones (abort, close, done) raises `status_error`'s
+    error."""
+
+    def __init__(self, address: str, job: str, rank: int, world_size: int, local_world_size: int, timeout_s: float) -> None:
+        self.address = address
+        self.job = job
+        self.timeout_s = timeout_s
+        self.who = pb.RankId(job=job, rank=rank, world_size=world_size, local_world_size=local_world_size)
+        self.channel = grpc.insecure_channel(address, options=list(MESSAGE_SIZE_OPTIONS))
+        self.stub = pb_grpc.CheckpointStub(self.channel)  # type: ignore[no-untyped-call]
+        self._known_fingerprints: set[str] = set()  # the daemon has their tensor metadata (BeginSave)
+        self._known_load_fingerprints: set[str] = set()  # the same for PlanLoad
+
+    def call(self, method: Any, request: Any, refusal: bool = False) -> Any:
+        """`method(request)` with the save/load timeout (timeout_s + 30 s); raises status_error's error."""
+        try:
+            return method(request, timeout=self.timeout_s + 30)
+        except grpc.RpcError as exc:
+            raise status_error(exc, self.address, refusal) from None
+
+    # ------------------------------------------------------------ save
+
+    def begin_save(self, structure: Structure, step: int, metric: float | None, options: SaveOptions, lineage: int, known_layout: str) -> SaveGrant:
+        """BeginSave with only the structure's fingerprint when the daemon has its metadata from
+        an earlier save; with the metadata when it has not (or forgot it: restarted). Raises
+        InvalidState when the daemon refuses the state."""
+        fingerprint = structure.fingerprint
+        request = pb.BeginSaveRequest(
+            who=self.who,
+            step=step,
+            fingerprint=fingerprint,
+            timeout_s=self.timeout_s,
+            metric=metric or 0.0,
+            has_metric=metric is not None,
+            quantize=options.quantize or "",
+            no_quantize=options.no_quantize,
+            master_weights=options.master_weights,
+            lineage_generation=lineage,
+            known_layout=known_layout,
+        )
+        if fingerprint not in self._known_fingerprints:
+            request.tensors.extend(tensor_metas(structure))
+        try:
+            reply = self.call(self.stub.BeginSave, request, refusal=True)
+        except CheckpointError as exc:
+            if not _unknown_fingerprint(exc):
+                raise
+            request.tensors.extend(tensor_metas(structure))  # the daemon restarted: describe again
+            reply = self.call(self.stub.BeginSave, request, refusal=True)
+        self._known_fingerprints.add(fingerprint)
+        return SaveGrant(reply.save_id, reply.skipped, reply.skip_reason, reply.arena_path, reply.arena_size, reply.layout_id, reply.slots)
+
+    def commit_request(self, save_id: str, extras_json: str, model_files: dict[str, str], stall_s: float) -> Any:
+        """The CommitSnapshot request of a save (opaque to the caller); stall_s: how long save()
+        has blocked training so far (for the daemon's stall metric)."""
+        commit = pb.CommitSnapshotRequest(who=self.who, save_id=save_id, extras_json=extras_json, stall_s=stall_s)
+        if model_files:
+            commit.model_files.update(model_files)
+        return commit
+
+    @staticmethod
+    def staged_ranges(ranges: Sequence[tuple[int, int]]) -> Any:
+        """The (offset, bytes) ranges the daemon copies from the staging buffer to the same
+        offsets of the arena, as a value for `add_staged` (build once per placement)."""
+        return [pb.StagedRange(staging_offset=o, arena_offset=o, nbytes=n) for o, n in ranges]
+
+    @staticmethod
+    def add_staged(commit: Any, staging_id: str, staged: Any) -> None:
+        """Mode "ipc": the commit tells the daemon to drain these ranges of the staging buffer."""
+        commit.staging_id = staging_id
+        commit.staged.extend(staged)
+
+    def commit(self, commit: Any) -> None:
+        self.call(self.stub.CommitSnapshot, commit)
+
+    def abort(self, save_id: str, reason: str) -> None:
+        """Best effort: a failure is logged (the daemon's watchdog ends the save anyway)."""
+        try:
+            self.stub.AbortSave(pb.AbortSaveRequest(who=self.who, save_id=save_id, reason=reason), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("could not abort save %s: %s", save_id, exc.details())
+
+    def wait_durable(self, step: int, timeout: float | None) -> DurableInfo:
+        """Block until `step` is committed; raises CheckpointError (ABORTED) when it is not."""
+        request = pb.WaitDurableRequest(job=self.job, step=step, timeout_s=timeout or 0.0)
+        last = None
+        try:
+            for last in self.stub.WaitDurable(request, timeout=None if timeout is None else timeout + 30):
+                if last.done:
+                    break
+        except grpc.RpcError as exc:
+            raise status_error(exc, self.address) from None
+        if last is None or last.state != "committed":
+            reason = last.error if last is not None else "no answer"
+            raise CheckpointError(f"step {step} was not committed: {reason}", "ABORTED")
+        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written)
+
+    # ------------------------------------------------------------ mode "ipc"
+
+    def open_staging(self, gpu_uuid: str, ipc_handle: bytes, nbytes: int, pid: int) -> tuple[str, str]:
+        """Ask the daemon to open a staging buffer: (its id, "") or ("", why not)."""
+        request = pb.OpenStagingRequest(who=self.who, gpu_uuid=gpu_uuid, ipc_handle=ipc_handle, nbytes=nbytes, pid=pid)
+        try:
+            answer = self.call(self.stub.OpenStaging, request)
+        except CheckpointError as exc:
+            return "", f"the daemon refused the staging buffer: {exc}"
+        return answer.staging_id, answer.reason
+
+    def close_staging(self, staging_id: str) -> None:
+        """Best effort: a failure is logged."""
+        try:
+            self.stub.CloseStaging(pb.CloseStagingRequest(who=self.who, staging_id=staging_id), timeout=30)
+        except grpc.RpcError as exc:
+            log.warning("could not close the staging buffer in the daemon: %s", exc.details())
+
+    # ------------------------------------------------------------ load
+
+    def plan_load(
+        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+    ) -> LoadPlan:
+        """PlanLoad with only the fingerprint when the daemon has this structure's metadata
+        from an earlier load; with the metadata when it has not (or forgot it: restarted)."""
+        request = pb.PlanLoadRequest(
+            who=self.who,
+            step=step or 0,
+            latest=step is None,
+            kinds=kinds,
+            strict=strict,
+            direct_read=direct_read,
+            decodes=True,
+            decodes_frames=True,
+            fingerprint=structure.fingerprint if structure.fragments else "",
+            known_plans=known_plans,
+        )
+        reply = self._plan_load(request, structure)
+        return LoadPlan(reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces])
+
+    def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure) -> Any:
+        if not request.fingerprint:
+            return self.call(self.stub.PlanLoad, request)
+        if request.fingerprint in self._known_load_fingerprints:
+            try:
+                return self.call(self.stub.PlanLoad, request)
+            except CheckpointError as exc:
+                if not _unknown_fingerprint(exc):
+                    raise
+        request.tensors.extend(tensor_metas(structure))
+        plan = self.call(self.stub.PlanLoad, request)
+        self._known_load_fingerprints.add(structure.fingerprint)
+        return plan
+
+    def load_done(self, load_id: str) -> None:
+        """Best effort: a failure is logged (the daemon releases the step later by itself)."""
+        try:
+            self.stub.LoadDone(pb.LoadDoneRequest(who=self.who, load_id=load_id), timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("LoadDone failed (the daemon releases the step later by itself): %s", exc.details())
+
+    # ------------------------------------------------------------ queries
+
+    def list(self) -> list[CheckpointInfo]:
+        reply = self.call(self.stub.List, pb.ListRequest(job=self.job))
+        return [
+            CheckpointInfo(c.step, c.created_at, c.size_bytes, c.file_count, c.path, c.in_memory, c.metric if c.has_metric else None)
+            for c in reply.checkpoints
+        ]
+
+    def status(self) -> StatusResponse:
+        reply: StatusResponse = self.call(self.stub.Status, pb.StatusRequest(job=self.job))
+        return reply
+
+    def close(self) -> None:
+        self.channel.close()
