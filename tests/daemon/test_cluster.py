@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.cluster import Coordinator, PeerLinks, manifest_from_wire, manifest_to_wire, merged_quantization, plan_key, root_id
+from ckptd.daemon.cluster import Coordinator, PeerLinks, plan_key
+from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format import FileRecord, FragmentRecord
-from ckptd.daemon.pipeline import NodeManifest
+from ckptd.daemon.rpc_convert import manifest_from_wire, manifest_to_wire
+from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.plan import TensorSpec
-from ckptd.daemon.storage import Storage
+from ckptd.daemon.storage import Storage, StorageBackend
+from memory_backend import MemoryStorage
 
 SHAPE = (4, 2)
 HALVES = [Box((0, 0), (2, 2)), Box((2, 0), (2, 2))]
@@ -33,10 +35,27 @@ async def no_retention(job: str) -> None:
     return None
 
 
-def coordinator(tmp_path: Path) -> Coordinator:
-    storage = Storage(tmp_path)
+def coordinator(tmp_path: Path, storage: StorageBackend | None = None) -> Coordinator:
     tmp_path.mkdir(exist_ok=True)
-    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), root_id(tmp_path), no_retention)
+    storage = storage if storage is not None else Storage(tmp_path)
+    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention)
+
+
+@pytest.fixture(params=["posix", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
+    """The coordinator's commit runs on both backends (tests/memory_backend.py: the test double)."""
+    return Storage(tmp_path) if request.param == "posix" else MemoryStorage()
+
+
+def written_part(storage: StorageBackend, step: int, name: str, data: bytes) -> None:
+    """A node's data file of `step`, written and published as the writer does (not committed)."""
+    storage.prepare_step("job", step, fresh=False)
+    part = storage.open_part("job", step, name, len(data))
+    part.pwrite(0, memoryview(data))
+    part.sync()
+    part.close()
+    part.publish()
+    storage.sync_step("job", step)
 
 
 async def join_both(coord: Coordinator, step: int = 1) -> list:
@@ -48,7 +67,8 @@ async def join_both(coord: Coordinator, step: int = 1) -> list:
 def test_root_ids_are_shared_by_a_root_and_differ_between_roots(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    assert root_id(tmp_path / "a") == root_id(tmp_path / "a") != root_id(tmp_path / "b")
+    a, b = Storage(tmp_path / "a"), Storage(tmp_path / "b")
+    assert a.root_id() == Storage(tmp_path / "a").root_id() != b.root_id()
 
 
 def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
@@ -56,9 +76,9 @@ def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
     assert plan_key({0: "a", 1: "b"}, {0: 0, 1: 1}) != plan_key({0: "a", 1: "c"}, {0: 0, 1: 1})
 
 
-def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp_path: Path) -> None:
+def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp_path: Path, storage: StorageBackend) -> None:
     async def scenario() -> None:
-        coord = coordinator(tmp_path)
+        coord = coordinator(tmp_path, storage)
         results = await join_both(coord)
         assert results[0] == results[1] and results[0].node_of_rank == (0, 1) and results[0].shared_root
         save_id = results[0].save_id
@@ -72,37 +92,38 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
         )
         assert again[0].specs is None
 
-    (tmp_path / "job" / "step-00000001").mkdir(parents=True)
     for n in (0, 1):
-        (tmp_path / "job" / "step-00000001" / f"model-{n + 1:05d}-of-00002.safetensors").write_bytes(b"x" * 100)
+        written_part(storage, 1, f"model-{n + 1:05d}-of-00002.safetensors", b"x" * 100)
     asyncio.run(scenario())
-    assert Storage(tmp_path).is_committed("job", 1) and Storage(tmp_path).latest_step("job") == 1
+    assert storage.is_committed("job", 1) and storage.latest_step("job") == 1
+    assert storage.read_index("job", 1).step == 1
 
 
-def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path) -> None:
+def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storage: StorageBackend) -> None:
     async def scenario() -> list:
-        coord = coordinator(tmp_path)
+        coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
         return await asyncio.gather(
             coord.report("job", 1, save_id, 0, manifest(0, HALVES[0]), "", {}, {}),
             coord.report("job", 1, save_id, 1, None, "disk full", {}, {}),
         )
 
+    written_part(storage, 1, "model-00001-of-00002.safetensors", b"x" * 100)
     outcomes = asyncio.run(scenario())
     assert [o.committed for o in outcomes] == [False, False]
     assert "node 1 failed: disk full" in outcomes[0].error
-    assert not (tmp_path / "job" / "step-00000001").exists()
+    assert not storage.is_committed("job", 1) and storage.step_file_sizes("job", 1) == {}
 
 
-def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path) -> None:
+def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: StorageBackend) -> None:
     async def scenario() -> list:
-        coord = coordinator(tmp_path)
+        coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
         return await asyncio.gather(*[coord.report("job", 1, save_id, n, manifest(n, HALVES[0]), "", {}, {}) for n in (0, 1)])
 
     outcomes = asyncio.run(scenario())
     assert not outcomes[0].committed and "not written exactly once" in outcomes[0].error
-    assert not Storage(tmp_path).is_committed("job", 1)
+    assert not storage.is_committed("job", 1)
 
 
 @pytest.mark.parametrize(
@@ -136,28 +157,36 @@ def test_a_manifest_crosses_the_wire_unchanged_chunk_checksums_included() -> Non
     assert manifest_from_wire(1, *manifest_to_wire(sent)) == sent
 
 
-O1 = {"generation": 1, "quantize": "O1", "master_weights": "keep"}
-O2_DEEP = {"generation": 2, "quantize": "O2", "master_weights": "drop"}
-LOSSLESS_AFTER_LOSSY = {"generation": 1, "quantize": None, "master_weights": "keep"}
+def test_the_coordinator_decides_the_compression_once_for_every_node(tmp_path: Path) -> None:
+    """Issue 21 item 4: node 0 decides each save's compression when it plans it, from the ranks'
+    options and the deepest lineage of any node, with its own settings; every node gets the
+    same decision. Nodes that ask for different options are refused."""
+    decided: list[tuple[SaveOptions, int]] = []
+
+    def decide(options: SaveOptions, lineage: int) -> Compression:
+        decided.append((options, lineage))
+        return decide_compression(options, lineage, "O1", "keep", 3)
+
+    async def scenario() -> list:
+        storage = Storage(tmp_path)
+        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention, decide)
+        return await asyncio.gather(
+            *[coord.join("job", 1, n, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], coord.root_id, 30.0, None, SaveOptions(), n) for n in (0, 1)]
+        )
+
+    results = asyncio.run(scenario())
+    assert decided == [(SaveOptions(), 1)]  # once, with the deepest lineage (node 1's)
+    assert results[0].compression == results[1].compression == Compression("O1", "keep", 2, True)
 
 
-@pytest.mark.parametrize(
-    "records, expected",
-    [
-        ({0: None, 1: None}, None),
-        ({0: O1, 1: O1}, O1),
-        ({0: None, 1: O1}, O1),  # one node compressed: the step is lossy
-        ({0: O1, 1: O2_DEEP}, O2_DEEP),  # the deepest lineage, whichever node has it
-        ({0: LOSSLESS_AFTER_LOSSY, 1: O1}, LOSSLESS_AFTER_LOSSY),  # same generation: the lowest node
-    ],
-)
-def test_merged_quantization_keeps_the_deepest_lineage(records: dict, expected: dict | None) -> None:
-    assert merged_quantization(records) == expected
+def test_nodes_whose_ranks_ask_for_different_compression_are_refused(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        first = asyncio.ensure_future(coord.join("job", 1, 0, 2, {0: "fp0"}, {0: spec(HALVES[0])}, [], coord.root_id, 1.0, None, SaveOptions("O1")))
+        await asyncio.sleep(0)
+        with pytest.raises(InvalidRequest, match="node 1's ranks ask for quantize=None.*other nodes' ranks asked for quantize='O1'"):
+            await coord.join("job", 1, 1, 2, {1: "fp1"}, {1: spec(HALVES[1])}, [], coord.root_id, 1.0, None, SaveOptions())
+        with pytest.raises(Aborted, match="never joined"):
+            await first
 
-
-def test_merged_quantization_warns_when_nodes_disagree(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.cluster"):
-        merged_quantization({0: O1, 1: O1})
-        assert not caplog.records
-        merged_quantization({0: O1, 1: O2_DEEP})
-    assert "different compression" in caplog.text and "node 1" in caplog.text
+    asyncio.run(scenario())

@@ -594,6 +594,9 @@ def test_fuzz_peer_join_save(cluster: tuple[list[str], list[Place]], peer_stubs:
             known_plans=data.draw(st.one_of(st.lists(hostile_names(place), max_size=3), st.integers(1000, 50_000).map(lambda n: ["k"] * n))),
             timeout_s=data.draw(timeouts()), metric=data.draw(doubles()), has_metric=data.draw(st.booleans()),
             root_id=data.draw(st.one_of(st.just(""), hostile_names(place))),
+            quantize=data.draw(st.one_of(st.sampled_from(["", "O1", "O2", "o1"]), hostile_names(place))),
+            master_weights=data.draw(st.one_of(st.sampled_from(["", "keep", "drop", "residual"]), hostile_names(place))),
+            no_quantize=data.draw(st.booleans()), lineage=data.draw(int32s()),
         )
         code, _ = _peer_caller(counts, metadata).unary("Peer.JoinSave", peer_stubs[node].JoinSave, request)
         _check_refused(metadata, code)
@@ -648,7 +651,6 @@ def test_fuzz_peer_report_manifest(
             fragments=data.draw(fragments(place)),
             extras_json=data.draw(st.dictionaries(int32s(), json_texts(), max_size=3)),
             model_files=data.draw(st.dictionaries(st.one_of(st.just("config.json"), hostile_names(place)), json_texts(), max_size=2)),
-            quantization_json=data.draw(st.one_of(st.just(""), json_texts())),
         )
         code, _ = _peer_caller(counts, metadata).unary("Peer.ReportManifest", peer_stubs[node].ReportManifest, request)
         _check_refused(metadata, code)
@@ -716,7 +718,7 @@ def test_model_files_nested_too_deep_are_refused(single: Place, stub: pb_grpc.Ch
     assert "model file config.json nests deeper than 256 JSON levels" in info.value.details()
 
 
-@pytest.mark.parametrize("field_name", ["extras_json", "model_files", "quantization_json", "quant_json"])
+@pytest.mark.parametrize("field_name", ["extras_json", "model_files", "quant_json"])
 def test_a_manifest_with_json_nested_too_deep_is_refused(
     cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], fresh_steps: Iterator[int], field_name: str
 ) -> None:
@@ -728,8 +730,6 @@ def test_a_manifest_with_json_nested_too_deep_is_refused(
         request.extras_json[0] = DEEP
     elif field_name == "model_files":
         request.model_files["config.json"] = DEEP
-    elif field_name == "quantization_json":
-        request.quantization_json = DEEP
     else:
         request.fragments.append(ppb.StoredFragment(name="model/t0", file="model-00001-of-00001.safetensors", quant_json=DEEP))
     with pytest.raises(grpc.RpcError) as info:

@@ -1,12 +1,16 @@
-"""Several nodes: the coordinator's side of a save, and the links between daemons.
+"""The coordinator's side of a save, and the links between daemons.
+
+Every save meets and commits at a coordinator: node 0's with several nodes (over the peer
+port for the others), an in-process one with a single node (`SingleNode`): one protocol.
 
 A save across nodes (docs/architecture.md §12):
 1. Each node's daemon gathers its local ranks (BeginSave), then joins the save at the
    coordinator (node 0) with its ranks' fingerprints, and their tensor metadata the first time.
    The coordinator answers every node once all ranks of the job have joined, with the plan's
    input: every rank's metadata (unless the node already planned from the same input) and the
-   node of each rank. Every node computes the same plan from it (plan.make_save_plan is pure).
-2. Each node copies and writes its part (pipeline.write_node_files), then reports its manifest.
+   node of each rank, and the save's compression, decided once for all nodes. Every node
+   computes the same plan from it (plan.make_save_plan is pure).
+2. Each node copies and writes its part (writer.write_node_files), then reports its manifest.
 3. When every node that joined has reported, the coordinator checks that the manifests hold
    each tensor exactly once, writes the index (the commit) and `latest`, and answers each
    node's report with the outcome; on node-local roots each node then writes the same index.
@@ -14,7 +18,8 @@ A save across nodes (docs/architecture.md §12):
    writes an index and every node removes what it wrote.
 
 Daemons authenticate each other with a shared token in the call metadata (PEER_TOKEN_KEY),
-compared in constant time by the peer servicer.
+checked on every Peer call by rpc_auth.PeerTokenInterceptor. The messages are built and read
+in rpc_convert; a failed call to node 0 becomes a domain error in rpc_errors.coordinator_error.
 """
 
 from __future__ import annotations
@@ -27,49 +32,34 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
-from ckptd.common.boxes import Box
-from ckptd.daemon.checks import tensor_specs
-from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, Unavailable
-from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, step_dir_name
+from ckptd.daemon import rpc_convert
+from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
+from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable, UnknownFingerprint
+from ckptd.daemon.format import CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_tls import PeerTls
-from ckptd.daemon.pipeline import IncompleteStep, NodeManifest, step_files, write_step_files
+from ckptd.daemon.step_build import IncompleteStep, NodeManifest, step_files
+from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import FILE_MODE, Storage, read_file
+from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
+from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
+from ckptd.daemon.rpc_errors import coordinator_error
+from ckptd.daemon.storage import StorageBackend
+# the manifest's wire conversions live in rpc_convert; re-exported for tests/daemon/test_cluster.py
 from ckptd.wire import MESSAGE_SIZE_OPTIONS
-from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 
-PEER_TOKEN_KEY = "ckptd-peer-token"
-ROOT_ID_FILE = ".ckptd-root-id"
 LIVENESS_PERIOD_S = 1.0
 LIVENESS_FAILURES = 3  # consecutive failed checks before a writing node counts as gone
 FETCH_CHUNK = 4 * 2**20
 INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as absent for a load
 RECENT_SAVES = 16
-
-
-def root_id(root: Path) -> str:
-    """The storage root's id, created on first use; daemons that share a root read the same id."""
-    path = root / ROOT_ID_FILE
-    try:
-        # FILE_MODE (0640) whatever the umask; O_EXCL | O_NOFOLLOW: a link planted there is not followed
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-        os.fchmod(fd, FILE_MODE)
-    except FileExistsError:
-        return read_file(path, 4096).decode("ascii", "replace").strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return read_file(path, 4096).decode("ascii", "replace").strip()
 
 
 def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
@@ -78,26 +68,6 @@ def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
     for rank in sorted(fingerprints):
         h.update(f"{rank}|{fingerprints[rank]}|{node_of_rank[rank]}\n".encode())
     return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class JoinResult:
-    save_id: str
-    plan_key: str
-    node_of_rank: tuple[int, ...]
-    specs: tuple[tuple[TensorSpec, ...], ...] | None  # every rank's, None when the plan key was known
-    shared_root: bool
-
-
-@dataclass(frozen=True)
-class Outcome:
-    committed: bool
-    error: str = ""
-    step_files: dict[str, bytes] = field(default_factory=dict)  # for nodes with their own root
-    # False: nobody who saw the save decided it (the coordinator did not answer, or restarted and
-    # knows no such save): node 0 may have committed the step before it went away, so a node's
-    # written part must stay until node 0's root says (Service.resolve_prepared)
-    decided: bool = True
 
 
 @dataclass
@@ -122,6 +92,9 @@ class _GlobalSave:
     model_files: dict[str, bytes] = field(default_factory=dict)
     decided: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
+    options: SaveOptions = NO_OPTIONS  # the ranks' compression options (every node's the same)
+    lineage: int = 0  # the deepest lineage of what the nodes' ranks last loaded
+    compression: Compression | None = None  # decided when planned
 
     @property
     def nodes(self) -> set[int]:
@@ -179,11 +152,19 @@ class PeerLinks:
 class Coordinator:
     """Node 0's part: one barrier and one commit per save of a job's step across nodes."""
 
-    def __init__(self, storage: Storage, links: PeerLinks, own_root_id: str, on_commit: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        storage: StorageBackend,
+        links: PeerLinks,
+        own_root_id: str,
+        on_commit: Callable[[str], Awaitable[None]],
+        decide: Decide = lossless_by_default,
+    ) -> None:
         self.storage = storage
         self.links = links
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
+        self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
         self._specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = {}
         self._plans: dict[str, SavePlan] = {}
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
@@ -201,15 +182,21 @@ class Coordinator:
         node_root_id: str,
         timeout_s: float,
         metric: float | None,
+        options: SaveOptions = NO_OPTIONS,
+        lineage: int = 0,
     ) -> JoinResult:
-        """Add `node`'s ranks to the save of `step`; returns when every rank has joined."""
+        """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
+
+        options: the compression its ranks ask for (every node must ask for the same); lineage:
+        the quantization generation of what they last loaded. The coordinator decides the
+        save's compression from these when it plans the save (JoinResult.compression)."""
         for rank, fingerprint in fingerprints.items():
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
             if rank in specs:
                 self._specs[(rank, fingerprint)] = specs[rank]
             elif (rank, fingerprint) not in self._specs:
-                raise Precondition("unknown fingerprint: send the tensor metadata with this request")
+                raise UnknownFingerprint()
         save = self._saves.get((job, step))
         if save is None or save.decided.is_set():
             save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric)
@@ -224,6 +211,14 @@ class Coordinator:
         for rank in fingerprints:
             if rank in save.fingerprints:
                 raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
+        if save.root_ids and options != save.options:
+            raise InvalidRequest(
+                f"node {node}'s ranks ask for quantize={options.quantize!r}, master_weights={options.master_weights!r} in step {step} "
+                f"but other nodes' ranks asked for quantize={save.options.quantize!r}, master_weights={save.options.master_weights!r}; "
+                "every rank must pass the same"
+            )
+        save.options = options
+        save.lineage = max(save.lineage, lineage)
         save.root_ids[node] = node_root_id
         for rank, fingerprint in fingerprints.items():
             save.fingerprints[rank] = fingerprint
@@ -240,8 +235,14 @@ class Coordinator:
             plan_key=save.key,
             node_of_rank=tuple(save.node_of_rank[r] for r in range(world_size)),
             specs=None if known else tuple(self._specs[(r, save.fingerprints[r])] for r in range(world_size)),
-            shared_root=all(rid == self.root_id for rid in save.root_ids.values()),
+            shared_root=self._shared(save),
+            compression=save.compression,
+            plan=save.plan,
         )
+
+    def _shared(self, save: _GlobalSave) -> bool:
+        """Whether several nodes write the save into one storage root (equal root ids)."""
+        return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
 
     async def _plan(self, save: _GlobalSave) -> None:
         try:
@@ -253,7 +254,9 @@ class Coordinator:
                 plan = await asyncio.to_thread(make_save_plan, specs, nodes)
                 self._plans[save.key] = plan
             save.plan = plan
-            self._spawn(self._watch_writers(save))
+            save.compression = self.decide(save.options, save.lineage)
+            if save.nodes - {0}:
+                self._spawn(self._watch_writers(save))
         except PlanError as exc:
             save.refused = True
             await self._abort(save, str(exc))
@@ -304,33 +307,36 @@ class Coordinator:
 
     async def _commit(self, save: _GlobalSave) -> None:
         assert save.plan is not None
-        shared = all(rid == self.root_id for rid in save.root_ids.values())
+        shared = self._shared(save)
         try:
-            files = await asyncio.to_thread(self._write_commit, save, shared)
+            index, files = await asyncio.to_thread(self._write_commit, save, shared)
         except (IncompleteStep, OSError) as exc:
             log.exception("committing step %s of job %s failed", save.step, save.job)
             await self._abort(save, f"the coordinator could not commit: {exc}")
             return
-        save.outcome = Outcome(True, step_files={} if shared else files)
+        save.outcome = Outcome(True, step_files={} if shared else files, index=index)
         save.decided.set()
-        log.info("committed step %s of job %s across nodes %s", save.step, save.job, sorted(save.nodes))
+        if len(save.nodes) > 1:
+            log.info("committed step %s of job %s across nodes %s", save.step, save.job, sorted(save.nodes))
         await self.on_commit(save.job)
 
-    def _write_commit(self, save: _GlobalSave, shared: bool) -> dict[str, bytes]:
+    def _write_commit(self, save: _GlobalSave, shared: bool) -> tuple[CheckpointIndex, dict[str, bytes]]:
+        """Write the step's small files and its index (the commit) and `latest`; returns the
+        index and those files (for nodes with their own root)."""
         assert save.plan is not None
         manifests = [save.manifests[n] for n in sorted(save.manifests)]
-        quantization = merged_quantization({m.node: m.quantization for m in manifests})
-        _, files = step_files(
-            save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric, quantization=quantization
+        assert save.compression is not None
+        index, files = step_files(
+            save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric, quantization=save.compression.record
         )
         if shared:
-            step_dir = self.storage.step_dir(save.job, save.step)
+            present = self.storage.step_file_sizes(save.job, save.step)
             for manifest in manifests:
                 for record in manifest.files:
-                    _check_file(step_dir / record.name, record, manifest.node)
+                    _check_file(present, record, manifest.node)
         write_step_files(self.storage, save.job, save.step, files)
         self.storage.write_latest(save.job, save.step)
-        return files
+        return index, files
 
     async def _abort(self, save: _GlobalSave, reason: str) -> None:
         if save.decided.is_set():
@@ -377,33 +383,14 @@ class Coordinator:
         task.add_done_callback(self._tasks.discard)
 
 
-def merged_quantization(records: dict[int, dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The index's quantization record of a step written by several nodes, from each node's
-    record (node -> record; None: that node wrote it losslessly with a lossless lineage).
-
-    Nodes decide from their own config (which SIGHUP can change on one of them), so they may
-    disagree. The compounding guard must see the deepest lineage, so the record of the node
-    with the highest generation is kept (the lowest such node on a tie); a disagreement is
-    logged. Each fragment's own codec stays exact in its record either way. Pure."""
-    present = {node: r for node, r in records.items() if r is not None}
-    if not present:
-        return None
-    node = min(present, key=lambda n: (-int(present[n].get("generation", 0)), n))
-    if any(r != present[node] for r in records.values()):
-        log.warning(
-            "nodes saved this step with different compression (%s); the index records node %d's, the deepest lineage",
-            "; ".join(f"node {n}: {records[n]}" for n in sorted(records)), node,
-        )
-    return present[node]
-
-
-def _check_file(path: Path, record: FileRecord, node: int) -> None:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise IncompleteStep(f"{path.name}, written by node {node}, is not in the shared root") from None
+def _check_file(present: dict[str, int], record: FileRecord, node: int) -> None:
+    """A file a node says it wrote into the shared root is there with its size (present: the
+    step's files and sizes)."""
+    size = present.get(record.name)
+    if size is None:
+        raise IncompleteStep(f"{record.name}, written by node {node}, is not in the shared root")
     if size != record.size:
-        raise IncompleteStep(f"{path.name}, written by node {node}, has {size} bytes, its manifest says {record.size}")
+        raise IncompleteStep(f"{record.name}, written by node {node}, has {size} bytes, its manifest says {record.size}")
 
 
 def _short(values: Sequence[int], limit: int = 16) -> str:
@@ -411,73 +398,33 @@ def _short(values: Sequence[int], limit: int = 16) -> str:
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
-# ------------------------------------------------------------------ wire conversions
-
-
-def meta_of(spec: TensorSpec) -> pb.TensorMeta:
-    return pb.TensorMeta(
-        name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape,
-        box=pb.Box(offsets=spec.box.offsets, lengths=spec.box.lengths), aliases=spec.aliases,
-    )
-
-
-def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[ppb.StoredFragment]]:
-    files = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in manifest.files]
-    fragments = [
-        ppb.StoredFragment(
-            name=name, file=f.file, key=f.key, box=pb.Box(offsets=f.box.offsets, lengths=f.box.lengths),
-            dtype=f.dtype, offset=f.offset, nbytes=f.nbytes, checksum=f.checksum,
-            chunk_bytes=f.chunk_bytes, chunk_xxh3=f.chunk_xxh3,
-            quant_json=json.dumps(f.quant.to_json()) if f.quant is not None else "",
-        )
-        for name, f in manifest.fragments
-    ]
-    return files, fragments
-
-
-def manifest_from_wire(
-    node: int, files: Sequence[ppb.FileEntry], fragments: Sequence[ppb.StoredFragment], quantization_json: str = ""
-) -> NodeManifest:
-    """Raises InvalidRequest for malformed quantization records."""
-    try:
-        quantization = json.loads(quantization_json) if quantization_json else None
-        records = tuple(
-            (
-                f.name,
-                FragmentRecord(
-                    f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
-                    f.chunk_bytes, f.chunk_xxh3,
-                    QuantRecord.from_json(json.loads(f.quant_json)) if f.quant_json else None,
-                ),
-            )
-            for f in fragments
-        )
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise InvalidRequest(f"node {node}'s manifest has a malformed quantization record: {exc}") from None
-    if quantization is not None and not isinstance(quantization, dict):
-        raise InvalidRequest(f"node {node}'s quantization record must be a JSON object")
-    return NodeManifest(node, tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files), records, quantization)
-
-
 class Cluster:
     """This node's view of the other nodes: the coordinator (in process on node 0, over gRPC
     elsewhere) and the peers' inventories and files."""
 
     def __init__(
-        self, node: int, peers: Sequence[str], token: str, storage: Storage, on_commit: Callable[[str], Awaitable[None]], tls: PeerTls | None = None
+        self,
+        node: int,
+        peers: Sequence[str],
+        token: str,
+        storage: StorageBackend,
+        on_commit: Callable[[str], Awaitable[None]],
+        tls: PeerTls | None = None,
+        decide: Decide = lossless_by_default,
     ) -> None:
         self.node = node
         self.links = PeerLinks(peers, token, tls)
         self.storage = storage
         self.root_id = ""
         self._on_commit = on_commit
+        self._decide = decide
         self.coordinator: Coordinator | None = None
 
     def start(self) -> None:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
-        self.root_id = root_id(self.storage.root)
+        self.root_id = self.storage.root_id()
         if self.node == 0:
-            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit)
+            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide)
 
     @property
     def nodes(self) -> int:
@@ -496,71 +443,49 @@ class Cluster:
         known_plans: Sequence[str],
         timeout_s: float,
         metric: float | None,
+        options: SaveOptions = NO_OPTIONS,
+        lineage: int = 0,
     ) -> JoinResult:
+        """Join the save at the coordinator (Coordinator.join); returns once every rank has."""
         if self.coordinator is not None:
             return await self.coordinator.join(
-                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric
+                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage
             )
-        request = ppb.JoinSaveRequest(
-            job=job, step=step, node=self.node, world_size=world_size, fingerprints=fingerprints,
-            tensors=[ppb.RankTensors(rank=r, fingerprint=fingerprints[r], tensors=[meta_of(s) for s in specs[r]]) for r in sorted(specs)],
-            known_plans=list(known_plans), timeout_s=timeout_s, metric=metric or 0.0, has_metric=metric is not None,
-            root_id=self.root_id,
+        request = rpc_convert.join_request(
+            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage
         )
         reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
-        specs_out = None
-        if reply.tensors:
-            by_rank = {t.rank: tuple(tensor_specs(t.tensors)) for t in reply.tensors}
-            if sorted(by_rank) != list(range(world_size)):
-                raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
-            specs_out = tuple(by_rank[r] for r in range(world_size))
-        node_of_rank = tuple(reply.node_of_rank[r] for r in range(world_size))
-        return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root)
+        return rpc_convert.join_result_of(reply, world_size)
 
     async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, str], model_files: dict[str, bytes]
+        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
     ) -> Outcome:
-        """Report this node's part; returns the outcome. extras: rank -> JSON text."""
+        """Report this node's part; returns the outcome. extras: rank -> its extras tree."""
         if self.coordinator is not None:
-            return await self.coordinator.report(
-                job, step, save_id, self.node, manifest, error, {r: json.loads(t) for r, t in extras.items()}, model_files
-            )
-        files, fragments = manifest_to_wire(manifest) if manifest is not None else ([], [])
-        request = ppb.ReportManifestRequest(
-            job=job, step=step, save_id=save_id, node=self.node, ok=manifest is not None, error=error,
-            files=files, fragments=fragments, extras_json=extras,
-            model_files={k: v.decode() for k, v in model_files.items()},
-            quantization_json=json.dumps(manifest.quantization) if manifest is not None and manifest.quantization is not None else "",
-        )
+            return await self.coordinator.report(job, step, save_id, self.node, manifest, error, extras, model_files)
+        texts = {r: json.dumps(e) for r, e in extras.items()}
+        request = rpc_convert.report_request(job, step, save_id, self.node, manifest, error, texts, model_files)
         try:
             reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)
         except grpc.RpcError as exc:
             return Outcome(False, f"the coordinator {self.describe(0)} did not answer: {exc.details() or exc.code().name}", decided=False)
-        return Outcome(reply.committed, reply.error, dict(reply.step_files))
+        return rpc_convert.outcome_of(reply)
 
     async def _call_coordinator(self, method: Any, request: Any, timeout_s: float) -> Any:
         try:
             return await method(request, timeout=timeout_s, metadata=self.links.metadata)
         except grpc.RpcError as exc:
-            code = exc.code()
-            details = exc.details() or code.name
-            if code == grpc.StatusCode.FAILED_PRECONDITION and "unknown fingerprint" in details:
-                raise Precondition(details) from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequest(details) from None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
-                raise Unavailable(f"the coordinator {self.describe(0)} is not reachable: {details}") from None
-            raise Aborted(f"the coordinator {self.describe(0)} refused: {details}") from None
+            raise coordinator_error(exc, self.describe(0)) from None
 
-    async def inventory(self, node: int, job: str, step: int) -> tuple[str, bool, dict[str, int], bool] | str:
-        """(root id, has the index, {data file: size}, saving it now) of a peer, or why it did not answer."""
+    async def inventory(self, node: int, job: str, step: int) -> PeerInventory | str:
+        """What a peer holds of a step (PeerInventory), or why it did not answer."""
         try:
             reply = await self.links.stub(node).Inventory(
                 ppb.InventoryRequest(job=job, step=step), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             return exc.details() or exc.code().name
-        return reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight
+        return rpc_convert.inventory_of(reply)
 
     async def fetch(self, node: int, job: str, step: int, file: str, offset: int, nbytes: int, out_fd: int) -> None:
         """Copy bytes [offset, offset + nbytes) of a peer's step file to the same offset of out_fd."""
@@ -590,3 +515,34 @@ class Cluster:
 
     async def close(self) -> None:
         await self.links.close()
+
+
+class SingleNode:
+    """A daemon without peers: its saves meet and commit at an in-process coordinator of one
+    node, the same Coordinator node 0 runs for several (no peer port, no root id file), so that
+    one node and several commit by one protocol (engine/commit.py)."""
+
+    node = 0
+
+    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default) -> None:
+        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide)
+
+    async def join_save(
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        fingerprints: dict[int, str],
+        specs: dict[int, tuple[TensorSpec, ...]],
+        known_plans: Sequence[str],
+        timeout_s: float,
+        metric: float | None,
+        options: SaveOptions = NO_OPTIONS,
+        lineage: int = 0,
+    ) -> JoinResult:
+        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage)
+
+    async def report(
+        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
+    ) -> Outcome:
+        return await self.coordinator.report(job, step, save_id, 0, manifest, error, extras, model_files)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ckptd.wire.v1 import checkpoint_pb2 as ckptd_dot_v1_dot_checkpoint__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63kptd/v1/peer.proto\x12\x08\x63kptd.v1\x1a\x19\x63kptd/v1/checkpoint.proto\"W\n\x0bRankTensors\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\"\xcb\x02\n\x0fJoinSaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04node\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x41\n\x0c\x66ingerprints\x18\x05 \x03(\x0b\x32+.ckptd.v1.JoinSaveRequest.FingerprintsEntry\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.ckptd.v1.RankTensors\x12\x13\n\x0bknown_plans\x18\x07 \x03(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x0e\n\x06metric\x18\t \x01(\x01\x12\x12\n\nhas_metric\x18\n \x01(\x08\x12\x0f\n\x07root_id\x18\x0b \x01(\t\x1a\x33\n\x11\x46ingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe7\x01\n\x10JoinSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x10\n\x08plan_key\x18\x02 \x01(\t\x12@\n\x0cnode_of_rank\x18\x03 \x03(\x0b\x32*.ckptd.v1.JoinSaveResponse.NodeOfRankEntry\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.ckptd.v1.RankTensors\x12\x13\n\x0bshared_root\x18\x05 \x01(\x08\x1a\x31\n\x0fNodeOfRankEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"9\n\tFileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"\xd3\x01\n\x0eStoredFragment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x1a\n\x03\x62ox\x18\x04 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\x03\x12\x12\n\nchunk_xxh3\x18\n \x01(\t\x12\x12\n\nquant_json\x18\x0b \x01(\t\"\xca\x03\n\x15ReportManifestRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07save_id\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\x05\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\"\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x13.ckptd.v1.FileEntry\x12+\n\tfragments\x18\x08 \x03(\x0b\x32\x18.ckptd.v1.StoredFragment\x12\x44\n\x0b\x65xtras_json\x18\t \x03(\x0b\x32/.ckptd.v1.ReportManifestRequest.ExtrasJsonEntry\x12\x44\n\x0bmodel_files\x18\n \x03(\x0b\x32/.ckptd.v1.ReportManifestRequest.ModelFilesEntry\x12\x19\n\x11quantization_json\x18\x0b \x01(\t\x1a\x31\n\x0f\x45xtrasJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x01\n\x16ReportManifestResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x43\n\nstep_files\x18\x03 \x03(\x0b\x32/.ckptd.v1.ReportManifestResponse.StepFilesEntry\x1a\x30\n\x0eStepFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"-\n\x10InventoryRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"n\n\x11InventoryResponse\x12\x0f\n\x07root_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\"\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x13.ckptd.v1.FileEntry\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"W\n\x0c\x46\x65tchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\x98\x02\n\x04Peer\x12\x41\n\x08JoinSave\x12\x19.ckptd.v1.JoinSaveRequest\x1a\x1a.ckptd.v1.JoinSaveResponse\x12S\n\x0eReportManifest\x12\x1f.ckptd.v1.ReportManifestRequest\x1a .ckptd.v1.ReportManifestResponse\x12\x44\n\tInventory\x12\x1a.ckptd.v1.InventoryRequest\x1a\x1b.ckptd.v1.InventoryResponse\x12\x32\n\x05\x46\x65tch\x12\x16.ckptd.v1.FetchRequest\x1a\x0f.ckptd.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x63kptd/v1/peer.proto\x12\x08\x63kptd.v1\x1a\x19\x63kptd/v1/checkpoint.proto\"W\n\x0bRankTensors\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.ckptd.v1.TensorMeta\"\x9b\x03\n\x0fJoinSaveRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04node\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x41\n\x0c\x66ingerprints\x18\x05 \x03(\x0b\x32+.ckptd.v1.JoinSaveRequest.FingerprintsEntry\x12&\n\x07tensors\x18\x06 \x03(\x0b\x32\x15.ckptd.v1.RankTensors\x12\x13\n\x0bknown_plans\x18\x07 \x03(\t\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x0e\n\x06metric\x18\t \x01(\x01\x12\x12\n\nhas_metric\x18\n \x01(\x08\x12\x0f\n\x07root_id\x18\x0b \x01(\t\x12\x10\n\x08quantize\x18\x0c \x01(\t\x12\x16\n\x0emaster_weights\x18\r \x01(\t\x12\x13\n\x0bno_quantize\x18\x0e \x01(\x08\x12\x0f\n\x07lineage\x18\x0f \x01(\x05\x1a\x33\n\x11\x46ingerprintsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x0b\x43ompression\x12\x10\n\x08quantize\x18\x01 \x01(\t\x12\x16\n\x0emaster_weights\x18\x02 \x01(\t\x12\x10\n\x08recorded\x18\x03 \x01(\x08\x12\x12\n\ngeneration\x18\x04 \x01(\x05\"\x93\x02\n\x10JoinSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x10\n\x08plan_key\x18\x02 \x01(\t\x12@\n\x0cnode_of_rank\x18\x03 \x03(\x0b\x32*.ckptd.v1.JoinSaveResponse.NodeOfRankEntry\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.ckptd.v1.RankTensors\x12\x13\n\x0bshared_root\x18\x05 \x01(\x08\x12*\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x15.ckptd.v1.Compression\x1a\x31\n\x0fNodeOfRankEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"9\n\tFileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"\xd3\x01\n\x0eStoredFragment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x1a\n\x03\x62ox\x18\x04 \x01(\x0b\x32\r.ckptd.v1.Box\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0e\n\x06nbytes\x18\x07 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\t \x01(\x03\x12\x12\n\nchunk_xxh3\x18\n \x01(\t\x12\x12\n\nquant_json\x18\x0b \x01(\t\"\xc8\x03\n\x15ReportManifestRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07save_id\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\x05\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\"\n\x05\x66iles\x18\x07 \x03(\x0b\x32\x13.ckptd.v1.FileEntry\x12+\n\tfragments\x18\x08 \x03(\x0b\x32\x18.ckptd.v1.StoredFragment\x12\x44\n\x0b\x65xtras_json\x18\t \x03(\x0b\x32/.ckptd.v1.ReportManifestRequest.ExtrasJsonEntry\x12\x44\n\x0bmodel_files\x18\n \x03(\x0b\x32/.ckptd.v1.ReportManifestRequest.ModelFilesEntry\x1a\x31\n\x0f\x45xtrasJsonEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fModelFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x0b\x10\x0cR\x11quantization_json\"\xb1\x01\n\x16ReportManifestResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x43\n\nstep_files\x18\x03 \x03(\x0b\x32/.ckptd.v1.ReportManifestResponse.StepFilesEntry\x1a\x30\n\x0eStepFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"-\n\x10InventoryRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"n\n\x11InventoryResponse\x12\x0f\n\x07root_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\"\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x13.ckptd.v1.FileEntry\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"W\n\x0c\x46\x65tchRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ile\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\x15\n\x05\x43hunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\x98\x02\n\x04Peer\x12\x41\n\x08JoinSave\x12\x19.ckptd.v1.JoinSaveRequest\x1a\x1a.ckptd.v1.JoinSaveResponse\x12S\n\x0eReportManifest\x12\x1f.ckptd.v1.ReportManifestRequest\x1a .ckptd.v1.ReportManifestResponse\x12\x44\n\tInventory\x12\x1a.ckptd.v1.InventoryRequest\x1a\x1b.ckptd.v1.InventoryResponse\x12\x32\n\x05\x46\x65tch\x12\x16.ckptd.v1.FetchRequest\x1a\x0f.ckptd.v1.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKTENSORS']._serialized_start=60
   _globals['_RANKTENSORS']._serialized_end=147
   _globals['_JOINSAVEREQUEST']._serialized_start=150
-  _globals['_JOINSAVEREQUEST']._serialized_end=481
-  _globals['_JOINSAVEREQUEST_FINGERPRINTSENTRY']._serialized_start=430
-  _globals['_JOINSAVEREQUEST_FINGERPRINTSENTRY']._serialized_end=481
-  _globals['_JOINSAVERESPONSE']._serialized_start=484
-  _globals['_JOINSAVERESPONSE']._serialized_end=715
-  _globals['_JOINSAVERESPONSE_NODEOFRANKENTRY']._serialized_start=666
-  _globals['_JOINSAVERESPONSE_NODEOFRANKENTRY']._serialized_end=715
-  _globals['_FILEENTRY']._serialized_start=717
-  _globals['_FILEENTRY']._serialized_end=774
-  _globals['_STOREDFRAGMENT']._serialized_start=777
-  _globals['_STOREDFRAGMENT']._serialized_end=988
-  _globals['_REPORTMANIFESTREQUEST']._serialized_start=991
-  _globals['_REPORTMANIFESTREQUEST']._serialized_end=1449
-  _globals['_REPORTMANIFESTREQUEST_EXTRASJSONENTRY']._serialized_start=1349
-  _globals['_REPORTMANIFESTREQUEST_EXTRASJSONENTRY']._serialized_end=1398
-  _globals['_REPORTMANIFESTREQUEST_MODELFILESENTRY']._serialized_start=1400
-  _globals['_REPORTMANIFESTREQUEST_MODELFILESENTRY']._serialized_end=1449
-  _globals['_REPORTMANIFESTRESPONSE']._serialized_start=1452
-  _globals['_REPORTMANIFESTRESPONSE']._serialized_end=1629
-  _globals['_REPORTMANIFESTRESPONSE_STEPFILESENTRY']._serialized_start=1581
-  _globals['_REPORTMANIFESTRESPONSE_STEPFILESENTRY']._serialized_end=1629
-  _globals['_INVENTORYREQUEST']._serialized_start=1631
-  _globals['_INVENTORYREQUEST']._serialized_end=1676
-  _globals['_INVENTORYRESPONSE']._serialized_start=1678
-  _globals['_INVENTORYRESPONSE']._serialized_end=1788
-  _globals['_FETCHREQUEST']._serialized_start=1790
-  _globals['_FETCHREQUEST']._serialized_end=1877
-  _globals['_CHUNK']._serialized_start=1879
-  _globals['_CHUNK']._serialized_end=1900
-  _globals['_PEER']._serialized_start=1903
-  _globals['_PEER']._serialized_end=2183
+  _globals['_JOINSAVEREQUEST']._serialized_end=561
+  _globals['_JOINSAVEREQUEST_FINGERPRINTSENTRY']._serialized_start=510
+  _globals['_JOINSAVEREQUEST_FINGERPRINTSENTRY']._serialized_end=561
+  _globals['_COMPRESSION']._serialized_start=563
+  _globals['_COMPRESSION']._serialized_end=656
+  _globals['_JOINSAVERESPONSE']._serialized_start=659
+  _globals['_JOINSAVERESPONSE']._serialized_end=934
+  _globals['_JOINSAVERESPONSE_NODEOFRANKENTRY']._serialized_start=885
+  _globals['_JOINSAVERESPONSE_NODEOFRANKENTRY']._serialized_end=934
+  _globals['_FILEENTRY']._serialized_start=936
+  _globals['_FILEENTRY']._serialized_end=993
+  _globals['_STOREDFRAGMENT']._serialized_start=996
+  _globals['_STOREDFRAGMENT']._serialized_end=1207
+  _globals['_REPORTMANIFESTREQUEST']._serialized_start=1210
+  _globals['_REPORTMANIFESTREQUEST']._serialized_end=1666
+  _globals['_REPORTMANIFESTREQUEST_EXTRASJSONENTRY']._serialized_start=1541
+  _globals['_REPORTMANIFESTREQUEST_EXTRASJSONENTRY']._serialized_end=1590
+  _globals['_REPORTMANIFESTREQUEST_MODELFILESENTRY']._serialized_start=1592
+  _globals['_REPORTMANIFESTREQUEST_MODELFILESENTRY']._serialized_end=1641
+  _globals['_REPORTMANIFESTRESPONSE']._serialized_start=1669
+  _globals['_REPORTMANIFESTRESPONSE']._serialized_end=1846
+  _globals['_REPORTMANIFESTRESPONSE_STEPFILESENTRY']._serialized_start=1798
+  _globals['_REPORTMANIFESTRESPONSE_STEPFILESENTRY']._serialized_end=1846
+  _globals['_INVENTORYREQUEST']._serialized_start=1848
+  _globals['_INVENTORYREQUEST']._serialized_end=1893
+  _globals['_INVENTORYRESPONSE']._serialized_start=1895
+  _globals['_INVENTORYRESPONSE']._serialized_end=2005
+  _globals['_FETCHREQUEST']._serialized_start=2007
+  _globals['_FETCHREQUEST']._serialized_end=2094
+  _globals['_CHUNK']._serialized_start=2096
+  _globals['_CHUNK']._serialized_end=2117
+  _globals['_PEER']._serialized_start=2120
+  _globals['_PEER']._serialized_end=2400
 # @@protoc_insertion_point(module_scope)

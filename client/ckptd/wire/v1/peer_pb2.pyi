@@ -18,7 +18,7 @@ class RankTensors(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_checkpoint_pb2.TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class JoinSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id")
+    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id", "quantize", "master_weights", "no_quantize", "lineage")
     class FingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,10 @@ class JoinSaveRequest(_message.Message):
     METRIC_FIELD_NUMBER: _ClassVar[int]
     HAS_METRIC_FIELD_NUMBER: _ClassVar[int]
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NO_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     node: int
@@ -48,10 +52,26 @@ class JoinSaveRequest(_message.Message):
     metric: float
     has_metric: bool
     root_id: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ...) -> None: ...
+    quantize: str
+    master_weights: str
+    no_quantize: bool
+    lineage: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ..., quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., no_quantize: _Optional[bool] = ..., lineage: _Optional[int] = ...) -> None: ...
+
+class Compression(_message.Message):
+    __slots__ = ("quantize", "master_weights", "recorded", "generation")
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    quantize: str
+    master_weights: str
+    recorded: bool
+    generation: int
+    def __init__(self, quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., recorded: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JoinSaveResponse(_message.Message):
-    __slots__ = ("save_id", "plan_key", "node_of_rank", "tensors", "shared_root")
+    __slots__ = ("save_id", "plan_key", "node_of_rank", "tensors", "shared_root", "compression")
     class NodeOfRankEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,12 +84,14 @@ class JoinSaveResponse(_message.Message):
     NODE_OF_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SHARED_ROOT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     plan_key: str
     node_of_rank: _containers.ScalarMap[int, int]
     tensors: _containers.RepeatedCompositeFieldContainer[RankTensors]
     shared_root: bool
-    def __init__(self, save_id: _Optional[str] = ..., plan_key: _Optional[str] = ..., node_of_rank: _Optional[_Mapping[int, int]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., shared_root: _Optional[bool] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, save_id: _Optional[str] = ..., plan_key: _Optional[str] = ..., node_of_rank: _Optional[_Mapping[int, int]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., shared_root: _Optional[bool] = ..., compression: _Optional[_Union[Compression, _Mapping]] = ...) -> None: ...
 
 class FileEntry(_message.Message):
     __slots__ = ("name", "size", "checksum")
@@ -108,7 +130,7 @@ class StoredFragment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file: _Optional[str] = ..., key: _Optional[str] = ..., box: _Optional[_Union[_checkpoint_pb2.Box, _Mapping]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunk_xxh3: _Optional[str] = ..., quant_json: _Optional[str] = ...) -> None: ...
 
 class ReportManifestRequest(_message.Message):
-    __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files", "quantization_json")
+    __slots__ = ("job", "step", "save_id", "node", "ok", "error", "files", "fragments", "extras_json", "model_files")
     class ExtrasJsonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +155,6 @@ class ReportManifestRequest(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
-    QUANTIZATION_JSON_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     save_id: str
@@ -144,8 +165,7 @@ class ReportManifestRequest(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[StoredFragment]
     extras_json: _containers.ScalarMap[int, str]
     model_files: _containers.ScalarMap[str, str]
-    quantization_json: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., save_id: _Optional[str] = ..., node: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[StoredFragment, _Mapping]]] = ..., extras_json: _Optional[_Mapping[int, str]] = ..., model_files: _Optional[_Mapping[str, str]] = ..., quantization_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., save_id: _Optional[str] = ..., node: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., fragments: _Optional[_Iterable[_Union[StoredFragment, _Mapping]]] = ..., extras_json: _Optional[_Mapping[int, str]] = ..., model_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ReportManifestResponse(_message.Message):
     __slots__ = ("committed", "error", "step_files")

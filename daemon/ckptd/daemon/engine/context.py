@@ -1,0 +1,205 @@
+"""What the engine's parts share: settings, storage, metrics, the cluster, the jobs, and how a
+save's outcome is recorded.
+
+The parts (saves.py, commit.py, loads.py, housekeeping.py) each take an `Engine`; none calls
+another's private methods. Runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Coroutine, Protocol, Sequence
+
+from ckptd.daemon.arena import ArenaPool
+from ckptd.daemon.cluster import Cluster
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.errors import Precondition
+from ckptd.daemon.format import CheckpointIndex, FormatError
+from ckptd.daemon.gpu import GpuStaging
+from ckptd.daemon.metrics import Metrics
+from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.records import JoinResult, LastCommit, Outcome
+from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.step_build import NodeManifest
+from ckptd.daemon.storage import StorageBackend
+from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
+from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+
+log = logging.getLogger(__name__)
+
+INDEX_CACHE_ENTRIES = 16  # parsed indexes kept (about 1 KiB per tensor each): the steps loaded or committed last
+
+
+class IndexCache:
+    """The parsed indexes of the `entries` committed steps used most recently, by (job, step).
+
+    Bounded: a job that keeps every 50th step for months has thousands of committed steps, and
+    an index of every one of them in memory grew the daemon by about 190 KiB per step (200
+    tensors) in the soak benchmark (tests/bench/soak.py)."""
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
+        index = self._items.get(key)
+        if index is not None:
+            self._items.move_to_end(key)
+        return index
+
+    def put(self, key: tuple[str, int], index: CheckpointIndex) -> None:
+        self._items[key] = index
+        self._items.move_to_end(key)
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+    def pop(self, key: tuple[str, int]) -> CheckpointIndex | None:
+        return self._items.pop(key, None)
+
+
+@dataclass
+class Counters:
+    committed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    last_error: str = ""
+    bytes_written: int = 0
+
+
+class Coordination(Protocol):
+    """Where a save's nodes meet and its commit is decided: the cluster (several nodes) or an
+    in-process coordinator of one node (cluster.SingleNode); the same protocol either way."""
+
+    async def join_save(
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        fingerprints: dict[int, str],
+        specs: dict[int, tuple[TensorSpec, ...]],
+        known_plans: Sequence[str],
+        timeout_s: float,
+        metric: float | None,
+        options: SaveOptions = ...,
+        lineage: int = ...,
+    ) -> JoinResult:
+        """Join the save; returns once every rank of the job has (the plan's input, the compression)."""
+
+    async def report(
+        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
+    ) -> Outcome:
+        """Report this node's written part (or its failure, manifest None); returns once decided."""
+
+
+class Engine:
+    """The state the engine's parts share, and the outcomes every part records the same way.
+
+    cluster: the other nodes (None: a single node); coordination: where saves are committed
+    (the cluster, or an in-process coordinator of one node)."""
+
+    def __init__(self, config: DaemonConfig, storage: StorageBackend, cluster: Cluster | None, coordination: Coordination) -> None:
+        self.config = config
+        self.storage = storage
+        self.cluster = cluster
+        self.coordination = coordination
+        self.node = config.node_rank
+        self.retention: RetentionPolicy = config.retention_policy()
+        self.metrics = Metrics(config.node_rank)
+        self.gpu = GpuStaging()  # mode "ipc": loads CUDA only when a rank opens a staging buffer
+        self.jobs: dict[str, JobState] = {}
+        self.counters = Counters()
+        self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
+        self.last_commit: LastCommit | None = None
+        self.started_at = time.time()
+        self.draining = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` in the background, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def job(self, job: str, world_size: int) -> JobState:
+        """The job's state, made at its first save (see JobState.resize for a new world size)."""
+        state = self.jobs.get(job)
+        if state is None:
+            state = JobState(world_size=world_size, pool=ArenaPool(self.config.shm_dir, job, self.config.max_inflight))
+            self.jobs[job] = state
+        else:
+            state.resize(world_size, job)
+        return state
+
+    def compression(self, options: SaveOptions, lineage: int) -> Compression:
+        """A save's compression under this daemon's current settings (engine/compression.py)."""
+        config = self.config
+        decided = decide_compression(options, lineage, config.quantize, config.master_weights, config.quant_max_generations)
+        if decided.capped:
+            log.info(
+                "a save is stored losslessly: its values come from a checkpoint %s lossy cycle(s) deep (limit quant_max_generations=%s)",
+                lineage, config.quant_max_generations,
+            )
+        return decided
+
+    async def committed(self, job: str, step: int) -> bool:
+        return await asyncio.to_thread(self.storage.is_committed, job, step)
+
+    async def index(self, job: str, step: int) -> CheckpointIndex:
+        """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
+        key = (job, step)
+        index = self.indexes.get(key)
+        if index is None:
+            try:
+                index = await asyncio.to_thread(self.storage.read_index, job, step)
+            except FormatError as exc:
+                raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
+            self.indexes.put(key, index)
+        return index
+
+    async def fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
+        """Fail the save (no-op once it ended). cause: the label of ckptd_save_failures_total
+        (metrics.FAILURE_CAUSES). Releases its arenas, and with several nodes tells the
+        coordinator, so that every node aborts it."""
+        if not session.fail(reason):
+            return
+        self.counters.failed += 1
+        self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
+        self.metrics.failed(cause)
+        log.warning(
+            "save of step %s of job %s failed: %s", session.step, session.job, reason, extra={"job": session.job, "step": session.step, "cause": cause}
+        )
+        if session.arenas is not None:
+            state.pool.release(session.arenas)
+            await notify(state.arena_freed)
+        state.finish(session)
+        if session.global_id and not session.reported:
+            session.reported = True
+            self.spawn(self._report_failure(session))
+
+    def skip(self, state: JobState, session: SaveSession, reason: str) -> None:
+        session.skip(reason)
+        self.counters.skipped += 1
+        self.metrics.skipped.labels(session.job).inc()
+        state.finish(session)
+
+    async def _report_failure(self, session: SaveSession) -> None:
+        """Tell the coordinator this node's part of the save failed, so every node aborts it."""
+        outcome = await self.coordination.report(session.job, session.step, session.global_id, None, session.error, {}, {})
+        log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
+
+    def saving(self, job: str, step: int) -> bool:
+        """Whether this daemon has a save of the job's step open or being written."""
+        state = self.jobs.get(job)
+        return state is not None and step in state.sessions
+
+    def writing_count(self) -> int:
+        return sum(1 for s in self.jobs.values() for x in s.sessions.values() if x.state is SaveState.WRITING)
+
+
+async def notify(condition: asyncio.Condition) -> None:
+    async with condition:
+        condition.notify_all()

@@ -1,0 +1,209 @@
+"""Housekeeping: retention after each commit and at start-up, `ckptd gc`, and what the daemon
+reports about itself (`ckptd status`, `ckptd ls`, the metrics' gauges)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.sessions import SaveState
+from ckptd.daemon.errors import Precondition
+from ckptd.daemon.format import CheckpointIndex
+from ckptd.daemon.metrics import LiveState
+from ckptd.daemon.step_build import VERSION
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One thing `collect` removed (or would remove, dry run)."""
+
+    job: str
+    step: int  # -1: not a step directory
+    path: str
+    reason: str  # "retention" | "uncommitted" | "temporary"
+    bytes: int
+
+
+class Housekeeping:
+    """Retention, garbage collection and the daemon's reports."""
+
+    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int]) -> None:
+        self.engine = engine
+        self._leased_steps = leased_steps  # Loads.leased_steps: steps being read are kept
+        self._loads_active = loads_active
+
+    async def retention_at_start(self) -> None:
+        """Apply retention to every job once at start-up, on a single node and on node 0 (the
+        node that applies it to a shared root): a daemon that died after a commit but before
+        that commit's retention ran would otherwise list, until the next commit, a step that
+        other nodes have already deleted (and so no longer loads)."""
+        if self.engine.cluster is not None and self.engine.node != 0:
+            return
+        for job in await asyncio.to_thread(self.engine.storage.jobs):
+            await self.apply_retention(job)
+
+    async def member_retention_at_start(self) -> None:
+        """retention_at_start for a member (node != 0) with a root of its own (node 0 applies it
+        to a shared root): run in the background once serving, as it asks node 0 for its root's
+        id; when node 0 does not answer, the next commit applies it."""
+        cluster = self.engine.cluster
+        assert cluster is not None and self.engine.node != 0
+        for job in await asyncio.to_thread(self.engine.storage.jobs):
+            answer = await cluster.inventory(0, job, 0)
+            if isinstance(answer, str):
+                log.info("retention at start-up left to the next commit: node 0 did not answer (%s)", answer)
+                return
+            if answer[0] == cluster.root_id:
+                return  # a root shared with node 0: its retention is node 0's
+            await self.apply_retention(job)
+
+    async def after_commit(self, job: str, step: int) -> None:
+        """Retention after `step` of `job` was committed (that step is kept)."""
+        await self.apply_retention(job, committed=step)
+
+    async def apply_retention(self, job: str, dry_run: bool = False, committed: int | None = None) -> list[Collected]:
+        """Delete the job's committed steps that the retention policy does not keep; returns them.
+
+        The policy sees the steps in commit order (a rolled-back job's newest step may have a
+        lower number than older ones). Never deleted: `committed` (the step whose commit runs
+        this), the step `latest` names (written before this runs), steps being loaded."""
+        engine = self.engine
+        storage = engine.storage
+        steps = await asyncio.to_thread(storage.commit_order, job)
+        protected: set[int | None] = set(self._leased_steps(job))
+        protected.add(await asyncio.to_thread(storage.latest_named, job))
+        protected.add(committed)
+        protected.discard(None)
+        metrics = await self._step_metrics(job, steps) if engine.retention.keep_best else {}
+        removed = []
+        for step in engine.retention.to_delete(steps, {s for s in protected if s is not None}, metrics):
+            where = storage.step_location(job, step)
+            size = await asyncio.to_thread(storage.step_bytes, job, step)
+            if not dry_run:
+                try:
+                    await asyncio.to_thread(storage.remove_step, job, step, True)
+                except OSError as exc:
+                    log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
+                    continue
+                engine.indexes.pop((job, step))
+                engine.metrics.retention_deleted.labels(job).inc()
+                log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
+            removed.append(Collected(job, step, where, "retention", size))
+        return removed
+
+    async def _step_metrics(self, job: str, steps: Sequence[int]) -> dict[int, float]:
+        """step -> the metric it was saved with, for the steps that have one (keep-best retention)."""
+        out = {}
+        for step in steps:
+            try:
+                index = await self.engine.index(job, step)
+            except (Precondition, OSError) as exc:
+                log.warning("retention: cannot read the metric of step %s of job %s: %s", step, job, exc)
+                continue
+            if index.metric is not None:
+                out[step] = index.metric
+        return out
+
+    async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
+        """`ckptd gc`: apply retention now and remove uncommitted leftovers, for one job or all.
+
+        Never touches a step this daemon is saving; with several nodes, step directories changed
+        within the last save timeout are left alone too (another node may be writing them)."""
+        engine = self.engine
+        jobs = [job] if job else await asyncio.to_thread(engine.storage.jobs)
+        removed: list[Collected] = []
+        min_age = engine.config.save_timeout_s if engine.cluster is not None else 0.0
+        for name in jobs:
+            state = engine.jobs.get(name)
+            busy = set(state.sessions) if state is not None else set()
+            leftovers = await asyncio.to_thread(engine.storage.leftovers, name, busy, min_age, dry_run)
+            removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
+            if self._applies_retention(name):
+                removed += await self.apply_retention(name, dry_run)
+        return removed
+
+    def _applies_retention(self, job: str) -> bool:
+        """Whether this daemon applies the job's retention: a single node, node 0 (the coordinator;
+        in a shared root it does so for every node), or a node with its own root (as after commits)."""
+        engine = self.engine
+        if engine.cluster is None or engine.node == 0:
+            return True
+        state = engine.jobs.get(job)
+        last = state.last_committed() if state is not None else None
+        return last is not None and not last.shared_root
+
+    async def list_checkpoints(self, job: str) -> list[tuple[CheckpointIndex, str, bool]]:
+        """The job's committed steps in commit order, oldest first: the last is the newest (what
+        load() without a step restores), whatever its number."""
+        engine = self.engine
+        steps = await asyncio.to_thread(engine.storage.commit_order, job)
+        state = engine.jobs.get(job)
+        out = []
+        for step in steps:
+            try:
+                index = await engine.index(job, step)
+            except Precondition as exc:
+                log.warning("%s", exc)
+                continue
+            in_memory = state is not None and state.pool.held(step) is not None
+            out.append((index, engine.storage.step_location(job, step), in_memory))
+        return out
+
+    def live_state(self) -> LiveState:
+        """The gauges of the metrics endpoint (read on the event loop)."""
+        jobs = self.engine.jobs
+        return LiveState(
+            queue_depth={job: len(state.writing()) for job, state in jobs.items()},
+            open_saves={job: sum(1 for s in state.sessions.values() if s.open) for job, state in jobs.items()},
+            arena_bytes=sum(s.pool.nbytes for s in jobs.values()),
+            arenas=sum(s.pool.count for s in jobs.values()),
+            loads_active=self._loads_active(),
+            draining=self.engine.draining,
+        )
+
+    def status(self) -> dict[str, Any]:
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit."""
+        engine = self.engine
+        in_flight = []
+        now = time.monotonic()
+        for job, state in engine.jobs.items():
+            for session in state.sessions.values():
+                in_flight.append(
+                    {
+                        "job": job,
+                        "step": session.step,
+                        "state": session.state,
+                        "bytes_total": session.bytes_total,
+                        "bytes_written": session.progress.written if session.progress else 0,
+                        "age_s": now - session.created,
+                        "ranks_arrived": len(session.committed) if session.state is SaveState.SNAPSHOTTING else len(session.arrived),
+                        "ranks_expected": session.local_ranks,
+                        "write_s": now - session.write_started if session.write_started else 0.0,
+                    }
+                )
+        counters = engine.counters
+        return {
+            "version": VERSION,
+            "root": engine.storage.location,
+            "in_flight": in_flight,
+            "arena_bytes": sum(s.pool.nbytes for s in engine.jobs.values()),
+            "arena_count": sum(s.pool.count for s in engine.jobs.values()),
+            "committed_total": counters.committed,
+            "failed_total": counters.failed,
+            "skipped_total": counters.skipped,
+            "last_error": counters.last_error,
+            "draining": engine.draining,
+            "queue_depth": engine.writing_count(),
+            "last_commit": engine.last_commit,
+            "node_rank": engine.node,
+            "nodes": engine.cluster.nodes if engine.cluster is not None else 1,
+            "bytes_written_total": counters.bytes_written,
+            "uptime_s": time.time() - engine.started_at,
+            "loads_active": self._loads_active(),
+        }

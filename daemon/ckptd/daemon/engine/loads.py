@@ -1,0 +1,305 @@
+"""Loads: find the step, plan where each requested box's bytes are (engine/load_plan.py), stage
+what the rank cannot read itself into shared memory, and lease what it reads until LoadDone.
+
+A lease keeps a held snapshot (and staging files) from being reused or removed while a rank
+reads it; leases expire after LOAD_LEASE_S (a rank that died mid-load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+from ckptd.daemon.arena import ARENA_PREFIX, ArenaSet
+from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.load_plan import (
+    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, file_locations, incomplete_message, load_tier,
+    needs_decoding, plan_digest, plan_pieces,
+)
+from ckptd.daemon.engine.sessions import JobState
+from ckptd.daemon.errors import NotFound, Precondition
+from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
+from ckptd.daemon.plan import TensorSpec
+
+log = logging.getLogger(__name__)
+
+LOAD_LEASE_S = 3600.0
+
+
+@dataclass
+class LoadLease:
+    job: str
+    step: int
+    arenas: ArenaSet | None
+    expires: float  # monotonic seconds
+
+
+class Loads:
+    """PlanLoad and LoadDone; the leases of loads in progress (retention keeps their steps)."""
+
+    def __init__(self, engine: Engine, abort_left_behind: Callable[[JobState, int, int | None], Awaitable[None]]) -> None:
+        self.engine = engine
+        self._abort_left_behind = abort_left_behind  # Saves.abort_left_behind
+        self.leases: dict[str, LoadLease] = {}
+        self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
+        self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
+        self._memory_plans = MemoryPlans()
+
+    async def plan(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        step: int | None,
+        wanted: Sequence[TensorSpec],
+        kinds: Sequence[str],
+        strict: bool,
+        direct_read: bool = True,
+        decodes: bool = True,
+        decodes_frames: bool = True,
+    ) -> LoadPlan:
+        """Where the bytes of each wanted tensor box are. direct_read: the rank reads committed
+        files in this node's root itself; else this daemon copies the needed fragments into
+        shared memory first (once however many local ranks want them), for ranks that cannot
+        see the root. decodes / decodes_frames: the client decodes quantized codes and residuals
+        / codes in zstd frames; a client that cannot is refused (Precondition) before any bytes
+        are fetched or staged for it."""
+        engine = self.engine
+        storage = engine.storage
+        state = engine.jobs.get(job)
+        if state is not None:
+            await self._abort_left_behind(state, rank, None)
+        if step is None:
+            if state is not None:
+                await self._wait_for_writes(state)
+            step = await asyncio.to_thread(storage.latest_step, job)
+            if step is None:
+                raise NotFound(f"job {job!r} has no committed checkpoint in {storage.location}")
+        elif not await engine.committed(job, step):
+            raise NotFound(f"step {step} of job {job!r} is not committed in {storage.location}")
+        index = await engine.index(job, step)
+        coded, framed = needs_decoding(index, wanted)
+        if coded and not decodes:
+            raise Precondition(
+                f"step {step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
+                "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
+            )
+        if framed and not decodes_frames:
+            raise Precondition(f"step {step} of job {job!r} stores quantized codes in zstd frames, which this client cannot read; upgrade the ckptd client")
+        if state is not None:
+            state.lineage = index.generation  # the compounding guard of this job's next saves
+        self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
+        try:
+            return await self._plan(job, rank, step, index, state, wanted, kinds, strict, direct_read)
+        finally:
+            self._planning[(job, step)] -= 1
+            if not self._planning[(job, step)]:
+                del self._planning[(job, step)]
+            self._release_staging(job, step)
+
+    async def _plan(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        index: CheckpointIndex,
+        state: JobState | None,
+        wanted: Sequence[TensorSpec],
+        kinds: Sequence[str],
+        strict: bool,
+        direct_read: bool,
+    ) -> LoadPlan:
+        held = state.pool.held(step) if state is not None else None
+        memo_key = (job, rank, direct_read, strict, tuple(kinds), id(held))
+        memo = self._memory_plans.get(memo_key, held, wanted, step)
+        if memo is not None:
+            return await self._lease(job, rank, step, held, index, memo.pieces, memo.missing, memo.unexpected, memo.plan_id)
+        data_files = [f for f in index.files if f.name.endswith(".safetensors")]
+        where = await self._file_sources(index) if self.engine.cluster is not None else {}
+        storage = self.engine.storage
+
+        def local_path(file: str) -> str | None:
+            path = storage.local_path(job, step, file) if direct_read else None
+            return None if path is None else str(path)
+
+        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self._staging_path(job, step, f)))
+        planned = plan_pieces(index, wanted, kinds, strict, held, locations)
+        for read in planned.reads:
+            await self._stage(index, read, locations[read.file])
+        plan_id = ""
+        if held is not None and planned.pieces and all(p.source == "shm" for p in planned.pieces):
+            plan_id = plan_digest(planned.pieces)
+            self._memory_plans.put(memo_key, MemoryPlan(held, held.plan, wanted, planned.pieces, planned.missing, planned.unexpected, plan_id))
+        return await self._lease(job, rank, step, held, index, planned.pieces, planned.missing, planned.unexpected, plan_id)
+
+    async def _lease(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        held: ArenaSet | None,
+        index: CheckpointIndex,
+        pieces: tuple[PieceInfo, ...],
+        missing: tuple[str, ...],
+        unexpected: tuple[str, ...],
+        plan_id: str,
+    ) -> LoadPlan:
+        """The plan of a load with this rank's extras, leased (the held snapshot stays until LoadDone)."""
+        # the held snapshot has the extras of this node's ranks; others (more ranks than at save
+        # time, or ranks of other nodes) come from extra.json
+        in_memory = held.extras if held is not None else None
+        extras_by_rank = in_memory if in_memory is not None and rank in in_memory else await self._extras(job, step)
+        extras = extras_by_rank.get(rank)
+        if extras is None:  # more ranks than at save time: rank 0's extras, without its RNG state
+            extras = {k: v for k, v in extras_by_rank.get(0, {}).items() if k != "rng"}
+        load_id = uuid.uuid4().hex
+        if held is not None:
+            held.readers += 1
+        self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
+        self.expire_leases()
+        tier = load_tier(pieces, held)
+        self.engine.metrics.loads.labels(tier).inc()
+        return LoadPlan(load_id, step, pieces, extras, missing, unexpected, tier, index.generation, plan_id)
+
+    async def _wait_for_writes(self, state: JobState) -> None:
+        """A restarted trainer asking for the newest step gets the one every rank already handed
+        over, not an older one: wait for snapshots that are being written."""
+        for session in state.writing():
+            try:
+                await asyncio.wait_for(session.finished.wait(), session.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
+
+    async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:
+        """Several nodes: which node to read each data file of the step from (this one when it
+        has the file). Checked before any byte is served, so a load either finds one complete
+        copy on the nodes present or fails with every missing tensor and the node that wrote it.
+        Asked on every load that needs another node's files: nodes come and go between loads."""
+        cluster, node = self.engine.cluster, self.engine.node
+        assert cluster is not None
+        data_files = [f for f in index.files if f.name.endswith(".safetensors")]
+        sizes = await asyncio.to_thread(self.engine.storage.step_file_sizes, index.job, index.step)
+        local = [f.name for f in data_files if sizes.get(f.name) == f.size]
+        where = {name: node for name in local}
+        unreachable: dict[int, str] = {}
+        if len(local) < len(data_files):
+            for other in range(cluster.nodes):
+                if other == node:
+                    continue
+                answer = await cluster.inventory(other, index.job, index.step)
+                if isinstance(answer, str):
+                    unreachable[other] = answer
+                    continue
+                _, _, sizes, _ = answer
+                for f in data_files:
+                    if f.name not in where and sizes.get(f.name) == f.size:
+                        where[f.name] = other
+        missing = [f for f in data_files if f.name not in where]
+        if missing:
+            raise Precondition(incomplete_message(index, missing, unreachable, cluster.describe))
+        return where
+
+    async def _stage(self, index: CheckpointIndex, read: StagedRead, location: Location) -> None:
+        """Copy a range of a file (this node's, or a peer's) to the same offset of its staging
+        file in shared memory; made once however many local ranks ask, removed once no load of
+        the step uses it (_release_staging)."""
+        key = (index.job, index.step, read.file, read.offset)
+        task = self._fetches.get(key)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.get_running_loop().create_task(self._fetch_into(Path(location.path), index, read))
+            self._fetches[key] = task
+        await asyncio.shield(task)
+
+    def _staging_path(self, job: str, step: int, file: str) -> Path:
+        return self.engine.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
+
+    async def _fetch_into(self, staging: Path, index: CheckpointIndex, read: StagedRead) -> None:
+        engine = self.engine
+        fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
+        try:
+            if read.node == engine.node:
+                try:
+                    await asyncio.to_thread(engine.storage.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
+                except (FormatError, OSError) as exc:
+                    # A data file of the step is missing, unreadable or short: name it and say what
+                    # to do, as a damaged extra.json or index does (_extras, Engine.index).
+                    path = f"{engine.storage.step_location(index.job, index.step)}/{read.file}"
+                    problem = (
+                        f"{path} is missing" if isinstance(exc, FileNotFoundError)
+                        else f"cannot read {path}: {exc.strerror or exc}" if isinstance(exc, OSError)
+                        else str(exc)
+                    )
+                    raise Precondition(await self._damaged(index.job, index.step, problem)) from None
+            else:
+                assert engine.cluster is not None
+                await engine.cluster.fetch(read.node, index.job, index.step, read.file, read.offset, read.nbytes, fd)
+        finally:
+            os.close(fd)
+
+    async def _damaged(self, job: str, step: int, problem: str) -> str:
+        """The message for a committed step that cannot be loaded: what, and what to do."""
+        storage = self.engine.storage
+        older = [s for s in await asyncio.to_thread(storage.committed_steps, job) if s < step]
+        example = f"load(state, step={older[-1]})" if older else "load(state, step=N)"
+        return (
+            f"step {step} of job {job!r} cannot be loaded: {problem}; load an older step (`{example}`), "
+            f"and see what else is damaged with `ckptd verify {storage.step_location(job, step)}`"
+        )
+
+    async def _extras(self, job: str, step: int) -> dict[int, Any]:
+        """Every rank's extras from the step's extra.json, its bytes checked against the index
+        first (a file the index does not list is not part of the step: no extras)."""
+        record = next((f for f in (await self.engine.index(job, step)).files if f.name == EXTRA_JSON), None)
+        if record is None:
+            return {}
+        storage = self.engine.storage
+        try:
+            data = await asyncio.to_thread(storage.read_small, job, step, EXTRA_JSON)  # no link followed, no FIFO waited on
+            return parse_extra_json(data, record)
+        except (OSError, FormatError) as exc:
+            problem = f"{EXTRA_JSON} is missing" if isinstance(exc, FileNotFoundError) else str(exc)
+            raise Precondition(await self._damaged(job, step, problem)) from None
+
+    def done(self, load_id: str) -> None:
+        """LoadDone: the rank has read what it needed."""
+        lease = self.leases.pop(load_id, None)
+        if lease is None:
+            return
+        if lease.arenas is not None:
+            lease.arenas.readers = max(0, lease.arenas.readers - 1)
+        self._release_staging(lease.job, lease.step)
+
+    def _release_staging(self, job: str, step: int) -> None:
+        """Remove the step's staging files (shared memory) once no load of the step is being
+        planned or reading: they would otherwise hold host memory until shutdown. A later load
+        of the step fetches again."""
+        if (job, step) in self._planning or any(lease.job == job and lease.step == step for lease in self.leases.values()):
+            return
+        keys = [k for k in self._fetches if k[:2] == (job, step)]
+        if any(not self._fetches[k].done() for k in keys):  # fetches run inside plan(): not expected
+            return
+        for key in keys:
+            del self._fetches[key]
+            self._staging_path(job, step, key[2]).unlink(missing_ok=True)
+
+    def expire_leases(self) -> None:
+        now = time.monotonic()
+        for load_id, lease in list(self.leases.items()):
+            if lease.expires < now:
+                self.done(load_id)
+
+    def leased_steps(self, job: str) -> set[int]:
+        """The steps of `job` that loads are reading (retention keeps them)."""
+        self.expire_leases()
+        return {lease.step for lease in self.leases.values() if lease.job == job}
+
+    def close(self) -> None:
+        for path in self.engine.config.shm_dir.glob(f"{ARENA_PREFIX}{os.getpid()}-fetch-*"):
+            path.unlink(missing_ok=True)
+

@@ -1,0 +1,300 @@
+"""Saves: ranks join a save, the last one plans it and takes arenas, each hands its part over;
+the complete snapshot goes to the commit (engine/commit.py).
+
+A save of step S of a job is collective: every rank calls BeginSave(S). The last rank to arrive
+plans the save (cached by the ranks' fingerprints; with several nodes, node 0 plans it for all)
+and takes an arena set; every rank then copies its slots and calls CommitSnapshot. When all
+have, the snapshot is complete and is written in the background; WaitDurable reports progress
+(`progress`) until it is committed. The save's states: engine/sessions.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Coroutine, Sequence
+
+from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
+from ckptd.daemon.arena import ArenaSet
+from ckptd.daemon.records import JoinResult
+from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Timeout, Unavailable, UnknownFingerprint
+from ckptd.daemon.gpu import StagedRange
+from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.engine.context import Engine, notify
+from ckptd.daemon.engine.compression import SaveOptions
+from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+
+log = logging.getLogger(__name__)
+
+MAX_EXTRAS_BYTES = 64 * 2**20
+
+Writer = Callable[[JobState, SaveSession], Coroutine[Any, Any, None]]
+
+
+class Saves:
+    """BeginSave, CommitSnapshot, AbortSave and WaitDurable's progress, over the engine's jobs."""
+
+    def __init__(self, engine: Engine, write: Writer) -> None:
+        self.engine = engine
+        self._write = write  # writes and commits a complete snapshot (Commit.write)
+
+    async def begin(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        step: int,
+        fingerprint: str,
+        specs: Sequence[TensorSpec] | None,
+        metric: float | None,
+        timeout_s: float,
+        local_world_size: int = 0,
+        options: SaveOptions | None = None,
+        lineage: int = 0,
+    ) -> SaveSession:
+        """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived).
+
+        local_world_size: the job's ranks this daemon serves (0: all, on a single node).
+        options: this rank's compression options (every rank must give the same); lineage: the
+        quantization generation of the step the rank last loaded."""
+        engine = self.engine
+        options = options or SaveOptions()
+        if engine.draining:
+            raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
+        local_ranks = self._local_ranks(world_size, local_world_size)
+        if engine.gpu.buffers:  # mode "ipc": a restarted trainer needs the GPU memory its dead predecessor held
+            await engine.gpu.reap_dead()
+        state = engine.job(job, world_size)
+        if specs is not None:
+            state.specs[(rank, fingerprint)] = tuple(specs)
+        elif (rank, fingerprint) not in state.specs:
+            raise UnknownFingerprint()
+        if state.committed_recently(step) or await engine.committed(job, step):
+            raise AlreadyExists(
+                f"step {step} of job {job!r} is already committed (after a rollback, the abandoned timeline's steps stay): "
+                "save under a step number not on disk (`ckptd ls` lists them), or move that step's directory out of the root first"
+            )
+        await self.abort_left_behind(state, rank, step)
+        session = state.sessions.get(step)
+        if session is None or not session.open:
+            if session is not None:
+                raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
+            timeout = min(timeout_s, engine.config.save_timeout_s) if timeout_s else engine.config.save_timeout_s
+            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout, local_ranks)
+            state.sessions[step] = session
+            engine.spawn(self._watchdog(state, session))
+        if session.arrive(rank, fingerprint, options, lineage, local_ranks):
+            engine.spawn(self._prepare(state, session))
+        await session.ready.wait()
+        if session.state is SaveState.FAILED:
+            if session.refused:
+                raise InvalidRequest(session.error)
+            raise Aborted(f"save of step {step} aborted: {session.error}")
+        return session
+
+    def _local_ranks(self, world_size: int, local_world_size: int) -> int:
+        cluster = self.engine.cluster
+        if cluster is None:
+            if local_world_size not in (0, world_size):
+                raise InvalidRequest(
+                    f"this daemon runs as a single node (no --peers) but the job has {world_size} ranks and this node "
+                    f"{local_world_size} (LOCAL_WORLD_SIZE); start every node's daemon with --node-rank and --peers"
+                )
+            return world_size
+        if not 1 <= local_world_size <= world_size:
+            raise InvalidRequest(
+                f"this daemon is node {self.engine.node} of {cluster.nodes}: it needs the number of the job's ranks on "
+                "this node; set LOCAL_WORLD_SIZE (torchrun does) or pass local_world_size= to CheckpointClient"
+            )
+        return local_world_size
+
+    async def abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
+        """A rank that starts another save or a load will never finish an older open one."""
+        for other in state.left_behind(rank, step):
+            await self.engine.fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})", "rank_restarted")
+
+    async def _prepare(self, state: JobState, session: SaveSession) -> None:
+        engine = self.engine
+        try:
+            plan = await self._join(state, session)
+            session.plan_with(plan)
+            arenas = await self._acquire(state, session, plan)
+            if arenas is not None:
+                if session.start_snapshot(arenas):
+                    engine.spawn(self._prewarm(state, plan))
+                else:  # failed (timed out) while waiting for the arenas
+                    state.pool.release(arenas)
+                    await notify(state.arena_freed)
+        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable) as exc:
+            session.refused = isinstance(exc, (PlanError, InvalidRequest))
+            cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "peer"
+            await engine.fail(state, session, str(exc), cause)
+        except Exception as exc:
+            log.exception("planning step %s of job %s failed", session.step, session.job)
+            await engine.fail(state, session, f"internal error while planning: {exc}", "internal")
+        finally:
+            session.ready.set()
+
+    async def _join(self, state: JobState, session: SaveSession) -> SavePlan:
+        """Join the save at the coordinator (node 0's, or in process on a single node); plan
+        from what it sends back (the coordinator's plan itself when it is in this process)."""
+        coordination = self.engine.coordination
+        fingerprints = dict(session.arrived)
+
+        async def join(resend: bool) -> JoinResult:
+            specs = {r: state.specs[(r, fp)] for r, fp in fingerprints.items() if resend or (r, fp) not in state.announced}
+            return await coordination.join_save(
+                session.job, session.step, session.world_size, fingerprints, specs, list(state.plans),
+                session.timeout_s, session.metric, session.options, lineage,
+            )
+
+        lineage = max(session.lineage, state.lineage)
+
+        try:
+            result = await join(resend=False)
+        except UnknownFingerprint:  # the coordinator restarted and forgot the metadata
+            result = await join(resend=True)
+        state.announced.update(fingerprints.items())
+        plan = result.plan or state.plans.get(result.plan_key)
+        if plan is None:
+            if result.specs is None:
+                raise Aborted(f"the coordinator assumed this node knows plan {result.plan_key[:12]}; retry the save")
+            plan = await asyncio.to_thread(make_save_plan, result.specs, result.node_of_rank)
+        state.plans[result.plan_key] = plan
+        session.global_id = result.save_id
+        session.shared_root = result.shared_root
+        # node 0's decision, which every node obeys (an older coordinator sends none: decide here)
+        session.compression = result.compression or self.engine.compression(session.options, lineage)
+        return plan
+
+    async def _acquire(self, state: JobState, session: SaveSession, plan: SavePlan) -> ArenaSet | None:
+        """An arena set for the snapshot; None when the save was skipped (policy "skip")."""
+        engine = self.engine
+        deadline = session.created + session.timeout_s
+        while True:
+            async with state.acquire_lock:
+                arenas = await asyncio.to_thread(state.pool.acquire, plan.arena_bytes_of(engine.node))
+            if arenas is not None:
+                return arenas
+            if engine.config.arena_policy == "skip":
+                engine.skip(state, session, f"all {engine.config.max_inflight} snapshots of job {session.job!r} are still being written")
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Exhausted(f"no free arena for step {session.step} within {session.timeout_s:.0f} s")
+            async with state.arena_freed:
+                try:
+                    await asyncio.wait_for(state.arena_freed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass  # the deadline: checked at the top
+
+    async def _prewarm(self, state: JobState, plan: SavePlan) -> None:
+        """Allocate the next arena set in the background while this snapshot is copied and written."""
+        try:
+            async with state.acquire_lock:
+                if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes_of(self.engine.node)):
+                    await notify(state.arena_freed)
+        except Exhausted as exc:
+            log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
+
+    async def hand_over(
+        self,
+        job: str,
+        rank: int,
+        save_id: str,
+        extras_json: str,
+        model_files: dict[str, bytes] | None = None,
+        staged: tuple[str, Sequence[StagedRange]] | None = None,
+        stall_s: float = 0.0,
+    ) -> None:
+        """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
+        mode "ipc", copied from its staging buffer into its arena first; if that fails the save
+        fails (nothing of it is persisted). stall_s: seconds its save() blocked training so far
+        (0: not reported)."""
+        engine = self.engine
+        state, session = self.find(job, save_id)
+        session.check_hand_over(rank)
+        extras = parse_extras(rank, extras_json)
+        if staged is not None:
+            assert session.arenas is not None
+            arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
+            try:
+                await engine.gpu.drain(job, rank, staged[0], arena, staged[1])
+            except Aborted as exc:
+                await engine.fail(state, session, str(exc), "gpu_staging")
+                raise
+            if session.state is not SaveState.SNAPSHOTTING:  # failed or timed out while copying
+                raise Aborted(f"save of step {session.step} is {session.state}: {session.error}")
+        if stall_s > 0:
+            engine.metrics.stall.labels(job).observe(stall_s)
+        if session.hand_over(rank, extras, model_files):
+            engine.spawn(self._write(state, session))
+
+    async def abort(self, job: str, rank: int, save_id: str, reason: str) -> None:
+        state, session = self.find(job, save_id)
+        if session.open:
+            await self.engine.fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", "rank_aborted")
+
+    def find(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
+        state = self.engine.jobs.get(job)
+        session = state.find(save_id) if state is not None else None
+        if state is None or session is None:
+            raise NotFound(f"no save {save_id!r} in job {job!r} (it finished, timed out or the daemon restarted)")
+        return state, session
+
+    async def _watchdog(self, state: JobState, session: SaveSession) -> None:
+        try:
+            await asyncio.wait_for(session.closed.wait(), session.timeout_s)
+        except asyncio.TimeoutError:
+            await self.engine.fail(state, session, session.timeout_reason(), "timeout")
+
+    async def progress(self, job: str, step: int, timeout_s: float) -> AsyncIterator[SaveSession | str]:
+        """Yield the session at each change until it is finished; a str "committed" for a step
+        committed earlier (e.g. before this daemon started)."""
+        state = self.engine.jobs.get(job)
+        session = None
+        if state is not None:
+            session = state.sessions.get(step) or state.recent.get(step)
+        if session is None:
+            if await self.engine.committed(job, step):
+                yield "committed"
+                return
+            raise NotFound(f"job {job!r} has no save of step {step} in flight and no such committed step")
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        while True:
+            # whether it was finished when yielded: a save that finishes while the consumer holds
+            # the yield (a save refused at once) is yielded once more, with its outcome
+            finished = session.finished.is_set()
+            yield session
+            if finished:
+                return
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise Timeout(f"step {step} of job {job!r} is not durable after {timeout_s} s (state {session.state})")
+            try:
+                await asyncio.wait_for(session.finished.wait(), min(0.5, remaining) if remaining is not None else 0.5)
+            except asyncio.TimeoutError:
+                pass  # not finished yet: yield the session's state again
+
+
+def parse_extras(rank: int, extras_json: str) -> Any:
+    """A rank's extras (JSON text, checked against the size and depth limits)."""
+    if len(extras_json) > MAX_EXTRAS_BYTES:
+        raise InvalidRequest(f"extras of rank {rank} are {len(extras_json)} bytes; the limit is {MAX_EXTRAS_BYTES}")
+    try:
+        extras = json.loads(extras_json) if extras_json else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"extras of rank {rank} are not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser goes: far past the limit
+        too_deep = True
+    else:
+        too_deep = json_depth(extras) > MAX_EXTRAS_JSON_DEPTH
+    if too_deep:
+        raise InvalidRequest(
+            f"extras of rank {rank} nest deeper than {MAX_EXTRAS_JSON_DEPTH} JSON levels, the limit (a client "
+            f"refuses values nested more than {MAX_EXTRAS_DEPTH} containers deep before sending); flatten them"
+        )
+    return extras

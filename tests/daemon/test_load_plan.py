@@ -1,0 +1,134 @@
+"""The load planner (engine/load_plan.py): pure functions, tested with tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckptd.common.boxes import Box
+from ckptd.daemon.engine.load_plan import (
+    Location, StagedRead, Tier, file_locations, incomplete_message, load_tier, needs_decoding, plan_pieces,
+)
+from ckptd.daemon.errors import InvalidRequest
+from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
+from ckptd.daemon.plan import TensorSpec
+
+F1, F2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+def _index(tensors: tuple[TensorRecord, ...] = ()) -> CheckpointIndex:
+    files = (FileRecord(F1, 100, "xxh3:1", node=0), FileRecord(F2, 100, "xxh3:2", node=1))
+    return CheckpointIndex(job="job", step=7, created_at=0.0, world_size=2, tensors=tensors, files=files)
+
+
+def _frag(file: str, offset: int, box: Box, quant: QuantRecord | None = None) -> FragmentRecord:
+    return FragmentRecord(file=file, key=f"k{offset}", box=box, dtype="F32", offset=offset, nbytes=box.numel * 4, checksum="xxh3:0", quant=quant)
+
+
+# model/w (4, 2): rows 0-1 in F1, rows 2-3 in F2; model/b (2,) whole in F1.
+W = TensorRecord("model/w", "model", "F32", (4, 2), (_frag(F1, 0, Box((0, 0), (2, 2))), _frag(F2, 0, Box((2, 0), (2, 2)))))
+B = TensorRecord("model/b", "model", "F32", (2,), (_frag(F1, 16, Box((0,), (2,))),))
+OPT = TensorRecord("optim/m", "optimizer", "F32", (2,), (_frag(F1, 24, Box((0,), (2,))),))
+
+
+def _want(name: str, shape: tuple[int, ...], box: Box | None = None) -> TensorSpec:
+    return TensorSpec(name, name.split("/")[0], "F32", shape, box or Box.full(shape))
+
+
+def _local(files: tuple[str, ...] = (F1, F2)) -> dict[str, Location]:
+    return {f: Location(Tier.DISK_LOCAL, 0, f"/root/job/step-00000007/{f}", False) for f in files}
+
+
+def test_file_locations_by_node_and_access() -> None:
+    files = _index().files
+    staging = "/dev/shm/fetch-{}".format
+    local = "/r/s/{}".format
+    assert file_locations(files, 0, {}, local, staging) == {
+        F1: Location(Tier.DISK_LOCAL, 0, f"/r/s/{F1}", False),
+        F2: Location(Tier.DISK_LOCAL, 0, f"/r/s/{F2}", False),
+    }
+    assert file_locations(files, 0, {F2: 1}, local, staging)[F2] == Location(Tier.DISK_PEER, 1, f"/dev/shm/fetch-{F2}", True)
+    no_access = file_locations(files, 0, {}, lambda f: None, staging)  # a rank that cannot read the root, or no local files
+    assert no_access[F1] == Location(Tier.DISK_LOCAL, 0, f"/dev/shm/fetch-{F1}", True)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "pieces"),
+    [
+        # the whole weight: both fragments, in fragment order
+        ([_want("model/w", (4, 2))], [("model/w", F1, 0, Box((0, 0), (2, 2))), ("model/w", F2, 0, Box((2, 0), (2, 2)))]),
+        # rows 1-2 (another layout): both fragments overlap; each piece is the stored fragment
+        ([_want("model/w", (4, 2), Box((1, 0), (2, 2)))], [("model/w", F1, 0, Box((0, 0), (2, 2))), ("model/w", F2, 0, Box((2, 0), (2, 2)))]),
+        # rows 2-3: only the second file
+        ([_want("model/w", (4, 2), Box((2, 0), (2, 2)))], [("model/w", F2, 0, Box((2, 0), (2, 2)))]),
+        ([_want("model/b", (2,))], [("model/b", F1, 16, Box((0,), (2,)))]),
+    ],
+)
+def test_the_pieces_of_each_wanted_box_are_the_stored_fragments_that_overlap_it(wanted: list[TensorSpec], pieces: list[Any]) -> None:
+    planned = plan_pieces(_index((B, W)), wanted, ["model"], False, None, _local())
+    assert [(p.name, p.path.rsplit("/", 1)[1], p.offset, p.fragment) for p in planned.pieces] == pieces
+    assert all(p.source == "file" for p in planned.pieces) and planned.reads == ()
+
+
+@pytest.mark.parametrize(
+    ("wanted", "kinds", "missing", "unexpected"),
+    [
+        ([_want("model/w", (4, 2)), _want("model/b", (2,))], ["model"], (), ()),
+        ([_want("model/w", (4, 2))], ["model"], (), ("model/b",)),
+        ([_want("model/w", (4, 2))], ["model", "optim"], (), ("model/b", "optim/m")),
+        ([_want("model/w", (4, 2)), _want("model/new", (3,))], ["model"], ("model/new",), ("model/b",)),
+        ([_want("model/w", (4, 2)), _want("model/b", (2,)), _want("rng/cuda", (8,))], ["model", "rng"], (), ()),  # rng/ is optional
+    ],
+)
+def test_missing_and_unexpected_names(wanted: list[TensorSpec], kinds: list[str], missing: tuple[str, ...], unexpected: tuple[str, ...]) -> None:
+    planned = plan_pieces(_index((B, W, OPT)), wanted, kinds, False, None, _local())
+    assert (planned.missing, planned.unexpected) == (missing, unexpected)
+    if missing or unexpected:
+        with pytest.raises(InvalidRequest, match=r"pass strict=False to load the rest"):
+            plan_pieces(_index((B, W, OPT)), wanted, kinds, True, None, _local())
+
+
+def test_a_shape_that_differs_from_the_steps_is_refused_with_both_shapes() -> None:
+    with pytest.raises(InvalidRequest, match=r"'model/w' has shape \[4, 2\] in step 7 but the state being loaded has \[4, 3\]"):
+        plan_pieces(_index((W,)), [_want("model/w", (4, 3))], ["model"], False, None, _local())
+
+
+def test_staged_files_give_one_read_per_range_however_many_tensors_share_it() -> None:
+    locations = {
+        F1: Location(Tier.DISK_LOCAL, 0, "/dev/shm/s1", True),
+        F2: Location(Tier.DISK_PEER, 1, "/dev/shm/s2", True),
+    }
+    wanted = [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("model/w", (4, 2), Box((0, 0), (1, 2)))]
+    planned = plan_pieces(_index((B, W)), wanted, ["model"], False, None, locations)
+    assert [p.path for p in planned.pieces] == ["/dev/shm/s1", "/dev/shm/s2", "/dev/shm/s1", "/dev/shm/s1"]
+    assert planned.reads == (StagedRead(F1, 0, 0, 16), StagedRead(F2, 1, 0, 16), StagedRead(F1, 0, 16, 8))
+
+
+def test_a_quantized_fragment_loads_as_codes_with_its_scales_from_the_files() -> None:
+    scales = SideRecord(file=F2, key="s", dtype="F32", shape=(2,), offset=40, nbytes=8, checksum="xxh3:9")
+    coded = TensorRecord("optim/m", "optimizer", "F32", (2,), (_frag(F1, 24, Box((0,), (2,)), QuantRecord("lin-i8", 2, scales=scales)),))
+    planned = plan_pieces(_index((coded,)), [_want("optim/m", (2,))], ["optim"], False, None, _local())
+    (piece,) = planned.pieces
+    assert piece.decode is not None and piece.decode.codec == "lin-i8" and piece.decode.block == 2
+    assert piece.decode.scales is not None and piece.decode.scales.path.endswith(F2) and piece.decode.scales.offset == 40
+    assert needs_decoding(_index((coded,)), [_want("optim/m", (2,))]) == (True, False)
+    assert needs_decoding(_index((coded,)), [_want("model/w", (4, 2))]) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("sources", "held", "tier"),
+    [(["shm", "shm"], False, "memory"), (["file"], False, "disk"), (["shm", "file"], True, "mixed"), ([], True, "memory"), ([], False, "disk")],
+)
+def test_the_loads_tier_label(sources: list[str], held: bool, tier: str) -> None:
+    pieces = [type("P", (), {"source": s})() for s in sources]
+    assert load_tier(pieces, object() if held else None) == tier  # type: ignore[arg-type]
+
+
+def test_an_incomplete_step_names_its_files_tensors_writers_and_silent_nodes() -> None:
+    index = _index((B, W))
+    message = incomplete_message(index, [index.files[1]], {1: "connection refused"}, lambda n: f"node {n} (h{n}:7000)")
+    assert message.startswith("step 7 of job 'job' is not complete on the nodes present: 1 files")
+    assert f"({F2}) with tensors model/w were written by node 1 (h1:7000)" in message
+    assert "node 1 (h1:7000) did not answer (connection refused)" in message
+    assert message.endswith("start the missing nodes' daemons on their storage, or load an older step")
