@@ -229,3 +229,17 @@ def test_a_draining_daemon_takes_no_new_save(service: CheckpointService) -> None
             await _save(service, 1)
 
     asyncio.run(run())
+
+
+def test_a_hand_over_through_a_transport_the_daemon_lacks_is_refused(service: CheckpointService) -> None:
+    """Daemon-side transports are looked up by name (handoffs.daemon_transports): "ipc" is there."""
+    from ckptd.daemon.errors import InvalidRequest
+    from ckptd.daemon.handoffs import StagedHandOver
+
+    async def run() -> None:
+        session = (await _save(service, 3, hand_over=()))[0]
+        with pytest.raises(InvalidRequest, match="through transport 'rdma', which this daemon does not have"):
+            await service.commit_snapshot("job", 0, session.save_id, "{}", staged=StagedHandOver("rdma", "s", ()))
+        assert sorted(service.engine.transports) == ["ipc"] and session.state is SaveState.SNAPSHOTTING
+
+    asyncio.run(run())

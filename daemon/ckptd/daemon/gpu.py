@@ -63,6 +63,7 @@ class OpenBuffer:
 
 
 class GpuStaging:
+    name = "ipc"  # a handoffs.DaemonTransport
     """The staging buffers this daemon has open, and the arenas it has page-locked."""
 
     def __init__(self, load_runtime: Callable[[], CudaRuntime] = CudaRuntime.load) -> None:
@@ -187,6 +188,11 @@ class GpuStaging:
             pinned[1].close()
         except CudaRuntimeError as exc:
             log.warning("could not unlock arena %s: %s", arena.path, exc)
+
+    async def before_save(self) -> None:
+        """A restarted trainer needs the GPU memory its dead predecessor's buffers hold."""
+        if self.buffers:
+            await self.reap_dead()
 
     async def reap_dead(self) -> None:
         """Close the buffers of trainers that died without closing them: the mapping would keep

@@ -38,7 +38,8 @@ from ckptd.daemon.engine.saves import MAX_EXTRAS_BYTES, Saves
 from ckptd.daemon.engine.compression import Compression, SaveOptions
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.format import CheckpointIndex
-from ckptd.daemon.gpu import GpuStaging, StagedRange
+from ckptd.daemon.gpu import GpuStaging
+from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.plan import TensorSpec
@@ -97,7 +98,10 @@ class CheckpointService:
 
     @property
     def gpu(self) -> GpuStaging:
-        return self.engine.gpu
+        """Mode "ipc"'s daemon side (its OpenStaging/CloseStaging RPCs reach it)."""
+        gpu = self.engine.transports[GpuStaging.name]
+        assert isinstance(gpu, GpuStaging)
+        return gpu
 
     @property
     def jobs(self) -> dict[str, JobState]:
@@ -150,7 +154,8 @@ class CheckpointService:
 
     def close(self) -> None:
         self._writer.shutdown()
-        self.engine.gpu.shutdown()
+        for transport in self.engine.transports.values():
+            transport.shutdown()
         for job in self.engine.jobs.values():
             job.pool.close()
         self.loads.close()
@@ -184,7 +189,7 @@ class CheckpointService:
         save_id: str,
         extras_json: str,
         model_files: dict[str, bytes] | None = None,
-        staged: tuple[str, Sequence[StagedRange]] | None = None,
+        staged: StagedHandOver | None = None,
         stall_s: float = 0.0,
     ) -> None:
         """Saves.hand_over."""

@@ -15,6 +15,8 @@ import grpc
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon import checks, errors, rpc_convert
+from ckptd.daemon.gpu import GpuStaging
+from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.records import StatusSnapshot
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -78,7 +80,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         stall_s = checks.check_stall(request.stall_s)
         staged = None
         if checks.check_staged(request.staging_id, len(request.staged)):
-            staged = (request.staging_id, rpc_convert.staged_ranges(request.staged))
+            staged = StagedHandOver(GpuStaging.name, request.staging_id, rpc_convert.staged_ranges(request.staged))
         await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s)
         return pb.CommitSnapshotResponse()
 

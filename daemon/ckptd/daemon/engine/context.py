@@ -19,7 +19,7 @@ from ckptd.daemon.cluster import Cluster
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.format import CheckpointIndex, FormatError
-from ckptd.daemon.gpu import GpuStaging
+from ckptd.daemon.handoffs import DaemonTransport, daemon_transports
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.records import JoinResult, LastCommit, Outcome
@@ -109,7 +109,7 @@ class Engine:
         self.node = config.node_rank
         self.retention: RetentionPolicy = config.retention_policy()
         self.metrics = Metrics(config.node_rank)
-        self.gpu = GpuStaging()  # mode "ipc": loads CUDA only when a rank opens a staging buffer
+        self.transports: dict[str, DaemonTransport] = daemon_transports()  # the daemon's side of hand-offs (handoffs.py)
         self.jobs: dict[str, JobState] = {}
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)

@@ -21,7 +21,7 @@ from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_dep
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Timeout, Unavailable, UnknownFingerprint
-from ckptd.daemon.gpu import StagedRange
+from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.engine.context import Engine, notify
 from ckptd.daemon.engine.compression import SaveOptions
@@ -65,8 +65,8 @@ class Saves:
         if engine.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
         local_ranks = self._local_ranks(world_size, local_world_size)
-        if engine.gpu.buffers:  # mode "ipc": a restarted trainer needs the GPU memory its dead predecessor held
-            await engine.gpu.reap_dead()
+        for transport in engine.transports.values():
+            await transport.before_save()
         state = engine.job(job, world_size)
         if specs is not None:
             state.specs[(rank, fingerprint)] = tuple(specs)
@@ -207,12 +207,12 @@ class Saves:
         save_id: str,
         extras_json: str,
         model_files: dict[str, bytes] | None = None,
-        staged: tuple[str, Sequence[StagedRange]] | None = None,
+        staged: StagedHandOver | None = None,
         stall_s: float = 0.0,
     ) -> None:
         """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
         mode "ipc", copied from its staging buffer into its arena first; if that fails the save
-        fails (nothing of it is persisted). stall_s: seconds its save() blocked training so far
+        fails (nothing of it is persisted); see handoffs.py. stall_s: seconds its save() blocked training so far
         (0: not reported)."""
         engine = self.engine
         state, session = self.find(job, save_id)
@@ -221,8 +221,11 @@ class Saves:
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
+            transport = engine.transports.get(staged.transport)
+            if transport is None:
+                raise InvalidRequest(f"rank {rank} handed over through transport {staged.transport!r}, which this daemon does not have")
             try:
-                await engine.gpu.drain(job, rank, staged[0], arena, staged[1])
+                await transport.drain(job, rank, staged.staging_id, arena, staged.ranges)
             except Aborted as exc:
                 await engine.fail(state, session, str(exc), "gpu_staging")
                 raise
