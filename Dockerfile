@@ -16,7 +16,8 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-# A C compiler for ckptd's one extension (the quantization encoder, setup.py); only in this stage.
+# A C compiler for ckptd's C extensions (the quantization encoder and the streaming copy,
+# setup.py); only in this stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -265,3 +265,12 @@ def test_only_the_storage_package_touches_the_root_at_run_time(tmp_path: Path) -
     outside = sorted({(event, module) for event, _, module in recorder.events if not module.startswith("ckptd.daemon.storage.")})
     assert outside == [], recorder.events
     assert {event for event, _, _ in recorder.events} >= {"open", "os.rename", "os.mkdir", "os.remove", "os.rmdir"}  # os.replace audits as os.rename
+
+
+def test_the_license_file_is_the_license_pyproject_declares() -> None:
+    """Issue 22 item 8: a LICENSE file matching pyproject (Apache-2.0)."""
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["license"]["text"]
+    text = (REPO / "LICENSE").read_text()
+    assert declared == "Apache-2.0" and text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
