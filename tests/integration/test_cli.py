@@ -32,6 +32,11 @@ def test_ls_lists_committed_checkpoints(daemon) -> None:
     rows = json.loads(ckptd("ls", str(daemon.root), "--json").stdout)
     assert [(r["job"], r["step"]) for r in rows] == [("listed", 10), ("listed", 20)]
     assert all(r["size_bytes"] > 64 * 64 * 4 and r["files"] >= 4 for r in rows)
+    # without a root: the running daemon's (issue 22 item 8)
+    asked = json.loads(ckptd("ls", "--address", daemon.address, "--json").stdout)
+    assert asked == rows
+    nobody = ckptd("ls", "--address", f"unix://{daemon.root}/none.sock")
+    assert nobody.returncode == 1 and "no daemon socket" in nobody.stderr
 
 
 def test_ls_explains_bad_input(tmp_path: Path) -> None:

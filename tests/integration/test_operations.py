@@ -76,6 +76,34 @@ def test_status_and_gc_explain_a_daemon_that_is_not_there(tmp_path: Path) -> Non
 # ------------------------------------------------------------------ verify
 
 
+def test_verify_a_job_directory_checks_each_committed_step(daemon, tmp_path: Path) -> None:
+    """Issue 22 item 8: `ckptd verify ROOT/JOB` verifies the job's steps (it called the job
+    directory an interrupted save); an uncommitted step directory is a note, a damaged step fails."""
+    with CheckpointClient("whole", address=daemon.address, on_error="raise") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": torch.nn.Linear(8, 4)}).wait_durable(timeout=60)
+    job_dir = daemon.root / "whole"
+    ok = ckptd("verify", str(job_dir))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("verifying ") == 2 and "OK: 2 of 2 committed step(s)" in ok.stdout
+    doc = json.loads(ckptd("verify", str(job_dir), "--json").stdout)
+    assert doc["ok"] is True and [s["step"] for s in doc["steps"]] == [1, 2] and doc["interrupted"] == []
+
+    copy = tmp_path / "copy-root" / "whole"
+    shutil.copytree(job_dir, copy, symlinks=True)
+    (copy / "step-00000009").mkdir()  # a save that never committed
+    (copy / "step-00000001" / "extra.json").write_text("{}")  # a damaged small file
+    out = ckptd("verify", str(copy))
+    assert out.returncode == 1 and "FAILED: 1 of 2 committed step(s)" in out.stdout, out.stdout
+    assert "step-00000009 has no index: an interrupted save" in out.stdout
+    assert ckptd("verify", str(tmp_path / "copy-root")).returncode == 2  # a root: neither a step nor a job directory
+
+
+def test_ckptd_version() -> None:
+    out = ckptd("--version")
+    assert out.returncode == 0 and out.stdout.strip() == "ckptd 0.1.0"
+
+
 def test_verify_catches_a_flipped_byte_and_a_missing_file(daemon, tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
     opt = torch.optim.Adam(model.parameters())

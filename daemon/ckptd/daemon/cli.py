@@ -86,10 +86,24 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
+def version() -> str:
+    """The installed ckptd's version (package metadata; the source tree's own when not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("ckptd")
+    except PackageNotFoundError:
+        from ckptd.daemon.step_build import VERSION
+
+        return VERSION
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ckptd.daemon.config import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="ckptd", description="Per-node checkpoint daemon for distributed training.")
+    parser.add_argument("--version", action="version", version=f"ckptd {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
@@ -102,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("ls", "list checkpoints under a storage root: step, time, size, tensors, metric", ops.add_ls_arguments, ops.cmd_ls),
         ("status", "what the running daemon is doing: checkpoints in flight, queue, arena memory, last commit",
          ops.add_status_arguments, ops.cmd_status),
-        ("verify", "check a step's files, checksums and coverage; exit 1 on any problem", ops.add_verify_arguments, ops.cmd_verify),
+        ("verify", "check a step's (or every committed step of a job's) files, checksums and coverage; exit 1 on any problem",
+         ops.add_verify_arguments, ops.cmd_verify),
         ("gc", "apply retention now and remove uncommitted leftovers (asks the running daemon)", ops.add_gc_arguments, ops.cmd_gc),
     )
     for name, help_text, add_arguments, command in operator_commands:

@@ -3,7 +3,8 @@
 Human-readable output by default, `--json` for scripts (one JSON document on stdout). Exit
 codes: 0 = fine, 1 = a problem was found or the daemon did not answer, 2 = bad input.
 `status` and `gc` talk to a running daemon (--address, else $CKPTD_ADDRESS, else the default
-socket); `verify` and `ls` read the storage root directly and work with the daemon stopped.
+socket); `verify` and `ls` read the storage root directly and work with the daemon stopped
+(`ls` without a root asks the running daemon for its root).
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import grpc
 
 from ckptd.common.paths import default_address
-from ckptd.daemon.format import FormatError
+from ckptd.daemon.format import FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ckptd.daemon.verify import VerifyReport
 
 RPC_TIMEOUT_S = 30.0
 BAR_WIDTH = 24
@@ -192,22 +196,61 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """`ckptd verify PATH`: a step directory, or a job directory (each of its committed steps,
+    newest last); exit 1 when any checked step has a problem."""
     from ckptd.daemon.verify import verify_step
 
-    step_dir = Path(args.step_dir)
-    if not step_dir.is_dir():
-        _fail(f"ckptd verify: {step_dir} is not a directory; give a step directory such as ROOT/JOB/step-00001000 (`ckptd ls ROOT` lists them)", 2)
-    report = verify_step(step_dir, node=args.node)
+    path = Path(args.step_dir)
+    if not path.is_dir():
+        _fail(f"ckptd verify: {path} is not a directory; give a step directory such as ROOT/JOB/step-00001000, or a job directory ROOT/JOB (`ckptd ls ROOT` lists them)", 2)
+    if parse_step_dir_name(path.name) is not None:
+        steps, interrupted = [path], []
+    else:
+        steps, interrupted = _steps_of_job(path)
+    reports = [verify_step(step_dir, node=args.node) for step_dir in steps]
     if args.json:
-        doc = {
-            "step_dir": report.step_dir, "job": report.job, "step": report.step, "ok": report.ok,
-            "files_checked": report.files_checked, "files_skipped": report.files_skipped,
-            "bytes_checked": report.bytes_checked, "tensors": report.tensors,
-            "problems": [{"kind": p.kind, "file": p.file, "message": p.message} for p in report.problems],
-            "notes": list(report.notes),
-        }
-        print(json.dumps(doc, indent=1))
-        return 0 if report.ok else 1
+        docs = [_report_doc(r) for r in reports]
+        if len(steps) == 1 and not interrupted and parse_step_dir_name(path.name) is not None:
+            print(json.dumps(docs[0], indent=1))
+        else:
+            print(json.dumps({"job_dir": str(path), "ok": all(r.ok for r in reports), "steps": docs, "interrupted": [str(p) for p in interrupted]}, indent=1))
+        return 0 if all(r.ok for r in reports) else 1
+    for report in reports:
+        _print_report(report)
+    for leftover in interrupted:
+        print(f"note: {leftover} has no index: an interrupted save, not a checkpoint (`ckptd gc` removes it)")
+    if len(reports) > 1 or interrupted:
+        failed = [r for r in reports if not r.ok]
+        print(f"{'FAILED' if failed else 'OK'}: {len(reports) - len(failed)} of {len(reports)} committed step(s) of {path} verified")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def _steps_of_job(job_dir: Path) -> tuple[list[Path], list[Path]]:
+    """A job directory's committed step directories (in commit order) and its uncommitted
+    ones; exits 2 when `job_dir` holds no step directory at all."""
+    storage = Storage(job_dir.parent)
+    try:
+        committed = [storage.step_dir(job_dir.name, step) for step in storage.commit_order(job_dir.name)]
+    except ValueError as exc:  # not a valid job id
+        _fail(f"ckptd verify: {job_dir} is neither a step directory nor a job directory ({exc})", 2)
+    step_dirs = sorted(p for p in job_dir.iterdir() if parse_step_dir_name(p.name) is not None and p.is_dir() and not p.is_symlink())
+    interrupted = [p for p in step_dirs if p not in committed]
+    if not step_dirs:
+        _fail(f"ckptd verify: {job_dir} holds no step directory; give a step directory ROOT/JOB/step-00001000 or a job directory ROOT/JOB", 2)
+    return committed, interrupted
+
+
+def _report_doc(report: "VerifyReport") -> dict[str, object]:
+    return {
+        "step_dir": report.step_dir, "job": report.job, "step": report.step, "ok": report.ok,
+        "files_checked": report.files_checked, "files_skipped": report.files_skipped,
+        "bytes_checked": report.bytes_checked, "tensors": report.tensors,
+        "problems": [{"kind": p.kind, "file": p.file, "message": p.message} for p in report.problems],
+        "notes": list(report.notes),
+    }
+
+
+def _print_report(report: "VerifyReport") -> None:
     print(f"verifying {report.step_dir}" + (f" (job {report.job}, step {report.step})" if report.step >= 0 else ""))
     for p in report.problems:
         print(f"  PROBLEM [{p.kind}] {p.message}")
@@ -217,16 +260,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     summary = f"{report.files_checked} file(s), {report.tensors} tensor(s), {human_bytes(report.bytes_checked)} read{skipped}"
     if report.ok:
         print(f"OK: {summary}; every checksum matches and every tensor is fully covered")
-        return 0
-    print(f"FAILED: {len(report.problems)} problem(s); {summary}")
-    return 1
+    else:
+        print(f"FAILED: {len(report.problems)} problem(s); {summary}")
 
 
 # ------------------------------------------------------------------ ls
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    storage = Storage(Path(args.root))
+    root = args.root
+    if root is None:  # the running daemon's root
+        address = args.address or default_address()
+        root = _call(address, "ls", lambda stub: stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)).root
+    storage = Storage(Path(root))
     if not storage.root.is_dir():
         _fail(f"ckptd ls: {storage.root} is not a directory", 2)
     jobs = [args.job] if args.job else storage.jobs()
@@ -304,13 +350,14 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    parser.add_argument("step_dir", metavar="PATH", help="a committed step directory, e.g. ROOT/JOB/step-00001000, or a job directory ROOT/JOB (all its committed steps)")
     parser.add_argument("--node", type=int, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", help="the daemon's --root")
+    parser.add_argument("root", nargs="?", help="the daemon's --root (default: ask the running daemon, see --address)")
     parser.add_argument("job", nargs="?", help="only this job")
+    parser.add_argument("--address", help="without ROOT: the daemon to ask, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
     parser.add_argument("--all", action="store_true", help="also list uncommitted step directories (interrupted or in-flight saves)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
