@@ -96,7 +96,8 @@ def test_verify_a_job_directory_checks_each_committed_step(daemon, tmp_path: Pat
     out = ckptd("verify", str(copy))
     assert out.returncode == 1 and "FAILED: 1 of 2 committed step(s)" in out.stdout, out.stdout
     assert "step-00000009 has no index: an interrupted save" in out.stdout
-    assert ckptd("verify", str(tmp_path / "copy-root")).returncode == 2  # a root: neither a step nor a job directory
+    root = ckptd("verify", str(tmp_path / "copy-root"))  # a root: neither a step nor a job directory
+    assert root.returncode == 2 and "is a storage root; give one of its jobs" in root.stderr
 
 
 def test_ckptd_version() -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import grpc
 
 from ckptd.common.paths import default_address
-from ckptd.daemon.format import FormatError, parse_step_dir_name
+from ckptd.daemon.format import INDEX_NAME, FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -203,14 +203,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = Path(args.step_dir)
     if not path.is_dir():
         _fail(f"ckptd verify: {path} is not a directory; give a step directory such as ROOT/JOB/step-00001000, or a job directory ROOT/JOB (`ckptd ls ROOT` lists them)", 2)
-    if parse_step_dir_name(path.name) is not None:
-        steps, interrupted = [path], []
-    else:
+    if not (path / INDEX_NAME).exists() and any(_is_job_dir(p) for p in path.iterdir() if p.is_dir() and not p.is_symlink()):
+        _fail(f"ckptd verify: {path} is a storage root; give one of its jobs (ROOT/JOB) or a step directory (ROOT/JOB/step-00001000)", 2)
+    if _is_job_dir(path):
         steps, interrupted = _steps_of_job(path)
+    else:  # a step directory, whatever its name (a copy set aside for inspection, say)
+        steps, interrupted = [path], []
     reports = [verify_step(step_dir, node=args.node) for step_dir in steps]
     if args.json:
         docs = [_report_doc(r) for r in reports]
-        if len(steps) == 1 and not interrupted and parse_step_dir_name(path.name) is not None:
+        if not _is_job_dir(path):
             print(json.dumps(docs[0], indent=1))
         else:
             print(json.dumps({"job_dir": str(path), "ok": all(r.ok for r in reports), "steps": docs, "interrupted": [str(p) for p in interrupted]}, indent=1))
@@ -223,6 +225,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         failed = [r for r in reports if not r.ok]
         print(f"{'FAILED' if failed else 'OK'}: {len(reports) - len(failed)} of {len(reports)} committed step(s) of {path} verified")
     return 0 if all(r.ok for r in reports) else 1
+
+
+def _is_job_dir(path: Path) -> bool:
+    """A job directory holds step directories and no index of its own."""
+    if (path / INDEX_NAME).exists() or parse_step_dir_name(path.name) is not None:
+        return False
+    return any(parse_step_dir_name(p.name) is not None for p in path.iterdir())
 
 
 def _steps_of_job(job_dir: Path) -> tuple[list[Path], list[Path]]:
