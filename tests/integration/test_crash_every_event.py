@@ -290,7 +290,9 @@ def crash_at_every_event(rig: Rig, victim: int, scenario: str) -> dict:
             rig.running[victim].kill()
     for other in range(rig.nodes):  # the survivors: stop them too, so the last check sees a full restart
         if other != victim:
-            rig.running[other].stop()
+            # a graceful stop waits up to server.DRAIN_GRACE_S (60 s) for a save still open there;
+            # one CI run (2026-11-25) saw node 0 outlast a 60 s limit here: its stacks go to its log now
+            rig.running[other].stop(timeout_s=120.0)
     for n in range(rig.nodes):
         rig.start(n)
     committed_after_kill += check_after_restart(rig, before, step, acked)

@@ -40,9 +40,13 @@ def setup_logging(level: str, as_json: bool, node: int = 0) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import faulthandler
+    import signal
+
     from ckptd.daemon.config import ConfigError, config_from_args
     from ckptd.daemon.server import run
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr (a hang)
     try:
         config = config_from_args(args, os.environ)
     except ConfigError as exc:

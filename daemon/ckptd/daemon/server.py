@@ -18,6 +18,7 @@ import os
 import signal
 import socket as socket_module
 import stat
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -164,7 +165,9 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
             await peer_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     for task in background:
         task.cancel()
+    started = time.monotonic()
     await service.drain(DRAIN_GRACE_S)
+    log.info("drained in %.1f s; stopping the servers", time.monotonic() - started)
     await server.stop(grace=2.0)
     if peer_server is not None:
         await peer_server.stop(grace=2.0)

@@ -44,8 +44,12 @@ class DaemonProcess:
         try:
             return self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired as exc:
+            self.popen.send_signal(signal.SIGUSR1)  # the daemon writes every thread's stack to its log (cli.py)
+            time.sleep(1.0)
             self.popen.kill()
-            raise DaemonStartError(f"daemon {self.pid} did not stop within {timeout_s} s of SIGTERM; killed it") from exc
+            raise DaemonStartError(
+                f"daemon {self.pid} did not stop within {timeout_s} s of SIGTERM; killed it (its threads' stacks are at the end of {self.log_path})"
+            ) from exc
         finally:
             self._close_log()
 
