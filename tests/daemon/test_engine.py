@@ -243,3 +243,22 @@ def test_a_hand_over_through_a_transport_the_daemon_lacks_is_refused(service: Ch
         assert sorted(service.engine.transports) == ["ipc"] and session.state is SaveState.SNAPSHOTTING
 
     asyncio.run(run())
+
+
+def test_a_save_ends_failed_when_its_commit_breaks_unexpectedly(service: CheckpointService) -> None:
+    """A save left "writing" would hold its arenas and keep a graceful stop waiting forever (seen
+    in CI: a race of two removals of an aborted step escaped Commit.write)."""
+
+    async def broken_report(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the coordinator broke")
+
+    service.engine.coordination.report = broken_report  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await _save(service, 4)
+        outcome = await _durable(service, 4)
+        assert isinstance(outcome, SaveSession) and outcome.state is SaveState.FAILED
+        assert "internal error while writing: the coordinator broke" in outcome.error
+        await service.drain(1.0)  # nothing left waiting
+
+    asyncio.run(run())

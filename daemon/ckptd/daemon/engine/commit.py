@@ -92,7 +92,15 @@ class Commit:
     async def write(self, state: JobState, session: SaveSession) -> None:
         """Write this node's files of the complete snapshot of `session`, report them to the
         coordinator, and commit or fail the save as it decides (a single node's coordinator is
-        in this process: it commits at once)."""
+        in this process: it commits at once). The save always ends: an unexpected error fails it
+        (a save left "writing" would hold its arenas and keep a graceful stop waiting forever)."""
+        try:
+            await self._write(state, session)
+        except Exception as exc:
+            log.exception("step %s of job %s: writing or committing failed unexpectedly", session.step, session.job)
+            await self.engine.fail(state, session, f"internal error while writing: {exc}", "internal")
+
+    async def _write(self, state: JobState, session: SaveSession) -> None:
         assert session.plan is not None and session.arenas is not None and session.progress is not None
         engine = self.engine
         node, storage = engine.node, engine.storage
@@ -152,7 +160,10 @@ class Commit:
         # Node 0 too: the coordinator removed the step from its root when it aborted, but node 0's
         # own writer may have started after that (another node refused the step at once: NoSpace).
         names = [f.name for f in manifest.files] if manifest is not None else []
-        await asyncio.to_thread(storage.discard_part, session.job, session.step, names, session.shared_root)
+        try:
+            await asyncio.to_thread(storage.discard_part, session.job, session.step, names, session.shared_root)
+        except OSError as exc:  # left for start-up recovery or `ckptd gc`; the save fails either way
+            log.warning("could not remove node %s's part of the aborted step %s of job %s: %s", node, session.step, session.job, exc)
         # the coordinator's reason (the node that failed first, for every node); a single node's own
         reason = error if error and engine.cluster is None else outcome.error
         await engine.fail(state, session, reason, cause if error else "peer")

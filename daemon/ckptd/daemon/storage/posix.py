@@ -301,7 +301,10 @@ class Storage:
         doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
         if os.path.lexists(doomed) and remove_own_tree(doomed):
             doomed = path.with_name(f"{DELETING_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        os.replace(path, doomed)
+        try:
+            os.replace(path, doomed)
+        except FileNotFoundError:  # removed meanwhile (the coordinator's abort and this node's own discard race)
+            return
         fsync_dir(path.parent)
         if recycle:
             posix_clean.recycle_files(self.recycle_dir(job), doomed)
