@@ -39,7 +39,7 @@ class Commit:
         self._executor = executor
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
 
-    def _request(self, state: JobState, session: SaveSession) -> PersistRequest:
+    def _request(self, session: SaveSession) -> PersistRequest:
         """What the writer writes for `session`: this node's data files (the coordinator commits
         the index, the extras and the model files)."""
         assert session.plan is not None and session.arenas is not None
@@ -104,7 +104,7 @@ class Commit:
         assert session.plan is not None and session.arenas is not None and session.progress is not None
         engine = self.engine
         node, storage = engine.node, engine.storage
-        request = self._request(state, session)
+        request = self._request(session)
         manifest: NodeManifest | None = None
         error = ""
         cause = "write_error"
