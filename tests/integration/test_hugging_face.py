@@ -31,3 +31,54 @@ def test_llama_step_dir_loads_with_from_pretrained(daemon, tied: bool) -> None:
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+class _Adapter(torch.nn.Module):
+    """A model that names its own model files, as ckptd.integrations.peft's adapter view does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lora_A = torch.nn.Linear(8, 2, bias=False)
+        self.lora_B = torch.nn.Linear(2, 8, bias=False)
+
+    def ckptd_model_files(self) -> dict[str, str]:
+        return {"adapter_config.json": '{"peft_type": "LORA", "r": 2}'}
+
+
+def test_a_model_with_adapter_config_gets_the_file_peft_reads(daemon) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    model = _Adapter()
+    with CheckpointClient("adapter", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(3, {"model": model}).wait_durable(timeout=60)
+    step_dir = Path(info.step_dir)
+    assert json.loads((step_dir / "adapter_config.json").read_text())["r"] == 2
+    assert not (step_dir / "config.json").exists()
+    adapter = load_file(step_dir / "adapter_model.safetensors")
+    assert set(adapter) == {"lora_A.weight", "lora_B.weight"}
+    assert torch.equal(adapter["lora_A.weight"], model.lora_A.weight.detach())
+    model_file = next(step_dir.glob("model-*.safetensors"))
+    assert (step_dir / "adapter_model.safetensors").read_bytes() == model_file.read_bytes()
+    index = json.loads((step_dir / "ckptd.index.json").read_text())
+    assert index["files"]["adapter_model.safetensors"]["checksum"] == index["files"][model_file.name]["checksum"]
+    verified = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_ckptd_model_files_must_return_names_and_text(daemon) -> None:
+    class Bad(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def ckptd_model_files(self) -> object:
+            return {"adapter_config.json": b"{}"}
+
+    with CheckpointClient("bad-files", address=daemon.address, on_error="raise") as ckpt:
+        with pytest.raises(TypeError, match="ckptd_model_files"):
+            ckpt.save(1, {"model": Bad()})

@@ -44,8 +44,16 @@ KNOWN_PLANS = 4  # load plans kept per structure: the daemon alternates between 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
     """config.json (and generation_config.json) of a Hugging Face model, so the step directory
-    loads with `from_pretrained` as it is."""
+    loads with `from_pretrained` as it is. A model object may name its own instead: a method
+    `ckptd_model_files() -> {file name: JSON text}` (e.g. adapter_config.json of a PEFT adapter,
+    ckptd.integrations.peft); the daemon accepts the names in its format's MODEL_FILES."""
     model = state.get("model")
+    own = getattr(model, "ckptd_model_files", None)
+    if callable(own):
+        files = own()
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise TypeError(f"{type(model).__name__}.ckptd_model_files() must return a dict of file name -> JSON text, got {files!r:.200}")
+        return files
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(config, "to_json_string", None)):
         return {}

@@ -39,9 +39,9 @@ import grpc
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable, UnknownFingerprint
-from ckptd.daemon.format import CheckpointIndex, FileRecord, step_dir_name
+from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_tls import PeerTls
-from ckptd.daemon.step_build import IncompleteStep, NodeManifest, step_files
+from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
@@ -320,6 +320,19 @@ class Coordinator:
             log.info("committed step %s of job %s across nodes %s", save.step, save.job, sorted(save.nodes))
         await self.on_commit(save.job)
 
+    def _adapter_copy(self, save: _GlobalSave, manifests: list[NodeManifest]) -> tuple[FileRecord, bytes] | None:
+        """The PEFT adapter file to publish with the step (step_build.adapter_source), read back
+        from this root; None when the step is no adapter or its file is not here."""
+        assert save.plan is not None
+        source = adapter_source(manifests, {t.name: t.kind for t in save.plan.tensors}, save.model_files)
+        if source is None:
+            return None
+        try:
+            return source, self.storage.read_range(save.job, save.step, source.name, 0, source.size)
+        except OSError as exc:
+            log.warning("step %s of job %s: no %s beside adapter_config.json (%s); `ckptd export` writes one", save.step, save.job, ADAPTER_WEIGHTS, exc)
+            return None
+
     def _write_commit(self, save: _GlobalSave, shared: bool) -> tuple[CheckpointIndex, dict[str, bytes]]:
         """Write the step's small files and its index (the commit) and `latest`; returns the
         index and those files (for nodes with their own root)."""
@@ -327,7 +340,8 @@ class Coordinator:
         manifests = [save.manifests[n] for n in sorted(save.manifests)]
         assert save.compression is not None
         index, files = step_files(
-            save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric, quantization=save.compression.record
+            save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric,
+            quantization=save.compression.record, adapter=self._adapter_copy(save, manifests),
         )
         if shared:
             present = self.storage.step_file_sizes(save.job, save.step)

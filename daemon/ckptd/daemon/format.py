@@ -28,7 +28,11 @@ INDEX_NAME = "ckptd.index.json"
 # start-up until the coordinator says whether the step was committed.
 PREPARED_NAME = "ckptd.prepared.json"
 EXTRA_JSON = "extra.json"
-MODEL_FILES = ("config.json", "generation_config.json")  # a model's own files a step may hold, from rank 0
+# A model's own files a step may hold, from rank 0 (adapter_config.json: a PEFT adapter's).
+MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+# With adapter_config.json, a copy of the step's single model data file under the name PEFT's
+# from_pretrained reads, so the step directory loads as an adapter as it is (step_build.adapter_source).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LATEST = "latest"
 INDEX_FORMAT = "ckptd/1"
 # Written instead of INDEX_FORMAT when a step is compressed (quantized fragments, dropped or

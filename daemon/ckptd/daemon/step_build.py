@@ -18,6 +18,7 @@ from ckptd.common.chunks import chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.daemon.format import (
+    ADAPTER_WEIGHTS,
     EXTRA_JSON,
     GROUP_OF_KIND,
     HEADER_ALIGN,
@@ -204,6 +205,29 @@ def fragment_records(
     return tuple(records)
 
 
+ADAPTER_COPY_LIMIT = 1 << 30  # bytes: a larger adapter file is not copied (`ckptd export` makes one)
+
+
+def adapter_source(manifests: Sequence[NodeManifest], kinds: dict[str, str], model_files: dict[str, bytes]) -> FileRecord | None:
+    """The data file to copy as ADAPTER_WEIGHTS: the only file holding model tensors, when the
+    step's model files include adapter_config.json and those tensors are stored whole and
+    lossless in it (a PEFT adapter, saved by ckptd.integrations.peft); else None."""
+    if "adapter_config.json" not in model_files:
+        return None
+    files = {f.name: f for m in manifests for f in m.files}
+    holding = set()
+    for manifest in manifests:
+        for name, fragment in manifest.fragments:
+            if kinds.get(name) == "model":
+                if fragment.quant is not None or fragment.key != file_key(name, "model"):
+                    return None
+                holding.add(fragment.file)
+    if len(holding) != 1:
+        return None
+    record = files[holding.pop()]
+    return record if record.size <= ADAPTER_COPY_LIMIT else None
+
+
 def step_files(
     job: str,
     step: int,
@@ -214,10 +238,13 @@ def step_files(
     metric: float | None,
     clock: Callable[[], float] = time.time,
     quantization: dict[str, Any] | None = None,
+    adapter: tuple[FileRecord, bytes] | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
-    Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
+    adapter: (the record of adapter_source's file, its bytes): written as ADAPTER_WEIGHTS,
+    recorded with that file's size and header checksum (a safetensors file, as `ckptd verify`
+    checks them). Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
     IncompleteStep when the manifests do not hold every tensor's bytes exactly once.
     """
     by_name: dict[str, list[FragmentRecord]] = {}
@@ -245,6 +272,12 @@ def step_files(
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
     records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
+    if adapter is not None:
+        source, data = adapter
+        if len(data) != source.size:
+            raise ValueError(f"the copy of {source.name} for {ADAPTER_WEIGHTS} has {len(data)} bytes, the file {source.size}")
+        small[ADAPTER_WEIGHTS] = data
+        records.append(FileRecord(ADAPTER_WEIGHTS, source.size, source.checksum))
 
     def record(t: LogicalTensor) -> TensorRecord:
         fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
