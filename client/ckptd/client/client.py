@@ -24,6 +24,7 @@ from ckptd.client._handoff.modes import AUTO, resolve_mode
 from ckptd.client._handoff.select import Handoff
 from ckptd.client._restore import Fill, MemoryCopies, device_fills, fill_all
 from ckptd.client._rpc import CheckpointInfo, DaemonRpc, LoadPlan, SaveGrant, SaveOptions, StatusResponse
+from ckptd.client.environment import check_run_config, meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.layout import LayoutRules, RankCoords
@@ -95,6 +96,9 @@ class CheckpointClient:
     storage root must be visible here); False, the daemon copies what is needed into shared
     memory first (a trainer container without the storage volume); None (default), read
     directly when this process can open the files, else go through the daemon.
+    run_config: the run's settings (a JSON-able dict: hyperparameters, data, launcher), kept in
+    each checkpoint's environment record (environment.json, shown by `ckptd inspect`) beside
+    the versions of Python, torch and ckptd and the layout that wrote it.
     mode: how CUDA tensors are handed over (ckptd.client._handoff): "auto" (= "overlap"), "copy",
     "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
     `mode_reason` say what is used now and why it differs from the request (a fallback).
@@ -115,6 +119,7 @@ class CheckpointClient:
         coords: RankCoords | None = None,
         local_world_size: int | None = None,
         read_files: bool | None = None,
+        run_config: dict[str, Any] | None = None,
         _device_backend: DeviceBackend | None = None,
     ) -> None:
         self.job = check_job_id(job)
@@ -132,6 +137,7 @@ class CheckpointClient:
         if read_files not in (None, True, False):
             raise ValueError(f"read_files={read_files!r}: use None (read committed files when this process can), True or False")
         self.read_files = read_files
+        self.run_config = check_run_config(run_config)
         self.address = address or default_address()
         self.mode = mode
         self.on_error = on_error
@@ -250,7 +256,7 @@ class CheckpointClient:
             copies = transport.start(state, placed, grant)  # CPU tensors: in the arena when it returns
             try:
                 extras = json.dumps(flat.extras, allow_nan=False)
-                commit = self._rpc.commit_request(grant.save_id, extras, _model_files(state) if self.rank == 0 else {}, time.perf_counter() - started)
+                commit = self._rpc.commit_request(grant.save_id, extras, self._step_files(state, structure) if self.rank == 0 else {}, time.perf_counter() - started)
                 if copies.staging_id:
                     self._rpc.add_staged(commit, copies.staging_id, copies.staged)
             except BaseException:
@@ -278,6 +284,17 @@ class CheckpointClient:
         pending = self._handoff.commits.start_commit(step, copies.copies, send, lambda reason: self._rpc.abort(grant.save_id, reason))
         pending.future.add_done_callback(lambda done: self._late_failure(step, done))
         return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
+
+    def _step_files(self, state: Mapping[str, Any], structure: Structure) -> dict[str, str]:
+        """Rank 0's small files of a step: the model's (config.json ...) and environment.json."""
+        files = _model_files(state)
+        environment = structure.cache.get("environment")
+        if environment is None:
+            meshes = meshes_of(entry.tensor for entry, _ in structure.fragments)
+            tp_size = self.coords.tp_size if self.coords is not None and self.layout is not None else None
+            environment = structure.cache["environment"] = trainer_environment(self.run_config, meshes, tp_size)
+        files["environment.json"] = environment
+        return files
 
     def _placed_for(self, structure: Structure, known: Placed | None, grant: SaveGrant) -> Placed:
         """The placement of this save: the known one when the daemon left the slots out (same

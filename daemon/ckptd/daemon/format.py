@@ -28,8 +28,12 @@ INDEX_NAME = "ckptd.index.json"
 # start-up until the coordinator says whether the step was committed.
 PREPARED_NAME = "ckptd.prepared.json"
 EXTRA_JSON = "extra.json"
-# A model's own files a step may hold, from rank 0 (adapter_config.json: a PEFT adapter's).
-MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json")
+# The environment record of a step: who wrote it (versions of Python, torch, ckptd), the layout
+# (world size, nodes, meshes) and the user's run config (step_build.environment_json).
+ENVIRONMENT_JSON = "environment.json"
+# A model's own files a step may hold, from rank 0 (adapter_config.json: a PEFT adapter's;
+# environment.json: the trainer's half of the environment record, completed by the daemon).
+MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", ENVIRONMENT_JSON)
 # With adapter_config.json, a copy of the step's single model data file under the name PEFT's
 # from_pretrained reads, so the step directory loads as an adapter as it is (step_build.adapter_source).
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

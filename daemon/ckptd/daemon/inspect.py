@@ -2,7 +2,8 @@
 
 Tensors (kind, dtype, shape), their fragments (file, key, box, stored dtype, bytes), how each
 is compressed (codec, block size, scale tensor, residual base), the step's quantization record
-(generation, scheme, master weights) and sizes per group of files.
+(generation, scheme, master weights), sizes per group of files, and the environment record
+(environment.json: versions, layout, run config) when the step has one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.common import dtypes
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, TensorRecord
+from ckptd.daemon.format import ENVIRONMENT_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, check_small_file
 from ckptd.daemon.ops import human_bytes
 from ckptd.daemon.storage import StepReader, step_at
 
@@ -41,8 +42,26 @@ def read_index_of(step: StepReader) -> CheckpointIndex:
         raise InspectError(str(exc)) from None
 
 
-def summary(index: CheckpointIndex) -> dict[str, Any]:
-    """The index as a JSON-able report: the index's own records plus derived sizes."""
+def read_environment(step: StepReader, index: CheckpointIndex) -> dict[str, Any] | None:
+    """The step's environment record, checked against its index entry; None for a step written
+    before ckptd kept one. InspectError when it is listed but damaged."""
+    record = next((f for f in index.files if f.name == ENVIRONMENT_JSON), None)
+    if record is None:
+        return None
+    try:
+        data = step.read_small(ENVIRONMENT_JSON, max(record.size, 1))
+        check_small_file(record, data)
+        doc = json.loads(data)
+    except (OSError, FormatError, ValueError) as exc:
+        raise InspectError(f"{step.where}/{ENVIRONMENT_JSON} cannot be read: {exc}; `ckptd verify {step.where}` shows what else is damaged") from None
+    if not isinstance(doc, dict):
+        raise InspectError(f"{step.where}/{ENVIRONMENT_JSON} is not a JSON object")
+    return doc
+
+
+def summary(index: CheckpointIndex, environment: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The index as a JSON-able report: the index's own records plus derived sizes, and the
+    environment record when given."""
     groups: dict[str, int] = {}
     for f in index.files:
         group = f.name.split("-", 1)[0].split(".", 1)[0]
@@ -60,6 +79,7 @@ def summary(index: CheckpointIndex) -> dict[str, Any]:
         "world_size": index.world_size,
         "metric": index.metric,
         "quantization": index.quantization,
+        "environment": environment,
         "size_bytes": index.size_bytes,
         "bytes_by_group": dict(sorted(groups.items())),
         "files": {f.name: f.to_json() for f in index.files},
@@ -85,6 +105,7 @@ def render(report: dict[str, Any]) -> str:
             else f"generation {q.get('generation', 0)}, optimizer moments {q.get('quantize') or 'lossless'}, master weights {q.get('master_weights', 'keep')}"
         ),
         "bytes by group: " + ", ".join(f"{g} {human_bytes(n)}" for g, n in report["bytes_by_group"].items()),
+        *_environment_lines(report.get("environment")),
         "",
         f"{'TENSOR':<48} {'KIND':<9} {'DTYPE':<5} {'SHAPE':<16} {'STORED':>10}  CODEC",
     ]
@@ -114,6 +135,25 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _environment_lines(env: dict[str, Any] | None) -> list[str]:
+    """The environment record in a few lines (the whole of it is in --json)."""
+    if env is None:
+        return ["environment: not recorded (a step written before ckptd kept one)"]
+    trainer, layout, daemon = env.get("trainer") or {}, env.get("layout") or {}, env.get("daemon") or {}
+    lines = [
+        f"written by: python {trainer.get('python', '?')}, torch {trainer.get('torch', '?')}, ckptd {trainer.get('ckptd', '?')} "
+        f"(daemon: ckptd {daemon.get('ckptd', '?')} on {daemon.get('host', '?')})",
+        f"layout: world size {layout.get('world_size', '?')} on {layout.get('nodes', '?')} nodes, ranks per node {layout.get('ranks_per_node', '?')}"
+        + "".join(f"; mesh {m.get('shape')} {m.get('dim_names') or ''}".rstrip() for m in trainer.get("device_meshes", []))
+        + (f"; tensor parallel {trainer['tensor_parallel']}" if "tensor_parallel" in trainer else ""),
+    ]
+    if "run_config" in trainer:
+        lines.append("run config: " + json.dumps(trainer["run_config"], sort_keys=True)[:2000])
+    return lines
+
+
 def run(step_dir: Path, as_json: bool) -> str:
-    report = summary(read_step(step_dir))
+    step = step_at(step_dir)
+    index = read_index_of(step)
+    report = summary(index, read_environment(step, index))
     return json.dumps(report, indent=1) if as_json else render(report)

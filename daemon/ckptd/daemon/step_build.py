@@ -5,6 +5,8 @@ files (HF indexes, extra.json, ckptd.index.json) that commit a step. No I/O: wri
 
 from __future__ import annotations
 
+import json
+import platform
 import socket
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.daemon.format import (
     ADAPTER_WEIGHTS,
+    ENVIRONMENT_JSON,
     EXTRA_JSON,
     GROUP_OF_KIND,
     HEADER_ALIGN,
@@ -205,6 +208,30 @@ def fragment_records(
     return tuple(records)
 
 
+def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
+    """environment.json: the trainer's record as rank 0 sent it (versions of Python, torch and
+    ckptd, device meshes, the user's run config; {} from a client that sends none), the layout
+    that wrote the step (from the plan) and the daemon that committed it."""
+    nodes = plan.node_of_rank or (0,) * plan.world_size
+    ranks_per_node = [nodes.count(n) for n in sorted(set(nodes))]
+    boxes: dict[str, set[Box]] = {}
+    for slot in plan.slots:
+        boxes.setdefault(slot.name, set()).add(slot.box)
+    kinds: dict[str, dict[str, int]] = {}
+    for t in plan.tensors:
+        counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
+        counts["tensors"] += 1
+        counts["sharded"] += len(boxes.get(t.name, ())) > 1
+        counts["fragments"] += len(boxes.get(t.name, ()))
+        counts["bytes"] += t.nbytes
+    doc = {
+        "trainer": json.loads(trainer) if trainer else {},
+        "layout": {"world_size": plan.world_size, "nodes": len(ranks_per_node), "ranks_per_node": ranks_per_node, "kinds": kinds},
+        "daemon": {"ckptd": VERSION, "python": platform.python_version(), "host": host},
+    }
+    return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+
+
 ADAPTER_COPY_LIMIT = 1 << 30  # bytes: a larger adapter file is not copied (`ckptd export` makes one)
 
 
@@ -271,6 +298,8 @@ def step_files(
             small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
+    host = socket.gethostname()
+    small[ENVIRONMENT_JSON] = environment_json(plan, model_files.get(ENVIRONMENT_JSON), host)
     records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
     if adapter is not None:
         source, data = adapter
@@ -291,7 +320,7 @@ def step_files(
         tensors=tuple(record(t) for t in plan.tensors),
         files=tuple(data_files + records),
         metric=metric,
-        writer={"host": socket.gethostname(), "ckptd": VERSION, "nodes": len(manifests)},
+        writer={"host": host, "ckptd": VERSION, "nodes": len(manifests)},
         quantization=quantization,
     )
     small[INDEX_NAME] = index.to_json_bytes()
