@@ -82,3 +82,31 @@ def test_ckptd_model_files_must_return_names_and_text(daemon) -> None:
     with CheckpointClient("bad-files", address=daemon.address, on_error="raise") as ckpt:
         with pytest.raises(TypeError, match="ckptd_model_files"):
             ckpt.save(1, {"model": Bad()})
+
+
+def test_each_step_records_its_environment_and_inspect_shows_it(daemon) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = torch.nn.Linear(4, 3)
+    run_config = {"lr": 3e-4, "data": "shard-*.bin", "layers": [4, 3]}
+    with CheckpointClient("env", address=daemon.address, on_error="raise", run_config=run_config) as ckpt:
+        info = ckpt.save(7, {"model": model}).wait_durable(timeout=60)
+    env = json.loads((Path(info.step_dir) / "environment.json").read_text())
+    assert env["trainer"]["torch"] == torch.__version__
+    assert env["trainer"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert env["trainer"]["run_config"] == run_config
+    assert env["layout"]["world_size"] == 1 and env["layout"]["ranks_per_node"] == [1]
+    assert env["layout"]["kinds"]["model"]["tensors"] == 2
+    shown = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", info.step_dir], capture_output=True, text=True, check=True).stdout
+    assert f"torch {torch.__version__}" in shown and "world size 1 on 1 nodes" in shown and '"lr": 0.0003' in shown
+    as_json = json.loads(subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", "--json", info.step_dir], capture_output=True, text=True, check=True).stdout)
+    assert as_json["environment"] == env
+
+
+@pytest.mark.parametrize("bad", [[1, 2], {"f": object()}, {"x": float("nan")}])
+def test_a_run_config_that_is_not_a_json_dict_is_refused(bad: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="run_config"):
+        CheckpointClient("env", address="unix:///nonexistent.sock", run_config=bad)  # type: ignore[arg-type]
