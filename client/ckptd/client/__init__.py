@@ -6,6 +6,7 @@
 from ckptd.client.client import CheckpointClient, CheckpointInfo
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.shards import LocalShard
 
 __all__ = [
     "CheckpointClient",
@@ -15,5 +16,6 @@ __all__ = [
     "DaemonUnavailable",
     "DurableInfo",
     "InvalidState",
+    "LocalShard",
     "SaveHandle",
 ]

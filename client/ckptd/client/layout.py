@@ -487,7 +487,11 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
     for entry in flat.tensors:
         rule = _entry_rule(entry, rules)
         param_shape = None if entry.name.startswith("model/") else param_shapes.get(layout_key(entry.name))
-        if isinstance(entry.tensor, DTensor):
+        if entry.placement is not None:  # a LocalShard: its box is given
+            offsets, global_shape = entry.placement
+            fragments = [Fragment(entry.name, global_shape, Box(offsets, tuple(entry.tensor.shape)), entry.tensor)]
+            rule = None
+        elif isinstance(entry.tensor, DTensor):
             fragments = fragments_of(entry.name, entry.tensor, rules, coords)
         else:
             fragments = _ruled_fragments(entry.name, entry.tensor, rule, coords, param_shape)

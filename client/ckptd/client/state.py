@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
+from ckptd.client.shards import LocalShard
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 
@@ -78,6 +79,7 @@ class TensorEntry(NamedTuple):
     kind: str
     tensor: torch.Tensor
     aliases: tuple[str, ...] = ()
+    placement: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None  # (offsets, global shape) of a LocalShard
 
 
 @dataclass(frozen=True)
@@ -203,8 +205,14 @@ class _Entries:
         self.names: set[str] = set()
         self.validate = validate
 
-    def adder(self, kind: str) -> Callable[[str, torch.Tensor], None]:
-        return lambda name, tensor: self.add(TensorEntry(name, kind, tensor))
+    def adder(self, kind: str) -> Callable[[str, "torch.Tensor | LocalShard"], None]:
+        def add(name: str, value: torch.Tensor | LocalShard) -> None:
+            if isinstance(value, LocalShard):
+                self.add(TensorEntry(name, kind, value.tensor, placement=(value.offsets, value.global_shape)))
+            else:
+                self.add(TensorEntry(name, kind, value))
+
+        return add
 
     def add(self, entry: TensorEntry) -> None:
         for name in (entry.name, *entry.aliases):

@@ -123,7 +123,7 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
         local = t._local_tensor
         return (e.name, e.kind, e.aliases, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
                 local.shape, local.stride(), local.device)
-    return (e.name, e.kind, e.aliases, t.dtype, t.shape, t.stride(), t.device)
+    return (e.name, e.kind, e.aliases, t.dtype, t.shape, t.stride(), t.device, e.placement)
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:
