@@ -1,0 +1,337 @@
+"""Reading committed steps from their files, without a daemon (the public names: ckptd.offline).
+
+    from ckptd.offline import list_steps, open_step
+
+    for info in list_steps("/var/lib/ckptd", "run-42"):
+        print(info.step, info.path, info.metric)
+    step = open_step("/var/lib/ckptd", "run-42")          # the newest committed step
+    step.load({"model": model, "optimizer": opt})          # in place, any layout, decoded
+    weights = step.state_dict("model")                     # {fqn: whole tensor}
+
+Everything is read from the committed files: every byte checked against the index's
+checksums, quantized tensors decoded, fragments assembled into the boxes asked for (whole
+tensors, DTensor shards, LocalShards, Megatron layout rules), exactly as a load through the
+daemon. Nothing is written, nothing under the root is followed as a link, and a step is
+only what its ckptd.index.json says it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ckptd.client._arenas import ArenaMaps
+from ckptd.client._reader import Decoding, Source
+from ckptd.client._restore import Fill, fill_all
+from ckptd.client.errors import CheckpointError, CheckpointNotFound
+from ckptd.client.layout import LayoutRules, RankCoords
+from ckptd.client.state import flatten_state, restore_state
+from ckptd.client.structure import fragments_of_state
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box
+from ckptd.common.frames import Frames
+from ckptd.common.names import check_job_id
+from ckptd.daemon.engine.load_plan import Location, PieceInfo, Tier, plan_pieces
+from ckptd.daemon.errors import InvalidRequest
+from ckptd.daemon.format import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.format import check_small_file as _check_small_file
+from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.storage import Storage
+
+__all__ = ["Step", "StepInfo", "TensorInfo", "list_steps", "open_step"]
+
+READ_THREADS = 4
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A committed step of a job: where it is and what its index says of it."""
+
+    job: str
+    step: int
+    path: Path
+    created_at: float  # unix seconds
+    metric: float | None
+    size_bytes: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A logical tensor of a step: its name ("<state key>/<path>"), kind, dtype (safetensors
+    name) and global shape, and whether it is stored lossy (quantized)."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    lossy: bool
+
+
+def list_steps(root: str | os.PathLike[str], job: str) -> list[StepInfo]:
+    """The committed steps of `job` under storage root `root`, in commit order (the newest last).
+
+    Raises CheckpointError when `root` is not a directory or the job id is invalid; a step
+    whose index cannot be read is left out (`ckptd verify` says why)."""
+    storage = _storage(root)
+    check_job_id(job)
+    out = []
+    for step in storage.commit_order(job):
+        try:
+            index = storage.read_index(job, step)
+        except (OSError, FormatError):
+            continue
+        out.append(StepInfo(job, step, storage.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
+    return out
+
+
+def open_step(where: str | os.PathLike[str], job: str | None = None, step: int | None = None) -> "Step":
+    """A committed step: `open_step(ROOT, JOB, STEP)` (STEP None: the newest committed) or
+    `open_step(STEP_DIR)` (a directory ROOT/JOB/step-NNNNNNNN).
+
+    Raises CheckpointNotFound when there is no such committed step, CheckpointError when the
+    index is damaged or something in its place is not a regular file."""
+    if job is None:
+        if step is not None:
+            raise ValueError("open_step(STEP_DIR) takes no step; use open_step(ROOT, JOB, STEP)")
+        step_dir = Path(where)
+        return open_step(step_dir.parent.parent, step_dir.parent.name, _step_number(step_dir))
+    storage = _storage(where)
+    check_job_id(job)
+    if step is None:
+        order = storage.commit_order(job)
+        if not order:
+            raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {storage.root}")
+        step = order[-1]
+    if not storage.is_committed(job, step):
+        raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {storage.root} (`ckptd ls {storage.root}` lists them)")
+    try:
+        index = storage.read_index(job, step)
+    except (OSError, FormatError) as exc:
+        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {storage.step_dir(job, step)}` says more") from None
+    return Step(storage, job, step, index)
+
+
+class Step:
+    """One committed step, read from its files. Cheap to make: only the index is read."""
+
+    def __init__(self, storage: Storage, job: str, step: int, index: CheckpointIndex) -> None:
+        self._storage = storage
+        self.job = job
+        self.step = step
+        self.index = index
+        self.path = storage.step_dir(job, step)
+
+    def __repr__(self) -> str:
+        return f"Step(job={self.job!r}, step={self.step}, path={str(self.path)!r}, tensors={len(self.index.tensors)})"
+
+    # ------------------------------------------------------------ what it holds
+
+    def tensors(self, kind: str | None = None) -> list[TensorInfo]:
+        """The step's logical tensors (of `kind`: model, master, optimizer or extra), by name."""
+        return [
+            TensorInfo(t.name, t.kind, t.dtype, tuple(t.shape), t.lossy)
+            for t in sorted(self.index.tensors, key=lambda t: t.name)
+            if kind is None or t.kind == kind
+        ]
+
+    @property
+    def environment(self) -> dict[str, Any] | None:
+        """The environment record (environment.json: versions, layout, run config); None for a
+        step written before ckptd kept one."""
+        data = self._small_file(ENVIRONMENT_JSON)
+        return None if data is None else json.loads(data)
+
+    def extras(self, rank: int = 0) -> dict[str, Any]:
+        """Rank `rank`'s extras as saved (the JSON tree, tensors as {"__tensor__": name}
+        references to the step's tensors of kind "extra"); {} when the rank saved none."""
+        data = self._small_file(EXTRA_JSON)
+        if data is None:
+            return {}
+        record = next(f for f in self.index.files if f.name == EXTRA_JSON)
+        try:
+            return parse_extra_json(data, record).get(rank, {})
+        except FormatError as exc:
+            raise CheckpointError(f"step {self.step} of job {self.job!r}: {exc}") from None
+
+    # ------------------------------------------------------------ reading tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole logical tensor `name` (or one of its aliases), decoded, as a CPU tensor."""
+        record = self.index.by_name().get(name)
+        if record is None:
+            raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
+        return self.tensors_named([name])[name]
+
+    def tensors_named(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Whole logical tensors by name, decoded, read in parallel."""
+        table = self.index.by_name()
+        out: dict[str, torch.Tensor] = {}
+        wanted = []
+        for name in names:
+            record = table.get(name)
+            if record is None:
+                raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
+            out[name] = torch.empty(tuple(record.shape), dtype=getattr(torch, dtypes.torch_name(record.dtype)))
+            wanted.append((name, record, out[name], Box.full(tuple(record.shape))))
+        self._read(wanted, strict=True)
+        return out
+
+    def state_dict(self, kind: str = "model") -> dict[str, torch.Tensor]:
+        """Every tensor of `kind` whole, keyed by its name without the state key ("model/embed.weight"
+        -> "embed.weight"): the form `module.load_state_dict` and safetensors take."""
+        records = [t for t in self.index.tensors if t.kind == kind]
+        if not records:
+            raise KeyError(f"step {self.step} of job {self.job!r} holds no tensors of kind {kind!r} (it has {sorted({t.kind for t in self.index.tensors})})")
+        whole = self.tensors_named([t.name for t in records])
+        return {name.split("/", 1)[1] if "/" in name else name: tensor for name, tensor in whole.items()}
+
+    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box (offsets, lengths per dimension) of logical tensor `name`, into `out` when
+        given (of shape `lengths` and any dtype: values are converted), else a new tensor."""
+        record = self.index.by_name().get(name)
+        if record is None:
+            raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
+        box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+        if len(box.offsets) != len(record.shape) or any(o + n > size for o, n, size in zip(box.offsets, box.lengths, record.shape)):
+            raise ValueError(f"box {box} is not inside tensor {name!r} of shape {list(record.shape)}")
+        if out is None:
+            out = torch.empty(box.lengths, dtype=getattr(torch, dtypes.torch_name(record.dtype)))
+        elif tuple(out.shape) != box.lengths:
+            raise ValueError(f"out has shape {list(out.shape)}, the box {list(box.lengths)}")
+        self._read([(name, record, out, box)], strict=True)
+        return out
+
+    def load(
+        self,
+        state: Mapping[str, Any],
+        *,
+        strict: bool = True,
+        rank: int = 0,
+        rng: bool = False,
+        layout: LayoutRules | None = None,
+        coords: RankCoords | None = None,
+    ) -> int:
+        """Restore `state` in place from this step, as CheckpointClient.load does through the
+        daemon: the same state structures, resharded into whatever layout `state` has (DTensors,
+        LocalShards, `layout`/`coords` rules), quantized tensors decoded; extras from rank
+        `rank`'s (rank 0's, without its RNG state, for a rank the step does not have).
+        Returns the step. Raises CheckpointError naming the tensors when strict checks fail."""
+        flat = flatten_state(state, rank=rank, rng=rng)
+        fragments = fragments_of_state(flat, layout, coords)
+        kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
+        wanted = [
+            TensorSpec(f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases) for entry, f in fragments
+        ]
+        try:
+            planned = plan_pieces(self.index, wanted, kinds, strict, None, self._locations())
+        except InvalidRequest as exc:
+            raise CheckpointError(str(exc)) from None
+        by_name: dict[str, list[Source]] = {}
+        for piece in planned.pieces:
+            by_name.setdefault(piece.name, []).append(_source(piece))
+        fills = [Fill(f.local, f.box, by_name[f.name]) for _, f in fragments if f.name in by_name]
+        self._fill(fills)
+        extras = self.extras(rank) if rank in self._ranks() else {k: v for k, v in self.extras(0).items() if k != "rng"}
+        try:
+            restore_state(state, flat, extras, strict=strict)
+        except ValueError as exc:
+            raise CheckpointError(f"step {self.step} of job {self.job!r}: {exc}") from None
+        return self.step
+
+    # ------------------------------------------------------------ internals
+
+    def _read(self, wanted: Sequence[tuple[str, TensorRecord, torch.Tensor, Box]], strict: bool) -> None:
+        specs = [TensorSpec(name, record.kind, dtypes.from_torch_name(str(out.dtype)), tuple(record.shape), box) for name, record, out, box in wanted]
+        kinds = sorted({record.kind for _, record, _, _ in wanted})
+        try:
+            planned = plan_pieces(self.index, specs, kinds, False, None, self._locations())
+        except InvalidRequest as exc:
+            raise CheckpointError(str(exc)) from None
+        by_name: dict[str, list[Source]] = {}
+        for piece in planned.pieces:
+            by_name.setdefault(piece.name, []).append(_source(piece))
+        self._fill([Fill(out, box, by_name[name]) for name, _, out, box in wanted])
+
+    def _fill(self, fills: list[Fill]) -> None:
+        maps = ArenaMaps()
+        try:
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptd-offline") as pool, torch.no_grad():
+                fill_all(pool, maps, fills)
+        finally:
+            maps.close()
+
+    def _locations(self) -> dict[str, Location]:
+        """Every data file of the step, read here, each checked to be a regular file (not a
+        link) in a step directory that is not one either."""
+        _check_directory(self.path)
+        out = {}
+        for f in self.index.files:
+            if f.name.endswith(".safetensors"):
+                path = self._storage.local_path(self.job, self.step, f.name)
+                if path is None:
+                    raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
+                out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
+        return out
+
+    def _ranks(self) -> set[int]:
+        data = self._small_file(EXTRA_JSON)
+        if data is None:
+            return set()
+        record = next(f for f in self.index.files if f.name == EXTRA_JSON)
+        return set(parse_extra_json(data, record))
+
+    def _small_file(self, name: str) -> bytes | None:
+        """A small file the index lists, checked against its size and checksum; None when unlisted."""
+        record = next((f for f in self.index.files if f.name == name), None)
+        if record is None:
+            return None
+        try:
+            data = self._storage.read_small(self.job, self.step, name, max(record.size, 1))
+            _check_small_file(record, data)
+        except (OSError, FormatError) as exc:
+            raise CheckpointError(f"{self.path}/{name} cannot be read: {exc}; `ckptd verify {self.path}` says what else is damaged") from None
+        return data
+
+
+def _storage(root: str | os.PathLike[str]) -> Storage:
+    path = Path(root)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory: give the storage root that `ckptd serve --root` used")
+    if (path / INDEX_NAME).exists():
+        raise CheckpointError(f"{path} is a step directory, not a storage root: use open_step({str(path)!r})")
+    return Storage(path)
+
+
+def _step_number(step_dir: Path) -> int:
+    name = step_dir.name
+    if not name.startswith("step-") or not name[5:].isdigit():
+        raise CheckpointError(f"{step_dir} is not a step directory (ROOT/JOB/step-NNNNNNNN)")
+    return int(name[5:])
+
+
+def _check_directory(path: Path) -> None:
+    """`path` and its job directory are real directories, not links."""
+    for where in (path.parent, path):
+        try:
+            mode = os.lstat(where).st_mode
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {where}: {exc.strerror}") from None
+        if not stat.S_ISDIR(mode):
+            raise CheckpointError(f"{where} is not a directory (a link or other entry in the storage root is never followed)")
+
+
+def _source(p: PieceInfo) -> Source:
+    """The client's reader description of a planned piece."""
+    decoding = None
+    if p.decode is not None:
+        d = p.decode
+        decoding = Decoding(d.codec, d.block, _source(d.scales) if d.scales else None, _source(d.base) if d.base else None, d.frames if isinstance(d.frames, Frames) else None)
+    return Source(p.name, p.source, p.path, p.offset, p.nbytes, p.fragment, p.dtype, p.checksum, p.chunk_bytes, p.chunk_xxh3, decoding)

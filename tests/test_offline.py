@@ -1,0 +1,111 @@
+"""ckptd.offline: a step saved through a daemon is read back without one — listed, opened,
+loaded in place into another layout, read whole, decoded when quantized."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound, LocalShard
+from ckptd.offline import list_steps, open_step
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+@pytest.fixture(scope="module")
+def saved(module_daemons) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    daemon = module_daemons.start()
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with CheckpointClient("off", address=daemon.address, on_error="raise", run_config={"lr": 1e-2}) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            ckpt.save(step, {"model": model, "optimizer": opt, "extra": {"epoch": step}}, quantize="O1" if step == 2 else "none").wait_durable(timeout=60)
+    daemon.stop()
+    return module_daemons.root, model, opt
+
+
+def test_steps_are_listed_in_commit_order(saved) -> None:
+    root, _, _ = saved
+    infos = list_steps(root, "off")
+    assert [i.step for i in infos] == [1, 2]
+    assert infos[-1].path == root / "off" / "step-00000002" and infos[-1].size_bytes > 0
+
+
+def test_a_step_loads_in_place_with_its_extras_and_decoded_moments(saved) -> None:
+    root, model, opt = saved
+    fresh = _model()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    state = {"model": fresh, "optimizer": fresh_opt, "extra": {"epoch": 0}}
+    step = open_step(root, "off")
+    assert step.step == 2 and step.load(state) == 2
+    assert state["extra"]["epoch"] == 2
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    exp_avg = fresh_opt.state[fresh[0].weight]["exp_avg"]  # int8-quantized: close, not equal
+    assert torch.allclose(exp_avg, opt.state[model[0].weight]["exp_avg"], atol=2e-3, rtol=0.05)
+    assert step.environment["trainer"]["run_config"] == {"lr": 1e-2}
+
+
+def test_whole_tensors_state_dicts_and_boxes(saved) -> None:
+    root, model, _ = saved
+    step = open_step(root / "off" / "step-00000001")
+    weights = step.state_dict("model")
+    assert set(weights) == set(model.state_dict())
+    assert torch.equal(step.tensor("model/0.weight"), weights["0.weight"])
+    box = step.read_box("model/0.weight", (4, 2), (8, 3))
+    assert torch.equal(box, weights["0.weight"][4:12, 2:5])
+    assert {t.kind for t in step.tensors()} == {"model", "optimizer"}
+
+
+def test_two_ranks_load_column_shards(saved) -> None:
+    root, _, _ = saved
+    step = open_step(root, "off", 1)
+    whole = step.tensor("model/2.weight")  # (4, 16)
+
+    def load(rank: int) -> torch.Tensor:
+        target = torch.zeros(4, 8)
+        step.load({"model": {"2.weight": LocalShard(target, (0, 8 * rank), (4, 16))}}, strict=False, rank=rank)
+        return target
+
+    with ThreadPoolExecutor(2) as pool:
+        left, right = pool.map(load, range(2))
+    assert torch.equal(torch.cat([left, right], 1), whole)
+
+
+def test_strict_loads_name_what_is_missing(saved) -> None:
+    root, _, _ = saved
+    with pytest.raises(CheckpointError, match="model/extra_layer"):
+        open_step(root, "off").load({"model": {"extra_layer": torch.zeros(2)}})
+
+
+def test_errors_say_what_to_give(saved, tmp_path: Path) -> None:
+    root, _, _ = saved
+    with pytest.raises(CheckpointNotFound, match="step 9"):
+        open_step(root, "off", 9)
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+        open_step(root, "nothing")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        list_steps(tmp_path / "absent", "off")
+    with pytest.raises(CheckpointError, match="step directory, not a storage root"):
+        list_steps(root / "off" / "step-00000001", "off")
+
+
+def test_a_step_reached_through_a_link_is_not_read(saved, tmp_path: Path) -> None:
+    root, _, _ = saved
+    fake_root = tmp_path / "root"
+    (fake_root).mkdir()
+    os.symlink(root / "off", fake_root / "off")
+    with pytest.raises((CheckpointError, CheckpointNotFound)):
+        open_step(fake_root, "off", 1).state_dict()
