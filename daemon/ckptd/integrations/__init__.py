@@ -1,0 +1,10 @@
+"""Drop-in use of ckptd from the tools trainers already run.
+
+Each module is an optional extra, imported only when used (the core needs none of them):
+
+- ckptd.integrations.transformers: `CkptdCallback` for the Hugging Face Trainer (`ckptd[hf]`)
+- ckptd.integrations.accelerate: `save_state`/`load_state` of an Accelerator through ckptd (`ckptd[hf]`)
+- ckptd.integrations.lightning: `CkptdCheckpointIO` for PyTorch Lightning (`ckptd[lightning]`)
+- ckptd.integrations.peft: adapter-only saves of PEFT models, with their optimizer state (`ckptd[peft]`)
+- ckptd.integrations.dcp: `CkptdStorageWriter`/`CkptdStorageReader` for torch.distributed.checkpoint
+"""
