@@ -1,0 +1,320 @@
+"""torch.distributed.checkpoint (DCP) reads and writes ckptd checkpoints.
+
+    import torch.distributed.checkpoint as dcp
+    from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
+
+    writer = CkptdStorageWriter(job="run-42")                  # one per run: it keeps its client
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)        # or dcp.async_save
+    dcp.load(state_dict, storage_reader=CkptdStorageReader(step_dir))     # any world size
+
+The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors)
+to the node's daemon through a CheckpointClient, as LocalShards at the chunks' offsets, so
+`dcp.save` returns after the hand-off and the daemon writes and commits in the background
+(`durable=True` waits for the commit instead; `writer.handle` is the last save's handle).
+Names: DCP's flattened key "model.layers.0.weight" is ckptd's "model/layers.0.weight" (kinds
+model, master and optimizer by the first part, so the model files stay Hugging Face
+loadable); any other key k is "dcp/k". Non-tensor values (DCP's "bytes" entries) travel in
+the extras as base64 of DCP's own serialization; ckptd never unpickles them (DCP's load
+planner does, as it does for its own directories).
+
+The reader serves a committed ckptd step, written by DCP or by CheckpointClient, to
+`dcp.load` in any world size and sharding: DCP plans against the step's fragments (its
+chunks), and every read is a box of a fragment, read and checksum-verified from the files,
+quantized tensors decoded (ckptd.offline). It needs no daemon.
+
+`export_dcp(step_dir, out)` writes a step's tensors as an ordinary DCP directory
+(FileSystemWriter), for tools that only read DCP.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from ckptd.client import CheckpointClient, LocalShard, SaveHandle
+from ckptd.client.errors import CheckpointError
+from ckptd.common import dtypes
+from ckptd.offline import Step, open_step
+
+__all__ = ["CkptdStorageReader", "CkptdStorageWriter", "export_dcp", "ckptd_name", "dcp_fqn"]
+
+log = logging.getLogger(__name__)
+
+KINDS_BY_PREFIX = ("model", "master", "optimizer")
+OTHER = "dcp"  # the state key of every other DCP entry
+BYTES_KEY = "dcp_bytes"  # extras: {fqn: base64 of DCP's serialized object}
+
+
+def ckptd_name(fqn: str) -> tuple[str, str]:
+    """(state key, path under it) of DCP key `fqn`: ("model", "layers.0.weight") for
+    "model.layers.0.weight"; (OTHER, fqn) for keys outside model, master and optimizer."""
+    head, dot, rest = fqn.partition(".")
+    if dot and head in KINDS_BY_PREFIX and rest:
+        return head, rest
+    return OTHER, fqn
+
+
+def dcp_fqn(name: str) -> str:
+    """The DCP key of ckptd tensor `name`: the inverse of ckptd_name for what DCP wrote, and for
+    CheckpointClient's own names DCP's flattening of the same state ("optimizer/state/w/exp_avg"
+    -> "optimizer.state.w.exp_avg", as get_state_dict's optimizer dict flattens)."""
+    head, _, rest = name.partition("/")
+    if head == OTHER and rest:
+        return rest
+    return name.replace("/", ".")
+
+
+def _step_of(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
+    if checkpoint_id is None:
+        return None
+    text = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+    if isinstance(checkpoint_id, bool) or not text.isdigit():
+        raise ValueError(f"checkpoint_id={checkpoint_id!r}: CkptdStorageWriter takes the step number (an integer >= 0) as the checkpoint id")
+    return int(text)
+
+
+class CkptdStorageWriter(StorageWriter):
+    """A DCP StorageWriter that hands the state to the node's ckptd daemon (see the module).
+
+    job: the run's ckptd job id. step: the step to save (else dcp.save's checkpoint_id).
+    client: a CheckpointClient to use (else one is made at the first save, from `client_args`:
+    address, on_error, quantize is a save option instead). durable: dcp.save returns once the
+    step is committed on every node, instead of after the hand-off. Reuse one writer for every
+    save of a run: the client's plans and shared memory are reused from save to save.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        step: int | None = None,
+        *,
+        client: CheckpointClient | None = None,
+        durable: bool = False,
+        quantize: str | None = None,
+        **client_args: Any,
+    ) -> None:
+        super().__init__()
+        self.job = job
+        self.step = _step_of(step)
+        self.durable = durable
+        self.quantize = quantize
+        self._client = client
+        self._owns_client = client is None
+        self._client_args = {"on_error": "raise", **client_args}
+        self.handle: SaveHandle | None = None
+
+    @property
+    def client(self) -> CheckpointClient:
+        if self._client is None:
+            self._client = CheckpointClient(self.job, **self._client_args)
+        return self._client
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return _step_of(checkpoint_id) is not None
+        except ValueError:
+            return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise ValueError("no step to save: pass CkptdStorageWriter(job, step=N) or dcp.save(..., checkpoint_id=N)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.step is None else str(self.step))
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """This rank's part of the collective save: every rank calls it, with or without items."""
+        assert self.step is not None
+        state: dict[str, Any] = {}
+        encoded: dict[str, str] = {}
+        results = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                encoded[fqn] = base64.b64encode(raw).decode("ascii")
+                results.append(WriteResult(item.index, len(raw), None))
+                continue
+            assert item.tensor_data is not None
+            tensor = planner.resolve_data(item)
+            assert isinstance(tensor, torch.Tensor)
+            key, path = ckptd_name(fqn)
+            place = state.setdefault(key, {})
+            if path in place:
+                raise ValueError(
+                    f"rank {self.client.rank} holds two chunks of {fqn!r}; ckptd takes one chunk per tensor per rank "
+                    "(DTensor shards are one): reshard that tensor so each rank holds one piece"
+                )
+            chunk = item.tensor_data.chunk
+            place[path] = LocalShard(tensor.detach(), tuple(chunk.offsets), tuple(item.tensor_data.size))
+            results.append(WriteResult(item.index, tensor.numel() * tensor.element_size(), None))
+        state[BYTES_KEY] = encoded  # always a key: a rank with nothing to write still joins the save
+        self.handle = self.client.save(self.step, state, quantize=self.quantize)
+        if self.handle.error:
+            raise CheckpointError(f"ckptd could not take step {self.step} of job {self.job!r}: {self.handle.error}")
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Called on the coordinator rank only: the commit is the daemons' (ckptd.index.json)."""
+        if self.durable and self.handle is not None:
+            self.handle.wait_durable()
+
+    def close(self) -> None:
+        """Close the client this writer made (not one passed in)."""
+        if self._client is not None and self._owns_client:
+            self._client.close()
+            self._client = None
+
+
+class CkptdStorageReader(StorageReader):
+    """A DCP StorageReader of a committed ckptd step, read from its files (see the module).
+
+    path: the step directory (ROOT/JOB/step-NNNNNNNN), or the storage root with job (and step,
+    None: the newest committed). dcp.load's checkpoint_id, when given, is a step directory.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, job: str | None = None, step: int | None = None) -> None:
+        super().__init__()
+        self._where = (None if path is None else Path(path), job, step)
+        self._step: Step | None = None
+
+    @property
+    def step(self) -> Step:
+        if self._step is None:
+            path, job, step = self._where
+            if path is None:
+                raise ValueError("no checkpoint to read: pass CkptdStorageReader(STEP_DIR) or dcp.load(..., checkpoint_id=STEP_DIR)")
+            self._step = open_step(path) if job is None else open_step(path, job, step)
+        return self._step
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self._where = (Path(checkpoint_id), None, None)
+            self._step = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return (Path(checkpoint_id) / "ckptd.index.json").is_file()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The step's tensors as DCP sees them: each fragment a chunk; DCP's bytes entries."""
+        step = self.step
+        entries: dict[str, Any] = {}
+        for record in step.index.tensors:
+            properties = TensorProperties(dtype=getattr(torch, dtypes.torch_name(record.dtype)))
+            chunks = [ChunkStorageMetadata(torch.Size(f.box.offsets), torch.Size(f.box.lengths)) for f in record.fragments]
+            for name in (record.name, *record.aliases):
+                entries[dcp_fqn(name)] = TensorStorageMetadata(properties, torch.Size(record.shape), chunks)
+        for fqn in self._bytes():
+            entries[fqn] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=str(step.path)))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.step  # noqa: B018 - opened here, so a missing step fails before any read is planned
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        step = self.step
+        names = {dcp_fqn(n): n for t in step.index.tensors for n in (t.name, *t.aliases)}
+        stored = self._bytes()
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(base64.b64decode(stored[fqn])))
+                continue
+            chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
+            offsets = [c + o for c, o in zip(chunk_at, item.storage_offsets)]
+            target = planner.resolve_tensor(item).detach()
+            if target.device.type == "cpu" and target.is_contiguous():
+                step.read_box(names[fqn], offsets, item.lengths, out=target)
+            else:
+                target.copy_(step.read_box(names[fqn], offsets, item.lengths).to(target.dtype))
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _bytes(self) -> dict[str, str]:
+        return _dcp_bytes(self.step)
+
+
+def _dcp_bytes(step: Step) -> dict[str, str]:
+    """DCP's bytes entries of a step, of every rank (each entry written by one rank): fqn -> base64."""
+    found: dict[str, str] = {}
+    for rank in range(int(step.index.world_size)):
+        value = step.extras(rank).get(BYTES_KEY)
+        if isinstance(value, dict):
+            found.update({k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)})
+    return found
+
+
+def export_dcp(step_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> list[str]:
+    """Write the tensors of the committed step `step_dir` as a DCP directory `out` (a new or
+    empty directory), under their DCP keys (dcp_fqn); returns the keys. Every tensor is read
+    whole into memory (DCP saves a state in one call), so this needs host memory for the
+    step's logical size. DCP's bytes entries are carried when torch.load(weights_only=True)
+    reads them, else left out with a warning. Runs in one process, without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise ValueError(f"{target} exists and is not empty; choose a new directory")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("export_dcp runs in a single process: call it outside torch.distributed (it would save collectively)")
+    step = open_step(step_dir)
+    names = [t.name for t in step.index.tensors]
+    whole = step.tensors_named(names)
+    state: dict[str, Any] = {dcp_fqn(name): tensor for name, tensor in whole.items()}
+    for record in step.index.tensors:
+        for alias in record.aliases:
+            state.setdefault(dcp_fqn(alias), whole[record.name])
+    for fqn, encoded in _dcp_bytes(step).items():
+        # DCP re-serializes the value itself; it is read back here only as weights_only allows
+        try:
+            state[fqn] = torch.load(io.BytesIO(base64.b64decode(encoded)), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler: leave the entry out, say so
+            log.warning("export_dcp: %r left out: its value is not one weights_only loading accepts (%s)", fqn, exc)
+    tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    if target.exists():
+        target.rmdir()
+    os.replace(tmp, target)
+    return sorted(state)

@@ -1,0 +1,123 @@
+"""torch.distributed.checkpoint through ckptd: dcp.save -> ckptd -> dcp.load in another world
+size, and back (a ckptd step exported as a DCP directory that DCP loads in another world size)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ckptd.client import CheckpointClient
+from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter, ckptd_name, dcp_fqn, export_dcp
+from ckptd.offline import open_step
+
+SCRIPT = Path(__file__).with_name("dcp_rank.py")
+sys.path.insert(0, str(SCRIPT.parent))
+from dcp_rank import reference  # noqa: E402
+
+
+def _launch(world: int, **spec: object) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPT), json.dumps({**spec, "rank": r, "world_size": world, "port": port})], stderr=subprocess.PIPE, text=True)
+        for r in range(world)
+    ]
+    errors = [p.communicate(timeout=180)[1] for p in procs]
+    failed = [(r, e) for r, (p, e) in enumerate(zip(procs, errors)) if p.returncode != 0]
+    assert not failed, "\n".join(f"rank {r}: ...{e[-3000:]}" for r, e in failed)
+
+
+def _check(out: Path, world: int, step_count: int) -> None:
+    expected = {f"model.{n}": t for n, t in reference().items()}
+    for rank in range(world):
+        got = load_file(f"{out}-{rank}.safetensors")
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), name
+        assert got["step_count"].tolist() == [step_count]
+
+
+@pytest.mark.slow
+def test_dcp_save_by_two_ranks_loads_in_three_and_exports_back(daemon, tmp_path: Path) -> None:
+    _launch(2, mode="save", address=daemon.address, job="dcp", step=40)
+    step_dir = daemon.root / "dcp" / "step-00000040"
+    assert (step_dir / "ckptd.index.json").is_file()
+    weights = open_step(step_dir).state_dict("model")  # the model files hold the bare FQNs
+    assert set(weights) == {"embed.weight", "proj.weight", "proj.bias"}
+
+    _launch(3, mode="load", step_dir=str(step_dir), out=str(tmp_path / "three"))
+    _check(tmp_path / "three", 3, 40)
+
+    exported = tmp_path / "exported"
+    keys = export_dcp(step_dir, exported)
+    assert "model.embed.weight" in keys and (exported / ".metadata").is_file()
+    _launch(3, mode="load", dcp_dir=str(exported), out=str(tmp_path / "back"))
+    for rank in range(3):
+        got = load_file(f"{tmp_path / 'back'}-{rank}.safetensors")
+        for name, tensor in reference().items():
+            assert torch.equal(got[f"model.{name}"], tensor)
+
+
+def test_a_native_ckptd_step_loads_with_dcp_under_dcp_names(daemon) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with CheckpointClient("native", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(5, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
+    state = {"model": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}, "optimizer": {"state": {"weight": {"exp_avg": torch.zeros(3, 4)}}}}
+    dcp.load(state, storage_reader=CkptdStorageReader(info.step_dir))
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+    assert torch.equal(state["optimizer"]["state"]["weight"]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+
+def test_async_save_in_one_process_hands_off_and_commits(daemon) -> None:
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "meta": {"lr": 0.1}}
+    writer = CkptdStorageWriter("async", address=daemon.address)
+    try:
+        dcp.async_save(state, storage_writer=writer, checkpoint_id=7).result(timeout=60)
+        info = writer.handle.wait_durable(timeout=60)
+    finally:
+        writer.close()
+    loaded = {"model": {"w": torch.zeros(3, 4)}, "meta": {"lr": 0.0}}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(info.step_dir))
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["meta"] == {"lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("fqn", "key", "path"),
+    [("model.layers.0.weight", "model", "layers.0.weight"), ("optimizer.state.w.exp_avg", "optimizer", "state.w.exp_avg"), ("step", "dcp", "step"), ("lr.x", "dcp", "lr.x")],
+)
+def test_names_round_trip(fqn: str, key: str, path: str) -> None:
+    assert ckptd_name(fqn) == (key, path)
+    assert dcp_fqn(f"{key}/{path}") == fqn
+
+
+def test_a_writer_needs_a_step(daemon) -> None:
+    writer = CkptdStorageWriter("nostep", address=daemon.address)
+    with pytest.raises(ValueError, match="no step to save"):
+        writer.set_up_storage_writer(True)
+    with pytest.raises(Exception):  # noqa: B017 - DCP wraps the writer's ValueError in its CheckpointException
+        dcp.save({"model": {"w": torch.ones(2)}}, storage_writer=writer)
+    with pytest.raises(ValueError, match="step number"):
+        writer.reset("not-a-step")
+    assert not CkptdStorageWriter.validate_checkpoint_id("/some/dir") and CkptdStorageWriter.validate_checkpoint_id("12")
+    writer.close()
+
+
+def test_export_refuses_a_non_empty_target(daemon, tmp_path: Path) -> None:
+    with CheckpointClient("exp", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(1, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("keep")
+    with pytest.raises(ValueError, match="not empty"):
+        export_dcp(info.step_dir, tmp_path / "out")
