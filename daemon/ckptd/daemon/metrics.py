@@ -7,7 +7,7 @@ saves in flight) are read at scrape time on the event loop, so a scrape sees a c
 picture and never races the loop. The HTTP server is prometheus_client's own thread server:
 it never blocks the grpc.aio event loop.
 
-Every series, with its unit and meaning, is listed in README.md (Operations: metrics).
+Every series, with its unit and meaning, is listed in docs/operations.md (Metrics).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Metrics:
         self.commits = Counter("ckptd_commits", "Steps committed (made durable and visible).", ["job"], registry=r)
         self.last_commit = Gauge("ckptd_last_commit_timestamp_seconds", "Unix time of the newest commit.", ["job"], registry=r)
         self.last_step = Gauge("ckptd_last_committed_step", "The newest committed step.", ["job"], registry=r)
-        self.failures = Counter("ckptd_save_failures", "Saves that failed, by cause (see README: Operations).", ["cause"], registry=r)
+        self.failures = Counter("ckptd_save_failures", "Saves that failed, by cause (see docs/operations.md).", ["cause"], registry=r)
         for cause in FAILURE_CAUSES:
             self.failures.labels(cause)  # every cause is exported from the start, at 0
         self.skipped = Counter("ckptd_saves_skipped", "Saves skipped because no arena was free (--arena-policy skip).", ["job"], registry=r)

@@ -99,7 +99,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     if "huge=always" not in tmpfs_options(config.shm_dir):
         log.info(
             "arenas in %s use 4 KiB pages; a tmpfs mounted with huge=always makes restores into a "
-            "restarted trainer about 2x faster (README: The daemon, shared memory)", config.shm_dir,
+            "restarted trainer about 2x faster (docs/operations.md: The daemon, shared memory)", config.shm_dir,
         )
     _prepare_socket(config.socket)
     faults = None
