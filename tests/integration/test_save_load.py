@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ckptd.client import CheckpointClient, CheckpointError
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound
 from ckptd.daemon.format import INDEX_NAME
 
 
@@ -268,3 +268,16 @@ def test_a_trainer_that_cannot_read_the_root_loads_through_the_daemon(daemons, r
     assert extra == {"k": 1}
     assert read_from and all(path.startswith(str(daemons.shm_dir)) for path in read_from), read_from
     assert not list(daemons.shm_dir.glob("*-fetch-*"))
+
+
+def test_a_load_that_finds_no_checkpoint_leaves_a_fresh_optimizer_fresh(daemon) -> None:
+    """`start = ckpt.load(state) or 0` on a new job must not change the training that follows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with CheckpointClient("fresh-load", address=daemon.address, on_error="raise") as ckpt:
+        assert ckpt.load({"model": model, "optimizer": opt}) is None
+        assert not opt.state
+        with pytest.raises(CheckpointNotFound):
+            ckpt.load({"model": model, "optimizer": opt}, step=3)
+        assert not opt.state

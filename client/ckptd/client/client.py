@@ -345,8 +345,12 @@ class CheckpointClient:
                 self._rpc.load_done(plan.load_id)
                 plan = self._rpc.plan_load(structure, step, kinds, strict, False, known_plans)
         except CheckpointNotFound:
+            flat.unfresh(state)  # nothing loaded: a fresh optimizer stays as fresh as it was
             if step is None:
                 return None
+            raise
+        except BaseException:
+            flat.unfresh(state)
             raise
         self._lineage = plan.generation
         try:

@@ -88,6 +88,14 @@ class FlatState:
 
     tensors: tuple[TensorEntry, ...]
     extras: dict[str, Any]
+    # keys of optimizers that had no state before this flattening gave them one (a load that
+    # finds nothing to load makes them fresh again: `unfresh`)
+    fresh: tuple[str, ...] = ()
+
+    def unfresh(self, state: Mapping[str, Any]) -> None:
+        """Take back the state this flattening initialized in fresh optimizers of `state`."""
+        for key in self.fresh:
+            state[key].state.clear()
 
     def fingerprint(self) -> str:
         """A hex digest of every entry's (name, kind, dtype, shape, aliases), in order.
@@ -115,6 +123,7 @@ def flatten_state(
     _check_state(state, rng)
     entries = _Entries(validate)
     extras: dict[str, Any] = {}
+    fresh_keys: list[str] = []
     for key in sorted(state):
         value = state[key]
         add = entries.adder(kind_of(key))
@@ -127,6 +136,8 @@ def flatten_state(
             if fresh and for_save:
                 value.state.clear()  # the tensors stay referenced by this flat state until copied
                 optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
+            elif fresh:
+                fresh_keys.append(key)
             encoded = tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
         elif _is_stateful(value):
             encoded = tree.encode(value.state_dict(), key, add)
@@ -136,7 +147,7 @@ def flatten_state(
             extras[key] = encoded
     if rng:
         extras[RNG_KEY] = tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
-    return FlatState(tuple(entries.entries), extras)
+    return FlatState(tuple(entries.entries), extras, tuple(fresh_keys))
 
 
 def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
