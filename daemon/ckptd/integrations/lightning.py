@@ -1,0 +1,289 @@
+"""PyTorch Lightning checkpoints through ckptd: `CkptdCheckpointIO`, a Lightning CheckpointIO plugin.
+
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+    trainer = lightning.Trainer(plugins=[CkptdCheckpointIO(job="run-42")], callbacks=[ModelCheckpoint(...)])
+
+Lightning builds a checkpoint dict and calls `save_checkpoint(checkpoint, path)`; this plugin
+hands the dict to the node's ckptd daemon as step checkpoint["global_step"] of its job and
+returns (the daemon writes in the background). Tensors travel as tensors (safetensors), every
+other value as JSON; nothing is pickled (the mapping: ckptd.integrations._lightning_state).
+At `path` it leaves a small JSON pointer naming the job and step, written once the step is
+durable (ckptd.integrations._lightning_pointer). `load_checkpoint(path)` reads the pointer and
+loads the step back into the dict Lightning expects; `remove_checkpoint(path)` removes the
+pointer. So ModelCheckpoint (top-k, save_last), `trainer.fit(ckpt_path=...)` and
+`ckpt_path="last"` work as with Lightning's own files. docs/integrations/lightning.md has the
+details and the limits.
+
+Needs the `lightning` package (`pip install 'ckptd[lightning]'`); the rest of ckptd does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from ckptd.client import CheckpointClient
+from ckptd.client.errors import CheckpointError, CheckpointNotFound
+from ckptd.client.handle import SaveHandle
+from ckptd.common.names import check_job_id
+from ckptd.common.quant_options import check_scheme
+from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
+from ckptd.integrations._lightning_state import (
+    LAYOUT,
+    MapLocation,
+    SameStep,
+    assemble,
+    decode_parts,
+    global_step_of,
+    map_tensors,
+    monitored_metric,
+    templates,
+    to_state,
+)
+
+__all__ = ["CkptdCheckpointIO"]
+
+log = logging.getLogger("ckptd.integrations.lightning")
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """A Lightning CheckpointIO that saves through ckptd: `Trainer(plugins=[CkptdCheckpointIO(job="run-42")])`.
+
+    job: the ckptd job the checkpoints are saved to (a checkpoint is step
+    checkpoint["global_step"] of it). address: the daemon ("unix:///path.sock"; default
+    $CKPTD_ADDRESS, else the default socket). on_error: "warn" (default: a save the daemon
+    cannot take is logged, training goes on, and no pointer appears at its path) or "raise".
+    quantize: None (the daemon's default), "none", "O1" or "O2" (ckptd's compression of Adam
+    moments). durable_timeout_s: how long a pointer waits for its step to be durable.
+    timeout_s: the client's wait for the daemon on a save or load.
+
+    One training process (no distributed strategy with several processes). CUDA tensors are
+    handed over in ckptd's mode "copy": save_checkpoint returns once they are in host memory,
+    since this plugin sees tensors, not the optimizer whose step would fence an overlapped copy.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        address: str | None = None,
+        on_error: str = "warn",
+        quantize: str | None = None,
+        durable_timeout_s: float = 600.0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.job = check_job_id(job)
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
+        if quantize != "none":
+            check_scheme(quantize)
+        if not durable_timeout_s > 0 or not timeout_s > 0:
+            raise ValueError(f"durable_timeout_s={durable_timeout_s!r} and timeout_s={timeout_s!r} must be > 0 seconds")
+        self.address = address
+        self.on_error = on_error
+        self.quantize = quantize
+        self.durable_timeout_s = float(durable_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self._client: CheckpointClient | None = None
+        self._writer = PointerWriter()
+        # the step handed over last and whether it became durable: a later save of the same
+        # global_step reuses it (kept across teardown: trainer.save_checkpoint after fit)
+        self._last: tuple[SameStep, _Durable] | None = None
+
+    # ------------------------------------------------------------ CheckpointIO
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Hand `checkpoint` to ckptd as step checkpoint["global_step"] and return; the pointer
+        at `path` appears once the step is durable.
+
+        A second save of the step handed over last (ModelCheckpoint's last.ckpt after the top-k
+        file) is not handed over again: ckptd holds one checkpoint per step. It must have the
+        same tensors, unchanged (else ValueError); its pointer names the same step and carries
+        the parts of its non-tensor content that differ (JSON). Raises TypeError naming the key
+        of a value that is neither a tensor nor JSON-able, and for storage_options (none are
+        supported).
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}: "
+                "ckptd's daemon decides where and how the checkpoint is stored (its --root and configuration)"
+            )
+        target = local_path(path)
+        _check_single_process()
+        self._raise_background_error()
+        step = global_step_of(checkpoint)
+        mapped = to_state(checkpoint)
+        if self._last is not None and self._last[0].step == step:
+            same, durable = self._last
+            why = same.mismatch(mapped)
+            if why is not None:
+                raise ValueError(
+                    f"global_step {step} was already saved to ckptd (job {self.job!r}) by this run, and the checkpoint for "
+                    f"{target} differs from it: {why}. ckptd holds one checkpoint per step: save again only after "
+                    "the next optimizer step"
+                )
+            self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
+            return
+        client = self._connect()
+        try:
+            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize)
+        except CheckpointError as exc:  # on_error="raise", or a state the daemon refuses
+            self._last = None
+            raise type(exc)(self._not_saved(client, step, target, str(exc)), exc.code, exc.reason) from exc
+        if not handle.ok:
+            self._last = None
+            log.warning("%s", self._not_saved(client, step, target, handle.error or "unknown error"))
+            return
+        durable = _Durable(handle, self.durable_timeout_s)
+        self._last = (SameStep(step, mapped), durable)
+        self._writer.submit(target, Pointer(self.job, step), durable)
+
+    def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict the pointer at `path` names, as Lightning saved it.
+
+        Waits first for pointers still being written. map_location as torch's (None: CPU
+        tensors). weights_only is accepted and has no effect: nothing is ever unpickled.
+        Raises FileNotFoundError when there is no file or ckptd no longer holds the step (with
+        the steps it holds), ValueError ("not a ckptd checkpoint pointer: ...") for another
+        file, CheckpointError when the daemon cannot serve the step.
+        """
+        target = local_path(path)
+        _check_single_process()
+        self._writer.flush()
+        pointer = read_pointer(target)
+        if pointer.job == self.job:
+            checkpoint = self._load(self._connect(), pointer, target)
+        else:  # a checkpoint of another job (e.g. the run this one was started from)
+            with self._new_client(pointer.job, "raise") as client:
+                checkpoint = self._load(client, pointer, target)
+        return map_tensors(checkpoint, map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at `path` (and one still waiting to be written).
+
+        The step stays in ckptd until the daemon's retention deletes it: ckptd has no call that
+        deletes one step. Run the daemon with retention that keeps what ModelCheckpoint keeps
+        (docs/integrations/lightning.md: --keep-best with this plugin's metrics, --keep-last).
+        """
+        target = local_path(path)
+        self._writer.cancel(target)
+        if os.path.isdir(target) and not os.path.islink(target):
+            log.warning("%s is a directory, not a pointer file of CkptdCheckpointIO: left in place", target)
+            return
+        try:
+            os.remove(target)
+        except FileNotFoundError:
+            log.debug("%s: no pointer to remove (its save was not durable, or it is gone already)", target)
+
+    def wait_durable(self) -> None:
+        """Block until every checkpoint saved so far is durable and its pointer file written (or
+        its save failed: logged; raised with on_error="raise"). Not part of Lightning's
+        CheckpointIO: for code that hands a checkpoint path on at once (load_checkpoint and
+        teardown wait by themselves)."""
+        self._writer.flush()
+        self._raise_background_error()
+
+    def teardown(self) -> None:
+        """Wait for the pointers still being written, then close the connection to the daemon.
+
+        Lightning calls it at the end of fit, validate and test; a later save or load connects
+        again. With on_error="raise", a pointer that could not be written raises here.
+        """
+        try:
+            self._writer.close()
+        finally:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
+        self._raise_background_error()
+
+    # ------------------------------------------------------------ internals
+
+    def _connect(self) -> CheckpointClient:
+        if self._client is None:
+            self._client = self._new_client(self.job, self.on_error)
+        return self._client
+
+    def _new_client(self, job: str, on_error: str) -> CheckpointClient:
+        # Lightning saves the whole state from one process: a job of one rank.
+        return CheckpointClient(
+            job, address=self.address, rank=0, world_size=1, local_world_size=1, mode="copy", on_error=on_error, timeout_s=self.timeout_s
+        )
+
+    def _not_saved(self, client: CheckpointClient, step: int, path: str, error: str) -> str:
+        text = f"checkpoint {path} (step {step} of job {self.job!r}) was not saved to ckptd and no pointer is written: {error}"
+        try:
+            held = any(info.step == step for info in client.list())
+        except CheckpointError as exc:
+            log.debug("could not list the steps of job %r: %s", self.job, exc)
+            held = False
+        if held:
+            text += (
+                f". The job already holds step {step}: a run resumed from an earlier checkpoint saves its later steps "
+                "again, and ckptd keeps the first. Resume into a new job (CkptdCheckpointIO(job=...)) to save them"
+            )
+        return text
+
+    def _raise_background_error(self) -> None:
+        error = self._writer.take_error()
+        if error is not None and self.on_error == "raise":
+            raise CheckpointError(f"an earlier checkpoint's pointer file was not written: {error}") from error
+
+    def _load(self, client: CheckpointClient, pointer: Pointer, path: str) -> dict[str, Any]:
+        layout: dict[str, Any] = {}
+        try:
+            client.load({LAYOUT: layout}, step=pointer.step)
+        except CheckpointNotFound:
+            held = [info.step for info in client.list()]
+            raise FileNotFoundError(
+                f"{path} names step {pointer.step} of ckptd job {pointer.job!r}, which the daemon at {client.address} does not "
+                f"hold (the job's steps: {held or 'none'}): the daemon's retention deleted it (keep what ModelCheckpoint "
+                "keeps: see docs/integrations/lightning.md), or another daemon or storage root holds it"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"{path} names step {pointer.step} of ckptd job {pointer.job!r}, which CkptdCheckpointIO did not save: {exc}") from None
+        fresh = templates(layout)
+        client.load(fresh.state, step=pointer.step)
+        if pointer.shape is None:
+            return assemble(layout["order"], layout["state_dict_metadata"], fresh.state)
+        shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
+        parts = {**fresh.state, **decode_parts(shape["trees"], fresh.tensors)}
+        return assemble(shape["order"], shape["state_dict_metadata"], parts)
+
+
+class _Durable:
+    """Whether one save became durable: the first call waits (SaveHandle.wait_durable), later
+    calls give the same answer, also once the client is closed. Thread-safe."""
+
+    def __init__(self, handle: SaveHandle, timeout_s: float) -> None:
+        self._handle = handle
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._result: bool | None = None
+        self._error: BaseException | None = None
+
+    def __call__(self) -> bool:
+        with self._lock:
+            if self._result is None and self._error is None:
+                try:
+                    self._result = self._handle.wait_durable(timeout=self._timeout_s) is not None
+                except CheckpointError as exc:  # on_error="raise": kept, raised to every caller
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+            return bool(self._result)
+
+
+def _check_single_process() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise RuntimeError(
+            f"CkptdCheckpointIO is built and tested for one training process; this one is rank {torch.distributed.get_rank()} "
+            f"of {torch.distributed.get_world_size()}. With several processes, save through ckptd.client.CheckpointClient "
+            "from every rank (it saves each rank's shards and restores any layout)"
+        )

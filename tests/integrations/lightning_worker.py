@@ -1,0 +1,115 @@
+"""A small PyTorch Lightning training run that checkpoints through CkptdCheckpointIO:
+`python lightning_worker.py SPEC_JSON` (tests/integrations/test_lightning.py runs it).
+
+An MLP with dropout on a shuffled DataLoader, Adam with a StepLR schedule, ModelCheckpoint
+keeping the 2 best by train_loss plus last.ckpt every `every` steps. The module saves the torch
+RNG state in its checkpoints (on_save_checkpoint) and restores it (on_load_checkpoint), so a
+resumed run draws the same dropout masks and shuffles as an uninterrupted one.
+
+Spec: address, job, dirpath, out (one JSON line per step: {"step", "loss"}), max_steps, every,
+ckpt_path (null: fresh, "last", or a path), pause_at (0: never; else, at the start of the
+batch after global step `pause_at`, wait until last.ckpt names that step, print
+"DURABLE <step>" and sleep until killed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptd.integrations.lightning import CkptdCheckpointIO
+
+SAMPLES, BATCH = 40, 8  # 5 batches per epoch
+
+
+class TinyMLP(L.LightningModule):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.02)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5), "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng"] = {"torch": torch.get_rng_state()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+
+
+def data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 6, generator=g)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(SAMPLES, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+class Losses(Callback):
+    """Appends {"step", "loss"} to `out` after every training step, flushed (a killed run's lines stay)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with self.out.open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+
+
+class PauseWhenDurable(Callback):
+    """At the start of the batch after global step `step` (ModelCheckpoint has saved it), wait
+    until last.ckpt names that step, i.e. ckptd has made it durable, say so and sleep."""
+
+    def __init__(self, step: int, last: Path) -> None:
+        self.step = step
+        self.last = last
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.last.exists() and json.loads(self.last.read_text())["step"] == self.step:
+                print(f"DURABLE {self.step}", flush=True)
+                time.sleep(600)  # the test kills this process
+            time.sleep(0.01)
+        raise TimeoutError(f"{self.last} did not name step {self.step} within 60 s")
+
+
+def train(spec: dict[str, Any]) -> None:
+    """One run as `spec` says (see the module docstring). Losses match across runs only with the
+    same torch thread count: the script runs with one, as the tests do in process."""
+    torch.manual_seed(0)
+    dirpath = Path(spec["dirpath"])
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=dirpath, monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_train_steps=spec["every"]),
+        Losses(Path(spec["out"])),
+    ]
+    if spec.get("pause_at"):
+        callbacks.append(PauseWhenDurable(spec["pause_at"], dirpath / "last.ckpt"))
+    trainer = L.Trainer(
+        max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    )
+    trainer.fit(TinyMLP(), data(), ckpt_path=spec.get("ckpt_path"))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    train(json.loads(sys.argv[1]))

@@ -1,0 +1,327 @@
+"""CkptdCheckpointIO with the real PyTorch Lightning, on CPU, against real daemons.
+
+- every checkpoint a Trainer saves (top-k files, last.ckpt, as a copy or a link) loads back as
+  Lightning built it, right after its save and at the end; ModelCheckpoint's removals remove
+  the pointer files, and the daemon's retention (--keep-best 2 with the plugin's metrics,
+  --keep-last 1) keeps exactly the steps the remaining pointers name;
+- a run SIGKILLed after a durable save and resumed with ckpt_path="last" gives the same losses,
+  step by step, as an uninterrupted run; a run resumed from a top-k file into a new job too;
+- a second save of one global_step: its own Lightning bookkeeping, the same tensors, or an error;
+- bad paths and bad checkpoints: clear errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
+
+from ckptd.client import CheckpointClient  # noqa: E402
+from ckptd.client.errors import CheckpointError  # noqa: E402
+from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+
+WORKER = Path(__file__).with_name("lightning_worker.py")
+RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
+
+
+@pytest.fixture(scope="module")
+def worker() -> ModuleType:
+    """lightning_worker.py, imported by path (tests/integrations is no package)."""
+    spec = importlib.util.spec_from_file_location("lightning_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """In-process runs use one torch thread, as the worker script does: equal losses need equal kernels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where `a` and `b` differ: types, keys and their order, tensor dtypes, shapes and values."""
+    if type(a) is not type(b):
+        return [f"{path}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [f"{path}: tensors differ"]
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{path}: keys {list(a)} != {list(b)}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: lengths {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}/{i}")]
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def clone(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
+
+
+class CheckingIO(CkptdCheckpointIO):
+    """CkptdCheckpointIO that loads every checkpoint back right after saving it and records
+    how it differs from what Lightning passed (read after the run)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.saved: dict[str, dict[str, Any]] = {}
+        self.problems: list[str] = []
+        self.repeats = 0  # saves of a step already saved under another path (their pointers carry a shape)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        expected = clone(checkpoint)
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.saved[str(path)] = expected
+        loaded = self.load_checkpoint(path)  # waits until the pointer is written
+        self.repeats += "shape" in json.loads(Path(path).read_text())
+        self.problems += [f"{path}{d}" for d in differences(loaded, expected)]
+        if loaded["state_dict"]._metadata != checkpoint["state_dict"]._metadata:
+            self.problems.append(f"{path}: state_dict metadata differs")
+
+
+def pointer_steps(dirpath: Path) -> dict[str, int]:
+    return {p.name: json.loads(p.read_text())["step"] for p in sorted(dirpath.glob("*.ckpt"))}
+
+
+def ckptd_steps(address: str, job: str) -> set[int]:
+    with CheckpointClient(job, address=address, rank=0, world_size=1) as client:
+        return {info.step for info in client.list()}
+
+
+def settled_steps(address: str, job: str, want: set[int]) -> set[int]:
+    """The job's steps once they equal `want`, or as they are after 10 s (retention runs just
+    after a commit is acknowledged, so it may lag a moment behind the last pointer)."""
+    deadline = time.monotonic() + 10
+    while (steps := ckptd_steps(address, job)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return steps
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_every_checkpoint_a_trainer_saves_loads_back_as_lightning_built_it(daemons, worker, tmp_path: Path, save_last: Any) -> None:
+    daemon = daemons.start(*RETENTION)
+    dirpath = tmp_path / "ckpts"
+    io = CheckingIO(job="fit", address=daemon.address, on_error="raise")
+    checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="train_loss", save_top_k=2, save_last=save_last, every_n_train_steps=3)
+    trainer = L.Trainer(max_steps=18, callbacks=[checkpoint], plugins=[io], logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.strategy.checkpoint_io is io
+    trainer.fit(worker.TinyMLP(), worker.data())
+
+    assert io.problems == []
+    assert (io.repeats > 0) == (save_last is True)  # last.ckpt after the top-k file of the same step
+    pointers = pointer_steps(dirpath)
+    top_k = {Path(p).name for p in checkpoint.best_k_models}
+    assert set(pointers) == top_k | {"last.ckpt"} and len(top_k) == 2
+    removed = {Path(p).name for p in io.saved} - set(pointers)
+    assert removed, "ModelCheckpoint removed no top-k file: the run is too short to test removal"
+    assert (dirpath / "last.ckpt").is_symlink() == (save_last == "link")
+    # retention with the metrics the plugin sends keeps exactly what the pointers name
+    assert settled_steps(daemon.address, "fit", set(pointers.values())) == set(pointers.values())
+    # at the end (after teardown) every pointer still loads as saved, last.ckpt through its link too
+    for name in pointers:
+        target = os.path.realpath(dirpath / name)
+        assert differences(io.load_checkpoint(dirpath / name), io.saved[target]) == []
+    loaded = io.load_checkpoint(checkpoint.best_model_path)
+    assert all(isinstance(k, int) for k in loaded["optimizer_states"][0]["state"])
+    assert isinstance(loaded["state_dict"], OrderedDict)
+    # after fit (the plugin torn down), a save of the last step again: the step ckptd holds
+    trainer.save_checkpoint(dirpath / "final.ckpt")
+    assert io.problems == [] and json.loads((dirpath / "final.ckpt").read_text())["step"] == 18
+    io.teardown()
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, worker, tmp_path: Path, one_thread: None) -> None:
+    daemon = daemons.start(*RETENTION)
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": name, "dirpath": str(tmp_path / name), "out": str(tmp_path / f"{name}.jsonl"),
+                "max_steps": 25, "every": 5, "ckpt_path": None, "pause_at": 0}
+        return {**base, **changes}
+
+    def losses(name: str) -> dict[int, float]:
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        return {line["step"]: line["loss"] for line in lines}
+
+    killed = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec("run", pause_at=10))], stdout=subprocess.PIPE, text=True)
+    try:
+        worker.train(spec("ref"))  # the uninterrupted run, meanwhile
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "DURABLE 10"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    assert killed.returncode == -signal.SIGKILL
+    before = losses("run")
+    assert max(before) == 10 and all(before[s] == losses("ref")[s] for s in before)
+    assert pointer_steps(tmp_path / "run")["last.ckpt"] == 10
+
+    worker.train(spec("run", ckpt_path="last"))  # a new Trainer, plugin and client, as a restarted process has them
+    ref, resumed = losses("ref"), losses("run")
+    assert max(resumed) == 25
+    assert [resumed[s] for s in range(11, 26)] == [ref[s] for s in range(11, 26)]
+
+    # ModelCheckpoint decided alike in both runs; its removals removed the pointers
+    assert pointer_steps(tmp_path / "run") == pointer_steps(tmp_path / "ref")
+    assert not (tmp_path / "run" / "epoch=1-step=10.ckpt").exists()
+    for job in ("ref", "run"):
+        want = set(pointer_steps(tmp_path / job).values())
+        assert settled_steps(daemon.address, job, want) == want
+    io = CkptdCheckpointIO(job="reader", address=daemon.address)
+    for name in pointer_steps(tmp_path / "run"):
+        a, b = io.load_checkpoint(tmp_path / "run" / name), io.load_checkpoint(tmp_path / "ref" / name)
+        assert differences(a["state_dict"], b["state_dict"]) == [] and differences(a["optimizer_states"], b["optimizer_states"]) == []
+
+    # an explicit top-k path of job "run", resumed into a new job: the same losses after it
+    best = tmp_path / "run" / "epoch=3-step=20.ckpt"
+    assert best.exists()
+    worker.train(spec("from-best", ckpt_path=str(best), dirpath=str(tmp_path / "from-best")))
+    assert [losses("from-best")[s] for s in range(21, 26)] == [ref[s] for s in range(21, 26)]
+    io.teardown()
+
+
+def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, note: str) -> dict[str, Any]:
+    """A checkpoint dict shaped as Lightning's."""
+    return {
+        "epoch": 0, "global_step": step, "pytorch-lightning_version": L.__version__,
+        "state_dict": model.state_dict(), "loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": step}}},
+        "callbacks": {"Note": {"note": note, "score": torch.tensor(0.5)}}, "optimizer_states": [optimizer.state_dict()],
+        "lr_schedulers": [], "hyper_parameters": {"hidden": 3, "betas": (0.9, 0.99)},
+    }
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_tensors(daemon, tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    io = CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise")
+    first, second = _checkpoint(model, optimizer, 7, "first"), _checkpoint(model, optimizer, 7, "second")
+    expected = {"a.ckpt": clone(first), "b.ckpt": clone(second)}
+    io.save_checkpoint(first, tmp_path / "a.ckpt")
+    io.save_checkpoint(second, tmp_path / "b.ckpt")  # the same step: not handed over again
+    for name, want in expected.items():
+        loaded = io.load_checkpoint(tmp_path / name)
+        assert differences(loaded, want) == [] and loaded["epoch"] == 0
+    assert "shape" not in json.loads((tmp_path / "a.ckpt").read_text())
+    assert set(json.loads((tmp_path / "b.ckpt").read_text())["shape"]["trees"]) == {"lightning"}  # only what differs
+    assert ckptd_steps(daemon.address, "same") == {7}
+
+    changed_score = _checkpoint(model, optimizer, 7, "first")
+    changed_score["callbacks"]["Note"]["score"] = torch.tensor(0.25)
+    with pytest.raises(ValueError, match="global_step 7 was already saved.*'lightning/callbacks/Note/score' has another value"):
+        io.save_checkpoint(changed_score, tmp_path / "c.ckpt")
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    with pytest.raises(ValueError, match="global_step 7 was already saved.*'model/0.weight' changed"):
+        io.save_checkpoint(_checkpoint(model, optimizer, 7, "first"), tmp_path / "c.ckpt")
+
+    # a removal before the pointer is written withdraws it
+    io.save_checkpoint(_checkpoint(model, optimizer, 8, "x"), tmp_path / "gone.ckpt")
+    io.remove_checkpoint(tmp_path / "gone.ckpt")
+    io.teardown()
+    assert not (tmp_path / "gone.ckpt").exists()
+
+    # a new run (e.g. resumed from an earlier checkpoint) saving a step the job holds: refused, saying why
+    again = _checkpoint(model, optimizer, 7, "first")
+    with pytest.raises(CheckpointError, match="already holds step 7: a run resumed from an earlier checkpoint.*new job"):
+        CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise").save_checkpoint(again, tmp_path / "again.ckpt")
+    warn = CkptdCheckpointIO(job="same", address=daemon.address)
+    warn.save_checkpoint(again, tmp_path / "again.ckpt")  # logged, training goes on
+    warn.teardown()
+    assert not (tmp_path / "again.ckpt").exists()
+
+    # map_location as torch.load takes it
+    for where in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, location: storage):
+        assert io.load_checkpoint(tmp_path / "a.ckpt", map_location=where)["state_dict"]["0.weight"].device.type == "cpu"
+    io.teardown()
+
+
+def test_bad_paths_and_checkpoints_give_clear_errors(daemon, tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(job="bad", address=daemon.address, on_error="raise")
+    model, optimizer = _trained()
+
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    archive = tmp_path / "torch.ckpt"
+    with zipfile.ZipFile(archive, "w") as z:  # torch's serialization writes a zip archive
+        z.writestr("archive/data.pkl", b"")
+    with pytest.raises(ValueError, match="not a ckptd checkpoint pointer: .*torch.ckpt: .*TorchCheckpointIO"):
+        io.load_checkpoint(archive)
+    cases = {
+        "text.ckpt": ("hello", "not JSON"),
+        "other.ckpt": ('{"a": 1}', "without \"format\""),
+        "job.ckpt": ('{"format": "ckptd-lightning-pointer", "version": 1, "job": "../x", "step": 1}', "invalid job id"),
+        "step.ckpt": ('{"format": "ckptd-lightning-pointer", "version": 1, "job": "bad", "step": -1}', "not an integer >= 0"),
+        "newer.ckpt": ('{"format": "ckptd-lightning-pointer", "version": 9, "job": "bad", "step": 1}', "newer ckptd"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"not a ckptd checkpoint pointer: .*{name}: .*{message}"):
+            io.load_checkpoint(tmp_path / name)
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(ValueError, match="not a ckptd checkpoint pointer: .*a directory"):
+        io.load_checkpoint(tmp_path / "dir.ckpt")
+
+    (tmp_path / "absent.ckpt").write_text('{"format": "ckptd-lightning-pointer", "version": 1, "job": "bad", "step": 99}')
+    with pytest.raises(FileNotFoundError, match=r"names step 99 of ckptd job 'bad', which the daemon .* does not hold \(the job's steps: none\)"):
+        io.load_checkpoint(tmp_path / "absent.ckpt")
+    with CheckpointClient("plain", address=daemon.address, on_error="raise") as client:  # a step saved without the plugin
+        client.save(3, {"model": model}).wait_durable(timeout=60)
+    (tmp_path / "plain.ckpt").write_text('{"format": "ckptd-lightning-pointer", "version": 1, "job": "plain", "step": 3}')
+    with pytest.raises(ValueError, match="names step 3 of ckptd job 'plain', which CkptdCheckpointIO did not save"):
+        io.load_checkpoint(tmp_path / "plain.ckpt")
+
+    good = _checkpoint(model, optimizer, 1, "x")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(good, tmp_path / "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ValueError, match="is a URL"):
+        io.save_checkpoint(good, "s3://bucket/x.ckpt")
+    with pytest.raises(ValueError, match="'global_step' is None"):
+        io.save_checkpoint({k: v for k, v in good.items() if k != "global_step"}, tmp_path / "x.ckpt")
+    unpicklable = {**good, "hyper_parameters": {"loss_fn": torch.nn.MSELoss()}}
+    with pytest.raises(TypeError, match="'lightning/hyper_parameters/loss_fn': a value of type torch.nn.modules.loss.MSELoss.*never pickles"):
+        io.save_checkpoint(unpicklable, tmp_path / "x.ckpt")
+    with pytest.raises(TypeError, match="tensor 'lightning/extra'.*complex64"):
+        io.save_checkpoint({**good, "extra": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "x.ckpt")
+    (tmp_path / "a-file").write_text("")  # a pointer that cannot be written: raised at the next call
+    io.save_checkpoint(_checkpoint(model, optimizer, 2, "x"), tmp_path / "a-file" / "x.ckpt")
+    with pytest.raises(CheckpointError, match="pointer file was not written"):
+        io.wait_durable()
+    with pytest.raises(ValueError, match="invalid job id"):
+        CkptdCheckpointIO(job="no spaces")
+    with pytest.raises(ValueError, match="on_error"):
+        CkptdCheckpointIO(job="j", on_error="ignore")
+    io.teardown()
+    assert not (tmp_path / "x.ckpt").exists()
