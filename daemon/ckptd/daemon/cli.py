@@ -1,4 +1,4 @@
-"""The `ckptd` command: serve, demo, ls, status, verify, gc, export, inspect."""
+"""The `ckptd` command: serve, demo, ls, status, verify, gc, export, inspect, import."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import Sequence
 
 
+
+# `ckptd import --format` choices: the keys of ckptd.daemon.importing.FORMATS, named here because
+# importing imports torch, which no other command needs at start (tests check they agree).
+IMPORT_FORMATS = ("torch", "hf", "safetensors", "dcp")
 
 # Context a log call may attach with extra={...}; JSON lines carry them as fields.
 LOG_CONTEXT = ("job", "step", "rank", "cause")
@@ -63,6 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ckptd.daemon.export import ExportError, export_model
 
+    if args.format == "dcp":
+        return _export_dcp(args)
     try:
         files = export_model(Path(args.step_dir), Path(args.out))
     except (ExportError, OSError) as exc:
@@ -70,6 +76,19 @@ def _export(args: argparse.Namespace) -> int:
         return 1
     for path in files:
         print(f"{path.stat().st_size:>14}  {path}")
+    return 0
+
+
+def _export_dcp(args: argparse.Namespace) -> int:
+    from ckptd.client.errors import CheckpointError
+    from ckptd.integrations.dcp import export_dcp
+
+    try:
+        keys = export_dcp(Path(args.step_dir), Path(args.out))
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"ckptd export: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(keys)} entries written as a torch.distributed.checkpoint directory: {args.out}")
     return 0
 
 
@@ -81,6 +100,20 @@ def _inspect(args: argparse.Namespace) -> int:
     except InspectError as exc:
         print(f"ckptd inspect: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ckptd.daemon.errors import CkptdError
+    from ckptd.daemon.importing import ImportRefused, import_checkpoint
+
+    setup_logging("error", as_json=False)  # what is not imported is in the report printed below
+    try:
+        report = import_checkpoint(args.source, args.root, args.job, args.step, source_format=args.format)
+    except (ImportRefused, CkptdError, OSError) as exc:  # CkptdError: NoSpace before anything is written
+        print(f"ckptd import: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.describe())
     return 0
 
 
@@ -132,12 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a consolidated Hugging Face-loadable copy of a step's model weights")
     export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
     export.add_argument("out", help="a new directory to write")
+    export.add_argument(
+        "--format", choices=("hf", "dcp"), default="hf",
+        help="hf (default): the model weights, whole, as Hugging Face safetensors shards; dcp: every tensor as a torch.distributed.checkpoint directory",
+    )
     export.set_defaults(func=_export)
 
     inspect = sub.add_parser("inspect", help="show a committed step: tensors, fragments, quantization, sizes")
     inspect.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=_inspect)
+
+    importer = sub.add_parser(
+        "import", help="write a torch.save file, a Hugging Face model directory or a torch.distributed.checkpoint directory "
+        "as a committed step (no daemon needed)",
+    )
+    importer.add_argument("source", metavar="SOURCE", help="a torch.save file (.pt/.bin), a .safetensors file, a Hugging Face model directory or a DCP directory")
+    importer.add_argument("--root", required=True, help="the storage root (the --root of `ckptd serve`; new or empty is fine)")
+    importer.add_argument("--job", required=True, help="the job to import into, e.g. run-42")
+    importer.add_argument("--step", required=True, type=int, help="the step number to write; an existing step is never overwritten")
+    importer.add_argument("--format", choices=("auto", *IMPORT_FORMATS), default="auto", help="what SOURCE is (default: auto, from the file or directory)")
+    importer.add_argument("--json", action="store_true", help="machine-readable output")
+    importer.set_defaults(func=_import)
 
     demo = sub.add_parser("demo", help="a daemon + a small multi-rank training job: save, crash, resume")
     from ckptd.demo import main as demo_module
