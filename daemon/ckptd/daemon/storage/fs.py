@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -381,7 +382,8 @@ def write_small_file(path: Path, data: bytes) -> None:
     at `path` stays, and ForeignEntry names it."""
     dir_fd = open_dir(path.parent)
     try:
-        tmp = tmp_name(path).name
+        # unique among concurrent writers of one file: two commits of a job write `latest` at once
+        tmp = f"{tmp_name(path).name}-{threading.get_ident()}"
         check_replaceable(path.name, dir_fd, path)
         fd = create_file(tmp, dir_fd)
         try:
