@@ -1,0 +1,429 @@
+"""Hugging Face Trainer checkpoints through ckptd: `CkptdCallback` (`ckptd[hf]`).
+
+What a user writes beyond their usual Trainer code (three lines):
+
+    from ckptd.integrations.transformers import CkptdCallback
+
+    ckpt = CkptdCallback(job="run-1")            # the daemon: $CKPTD_ADDRESS, or address="unix:///..."
+    trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[ckpt])
+    trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))   # None on the first run: a fresh start
+
+Saving replaces the Trainer's own. Whenever the Trainer decides to save (`save_strategy`,
+`save_steps`: DefaultFlowCallback sets `control.should_save`), the callback clears that flag, so
+`Trainer._save_checkpoint` never runs: no `checkpoint-*` directory, no `optimizer.pt`,
+`rng_state.pth` or any other pickled file. It hands the checkpoint to ckptd instead, as step
+`state.global_step`, collectively on every rank (as `CheckpointClient.save` wants):
+
+    "model"          the model (weights as safetensors; the step directory loads with from_pretrained)
+    "optimizer"      the optimizer state, keyed by parameter name (Accelerate's wrapper taken off)
+    "scheduler"      the LR scheduler's state_dict
+    "scaler"         the GradScaler's state_dict, when mixed precision has one
+    "trainer_state"  the TrainerState as the Trainer's trainer_state.json holds it (global_step,
+                     epoch, log_history, best_metric, the states of stateful callbacks, ...)
+    "ckptd_trainer"  where in the loop the save was made and the arguments that count batches
+    RNG              rng=True: torch (CPU and CUDA), Python and NumPy generators of every rank
+
+The save is made at the next point where the loop stands between two optimizer steps: the next
+step's `on_step_begin` (once its batches are fetched), the next epoch's `on_epoch_begin`, or
+`on_train_end`. By then the step's logging and evaluation are done, so the trainer state holds
+what the Trainer's own checkpoint would (the step's log entry, best_metric), and the random
+generators are saved where a resumed run restores them (below). The step's evaluation metric
+(`metric_for_best_model`, or `metric=`) goes to ckptd as the checkpoint's metric, for the
+daemon's keep-best retention (`--keep-best N --best-mode min|max`: match `greater_is_better`).
+
+Resuming uses the Trainer's own resume path, which is the only one that fast-forwards the data
+(it skips the trained epochs and batches, counted from `global_step`). `resume_from(trainer)`
+asks ckptd for the newest committed step (or `step=`) and writes a small directory for
+`train(resume_from_checkpoint=...)`, `output_dir/.ckptd-resume-rank<N>` (removed at the end of
+training, replaced by the next resume): the checkpoint's `trainer_state.json` (JSON, from ckptd)
+and a weights index whose shard holds no tensor, so the Trainer's own weight loading, which runs
+before the optimizer exists, loads nothing. Then:
+
+- the Trainer restores the TrainerState (global_step, epoch, log history, best metric, stateful
+  callbacks) from that file and skips the batches already trained;
+- it finds no optimizer.pt, scheduler.pt, scaler.pt or rng_state.pth there and loads none;
+- `on_train_begin` (the optimizer and scheduler exist by then) loads the model, optimizer,
+  scheduler and scaler from ckptd, in place;
+- the random generators are restored at the point where the interrupted run saved them: the
+  first `on_step_begin` (after the resumed epoch's skipped and first batches were fetched: where
+  the Trainer itself would load rng_state.pth) or the first `on_epoch_begin`.
+
+So the losses after a resume equal those of an uninterrupted run, bit for bit on a deterministic
+device (tests/integrations/test_transformers.py).
+
+Failures: with on_error="warn" (default) a daemon that is down or a save that fails is logged and
+training goes on (`last_save.ok` is False); `resume_from` logs that the daemon cannot be reached
+and returns None (a fresh start). A state that can never be saved, and a checkpoint that cannot
+be loaded into this model, raise. Not supported (refused with the reason when the Trainer is
+made): save_strategy="best" (the Trainer sets should_save after the last callback event, so it
+cannot be taken over: use save_strategy="steps" and the daemon's keep-best retention),
+load_best_model_at_end, save_only_model, DeepSpeed, and resuming PEFT models (the Trainer's
+resume path then loads adapter files: see ckptd.integrations.peft). `on_save` of other
+callbacks is never called, since the Trainer's save does not run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import safetensors.torch
+import torch
+from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
+
+from ckptd.client import CheckpointClient, DaemonUnavailable, SaveHandle
+from ckptd.client.client import ON_ERROR
+from ckptd.common.names import check_job_id
+from ckptd.common.quant_options import check_master_mode, check_scheme
+
+__all__ = ["CkptdCallback", "EMPTY_SHARD_NAME", "RESUME_DIR_PREFIX"]
+
+log = logging.getLogger("ckptd.integrations.transformers")
+
+TRAINER_STATE_KEY = "trainer_state"
+POSITION_KEY = "ckptd_trainer"
+EMPTY_SHARD_NAME = "ckptd-weights-come-from-ckptd.safetensors"  # the resume directory's tensorless shard
+RESUME_DIR_PREFIX = ".ckptd-resume-rank"  # + the rank: the resume directory, in output_dir
+
+# Where a save was made, and so where a resumed run restores the random generators.
+AT_STEP = "step"  # on_step_begin of the next step, its batches fetched
+AT_EPOCH = "epoch"  # on_epoch_begin of the next epoch, before its data iterator is made
+AT_END = "end"  # on_train_end
+
+# The arguments that decide how the Trainer counts and orders batches: the position in the data
+# that global_step stands for changes with any of them.
+DATA_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "seed", "data_seed",
+             "dataloader_drop_last", "train_sampling_strategy", "ignore_data_skip")
+
+# CheckpointClient keywords that the callback sets itself.
+_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "_device_backend"})
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """The checkpoint a run resumes from: its step, where its generators were saved, the directory given to the Trainer."""
+
+    step: int
+    global_step: int
+    rng_at: str
+    directory: str
+
+
+class CkptdCallback(TrainerCallback):
+    """A TrainerCallback that makes the Trainer's checkpoints ckptd checkpoints (see the module docstring).
+
+    job: the run's ckptd job id (1-128 of A-Z a-z 0-9 . _ -). address: the daemon,
+    "unix:///path.sock" (default: $CKPTD_ADDRESS, else the default socket). on_error: "warn"
+    (default: a failed save is logged, training goes on) or "raise". metric: the evaluation
+    metric given to ckptd with each save made at an evaluated step (default: the Trainer's
+    `metric_for_best_model`; the "eval_" prefix is added as the Trainer does). quantize,
+    master_weights: passed to every `CheckpointClient.save` (None: the daemon's defaults).
+    wait_at_end_s: seconds `on_train_end` waits for the last checkpoint to be committed (None:
+    it does not wait). client_options: other `CheckpointClient` keywords (mode, timeout_s,
+    read_files, local_world_size, ...). Rank and world size come from the TrainingArguments.
+    Raises ValueError/TypeError at once for arguments that cannot work.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        address: str | None = None,
+        on_error: str = "warn",
+        metric: str | None = None,
+        quantize: str | None = None,
+        master_weights: str | None = None,
+        wait_at_end_s: float | None = 600.0,
+        **client_options: Any,
+    ) -> None:
+        self.job = check_job_id(job)
+        if address is not None and (not isinstance(address, str) or not address):
+            raise TypeError(f"address={address!r}: pass the daemon's address as a string, e.g. 'unix:///run/ckptd/ckptd.sock', or None for $CKPTD_ADDRESS")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: use 'warn' (a failed save is logged, training goes on) or 'raise'")
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise TypeError(f"metric={metric!r}: name an evaluation metric such as 'eval_loss', or None for the Trainer's metric_for_best_model")
+        if quantize != "none":
+            check_scheme(quantize)
+        check_master_mode(master_weights)
+        if wait_at_end_s is not None and (isinstance(wait_at_end_s, bool) or not isinstance(wait_at_end_s, (int, float)) or wait_at_end_s < 0):
+            raise ValueError(f"wait_at_end_s={wait_at_end_s!r}: seconds >= 0, or None not to wait for the last checkpoint")
+        _check_client_options(client_options)
+        self.address = address
+        self.on_error = on_error
+        self.metric = metric
+        self.quantize = quantize
+        self.master_weights = master_weights
+        self.wait_at_end_s = wait_at_end_s
+        self.client_options = dict(client_options)
+        self._ckpt: CheckpointClient | None = None
+        self._trainer: Trainer | None = None
+        self._metric_key: str | None = None
+        self._metric_seen: tuple[int, float] | None = None  # (global_step, value) of the latest evaluation
+        self._pending = False  # the Trainer asked for a save that has not been made yet
+        self._resume: _Resume | None = None
+        self._rng_due: str | None = None  # AT_STEP/AT_EPOCH: restore the generators at that hook
+        self._last: SaveHandle | None = None
+        self._warned_no_trainer = False
+
+    @property
+    def last_save(self) -> SaveHandle | None:
+        """The handle of the last save (`ok`, `stall_s`, `wait_durable()`), or None. on_train_end
+        waits for it (wait_at_end_s) and closes the client: wait_durable() works until then."""
+        return self._last
+
+    # ------------------------------------------------------------ resume
+
+    def resume_from(self, trainer: Trainer, step: int | None = None) -> str | None:
+        """The directory to pass as `trainer.train(resume_from_checkpoint=...)`, or None to start fresh.
+
+        Looks up the job's newest committed checkpoint (or `step`) and writes the Trainer's part
+        of it (trainer_state.json and a tensorless weights index) to output_dir/.ckptd-resume-rank<N>; the
+        rest is loaded from ckptd during `train` (module docstring). Returns None when the job
+        has no checkpoint, and, with on_error="warn", when the daemon cannot be reached (logged).
+        Also gives the callback the trainer, whose GradScaler and stateful callbacks are saved
+        with each checkpoint: call it on every run, the first included. Every rank calls it.
+        """
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"resume_from takes the Trainer this callback belongs to, got {type(trainer).__name__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"step={step!r}: a committed step (an integer >= 0), or None for the newest")
+        if self not in trainer.callback_handler.callbacks:
+            raise ValueError("this CkptdCallback is not among the trainer's callbacks: pass it as Trainer(..., callbacks=[ckpt])")
+        self._trainer = trainer
+        model = trainer.model
+        if model is None:
+            raise ValueError("the trainer has no model yet: make it with Trainer(model=...) (or model_init) before resume_from")
+        if _is_peft(model):
+            raise ValueError(
+                "CkptdCallback cannot resume a PEFT model through the Trainer (its resume path loads adapter files); "
+                "save and load the adapter with ckptd.integrations.peft.adapter_state instead"
+            )
+        if self._resume is not None:
+            shutil.rmtree(self._resume.directory, ignore_errors=True)
+            self._resume = None
+        found: dict[str, Any] = {TRAINER_STATE_KEY: {}, POSITION_KEY: {}}
+        try:
+            loaded = self._client(trainer.args).load(found, step=step)
+        except DaemonUnavailable as exc:
+            if self.on_error == "raise":
+                raise
+            log.warning("cannot reach the ckptd daemon, so training starts from the beginning: %s", exc)
+            return None
+        if loaded is None:
+            return None
+        position = found[POSITION_KEY]
+        _warn_on_changed_data_args(position.get("data_args", {}), trainer.args)
+        trainer_state = found[TRAINER_STATE_KEY]
+        if trainer.args.output_dir is None:
+            raise ValueError("TrainingArguments.output_dir is None: CkptdCallback writes the resume directory there; set it")
+        directory = os.path.join(trainer.args.output_dir, f"{RESUME_DIR_PREFIX}{trainer.args.process_index}")
+        _write_resume_dir(directory, loaded, trainer_state, model.state_dict().keys())
+        self._resume = _Resume(loaded, int(trainer_state["global_step"]), str(position["at"]), directory)
+        log.info("resuming job %s from ckptd step %d (global step %d)", self.job, loaded, self._resume.global_step)
+        return directory
+
+    # ------------------------------------------------------------ Trainer events
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        _check_training_args(args)
+        key = self.metric if self.metric is not None else args.metric_for_best_model
+        self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._pending = False
+        self._rng_due = None
+        resume = self._resume
+        if resume is None:
+            return
+        if state.global_step != resume.global_step:
+            raise ValueError(
+                f"the Trainer starts at global step {state.global_step}, the ckptd checkpoint it should resume is at "
+                f"{resume.global_step}: pass trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))"
+            )
+        self._client(args).load(self._state(kwargs), step=resume.step)
+        self._rng_due = AT_STEP if resume.rng_at == AT_STEP else AT_EPOCH
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._save_if_pending(args, state, control, kwargs, AT_EPOCH)
+        if self._rng_due == AT_EPOCH:
+            self._restore_rng(args)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._save_if_pending(args, state, control, kwargs, AT_STEP)
+        if self._rng_due == AT_STEP:
+            self._restore_rng(args)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over_save(control)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over_save(control)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        if self._metric_key is not None and isinstance(metrics.get(self._metric_key), (int, float)):
+            self._metric_seen = (state.global_step, float(metrics[self._metric_key]))
+        self._take_over_save(control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over_save(control)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over_save(control)
+        self._save_if_pending(args, state, control, kwargs, AT_END)
+        last = self._last
+        if last is not None and last.ok and self.wait_at_end_s is not None:
+            last.wait_durable(timeout=self.wait_at_end_s)
+        if self._resume is not None:
+            shutil.rmtree(self._resume.directory, ignore_errors=True)
+            self._resume = None
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+    # ------------------------------------------------------------ internals
+
+    def _take_over_save(self, control: TrainerControl) -> None:
+        """The Trainer wants a checkpoint: ckptd makes it (at the next step, epoch or end), the Trainer not."""
+        if control.should_save:
+            control.should_save = False
+            self._pending = True
+
+    def _save_if_pending(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, objects: Mapping[str, Any], at: str) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        step = state.global_step
+        if self._last is not None and self._last.step == step and self._last.ok:
+            return  # already saved at this step (e.g. a step save followed by an epoch save)
+        if self._trainer is None and not self._warned_no_trainer:
+            self._warned_no_trainer = True
+            log.warning("CkptdCallback.resume_from(trainer) was not called: checkpoints hold no GradScaler state and only "
+                        "TrainerControl among the stateful callbacks; call it before trainer.train()")
+        saved = self._state(objects)
+        saved[TRAINER_STATE_KEY] = _trainer_state_tree(state, self._exportable(control))
+        saved[POSITION_KEY] = {"at": at, "data_args": _data_args(args)}
+        metric = self._metric_seen[1] if self._metric_seen is not None and self._metric_seen[0] == step else None
+        self._last = self._client(args).save(
+            step, saved, metric=metric, quantize=self.quantize, master_weights=self.master_weights, rng=True
+        )
+
+    def _restore_rng(self, args: TrainingArguments) -> None:
+        """Set the random generators to the checkpoint's, at the point of the loop where they were saved."""
+        self._rng_due = None
+        if self._resume is not None:  # set whenever _rng_due is
+            self._client(args).load({POSITION_KEY: {}}, step=self._resume.step, rng=True)
+
+    def _state(self, objects: Mapping[str, Any]) -> dict[str, Any]:
+        """The model, optimizer, scheduler (and scaler) that the Trainer handed to the callback event."""
+        model, optimizer, scheduler = objects.get("model"), objects.get("optimizer"), objects.get("lr_scheduler")
+        if model is None or optimizer is None or scheduler is None:
+            raise ValueError("the Trainer passed no model, optimizer or lr_scheduler to CkptdCallback: it needs all three")
+        while isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+        scaler = getattr(self._trainer.accelerator, "scaler", None) if self._trainer is not None else None
+        if scaler is not None:
+            state["scaler"] = scaler
+        return state
+
+    def _exportable(self, control: TrainerControl) -> list[ExportableState]:
+        """The callbacks whose state the Trainer keeps in TrainerState.stateful_callbacks, and the control."""
+        callbacks = self._trainer.callback_handler.callbacks if self._trainer is not None else []
+        return [cb for cb in [*callbacks, control] if isinstance(cb, ExportableState)]
+
+    def _client(self, args: TrainingArguments) -> CheckpointClient:
+        if self._ckpt is None:
+            self._ckpt = CheckpointClient(
+                self.job, address=self.address, rank=args.process_index, world_size=args.world_size,
+                on_error=self.on_error, **self.client_options,
+            )
+        return self._ckpt
+
+
+def _check_client_options(options: Mapping[str, Any]) -> None:
+    allowed = set(inspect.signature(CheckpointClient.__init__).parameters) - _OWN_CLIENT_ARGS
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"CkptdCallback got unknown keyword arguments {unknown}; CheckpointClient options are {sorted(allowed)}")
+
+
+def _check_training_args(args: TrainingArguments) -> None:
+    """Refuse, with the reason, the TrainingArguments whose checkpoints the callback cannot take over."""
+    if args.save_strategy == "best":
+        raise ValueError(
+            "CkptdCallback cannot take over save_strategy='best' (the Trainer decides that save after the last callback "
+            "event); use save_strategy='steps' with eval_steps == save_steps and the daemon's keep-best retention"
+        )
+    if args.load_best_model_at_end:
+        raise ValueError(
+            "CkptdCallback does not support load_best_model_at_end (the Trainer reloads it from a checkpoint-* directory); "
+            "load the best step with CheckpointClient(job).load({'model': model}, step=...) after training"
+        )
+    if args.save_only_model:
+        raise ValueError("CkptdCallback saves the whole training state; set save_only_model=False")
+    if args.deepspeed is not None:
+        raise ValueError("CkptdCallback does not support DeepSpeed, whose engine saves its own state")
+
+
+def _trainer_state_tree(state: TrainerState, exportable: Iterable[ExportableState]) -> dict[str, Any]:
+    """The TrainerState as trainer_state.json holds it, with the current states of the stateful callbacks
+    (as Trainer._save_checkpoint records them; several callbacks of one class become a list)."""
+    tree = dataclasses.asdict(state)
+    current: dict[str, Any] = {}
+    for callback in exportable:
+        name = type(callback).__name__
+        if name in current:
+            before = current[name]
+            current[name] = [*(before if isinstance(before, list) else [before]), callback.state()]
+        else:
+            current[name] = callback.state()
+    tree["stateful_callbacks"] = {**(tree.get("stateful_callbacks") or {}), **current}
+    return tree
+
+
+def _data_args(args: TrainingArguments) -> dict[str, Any]:
+    return {name: _json_value(getattr(args, name, None)) for name in DATA_ARGS}
+
+
+def _json_value(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _warn_on_changed_data_args(saved: Mapping[str, Any], args: TrainingArguments) -> None:
+    now = _data_args(args)
+    changed = [f"{name} {saved[name]!r} -> {now[name]!r}" for name in DATA_ARGS if name in saved and saved[name] != now[name]]
+    if changed:
+        log.warning("the Trainer skips the trained batches by global_step, but these arguments changed since the checkpoint, "
+                    "so the data after the resume is not where the run stopped: %s", ", ".join(changed))
+
+
+def _write_resume_dir(directory: str, step: int, trainer_state: Mapping[str, Any], model_keys: Iterable[str]) -> None:
+    """Make `directory` (anew) the one for `Trainer.train(resume_from_checkpoint=...)`: the
+    checkpoint's trainer_state.json, and a weights index that maps every model key to a shard
+    holding no tensor (the Trainer requires weights there and loads them before the optimizer
+    exists; CkptdCallback.on_train_begin loads the real ones, with the optimizer, from ckptd)."""
+    shutil.rmtree(directory, ignore_errors=True)  # a killed run's, from its own resume
+    os.makedirs(directory)
+    with open(os.path.join(directory, TRAINER_STATE_NAME), "w", encoding="utf-8") as out:
+        out.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")  # as TrainerState.save_to_json writes it
+    note = f"the weights of ckptd step {step} are loaded by CkptdCallback.on_train_begin; this shard holds no tensor"
+    safetensors.torch.save_file({}, os.path.join(directory, EMPTY_SHARD_NAME), metadata={"format": "pt", "ckptd": note})
+    index = {"metadata": {"ckptd_step": step, "note": note}, "weight_map": {key: EMPTY_SHARD_NAME for key in model_keys}}
+    with open(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as out:
+        json.dump(index, out, indent=2)
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and callable(getattr(model, "load_adapter", None))

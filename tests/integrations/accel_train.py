@@ -1,0 +1,117 @@
+"""A plain Accelerate training loop that saves and resumes through ckptd.integrations.accelerate
+(tests/integrations/test_accelerate.py runs it as a subprocess and imports its helpers).
+
+`python accel_train.py SPEC_JSON` trains. Spec keys:
+  address, job   the daemon and the job (no address: no checkpoints at all)
+  steps          batches (= optimizer steps) to train in all; 10 batches an epoch
+  save_every     save after every step that is a multiple of it (without waiting)
+  kill_at        0, or a step: at its end the process waits until the last save is durable,
+                 writes that step to `marker` and kills itself with SIGKILL
+  out            where {"resumed_from": step or None, "losses": {step: loss}, "tracker": {...}}
+                 goes as JSON (rewritten after every step)
+The model has dropout, the DataLoader shuffles (seedable sampler, its own generator), an LR
+scheduler steps every step and a registered object with state_dict/load_state_dict keeps a
+running mean that scales the loss: what a resume must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SEED = 11
+SAMPLES = 40
+BATCH = 4  # 10 batches an epoch
+
+
+class RunningMean:
+    """A user object registered for checkpointing: the mean of the losses seen so far."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+
+    def update(self, value: float) -> None:
+        self.count += 1
+        self.mean += (value - self.mean) / self.count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self.mean = float(state["mean"])
+
+
+def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.DataLoader]:
+    """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader, seeded."""
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+    g = torch.Generator().manual_seed(99)
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
+    return model, optimizer, scheduler, loader
+
+
+def accelerator() -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+
+
+def train(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train as the spec says; returns what `out` receives."""
+    from ckptd.client import CheckpointClient
+    from ckptd.integrations.accelerate import load_state, save_state
+
+    acc = accelerator()
+    model, optimizer, scheduler, loader = parts()
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    tracker = RunningMean()
+    acc.register_for_checkpointing(tracker)
+    ckpt = CheckpointClient(spec["job"], address=spec["address"], on_error="raise") if "address" in spec else None
+    start = (load_state(acc, ckpt) if ckpt is not None else None) or 0
+    result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "tracker": {}}
+    handle = None
+    per_epoch = len(loader)
+    for epoch in range(start // per_epoch, (spec["steps"] + per_epoch - 1) // per_epoch):
+        loader.set_epoch(epoch)
+        skip = start % per_epoch if epoch == start // per_epoch else 0
+        batches = acc.skip_first_batches(loader, skip) if skip else loader
+        for step, (x, y) in enumerate(batches, start=epoch * per_epoch + skip + 1):
+            if step > spec["steps"]:
+                break
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * (1.0 + tracker.mean)
+            acc.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            tracker.update(loss.item())
+            result["losses"][step] = loss.item()
+            result["tracker"] = tracker.state_dict()
+            if "out" in spec:
+                Path(spec["out"]).write_text(json.dumps(result))
+            if ckpt is not None and spec.get("save_every") and step % spec["save_every"] == 0:
+                handle = save_state(acc, ckpt, step)
+            if step == spec.get("kill_at", 0):
+                info = handle.wait_durable(timeout=60) if handle is not None else None
+                Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
+                os.kill(os.getpid(), signal.SIGKILL)
+    if ckpt is not None:
+        ckpt.close()
+    return result
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # the tests train their baselines in-process with one thread too
+    train(json.loads(sys.argv[1]))

@@ -1,0 +1,133 @@
+"""A tiny GPT-2 trained under the Hugging Face Trainer, with or without CkptdCallback
+(tests/integrations/test_transformers.py runs it as a subprocess and imports its helpers).
+
+`python hf_train.py SPEC_JSON` trains. Spec keys:
+  address, job   the daemon and the job (no address: plain Trainer, save_strategy="no")
+  output_dir     the Trainer's output_dir
+  max_steps      optimizer steps to train in all
+  save_steps     the Trainer's save_steps (CkptdCallback saves there)
+  kill_at        0, or a global step: at its end the process waits until the last ckptd save
+                 is durable, writes that step to `marker` and kills itself with SIGKILL
+  out            where {"resumed_from": step or None, "losses": {global step: [micro-batch losses]},
+                 "log_history": [...]} goes as JSON (rewritten after every step)
+The model has dropout and the Trainer shuffles the data (seedable sampler, seed 7) with
+gradient accumulation 2 over 12 batches an epoch: what a resume must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 7
+SAMPLES = 24  # 12 batches of 2 = 6 optimizer steps an epoch (gradient accumulation 2)
+SEQ = 16
+VOCAB = 96
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Fixed random token sequences, labels = inputs (causal LM)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def tiny_model() -> Any:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(SEED)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def training_args(output_dir: str, max_steps: int, save_steps: int, ckptd: bool, **more: Any) -> Any:
+    import transformers
+
+    settings: dict[str, Any] = dict(
+        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
+        save_strategy="steps" if ckptd else "no", save_steps=save_steps, logging_steps=1, report_to="none",
+        seed=SEED, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**settings, **more})
+
+
+class LossLog:
+    """Records every micro-batch loss under the global step it trains (a forward hook on the model)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.step = 0
+        self.losses: dict[int, list[float]] = {}
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if module.training:
+            self.losses.setdefault(self.step, []).append(output.loss.item())
+
+
+def train(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train as the spec says; returns what `out` receives."""
+    import transformers
+
+    from ckptd.integrations.transformers import CkptdCallback
+
+    model = tiny_model()
+    record = LossLog(model)
+    ckptd = "address" in spec
+    args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd)
+    result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": []}
+
+    rank = int(os.environ.get("RANK", "0"))  # several ranks (torch.distributed from the environment): rank 0 writes
+
+    def write() -> None:
+        if "out" in spec and rank == 0:
+            Path(spec["out"]).write_text(json.dumps(result))
+
+    class Steps(transformers.TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            record.step = state.global_step + 1
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            result["log_history"] = state.log_history
+            write()
+            if state.global_step == spec.get("kill_at", 0):
+                last = ckpt.last_save
+                info = last.wait_durable(timeout=60) if last is not None else None
+                if rank == 0:
+                    Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks: list[Any] = []
+    if ckptd:
+        ckpt = CkptdCallback(job=spec["job"], address=spec["address"], on_error="raise")
+        callbacks.append(ckpt)
+    callbacks.append(Steps())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
+    resume = ckpt.resume_from(trainer) if ckptd else None
+    if resume is not None:
+        result["resumed_from"] = json.loads(Path(resume, "trainer_state.json").read_text())["global_step"]
+    trainer.train(resume_from_checkpoint=resume)
+    result["log_history"] = trainer.state.log_history
+    write()
+    return result
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # the tests train their baselines in-process with one thread too
+    train(json.loads(sys.argv[1]))

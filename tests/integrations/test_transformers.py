@@ -1,0 +1,252 @@
+"""CkptdCallback (ckptd.integrations.transformers) with the real Trainer on CPU and real daemons:
+a run killed with SIGKILL and resumed (twice: mid-epoch and at an epoch boundary) trains exactly
+what an uninterrupted run does; the Trainer writes no checkpoint of its own; metrics reach
+ckptd's keep-best; a daemon that is down does not stop training; misuse is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient, DaemonUnavailable
+
+transformers = pytest.importorskip("transformers")
+
+from ckptd.integrations.transformers import EMPTY_SHARD_NAME, RESUME_DIR_PREFIX, CkptdCallback  # noqa: E402
+
+WORKER = Path(__file__).with_name("hf_train.py")
+
+
+def _load_worker() -> ModuleType:
+    """hf_train.py (beside this file) as a module: the model, data and arguments it trains with."""
+    spec = importlib.util.spec_from_file_location("hf_train", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hf = _load_worker()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Train in this process with the one intra-op thread the worker processes use (equal sums)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True, text=True, timeout=240)
+    expected = -9 if killed else 0
+    assert proc.returncode == expected, f"worker exited with {proc.returncode}, expected {expected}:\n{proc.stderr[-4000:]}"
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def _no_trainer_checkpoints(output_dir: Path) -> None:
+    written = sorted(p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*")) if output_dir.exists() else []
+    assert not [p for p in written if p.startswith("checkpoint-")], written
+    assert not [p for p in written if p.endswith((".pt", ".pth", ".bin", ".pkl"))], written
+
+
+def _train_logs(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [entry for entry in log_history if "loss" in entry]
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_twice_trains_what_an_uninterrupted_run_does(daemon, tmp_path: Path, one_thread: None) -> None:
+    # 6 optimizer steps an epoch (12 batches, accumulation 2), saves at 3, 6 (an epoch's end), 9, 10.
+    baseline = json.loads(json.dumps(hf.train({"output_dir": str(tmp_path / "plain"), "max_steps": 10})))  # keys as the workers write them
+    losses = baseline["losses"]
+    assert len(losses) == 10 and all(len(v) == 2 for v in losses.values())
+
+    out_dir = tmp_path / "out"
+    spec = {"address": daemon.address, "job": "hf-run", "output_dir": str(out_dir), "max_steps": 10, "save_steps": 3,
+            "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+
+    first = _run({**spec, "kill_at": 4}, killed=True)  # killed at step 4, after step 3 is durable
+    assert json.loads(Path(spec["marker"]).read_text()) == 3
+    assert (daemon.root / "hf-run" / "step-00000003" / "ckptd.index.json").is_file()
+    assert first["resumed_from"] is None and first["losses"] == {k: losses[k] for k in "1 2 3 4".split()}
+
+    second = _run({**spec, "kill_at": 7}, killed=True)  # resumed mid-epoch, killed after step 6 is durable
+    assert json.loads(Path(spec["marker"]).read_text()) == 6
+    assert second["resumed_from"] == 3
+    assert second["losses"] == {str(k): losses[str(k)] for k in range(4, 8)}
+
+    third = _run(spec)  # resumed at an epoch boundary, trained to the end
+    assert third["resumed_from"] == 6
+    assert third["losses"] == {str(k): losses[str(k)] for k in range(7, 11)}
+    # the trainer state came back too: the log history of the whole run, loss, grad norm, lr and epoch of every step
+    assert _train_logs(third["log_history"]) == _train_logs(baseline["log_history"])
+
+    _no_trainer_checkpoints(out_dir)
+    with CheckpointClient("hf-run", address=daemon.address) as ckpt:
+        assert ckpt.latest() == 10
+
+
+def _run_ranks(spec: dict[str, Any], world_size: int, killed: bool = False) -> dict[str, Any]:
+    """The worker as `world_size` ranks of one gloo job (torch.distributed from the environment, as torchrun sets it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world_size)]
+    errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    expected = -9 if killed else 0
+    for rank, (proc, err) in enumerate(zip(procs, errors)):
+        assert proc.returncode == expected, f"rank {rank} exited with {proc.returncode}, expected {expected}:\n{err[-4000:]}"
+    return json.loads(Path(spec["out"]).read_text())
+
+
+@pytest.mark.slow
+def test_two_ranks_save_collectively_and_resume_exactly(daemon, tmp_path: Path) -> None:
+    spec = {"address": daemon.address, "job": "hf-ddp", "output_dir": str(tmp_path / "out"), "max_steps": 6, "save_steps": 2,
+            "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+    first = _run_ranks({**spec, "kill_at": 4}, 2, killed=True)  # both ranks killed at step 4, step 2 durable, 4 not saved
+    assert json.loads(Path(spec["marker"]).read_text()) == 2
+    index = json.loads((daemon.root / "hf-ddp" / "step-00000002" / "ckptd.index.json").read_text())
+    assert "rng/rank1/torch_cpu" in json.dumps(index)  # each rank's generators
+
+    resumed = _run_ranks(spec, 2)
+    assert resumed["resumed_from"] == 2
+    # rank 0's micro-batches of steps 3 and 4 (its half of the data under DDP) as before the kill
+    assert {k: resumed["losses"][k] for k in ("3", "4")} == {k: first["losses"][k] for k in ("3", "4")}
+    _no_trainer_checkpoints(tmp_path / "out")
+
+
+def test_metrics_reach_keep_best_and_a_step_holds_the_trainer_state(daemon, tmp_path: Path, one_thread: None) -> None:
+    ckpt = CkptdCallback(job="hf-metric", address=daemon.address, on_error="raise")
+    args = hf.training_args(str(tmp_path / "out"), max_steps=4, save_steps=2, ckptd=True,
+                            eval_strategy="steps", eval_steps=2, metric_for_best_model="loss", per_device_eval_batch_size=8)
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                                   callbacks=[ckpt])
+    assert ckpt.resume_from(trainer) is None  # nothing saved yet: a fresh start
+    trainer.train(resume_from_checkpoint=None)
+
+    evals = {entry["step"]: entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry}
+    assert sorted(evals) == [2, 4]
+    with CheckpointClient("hf-metric", address=daemon.address) as client:
+        infos = {info.step: info for info in client.list()}
+        assert {step: infos[step].metric for step in infos} == evals
+        saved: dict[str, Any] = {"trainer_state": {}}
+        assert client.load(saved, step=4) == 4
+    state = saved["trainer_state"]
+    assert state["global_step"] == 4 and state["best_metric"] == min(evals.values())
+    assert [e for e in state["log_history"] if "eval_loss" in e] == [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert "TrainerControl" in state["stateful_callbacks"]
+    _no_trainer_checkpoints(tmp_path / "out")
+    # the step directory is a Hugging Face model directory as it is
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(infos[4].path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
+
+
+def test_the_resume_directory_holds_json_and_a_tensorless_shard(daemon, tmp_path: Path, one_thread: None) -> None:
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=2, ckptd=True)
+    first = CkptdCallback(job="hf-dir", address=daemon.address, on_error="raise")
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), callbacks=[first])
+    trainer.train(resume_from_checkpoint=first.resume_from(trainer))
+
+    again = CkptdCallback(job="hf-dir", address=daemon.address, on_error="raise")
+    model = hf.tiny_model()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=hf.TokenData(), callbacks=[again])
+    directory = Path(again.resume_from(trainer))
+    assert directory == tmp_path / "out" / f"{RESUME_DIR_PREFIX}0"
+    assert sorted(p.name for p in directory.iterdir()) == sorted([EMPTY_SHARD_NAME, "model.safetensors.index.json", "trainer_state.json"])
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    import safetensors.torch
+
+    assert safetensors.torch.load_file(str(directory / EMPTY_SHARD_NAME)) == {}
+    assert json.loads((directory / "trainer_state.json").read_text())["global_step"] == 2
+    trainer.args.max_steps = 4
+    trainer.train(resume_from_checkpoint=str(directory))
+    assert trainer.state.global_step == 4
+    assert not directory.exists()  # removed at the end of training
+
+
+def test_a_daemon_that_is_down_does_not_stop_training(tmp_path: Path, one_thread: None, caplog: pytest.LogCaptureFixture) -> None:
+    address = f"unix://{tmp_path}/nobody.sock"
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=1, ckptd=True)
+    ckpt = CkptdCallback(job="hf-down", address=address)
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), callbacks=[ckpt])
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume_from(trainer) is None
+        trainer.train(resume_from_checkpoint=None)
+    assert "cannot reach the ckptd daemon" in caplog.text
+    assert trainer.state.global_step == 2
+    assert ckpt.last_save is not None and ckpt.last_save.step == 2 and not ckpt.last_save.ok
+    _no_trainer_checkpoints(tmp_path / "out")
+
+    strict = CkptdCallback(job="hf-down", address=address, on_error="raise")
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), callbacks=[strict])
+    with pytest.raises(DaemonUnavailable):
+        strict.resume_from(trainer)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"job": "no spaces"}, ValueError, "invalid job id"),
+        ({"job": "j", "on_error": "ignore"}, ValueError, "on_error='ignore'"),
+        ({"job": "j", "quantize": "O9"}, ValueError, "quantize='O9'"),
+        ({"job": "j", "master_weights": "half"}, ValueError, "master_weights='half'"),
+        ({"job": "j", "metric": 3}, TypeError, "metric=3"),
+        ({"job": "j", "wait_at_end_s": -1}, ValueError, "wait_at_end_s=-1"),
+        ({"job": "j", "address": ""}, TypeError, "address=''"),
+        ({"job": "j", "timeout": 5}, TypeError, "unknown keyword arguments ['timeout']"),
+    ],
+)
+def test_bad_arguments_are_refused_at_once(kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=None) as raised:
+        CkptdCallback(**kwargs)
+    assert words in str(raised.value)
+
+
+def test_client_options_pass_through() -> None:
+    ckpt = CkptdCallback(job="j", quantize="O1", master_weights="drop", timeout_s=5.0, read_files=False)
+    assert ckpt.client_options == {"timeout_s": 5.0, "read_files": False}
+    assert (ckpt.quantize, ckpt.master_weights, ckpt.on_error) == ("O1", "drop", "warn")
+
+
+@pytest.mark.parametrize(
+    "more, words",
+    [
+        ({"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"}, "save_strategy='best'"),
+        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3}, "load_best_model_at_end"),
+        ({"save_only_model": True}, "save_only_model=False"),
+    ],
+)
+def test_trainer_settings_it_cannot_take_over_are_refused(tmp_path: Path, more: dict[str, Any], words: str) -> None:
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=3, ckptd=True, **more)
+    with pytest.raises(ValueError) as raised:
+        transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                             callbacks=[CkptdCallback(job="j")])
+    assert words in str(raised.value)
+
+
+def test_resume_from_needs_the_trainer_it_belongs_to(tmp_path: Path) -> None:
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=3, ckptd=True)
+    ckpt = CkptdCallback(job="j")
+    with pytest.raises(TypeError, match="resume_from takes the Trainer"):
+        ckpt.resume_from(args)  # type: ignore[arg-type]
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData())
+    with pytest.raises(ValueError, match="not among the trainer's callbacks"):
+        ckpt.resume_from(trainer)
+    trainer.add_callback(ckpt)
+    with pytest.raises(ValueError, match="step=-1"):
+        ckpt.resume_from(trainer, step=-1)
