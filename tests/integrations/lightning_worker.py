@@ -9,7 +9,13 @@ resumed run draws the same dropout masks and shuffles as an uninterrupted one.
 Spec: address, job, dirpath, out (one JSON line per step: {"step", "loss"}), max_steps, every,
 ckpt_path (null: fresh, "last", or a path), pause_at (0: never; else, at the start of the
 batch after global step `pause_at`, wait until last.ckpt names that step, print
-"DURABLE <step>" and sleep until killed).
+"DURABLE <step>" and sleep until killed); optional: batch (default 8), devices (default 1).
+
+devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
+variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
+WORLD_SIZE, NODE_RANK, LOCAL_RANK), seeded with seed_everything(0) so every rank starts with
+the same generators (DistributedSampler shuffles from that seed and the epoch). Each rank trains
+on its share of the data; global rank 0 writes the losses, of its own batches.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class TinyMLP(L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.trainer.world_size > 1)  # one top-k choice on every rank
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -54,20 +60,23 @@ class TinyMLP(L.LightningModule):
         torch.set_rng_state(checkpoint["rng"]["torch"])
 
 
-def data() -> DataLoader:
+def data(batch: int = BATCH) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 6, generator=g)
     y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(SAMPLES, 1, generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
 
 
 class Losses(Callback):
-    """Appends {"step", "loss"} to `out` after every training step, flushed (a killed run's lines stay)."""
+    """Appends {"step", "loss"} to `out` after every training step, flushed (a killed run's lines
+    stay); on global rank 0 only."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not trainer.is_global_zero:
+            return
         with self.out.open("a") as f:
             f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
 
@@ -95,7 +104,11 @@ class PauseWhenDurable(Callback):
 def train(spec: dict[str, Any]) -> None:
     """One run as `spec` says (see the module docstring). Losses match across runs only with the
     same torch thread count: the script runs with one, as the tests do in process."""
-    torch.manual_seed(0)
+    devices = spec.get("devices", 1)
+    if devices > 1:  # always a process of its own: seed_everything also sets PL_GLOBAL_SEED in os.environ
+        L.seed_everything(0, verbose=False)
+    else:
+        torch.manual_seed(0)
     dirpath = Path(spec["dirpath"])
     callbacks: list[Callback] = [
         ModelCheckpoint(dirpath=dirpath, monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_train_steps=spec["every"]),
@@ -105,9 +118,10 @@ def train(spec: dict[str, Any]) -> None:
         callbacks.append(PauseWhenDurable(spec["pause_at"], dirpath / "last.ckpt"))
     trainer = L.Trainer(
         max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
     )
-    trainer.fit(TinyMLP(), data(), ckpt_path=spec.get("ckpt_path"))
+    trainer.fit(TinyMLP(), data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
 
 
 if __name__ == "__main__":

@@ -6,17 +6,20 @@
   --keep-last 1) keeps exactly the steps the remaining pointers name;
 - a run SIGKILLed after a durable save and resumed with ckpt_path="last" gives the same losses,
   step by step, as an uninterrupted run; a run resumed from a top-k file into a new job too;
+- the same with Lightning's DDP (2 processes, gloo): global rank 0 saves, both ranks load;
 - a second save of one global_step: its own Lightning bookkeeping, the same tensors, or an error;
 - bad paths and bad checkpoints: clear errors.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +35,7 @@ import torch
 L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
 
 from ckptd.client import CheckpointClient  # noqa: E402
@@ -204,6 +208,112 @@ def test_a_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninter
     worker.train(spec("from-best", ckpt_path=str(best), dirpath=str(tmp_path / "from-best")))
     assert [losses("from-best")[s] for s in range(21, 26)] == [ref[s] for s in range(21, 26)]
     io.teardown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_ddp(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Popen[str]]:
+    """The processes of one DDP run of lightning_worker.py, started here with the variables
+    Lightning's DDP reads when the processes are created outside it; rank 0's stdout is piped."""
+    port = str(_free_port())
+    procs: list[subprocess.Popen[str]] = []
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    for rank in range(world_size):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**spec, "devices": world_size})], env=env, stdout=stdout, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        _kill(procs)
+    assert codes == [0] * len(procs), f"a DDP process failed: exit codes {codes}"
+
+
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, tmp_path: Path) -> None:
+    """2 processes of Lightning's DDP (CPU, gloo), 4 samples per rank and batch (5 batches per
+    epoch, checkpoints at epoch ends): global rank 0 saves, both ranks load step 10 back from
+    the one daemon at the same time."""
+    daemon = daemons.start(*RETENTION)
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": name, "dirpath": str(tmp_path / name), "out": str(tmp_path / f"{name}.jsonl"),
+                "max_steps": 20, "every": 5, "batch": 4, "ckpt_path": None, "pause_at": 0}
+        return {**base, **changes}
+
+    def losses(name: str) -> dict[int, float]:
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        return {line["step"]: line["loss"] for line in lines}
+
+    killed = _start_ddp(spec("run", pause_at=10))
+    try:
+        _finish(_start_ddp(spec("ref")))  # the uninterrupted run, meanwhile
+        assert killed[0].stdout is not None and killed[0].stdout.readline().strip() == "DURABLE 10"
+    finally:
+        _kill(killed)  # every process of the run: SIGKILL
+    assert [p.returncode for p in killed] == [-signal.SIGKILL] * 2
+    ref, before = losses("ref"), losses("run")
+    assert sorted(ref) == list(range(1, 21)) and len(set(ref.values())) == 20
+    assert max(before) == 10 and all(before[s] == ref[s] for s in before)
+    assert pointer_steps(tmp_path / "run")["last.ckpt"] == 10
+
+    _finish(_start_ddp(spec("run", ckpt_path="last")))  # new processes, Trainer, plugin and clients
+    resumed = losses("run")
+    assert max(resumed) == 20
+    assert [resumed[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]
+
+    # ModelCheckpoint (monitoring the loss averaged over the ranks) decided alike in both runs
+    assert pointer_steps(tmp_path / "run") == pointer_steps(tmp_path / "ref")
+    for job in ("ref", "run"):
+        want = set(pointer_steps(tmp_path / job).values())
+        assert settled_steps(daemon.address, job, want) == want
+    io = CkptdCheckpointIO(job="reader", address=daemon.address)
+    for name in pointer_steps(tmp_path / "run"):
+        a, b = io.load_checkpoint(tmp_path / "run" / name), io.load_checkpoint(tmp_path / "ref" / name)
+        assert differences(a["state_dict"], b["state_dict"]) == [] and differences(a["optimizer_states"], b["optimizer_states"]) == []
+    io.teardown()
+
+
+def test_saves_that_could_not_be_loaded_back_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharding strategies, DDP started by multiprocessing, a save on a rank other than 0, and a
+    pointer another rank cannot see: refused before anything reaches a daemon."""
+    io = CkptdCheckpointIO(job="refused", address="unix:///nonexistent/ckptd.sock", on_error="raise")
+    model, optimizer = _trained()
+    good = _checkpoint(model, optimizer, 1, "x")
+    with pytest.raises(RuntimeError, match="does not work with FSDPStrategy: that strategy shards the model"):
+        FSDPStrategy(checkpoint_io=io).save_checkpoint(good, tmp_path / "x.ckpt")  # through Lightning's Strategy
+    for strategy in ("ddp_fork", "ddp_notebook"):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[io], logger=False)
+        with pytest.raises(RuntimeError, match="does not work with DDP started by multiprocessing"):
+            trainer.strategy.save_checkpoint(good, tmp_path / "x.ckpt")
+    with pytest.raises(TypeError, match="cannot be copied or sent to another process.*ddp_spawn"):
+        copy.deepcopy(io)  # what strategy="ddp_spawn" does to the plugins, through pickle
+
+    # global rank 1 of 2, as torch.distributed would say under DDP
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="called on global rank 1 of 2; it saves the whole checkpoint from global rank 0"):
+        io.save_checkpoint(good, tmp_path / "x.ckpt")
+    with pytest.raises(FileNotFoundError, match=r"missing.ckpt \(on global rank 1 of 2\).*every rank sees: on several nodes, a shared file system"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
 
 
 def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, note: str) -> dict[str, Any]:

@@ -14,11 +14,21 @@ pointer. So ModelCheckpoint (top-k, save_last), `trainer.fit(ckpt_path=...)` and
 `ckpt_path="last"` work as with Lightning's own files. docs/integrations/lightning.md has the
 details and the limits.
 
+Strategies: one process, or DDP (several processes that each hold the whole model). Under DDP
+Lightning calls save_checkpoint and remove_checkpoint on global rank 0 only, with the whole
+(replicated) state, and load_checkpoint on every rank. So global rank 0 saves as the only rank
+of a job of one rank, and every rank loads the step back on its own (ckptd's loads are per
+rank; a rank the step was not saved by gets rank 0's extras). Sharding strategies (FSDP,
+ModelParallel, DeepSpeed) load without the CheckpointIO, and DDP started by multiprocessing
+(ddp_spawn, ddp_fork, ddp_notebook) hands the trained weights back through it as a bare
+state dict: their saves are refused.
+
 Needs the `lightning` package (`pip install 'ckptd[lightning]'`); the rest of ckptd does not.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -26,6 +36,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
@@ -62,9 +74,12 @@ class CkptdCheckpointIO(CheckpointIO):
     moments). durable_timeout_s: how long a pointer waits for its step to be durable.
     timeout_s: the client's wait for the daemon on a save or load.
 
-    One training process (no distributed strategy with several processes). CUDA tensors are
-    handed over in ckptd's mode "copy": save_checkpoint returns once they are in host memory,
-    since this plugin sees tensors, not the optimizer whose step would fence an overlapped copy.
+    Strategies: one process, or DDP (see the module docstring): global rank 0 saves, every rank
+    loads; a save from a sharding strategy (FSDP, ModelParallel, DeepSpeed), from DDP started
+    by multiprocessing (ddp_spawn, ddp_fork, ddp_notebook) or from another rank is refused.
+    CUDA tensors are handed over in ckptd's mode "copy": save_checkpoint returns once they are
+    in host memory, since this plugin sees tensors, not the optimizer whose step would fence an
+    overlapped copy.
     """
 
     def __init__(
@@ -90,11 +105,20 @@ class CkptdCheckpointIO(CheckpointIO):
         self.quantize = quantize
         self.durable_timeout_s = float(durable_timeout_s)
         self.timeout_s = float(timeout_s)
-        self._client: CheckpointClient | None = None
+        self._client: CheckpointClient | None = None  # saves (a job of one rank), and loads on global rank 0
+        self._reader: CheckpointClient | None = None  # loads on the other ranks of a run of several processes
         self._writer = PointerWriter()
         # the step handed over last and whether it became durable: a later save of the same
         # global_step reuses it (kept across teardown: trainer.save_checkpoint after fit)
         self._last: tuple[SameStep, _Durable] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: the plugin holds a connection to the daemon and helper threads, which do
+        not travel to another process (strategy="ddp_spawn" pickles the Trainer)."""
+        raise TypeError(
+            f"{type(self).__name__} cannot be copied or sent to another process (strategy='ddp_spawn' does so with the "
+            "Trainer's plugins): use strategy='ddp', which starts the processes by running your script again, or torchrun"
+        )
 
     # ------------------------------------------------------------ CheckpointIO
 
@@ -107,7 +131,8 @@ class CkptdCheckpointIO(CheckpointIO):
         same tensors, unchanged (else ValueError); its pointer names the same step and carries
         the parts of its non-tensor content that differ (JSON). Raises TypeError naming the key
         of a value that is neither a tensor nor JSON-able, and for storage_options (none are
-        supported).
+        supported); RuntimeError when called by a sharding strategy, by DDP started by
+        multiprocessing, or on a global rank other than 0.
         """
         if storage_options is not None:
             raise TypeError(
@@ -115,7 +140,7 @@ class CkptdCheckpointIO(CheckpointIO):
                 "ckptd's daemon decides where and how the checkpoint is stored (its --root and configuration)"
             )
         target = local_path(path)
-        _check_single_process()
+        _check_saver(_calling_strategy())
         self._raise_background_error()
         step = global_step_of(checkpoint)
         mapped = to_state(checkpoint)
@@ -147,20 +172,34 @@ class CkptdCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict the pointer at `path` names, as Lightning saved it.
 
-        Waits first for pointers still being written. map_location as torch's (None: CPU
-        tensors). weights_only is accepted and has no effect: nothing is ever unpickled.
+        Waits first for pointers this process is still writing. On every rank of a run of
+        several processes (Lightning's DDP loads on each): the pointer must be in a directory
+        this rank sees; global rank 0 wrote it (Lightning tears the fit that saved down, which
+        waits for its pointers, before a later fit or test of the same processes loads). Each
+        rank loads the step from its node's daemon on its own. map_location as torch's (None:
+        CPU tensors). weights_only is accepted and has no effect: nothing is ever unpickled.
         Raises FileNotFoundError when there is no file or ckptd no longer holds the step (with
         the steps it holds), ValueError ("not a ckptd checkpoint pointer: ...") for another
         file, CheckpointError when the daemon cannot serve the step.
         """
         target = local_path(path)
-        _check_single_process()
+        rank, world_size = _rank_and_world()
         self._writer.flush()
-        pointer = read_pointer(target)
+        try:
+            pointer = read_pointer(target)
+        except FileNotFoundError as exc:
+            if rank == 0:
+                raise
+            raise FileNotFoundError(
+                f"{exc} (on global rank {rank} of {world_size}): global rank 0 writes CkptdCheckpointIO's pointer files, "
+                "each once its step is durable; every rank reads them, so ModelCheckpoint's dirpath (or the ckpt_path) "
+                "must be a directory every rank sees: on several nodes, a shared file system"
+            ) from None
         if pointer.job == self.job:
-            checkpoint = self._load(self._connect(), pointer, target)
+            checkpoint = self._load(self._load_client(rank, world_size), pointer, target)
         else:  # a checkpoint of another job (e.g. the run this one was started from)
-            with self._new_client(pointer.job, "raise") as client:
+            who = (rank, world_size) if rank else (0, 1)
+            with self._new_client(pointer.job, "raise", *who) as client:
                 checkpoint = self._load(client, pointer, target)
         return map_tensors(checkpoint, map_location)
 
@@ -198,22 +237,38 @@ class CkptdCheckpointIO(CheckpointIO):
         try:
             self._writer.close()
         finally:
-            client, self._client = self._client, None
-            if client is not None:
-                client.close()
+            clients = (self._client, self._reader)
+            self._client = self._reader = None
+            for client in clients:
+                if client is not None:
+                    client.close()
         self._raise_background_error()
 
     # ------------------------------------------------------------ internals
 
     def _connect(self) -> CheckpointClient:
         if self._client is None:
-            self._client = self._new_client(self.job, self.on_error)
+            self._client = self._new_client(self.job, self.on_error, 0, 1)
         return self._client
 
-    def _new_client(self, job: str, on_error: str) -> CheckpointClient:
-        # Lightning saves the whole state from one process: a job of one rank.
+    def _load_client(self, rank: int, world_size: int) -> CheckpointClient:
+        """The client this process loads its job's steps with: the saving client on global rank
+        0 (or in one process), else one as this rank of the run's world (a rank other than 0
+        never takes part in a save, so its loads cannot disturb one of global rank 0)."""
+        if rank == 0:
+            return self._connect()
+        if self._reader is None or (self._reader.rank, self._reader.world_size) != (rank, world_size):
+            if self._reader is not None:
+                self._reader.close()
+            self._reader = self._new_client(self.job, self.on_error, rank, world_size)
+        return self._reader
+
+    def _new_client(self, job: str, on_error: str, rank: int, world_size: int) -> CheckpointClient:
+        # Lightning saves the whole state from one process (global rank 0): a job of one rank.
+        # Other ranks only load, each as itself in the run's world (ckptd's loads are per rank).
         return CheckpointClient(
-            job, address=self.address, rank=0, world_size=1, local_world_size=1, mode="copy", on_error=on_error, timeout_s=self.timeout_s
+            job, address=self.address, rank=rank, world_size=world_size, local_world_size=1 if world_size == 1 else None,
+            mode="copy", on_error=on_error, timeout_s=self.timeout_s,
         )
 
     def _not_saved(self, client: CheckpointClient, step: int, path: str, error: str) -> str:
@@ -280,10 +335,66 @@ class _Durable:
             return bool(self._result)
 
 
-def _check_single_process() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+def _rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the number of training processes: torch.distributed's
+    when it is initialized (Lightning's DDP does so before any save or load), else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+# Strategies that shard the model: they save without the CheckpointIO or load the checkpoint
+# file with torch themselves (FSDP's and ModelParallel's full state dicts), never through it.
+_SHARDING = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
+# Frames searched for the calling Strategy: the plugin's method, overrides of it in subclasses
+# that call super(), then Lightning's Strategy.save_checkpoint.
+_FRAMES_SEARCHED = 5
+
+
+def _calling_strategy() -> Strategy | None:
+    """The Lightning Strategy whose method called into this plugin (the `self` of one of the
+    nearest calling frames), or None (a call from user code or a wrapping CheckpointIO).
+
+    A CheckpointIO is not told which strategy uses it; Lightning's Strategy.save_checkpoint
+    calls it directly, so the caller is the only place that says.
+    """
+    here = inspect.currentframe()
+    frame = here.f_back if here is not None else None
+    try:
+        for _ in range(_FRAMES_SEARCHED):
+            if frame is None:
+                return None
+            found = frame.f_locals.get("self")
+            if isinstance(found, Strategy):
+                return found
+            frame = frame.f_back
+        return None
+    finally:
+        del here, frame  # frames refer to their locals: no reference cycle kept
+
+
+def _check_saver(strategy: Strategy | None) -> None:
+    """Raise RuntimeError unless this save can be loaded back: not from a sharding strategy, nor
+    from DDP started by multiprocessing, and from global rank 0 (which holds the whole
+    replicated state under DDP)."""
+    if isinstance(strategy, _SHARDING):
         raise RuntimeError(
-            f"CkptdCheckpointIO is built and tested for one training process; this one is rank {torch.distributed.get_rank()} "
-            f"of {torch.distributed.get_world_size()}. With several processes, save through ckptd.client.CheckpointClient "
-            "from every rank (it saves each rank's shards and restores any layout)"
+            f"CkptdCheckpointIO does not work with {type(strategy).__name__}: that strategy shards the model and loads "
+            "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use strategy='ddp', or save "
+            "through ckptd.client.CheckpointClient from every rank (it saves each rank's shards and restores any layout), "
+            "or through torch.distributed.checkpoint with ckptd.integrations.dcp"
+        )
+    if strategy is not None and isinstance(strategy.launcher, _MultiProcessingLauncher):
+        raise RuntimeError(
+            "CkptdCheckpointIO does not work with DDP started by multiprocessing (strategy='ddp_spawn', 'ddp_fork' or "
+            "'ddp_notebook'): at the end of fit its launcher hands the trained weights to the main process through the "
+            "CheckpointIO as a bare state dict, which is no checkpoint. Use strategy='ddp' (Lightning starts the processes "
+            "by running your script again) or launch the processes with torchrun"
+        )
+    rank, world_size = _rank_and_world()
+    if rank != 0:
+        raise RuntimeError(
+            f"CkptdCheckpointIO.save_checkpoint was called on global rank {rank} of {world_size}; it saves the whole "
+            "checkpoint from global rank 0, as Lightning's DDP strategy calls it (Strategy.save_checkpoint). With a "
+            "strategy that saves from every rank, save through ckptd.client.CheckpointClient from every rank instead"
         )
