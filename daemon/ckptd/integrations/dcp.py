@@ -292,7 +292,8 @@ def export_dcp(step_dir: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     whole into memory (DCP saves a state in one call), so this needs host memory for the
     step's logical size. DCP's bytes entries are carried when torch.load(weights_only=True)
     reads them, else left out with a warning. Runs in one process, without a process group."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     target = Path(out)
     if target.exists() and any(target.iterdir()):
@@ -313,7 +314,7 @@ def export_dcp(step_dir: str | os.PathLike[str], out: str | os.PathLike[str]) ->
         except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler: leave the entry out, say so
             log.warning("export_dcp: %r left out: its value is not one weights_only loading accepts (%s)", fqn, exc)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    dcp_save(state, storage_writer=FileSystemWriter(str(tmp)))
     if target.exists():
         target.rmdir()
     os.replace(tmp, target)

@@ -157,7 +157,8 @@ class Step:
             return {}
         record = next(f for f in self.index.files if f.name == EXTRA_JSON)
         try:
-            return parse_extra_json(data, record).get(rank, {})
+            extras: dict[str, Any] = parse_extra_json(data, record).get(rank, {})
+            return extras
         except FormatError as exc:
             raise CheckpointError(f"step {self.step} of job {self.job!r}: {exc}") from None
 
