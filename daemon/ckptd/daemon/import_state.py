@@ -20,8 +20,6 @@ plain values. ckptd's names (client/ckptd/client/state.py):
 
 from __future__ import annotations
 
-import base64
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,15 +27,14 @@ from typing import Any, Callable
 import torch
 
 from ckptd.common import dtypes
-from ckptd.common.names import MAX_EXTRAS_DEPTH, InvalidNameError, check_tensor_name, kind_of
+from ckptd.client import tree
+from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 from ckptd.daemon.direct_write import DirectTensor, ImportRefused
 
 MODEL_KEYS = ("model", "state_dict", "module")
 OPTIMIZER_KEY = "optimizer"
 
 # The tags of ckptd.client.tree's encoding (its module docstring is the format's definition).
-TENSOR, TUPLE, FLOAT, BYTES, MAPPING = "__tensor__", "__tuple__", "__float__", "__bytes__", "__dict__"
-TAGS = frozenset({TENSOR, TUPLE, FLOAT, BYTES, MAPPING, "__ndarray__", "__npscalar__"})
 
 _INNER_WRAPPER = re.compile(r"(?:^|\.)(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
 _DDP_PREFIX = "module."
@@ -238,38 +235,13 @@ class _Unencodable(ValueError):
 
 
 def encode(value: Any, prefix: str, add_tensor: Callable[[str, torch.Tensor], None]) -> Any:
-    """The strict-JSON form of `value` that ckptd.client.tree.decode turns back into it; each
+    """The strict-JSON form of `value` (ckptd.client.tree's, which the client decodes); each
     tensor goes to add_tensor(name, tensor) under "<prefix>/<path>" and is referred to by name.
     Raises _Unencodable naming the path of a value it cannot hold."""
-    return _encode(value, (), prefix, add_tensor, 0, False)
-
-
-def _encode(value: Any, path: tuple[str, ...], prefix: str, add: Callable[[str, torch.Tensor], None], depth: int, in_key: bool) -> Any:
-    where = "/".join((prefix, *path))
-    if isinstance(value, torch.Tensor) and not in_key:
-        add(where, value)
-        return {TENSOR: where}
-    if value is None or isinstance(value, (str, bool)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else {FLOAT: repr(float(value))}
-    if isinstance(value, bytes):
-        return {BYTES: base64.b64encode(value).decode("ascii")}
-    if not isinstance(value, (dict, list, tuple)):
-        raise _Unencodable(f"{where} is a {_type_name(value)}, which the extras cannot hold")
-    if depth >= MAX_EXTRAS_DEPTH:
-        raise _Unencodable(f"{where} is nested more than {MAX_EXTRAS_DEPTH} containers deep")
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in TAGS):
-            return {k: _encode(v, (*path, k), prefix, add, depth + 1, in_key) for k, v in value.items()}
-        return {MAPPING: [
-            [_encode(k, (*path, str(k)), prefix, add, depth + 1, True), _encode(v, (*path, str(k)), prefix, add, depth + 1, in_key)]
-            for k, v in value.items()
-        ]}
-    items = [_encode(v, (*path, str(i)), prefix, add, depth + 1, in_key) for i, v in enumerate(value)]
-    return {TUPLE: items} if isinstance(value, tuple) else items
+    try:
+        return tree.encode(value, prefix, add_tensor)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise _Unencodable(str(exc)) from None
 
 
 def _type_name(value: Any) -> str:
