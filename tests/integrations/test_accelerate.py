@@ -5,15 +5,12 @@ no pickle; several models and optimizers round-trip; mismatches and misuse are r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from worker_process import load_worker, run_worker  # tests/worker_process.py
 import torch
 from torch import nn
 
@@ -26,32 +23,11 @@ from ckptd.integrations.accelerate import load_state, save_state  # noqa: E402
 WORKER = Path(__file__).with_name("accel_train.py")
 
 
-def _load_worker() -> ModuleType:
-    """accel_train.py (beside this file) as a module: the model, data and loop it trains with."""
-    spec = importlib.util.spec_from_file_location("accel_train", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-loop = _load_worker()
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Train in this process with the one intra-op thread the worker processes use (equal sums)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+loop = load_worker(WORKER)
 
 
 def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True, text=True, timeout=240)
-    expected = -9 if killed else 0
-    assert proc.returncode == expected, f"worker exited with {proc.returncode}, expected {expected}:\n{proc.stderr[-4000:]}"
-    return json.loads(Path(spec["out"]).read_text())
+    return run_worker(WORKER, spec, killed)
 
 
 def _prepared() -> tuple[Any, nn.Module, torch.optim.Optimizer, Any, Any, Any]:

@@ -27,7 +27,7 @@ import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -54,15 +54,6 @@ def worker() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """In-process runs use one torch thread, as the worker script does: equal losses need equal kernels."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:

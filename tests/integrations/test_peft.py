@@ -4,17 +4,16 @@ of a step directory, an exact resume of a LoRA fine-tune killed with SIGKILL, an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from worker_process import load_worker  # tests/worker_process.py
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -30,16 +29,7 @@ from ckptd.integrations.peft import ADAPTER_CONFIG_NAME, AdapterModel, adapter_c
 WORKER = Path(__file__).with_name("peft_train.py")
 
 
-def _load_worker() -> ModuleType:
-    """peft_train.py (beside this file) as a module: the model, data and training step it runs."""
-    spec = importlib.util.spec_from_file_location("peft_train", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load_worker()
+train = load_worker(WORKER)
 
 
 def _trained(steps: int = 3, **lora: Any) -> tuple[Any, torch.optim.Optimizer, Any]:

@@ -1,0 +1,30 @@
+"""Worker scripts of the integration tests (a training loop in a file beside its test): loaded
+as a module, to train in the test's process, or run as a process that may be SIGKILLed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+
+def load_worker(path: Path) -> ModuleType:
+    """A worker script beside the tests, as a module: the model, data and loop it trains with."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_worker(path: Path, spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:
+    """Run the worker script with `spec` (JSON) to its end, or to its SIGKILL when `killed`;
+    returns what it wrote to spec["out"]."""
+    proc = subprocess.run([sys.executable, str(path), json.dumps(spec)], capture_output=True, text=True, timeout=240)
+    expected = -9 if killed else 0
+    assert proc.returncode == expected, f"worker exited with {proc.returncode}, expected {expected}:\n{proc.stderr[-4000:]}"
+    return json.loads(Path(spec["out"]).read_text())
