@@ -134,3 +134,24 @@ def test_ckptd_export_format_dcp_writes_a_directory_dcp_loads(daemon, tmp_path: 
     state = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(out)))
     assert torch.equal(state["model"]["weight"], model.weight.detach())
+
+
+def test_a_crafted_bytes_entry_is_refused_before_dcp_unpickles_it(daemon, tmp_path: Path) -> None:
+    """A step altered to hold a pickle that runs code: the reader refuses it, nothing runs."""
+    import base64
+    import pickle  # noqa: F401 - only to build the attacker's payload in the test
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = base64.b64encode(pickle.dumps(Evil())).decode()
+    with CheckpointClient("evil", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(1, {"model": {"w": torch.ones(2)}, "dcp_bytes": {"note": payload}}).wait_durable(timeout=60)
+    state = {"model": {"w": torch.zeros(2)}, "note": 0}
+    with pytest.raises(CheckpointException) as refused:
+        dcp.load(state, storage_reader=CkptdStorageReader(info.step_dir))
+    assert "DCP entry 'note' is not a value torch.load(weights_only=True) accepts" in str(refused.value)
+    assert not marker.exists()

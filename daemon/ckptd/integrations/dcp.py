@@ -258,7 +258,7 @@ class CkptdStorageReader(StorageReader):
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(base64.b64decode(stored[fqn])))
+                planner.load_bytes(item, io.BytesIO(_safe_bytes(fqn, stored[fqn], step)))
                 continue
             chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             offsets = [c + o for c, o in zip(chunk_at, item.storage_offsets)]
@@ -274,6 +274,21 @@ class CkptdStorageReader(StorageReader):
 
     def _bytes(self) -> dict[str, str]:
         return _dcp_bytes(self.step)
+
+
+def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
+    """The bytes of DCP entry `fqn`, once torch's restricted (weights-only) unpickler accepts
+    them: DCP's default load planner unpickles them without restriction, so a step altered to
+    hold a crafted object must fail here, before that. CheckpointError names the entry."""
+    raw = base64.b64decode(encoded)
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler is the answer
+        raise CheckpointError(
+            f"step {step.step} of job {step.job!r}: DCP entry {fqn!r} is not a value torch.load(weights_only=True) accepts "
+            f"({type(exc).__name__}); it is not handed to DCP's planner, which would unpickle it without restriction"
+        ) from None
+    return raw
 
 
 def _dcp_bytes(step: Step) -> dict[str, str]:
