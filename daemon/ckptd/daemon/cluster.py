@@ -95,6 +95,10 @@ class _GlobalSave:
     options: SaveOptions = NO_OPTIONS  # the ranks' compression options (every node's the same)
     lineage: int = 0  # the deepest lineage of what the nodes' ranks last loaded
     compression: Compression | None = None  # decided when planned
+    # the answer's node of each rank and every rank's metadata, made once when planned (not
+    # once per joining node: that is nodes x ranks)
+    rank_nodes: tuple[int, ...] = ()
+    all_specs: tuple[tuple[TensorSpec, ...], ...] = ()
 
     @property
     def nodes(self) -> set[int]:
@@ -233,8 +237,8 @@ class Coordinator:
         return JoinResult(
             save_id=save.save_id,
             plan_key=save.key,
-            node_of_rank=tuple(save.node_of_rank[r] for r in range(world_size)),
-            specs=None if known else tuple(self._specs[(r, save.fingerprints[r])] for r in range(world_size)),
+            node_of_rank=save.rank_nodes,
+            specs=None if known else save.all_specs,
             shared_root=self._shared(save),
             compression=save.compression,
             plan=save.plan,
@@ -247,11 +251,11 @@ class Coordinator:
     async def _plan(self, save: _GlobalSave) -> None:
         try:
             save.key = plan_key(save.fingerprints, save.node_of_rank)
+            save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
+            save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             plan = self._plans.get(save.key)
             if plan is None:
-                specs = [self._specs[(r, save.fingerprints[r])] for r in range(save.world_size)]
-                nodes = [save.node_of_rank[r] for r in range(save.world_size)]
-                plan = await asyncio.to_thread(make_save_plan, specs, nodes)
+                plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
                 self._plans[save.key] = plan
             save.plan = plan
             save.compression = self.decide(save.options, save.lineage)
@@ -290,7 +294,7 @@ class Coordinator:
         save = self._saves.get((job, step))
         if save is None or save.save_id != save_id:
             return Outcome(False, f"the coordinator knows no save {save_id} of step {step} (it restarted or the save was aborted)", decided=False)
-        if node not in save.nodes:
+        if node not in save.root_ids:  # save.root_ids: the nodes that joined (save.nodes builds a set)
             raise InvalidRequest(f"node {node} did not join the save of step {step}")
         if not save.decided.is_set():
             if manifest is None:
@@ -299,7 +303,7 @@ class Coordinator:
                 save.manifests[node] = manifest
                 save.extras.update(extras)
                 save.model_files.update(model_files)
-                if set(save.manifests) == save.nodes:
+                if len(save.manifests) == len(save.root_ids):  # manifests come from joined nodes only: all have reported
                     await self._commit(save)
         await save.decided.wait()
         assert save.outcome is not None

@@ -9,6 +9,7 @@ import json
 import platform
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -212,8 +213,8 @@ def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
     """environment.json: the trainer's record as rank 0 sent it (versions of Python, torch and
     ckptd, device meshes, the user's run config; {} from a client that sends none), the layout
     that wrote the step (from the plan) and the daemon that committed it."""
-    nodes = plan.node_of_rank or (0,) * plan.world_size
-    ranks_per_node = [nodes.count(n) for n in sorted(set(nodes))]
+    ranks_of_node = Counter(plan.node_of_rank or (0,) * plan.world_size)
+    ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
     boxes: dict[str, set[Box]] = {}
     for slot in plan.slots:
         boxes.setdefault(slot.name, set()).add(slot.box)
