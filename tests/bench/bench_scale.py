@@ -1,0 +1,538 @@
+"""Scale simulation (issue 23, item 4): the save planner and the coordinator at 10 to 1,000
+simulated nodes of 8 ranks holding a 70B-class model's metadata, and real daemons on loopback.
+
+Simulated part (no bytes, one process): every rank's TensorSpecs describe only its fragments
+of a Llama-70B-like model under TP x PP x DP, and the real code plans and commits:
+
+- `make_save_plan` over every rank's specs: seconds, slots and parts, and the size of the
+  plan's input on the wire (the JoinSaveResponse that carries every rank's metadata to a node
+  that has not planned from it yet: rpc_convert.join_response, serialized);
+- the real `cluster.Coordinator` driven in-process: every simulated node joins (Coordinator.join)
+  and reports a synthetic NodeManifest (Coordinator.report) laid out as the writer lays out its
+  files (step_build.stored_tensors, format.layout_files, safetensors headers), with each data
+  file present in the shared root as a sparse file of its size, so the coordinator's checks
+  run; the commit (step_build.step_files, writer.write_step_files, `latest`) goes to a real
+  POSIX Storage in a temporary root. "commit" is the time from the call of the last node's
+  report to its answer (the commit decided, the index and small files written);
+- the coordinator's memory for one save, in a fresh process: the growth of its resident set
+  over the ranks' metadata as the coordinator holds it, the joins, the plan, the manifests and
+  the commit (retained after it, with the coordinator alive; and the peak, ru_maxrss);
+- the load planner (engine/load_plan.plan_pieces) for one rank against the committed index,
+  and the parse of that index (CheckpointIndex.from_json_bytes).
+
+Layout: 8 ranks per node = one tensor-parallel group (TP=8, Megatron splits: q/k/v, gate/up,
+embeddings and lm_head by rows; o and down by columns; norms replicated); PP=10 pipeline stages
+over nodes (8 of the 80 layers each; embeddings on the first, final norm and lm_head on the
+last); DP=N/10 data-parallel replicas of the rest (so N must be a multiple of 10). Tensors per
+parameter: the bf16 model weight, its fp32 master copy, Adam's fp32 exp_avg and exp_avg_sq,
+named as ckptd names them ("model/<fqn>", "master/<fqn>", "optimizer/state/<fqn>/exp_avg").
+The optimizer state is replicated across DP (no ZeRO sharding). Each rank thus holds the same
+number of fragments at every N: growth in N is growth in ranks alone.
+
+Real part (`--daemons 16`, 0 to skip): that many `ckptd serve` processes on loopback sharing one
+root (tests/conftest.py NodeSet), one trainer rank per node (threads, one CheckpointClient
+each) saving a small state; the time from the last node's report to the commit is read from
+each daemon's log line "committed step ... committed X s later", and save() -> wait_durable.
+
+    python tests/bench/bench_scale.py                        # 10,30,100,300,1000 nodes + 16 daemons
+    python tests/bench/bench_scale.py --nodes 10,100 --daemons 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ckptd.common.boxes import Box
+from ckptd.common.chunks import chunk_bytes_for, chunk_count
+from ckptd.daemon import rpc_convert
+from ckptd.daemon.cluster import Coordinator, PeerLinks
+from ckptd.daemon.engine.load_plan import file_locations, plan_pieces
+from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
+from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.records import JoinResult
+from ckptd.daemon.step_build import NodeManifest, checksum_name, stored_tensors
+from ckptd.daemon.storage.posix import Storage
+
+LAYERS, HIDDEN, FFN, VOCAB, KV_DIM = 80, 8192, 28672, 128256, 8 * 128  # Llama-3-70B: 64 heads, 8 KV heads of 128
+TP, PP = 8, 10
+MAX_FILE_BYTES = 4 * 2**30  # `ckptd serve` default
+JOB = "sim"
+COMMIT_TARGET_S = 1.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """N nodes of TP ranks; rank = tp + TP * node; node = dp + DP * stage (Megatron's order)."""
+
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.nodes % PP:
+            raise SystemExit(f"--nodes: {self.nodes} is not a multiple of PP={PP}")
+
+    @property
+    def dp(self) -> int:
+        return self.nodes // PP
+
+    @property
+    def world(self) -> int:
+        return self.nodes * TP
+
+    def stage(self, node: int) -> int:
+        return node // self.dp
+
+
+# (fqn, global shape, split dim or None = replicated across the TP group)
+Param = tuple[str, tuple[int, ...], int | None]
+
+
+def stage_params(stage: int) -> list[Param]:
+    """The parameters pipeline stage `stage` holds."""
+    per = LAYERS // PP
+    params: list[Param] = []
+    if stage == 0:
+        params.append(("model.embed_tokens.weight", (VOCAB, HIDDEN), 0))
+    for layer in range(stage * per, (stage + 1) * per):
+        p = f"model.layers.{layer}."
+        params += [
+            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN), 0),
+            (p + "self_attn.k_proj.weight", (KV_DIM, HIDDEN), 0),
+            (p + "self_attn.v_proj.weight", (KV_DIM, HIDDEN), 0),
+            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), 1),
+            (p + "mlp.gate_proj.weight", (FFN, HIDDEN), 0),
+            (p + "mlp.up_proj.weight", (FFN, HIDDEN), 0),
+            (p + "mlp.down_proj.weight", (HIDDEN, FFN), 1),
+            (p + "input_layernorm.weight", (HIDDEN,), None),
+            (p + "post_attention_layernorm.weight", (HIDDEN,), None),
+        ]
+    if stage == PP - 1:
+        params += [("model.norm.weight", (HIDDEN,), None), ("lm_head.weight", (VOCAB, HIDDEN), 0)]
+    return params
+
+
+def tp_box(shape: tuple[int, ...], dim: int | None, tp: int) -> Box:
+    if dim is None:
+        return Box.full(shape)
+    size = shape[dim] // TP
+    offsets = tuple(tp * size if d == dim else 0 for d in range(len(shape)))
+    lengths = tuple(size if d == dim else n for d, n in enumerate(shape))
+    return Box(offsets, lengths)
+
+
+def rank_specs(layout: Layout, rank: int) -> tuple[TensorSpec, ...]:
+    """What `rank` holds, as new objects (the coordinator holds each rank's own copy, parsed
+    from its node's message)."""
+    node, tp = divmod(rank, TP)
+    out = []
+    for fqn, shape, dim in stage_params(layout.stage(node)):
+        box = tp_box(shape, dim, tp)
+        out += [
+            TensorSpec(f"model/{fqn}", "model", "BF16", shape, box),
+            TensorSpec(f"master/{fqn}", "master", "F32", shape, box),
+            TensorSpec(f"optimizer/state/{fqn}/exp_avg", "optimizer", "F32", shape, box),
+            TensorSpec(f"optimizer/state/{fqn}/exp_avg_sq", "optimizer", "F32", shape, box),
+        ]
+    return tuple(out)
+
+
+def fingerprint(layout: Layout, rank: int) -> str:
+    """Equal for ranks holding equal metadata (the DP replicas), as the client's digest is."""
+    node, tp = divmod(rank, TP)
+    return f"stage{layout.stage(node)}-tp{tp}"
+
+
+def all_specs(layout: Layout) -> list[tuple[TensorSpec, ...]]:
+    return [rank_specs(layout, r) for r in range(layout.world)]
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def node_manifests(plan: SavePlan, nodes: int) -> list[NodeManifest]:
+    """What each node would report after writing its files: the writer's layout
+    (stored_tensors, layout_files at the default 4 GiB, headers), placeholder checksums."""
+    kinds = {t.name: t.kind for t in plan.tensors}
+    files: dict[int, list[FileRecord]] = {n: [] for n in range(nodes)}
+    fragments: dict[int, list[tuple[str, FragmentRecord]]] = {n: [] for n in range(nodes)}
+    for layout in layout_files(stored_tensors(plan), kinds, MAX_FILE_BYTES):
+        header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
+        files[layout.node].append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(hash(layout.name) & (2**64 - 1)), layout.node))
+        for t, entry in zip(layout.tensors, entries):
+            chunk = chunk_bytes_for(t.nbytes)
+            fragments[layout.node].append(
+                (t.name, FragmentRecord(layout.name, t.key, t.box, t.dtype, len(header) + entry.begin, t.nbytes,
+                                        checksum_name(entry.begin), chunk, "0123456789abcdef" * chunk_count(t.nbytes, chunk)))
+            )
+    return [NodeManifest(n, tuple(files[n]), tuple(fragments[n])) for n in range(nodes)]
+
+
+def place_sparse_files(storage: Storage, step: int, manifests: list[NodeManifest]) -> None:
+    """The nodes' data files in the shared root: sparse files of the manifests' sizes."""
+    step_dir = storage.prepare_step_dir(JOB, step, fresh=True)
+    for manifest in manifests:
+        for record in manifest.files:
+            with open(step_dir / record.name, "wb") as f:
+                f.truncate(record.size)
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+class AnsweringLinks(PeerLinks):
+    """Peer links to simulated nodes: every node that has not reported says it is still
+    writing (the coordinator's liveness check), without a network call."""
+
+    async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
+        return True
+
+
+async def _no_retention(job: str) -> None:
+    return None
+
+
+@dataclass
+class SaveTimes:
+    join_s: float  # from the first join to every node's answer (plans when not cached)
+    commit_s: float  # the last node's report to its answer
+    index_bytes: int
+    files: int
+
+
+async def simulate_save(
+    coord: Coordinator, storage: Storage, layout: Layout, step: int, specs: list[tuple[TensorSpec, ...]] | None,
+    manifests: Callable[[SavePlan], list[NodeManifest]], known_plans: tuple[str, ...],
+) -> tuple[SaveTimes, JoinResult]:
+    """One save of `step` through `coord`: every node joins (with its ranks' metadata when
+    `specs` is given), then reports; returns the times and node 0's join answer."""
+    fps = [fingerprint(layout, r) for r in range(layout.world)]
+    root_id = storage.root_id()
+    started = time.perf_counter()
+    joins = [
+        coord.join(
+            JOB, step, n, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
+            {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
+            known_plans, root_id, 3600.0, None,
+        )
+        for n in range(layout.nodes)
+    ]
+    results = await asyncio.gather(*joins)
+    join_s = time.perf_counter() - started
+    plan = results[0].plan
+    assert plan is not None
+    made = manifests(plan)
+    await asyncio.to_thread(place_sparse_files, storage, step, made)
+    save_id = results[0].save_id
+    extras = {0: {"scheduler": {"last_epoch": step}, "step": step}}
+    early = [
+        asyncio.create_task(coord.report(JOB, step, save_id, n, made[n], "", extras if n == 0 else {}, {}))
+        for n in range(layout.nodes - 1)
+    ]
+    await asyncio.sleep(0)  # every earlier report is in and waits for the decision
+    last = layout.nodes - 1
+    started = time.perf_counter()
+    outcome = await coord.report(JOB, step, save_id, last, made[last], "", {}, {})
+    commit_s = time.perf_counter() - started
+    if not outcome.committed:
+        raise RuntimeError(f"step {step} was not committed: {outcome.error}")
+    await asyncio.gather(*early)
+    assert outcome.index is not None
+    index_bytes = os.path.getsize(storage.step_dir(JOB, step) / "ckptd.index.json")
+    return SaveTimes(join_s, commit_s, index_bytes, len(outcome.index.files)), results[0]
+
+
+def new_coordinator(root: Path, nodes: int) -> tuple[Coordinator, Storage]:
+    storage = Storage(root)
+    links = AnsweringLinks([f"sim-node-{n}" for n in range(nodes)], "")
+    return Coordinator(storage, links, storage.root_id(), _no_retention), storage
+
+
+# ---------------------------------------------------------------- one point
+
+
+@dataclass
+class Point:
+    nodes: int
+    ranks: int
+    specs: int
+    tensors: int
+    plan_s: float
+    slots: int
+    parts: int
+    wire_bytes: int
+    wire_s: float
+    join_first_s: float
+    join_cached_s: float
+    commit_s: list[float]
+    index_bytes: int
+    files: int
+    load_plan_s: float
+    load_pieces: int
+    index_parse_s: float
+    mem_retained: int = 0
+    mem_peak: int = 0
+
+
+def join_answer(result: JoinResult) -> tuple[int, float]:
+    """The JoinSaveResponse that carries every rank's metadata to a node that has not planned
+    from it (peer_servicer.JoinSave builds one per joining node): (bytes, seconds to build and
+    serialize it)."""
+    started = time.perf_counter()
+    data = rpc_convert.join_response(result).SerializeToString()
+    return len(data), time.perf_counter() - started
+
+
+def measure(nodes: int, saves: int, tmp: Path) -> Point:
+    layout = Layout(nodes)
+    specs = all_specs(layout)
+    gc.collect()
+    started = time.perf_counter()
+    plan = make_save_plan(specs, [r // TP for r in range(layout.world)])
+    plan_s = time.perf_counter() - started
+
+    def manifests(plan: SavePlan) -> list[NodeManifest]:
+        return node_manifests(plan, nodes)
+
+    root = Path(tempfile.mkdtemp(prefix=f"n{nodes}-", dir=tmp))
+    coord, storage = new_coordinator(root, nodes)
+
+    async def run() -> tuple[list[SaveTimes], JoinResult]:
+        times = []
+        first, result = await simulate_save(coord, storage, layout, 1, specs, manifests, ())
+        times.append(first)
+        for step in range(2, saves + 2):  # plan cached: the nodes send fingerprints only
+            later, _ = await simulate_save(coord, storage, layout, step, None, manifests, (result.plan_key,))
+            times.append(later)
+            await asyncio.to_thread(storage.remove_step, JOB, step - 1)  # keep the disk small
+        return times, result
+
+    times, result = asyncio.run(run())
+    wire, wire_s = join_answer(result)
+    index_path = storage.step_dir(JOB, saves + 1) / "ckptd.index.json"
+    raw = index_path.read_bytes()
+    started = time.perf_counter()
+    index = CheckpointIndex.from_json_bytes(raw)
+    parse_s = time.perf_counter() - started
+    rank = layout.world - 1  # the last stage: embeddings of nothing, lm_head and the final norm
+    locations = file_locations(index.files, nodes - 1, {}, lambda f: str(root / f), lambda f: f"/dev/shm/{f}")
+    started = time.perf_counter()
+    planned = plan_pieces(index, specs[rank], ["model", "master", "optimizer"], False, None, locations)
+    load_s = time.perf_counter() - started
+    return Point(
+        nodes, layout.world, sum(map(len, specs)), len(plan.tensors), plan_s, len(plan.slots), len(plan.parts), wire, wire_s,
+        times[0].join_s, statistics.median(t.join_s for t in times[1:]), [t.commit_s for t in times],
+        times[-1].index_bytes, times[-1].files, load_s, len(planned.pieces), parse_s,
+    )
+
+
+def memory_child(nodes: int, tmp: Path) -> None:
+    """--memory-child: one save at `nodes`, then "RSS_DELTA PEAK_DELTA" in bytes on stdout
+    (a fresh process, so the peak is this save's)."""
+    import resource
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    gc.collect()
+    base = rss()
+    layout = Layout(nodes)
+    root = Path(tempfile.mkdtemp(prefix=f"mem{nodes}-", dir=tmp))
+    coord, storage = new_coordinator(root, nodes)
+    specs = all_specs(layout)
+    asyncio.run(simulate_save(coord, storage, layout, 1, specs, lambda p: node_manifests(p, nodes), ()))
+    del specs
+    gc.collect()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(rss() - base, peak - base)
+    del coord
+
+
+def measure_rss(nodes: int, tmp: Path) -> tuple[int, int]:
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", str(nodes), "--tmp", str(tmp)], check=True, capture_output=True, text=True
+    ).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+# ---------------------------------------------------------------- real daemons
+
+
+@dataclass
+class DaemonRun:
+    daemons: int
+    start_s: float
+    commit_s: list[float]  # per step: the smallest "committed X s later" over the nodes (the last reporter's)
+    durable_s: list[float]  # per step: save() to the slowest rank's wait_durable()
+
+
+def run_daemons(count: int, steps: int, tmp: Path) -> DaemonRun:
+    """`count` daemons on loopback sharing one root, one rank per node (threads), `steps` saves."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from ckptd.client import CheckpointClient
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import NodeSet  # tests/conftest.py: daemons of several nodes on loopback
+
+    nodes = NodeSet(tmp / f"daemons-{count}", count, shared_root=True)
+    try:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:  # 2 cores: a few start at once
+            list(pool.map(nodes.start, range(count)))
+        start_s = time.perf_counter() - started
+        torch.manual_seed(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)) for _ in range(count)]
+        clients = [
+            CheckpointClient("scale", address=nodes.address(r), rank=r, world_size=count, local_world_size=1, on_error="raise", timeout_s=120)
+            for r in range(count)
+        ]
+        durable = []
+        try:
+            with ThreadPoolExecutor(count) as pool:
+                for step in range(1, steps + 1):
+                    def save(rank: int, step: int = step) -> float:
+                        begun = time.perf_counter()
+                        clients[rank].save(step, {"model": models[rank]}).wait_durable(120)
+                        return time.perf_counter() - begun
+
+                    durable.append(max(pool.map(save, range(count))))
+        finally:
+            for client in clients:
+                client.close()
+        later = re.compile(r"committed step (\d+) of job scale: .* committed ([0-9.]+) s later")
+        by_step: dict[int, list[float]] = {}
+        for n in range(count):
+            for match in later.finditer((nodes.base / f"node{n}-0.log").read_text()):
+                by_step.setdefault(int(match.group(1)), []).append(float(match.group(2)))
+        missing = [s for s in range(1, steps + 1) if len(by_step.get(s, ())) != count]
+        if missing:
+            raise RuntimeError(f"steps {missing}: not every daemon logged its commit; see the logs in {nodes.base}")
+        return DaemonRun(count, start_s, [min(by_step[s]) for s in range(1, steps + 1)], durable)
+    finally:
+        nodes.close()
+
+
+# ---------------------------------------------------------------- report
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Log-log slope between the two largest points: 1 = linear, 2 = quadratic."""
+    (x0, y0), (x1, y1) = sorted(zip(xs, ys))[-2:]
+    if y0 <= 0 or y1 <= 0:
+        return float("nan")
+    return math.log(y1 / y0) / math.log(x1 / x0)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def report(points: list[Point]) -> bool:
+    rows = [
+        ("ranks (8 per node)", lambda p: p.ranks, str),
+        ("rank fragments (TensorSpecs)", lambda p: p.specs, str),
+        ("logical tensors / plan slots / parts", lambda p: f"{p.tensors} / {p.slots} / {p.parts}", str),
+        ("make_save_plan, s", lambda p: p.plan_s, lambda v: f"{v:.2f}"),
+        ("plan input on the wire per node (JoinSaveResponse), MiB", lambda p: p.wire_bytes, mib),
+        ("the same for all N-1 other nodes (coordinator egress), GiB", lambda p: (p.nodes - 1) * p.wire_bytes / 2**30, lambda v: f"{v:.2f}"),
+        ("build + serialize that answer, one node, s", lambda p: p.wire_s, lambda v: f"{v:.3f}"),
+        ("the same for all N-1 other nodes (coordinator CPU), s", lambda p: (p.nodes - 1) * p.wire_s, lambda v: f"{v:.1f}"),
+        ("all nodes join, first save (plans), s", lambda p: p.join_first_s, lambda v: f"{v:.2f}"),
+        ("all nodes join, plan cached, s", lambda p: p.join_cached_s, lambda v: f"{v:.3f}"),
+        ("last manifest -> commit, median s", lambda p: statistics.median(p.commit_s), lambda v: f"{v:.3f}"),
+        ("last manifest -> commit, max s", lambda p: max(p.commit_s), lambda v: f"{v:.3f}"),
+        ("data files / index, MiB", lambda p: f"{p.files} / {mib(p.index_bytes)}", str),
+        ("coordinator memory, one save: retained MiB (RSS)", lambda p: p.mem_retained, mib),
+        ("coordinator memory, one save: peak MiB (RSS)", lambda p: p.mem_peak, mib),
+        ("index parse (from_json_bytes), s", lambda p: p.index_parse_s, lambda v: f"{v:.3f}"),
+        ("plan_pieces, one rank (pieces), ms", lambda p: f"{p.load_plan_s * 1e3:.1f} ({p.load_pieces})", str),
+    ]
+    slope_of = {
+        "make_save_plan, s": lambda p: p.plan_s,
+        "plan input on the wire per node (JoinSaveResponse), MiB": lambda p: p.wire_bytes,
+        "the same for all N-1 other nodes (coordinator egress), GiB": lambda p: (p.nodes - 1) * p.wire_bytes,
+        "the same for all N-1 other nodes (coordinator CPU), s": lambda p: (p.nodes - 1) * p.wire_s,
+        "all nodes join, first save (plans), s": lambda p: p.join_first_s,
+        "all nodes join, plan cached, s": lambda p: p.join_cached_s,
+        "last manifest -> commit, median s": lambda p: statistics.median(p.commit_s),
+        "coordinator memory, one save: retained MiB (RSS)": lambda p: p.mem_retained,
+        "coordinator memory, one save: peak MiB (RSS)": lambda p: p.mem_peak,
+        "plan_pieces, one rank (pieces), ms": lambda p: p.load_plan_s,
+    }
+    head = "| measure | " + " | ".join(f"{p.nodes} nodes" for p in points) + " | slope |"
+    print(head)
+    print("|---" * (len(points) + 2) + "|")
+    xs = [float(p.specs + p.nodes) for p in points]
+    for label, get, fmt in rows:
+        cells = [fmt(get(p)) for p in points]
+        grow = f"{slope(xs, [float(slope_of[label](p)) for p in points]):.2f}" if label in slope_of and len(points) > 1 else ""
+        print(f"| {label} | " + " | ".join(cells) + f" | {grow} |")
+    print("\nslope: log-log slope between the two largest points against tensor fragments + nodes (1 = linear).")
+    ok = True
+    largest = points[-1]
+    commit = max(largest.commit_s)
+    passed = commit <= COMMIT_TARGET_S
+    ok &= passed
+    print(f"target: commit at {largest.nodes} nodes <= {COMMIT_TARGET_S:.0f} s after the last manifest: worst of "
+          f"{len(largest.commit_s)} saves {commit:.3f} s: {'PASS' if passed else 'FAIL'}")
+    if len(points) > 1:
+        worst = max(slope(xs, [float(slope_of[k](p)) for p in points]) for k in slope_of)
+        passed = worst <= 1.1  # 10% for timing noise on a shared machine
+        ok &= passed
+        print(f"target: plan and coordinator work grow no faster than linearly: steepest slope {worst:.2f} (<= 1.1): {'PASS' if passed else 'FAIL'}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="10,30,100,300,1000", help="simulated node counts, multiples of 10")
+    parser.add_argument("--saves", type=int, default=3, help="saves with the plan cached after the first, per point")
+    parser.add_argument("--daemons", default="16", help="real daemons on loopback, e.g. 16 or 16,32; 0: skip")
+    parser.add_argument("--daemon-steps", type=int, default=5)
+    parser.add_argument("--tmp", type=Path, default=None, help="where the roots go (default: a new temporary directory)")
+    parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tmp = args.tmp or Path(tempfile.mkdtemp(prefix="ckptd-scale-"))
+    if args.memory_child:
+        memory_child(args.memory_child, tmp)
+        return
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; roots in {tmp}", flush=True)
+    points = []
+    for nodes in sorted(int(n) for n in args.nodes.split(",")):
+        began = time.perf_counter()
+        point = measure(nodes, args.saves, tmp)
+        point.mem_retained, point.mem_peak = measure_rss(nodes, tmp)
+        points.append(point)
+        print(f"  {nodes} nodes measured in {time.perf_counter() - began:.0f} s", flush=True)
+    print()
+    ok = report(points)
+    for count in (int(c) for c in args.daemons.split(",") if int(c) > 0):
+        run = run_daemons(count, args.daemon_steps, tmp)
+        print(f"\n{count} real daemons on loopback (shared root, one rank each, {args.daemon_steps} saves of a 2x Linear(256, 256) model): "
+              f"started in {run.start_s:.1f} s")
+        print("  last manifest -> commit (smallest 'committed X s later' of the nodes), s: " + ", ".join(f"{v:.3f}" for v in run.commit_s)
+              + f"; median {statistics.median(run.commit_s):.3f}")
+        print("  save() -> every rank's wait_durable(), s: " + ", ".join(f"{v:.3f}" for v in run.durable_s)
+              + f"; median {statistics.median(run.durable_s):.3f}")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
