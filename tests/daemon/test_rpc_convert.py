@@ -36,6 +36,20 @@ def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
     assert rpc_convert.join_request("job", 3, 1, 2, {}, {}, [], 1.0, 0.0, "r", SaveOptions(), 0).has_metric  # a metric of 0 is a metric
 
 
+def test_replicas_metadata_crosses_once_and_arrives_for_every_rank() -> None:
+    """Data-parallel replicas (equal fingerprints) are sent as the fingerprint alone: the answer
+    grows with the distinct layouts, not with the ranks (issue 23's scale simulation)."""
+    a, b = specs(HALVES[0]), specs(HALVES[1])
+    world = (a, b, a, b, a, b)  # 3 replicas of a 2-way split
+    result = JoinResult("s", "k", (0, 0, 1, 1, 2, 2), world, True, fingerprints=("fa", "fb") * 3)
+    reply = rpc_convert.join_response(result)
+    assert [len(t.tensors) for t in reply.tensors] == [2, 2, 0, 0, 0, 0]
+    assert [t.fingerprint for t in reply.tensors] == ["fa", "fb"] * 3
+    assert rpc_convert.join_result_of(reply, 6).specs == world
+    empty = JoinResult("s", "k", (0, 0), ((), ()), True, fingerprints=("f0", "f0"))  # ranks without tensors stay empty
+    assert rpc_convert.join_result_of(rpc_convert.join_response(empty), 2).specs == ((), ())
+
+
 def test_the_coordinators_metadata_is_validated_and_must_cover_every_rank() -> None:
     short = rpc_convert.join_response(JoinResult("s", "k", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True))
     del short.tensors[1]

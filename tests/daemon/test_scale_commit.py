@@ -85,7 +85,10 @@ def test_the_commit_waits_for_every_node_that_joined(tmp_path: Path, joined: tup
         tasks = []
         for i, node in enumerate(reports):
             tasks.append(asyncio.create_task(coord.report("job", 1, save_id, node, manifest(node), "", {}, {})))
-            await asyncio.sleep(0.01)
+            if i == commits_after:  # the commit writes files: wait for it rather than for a fixed time
+                await asyncio.wait_for(asyncio.shield(tasks[-1]), 60)
+            else:
+                await asyncio.sleep(0.01)
             assert coord.deciding("job", 1) == (commits_after is None or i < commits_after), (i, node)
         if commits_after is not None:
             outcomes = await asyncio.gather(*tasks)

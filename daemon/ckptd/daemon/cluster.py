@@ -99,6 +99,7 @@ class _GlobalSave:
     # once per joining node: that is nodes x ranks)
     rank_nodes: tuple[int, ...] = ()
     all_specs: tuple[tuple[TensorSpec, ...], ...] = ()
+    rank_fingerprints: tuple[str, ...] = ()
 
     @property
     def nodes(self) -> set[int]:
@@ -242,6 +243,7 @@ class Coordinator:
             shared_root=self._shared(save),
             compression=save.compression,
             plan=save.plan,
+            fingerprints=save.rank_fingerprints,
         )
 
     def _shared(self, save: _GlobalSave) -> bool:
@@ -253,6 +255,7 @@ class Coordinator:
             save.key = plan_key(save.fingerprints, save.node_of_rank)
             save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
+            save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
             plan = self._plans.get(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)

@@ -25,11 +25,17 @@ if TYPE_CHECKING:
     from ckptd.daemon.service import CheckpointService
 
 
+JOIN_ANSWERS_KEPT = 8  # saves whose join answer is kept (a few in flight at once)
+
+
 class PeerServicer(ppb_grpc.PeerServicer):
     def __init__(self, service: "CheckpointService") -> None:
         assert service.cluster is not None, "the peer service runs only with several nodes"
         self.service = service
         self.cluster = service.cluster
+        # The answer to a joining node is the same for every node of a save (with or without the
+        # metadata): built once, not once per node (each holds every rank's metadata).
+        self._answers: dict[tuple[str, bool], ppb.JoinSaveResponse] = {}
 
     def _coordinator(self) -> Coordinator:
         if self.cluster.coordinator is None:
@@ -59,7 +65,13 @@ class PeerServicer(ppb_grpc.PeerServicer):
             job, step, node, world_size, dict(request.fingerprints), specs, list(request.known_plans), request.root_id, timeout_s, metric,
             options, lineage,
         )
-        return rpc_convert.join_response(result)
+        key = (result.save_id, result.specs is None)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._answers[key] = rpc_convert.join_response(result)
+            while len(self._answers) > JOIN_ANSWERS_KEPT:
+                del self._answers[next(iter(self._answers))]
+        return answer
 
     async def ReportManifest(self, request: ppb.ReportManifestRequest, context: grpc.aio.ServicerContext) -> ppb.ReportManifestResponse:
         coordinator = self._coordinator()

@@ -225,10 +225,20 @@ def compression_of(message: ppb.Compression) -> Compression:
 
 
 def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
+    """The answer to a joining node. Every rank's metadata, unless the node knows the plan; a
+    rank whose fingerprint an earlier rank has (a data-parallel replica) is sent as that
+    fingerprint alone, so the answer grows with the distinct layouts, not with the ranks."""
     tensors = []
     if result.specs is not None:
+        sent: set[str] = set()
         for rank, rank_specs in enumerate(result.specs):
-            tensors.append(ppb.RankTensors(rank=rank, fingerprint="", tensors=[meta_of(s) for s in rank_specs]))
+            fingerprint = result.fingerprints[rank] if result.fingerprints else ""
+            if fingerprint and fingerprint in sent:
+                tensors.append(ppb.RankTensors(rank=rank, fingerprint=fingerprint))
+                continue
+            if fingerprint:
+                sent.add(fingerprint)
+            tensors.append(ppb.RankTensors(rank=rank, fingerprint=fingerprint, tensors=[meta_of(s) for s in rank_specs]))
     return ppb.JoinSaveResponse(
         save_id=result.save_id, plan_key=result.plan_key, node_of_rank=dict(enumerate(result.node_of_rank)),
         tensors=tensors, shared_root=result.shared_root, compression=compression_pb(result.compression),
@@ -240,7 +250,15 @@ def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
     and Aborted when it does not cover every rank."""
     specs_out = None
     if reply.tensors:
-        by_rank = {t.rank: tuple(tensor_specs(t.tensors)) for t in reply.tensors}
+        by_rank: dict[int, tuple[TensorSpec, ...]] = {}
+        by_fingerprint: dict[str, tuple[TensorSpec, ...]] = {}
+        for t in reply.tensors:  # a rank sent as a fingerprint alone has the metadata of the first rank with it
+            if t.fingerprint and not t.tensors and t.fingerprint in by_fingerprint:
+                by_rank[t.rank] = by_fingerprint[t.fingerprint]
+                continue
+            by_rank[t.rank] = tuple(tensor_specs(t.tensors))
+            if t.fingerprint:
+                by_fingerprint.setdefault(t.fingerprint, by_rank[t.rank])
         if sorted(by_rank) != list(range(world_size)):
             raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
         specs_out = tuple(by_rank[r] for r in range(world_size))
