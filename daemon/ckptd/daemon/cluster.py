@@ -100,6 +100,7 @@ class _GlobalSave:
     rank_nodes: tuple[int, ...] = ()
     all_specs: tuple[tuple[TensorSpec, ...], ...] = ()
     rank_fingerprints: tuple[str, ...] = ()
+    shared_root: bool = False  # every node writes into one root (decided when planned: all have joined)
 
     @property
     def nodes(self) -> set[int]:
@@ -240,7 +241,7 @@ class Coordinator:
             plan_key=save.key,
             node_of_rank=save.rank_nodes,
             specs=None if known else save.all_specs,
-            shared_root=self._shared(save),
+            shared_root=save.shared_root,
             compression=save.compression,
             plan=save.plan,
             fingerprints=save.rank_fingerprints,
@@ -256,6 +257,7 @@ class Coordinator:
             save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
+            save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
             plan = self._plans.get(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
