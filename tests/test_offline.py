@@ -109,3 +109,28 @@ def test_a_step_reached_through_a_link_is_not_read(saved, tmp_path: Path) -> Non
     os.symlink(root / "off", fake_root / "off")
     with pytest.raises((CheckpointError, CheckpointNotFound)):
         open_step(fake_root, "off", 1).state_dict()
+
+
+def test_targets_off_the_cpu_are_filled_through_host_tensors() -> None:
+    """The reader writes host memory only: a GPU target gets a CPU tensor to fill, then a copy."""
+    from ckptd.client._restore import Fill
+    from ckptd.common.boxes import Box
+    from ckptd.offline.reader import host_fills
+
+    on_cpu = Fill(torch.zeros(2, 3), Box.full((2, 3)), [])
+    elsewhere = Fill(torch.empty(4, 5, dtype=torch.bfloat16, device="meta"), Box((0, 0), (4, 5)), [])
+    on_host, to_device = host_fills([on_cpu, elsewhere])
+    assert on_host[0] is on_cpu
+    assert on_host[1].target.device.type == "cpu" and on_host[1].target.shape == (4, 5) and on_host[1].target.dtype == torch.bfloat16
+    assert on_host[1].want == elsewhere.want and to_device == [(elsewhere.target, on_host[1].target)]
+
+
+@pytest.mark.gpu
+def test_a_model_on_the_gpu_loads_offline(saved) -> None:
+    root, _, _ = saved
+    step = open_step(root, "off", 1)
+    fresh = _model().cuda()
+    step.load({"model": fresh})
+    for name, expected in step.state_dict("model").items():
+        loaded = fresh.state_dict()[name]
+        assert loaded.device.type == "cuda" and torch.equal(loaded.cpu(), expected)

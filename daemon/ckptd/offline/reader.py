@@ -262,10 +262,15 @@ class Step:
         self._fill([Fill(out, box, by_name[name]) for name, _, out, box in wanted])
 
     def _fill(self, fills: list[Fill]) -> None:
+        """Run the fills; a target off the CPU (a model on a GPU) is filled through a CPU tensor
+        of its shape and dtype, then copied: the reader writes host memory only."""
+        on_host, to_device = host_fills(fills)
         maps = ArenaMaps()
         try:
             with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptd-offline") as pool, torch.no_grad():
-                fill_all(pool, maps, fills)
+                fill_all(pool, maps, on_host)
+                for target, staged in to_device:
+                    target.copy_(staged)
         finally:
             maps.close()
 
@@ -300,6 +305,21 @@ class Step:
         except (OSError, FormatError) as exc:
             raise CheckpointError(f"{self.path}/{name} cannot be read: {exc}; `ckptd verify {self.path}` says what else is damaged") from None
         return data
+
+
+def host_fills(fills: Sequence[Fill]) -> tuple[list[Fill], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`fills` with every target off the CPU replaced by a new CPU tensor of its shape and dtype,
+    and the (target, CPU tensor) pairs to copy once those are filled."""
+    on_host: list[Fill] = []
+    to_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for fill in fills:
+        if fill.target.device.type == "cpu":
+            on_host.append(fill)
+            continue
+        staged = torch.empty(tuple(fill.target.shape), dtype=fill.target.dtype)
+        on_host.append(Fill(staged, fill.want, fill.sources))
+        to_device.append((fill.target, staged))
+    return on_host, to_device
 
 
 def _storage(root: str | os.PathLike[str]) -> Storage:
