@@ -134,3 +134,16 @@ def test_a_model_on_the_gpu_loads_offline(saved) -> None:
     for name, expected in step.state_dict("model").items():
         loaded = fresh.state_dict()[name]
         assert loaded.device.type == "cuda" and torch.equal(loaded.cpu(), expected)
+
+
+def test_several_boxes_of_one_tensor_read_at_once_into_any_target(saved) -> None:
+    root, _, _ = saved
+    step = open_step(root, "off", 1)
+    whole = step.tensor("model/0.weight")  # (16, 8)
+    strided = torch.zeros(8, 16).t()  # a non-contiguous (16, 8) view, read into in place
+    top, bottom, converted = step.read_boxes(
+        [("model/0.weight", (0, 0), (8, 8), None), ("model/0.weight", (8, 0), (8, 8), None), ("model/0.weight", (0, 0), (16, 8), strided)]
+    )
+    assert torch.equal(torch.cat([top, bottom]), whole)
+    assert converted is strided and torch.equal(strided, whole)
+    assert torch.equal(step.read_box("model/0.weight", (2, 3), (4, 2), out=torch.zeros(4, 2, dtype=torch.float64)), whole[2:6, 3:5].double())

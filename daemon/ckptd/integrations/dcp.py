@@ -238,7 +238,7 @@ class CkptdStorageReader(StorageReader):
             chunks = [ChunkStorageMetadata(torch.Size(f.box.offsets), torch.Size(f.box.lengths)) for f in record.fragments]
             for name in (record.name, *record.aliases):
                 entries[dcp_fqn(name)] = TensorStorageMetadata(properties, torch.Size(record.shape), chunks)
-        for fqn in self._bytes():
+        for fqn in _dcp_bytes(step):
             entries[fqn] = BytesStorageMetadata()
         return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=str(step.path)))
 
@@ -254,7 +254,8 @@ class CkptdStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         step = self.step
         names = {dcp_fqn(n): n for t in step.index.tensors for n in (t.name, *t.aliases)}
-        stored = self._bytes()
+        stored = _dcp_bytes(step)
+        reads = []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
@@ -262,18 +263,15 @@ class CkptdStorageReader(StorageReader):
                 continue
             chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             offsets = [c + o for c, o in zip(chunk_at, item.storage_offsets)]
-            target = planner.resolve_tensor(item).detach()
-            if target.device.type == "cpu" and target.is_contiguous():
-                step.read_box(names[fqn], offsets, item.lengths, out=target)
-            else:
-                target.copy_(step.read_box(names[fqn], offsets, item.lengths).to(target.dtype))
+            reads.append((item, (names[fqn], offsets, item.lengths, planner.resolve_tensor(item).detach())))
+        # one parallel read of every box; any target dtype, layout or device (ckptd.offline converts)
+        step.read_boxes([box for _, box in reads])
+        for item, (_, _, _, target) in reads:
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _bytes(self) -> dict[str, str]:
-        return _dcp_bytes(self.step)
 
 
 def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
@@ -294,8 +292,8 @@ def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
 def _dcp_bytes(step: Step) -> dict[str, str]:
     """DCP's bytes entries of a step, of every rank (each entry written by one rank): fqn -> base64."""
     found: dict[str, str] = {}
-    for rank in range(int(step.index.world_size)):
-        value = step.extras(rank).get(BYTES_KEY)
+    for extras in step.extras_by_rank().values():
+        value = extras.get(BYTES_KEY)
         if isinstance(value, dict):
             found.update({k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)})
     return found

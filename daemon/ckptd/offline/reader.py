@@ -35,7 +35,7 @@ from ckptd.client.layout import LayoutRules, RankCoords
 from ckptd.client.state import flatten_state, restore_state
 from ckptd.client.structure import fragments_of_state
 from ckptd.common import dtypes
-from ckptd.common.boxes import Box
+from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
 from ckptd.daemon.engine.load_plan import Location, PieceInfo, Tier, plan_pieces
@@ -128,6 +128,7 @@ class Step:
         self.step = step
         self.index = index
         self.path = storage.step_dir(job, step)
+        self._extras: dict[int, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"Step(job={self.job!r}, step={self.step}, path={str(self.path)!r}, tensors={len(self.index.tensors)})"
@@ -152,38 +153,30 @@ class Step:
     def extras(self, rank: int = 0) -> dict[str, Any]:
         """Rank `rank`'s extras as saved (the JSON tree, tensors as {"__tensor__": name}
         references to the step's tensors of kind "extra"); {} when the rank saved none."""
-        data = self._small_file(EXTRA_JSON)
-        if data is None:
-            return {}
-        record = next(f for f in self.index.files if f.name == EXTRA_JSON)
-        try:
-            extras: dict[str, Any] = parse_extra_json(data, record).get(rank, {})
-            return extras
-        except FormatError as exc:
-            raise CheckpointError(f"step {self.step} of job {self.job!r}: {exc}") from None
+        return self.extras_by_rank().get(rank, {})
+
+    def extras_by_rank(self) -> dict[int, dict[str, Any]]:
+        """Every rank's extras (extra.json, read and checked once per Step)."""
+        if self._extras is None:
+            data = self._small_file(EXTRA_JSON)
+            record = next((f for f in self.index.files if f.name == EXTRA_JSON), None)
+            try:
+                self._extras = {} if data is None or record is None else parse_extra_json(data, record)
+            except FormatError as exc:
+                raise CheckpointError(f"step {self.step} of job {self.job!r}: {exc}") from None
+        return self._extras
 
     # ------------------------------------------------------------ reading tensors
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole logical tensor `name` (or one of its aliases), decoded, as a CPU tensor."""
-        record = self.index.by_name().get(name)
-        if record is None:
-            raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
         return self.tensors_named([name])[name]
 
     def tensors_named(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Whole logical tensors by name, decoded, read in parallel."""
-        table = self.index.by_name()
-        out: dict[str, torch.Tensor] = {}
-        wanted = []
-        for name in names:
-            record = table.get(name)
-            if record is None:
-                raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
-            out[name] = torch.empty(tuple(record.shape), dtype=getattr(torch, dtypes.torch_name(record.dtype)))
-            wanted.append((name, record, out[name], Box.full(tuple(record.shape))))
-        self._read(wanted, strict=True)
-        return out
+        shapes = {name: tuple(self._record(name).shape) for name in names}
+        read = self.read_boxes([(name, (0,) * len(shape), shape, None) for name, shape in shapes.items()])
+        return dict(zip(shapes, read))
 
     def state_dict(self, kind: str = "model") -> dict[str, torch.Tensor]:
         """Every tensor of `kind` whole, keyed by its name without the state key ("model/embed.weight"
@@ -196,19 +189,27 @@ class Step:
 
     def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """The box (offsets, lengths per dimension) of logical tensor `name`, into `out` when
-        given (of shape `lengths` and any dtype: values are converted), else a new tensor."""
-        record = self.index.by_name().get(name)
-        if record is None:
-            raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
-        box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
-        if len(box.offsets) != len(record.shape) or any(o + n > size for o, n, size in zip(box.offsets, box.lengths, record.shape)):
-            raise ValueError(f"box {box} is not inside tensor {name!r} of shape {list(record.shape)}")
-        if out is None:
-            out = torch.empty(box.lengths, dtype=getattr(torch, dtypes.torch_name(record.dtype)))
-        elif tuple(out.shape) != box.lengths:
-            raise ValueError(f"out has shape {list(out.shape)}, the box {list(box.lengths)}")
-        self._read([(name, record, out, box)], strict=True)
-        return out
+        given (of shape `lengths`, any dtype and device: values are converted), else a new tensor."""
+        return self.read_boxes([(name, offsets, lengths, out)])[0]
+
+    def read_boxes(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor | None]]) -> list[torch.Tensor]:
+        """read_box for many boxes (name, offsets, lengths, out or None) in one parallel read;
+        returns the filled tensors in order."""
+        specs = []
+        targets = []
+        for name, offsets, lengths, out in boxes:
+            record = self._record(name)
+            box = Box(tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+            if len(box.offsets) != len(record.shape) or any(o + n > size for o, n, size in zip(box.offsets, box.lengths, record.shape)):
+                raise ValueError(f"box {box} is not inside tensor {name!r} of shape {list(record.shape)}")
+            if out is None:
+                out = torch.empty(box.lengths, dtype=getattr(torch, dtypes.torch_name(record.dtype)))
+            elif tuple(out.shape) != box.lengths:
+                raise ValueError(f"out has shape {list(out.shape)}, the box {list(box.lengths)}")
+            specs.append(TensorSpec(name, record.kind, dtypes.from_torch_name(str(out.dtype)), tuple(record.shape), box))
+            targets.append(out)
+        self._read(specs, targets, sorted({s.kind for s in specs}), strict=False)
+        return targets
 
     def load(
         self,
@@ -228,19 +229,12 @@ class Step:
         flat = flatten_state(state, rank=rank, rng=rng)
         fragments = fragments_of_state(flat, layout, coords)
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
-        wanted = [
+        specs = [
             TensorSpec(f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases) for entry, f in fragments
         ]
-        try:
-            planned = plan_pieces(self.index, wanted, kinds, strict, None, self._locations())
-        except InvalidRequest as exc:
-            raise CheckpointError(str(exc)) from None
-        by_name: dict[str, list[Source]] = {}
-        for piece in planned.pieces:
-            by_name.setdefault(piece.name, []).append(_source(piece))
-        fills = [Fill(f.local, f.box, by_name[f.name]) for _, f in fragments if f.name in by_name]
-        self._fill(fills)
-        extras = self.extras(rank) if rank in self._ranks() else {k: v for k, v in self.extras(0).items() if k != "rng"}
+        self._read(specs, [f.local for _, f in fragments], kinds, strict)
+        by_rank = self.extras_by_rank()
+        extras = by_rank[rank] if rank in by_rank else {k: v for k, v in by_rank.get(0, {}).items() if k != "rng"}
         try:
             restore_state(state, flat, extras, strict=strict)
         except ValueError as exc:
@@ -249,17 +243,28 @@ class Step:
 
     # ------------------------------------------------------------ internals
 
-    def _read(self, wanted: Sequence[tuple[str, TensorRecord, torch.Tensor, Box]], strict: bool) -> None:
-        specs = [TensorSpec(name, record.kind, dtypes.from_torch_name(str(out.dtype)), tuple(record.shape), box) for name, record, out, box in wanted]
-        kinds = sorted({record.kind for _, record, _, _ in wanted})
+    def _record(self, name: str) -> TensorRecord:
+        record = self.index.by_name().get(name)
+        if record is None:
+            raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
+        return record
+
+    def _read(self, specs: Sequence[TensorSpec], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool) -> None:
+        """Fill each target with its spec's box (the engine's load planner, then the client's fills)."""
         try:
-            planned = plan_pieces(self.index, specs, kinds, False, None, self._locations())
+            planned = plan_pieces(self.index, specs, kinds, strict, None, self._locations())
         except InvalidRequest as exc:
             raise CheckpointError(str(exc)) from None
-        by_name: dict[str, list[Source]] = {}
+        # each fragment once per name (several boxes of one tensor plan the same fragments)
+        by_name: dict[str, dict[Box, Source]] = {}
         for piece in planned.pieces:
-            by_name.setdefault(piece.name, []).append(_source(piece))
-        self._fill([Fill(out, box, by_name[name]) for name, _, out, box in wanted])
+            by_name.setdefault(piece.name, {}).setdefault(piece.fragment, _source(piece))
+        fills = []
+        for spec, target in zip(specs, targets):
+            fragments = by_name.get(spec.name)
+            if fragments is not None:
+                fills.append(Fill(target, spec.box, [src for box, src in fragments.items() if intersect(box, spec.box) is not None]))
+        self._fill(fills)
 
     def _fill(self, fills: list[Fill]) -> None:
         """Run the fills; a target off the CPU (a model on a GPU) is filled through a CPU tensor
@@ -286,13 +291,6 @@ class Step:
                     raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
                 out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
         return out
-
-    def _ranks(self) -> set[int]:
-        data = self._small_file(EXTRA_JSON)
-        if data is None:
-            return set()
-        record = next(f for f in self.index.files if f.name == EXTRA_JSON)
-        return set(parse_extra_json(data, record))
 
     def _small_file(self, name: str) -> bytes | None:
         """A small file the index lists, checked against its size and checksum; None when unlisted."""
