@@ -249,6 +249,15 @@ class MemoryStorage:
         self.parts.append(part)
         return part
 
+    def link_file(self, job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
+        if not self.is_committed(job, from_step):
+            return False
+        data = self._step(job, from_step).files.get(name)
+        if data is None or len(data) != size:
+            return False
+        self._step(job, to_step).files[to_name] = data  # bytes are immutable: shared, as a hard link shares
+        return True
+
     def sync_step(self, job: str, step: int) -> None:
         self._step(job, step)
 
@@ -278,7 +287,9 @@ class MemoryStorage:
     def remove_step(self, job: str, step: int, recycle: bool = False) -> None:
         record = self.steps.pop((job, step), None)
         if record is not None and recycle:
-            self.recycled[job] = [bytearray(data) for name, data in record.files.items() if name.endswith(".safetensors")]
+            # as POSIX: a file another step still names (linked, link_file) is never recycled
+            shared = {id(data) for other in self.steps.values() for data in other.files.values()}
+            self.recycled[job] = [bytearray(data) for name, data in record.files.items() if name.endswith(".safetensors") and id(data) not in shared]
 
     def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
         if not shared:

@@ -374,3 +374,27 @@ def test_optimizer_parameters_outside_the_model_are_refused() -> None:
     opt = torch.optim.AdamW([*model.parameters(), stray])
     with pytest.raises(ValueError, match=r"must belong to state\['model'\]"):
         flatten_state({"model": model, "optimizer": opt}, rank=0)
+
+
+def test_frozen_parameters_and_buffers_are_marked_and_a_tied_trained_tensor_is_not() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model[0].requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    flat = flatten_state({"model": model, "extra": {"t": torch.zeros(2)}}, rank=0)
+    frozen = {e.name: e.frozen for e in flat.tensors}
+    assert frozen["model/0.weight"] == frozen["model/0.bias"] == frozen["model/2.weight"] == "param"
+    assert frozen["model/2.bias"] == ""
+    assert frozen["model/1.running_mean"] == frozen["model/1.num_batches_tracked"] == "buffer"
+    assert frozen["model/1.weight"] == "" and frozen["extra/t"] == ""
+    before = flat.fingerprint()
+    model[2].bias.requires_grad_(False)  # freezing changes the structure the daemon plans for
+    assert flatten_state({"model": model, "extra": {"t": torch.zeros(2)}}, rank=0).fingerprint() != before
+
+    tied = nn.Module()
+    tied.a = nn.Linear(3, 3, bias=False)
+    tied.b = nn.Linear(3, 3, bias=False)
+    tied.b.weight = tied.a.weight
+    tied.frozen_copy = nn.Linear(3, 3, bias=False).requires_grad_(False)
+    entries = {e.name: e for e in flatten_state({"model": tied}, rank=0).tensors}
+    assert entries["model/a.weight"].frozen == "" and entries["model/a.weight"].aliases == ("model/b.weight",)
+    assert entries["model/frozen_copy.weight"].frozen == "param"

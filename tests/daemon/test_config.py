@@ -116,6 +116,7 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("write_threads", "16", "16", 16),
     ("max_file_bytes", "512MiB", '"512MiB"', 512 << 20),
     ("max_file_bytes", "1048576", "1048576", 1 << 20),
+    ("link_unchanged", "false", "false", False),
     ("save_timeout_s", "20", "20", 20.0),
     ("save_timeout_s", "0.5", "0.5", 0.5),
     ("write_throttle", "2MiB", '"2MiB"', 2 << 20),

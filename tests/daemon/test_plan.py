@@ -122,3 +122,13 @@ def test_tensor_parallel_inside_nodes_and_data_parallel_across_them_writes_whole
 def test_node_of_rank_must_name_a_node_per_rank() -> None:
     with pytest.raises(PlanError, match="node_of_rank"):
         make_save_plan([[full("model/w", (4,))]] * 2, node_of_rank=[0])
+
+
+def test_ranks_that_disagree_whether_a_tensor_is_frozen_store_it_as_trained() -> None:
+    def spec(frozen: str) -> TensorSpec:
+        return TensorSpec("model/w", "model", "F32", (4,), Box.full((4,)), frozen=frozen)
+
+    assert make_save_plan([[spec("param")], [spec("param")]]).tensor("model/w").frozen == "param"
+    assert make_save_plan([[spec("param")], [spec("")]]).tensor("model/w").frozen == ""
+    with pytest.raises(PlanError, match="ranks disagree"):
+        make_save_plan([[spec("param")], [TensorSpec("model/w", "model", "F16", (4,), Box.full((4,)), frozen="param")]])

@@ -108,6 +108,17 @@ def test_begin_save_refuses_names_that_clash_as_file_keys(daemon, names, message
     assert ok.save_id
 
 
+@pytest.mark.parametrize(
+    "kind, frozen, message",
+    [("model", "yes", "frozen 'yes' is not one of '', 'param', 'buffer'"), ("optimizer", "param", "only model tensors can be frozen")],
+)
+def test_begin_save_refuses_a_bad_frozen_class(daemon, kind: str, frozen: str, message: str) -> None:
+    meta = pb.TensorMeta(name=f"{kind}/w", kind=kind, dtype="F32", shape=(4,), box=pb.Box(offsets=(0,), lengths=(4,)), frozen=frozen)
+    with pytest.raises(grpc.RpcError) as caught:
+        _stub(daemon).BeginSave(pb.BeginSaveRequest(who=WHO, step=1, fingerprint="frozen", tensors=[meta], timeout_s=10), timeout=20)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in caught.value.details(), caught.value.details()
+
+
 def test_the_client_refuses_a_tensor_named_like_the_safetensors_metadata(daemon) -> None:
     with pytest.raises(InvalidNameError, match="__metadata__"):
         check_tensor_name("model/__metadata__")

@@ -52,15 +52,32 @@ PEER_TOKEN = "crash-peer-token-0123456789"
 MIN_EVENTS = {"single": 30, "coordinator": 25, "member": 15}
 
 
+class CrashModel(torch.nn.Module):
+    """Trained parameters with distinct values per step, a frozen parameter that is the same at
+    every step (its file is linked into each next step: incremental saves), and a buffer that
+    changes (its file is written every time)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(step)
+        self.w = torch.nn.Parameter(torch.randn(64, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(8, generator=g))
+        self.base = torch.nn.Parameter(torch.arange(256, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("h", torch.arange(32, dtype=torch.float64) * step)
+
+
 def state_of(step: int, rank: int) -> dict:
     """The state rank `rank` saves at `step`: distinct values per step, the same on every rank
     (a data-parallel replica: with two nodes, each node writes part of it)."""
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(64, generator=g), "b": torch.randn(8, generator=g), "h": torch.arange(32, dtype=torch.float64) * step}}
+    return {"model": CrashModel(step)}
 
 
 def zeros_like_state() -> dict:
-    return {"model": {k: torch.zeros_like(v) for k, v in state_of(0, 0)["model"].items()}}
+    model = CrashModel(0)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.zero_()
+    return {"model": model}
 
 
 def free_port() -> int:
@@ -218,8 +235,8 @@ def check_after_restart(rig: Rig, before: list[int], step: int, acked: bool) -> 
             for s in now:
                 out = zeros_like_state()
                 assert ckpt.load(out, step=s) == s
-                want = state_of(s, 0)["model"]
-                for name, value in out["model"].items():
+                want = state_of(s, 0)["model"].state_dict()
+                for name, value in out["model"].state_dict().items():
                     assert torch.equal(value, want[name]), f"node {n}: step {s} tensor {name} is not what was saved"
     return done
 

@@ -121,6 +121,7 @@ def tensor_meta(entry: TensorEntry, fragment: Fragment) -> pb.TensorMeta:
         shape=fragment.global_shape,
         box=pb.Box(offsets=box.offsets, lengths=box.lengths),
         aliases=entry.aliases,
+        frozen=entry.frozen,
     )
 
 

@@ -72,7 +72,9 @@ class TensorEntry(NamedTuple):
 
     name: "<top-level key>/<path>", e.g. "model/embed.weight". kind: model, master, optimizer
     or extra. tensor: the live tensor (may be non-contiguous). aliases: the other logical names
-    of the same memory (tied weights), stored once under `name`.
+    of the same memory (tied weights), stored once under `name`. frozen: what a module does not
+    train: "param" (a parameter with requires_grad=False), "buffer", or "" (ckptd.common.names.FROZEN_CLASSES); the
+    daemon stores frozen tensors in files of their own, linked into the next step when unchanged.
     """
 
     name: str
@@ -80,6 +82,7 @@ class TensorEntry(NamedTuple):
     tensor: torch.Tensor
     aliases: tuple[str, ...] = ()
     placement: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None  # (offsets, global shape) of a LocalShard
+    frozen: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,11 @@ class FlatState:
             state[key].state.clear()
 
     def fingerprint(self) -> str:
-        """A hex digest of every entry's (name, kind, dtype, shape, aliases), in order.
+        """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen), in order.
 
         Equal across processes and runs for equal metadata; tensor values do not enter it.
         """
-        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases)] for e in self.tensors]
+        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases), e.frozen] for e in self.tensors]
         return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -279,6 +282,7 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
     others: dict[str, Any] = {}
     canonical_of: dict[str, str] = {}  # canonical FQN -> state_dict key
     canonical = _canonical_names(module)
+    frozen_of = _frozen_tensors(module) if kind == "model" else {}
     for wrapped_fqn, value in module.state_dict().items():
         fqn = canonical(wrapped_fqn)
         if canonical_of.setdefault(fqn, wrapped_fqn) != wrapped_fqn:
@@ -300,8 +304,33 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
         names[name] = []
         tensor_of[name] = value
     for name, aliases in names.items():
-        entries.add(TensorEntry(name, kind, tensor_of[name], tuple(aliases)))
+        tensor = tensor_of[name]
+        frozen = frozen_of.get(_memory_identity(tensor), "") if frozen_of else ""
+        entries.add(TensorEntry(name, kind, tensor, tuple(aliases), frozen=frozen))
     return tree.encode(others, key, entries.adder(kind)) if others else None
+
+
+def _frozen_tensors(module: nn.Module) -> dict[tuple, str]:
+    """The memory identities of what `module` does not train: its parameters with
+    requires_grad=False ("param") and its buffers ("buffer"). A tensor tied to a trained
+    parameter is trained. Empty when every parameter trains and there are no buffers."""
+    frozen: dict[tuple, str] = {}
+    trained: set[tuple] = set()
+    for p in module.parameters():
+        ident = _memory_identity(p)
+        if ident is None:
+            continue
+        if p.requires_grad:
+            trained.add(ident)
+        else:
+            frozen.setdefault(ident, "param")
+    for b in module.buffers():
+        ident = _memory_identity(b)
+        if ident is not None:
+            frozen.setdefault(ident, "buffer")
+    for ident in trained:
+        frozen.pop(ident, None)
+    return frozen
 
 
 # a wrapper's attribute as a whole component of an FQN below the top: only such names need the walk

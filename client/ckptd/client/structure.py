@@ -10,7 +10,7 @@ not the checks and layout work again (docs/architecture.md section 6: a host-cos
 
 Two checks decide what can be reused, both cheap and exact:
 
-- the *signature*: per entry its name, kind, aliases, dtype, shape, strides and device (for a
+- the *signature*: per entry its name, kind, aliases, frozen class, dtype, shape, strides and device (for a
   DTensor also its placements, its mesh and its local shape and strides), plus the layout rules
   and this rank's coordinates. Any difference — a new parameter, a resized tensor, optimizer
   state that appears after the first step, a dtype change, other placements or rules — means a
@@ -121,9 +121,9 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
     t = e.tensor
     if isinstance(t, DTensor):
         local = t._local_tensor
-        return (e.name, e.kind, e.aliases, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
+        return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
                 local.shape, local.stride(), local.device)
-    return (e.name, e.kind, e.aliases, t.dtype, t.shape, t.stride(), t.device, e.placement)
+    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement)
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:

@@ -10,6 +10,9 @@ from typing import Final
 JOB_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TENSOR_NAME: Final = 1024
 KINDS: Final = ("model", "master", "optimizer", "extra")
+# What a module does not train (TensorMeta.frozen): "" trained (or not a module's tensor),
+# "param" a parameter with requires_grad=False, "buffer" a module buffer.
+FROZEN_CLASSES: Final = ("", "param", "buffer")
 # safetensors reserves this key of a file's header for the file's metadata: no tensor may be
 # stored under it. A logical name becomes a key whole or, in model files, without its first
 # "/"-part (daemon format.file_key), so both "__metadata__" and "model/__metadata__" are refused.

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
+from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES
@@ -78,7 +78,11 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
         else:
             box = Box.full(shape)
         aliases = tuple(check_tensor_name(a) for a in meta.aliases)
-        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases))
+        if meta.frozen not in FROZEN_CLASSES:
+            raise errors.InvalidRequest(f"tensor {name!r}: frozen {meta.frozen!r} is not one of {', '.join(map(repr, FROZEN_CLASSES))}")
+        if meta.frozen and meta.kind != "model":
+            raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
+        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen))
     return specs
 
 

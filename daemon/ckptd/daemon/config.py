@@ -64,6 +64,9 @@ class DaemonConfig:
     keep_every: retention, also keep every step divisible by this forever; 0 = off.
     write_threads: threads that write and fsync files.
     max_file_bytes: model/optimizer files are split above this size, in bytes.
+    link_unchanged: incremental saves: a file of frozen tensors (parameters with
+        requires_grad=False, buffers) whose bytes did not change since the job's previous step
+        is hard-linked into the new step instead of written again.
     save_timeout_s: seconds all ranks may take to arrive at and commit a snapshot.
     write_throttle: limit on the write rate in bytes per second (a slow disk for tests and drills); 0 = off.
     disk_reserve: bytes to leave free on the storage root's file system: a save whose files would
@@ -121,6 +124,7 @@ class DaemonConfig:
     metrics_host: str = "0.0.0.0"
     health_port: int = 0
     quantize: str = "none"
+    link_unchanged: bool = True
     master_weights: str = "keep"
     quant_max_generations: int = 1
 
@@ -361,6 +365,7 @@ _SPECS: Final[dict[str, _Spec]] = {
     "write_threads": _Spec(_integer(1), "--write-threads", "N", "threads writing checkpoint files (default: 4)"),
     "max_file_bytes": _Spec(_size, "--max-file-bytes", "SIZE", "split model/optimizer files above this size, e.g. 4GiB (default: 4GiB)"),
     "save_timeout_s": _Spec(_seconds, "--save-timeout", "SECONDS", "seconds all ranks may take to arrive at and commit a snapshot (default: 600)"),
+    "link_unchanged": _Spec(_boolean, "--link-unchanged", "", "link files of frozen tensors that did not change since the previous step instead of writing them again (default: on)"),
     "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
     "disk_reserve": _Spec(_size_or_off, "--disk-reserve", "SIZE", "keep SIZE free on the storage root's file system: a save that would leave less is refused before writing, e.g. 10GiB; 0 = the files only have to fit (default: 1GiB)"),
     "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),

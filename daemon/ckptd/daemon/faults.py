@@ -20,7 +20,7 @@ A *file event* is one call that may change what is on disk under the storage roo
 O_APPEND, or a Python file opened in a writing mode), ``write`` (os.write/pwrite/writev/pwritev,
 sendfile/copy_file_range into it, and the writes of a Python file object, which do not go
 through ``os``), ``fsync``/``fdatasync`` (``fsync-dir`` on a directory descriptor),
-``ftruncate``, ``fallocate``, ``chmod``, ``rename`` (os.rename/os.replace), ``unlink``,
+``ftruncate``, ``fallocate``, ``chmod``, ``rename`` (os.rename/os.replace), ``link`` (a hard link made there), ``unlink``,
 ``mkdir``, ``rmdir``; a call that fails (mkdir of a directory that exists) counts too. It is
 under the root when its path (made absolute, relative to its ``dir_fd`` when given; links not
 resolved) is the root or below it, or when its descriptor was opened at such a path.
@@ -233,6 +233,11 @@ class FaultInjector:
             wrapper.__name__ = name
             return wrapper
 
+        def link(src: Any, dst: Any, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
+            with inj._lock:
+                inj._path_event("link", inj._abs(dst, dst_dir_fd))
+                orig["link"](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
+
         def sendfile(out_fd: int, in_fd: int, *args: Any, **kwargs: Any) -> int:
             with inj._lock:
                 inj._fd_event("write", out_fd)
@@ -264,7 +269,7 @@ class FaultInjector:
             "truncate": on_path("truncate", "ftruncate"), "chmod": on_path("chmod", "chmod"),
             "unlink": on_path("unlink", "unlink"), "remove": on_path("remove", "unlink"),
             "rmdir": on_path("rmdir", "rmdir"), "mkdir": on_path("mkdir", "mkdir"),
-            "rename": moves("rename"), "replace": moves("replace"),
+            "rename": moves("rename"), "replace": moves("replace"), "link": link,
             "sendfile": sendfile, "copy_file_range": on_fd("copy_file_range", "write"),
             "open_builtin": open_builtin,
         }

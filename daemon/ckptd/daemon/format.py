@@ -14,7 +14,7 @@ import functools
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
 
@@ -504,14 +504,22 @@ def fragment_key(key: str, box: Box) -> str:
     return f"{key}@{','.join(str(o) for o in box.offsets)}"
 
 
-def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_file_bytes: int) -> list[FileLayout]:
+def layout_files(
+    tensors: Sequence[StoredTensor], kinds: dict[str, str], max_file_bytes: int, frozen: Mapping[str, str] | None = None
+) -> list[FileLayout]:
     """Group stored tensors into files by kind and node, and split groups at `max_file_bytes`.
 
     Files are named `<group>-0000k-of-0000n.safetensors`, numbered across nodes in node order
     (each file is written by one node), except extras, which go to `extra.safetensors` when
     they fit in one file. Order inside a group is the given order; a quantized tensor's scales
     stay in the file of its codes (they are written side by side).
+
+    `frozen` (logical name -> "param" | "buffer"; others train) puts a node's frozen tensors
+    after its trained ones, each class in files of its own: a file of frozen tensors that did
+    not change is then the same file as at the previous save (writer.reusable_files).
     """
+    frozen = frozen or {}
+    order = {"": 0, "buffer": 1, "param": 2}
     by_group: dict[str, dict[int, list[StoredTensor]]] = {}
     for t in tensors:
         by_group.setdefault(GROUP_OF_KIND[kinds[t.name]], {}).setdefault(t.node, []).append(t)
@@ -519,10 +527,13 @@ def layout_files(tensors: Sequence[StoredTensor], kinds: dict[str, str], max_fil
     for group in GROUP_OF_KIND.values():
         chunks: list[tuple[int, list[StoredTensor]]] = []
         for node, members in sorted(by_group.get(group, {}).items()):
+            if frozen:
+                members = sorted(members, key=lambda t: order[frozen.get(t.name, "")])  # stable: given order within a class
             chunks.append((node, []))
             size = 0
             for t in members:
-                if chunks[-1][1] and size + t.nbytes > max_file_bytes and t.role != "scales":
+                new_class = bool(chunks[-1][1]) and frozen.get(chunks[-1][1][-1].name, "") != frozen.get(t.name, "")
+                if chunks[-1][1] and (new_class or size + t.nbytes > max_file_bytes) and t.role != "scales":
                     chunks.append((node, []))
                     size = 0
                 chunks[-1][1].append(t)

@@ -105,6 +105,9 @@ class Metrics:
             "ckptd_write_throughput_bytes_per_second", "Write rate of the newest step this daemon wrote: its bytes / seconds spent writing and fsyncing.",
             ["job"], registry=r,
         )
+        self.bytes_linked = Counter(
+            "ckptd_linked_bytes", "Bytes of unchanged files of frozen tensors linked from the previous step instead of written (incremental saves).", ["job"], registry=r
+        )
         self.commit_latency = Histogram(
             "ckptd_commit_latency_seconds", "Seconds from a complete snapshot (every rank handed over) to the commit (index written, durable).",
             ["job"], buckets=LATENCY_BUCKETS, registry=r,

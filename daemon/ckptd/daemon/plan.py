@@ -24,7 +24,7 @@ import functools
 import hashlib
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ckptd.common import dtypes
@@ -50,6 +50,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     box: Box
     aliases: tuple[str, ...] = ()
+    frozen: str = ""  # "" | "param" | "buffer": what the trainer does not train (ckptd.common.names.FROZEN_CLASSES)
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +64,7 @@ class LogicalTensor:
     dtype: str
     shape: tuple[int, ...]
     aliases: tuple[str, ...] = ()
+    frozen: str = ""  # TensorSpec.frozen: frozen tensors are stored in files of their own (format.layout_files)
 
     @property
     def nbytes(self) -> int:
@@ -204,9 +206,11 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
             if (spec.name, spec.box) in seen:
                 raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
             seen.add((spec.name, spec.box))
-            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases))
+            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen)
             known = logical.setdefault(spec.name, described)
-            if known != described:
+            if known != described and replace(known, frozen=described.frozen) == described:
+                logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
+            elif known != described:
                 raise PlanError(
                     f"ranks disagree on tensor {spec.name!r}: {_describe(known)} vs {_describe(described)} "
                     f"(rank {rank}); every rank must describe the same global tensor"

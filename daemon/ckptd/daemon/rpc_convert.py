@@ -179,7 +179,7 @@ def removed_pb(removed: Iterable[Any]) -> list[pb.Removed]:
 
 
 def meta_of(spec: TensorSpec) -> pb.TensorMeta:
-    return pb.TensorMeta(name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape, box=box_pb(spec.box), aliases=spec.aliases)
+    return pb.TensorMeta(name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape, box=box_pb(spec.box), aliases=spec.aliases, frozen=spec.frozen)
 
 
 def join_request(

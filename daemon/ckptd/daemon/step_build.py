@@ -60,6 +60,7 @@ class NodeManifest:
     node: int
     files: tuple[FileRecord, ...]
     fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
+    linked: tuple[str, ...] = ()  # files linked from the previous step, not written (this node's own count; not sent)
 
 
 class IncompleteStep(ValueError):

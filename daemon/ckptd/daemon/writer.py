@@ -30,6 +30,7 @@ from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.errors import NoSpace
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileLayout, FileRecord, StoredTensor, layout_files, safetensors_header, scales_key
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan
+from ckptd.daemon.reuse import frozen_names, reusable_files
 from ckptd.daemon.snapshot_source import Piece, ScratchPool, Source, compress, flat_bytes
 from ckptd.daemon.step_build import (
     CodedWrite,
@@ -71,6 +72,7 @@ class PersistRequest:
     master_weights: str = "keep"  # "keep" | "drop" | "residual"
     quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
     disk_reserve: int = 0  # bytes to leave free on the root's file system (check_space); 0: the files only have to fit
+    previous: CheckpointIndex | None = None  # the job's newest committed step: its unchanged files of frozen tensors are linked (reuse.py)
 
 
 class Throttle:
@@ -153,12 +155,26 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     source = Source(req.arenas, tensors, slots_by_name, slot_of)
     stored, codings, cast = compress(source, stored, kinds, req, progress)
     # Largest files first: they take the largest recycled files.
-    every_node = layout_files(stored, kinds, req.max_file_bytes)
+    frozen = frozen_names(plan.tensors)
+    every_node = layout_files(stored, kinds, req.max_file_bytes, frozen)
     layouts = [f for f in every_node if f.node == req.node]
     layouts.sort(key=lambda f: -f.nbytes)
+    previous = req.previous if frozen else None
+    reusable = {}
+    if previous is not None:
+        uncoded = [f for f in layouts if not any((t.name, t.box) in codings for t in f.tensors)]
+        reusable = reusable_files(uncoded, frozen, previous, source, req.node, req.shared_dir, req.write_threads)
     recycled = storage.take_recycled(req.job)
-    check_space(storage, req, every_node if req.shared_dir else layouts, tensors, [size for _, size in recycled])
+    check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [size for _, size in recycled])
     storage.prepare_step(req.job, req.step, fresh=not req.shared_dir)
+    linked = []
+    for reuse in reusable.values():
+        if previous is not None and storage.link_file(req.job, previous.step, reuse.source.name, req.step, reuse.layout.name, reuse.record.size):
+            linked.append(reuse.layout.name)
+            files.append(reuse.record)
+            placed += reuse.placed
+            progress.add(sum(source.nbytes(t) for t in reuse.layout.tensors))
+    layouts = [f for f in layouts if f.name not in linked]
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     opened: list[PartWriter] = []
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
@@ -227,7 +243,7 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
         part.publish()
     storage.sync_step(req.job, req.step)
     outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
-    return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast))
+    return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(linked))
 
 
 def check_space(

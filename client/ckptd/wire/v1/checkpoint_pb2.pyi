@@ -15,20 +15,22 @@ class Box(_message.Message):
     def __init__(self, offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "kind", "dtype", "shape", "box", "aliases")
+    __slots__ = ("name", "kind", "dtype", "shape", "box", "aliases", "frozen")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BOX_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     box: Box
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    frozen: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., frozen: _Optional[str] = ...) -> None: ...
 
 class RankId(_message.Message):
     __slots__ = ("job", "rank", "world_size", "local_world_size")

@@ -14,13 +14,13 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.engine.context import Engine, notify
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.records import LastCommit
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.writer import PersistRequest, write_node_files, write_step_files
 
@@ -39,7 +39,25 @@ class Commit:
         self._executor = executor
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
 
-    def _request(self, session: SaveSession) -> PersistRequest:
+    async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
+        """The job's newest committed step, whose unchanged files of frozen tensors the writer
+        links (reuse.py); None when the plan has no frozen tensor, linking is off, or there is
+        no readable previous step (then every file is written)."""
+        assert session.plan is not None
+        engine = self.engine
+        if not engine.config.link_unchanged or not any(t.frozen for t in session.plan.tensors):
+            return None
+        last = state.last_committed()
+        step = last.step if last is not None else await asyncio.to_thread(engine.storage.latest_step, session.job)
+        if step is None or step == session.step:
+            return None
+        try:
+            return await engine.index(session.job, step)
+        except (CkptdError, FormatError, OSError) as exc:
+            log.warning("step %s of job %s is written whole: the previous step %s cannot be read (%s)", session.step, session.job, step, exc)
+            return None
+
+    def _request(self, session: SaveSession, previous: CheckpointIndex | None = None) -> PersistRequest:
         """What the writer writes for `session`: this node's data files (the coordinator commits
         the index, the extras and the model files)."""
         assert session.plan is not None and session.arenas is not None
@@ -63,6 +81,7 @@ class Commit:
             master_weights=compression.master_weights,
             quantization=compression.record,
             disk_reserve=config.disk_reserve,
+            previous=previous,
         )
 
     def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:
@@ -80,14 +99,18 @@ class Commit:
         engine.metrics.last_commit.labels(session.job).set(engine.last_commit.committed_at)
         engine.metrics.last_step.labels(session.job).set(session.step)
 
-    def _wrote(self, job: str, files: Sequence[FileRecord], seconds: float) -> None:
-        """Count the data bytes this node wrote for a step (metrics: bytes, throughput)."""
+    def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
+        """Count the data bytes this node wrote for a step (metrics: bytes, throughput) and the
+        bytes it linked from the previous step instead (incremental saves)."""
         engine = self.engine
-        nbytes = sum(f.size for f in files if f.node == engine.node and f.name.endswith(".safetensors"))
+        linked = set(manifest.linked)
+        mine = [f for f in manifest.files if f.node == engine.node and f.name.endswith(".safetensors")]
+        nbytes = sum(f.size for f in mine if f.name not in linked)
         engine.counters.bytes_written += nbytes
         engine.metrics.bytes_written.labels(job).inc(nbytes)
         if seconds > 0:
             engine.metrics.throughput.labels(job).set(nbytes / seconds)
+        engine.metrics.bytes_linked.labels(job).inc(sum(f.size for f in mine if f.name in linked))
 
     async def write(self, state: JobState, session: SaveSession) -> None:
         """Write this node's files of the complete snapshot of `session`, report them to the
@@ -104,14 +127,14 @@ class Commit:
         assert session.plan is not None and session.arenas is not None and session.progress is not None
         engine = self.engine
         node, storage = engine.node, engine.storage
-        request = self._request(session)
+        request = self._request(session, await self._previous(state, session))
         manifest: NodeManifest | None = None
         error = ""
         cause = "write_error"
         started = time.monotonic()
         try:
             manifest = await self._executor.run(write_node_files, storage, request, session.progress)
-            self._wrote(session.job, manifest.files, time.monotonic() - started)
+            self._wrote(session.job, manifest, time.monotonic() - started)
         except NoSpace as exc:  # refused before writing: the coordinator aborts the step on every node
             engine.metrics.refused_no_space.labels(session.job).inc()
             error, cause = str(exc), "no_space"

@@ -171,6 +171,15 @@ class StorageBackend(Protocol):
         """A new data file `name` of `size` bytes (see PartWriter), made from `recycled` (from
         take_recycled) when it is still there. Not visible until PartWriter.publish."""
 
+    def link_file(self, job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
+        """Publish data file `name` of committed step `from_step` (`size` bytes) in step
+        `to_step` (prepared, being written) as `to_name`, sharing its bytes (an incremental save:
+        a file of frozen tensors that did not change). POSIX: a hard link. Deleting either
+        step later leaves the other's file whole, and a shared file is never recycled. False
+        when it cannot (the step or file is gone or not the daemon's, another size, a backend or
+        file system without links): the caller writes the file instead. Durable once
+        `sync_step` returns."""
+
     def sync_step(self, job: str, step: int) -> None:
         """Make the names published in the step so far durable (a directory fsync)."""
 

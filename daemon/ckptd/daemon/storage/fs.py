@@ -330,6 +330,56 @@ def open_recycled(recycled: Path, dest: Path) -> int | None:
         os.close(bin_fd)
 
 
+def link_own_file(src_dir: Path, name: str, dest_dir: Path, dest_name: str, size: int) -> os.stat_result | None:
+    """Give the daemon's own file `src_dir/name` (regular, its uid, `size` bytes, on dest's file
+    system; any number of links) the second name `dest_dir/dest_name`: a hard link, never
+    through a symbolic link. Returns the source's fstat (the caller checks the name still
+    names it); None, with nothing left behind, when the source is gone or is not such a file,
+    or the file system refuses hard links (EXDEV, EPERM, EMLINK, ENOTSUP). A file of ours
+    already at the destination (a failed attempt's) is replaced."""
+    try:
+        src_fd = open_dir(src_dir)
+    except (FileNotFoundError, ForeignEntry):
+        return None
+    try:
+        dest_fd = open_dir(dest_dir)
+        try:
+            try:
+                fd = open_for_reading(name, dir_fd=src_fd)
+            except (FileNotFoundError, ForeignEntry):
+                return None
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if not own_entry(st) or st.st_size != size or st.st_dev != os.fstat(dest_fd).st_dev:
+                return None
+            for attempt in (1, 2):
+                try:
+                    os.link(name, dest_name, src_dir_fd=src_fd, dst_dir_fd=dest_fd, follow_symlinks=False)
+                    break
+                except FileExistsError:
+                    if attempt == 2 or not own_entry(os.stat(dest_name, dir_fd=dest_fd, follow_symlinks=False)):
+                        raise ForeignEntry(f"{dest_dir / dest_name} exists and is not the daemon's: remove it or move it away") from None
+                    os.unlink(dest_name, dir_fd=dest_fd)
+                except FileNotFoundError:
+                    return None
+                except OSError as exc:
+                    if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                        log.info("%s cannot be linked as %s (%s): it is written instead", src_dir / name, dest_dir / dest_name, exc.strerror)
+                        return None
+                    raise
+            linked = os.stat(dest_name, dir_fd=dest_fd, follow_symlinks=False)
+            if (linked.st_dev, linked.st_ino) != (st.st_dev, st.st_ino):  # the name was replaced between the check and the link
+                os.unlink(dest_name, dir_fd=dest_fd)
+                return None
+            return st
+        finally:
+            os.close(dest_fd)
+    finally:
+        os.close(src_fd)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

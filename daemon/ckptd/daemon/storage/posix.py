@@ -18,7 +18,6 @@ import os
 import stat
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -46,22 +45,12 @@ from ckptd.daemon.storage.fs import (
     write_small_file,
     write_synced,
 )
-from ckptd.daemon.storage.posix_parts import PosixPartWriter, PosixStepReader
+from ckptd.daemon.storage.posix_clean import UncommittedStep
+from ckptd.daemon.storage.posix_parts import PosixPartWriter, PosixStepReader, link_committed_file
 
 log = logging.getLogger(__name__)
 
 ROOT_ID_FILE = ".ckptd-root-id"
-
-
-@dataclass(frozen=True)
-class UncommittedStep:
-    """A step directory without an index (an interrupted or in-flight save), for `ckptd ls --all`."""
-
-    step: int
-    path: Path
-    mtime: float
-    nbytes: int
-    files: int
 
 
 class Storage:
@@ -444,6 +433,9 @@ class Storage:
             raise ValueError(f"{name!r} is not a data file name of a step")
         return PosixPartWriter(self.step_dir(job, step) / name, size, recycled)
 
+    def link_file(self, job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
+        return link_committed_file(self, job, from_step, name, to_step, to_name, size)
+
     def sync_step(self, job: str, step: int) -> None:
         fsync_dir(self.step_dir(job, step))
 
@@ -456,11 +448,4 @@ class Storage:
 
     def uncommitted_steps(self, job: str) -> list[UncommittedStep]:
         """Step directories of `job` without an index (links not followed), for `ckptd ls --all`."""
-        job_dir = self.job_dir(job)
-        found = []
-        for p in sorted(job_dir.iterdir()) if real_dir_at(job_dir) else []:
-            step = parse_step_dir_name(p.name)
-            if step is None or not real_dir_at(p) or self.is_committed(job, step):
-                continue
-            found.append(UncommittedStep(step, p, p.stat().st_mtime, tree_bytes(p), sum(1 for _ in p.iterdir())))
-        return found
+        return posix_clean.uncommitted_steps(self, job)

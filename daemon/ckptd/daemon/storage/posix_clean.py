@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,3 +205,26 @@ def clean_uncommitted(storage: "Storage") -> list[Path]:
     for p in removed:
         log.info("removed uncommitted leftover %s", p)
     return removed
+
+
+@dataclass(frozen=True)
+class UncommittedStep:
+    """A step directory without an index (an interrupted or in-flight save), for `ckptd ls --all`."""
+
+    step: int
+    path: Path
+    mtime: float
+    nbytes: int
+    files: int
+
+
+def uncommitted_steps(storage: "Storage", job: str) -> list[UncommittedStep]:
+    """Storage.uncommitted_steps: step directories of `job` without an index (links not followed)."""
+    job_dir = storage.job_dir(job)
+    found = []
+    for p in sorted(job_dir.iterdir()) if real_dir_at(job_dir) else []:
+        step = parse_step_dir_name(p.name)
+        if step is None or not real_dir_at(p) or storage.is_committed(job, step):
+            continue
+        found.append(UncommittedStep(step, p, p.stat().st_mtime, tree_bytes(p), sum(1 for _ in p.iterdir())))
+    return found

@@ -1,15 +1,18 @@
-"""POSIX files of a step: a data file being written (PosixPartWriter) and a step read by the
-operator tools (PosixStepReader). The descriptor work the writer used to do itself."""
+"""POSIX files of a step: a data file being written (PosixPartWriter), one linked from an earlier
+step (link_committed_file: incremental saves) and a step read by the operator tools
+(PosixStepReader). The descriptor work the writer used to do itself."""
 
 from __future__ import annotations
 
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptd.daemon.storage.fs import (
     ForeignEntry,
     create_file,
+    link_own_file,
     open_for_reading,
     open_recycled,
     pwrite_all,
@@ -17,7 +20,11 @@ from ckptd.daemon.storage.fs import (
     real_dir_at,
     start_writeback,
     tmp_name,
+    unlink_own,
 )
+
+if TYPE_CHECKING:
+    from ckptd.daemon.storage.posix import Storage
 
 
 class PosixPartWriter:
@@ -124,3 +131,27 @@ class PosixStepReader:
 def step_at(step_dir: Path) -> PosixStepReader:
     """The step in directory `step_dir` (a committed step of a root, or a copy of one)."""
     return PosixStepReader(step_dir)
+
+
+def link_committed_file(storage: "Storage", job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
+    """Storage.link_file (see StorageBackend.link_file): a hard link, made only while `from_step`
+    is committed and `name` still names the linked file (re-checked by path after the link: a
+    step being deleted is renamed away first, so its files are never linked on their way to the
+    recycle bin, and the bin never reuses a file with a second link)."""
+    for n in (name, to_name):
+        if not n or "/" in n or n.startswith("."):
+            raise ValueError(f"{n!r} is not a data file name of a step")
+    src = storage.step_dir(job, from_step)
+    if not storage.is_committed(job, from_step):
+        return False
+    st = link_own_file(src, name, storage.step_dir(job, to_step), to_name, size)
+    if st is None:
+        return False
+    try:
+        now = os.lstat(src / name)
+        still = storage.is_committed(job, from_step) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+    except FileNotFoundError:
+        still = False
+    if not still:
+        unlink_own(storage.step_dir(job, to_step) / to_name)
+    return still

@@ -1,0 +1,203 @@
+"""Incremental saves (daemon/ckptd/daemon/reuse.py, writer.py, storage link_file): files of frozen
+tensors unchanged since the previous step are linked, never assumed unchanged; retention and
+recycling never take bytes a kept step still uses. Both backends (POSIX and the in-memory test
+double), real shared-memory arenas, no server."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_bytes
+
+from ckptd.common.boxes import Box
+from ckptd.daemon.arena import ArenaPool, ArenaSet
+from ckptd.daemon.format import INDEX_NAME, StoredTensor, layout_files
+from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.step_build import NodeManifest, step_files
+from ckptd.daemon.storage import Storage, StorageBackend
+from ckptd.daemon.verify import verify_files
+from ckptd.daemon.writer import PersistRequest, Progress, write_node_files, write_step_files
+from memory_backend import MemoryStorage
+
+
+@pytest.fixture(params=["posix", "memory"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
+    return Storage(tmp_path) if request.param == "posix" else MemoryStorage()
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as d:
+        yield Path(d)
+
+
+def _specs(frozen: str = "param") -> list[TensorSpec]:
+    """A LoRA-like model: two frozen base weights, a buffer, two trained adapters, their Adam state."""
+    return [
+        TensorSpec("model/base.0", "model", "F32", (64, 64), Box.full((64, 64)), frozen=frozen),
+        TensorSpec("model/lora.0", "model", "F32", (4, 64), Box.full((4, 64))),
+        TensorSpec("model/base.1", "model", "BF16", (128, 32), Box.full((128, 32)), frozen=frozen),
+        TensorSpec("model/lora.1", "model", "F32", (4, 32), Box.full((4, 32))),
+        TensorSpec("model/norm.running_mean", "model", "F32", (64,), Box.full((64,)), frozen="buffer" if frozen else ""),
+        TensorSpec("optimizer/state/lora.0/exp_avg", "optimizer", "F32", (4, 64), Box.full((4, 64))),
+    ]
+
+
+def _tensors(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16 if s.dtype == "BF16" else torch.float32) for s in specs}
+
+
+def _fill(arenas: ArenaSet, plan: SavePlan, tensors: dict[str, torch.Tensor]) -> None:
+    for slot in plan.slots:
+        raw = tensors[slot.name].contiguous().reshape(-1).view(torch.uint8).numpy()
+        view = arenas.arenas[slot.rank].view(slot.offset, slot.nbytes)
+        np.frombuffer(view, dtype=np.uint8)[:] = raw
+        view.release()
+
+
+class _Saver:
+    """Saves steps of one plan through write_node_files + the commit, as the daemon does."""
+
+    def __init__(self, storage: StorageBackend, shm_dir: Path, specs: list[TensorSpec], max_file_bytes: int = 2**30) -> None:
+        self.storage, self.plan, self.max_file_bytes = storage, make_save_plan([specs]), max_file_bytes
+        self.pool = ArenaPool(shm_dir, "job", max_inflight=1)
+        arenas = self.pool.acquire(self.plan.arena_bytes)
+        assert arenas is not None
+        self.arenas = arenas
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], previous: int | None) -> NodeManifest:
+        _fill(self.arenas, self.plan, tensors)
+        index = self.storage.read_index("job", previous) if previous is not None else None
+        req = PersistRequest("job", step, self.plan, self.arenas, {}, {}, None, self.max_file_bytes, 2, previous=index)
+        manifest = write_node_files(self.storage, req, Progress(self.plan.total_bytes))
+        _, files = step_files("job", step, self.plan, [manifest], {}, {}, None)
+        write_step_files(self.storage, "job", step, files)
+        return manifest
+
+    def loaded(self, step: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in self.storage.step_file_sizes("job", step):
+            if name.endswith(".safetensors"):
+                out.update(load_bytes(self.storage.read_small("job", step, name)))
+        return out
+
+
+def _same(loaded: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> bool:
+    def key(name: str) -> str:
+        return name.split("/", 1)[1] if name.startswith("model/") else name
+
+    return all(torch.equal(loaded[key(n)], t) for n, t in tensors.items())
+
+
+def test_layout_puts_each_frozen_class_in_files_of_its_own() -> None:
+    kinds = {"a": "model", "b": "model", "c": "model", "d": "model", "o": "optimizer"}
+    stored = [StoredTensor(n, n, "F32", (10,), Box.full((10,))) for n in ("a", "b", "c", "d", "o")]
+    plain = layout_files(stored, kinds, 2**30)
+    assert [[t.name for t in f.tensors] for f in plain] == [["a", "b", "c", "d"], ["o"]]  # nothing frozen: as before
+    frozen = layout_files(stored, kinds, 2**30, {"a": "param", "c": "buffer", "d": "param"})
+    assert [(f.name, [t.name for t in f.tensors]) for f in frozen] == [
+        ("model-00001-of-00003.safetensors", ["b"]),
+        ("model-00002-of-00003.safetensors", ["c"]),
+        ("model-00003-of-00003.safetensors", ["a", "d"]),
+        ("optimizer-00001-of-00001.safetensors", ["o"]),
+    ]
+    split = layout_files(stored, kinds, 40, {"a": "param", "c": "param", "d": "param"})  # 40 bytes: one tensor per file
+    assert [[t.name for t in f.tensors] for f in split if f.group == "model"] == [["b"], ["a"], ["c"], ["d"]]
+
+
+def test_unchanged_frozen_files_are_linked_and_every_step_stays_whole(backend: StorageBackend, shm_dir: Path) -> None:
+    specs = _specs()
+    saver = _Saver(backend, shm_dir, specs)
+    tensors = _tensors(specs)
+    first = saver.save(1, tensors, None)
+    assert first.linked == ()
+    trained = dict(tensors)
+    trained["model/lora.0"] = tensors["model/lora.0"] + 1
+    trained["optimizer/state/lora.0/exp_avg"] = tensors["optimizer/state/lora.0/exp_avg"] * 2
+    second = saver.save(2, trained, 1)
+    frozen_files = {f.name for f in first.files} - {"model-00001-of-00003.safetensors", "optimizer-00001-of-00001.safetensors"}
+    assert set(second.linked) == frozen_files == {"model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"}
+    assert _same(saver.loaded(1), tensors) and _same(saver.loaded(2), trained)
+    for step in (1, 2):
+        report = verify_files(backend.step_reader("job", step))
+        assert report.ok, report.problems
+    if isinstance(backend, Storage):
+        for name in second.linked:
+            one, two = (backend.step_dir("job", s) / name for s in (1, 2))
+            assert one.stat().st_ino == two.stat().st_ino and two.stat().st_nlink == 2
+    # the first step deleted and recycled: the second keeps its linked files whole, and the
+    # bin never takes a file that another step still names
+    backend.remove_step("job", 1, recycle=True)
+    assert len(backend.take_recycled("job")) <= 2  # only the written files may be recycled
+    third = saver.save(3, trained, 2)
+    assert set(third.linked) == frozen_files
+    assert _same(saver.loaded(2), trained) and _same(saver.loaded(3), trained)
+    saver.pool.close()
+
+
+def test_a_frozen_tensor_that_changed_is_written_not_linked(backend: StorageBackend, shm_dir: Path) -> None:
+    specs = _specs()
+    saver = _Saver(backend, shm_dir, specs)
+    tensors = _tensors(specs)
+    saver.save(1, tensors, None)
+    moved = dict(tensors)
+    moved["model/norm.running_mean"] = tensors["model/norm.running_mean"] + 0.5  # a buffer updated in place
+    moved["model/base.1"] = tensors["model/base.1"].clone()
+    moved["model/base.1"][-1, -1] += 1  # one value of a "frozen" weight changed: never trusted by the flag
+    manifest = saver.save(2, moved, 1)
+    assert manifest.linked == ()
+    assert _same(saver.loaded(2), moved) and _same(saver.loaded(1), tensors)
+    saver.pool.close()
+
+
+def test_nothing_is_linked_without_frozen_tensors_or_a_previous_step(backend: StorageBackend, shm_dir: Path) -> None:
+    specs = _specs(frozen="")
+    saver = _Saver(backend, shm_dir, specs)
+    tensors = _tensors(specs)
+    saver.save(1, tensors, None)
+    assert saver.save(2, tensors, 1).linked == ()
+    saver.pool.close()
+
+
+def test_a_previous_file_replaced_by_a_link_or_gone_is_written_instead(tmp_path: Path, shm_dir: Path) -> None:
+    storage = Storage(tmp_path)
+    specs = _specs()
+    saver = _Saver(storage, shm_dir, specs)
+    tensors = _tensors(specs)
+    saver.save(1, tensors, None)
+    step1 = storage.step_dir("job", 1)
+    bait = tmp_path / "bait.safetensors"
+    os.replace(step1 / "model-00003-of-00003.safetensors", bait)
+    (step1 / "model-00003-of-00003.safetensors").symlink_to(bait)  # planted: never linked through
+    (step1 / "model-00002-of-00003.safetensors").unlink()
+    manifest = saver.save(2, tensors, 1)
+    assert manifest.linked == ()
+    assert not (storage.step_dir("job", 2) / "model-00003-of-00003.safetensors").is_symlink()
+    assert _same(saver.loaded(2), tensors)
+    saver.pool.close()
+
+
+def test_link_file_refuses_an_uncommitted_source_and_another_size(tmp_path: Path, shm_dir: Path) -> None:
+    storage = Storage(tmp_path)
+    specs = _specs()
+    saver = _Saver(storage, shm_dir, specs)
+    saver.save(1, _tensors(specs), None)
+    name = "model-00003-of-00003.safetensors"
+    size = (storage.step_dir("job", 1) / name).stat().st_size
+    storage.prepare_step("job", 2)
+    assert not storage.link_file("job", 1, name, 2, name, size + 1)
+    assert storage.link_file("job", 1, name, 2, name, size)
+    (storage.step_dir("job", 1) / INDEX_NAME).unlink()  # step 1 no longer committed
+    storage.prepare_step("job", 3)
+    assert not storage.link_file("job", 1, name, 3, name, size)
+    assert not (storage.step_dir("job", 3) / name).exists()
+    with pytest.raises(ValueError):
+        storage.link_file("job", 1, "../x", 3, name, size)
+    saver.pool.close()

@@ -1,0 +1,107 @@
+"""Incremental saves with a real daemon (issue 23, item 3): a fine-tune whose base weights are
+frozen (requires_grad=False) and whose buffers do not move writes its frozen files once; later
+steps link them. Every step stays a whole directory: loadable by ckptd in any order, by
+safetensors and `ckptd verify`, through retention deleting the step that wrote the bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ckptd.client import CheckpointClient
+from ckptd.daemon.format import INDEX_NAME
+from metrics_scrape import scrape
+from conftest import free_port
+
+
+class LoraModel(nn.Module):
+    """Frozen base layers with trained low-rank adapters, and a buffer that never moves."""
+
+    def __init__(self, width: int = 256, rank: int = 4, layers: int = 3) -> None:
+        super().__init__()
+        self.base = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(rank, width) * 0.01) for _ in range(layers))
+        self.up = nn.ParameterList(nn.Parameter(torch.zeros(width, rank)) for _ in range(layers))
+        self.register_buffer("scale", torch.full((width,), 0.5))
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, down, up in zip(self.base, self.down, self.up):
+            x = torch.tanh(base(x) + x @ down.T @ up.T) * self.scale
+        return x
+
+
+def _train(model: LoraModel, opt: torch.optim.Optimizer, steps: int = 2) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 256)).pow(2).mean().backward()
+        opt.step()
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / "job" / f"step-{step:08d}"
+
+
+def test_frozen_files_are_written_once_and_every_step_loads(daemons, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = daemons.start("--keep-last", "2", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    torch.manual_seed(0)
+    model = LoraModel()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    saved = {}
+    with CheckpointClient("job", address=daemon.address, on_error="raise") as client:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            client.save(step, {"model": model, "optimizer": opt}).wait_durable(60)
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        metrics = scrape(port)
+        written, linked = metrics['ckptd_written_bytes_total{job="job"}'], metrics['ckptd_linked_bytes_total{job="job"}']
+        frozen_bytes = sum(p.numel() * 4 for p in model.base.parameters()) + model.scale.numel() * 4
+        assert linked >= 2 * frozen_bytes  # steps 2 and 3 linked every frozen byte
+        assert written < 2 * frozen_bytes  # step 1 wrote them once, adapters and optimizer are small
+
+        # Step 1 was deleted by retention (keep 2): its bytes live on in the steps that link them.
+        assert not _step_dir(daemon.root, 1).exists()
+        frozen_files = [p for p in _step_dir(daemon.root, 3).glob("model-*.safetensors") if p.stat().st_nlink == 2]
+        assert frozen_files, "the frozen files of step 3 are shared with step 2"
+        for step in (2, 3):
+            fresh = LoraModel()
+            assert client.load({"model": fresh}, step=step, strict=False) == step
+            assert all(torch.equal(v, saved[step][k]) for k, v in fresh.state_dict().items())
+            tensors = {}
+            for f in _step_dir(daemon.root, step).glob("model-*.safetensors"):
+                tensors.update(load_file(f))  # every file whole, as from_pretrained reads them
+            assert all(torch.equal(tensors[k], v) for k, v in saved[step].items())
+            out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(_step_dir(daemon.root, step))], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stdout + out.stderr
+
+        # A frozen weight changed in place (loaded again, or a bug): found by content, written.
+        with torch.no_grad():
+            model.base[0].weight[0, 0] += 1.0
+        client.save(4, {"model": model, "optimizer": opt}).wait_durable(60)
+        index = json.loads((_step_dir(daemon.root, 4) / INDEX_NAME).read_text())
+        holder = index["tensors"]["model/base.0.weight"]["fragments"][0]["file"]
+        assert (_step_dir(daemon.root, 4) / holder).stat().st_nlink == 1
+        fresh = LoraModel()
+        client.load({"model": fresh}, step=4, strict=False)
+        assert torch.equal(fresh.base[0].weight, model.base[0].weight)
+        assert (_step_dir(daemon.root, 3) / holder).exists()  # step 3's own file is untouched
+        fresh3 = LoraModel()
+        client.load({"model": fresh3}, step=3, strict=False)
+        assert torch.equal(fresh3.base[0].weight, saved[3]["base.0.weight"])
+
+
+def test_incremental_saves_can_be_turned_off(daemons) -> None:
+    daemon = daemons.start("--no-link-unchanged")
+    model = LoraModel(width=32)
+    with CheckpointClient("job", address=daemon.address, on_error="raise") as client:
+        for step in (1, 2):
+            client.save(step, {"model": model}).wait_durable(60)
+    assert all(p.stat().st_nlink == 1 for p in _step_dir(daemon.root, 2).glob("*.safetensors"))
