@@ -12,14 +12,14 @@ buffer updated in place, weights loaded again) makes its file be written as usua
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import xxhash
 
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.daemon.arena import ArenaSet
-from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, safetensors_header
+from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FragmentRecord, StoredTensor, safetensors_header
 from ckptd.daemon.plan import LogicalTensor
 from ckptd.daemon.snapshot_source import Piece, Source
 from ckptd.daemon.step_build import Placed, checksum_name
@@ -45,8 +45,8 @@ def reusable_files(
 ) -> dict[str, Reuse]:
     """The files of `layouts` (this node's, no coded tensors among frozen ones) that equal a data
     file of `previous`, by name. A previous file qualifies when this node wrote it, or any node
-    did in a shared root (where every node's files are in the one step directory). Tensors are
-    hashed in `threads` threads, one file per thread, each file stopping at its first change."""
+    did in a shared root (where every node's files are in the one step directory). The tensors of
+    candidate files are hashed by `threads` threads, one tensor per task."""
     by_content: dict[tuple[int, str], FileRecord] = {}
     for f in previous.files:
         if f.name.endswith(".safetensors") and (shared_dir or f.node == node):
@@ -65,22 +65,37 @@ def reusable_files(
     if not candidates:
         return {}
 
-    def check(candidate: tuple[FileLayout, FileRecord, FileRecord, tuple[int, ...]]) -> Reuse | None:
-        layout, match, record, offsets = candidate
-        placed = []
-        for t, offset in zip(layout.tensors, offsets):
-            before = fragments.get((match.name, t.key))
-            if before is None or before.quant is not None or (before.offset, before.nbytes, before.box, before.dtype) != (offset, t.nbytes, t.box, t.dtype):
+    def same(task: tuple[StoredTensor, int, FragmentRecord]) -> Placed | None:
+        """The tensor's place in the new file when its bytes are the previous fragment's: one
+        pass of chunk digests (equal chunks, equal bytes: the whole digest is the previous one),
+        or the whole digest where the previous step recorded no chunks."""
+        t, offset, before = task
+        pieces = source.pieces(t, offset)
+        if before.chunk_xxh3:
+            if chunk_digests(source.arenas, pieces, before.chunk_bytes) != before.chunk_xxh3:
                 return None
-            digest, chunks = digests(source.arenas, source.pieces(t, offset))
-            if checksum_name(digest) != before.checksum or (before.chunk_xxh3 and chunks != before.chunk_xxh3):
-                return None
-            placed.append(Placed(t, layout.name, offset, digest, chunks))
-        return Reuse(layout, match, record, tuple(placed))
+            digest = int(before.checksum.removeprefix("xxh3-64:"), 16)
+            return Placed(t, "", offset, digest, before.chunk_xxh3)
+        digest, chunks = digests(source.arenas, pieces)
+        return Placed(t, "", offset, digest, chunks) if checksum_name(digest) == before.checksum else None
 
-    with ThreadPoolExecutor(max(1, min(threads, len(candidates))), thread_name_prefix="ckptd-reuse") as pool:
-        found = [r for r in pool.map(check, candidates) if r is not None]
-    return {r.layout.name: r for r in found}
+    tasks: list[tuple[int, tuple[StoredTensor, int, FragmentRecord]]] = []
+    for i, (layout, match, _, offsets) in enumerate(candidates):
+        befores = [fragments.get((match.name, t.key)) for t in layout.tensors]
+        if all(b is not None and b.quant is None and (b.offset, b.nbytes, b.box, b.dtype) == (o, t.nbytes, t.box, t.dtype) for t, o, b in zip(layout.tensors, offsets, befores)):
+            tasks += [(i, (t, o, b)) for t, o, b in zip(layout.tensors, offsets, befores) if b is not None]
+    # one task per tensor, so a file of many large tensors is hashed by every thread
+    with ThreadPoolExecutor(max(1, min(threads, len(tasks) or 1)), thread_name_prefix="ckptd-reuse") as pool:
+        results = list(pool.map(same, [task for _, task in tasks]))
+    placed: dict[int, list[Placed | None]] = {}
+    for (i, _), result in zip(tasks, results):
+        placed.setdefault(i, []).append(result)
+    found = {}
+    for i, places in placed.items():
+        layout, match, record, _ = candidates[i]
+        if all(p is not None for p in places):
+            found[layout.name] = Reuse(layout, match, record, tuple(replace(p, file=layout.name) for p in places if p is not None))
+    return found
 
 
 def digests(arenas: ArenaSet, pieces: Sequence[Piece]) -> tuple[int, str]:
@@ -99,6 +114,21 @@ def digests(arenas: ArenaSet, pieces: Sequence[Piece]) -> tuple[int, str]:
             finally:
                 view.release()
     return hasher.intdigest(), chunks.hexdigests()
+
+
+def chunk_digests(arenas: ArenaSet, pieces: Sequence[Piece], chunk_bytes: int) -> str:
+    """The digests of a stored tensor's chunks of `chunk_bytes` (ckptd.common.chunks), one pass."""
+    chunks = ChunkHasher(chunk_bytes)
+    for piece in pieces:
+        arena = arenas.arenas[piece.rank]
+        assert arena is not None, "plan gave a fragment to a rank without an arena"
+        for begin in range(0, piece.nbytes, HASH_SLICE):
+            view = arena.view(piece.src + begin, min(HASH_SLICE, piece.nbytes - begin))
+            try:
+                chunks.update(view)
+            finally:
+                view.release()
+    return chunks.hexdigests()
 
 
 def frozen_names(tensors: Sequence[LogicalTensor]) -> dict[str, str]:
