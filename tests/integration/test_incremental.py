@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -41,7 +43,7 @@ class LoraModel(nn.Module):
 def _train(model: LoraModel, opt: torch.optim.Optimizer, steps: int = 2) -> None:
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(8, 256)).pow(2).mean().backward()
+        model(torch.randn(8, model.scale.numel())).pow(2).mean().backward()
         opt.step()
 
 
@@ -105,3 +107,42 @@ def test_incremental_saves_can_be_turned_off(daemons) -> None:
         for step in (1, 2):
             client.save(step, {"model": model}).wait_durable(60)
     assert all(p.stat().st_nlink == 1 for p in _step_dir(daemon.root, 2).glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("shared_root", [True, False], ids=["shared-root", "node-local-roots"])
+def test_two_nodes_link_their_own_unchanged_files(node_sets, shared_root: bool) -> None:
+    """Each node links the frozen files it wrote at the previous step (in a shared root or its
+    own), and every step loads bit-exact through either node after retention removed the first."""
+    cluster = node_sets(2, shared_root=shared_root)
+    cluster.start_all("--keep-last", "2")
+    torch.manual_seed(0)
+    model = LoraModel(width=128, layers=4)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    clients = [
+        CheckpointClient("job", address=cluster.address(n), rank=n, world_size=2, local_world_size=1, on_error="raise", timeout_s=60)
+        for n in range(2)
+    ]
+    saved = {}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for step in (1, 2, 3):
+                _train(model, opt)
+                state = {"model": model, "optimizer": opt}
+                list(pool.map(lambda c: c.save(step, state).wait_durable(60), clients))
+                saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        roots = [cluster.root(0)] if shared_root else [cluster.root(0), cluster.root(1)]
+        index = json.loads((_step_dir(cluster.root(0), 3) / INDEX_NAME).read_text())
+        frozen_files = {f["file"] for name, t in index["tensors"].items() if name.startswith("model/base") for f in t["fragments"]}
+        for name in frozen_files:
+            holder = next(r for r in roots if (_step_dir(r, 3) / name).exists())
+            assert (_step_dir(holder, 3) / name).stat().st_ino == (_step_dir(holder, 2) / name).stat().st_ino, name
+        assert not _step_dir(cluster.root(0), 1).exists()
+        for n in range(2):
+            with CheckpointClient("job", address=cluster.address(n), rank=0, world_size=1, local_world_size=1, on_error="raise") as one:
+                for step in (2, 3):
+                    fresh = LoraModel(width=128, layers=4)
+                    assert one.load({"model": fresh}, step=step, strict=False) == step
+                    assert all(torch.equal(v, saved[step][k]) for k, v in fresh.state_dict().items())
+    finally:
+        for c in clients:
+            c.close()

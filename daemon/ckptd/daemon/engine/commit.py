@@ -165,9 +165,10 @@ class Commit:
             self._committed_here(state, session, index)
             if node != 0 and outcome.step_files:
                 await self._retention(session.job, session.step)  # node 0 applies it for a shared root (Coordinator.on_commit)
+            linked = sum(f.size for f in manifest.files if f.name in manifest.linked) if manifest is not None else 0
             log.info(
-                "committed step %s of job %s: %.1f MiB written in %.2f s, committed %.3f s later, %.2f s after the snapshot",
-                session.step, session.job, session.plan.total_bytes / 2**20, written - started,
+                "committed step %s of job %s: %.1f MiB written (%.1f MiB more linked, unchanged) in %.2f s, committed %.3f s later, %.2f s after the snapshot",
+                session.step, session.job, (session.plan.total_bytes - linked) / 2**20, linked / 2**20, written - started,
                 time.monotonic() - written, time.monotonic() - session.snapshot_done,
                 extra={"job": session.job, "step": session.step},
             )
