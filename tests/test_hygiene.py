@@ -105,11 +105,18 @@ ALLOWED = {
     ("export.py", "export_files", ".rmdir"): "OUT, the operator's export directory, not the root",
     ("export.py", "export_files", "os.replace"): "OUT, the operator's export directory, not the root",
     ("faults.py", "*", "*"): "test-only fault injection: wraps the os functions themselves",
+    ("remote/faults.py", "*", "*"): "test-only fault injection of object-store requests: its event log, outside the root",
     ("cluster.py", "Cluster.fetch", "os.pwrite"): "a staging file in /dev/shm (a peer's Fetch into it), not the root",
     ("engine/loads.py", "Loads._fetch_into", "os.open"): "a staging file in /dev/shm, not the root",
     ("engine/loads.py", "Loads._release_staging", ".unlink"): "staging files in /dev/shm, not the root",
     ("engine/loads.py", "Loads.close", ".unlink"): "staging files in /dev/shm, not the root",
     ("service.py", "CheckpointService.start", ".mkdir"): "the shm directory, not the root (Storage.clean_uncommitted makes the root)",
+    ("bulk.py", "recv_into_file", "os.pwrite"): "replica bytes into a file in /dev/shm (a replica or a staging file), not the root",
+    ("engine/loads.py", "Loads._fetch_replica", "os.open"): "a staging file in /dev/shm, not the root",
+    ("engine/replica_store.py", "ReplicaStore.create_parts", "os.open"): "replica files in /dev/shm, not the root",
+    ("engine/replica_store.py", "ReplicaStore.check_and_rename", "os.rename"): "replica files in /dev/shm, not the root",
+    ("engine/replica_store.py", "open_ranges", "os.open"): "reading replica files in /dev/shm (O_RDONLY), not the root",
+    ("engine/replica_store.py", "remove_files", "os.unlink"): "replica files in /dev/shm, not the root",
 }
 
 

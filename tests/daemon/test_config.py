@@ -138,6 +138,15 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("quantize", "None", '"none"', "none"),
     ("master_weights", "Residual", '"residual"', "residual"),
     ("quant_max_generations", "0", "0", 0),
+    ("replicas", "2", "2", 2),
+    ("replica_bandwidth", "100MiB", '"100MiB"', 100 * 2**20),
+    ("replica_memory", "1GiB", '"1GiB"', 2**30),
+    ("replica_port", "7071", "7071", 7071),
+    ("remote", "s3://bkt/ckpt/run/", '"s3://bkt/ckpt/run"', "s3://bkt/ckpt/run"),
+    ("remote_streams", "32", "32", 32),
+    ("remote_part_bytes", "8MiB", '"8MiB"', 8 * 2**20),
+    ("remote_keep_last", "5", "5", 5),
+    ("remote_keep_every", "100", "100", 100),
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.load_plan import (
-    Location, StagedRead, Tier, file_locations, incomplete_message, load_tier, needs_decoding, plan_pieces,
+    Location, StagedRead, Tier, file_locations, file_sources, incomplete_message, load_tier, needs_decoding, plan_pieces,
 )
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
@@ -51,6 +51,40 @@ def test_file_locations_by_node_and_access() -> None:
     assert file_locations(files, 0, {F2: 1}, local, staging)[F2] == Location(Tier.DISK_PEER, 1, f"/dev/shm/fetch-{F2}", True)
     no_access = file_locations(files, 0, {}, lambda f: None, staging)  # a rank that cannot read the root, or no local files
     assert no_access[F1] == Location(Tier.DISK_LOCAL, 0, f"/dev/shm/fetch-{F1}", True)
+
+
+M, P, L, D = Tier.MEMORY_LOCAL, Tier.MEMORY_PEER, Tier.DISK_LOCAL, Tier.DISK_PEER
+
+
+@pytest.mark.parametrize(
+    ("disk", "memory", "expected"),
+    [
+        # every tier holds F2 (written by node 1, 100 bytes): memory here wins, then a peer's memory, then disk here, then a peer's disk
+        ({0: {F2: 100}, 1: {F2: 100}}, {0: {F2: 100}, 2: {F2: 100}}, (M, 0)),
+        ({0: {F2: 100}, 1: {F2: 100}}, {2: {F2: 100}, 3: {F2: 100}}, (P, 2)),  # the lowest peer among equals
+        ({0: {F2: 100}, 1: {F2: 100}}, {}, (L, 0)),
+        ({1: {F2: 100}, 2: {F2: 100}}, {}, (D, 1)),
+        # a holder counts only with the index's size (a part being written, another step's file)
+        ({0: {F2: 99}, 2: {F2: 100}}, {1: {F2: 7}}, (D, 2)),
+        ({0: {}, 1: {}}, {1: {F2: 99}}, None),
+    ],
+)
+def test_file_sources_by_tier(disk: dict, memory: dict, expected: tuple | None) -> None:
+    f2 = _index().files[1]
+    chosen, missing = file_sources([f2], 0, disk, memory)
+    assert chosen.get(F2) == expected
+    assert missing == ([] if expected else [f2])
+
+
+def test_file_locations_of_replicas_are_always_staged() -> None:
+    files = _index().files
+    staging = "/dev/shm/fetch-{}".format
+    where, tiers = {F1: 0, F2: 2}, {F1: M, F2: P}
+    got = file_locations(files, 0, where, "/r/s/{}".format, staging, tiers)
+    assert got == {F1: Location(M, 0, f"/dev/shm/fetch-{F1}", True), F2: Location(P, 2, f"/dev/shm/fetch-{F2}", True)}
+    # the staged reads of a replica go to its holder
+    planned = plan_pieces(_index((W,)), [_want("model/w", (4, 2))], ["model"], False, None, got)
+    assert planned.reads == (StagedRead(F1, 0, 0, 16), StagedRead(F2, 2, 0, 16))
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,9 @@ def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:
     inventory = PeerInventory("root", True, {"a.safetensors": 10, "b.safetensors": 20}, False)
     back = rpc_convert.inventory_of(rpc_convert.inventory_response(inventory))
     assert back == inventory and back.sizes == inventory.sizes
-    _, committed, sizes, in_flight = back  # the engine still reads it positionally
-    assert (committed, sizes, in_flight, back[0]) == (True, inventory.sizes, False, "root")
+    assert (back[1], back.sizes, back[3], back[0]) == (True, inventory.sizes, False, "root")  # the engine still reads it by position
+    held = PeerInventory("root", True, {}, False, replicas=((2, "a.safetensors", 10),), newest=7)  # tier 0b
+    assert rpc_convert.inventory_of(rpc_convert.inventory_response(held)) == held
 
 
 def test_a_piece_with_its_decoding_side_pieces() -> None:

@@ -153,9 +153,10 @@ def test_a_call_without_the_token_is_refused(shared_cluster) -> None:
 
 @pytest.fixture(scope="module")
 def local_cluster(module_node_sets):
-    """Two nodes, each with its own root, and one save by 4 ranks (2 per node)."""
+    """Two nodes, each with its own root, and one save by 4 ranks (2 per node); no replicas in
+    the other node's memory (tier 0b: test_replicas.py), so a node's files are on its disk only."""
     cluster = module_node_sets(2, shared_root=False)
-    cluster.start_all()
+    cluster.start_all("--replicas", "0")
     run_job(cluster, cluster.base, "save", [4], SAVED, step=1, node_of_rank=spread(4, 2), job="local")
     return cluster
 
@@ -197,7 +198,7 @@ def test_a_missing_node_is_named_before_any_byte_is_served(local_cluster) -> Non
         assert "not complete" in message and f"node 1 ({cluster.peers[1]})" in message and "model/w_even" in message, message
         assert all(not t.any() for t in model.values())  # nothing was served
     finally:
-        cluster.start(1)
+        cluster.start(1, "--replicas", "0")
 
 
 # ------------------------------------------------------------------ replicas, failures

@@ -2,7 +2,8 @@
 
 Mutual TLS (a two-node cluster started with --peer-tls-*): a client certificate signed by
 another CA, no client certificate, an expired one, one not valid yet, and plain text all fail the
-handshake (UNAVAILABLE) for each of JoinSave, ReportManifest, Inventory and Fetch. The peer
+handshake (UNAVAILABLE) for each peer RPC (JoinSave, ReportManifest, Inventory, Fetch and tier 0b's
+OfferReplica, ReadReplica, ReplicaHeld). The peer
 token (with TLS and without): a missing, empty, wrong, truncated, extended, re-cased token, one
 under another metadata key, and two conflicting tokens are refused with UNAUTHENTICATED for each
 RPC, before any work: no save is registered, no byte served. The right certificate and token
@@ -123,8 +124,26 @@ def _fetch(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:
     return b"".join(c.data for c in stub.Fetch(ppb.FetchRequest(job=JOB, step=1, file="ckptd.index.json"), metadata=metadata, timeout=10))
 
 
+DATA_FILE = "model-00001-of-00001.safetensors"
+
+
+def _offer(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:  # tier 0b: node 1 offers its part (a ticket for the bulk port)
+    files = [ppb.FileEntry(name=DATA_FILE, size=64, checksum="xxh3-64:0000000000000000")]
+    return stub.OfferReplica(ppb.OfferReplicaRequest(job=JOB, step=79, node=1, files=files), metadata=metadata, timeout=10)
+
+
+def _read(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:  # a replica node 0 does not hold: NOT_FOUND for the right caller
+    ranges = [ppb.ReplicaRange(file=DATA_FILE, offset=0, nbytes=8)]
+    return stub.ReadReplica(ppb.ReadReplicaRequest(job=JOB, step=1, node=1, ranges=ranges), metadata=metadata, timeout=10)
+
+
+def _held(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:
+    return stub.ReplicaHeld(ppb.ReplicaHeldRequest(job=JOB, step=1, node=1, holders=[0]), metadata=metadata, timeout=10)
+
+
 RPCS: dict[str, Callable[[ppb_grpc.PeerStub, Any], Any]] = {
     "JoinSave": _join, "ReportManifest": _report, "Inventory": _inventory_call, "Fetch": _fetch,
+    "OfferReplica": _offer, "ReadReplica": _read, "ReplicaHeld": _held,
 }
 
 
@@ -187,6 +206,12 @@ def test_a_trusted_client_with_the_token_reaches_every_rpc(tls_cluster: Cluster)
         with pytest.raises(grpc.RpcError) as info:  # reaches the coordinator: rank 0 never joins
             _join(stub, GOOD)
         assert info.value.code() == grpc.StatusCode.ABORTED and "never joined" in info.value.details()
+        offer = _offer(stub, GOOD)
+        assert offer.accepted and len(offer.ticket) == 32 and offer.port > 0
+        with pytest.raises(grpc.RpcError) as info:
+            _read(stub, GOOD)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "holds no replica" in info.value.details()
+        _held(stub, GOOD)
 
 
 def test_the_server_certificate_is_checked_by_its_callers(tls_cluster: Cluster, tmp_path: Path) -> None:

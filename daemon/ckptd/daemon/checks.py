@@ -13,7 +13,7 @@ from ckptd.common.boxes import Box
 from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.daemon import errors
-from ckptd.daemon.format import MODEL_FILES
+from ckptd.daemon.format import MODEL_FILES, FileRecord
 from ckptd.daemon.plan import TensorSpec
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
@@ -217,3 +217,28 @@ def check_manifest_json(node: int, fragments: Sequence[Any]) -> None:
     for fragment in fragments:
         if fragment.quant_json:
             parse_json(fragment.quant_json, f"the quantization record of fragment {fragment.name[:200]!r}")
+
+
+MAX_REPLICA_FILES = 1 << 16
+MAX_REPLICA_RANGES = 1 << 20
+
+
+def check_replica_files(node: int, entries: Sequence[Any]) -> list[FileRecord]:
+    """The data files a node offers as its part of a step (OfferReplica): plain data file names,
+    each once, sizes >= 0, a checksum each."""
+    if not entries or len(entries) > MAX_REPLICA_FILES:
+        raise errors.InvalidRequest(f"a replica offer lists {len(entries)} files; between 1 and {MAX_REPLICA_FILES}")
+    records = [FileRecord(check_file_name(e.name), e.size, e.checksum[:200], node) for e in entries]
+    if len({r.name for r in records}) != len(records) or any(r.size < 0 or not r.checksum for r in records):
+        raise errors.InvalidRequest("a replica offer lists a file twice, a negative size or a file without its checksum")
+    return records
+
+
+def check_replica_ranges(ranges: Sequence[Any]) -> list[tuple[str, int, int]]:
+    """Byte ranges of replica files to read (ReadReplica): (data file name, offset >= 0, nbytes > 0)."""
+    if not ranges or len(ranges) > MAX_REPLICA_RANGES:
+        raise errors.InvalidRequest(f"a replica read asks for {len(ranges)} ranges; between 1 and {MAX_REPLICA_RANGES}")
+    out = [(check_file_name(r.file), r.offset, r.nbytes) for r in ranges]
+    if any(offset < 0 or nbytes <= 0 for _, offset, nbytes in out):
+        raise errors.InvalidRequest("a replica read asks for a negative offset or an empty range")
+    return out

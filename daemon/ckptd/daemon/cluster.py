@@ -500,11 +500,12 @@ class Cluster:
         except grpc.RpcError as exc:
             raise coordinator_error(exc, self.describe(0)) from None
 
-    async def inventory(self, node: int, job: str, step: int) -> PeerInventory | str:
-        """What a peer holds of a step (PeerInventory), or why it did not answer."""
+    async def inventory(self, node: int, job: str, step: int, newest: bool = False) -> PeerInventory | str:
+        """What a peer holds of a step (PeerInventory; with `newest`, also its newest committed
+        step of the job), or why it did not answer."""
         try:
             reply = await self.links.stub(node).Inventory(
-                ppb.InventoryRequest(job=job, step=step), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
+                ppb.InventoryRequest(job=job, step=step, newest=newest), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             return exc.details() or exc.code().name

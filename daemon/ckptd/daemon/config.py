@@ -96,6 +96,12 @@ class DaemonConfig:
     quant_max_generations: lossy save/restore cycles allowed in a lineage: once a trainer resumed
         from a checkpoint with this many behind its values, its saves are lossless (no
         quantization, master weights kept); 0 = no limit.
+    replicas, replica_*: tier 0b (docs/operations.md): node i's newest committed part is held in the memory
+        of nodes i+1..i+replicas (0 = off), sent at most at replica_bandwidth bytes/s (0 = unlimited),
+        within replica_memory bytes per holder, over the bulk port replica_port (0 = a free port).
+    remote, remote_*: the object-store tier "s3://BUCKET/PREFIX" ("" = none), requests in flight,
+        multipart part size (>= 5 MiB), and the bucket's retention (keep_last 0 = keep all;
+        keep_every 0 = off): docs/operations.md, Object store.
     """
 
     root: Path
@@ -107,6 +113,7 @@ class DaemonConfig:
     keep_every: int = 0
     write_threads: int = 4
     max_file_bytes: int = 4 * GiB
+    link_unchanged: bool = True
     save_timeout_s: float = 600.0
     write_throttle: int = 0
     disk_reserve: int = GiB
@@ -124,9 +131,17 @@ class DaemonConfig:
     metrics_host: str = "0.0.0.0"
     health_port: int = 0
     quantize: str = "none"
-    link_unchanged: bool = True
     master_weights: str = "keep"
     quant_max_generations: int = 1
+    replicas: int = 1
+    replica_bandwidth: int = 0
+    replica_memory: int = 16 * GiB
+    replica_port: int = 0
+    remote: str = ""
+    remote_streams: int = 16
+    remote_part_bytes: int = 16 << 20
+    remote_keep_last: int = 0
+    remote_keep_every: int = 0
 
     def __post_init__(self) -> None:
         errors = []
@@ -346,6 +361,24 @@ def _port_or_off(raw: Any, text: bool) -> int:
     return port
 
 
+def _port_or_any(raw: Any, text: bool) -> int:
+    """A TCP port 1..65535, or 0 (any free port)."""
+    try:
+        return _port_or_off(raw, text)
+    except _Expected:
+        raise _Expected("a TCP port between 1 and 65535, or 0 (a free port)") from None
+
+
+def _remote(raw: Any, text: bool) -> str:
+    """"" (none) or s3://BUCKET/PREFIX; remote/location.py checks it."""
+    from ckptd.daemon.remote.location import LocationError, location_setting
+
+    try:
+        return location_setting(raw)
+    except LocationError as exc:
+        raise _Expected(f"s3://BUCKET/PREFIX or '' (none): {exc}") from None
+
+
 def _host(raw: Any, text: bool) -> str:
     """A host name or IP address to listen on (no port, no spaces)."""
     if isinstance(raw, str) and raw.strip() and not any(c.isspace() or c == "/" for c in raw.strip()):
@@ -388,6 +421,15 @@ _SPECS: Final[dict[str, _Spec]] = {
     ),
     "master_weights": _Spec(_choice(MASTER_MODES), "--master-weights", "{keep,drop,residual}", "default for fp32 master weights beside bf16 model weights: keep, drop (rebuilt from the model weights) or residual (bf16 difference) (default: keep)"),
     "quant_max_generations": _Spec(_integer(0, " (0 = no limit)"), "--quant-max-generations", "N", "after a resume from a checkpoint N lossy cycles deep, save losslessly; 0 = no limit (default: 1)"),
+    "replicas": _Spec(_integer(0, " (0 = off)"), "--replicas", "N", "several nodes: keep each node's newest committed part in the memory of the next N nodes' daemons; 0 = off (default: 1)"),
+    "replica_bandwidth": _Spec(_size_or_off, "--replica-bandwidth", "SIZE", "send replicas at most at SIZE bytes per second, e.g. 500MiB; 0 = unlimited (default: 0)"),
+    "replica_memory": _Spec(_size, "--replica-memory", "SIZE", "memory (in --shm-dir) for other nodes' replicas; one that does not fit is refused (default: 16GiB)"),
+    "replica_port": _Spec(_port_or_any, "--replica-port", "PORT", "TCP port of the bulk channel for replica bytes, on this node's --peers host; 0 = a free port (default: 0)"),
+    "remote": _Spec(_remote, "--remote", "s3://BUCKET/PREFIX", "upload each committed step to this object store location and restore from it; endpoint and credentials from the AWS environment variables and config files (default: none)"),
+    "remote_streams": _Spec(_integer(1), "--remote-streams", "N", "requests in flight to the object store (default: 16)"),
+    "remote_part_bytes": _Spec(_size, "--remote-part-bytes", "SIZE", "part size of multipart uploads, at least 5MiB (default: 16MiB)"),
+    "remote_keep_last": _Spec(_integer(0, " (0 = keep all)"), "--remote-keep-last", "N", "keep the newest N uploaded steps in the bucket; 0 keeps all (default: 0)"),
+    "remote_keep_every": _Spec(_integer(0, " (0 = off)"), "--remote-keep-every", "N", "also keep every step divisible by N in the bucket; 0 = off (default: 0)"),
 }
 
 

@@ -63,6 +63,8 @@ class LiveState:
     arenas: int = 0
     loads_active: int = 0
     draining: bool = False
+    replica_bytes: int = 0  # memory held (and being received into) for other nodes' replicas
+    replicas: int = 0  # other nodes' parts held
 
 
 class _LiveCollector(Collector):
@@ -87,6 +89,8 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("ckptd_arenas", "Snapshot arenas allocated (all jobs).", value=state.arenas)
         yield GaugeMetricFamily("ckptd_loads_active", "Loads in progress (their steps are kept by retention).", value=state.loads_active)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is shutting down and takes no new saves.", value=int(state.draining))
+        yield GaugeMetricFamily("ckptd_replica_bytes", "Memory held for other nodes' replicas (tier 0b), received and being received, in bytes.", value=state.replica_bytes)
+        yield GaugeMetricFamily("ckptd_replicas", "Other nodes' parts of committed steps held in this daemon's memory (tier 0b).", value=state.replicas)
 
 
 class Metrics:
@@ -101,12 +105,12 @@ class Metrics:
             ["job"], buckets=STALL_BUCKETS, registry=r,
         )
         self.bytes_written = Counter("ckptd_written_bytes", "Bytes of checkpoint data this daemon wrote to its storage.", ["job"], registry=r)
+        self.bytes_linked = Counter(
+            "ckptd_linked_bytes", "Bytes of unchanged files of frozen tensors linked from the previous step instead of written (incremental saves).", ["job"], registry=r
+        )
         self.throughput = Gauge(
             "ckptd_write_throughput_bytes_per_second", "Write rate of the newest step this daemon wrote: its bytes / seconds spent writing and fsyncing.",
             ["job"], registry=r,
-        )
-        self.bytes_linked = Counter(
-            "ckptd_linked_bytes", "Bytes of unchanged files of frozen tensors linked from the previous step instead of written (incremental saves).", ["job"], registry=r
         )
         self.commit_latency = Histogram(
             "ckptd_commit_latency_seconds", "Seconds from a complete snapshot (every rank handed over) to the commit (index written, durable).",
@@ -126,6 +130,15 @@ class Metrics:
         self.retention_deleted = Counter("ckptd_retention_deleted_steps", "Committed steps deleted by retention (after commits and by ckptd gc).", ["job"], registry=r)
         self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
         self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)
+        # tier 0b: replicas of nodes' parts in other daemons' memory (engine/replication.py)
+        self.replica_pushes = Counter("ckptd_replica_pushes", "Pushes of this node's part of a committed step to its buddies, by outcome: ok, failed (some buddy does not hold it), cancelled (a newer commit).", ["outcome"], registry=r)
+        self.replica_pushed_bytes = Counter("ckptd_replica_pushed_bytes", "Bytes of this node's parts sent to buddies' memory.", registry=r)
+        self.replica_received_bytes = Counter("ckptd_replica_received_bytes", "Bytes of other nodes' parts received, checked and held.", registry=r)
+        self.replica_refused = Counter("ckptd_replica_refused", "Replica offers refused (over --replica-memory or shared memory full).", registry=r)
+        self.replica_evicted = Counter("ckptd_replica_evicted", "Held replicas dropped to make room for a newer one of the same node.", registry=r)
+        self.replica_served_bytes = Counter("ckptd_replica_served_bytes", "Bytes of held replicas sent to loading nodes.", registry=r)
+        self.load_staged_bytes = Counter("ckptd_load_staged_bytes", "Bytes copied into staging files for loads, by tier: memory-local (a replica held here), memory-peer, disk-local, disk-peer.", ["tier"], registry=r)
+        self.recoverable_step = Gauge("ckptd_recoverable_step", "Node 0: the newest step whose every node's part is held in memory by another node too.", ["job"], registry=r)
         self._server: object | None = None
         self._thread: threading.Thread | None = None
 

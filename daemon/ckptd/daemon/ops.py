@@ -109,6 +109,8 @@ def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
         "bytes_written_total": reply.bytes_written_total,
         "last_commit": last,
         "last_error": reply.last_error,
+        "remote": {f.name: getattr(reply.remote, f.name) for f in reply.remote.DESCRIPTOR.fields} if reply.HasField("remote") else None,
+        "replicas": _replicas_doc(reply.replicas) if reply.HasField("replicas") else None,
         "in_flight": [
             {
                 "job": f.job, "step": f.step, "state": f.state, "bytes_total": f.bytes_total, "bytes_written": f.bytes_written,
@@ -117,6 +119,37 @@ def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
             for f in reply.in_flight
         ],
     }
+
+
+def _replicas_doc(r: pb.ReplicaStatus) -> dict[str, Any]:
+    return {
+        "held_bytes": r.held_bytes,
+        "memory_limit": r.memory_limit,
+        "held": [{"job": h.job, "node": h.node, "step": h.step, "bytes": h.bytes} for h in r.held],
+        "jobs": [
+            {"job": j.job, "pushed_step": j.pushed_step, "holders": list(j.holders), "push_error": j.push_error, "pushing": j.pushing,
+             "recoverable_step": j.recoverable_step, "not_recoverable": j.not_recoverable}
+            for j in r.jobs
+        ],
+    }
+
+
+def _replica_lines(replicas: dict[str, Any]) -> list[str]:
+    """`ckptd status` lines of tier 0b: what this node holds for others, where its parts are held,
+    and (node 0) which step each job can recover from memory."""
+    held = ", ".join(f"node {h['node']}'s step {h['step']} of {h['job']} ({human_bytes(h['bytes'])})" for h in replicas["held"])
+    lines = [f"replicas held for other nodes: {human_bytes(replicas['held_bytes'])} of {human_bytes(replicas['memory_limit'])}" + (f": {held}" if held else "")]
+    for j in replicas["jobs"]:
+        parts = []
+        if j["pushed_step"] >= 0:
+            where = "being sent" if j["pushing"] else f"held by nodes {j['holders']}" if j["holders"] else "held by no other node"
+            parts.append(f"this node's part of step {j['pushed_step']} {where}" + (f" ({j['push_error']})" if j["push_error"] else ""))
+        if j["recoverable_step"] >= 0:
+            parts.append(f"recoverable from memory: step {j['recoverable_step']}")
+        if j["not_recoverable"]:
+            parts.append(f"not recoverable: {j['not_recoverable']}")
+        lines.append(f"  job {j['job']}: " + "; ".join(parts))
+    return lines
 
 
 def render_status(doc: dict[str, Any], now: float) -> str:
@@ -138,6 +171,19 @@ def render_status(doc: dict[str, Any], now: float) -> str:
         lines.append("last commit: none since the daemon started")
     if doc["last_error"]:
         lines.append(f"last error: {doc['last_error']}")
+    remote = doc.get("remote")
+    if remote:
+        lag = f", lag {human_seconds(remote['lag_s'])}" if remote["pending_steps"] else ""
+        lines.append(
+            f"object store: {remote['location']} at {remote['endpoint']}, {remote['state']}; {remote['uploaded_steps']} steps uploaded "
+            f"({human_bytes(remote['uploaded_bytes'])} sent, {human_bytes(remote['copied_bytes'])} copied in the bucket), "
+            f"{remote['pending_steps']} pending{lag}, {remote['failures']} failed attempts; {remote['restored_steps']} steps restored"
+            + (f"; last: {remote['last_uploaded']}" if remote["last_uploaded"] else "")
+        )
+        if remote["last_error"]:
+            lines.append(f"object store last error: {remote['last_error']}")
+    if doc.get("replicas"):
+        lines += _replica_lines(doc["replicas"])
     if not doc["in_flight"]:
         lines.append("no checkpoint in flight")
         return "\n".join(lines)

@@ -15,6 +15,7 @@ import grpc
 from ckptd.common.names import check_job_id
 from ckptd.daemon import checks, errors, rpc_convert
 from ckptd.daemon.cluster import FETCH_CHUNK, Coordinator
+from ckptd.daemon.engine.replication import Replication
 from ckptd.daemon.format import INDEX_NAME, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.storage import ForeignEntry
@@ -100,7 +101,38 @@ class PeerServicer(ppb_grpc.PeerServicer):
             sizes = {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
         coordinator = self.cluster.coordinator
         in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
-        return rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight))
+        replication = self.service.replication
+        replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
+        newest = await asyncio.to_thread(storage.latest_step, job) if request.newest else None
+        return rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas, newest))
+
+    def _replication(self) -> Replication:
+        if self.service.replication is None:
+            raise errors.Precondition(f"node {self.cluster.node} keeps no replicas")
+        return self.service.replication
+
+    async def OfferReplica(self, request: ppb.OfferReplicaRequest, context: grpc.aio.ServicerContext) -> ppb.BulkTicket:
+        job = check_job_id(request.job)
+        step = checks.check_step(request.step)
+        node = checks.check_node(request.node, self.cluster.nodes)
+        files = checks.check_replica_files(node, request.files)
+        return rpc_convert.bulk_ticket(self._replication().offer(job, step, node, files))
+
+    async def ReadReplica(self, request: ppb.ReadReplicaRequest, context: grpc.aio.ServicerContext) -> ppb.BulkTicket:
+        job = check_job_id(request.job)
+        step = checks.check_step(request.step)
+        node = checks.check_node(request.node, self.cluster.nodes)
+        ranges = checks.check_replica_ranges(request.ranges)
+        return rpc_convert.bulk_ticket(await self._replication().read(job, step, node, ranges))
+
+    async def ReplicaHeld(self, request: ppb.ReplicaHeldRequest, context: grpc.aio.ServicerContext) -> ppb.ReplicaHeldResponse:
+        self._coordinator()
+        job = check_job_id(request.job)
+        step = checks.check_step(request.step)
+        node = checks.check_node(request.node, self.cluster.nodes)
+        holders = [checks.check_node(h, self.cluster.nodes) for h in request.holders]
+        await self._replication().held_report(job, step, node, holders, request.error[:2000])
+        return ppb.ReplicaHeldResponse()
 
     async def Fetch(self, request: ppb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.Chunk]:
         job = check_job_id(request.job)

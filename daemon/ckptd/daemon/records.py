@@ -44,12 +44,25 @@ class Outcome:
 
 class PeerInventory(NamedTuple):
     """What a peer daemon holds of one step (its Inventory answer). A named tuple so that the
-    engine's positional reads (`answer[1]`, `_, _, sizes, _ = answer`) keep working."""
+    engine's positional reads (`answer[0]`, `answer[1]`, `answer[3]`) keep working."""
 
     root_id: str  # the peer's storage root id: equal to ours when the root is shared
     committed: bool  # the step's index is on the peer's root
     sizes: dict[str, int]  # data file name -> bytes (empty unless committed)
     in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
+    replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (tier 0b)
+    newest: int | None = None  # when asked: the peer's newest committed step of the job (None: none)
+
+
+@dataclass(frozen=True)
+class BulkAnswer:
+    """A daemon's answer to OfferReplica / ReadReplica: a ticket for its bulk port (bulk.py)."""
+
+    accepted: bool
+    reason: str = ""  # why it was refused
+    held: bool = False  # OfferReplica: that replica is held already (nothing to send)
+    port: int = 0
+    ticket: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,48 @@ class LastCommit:
 
 
 @dataclass(frozen=True)
+class RemoteStatus:
+    """The object-store tier (`ckptd serve --remote`) in `ckptd status`: counters since the daemon started."""
+
+    location: str  # s3://BUCKET/PREFIX
+    endpoint: str  # where requests go (AWS_ENDPOINT_URL, or AWS S3 and its region)
+    state: str  # starting | catching-up | idle | uploading | restoring | retrying | stopped
+    uploaded_steps: int  # steps this daemon made visible in the bucket (their index written)
+    uploaded_bytes: int  # bytes sent
+    copied_bytes: int  # bytes copied inside the bucket (files unchanged since an uploaded step)
+    failures: int  # failed attempts (each retried with backoff)
+    pending_steps: int  # committed steps of this node not uploaded yet
+    lag_s: float  # seconds since the commit of the oldest of them; 0 when none
+    last_uploaded: str  # "job J step N", "" before the first upload
+    last_error: str  # the newest failure, "" before any
+    restored_steps: int  # steps downloaded into the local root
+    restored_bytes: int
+
+
+@dataclass(frozen=True)
+class JobReplicas:
+    """Tier 0b of one job in `ckptd status`: where this node's newest part is held; node 0: what is recoverable."""
+
+    job: str
+    pushed_step: int  # this node's newest part offered to its buddies; -1: none
+    holders: tuple[int, ...]  # the buddies that hold it
+    push_error: str  # why a buddy does not ("" when all do)
+    pushing: bool  # still being sent
+    recoverable_step: int  # node 0: the newest step whose every node's part is held by another node too; -1: none
+    not_recoverable: str  # node 0: why the newest step reported is not
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """Tier 0b in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
+
+    held_bytes: int  # memory held and being received into for other nodes' parts
+    memory_limit: int  # --replica-memory
+    held: tuple[tuple[str, int, int, int], ...]  # (job, node, step, bytes) of the other nodes' parts held here
+    jobs: tuple[JobReplicas, ...]
+
+
+@dataclass(frozen=True)
 class StatusSnapshot:
     """The daemon's state for `ckptd status` (StatusResponse)."""
 
@@ -100,16 +155,20 @@ class StatusSnapshot:
     bytes_written_total: int
     uptime_s: float
     loads_active: int  # loads being read (their steps are kept by retention)
+    remote: "RemoteStatus | None" = None  # the object-store tier (--remote); None without one
+    replicas: "ReplicaStatus | None" = None  # tier 0b; None on a single node
 
     @classmethod
     def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":
         """From the dict CheckpointService.status() returns today (a KeyError names a missing
         field); `last_commit` may be any object with LastCommit's attributes."""
         last = status["last_commit"]
-        values = {f.name: status[f.name] for f in fields(cls) if f.name not in ("in_flight", "last_commit")}
+        values = {f.name: status[f.name] for f in fields(cls) if f.name not in ("in_flight", "last_commit", "remote", "replicas")}
         return cls(
             in_flight=tuple(InFlightSave(**f) for f in status["in_flight"]),
             last_commit=None if last is None else LastCommit(**{f.name: getattr(last, f.name) for f in fields(LastCommit)}),
+            remote=status.get("remote"),
+            replicas=status.get("replicas"),
             **values,
         )
 

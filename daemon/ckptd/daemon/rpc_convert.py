@@ -8,6 +8,7 @@ validated here where it becomes a record (`join_result_of` checks the metadata i
 from __future__ import annotations
 
 import json
+from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ckptd.common.boxes import Box
@@ -19,7 +20,7 @@ from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord
 from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.plan import SavePlan, TensorSpec
-from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
+from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 
@@ -157,8 +158,24 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         skipped_total=status.skipped_total, last_error=status.last_error, draining=status.draining,
         queue_depth=status.queue_depth, node_rank=status.node_rank, nodes=status.nodes,
         bytes_written_total=status.bytes_written_total, uptime_s=status.uptime_s, loads_active=status.loads_active,
-        last_commit=_last_commit_pb(status.last_commit),
+        last_commit=_last_commit_pb(status.last_commit), remote=_remote_pb(status.remote), replicas=_replicas_pb(status.replicas),
     )
+
+
+def _replicas_pb(record: ReplicaStatus | None) -> pb.ReplicaStatus | None:
+    if record is None:
+        return None
+    return pb.ReplicaStatus(
+        held_bytes=record.held_bytes, memory_limit=record.memory_limit,
+        held=[pb.HeldReplica(job=job, node=node, step=step, bytes=nbytes) for job, node, step, nbytes in record.held],
+        jobs=[pb.JobReplicas(**{f.name: getattr(j, f.name) for f in dataclass_fields(j)}) for j in record.jobs],
+    )
+
+
+def _remote_pb(record: RemoteStatus | None) -> pb.RemoteStatus | None:
+    if record is None:
+        return None
+    return pb.RemoteStatus(**{f.name: getattr(record, f.name) for f in dataclass_fields(record)})
 
 
 def _last_commit_pb(record: LastCommit | None) -> pb.LastCommit | None:
@@ -323,8 +340,27 @@ def outcome_of(reply: ppb.ReportManifestResponse) -> Outcome:
 
 def inventory_response(inventory: PeerInventory) -> ppb.InventoryResponse:
     files = [ppb.FileEntry(name=name, size=size) for name, size in inventory.sizes.items()]
-    return ppb.InventoryResponse(root_id=inventory.root_id, committed=inventory.committed, files=files, in_flight=inventory.in_flight)
+    replicas = [ppb.ReplicaFile(node=node, name=name, size=size) for node, name, size in inventory.replicas]
+    newest = -1 if inventory.newest is None else inventory.newest
+    return ppb.InventoryResponse(
+        root_id=inventory.root_id, committed=inventory.committed, files=files, in_flight=inventory.in_flight, replicas=replicas, newest_step=newest
+    )
 
 
 def inventory_of(reply: ppb.InventoryResponse) -> PeerInventory:
-    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight)
+    replicas = tuple((r.node, r.name, r.size) for r in reply.replicas)
+    newest = reply.newest_step if reply.newest_step >= 0 else None
+    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas, newest)
+
+
+def bulk_ticket(answer: BulkAnswer) -> ppb.BulkTicket:
+    return ppb.BulkTicket(accepted=answer.accepted, reason=answer.reason, held=answer.held, port=answer.port, ticket=answer.ticket)
+
+
+def bulk_answer_of(reply: ppb.BulkTicket) -> BulkAnswer:
+    return BulkAnswer(reply.accepted, reply.reason, reply.held, reply.port, reply.ticket)
+
+
+def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord]) -> ppb.OfferReplicaRequest:
+    entries = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in files]
+    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries)

@@ -110,6 +110,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         log.warning("fault injection is on (%s): this daemon is for tests only", ", ".join(k for k in os.environ if k.startswith("CKPTD_FAULT_")))
     service = CheckpointService(config)
     await asyncio.to_thread(service.start)
+    await service.start_remote()  # before retention: steps not uploaded yet are kept
     await service.retention_at_start()
     if config.metrics_port:
         service.metrics.watch(read_on_loop(asyncio.get_running_loop(), service.live_state))
@@ -175,6 +176,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         await probe_server.stop(grace=1.0)
     if service.cluster is not None:
         await service.cluster.close()
+    await service.close_remote()
     await asyncio.to_thread(service.close)
     service.metrics.close()
     try:

@@ -37,11 +37,14 @@ from ckptd.daemon.engine.loads import LOAD_LEASE_S, LoadLease, Loads
 from ckptd.daemon.engine.saves import MAX_EXTRAS_BYTES, Saves
 from ckptd.daemon.engine.compression import Compression, SaveOptions
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+from ckptd.daemon.engine.replica_store import ReplicaStore
+from ckptd.daemon.engine.replication import Replication
 from ckptd.daemon.format import CheckpointIndex
 from ckptd.daemon.gpu import GpuStaging
 from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.peer_tls import PeerTls
+from ckptd.daemon.replica_links import ReplicaLinks
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.storage import Storage, StorageBackend
 
@@ -55,7 +58,8 @@ log = logging.getLogger(__name__)
 # Settings a running daemon cannot change (reconfigure keeps their old values; restart instead).
 RESTART_SETTINGS = (
     "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
-    "metrics_port", "metrics_host", "health_port", "log_json",
+    "metrics_port", "metrics_host", "health_port", "log_json", "remote", "remote_streams", "remote_part_bytes",
+    "replicas", "replica_memory", "replica_port",
 )
 
 
@@ -72,10 +76,19 @@ class CheckpointService:
         )
         coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide)
         self.engine = Engine(config, storage, cluster, coordination)
+        if config.remote:  # the object-store tier; obstore is imported only when it starts
+            from ckptd.daemon.remote.tier import RemoteTier
+
+            self.engine.remote = RemoteTier(config, self.engine)
         self._writer = ThreadPool()
-        self.loads = Loads(self.engine, self._abort_left_behind)
+        # tier 0b (several nodes): replicas of nodes' parts in other daemons' memory
+        self.replication = (
+            Replication(self.engine, ReplicaStore(config.shm_dir, config.replica_memory, self.engine.metrics), ReplicaLinks(cluster))
+            if cluster is not None else None
+        )
+        self.loads = Loads(self.engine, self._abort_left_behind, self.replication)
         self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases))
-        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer)
+        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.replication.committed if self.replication is not None else None)
         self.saves = Saves(self.engine, self.commit.write)
 
     # What the servicers and the server read.
@@ -123,6 +136,8 @@ class CheckpointService:
             log.warning("removed stale shared-memory arena %s", path)
         if self.engine.cluster is not None:
             self.engine.cluster.start()
+        if self.replication is not None:
+            self.replication.start()
 
     def reconfigure(self, new: DaemonConfig) -> list[str]:
         """Take the settings of `new` that can change while serving (SIGHUP, `systemctl reload`):
@@ -132,6 +147,8 @@ class CheckpointService:
         fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(old, n)]
         self.engine.config = replace(new, **{n: getattr(old, n) for n in RESTART_SETTINGS})
         self.engine.retention = new.retention_policy()
+        if self.engine.remote is not None:
+            self.engine.remote.reconfigure(new)
         return fixed
 
     async def drain(self, grace_s: float) -> None:
@@ -152,6 +169,16 @@ class CheckpointService:
             for session in list(job.sessions.values()):
                 await session.finished.wait()
 
+    async def start_remote(self) -> None:
+        """Start the object-store tier (--remote), once serving: RemoteStartError (a RuntimeError)
+        when its credentials are refused or its bucket does not exist."""
+        if self.engine.remote is not None:
+            await self.engine.remote.start()
+
+    async def close_remote(self) -> None:
+        if self.engine.remote is not None:
+            await self.engine.remote.close()
+
     def close(self) -> None:
         self._writer.shutdown()
         for transport in self.engine.transports.values():
@@ -159,6 +186,8 @@ class CheckpointService:
         for job in self.engine.jobs.values():
             job.pool.close()
         self.loads.close()
+        if self.replication is not None:
+            self.replication.close()
 
     # Saves.
 
@@ -256,7 +285,12 @@ class CheckpointService:
         return await self.housekeeping.list_checkpoints(job)
 
     def live_state(self) -> LiveState:
-        return self.housekeeping.live_state()
+        state = self.housekeeping.live_state()
+        if self.replication is None:
+            return state
+        return replace(state, replica_bytes=self.replication.store.nbytes, replicas=len(self.replication.store.held))
 
     def status(self) -> dict[str, Any]:
-        return self.housekeeping.status()
+        status = self.housekeeping.status()
+        status["replicas"] = self.replication.status() if self.replication is not None else None
+        return status

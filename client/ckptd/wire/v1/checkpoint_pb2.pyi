@@ -394,7 +394,7 @@ class LastCommit(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed_at: _Optional[float] = ..., latency_s: _Optional[float] = ..., bytes: _Optional[int] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active")
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,8 @@ class StatusResponse(_message.Message):
     BYTES_WRITTEN_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LOADS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
@@ -429,7 +431,81 @@ class StatusResponse(_message.Message):
     bytes_written_total: int
     uptime_s: float
     loads_active: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ...) -> None: ...
+    remote: RemoteStatus
+    replicas: ReplicaStatus
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("held_bytes", "memory_limit", "held", "jobs")
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    held_bytes: int
+    memory_limit: int
+    held: _containers.RepeatedCompositeFieldContainer[HeldReplica]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobReplicas]
+    def __init__(self, held_bytes: _Optional[int] = ..., memory_limit: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldReplica, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobReplicas, _Mapping]]] = ...) -> None: ...
+
+class HeldReplica(_message.Message):
+    __slots__ = ("job", "node", "step", "bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: int
+    step: int
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[int] = ..., step: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class JobReplicas(_message.Message):
+    __slots__ = ("job", "pushed_step", "holders", "push_error", "pushing", "recoverable_step", "not_recoverable")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_STEP_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PUSHING_FIELD_NUMBER: _ClassVar[int]
+    RECOVERABLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    NOT_RECOVERABLE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    pushed_step: int
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    push_error: str
+    pushing: bool
+    recoverable_step: int
+    not_recoverable: str
+    def __init__(self, job: _Optional[str] = ..., pushed_step: _Optional[int] = ..., holders: _Optional[_Iterable[int]] = ..., push_error: _Optional[str] = ..., pushing: _Optional[bool] = ..., recoverable_step: _Optional[int] = ..., not_recoverable: _Optional[str] = ...) -> None: ...
+
+class RemoteStatus(_message.Message):
+    __slots__ = ("location", "endpoint", "state", "uploaded_steps", "uploaded_bytes", "copied_bytes", "failures", "pending_steps", "lag_s", "last_uploaded", "last_error", "restored_steps", "restored_bytes")
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    location: str
+    endpoint: str
+    state: str
+    uploaded_steps: int
+    uploaded_bytes: int
+    copied_bytes: int
+    failures: int
+    pending_steps: int
+    lag_s: float
+    last_uploaded: str
+    last_error: str
+    restored_steps: int
+    restored_bytes: int
+    def __init__(self, location: _Optional[str] = ..., endpoint: _Optional[str] = ..., state: _Optional[str] = ..., uploaded_steps: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., copied_bytes: _Optional[int] = ..., failures: _Optional[int] = ..., pending_steps: _Optional[int] = ..., lag_s: _Optional[float] = ..., last_uploaded: _Optional[str] = ..., last_error: _Optional[str] = ..., restored_steps: _Optional[int] = ..., restored_bytes: _Optional[int] = ...) -> None: ...
 
 class CollectRequest(_message.Message):
     __slots__ = ("job", "dry_run")

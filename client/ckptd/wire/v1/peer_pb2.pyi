@@ -185,24 +185,40 @@ class ReportManifestResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., error: _Optional[str] = ..., step_files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ("job", "step")
+    __slots__ = ("job", "step", "newest")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    newest: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., newest: _Optional[bool] = ...) -> None: ...
+
+class ReplicaFile(_message.Message):
+    __slots__ = ("node", "name", "size")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    name: str
+    size: int
+    def __init__(self, node: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("root_id", "committed", "files", "in_flight")
+    __slots__ = ("root_id", "committed", "files", "in_flight", "replicas", "newest_step")
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
     root_id: str
     committed: bool
     files: _containers.RepeatedCompositeFieldContainer[FileEntry]
     in_flight: bool
-    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
+    newest_step: int
+    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., newest_step: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "step", "file", "offset", "nbytes")
@@ -223,3 +239,69 @@ class Chunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class OfferReplicaRequest(_message.Message):
+    __slots__ = ("job", "step", "node", "files")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    node: int
+    files: _containers.RepeatedCompositeFieldContainer[FileEntry]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ...) -> None: ...
+
+class ReplicaRange(_message.Message):
+    __slots__ = ("file", "offset", "nbytes")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    nbytes: int
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ReadReplicaRequest(_message.Message):
+    __slots__ = ("job", "step", "node", "ranges")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    node: int
+    ranges: _containers.RepeatedCompositeFieldContainer[ReplicaRange]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ReplicaRange, _Mapping]]] = ...) -> None: ...
+
+class BulkTicket(_message.Message):
+    __slots__ = ("accepted", "reason", "held", "port", "ticket")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    held: bool
+    port: int
+    ticket: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., held: _Optional[bool] = ..., port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaHeldRequest(_message.Message):
+    __slots__ = ("job", "step", "node", "holders", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    node: int
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., holders: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReplicaHeldResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -54,6 +54,21 @@ class PeerStub:
                 request_serializer=ckptd_dot_v1_dot_peer__pb2.FetchRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_peer__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.OfferReplica = channel.unary_unary(
+                '/ckptd.v1.Peer/OfferReplica',
+                request_serializer=ckptd_dot_v1_dot_peer__pb2.OfferReplicaRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_peer__pb2.BulkTicket.FromString,
+                _registered_method=True)
+        self.ReadReplica = channel.unary_unary(
+                '/ckptd.v1.Peer/ReadReplica',
+                request_serializer=ckptd_dot_v1_dot_peer__pb2.ReadReplicaRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_peer__pb2.BulkTicket.FromString,
+                _registered_method=True)
+        self.ReplicaHeld = channel.unary_unary(
+                '/ckptd.v1.Peer/ReplicaHeld',
+                request_serializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -87,6 +102,27 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferReplica(self, request, context):
+        """Tier 0b: a node offers its part of a committed step to a buddy (a ticket to send it on the
+        bulk port), a loading node asks a holder for ranges of a replica (a ticket to receive them),
+        and each node tells node 0 where its part is held (node 0 reports the step recoverable).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaHeld(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +145,21 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=ckptd_dot_v1_dot_peer__pb2.FetchRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_peer__pb2.Chunk.SerializeToString,
+            ),
+            'OfferReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferReplica,
+                    request_deserializer=ckptd_dot_v1_dot_peer__pb2.OfferReplicaRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_peer__pb2.BulkTicket.SerializeToString,
+            ),
+            'ReadReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadReplica,
+                    request_deserializer=ckptd_dot_v1_dot_peer__pb2.ReadReplicaRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_peer__pb2.BulkTicket.SerializeToString,
+            ),
+            'ReplicaHeld': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaHeld,
+                    request_deserializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +270,87 @@ class Peer:
             '/ckptd.v1.Peer/Fetch',
             ckptd_dot_v1_dot_peer__pb2.FetchRequest.SerializeToString,
             ckptd_dot_v1_dot_peer__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/OfferReplica',
+            ckptd_dot_v1_dot_peer__pb2.OfferReplicaRequest.SerializeToString,
+            ckptd_dot_v1_dot_peer__pb2.BulkTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/ReadReplica',
+            ckptd_dot_v1_dot_peer__pb2.ReadReplicaRequest.SerializeToString,
+            ckptd_dot_v1_dot_peer__pb2.BulkTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/ReplicaHeld',
+            ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.SerializeToString,
+            ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,10 +33,13 @@ Retention = Callable[[str, int], Awaitable[object]]  # (job, the step just commi
 class Commit:
     """Writes complete snapshots and commits them (one writer thread: saves are written in order)."""
 
-    def __init__(self, engine: Engine, retention: Retention, executor: "ThreadPool") -> None:
+    def __init__(
+        self, engine: Engine, retention: Retention, executor: "ThreadPool", on_committed: Callable[[str, int, CheckpointIndex], None] | None = None
+    ) -> None:
         self.engine = engine
         self._retention = retention
         self._executor = executor
+        self._on_committed = on_committed  # (job, step, index) after a commit recorded here: Replication.committed pushes this node's part
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
 
     async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
@@ -98,6 +101,10 @@ class Commit:
         engine.metrics.commit_latency.labels(session.job).observe(latency)
         engine.metrics.last_commit.labels(session.job).set(engine.last_commit.committed_at)
         engine.metrics.last_step.labels(session.job).set(session.step)
+        if self._on_committed is not None:
+            self._on_committed(session.job, session.step, index)
+        if engine.remote is not None:  # the object-store tier uploads it in the background
+            engine.remote.committed(session.job, session.step, session.shared_root, index.created_at)
 
     def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
         """Count the data bytes this node wrote for a step (metrics: bytes, throughput) and the
@@ -108,9 +115,9 @@ class Commit:
         nbytes = sum(f.size for f in mine if f.name not in linked)
         engine.counters.bytes_written += nbytes
         engine.metrics.bytes_written.labels(job).inc(nbytes)
+        engine.metrics.bytes_linked.labels(job).inc(sum(f.size for f in mine if f.name in linked))
         if seconds > 0:
             engine.metrics.throughput.labels(job).set(nbytes / seconds)
-        engine.metrics.bytes_linked.labels(job).inc(sum(f.size for f in mine if f.name in linked))
 
     async def write(self, state: JobState, session: SaveSession) -> None:
         """Write this node's files of the complete snapshot of `session`, report them to the
@@ -262,6 +269,8 @@ class Commit:
                 check_small_file(record, files[record.name])  # FormatError: not written, resolved later
         files[INDEX_NAME] = data
         await asyncio.to_thread(self._write_commit_here, job, step, files)
+        if self.engine.remote is not None:  # a node-local root's part, committed by node 0 before this restart
+            self.engine.remote.committed(job, step, False, index.created_at)
         log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.engine.node)
 
 

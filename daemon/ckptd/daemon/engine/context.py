@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Coroutine, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Coroutine, Protocol, Sequence
 
 from ckptd.daemon.arena import ArenaPool
 from ckptd.daemon.cluster import Cluster
@@ -28,6 +28,9 @@ from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.storage import StorageBackend
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+
+if TYPE_CHECKING:
+    from ckptd.daemon.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ class Engine:
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
         self.last_commit: LastCommit | None = None
+        self.remote: "RemoteTier | None" = None  # the object-store tier (--remote), set by the service
         self.started_at = time.time()
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -77,6 +77,8 @@ class Housekeeping:
         storage = engine.storage
         steps = await asyncio.to_thread(storage.commit_order, job)
         protected: set[int | None] = set(self._leased_steps(job))
+        if engine.remote is not None:
+            protected |= engine.remote.protected(job)  # kept until uploaded to the object store
         protected.add(await asyncio.to_thread(storage.latest_named, job))
         protected.add(committed)
         protected.discard(None)
@@ -153,6 +155,8 @@ class Housekeeping:
                 continue
             in_memory = state is not None and state.pool.held(step) is not None
             out.append((index, engine.storage.step_location(job, step), in_memory))
+        if engine.remote is not None:  # and the object store's steps that are not here
+            out = await engine.remote.listing(job, out)
         return out
 
     def live_state(self) -> LiveState:
@@ -206,4 +210,5 @@ class Housekeeping:
             "bytes_written_total": counters.bytes_written,
             "uptime_s": time.time() - engine.started_at,
             "loads_active": self._loads_active(),
+            "remote": engine.remote.status() if engine.remote is not None else None,
         }

@@ -2,15 +2,19 @@
 
 Tiers, tried in this order for each tensor:
 
-    memory here   a snapshot this daemon still holds in shared memory (the newest committed step)
+    memory here   a snapshot this daemon still holds in shared memory (the newest committed step);
+                  for files: a replica of another node's part that this daemon holds (tier 0b)
+    memory, peer  a replica of the file's node's part in a peer daemon's memory (tier 0b)
     disk here     the step's files in this node's root, read by the rank itself
     disk on peer  a file another node wrote (own roots): fetched into shared memory first
     (staged)      a file here that the rank cannot read (no access to the root, or a backend
                   without local files): copied into shared memory first
 
-`file_locations` decides per file, `plan_pieces` per tensor; the engine (engine/loads.py) asks
-the peers which files they have before, and performs the staged reads after. Quantized tensors
-always load as stored (codes and scales), from any tier but memory.
+`file_sources` picks each file's tier and node, `file_locations` where the rank reads it,
+`plan_pieces` the pieces per tensor; the engine (engine/loads.py) asks the peers what they hold
+before, and performs the staged reads after. Replicas (memory tiers of files) are always staged
+into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
+scales), from any tier but the held snapshot.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexp
 
 class Tier(StrEnum):
     MEMORY_LOCAL = "memory-local"
-    MEMORY_PEER = "memory-peer"  # not yet: a replica in a peer daemon's memory
+    MEMORY_PEER = "memory-peer"  # a replica in a peer daemon's memory (tier 0b)
     DISK_LOCAL = "disk-local"
     DISK_PEER = "disk-peer"
 
@@ -107,22 +111,56 @@ class PlannedPieces:
     reads: tuple[StagedRead, ...]  # to perform before the rank reads (in the order found)
 
 
+TIER_ORDER = (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER, Tier.DISK_LOCAL, Tier.DISK_PEER)
+
+
+def file_sources(
+    files: Sequence[FileRecord], node: int, disk: Mapping[int, Mapping[str, int]], memory: Mapping[int, Mapping[str, int]]
+) -> tuple[dict[str, tuple[Tier, int]], list[FileRecord]]:
+    """Where to read each data file from: (tier, node) by TIER_ORDER (this node's memory, a
+    peer's memory, this node's disk, a peer's disk), the lowest node first among peers of one
+    tier. disk / memory: node -> file name -> size it holds (memory: replicas of other nodes'
+    parts); a holder counts only with the size the index gives. Returns the choice per file and
+    the files that no node holds."""
+    chosen: dict[str, tuple[Tier, int]] = {}
+    missing = []
+    peers = sorted((set(disk) | set(memory)) - {node})
+    for f in files:
+        candidates = (
+            (Tier.MEMORY_LOCAL, [node], memory),
+            (Tier.MEMORY_PEER, peers, memory),
+            (Tier.DISK_LOCAL, [node], disk),
+            (Tier.DISK_PEER, peers, disk),
+        )
+        found = next(((tier, n) for tier, nodes, held in candidates for n in nodes if held.get(n, {}).get(f.name) == f.size), None)
+        if found is None:
+            missing.append(f)
+        else:
+            chosen[f.name] = found
+    return chosen, missing
+
+
 def file_locations(
     files: Sequence[FileRecord],
     node: int,
     where: Mapping[str, int],
     local_path: Callable[[str], str | None],
     staging_path: Callable[[str], str],
+    tiers: Mapping[str, Tier] | None = None,
 ) -> dict[str, Location]:
     """Each data file's location. where: file -> the node that has it (absent: this one);
-    local_path: the path by which the rank reads a file of this node's storage itself, None
-    when it cannot (a rank without access to the root, a backend without local files): the
-    file is then staged."""
+    tiers: file -> its tier when it is a replica in memory (file_sources; absent: on disk), read
+    from the node in `where` and always staged; local_path: the path by which the rank reads a
+    file of this node's storage itself, None when it cannot (a rank without access to the root,
+    a backend without local files): the file is then staged."""
     out = {}
     for f in files:
         holder = where.get(f.name, node)
-        path = local_path(f.name) if holder == node else None
-        if holder != node:
+        tier = (tiers or {}).get(f.name)
+        path = local_path(f.name) if holder == node and tier is None else None
+        if tier in (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER):
+            out[f.name] = Location(tier, holder, staging_path(f.name), True)
+        elif holder != node:
             out[f.name] = Location(Tier.DISK_PEER, holder, staging_path(f.name), True)
         elif path is None:
             out[f.name] = Location(Tier.DISK_LOCAL, node, staging_path(f.name), True)

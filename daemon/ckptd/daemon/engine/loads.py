@@ -19,9 +19,11 @@ from typing import Any, Awaitable, Callable, Sequence
 from ckptd.daemon.arena import ARENA_PREFIX, ArenaSet
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.load_plan import (
-    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, file_locations, incomplete_message, load_tier,
-    needs_decoding, plan_digest, plan_pieces,
+    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, Tier, file_locations, file_sources, incomplete_message,
+    load_tier, needs_decoding, plan_digest, plan_pieces,
 )
+from ckptd.daemon.engine.peer_steps import PeerSteps
+from ckptd.daemon.engine.replication import Replication
 from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.errors import NotFound, Precondition
 from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
@@ -43,9 +45,14 @@ class LoadLease:
 class Loads:
     """PlanLoad and LoadDone; the leases of loads in progress (retention keeps their steps)."""
 
-    def __init__(self, engine: Engine, abort_left_behind: Callable[[JobState, int, int | None], Awaitable[None]]) -> None:
+    def __init__(
+        self, engine: Engine, abort_left_behind: Callable[[JobState, int, int | None], Awaitable[None]], replication: Replication | None = None
+    ) -> None:
         self.engine = engine
         self._abort_left_behind = abort_left_behind  # Saves.abort_left_behind
+        self._replication = replication  # tier 0b: replicas held here and on peers (several nodes)
+        self._peer_steps = PeerSteps(engine) if engine.cluster is not None else None
+        self._remote: set[tuple[str, int]] = set()  # steps being loaded that this root lacks (a replaced node): read from peers
         self.leases: dict[str, LoadLease] = {}
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
@@ -72,6 +79,7 @@ class Loads:
         are fetched or staged for it."""
         engine = self.engine
         storage = engine.storage
+        remote = False  # the step is not in this root: index and extras come from a peer (PeerSteps)
         state = engine.jobs.get(job)
         if state is not None:
             await self._abort_left_behind(state, rank, None)
@@ -79,11 +87,22 @@ class Loads:
             if state is not None:
                 await self._wait_for_writes(state)
             step = await asyncio.to_thread(storage.latest_step, job)
+            if step is None and self._peer_steps is not None:  # a replaced node, on an empty root
+                step = await self._peer_steps.newest(job)
+                remote = step is not None
+            if not remote and engine.remote is not None and await engine.remote.restore_newest(job):  # the object store's newer step, downloaded
+                step = await asyncio.to_thread(storage.latest_step, job)
             if step is None:
                 raise NotFound(f"job {job!r} has no committed checkpoint in {storage.location}")
         elif not await engine.committed(job, step):
-            raise NotFound(f"step {step} of job {job!r} is not committed in {storage.location}")
-        index = await engine.index(job, step)
+            remote = self._peer_steps is not None and await self._peer_steps.holder(job, step) is not None
+            if not remote and not (engine.remote is not None and await engine.remote.restore_step(job, step)):  # last: the object store
+                raise NotFound(f"step {step} of job {job!r} is not committed in {storage.location}")
+        if remote:
+            self._remote.add((job, step))
+        else:
+            self._remote.discard((job, step))
+        index = await self._index(job, step)
         coded, framed = needs_decoding(index, wanted)
         if coded and not decodes:
             raise Precondition(
@@ -121,17 +140,16 @@ class Loads:
         if memo is not None:
             return await self._lease(job, rank, step, held, index, memo.pieces, memo.missing, memo.unexpected, memo.plan_id)
         data_files = [f for f in index.files if f.name.endswith(".safetensors")]
-        where = await self._file_sources(index) if self.engine.cluster is not None else {}
+        where, tiers = await self._file_sources(index) if self.engine.cluster is not None else ({}, {})
         storage = self.engine.storage
 
         def local_path(file: str) -> str | None:
             path = storage.local_path(job, step, file) if direct_read else None
             return None if path is None else str(path)
 
-        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self._staging_path(job, step, f)))
+        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self._staging_path(job, step, f)), tiers)
         planned = plan_pieces(index, wanted, kinds, strict, held, locations)
-        for read in planned.reads:
-            await self._stage(index, read, locations[read.file])
+        await self._stage_all(index, planned.reads, locations)
         plan_id = ""
         if held is not None and planned.pieces and all(p.source == "shm" for p in planned.pieces):
             plan_id = plan_digest(planned.pieces)
@@ -176,34 +194,84 @@ class Loads:
             except asyncio.TimeoutError:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
-    async def _file_sources(self, index: CheckpointIndex) -> dict[str, int]:
-        """Several nodes: which node to read each data file of the step from (this one when it
-        has the file). Checked before any byte is served, so a load either finds one complete
-        copy on the nodes present or fails with every missing tensor and the node that wrote it.
-        Asked on every load that needs another node's files: nodes come and go between loads."""
+    async def _file_sources(self, index: CheckpointIndex) -> tuple[dict[str, int], dict[str, Tier]]:
+        """Several nodes: which node to read each data file of the step from, and the tier of
+        those read from a replica in memory (load_plan.file_sources: memory here, memory on a
+        peer, disk here, disk on a peer). Checked before any byte is served, so a load either
+        finds one complete copy on the nodes present or fails with every missing tensor and the
+        node that wrote it. The peers are asked on every load that lacks a file here (nodes
+        come and go between loads), and only then: a node with every file reads its root
+        without waiting for a peer that may be down."""
         cluster, node = self.engine.cluster, self.engine.node
         assert cluster is not None
         data_files = [f for f in index.files if f.name.endswith(".safetensors")]
+        writer = {f.name: f.node for f in data_files}
+
+        def replicas(held: Sequence[tuple[int, str, int]]) -> dict[str, int]:
+            return {name: size for source, name, size in held if writer.get(name) == source}
+
         sizes = await asyncio.to_thread(self.engine.storage.step_file_sizes, index.job, index.step)
-        local = [f.name for f in data_files if sizes.get(f.name) == f.size]
-        where = {name: node for name in local}
+        disk: dict[int, dict[str, int]] = {node: sizes}
+        here = self._replication.store.files_of(index.job, index.step) if self._replication is not None else []
+        memory: dict[int, dict[str, int]] = {node: replicas(here)}
         unreachable: dict[int, str] = {}
-        if len(local) < len(data_files):
-            for other in range(cluster.nodes):
-                if other == node:
-                    continue
-                answer = await cluster.inventory(other, index.job, index.step)
+        if any(sizes.get(f.name) != f.size for f in data_files):
+            others = [n for n in range(cluster.nodes) if n != node]
+            answers = await asyncio.gather(*(cluster.inventory(n, index.job, index.step) for n in others))
+            for other, answer in zip(others, answers):
                 if isinstance(answer, str):
                     unreachable[other] = answer
                     continue
-                _, _, sizes, _ = answer
-                for f in data_files:
-                    if f.name not in where and sizes.get(f.name) == f.size:
-                        where[f.name] = other
-        missing = [f for f in data_files if f.name not in where]
+                disk[other] = answer.sizes
+                memory[other] = replicas(answer.replicas)
+        chosen, missing = file_sources(data_files, node, disk, memory)
         if missing:
             raise Precondition(incomplete_message(index, missing, unreachable, cluster.describe))
-        return where
+        return {name: n for name, (_, n) in chosen.items()}, {name: t for name, (t, _) in chosen.items() if t in (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER)}
+
+    async def _stage_all(self, index: CheckpointIndex, reads: Sequence[StagedRead], locations: dict[str, Location]) -> None:
+        """Perform a load's staged reads: those of replicas in a peer's memory in one batch per
+        holder (merged ranges, parallel connections: Replication.fetch), the others in turn."""
+        batches: dict[int, list[StagedRead]] = {}
+        for read in reads:
+            if locations[read.file].tier is Tier.MEMORY_PEER and self._replication is not None:
+                batches.setdefault(read.node, []).append(read)
+            else:
+                await self._stage(index, read, locations[read.file])
+        waits: set[asyncio.Task[None]] = set()
+        for holder, batch in batches.items():
+            todo = []
+            for read in batch:
+                task = self._fetches.get((index.job, index.step, read.file, read.offset))
+                if task is None or (task.done() and task.exception() is not None):
+                    todo.append(read)
+                else:
+                    waits.add(task)
+            if todo:
+                task = asyncio.get_running_loop().create_task(self._fetch_replica(index, holder, todo, locations))
+                for read in todo:
+                    self._fetches[(index.job, index.step, read.file, read.offset)] = task
+                waits.add(task)
+        for task in waits:
+            await asyncio.shield(task)
+
+    async def _fetch_replica(self, index: CheckpointIndex, holder: int, reads: Sequence[StagedRead], locations: dict[str, Location]) -> None:
+        """Receive ranges of replicas that `holder` keeps in memory into their staging files."""
+        assert self._replication is not None
+        writer = {f.name: f.node for f in index.files}
+        fds: dict[str, int] = {}
+        try:
+            for read in reads:
+                if read.file not in fds:
+                    fds[read.file] = await asyncio.to_thread(os.open, locations[read.file].path, os.O_WRONLY | os.O_CREAT, 0o640)
+            by_source: dict[int, list[tuple[str, int, int, int]]] = {}
+            for read in reads:
+                by_source.setdefault(writer[read.file], []).append((read.file, read.offset, read.nbytes, fds[read.file]))
+            for source, ranges in by_source.items():
+                await self._replication.fetch(holder, index.job, index.step, source, ranges)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     async def _stage(self, index: CheckpointIndex, read: StagedRead, location: Location) -> None:
         """Copy a range of a file (this node's, or a peer's) to the same offset of its staging
@@ -212,18 +280,21 @@ class Loads:
         key = (index.job, index.step, read.file, read.offset)
         task = self._fetches.get(key)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.get_running_loop().create_task(self._fetch_into(Path(location.path), index, read))
+            task = asyncio.get_running_loop().create_task(self._fetch_into(location, index, read))
             self._fetches[key] = task
         await asyncio.shield(task)
 
     def _staging_path(self, job: str, step: int, file: str) -> Path:
         return self.engine.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
 
-    async def _fetch_into(self, staging: Path, index: CheckpointIndex, read: StagedRead) -> None:
+    async def _fetch_into(self, location: Location, index: CheckpointIndex, read: StagedRead) -> None:
         engine = self.engine
-        fd = await asyncio.to_thread(os.open, staging, os.O_WRONLY | os.O_CREAT, 0o640)
+        fd = await asyncio.to_thread(os.open, Path(location.path), os.O_WRONLY | os.O_CREAT, 0o640)
         try:
-            if read.node == engine.node:
+            if location.tier is Tier.MEMORY_LOCAL and self._replication is not None:
+                source = next(f.node for f in index.files if f.name == read.file)
+                await asyncio.to_thread(self._replication.copy_local, index.job, index.step, source, read.file, read.offset, read.nbytes, fd)
+            elif read.node == engine.node:
                 try:
                     await asyncio.to_thread(engine.storage.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
                 except (FormatError, OSError) as exc:
@@ -239,6 +310,8 @@ class Loads:
             else:
                 assert engine.cluster is not None
                 await engine.cluster.fetch(read.node, index.job, index.step, read.file, read.offset, read.nbytes, fd)
+            if location.tier is not Tier.MEMORY_LOCAL:
+                engine.metrics.load_staged_bytes.labels(location.tier.value).inc(read.nbytes)
         finally:
             os.close(fd)
 
@@ -252,12 +325,27 @@ class Loads:
             f"and see what else is damaged with `ckptd verify {storage.step_location(job, step)}`"
         )
 
+    def _from_peers(self, job: str, step: int) -> PeerSteps | None:
+        """The peers' steps when this step is loaded from them (this root lacks it), else None."""
+        return self._peer_steps if (job, step) in self._remote else None
+
+    async def _index(self, job: str, step: int) -> CheckpointIndex:
+        peers = self._from_peers(job, step)
+        return await peers.index(job, step) if peers is not None else await self.engine.index(job, step)
+
     async def _extras(self, job: str, step: int) -> dict[int, Any]:
         """Every rank's extras from the step's extra.json, its bytes checked against the index
         first (a file the index does not list is not part of the step: no extras)."""
-        record = next((f for f in (await self.engine.index(job, step)).files if f.name == EXTRA_JSON), None)
+        record = next((f for f in (await self._index(job, step)).files if f.name == EXTRA_JSON), None)
         if record is None:
             return {}
+        peers = self._from_peers(job, step)
+        if peers is not None:
+            data = await peers.small_file(job, step, record)  # checked against the record
+            try:
+                return parse_extra_json(data, record)
+            except FormatError as exc:
+                raise Precondition(f"step {step} of job {job!r}: a peer's {EXTRA_JSON}: {exc}") from None
         storage = self.engine.storage
         try:
             data = await asyncio.to_thread(storage.read_small, job, step, EXTRA_JSON)  # no link followed, no FIFO waited on

@@ -1,0 +1,149 @@
+"""Restoring a step from the bucket into the local root (blocking: runs on the tier's threads).
+
+The step is written the way the POSIX writer writes a save, through the storage backend only:
+data files as parts (`open_part`, written at their offsets from parallel ranged GETs, synced,
+published), the directory synced, the small files, the directory synced, then the index, last
+(its presence commits the step), then `latest`. Every byte is checked against the step's own
+index before it is written: each data file unit by unit (header, tensors, chunks:
+objects.file_units), each small file whole. A failure removes what was written (the step
+directory holds no index until the end, so it is never served, and start-up recovery or
+`ckptd gc` would remove it too).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+
+from ckptd.daemon.config import human_size
+from ckptd.daemon.errors import NoSpace
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
+from ckptd.daemon.remote.catalog import parse_index
+from ckptd.daemon.remote.objects import Unit, file_units, read_ranges, small_files
+from ckptd.daemon.remote.store import ObjectStore, RemoteNotFound, Stopped, gather
+from ckptd.daemon.storage import PartWriter, StorageBackend
+
+log = logging.getLogger(__name__)
+
+RANGE_BYTES = 8 << 20  # bytes per ranged GET (consecutive units grouped up to this)
+
+
+class DownloadDamaged(FormatError):
+    """What the bucket holds for a step does not match the step's index (or is missing)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    job: str
+    step: int
+    nbytes: int  # bytes downloaded
+    where: str  # the step's directory in the local root
+
+
+class StepRestorer:
+    """Downloads committed steps of the bucket into the local root (see the module docstring)."""
+
+    def __init__(self, storage: StorageBackend, store: ObjectStore, transfers: ThreadPoolExecutor, stop: threading.Event,
+                 disk_reserve: int) -> None:
+        self.storage, self.store = storage, store
+        self.location = store.location
+        self._transfers, self._stop = transfers, stop
+        self.disk_reserve = disk_reserve
+
+    def restore(self, job: str, step: int, index_bytes: bytes, progress: Callable[[int], None] = lambda n: None) -> Restored:
+        """Download step `step` of `job` (whose index object holds `index_bytes`) into the root.
+        Raises DownloadDamaged, NoSpace, a RemoteError, or FileExistsError when the root
+        committed that step meanwhile (nothing to do then)."""
+        where = self.location.url_of(job, step)
+        index = parse_index(index_bytes, job, step, f"{where}/{INDEX_NAME}")
+        try:
+            units = file_units(index)
+        except FormatError as exc:
+            raise DownloadDamaged(f"{where}: {exc}") from None
+        self._check_space(job, index)
+        self.storage.prepare_step(job, step)
+        try:
+            nbytes = self._download(job, step, index, units, progress)
+            self.storage.write_small(job, step, INDEX_NAME, index_bytes)  # the commit, last
+        except BaseException:
+            try:
+                self.storage.remove_step(job, step)
+            except OSError as exc:  # left for start-up recovery or `ckptd gc` (no index: never served)
+                log.warning("could not remove the interrupted restore of step %s of job %s: %s", step, job, exc)
+            raise
+        newest = self.storage.latest_step(job)
+        self.storage.write_latest(job, step if newest is None else newest)
+        return Restored(job, step, nbytes + len(index_bytes), self.storage.step_location(job, step))
+
+    def _check_space(self, job: str, index: CheckpointIndex) -> None:
+        free = self.storage.free_bytes(job)
+        if free is not None and free[0] - index.size_bytes < self.disk_reserve:
+            raise NoSpace(
+                f"step {index.step} of job {job!r} ({human_size(index.size_bytes)}) does not fit in {free[1]}: "
+                f"{human_size(free[0])} free, {human_size(self.disk_reserve)} to keep (--disk-reserve); free some space or lower --disk-reserve"
+            )
+
+    def _download(self, job: str, step: int, index: CheckpointIndex, units: dict[str, tuple[Unit, ...]],
+                  progress: Callable[[int], None]) -> int:
+        parts: dict[str, PartWriter] = {}
+        futures: list[Future[int]] = []
+        try:
+            for record in index.files:
+                if record.name not in units:
+                    continue
+                part = self.storage.open_part(job, step, record.name, record.size)
+                parts[record.name] = part
+                key = self.location.key(job, step, record.name)
+                for start, end, group in read_ranges(units[record.name], RANGE_BYTES):
+                    futures.append(self._transfers.submit(self._fetch_range, key, record.name, part, start, end, group, progress))
+            nbytes = sum(gather(futures))  # on an error, no range is still being written when the parts close below
+            for part in parts.values():
+                part.sync()
+                part.close()
+                part.publish()
+        except BaseException:
+            for future in futures:  # a part that could not be opened: the ranges already asked for stop first
+                future.cancel()
+            wait(futures)
+            raise
+        finally:
+            for part in parts.values():
+                part.close()
+        self.storage.sync_step(job, step)
+        for record in small_files(index, units):
+            data = self.store.get(self.location.key(job, step, record.name))
+            if data is None:
+                raise DownloadDamaged(f"{self.location.url_of(job, step)}: {record.name}, which its index lists, is missing from the bucket")
+            try:
+                check_small_file(record, data)
+            except FormatError as exc:
+                raise DownloadDamaged(f"{self.location.url_of(job, step)}: {exc}") from None
+            self.storage.write_small(job, step, record.name, data, atomic=False)
+            nbytes += len(data)
+            progress(len(data))
+        self.storage.sync_step(job, step)
+        return nbytes
+
+    def _fetch_range(self, key: str, name: str, part: PartWriter, start: int, end: int, units: tuple[Unit, ...],
+                     progress: Callable[[int], None]) -> int:
+        """GET bytes [start, end) of one file, check each unit in them, write them at their offset."""
+        if self._stop.is_set():
+            raise Stopped(f"the restore of {key} stopped: the daemon is shutting down")
+        try:
+            view = self.store.get_range(key, start, end)
+        except RemoteNotFound:
+            raise DownloadDamaged(f"{name}, which the index of {key.rsplit('/', 1)[0]} lists, is missing from the bucket") from None
+        if len(view) != end - start:
+            raise DownloadDamaged(f"{key}: asked for bytes [{start}, {end}), got {len(view)} (the object is shorter than its index says)")
+        for unit in units:
+            got = xxhash.xxh3_64_intdigest(view[unit.offset - start : unit.end - start])
+            if got != unit.xxh3:
+                raise DownloadDamaged(f"{key}: bytes [{unit.offset}, {unit.end}) do not match their checksum in the step's index: the object is damaged")
+        part.pwrite(start, view)
+        progress(len(view))
+        return len(view)

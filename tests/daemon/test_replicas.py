@@ -1,0 +1,264 @@
+"""Tier 0b without daemons: placement, the replica store (budget, newest only, nothing partial
+served), range merging and cutting, and the bulk channel's tickets and transfers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from ckptd.daemon.bulk import MAGIC, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
+from ckptd.daemon.bulk import send_status, split_evenly
+from ckptd.daemon.engine.replica_store import Damaged, Refused, ReplicaStore, open_ranges
+from ckptd.daemon.engine.replication import buddies, cut_ranges, merge_ranges
+from ckptd.daemon.errors import NotFound
+from ckptd.daemon.format import FileRecord
+from ckptd.daemon.step_build import checksum_name
+
+# ------------------------------------------------------------------ placement
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 7, 16])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_any_replicas_nodes_lost_every_part_is_still_held(nodes: int, replicas: int) -> None:
+    holders = {n: buddies(n, nodes, replicas) for n in range(nodes)}
+    assert all(n not in h and len(set(h)) == len(h) == min(replicas, nodes - 1) for n, h in holders.items())
+    for lost in itertools.combinations(range(nodes), min(replicas, nodes - 1)):
+        for node in range(nodes):  # the node itself, or a holder, survives
+            assert node not in lost or any(h not in lost for h in holders[node]), (lost, node)
+    # each node holds the same number of parts: the memory is spread evenly
+    load = [sum(n in h for h in holders.values()) for n in range(nodes)]
+    assert len(set(load)) == 1
+
+
+def test_placement_table() -> None:
+    assert buddies(0, 3, 1) == (1,)
+    assert buddies(2, 3, 1) == (0,)
+    assert buddies(1, 4, 2) == (2, 3)
+    assert buddies(0, 2, 5) == (1,)  # capped at nodes - 1
+    assert buddies(0, 1, 1) == ()  # a single node has no buddy
+    assert buddies(3, 4, 0) == ()  # off
+
+
+# ------------------------------------------------------------------ the store
+
+MiB = 2**20
+
+
+def safetensors_bytes(payload: bytes) -> tuple[bytes, str]:
+    """A tiny file laid out as the writer lays a data file out (header, then data) and its index checksum."""
+    text = b'{"__metadata__":{"format":"pt"}}'
+    text += b" " * (-(len(text) + 8) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    return header + payload, checksum_name(xxhash.xxh3_64_intdigest(header))
+
+
+def records(node: int, sizes: dict[str, int]) -> list[FileRecord]:
+    return [FileRecord(name, size, f"xxh3-64:{i:016x}", node) for i, (name, size) in enumerate(sizes.items())]
+
+
+def receive(store: ReplicaStore, receipt, contents: dict[str, bytes]) -> None:
+    """What the bulk thread does with a complete transfer."""
+    fds = store.create_parts(receipt)
+    try:
+        for record, fd in zip(receipt.files, fds):
+            os.pwrite(fd, contents[record.name], 0)
+        store.check_and_rename(receipt, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def test_an_offer_over_the_budget_is_refused_and_the_same_node_s_older_replica_is_evicted_first(shm: Path) -> None:
+    store = ReplicaStore(shm, limit=10 * MiB)
+    a = store.offer("j", 1, 5, records(1, {"f1.safetensors": 6 * MiB}))
+    assert a is not None and store.nbytes == 6 * MiB
+    with pytest.raises(Refused, match=r"node 2's part of step 5 .* does not fit in --replica-memory \(10.0 MiB"):
+        store.offer("j", 2, 5, records(2, {"f2.safetensors": 5 * MiB}))
+    with pytest.raises(Refused, match="larger than all of --replica-memory"):
+        store.offer("j", 2, 5, records(2, {"f2.safetensors": 11 * MiB}))
+    data, digest = safetensors_bytes(b"x" * 100)
+    receipt = store.offer("j", 3, 5, [FileRecord("f3.safetensors", len(data), digest, 3)])
+    assert receipt is not None
+    receive(store, receipt, {"f3.safetensors": data})
+    assert store.publish(receipt)
+    # node 1's newer part replaces its older one (being received): it fits once that one is dropped
+    b = store.offer("j", 1, 6, records(1, {"f1.safetensors": 9 * MiB}))
+    assert b is not None and a.cancelled and not store.publish(a)
+    assert store.nbytes == 9 * MiB + len(data)
+
+
+def test_another_jobs_replicas_make_room_least_recently_received_first(shm: Path) -> None:
+    store = ReplicaStore(shm, limit=10 * MiB)
+    for job, node in (("old", 1), ("new", 2), ("old", 2)):
+        data, digest = safetensors_bytes(b"z" * (3 * MiB))
+        receipt = store.offer(job, node, 1, [FileRecord("m.safetensors", len(data), digest, node)])
+        assert receipt is not None
+        receive(store, receipt, {"m.safetensors": data})
+        assert store.publish(receipt)
+    assert store.offer("new", 1, 1, records(1, {"f.safetensors": 7 * MiB // 2})) is not None  # 9 MiB held: one must go
+    assert sorted(store.held) == [("new", 2), ("old", 2)]  # the least recently received of the other job went
+    assert store.offer("new", 3, 1, records(3, {"f.safetensors": 3 * MiB})) is not None  # then the other job's last one
+    assert sorted(store.held) == [("new", 2)]
+    with pytest.raises(Refused):  # the same job's other parts are never evicted for it
+        store.offer("new", 3, 1, records(3, {"f.safetensors": 7 * MiB}))
+
+
+def test_only_the_newest_committed_step_per_node_is_held(shm: Path) -> None:
+    store = ReplicaStore(shm, limit=MiB)
+    held = {}
+    for step in (1, 2, 3):
+        data, digest = safetensors_bytes(bytes([step]) * 1000)
+        receipt = store.offer("j", 1, step, [FileRecord("m.safetensors", len(data), digest, 1)])
+        assert receipt is not None
+        receive(store, receipt, {"m.safetensors": data})
+        assert store.publish(receipt)
+        held[step] = receipt.paths["m.safetensors"]
+    assert store.files_of("j", 3) == [(1, "m.safetensors", len(data))]
+    assert store.files_of("j", 2) == []
+    with pytest.raises(NotFound, match="it holds step 3"):
+        store.replica("j", 1, 2)
+    assert not held[1].exists() and not held[2].exists() and held[3].exists()  # the older steps' memory is released
+    again = store.offer("j", 1, 3, [FileRecord("m.safetensors", len(data), digest, 1)])
+    assert again is None  # held already: nothing to send
+    store.close()
+    assert not any(shm.iterdir())
+
+
+@pytest.mark.parametrize("cut", ["nothing", "half the header", "the header only", "all but one byte", "a wrong header"])
+def test_a_partial_or_wrong_replica_is_never_served(shm: Path, cut: str) -> None:
+    store = ReplicaStore(shm, limit=MiB)
+    data, digest = safetensors_bytes(b"payload!" * 100)
+    receipt = store.offer("j", 1, 7, [FileRecord("m.safetensors", len(data), digest, 1)])
+    assert receipt is not None
+    received = {
+        "nothing": b"", "half the header": data[:20], "the header only": data[:40], "all but one byte": data[:-1],
+        "a wrong header": b"\x30" + data[1:],
+    }[cut]
+    fds = store.create_parts(receipt)
+    try:
+        os.pwrite(fds[0], received, 0)
+        if cut != "a wrong header":  # a short stream: the bulk thread stops at the peer's close, before checking
+            os.ftruncate(fds[0], len(received))
+        with pytest.raises(Damaged):
+            store.check_and_rename(receipt, fds)
+    finally:
+        os.close(fds[0])
+    store.abandon(receipt)
+    ReplicaStore.remove_receipt_files(receipt)
+    assert store.files_of("j", 7) == [] and store.nbytes == 0 and not any(shm.iterdir())
+    with pytest.raises(NotFound):
+        store.replica("j", 1, 7)
+
+
+def test_a_held_replica_is_served_by_range_and_survives_its_eviction_while_open(shm: Path) -> None:
+    store = ReplicaStore(shm, limit=MiB)
+    data, digest = safetensors_bytes(bytes(range(256)) * 8)
+    receipt = store.offer("j", 2, 1, [FileRecord("m.safetensors", len(data), digest, 2)])
+    assert receipt is not None
+    receive(store, receipt, {"m.safetensors": data})
+    store.publish(receipt)
+    opened = open_ranges(store.replica("j", 2, 1), [("m.safetensors", 40, 100), ("m.safetensors", 1000, 24)])
+    store.evict(("j", 2), "(test)")
+    try:
+        assert [os.pread(fd, n, off) for fd, off, n in opened] == [data[40:140], data[1000:1024]]
+    finally:
+        for fd in {fd for fd, _, _ in opened}:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------ ranges
+
+
+def test_ranges_merge_within_a_file_and_cut_for_parallel_connections() -> None:
+    ranges = [("b", 0, 10, 4), ("a", 100, 50, 3), ("a", 0, 100, 3), ("a", 150 + 70_000, 10, 3), ("a", 140, 5, 3)]
+    assert merge_ranges(ranges) == [("a", 0, 150, 3), ("a", 70_150, 10, 3), ("b", 0, 10, 4)]
+    assert merge_ranges([("a", 0, 10, 3), ("a", 10 + 1000, 10, 3)], gap=0) == [("a", 0, 10, 3), ("a", 1010, 10, 3)]
+    cut = cut_ranges([("a", 0, 5 * MiB + 3, 3)], 2 * MiB)
+    assert cut == [("a", 0, 2 * MiB, 3), ("a", 2 * MiB, 2 * MiB, 3), ("a", 4 * MiB, MiB + 3, 3)]
+    groups = split_evenly([5, 1, 4, 3, 3], 2)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    assert sorted(sum([5, 1, 4, 3, 3][i] for i in g) for g in groups) == [8, 8]
+
+
+# ------------------------------------------------------------------ the bulk channel
+
+
+def test_a_ticket_serves_one_connection_and_anything_else_is_closed_unanswered(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.write_bytes(os.urandom(3 * MiB + 5))
+    server = BulkServer("127.0.0.1", 0)
+    server.start()
+    try:
+        fd = os.open(source, os.O_RDONLY)
+        ticket = server.issue(lambda sock: send_file_ranges(sock, [(fd, 10, MiB), (fd, 2 * MiB, MiB + 5)]), on_expire=lambda: None)
+        out = tmp_path / "out"
+        out_fd = os.open(out, os.O_RDWR | os.O_CREAT)
+        with connect("127.0.0.1", server.port, ticket, None) as sock:
+            buffer = memoryview(bytearray(256 * 1024))
+            recv_into_file(sock, out_fd, 0, MiB, buffer)
+            recv_into_file(sock, out_fd, MiB, MiB + 5, buffer)
+        data = source.read_bytes()
+        assert out.read_bytes() == data[10 : 10 + MiB] + data[2 * MiB :]
+        os.close(out_fd)
+        os.close(fd)
+        for opening in (MAGIC + ticket, b"GET / HTTP/1.1\r\n" + bytes(20), MAGIC + bytes(32)):  # used, foreign, unknown
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+                raw.sendall(opening)
+                assert raw.recv(1) == b""  # closed without a byte
+    finally:
+        server.close()
+
+
+def test_an_unused_ticket_expires_and_runs_its_clean_up() -> None:
+    server = BulkServer("127.0.0.1", 0)
+    server.start()
+    expired = threading.Event()
+    try:
+        server.issue(lambda sock: None, on_expire=expired.set, ttl_s=0.1)
+        assert expired.wait(5.0)
+    finally:
+        server.close()
+
+
+def test_a_push_is_paced_cancellable_and_answered(tmp_path: Path) -> None:
+    server = BulkServer("127.0.0.1", 0)
+    server.start()
+    got = bytearray()
+
+    def take(sock: socket.socket) -> None:
+        while len(got) < 4 * MiB:
+            chunk = sock.recv(MiB)
+            if not chunk:
+                send_status(sock, False, "short")
+                return
+            got.extend(chunk)
+        send_status(sock, True)
+
+    try:
+        ticket = server.issue(take)
+        with connect("127.0.0.1", server.port, ticket, None) as sock:
+            pacer = Pacer(rate=40 * MiB)
+            import time
+
+            start = time.monotonic()
+            send_chunks(sock, (b"x" * pacer.slice_bytes(MiB) for _ in range(4 * MiB // pacer.slice_bytes(MiB))), pacer)
+            assert time.monotonic() - start >= 0.08  # 4 MiB at 40 MiB/s: about 0.1 s
+            assert recv_status(sock) == (True, "")
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(BulkError, match="cancelled"):
+            Pacer(0, cancel).sent(1)
+    finally:
+        server.close()

@@ -1,0 +1,258 @@
+"""Tier 0b on three daemons (loopback, node-local roots): each node's part of its newest committed
+step is held in the next node's memory; a node replaced (SIGKILL, root wiped, started empty)
+restores its slices from the buddy's memory in another layout, bit-exact, without storage.
+
+Ranks are threads of this process with their own clients (CheckpointClient per rank), holding
+row shards (LocalShard) of a few tensors; the values are a pure function of the name, so every
+layout can check what it loaded.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import time
+from fractions import Fraction
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import grpc
+
+from ckptd.client import CheckpointClient
+from ckptd.client.errors import CheckpointError
+from ckptd.client.shards import LocalShard
+from ckptd.daemon.ops import render_status, status_doc
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+from conftest import NodeSet, free_port
+from metrics_scrape import scrape
+from pki import make_pki, tls_args
+
+JOB = "rep"
+SHAPES = {"w": (96, 64), "v": (60, 33), "b": (12,)}  # rows split over the ranks of a layout
+BIG = {"big": (3 * 1024, 1024)}  # 4 MiB per node: a push at 2 MiB/s takes about 2 s
+EXTRA = {"epoch": 3, "lr": 0.25}
+
+
+def value(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn({**SHAPES, **BIG}[name], generator=g)
+
+
+def even(parts: int) -> tuple[Fraction, ...]:
+    return tuple(Fraction(i, parts) for i in range(parts + 1))
+
+
+def shard_state(
+    rank: int, bounds: tuple[Fraction, ...], dim: int, fill: Callable[[str], torch.Tensor], shapes: dict[str, tuple[int, ...]] = SHAPES
+) -> dict[str, Any]:
+    """Rank's shard of every tensor: [bounds[rank], bounds[rank + 1]) of its extent along `dim`
+    (rows 0, columns 1; 1-D tensors by rows)."""
+    model = {}
+    for name, shape in shapes.items():
+        d = dim if len(shape) > 1 else 0
+        start, end = int(shape[d] * bounds[rank]), int(shape[d] * bounds[rank + 1])
+        full = fill(name)
+        part = full.narrow(d, start, end - start).clone()
+        offsets = [0] * len(shape)
+        offsets[d] = start
+        model[name] = LocalShard(part, offsets, shape)
+    return {"model": model, "extra": dict(EXTRA)}
+
+
+def run_ranks(cluster: NodeSet, node_of_rank: list[int], action: Callable[[CheckpointClient, int, int], Any]) -> list[Any]:
+    """action(client, rank, world) on every rank at once, each rank a thread with its node's daemon."""
+    world = len(node_of_rank)
+
+    def one(rank: int) -> Any:
+        node = node_of_rank[rank]
+        with CheckpointClient(JOB, address=cluster.address(node), rank=rank, world_size=world,
+                              local_world_size=node_of_rank.count(node), on_error="raise", timeout_s=60) as ckpt:
+            return action(ckpt, rank, world)
+
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(one, range(world)))
+
+
+def save(cluster: NodeSet, node_of_rank: list[int], step: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> None:
+    """Every rank saves its share of the rows, durable when this returns."""
+    def act(ckpt: CheckpointClient, rank: int, world: int) -> None:
+        ckpt.save(step, shard_state(rank, even(world), 0, value, shapes)).wait_durable(timeout=60)
+
+    run_ranks(cluster, node_of_rank, act)
+
+
+def load_exact(
+    cluster: NodeSet, node_of_rank: list[int], bounds: tuple[Fraction, ...], dim: int, step: int | None = None, shapes: dict[str, tuple[int, ...]] = SHAPES
+) -> list[int]:
+    """Every rank loads its shard (`bounds` along `dim`); asserts each is bit-exact; returns the steps loaded."""
+    def act(ckpt: CheckpointClient, rank: int, world: int) -> int:
+        state = shard_state(rank, bounds, dim, lambda name: torch.zeros(shapes[name]), shapes)
+        state["extra"] = {"epoch": 0, "lr": 0.0}
+        targets = {name: shard.tensor for name, shard in state["model"].items()}
+        loaded = ckpt.load(state, step=step)
+        expected = shard_state(rank, bounds, dim, value, shapes)
+        for name, target in targets.items():
+            assert torch.equal(target, expected["model"][name].tensor), (rank, name)
+        assert state["extra"] == EXTRA, state["extra"]
+        return loaded
+
+    return run_ranks(cluster, node_of_rank, act)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def metric(port: int, name: str) -> float:
+    return scrape(port).get(name, 0.0)
+
+
+class Cluster:
+    """Three nodes with node-local roots and a metrics port each; `args[node]`: that node's extra flags."""
+
+    def __init__(self, make: Callable[..., NodeSet], args: dict[int, tuple[str, ...]] | None = None) -> None:
+        self.nodes = make(3, shared_root=False)
+        self.ports = [free_port() for _ in range(3)]
+        self.args = args or {}
+        for node in range(3):
+            self.start(node)
+
+    def start(self, node: int) -> None:
+        self.nodes.start(node, "--metrics-port", str(self.ports[node]), "--metrics-host", "127.0.0.1", *self.args.get(node, ()))
+
+    def replaced(self, node: int) -> None:
+        """The node's machine is replaced: its daemon killed, its root and shared memory gone, started empty."""
+        self.nodes.running[node].kill()
+        shutil.rmtree(self.nodes.root(node))
+        for path in self.nodes.nodes[node].shm_dir.iterdir():
+            path.unlink()
+        self.start(node)
+
+    def recoverable(self, step: int) -> bool:
+        return metric(self.ports[0], f'ckptd_recoverable_step{{job="{JOB}"}}') == step
+
+    def status(self, node: int) -> dict[str, Any]:
+        """`ckptd status --json` of the node's daemon, and its text as `status["text"]`."""
+        address = self.nodes.address(node)
+        with grpc.insecure_channel(address) as channel:
+            reply = pb_grpc.CheckpointStub(channel).Status(pb.StatusRequest(), timeout=10)
+        doc = status_doc(reply, address)
+        return {**doc, "text": render_status(doc, time.time())}
+
+    def replica_files(self, node: int) -> list[str]:
+        return sorted(p.name for p in self.nodes.nodes[node].shm_dir.iterdir() if "-replica-" in p.name)
+
+
+@pytest.fixture
+def cluster(node_sets: Callable[..., NodeSet]) -> Cluster:
+    return Cluster(node_sets)
+
+
+def staged(cluster: Cluster, node: int, tier: str) -> float:
+    return metric(cluster.ports[node], f'ckptd_load_staged_bytes_total{{tier="{tier}"}}')
+
+
+def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster) -> None:
+    save(cluster.nodes, [0, 1, 2], step=1)
+    save(cluster.nodes, [0, 1, 2], step=2)
+    wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
+    held = [metric(p, "ckptd_replicas") for p in cluster.ports]
+    assert held == [1, 1, 1]  # each node holds its predecessor's part, of the newest step only
+    status = cluster.status(0)
+    assert [(h["node"], h["step"]) for h in status["replicas"]["held"]] == [(2, 2)]
+    assert status["replicas"]["jobs"][0]["recoverable_step"] == 2 and "recoverable from memory: step 2" in status["text"]
+    assert "this node's part of step 2 held by nodes [1]" in status["text"]
+
+    cluster.replaced(1)
+    # node 1's two ranks split the rows of node 1's old part between them (another layout); its
+    # files exist nowhere but in node 2's memory: nothing is read from any disk for them
+    layout = (Fraction(0), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(1))
+    assert load_exact(cluster.nodes, [0, 1, 1, 2], layout, dim=0, step=None) == [2, 2, 2, 2]  # the newest step, from the peers
+    assert staged(cluster, 1, "memory-peer") > 0 and staged(cluster, 1, "disk-peer") == 0
+    assert metric(cluster.ports[2], "ckptd_replica_served_bytes_total") > 0
+    assert not list(cluster.nodes.root(1).glob(f"{JOB}/step-*"))  # nothing of the step was written to node 1's root
+
+    # columns on every node: each rank needs every node's part, from every tier there is
+    assert load_exact(cluster.nodes, [0, 0, 1, 1, 2, 2], even(6), dim=1) == [2] * 6
+    assert staged(cluster, 0, "memory-local") > 0  # node 2's part, held by node 0
+    assert staged(cluster, 1, "disk-peer") > 0  # node 0's part: its replica was on node 1, which was replaced
+    assert staged(cluster, 2, "memory-local") > 0  # node 1's part, held by node 2
+
+    # the job goes on: the replaced node saves its part again, and the next step is recoverable
+    save(cluster.nodes, [0, 1, 2], step=3)
+    wait_for(lambda: cluster.recoverable(3), what="step 3 recoverable")
+
+
+def test_a_buddy_that_is_down_leaves_the_step_durable_and_says_it_is_not_recoverable(cluster: Cluster) -> None:
+    cluster.nodes.running[2].kill()  # node 1's buddy; the job runs on nodes 0 and 1 only
+    save(cluster.nodes, [0, 1], step=1)
+    wait_for(lambda: cluster.status(0)["replicas"]["jobs"] and cluster.status(0)["replicas"]["jobs"][0]["not_recoverable"], what="the report")
+    text = cluster.status(0)["text"]
+    assert "not recoverable: step 1: node 1's part is held by no other node" in text and "node 2 (" in text, text
+    assert metric(cluster.ports[1], 'ckptd_replica_pushes_total{outcome="failed"}') == 1
+    assert not cluster.recoverable(1)
+    assert "held by no other node" in cluster.status(1)["text"]
+    assert load_exact(cluster.nodes, [0, 1], even(2), dim=0) == [1, 1]  # durable: it loads from disk
+
+
+def test_a_replica_over_the_buddys_memory_is_refused_and_never_half_held(node_sets: Callable[..., NodeSet]) -> None:
+    cluster = Cluster(node_sets, {2: ("--replica-memory", "4KiB")})
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: metric(cluster.ports[2], "ckptd_replica_refused_total") == 1, what="the refusal")
+    wait_for(lambda: "larger than all of --replica-memory" in cluster.status(0)["text"], what="node 0's report")
+    assert metric(cluster.ports[2], "ckptd_replica_bytes") == 0 and cluster.replica_files(2) == []
+    cluster.replaced(1)
+    with pytest.raises(CheckpointError) as info:  # node 1's part is nowhere: named, nothing served
+        load_exact(cluster.nodes, [0, 1, 2], even(3), dim=0, step=1)
+    assert info.value.code == "FAILED_PRECONDITION" and "not complete" in str(info.value) and "node 1 (" in str(info.value)
+
+
+@pytest.mark.parametrize("victim", ["pusher", "buddy"])
+def test_a_push_killed_mid_stream_leaves_nothing_servable(node_sets: Callable[..., NodeSet], victim: str) -> None:
+    cluster = Cluster(node_sets, {1: ("--replica-bandwidth", "2MiB")})
+    save(cluster.nodes, [0, 1, 2], step=1, shapes=BIG)
+    wait_for(lambda: 0 < metric(cluster.ports[2], "ckptd_replica_bytes") and metric(cluster.ports[2], "ckptd_replicas") == 0, what="node 1's push under way")
+    time.sleep(0.5)  # a part of it has arrived
+    if victim == "pusher":
+        cluster.nodes.running[1].kill()
+        wait_for(lambda: metric(cluster.ports[2], "ckptd_replica_bytes") == 0, what="node 2 to drop the partial replica")
+        assert cluster.replica_files(2) == []  # no partial file left, none listed
+        assert "node 1" not in str(cluster.status(2)["replicas"]["held"])
+        cluster.replaced(1)
+        with pytest.raises(CheckpointError, match="not complete"):
+            load_exact(cluster.nodes, [0, 1, 2], even(3), dim=0, step=1, shapes=BIG)
+    else:
+        cluster.nodes.running[2].kill()
+        wait_for(lambda: metric(cluster.ports[1], 'ckptd_replica_pushes_total{outcome="failed"}') == 1, what="node 1's push to fail")
+        wait_for(lambda: "node 1's part is held by no other node" in cluster.status(0)["text"], what="node 0's report")
+        cluster.start(2)  # a restarted daemon holds nothing, and the dead one's files are gone
+        assert metric(cluster.ports[2], "ckptd_replicas") == 0 and cluster.replica_files(2) == []
+    save(cluster.nodes, [0, 1, 2], step=2)  # the next save is replicated again
+    wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
+
+
+def test_replicas_travel_over_mutual_tls_when_the_peer_port_has_it(node_sets: Callable[..., NodeSet], tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki", "cluster")
+    cluster = Cluster(node_sets, {n: tuple(tls_args(pki)) for n in range(3)})
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")  # pushed over TLS
+    port = int(re.findall(r"bulk port 127\.0\.0\.1:(\d+)", cluster.nodes.running[2].log_text())[-1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:  # no TLS: nothing is served
+        plain.sendall(b"CKB1" + bytes(32))
+        try:
+            answer = plain.recv(1)
+        except ConnectionResetError:  # the failed handshake closed it with bytes unread
+            answer = b""
+        assert answer == b""
+    cluster.replaced(1)
+    assert load_exact(cluster.nodes, [0, 1, 1, 2], (Fraction(0), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(1)), dim=0) == [1] * 4
+    assert staged(cluster, 1, "memory-peer") > 0  # read over TLS
