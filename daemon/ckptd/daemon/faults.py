@@ -318,19 +318,29 @@ def _wrap_raw(raw: io.FileIO, mode: str, buffering: int, encoding: str | None, e
     return text
 
 
-def install_from_env(env: Mapping[str, str], root: Path) -> FaultInjector | None:
-    """The injector the environment asks for, installed (not armed), or None when neither
-    CKPTD_FAULT_KILL_AT nor CKPTD_FAULT_LOG is set (production: nothing is changed).
-    CKPTD_FAULT_ARM_FILE, when set, delays counting until that file exists."""
-    kill_at = env.get(KILL_AT_ENV, "").strip()
-    log_path = env.get(LOG_ENV, "").strip()
-    arm_file = env.get(ARM_FILE_ENV, "").strip()
+def fault_settings(env: Mapping[str, str], kill_at_env: str, log_env: str, arm_env: str) -> tuple[int | None, Path | None, Path | None] | None:
+    """(kill at the N-th event, the event log, the arm file) the environment asks for under the
+    given variable names, or None when neither the kill nor the log variable is set. ValueError
+    for a kill count that is not an integer."""
+    kill_at = env.get(kill_at_env, "").strip()
+    log_path = env.get(log_env, "").strip()
+    arm_file = env.get(arm_env, "").strip()
     if not kill_at and not log_path:
         return None
     try:
         n = int(kill_at) if kill_at else None
     except ValueError:
-        raise ValueError(f"{KILL_AT_ENV} must be an integer >= 1, got {kill_at!r}") from None
-    injector = FaultInjector(root, n, Path(log_path) if log_path else None, Path(arm_file) if arm_file else None)
+        raise ValueError(f"{kill_at_env} must be an integer >= 1, got {kill_at!r}") from None
+    return n, Path(log_path) if log_path else None, Path(arm_file) if arm_file else None
+
+
+def install_from_env(env: Mapping[str, str], root: Path) -> FaultInjector | None:
+    """The injector the environment asks for, installed (not armed), or None when neither
+    CKPTD_FAULT_KILL_AT nor CKPTD_FAULT_LOG is set (production: nothing is changed).
+    CKPTD_FAULT_ARM_FILE, when set, delays counting until that file exists."""
+    settings = fault_settings(env, KILL_AT_ENV, LOG_ENV, ARM_FILE_ENV)
+    if settings is None:
+        return None
+    injector = FaultInjector(root, *settings)
     injector.install()
     return injector

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import xxhash
 
@@ -103,32 +103,32 @@ def digests(arenas: ArenaSet, pieces: Sequence[Piece]) -> tuple[int, str]:
     its chunks, as the writer computes them while writing (writer._write_tensor)."""
     hasher = xxhash.xxh3_64()
     chunks = ChunkHasher(chunk_bytes_for(sum(p.nbytes for p in pieces)))
-    for piece in pieces:
-        arena = arenas.arenas[piece.rank]
-        assert arena is not None, "plan gave a fragment to a rank without an arena"
-        for begin in range(0, piece.nbytes, HASH_SLICE):
-            view = arena.view(piece.src + begin, min(HASH_SLICE, piece.nbytes - begin))
-            try:
-                hasher.update(view)
-                chunks.update(view)
-            finally:
-                view.release()
+    for view in _views(arenas, pieces):
+        hasher.update(view)
+        chunks.update(view)
     return hasher.intdigest(), chunks.hexdigests()
 
 
 def chunk_digests(arenas: ArenaSet, pieces: Sequence[Piece], chunk_bytes: int) -> str:
     """The digests of a stored tensor's chunks of `chunk_bytes` (ckptd.common.chunks), one pass."""
     chunks = ChunkHasher(chunk_bytes)
+    for view in _views(arenas, pieces):
+        chunks.update(view)
+    return chunks.hexdigests()
+
+
+def _views(arenas: ArenaSet, pieces: Sequence[Piece]) -> Iterator[memoryview]:
+    """The tensor's bytes in file order, HASH_SLICE at a time, as views of the arenas (each
+    released once the caller moves on)."""
     for piece in pieces:
         arena = arenas.arenas[piece.rank]
         assert arena is not None, "plan gave a fragment to a rank without an arena"
         for begin in range(0, piece.nbytes, HASH_SLICE):
             view = arena.view(piece.src + begin, min(HASH_SLICE, piece.nbytes - begin))
             try:
-                chunks.update(view)
+                yield view
             finally:
                 view.release()
-    return chunks.hexdigests()
 
 
 def frozen_names(tensors: Sequence[LogicalTensor]) -> dict[str, str]:

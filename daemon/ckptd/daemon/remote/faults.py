@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Mapping
 
+from ckptd.daemon.faults import fault_settings
+
 KILL_AT_ENV = "CKPTD_FAULT_S3_KILL_AT"
 LOG_ENV = "CKPTD_FAULT_S3_LOG"
 ARM_FILE_ENV = "CKPTD_FAULT_S3_ARM_FILE"
@@ -78,13 +80,5 @@ def retry_s_from_env(env: Mapping[str, str]) -> float | None:
 
 def from_env(env: Mapping[str, str]) -> RequestFaults | None:
     """The hook the environment asks for, or None (production: nothing is counted)."""
-    kill_at = env.get(KILL_AT_ENV, "").strip()
-    log_path = env.get(LOG_ENV, "").strip()
-    arm = env.get(ARM_FILE_ENV, "").strip()
-    if not kill_at and not log_path:
-        return None
-    try:
-        n = int(kill_at) if kill_at else None
-    except ValueError:
-        raise ValueError(f"{KILL_AT_ENV} must be an integer >= 1, got {kill_at!r}") from None
-    return RequestFaults(n, Path(log_path) if log_path else None, Path(arm) if arm else None)
+    settings = fault_settings(env, KILL_AT_ENV, LOG_ENV, ARM_FILE_ENV)
+    return None if settings is None else RequestFaults(*settings)
