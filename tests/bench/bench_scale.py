@@ -388,7 +388,7 @@ def run_daemons(count: int, steps: int, tmp: Path) -> DaemonRun:
     from ckptd.client import CheckpointClient
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from conftest import NodeSet  # tests/conftest.py: daemons of several nodes on loopback
+    from daemon_rig import NodeSet  # tests/daemon_rig.py: daemons of several nodes on loopback
 
     nodes = NodeSet(tmp / f"daemons-{count}", count, shared_root=True)
     try:

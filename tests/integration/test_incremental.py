@@ -19,7 +19,7 @@ from torch import nn
 from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME
 from metrics_scrape import scrape
-from conftest import free_port
+from daemon_rig import free_port
 
 
 class LoraModel(nn.Module):

@@ -29,7 +29,7 @@ from ckptd.client.shards import LocalShard
 from ckptd.daemon.ops import render_status, status_doc
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
-from conftest import NodeSet, free_port
+from daemon_rig import NodeSet, free_port
 from metrics_scrape import scrape
 from pki import make_pki, tls_args
 

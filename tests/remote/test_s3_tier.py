@@ -200,7 +200,7 @@ def test_each_node_uploads_its_own_files_and_new_nodes_restore_the_step(
     load it, bit-exact."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conftest import PEER_TOKEN, free_port
+    from daemon_rig import PEER_TOKEN, free_port
 
     env = daemon_env(module_s3_server, CKPTD_PEER_TOKEN=PEER_TOKEN)
 

@@ -1,0 +1,93 @@
+"""Real daemons for tests: a DaemonFactory of `ckptd serve` processes sharing one root, a
+NodeSet of several nodes on loopback, free ports. The fixtures in conftest.py build on these;
+test modules import them from here (`from daemon_rig import NodeSet`), not from conftest."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ckptd.demo.process import DaemonProcess, start_daemon
+
+
+class DaemonFactory:
+    """Starts `ckptd serve` processes that share one root (restarts) and stops them at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="ckptd-t-"))  # short: Unix socket paths are limited
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="ckptd-test-", dir="/dev/shm"))
+        self.started: list[DaemonProcess] = []
+
+    def start(self, *extra_args: str) -> DaemonProcess:
+        daemon = start_daemon(
+            root=self.root,
+            socket=self.sock_dir / "d.sock",
+            extra_args=["--shm-dir", str(self.shm_dir), *extra_args],
+            log_path=self.root.parent / f"daemon-{len(self.started)}.log",
+        )
+        self.started.append(daemon)
+        return daemon
+
+    def arenas(self) -> list[Path]:
+        return sorted(self.shm_dir.iterdir())
+
+    def close(self) -> None:
+        for daemon in self.started:
+            if daemon.popen.poll() is None:
+                daemon.kill()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+PEER_TOKEN = "test-peer-token-0123456789"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeSet:
+    """Daemons of several nodes on loopback: each with its own socket, shared memory and root
+    (or one root shared by all: `shared_root`), peers on free TCP ports, one peer token."""
+
+    def __init__(self, base: Path, nodes: int, shared_root: bool) -> None:
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        self.shared_root = shared_root
+        self.peers = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        self.nodes = [DaemonFactory(base / ("root" if shared_root else f"root-{n}")) for n in range(nodes)]
+        self.running: dict[int, DaemonProcess] = {}
+
+    def root(self, node: int) -> Path:
+        return self.nodes[node].root
+
+    def start(self, node: int, *extra_args: str) -> DaemonProcess:
+        import os
+
+        factory = self.nodes[node]
+        daemon = start_daemon(
+            root=factory.root,
+            socket=factory.sock_dir / "d.sock",
+            extra_args=["--shm-dir", str(factory.shm_dir), "--node-rank", str(node), "--peers", ",".join(self.peers), *extra_args],
+            env={**os.environ, "CKPTD_PEER_TOKEN": PEER_TOKEN},
+            log_path=self.base / f"node{node}-{len(factory.started)}.log",
+        )
+        factory.started.append(daemon)
+        self.running[node] = daemon
+        return daemon
+
+    def start_all(self, *extra_args: str) -> list[DaemonProcess]:
+        return [self.start(n, *extra_args) for n in range(len(self.nodes))]
+
+    def address(self, node: int) -> str:
+        return self.running[node].address
+
+    def close(self) -> None:
+        for factory in self.nodes:
+            factory.close()
