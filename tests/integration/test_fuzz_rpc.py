@@ -701,6 +701,46 @@ def test_fuzz_peer_fetch(cluster: tuple[list[str], list[Place]], peer_stubs: lis
     run()
 
 
+def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str]) -> None:
+    """Tier 0b's calls: offers, reads of replicas and holder reports with hostile names, sizes,
+    nodes and ranges are refused with a reason (never INTERNAL); a ticket is given only for a
+    replica that is held, or an offer of plain file names that fits the budget."""
+    _, places = cluster
+    place = places[0]
+
+    @FUZZ
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        metadata = data.draw(tokens())
+        node = data.draw(st.sampled_from([0, 1]))
+        job = data.draw(st.one_of(st.just("real"), jobs(place)))
+        step = data.draw(st.one_of(st.just(1), int64s()))
+        source = data.draw(st.one_of(st.sampled_from([0, 1, 2]), int32s()))
+        call = data.draw(st.sampled_from(["offer", "read", "held"]))
+        caller = _peer_caller(counts, metadata)
+        if call == "offer":
+            files = data.draw(st.lists(st.builds(ppb.FileEntry, name=hostile_names(place), size=st.one_of(st.integers(0, 4096), int64s()),
+                                                 checksum=st.one_of(st.just("xxh3-64:0000000000000000"), st.text(max_size=40))), max_size=4))
+            request = ppb.OfferReplicaRequest(job=job, step=step, node=source, files=files)
+            code, reply = caller.unary("Peer.OfferReplica", peer_stubs[node].OfferReplica, request)
+            if reply is not None and reply.accepted and not reply.held:
+                assert all("/" not in f.name and f.name not in ("", ".", "..") and 0 <= f.size for f in files), request
+                assert len(reply.ticket) == 32 and reply.port > 0
+        elif call == "read":
+            ranges = data.draw(st.lists(st.builds(ppb.ReplicaRange, file=hostile_names(place), offset=st.one_of(st.integers(0, 64), int64s()),
+                                                  nbytes=st.one_of(st.integers(0, 64), int64s())), max_size=4))
+            request = ppb.ReadReplicaRequest(job=job, step=step, node=source, ranges=ranges)
+            code, reply = caller.unary("Peer.ReadReplica", peer_stubs[node].ReadReplica, request)
+            assert reply is None or not reply.accepted or (job == "real" and step == 1), request  # nothing is held but the real step
+        else:
+            holders = data.draw(st.lists(st.one_of(st.sampled_from([0, 1, 2]), int32s()), max_size=4))
+            request = ppb.ReplicaHeldRequest(job=job, step=step, node=source, holders=holders, error=data.draw(st.text(max_size=64)))
+            code, _ = caller.unary("Peer.ReplicaHeld", peer_stubs[node].ReplicaHeld, request)
+        _check_refused(metadata, code)
+
+    run()
+
+
 # ------------------------------------------------------------------ what the fuzzer found
 
 DEEP = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser goes (was INTERNAL: RecursionError)
