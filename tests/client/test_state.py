@@ -386,6 +386,8 @@ def test_frozen_parameters_and_buffers_are_marked_and_a_tied_trained_tensor_is_n
     assert frozen["model/2.bias"] == ""
     assert frozen["model/1.running_mean"] == frozen["model/1.num_batches_tracked"] == "buffer"
     assert frozen["model/1.weight"] == "" and frozen["extra/t"] == ""
+    wrapped = {e.name: e.frozen for e in flatten_state({"model": torch.compile(model)}, rank=0).tensors}
+    assert wrapped == {n: f for n, f in frozen.items() if n.startswith("model/")}  # a wrapper's prefixed names, marked alike
     before = flat.fingerprint()
     model[2].bias.requires_grad_(False)  # freezing changes the structure the daemon plans for
     assert flatten_state({"model": model, "extra": {"t": torch.zeros(2)}}, rank=0).fingerprint() != before

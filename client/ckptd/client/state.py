@@ -282,7 +282,8 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
     others: dict[str, Any] = {}
     canonical_of: dict[str, str] = {}  # canonical FQN -> state_dict key
     canonical = _canonical_names(module)
-    frozen_of = _frozen_tensors(module) if kind == "model" else {}
+    frozen_of = _frozen_names(module) if kind == "model" else {}
+    frozen_by_name: dict[str, str] = {}
     for wrapped_fqn, value in module.state_dict().items():
         fqn = canonical(wrapped_fqn)
         if canonical_of.setdefault(fqn, wrapped_fqn) != wrapped_fqn:
@@ -303,33 +304,18 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
             first_name_of[ident] = name
         names[name] = []
         tensor_of[name] = value
+        frozen_by_name[name] = frozen_of.get(wrapped_fqn, "")
     for name, aliases in names.items():
-        tensor = tensor_of[name]
-        frozen = frozen_of.get(_memory_identity(tensor), "") if frozen_of else ""
-        entries.add(TensorEntry(name, kind, tensor, tuple(aliases), frozen=frozen))
+        entries.add(TensorEntry(name, kind, tensor_of[name], tuple(aliases), frozen=frozen_by_name[name]))
     return tree.encode(others, key, entries.adder(kind)) if others else None
 
 
-def _frozen_tensors(module: nn.Module) -> dict[tuple, str]:
-    """The memory identities of what `module` does not train: its parameters with
-    requires_grad=False ("param") and its buffers ("buffer"). A tensor tied to a trained
-    parameter is trained. Empty when every parameter trains and there are no buffers."""
-    frozen: dict[tuple, str] = {}
-    trained: set[tuple] = set()
-    for p in module.parameters():
-        ident = _memory_identity(p)
-        if ident is None:
-            continue
-        if p.requires_grad:
-            trained.add(ident)
-        else:
-            frozen.setdefault(ident, "param")
-    for b in module.buffers():
-        ident = _memory_identity(b)
-        if ident is not None:
-            frozen.setdefault(ident, "buffer")
-    for ident in trained:
-        frozen.pop(ident, None)
+def _frozen_names(module: nn.Module) -> dict[str, str]:
+    """What `module` does not train, by its own (state_dict) names: parameters with
+    requires_grad=False ("param") and buffers ("buffer"). Tied parameters are one Parameter, so
+    every name of a tied group agrees. Empty when every parameter trains and there are no buffers."""
+    frozen = {name: "buffer" for name, _ in module.named_buffers(remove_duplicate=False)}
+    frozen.update((name, "param") for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad)
     return frozen
 
 

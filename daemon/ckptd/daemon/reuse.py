@@ -34,10 +34,6 @@ class Reuse:
     record: FileRecord  # the new step's record of it (its own name, this node)
     placed: tuple[Placed, ...]
 
-    @property
-    def data_bytes(self) -> int:
-        return self.layout.nbytes
-
 
 def reusable_files(
     layouts: Sequence[FileLayout], frozen: Mapping[str, str], previous: CheckpointIndex, source: Source,
