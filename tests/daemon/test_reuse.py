@@ -164,6 +164,11 @@ def test_nothing_is_linked_without_frozen_tensors_or_a_previous_step(backend: St
     saver.save(1, tensors, None)
     assert saver.save(2, tensors, 1).linked == ()
     saver.pool.close()
+    frozen = _Saver(backend, shm_dir, _specs())
+    same = _tensors(_specs())
+    frozen.save(3, same, None)
+    assert frozen.save(4, same, None).linked == ()  # unchanged, but no previous step given: written
+    frozen.pool.close()
 
 
 def test_a_previous_file_replaced_by_a_link_or_gone_is_written_instead(tmp_path: Path, shm_dir: Path) -> None:
