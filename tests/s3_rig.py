@@ -6,7 +6,6 @@ the bucket (boto3, not the tier's own code) that checks every visible step is co
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import boto3
 import torch
@@ -23,7 +22,7 @@ from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.verify import verify_step
 from ckptd.demo.process import DaemonProcess, start_daemon
-from s3_server import S3Server, _pick_ports, _remove_grpc_sockets, _SERVICES, _start, _stop_group, running_s3_server
+from s3_server import S3Server, _pick_ports, _remove_grpc_sockets, _SERVICES, _start, _stop_group
 
 # Keep the daemons away from the developer's own AWS configuration and from instance metadata.
 ISOLATED_AWS = {"AWS_CONFIG_FILE": "/nonexistent/ckptd-test-aws-config", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/ckptd-test-aws-credentials",
@@ -247,15 +246,3 @@ class RestartableS3:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.work, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def s3_and_nodes(tmp: Path, names: Sequence[str] = ("node",)) -> Iterator[tuple[S3Server, list[Node]]]:
-    """A fresh server and nodes (roots under `tmp`), all stopped at the end."""
-    nodes = [Node(tmp / name) for name in names]
-    try:
-        with running_s3_server() as server:
-            yield server, nodes
-    finally:
-        for node in nodes:
-            node.close()

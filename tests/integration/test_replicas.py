@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import socket
+import ssl
 import time
 from fractions import Fraction
 from concurrent.futures import ThreadPoolExecutor
@@ -251,6 +252,16 @@ def test_replicas_travel_over_mutual_tls_when_the_peer_port_has_it(node_sets: Ca
         try:
             answer = plain.recv(1)
         except ConnectionResetError:  # the failed handshake closed it with bytes unread
+            answer = b""
+        assert answer == b""
+    client = ssl.create_default_context(cafile=str(pki["ca"]))  # the port speaks TLS: a handshake with the cluster's certificate completes
+    client.load_cert_chain(pki["cert"], pki["key"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, client.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        assert tls.version() is not None and tls.getpeercert()
+        tls.sendall(b"CKB1" + bytes(32))  # a ticket it never issued: closed, nothing served
+        try:
+            answer = tls.recv(1)
+        except (ConnectionResetError, ssl.SSLError):  # closed under TLS without a close_notify
             answer = b""
         assert answer == b""
     cluster.replaced(1)

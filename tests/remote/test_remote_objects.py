@@ -21,6 +21,7 @@ from ckptd.daemon.plan import TensorSpec, make_save_plan
 from ckptd.daemon.remote import objects
 from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location
 from ckptd.daemon.remote.objects import Unit, file_signature, file_units, read_ranges, small_files, uploads_of
+from ckptd.daemon.remote.store import Stopped
 from ckptd.daemon.remote.upload import VerifyingBody
 from ckptd.daemon.storage import Storage
 from ckptd.daemon.writer import PersistRequest, Progress, persist
@@ -233,5 +234,5 @@ def test_an_upload_checks_every_byte_it_reads(step: tuple[Storage, CheckpointInd
         pass
     assert "not read in order" in (skipping.problem() or "")
     stop.set()
-    with pytest.raises(Exception, match="stopped"):
+    with pytest.raises(Stopped, match="stopped"):
         read_all(good)

@@ -1,11 +1,14 @@
 """The bulk channel: replica bytes between daemons on a TCP port of their own, beside gRPC.
 
 Replicas of a node's part in a peer's memory (tier 0b, docs/architecture.md §9) move bytes by
-the gigabyte: a push after each commit, and a restore of a lost node. gRPC in Python moves at
-most about 0.8 GB/s per daemon on the test VM, whatever the message size or the number of
-streams (its per-message work runs on the event loop), which is below a cold disk read there;
-a plain socket moves the same bytes with `sendfile` and `recv_into` in a thread, with no Python
-per byte and nothing on the event loop (measured: docs/architecture.md §9).
+the gigabyte: a push after each commit, and a restore of a lost node. gRPC in Python moved at
+most about 0.9 GB/s per daemon on the test VM (by-hand measurements, docs/architecture.md §9),
+whatever the message size or the number of streams (its per-message work runs on the event
+loop), about a cold disk read there;
+a plain socket moves the same bytes in threads, nothing on the event loop: a holder serving
+ranges sends them with `sendfile`, a receiver `recv_into`s a reused buffer and `pwrite`s it to
+shared memory; a push after a commit reads its files through the storage backend in paced
+slices (one copy into Python bytes per slice) and `sendall`s them.
 
 Only bytes travel here; every decision travels on the Peer service, which is authenticated (the
 peer token) and encrypted when mutual TLS is configured. The Peer call that asks for a transfer

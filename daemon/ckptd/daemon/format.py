@@ -14,7 +14,7 @@ import functools
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import xxhash
 
@@ -110,6 +110,17 @@ def safetensors_header(
     else:
         text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
     return struct.pack("<Q", len(text)) + text, placed
+
+
+def read_header(pread: Callable[[int, int], bytes], size: int) -> bytes | None:
+    """The safetensors header of a `size`-byte file read through pread(nbytes, offset): its
+    8-byte length and JSON, as the index's file checksum covers them; None when the length is
+    not a valid one (past the file's end, or over MAX_HEADER_BYTES)."""
+    prefix = pread(8, 0)
+    length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+    if not 0 <= length <= min(size - 8, MAX_HEADER_BYTES):
+        return None
+    return prefix + pread(length, 8)
 
 
 def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tuple[int, dict[str, HeaderEntry]]:
@@ -356,6 +367,15 @@ class CheckpointIndex:
     @property
     def size_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @classmethod
+    def of_step(cls, data: bytes, job: str, step: int, where: str) -> "CheckpointIndex":
+        """An index's bytes (from a peer, a bucket) -> the index; FormatError naming `where`
+        unless it is valid and is the index of step `step` of `job`."""
+        index = cls.from_json_bytes(data, where=where)
+        if index.job != job or index.step != step:
+            raise FormatError(f"{where} is the index of job {index.job!r} step {index.step}, not of job {job!r} step {step}")
+        return index
 
     def by_name(self) -> dict[str, TensorRecord]:
         """Tensors by logical name and by every alias (built once per index; do not modify)."""

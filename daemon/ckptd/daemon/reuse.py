@@ -19,10 +19,10 @@ import xxhash
 
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.daemon.arena import ArenaSet
-from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FragmentRecord, StoredTensor, safetensors_header
+from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header
 from ckptd.daemon.plan import LogicalTensor
 from ckptd.daemon.snapshot_source import Piece, Source
-from ckptd.daemon.step_build import Placed, checksum_name
+from ckptd.daemon.step_build import Placed, checksum_digest, checksum_name
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,10 @@ def reusable_files(
         if before.chunk_xxh3:
             if chunk_digests(source.arenas, pieces, before.chunk_bytes) != before.chunk_xxh3:
                 return None
-            digest = int(before.checksum.removeprefix("xxh3-64:"), 16)
+            try:
+                digest = checksum_digest(before.checksum, f"{before.file} {before.key}")
+            except FormatError:  # a damaged previous index: the file is written
+                return None
             return Placed(t, "", offset, digest, before.chunk_xxh3)
         digest, chunks = digests(source.arenas, pieces)
         return Placed(t, "", offset, digest, chunks) if checksum_name(digest) == before.checksum else None

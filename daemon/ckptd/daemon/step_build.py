@@ -30,6 +30,7 @@ from ckptd.daemon.format import (
     CheckpointIndex,
     FileLayout,
     FileRecord,
+    FormatError,
     FragmentRecord,
     QuantRecord,
     SideRecord,
@@ -47,9 +48,23 @@ from ckptd.daemon.plan import LogicalTensor, SavePlan, StoredPart
 VERSION = "0.1.0"
 
 
+CHECKSUM_PREFIX = "xxh3-64:"
+
+
 def checksum_name(digest: int) -> str:
     """The index's name of an xxh3-64 digest."""
-    return f"xxh3-64:{digest:016x}"
+    return f"{CHECKSUM_PREFIX}{digest:016x}"
+
+
+def checksum_digest(name: str, what: str) -> int:
+    """The xxh3-64 digest an index records as `name` (checksum_name's inverse); FormatError
+    naming `what` when it is not one."""
+    if not name.startswith(CHECKSUM_PREFIX) or len(name) != len(CHECKSUM_PREFIX) + 16:
+        raise FormatError(f"{what}: checksum {name!r} is not {CHECKSUM_PREFIX}<16 hex digits>")
+    try:
+        return int(name[len(CHECKSUM_PREFIX):], 16)
+    except ValueError:
+        raise FormatError(f"{what}: checksum {name!r} is not {CHECKSUM_PREFIX}<16 hex digits>") from None
 
 
 @dataclass(frozen=True)

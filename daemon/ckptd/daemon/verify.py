@@ -16,7 +16,6 @@ can be left out with `node` (check them on that node).
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,7 +24,7 @@ import xxhash
 
 from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header, read_header
 from ckptd.daemon.step_build import checksum_name
 from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader, step_at
 
@@ -141,12 +140,10 @@ def verify_files(files: StepReader, node: int | None = None, on_bytes: Callable[
                 if digest != record.checksum:
                     problems.append(Problem("checksum", record.name, f"{record.name} does not match its checksum ({digest}, the index says {record.checksum})"))
                 continue
-            prefix = f.pread(8, 0)
-            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-            if not 0 <= length <= size - 8:
+            header = read_header(f.pread, size)
+            if header is None:
                 problems.append(Problem("header", record.name, f"{record.name} has no valid safetensors header{affected(record.name)}"))
                 continue
-            header = prefix + f.pread(length, 8)
             nbytes += len(header)
             digest = checksum_name(xxhash.xxh3_64_intdigest(header))
             if digest != record.checksum:

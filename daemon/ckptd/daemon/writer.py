@@ -384,6 +384,13 @@ def write_step_files(storage: StorageBackend, job: str, step: int, files: dict[s
     storage.write_small(job, step, INDEX_NAME, files[INDEX_NAME])
 
 
+def write_latest_newest(storage: StorageBackend, job: str, step: int) -> None:
+    """Point the job's `latest` at its newest committed step (the most recently committed, by the
+    indexes: normally `step`, the one just recorded; `step` when none is found)."""
+    newest = storage.latest_step(job)
+    storage.write_latest(job, step if newest is None else newest)
+
+
 def _write_tensor(part: PartWriter, arenas: ArenaSet, pieces: list[Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
     """Write one tensor's runs (in file order, contiguous); return the xxh3-64 of its bytes and
     the digests of its chunks (ckptd.common.chunks)."""

@@ -22,7 +22,7 @@ from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.writer import PersistRequest, write_node_files, write_step_files
+from ckptd.daemon.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -205,8 +205,7 @@ class Commit:
         storage = self.engine.storage
         write_step_files(storage, job, step, files)
         storage.unmark_prepared(job, step)
-        newest = storage.latest_step(job)  # the most recently committed, by node 0's created_at: normally `step`
-        storage.write_latest(job, step if newest is None else newest)
+        write_latest_newest(storage, job, step)  # by node 0's created_at
 
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         """Several nodes with their own roots: finish or discard the parts this node wrote before
@@ -259,9 +258,7 @@ class Commit:
         cluster = self.engine.cluster
         assert cluster is not None
         data = await cluster.fetch_bytes(0, job, step, INDEX_NAME)
-        index = CheckpointIndex.from_json_bytes(data, where=f"node 0's {INDEX_NAME}")
-        if index.job != job or index.step != step:
-            raise FormatError(f"node 0 sent the index of job {index.job!r} step {index.step} for step {step} of job {job!r}")
+        index = CheckpointIndex.of_step(data, job, step, f"node 0's {INDEX_NAME}")
         files = {}
         for record in index.files:
             if not record.name.endswith(".safetensors"):

@@ -125,14 +125,9 @@ def file_sources(
     chosen: dict[str, tuple[Tier, int]] = {}
     missing = []
     peers = sorted((set(disk) | set(memory)) - {node})
+    holders = {Tier.MEMORY_LOCAL: ([node], memory), Tier.MEMORY_PEER: (peers, memory), Tier.DISK_LOCAL: ([node], disk), Tier.DISK_PEER: (peers, disk)}
     for f in files:
-        candidates = (
-            (Tier.MEMORY_LOCAL, [node], memory),
-            (Tier.MEMORY_PEER, peers, memory),
-            (Tier.DISK_LOCAL, [node], disk),
-            (Tier.DISK_PEER, peers, disk),
-        )
-        found = next(((tier, n) for tier, nodes, held in candidates for n in nodes if held.get(n, {}).get(f.name) == f.size), None)
+        found = next(((tier, n) for tier in TIER_ORDER for n in holders[tier][0] if holders[tier][1].get(n, {}).get(f.name) == f.size), None)
         if found is None:
             missing.append(f)
         else:

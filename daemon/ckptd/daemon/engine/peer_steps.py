@@ -87,11 +87,9 @@ class PeerSteps:
         node = -1
         try:
             node, data = await self._fetch(job, step, INDEX_NAME)
-            index = CheckpointIndex.from_json_bytes(data, where=f"{self.cluster.describe(node)}'s {INDEX_NAME}")
+            index = CheckpointIndex.of_step(data, job, step, f"{self.cluster.describe(node)}'s {INDEX_NAME}")
         except (Unavailable, FormatError) as exc:
             raise Precondition(f"step {step} of job {job!r} is not in this node's root, and its index could not be read from {self.cluster.describe(node)}: {exc}") from None
-        if index.job != job or index.step != step:
-            raise Precondition(f"{self.cluster.describe(node)} sent the index of job {index.job!r} step {index.step} for step {step} of job {job!r}")
         self.engine.indexes.put((job, step), index)
         return index
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ import xxhash
 from ckptd.daemon.arena import ARENA_PREFIX
 from ckptd.daemon.config import human_size
 from ckptd.daemon.errors import NotFound
-from ckptd.daemon.format import MAX_HEADER_BYTES, FileRecord
+from ckptd.daemon.format import FileRecord, read_header
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.step_build import checksum_name
 
@@ -195,12 +194,10 @@ class ReplicaStore:
             if size != record.size:
                 raise Damaged(f"{record.name}: {size} bytes received, the index says {record.size}")
             if record.name.endswith(".safetensors"):
-                prefix = os.pread(fd, 8, 0)
-                length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-                if not 0 <= length <= MAX_HEADER_BYTES or 8 + length > size:
+                header = read_header(lambda n, offset: os.pread(fd, n, offset), size)
+                if header is None:
                     raise Damaged(f"{record.name}: no safetensors header")
-                digest = checksum_name(xxhash.xxh3_64_intdigest(prefix + os.pread(fd, length, 8)))
-                if digest != record.checksum:
+                if checksum_name(xxhash.xxh3_64_intdigest(header)) != record.checksum:
                     raise Damaged(f"{record.name}: its header does not match the index's checksum (another version of the file)")
         for record in receipt.files:
             os.rename(receipt.parts[record.name], receipt.paths[record.name])

@@ -382,9 +382,10 @@ class Replication:
         files (same offsets): merged, in up to FETCH_STREAMS connections of their own."""
         cluster = self.engine.cluster
         assert cluster is not None
-        total = sum(r[2] for r in merge_ranges(reads))
+        whole = merge_ranges(reads)
+        total = sum(r[2] for r in whole)
         streams = max(1, min(FETCH_STREAMS, os.cpu_count() or 1, total // STREAM_MIN_BYTES))  # a receiving thread per stream
-        merged = cut_ranges(merge_ranges(reads), -(-total // streams))
+        merged = cut_ranges(whole, -(-total // streams))
         groups = split_evenly([r[2] for r in merged], streams)
 
         async def stream(group: list[int]) -> None:

@@ -59,7 +59,7 @@ class BucketCatalog:
         if data is None:
             return None
         try:
-            index = parse_index(data, job, step, self.location.key(job, step, INDEX_NAME))
+            index = CheckpointIndex.of_step(data, job, step, self.location.key(job, step, INDEX_NAME))
         except FormatError as exc:
             log.warning("%s", exc)
             return None
@@ -134,11 +134,3 @@ class BucketCatalog:
                 self.store.abort_upload(key, upload_id)
                 aborted += 1
         return aborted
-
-
-def parse_index(data: bytes, job: str, step: int, where: str) -> CheckpointIndex:
-    """An index object's bytes -> the index; FormatError unless it is step `step` of `job`."""
-    index = CheckpointIndex.from_json_bytes(data, where=where)
-    if index.job != job or index.step != step:
-        raise FormatError(f"{where} is the index of job {index.job!r} step {index.step}, not of job {job!r} step {step}")
-    return index

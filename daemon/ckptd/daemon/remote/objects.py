@@ -22,9 +22,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
+from ckptd.common.chunks import ChunkCheck, chunk_count
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
+from ckptd.daemon.step_build import checksum_digest
 
-CHECKSUM_PREFIX = "xxh3-64:"
 # A stored piece larger than this is verified by its chunks, so that no unit (and no ranged GET)
 # has to hold a whole multi-GiB tensor; smaller pieces are one unit each.
 SPLIT_PIECES_ABOVE = 8 << 20
@@ -47,25 +48,17 @@ def is_data_file(name: str) -> bool:
     return name.endswith(".safetensors")
 
 
-def _digest(text: str, what: str) -> int:
-    if not text.startswith(CHECKSUM_PREFIX) or len(text) != len(CHECKSUM_PREFIX) + 16:
-        raise FormatError(f"{what}: checksum {text!r} is not {CHECKSUM_PREFIX}<16 hex digits>")
-    try:
-        return int(text[len(CHECKSUM_PREFIX):], 16)
-    except ValueError:
-        raise FormatError(f"{what}: checksum {text!r} is not {CHECKSUM_PREFIX}<16 hex digits>") from None
-
-
 def _piece_units(file: str, offset: int, nbytes: int, checksum: str, chunk_bytes: int, chunk_xxh3: str) -> list[Unit]:
     if nbytes <= SPLIT_PIECES_ABOVE or not chunk_bytes:
-        return [Unit(offset, nbytes, _digest(checksum, f"{file} at {offset}"))]
-    count = -(-nbytes // chunk_bytes)
-    if len(chunk_xxh3) != 16 * count:
-        raise FormatError(f"{file} at {offset}: {len(chunk_xxh3) // 16} chunk checksums recorded for {count} chunks")
+        return [Unit(offset, nbytes, checksum_digest(checksum, f"{file} at {offset}"))]
+    try:
+        check = ChunkCheck(nbytes, chunk_bytes, chunk_xxh3)
+    except ValueError as exc:
+        raise FormatError(f"{file} at {offset}: {exc}") from None
     units = []
-    for i in range(count):
-        start = i * chunk_bytes
-        units.append(Unit(offset + start, min(chunk_bytes, nbytes - start), int(chunk_xxh3[16 * i : 16 * i + 16], 16)))
+    for i in range(chunk_count(nbytes, chunk_bytes)):
+        begin, end = check.span(i)
+        units.append(Unit(offset + begin, end - begin, int(check.expected(i), 16)))
     return units
 
 
@@ -89,7 +82,7 @@ def file_units(index: CheckpointIndex) -> dict[str, tuple[Unit, ...]]:
         if name not in pieces:
             continue
         body = [u for key in sorted(pieces[name]) for u in pieces[name][key]]
-        header = Unit(0, body[0].offset if body else record.size, _digest(record.checksum, name))
+        header = Unit(0, body[0].offset if body else record.size, checksum_digest(record.checksum, name))
         units = (header, *body)
         cursor = 0
         for unit in units:

@@ -20,13 +20,13 @@ from typing import Callable
 
 import xxhash
 
-from ckptd.daemon.config import human_size
 from ckptd.daemon.errors import NoSpace
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
-from ckptd.daemon.remote.catalog import parse_index
 from ckptd.daemon.remote.objects import Unit, file_units, read_ranges, small_files
 from ckptd.daemon.remote.store import ObjectStore, RemoteNotFound, Stopped, gather
 from ckptd.daemon.storage import PartWriter, StorageBackend
+from ckptd.daemon.storage.space import space_problem
+from ckptd.daemon.writer import write_latest_newest, write_step_files
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StepRestorer:
         Raises DownloadDamaged, NoSpace, a RemoteError, or FileExistsError when the root
         committed that step meanwhile (nothing to do then)."""
         where = self.location.url_of(job, step)
-        index = parse_index(index_bytes, job, step, f"{where}/{INDEX_NAME}")
+        index = CheckpointIndex.of_step(index_bytes, job, step, f"{where}/{INDEX_NAME}")
         try:
             units = file_units(index)
         except FormatError as exc:
@@ -68,28 +68,27 @@ class StepRestorer:
         self._check_space(job, index)
         self.storage.prepare_step(job, step)
         try:
-            nbytes = self._download(job, step, index, units, progress)
-            self.storage.write_small(job, step, INDEX_NAME, index_bytes)  # the commit, last
+            nbytes, small = self._download(job, step, index, units, progress)
+            write_step_files(self.storage, job, step, {**small, INDEX_NAME: index_bytes})  # the small files, then the index: the commit
         except BaseException:
             try:
                 self.storage.remove_step(job, step)
             except OSError as exc:  # left for start-up recovery or `ckptd gc` (no index: never served)
                 log.warning("could not remove the interrupted restore of step %s of job %s: %s", step, job, exc)
             raise
-        newest = self.storage.latest_step(job)
-        self.storage.write_latest(job, step if newest is None else newest)
+        write_latest_newest(self.storage, job, step)
         return Restored(job, step, nbytes + len(index_bytes), self.storage.step_location(job, step))
 
     def _check_space(self, job: str, index: CheckpointIndex) -> None:
         free = self.storage.free_bytes(job)
-        if free is not None and free[0] - index.size_bytes < self.disk_reserve:
-            raise NoSpace(
-                f"step {index.step} of job {job!r} ({human_size(index.size_bytes)}) does not fit in {free[1]}: "
-                f"{human_size(free[0])} free, {human_size(self.disk_reserve)} to keep (--disk-reserve); free some space or lower --disk-reserve"
-            )
+        problem = space_problem(index.size_bytes, 0, self.disk_reserve, *free) if free is not None else None
+        if problem is not None:
+            raise NoSpace(f"step {index.step} of job {job!r} is not restored: {problem}")
 
     def _download(self, job: str, step: int, index: CheckpointIndex, units: dict[str, tuple[Unit, ...]],
-                  progress: Callable[[int], None]) -> int:
+                  progress: Callable[[int], None]) -> tuple[int, dict[str, bytes]]:
+        """Download and publish the step's data files; fetch and check its small files (written
+        by the caller with the index). Returns the bytes downloaded and the small files."""
         parts: dict[str, PartWriter] = {}
         futures: list[Future[int]] = []
         try:
@@ -114,7 +113,7 @@ class StepRestorer:
         finally:
             for part in parts.values():
                 part.close()
-        self.storage.sync_step(job, step)
+        small = {}
         for record in small_files(index, units):
             data = self.store.get(self.location.key(job, step, record.name))
             if data is None:
@@ -123,11 +122,10 @@ class StepRestorer:
                 check_small_file(record, data)
             except FormatError as exc:
                 raise DownloadDamaged(f"{self.location.url_of(job, step)}: {exc}") from None
-            self.storage.write_small(job, step, record.name, data, atomic=False)
+            small[record.name] = data
             nbytes += len(data)
             progress(len(data))
-        self.storage.sync_step(job, step)
-        return nbytes
+        return nbytes, small
 
     def _fetch_range(self, key: str, name: str, part: PartWriter, start: int, end: int, units: tuple[Unit, ...],
                      progress: Callable[[int], None]) -> int:

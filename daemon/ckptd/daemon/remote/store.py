@@ -161,14 +161,6 @@ class ObjectStore:
         when `source` is gone."""
         self._call("copy", key, lambda: self._obs.copy(self._store, source, key, overwrite=True))
 
-    def head(self, key: str) -> int | None:
-        """The object's size, or None when there is none."""
-        try:
-            meta = self._call("head", key, lambda: self._obs.head(self._store, key))
-        except RemoteNotFound:
-            return None
-        return int(meta["size"])
-
     def get(self, key: str) -> bytes | None:
         """The whole object, or None when there is none."""
         try:

@@ -307,7 +307,13 @@ class RemoteTier:
         found: dict[tuple[str, int], tuple[bool | None, float]] = {}
         for job in await self._run(storage.jobs):
             steps = await self._run(storage.commit_order, job)
-            aborted = await self._run(catalog.sweep_uploads, job, lambda step, name: self._uploads_here(job, step, name, steps))
+            try:  # a member on node 0's root sweeps nothing: node 0 uploads that root's files, and may be uploading now
+                member_of_shared = self.engine.cluster is not None and self.engine.node != 0 and await self.shares_node0_root(job)
+            except Unavailable:
+                member_of_shared = True  # not known yet: leave the sweep to a later start
+            aborted = 0
+            if not member_of_shared:
+                aborted = await self._run(catalog.sweep_uploads, job, lambda step, name: self._uploads_here(job, step, name, steps))
             if aborted:
                 log.info("aborted %s unfinished multipart upload(s) of job %s under %s", aborted, job, self.location.url)
             for step in steps:
@@ -330,7 +336,8 @@ class RemoteTier:
 
     def _uploads_here(self, job: str, step: int, name: str, committed: list[int]) -> bool:
         """(worker thread) Whether this node uploads file `name` of a step: by the step's local
-        index, or (a step not committed here) a single node's."""
+        index, or (a step not committed here) a single node's. Not called on a member whose root
+        is node 0's (_catch_up); node 0's root is shared when it holds every file of the step."""
         if self.engine.cluster is None:
             return True
         if step not in committed:
@@ -340,7 +347,9 @@ class RemoteTier:
             index, _ = self.uploader.local_index(job, step)
         except (StepGone, FormatError):
             return False
-        return any(f.name == name for f in uploads_of(index, self.engine.node, False))
+        sizes = self.engine.storage.step_file_sizes(job, step)
+        shared = self.engine.node == 0 and all(f.name in sizes for f in index.files)
+        return any(f.name == name for f in uploads_of(index, self.engine.node, shared))
 
     def _failed(self, reason: str, message: str) -> None:
         self._retrying = reason != "local"
