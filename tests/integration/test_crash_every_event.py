@@ -299,7 +299,7 @@ def crash_at_every_event(rig: Rig, victim: int, scenario: str) -> dict:
         died = wait_dead(rig.running[victim], 15.0)
         logged = read_events(log)
         if n <= count:
-            assert died, f"kill at event {n}: node {victim} did not die (it logged {len(logged)} events; the counting run {count})"
+            assert died, f"kill at event {n}: node {victim} did not die (it logged {len(logged)} events; the counting run {count}); the save: {results}"
             assert logged and logged[-1]["n"] == n, logged[-3:]
             killed.append(logged[-1])
         else:

@@ -313,6 +313,39 @@ def test_a_node_restarted_before_it_recorded_the_commit_adopts_node_0s_decision(
     assert all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
 
 
+def test_a_save_started_while_node_0_restarts_commits_once_it_is_back(node_sets) -> None:
+    """The member's ranks start a save while node 0 is down (its channel to node 0 fails and
+    waits out a reconnect backoff); node 0 comes back within the save's window and its ranks
+    join: the save commits instead of failing the member's ranks at once (CI, 2026-11-27)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all()
+    state = replicated_state(tensors=4)
+    assert all(not isinstance(r, Exception) for r in save_from_threads(cluster, [0, 0, 1, 1], 1, state, "back"))
+    cluster.running[0].stop()
+
+    def rank_saves(rank: int) -> object:
+        node = rank // 2
+        with CheckpointClient("back", address=cluster.address(node), rank=rank, world_size=4, local_world_size=2,
+                              on_error="raise", timeout_s=30) as ckpt:
+            try:
+                return ckpt.save(2, state).wait_durable(timeout=60)
+            except CheckpointError as exc:
+                return exc
+
+    with ThreadPoolExecutor(4) as pool:
+        member = [pool.submit(rank_saves, r) for r in (2, 3)]
+        time.sleep(1.5)  # the member's daemon has tried node 0 and failed by now
+        cluster.start(0)
+        coordinator = [pool.submit(rank_saves, r) for r in (0, 1)]
+        results = [f.result() for f in coordinator + member]
+    assert all(not isinstance(r, Exception) for r in results), results
+    for node in (0, 1):
+        assert (cluster.root(node) / "back" / "latest").read_text().strip() == "step-00000002"
+
+
 def test_quantized_fragments_written_by_two_nodes_load_the_same_in_any_layout(shared_cluster) -> None:
     """Adam moments sharded along their last dim over 4 ranks on 2 nodes (75 columns each: the
     cuts fall inside the O2 blocks of 128), stored as quantized fragments by both nodes; loaded

@@ -141,6 +141,16 @@ class PeerLinks:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
+    async def ready(self, node: int, within_s: float) -> bool:
+        """Wait until the channel to `node` is connected; False when it is not within `within_s`
+        seconds. A channel whose last attempt failed (the peer was restarting) fails every call
+        at once until its reconnect backoff ends: callers that must reach a peer wait here first."""
+        try:
+            await asyncio.wait_for(self._channel(node).channel_ready(), within_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
         """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
         try:
@@ -477,6 +487,9 @@ class Cluster:
         request = rpc_convert.join_request(
             job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage
         )
+        # A coordinator that is restarting joins late rather than failing this node's ranks; one
+        # that stays away past the join window fails the call below with gRPC's reason.
+        await self.links.ready(0, timeout_s)
         reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
         return rpc_convert.join_result_of(reply, world_size)
 
