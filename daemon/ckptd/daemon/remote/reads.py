@@ -141,7 +141,7 @@ class BucketReads:
             data = await self._run(self.catalog.index_bytes, job, step)
             if data is None:
                 return  # not in the bucket either: the load reports it missing
-            restored = await self._run(self.restorer.restore, job, step, data, lambda n: None)
+            restored = await self._run(self.restorer.restore, job, step, data)
         except FileExistsError:
             return  # committed here meanwhile
         except (DownloadDamaged, FormatError) as exc:

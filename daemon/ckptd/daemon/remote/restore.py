@@ -16,7 +16,6 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
@@ -55,7 +54,7 @@ class StepRestorer:
         self._transfers, self._stop = transfers, stop
         self.disk_reserve = disk_reserve
 
-    def restore(self, job: str, step: int, index_bytes: bytes, progress: Callable[[int], None] = lambda n: None) -> Restored:
+    def restore(self, job: str, step: int, index_bytes: bytes) -> Restored:
         """Download step `step` of `job` (whose index object holds `index_bytes`) into the root.
         Raises DownloadDamaged, NoSpace, a RemoteError, or FileExistsError when the root
         committed that step meanwhile (nothing to do then)."""
@@ -68,7 +67,7 @@ class StepRestorer:
         self._check_space(job, index)
         self.storage.prepare_step(job, step)
         try:
-            nbytes, small = self._download(job, step, index, units, progress)
+            nbytes, small = self._download(job, step, index, units)
             write_step_files(self.storage, job, step, {**small, INDEX_NAME: index_bytes})  # the small files, then the index: the commit
         except BaseException:
             try:
@@ -85,8 +84,7 @@ class StepRestorer:
         if problem is not None:
             raise NoSpace(f"step {index.step} of job {job!r} is not restored: {problem}")
 
-    def _download(self, job: str, step: int, index: CheckpointIndex, units: dict[str, tuple[Unit, ...]],
-                  progress: Callable[[int], None]) -> tuple[int, dict[str, bytes]]:
+    def _download(self, job: str, step: int, index: CheckpointIndex, units: dict[str, tuple[Unit, ...]]) -> tuple[int, dict[str, bytes]]:
         """Download and publish the step's data files; fetch and check its small files (written
         by the caller with the index). Returns the bytes downloaded and the small files."""
         parts: dict[str, PartWriter] = {}
@@ -99,7 +97,7 @@ class StepRestorer:
                 parts[record.name] = part
                 key = self.location.key(job, step, record.name)
                 for start, end, group in read_ranges(units[record.name], RANGE_BYTES):
-                    futures.append(self._transfers.submit(self._fetch_range, key, record.name, part, start, end, group, progress))
+                    futures.append(self._transfers.submit(self._fetch_range, key, record.name, part, start, end, group))
             nbytes = sum(gather(futures))  # on an error, no range is still being written when the parts close below
             for part in parts.values():
                 part.sync()
@@ -124,11 +122,9 @@ class StepRestorer:
                 raise DownloadDamaged(f"{self.location.url_of(job, step)}: {exc}") from None
             small[record.name] = data
             nbytes += len(data)
-            progress(len(data))
         return nbytes, small
 
-    def _fetch_range(self, key: str, name: str, part: PartWriter, start: int, end: int, units: tuple[Unit, ...],
-                     progress: Callable[[int], None]) -> int:
+    def _fetch_range(self, key: str, name: str, part: PartWriter, start: int, end: int, units: tuple[Unit, ...]) -> int:
         """GET bytes [start, end) of one file, check each unit in them, write them at their offset."""
         if self._stop.is_set():
             raise Stopped(f"the restore of {key} stopped: the daemon is shutting down")
@@ -143,5 +139,4 @@ class StepRestorer:
             if got != unit.xxh3:
                 raise DownloadDamaged(f"{key}: bytes [{unit.offset}, {unit.end}) do not match their checksum in the step's index: the object is damaged")
         part.pwrite(start, view)
-        progress(len(view))
         return len(view)

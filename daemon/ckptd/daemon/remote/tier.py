@@ -53,6 +53,12 @@ T = TypeVar("T")
 
 BACKOFF_S = (1.0, 30.0)  # a transient failure: first wait, cap (doubling)
 FIX_BACKOFF_S = (10.0, 300.0)  # refused credentials, missing bucket: retried less often while someone fixes them
+
+
+def backoff_s(failures: int, first_s: float, cap_s: float) -> float:
+    """Seconds to wait after the `failures`-th failure in a row (>= 1): `first_s`, doubling each
+    time, at most `cap_s`. (The exponent is bounded: after days of failures 2.0 ** n overflows.)"""
+    return min(cap_s, first_s * 2.0 ** min(failures - 1, 40))
 MIN_PART_BYTES = 5 << 20  # S3 refuses smaller parts (but the last)
 
 
@@ -213,7 +219,7 @@ class RemoteTier:
             except Exception as exc:
                 failures += 1
                 first, cap = BACKOFF_S if transient(exc) or not isinstance(exc, RemoteError) else FIX_BACKOFF_S
-                delay = min(cap, first * 2 ** (failures - 1), self._max_backoff_s)
+                delay = backoff_s(failures, first, min(cap, self._max_backoff_s))
                 self._failed(_reason(exc), str(exc))
                 if not isinstance(exc, (RemoteError, OSError, FormatError)):
                     log.exception("uploading step %s of job %s failed unexpectedly", step, job)
@@ -236,7 +242,7 @@ class RemoteTier:
             shared = await self._root_shared(job, step)
         self._current = (job, step)
         started = time.monotonic()
-        result: Uploaded = await self._run(self.uploader.upload, job, step, shared, lambda n: None)
+        result: Uploaded = await self._run(self.uploader.upload, job, step, shared)
         self._queue.pop((job, step), None)
         self._retrying = False
         counters = self.counters
@@ -284,19 +290,20 @@ class RemoteTier:
             raise NotReady(str(exc)) from None
 
     async def _catch_up_until_done(self) -> None:
-        delay = BACKOFF_S[0]
+        failures = 0
         while not self._stop.is_set():
             try:
                 await self._catch_up()
                 return
             except Exception as exc:
+                failures += 1
+                delay = backoff_s(failures, BACKOFF_S[0], min(BACKOFF_S[1], self._max_backoff_s))
                 self._failed(_reason(exc), f"catching up: {exc}")
                 log.warning("catching up with %s failed, retrying in %.0f s: %s", self.location.url, delay, exc)
                 try:
                     await asyncio.wait_for(self._wake_on_stop(), delay)
                 except asyncio.TimeoutError:
                     pass  # try again
-                delay = min(BACKOFF_S[1], self._max_backoff_s, delay * 2)
 
     async def _catch_up(self) -> None:
         """At start: sweep this node's unfinished multipart uploads, queue the local root's

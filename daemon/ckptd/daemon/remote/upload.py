@@ -26,7 +26,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
@@ -196,7 +195,7 @@ class StepUploader:
             if record.name in units:
                 self.copies.add(job, file_signature(record, units[record.name]), self.location.key(job, step, record.name))
 
-    def upload(self, job: str, step: int, shared_root: bool, progress: Callable[[int], None]) -> Uploaded:
+    def upload(self, job: str, step: int, shared_root: bool) -> Uploaded:
         """Upload this node's part of the step (and, on node 0, its index, last). Raises StepGone,
         LocalDamage, Stopped, NotReady or a RemoteError; safe to call again after any of them."""
         index, data = self.local_index(job, step)
@@ -228,7 +227,7 @@ class StepUploader:
         try:
             for batch in ([f for f in mine if f.name not in later], [f for f in mine if f.name in later]):
                 futures = [self._transfers.submit(self._put, job, step, record, units.get(record.name), signatures.get(record.name, ""),
-                                                  per_file, progress) for record in batch]
+                                                  per_file) for record in batch]
                 for got_sent, got_copied in gather(futures):
                     sent, copied = sent + got_sent, copied + got_copied
         except LocalDamage:  # the step never gets its index: what this node sent of it goes (no leftover)
@@ -274,8 +273,7 @@ class StepUploader:
         del self._replaced[(job, step)]
         return True
 
-    def _put(self, job: str, step: int, record: FileRecord, units: tuple[Unit, ...] | None, signature: str, streams: int,
-             progress: Callable[[int], None]) -> tuple[int, int]:
+    def _put(self, job: str, step: int, record: FileRecord, units: tuple[Unit, ...] | None, signature: str, streams: int) -> tuple[int, int]:
         """Upload one file (or copy it inside the bucket); returns (bytes sent, bytes copied).
         `units` and `signature` (objects.py): a data file's; None and "" for a small file."""
         if self._stop.is_set():
@@ -291,7 +289,6 @@ class StepUploader:
             except (FormatError, OSError) as exc:
                 raise LocalDamage(f"step {step} of job {job!r}: {exc}") from None
             self.store.put_bytes(key, payload)
-            progress(len(payload))
             return len(payload), 0
         source = self.copies.find(job, signature)
         if source is not None and source != key and record.size <= MAX_COPY_BYTES:
@@ -300,7 +297,6 @@ class StepUploader:
             except RemoteNotFound:
                 self.copies.drop_prefix(job, source)  # deleted from the bucket meanwhile: upload it
             else:
-                progress(record.size)
                 return 0, record.size
         try:
             handle = reader.open(record.name)
@@ -316,7 +312,6 @@ class StepUploader:
             self.store.delete([key])
             raise LocalDamage(f"step {step} of job {job!r} is not uploaded: {problem} (check it with `ckptd verify`)")
         self.copies.add(job, signature, key)  # the source of a copy later in this step (the adapter file) or in later steps
-        progress(record.size)
         return record.size, 0
 
     def _wait_for_files(self, job: str, step: int, index: CheckpointIndex) -> None:
