@@ -33,6 +33,7 @@ class ReplicaLinks:
         """Offer this node's part of a committed step to `node`: its answer, or why it did not answer."""
         links = self.cluster.links
         request = rpc_convert.offer_request(job, step, self.node, files)
+        await links.ready(node, CALL_TIMEOUT_S)  # a buddy restarted a moment ago still gets this step
         try:
             reply = await links.stub(node).OfferReplica(request, timeout=CALL_TIMEOUT_S, metadata=links.metadata)
         except grpc.RpcError as exc:
@@ -58,6 +59,7 @@ class ReplicaLinks:
         """Tell node 0 which nodes hold this node's part of a committed step; "" or why it did not answer."""
         links = self.cluster.links
         request = ppb.ReplicaHeldRequest(job=job, step=step, node=self.node, holders=list(holders), error=error[:2000])
+        await links.ready(0, CALL_TIMEOUT_S)  # node 0 restarting: tell it once it is back
         try:
             await links.stub(0).ReplicaHeld(request, timeout=CALL_TIMEOUT_S, metadata=links.metadata)
         except grpc.RpcError as exc:
