@@ -205,6 +205,20 @@ def test_a_buddy_that_is_down_leaves_the_step_durable_and_says_it_is_not_recover
     assert load_exact(cluster.nodes, [0, 1], even(2), dim=0) == [1, 1]  # durable: it loads from disk
 
 
+def test_a_replica_lost_after_the_load_was_planned_is_read_from_the_writers_disk(cluster: Cluster) -> None:
+    """The holder lost the replica it listed (here its files are removed from its shared memory,
+    as a newer step's push or a restart would): the load reads those slices from the disk of
+    the node that wrote them instead of failing."""
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+    for path in cluster.nodes.nodes[2].shm_dir.iterdir():  # node 2 holds node 1's part
+        if "-replica-" in path.name:
+            path.unlink()
+    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1) == [1]  # one rank on node 0 reads every node's part
+    assert staged(cluster, 0, "disk-peer") > 0  # node 1's part (node 0's own comes from node 1's memory, tiers' order)
+    assert "reading node 1's part from its disk instead" in cluster.nodes.running[0].log_text()
+
+
 def test_a_replica_over_the_buddys_memory_is_refused_and_never_half_held(node_sets: Callable[..., NodeSet]) -> None:
     cluster = Cluster(node_sets, {2: ("--replica-memory", "4KiB")})
     save(cluster.nodes, [0, 1, 2], step=1)

@@ -25,7 +25,7 @@ from ckptd.daemon.engine.load_plan import (
 from ckptd.daemon.engine.peer_steps import PeerSteps
 from ckptd.daemon.engine.replication import Replication
 from ckptd.daemon.engine.sessions import JobState
-from ckptd.daemon.errors import NotFound, Precondition
+from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
 from ckptd.daemon.plan import TensorSpec
 
@@ -268,10 +268,30 @@ class Loads:
             for read in reads:
                 by_source.setdefault(writer[read.file], []).append((read.file, read.offset, read.nbytes, fds[read.file]))
             for source, ranges in by_source.items():
-                await self._replication.fetch(holder, index.job, index.step, source, ranges)
+                try:
+                    await self._replication.fetch(holder, index.job, index.step, source, ranges)
+                except Unavailable as exc:
+                    # The holder lost the replica since the load was planned (a newer step replaced
+                    # it, its daemon restarted): the node that wrote the file still has it on disk.
+                    log.warning("step %s of job %s: %s; reading node %s's part from its disk instead", index.step, index.job, exc, source,
+                                extra={"job": index.job, "step": index.step})
+                    await self._stage_from_disk(index, source, [r for r in reads if writer[r.file] == source], locations, exc)
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    async def _stage_from_disk(
+        self, index: CheckpointIndex, source: int, reads: Sequence[StagedRead], locations: dict[str, Location], cause: Unavailable
+    ) -> None:
+        """Stage reads of `source`'s files from its root (this node's when it is `source`), into
+        the same staging files the replica read was filling."""
+        tier = Tier.DISK_LOCAL if source == self.engine.node else Tier.DISK_PEER
+        try:
+            for read in reads:
+                location = Location(tier, source, locations[read.file].path, staged=True)
+                await self._fetch_into(location, index, StagedRead(read.file, source, read.offset, read.nbytes))
+        except (Unavailable, Precondition) as exc:
+            raise Unavailable(f"{cause}; and reading node {source}'s part from its disk failed too: {exc}") from None
 
     async def _stage(self, index: CheckpointIndex, read: StagedRead, location: Location) -> None:
         """Copy a range of a file (this node's, or a peer's) to the same offset of its staging
