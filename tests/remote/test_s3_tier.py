@@ -6,6 +6,9 @@ credentials from an AWS profile. Every test has its own bucket on one server."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -259,3 +262,40 @@ def test_a_graceful_stop_does_not_wait_for_an_upload_and_the_next_start_finishes
     assert time.monotonic() - started < 15 and bucket.steps(JOB) == []
     node.start(bucket.url, env)
     assert settle(node)["uploaded_steps"] == 1 and bucket.steps(JOB) == [1] and bucket.unfinished_uploads() == []
+
+
+def ckptd_ls(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "ls", *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_ckptd_ls_lists_the_buckets_steps_without_a_daemon(module_s3_server: S3Server, bucket: Bucket, nodes: list[Node]) -> None:  # noqa: F811
+    """`ckptd ls s3://BUCKET/PREFIX [JOB]`: what a new machine sees after a full-cluster loss,
+    with the same credentials as the daemon's; a step's objects without its index are listed
+    only with --all, as uncommitted; bad input is refused with what to fix."""
+    env = daemon_env(module_s3_server)
+    nodes[0].start(bucket.url, env)
+    save(nodes[0], 1, 2)
+    settle(nodes[0])
+    nodes[0].stop()  # no daemon runs from here on
+    bucket.client.put_object(Bucket=bucket.bucket, Key=f"{bucket.prefix}/{JOB}/step-00000009/model-00001-of-00001.safetensors", Body=b"x")
+    bucket.client.put_object(Bucket=bucket.bucket, Key=f"{bucket.prefix}/other/step-00000004/{INDEX_NAME}", Body=b"{}")  # damaged: skipped
+
+    listed = ckptd_ls(env, bucket.url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert [(r["job"], r["step"], r["state"], r["latest"]) for r in rows] == [(JOB, 1, "committed", False), (JOB, 2, "committed", True)]
+    assert rows[1]["path"] == f"{bucket.url}/{JOB}/step-00000002" and rows[1]["tensors"] == 4 and rows[1]["size_bytes"] > 2 << 20
+
+    listed = ckptd_ls(env, bucket.url, JOB, "--all")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 4 and "(latest)" in lines[2] and f"{bucket.url}/{JOB}/step-00000009" in lines[3] and "uncommitted" in lines[3], lines
+
+    wrong = ckptd_ls({**env, "AWS_SECRET_ACCESS_KEY": "wrong-secret"}, bucket.url)
+    assert wrong.returncode == 2 and bucket.url in wrong.stderr and "AWS_SECRET_ACCESS_KEY" in wrong.stderr, wrong.stderr
+    missing = ckptd_ls(env, f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
+    assert missing.returncode == 2 and "bucket" in missing.stderr, missing.stderr
+    bad = ckptd_ls(env, "s3://Bad_Bucket/x")
+    assert bad.returncode == 2 and "not a valid S3 bucket name" in bad.stderr, bad.stderr
+    bad_job = ckptd_ls(env, bucket.url, "../etc")
+    assert bad_job.returncode == 2 and "../etc" in bad_job.stderr, bad_job.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import grpc
 
 from ckptd.common.paths import default_address
-from ckptd.daemon.format import INDEX_NAME, FormatError, parse_step_dir_name
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -324,55 +325,95 @@ def _print_report(report: "VerifyReport") -> None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     root = args.root
-    if root is None:  # the running daemon's root
-        address = args.address or default_address()
-        root = _call(address, "ls", lambda stub: stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)).root
-    storage = Storage(Path(root))
-    if not storage.root.is_dir():
-        _fail(f"ckptd ls: {storage.root} is not a directory", 2)
-    jobs = [args.job] if args.job else storage.jobs()
-    rows = []
-    for job in jobs:
-        try:
-            steps = storage.commit_order(job)  # the newest is the most recently committed, not the highest step
-        except ValueError as exc:
-            _fail(f"ckptd ls: {exc}", 2)
-        latest = steps[-1] if steps else None
-        for step in steps:
-            try:
-                index = storage.read_index(job, step)
-            except (OSError, FormatError) as exc:
-                print(f"ckptd ls: skipping step {step} of {job}: {exc}", file=sys.stderr)
-                continue
-            rows.append(
-                {
-                    "job": job, "step": step, "state": "committed", "latest": step == latest,
-                    "created_at": index.created_at, "size_bytes": index.size_bytes, "files": len(index.files) + 1,
-                    "tensors": len(index.tensors), "world_size": index.world_size, "nodes": int(index.writer.get("nodes", 1)),
-                    "metric": index.metric, "path": str(storage.step_dir(job, step)),
-                }
-            )
-        if args.all:
-            rows += _uncommitted_rows(storage, job)
+    if root is not None and root.startswith("s3://"):
+        where, rows = _bucket_rows(root, args.job, args.all)
+    else:
+        if root is None:  # the running daemon's root
+            address = args.address or default_address()
+            root = _call(address, "ls", lambda stub: stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)).root
+        where, rows = _root_rows(Path(root), args.job, args.all)
     rows.sort(key=lambda r: (r["job"], r["step"]))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no committed checkpoints in {storage.root}" + (f" for job {args.job}" if args.job else ""))
+        print(f"no committed checkpoints in {where}" + (f" for job {args.job}" if args.job else ""))
         return 0
     print(f"{'JOB':<20} {'STEP':>10}  {'CREATED':<19}  {'SIZE':>10}  {'FILES':>5}  {'TENSORS':>7}  {'RANKS':>5}  {'METRIC':>10}  PATH")
     for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"]))
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_at"])) if r["created_at"] is not None else "-"
+        size = human_bytes(r["size_bytes"]) if r["size_bytes"] is not None else "-"
+        files = str(r["files"]) if r["files"] is not None else "-"
         metric = f"{r['metric']:.6g}" if r["metric"] is not None else "-"
         tensors = str(r["tensors"]) if r["tensors"] is not None else "-"
         ranks = str(r["world_size"]) if r["world_size"] is not None else "-"
-        note = "  (latest)" if r["latest"] else "  (uncommitted: no index; `ckptd gc` removes it)" if r["state"] != "committed" else ""
+        note = "  (latest)" if r["latest"] else "" if r["state"] == "committed" else (
+            "  (uncommitted: no index; an upload under way or interrupted, which the daemon's tier finishes or sweeps)"
+            if r["path"].startswith("s3://") else "  (uncommitted: no index; `ckptd gc` removes it)"
+        )
         print(
-            f"{r['job']:<20} {r['step']:>10}  {created:<19}  {human_bytes(r['size_bytes']):>10}  {r['files']:>5}  {tensors:>7}  "
+            f"{r['job']:<20} {r['step']:>10}  {created:<19}  {size:>10}  {files:>5}  {tensors:>7}  "
             f"{ranks:>5}  {metric:>10}  {r['path']}{note}"
         )
     return 0
+
+
+def _committed_row(job: str, index: CheckpointIndex, latest: bool, path: str) -> dict[str, Any]:
+    return {
+        "job": job, "step": index.step, "state": "committed", "latest": latest,
+        "created_at": index.created_at, "size_bytes": index.size_bytes, "files": len(index.files) + 1,
+        "tensors": len(index.tensors), "world_size": index.world_size, "nodes": int(index.writer.get("nodes", 1)),
+        "metric": index.metric, "path": path,
+    }
+
+
+def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, list[dict[str, Any]]]:
+    """The rows of `ckptd ls ROOT`: committed steps (and with `uncommitted`, step directories
+    without an index) of `job`, else of every job."""
+    storage = Storage(root)
+    if not storage.root.is_dir():
+        _fail(f"ckptd ls: {storage.root} is not a directory", 2)
+    rows = []
+    for name in [job] if job else storage.jobs():
+        try:
+            steps = storage.commit_order(name)  # the newest is the most recently committed, not the highest step
+        except ValueError as exc:
+            _fail(f"ckptd ls: {exc}", 2)
+        for step in steps:
+            try:
+                index = storage.read_index(name, step)
+            except (OSError, FormatError) as exc:
+                print(f"ckptd ls: skipping step {step} of {name}: {exc}", file=sys.stderr)
+                continue
+            rows.append(_committed_row(name, index, step == steps[-1], str(storage.step_dir(name, step))))
+        if uncommitted:
+            rows += _uncommitted_rows(storage, name)
+    return str(storage.root), rows
+
+
+def _bucket_rows(url: str, job: str | None, uncommitted: bool) -> tuple[str, list[dict[str, Any]]]:
+    """The rows of `ckptd ls s3://BUCKET/PREFIX` (remote/listing.py): committed steps in the
+    bucket, and with `uncommitted` the steps with objects but no index (size, files and time
+    unknown without reading them)."""
+    from ckptd.daemon.remote.listing import ListingError, list_bucket  # obstore and boto3 only when asked
+
+    try:
+        location, jobs = list_bucket(url, job, os.environ)
+    except ListingError as exc:
+        _fail(f"ckptd ls: {exc}", 2)
+    rows = []
+    for steps in jobs:
+        for index in steps.committed:
+            rows.append(_committed_row(steps.job, index, index is steps.committed[-1], location.url_of(steps.job, index.step)))
+        if uncommitted:
+            rows += [
+                {
+                    "job": steps.job, "step": step, "state": "uncommitted", "latest": False, "created_at": None, "size_bytes": None,
+                    "files": None, "tensors": None, "world_size": None, "nodes": None, "metric": None, "path": location.url_of(steps.job, step),
+                }
+                for step in steps.uncommitted
+            ]
+    return location.url, rows
 
 
 def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
@@ -411,7 +452,11 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("root", nargs="?", help="the daemon's --root (default: ask the running daemon, see --address)")
+    parser.add_argument(
+        "root", nargs="?",
+        help="the daemon's --root, or an object store location s3://BUCKET/PREFIX (its --remote; credentials from the standard "
+        "AWS variables and files) (default: ask the running daemon for its root, see --address)",
+    )
     parser.add_argument("job", nargs="?", help="only this job")
     parser.add_argument("--address", help="without ROOT: the daemon to ask, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
     parser.add_argument("--all", action="store_true", help="also list uncommitted step directories (interrupted or in-flight saves)")
