@@ -219,6 +219,23 @@ def test_a_replica_lost_after_the_load_was_planned_is_read_from_the_writers_disk
     assert "reading node 1's part from its disk instead" in cluster.nodes.running[0].log_text()
 
 
+def test_a_buddy_lost_after_the_push_makes_the_step_no_longer_recoverable(cluster: Cluster) -> None:
+    """Node 0 keeps asking the holders of the recoverable step (every few seconds): a buddy that
+    dies, or restarts with an empty memory, takes the step's recoverability with it until the
+    next commit is pushed again."""
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+    cluster.nodes.running[2].kill()  # it held node 1's part
+    wait_for(lambda: cluster.recoverable(-1), what="step 1 no longer recoverable")
+    text = cluster.status(0)["text"]
+    assert "not recoverable: step 1: node 1's part is no longer held by another node (node 2 does not answer" in text, text
+    cluster.start(2)  # back, with nothing in memory: still not recoverable
+    time.sleep(6)
+    assert cluster.recoverable(-1) and "no longer held" in cluster.status(0)["text"]
+    save(cluster.nodes, [0, 1, 2], step=2)
+    wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
+
+
 def test_a_replica_over_the_buddys_memory_is_refused_and_never_half_held(node_sets: Callable[..., NodeSet]) -> None:
     cluster = Cluster(node_sets, {2: ("--replica-memory", "4KiB")})
     save(cluster.nodes, [0, 1, 2], step=1)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Awaitable, Callable, Iterator, Protocol, Sequence
 
 from ckptd.daemon.bulk import BUFFER_BYTES, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
 from ckptd.daemon.bulk import send_status, split_evenly, tls_contexts
@@ -45,6 +45,7 @@ STREAM_MIN_BYTES = 32 * 2**20  # ... each with at least this much to move
 MERGE_GAP_BYTES = 64 * 1024  # ranges of a file closer than this are fetched as one
 PUBLISH_TIMEOUT_S = 30.0
 STEPS_TRACKED = 4  # node 0: recent steps per job whose parts it tracks
+HOLDERS_CHECK_S = 5.0  # node 0: how often the holders of a recoverable step are asked whether they still keep it
 
 Range = tuple[str, int, int, int]  # (file, offset, nbytes, staging fd)
 
@@ -141,6 +142,29 @@ class Recoverability:
             self.problems[job] = f"step {step}: node {node}'s part is held by no other node ({error or 'no buddy'})"
             log.warning("step %s of job %s is not recoverable from memory: %s; it is durable on disk", step, job, self.problems[job], extra={"job": job, "step": step})
 
+    async def recheck(self, holds: Callable[[int, str, int, int], Awaitable[str]]) -> None:
+        """Ask the holders of each job's recoverable step whether they still keep the parts (a
+        buddy lost or restarted since holds nothing); a part that no holder keeps makes the step
+        not recoverable. `holds(holder, job, step, node)`: "" when `holder` keeps node's part of
+        the step, else why not."""
+        for job, step in list(self.recoverable.items()):
+            tracked = self._steps.get(job)
+            parts = tracked.get(step) if tracked is not None else None
+            if parts is None:
+                continue
+            for node in sorted(parts.needed):
+                holders = parts.holders.get(node, ())
+                answers = await asyncio.gather(*(holds(h, job, step, node) for h in holders))
+                parts.holders[node] = tuple(h for h, why in zip(holders, answers) if not why)
+                if not parts.holders[node] and self.recoverable.get(job) == step:
+                    why = "; ".join(f"node {h} {w}" for h, w in zip(holders, answers))
+                    del self.recoverable[job]
+                    self.problems[job] = f"step {step}: node {node}'s part is no longer held by another node ({why})"
+                    self.engine.metrics.recoverable_step.labels(job).set(-1)
+                    log.warning("step %s of job %s is no longer recoverable from memory: %s; it is durable on disk", step, job,
+                                self.problems[job], extra={"job": job, "step": step})
+                    break
+
 
 class Replication:
     """Tier 0b on this daemon: pushing its parts, holding and serving others', fetching for loads."""
@@ -158,6 +182,7 @@ class Replication:
         self.pushes: dict[str, PushState] = {}
         self._cancels: dict[str, threading.Event] = {}
         self.recoverability = Recoverability(engine)
+        self._watching = False  # node 0: the holders of recoverable steps are being checked
 
     def start(self) -> None:
         """Open the bulk port (several nodes with --replicas > 0)."""
@@ -284,6 +309,7 @@ class Replication:
         assert cluster is not None
         if cluster.node == 0:
             self.recoverability.report(job, step, needed, 0, holders, error)
+            self._watch_holders()
             return
         problem = await self.calls.held(job, step, holders, error)
         if problem:
@@ -298,6 +324,38 @@ class Replication:
             return
         needed = frozenset(f.node for f in index.files if f.name.endswith(".safetensors"))
         self.recoverability.report(job, step, needed, node, holders, error)
+        self._watch_holders()
+
+    def _watch_holders(self) -> None:
+        """Node 0 (on the loop): while a step is recoverable, check every HOLDERS_CHECK_S that
+        its holders still keep the parts (Recoverability.recheck)."""
+        if self._watching or not self.recoverability.recoverable:
+            return
+        self._watching = True
+
+        async def watch() -> None:
+            try:
+                while self.recoverability.recoverable:
+                    await asyncio.sleep(HOLDERS_CHECK_S)
+                    await self.recoverability.recheck(self._holds)
+            finally:
+                self._watching = False
+
+        self.engine.spawn(watch())
+
+    async def _holds(self, holder: int, job: str, step: int, node: int) -> str:
+        """"" when `holder` keeps node's part of the step in memory, else why not."""
+        if holder == self.engine.node:
+            held = any(source == node for source, _, _ in self.store.files_of(job, step))
+            return "" if held else "no longer holds it (made room for another part)"
+        cluster = self.engine.cluster
+        assert cluster is not None
+        answer = await cluster.inventory(holder, job, step)
+        if isinstance(answer, str):
+            return f"does not answer ({answer})"
+        if any(source == node for source, _, _ in answer.replicas):
+            return ""
+        return "no longer holds it (its daemon restarted, or it made room for another part)"
 
     # ---- holding other nodes' parts
 
