@@ -262,3 +262,40 @@ def test_a_push_is_paced_cancellable_and_answered(tmp_path: Path) -> None:
             Pacer(0, cancel).sent(1)
     finally:
         server.close()
+
+
+# ------------------------------------------------------------------ recoverability (node 0)
+
+
+@pytest.mark.parametrize(
+    "answers, newest, still",
+    [
+        ({1: "", 2: ""}, 7, True),  # both holders keep their parts
+        ({1: "", 2: "does not answer (x)"}, 7, False),  # node 1's part was on node 2 only
+        ({1: "", 2: "no longer holds it"}, None, False),  # no newest known: checked all the same
+        ({1: "", 2: "does not answer (x)"}, 8, True),  # step 8 committed: its pushes replace these replicas
+    ],
+)
+def test_a_part_no_holder_keeps_makes_the_step_not_recoverable(answers: dict[int, str], newest: int | None, still: bool) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from ckptd.daemon.engine.replication import Recoverability
+    from ckptd.daemon.metrics import Metrics
+
+    metrics = Metrics()
+    recoverability = Recoverability(SimpleNamespace(metrics=metrics))  # type: ignore[arg-type]
+    needed = frozenset({0, 1})
+    recoverability.report("j", 7, needed, 0, [1], "")  # node 0's part on node 1, node 1's on node 2
+    recoverability.report("j", 7, needed, 1, [2], "")
+    assert recoverability.recoverable == {"j": 7}
+
+    async def holds(holder: int, job: str, step: int, node: int) -> str:
+        return answers[holder]
+
+    asyncio.run(recoverability.recheck(holds, lambda job: newest))
+    assert (recoverability.recoverable == {"j": 7}) is still
+    gauge = metrics.registry.get_sample_value("ckptd_recoverable_step", {"job": "j"})
+    assert gauge == (7 if still else -1)
+    if not still:
+        assert recoverability.problems["j"].startswith("step 7: node 1's part is no longer held by another node (node 2 ")

@@ -142,12 +142,16 @@ class Recoverability:
             self.problems[job] = f"step {step}: node {node}'s part is held by no other node ({error or 'no buddy'})"
             log.warning("step %s of job %s is not recoverable from memory: %s; it is durable on disk", step, job, self.problems[job], extra={"job": job, "step": step})
 
-    async def recheck(self, holds: Callable[[int, str, int, int], Awaitable[str]]) -> None:
+    async def recheck(self, holds: Callable[[int, str, int, int], Awaitable[str]], newest: Callable[[str], int | None]) -> None:
         """Ask the holders of each job's recoverable step whether they still keep the parts (a
         buddy lost or restarted since holds nothing); a part that no holder keeps makes the step
         not recoverable. `holds(holder, job, step, node)`: "" when `holder` keeps node's part of
-        the step, else why not."""
+        the step, else why not. `newest(job)`: the job's newest commit here (None: unknown); once
+        a newer step is committed its pushes replace the replicas of this one, which is no loss:
+        the newer step's reports decide."""
         for job, step in list(self.recoverable.items()):
+            if newest(job) not in (None, step):
+                continue
             tracked = self._steps.get(job)
             parts = tracked.get(step) if tracked is not None else None
             if parts is None:
@@ -337,7 +341,7 @@ class Replication:
             try:
                 while self.recoverability.recoverable:
                     await asyncio.sleep(HOLDERS_CHECK_S)
-                    await self.recoverability.recheck(self._holds)
+                    await self.recoverability.recheck(self._holds, lambda job: self.pushes[job].step if job in self.pushes else None)
             finally:
                 self._watching = False
 
