@@ -406,24 +406,24 @@ def _bucket_rows(url: str, job: str | None, uncommitted: bool) -> tuple[str, lis
         for index in steps.committed:
             rows.append(_committed_row(steps.job, index, index is steps.committed[-1], location.url_of(steps.job, index.step)))
         if uncommitted:
-            rows += [
-                {
-                    "job": steps.job, "step": step, "state": "uncommitted", "latest": False, "created_at": None, "size_bytes": None,
-                    "files": None, "tensors": None, "world_size": None, "nodes": None, "metric": None, "path": location.url_of(steps.job, step),
-                }
-                for step in steps.uncommitted
-            ]
+            rows += [_uncommitted_row(steps.job, step, location.url_of(steps.job, step)) for step in steps.uncommitted]
     return location.url, rows
+
+
+def _uncommitted_row(job: str, step: int, path: str, created_at: float | None = None, size_bytes: int | None = None,
+                     files: int | None = None) -> dict[str, Any]:
+    """A step without an index, for `ls --all` (what is not known of it: None)."""
+    return {
+        "job": job, "step": step, "state": "uncommitted", "latest": False, "created_at": created_at,
+        "size_bytes": size_bytes, "files": files, "tensors": None, "world_size": None,
+        "nodes": None, "metric": None, "path": path,
+    }
 
 
 def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
     """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
     return [
-        {
-            "job": job, "step": s.step, "state": "uncommitted", "latest": False, "created_at": s.mtime,
-            "size_bytes": s.nbytes, "files": s.files, "tensors": None, "world_size": None,
-            "nodes": None, "metric": None, "path": str(s.path),
-        }
+        _uncommitted_row(job, s.step, str(s.path), s.mtime, s.nbytes, s.files)
         for s in storage.uncommitted_steps(job)  # links not followed
     ]
 

@@ -67,10 +67,12 @@ class BucketCatalog:
             self._indexes[(job, step)] = index
         return index
 
-    def committed(self, job: str, map_: Callable[..., Iterable[CheckpointIndex | None]] = map) -> list[CheckpointIndex]:
+    def committed(self, job: str, map_: Callable[..., Iterable[CheckpointIndex | None]] = map,
+                  objects: dict[int, set[str]] | None = None) -> list[CheckpointIndex]:
         """The job's committed steps in the bucket in commit order (the index's created_at, then the
-        step number), oldest first. `map_`: how to fetch the indexes not cached yet (a pool's map)."""
-        steps = sorted(step for step, names in self.objects(job).items() if INDEX_NAME in names)
+        step number), oldest first. `map_`: how to fetch the indexes not cached yet (a pool's map).
+        `objects`: the job's `objects()` when the caller has just listed them (else listed here)."""
+        steps = sorted(step for step, names in (self.objects(job) if objects is None else objects).items() if INDEX_NAME in names)
         with self._lock:
             for key in [k for k in self._indexes if k[0] == job and k[1] not in steps]:
                 del self._indexes[key]  # deleted by another daemon

@@ -43,15 +43,16 @@ def list_bucket(url: str, job: str | None, environ: Mapping[str, str]) -> tuple[
     try:
         store = open_store(location, resolve(dict(environ)), LISTING_PART_BYTES, retry_s=QUICK_RETRY_TIMEOUT_S)
         catalog = BucketCatalog(store)
+        by_job: dict[str, dict[int, set[str]]] = {}  # job -> step -> file names: one listing in all
         if job is None:
-            keys = store.list_objects(location.root_prefix)
-            jobs = sorted({parsed[0] for parsed in map(location.parse_key, keys) if parsed is not None})
+            for parsed in map(location.parse_key, store.list_objects(location.root_prefix)):
+                if parsed is not None:
+                    by_job.setdefault(parsed[0], {}).setdefault(parsed[1], set()).add(parsed[2])
         else:
-            jobs = [job]
+            by_job[job] = catalog.objects(job)
         out = []
-        for name in jobs:
-            objects = catalog.objects(name)
-            committed = tuple(catalog.committed(name))
+        for name, objects in sorted(by_job.items()):
+            committed = tuple(catalog.committed(name, objects=objects))
             uncommitted = tuple(sorted(step for step, files in objects.items() if INDEX_NAME not in files))
             out.append(BucketSteps(name, committed, uncommitted))
     except ValueError as exc:  # a job id that is not one (location.job_prefix)

@@ -53,13 +53,13 @@ T = TypeVar("T")
 
 BACKOFF_S = (1.0, 30.0)  # a transient failure: first wait, cap (doubling)
 FIX_BACKOFF_S = (10.0, 300.0)  # refused credentials, missing bucket: retried less often while someone fixes them
+MIN_PART_BYTES = 5 << 20  # S3 refuses smaller parts (but the last)
 
 
 def backoff_s(failures: int, first_s: float, cap_s: float) -> float:
     """Seconds to wait after the `failures`-th failure in a row (>= 1): `first_s`, doubling each
     time, at most `cap_s`. (The exponent is bounded: after days of failures 2.0 ** n overflows.)"""
     return min(cap_s, first_s * 2.0 ** min(failures - 1, 40))
-MIN_PART_BYTES = 5 << 20  # S3 refuses smaller parts (but the last)
 
 
 class RemoteStartError(RuntimeError):
