@@ -137,3 +137,27 @@ def test_a_new_world_size_while_the_old_worlds_save_is_open_only_fails_that_save
     finally:
         waiting.join(timeout=30)
         old_world.close()
+
+
+@pytest.mark.slow
+def test_a_restarted_daemon_is_reached_again_within_a_second(daemons: Any) -> None:
+    """Found by the chaos suite (issue 30): a rank whose daemon was down for a while kept
+    failing its saves with "connection refused" for seconds after the daemon was back (gRPC's
+    default reconnect backoff grows to two minutes). The client's channel retries within a second."""
+    model, _ = _training()
+    daemon = daemons.start()
+    address = daemon.address
+    daemon.kill()
+    with CheckpointClient("back", address=address, rank=0, world_size=1, on_error="warn", timeout_s=5) as ckpt:
+        down_since = time.monotonic()
+        step = 1
+        while time.monotonic() - down_since < 20:  # each failed call while it is down grows gRPC's backoff
+            assert not ckpt.save(step, {"model": model}).ok
+            step += 1
+            time.sleep(0.05)
+        daemons.start()
+        back = time.monotonic()
+        while not ckpt.save(step, {"model": model}).ok:
+            assert time.monotonic() - back < 2, "the client did not reach the restarted daemon within 2 s"
+            step += 1
+            time.sleep(0.05)

@@ -22,3 +22,12 @@ MESSAGE_SIZE_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+
+# Every channel of ckptd (a rank to its daemon, a daemon to its peers): a restarted daemon is
+# reachable again within a second, not after gRPC's default reconnect backoff of up to two
+# minutes, during which every call fails at once ("connection refused") although it is back.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)

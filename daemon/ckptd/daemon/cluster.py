@@ -49,7 +49,7 @@ from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
 from ckptd.daemon.rpc_errors import coordinator_error
 from ckptd.daemon.storage import StorageBackend
 # the manifest's wire conversions live in rpc_convert; re-exported for tests/daemon/test_cluster.py
-from ckptd.wire import MESSAGE_SIZE_OPTIONS
+from ckptd.wire import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
@@ -119,14 +119,7 @@ class PeerLinks:
     def _channel(self, node: int) -> grpc.aio.Channel:
         channel = self._channels.get(node)
         if channel is None:
-            options = [
-                *MESSAGE_SIZE_OPTIONS,
-                # a restarted peer is reachable again within a second, not after gRPC's
-                # default backoff of up to two minutes
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ]
+            options = [*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS]
             if self.tls is None:
                 channel = grpc.aio.insecure_channel(self.peers[node], options=options)
             else:
