@@ -14,11 +14,9 @@ def human_bytes(nbytes: float) -> str:
     negative values keep their sign (a difference of sizes)."""
     if abs(nbytes) < 1024:
         return f"{int(nbytes)} B"
-    value = float(nbytes)
-    unit = _UNITS[0]
-    for unit in _UNITS:
+    value = float(nbytes) / 1024
+    power = 0
+    while abs(value) >= 1023.95 and power < len(_UNITS) - 1:  # 1023.95 shows as 1024.0: the next unit
         value /= 1024
-        if abs(value) < 1023.95:  # shown as below 1024 with one decimal
-            break
-    text = f"{value:.1f}".removesuffix(".0")
-    return f"{text} {unit}"
+        power += 1
+    return f"{value:.1f}".removesuffix(".0") + f" {_UNITS[power]}"

@@ -15,7 +15,7 @@ from ckptd.common.quant_options import QuantError, check_master_mode, check_sche
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES, FileRecord
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.plan import TensorSpec, spec_digest
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 MAX_WORLD_SIZE = 1 << 20
@@ -86,6 +86,16 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
             raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
         specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen))
     return specs
+
+
+def check_digest(node: int, rank: int, digest: str, specs: Sequence[TensorSpec]) -> None:
+    """A joining node's rank metadata is what its digest (plan.spec_digest) says: node 0 keeps
+    the job's metadata and plans under it."""
+    if spec_digest(specs) != digest:
+        raise errors.InvalidRequest(
+            f"node {node} sent metadata of rank {rank} that does not match its digest {digest[:16]!r}; "
+            "every node must run the same ckptd version"
+        )
 
 
 def check_node(node: int, nodes: int) -> int:

@@ -5,7 +5,9 @@ port for the others), an in-process one with a single node (`SingleNode`): one p
 
 A save across nodes (docs/architecture.md §12):
 1. Each node's daemon gathers its local ranks (BeginSave), then joins the save at the
-   coordinator (node 0) with its ranks' fingerprints, and their tensor metadata the first time.
+   coordinator (node 0) with the digests of its ranks' tensor metadata (plan.spec_digest,
+   derived by the daemon; node 0 checks each against the metadata it comes with), and that
+   metadata the first time.
    The coordinator answers every node once all ranks of the job have joined, with the plan's
    input: every rank's metadata (unless the node already planned from the same input) and the
    node of each rank, and the save's compression, decided once for all nodes. Every node
@@ -31,6 +33,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -43,7 +46,7 @@ from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, st
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
-from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
 from ckptd.daemon.rpc_errors import coordinator_error
@@ -62,12 +65,54 @@ INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as a
 RECENT_SAVES = 16
 
 
+PLANS_KEPT = 8  # plans the coordinator keeps per job, the ones used last
+
+
 def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
-    """What a plan depends on: every rank's metadata fingerprint and node, in rank order."""
+    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, in rank order."""
     h = hashlib.sha256()
     for rank in sorted(fingerprints):
         h.update(f"{rank}|{fingerprints[rank]}|{node_of_rank[rank]}\n".encode())
     return h.hexdigest()
+
+
+@dataclass
+class _JobCache:
+    """What the coordinator keeps of one job between its saves, for that job only: each rank's
+    metadata under its digest (plan.spec_digest, derived by the rank's daemon from what the rank
+    sent and checked by node 0 when it comes over the Peer service) and the plans made from it
+    under their plan_key. Nothing in it is keyed by a name a client chose, so a job can only
+    ever be planned from the metadata its own ranks sent."""
+
+    world_size: int
+    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
+    plans: OrderedDict[str, SavePlan] = field(default_factory=OrderedDict)  # plan key -> plan, least recently used first
+
+    def describe(self, rank: int, digest: str, specs: tuple[TensorSpec, ...]) -> None:
+        """Keep rank's metadata; other metadata under a digest already known (a caller that did
+        not derive it) replaces it, and no plan made before is used again."""
+        known = self.specs.get((rank, digest))
+        if known is not None and known != specs:
+            log.warning("rank %s sent other tensor metadata under digest %s than before; the job's cached plans are dropped", rank, digest[:16])
+            self.plans.clear()
+        self.specs[(rank, digest)] = specs
+
+    def plan(self, key: str) -> SavePlan | None:
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+        return plan
+
+    def keep(self, key: str, plan: SavePlan) -> None:
+        self.plans[key] = plan
+        self.plans.move_to_end(key)
+        while len(self.plans) > PLANS_KEPT:
+            self.plans.popitem(last=False)
+
+    def forget(self, key: str, plan: SavePlan) -> None:
+        """Drop `plan` (not a newer one under the same key)."""
+        if self.plans.get(key) is plan:
+            del self.plans[key]
 
 
 @dataclass
@@ -79,12 +124,15 @@ class _GlobalSave:
     timeout_s: float
     metric: float | None
     created: float = field(default_factory=time.monotonic)
-    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
+    cache: _JobCache | None = None  # the job's cache when the save began
+    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> digest of its metadata
+    rank_specs: dict[int, tuple[TensorSpec, ...]] = field(default_factory=dict)  # rank -> its metadata, taken when it joined
     node_of_rank: dict[int, int] = field(default_factory=dict)
     root_ids: dict[int, str] = field(default_factory=dict)  # node -> root id
     planned: asyncio.Event = field(default_factory=asyncio.Event)
     plan: SavePlan | None = None
     key: str = ""
+    fresh_plan: bool = False  # the plan was made for this save (not taken from the job's cache)
     error: str = ""
     refused: bool = False  # the metadata itself is bad (INVALID_ARGUMENT)
     manifests: dict[int, NodeManifest] = field(default_factory=dict)
@@ -181,8 +229,7 @@ class Coordinator:
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
-        self._specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = {}
-        self._plans: dict[str, SavePlan] = {}
+        self._jobs: dict[str, _JobCache] = {}
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -203,19 +250,25 @@ class Coordinator:
     ) -> JoinResult:
         """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
 
-        options: the compression its ranks ask for (every node must ask for the same); lineage:
+        fingerprints: each of the node's ranks' metadata digest (plan.spec_digest); specs: the
+        metadata of the ranks whose digest this job's cache may lack (UnknownFingerprint when
+        it does). options: the compression its ranks ask for (every node must ask for the same); lineage:
         the quantization generation of what they last loaded. The coordinator decides the
         save's compression from these when it plans the save (JoinResult.compression)."""
-        for rank, fingerprint in fingerprints.items():
+        cache = self._job_cache(job, world_size)
+        rank_specs = {}
+        for rank, digest in fingerprints.items():
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
             if rank in specs:
-                self._specs[(rank, fingerprint)] = specs[rank]
-            elif (rank, fingerprint) not in self._specs:
+                cache.describe(rank, digest, specs[rank])
+            known = cache.specs.get((rank, digest))
+            if known is None:
                 raise UnknownFingerprint()
+            rank_specs[rank] = known
         save = self._saves.get((job, step))
         if save is None or save.decided.is_set():
-            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric)
+            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
@@ -236,8 +289,9 @@ class Coordinator:
         save.options = options
         save.lineage = max(save.lineage, lineage)
         save.root_ids[node] = node_root_id
-        for rank, fingerprint in fingerprints.items():
-            save.fingerprints[rank] = fingerprint
+        for rank, digest in fingerprints.items():
+            save.fingerprints[rank] = digest
+            save.rank_specs[rank] = rank_specs[rank]
             save.node_of_rank[rank] = node
         if len(save.fingerprints) == world_size:
             self._spawn(self._plan(save))
@@ -257,21 +311,31 @@ class Coordinator:
             fingerprints=save.rank_fingerprints,
         )
 
+    def _job_cache(self, job: str, world_size: int) -> _JobCache:
+        """The job's cache; a new one when the job's world size changed (an elastic restart:
+        its ranks' metadata and plans are of another layout)."""
+        cache = self._jobs.get(job)
+        if cache is None or cache.world_size != world_size:
+            cache = self._jobs[job] = _JobCache(world_size)
+        return cache
+
     def _shared(self, save: _GlobalSave) -> bool:
         """Whether several nodes write the save into one storage root (equal root ids)."""
         return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
 
     async def _plan(self, save: _GlobalSave) -> None:
         try:
+            assert save.cache is not None
             save.key = plan_key(save.fingerprints, save.node_of_rank)
-            save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
+            save.all_specs = tuple(save.rank_specs[r] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
             save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
-            plan = self._plans.get(save.key)
+            plan = save.cache.plan(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
-                self._plans[save.key] = plan
+                save.fresh_plan = True
+                save.cache.keep(save.key, plan)
             save.plan = plan
             save.compression = self.decide(save.options, save.lineage)
             if save.nodes - {0}:
@@ -377,6 +441,8 @@ class Coordinator:
         save.error = save.error or reason
         save.outcome = Outcome(False, reason)
         save.decided.set()
+        if save.fresh_plan and save.cache is not None and save.plan is not None:
+            save.cache.forget(save.key, save.plan)  # a plan is kept once a save made with it got past its refusals
         log.warning("save of step %s of job %s aborted on every node: %s", save.step, save.job, reason)
         try:
             await asyncio.to_thread(self.storage.remove_step, save.job, save.step)
@@ -424,6 +490,24 @@ def _check_file(present: dict[str, int], record: FileRecord, node: int) -> None:
         raise IncompleteStep(f"{record.name}, written by node {node}, is not in the shared root")
     if size != record.size:
         raise IncompleteStep(f"{record.name}, written by node {node}, has {size} bytes, its manifest says {record.size}")
+
+
+def check_plan_input(result: JoinResult, coordinator: str) -> None:
+    """Raise Aborted unless the coordinator's metadata is what its digests say and its plan key
+    is the one of those digests: this node caches the plan it makes from them under that key
+    (in the job's JobState.plans), so the key must be derived from the metadata, not taken on trust."""
+    if result.specs is None:
+        return
+    if len(result.fingerprints) != len(result.specs) or not all(result.fingerprints):
+        raise Aborted(f"the coordinator {coordinator} sent the ranks' metadata without their digests; every node must run the same ckptd version")
+    matches: dict[str, bool] = {}
+    for rank, (digest, specs) in enumerate(zip(result.fingerprints, result.specs)):
+        if digest not in matches:  # data-parallel replicas share one digest: hashed once
+            matches[digest] = spec_digest(specs) == digest
+        if not matches[digest]:
+            raise Aborted(f"the coordinator {coordinator} sent metadata of rank {rank} that does not match its digest; every node must run the same ckptd version")
+    if plan_key(dict(enumerate(result.fingerprints)), dict(enumerate(result.node_of_rank))) != result.plan_key:
+        raise Aborted(f"the coordinator {coordinator} sent plan key {result.plan_key[:16]}, which is not the key of the ranks' digests")
 
 
 def _short(values: Sequence[int], limit: int = 16) -> str:
@@ -491,7 +575,9 @@ class Cluster:
         # that stays away past the join window fails the call below with gRPC's reason.
         await self.links.ready(0, timeout_s)
         reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
-        return rpc_convert.join_result_of(reply, world_size)
+        result = rpc_convert.join_result_of(reply, world_size)
+        check_plan_input(result, self.describe(0))
+        return result
 
     async def report(
         self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
