@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.cluster import Coordinator, PeerLinks, check_plan_input, plan_key
+from ckptd.daemon.cluster import Coordinator, PeerLinks
+from ckptd.daemon.plan_input import check_plan_input, plan_key
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format import FileRecord, FragmentRecord
@@ -268,7 +269,7 @@ def _answer(specs: tuple[tuple[TensorSpec, ...], ...], nodes: tuple[int, ...]) -
 
 def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> None:
     """A member node caches the plan it makes from node 0's answer under the answer's key: the
-    key and the digests must be those of the metadata (cluster.check_plan_input)."""
+    key and the digests must be those of the metadata (plan_input.check_plan_input)."""
     good = _answer((spec(HALVES[0]), spec(HALVES[1])), (0, 1))
     check_plan_input(good, "node 0")
     check_plan_input(replace(good, specs=None, fingerprints=()), "node 0")  # a known plan: nothing to check

@@ -27,13 +27,11 @@ in rpc_convert; a failed call to node 0 becomes a domain error in rpc_errors.coo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -41,12 +39,13 @@ import grpc
 
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
-from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
-from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan_input import JobPlans, check_plan_input, plan_key
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
 from ckptd.daemon.rpc_errors import coordinator_error
@@ -65,56 +64,6 @@ INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as a
 RECENT_SAVES = 16
 
 
-PLANS_KEPT = 8  # plans the coordinator keeps per job, the ones used last
-
-
-def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
-    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, in rank order."""
-    h = hashlib.sha256()
-    for rank in sorted(fingerprints):
-        h.update(f"{rank}|{fingerprints[rank]}|{node_of_rank[rank]}\n".encode())
-    return h.hexdigest()
-
-
-@dataclass
-class _JobCache:
-    """What the coordinator keeps of one job between its saves, for that job only: each rank's
-    metadata under its digest (plan.spec_digest, derived by the rank's daemon from what the rank
-    sent and checked by node 0 when it comes over the Peer service) and the plans made from it
-    under their plan_key. Nothing in it is keyed by a name a client chose, so a job can only
-    ever be planned from the metadata its own ranks sent."""
-
-    world_size: int
-    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
-    plans: OrderedDict[str, SavePlan] = field(default_factory=OrderedDict)  # plan key -> plan, least recently used first
-
-    def describe(self, rank: int, digest: str, specs: tuple[TensorSpec, ...]) -> None:
-        """Keep rank's metadata; other metadata under a digest already known (a caller that did
-        not derive it) replaces it, and no plan made before is used again."""
-        known = self.specs.get((rank, digest))
-        if known is not None and known != specs:
-            log.warning("rank %s sent other tensor metadata under digest %s than before; the job's cached plans are dropped", rank, digest[:16])
-            self.plans.clear()
-        self.specs[(rank, digest)] = specs
-
-    def plan(self, key: str) -> SavePlan | None:
-        plan = self.plans.get(key)
-        if plan is not None:
-            self.plans.move_to_end(key)
-        return plan
-
-    def keep(self, key: str, plan: SavePlan) -> None:
-        self.plans[key] = plan
-        self.plans.move_to_end(key)
-        while len(self.plans) > PLANS_KEPT:
-            self.plans.popitem(last=False)
-
-    def forget(self, key: str, plan: SavePlan) -> None:
-        """Drop `plan` (not a newer one under the same key)."""
-        if self.plans.get(key) is plan:
-            del self.plans[key]
-
-
 @dataclass
 class _GlobalSave:
     job: str
@@ -124,7 +73,7 @@ class _GlobalSave:
     timeout_s: float
     metric: float | None
     created: float = field(default_factory=time.monotonic)
-    cache: _JobCache | None = None  # the job's cache when the save began
+    cache: JobPlans | None = None  # the job's cache when the save began
     fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> digest of its metadata
     rank_specs: dict[int, tuple[TensorSpec, ...]] = field(default_factory=dict)  # rank -> its metadata, taken when it joined
     node_of_rank: dict[int, int] = field(default_factory=dict)
@@ -229,7 +178,7 @@ class Coordinator:
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
-        self._jobs: dict[str, _JobCache] = {}
+        self._jobs: dict[str, JobPlans] = {}
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -255,17 +204,11 @@ class Coordinator:
         it does). options: the compression its ranks ask for (every node must ask for the same); lineage:
         the quantization generation of what they last loaded. The coordinator decides the
         save's compression from these when it plans the save (JoinResult.compression)."""
-        cache = self._job_cache(job, world_size)
-        rank_specs = {}
-        for rank, digest in fingerprints.items():
+        for rank in fingerprints:
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
-            if rank in specs:
-                cache.describe(rank, digest, specs[rank])
-            known = cache.specs.get((rank, digest))
-            if known is None:
-                raise UnknownFingerprint()
-            rank_specs[rank] = known
+        cache = self._job_cache(job, world_size)
+        rank_specs = cache.take(fingerprints, specs)
         save = self._saves.get((job, step))
         if save is None or save.decided.is_set():
             save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache)
@@ -311,12 +254,12 @@ class Coordinator:
             fingerprints=save.rank_fingerprints,
         )
 
-    def _job_cache(self, job: str, world_size: int) -> _JobCache:
+    def _job_cache(self, job: str, world_size: int) -> JobPlans:
         """The job's cache; a new one when the job's world size changed (an elastic restart:
         its ranks' metadata and plans are of another layout)."""
         cache = self._jobs.get(job)
         if cache is None or cache.world_size != world_size:
-            cache = self._jobs[job] = _JobCache(world_size)
+            cache = self._jobs[job] = JobPlans(world_size)
         return cache
 
     def _shared(self, save: _GlobalSave) -> bool:
@@ -490,24 +433,6 @@ def _check_file(present: dict[str, int], record: FileRecord, node: int) -> None:
         raise IncompleteStep(f"{record.name}, written by node {node}, is not in the shared root")
     if size != record.size:
         raise IncompleteStep(f"{record.name}, written by node {node}, has {size} bytes, its manifest says {record.size}")
-
-
-def check_plan_input(result: JoinResult, coordinator: str) -> None:
-    """Raise Aborted unless the coordinator's metadata is what its digests say and its plan key
-    is the one of those digests: this node caches the plan it makes from them under that key
-    (in the job's JobState.plans), so the key must be derived from the metadata, not taken on trust."""
-    if result.specs is None:
-        return
-    if len(result.fingerprints) != len(result.specs) or not all(result.fingerprints):
-        raise Aborted(f"the coordinator {coordinator} sent the ranks' metadata without their digests; every node must run the same ckptd version")
-    matches: dict[str, bool] = {}
-    for rank, (digest, specs) in enumerate(zip(result.fingerprints, result.specs)):
-        if digest not in matches:  # data-parallel replicas share one digest: hashed once
-            matches[digest] = spec_digest(specs) == digest
-        if not matches[digest]:
-            raise Aborted(f"the coordinator {coordinator} sent metadata of rank {rank} that does not match its digest; every node must run the same ckptd version")
-    if plan_key(dict(enumerate(result.fingerprints)), dict(enumerate(result.node_of_rank))) != result.plan_key:
-        raise Aborted(f"the coordinator {coordinator} sent plan key {result.plan_key[:16]}, which is not the key of the ranks' digests")
 
 
 def _short(values: Sequence[int], limit: int = 16) -> str:

@@ -273,7 +273,7 @@ def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
 def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
     """The coordinator's answer as a record; its metadata is validated like a rank's (InvalidRequest),
     and Aborted when it does not cover every rank. The caller checks the metadata against its
-    digests (cluster.check_plan_input)."""
+    digests (plan_input.check_plan_input)."""
     specs_out = None
     digests: tuple[str, ...] = ()
     if reply.tensors:

@@ -156,7 +156,7 @@ class Saves:
     async def _join(self, state: JobState, session: SaveSession) -> tuple[SavePlan, str]:
         """Join the save at the coordinator (node 0's, or in process on a single node); plan
         from what it sends back (the coordinator's plan itself when it is in this process).
-        Returns the plan and its key (cluster.plan_key)."""
+        Returns the plan and its key (plan_input.plan_key)."""
         coordination = self.engine.coordination
         digests = dict(session.arrived)
 

@@ -195,7 +195,7 @@ class JobState:
     pool: ArenaPool
     names: dict[tuple[int, str], str] = field(default_factory=dict)  # (rank, its fingerprint) -> digest of the metadata sent with it
     specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
-    plans: dict[str, SavePlan] = field(default_factory=dict)  # by the coordinator's plan key (cluster.plan_key over digests)
+    plans: dict[str, SavePlan] = field(default_factory=dict)  # by the coordinator's plan key (plan_input.plan_key over digests)
     announced: set[tuple[int, str]] = field(default_factory=set)  # (rank, digest) whose metadata the coordinator has
     sessions: dict[int, SaveSession] = field(default_factory=dict)  # open or writing, by step
     recent: dict[int, SaveSession] = field(default_factory=dict)  # ended, newest RECENT_RESULTS, in the order they ended
