@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, Sequence
 
 from ckptd.demo.process import DaemonProcess, start_daemon
 
@@ -42,6 +43,15 @@ class DaemonFactory:
 
 
 PEER_TOKEN = "test-peer-token-0123456789"
+
+
+def metadata_digest(metas: Sequence[Any]) -> str:
+    """The digest a daemon names a rank's tensor metadata by over the Peer service
+    (plan.spec_digest of the validated TensorMeta messages): node 0 refuses metadata sent under another."""
+    from ckptd.daemon.checks import tensor_specs
+    from ckptd.daemon.plan import spec_digest
+
+    return spec_digest(tensor_specs(metas))
 
 
 def free_port() -> int:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.cluster import Coordinator, PeerLinks, plan_key
+from ckptd.daemon.cluster import Coordinator, PeerLinks
+from ckptd.daemon.plan_input import check_plan_input, plan_key
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format import FileRecord, FragmentRecord
 from ckptd.daemon.rpc_convert import manifest_from_wire, manifest_to_wire
 from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.plan import TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.records import JoinResult
 from ckptd.daemon.storage import Storage, StorageBackend
 from memory_backend import MemoryStorage
 
@@ -190,3 +193,90 @@ def test_nodes_whose_ranks_ask_for_different_compression_are_refused(tmp_path: P
             await first
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ issue 30 finding 1
+# The coordinator's cache is each job's own, keyed by the daemon's digests of the metadata
+# (plan.spec_digest): no job is planned from what another job sent, other metadata under a known
+# digest is planned from (not the cached plan), and an aborted save's plan is not kept.
+
+HUGE = (1 << 46,)  # 2^46 elements: 256 TiB of F32, refused only when its arena is reserved
+
+
+def whole(dtype: str = "BF16", shape: tuple[int, ...] = SHAPE) -> tuple[TensorSpec, ...]:
+    return (TensorSpec("model/w", "model", dtype, shape, Box.full(shape)),)
+
+
+async def join_alone(coord: Coordinator, job: str, step: int, digest: str, specs: tuple[TensorSpec, ...] | None) -> JoinResult:
+    """The join of a one-rank job on node 0 (planned at once); specs None: the digest alone."""
+    return await coord.join(job, step, 0, 1, {0: digest}, {} if specs is None else {0: specs}, [], coord.root_id, 30.0, None)
+
+
+@pytest.mark.parametrize("evil", [whole("F16"), whole("F32", HUGE)], ids=["same-size-other-dtype", "2^46-elements"])
+def test_a_job_is_never_planned_from_another_jobs_metadata_under_the_same_digest(tmp_path: Path, evil: tuple[TensorSpec, ...]) -> None:
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        await join_alone(coord, "evil", 1, "d", evil)
+        victim = await join_alone(coord, "victim", 1, "d", whole())
+        assert victim.plan is not None and victim.plan.tensors == make_save_plan([whole()]).tensors
+        assert victim.plan.arena_bytes == make_save_plan([whole()]).arena_bytes
+        with pytest.raises(Precondition, match="unknown fingerprint"):  # a job that never sent metadata under "d" is asked for it
+            await join_alone(coord, "third", 1, "d", None)
+
+    asyncio.run(scenario())
+
+
+def test_other_metadata_under_a_known_digest_is_planned_from_not_the_cached_plan(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        first = await join_alone(coord, "job", 1, "d", whole("BF16"))
+        changed = await join_alone(coord, "job", 2, "d", whole("F16"))
+        assert first.plan is not None and first.plan.tensors[0].dtype == "BF16"
+        assert changed.plan is not None and changed.plan.tensors[0].dtype == "F16"
+        named = await join_alone(coord, "job", 3, "d", None)  # the digest alone: the metadata sent last
+        assert named.plan is changed.plan  # cached: equal input, the same plan
+
+    asyncio.run(scenario())
+
+
+def test_an_aborted_saves_plan_is_not_kept(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        refused = await join_alone(coord, "job", 1, "d", whole("F32", HUGE))
+        outcome = await coord.report("job", 1, refused.save_id, 0, None, "cannot reserve 256 TiB of shared memory", {}, {})
+        assert not outcome.committed
+        again = await join_alone(coord, "job", 2, "d", None)
+        assert again.plan is not None and again.plan is not refused.plan  # planned anew
+        assert (await join_alone(coord, "job", 3, "d", None)).plan is again.plan  # a save under way keeps its plan
+
+    asyncio.run(scenario())
+
+
+def test_a_jobs_cache_starts_anew_when_its_world_size_changes(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        await join_alone(coord, "job", 1, "d", whole())
+        with pytest.raises(Precondition, match="unknown fingerprint"):
+            await coord.join("job", 2, 0, 2, {0: "d"}, {}, [], coord.root_id, 1.0, None)
+
+    asyncio.run(scenario())
+
+
+def _answer(specs: tuple[tuple[TensorSpec, ...], ...], nodes: tuple[int, ...]) -> JoinResult:
+    digests = tuple(spec_digest(s) for s in specs)
+    return JoinResult("s", plan_key(dict(enumerate(digests)), dict(enumerate(nodes))), nodes, specs, True, fingerprints=digests)
+
+
+def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> None:
+    """A member node caches the plan it makes from node 0's answer under the answer's key: the
+    key and the digests must be those of the metadata (plan_input.check_plan_input)."""
+    good = _answer((spec(HALVES[0]), spec(HALVES[1])), (0, 1))
+    check_plan_input(good, "node 0")
+    check_plan_input(replace(good, specs=None, fingerprints=()), "node 0")  # a known plan: nothing to check
+    other_dtype = (replace(spec(HALVES[0])[0], dtype="F16"),)
+    with pytest.raises(Aborted, match="metadata of rank 0 that does not match its digest"):
+        check_plan_input(replace(good, specs=(other_dtype, spec(HALVES[1]))), "node 0")
+    with pytest.raises(Aborted, match="not the key of the ranks' digests"):
+        check_plan_input(replace(good, plan_key="k"), "node 0")
+    with pytest.raises(Aborted, match="without their digests"):
+        check_plan_input(replace(good, fingerprints=()), "node 0")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckptd.common.boxes import Box
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon import writer
 from ckptd.daemon.arena import ArenaPool
 from ckptd.daemon.config import GiB, DaemonConfig, load_config
@@ -31,14 +32,14 @@ KiB, MiB = 1 << 10, 1 << 20
 # write_bytes, reused, reserve, free -> None (fits) or phrases the refusal must hold
 DECISIONS: list[tuple[int, int, int, int, list[str] | None]] = [
     (10 * MiB, 0, 1 * MiB, 11 * MiB, None),  # exactly enough
-    (10 * MiB, 0, 1 * MiB, 11 * MiB - 1, ["needs 11.0 MiB (10.0 MiB of data + 1.0 MiB reserve), 11.0 MiB free on /data/ckpt", "lower --disk-reserve"]),
-    (20 * GiB, 0, 1 * GiB, 3 * GiB, ["needs 21.0 GiB (20.0 GiB of data + 1.0 GiB reserve), 3.0 GiB free on /data/ckpt", "free space there", "--keep-last"]),
+    (10 * MiB, 0, 1 * MiB, 11 * MiB - 1, ["needs 11 MiB (10 MiB of data + 1 MiB reserve), 11 MiB free on /data/ckpt", "lower --disk-reserve"]),
+    (20 * GiB, 0, 1 * GiB, 3 * GiB, ["needs 21 GiB (20 GiB of data + 1 GiB reserve), 3 GiB free on /data/ckpt", "free space there", "--keep-last"]),
     (10 * GiB, 10 * GiB, 1 * GiB, 1 * GiB, None),  # the recycled files take the whole step
     (10 * GiB, 4 * GiB, 1 * GiB, 7 * GiB, None),
-    (10 * GiB, 4 * GiB, 1 * GiB, 6 * GiB, ["needs 7.0 GiB (6.0 GiB of data + 1.0 GiB reserve; another 4.0 GiB reuse recycled files)", "6.0 GiB free"]),
+    (10 * GiB, 4 * GiB, 1 * GiB, 6 * GiB, ["needs 7 GiB (6 GiB of data + 1 GiB reserve; another 4 GiB reuse recycled files)", "6 GiB free"]),
     (5 * MiB, 10 * MiB, 0, 0, None),  # recycled files larger than the step: nothing new
-    (1 * KiB, 0, 0, 1023, ["needs 1.0 KiB (1.0 KiB of data + 0 B reserve), 1023 B free", "free space there"]),
-    (0, 0, 1 * GiB, 512 * MiB, ["needs 1.0 GiB (0 B of data + 1.0 GiB reserve), 512.0 MiB free", "lower --disk-reserve"]),
+    (1 * KiB, 0, 0, 1023, ["needs 1 KiB (1 KiB of data + 0 B reserve), 1023 B free", "free space there"]),
+    (0, 0, 1 * GiB, 512 * MiB, ["needs 1 GiB (0 B of data + 1 GiB reserve), 512 MiB free", "lower --disk-reserve"]),
 ]
 
 
@@ -210,7 +211,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
         save(2)
     message = str(refused.value)
     assert message.startswith("step 2 of job 'job' refused: not enough disk space: needs ")
-    assert f"+ 3.0 MiB reserve), {(needed + reserve - 1) / MiB:.1f} MiB free on {tmp_path.resolve()}" in message
+    assert f"+ 3 MiB reserve), {human_bytes(needed + reserve - 1)} free on {tmp_path.resolve()}" in message
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created, nothing removed
     assert (tmp_path / "job" / "latest").read_text() == "step-00000001\n"
 
@@ -227,7 +228,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
     assert storage.committed_steps("job") == [2, 3]
     storage.remove_step("job", 2, recycle=True)
     free["bytes"] = reserve - 1
-    with pytest.raises(NoSpace, match=r"needs 3.0 MiB \(\d+ B of data \+ 3.0 MiB reserve; another 1\d\d.\d KiB reuse recycled files\)"):
+    with pytest.raises(NoSpace, match=r"needs 3 MiB \(\d+ B of data \+ 3 MiB reserve; another 1\d\d(\.\d)? KiB reuse recycled files\)"):
         save(4)
     assert len(storage.take_recycled("job")) == len(list((tmp_path / "job" / "step-00000003").glob("*.safetensors")))  # the bin is untouched
     assert not (tmp_path / "job" / "step-00000004").exists()

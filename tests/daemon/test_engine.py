@@ -19,7 +19,7 @@ import pytest
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.sessions import SaveState
-from ckptd.daemon.errors import AlreadyExists, NotFound, Unavailable
+from ckptd.daemon.errors import Aborted, AlreadyExists, NotFound, Unavailable, UnknownFingerprint
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.service import CheckpointService, SaveSession
 from ckptd.daemon.storage import Storage, StorageBackend
@@ -260,5 +260,42 @@ def test_a_save_ends_failed_when_its_commit_breaks_unexpectedly(service: Checkpo
         assert isinstance(outcome, SaveSession) and outcome.state is SaveState.FAILED
         assert "internal error while writing: the coordinator broke" in outcome.error
         await service.drain(1.0)  # nothing left waiting
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ issue 30 finding 1
+# A save is planned from the metadata its ranks sent (the daemon's digest of it, per job), never
+# from what a fingerprint named for another job or before, and a refused save keeps no plan.
+
+
+def _whole(dtype: str, shape: tuple[int, ...] = (4, 2)) -> list[TensorSpec]:
+    return [TensorSpec("model/w", "model", dtype, shape, Box.full(shape))]
+
+
+def test_a_save_is_planned_from_the_metadata_its_rank_sent_under_a_known_fingerprint(service: CheckpointService) -> None:
+    async def run() -> None:
+        first = await service.begin_save("job", 0, 1, 1, "fp", _whole("BF16"), None, 30.0)
+        assert first.plan is not None and first.plan.tensors[0].dtype == "BF16"
+        changed = await service.begin_save("job", 0, 1, 2, "fp", _whole("F16"), None, 30.0)  # fails step 1: the rank moved on
+        assert changed.plan is not None and changed.plan.tensors[0].dtype == "F16"
+        named = await service.begin_save("job", 0, 1, 3, "fp", None, None, 30.0)  # the fingerprint alone: what it sent last
+        assert named.plan is not None and named.plan.tensors[0].dtype == "F16"
+        with pytest.raises(UnknownFingerprint):  # another job never sent metadata under "fp"
+            await service.begin_save("other", 0, 1, 1, "fp", None, None, 30.0)
+
+    asyncio.run(run())
+
+
+def test_a_save_refused_for_its_arena_keeps_no_plan_and_touches_no_other_job(service: CheckpointService) -> None:
+    async def run() -> None:
+        with pytest.raises(Aborted, match=r"cannot reserve 256 TiB of shared memory") as refused:
+            await service.begin_save("evil", 0, 1, 1, "fp", _whole("F32", (1 << 46,)), None, 30.0)
+        assert "MiB" not in str(refused.value)
+        assert service.engine.jobs["evil"].plans == {}
+        victim = await service.begin_save("victim", 0, 1, 1, "fp", _whole("F32"), None, 30.0)
+        assert victim.plan is not None and victim.plan.total_bytes == 32 and victim.arenas is not None
+        retry = await service.begin_save("evil", 0, 1, 2, "fp", _whole("F32"), None, 30.0)  # fixed: planned anew
+        assert retry.plan is not None and retry.plan.total_bytes == 32
 
     asyncio.run(run())

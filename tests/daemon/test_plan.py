@@ -3,7 +3,7 @@
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.plan import PAGE, PlanError, TensorSpec, make_save_plan
+from ckptd.daemon.plan import PAGE, PlanError, TensorSpec, make_save_plan, spec_digest
 
 
 def full(name: str, shape: tuple[int, ...], dtype: str = "F32", kind: str = "model", aliases: tuple[str, ...] = ()) -> TensorSpec:
@@ -132,3 +132,38 @@ def test_ranks_that_disagree_whether_a_tensor_is_frozen_store_it_as_trained() ->
     assert make_save_plan([[spec("param")], [spec("")]]).tensor("model/w").frozen == ""
     with pytest.raises(PlanError, match="ranks disagree"):
         make_save_plan([[spec("param")], [TensorSpec("model/w", "model", "F16", (4,), Box.full((4,)), frozen="param")]])
+
+
+# issue 30 finding 1: the daemon keys cached metadata and plans by its own digest of the
+# metadata, and a rank reuses an earlier answer's slots only under an equal layout id.
+@pytest.mark.parametrize(
+    "changed",
+    [
+        TensorSpec("model/v", "model", "BF16", (4, 2), Box((0, 0), (4, 2))),
+        TensorSpec("model/w", "master", "BF16", (4, 2), Box((0, 0), (4, 2))),
+        TensorSpec("model/w", "model", "F16", (4, 2), Box((0, 0), (4, 2))),
+        TensorSpec("model/w", "model", "BF16", (8, 2), Box((0, 0), (4, 2))),
+        TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (2, 2))),
+        TensorSpec("model/w", "model", "BF16", (4, 2), Box((1, 0), (3, 2))),
+        TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)), ("model/tied",)),
+        TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)), (), "param"),
+    ],
+    ids=["name", "kind", "dtype", "shape", "box-lengths", "box-offsets", "aliases", "frozen"],
+)
+def test_the_spec_digest_covers_every_field(changed: TensorSpec) -> None:
+    base = TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)))
+    assert spec_digest([base]) == spec_digest((TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2))),))
+    assert spec_digest([base]) != spec_digest([changed])
+    assert spec_digest([base, full("model/x", (3,))]) != spec_digest([full("model/x", (3,)), base])  # order counts
+
+
+@pytest.mark.parametrize("dtype, shape, kind, aliases", [("F16", (8, 8), "model", ()), ("BF16", (64,), "model", ()), ("BF16", (8, 8), "extra", ()),
+                                                         ("BF16", (8, 8), "model", ("model/tied",))])
+def test_the_layout_id_changes_with_the_slots_tensor(dtype: str, shape: tuple[int, ...], kind: str, aliases: tuple[str, ...]) -> None:
+    """Equal names, boxes, offsets and sizes but another tensor: the rank must get the slots
+    again (and check them), not copy as in the earlier answer."""
+    base = make_save_plan([[full("model/w", (8, 8), "BF16")]])
+    other = make_save_plan([[TensorSpec("model/w", kind, dtype, shape, Box.full(shape), aliases)]])
+    assert [(s.name, s.offset, s.nbytes) for s in base.slots] == [(s.name, s.offset, s.nbytes) for s in other.slots]
+    assert base.layout_id(0) != other.layout_id(0)
+    assert base.layout_id(0) == make_save_plan([[full("model/w", (8, 8), "BF16")]]).layout_id(0)

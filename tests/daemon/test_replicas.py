@@ -84,7 +84,7 @@ def test_an_offer_over_the_budget_is_refused_and_the_same_node_s_older_replica_i
     store = ReplicaStore(shm, limit=10 * MiB)
     a = store.offer("j", 1, 5, records(1, {"f1.safetensors": 6 * MiB}))
     assert a is not None and store.nbytes == 6 * MiB
-    with pytest.raises(Refused, match=r"node 2's part of step 5 .* does not fit in --replica-memory \(10.0 MiB"):
+    with pytest.raises(Refused, match=r"node 2's part of step 5 .* does not fit in --replica-memory \(10 MiB"):
         store.offer("j", 2, 5, records(2, {"f2.safetensors": 5 * MiB}))
     with pytest.raises(Refused, match="larger than all of --replica-memory"):
         store.offer("j", 2, 5, records(2, {"f2.safetensors": 11 * MiB}))

@@ -26,7 +26,7 @@ def specs(box: Box) -> tuple[TensorSpec, ...]:
 
 
 def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
-    result = JoinResult("save-1", "key", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True)
+    result = JoinResult("save-1", "key", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True, fingerprints=("fa", "fb"))
     assert rpc_convert.join_result_of(rpc_convert.join_response(result), 2) == result
     known = JoinResult("save-2", "key", (0, 0), None, False)
     assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == known

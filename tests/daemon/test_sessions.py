@@ -206,3 +206,17 @@ def test_the_last_committed_save_is_the_one_that_ended_last(tmp_path: Path) -> N
         job.finish(session)
     last = job.last_committed()
     assert last is not None and last.step == 3 and job.committed_recently(5) and not job.committed_recently(4)
+
+
+def test_a_fingerprint_names_the_metadata_its_rank_sent_last_and_a_change_drops_the_jobs_plans(tmp_path: Path) -> None:
+    """Issue 30 finding 1: JobState keeps metadata under the daemon's digest of it; a fingerprint
+    only names that digest for the rank that sent it."""
+    state = JobState(world_size=2, pool=ArenaPool(tmp_path, "job", 2))
+    a = (TensorSpec("model/w", "model", "BF16", (2,), Box.full((2,))),)
+    b = (TensorSpec("model/w", "model", "F16", (2,), Box.full((2,))),)
+    assert not state.describe(0, "fp", a, "da")
+    state.plans["k"] = make_save_plan([a])
+    assert not state.describe(0, "fp", a, "da") and "k" in state.plans  # the same metadata again
+    assert not state.describe(1, "fp", b, "db")  # another rank's name is its own
+    assert state.describe(0, "fp", b, "db") and state.plans == {}
+    assert state.names == {(0, "fp"): "db", (1, "fp"): "db"} and state.specs[(0, "db")] == b and state.specs[(0, "da")] == a

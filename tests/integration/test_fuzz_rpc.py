@@ -43,6 +43,7 @@ from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
+from daemon_rig import metadata_digest
 
 EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -582,8 +583,9 @@ def test_fuzz_peer_join_save(cluster: tuple[list[str], list[Place]], peer_stubs:
         valid = data.draw(st.booleans())
         if valid:  # well-formed: one node's ranks with their metadata
             world = data.draw(st.integers(1, 3))
-            fingerprints = {r: "fp" for r in range(data.draw(st.integers(1, world)))}
-            tensors = [ppb.RankTensors(rank=r, fingerprint="fp", tensors=data.draw(valid_metas())) for r in fingerprints]
+            described = {r: data.draw(valid_metas()) for r in range(data.draw(st.integers(1, world)))}
+            fingerprints = {r: metadata_digest(metas) for r, metas in described.items()}
+            tensors = [ppb.RankTensors(rank=r, fingerprint=fingerprints[r], tensors=metas) for r, metas in described.items()]
         else:
             world = data.draw(int32s())
             fingerprints = data.draw(st.dictionaries(int32s(), st.one_of(st.just("fp"), hostile_names(place)), max_size=4))
@@ -620,8 +622,9 @@ def fragments(place: Place) -> st.SearchStrategy[list[ppb.StoredFragment]]:
 
 def _join_as(stub: ppb_grpc.PeerStub, node: int, job: str, step: int, tensors: list[pb.TensorMeta]) -> ppb.JoinSaveResponse:
     """A JoinSave of `node` with the only rank of a job: the coordinator plans it and waits for that node's manifest."""
+    digest = metadata_digest(tensors)
     request = ppb.JoinSaveRequest(
-        job=job, step=step, node=node, world_size=1, fingerprints={0: "fp"}, tensors=[ppb.RankTensors(rank=0, fingerprint="fp", tensors=tensors)],
+        job=job, step=step, node=node, world_size=1, fingerprints={0: digest}, tensors=[ppb.RankTensors(rank=0, fingerprint=digest, tensors=tensors)],
         timeout_s=30, root_id="fuzz-root",
     )
     return stub.JoinSave(request, metadata=((TOKEN_KEY, TOKEN),), timeout=30)

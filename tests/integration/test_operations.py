@@ -49,7 +49,7 @@ def test_status_shows_a_save_in_progress(daemons) -> None:
         assert out.returncode == 0, out.stderr
         line = next(line for line in out.stdout.splitlines() if line.startswith("slow"))
         assert line.split()[1:3] == ["1", "writing"], out.stdout
-        assert "[" in line and "%" in line and "MiB / 32.0 MiB" in line, out.stdout
+        assert "[" in line and "%" in line and "MiB / 32 MiB" in line, out.stdout
         assert "queue depth 1" in out.stdout and "arenas: 2" in out.stdout
 
         doc = json.loads(ckptd("status", "--address", daemon.address, "--json").stdout)

@@ -26,6 +26,7 @@ from ckptd.client import CheckpointClient
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
+from daemon_rig import metadata_digest
 from pki import Authority, tls_args
 
 TOKEN = "security-peer-token-0123456789abcdef"
@@ -104,8 +105,9 @@ def _inventory(cluster: Cluster, credentials: grpc.ChannelCredentials | None, me
 # save, report a node's part, list files, serve bytes); a refusal is the caller's, not the request's.
 def _join(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:
     meta = pb.TensorMeta(name="model/w", kind="model", dtype="F32", shape=[4], box=pb.Box(offsets=[0], lengths=[4]))
+    digest = metadata_digest([meta])
     request = ppb.JoinSaveRequest(
-        job=JOB, step=77, node=1, world_size=2, fingerprints={1: "fp"}, tensors=[ppb.RankTensors(rank=1, fingerprint="fp", tensors=[meta])],
+        job=JOB, step=77, node=1, world_size=2, fingerprints={1: digest}, tensors=[ppb.RankTensors(rank=1, fingerprint=digest, tensors=[meta])],
         timeout_s=3, root_id="x",
     )
     return stub.JoinSave(request, metadata=metadata, timeout=10)

@@ -199,6 +199,10 @@ class DaemonRpc:
         self._known_fingerprints.add(fingerprint)
         return SaveGrant(reply.save_id, reply.skipped, reply.skip_reason, reply.arena_path, reply.arena_size, reply.layout_id, reply.slots)
 
+    def forget_fingerprint(self, fingerprint: str) -> None:
+        """The next BeginSave of this structure sends its tensor metadata, not only its fingerprint."""
+        self._known_fingerprints.discard(fingerprint)
+
     def commit_request(self, save_id: str, extras_json: str, model_files: dict[str, str], stall_s: float) -> Any:
         """The CommitSnapshot request of a save (opaque to the caller); stall_s: how long save()
         has blocked training so far (for the daemon's stall metric)."""

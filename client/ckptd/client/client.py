@@ -28,7 +28,7 @@ from ckptd.client.environment import check_run_config, meshes_of, trainer_enviro
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.layout import LayoutRules, RankCoords
-from ckptd.client.slots import Placed, place
+from ckptd.client.slots import Placed, SlotMismatch, place
 from ckptd.client.state import FlatState, flatten_state, restore_state
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
@@ -302,7 +302,13 @@ class CheckpointClient:
         if known is not None and grant.layout_id == known.layout_id and not grant.slots:
             placed = known if known.structure is structure else known.rebound(structure)
         else:
-            placed = place(structure, grant.slots, grant.layout_id, self._handoff.owns)
+            try:
+                placed = place(structure, grant.slots, grant.layout_id, self._handoff.owns)
+            except SlotMismatch:
+                # the daemon planned from other metadata than this structure's: the next save
+                # describes the structure again instead of naming it by its fingerprint
+                self._rpc.forget_fingerprint(structure.fingerprint)
+                raise
         self._placed = placed
         return placed
 

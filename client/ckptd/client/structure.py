@@ -3,8 +3,8 @@
 Between two saves of a training run the state's *structure* does not change: the same tensors
 under the same names, of the same dtypes, shapes and strides, in the same layout. Everything
 derived from it — the validated names, the fragments (boxes in the logical tensors), the
-fingerprint the daemon caches its plan under, the tensor metadata, the placements in the arena
-and the copy plans (ckptd.client.arena_copy) — is the same too. `StructureCache` keeps it, so a
+fingerprint that names its metadata to the daemon, the tensor metadata, the placements in the
+arena and the copy plans (ckptd.client.arena_copy) — is the same too. `StructureCache` keeps it, so a
 save of an unchanged state costs a walk of the state, one comparison per tensor and the copies,
 not the checks and layout work again (docs/architecture.md section 6: a host-cost budget per tensor).
 
@@ -41,9 +41,12 @@ class Structure:
     """A flattened state's derived structure (see the module docstring).
 
     fragments: (entry, fragment) for every fragment of every entry, in entry order.
-    fingerprint: hex digest of the names, kinds, dtypes, shapes, aliases and boxes: the key the
-    daemon caches its save plan under. `cache` holds what callers derive from this structure
-    and its bindings (metadata messages, placements, copy plans): it is dropped with it.
+    fingerprint: hex digest of the names, kinds, dtypes, shapes, aliases and boxes: the name
+    under which this rank's daemon keeps the metadata once it was sent (BeginSave, PlanLoad);
+    the daemon plans from its own digest of the metadata, so the fingerprint is only a handle
+    (ckptd.client.slots checks every slot of the plan against the tensors). `cache` holds what
+    callers derive from this structure and its bindings (metadata messages, placements, copy
+    plans): it is dropped with it.
     """
 
     signature: Signature
@@ -99,9 +102,10 @@ def fragments_of_state(
 
 
 def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragment]]) -> str:
-    """Names, dtypes, shapes, aliases, global shapes and boxes: what the daemon's cached save
-    plan depends on (the global shape too: rank 0's half of a tensor split over two ranks has
-    the box and local shape of a whole tensor of half the size)."""
+    """Names, dtypes, shapes, aliases, global shapes and boxes: everything the tensor metadata
+    sent to the daemon says, so that equal fingerprints name equal metadata (the global shape
+    too: rank 0's half of a tensor split over two ranks has the box and local shape of a whole
+    tensor of half the size)."""
     h = hashlib.sha256(flat.fingerprint().encode())
     for _, f in fragments:
         h.update(f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n".encode())

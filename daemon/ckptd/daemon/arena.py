@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.errors import Exhausted
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Arena:
             except OSError as exc:
                 os.unlink(path)
                 raise Exhausted(
-                    f"cannot reserve {size / 2**20:.1f} MiB of shared memory in {path.parent}: {exc.strerror}. "
+                    f"cannot reserve {human_bytes(size)} of shared memory in {path.parent}: {exc.strerror}. "
                     "Make the shared-memory directory larger (docker run --shm-size, a Kubernetes emptyDir "
                     "with medium: Memory and a sizeLimit) or save less per rank"
                 ) from None

@@ -12,9 +12,10 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES, FileRecord
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.plan import TensorSpec, spec_digest
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 MAX_WORLD_SIZE = 1 << 20
@@ -64,8 +65,9 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
         shape = tuple(meta.shape)
         if len(shape) > MAX_NDIM or any(not 0 <= d <= MAX_DIM for d in shape):
             raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} has a negative, huge or too many dimensions")
-        if math.prod(shape) * dtypes.itemsize(meta.dtype) > MAX_DIM:
-            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} is larger than ckptd accepts")
+        nbytes = math.prod(shape) * dtypes.itemsize(meta.dtype)
+        if nbytes > MAX_DIM:
+            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} ({human_bytes(nbytes)}) is larger than the {human_bytes(MAX_DIM)} ckptd accepts")
         if meta.HasField("box"):
             if len(meta.box.offsets) != len(shape) or len(meta.box.lengths) != len(shape):
                 raise errors.InvalidRequest(f"tensor {name!r}: box has {len(meta.box.offsets)} offsets and {len(meta.box.lengths)} lengths for a {len(shape)}-dim shape")
@@ -84,6 +86,16 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
             raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
         specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen))
     return specs
+
+
+def check_digest(node: int, rank: int, digest: str, specs: Sequence[TensorSpec]) -> None:
+    """A joining node's rank metadata is what its digest (plan.spec_digest) says: node 0 keeps
+    the job's metadata and plans under it."""
+    if spec_digest(specs) != digest:
+        raise errors.InvalidRequest(
+            f"node {node} sent metadata of rank {rank} that does not match its digest {digest[:16]!r}; "
+            "every node must run the same ckptd version"
+        )
 
 
 def check_node(node: int, nodes: int) -> int:

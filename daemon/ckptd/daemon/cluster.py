@@ -5,7 +5,9 @@ port for the others), an in-process one with a single node (`SingleNode`): one p
 
 A save across nodes (docs/architecture.md §12):
 1. Each node's daemon gathers its local ranks (BeginSave), then joins the save at the
-   coordinator (node 0) with its ranks' fingerprints, and their tensor metadata the first time.
+   coordinator (node 0) with the digests of its ranks' tensor metadata (plan.spec_digest,
+   derived by the daemon; node 0 checks each against the metadata it comes with), and that
+   metadata the first time.
    The coordinator answers every node once all ranks of the job have joined, with the plan's
    input: every rank's metadata (unless the node already planned from the same input) and the
    node of each rank, and the save's compression, decided once for all nodes. Every node
@@ -25,7 +27,6 @@ in rpc_convert; a failed call to node 0 becomes a domain error in rpc_errors.coo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -38,12 +39,13 @@ import grpc
 
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
-from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan_input import JobPlans, check_plan_input, plan_key
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
 from ckptd.daemon.rpc_errors import coordinator_error
@@ -62,14 +64,6 @@ INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as a
 RECENT_SAVES = 16
 
 
-def plan_key(fingerprints: dict[int, str], node_of_rank: dict[int, int]) -> str:
-    """What a plan depends on: every rank's metadata fingerprint and node, in rank order."""
-    h = hashlib.sha256()
-    for rank in sorted(fingerprints):
-        h.update(f"{rank}|{fingerprints[rank]}|{node_of_rank[rank]}\n".encode())
-    return h.hexdigest()
-
-
 @dataclass
 class _GlobalSave:
     job: str
@@ -79,12 +73,15 @@ class _GlobalSave:
     timeout_s: float
     metric: float | None
     created: float = field(default_factory=time.monotonic)
-    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
+    cache: JobPlans | None = None  # the job's cache when the save began
+    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> digest of its metadata
+    rank_specs: dict[int, tuple[TensorSpec, ...]] = field(default_factory=dict)  # rank -> its metadata, taken when it joined
     node_of_rank: dict[int, int] = field(default_factory=dict)
     root_ids: dict[int, str] = field(default_factory=dict)  # node -> root id
     planned: asyncio.Event = field(default_factory=asyncio.Event)
     plan: SavePlan | None = None
     key: str = ""
+    fresh_plan: bool = False  # the plan was made for this save (not taken from the job's cache)
     error: str = ""
     refused: bool = False  # the metadata itself is bad (INVALID_ARGUMENT)
     manifests: dict[int, NodeManifest] = field(default_factory=dict)
@@ -174,8 +171,7 @@ class Coordinator:
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
-        self._specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = {}
-        self._plans: dict[str, SavePlan] = {}
+        self._jobs: dict[str, JobPlans] = {}
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -196,19 +192,19 @@ class Coordinator:
     ) -> JoinResult:
         """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
 
-        options: the compression its ranks ask for (every node must ask for the same); lineage:
+        fingerprints: each of the node's ranks' metadata digest (plan.spec_digest); specs: the
+        metadata of the ranks whose digest this job's cache may lack (UnknownFingerprint when
+        it does). options: the compression its ranks ask for (every node must ask for the same); lineage:
         the quantization generation of what they last loaded. The coordinator decides the
         save's compression from these when it plans the save (JoinResult.compression)."""
-        for rank, fingerprint in fingerprints.items():
+        for rank in fingerprints:
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
-            if rank in specs:
-                self._specs[(rank, fingerprint)] = specs[rank]
-            elif (rank, fingerprint) not in self._specs:
-                raise UnknownFingerprint()
+        cache = self._job_cache(job, world_size)
+        rank_specs = cache.take(fingerprints, specs)
         save = self._saves.get((job, step))
         if save is None or save.decided.is_set():
-            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric)
+            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
@@ -229,8 +225,9 @@ class Coordinator:
         save.options = options
         save.lineage = max(save.lineage, lineage)
         save.root_ids[node] = node_root_id
-        for rank, fingerprint in fingerprints.items():
-            save.fingerprints[rank] = fingerprint
+        for rank, digest in fingerprints.items():
+            save.fingerprints[rank] = digest
+            save.rank_specs[rank] = rank_specs[rank]
             save.node_of_rank[rank] = node
         if len(save.fingerprints) == world_size:
             self._spawn(self._plan(save))
@@ -250,21 +247,31 @@ class Coordinator:
             fingerprints=save.rank_fingerprints,
         )
 
+    def _job_cache(self, job: str, world_size: int) -> JobPlans:
+        """The job's cache; a new one when the job's world size changed (an elastic restart:
+        its ranks' metadata and plans are of another layout)."""
+        cache = self._jobs.get(job)
+        if cache is None or cache.world_size != world_size:
+            cache = self._jobs[job] = JobPlans(world_size)
+        return cache
+
     def _shared(self, save: _GlobalSave) -> bool:
         """Whether several nodes write the save into one storage root (equal root ids)."""
         return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
 
     async def _plan(self, save: _GlobalSave) -> None:
         try:
+            assert save.cache is not None
             save.key = plan_key(save.fingerprints, save.node_of_rank)
-            save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
+            save.all_specs = tuple(save.rank_specs[r] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
             save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
-            plan = self._plans.get(save.key)
+            plan = save.cache.plan(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
-                self._plans[save.key] = plan
+                save.fresh_plan = True
+                save.cache.keep(save.key, plan)
             save.plan = plan
             save.compression = self.decide(save.options, save.lineage)
             if save.nodes - {0}:
@@ -370,6 +377,8 @@ class Coordinator:
         save.error = save.error or reason
         save.outcome = Outcome(False, reason)
         save.decided.set()
+        if save.fresh_plan and save.cache is not None and save.plan is not None:
+            save.cache.forget(save.key, save.plan)  # a plan is kept once a save made with it got past its refusals
         log.warning("save of step %s of job %s aborted on every node: %s", save.step, save.job, reason)
         try:
             await asyncio.to_thread(self.storage.remove_step, save.job, save.step)
@@ -484,7 +493,9 @@ class Cluster:
         # that stays away past the join window fails the call below with gRPC's reason.
         await self.links.ready(0, timeout_s)
         reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
-        return rpc_convert.join_result_of(reply, world_size)
+        result = rpc_convert.join_result_of(reply, world_size)
+        check_plan_input(result, self.describe(0))
+        return result
 
     async def report(
         self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]

@@ -26,6 +26,7 @@ from typing import Any, Callable, Final, Mapping
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.codecs import builtin as builtin_codecs
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
 
 GiB: Final = 1 << 30
@@ -562,18 +563,6 @@ _SHM_FIX: Final = (
 )
 
 
-def human_size(nbytes: int) -> str:
-    """Bytes in binary units for messages, the units sizes are given in: 1536 -> '1.5 KiB'."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    value = float(nbytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
-
-
 def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
     """None when `shm_dir` is a writable directory with at least `needed_bytes` free; else what is wrong and how to fix it.
 
@@ -594,7 +583,7 @@ def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
     if free < needed_bytes:
         total = st.f_blocks * st.f_frsize
         return (
-            f"{shm_dir} has {human_size(free)} free (of {human_size(total)}) but the checkpoint arenas need "
-            f"{human_size(needed_bytes)}; {_SHM_FIX}"
+            f"{shm_dir} has {human_bytes(free)} free (of {human_bytes(total)}) but the checkpoint arenas need "
+            f"{human_bytes(needed_bytes)}; {_SHM_FIX}"
         )
     return None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import grpc
 
 from ckptd.common.paths import default_address
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -31,15 +32,6 @@ if TYPE_CHECKING:
 RPC_TIMEOUT_S = 30.0
 BAR_WIDTH = 24
 T = TypeVar("T")
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_seconds(s: float) -> str:

@@ -58,6 +58,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
             if request.fingerprints.get(entry.rank) != entry.fingerprint:
                 raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
             specs[entry.rank] = tuple(checks.tensor_specs(entry.tensors))
+            checks.check_digest(node, entry.rank, entry.fingerprint, specs[entry.rank])
         timeout_s = checks.check_timeout(request.timeout_s) or self.service.config.save_timeout_s
         metric = request.metric if request.has_metric else None
         options = rpc_convert.join_options_of(request)

@@ -14,8 +14,9 @@ Every rank of a job describes the fragments it holds (`TensorSpec`); ranks live 
   possible, and gets a slot in that rank's arena.
 
 Every node computes the same plan from the same input (the coordinator sends the metadata
-of every rank), so only the input travels. Plans are frozen and cached under the ranks'
-fingerprints.
+of every rank), so only the input travels. Plans are frozen; the daemon caches them per job
+under the digests of the metadata they were made from (`spec_digest`: derived by the daemon
+from what the ranks sent, never a key a client chose).
 """
 
 from __future__ import annotations
@@ -109,14 +110,16 @@ class SavePlan:
         return self._slots_by_name.get(name, ())
 
     def layout_id(self, rank: int) -> str:
-        """A digest of `slots_of(rank)` (names, boxes, offsets, sizes): equal ids mean a rank
-        copies the same fragments to the same arena offsets, so it may reuse what it derived
-        from an earlier answer with that id (ckptd.client: BeginSaveRequest.known_layout)."""
+        """A digest of `slots_of(rank)` (names, boxes, offsets, sizes, and each slot's tensor:
+        kind, dtype, shape, aliases): equal ids mean a rank copies the same fragments of the same
+        tensors to the same arena offsets, so it may reuse what it derived (and checked) from an
+        earlier answer with that id (ckptd.client: BeginSaveRequest.known_layout)."""
         found = self._layout_ids.get(rank)
         if found is None:
             h = hashlib.sha256()
             for s in self.slots_of(rank):
-                h.update(f"{s.name}|{s.box.offsets}|{s.box.lengths}|{s.offset}|{s.nbytes}\n".encode())
+                t = self.tensor(s.name)
+                h.update(repr((s.name, s.box.offsets, s.box.lengths, s.offset, s.nbytes, t.kind, t.dtype, t.shape, t.aliases)).encode())
             found = self._layout_ids[rank] = h.hexdigest()[:32]
         return found
 
@@ -153,14 +156,24 @@ class SavePlan:
         return sum(s.nbytes for s in self.slots if self.node(s.rank) == node)
 
     def tensor(self, name: str) -> LogicalTensor:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        return self._tensors_by_name[name]
+
+    @functools.cached_property
+    def _tensors_by_name(self) -> dict[str, LogicalTensor]:
+        return {t.name: t for t in self.tensors}
 
     @property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+
+def spec_digest(specs: Sequence[TensorSpec]) -> str:
+    """A digest of one rank's tensor metadata: every field of every spec, in order. The daemon's
+    own key for that metadata (its caches of metadata and plans are keyed by it, per job), so a
+    client's fingerprint is only a name for metadata the same rank of the same job sent before,
+    and two requests share a plan only when they describe the same tensors."""
+    described = [(s.name, s.kind, s.dtype, tuple(s.shape), tuple(s.box.offsets), tuple(s.box.lengths), tuple(s.aliases), s.frozen) for s in specs]
+    return hashlib.sha256(repr(described).encode()).hexdigest()
 
 
 def align(offset: int, nbytes: int) -> int:

@@ -23,8 +23,8 @@ class JoinResult:
     shared_root: bool
     compression: Compression | None = None  # the save's, decided by the coordinator (None: an older coordinator)
     plan: SavePlan | None = field(default=None, compare=False)  # in process only (node 0): the coordinator's plan itself
-    # every rank's fingerprint, in rank order (empty: not known): ranks of equal fingerprints
-    # (data-parallel replicas) have equal metadata, which the wire then carries once
+    # every rank's metadata digest (plan.spec_digest), in rank order (empty: not known): ranks of
+    # equal digests (data-parallel replicas) have equal metadata, which the wire then carries once
     fingerprints: tuple[str, ...] = ()
 
 

@@ -19,7 +19,7 @@ from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord
 from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.plan import SavePlan, TensorSpec
+from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
 from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
@@ -70,8 +70,16 @@ class SlotMessages:
                 del self._by_plan[next(iter(self._by_plan))]
         by_rank = entry[1]
         if rank not in by_rank:
-            by_rank[rank] = [pb.Slot(name=s.name, offset=s.offset, nbytes=s.nbytes, box=box_pb(s.box)) for s in plan.slots_of(rank)]
+            by_rank[rank] = [slot_pb(s, plan.tensor(s.name)) for s in plan.slots_of(rank)]
         return by_rank[rank]
+
+
+def slot_pb(slot: FragmentSlot, tensor: LogicalTensor) -> pb.Slot:
+    """A slot and the logical tensor it was planned for (the client checks it against its own)."""
+    return pb.Slot(
+        name=slot.name, offset=slot.offset, nbytes=slot.nbytes, box=box_pb(slot.box),
+        kind=tensor.kind, dtype=tensor.dtype, shape=tensor.shape, aliases=tensor.aliases,
+    )
 
 
 class ShmPieces:
@@ -264,12 +272,16 @@ def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
 
 def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
     """The coordinator's answer as a record; its metadata is validated like a rank's (InvalidRequest),
-    and Aborted when it does not cover every rank."""
+    and Aborted when it does not cover every rank. The caller checks the metadata against its
+    digests (plan_input.check_plan_input)."""
     specs_out = None
+    digests: tuple[str, ...] = ()
     if reply.tensors:
         by_rank: dict[int, tuple[TensorSpec, ...]] = {}
+        digest_of: dict[int, str] = {}
         by_fingerprint: dict[str, tuple[TensorSpec, ...]] = {}
-        for t in reply.tensors:  # a rank sent as a fingerprint alone has the metadata of the first rank with it
+        for t in reply.tensors:  # a rank sent as a digest alone has the metadata of the first rank with it
+            digest_of[t.rank] = t.fingerprint
             if t.fingerprint and not t.tensors and t.fingerprint in by_fingerprint:
                 by_rank[t.rank] = by_fingerprint[t.fingerprint]
                 continue
@@ -279,9 +291,10 @@ def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
         if sorted(by_rank) != list(range(world_size)):
             raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
         specs_out = tuple(by_rank[r] for r in range(world_size))
+        digests = tuple(digest_of[r] for r in range(world_size))
     node_of_rank = tuple(reply.node_of_rank[r] for r in range(world_size))
     compression = compression_of(reply.compression) if reply.HasField("compression") else None
-    return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression)
+    return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression, fingerprints=digests)
 
 
 def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[ppb.StoredFragment]]:

@@ -73,16 +73,24 @@ class BeginSaveRequest(_message.Message):
     def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("name", "offset", "nbytes", "box")
+    __slots__ = ("name", "offset", "nbytes", "box", "kind", "dtype", "shape", "aliases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     BOX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     nbytes: int
     box: Box
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., box: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
+    kind: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
     __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots", "layout_id")

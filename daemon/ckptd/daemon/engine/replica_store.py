@@ -35,8 +35,8 @@ from typing import Iterable, Sequence
 
 import xxhash
 
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.arena import ARENA_PREFIX
-from ckptd.daemon.config import human_size
 from ckptd.daemon.errors import NotFound
 from ckptd.daemon.format import FileRecord, read_header
 from ckptd.daemon.metrics import Metrics
@@ -116,9 +116,9 @@ class ReplicaStore:
         if held is not None and held.step == step and held.files == files:
             return None
         need = sum(f.size for f in files)
-        where = f"node {node}'s part of step {step} of job {job!r} ({human_size(need)})"
+        where = f"node {node}'s part of step {step} of job {job!r} ({human_bytes(need)})"
         if need > self.limit:
-            self._refuse(f"{where} is larger than all of --replica-memory ({human_size(self.limit)}); raise --replica-memory on this node")
+            self._refuse(f"{where} is larger than all of --replica-memory ({human_bytes(self.limit)}); raise --replica-memory on this node")
         older = self.receiving.pop(key, None)
         if older is not None:  # a newer commit of that node: the older receipt stops when its transfer ends
             older.cancelled = True
@@ -129,9 +129,9 @@ class ReplicaStore:
                 break
             self.evict((other.job, other.node), f"(the least recently received of another job) to make room for {where}")
         if self.nbytes + need > self.limit:
-            others = ", ".join(f"node {r.node}'s step {r.step} of job {r.job!r} ({human_size(r.nbytes)})" for r in self.held.values())
+            others = ", ".join(f"node {r.node}'s step {r.step} of job {r.job!r} ({human_bytes(r.nbytes)})" for r in self.held.values())
             self._refuse(
-                f"{where} does not fit in --replica-memory ({human_size(self.limit)}, {human_size(self.nbytes)} in use: {others or 'replicas being received'}); "
+                f"{where} does not fit in --replica-memory ({human_bytes(self.limit)}, {human_bytes(self.nbytes)} in use: {others or 'replicas being received'}); "
                 "raise --replica-memory on this node, or lower --replicas"
             )
         self._serial += 1
@@ -156,7 +156,7 @@ class ReplicaStore:
         replica = self.held.pop(key, None)
         if replica is None:
             return
-        log.info("evicted node %s's replica of step %s of job %r (%s) %s", replica.node, replica.step, replica.job, human_size(replica.nbytes), why)
+        log.info("evicted node %s's replica of step %s of job %r (%s) %s", replica.node, replica.step, replica.job, human_bytes(replica.nbytes), why)
         if self.metrics is not None:
             self.metrics.replica_evicted.inc()
         remove_files(replica.paths.values())
@@ -177,7 +177,7 @@ class ReplicaStore:
                     if record.size:
                         os.posix_fallocate(fd, 0, record.size)
                 except OSError as exc:
-                    raise Refused(f"cannot reserve {human_size(record.size)} of shared memory in {path.parent}: {exc.strerror}") from None
+                    raise Refused(f"cannot reserve {human_bytes(record.size)} of shared memory in {path.parent}: {exc.strerror}") from None
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -218,7 +218,7 @@ class ReplicaStore:
             self.metrics.replica_received_bytes.inc(receipt.nbytes)
         log.info(
             "holding node %s's part of step %s of job %r in memory (%s, %s files)",
-            receipt.node, receipt.step, receipt.job, human_size(receipt.nbytes), len(receipt.files),
+            receipt.node, receipt.step, receipt.job, human_bytes(receipt.nbytes), len(receipt.files),
             extra={"job": receipt.job, "step": receipt.step},
         )
         return True

@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, Iterator, Protocol, Sequence
 
 from ckptd.daemon.bulk import BUFFER_BYTES, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
 from ckptd.daemon.bulk import send_status, split_evenly, tls_contexts
-from ckptd.daemon.config import human_size
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.replica_store import Damaged, Receipt, Refused, ReplicaStore, close_fds, open_ranges
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
@@ -253,7 +253,7 @@ class Replication:
             else:
                 holders.append(buddy)
         state = self.pushes[job] = PushState(step, tuple(holders), "; ".join(errors), done=True)
-        nbytes = human_size(sum(f.size for f in files))
+        nbytes = human_bytes(sum(f.size for f in files))
         self.engine.metrics.replica_pushes.labels("failed" if errors else "ok").inc()
         if errors:
             log.warning(
@@ -464,7 +464,7 @@ class Replication:
         self.engine.metrics.load_staged_bytes.labels("memory-peer").inc(total)
         log.info(
             "staged %s of node %s's part of step %s of job %s from the memory of %s in %.3f s (%.2f GB/s, %s ranges in %s connections)",
-            human_size(total), source, step, job, cluster.describe(holder), seconds, total / max(seconds, 1e-9) / 1e9, len(merged), len(groups),
+            human_bytes(total), source, step, job, cluster.describe(holder), seconds, total / max(seconds, 1e-9) / 1e9, len(merged), len(groups),
             extra={"job": job, "step": step},
         )
 

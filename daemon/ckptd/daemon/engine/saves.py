@@ -2,8 +2,8 @@
 the complete snapshot goes to the commit (engine/commit.py).
 
 A save of step S of a job is collective: every rank calls BeginSave(S). The last rank to arrive
-plans the save (cached by the ranks' fingerprints; with several nodes, node 0 plans it for all)
-and takes an arena set; every rank then copies its slots and calls CommitSnapshot. When all
+plans the save (cached per job by the digests of the ranks' metadata, plan.spec_digest; with
+several nodes, node 0 plans it for all) and takes an arena set; every rank then copies its slots and calls CommitSnapshot. When all
 have, the snapshot is complete and is written in the background; WaitDurable reports progress
 (`progress`) until it is committed. The save's states: engine/sessions.py.
 """
@@ -22,7 +22,7 @@ from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Timeout, Unavailable, UnknownFingerprint
 from ckptd.daemon.handoffs import StagedHandOver
-from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.engine.context import Engine, notify
 from ckptd.daemon.engine.compression import SaveOptions
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
@@ -68,10 +68,7 @@ class Saves:
         for transport in engine.transports.values():
             await transport.before_save()
         state = engine.job(job, world_size)
-        if specs is not None:
-            state.specs[(rank, fingerprint)] = tuple(specs)
-        elif (rank, fingerprint) not in state.specs:
-            raise UnknownFingerprint()
+        digest = self._describe(state, job, rank, fingerprint, specs)
         if state.committed_recently(step) or await engine.committed(job, step):
             raise AlreadyExists(
                 f"step {step} of job {job!r} is already committed (after a rollback, the abandoned timeline's steps stay): "
@@ -86,7 +83,7 @@ class Saves:
             session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout, local_ranks)
             state.sessions[step] = session
             engine.spawn(self._watchdog(state, session))
-        if session.arrive(rank, fingerprint, options, lineage, local_ranks):
+        if session.arrive(rank, digest, options, lineage, local_ranks):
             engine.spawn(self._prepare(state, session))
         await session.ready.wait()
         if session.state is SaveState.FAILED:
@@ -94,6 +91,23 @@ class Saves:
                 raise InvalidRequest(session.error)
             raise Aborted(f"save of step {step} aborted: {session.error}")
         return session
+
+    @staticmethod
+    def _describe(state: JobState, job: str, rank: int, fingerprint: str, specs: Sequence[TensorSpec] | None) -> str:
+        """The digest of the rank's metadata (plan.spec_digest): of `specs` when sent, else of
+        what it sent under `fingerprint` before (UnknownFingerprint when nothing)."""
+        if specs is None:
+            digest = state.names.get((rank, fingerprint))
+            if digest is None:
+                raise UnknownFingerprint()
+            return digest
+        digest = spec_digest(specs)
+        if state.describe(rank, fingerprint, tuple(specs), digest):
+            log.warning(
+                "rank %s of job %s sent other tensor metadata under fingerprint %s than before; its saves are planned from the new metadata",
+                rank, job, fingerprint[:16],
+            )
+        return digest
 
     def _local_ranks(self, world_size: int, local_world_size: int) -> int:
         cluster = self.engine.cluster
@@ -119,9 +133,10 @@ class Saves:
     async def _prepare(self, state: JobState, session: SaveSession) -> None:
         engine = self.engine
         try:
-            plan = await self._join(state, session)
+            plan, plan_key = await self._join(state, session)
             session.plan_with(plan)
             arenas = await self._acquire(state, session, plan)
+            state.plans[plan_key] = plan  # kept once the save got past its refusals (a refused save's plan is not)
             if arenas is not None:
                 if session.start_snapshot(arenas):
                     engine.spawn(self._prewarm(state, plan))
@@ -138,16 +153,17 @@ class Saves:
         finally:
             session.ready.set()
 
-    async def _join(self, state: JobState, session: SaveSession) -> SavePlan:
+    async def _join(self, state: JobState, session: SaveSession) -> tuple[SavePlan, str]:
         """Join the save at the coordinator (node 0's, or in process on a single node); plan
-        from what it sends back (the coordinator's plan itself when it is in this process)."""
+        from what it sends back (the coordinator's plan itself when it is in this process).
+        Returns the plan and its key (plan_input.plan_key)."""
         coordination = self.engine.coordination
-        fingerprints = dict(session.arrived)
+        digests = dict(session.arrived)
 
         async def join(resend: bool) -> JoinResult:
-            specs = {r: state.specs[(r, fp)] for r, fp in fingerprints.items() if resend or (r, fp) not in state.announced}
+            specs = {r: state.specs[(r, d)] for r, d in digests.items() if resend or (r, d) not in state.announced}
             return await coordination.join_save(
-                session.job, session.step, session.world_size, fingerprints, specs, list(state.plans),
+                session.job, session.step, session.world_size, digests, specs, list(state.plans),
                 session.timeout_s, session.metric, session.options, lineage,
             )
 
@@ -157,18 +173,17 @@ class Saves:
             result = await join(resend=False)
         except UnknownFingerprint:  # the coordinator restarted and forgot the metadata
             result = await join(resend=True)
-        state.announced.update(fingerprints.items())
+        state.announced.update(digests.items())
         plan = result.plan or state.plans.get(result.plan_key)
         if plan is None:
             if result.specs is None:
                 raise Aborted(f"the coordinator assumed this node knows plan {result.plan_key[:12]}; retry the save")
             plan = await asyncio.to_thread(make_save_plan, result.specs, result.node_of_rank)
-        state.plans[result.plan_key] = plan
         session.global_id = result.save_id
         session.shared_root = result.shared_root
         # node 0's decision, which every node obeys (an older coordinator sends none: decide here)
         session.compression = result.compression or self.engine.compression(session.options, lineage)
-        return plan
+        return plan, result.plan_key
 
     async def _acquire(self, state: JobState, session: SaveSession, plan: SavePlan) -> ArenaSet | None:
         """An arena set for the snapshot; None when the save was skipped (policy "skip")."""

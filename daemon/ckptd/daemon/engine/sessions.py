@@ -62,7 +62,7 @@ class SaveSession:
     shared_root: bool = False  # several nodes writing into one storage root
     snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
     write_started: float = 0.0  # when writing started (monotonic); 0 before
-    arrived: dict[int, str] = field(default_factory=dict)  # rank -> fingerprint
+    arrived: dict[int, str] = field(default_factory=dict)  # rank -> digest of its metadata (plan.spec_digest)
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
     model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
     plan: SavePlan | None = None
@@ -185,13 +185,18 @@ class SaveSession:
 
 @dataclass
 class JobState:
-    """A job's saves on this daemon, its cached metadata and plans, and its arenas."""
+    """A job's saves on this daemon, its cached metadata and plans, and its arenas.
+
+    The caches are the job's own: what another job sends never reaches them. Metadata is kept
+    under the daemon's digest of it (plan.spec_digest); a rank's fingerprint only names the
+    digest of what that rank sent with it (`names`)."""
 
     world_size: int
     pool: ArenaPool
-    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, fingerprint)
-    plans: dict[str, SavePlan] = field(default_factory=dict)  # by the coordinator's plan key (cluster.plan_key)
-    announced: set[tuple[int, str]] = field(default_factory=set)  # (rank, fingerprint) whose metadata the coordinator has
+    names: dict[tuple[int, str], str] = field(default_factory=dict)  # (rank, its fingerprint) -> digest of the metadata sent with it
+    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
+    plans: dict[str, SavePlan] = field(default_factory=dict)  # by the coordinator's plan key (plan_input.plan_key over digests)
+    announced: set[tuple[int, str]] = field(default_factory=set)  # (rank, digest) whose metadata the coordinator has
     sessions: dict[int, SaveSession] = field(default_factory=dict)  # open or writing, by step
     recent: dict[int, SaveSession] = field(default_factory=dict)  # ended, newest RECENT_RESULTS, in the order they ended
     acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -209,8 +214,22 @@ class JobState:
                 "save again once that save has finished or timed out (all ranks of a save must agree on the world size)"
             )
         self.world_size = world_size
+        self.names.clear()
         self.specs.clear()
         self.plans.clear()
+
+    def describe(self, rank: int, fingerprint: str, specs: tuple[TensorSpec, ...], digest: str) -> bool:
+        """Rank `rank` sent `specs` (digest: their plan.spec_digest) under `fingerprint`: its
+        saves are planned from what it sends. True when the fingerprint named other metadata
+        before; then the job's cached plans are dropped too (a plan is taken only for the
+        metadata it was made from)."""
+        before = self.names.get((rank, fingerprint))
+        self.names[(rank, fingerprint)] = digest
+        self.specs[(rank, digest)] = specs
+        changed = before is not None and before != digest
+        if changed:
+            self.plans.clear()
+        return changed
 
     def committed_recently(self, step: int) -> bool:
         return step in self.recent and self.recent[step].state is SaveState.COMMITTED

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from ckptd.daemon.config import human_size
+from ckptd.common.sizes import human_bytes
 
 
 def reused_bytes(sizes: Sequence[int], recycled: Sequence[int]) -> int:
@@ -29,12 +29,12 @@ def space_problem(write_bytes: int, reused: int, reserve: int, free: int, where:
     needed = data + reserve
     if needed <= free:
         return None
-    recycled = f"; another {human_size(min(reused, write_bytes))} reuse recycled files" if reused else ""
+    recycled = f"; another {human_bytes(min(reused, write_bytes))} reuse recycled files" if reused else ""
     if data > free:
         fix = "free space there (delete old checkpoints, keep fewer with --keep-last) or use a larger storage root"
     else:
         fix = "free space or lower --disk-reserve"
     return (
-        f"not enough disk space: needs {human_size(needed)} ({human_size(data)} of data + "
-        f"{human_size(reserve)} reserve{recycled}), {human_size(free)} free on {where}: {fix}"
+        f"not enough disk space: needs {human_bytes(needed)} ({human_bytes(data)} of data + "
+        f"{human_bytes(reserve)} reserve{recycled}), {human_bytes(free)} free on {where}: {fix}"
     )
