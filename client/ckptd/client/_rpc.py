@@ -25,7 +25,7 @@ from ckptd.client.structure import Structure
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
-from ckptd.wire import MESSAGE_SIZE_OPTIONS, UNKNOWN_FINGERPRINT, reason_of
+from ckptd.wire import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS, UNKNOWN_FINGERPRINT, reason_of
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -155,7 +155,7 @@ class DaemonRpc:
         self.job = job
         self.timeout_s = timeout_s
         self.who = pb.RankId(job=job, rank=rank, world_size=world_size, local_world_size=local_world_size)
-        self.channel = grpc.insecure_channel(address, options=list(MESSAGE_SIZE_OPTIONS))
+        self.channel = grpc.insecure_channel(address, options=[*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS])
         self.stub = pb_grpc.CheckpointStub(self.channel)  # type: ignore[no-untyped-call]
         self._known_fingerprints: set[str] = set()  # the daemon has their tensor metadata (BeginSave)
         self._known_load_fingerprints: set[str] = set()  # the same for PlanLoad
@@ -246,7 +246,7 @@ class DaemonRpc:
         if last is None or last.state != "committed":
             reason = last.error if last is not None else "no answer"
             raise CheckpointError(f"step {step} was not committed: {reason}", "ABORTED")
-        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written, bytes_linked=last.bytes_linked)
+        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written)
 
     # ------------------------------------------------------------ mode "ipc"
 
