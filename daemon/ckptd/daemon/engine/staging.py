@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -52,27 +53,41 @@ class StagingFiles:
                 self._made[path] = (st.st_dev, st.st_ino)
                 return fd
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: ENXIO, not a wait
         except OSError as exc:
             raise Precondition(_planted(path, exc)) from None
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != made:
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != made:
             os.close(fd)
             raise Precondition(_planted(path, None))
+        os.set_blocking(fd, True)
         return fd
 
     def remove(self, path: Path) -> None:
-        """Remove a staging file this daemon created (anything else at the path stays)."""
+        """Remove a staging file this daemon created; anything else now at the path stays."""
         with self._lock:
-            if self._made.pop(str(path), None) is not None:
-                path.unlink(missing_ok=True)
+            made = self._made.pop(str(path), None)
+        if made is not None:
+            _unlink_if(path, made)
 
     def close(self) -> None:
         """Remove every staging file of this daemon (shutdown)."""
         with self._lock:
-            made, self._made = list(self._made), {}
-        for path in made:
-            Path(path).unlink(missing_ok=True)
+            made, self._made = self._made, {}
+        for path, identity in made.items():
+            _unlink_if(Path(path), identity)
+
+
+def _unlink_if(path: Path, identity: tuple[int, int]) -> None:
+    """Unlink `path` if it is still the regular file of (device, inode) `identity`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)
+    else:
+        log.warning("leaving %s alone: it is not the staging file this daemon created there", path)
 
 
 def _planted(path: str, exc: OSError | None) -> str:
