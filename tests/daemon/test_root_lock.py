@@ -1,5 +1,5 @@
-"""The node lock of a storage root (storage/root_lock.py; issue 30 finding 4) and the root the
-daemon makes (finding 9c), in process: real files, real record locks."""
+"""The node lock of a storage root (storage/root_lock.py; issue 30 finding 4), in process: real
+files, real record locks."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.service import CheckpointService
-from ckptd.daemon.storage import Storage
 from ckptd.daemon.storage import root_lock
 from ckptd.daemon.storage.root_lock import LockOwner, RootInUse, RootLock, lock_path
 
@@ -27,15 +26,6 @@ from ckptd.daemon.storage.root_lock import LockOwner, RootInUse, RootLock, lock_
 def config(tmp_path: Path) -> DaemonConfig:
     (tmp_path / "shm").mkdir()
     return DaemonConfig(root=tmp_path / "root", socket=tmp_path / "s.sock", shm_dir=tmp_path / "shm", disk_reserve=0)
-
-
-@pytest.fixture
-def umask_002() -> Iterator[None]:
-    old = os.umask(0o002)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 # issue 30 finding 4
@@ -138,15 +128,3 @@ def test_without_record_locks_a_live_daemon_of_this_host_is_still_refused(tmp_pa
     lock = RootLock.acquire(tmp_path, LockOwner.this_process(0, "s.sock"))  # its daemon is gone: taken over, with a warning
     assert not lock.locked and "does not support record locks" in caplog.text and lock.others() == []
     lock.release()
-
-
-# issue 30 finding 9 (c)
-def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, umask_002: None) -> None:
-    root = tmp_path / "new" / "ckpt"
-    Storage(root).clean_uncommitted()
-    assert stat.S_IMODE(root.stat().st_mode) == 0o750 and stat.S_IMODE(root.parent.stat().st_mode) == 0o750
-    existing = tmp_path / "operators"  # a root the operator made keeps its mode
-    existing.mkdir(mode=0o755)
-    os.chmod(existing, 0o755)
-    Storage(existing).clean_uncommitted()
-    assert stat.S_IMODE(existing.stat().st_mode) == 0o755
