@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -99,22 +98,18 @@ def test_a_planted_lock_file_is_refused_and_left_as_it_is(tmp_path: Path, plante
     assert victim.read_text() == "precious" and os.path.lexists(path)
 
 
-def _no_record_locks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file system that refuses record locks (NFS without a lock manager: ENOLCK)."""
-    real = root_lock.fcntl.fcntl
+def _no_file_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses file locks (NFS without a lock manager: ENOLCK)."""
+    def refuse(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    def refuse(fd: int, cmd: int, arg: Any = 0) -> Any:
-        if cmd in (root_lock.fcntl.F_OFD_SETLK, root_lock.fcntl.F_OFD_GETLK):
-            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-        return real(fd, cmd, arg)
-
-    monkeypatch.setattr(root_lock.fcntl, "fcntl", refuse)
+    monkeypatch.setattr(root_lock.fcntl, "flock", refuse)
 
 
 # issue 30 finding 4
-def test_without_record_locks_a_live_daemon_of_this_host_is_still_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_without_file_locks_a_live_daemon_of_this_host_is_still_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    _no_record_locks(monkeypatch)
+    _no_file_locks(monkeypatch)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ckptd", "serve"])  # a ckptd by its command line
     try:
         while b"ckptd" not in Path(f"/proc/{live.pid}/cmdline").read_bytes():  # exec'd
@@ -126,5 +121,5 @@ def test_without_record_locks_a_live_daemon_of_this_host_is_still_refused(tmp_pa
         live.kill()
         live.wait()
     lock = RootLock.acquire(tmp_path, LockOwner.this_process(0, "s.sock"))  # its daemon is gone: taken over, with a warning
-    assert not lock.locked and "does not support record locks" in caplog.text and lock.others() == []
+    assert not lock.locked and "does not support file locks" in caplog.text and lock.others() == []
     lock.release()
