@@ -161,11 +161,6 @@ class BulkServer:
 
     def close(self) -> None:
         """Stop listening, wait for the transfers under way, drop the tickets (running their on_expire)."""
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread at once (Linux)
-            except OSError as exc:
-                log.debug("bulk port: shutdown of the listener: %s", exc)
         if self._gate is not None:
             self._gate.stop()
         if self._listener is not None:

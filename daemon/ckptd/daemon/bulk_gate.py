@@ -180,8 +180,13 @@ class Gate:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop accepting and close every connection still without a ticket (the listener is the caller's)."""
+        """Stop accepting and close every connection still without a ticket (closing the
+        listener is the caller's, after this)."""
         self._stopping.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread at once (Linux)
+        except OSError as exc:
+            log.debug("bulk port: shutdown of the listener: %s", exc)
         if self.thread.is_alive():
             self.thread.join(5.0)
 
