@@ -168,6 +168,7 @@ class Gate:
         self._selector = selectors.DefaultSelector()
         self._stopping = threading.Event()
         self._backoff = 0.0
+        self._listening, self._resume_at, self._ticked = True, 0.0, 0.0
         self.thread = threading.Thread(target=self._run, name="ckptd-bulk-accept", daemon=True)
 
     @property
@@ -191,37 +192,38 @@ class Gate:
             self.thread.join(5.0)
 
     def _run(self) -> None:
-        listening, resume_at, ticked = True, 0.0, 0.0
         try:
             while not self._stopping.is_set():
-                now = time.monotonic()
-                if not listening and now >= resume_at:
-                    self._selector.register(self._listener, selectors.EVENT_READ)
-                    listening = True
-                oldest = next(iter(self._openings.values()), None)  # openings share one timeout: the oldest expires first
-                wait = min(TICK_S, oldest.deadline - now if oldest is not None else TICK_S, resume_at - now if not listening else TICK_S)
                 try:
-                    events = self._selector.select(max(0.0, wait))
-                except OSError as exc:  # not expected of epoll_wait; never the end of the port
-                    log.error("bulk port %s: waiting for connections failed: %s", self.health.port, exc)
+                    self._turn()
+                except Exception:  # a bug must not end the port for good: log it and go on
+                    log.exception("bulk port %s: unexpected error in the accept thread; it goes on", self.health.port)
                     time.sleep(BACKOFF_FIRST_S)
-                    continue
-                for key, _ in events:
-                    if key.fileobj is self._listener:
-                        if listening and not self._accept_some():
-                            self._selector.unregister(self._listener)
-                            listening, resume_at = False, time.monotonic() + self._backoff
-                    elif key.data is not None and key.fd in self._openings:
-                        self._advance(key.data)
-                self._expire(time.monotonic())
-                if time.monotonic() - ticked >= TICK_S:
-                    ticked = time.monotonic()
-                    self._on_tick()
-                    self.health.tick(len(self._openings))
         finally:
             for opening in list(self._openings.values()):
                 self._drop(opening, None)
             self._selector.close()
+
+    def _turn(self) -> None:
+        """Wait for the listener, the openings or the next deadline (at most TICK_S), and act."""
+        now = time.monotonic()
+        if not self._listening and now >= self._resume_at:
+            self._selector.register(self._listener, selectors.EVENT_READ)
+            self._listening = True
+        oldest = next(iter(self._openings.values()), None)  # openings share one timeout: the oldest expires first
+        wait = min(TICK_S, oldest.deadline - now if oldest is not None else TICK_S, self._resume_at - now if not self._listening else TICK_S)
+        for key, _ in self._selector.select(max(0.0, wait)):
+            if key.fileobj is self._listener:
+                if self._listening and not self._accept_some():
+                    self._selector.unregister(self._listener)
+                    self._listening, self._resume_at = False, time.monotonic() + self._backoff
+            elif key.data is not None and key.fd in self._openings:
+                self._advance(key.data)
+        self._expire(time.monotonic())
+        if time.monotonic() - self._ticked >= TICK_S:
+            self._ticked = time.monotonic()
+            self._on_tick()
+            self.health.tick(len(self._openings))
 
     def _accept_some(self) -> bool:
         """Accept what is waiting (up to ACCEPT_BATCH); False when accepting must pause."""
