@@ -49,7 +49,7 @@ RUN pip install /tmp/wheels/ckptd-*.whl && rm -rf /tmp/wheels
 RUN groupadd --system --gid 10001 ckptd \
  && useradd --system --uid 10001 --gid ckptd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin ckptd \
  && install -d -o ckptd -g ckptd -m 0750 /var/lib/ckptd \
- && install -d -o ckptd -g ckptd -m 0770 /run/ckptd
+ && install -d -o ckptd -g ckptd -m 0750 /run/ckptd
 # Numeric, so Kubernetes' runAsNonRoot can check it without the image's /etc/passwd.
 USER 10001:10001
 

@@ -319,6 +319,12 @@ class MemoryStorage:
                 self.steps.pop((job, s), None)
         return found
 
+    def claim(self, node: int, socket: str) -> None:
+        """One process's memory: no other daemon can serve it."""
+
+    def release(self) -> None:
+        pass
+
     def clean_uncommitted(self) -> list[Path]:
         removed = []
         for job in self.jobs():

@@ -442,3 +442,15 @@ def test_a_committed_step_loses_its_prepared_marker_and_temporaries_and_keeps_wh
         left = sorted(p.name for p in storage.step_dir("job", step).iterdir())
         assert left == [".tmp-planted", INDEX_NAME], (step, left)
     assert victim.read_bytes() == b"v"
+
+
+# issue 30 finding 9 (c)
+def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, umask_007: None) -> None:
+    root = tmp_path / "new" / "ckpt"
+    Storage(root).clean_uncommitted()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o750 and stat.S_IMODE(root.parent.stat().st_mode) == 0o750
+    existing = tmp_path / "operators"  # a root the operator made keeps its mode
+    existing.mkdir(mode=0o755)
+    os.chmod(existing, 0o755)
+    Storage(existing).clean_uncommitted()
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o755

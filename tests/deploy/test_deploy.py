@@ -182,8 +182,8 @@ def test_the_unit_has_sockets_drain_reload_restart_and_hardening(tmp_path: Path)
     config = load_config({}, {}, DEPLOY / "systemd" / "ckptd.toml")
     assert service["ExecStart"].split()[1:] == ["serve", "--config", "/etc/ckptd/ckptd.toml"]
     assert service["ExecStart"].split()[0] == "/opt/ckptd/bin/ckptd"  # the README's install location
-    # socket directory: /run/<RuntimeDirectory>, group-accessible for the trainers
-    assert config.socket.parent == Path("/run") / service["RuntimeDirectory"] and service["RuntimeDirectoryMode"] == "0770"
+    # socket directory: /run/<RuntimeDirectory>, the trainers (group) may enter it, only the daemon may write it
+    assert config.socket.parent == Path("/run") / service["RuntimeDirectory"] and service["RuntimeDirectoryMode"] == "0750"
     assert config.root == Path("/var/lib") / service["StateDirectory"]
     assert (service["User"], service["Group"], service["UMask"]) == ("ckptd", "ckptd", "0007")
     assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) >= 300  # drain: commit what was handed over

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.errors import Exhausted
+from ckptd.daemon.private_dirs import create_file
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Arena:
         self.path_text = str(path)  # what load plans and replies carry (made once: loads name it per tensor)
         self.size = size
         self.on_close: list[Callable[[], None]] = []  # run before unmapping (e.g. unlock pinned pages)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        fd = create_file(path, 0o660)  # never through a link nor into a file planted there (private_dirs.py)
         try:
             try:
                 os.posix_fallocate(fd, 0, max(size, 1))

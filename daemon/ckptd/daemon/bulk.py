@@ -20,9 +20,12 @@ within TICKET_TTL_S. One transfer per connection:
     a RECEIVE ticket   caller -> holder: the bytes the ticket expects, back to back; then
                        holder -> caller: a status byte (0 taken, 1 refused), a u32 length, a UTF-8 reason
 
-A connection whose first 36 bytes are not a live ticket is closed without a byte sent. With
-mutual TLS on the peer port (`--peer-tls-*`), the bulk port uses the same certificates: each
-side checks the other's against the CA, and the caller checks the host name it dialled.
+A connection whose first 36 bytes are not a live ticket is closed without a byte sent. The
+opening is read by the port's accept thread under a short deadline, before any transfer thread
+is taken (bulk_gate.py: caps per source address, keeps accepting when descriptors run out, the
+port's health). With mutual TLS on the peer port (`--peer-tls-*`), the bulk port uses the same
+certificates: each side checks the other's against the CA, and the caller checks the host name
+it dialled.
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from ckptd.daemon.bulk_gate import Gate, PortHealth
+from ckptd.daemon.metrics import Metrics
+from ckptd.daemon.records import BulkPortStatus
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"CKB1"
 TICKET_BYTES = 32
 TICKET_TTL_S = 30.0  # a ticket not presented within this is dropped (its on_expire runs)
 IDLE_TIMEOUT_S = 30.0  # a connection that moves no byte for this long is closed
-OPENING_TIMEOUT_S = 5.0  # a connection must present its ticket within this (idle openers cannot hold the threads)
 BUFFER_BYTES = 8 * 2**20  # one receive buffer per connection
-CONNECTIONS = 16  # transfers served at once; more wait for a thread
+CONNECTIONS = 16  # transfers served at once (connections with a valid ticket); more wait for a thread
 STATUS = struct.Struct("<BI")
 
 
@@ -67,20 +73,21 @@ class _Ticket:
 
 
 class BulkServer:
-    """The bulk port of this daemon: a listening socket, its accept thread, and a pool of
-    connection threads. Tickets are issued from any thread (the event loop issues them while
-    answering Peer calls); each is used once."""
+    """The bulk port of this daemon: a listening socket, its accept thread (bulk_gate.Gate: the
+    openings) and a pool of transfer threads for connections with a valid ticket. Tickets are
+    issued from any thread (the event loop issues them while answering Peer calls); each is used
+    once."""
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, metrics: Metrics | None = None) -> None:
         self.host = host
         self._requested_port = port
         self._tls = tls
+        self._metrics = metrics
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._pool = ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="ckptd-bulk")
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._gate: Gate | None = None
         self.port = 0
 
     def start(self) -> None:
@@ -95,12 +102,17 @@ class BulkServer:
             raise OSError(
                 exc.errno, f"cannot listen on {self.host}:{self._requested_port} for replica bytes (--replica-port): {exc.strerror}"
             ) from None
-        listener.listen(64)
-        listener.settimeout(1.0)  # wakes up to drop expired tickets and to notice close()
+        listener.listen(128)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, name="ckptd-bulk-accept", daemon=True)
-        self._thread.start()
+        self._gate = Gate(listener, self._tls, len(MAGIC) + TICKET_BYTES, self._admit, self._drop_expired, PortHealth(self.port, self._metrics))
+        self._gate.start()
+
+    def status(self) -> BulkPortStatus:
+        """The port's health for `ckptd status` (bulk_gate.PortHealth)."""
+        if self._gate is None:
+            return BulkPortStatus(self.port, False, "not listening", 0, 0, 0)
+        return self._gate.health.status(self._gate.running)
 
     def issue(self, run: Transfer, on_expire: Callable[[], None] | None = None, ttl_s: float = TICKET_TTL_S) -> bytes:
         """A ticket for one connection that runs `run` with the caller's socket. on_expire runs
@@ -124,36 +136,21 @@ class BulkServer:
             if ticket.on_expire is not None:
                 _run_logged(ticket.on_expire, "an expired bulk ticket's clean-up")
 
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            self._drop_expired()
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                log.exception("the bulk port stopped accepting connections")
-                return
-            try:
-                self._pool.submit(self._serve, conn)
-            except RuntimeError:  # the pool is shut down: closing
-                conn.close()
-                return
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(OPENING_TIMEOUT_S)
+    def _admit(self, conn: socket.socket, opening: bytes) -> bool:
+        """(accept thread) A connection's opening has arrived: its transfer goes to a thread when
+        it presents a live ticket; False (the gate closes it) otherwise."""
+        ticket = self._take(opening[len(MAGIC):]) if opening[: len(MAGIC)] == MAGIC else None
+        if ticket is None:
+            return False
+        conn.settimeout(IDLE_TIMEOUT_S)
         try:
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            opening = recv_exact(conn, len(MAGIC) + TICKET_BYTES)
-            ticket = self._take(opening[len(MAGIC):]) if opening[: len(MAGIC)] == MAGIC else None
-            if ticket is None:
-                log.warning("bulk port: a connection without a valid ticket was closed")
-                return
-            conn.settimeout(IDLE_TIMEOUT_S)
+            self._pool.submit(self._serve, conn, ticket)
+        except RuntimeError:  # the pool is shut down: closing
+            conn.close()
+        return True
+
+    def _serve(self, conn: socket.socket, ticket: _Ticket) -> None:
+        try:
             ticket.run(conn)
         except (OSError, BulkError) as exc:
             log.warning("bulk port: a transfer ended early: %s", exc)
@@ -164,15 +161,10 @@ class BulkServer:
 
     def close(self) -> None:
         """Stop listening, wait for the transfers under way, drop the tickets (running their on_expire)."""
-        self._stopping.set()
+        if self._gate is not None:
+            self._gate.stop()
         if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread at once (Linux)
-            except OSError as exc:
-                log.debug("bulk port: shutdown of the listener: %s", exc)
             self._listener.close()
-        if self._thread is not None:
-            self._thread.join(5.0)
         self._pool.shutdown(wait=True)
         with self._lock:
             left = list(self._tickets.values())

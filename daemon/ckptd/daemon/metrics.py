@@ -138,6 +138,12 @@ class Metrics:
         self.replica_evicted = Counter("ckptd_replica_evicted", "Held replicas dropped to make room for a newer one of the same node.", registry=r)
         self.replica_served_bytes = Counter("ckptd_replica_served_bytes", "Bytes of held replicas sent to loading nodes.", registry=r)
         self.load_staged_bytes = Counter("ckptd_load_staged_bytes", "Bytes copied into staging files for loads, by tier: memory-local (a replica held here), memory-peer, disk-local, disk-peer.", ["tier"], registry=r)
+        self.bulk_port_healthy = Gauge("ckptd_bulk_port_healthy", "1 while the bulk port (replica bytes) accepts connections; 0 for a minute after accepting failed (no file descriptors).", registry=r)
+        self.bulk_accept_errors = Counter("ckptd_bulk_accept_errors", "Connections the bulk port failed to accept (out of file descriptors or kernel memory); it keeps retrying.", registry=r)
+        self.bulk_refused = Counter(
+            "ckptd_bulk_refused", "Connections the bulk port closed before a valid ticket, by reason: no-ticket (none or a wrong one), timeout (none within 5 s), "
+            "per-source and too-many (over the caps of connections without a ticket), closed (the peer hung up first).", ["reason"], registry=r,
+        )
         self.recoverable_step = Gauge("ckptd_recoverable_step", "Node 0: the newest step whose every node's part is held in memory by another node too.", ["job"], registry=r)
         self._server: object | None = None
         self._thread: threading.Thread | None = None

@@ -124,6 +124,10 @@ def _replicas_doc(r: pb.ReplicaStatus) -> dict[str, Any]:
              "recoverable_step": j.recoverable_step, "not_recoverable": j.not_recoverable}
             for j in r.jobs
         ],
+        "bulk_port": {
+            "port": r.bulk_port.port, "healthy": r.bulk_port.healthy, "problem": r.bulk_port.problem, "accept_errors": r.bulk_port.accept_errors,
+            "refused": r.bulk_port.refused, "opening": r.bulk_port.opening,
+        } if r.HasField("bulk_port") else None,
     }
 
 
@@ -142,6 +146,10 @@ def _replica_lines(replicas: dict[str, Any]) -> list[str]:
         if j["not_recoverable"]:
             parts.append(f"not recoverable: {j['not_recoverable']}")
         lines.append(f"  job {j['job']}: " + "; ".join(parts))
+    port = replicas.get("bulk_port")
+    if port is not None:
+        refused = f"; {port['refused']} connections refused without a valid ticket" if port["refused"] else ""
+        lines.append(f"  bulk port {port['port']}: " + ("healthy" if port["healthy"] else f"UNHEALTHY: {port['problem']}") + refused)
     return lines
 
 

@@ -125,6 +125,18 @@ class JobReplicas:
 
 
 @dataclass(frozen=True)
+class BulkPortStatus:
+    """The bulk port (tier 0b's bytes, bulk.py) in `ckptd status`."""
+
+    port: int
+    healthy: bool
+    problem: str  # why not healthy ("" when it is): accepting failed recently, or it stopped
+    accept_errors: int  # failed accepts since the daemon started (no descriptors, ...)
+    refused: int  # connections closed before a valid ticket: none or a wrong one, too slow, over the per-source cap
+    opening: int  # connections waiting to present their ticket now
+
+
+@dataclass(frozen=True)
 class ReplicaStatus:
     """Tier 0b in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
 
@@ -132,6 +144,7 @@ class ReplicaStatus:
     memory_limit: int  # --replica-memory
     held: tuple[tuple[str, int, int, int], ...]  # (job, node, step, bytes) of the other nodes' parts held here
     jobs: tuple[JobReplicas, ...]
+    bulk_port: BulkPortStatus | None = None  # None: this node holds no replicas (--replicas 0)
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,7 @@ def _replicas_pb(record: ReplicaStatus | None) -> pb.ReplicaStatus | None:
         held_bytes=record.held_bytes, memory_limit=record.memory_limit,
         held=[pb.HeldReplica(job=job, node=node, step=step, bytes=nbytes) for job, node, step, nbytes in record.held],
         jobs=[pb.JobReplicas(**{f.name: getattr(j, f.name) for f in dataclass_fields(j)}) for j in record.jobs],
+        bulk_port=pb.BulkPort(**{f.name: getattr(record.bulk_port, f.name) for f in dataclass_fields(record.bulk_port)}) if record.bulk_port else None,
     )
 
 

@@ -19,6 +19,7 @@ import signal
 import socket as socket_module
 import stat
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,11 +29,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ckptd.daemon.config import DaemonConfig, check_shm
 from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.peer_servicer import PeerServicer
+from ckptd.daemon.private_dirs import files_dir, prepare_socket_dir
 from ckptd.daemon.step_build import VERSION
 from ckptd.daemon.rpc_auth import PeerTokenInterceptor
 from ckptd.daemon.rpc_errors import ErrorStatusInterceptor
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
+from ckptd.daemon.storage.fs import make_dir
 from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
@@ -51,7 +54,10 @@ class SocketInUse(RuntimeError):
 
 
 def _prepare_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o770)
+    """The socket's directory made or checked (private_dirs.prepare_socket_dir: only this
+    daemon's user can change it), and a socket left there by a daemon that died removed;
+    SocketInUse when something else is at the path or a daemon answers on it."""
+    prepare_socket_dir(path.parent)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise SocketInUse(f"{path} exists and is not a socket; choose another --socket path")
@@ -59,7 +65,10 @@ def _prepare_socket(path: Path) -> None:
         try:
             probe.connect(str(path))
         except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink()  # left by a daemon that died
+            try:
+                path.unlink()  # left by a daemon that died
+            except PermissionError:
+                raise SocketInUse(f"{path} is a socket of uid {path.lstat().st_uid} that this daemon cannot remove; remove it (its owner or root) or choose another --socket") from None
         else:
             raise SocketInUse(f"another daemon is listening on {path}; stop it or choose another --socket")
         finally:
@@ -87,11 +96,16 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     reload: reads the configuration again on SIGHUP (None: SIGHUP is ignored, with a warning)."""
     if len(str(config.socket)) > 100:
         raise ValueError(f"socket path {config.socket} is longer than the 100 characters a Unix socket allows; use a shorter path")
-    if config.shm_dir.parent.is_dir():
-        config.shm_dir.mkdir(exist_ok=True)
+    if config.shm_dir.parent.is_dir() and not os.path.lexists(config.shm_dir):
+        make_dir(config.shm_dir, exist_ok=True)
     problem = check_shm(config.shm_dir, 0)
     if problem:
         raise RuntimeError(problem)
+    # The daemon's files in shared memory go where no other user can plant or swap them.
+    configured, config = config.shm_dir, replace(config, shm_dir=files_dir(config.shm_dir))
+    if config.shm_dir != configured:
+        log.info("shared-memory files in %s: %s is shared with other users", config.shm_dir, configured)
+        reload = _keeping_shm_dir(reload, configured, config.shm_dir)
     # A container's default 64 MiB /dev/shm fails every real save: say so now, not at the first save.
     small = check_shm(config.shm_dir, SHM_WARN_BYTES)
     if small:
@@ -185,6 +199,20 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         pass
     log.info("ckptd stopped")
     return 0
+
+
+def _keeping_shm_dir(reload: Callable[[], DaemonConfig] | None, configured: Path, used: Path) -> Callable[[], DaemonConfig] | None:
+    """`reload` whose configuration names the shared-memory directory in use (files_dir) where
+    it still names the configured one: SIGHUP does not report an unchanged --shm-dir as changed."""
+    if reload is None:
+        return None
+    read = reload
+
+    def again() -> DaemonConfig:
+        new = read()
+        return replace(new, shm_dir=used) if new.shm_dir == configured else new
+
+    return again
 
 
 async def _reload(service: CheckpointService, reload: Callable[[], DaemonConfig] | None) -> None:

@@ -127,8 +127,11 @@ class CheckpointService:
     # Lifecycle.
 
     def start(self) -> None:
-        """Prepare the root and shared memory: remove what crashed daemons left behind."""
+        """Prepare the root and shared memory: remove what crashed daemons left behind. The
+        root's node lock is taken first (StorageBackend.claim): a second daemon for this node
+        of the root stops here (RootInUse), before anything is removed."""
         config = self.engine.config
+        self.engine.storage.claim(config.node_rank, str(config.socket))
         for path in self.engine.storage.clean_uncommitted():
             log.warning("removed uncommitted leftover %s", path)
         config.shm_dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +191,7 @@ class CheckpointService:
         self.loads.close()
         if self.replication is not None:
             self.replication.close()
+        self.engine.storage.release()
 
     # Saves.
 

@@ -444,16 +444,34 @@ class StatusResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("held_bytes", "memory_limit", "held", "jobs")
+    __slots__ = ("held_bytes", "memory_limit", "held", "jobs", "bulk_port")
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     held_bytes: int
     memory_limit: int
     held: _containers.RepeatedCompositeFieldContainer[HeldReplica]
     jobs: _containers.RepeatedCompositeFieldContainer[JobReplicas]
-    def __init__(self, held_bytes: _Optional[int] = ..., memory_limit: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldReplica, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobReplicas, _Mapping]]] = ...) -> None: ...
+    bulk_port: BulkPort
+    def __init__(self, held_bytes: _Optional[int] = ..., memory_limit: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldReplica, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobReplicas, _Mapping]]] = ..., bulk_port: _Optional[_Union[BulkPort, _Mapping]] = ...) -> None: ...
+
+class BulkPort(_message.Message):
+    __slots__ = ("port", "healthy", "problem", "accept_errors", "refused", "opening")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    OPENING_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    healthy: bool
+    problem: str
+    accept_errors: int
+    refused: int
+    opening: int
+    def __init__(self, port: _Optional[int] = ..., healthy: _Optional[bool] = ..., problem: _Optional[str] = ..., accept_errors: _Optional[int] = ..., refused: _Optional[int] = ..., opening: _Optional[int] = ...) -> None: ...
 
 class HeldReplica(_message.Message):
     __slots__ = ("job", "node", "step", "bytes")

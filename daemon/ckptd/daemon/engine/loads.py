@@ -13,10 +13,9 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-from ckptd.daemon.arena import ARENA_PREFIX, ArenaSet
+from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.load_plan import (
     LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, Tier, file_locations, file_sources, incomplete_message,
@@ -28,6 +27,7 @@ from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
 from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.engine.staging import StagingFiles
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class Loads:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
+        self.staging = StagingFiles(engine.config.shm_dir)
 
     async def plan(
         self,
@@ -147,7 +148,7 @@ class Loads:
             path = storage.local_path(job, step, file) if direct_read else None
             return None if path is None else str(path)
 
-        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self._staging_path(job, step, f)), tiers)
+        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
         planned = plan_pieces(index, wanted, kinds, strict, held, locations)
         await self._stage_all(index, planned.reads, locations)
         plan_id = ""
@@ -263,7 +264,7 @@ class Loads:
         try:
             for read in reads:
                 if read.file not in fds:
-                    fds[read.file] = await asyncio.to_thread(os.open, locations[read.file].path, os.O_WRONLY | os.O_CREAT, 0o640)
+                    fds[read.file] = await asyncio.to_thread(self.staging.open, locations[read.file].path)
             by_source: dict[int, list[tuple[str, int, int, int]]] = {}
             for read in reads:
                 by_source.setdefault(writer[read.file], []).append((read.file, read.offset, read.nbytes, fds[read.file]))
@@ -304,12 +305,9 @@ class Loads:
             self._fetches[key] = task
         await asyncio.shield(task)
 
-    def _staging_path(self, job: str, step: int, file: str) -> Path:
-        return self.engine.config.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
-
     async def _fetch_into(self, location: Location, index: CheckpointIndex, read: StagedRead) -> None:
         engine = self.engine
-        fd = await asyncio.to_thread(os.open, Path(location.path), os.O_WRONLY | os.O_CREAT, 0o640)
+        fd = await asyncio.to_thread(self.staging.open, location.path)
         try:
             if location.tier is Tier.MEMORY_LOCAL and self._replication is not None:
                 source = next(f.node for f in index.files if f.name == read.file)
@@ -394,7 +392,7 @@ class Loads:
             return
         for key in keys:
             del self._fetches[key]
-            self._staging_path(job, step, key[2]).unlink(missing_ok=True)
+            self.staging.remove(self.staging.path(job, step, key[2]))
 
     def expire_leases(self) -> None:
         now = time.monotonic()
@@ -408,6 +406,5 @@ class Loads:
         return {lease.step for lease in self.leases.values() if lease.job == job}
 
     def close(self) -> None:
-        for path in self.engine.config.shm_dir.glob(f"{ARENA_PREFIX}{os.getpid()}-fetch-*"):
-            path.unlink(missing_ok=True)
+        self.staging.close()
 

@@ -38,6 +38,7 @@ import xxhash
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.arena import ARENA_PREFIX
 from ckptd.daemon.errors import NotFound
+from ckptd.daemon.private_dirs import create_file
 from ckptd.daemon.format import FileRecord, read_header
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.step_build import checksum_name
@@ -171,7 +172,7 @@ class ReplicaStore:
         try:
             for record in receipt.files:
                 path = receipt.parts[record.name]
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+                fd = create_file(path, 0o640)
                 fds.append(fd)
                 try:
                     if record.size:
@@ -181,7 +182,7 @@ class ReplicaStore:
         except BaseException:
             for fd in fds:
                 os.close(fd)
-            remove_files(receipt.parts.values())
+            remove_files([receipt.parts[r.name] for r in receipt.files[: len(fds)]])  # only what it created
             raise
         return fds
 

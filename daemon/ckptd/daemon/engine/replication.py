@@ -182,7 +182,7 @@ class Replication:
         self._client_tls: ssl.SSLContext | None = tls[1] if tls is not None else None
         self.bulk: BulkServer | None = None
         if engine.cluster is not None and config.replicas > 0:
-            self.bulk = BulkServer(config.peers[config.node_rank].rpartition(":")[0], config.replica_port, tls[0] if tls is not None else None)
+            self.bulk = BulkServer(config.peers[config.node_rank].rpartition(":")[0], config.replica_port, tls[0] if tls is not None else None, engine.metrics)
         self.pushes: dict[str, PushState] = {}
         self._cancels: dict[str, threading.Event] = {}
         self.recoverability = Recoverability(engine)
@@ -214,7 +214,7 @@ class Replication:
                 )
             )
         held = tuple((r.job, r.node, r.step, r.nbytes) for r in self.store.held.values())
-        return ReplicaStatus(self.store.nbytes, self.store.limit, held, tuple(jobs))
+        return ReplicaStatus(self.store.nbytes, self.store.limit, held, tuple(jobs), self.bulk.status() if self.bulk is not None else None)
 
     def _buddies(self) -> tuple[int, ...]:
         cluster = self.engine.cluster

@@ -219,5 +219,12 @@ class StorageBackend(Protocol):
     def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[tuple[Path, int, str, int]]:
         """Remove (unless `dry_run`) what a failed save left; (where, step or -1, reason, bytes)."""
 
+    def claim(self, node: int, socket: str) -> None:
+        """Make this daemon the one that serves node `node` of the storage, before any recovery
+        or cleanup runs (POSIX: root_lock.py); RootInUse naming the daemon that already does."""
+
+    def release(self) -> None:
+        """Give up what `claim` took (idempotent)."""
+
     def clean_uncommitted(self) -> list[Path]:
         """Start-up recovery: remove what a crash left, fix each job's `latest`."""

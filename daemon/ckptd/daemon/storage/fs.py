@@ -95,6 +95,21 @@ def make_dir(path: Path, exist_ok: bool = False) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """Directory `path` and whatever of its parents is missing, each made with DIR_MODE whatever
+    the umask (make_dir); directories that exist keep their owner and mode (a root the operator
+    made is the operator's). ForeignEntry when `path` is something other than a directory."""
+    missing = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        make_dir(p, exist_ok=True)
+    if not missing and not os.path.isdir(path):
+        raise ForeignEntry(f"{path} is {lkind(path)}, not a directory: give a directory as the storage root")
+
+
 def create_file(path: Path | str, dir_fd: int | None = None) -> int:
     """A new empty file at `path` (relative to `dir_fd` when given) open for writing, mode
     FILE_MODE whatever the umask, never through a link (O_EXCL | O_NOFOLLOW). One of the daemon's

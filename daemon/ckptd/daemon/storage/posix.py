@@ -34,6 +34,7 @@ from ckptd.daemon.storage.fs import (
     fsync_dir,
     lkind,
     make_dir,
+    make_dirs,
     open_for_reading,
     read_file,
     real_dir_at,
@@ -47,6 +48,7 @@ from ckptd.daemon.storage.fs import (
 )
 from ckptd.daemon.storage.posix_clean import UncommittedStep
 from ckptd.daemon.storage.posix_parts import PosixPartWriter, PosixStepReader, link_committed_file
+from ckptd.daemon.storage.root_lock import NodeClaim
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Storage:
         # (job, step) -> (the index file's (inode, size, mtime), its created_at): commit_order()
         # parses each index once, not at every commit
         self._commit_times: dict[tuple[str, int], tuple[tuple[int, int, int], float]] = {}
+        self._claim = NodeClaim(self.root)  # this daemon's node lock of the root (root_lock.py)
 
     def job_dir(self, job: str) -> Path:
         return self.root / check_job_id(job)
@@ -248,7 +251,7 @@ class Storage:
         when either is a link or not a directory. The root's own mode is the operator's."""
         path = self.step_dir(job, step)
         if not self.root.is_dir():
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)
         make_dir(path.parent, exist_ok=True)
         make_dir(path, exist_ok=True)
         return path
@@ -352,12 +355,15 @@ class Storage:
         the daemon runs (posix_clean.leftovers). Returns (path, step or -1, reason, bytes) of each."""
         return posix_clean.leftovers(self, job, busy, min_age_s, dry_run)
 
+    def claim(self, node: int, socket: str) -> None:
+        self._claim.take(node, socket)
+
+    def release(self) -> None:
+        self._claim.release()
+
     def clean_uncommitted(self) -> list[Path]:
-        """Start-up recovery: remove what a crash left and fix each job's `latest`
-        (posix_clean.clean_uncommitted). Makes the root when it is missing (its mode is the
-        operator's). Returns what was removed."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        return posix_clean.clean_uncommitted(self)
+        """Start-up recovery: posix_clean.clean_uncommitted (skipped while other nodes' daemons serve the root)."""
+        return posix_clean.clean_uncommitted(self, self._claim.others())
 
     # ------------------------------------------------------------ the rest of StorageBackend
 

@@ -20,6 +20,7 @@ from ckptd.daemon.storage.fs import (
     foreign_reason,
     lkind,
     make_dir,
+    make_dirs,
     open_dir,
     own_entry,
     real_dir_at,
@@ -168,12 +169,23 @@ def leftovers(storage: "Storage", job: str, busy: set[int], min_age_s: float = 0
     return out
 
 
-def clean_uncommitted(storage: "Storage") -> list[Path]:
+def clean_uncommitted(storage: "Storage", others: list[str]) -> list[Path]:
     """Remove what a crash left: step directories without an index, temporary files and
     half-deleted steps (only what the daemon wrote: remove_own_tree). Then rewrite each
     job's `latest` from the committed steps where it does not name the newest. What cannot
     be changed (a read-only root, a foreign `latest`) is logged, not raised: the daemon
-    starts and serves loads; saves fail naming the cause."""
+    starts and serves loads; saves fail naming the cause.
+
+    The root is made (DIR_MODE) when missing. `others`: the other nodes' daemons that serve
+    this root now (a shared root, RootLock.others). Then nothing is removed, with a warning: a
+    step without an index may be one they are writing; `ckptd gc` removes leftovers once old."""
+    make_dirs(storage.root)
+    if others:
+        log.warning(
+            "start-up recovery of %s skipped: other nodes' daemons serve this root (%s), so a step without an index may be "
+            "one they are writing; `ckptd gc` removes leftovers later", storage.root, "; ".join(others),
+        )
+        return []
     removed = []
     for job in storage.jobs():
         job_dir = storage.job_dir(job)

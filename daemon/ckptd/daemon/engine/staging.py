@@ -1,0 +1,99 @@
+"""A load's staging files: copies of byte ranges of a step's data files in the daemon's own
+shared-memory directory (private_dirs.files_dir), for ranks that cannot read the files
+themselves (peers' files, replicas, a root they cannot see). One file per (job, step, data
+file), shared by every local rank and filled range by range, removed once no load needs it.
+
+A staging file is created once, by its first range, with O_EXCL | O_NOFOLLOW (never through a
+link, never into a file someone planted at the name), and reopened for its other ranges only
+if it is still that very file (device and inode). Anything else at the path fails the load
+(Precondition) and nothing is written into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+
+from ckptd.daemon.arena import ARENA_PREFIX
+from ckptd.daemon.errors import Precondition
+from ckptd.daemon.private_dirs import create_file
+
+log = logging.getLogger(__name__)
+
+STAGING_MODE = 0o640  # the daemon's group (the trainers) reads them
+
+
+class StagingFiles:
+    """The staging files of this daemon's loads in `shm_dir`. `open` is called from threads."""
+
+    def __init__(self, shm_dir: Path) -> None:
+        self.shm_dir = shm_dir
+        self._made: dict[str, tuple[int, int]] = {}  # path -> (device, inode) of the files created here
+        self._lock = threading.Lock()
+
+    def path(self, job: str, step: int, file: str) -> Path:
+        """Where the staging copy of `file` of a step goes (the name starts with the daemon's
+        pid: remove_stale_arenas removes those of a daemon that died)."""
+        return self.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
+
+    def open(self, path: str) -> int:
+        """(thread) The staging file at `path` open for writing one of its ranges; Precondition
+        naming the path when something this daemon did not create is there."""
+        with self._lock:
+            made = self._made.get(path)
+            if made is None:
+                try:
+                    fd = create_file(Path(path), STAGING_MODE)
+                except (FileExistsError, IsADirectoryError) as exc:
+                    raise Precondition(_planted(path, exc)) from None
+                st = os.fstat(fd)
+                self._made[path] = (st.st_dev, st.st_ino)
+                return fd
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: ENXIO, not a wait
+        except OSError as exc:
+            raise Precondition(_planted(path, exc)) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != made:
+            os.close(fd)
+            raise Precondition(_planted(path, None))
+        os.set_blocking(fd, True)
+        return fd
+
+    def remove(self, path: Path) -> None:
+        """Remove a staging file this daemon created; anything else now at the path stays."""
+        with self._lock:
+            made = self._made.pop(str(path), None)
+        if made is not None:
+            _unlink_if(path, made)
+
+    def close(self) -> None:
+        """Remove every staging file of this daemon (shutdown)."""
+        with self._lock:
+            made, self._made = self._made, {}
+        for path, identity in made.items():
+            _unlink_if(Path(path), identity)
+
+
+def _unlink_if(path: Path, identity: tuple[int, int]) -> None:
+    """Unlink `path` if it is still the regular file of (device, inode) `identity`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)
+    else:
+        log.warning("leaving %s alone: it is not the staging file this daemon created there", path)
+
+
+def _planted(path: str, exc: OSError | None) -> str:
+    why = exc.strerror if exc is not None and exc.strerror else "another file"
+    log.error("a load's staging file %s is not the one this daemon created (%s); nothing was written into it", path, why)
+    return (
+        f"the staging file {path} in shared memory is not the one this daemon created ({why}); nothing was written into it. "
+        "Remove it, check who can write the shared-memory directory (docs/operations.md: Local users), and load again"
+    )
