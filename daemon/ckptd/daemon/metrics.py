@@ -108,6 +108,10 @@ class Metrics:
         self.bytes_linked = Counter(
             "ckptd_linked_bytes", "Bytes of unchanged files of frozen tensors linked from the previous step instead of written (incremental saves).", ["job"], registry=r
         )
+        self.link_mismatches = Counter(
+            "ckptd_link_mismatches", "Files an incremental save linked from the previous step and found damaged on disk when it read them back (then written again from the snapshot).",
+            ["job"], registry=r,
+        )
         self.throughput = Gauge(
             "ckptd_write_throughput_bytes_per_second", "Write rate of the newest step this daemon wrote: its bytes / seconds spent writing and fsyncing.",
             ["job"], registry=r,

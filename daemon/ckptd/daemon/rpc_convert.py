@@ -117,6 +117,7 @@ def progress_pb(session: "SaveSession") -> pb.SaveProgress:
         state=session.state,
         bytes_total=session.bytes_total,
         bytes_written=session.progress.written if session.progress else 0,
+        bytes_linked=session.progress.linked if session.progress else 0,
         done=session.finished.is_set(),
         error=session.error or session.skip_reason or "",
         step_dir=session.step_dir,
@@ -149,7 +150,7 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         in_flight=[
             pb.InFlight(
                 job=f.job, step=f.step, state=f.state, bytes_total=f.bytes_total, bytes_written=f.bytes_written, age_s=f.age_s,
-                ranks_arrived=f.ranks_arrived, ranks_expected=f.ranks_expected, write_s=f.write_s,
+                ranks_arrived=f.ranks_arrived, ranks_expected=f.ranks_expected, write_s=f.write_s, bytes_linked=f.bytes_linked,
             )
             for f in status.in_flight
         ],
@@ -159,6 +160,7 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         queue_depth=status.queue_depth, node_rank=status.node_rank, nodes=status.nodes,
         bytes_written_total=status.bytes_written_total, uptime_s=status.uptime_s, loads_active=status.loads_active,
         last_commit=_last_commit_pb(status.last_commit), remote=_remote_pb(status.remote), replicas=_replicas_pb(status.replicas),
+        link_mismatches_total=status.link_mismatches_total,
     )
 
 
