@@ -140,6 +140,12 @@ class Metrics:
         self.replica_received_bytes = Counter("ckptd_replica_received_bytes", "Bytes of other nodes' parts received, checked and held.", registry=r)
         self.replica_refused = Counter("ckptd_replica_refused", "Replica offers refused (over --replica-memory or shared memory full).", registry=r)
         self.replica_evicted = Counter("ckptd_replica_evicted", "Held replicas dropped to make room for a newer one of the same node.", registry=r)
+        self.replica_damaged = Counter(
+            "ckptd_replica_damaged", "Replicas whose bytes did not match the step's checksums, by where: arrival (a buddy did not keep it), "
+            "load (a load read the range from the writer's disk instead; the log names the holder).", ["where"], registry=r,
+        )
+        for where in ("arrival", "load"):
+            self.replica_damaged.labels(where)
         self.replica_served_bytes = Counter("ckptd_replica_served_bytes", "Bytes of held replicas sent to loading nodes.", registry=r)
         self.load_staged_bytes = Counter("ckptd_load_staged_bytes", "Bytes copied into staging files for loads, by tier: memory-local (a replica held here), memory-peer, disk-local, disk-peer.", ["tier"], registry=r)
         self.recoverable_step = Gauge("ckptd_recoverable_step", "Node 0: the newest step whose every node's part is held in memory by another node too.", ["job"], registry=r)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields as dataclass_fields
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -21,6 +21,7 @@ from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.plan import SavePlan, TensorSpec
 from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
+from ckptd.daemon.units import Unit
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 
@@ -363,6 +364,10 @@ def bulk_answer_of(reply: ppb.BulkTicket) -> BulkAnswer:
     return BulkAnswer(reply.accepted, reply.reason, reply.held, reply.port, reply.ticket)
 
 
-def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord]) -> ppb.OfferReplicaRequest:
+def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord], units: Mapping[str, Sequence[Unit]]) -> ppb.OfferReplicaRequest:
     entries = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in files]
-    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries)
+    checks = [
+        ppb.FileUnits(name=f.name, units=[ppb.ChecksumUnit(offset=u.offset, nbytes=u.nbytes, xxh3=u.xxh3) for u in units[f.name]])
+        for f in files
+    ]
+    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries, units=checks)

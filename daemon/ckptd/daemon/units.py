@@ -82,14 +82,9 @@ def file_units(index: CheckpointIndex) -> dict[str, tuple[Unit, ...]]:
         body = [u for key in sorted(pieces[name]) for u in pieces[name][key]]
         header = Unit(0, body[0].offset if body else record.size, checksum_digest(record.checksum, name))
         units = (header, *body)
-        cursor = 0
-        for unit in units:
-            if unit.offset != cursor:
-                what = "overlap" if unit.offset < cursor else f"bytes [{cursor}, {unit.offset}) no checksum covers"
-                raise FormatError(f"{name}: the index's records of it {what}: it cannot be verified")
-            cursor = unit.end
-        if cursor != record.size:
-            raise FormatError(f"{name}: the index's records of it end at byte {cursor}, the file has {record.size}: it cannot be verified")
+        problem = tiling_problem(units, record.size)
+        if problem is not None:
+            raise FormatError(f"{name}: the index's records of it {problem}: it cannot be verified")
         out[name] = units
     for name, record in records.items():
         if name in out:
@@ -99,6 +94,17 @@ def file_units(index: CheckpointIndex) -> dict[str, tuple[Unit, ...]]:
             raise FormatError(f"{name}: no tensor of the index is stored in it and it is no copy of a file that has: it cannot be verified")
         out[name] = out[source]  # a byte copy (the PEFT adapter file): verified as its source
     return out
+
+
+def tiling_problem(units: Sequence[Unit], size: int) -> str | None:
+    """None when `units`, in order, tile bytes [0, size) exactly; else what is wrong ("overlap",
+    "bytes [a, b) no checksum covers", "end at byte b, the file has n")."""
+    cursor = 0
+    for unit in units:
+        if unit.offset != cursor or unit.nbytes < 0:
+            return "overlap" if unit.offset < cursor or unit.nbytes < 0 else f"bytes [{cursor}, {unit.offset}) no checksum covers"
+        cursor = unit.end
+    return None if cursor == size else f"end at byte {cursor}, the file has {size}"
 
 
 def read_ranges(units: Sequence[Unit], target_bytes: int) -> list[tuple[int, int, tuple[Unit, ...]]]:
