@@ -100,3 +100,25 @@ def test_a_server_killed_mid_upload_is_retried_with_backoff_and_the_bucket_never
     finally:
         server.close()
 
+
+
+# issue 30 finding 11: the multipart upload a failed attempt abandoned (the server went away in the
+# middle of it) is aborted by the next attempt, not left stored and billed until a restart.
+@pytest.mark.slow
+def test_a_retried_upload_aborts_the_multipart_upload_its_failed_attempt_abandoned(node: Node, tmp_path: Path) -> None:
+    server = RestartableS3()
+    try:
+        bucket = Bucket(server.server, server.server.make_bucket("abandoned"), "ckpt")
+        env = daemon_env(server.server, CKPTD_FAULT_S3_RETRY_S="1")
+        node.start(bucket.url, env, "--remote-part-bytes", "5MiB", "--remote-streams", "2")
+        save_steps(node, JOB, [1], nbytes=48 << 20)  # ten parts, two in flight
+        wait_for(lambda: any("/step-00000001/" in key for key in bucket.unfinished_uploads()), 30, "the multipart upload of step 1", poll_s=0.01)
+        server.kill()
+        wait_for(lambda: remote_status(node.daemon.address)["remote"]["failures"] >= 1, 60, "a failed attempt")
+        server.restart()
+        remote = wait_for(lambda: uploads_settled(node.daemon.address), 90, "the upload after the server came back")
+        assert remote["uploaded_steps"] == 1 and bucket.check_all_complete(JOB, tmp_path / "check") == [1]
+        assert bucket.unfinished_uploads() == []  # the same daemon, no restart: its retry aborted what it left
+        assert re.search(r"aborted 1 unfinished multipart upload\(s\) of \S+/step-00000001/\S+ that a failed attempt left", node.daemon.log_text())
+    finally:
+        server.close()
