@@ -47,6 +47,13 @@ def _train(model: LoraModel, opt: torch.optim.Optimizer, steps: int = 2) -> None
         opt.step()
 
 
+def _lora_and_adam() -> tuple[LoraModel, torch.optim.Optimizer]:
+    """The same LoRA model every time, and Adam over its adapters."""
+    torch.manual_seed(0)
+    model = LoraModel()
+    return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+
 def _step_dir(root: Path, step: int) -> Path:
     return root / "job" / f"step-{step:08d}"
 
@@ -54,9 +61,7 @@ def _step_dir(root: Path, step: int) -> Path:
 def test_frozen_files_are_written_once_and_every_step_loads(daemons, tmp_path: Path) -> None:
     port = free_port()
     daemon = daemons.start("--keep-last", "2", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
-    torch.manual_seed(0)
-    model = LoraModel()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = _lora_and_adam()
     saved = {}
     with CheckpointClient("job", address=daemon.address, on_error="raise") as client:
         for step in (1, 2, 3):
@@ -169,9 +174,7 @@ def _flip(path: Path, at: int, replace: bool) -> None:
 def test_a_frozen_file_damaged_on_disk_is_written_again_and_every_acknowledged_step_loads_after_a_restart(daemons, replace: bool) -> None:
     port = free_port()
     daemon = daemons.start("--keep-last", "2", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
-    torch.manual_seed(0)
-    model = LoraModel()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = _lora_and_adam()
     saved = {}
     with CheckpointClient("job", address=daemon.address, on_error="raise") as client:
         _train(model, opt)
@@ -206,9 +209,7 @@ def test_a_frozen_file_damaged_on_disk_is_written_again_and_every_acknowledged_s
 # issue 30 finding 11: DurableInfo reports the bytes written and the bytes linked apart.
 def test_durable_info_reports_written_and_linked_bytes_apart(daemons) -> None:
     daemon = daemons.start()
-    torch.manual_seed(0)
-    model = LoraModel()
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = _lora_and_adam()
     frozen_bytes = sum(p.numel() * 4 for p in model.base.parameters()) + model.scale.numel() * 4
     with CheckpointClient("job", address=daemon.address, on_error="raise") as client:
         _train(model, opt)
