@@ -188,6 +188,8 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     recycled = storage.take_recycled(req.job)
     check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [size for _, size in recycled])
     storage.prepare_step(req.job, req.step, fresh=not req.shared_dir)
+    # A linked file found damaged is written after all: bytes check_space did not count (rare;
+    # a disk that is full then fails the save as any write does).
     linked, damaged = _link_checked(storage, req, reusable, previous_units)
     for reuse in linked:
         files.append(reuse.record)

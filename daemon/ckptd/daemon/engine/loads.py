@@ -298,7 +298,7 @@ class Loads:
                 os.close(fd)
 
     async def _stage_from_disk(
-        self, index: CheckpointIndex, source: int, reads: Sequence[StagedRead], locations: dict[str, Location], cause: Unavailable
+        self, index: CheckpointIndex, source: int, reads: Sequence[StagedRead], locations: dict[str, Location], cause: Unavailable | NotFound
     ) -> None:
         """Stage reads of `source`'s files from its root (this node's when it is `source`), into
         the same staging files the replica read was filling."""
@@ -336,7 +336,7 @@ class Loads:
                     await asyncio.to_thread(
                         self._replication.copy_local, index.job, index.step, source, read.file, read.offset, read.nbytes, fd, units or {}
                     )
-                except Unavailable as exc:
+                except (Unavailable, NotFound) as exc:  # damaged, or replaced by a newer step's since the load was planned
                     log.warning("step %s of job %s: %s; reading node %s's part from its disk instead", index.step, index.job, exc, source,
                                 extra={"job": index.job, "step": index.step})
                     await self._stage_from_disk(index, source, [read], {read.file: location}, exc)

@@ -561,9 +561,11 @@ class Replication:
     ) -> None:
         """(thread) Copy a range of a replica this daemon holds into a staging file (the kernel
         copies; `out_fd` readable too), widened to whole checksum units and checked as `fetch`
-        does. Unavailable when the replica is gone, or the copy is damaged (named as this node's)."""
+        does. NotFound when the replica is gone; Unavailable when it ends short or the copy is
+        damaged (named as this node's)."""
         replica = self.store.replica(job, source, step)
-        ((_, offset, nbytes, _),), checks = widen_to_units([(file, offset, nbytes, out_fd)], units)
+        (widened,), checks = widen_to_units([(file, offset, nbytes, out_fd)], units)
+        _, offset, nbytes, _ = widened
         ((fd, _, _),) = open_ranges(replica, [(file, offset, nbytes)])
         try:
             done = 0
