@@ -17,7 +17,15 @@ values), then saves to both daemons in an order rotated each round:
 - durable: from save() until wait_durable() returns (written, fsynced, committed); its
   background part (durable - stall) is what linking shrinks;
 - floor: writing and fsyncing just the bytes that changed (the adapters and their optimizer
-  state) as one file in the same directory, the least any save must do.
+  state) as one file in the same directory, the least any save must do;
+- check: what linking costs instead of writing. An incremental save reads every linked file
+  back and checks it against the previous step's checksums before the step is reported
+  written (reuse.check_linked; a file damaged on disk is written again). Measured here with
+  the same code (units.first_mismatch over ranges of reuse.CHECK_RANGE_BYTES, 4 threads as
+  the daemon's --write-threads) on the files the incremental daemon linked: from the page
+  cache (warm: where the daemon finds a file it wrote or read recently) and after evicting
+  them (cold: posix_fadvise DONTNEED, read from the disk), against writing and fsyncing the
+  same bytes as new files (what `--no-link-unchanged` does with them).
 
 After `--warmup` untimed rounds (the first save of each daemon writes everything), `--rounds`
 rounds. Printed: medians (min-max) of the figures and of the ratios taken within each round.
@@ -37,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +53,9 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
+from ckptd.daemon.reuse import CHECK_RANGE_BYTES
+from ckptd.daemon.units import first_mismatch, file_units, read_ranges
 from ckptd.demo.process import DaemonProcess, start_daemon
 
 WAYS = ("incremental", "full")
@@ -103,6 +115,41 @@ def floor_write(path: Path, nbytes: int) -> float:
     return seconds
 
 
+CHECK_THREADS = 4  # the daemon's default --write-threads: its check of linked files uses as many
+
+
+def linked_files(step_dir: Path, previous: Path) -> list[Path]:
+    """The step's data files that are hard links of the previous step's (an incremental save's)."""
+    before = {p.stat().st_ino for p in previous.glob("*.safetensors")}
+    return [p for p in step_dir.glob("*.safetensors") if p.stat().st_ino in before]
+
+
+def check_files(step_dir: Path, files: list[Path], cold: bool) -> float:
+    """Seconds to read `files` of the step back and check every byte against the step's index,
+    as an incremental save checks the files it links; `cold`: evicted from the page cache first."""
+    units = file_units(CheckpointIndex.from_json_bytes((step_dir / INDEX_NAME).read_bytes()))
+    fds = {p.name: os.open(p, os.O_RDONLY) for p in files}
+    try:
+        if cold:
+            for fd in fds.values():
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        tasks = [(fds[name], group) for name in fds for _, _, group in read_ranges(units[name], CHECK_RANGE_BYTES)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(CHECK_THREADS) as pool:
+            problems = list(pool.map(lambda task: first_mismatch(lambda n, o: os.pread(task[0], n, o), task[1]), tasks))
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert not any(problems), problems
+    return seconds
+
+
+def write_files(directory: Path, files: list[Path]) -> float:
+    """Seconds to write and fsync files of the sizes of `files` as new files in `directory`."""
+    return sum(floor_write(directory / f"write-{i}.bin", p.stat().st_size) for i, p in enumerate(files))
+
+
 def run_sweep(out: Path, tensors: int, args: argparse.Namespace) -> dict[str, object]:
     layers, width, rank = shape_for(tensors, args.mib, args.frozen)
     torch.manual_seed(0)
@@ -121,7 +168,11 @@ def run_sweep(out: Path, tensors: int, args: argparse.Namespace) -> dict[str, ob
             clients[way] = CheckpointClient("lora", address=daemons[way].address, on_error="raise")
         figures = {way: Figures() for way in WAYS}
         floors: list[float] = []
-        ratios: dict[str, list[float]] = {"bytes inc/full": [], "durable inc/full": [], "background inc/full": [], "durable inc/floor": []}
+        ratios: dict[str, list[float]] = {
+            "bytes inc/full": [], "durable inc/full": [], "background inc/full": [], "durable inc/floor": [],
+            "check warm/write": [], "check cold/write": [],
+        }
+        checks: dict[str, list[float]] = {"warm": [], "cold": [], "write": [], "linked MiB": []}
         changed = 0
         step = 0
         for rnd in range(args.warmup + args.rounds):
@@ -144,6 +195,16 @@ def run_sweep(out: Path, tensors: int, args: argparse.Namespace) -> dict[str, ob
             floor = floor_write(daemons["full"].root / "floor.bin", changed)
             if rnd < args.warmup:
                 continue
+            root = daemons["incremental"].root / "lora"
+            linked = linked_files(root / f"step-{step:08d}", root / f"step-{step - 1:08d}")
+            warm, cold = (check_files(root / f"step-{step:08d}", linked, cold) for cold in (False, True))
+            write = write_files(daemons["full"].root, linked)
+            checks["warm"].append(warm)
+            checks["cold"].append(cold)
+            checks["write"].append(write)
+            checks["linked MiB"].append(sum(p.stat().st_size for p in linked) / 2**20)
+            ratios["check warm/write"].append(warm / write)
+            ratios["check cold/write"].append(cold / write)
             floors.append(floor)
             for way in WAYS:
                 figures[way].durable_s.append(took[way][0])
@@ -157,7 +218,7 @@ def run_sweep(out: Path, tensors: int, args: argparse.Namespace) -> dict[str, ob
         frozen_bytes = sum(p.numel() * 4 for p in model.base)
         return {
             "tensors": count, "layers": layers, "width": width, "rank": rank,
-            "frozen share": frozen_bytes / (frozen_bytes + changed), "figures": figures, "floors": floors, "ratios": ratios,
+            "frozen share": frozen_bytes / (frozen_bytes + changed), "figures": figures, "floors": floors, "ratios": ratios, "checks": checks,
         }
     finally:
         for client in clients.values():
@@ -194,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 f = figures[way]
                 print(f"{way:12s} stall {med(f.stall_s)} s   durable {med(f.durable_s)} s   bytes written {med([b / 2**20 for b in f.bytes], '{:.1f}')} MiB")
             print(f"{'floor':12s} write+fsync of the changed bytes {med(r['floors'])} s")  # type: ignore[arg-type]
+            checks: dict[str, list[float]] = r["checks"]  # type: ignore[assignment]
+            print(
+                f"{'check':12s} read back + check the {med(checks['linked MiB'], '{:.1f}')} MiB linked: page cache {med(checks['warm'])} s, "
+                f"from disk {med(checks['cold'])} s; write+fsync of them {med(checks['write'])} s"
+            )
             for name, values in ratios.items():
                 print(f"ratio {name:18s} {med(values)}")
             target = statistics.median(ratios["bytes inc/full"]) <= 0.10

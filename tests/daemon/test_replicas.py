@@ -16,10 +16,14 @@ import xxhash
 from ckptd.daemon.bulk import MAGIC, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
 from ckptd.daemon.bulk import send_status, split_evenly
 from ckptd.daemon.engine.replica_store import Damaged, Refused, ReplicaStore, open_ranges
-from ckptd.daemon.engine.replication import buddies, cut_ranges, merge_ranges
+from ckptd.daemon.checks import check_replica_units
+from ckptd.daemon.engine.replication import buddies, cut_ranges, merge_ranges, widen_to_units
+from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
 from ckptd.daemon.format import FileRecord
 from ckptd.daemon.step_build import checksum_name
+from ckptd.daemon.units import Unit
+from ckptd.wire.v1 import peer_pb2 as ppb
 
 # ------------------------------------------------------------------ placement
 
@@ -63,6 +67,12 @@ def records(node: int, sizes: dict[str, int]) -> list[FileRecord]:
     return [FileRecord(name, size, f"xxh3-64:{i:016x}", node) for i, (name, size) in enumerate(sizes.items())]
 
 
+def offered(files: list[FileRecord], data: bytes = b"") -> tuple[list[FileRecord], dict[str, tuple[Unit, ...]]]:
+    """An offer's files and checksum units: one unit over each whole file, the xxh3 of `data`
+    (the one file's bytes; offers never received may give any)."""
+    return files, {f.name: (Unit(0, f.size, xxhash.xxh3_64_intdigest(data)),) for f in files}
+
+
 def receive(store: ReplicaStore, receipt, contents: dict[str, bytes]) -> None:
     """What the bulk thread does with a complete transfer."""
     fds = store.create_parts(receipt)
@@ -82,19 +92,19 @@ def shm(tmp_path: Path) -> Path:
 
 def test_an_offer_over_the_budget_is_refused_and_the_same_node_s_older_replica_is_evicted_first(shm: Path) -> None:
     store = ReplicaStore(shm, limit=10 * MiB)
-    a = store.offer("j", 1, 5, records(1, {"f1.safetensors": 6 * MiB}))
+    a = store.offer("j", 1, 5, *offered(records(1, {"f1.safetensors": 6 * MiB})))
     assert a is not None and store.nbytes == 6 * MiB
     with pytest.raises(Refused, match=r"node 2's part of step 5 .* does not fit in --replica-memory \(10 MiB"):
-        store.offer("j", 2, 5, records(2, {"f2.safetensors": 5 * MiB}))
+        store.offer("j", 2, 5, *offered(records(2, {"f2.safetensors": 5 * MiB})))
     with pytest.raises(Refused, match="larger than all of --replica-memory"):
-        store.offer("j", 2, 5, records(2, {"f2.safetensors": 11 * MiB}))
+        store.offer("j", 2, 5, *offered(records(2, {"f2.safetensors": 11 * MiB})))
     data, digest = safetensors_bytes(b"x" * 100)
-    receipt = store.offer("j", 3, 5, [FileRecord("f3.safetensors", len(data), digest, 3)])
+    receipt = store.offer("j", 3, 5, *offered([FileRecord("f3.safetensors", len(data), digest, 3)], data))
     assert receipt is not None
     receive(store, receipt, {"f3.safetensors": data})
     assert store.publish(receipt)
     # node 1's newer part replaces its older one (being received): it fits once that one is dropped
-    b = store.offer("j", 1, 6, records(1, {"f1.safetensors": 9 * MiB}))
+    b = store.offer("j", 1, 6, *offered(records(1, {"f1.safetensors": 9 * MiB})))
     assert b is not None and a.cancelled and not store.publish(a)
     assert store.nbytes == 9 * MiB + len(data)
 
@@ -103,16 +113,16 @@ def test_another_jobs_replicas_make_room_least_recently_received_first(shm: Path
     store = ReplicaStore(shm, limit=10 * MiB)
     for job, node in (("old", 1), ("new", 2), ("old", 2)):
         data, digest = safetensors_bytes(b"z" * (3 * MiB))
-        receipt = store.offer(job, node, 1, [FileRecord("m.safetensors", len(data), digest, node)])
+        receipt = store.offer(job, node, 1, *offered([FileRecord("m.safetensors", len(data), digest, node)], data))
         assert receipt is not None
         receive(store, receipt, {"m.safetensors": data})
         assert store.publish(receipt)
-    assert store.offer("new", 1, 1, records(1, {"f.safetensors": 7 * MiB // 2})) is not None  # 9 MiB held: one must go
+    assert store.offer("new", 1, 1, *offered(records(1, {"f.safetensors": 7 * MiB // 2}))) is not None  # 9 MiB held: one must go
     assert sorted(store.held) == [("new", 2), ("old", 2)]  # the least recently received of the other job went
-    assert store.offer("new", 3, 1, records(3, {"f.safetensors": 3 * MiB})) is not None  # then the other job's last one
+    assert store.offer("new", 3, 1, *offered(records(3, {"f.safetensors": 3 * MiB}))) is not None  # then the other job's last one
     assert sorted(store.held) == [("new", 2)]
     with pytest.raises(Refused):  # the same job's other parts are never evicted for it
-        store.offer("new", 3, 1, records(3, {"f.safetensors": 7 * MiB}))
+        store.offer("new", 3, 1, *offered(records(3, {"f.safetensors": 7 * MiB})))
 
 
 def test_only_the_newest_committed_step_per_node_is_held(shm: Path) -> None:
@@ -120,7 +130,7 @@ def test_only_the_newest_committed_step_per_node_is_held(shm: Path) -> None:
     held = {}
     for step in (1, 2, 3):
         data, digest = safetensors_bytes(bytes([step]) * 1000)
-        receipt = store.offer("j", 1, step, [FileRecord("m.safetensors", len(data), digest, 1)])
+        receipt = store.offer("j", 1, step, *offered([FileRecord("m.safetensors", len(data), digest, 1)], data))
         assert receipt is not None
         receive(store, receipt, {"m.safetensors": data})
         assert store.publish(receipt)
@@ -130,7 +140,7 @@ def test_only_the_newest_committed_step_per_node_is_held(shm: Path) -> None:
     with pytest.raises(NotFound, match="it holds step 3"):
         store.replica("j", 1, 2)
     assert not held[1].exists() and not held[2].exists() and held[3].exists()  # the older steps' memory is released
-    again = store.offer("j", 1, 3, [FileRecord("m.safetensors", len(data), digest, 1)])
+    again = store.offer("j", 1, 3, *offered([FileRecord("m.safetensors", len(data), digest, 1)], data))
     assert again is None  # held already: nothing to send
     store.close()
     assert not any(shm.iterdir())
@@ -140,7 +150,7 @@ def test_only_the_newest_committed_step_per_node_is_held(shm: Path) -> None:
 def test_a_partial_or_wrong_replica_is_never_served(shm: Path, cut: str) -> None:
     store = ReplicaStore(shm, limit=MiB)
     data, digest = safetensors_bytes(b"payload!" * 100)
-    receipt = store.offer("j", 1, 7, [FileRecord("m.safetensors", len(data), digest, 1)])
+    receipt = store.offer("j", 1, 7, *offered([FileRecord("m.safetensors", len(data), digest, 1)], data))
     assert receipt is not None
     received = {
         "nothing": b"", "half the header": data[:20], "the header only": data[:40], "all but one byte": data[:-1],
@@ -162,10 +172,55 @@ def test_a_partial_or_wrong_replica_is_never_served(shm: Path, cut: str) -> None
         store.replica("j", 1, 7)
 
 
+# issue 30 finding 11: a buddy checks every byte of a replica against the step's checksums when it arrives
+@pytest.mark.parametrize("flipped", ["first payload byte", "last byte"])
+def test_a_replica_whose_bytes_do_not_match_the_index_is_not_kept(shm: Path, flipped: str) -> None:
+    store = ReplicaStore(shm, limit=MiB)
+    data, digest = safetensors_bytes(bytes(range(256)) * 16)
+    header = len(data) - 4096
+    units = {"m.safetensors": (Unit(0, header, xxhash.xxh3_64_intdigest(data[:header])), Unit(header, 4096, xxhash.xxh3_64_intdigest(data[header:])))}
+    receipt = store.offer("j", 2, 1, [FileRecord("m.safetensors", len(data), digest, 2)], units)
+    assert receipt is not None
+    damaged = bytearray(data)
+    damaged[header if flipped == "first payload byte" else -1] ^= 1  # the header still matches its checksum
+    with pytest.raises(Damaged, match=rf"m.safetensors arrived damaged: bytes \[{header}, {len(data)}\) do not match their checksum .*node 2's file or the transfer"):
+        receive(store, receipt, {"m.safetensors": bytes(damaged)})
+    store.abandon(receipt)
+    ReplicaStore.remove_receipt_files(receipt)
+    assert store.files_of("j", 1) == [] and not any(shm.iterdir())
+
+
+# issue 30 finding 11
+def test_an_offer_without_checksums_that_tile_each_file_is_refused() -> None:
+    files = [FileRecord("a.safetensors", 100, "xxh3-64:0000000000000001", 1), FileRecord("b.safetensors", 50, "xxh3-64:0000000000000002", 1)]
+
+    def entry(name: str, *units: tuple[int, int]) -> ppb.FileUnits:
+        return ppb.FileUnits(name=name, units=[ppb.ChecksumUnit(offset=o, nbytes=n, xxh3=7) for o, n in units])
+
+    good = [entry("a.safetensors", (0, 40), (40, 60)), entry("b.safetensors", (0, 50))]
+    assert check_replica_units(files, good) == {"a.safetensors": (Unit(0, 40, 7), Unit(40, 60, 7)), "b.safetensors": (Unit(0, 50, 7),)}
+    with pytest.raises(InvalidRequest, match="no checksums of b.safetensors"):
+        check_replica_units(files, good[:1])
+    with pytest.raises(InvalidRequest, match=r"a.safetensors bytes \[40, 50\) no checksum covers"):
+        check_replica_units(files, [entry("a.safetensors", (0, 40), (50, 50)), good[1]])
+    with pytest.raises(InvalidRequest, match="end at byte 90, the file has 100"):
+        check_replica_units(files, [entry("a.safetensors", (0, 90)), good[1]])
+    with pytest.raises(InvalidRequest, match="which it does not offer, or twice"):
+        check_replica_units(files, [*good, entry("c.safetensors", (0, 1))])
+
+
+# issue 30 finding 11: a load widens what it stages from a replica to whole checksum units, and checks them
+def test_reads_of_a_replica_are_widened_to_whole_units() -> None:
+    units = {"f": (Unit(0, 10, 1), Unit(10, 100, 2), Unit(110, 100, 3), Unit(210, 5, 4))}
+    widened, checks = widen_to_units([("f", 20, 10, 7), ("f", 105, 10, 7), ("g", 3, 4, 8), ("f", 214, 1, 9)], units)
+    assert widened == [("f", 10, 100, 7), ("f", 10, 200, 7), ("g", 3, 4, 8), ("f", 210, 5, 9)]
+    assert checks == [("f", 7, Unit(10, 100, 2)), ("f", 7, Unit(110, 100, 3)), ("f", 9, Unit(210, 5, 4))]
+
+
 def test_a_held_replica_is_served_by_range_and_survives_its_eviction_while_open(shm: Path) -> None:
     store = ReplicaStore(shm, limit=MiB)
     data, digest = safetensors_bytes(bytes(range(256)) * 8)
-    receipt = store.offer("j", 2, 1, [FileRecord("m.safetensors", len(data), digest, 2)])
+    receipt = store.offer("j", 2, 1, *offered([FileRecord("m.safetensors", len(data), digest, 2)], data))
     assert receipt is not None
     receive(store, receipt, {"m.safetensors": data})
     store.publish(receipt)

@@ -206,3 +206,75 @@ def test_link_file_refuses_an_uncommitted_source_and_another_size(tmp_path: Path
     with pytest.raises(ValueError):
         storage.link_file("job", 1, "../x", 3, name, size)
     saver.pool.close()
+
+
+def _damage(backend: StorageBackend, step: int, name: str, how: str, at: int) -> None:
+    """Damage a committed data file: flip the byte at `at` in place (the same file, every link
+    of it) or replace the file by another of the same size with that byte flipped."""
+    if isinstance(backend, MemoryStorage):
+        files = backend.steps[("job", step)].files
+        data = bytearray(files[name])
+        data[at] ^= 0xFF
+        files[name] = bytes(data)  # a file of its own now: other steps keep the bytes they share
+        return
+    path = backend.step_dir("job", step) / name
+    if how == "in-place":
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0xFF]))
+        return
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    other = path.with_name("replacement")
+    other.write_bytes(bytes(data))
+    os.replace(other, path)
+
+
+# issue 30 finding 2: a file linked from the previous step is read back against its checksums
+# before the step is reported written; one damaged on disk is written again from the snapshot.
+@pytest.mark.parametrize(("how", "where"), [("in-place", "tensor"), ("replaced", "tensor"), ("in-place", "header")])
+def test_a_previous_file_damaged_on_disk_is_written_again_not_linked(backend: StorageBackend, shm_dir: Path, how: str, where: str) -> None:
+    specs = _specs()
+    saver = _Saver(backend, shm_dir, specs)
+    tensors = _tensors(specs)
+    first = saver.save(1, tensors, None)
+    index = backend.read_index("job", 1)
+    fragment = next(t for t in index.tensors if t.name == "model/base.1").fragments[0]
+    damaged = fragment.file
+    _damage(backend, 1, damaged, how, fragment.offset + fragment.nbytes // 2 if where == "tensor" else 10)
+    assert not verify_files(backend.step_reader("job", 1)).ok
+    second = saver.save(2, tensors, 1)
+    report = verify_files(backend.step_reader("job", 2))
+    assert report.ok, report.problems
+    assert _same(saver.loaded(2), tensors)
+    frozen_files = {f.name for f in first.files} - {"model-00001-of-00003.safetensors", "optimizer-00001-of-00001.safetensors"}
+    assert second.rewritten == (damaged,) and set(second.linked) == frozen_files - {damaged}
+    if isinstance(backend, Storage):
+        one, two = (backend.step_dir("job", s) / damaged for s in (1, 2))
+        assert two.stat().st_nlink == 1 and one.stat().st_ino != two.stat().st_ino  # the damaged inode is in step 1 only
+    third = saver.save(3, tensors, 2)  # the next save links the good copy step 2 wrote
+    assert set(third.linked) == frozen_files and third.rewritten == ()
+    assert _same(saver.loaded(3), tensors)
+    saver.pool.close()
+
+
+# issue 30 finding 2
+def test_check_linked_names_each_file_that_does_not_match(tmp_path: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = Storage(tmp_path)
+    specs = _specs()
+    saver = _Saver(storage, shm_dir, specs)
+    tensors = _tensors(specs)
+    saver.save(1, tensors, None)
+    path = storage.step_dir("job", 1) / "model-00003-of-00003.safetensors"
+    _damage(storage, 1, path.name, "in-place", path.stat().st_size - 1)  # the last byte of the last tensor
+    with caplog.at_level("WARNING", logger="ckptd.daemon.writer"):
+        manifest = saver.save(2, tensors, 1)
+    assert verify_files(storage.step_reader("job", 2)).ok
+    assert manifest.rewritten == (path.name,)
+    (record,) = [r for r in caplog.records if path.name in r.getMessage()]
+    message = record.getMessage()
+    assert "step 2 of job job" in message and "linked from step 1" in message and "damaged on disk" in message
+    assert "bytes [" in message and f"{path.stat().st_size})" in message and "ckptd verify" in message
+    saver.pool.close()

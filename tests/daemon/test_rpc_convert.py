@@ -141,12 +141,13 @@ def test_a_status_snapshot_from_the_services_dict() -> None:
         "version": "1", "root": "/r", "in_flight": [in_flight, {**in_flight, "job": "b"}], "arena_bytes": 1, "arena_count": 2,
         "committed_total": 3, "failed_total": 4, "skipped_total": 5, "last_error": "e", "draining": True, "queue_depth": 6,
         "last_commit": LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), "node_rank": 0, "nodes": 2, "bytes_written_total": 7,
-        "uptime_s": 8.0, "loads_active": 9,
+        "uptime_s": 8.0, "loads_active": 9, "link_mismatches_total": 1,
     }
     snapshot = StatusSnapshot.from_dict(status)
     message = rpc_convert.status_pb(snapshot.of_job("b"))
     assert [f.job for f in message.in_flight] == ["b"] and message.in_flight[0].bytes_written == 5
     assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/a/step-1")
+    assert message.link_mismatches_total == 1
     assert not rpc_convert.status_pb(StatusSnapshot.from_dict({**status, "last_commit": None})).HasField("last_commit")
     assert len(snapshot.in_flight) == 2
 

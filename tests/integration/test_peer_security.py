@@ -131,7 +131,8 @@ DATA_FILE = "model-00001-of-00001.safetensors"
 
 def _offer(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:  # tier 0b: node 1 offers its part (a ticket for the bulk port)
     files = [ppb.FileEntry(name=DATA_FILE, size=64, checksum="xxh3-64:0000000000000000")]
-    return stub.OfferReplica(ppb.OfferReplicaRequest(job=JOB, step=79, node=1, files=files), metadata=metadata, timeout=10)
+    units = [ppb.FileUnits(name=DATA_FILE, units=[ppb.ChecksumUnit(offset=0, nbytes=64, xxh3=0)])]
+    return stub.OfferReplica(ppb.OfferReplicaRequest(job=JOB, step=79, node=1, files=files, units=units), metadata=metadata, timeout=10)
 
 
 def _read(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:  # a replica node 0 does not hold: NOT_FOUND for the right caller

@@ -298,3 +298,49 @@ def test_replicas_travel_over_mutual_tls_when_the_peer_port_has_it(node_sets: Ca
     cluster.replaced(1)
     assert load_exact(cluster.nodes, [0, 1, 1, 2], (Fraction(0), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(1)), dim=0) == [1] * 4
     assert staged(cluster, 1, "memory-peer") > 0  # read over TLS
+
+
+def flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+# issue 30 finding 11: a buddy checks every byte of a replica against the step's checksums when it
+# arrives; one that does not match is not kept, and the pushing node says which buddy refused it.
+def test_a_replica_that_arrives_damaged_is_not_kept_and_the_step_is_not_recoverable(node_sets: Callable[..., NodeSet]) -> None:
+    cluster = Cluster(node_sets, {1: ("--replica-bandwidth", "2MiB")})
+    save(cluster.nodes, [0, 1, 2], step=1, shapes=BIG)
+    # node 1's push reads its file at 2 MiB/s: its last bytes are damaged on disk before they are read
+    (part,) = cluster.nodes.root(1).glob(f"{JOB}/step-00000001/*.safetensors")
+    flip_last_byte(part)
+    wait_for(lambda: metric(cluster.ports[1], 'ckptd_replica_pushes_total{outcome="failed"}') == 1, what="node 1's push to be refused")
+    assert metric(cluster.ports[2], 'ckptd_replica_damaged_total{where="arrival"}') == 1
+    assert metric(cluster.ports[2], "ckptd_replicas") == 0 and cluster.replica_files(2) == []
+    job = cluster.status(1)["replicas"]["jobs"][0]
+    assert job["holders"] == [] and "node 2 (" in job["push_error"] and f"{part.name} arrived damaged" in job["push_error"], job
+    assert re.search(rf"node 1's part of step 1 of job '{JOB}' was not kept: {part.name} arrived damaged: bytes \[\d+, \d+\) do not match",
+                     cluster.nodes.running[2].log_text())
+    wait_for(lambda: "node 1's part is held by no other node" in cluster.status(0)["text"], what="node 0's report")
+    assert not cluster.recoverable(1)
+
+
+# issue 30 finding 11: a copy damaged in its holder's memory is named as the holder's, and the load
+# reads those bytes from the disk of the node that wrote them instead.
+def test_a_replica_damaged_in_memory_is_named_as_its_holders_and_the_load_reads_the_disk_instead(cluster: Cluster) -> None:
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+    for node in range(3):  # every replica: node 1's part held by node 2, node 2's by node 0, node 0's by node 1
+        (held,) = [p for p in cluster.nodes.nodes[node].shm_dir.iterdir() if "-replica-" in p.name]
+        flip_last_byte(held)
+    # one rank on node 0 reads every node's part: its own from node 1's memory, node 1's from node
+    # 2's memory, node 2's from its own memory (the tiers' order); each copy is damaged
+    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1) == [1]
+    log = cluster.nodes.running[0].log_text()
+    for holder, source in (("node 1 (", 0), ("node 2 (", 1), ("this node (node 0)", 2)):
+        assert re.search(rf"the copy of node {source}'s part of step 1 of job '{JOB}' held in the memory of {re.escape(holder)}.* is damaged: "
+                         rf"[\w.-]+\.safetensors: bytes \[\d+, \d+\) do not match", log), (holder, log[-3000:])
+    assert metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}') == 3
+    assert staged(cluster, 0, "disk-peer") > 0 and "reading node 1's part from its disk instead" in log

@@ -18,12 +18,13 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.arena import ArenaPool
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan import TensorSpec, make_save_plan
-from ckptd.daemon.remote import objects
 from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location
-from ckptd.daemon.remote.objects import Unit, file_signature, file_units, read_ranges, small_files, uploads_of
+from ckptd.daemon.remote.objects import file_signature, small_files, uploads_of
 from ckptd.daemon.remote.store import Stopped
 from ckptd.daemon.remote.upload import VerifyingBody
+from ckptd.daemon import units as units_module
 from ckptd.daemon.storage import Storage
+from ckptd.daemon.units import Unit, file_units, read_ranges
 from ckptd.daemon.writer import PersistRequest, Progress, persist
 
 # ------------------------------------------------------------------ locations
@@ -125,7 +126,7 @@ def test_units_tile_every_data_file_and_match_its_bytes(step: tuple[Storage, Che
 
 def test_large_pieces_are_verified_by_their_chunks(step: tuple[Storage, CheckpointIndex], monkeypatch: pytest.MonkeyPatch) -> None:
     storage, index = step
-    monkeypatch.setattr(objects, "SPLIT_PIECES_ABOVE", 1024)
+    monkeypatch.setattr(units_module, "SPLIT_PIECES_ABOVE", 1024)
     units = file_units(index)
     optimizer = next(n for n in units if n.startswith("optimizer-"))
     assert [u.nbytes for u in units[optimizer][1:]] == [64 << 10] * 4  # 256 KiB by its four 64 KiB chunks, still tiling

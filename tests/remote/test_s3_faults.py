@@ -16,7 +16,8 @@ from typing import Iterator
 
 import pytest
 
-from s3_rig import Bucket, Node, RestartableS3, daemon_env, remote_status, save_steps, uploads_settled, wait_for
+from ckptd.client import CheckpointError
+from s3_rig import Bucket, Node, RestartableS3, daemon_env, equal_states, remote_status, save_steps, state_of, uploads_settled, wait_for, zeros_like
 from s3_server import S3Server, module_s3_server  # noqa: F401  (the fixture)
 
 JOB = "faults"
@@ -100,3 +101,54 @@ def test_a_server_killed_mid_upload_is_retried_with_backoff_and_the_bucket_never
     finally:
         server.close()
 
+
+
+# issue 30 finding 11: the multipart upload a failed attempt abandoned (the server went away in the
+# middle of it) is aborted by the next attempt, not left stored and billed until a restart.
+@pytest.mark.slow
+def test_a_retried_upload_aborts_the_multipart_upload_its_failed_attempt_abandoned(node: Node, tmp_path: Path) -> None:
+    server = RestartableS3()
+    try:
+        bucket = Bucket(server.server, server.server.make_bucket("abandoned"), "ckpt")
+        env = daemon_env(server.server, CKPTD_FAULT_S3_RETRY_S="1")
+        node.start(bucket.url, env, "--remote-part-bytes", "5MiB", "--remote-streams", "2")
+        save_steps(node, JOB, [1], nbytes=48 << 20)  # ten parts, two in flight
+        wait_for(lambda: any("/step-00000001/" in key for key in bucket.unfinished_uploads()), 30, "the multipart upload of step 1", poll_s=0.01)
+        server.kill()
+        wait_for(lambda: remote_status(node.daemon.address)["remote"]["failures"] >= 1, 60, "a failed attempt")
+        server.restart()
+        remote = wait_for(lambda: uploads_settled(node.daemon.address), 90, "the upload after the server came back")
+        assert remote["uploaded_steps"] == 1 and bucket.check_all_complete(JOB, tmp_path / "check") == [1]
+        assert bucket.unfinished_uploads() == []  # the same daemon, no restart: its retry aborted what it left
+        assert re.search(r"aborted 1 unfinished multipart upload\(s\) of \S+/step-00000001/\S+ that a failed attempt left", node.daemon.log_text())
+    finally:
+        server.close()
+
+
+# issue 30 finding 11: the bucket's newest index lists files the bucket no longer holds: a load of
+# the newest step says which files are gone and which complete step to load instead.
+def test_a_load_of_the_newest_step_names_the_complete_step_to_load_when_the_buckets_newest_lacks_files(
+    module_s3_server: S3Server, node: Node, tmp_path: Path,  # noqa: F811
+) -> None:
+    bucket = Bucket(module_s3_server, module_s3_server.make_bucket(f"gaps-{uuid.uuid4().hex[:8]}"), "ckpt")
+    env = daemon_env(module_s3_server)
+    node.start(bucket.url, env)
+    save_steps(node, JOB, [1, 2, 3], nbytes=1 << 16)
+    wait_for(lambda: uploads_settled(node.daemon.address), 60, "the uploads")
+    gone = next(k for k in bucket.keys(f"{JOB}/step-00000003/") if k.endswith(".safetensors"))
+    bucket.client.delete_object(Bucket=bucket.bucket, Key=gone)  # deleted by hand, or by a lifecycle rule
+    node.stop()
+    fresh = Node(tmp_path / "fresh")  # a new machine: an empty root, the bucket its only source
+    try:
+        fresh.start(bucket.url, env)
+        with fresh.client(JOB) as ckpt:
+            with pytest.raises(CheckpointError) as info:
+                ckpt.load(zeros_like(state_of(3, 1 << 16)))
+            message = str(info.value)
+            assert info.value.code == "FAILED_PRECONDITION" and "step 3" in message and gone.rsplit("/", 1)[1] in message, message
+            assert "load it with `load(state, step=2)`" in message, message
+            state = zeros_like(state_of(2, 1 << 16))
+            assert ckpt.load(state, step=2) == 2 and equal_states(state, state_of(2, 1 << 16))
+        assert not (fresh.root / JOB / "step-00000003").exists()  # nothing of the incomplete step was written
+    finally:
+        fresh.close()

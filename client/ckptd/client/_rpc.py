@@ -246,7 +246,7 @@ class DaemonRpc:
         if last is None or last.state != "committed":
             reason = last.error if last is not None else "no answer"
             raise CheckpointError(f"step {step} was not committed: {reason}", "ABORTED")
-        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written)
+        return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written, bytes_linked=last.bytes_linked)
 
     # ------------------------------------------------------------ mode "ipc"
 

@@ -18,11 +18,18 @@ log = logging.getLogger("ckptd.client")
 
 @dataclass(frozen=True)
 class DurableInfo:
-    """A committed checkpoint: on disk, fsynced, visible to loads."""
+    """A committed checkpoint: on disk, fsynced, visible to loads.
+
+    `bytes_written`: the bytes of stored tensors that this rank's node daemon wrote for the step
+    (its part of it). `bytes_linked`: those it did not write because an incremental save linked
+    them, unchanged and read back against their checksums, from the previous step (files of
+    frozen tensors). Both are 0 when the daemon no longer knows the save (a step committed
+    before it restarted)."""
 
     step: int
     step_dir: str
     bytes_written: int
+    bytes_linked: int = 0
 
 
 class SaveHandle:

@@ -16,6 +16,7 @@ from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES, FileRecord
 from ckptd.daemon.plan import TensorSpec, spec_digest
+from ckptd.daemon.units import Unit, tiling_problem
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 MAX_WORLD_SIZE = 1 << 20
@@ -232,6 +233,7 @@ def check_manifest_json(node: int, fragments: Sequence[Any]) -> None:
 
 
 MAX_REPLICA_FILES = 1 << 16
+MAX_REPLICA_UNITS = 1 << 22
 MAX_REPLICA_RANGES = 1 << 20
 
 
@@ -244,6 +246,30 @@ def check_replica_files(node: int, entries: Sequence[Any]) -> list[FileRecord]:
     if len({r.name for r in records}) != len(records) or any(r.size < 0 or not r.checksum for r in records):
         raise errors.InvalidRequest("a replica offer lists a file twice, a negative size or a file without its checksum")
     return records
+
+
+def check_replica_units(records: Sequence[FileRecord], entries: Sequence[Any]) -> dict[str, tuple[Unit, ...]]:
+    """The checksum units of each offered file (OfferReplica's `units`): one entry per file, its
+    units tiling the file's size exactly (units.tiling_problem), so that every byte that arrives
+    is checked."""
+    sizes = {r.name: r.size for r in records}
+    if sum(len(e.units) for e in entries) > MAX_REPLICA_UNITS:
+        raise errors.InvalidRequest(f"a replica offer gives more than {MAX_REPLICA_UNITS} checksum units")
+    out: dict[str, tuple[Unit, ...]] = {}
+    for entry in entries:
+        if entry.name not in sizes or entry.name in out:
+            raise errors.InvalidRequest(f"a replica offer gives checksums of {entry.name[:200]!r}, which it does not offer, or twice")
+        units = tuple(Unit(u.offset, u.nbytes, u.xxh3) for u in entry.units)
+        problem = tiling_problem(units, sizes[entry.name])
+        if problem is not None:
+            raise errors.InvalidRequest(f"the checksum units a replica offer gives for {entry.name} {problem}: they must tile the file")
+        out[entry.name] = units
+    lacking = sorted(set(sizes) - set(out))
+    if lacking:
+        raise errors.InvalidRequest(
+            f"a replica offer gives no checksums of {', '.join(lacking[:3])}: a buddy checks every byte it holds (is the offering daemon older than this one?)"
+        )
+    return out
 
 
 def check_replica_ranges(ranges: Sequence[Any]) -> list[tuple[str, int, int]]:

@@ -108,6 +108,10 @@ class Metrics:
         self.bytes_linked = Counter(
             "ckptd_linked_bytes", "Bytes of unchanged files of frozen tensors linked from the previous step instead of written (incremental saves).", ["job"], registry=r
         )
+        self.link_mismatches = Counter(
+            "ckptd_link_mismatches", "Files an incremental save linked from the previous step and found damaged on disk when it read them back (then written again from the snapshot).",
+            ["job"], registry=r,
+        )
         self.throughput = Gauge(
             "ckptd_write_throughput_bytes_per_second", "Write rate of the newest step this daemon wrote: its bytes / seconds spent writing and fsyncing.",
             ["job"], registry=r,
@@ -136,6 +140,12 @@ class Metrics:
         self.replica_received_bytes = Counter("ckptd_replica_received_bytes", "Bytes of other nodes' parts received, checked and held.", registry=r)
         self.replica_refused = Counter("ckptd_replica_refused", "Replica offers refused (over --replica-memory or shared memory full).", registry=r)
         self.replica_evicted = Counter("ckptd_replica_evicted", "Held replicas dropped to make room for a newer one of the same node.", registry=r)
+        self.replica_damaged = Counter(
+            "ckptd_replica_damaged", "Replicas whose bytes did not match the step's checksums, by where: arrival (a buddy did not keep it), "
+            "load (a load read the range from the writer's disk instead; the log names the holder).", ["where"], registry=r,
+        )
+        for where in ("arrival", "load"):
+            self.replica_damaged.labels(where)
         self.replica_served_bytes = Counter("ckptd_replica_served_bytes", "Bytes of held replicas sent to loading nodes.", registry=r)
         self.load_staged_bytes = Counter("ckptd_load_staged_bytes", "Bytes copied into staging files for loads, by tier: memory-local (a replica held here), memory-peer, disk-local, disk-peer.", ["tier"], registry=r)
         self.bulk_port_healthy = Gauge("ckptd_bulk_port_healthy", "1 while the bulk port (replica bytes) accepts connections; 0 for a minute after accepting failed (no file descriptors).", registry=r)

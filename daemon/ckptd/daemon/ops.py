@@ -100,13 +100,14 @@ def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
         "failed_total": reply.failed_total,
         "skipped_total": reply.skipped_total,
         "bytes_written_total": reply.bytes_written_total,
+        "link_mismatches_total": reply.link_mismatches_total,
         "last_commit": last,
         "last_error": reply.last_error,
         "remote": {f.name: getattr(reply.remote, f.name) for f in reply.remote.DESCRIPTOR.fields} if reply.HasField("remote") else None,
         "replicas": _replicas_doc(reply.replicas) if reply.HasField("replicas") else None,
         "in_flight": [
             {
-                "job": f.job, "step": f.step, "state": f.state, "bytes_total": f.bytes_total, "bytes_written": f.bytes_written,
+                "job": f.job, "step": f.step, "state": f.state, "bytes_total": f.bytes_total, "bytes_written": f.bytes_written, "bytes_linked": f.bytes_linked,
                 "age_s": f.age_s, "ranks_arrived": f.ranks_arrived, "ranks_expected": f.ranks_expected, "write_s": f.write_s,
             }
             for f in reply.in_flight
@@ -160,7 +161,8 @@ def render_status(doc: dict[str, Any], now: float) -> str:
         f"arenas: {doc['arena_count']} holding {human_bytes(doc['arena_bytes'])} of shared memory; queue depth {doc['queue_depth']}; "
         f"loads in progress {doc['loads_active']}",
         f"since start: {doc['committed_total']} committed, {doc['failed_total']} failed, {doc['skipped_total']} skipped; "
-        f"{human_bytes(doc['bytes_written_total'])} written",
+        f"{human_bytes(doc['bytes_written_total'])} written"
+        + (f"; {doc['link_mismatches_total']} linked files found damaged and written again (see the log)" if doc["link_mismatches_total"] else ""),
     ]
     last = doc["last_commit"]
     if last:
@@ -193,11 +195,11 @@ def render_status(doc: dict[str, Any], now: float) -> str:
     for f in doc["in_flight"]:
         if f["state"] == "writing":
             rate = f"{human_bytes(f['bytes_written'] / f['write_s'])}/s" if f["write_s"] > 0 else "-"
-            bar = progress_bar(f["bytes_written"], f["bytes_total"])
+            bar = progress_bar(f["bytes_written"] + f["bytes_linked"], f["bytes_total"])
         else:  # gathering ranks or copying into the arenas: progress = ranks done
             rate = f"ranks {f['ranks_arrived']}/{f['ranks_expected']}"
             bar = progress_bar(f["ranks_arrived"], f["ranks_expected"])
-        amount = f"{human_bytes(f['bytes_written'])} / {human_bytes(f['bytes_total'])}"
+        amount = f"{human_bytes(f['bytes_written'])} / {human_bytes(f['bytes_total'])}" + (f" (+{human_bytes(f['bytes_linked'])} linked)" if f["bytes_linked"] else "")
         lines.append(f"{f['job']:<20} {f['step']:>10}  {f['state']:<12} {bar:<{BAR_WIDTH + 7}} {amount:<23} {rate:>12}  {human_seconds(f['age_s'])}")
     return "\n".join(lines)
 

@@ -117,7 +117,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
         step = checks.check_step(request.step)
         node = checks.check_node(request.node, self.cluster.nodes)
         files = checks.check_replica_files(node, request.files)
-        return rpc_convert.bulk_ticket(self._replication().offer(job, step, node, files))
+        units = checks.check_replica_units(files, request.units)
+        return rpc_convert.bulk_ticket(self._replication().offer(job, step, node, files, units))
 
     async def ReadReplica(self, request: ppb.ReadReplicaRequest, context: grpc.aio.ServicerContext) -> ppb.BulkTicket:
         job = check_job_id(request.job)

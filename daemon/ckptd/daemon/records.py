@@ -78,6 +78,7 @@ class InFlightSave:
     ranks_arrived: int  # ranks of this node that joined the save
     ranks_expected: int  # ranks of this node the save waits for
     write_s: float  # seconds since writing started (0 before)
+    bytes_linked: int = 0  # linked from the previous step instead of written (incremental saves)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class StatusSnapshot:
     loads_active: int  # loads being read (their steps are kept by retention)
     remote: "RemoteStatus | None" = None  # the object-store tier (--remote); None without one
     replicas: "ReplicaStatus | None" = None  # tier 0b; None on a single node
+    link_mismatches_total: int = 0  # linked files incremental saves found damaged and wrote again
 
     @classmethod
     def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":

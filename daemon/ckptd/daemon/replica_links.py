@@ -4,7 +4,7 @@ TLS when configured); the bytes travel on the holder's bulk port (bulk.py)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
 
@@ -13,6 +13,7 @@ from ckptd.daemon.cluster import Cluster
 from ckptd.daemon.errors import Unavailable
 from ckptd.daemon.format import FileRecord, step_dir_name
 from ckptd.daemon.records import BulkAnswer
+from ckptd.daemon.units import Unit
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 CALL_TIMEOUT_S = 10.0  # a replica offer, read or report (the bytes travel on the bulk port)
@@ -29,10 +30,11 @@ class ReplicaLinks:
         """The host of a node's --peers entry (its bulk port listens there too)."""
         return self.cluster.links.peers[node].rpartition(":")[0]
 
-    async def offer(self, node: int, job: str, step: int, files: Sequence[FileRecord]) -> BulkAnswer | str:
-        """Offer this node's part of a committed step to `node`: its answer, or why it did not answer."""
+    async def offer(self, node: int, job: str, step: int, files: Sequence[FileRecord], units: Mapping[str, Sequence[Unit]]) -> BulkAnswer | str:
+        """Offer this node's part of a committed step to `node` (`units`: each file's checksum units,
+        checked by the buddy as the bytes arrive): its answer, or why it did not answer."""
         links = self.cluster.links
-        request = rpc_convert.offer_request(job, step, self.node, files)
+        request = rpc_convert.offer_request(job, step, self.node, files, units)
         await links.ready(node, CALL_TIMEOUT_S)  # a buddy restarted a moment ago still gets this step
         try:
             reply = await links.stub(node).OfferReplica(request, timeout=CALL_TIMEOUT_S, metadata=links.metadata)

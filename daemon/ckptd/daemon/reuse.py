@@ -7,6 +7,12 @@ a file is reused only when its header is the previous file's (same size and head
 the same keys, dtypes, shapes and offsets) and every tensor's bytes, hashed now from the arenas,
 have the previous fragment's xxh3-64 and chunk digests. A frozen tensor that changed anyway (a
 buffer updated in place, weights loaded again) makes its file be written as usual.
+
+The index says what the previous file held when it was written, not what is on disk now: a
+file damaged since (a flipped byte, a stray edit, a same-size replacement) would be linked into
+every later step. So each linked file is read back as linked and checked unit by unit against
+the previous index (`check_linked`: a read instead of a write) before the step is reported
+written; one that does not match is written again from the snapshot (writer.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FormatE
 from ckptd.daemon.plan import LogicalTensor
 from ckptd.daemon.snapshot_source import Piece, Source
 from ckptd.daemon.step_build import Placed, checksum_digest, checksum_name
+from ckptd.daemon.storage.base import StorageBackend
+from ckptd.daemon.units import Unit, first_mismatch, read_ranges
+
+CHECK_RANGE_BYTES = 64 << 20  # bytes of a linked file one task reads back and checks (consecutive units)
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,38 @@ def reusable_files(
         if all(p is not None for p in places):
             found[layout.name] = Reuse(layout, match, record, tuple(replace(p, file=layout.name) for p in places if p is not None))
     return found
+
+
+def check_linked(
+    storage: StorageBackend, job: str, step: int, linked: Sequence[Reuse], units: Mapping[str, tuple[Unit, ...]], threads: int
+) -> dict[str, str]:
+    """Read the files of `linked` back as they are linked into step `step` of `job` and check
+    every byte against the previous step's index (`units`: units.file_units of it, by the
+    previous file's name), ranges of CHECK_RANGE_BYTES read by `threads` threads. Returns
+    {the new step's file name: what is wrong} for each file that does not match, or cannot be
+    read; a file missing from `units` (no checksums to check it by) counts as not matching."""
+    problems: dict[str, str] = {}
+    tasks: list[tuple[str, tuple[Unit, ...]]] = []
+    for reuse in linked:
+        known = units.get(reuse.source.name)
+        if known is None:
+            problems[reuse.layout.name] = f"the index of the previous step has no checksums of {reuse.source.name}"
+            continue
+        tasks += [(reuse.layout.name, group) for _, _, group in read_ranges(known, CHECK_RANGE_BYTES)]
+
+    def check(task: tuple[str, tuple[Unit, ...]]) -> str | None:
+        name, group = task
+        try:
+            with storage.step_reader(job, step).open(name) as handle:
+                return first_mismatch(handle.pread, group)
+        except OSError as exc:
+            return f"it cannot be read back: {exc}"
+
+    with ThreadPoolExecutor(max(1, min(threads, len(tasks) or 1)), thread_name_prefix="ckptd-reuse-check") as pool:
+        for (name, _), problem in zip(tasks, pool.map(check, tasks)):
+            if problem is not None:
+                problems.setdefault(name, problem)
+    return problems
 
 
 def digests(arenas: ArenaSet, pieces: Sequence[Piece]) -> tuple[int, str]:

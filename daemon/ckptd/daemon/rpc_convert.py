@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields as dataclass_fields
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -21,6 +21,7 @@ from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
 from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
+from ckptd.daemon.units import Unit
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 
@@ -125,6 +126,7 @@ def progress_pb(session: "SaveSession") -> pb.SaveProgress:
         state=session.state,
         bytes_total=session.bytes_total,
         bytes_written=session.progress.written if session.progress else 0,
+        bytes_linked=session.progress.linked if session.progress else 0,
         done=session.finished.is_set(),
         error=session.error or session.skip_reason or "",
         step_dir=session.step_dir,
@@ -157,7 +159,7 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         in_flight=[
             pb.InFlight(
                 job=f.job, step=f.step, state=f.state, bytes_total=f.bytes_total, bytes_written=f.bytes_written, age_s=f.age_s,
-                ranks_arrived=f.ranks_arrived, ranks_expected=f.ranks_expected, write_s=f.write_s,
+                ranks_arrived=f.ranks_arrived, ranks_expected=f.ranks_expected, write_s=f.write_s, bytes_linked=f.bytes_linked,
             )
             for f in status.in_flight
         ],
@@ -167,6 +169,7 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         queue_depth=status.queue_depth, node_rank=status.node_rank, nodes=status.nodes,
         bytes_written_total=status.bytes_written_total, uptime_s=status.uptime_s, loads_active=status.loads_active,
         last_commit=_last_commit_pb(status.last_commit), remote=_remote_pb(status.remote), replicas=_replicas_pb(status.replicas),
+        link_mismatches_total=status.link_mismatches_total,
     )
 
 
@@ -375,6 +378,10 @@ def bulk_answer_of(reply: ppb.BulkTicket) -> BulkAnswer:
     return BulkAnswer(reply.accepted, reply.reason, reply.held, reply.port, reply.ticket)
 
 
-def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord]) -> ppb.OfferReplicaRequest:
+def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord], units: Mapping[str, Sequence[Unit]]) -> ppb.OfferReplicaRequest:
     entries = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in files]
-    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries)
+    checks = [
+        ppb.FileUnits(name=f.name, units=[ppb.ChecksumUnit(offset=u.offset, nbytes=u.nbytes, xxh3=u.xxh3) for u in units[f.name]])
+        for f in files
+    ]
+    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries, units=checks)

@@ -76,6 +76,7 @@ class NodeManifest:
     files: tuple[FileRecord, ...]
     fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
     linked: tuple[str, ...] = ()  # files linked from the previous step, not written (this node's own count; not sent)
+    rewritten: tuple[str, ...] = ()  # files whose linked copy did not match the snapshot: written again (this node's own count; not sent)
 
 
 class IncompleteStep(ValueError):

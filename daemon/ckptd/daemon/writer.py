@@ -28,9 +28,9 @@ from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileLayout, FileRecord, StoredTensor, layout_files, safetensors_header, scales_key
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileLayout, FileRecord, FormatError, StoredTensor, layout_files, safetensors_header, scales_key
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan
-from ckptd.daemon.reuse import frozen_names, reusable_files
+from ckptd.daemon.reuse import Reuse, check_linked, frozen_names, reusable_files
 from ckptd.daemon.snapshot_source import Piece, ScratchPool, Source, compress, flat_bytes
 from ckptd.daemon.step_build import (
     CodedWrite,
@@ -48,6 +48,7 @@ from ckptd.daemon.step_build import (
 )
 from ckptd.daemon.storage.base import PartWriter, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
+from ckptd.daemon.units import Unit, file_units
 
 log = logging.getLogger(__name__)
 
@@ -96,20 +97,33 @@ class Throttle:
 
 
 class Progress:
-    """Bytes written so far; read by WaitDurable and Status from another thread."""
+    """A save's bytes (of stored tensors) written so far, and those linked from the previous step
+    instead (incremental saves: read back and checked, not written); read by WaitDurable and
+    Status from another thread. `total`: all of the save's bytes, written or linked."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self._written = 0
+        self._linked = 0
         self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
+        """`nbytes` more were written."""
         with self._lock:
             self._written += nbytes
+
+    def link(self, nbytes: int) -> None:
+        """`nbytes` more were linked from the previous step (and checked) instead of written."""
+        with self._lock:
+            self._linked += nbytes
 
     @property
     def written(self) -> int:
         return self._written
+
+    @property
+    def linked(self) -> int:
+        return self._linked
 
 
 def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, clock: Callable[[], float] = time.time) -> CheckpointIndex:
@@ -160,21 +174,28 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     layouts = [f for f in every_node if f.node == req.node]
     layouts.sort(key=lambda f: -f.nbytes)
     previous = req.previous if frozen else None
-    reusable = {}
+    reusable: dict[str, Reuse] = {}
+    previous_units: dict[str, tuple[Unit, ...]] = {}
     if previous is not None:
         uncoded = [f for f in layouts if not any((t.name, t.box) in codings for t in f.tensors)]
         reusable = reusable_files(uncoded, frozen, previous, source, req.node, req.shared_dir, req.write_threads)
+        if reusable:
+            try:
+                previous_units = file_units(previous)
+            except FormatError as exc:  # its files cannot be checked: none is linked
+                log.warning("step %s of job %s writes every file: the files of step %s cannot be checked (%s)", req.step, req.job, previous.step, exc)
+                reusable = {}
     recycled = storage.take_recycled(req.job)
     check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [size for _, size in recycled])
     storage.prepare_step(req.job, req.step, fresh=not req.shared_dir)
-    linked = []
-    for reuse in reusable.values():
-        if previous is not None and storage.link_file(req.job, previous.step, reuse.source.name, req.step, reuse.layout.name, reuse.record.size):
-            linked.append(reuse.layout.name)
-            files.append(reuse.record)
-            placed += reuse.placed
-            progress.add(sum(source.nbytes(t) for t in reuse.layout.tensors))
-    layouts = [f for f in layouts if f.name not in linked]
+    # A linked file found damaged is written after all: bytes check_space did not count (rare;
+    # a disk that is full then fails the save as any write does).
+    linked, damaged = _link_checked(storage, req, reusable, previous_units)
+    for reuse in linked:
+        files.append(reuse.record)
+        placed += reuse.placed
+        progress.link(sum(source.nbytes(t) for t in reuse.layout.tensors))
+    layouts = [f for f in layouts if f.name not in {reuse.layout.name for reuse in linked}]
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     opened: list[PartWriter] = []
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
@@ -243,7 +264,30 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
         part.publish()
     storage.sync_step(req.job, req.step)
     outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
-    return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(linked))
+    return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(r.layout.name for r in linked), tuple(damaged))
+
+
+def _link_checked(
+    storage: StorageBackend, req: PersistRequest, reusable: dict[str, Reuse], units: dict[str, tuple[Unit, ...]]
+) -> tuple[list[Reuse], list[str]]:
+    """Link the reusable files of the previous step into the new one and read each back against
+    the previous index (reuse.check_linked): (the files linked and checked, the names of those
+    linked that did not match). A file that did not match stays linked only until the writer
+    publishes it, written from the snapshot, under the same name (publish replaces the link)."""
+    previous = req.previous
+    if previous is None or not reusable:
+        return [], []
+    linked = [r for r in reusable.values() if storage.link_file(req.job, previous.step, r.source.name, req.step, r.layout.name, r.record.size)]
+    problems = check_linked(storage, req.job, req.step, linked, units, req.write_threads) if linked else {}
+    for name, problem in problems.items():
+        reuse = reusable[name]
+        log.warning(
+            "step %s of job %s: %s, linked from step %s (%s), does not match the snapshot: %s. Step %s's copy of it is damaged on disk "
+            "(check it: `ckptd verify %s`); step %s writes the file again from the snapshot",
+            req.step, req.job, name, previous.step, reuse.source.name, problem, previous.step,
+            storage.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
+        )
+    return [r for r in linked if r.layout.name not in problems], sorted(problems)
 
 
 def check_space(

@@ -208,20 +208,22 @@ class WaitDurableRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SaveProgress(_message.Message):
-    __slots__ = ("state", "bytes_total", "bytes_written", "done", "error", "step_dir")
+    __slots__ = ("state", "bytes_total", "bytes_written", "done", "error", "step_dir", "bytes_linked")
     STATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STEP_DIR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LINKED_FIELD_NUMBER: _ClassVar[int]
     state: str
     bytes_total: int
     bytes_written: int
     done: bool
     error: str
     step_dir: str
-    def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ...) -> None: ...
+    bytes_linked: int
+    def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ..., bytes_linked: _Optional[int] = ...) -> None: ...
 
 class PlanLoadRequest(_message.Message):
     __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames", "fingerprint", "known_plans")
@@ -364,7 +366,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class InFlight(_message.Message):
-    __slots__ = ("job", "step", "state", "bytes_total", "bytes_written", "age_s", "ranks_arrived", "ranks_expected", "write_s")
+    __slots__ = ("job", "step", "state", "bytes_total", "bytes_written", "age_s", "ranks_arrived", "ranks_expected", "write_s", "bytes_linked")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +376,7 @@ class InFlight(_message.Message):
     RANKS_ARRIVED_FIELD_NUMBER: _ClassVar[int]
     RANKS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LINKED_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     state: str
@@ -383,7 +386,8 @@ class InFlight(_message.Message):
     ranks_arrived: int
     ranks_expected: int
     write_s: float
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., age_s: _Optional[float] = ..., ranks_arrived: _Optional[int] = ..., ranks_expected: _Optional[int] = ..., write_s: _Optional[float] = ...) -> None: ...
+    bytes_linked: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., age_s: _Optional[float] = ..., ranks_arrived: _Optional[int] = ..., ranks_expected: _Optional[int] = ..., write_s: _Optional[float] = ..., bytes_linked: _Optional[int] = ...) -> None: ...
 
 class LastCommit(_message.Message):
     __slots__ = ("job", "step", "committed_at", "latency_s", "bytes", "step_dir")
@@ -402,7 +406,7 @@ class LastCommit(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed_at: _Optional[float] = ..., latency_s: _Optional[float] = ..., bytes: _Optional[int] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas")
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas", "link_mismatches_total")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +426,7 @@ class StatusResponse(_message.Message):
     LOADS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LINK_MISMATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
@@ -441,7 +446,8 @@ class StatusResponse(_message.Message):
     loads_active: int
     remote: RemoteStatus
     replicas: ReplicaStatus
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ...) -> None: ...
+    link_mismatches_total: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., link_mismatches_total: _Optional[int] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("held_bytes", "memory_limit", "held", "jobs", "bulk_port")

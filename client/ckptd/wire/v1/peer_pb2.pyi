@@ -241,16 +241,36 @@ class Chunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class OfferReplicaRequest(_message.Message):
-    __slots__ = ("job", "step", "node", "files")
+    __slots__ = ("job", "step", "node", "files", "units")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     node: int
     files: _containers.RepeatedCompositeFieldContainer[FileEntry]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ...) -> None: ...
+    units: _containers.RepeatedCompositeFieldContainer[FileUnits]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., units: _Optional[_Iterable[_Union[FileUnits, _Mapping]]] = ...) -> None: ...
+
+class ChecksumUnit(_message.Message):
+    __slots__ = ("offset", "nbytes", "xxh3")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    nbytes: int
+    xxh3: int
+    def __init__(self, offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
+
+class FileUnits(_message.Message):
+    __slots__ = ("name", "units")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    units: _containers.RepeatedCompositeFieldContainer[ChecksumUnit]
+    def __init__(self, name: _Optional[str] = ..., units: _Optional[_Iterable[_Union[ChecksumUnit, _Mapping]]] = ...) -> None: ...
 
 class ReplicaRange(_message.Message):
     __slots__ = ("file", "offset", "nbytes")

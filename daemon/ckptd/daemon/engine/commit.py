@@ -107,15 +107,19 @@ class Commit:
             engine.remote.committed(session.job, session.step, session.shared_root, index.created_at)
 
     def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
-        """Count the data bytes this node wrote for a step (metrics: bytes, throughput) and the
-        bytes it linked from the previous step instead (incremental saves)."""
+        """Count the data bytes this node wrote for a step (metrics: bytes, throughput), the
+        bytes it linked from the previous step instead (incremental saves), and the linked files
+        it found damaged and wrote again."""
         engine = self.engine
         linked = set(manifest.linked)
         mine = [f for f in manifest.files if f.node == engine.node and f.name.endswith(".safetensors")]
         nbytes = sum(f.size for f in mine if f.name not in linked)
         engine.counters.bytes_written += nbytes
+        engine.counters.link_mismatches += len(manifest.rewritten)
         engine.metrics.bytes_written.labels(job).inc(nbytes)
         engine.metrics.bytes_linked.labels(job).inc(sum(f.size for f in mine if f.name in linked))
+        if manifest.rewritten:
+            engine.metrics.link_mismatches.labels(job).inc(len(manifest.rewritten))
         if seconds > 0:
             engine.metrics.throughput.labels(job).set(nbytes / seconds)
 

@@ -71,6 +71,7 @@ class Counters:
     skipped: int = 0
     last_error: str = ""
     bytes_written: int = 0
+    link_mismatches: int = 0  # files of the previous step that an incremental save found damaged and wrote again
 
 
 class Coordination(Protocol):

@@ -13,7 +13,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.engine.context import Engine
@@ -28,6 +28,7 @@ from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.engine.staging import StagingFiles
+from ckptd.daemon.units import Unit, file_units
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +235,12 @@ class Loads:
         """Perform a load's staged reads: those of replicas in a peer's memory in one batch per
         holder (merged ranges, parallel connections: Replication.fetch), the others in turn."""
         batches: dict[int, list[StagedRead]] = {}
+        units = self._units(index) if any(location.tier in (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER) for location in locations.values()) else {}
         for read in reads:
             if locations[read.file].tier is Tier.MEMORY_PEER and self._replication is not None:
                 batches.setdefault(read.node, []).append(read)
             else:
-                await self._stage(index, read, locations[read.file])
+                await self._stage(index, read, locations[read.file], units)
         waits: set[asyncio.Task[None]] = set()
         for holder, batch in batches.items():
             todo = []
@@ -249,15 +251,29 @@ class Loads:
                 else:
                     waits.add(task)
             if todo:
-                task = asyncio.get_running_loop().create_task(self._fetch_replica(index, holder, todo, locations))
+                task = asyncio.get_running_loop().create_task(self._fetch_replica(index, holder, todo, locations, units))
                 for read in todo:
                     self._fetches[(index.job, index.step, read.file, read.offset)] = task
                 waits.add(task)
         for task in waits:
             await asyncio.shield(task)
 
-    async def _fetch_replica(self, index: CheckpointIndex, holder: int, reads: Sequence[StagedRead], locations: dict[str, Location]) -> None:
-        """Receive ranges of replicas that `holder` keeps in memory into their staging files."""
+    def _units(self, index: CheckpointIndex) -> dict[str, tuple[Unit, ...]]:
+        """The checksum units of the step's data files, by which bytes staged from a replica are
+        checked (units.file_units); none when the index's records do not tile its files (logged:
+        the ranks still check what they read)."""
+        try:
+            return file_units(index)
+        except FormatError as exc:
+            log.warning("step %s of job %s: replicas are staged unchecked: %s", index.step, index.job, exc)
+            return {}
+
+    async def _fetch_replica(
+        self, index: CheckpointIndex, holder: int, reads: Sequence[StagedRead], locations: dict[str, Location], units: Mapping[str, Sequence[Unit]]
+    ) -> None:
+        """Receive ranges of replicas that `holder` keeps in memory into their staging files,
+        checked against `units`; a holder that cannot serve them, or serves damaged bytes, makes
+        them be read from the disk of the node that wrote them."""
         assert self._replication is not None
         writer = {f.name: f.node for f in index.files}
         fds: dict[str, int] = {}
@@ -270,10 +286,11 @@ class Loads:
                 by_source.setdefault(writer[read.file], []).append((read.file, read.offset, read.nbytes, fds[read.file]))
             for source, ranges in by_source.items():
                 try:
-                    await self._replication.fetch(holder, index.job, index.step, source, ranges)
+                    await self._replication.fetch(holder, index.job, index.step, source, ranges, units)
                 except Unavailable as exc:
                     # The holder lost the replica since the load was planned (a newer step replaced
-                    # it, its daemon restarted): the node that wrote the file still has it on disk.
+                    # it, its daemon restarted), or its copy is damaged: the node that wrote the
+                    # file still has it on disk.
                     log.warning("step %s of job %s: %s; reading node %s's part from its disk instead", index.step, index.job, exc, source,
                                 extra={"job": index.job, "step": index.step})
                     await self._stage_from_disk(index, source, [r for r in reads if writer[r.file] == source], locations, exc)
@@ -282,7 +299,7 @@ class Loads:
                 os.close(fd)
 
     async def _stage_from_disk(
-        self, index: CheckpointIndex, source: int, reads: Sequence[StagedRead], locations: dict[str, Location], cause: Unavailable
+        self, index: CheckpointIndex, source: int, reads: Sequence[StagedRead], locations: dict[str, Location], cause: Unavailable | NotFound
     ) -> None:
         """Stage reads of `source`'s files from its root (this node's when it is `source`), into
         the same staging files the replica read was filling."""
@@ -294,24 +311,33 @@ class Loads:
         except (Unavailable, Precondition) as exc:
             raise Unavailable(f"{cause}; and reading node {source}'s part from its disk failed too: {exc}") from None
 
-    async def _stage(self, index: CheckpointIndex, read: StagedRead, location: Location) -> None:
+    async def _stage(self, index: CheckpointIndex, read: StagedRead, location: Location, units: Mapping[str, Sequence[Unit]]) -> None:
         """Copy a range of a file (this node's, or a peer's) to the same offset of its staging
         file in shared memory; made once however many local ranks ask, removed once no load of
         the step uses it (_release_staging)."""
         key = (index.job, index.step, read.file, read.offset)
         task = self._fetches.get(key)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.get_running_loop().create_task(self._fetch_into(location, index, read))
+            task = asyncio.get_running_loop().create_task(self._fetch_into(location, index, read, units))
             self._fetches[key] = task
         await asyncio.shield(task)
 
-    async def _fetch_into(self, location: Location, index: CheckpointIndex, read: StagedRead) -> None:
+    async def _fetch_into(self, location: Location, index: CheckpointIndex, read: StagedRead, units: Mapping[str, Sequence[Unit]] | None = None) -> None:
+        """Stage one read from its location. A replica held here is copied and checked against
+        `units`; a damaged one is read from the disk of the node that wrote the file instead."""
         engine = self.engine
         fd = await asyncio.to_thread(self.staging.open, location.path)
         try:
             if location.tier is Tier.MEMORY_LOCAL and self._replication is not None:
                 source = next(f.node for f in index.files if f.name == read.file)
-                await asyncio.to_thread(self._replication.copy_local, index.job, index.step, source, read.file, read.offset, read.nbytes, fd)
+                try:
+                    await asyncio.to_thread(
+                        self._replication.copy_local, index.job, index.step, source, read.file, read.offset, read.nbytes, fd, units or {}
+                    )
+                except (Unavailable, NotFound) as exc:  # damaged, or replaced by a newer step's since the load was planned
+                    log.warning("step %s of job %s: %s; reading node %s's part from its disk instead", index.step, index.job, exc, source,
+                                extra={"job": index.job, "step": index.step})
+                    await self._stage_from_disk(index, source, [read], {read.file: location}, exc)
             elif read.node == engine.node:
                 try:
                     await asyncio.to_thread(engine.storage.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)

@@ -13,6 +13,13 @@ status`) once every node that wrote data files of it has its part held by anothe
 The other roles of a daemon: take offers (`offer`), serve ranges of what it holds to loading
 nodes (`read`), and fetch ranges from a holder into staging files for its own loads (`fetch`,
 `copy_local`). All byte moving runs in threads, off the event loop.
+
+Every byte of a replica is checked against the step's index twice: by the buddy when it
+arrives (the offer carries each file's checksum units; a file that does not match is not kept)
+and by a loading node once it is staged (the ranges read are widened to whole units first).
+A copy found damaged when loaded is named as the holder's (log, error, metric
+`ckptd_replica_damaged_total{where="load"}`) and the load reads those ranges from the disk of
+the node that wrote them instead (engine/loads.py).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import socket
 import ssl
 import threading
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Protocol, Sequence
+from typing import Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 
 from ckptd.daemon.bulk import BUFFER_BYTES, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
 from ckptd.daemon.bulk import send_status, split_evenly, tls_contexts
@@ -36,6 +44,7 @@ from ckptd.daemon.engine.replica_store import Damaged, Receipt, Refused, Replica
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
 from ckptd.daemon.format import CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.records import BulkAnswer, JobReplicas, ReplicaStatus
+from ckptd.daemon.units import Unit, file_units, first_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +65,9 @@ class ReplicaCalls(Protocol):
     def host_of(self, node: int) -> str:
         """The host of a node's --peers entry (its bulk port listens there too)."""
 
-    async def offer(self, node: int, job: str, step: int, files: Sequence[FileRecord]) -> BulkAnswer | str:
-        """Offer this node's part of a committed step to `node`: its answer, or why it did not answer."""
+    async def offer(self, node: int, job: str, step: int, files: Sequence[FileRecord], units: Mapping[str, Sequence[Unit]]) -> BulkAnswer | str:
+        """Offer this node's part of a committed step to `node` (with each file's checksum units):
+        its answer, or why it did not answer."""
 
     async def read(self, node: int, job: str, step: int, source: int, ranges: Sequence[tuple[str, int, int]]) -> BulkAnswer:
         """A ticket to receive ranges of the replica of `source`'s part that `node` holds (Unavailable: none)."""
@@ -84,6 +94,49 @@ def merge_ranges(ranges: Sequence[Range], gap: int = MERGE_GAP_BYTES) -> list[Ra
         else:
             merged.append((file, offset, nbytes, fd))
     return merged
+
+
+Check = tuple[str, int, Unit]  # (file, staging fd, a checksum unit staged there)
+
+
+def widen_to_units(reads: Sequence[Range], units: Mapping[str, Sequence[Unit]]) -> tuple[list[Range], list[Check]]:
+    """The reads widened to the whole checksum units they touch (so that every staged byte can be
+    checked; the bytes around a range are the file's too, staged at their own offsets), and the
+    units to check, each once, in file order. A file without units is read as asked."""
+    widened: list[Range] = []
+    touched: dict[tuple[str, int, int], Unit] = {}
+    starts: dict[str, list[int]] = {}
+    for file, offset, nbytes, fd in reads:
+        known = units.get(file)
+        if not known:
+            widened.append((file, offset, nbytes, fd))
+            continue
+        if file not in starts:
+            starts[file] = [u.offset for u in known]
+        first = max(0, bisect_right(starts[file], offset) - 1)
+        covered = []
+        for unit in known[first:]:
+            if unit.offset >= offset + nbytes:
+                break
+            if unit.end > offset:
+                covered.append(unit)
+        if not covered:
+            widened.append((file, offset, nbytes, fd))
+            continue
+        widened.append((file, covered[0].offset, covered[-1].end - covered[0].offset, fd))
+        for unit in covered:
+            touched[(file, fd, unit.offset)] = unit
+    return widened, [(file, fd, unit) for (file, fd, _), unit in sorted(touched.items())]
+
+
+def staged_problem(checks: Sequence[Check]) -> str | None:
+    """(thread) Read the staged units back and check them: None, or what is wrong with the first
+    that does not match ("FILE: bytes [a, b) do not match ...")."""
+    for file, fd, unit in checks:
+        problem = first_mismatch(lambda n, offset: os.pread(fd, n, offset), (unit,))
+        if problem is not None:
+            return f"{file}: {problem}"
+    return None
 
 
 def cut_ranges(ranges: Sequence[Range], most: int, align: int = 2**20) -> list[Range]:
@@ -235,16 +288,24 @@ class Replication:
         older = self._cancels.get(job)
         if older is not None:
             older.set()
+        try:
+            units = file_units(index)
+        except FormatError as exc:  # a buddy checks every byte it holds: without checksums, nothing is pushed
+            self.pushes[job] = PushState(step, error=f"not pushed: {exc}", done=True)
+            log.warning("step %s of job %s: this node's part is not held in memory by another node: %s", step, job, exc, extra={"job": job, "step": step})
+            return
         cancel = self._cancels[job] = threading.Event()
         self.pushes[job] = PushState(step)
-        self.engine.spawn(self._push(job, step, files, needed, cancel))
+        self.engine.spawn(self._push(job, step, files, {f.name: units[f.name] for f in files}, needed, cancel))
 
-    async def _push(self, job: str, step: int, files: tuple[FileRecord, ...], needed: frozenset[int], cancel: threading.Event) -> None:
+    async def _push(
+        self, job: str, step: int, files: tuple[FileRecord, ...], units: Mapping[str, tuple[Unit, ...]], needed: frozenset[int], cancel: threading.Event
+    ) -> None:
         cluster = self.engine.cluster
         assert cluster is not None
         holders, errors = [], []
         for buddy in self._buddies():
-            error = await self._push_to(buddy, job, step, files, cancel)
+            error = await self._push_to(buddy, job, step, files, units, cancel)
             if cancel.is_set():
                 self.engine.metrics.replica_pushes.labels("cancelled").inc()
                 return
@@ -264,9 +325,11 @@ class Replication:
             log.info("step %s of job %s: this node's part (%s) is held in memory by nodes %s", step, job, nbytes, holders, extra={"job": job, "step": step})
         await self._report(job, step, needed, tuple(holders), state.error)
 
-    async def _push_to(self, buddy: int, job: str, step: int, files: tuple[FileRecord, ...], cancel: threading.Event) -> str:
+    async def _push_to(
+        self, buddy: int, job: str, step: int, files: tuple[FileRecord, ...], units: Mapping[str, tuple[Unit, ...]], cancel: threading.Event
+    ) -> str:
         """Offer and send the files to one buddy; "" when it holds them, else why not."""
-        answer = await self.calls.offer(buddy, job, step, files)
+        answer = await self.calls.offer(buddy, job, step, files, units)
         if isinstance(answer, str):
             return f"did not answer ({answer})"
         if answer.held:
@@ -363,12 +426,13 @@ class Replication:
 
     # ---- holding other nodes' parts
 
-    def offer(self, job: str, step: int, node: int, files: Sequence[FileRecord]) -> BulkAnswer:
-        """A node offers its part of a committed step: a ticket to send it, or why not."""
+    def offer(self, job: str, step: int, node: int, files: Sequence[FileRecord], units: Mapping[str, tuple[Unit, ...]]) -> BulkAnswer:
+        """A node offers its part of a committed step (`units`: each file's checksum units, every
+        byte is checked on arrival): a ticket to send it, or why not."""
         if self.bulk is None:
             return BulkAnswer(False, f"node {self.engine.node} holds no replicas (--replicas 0)")
         try:
-            receipt = self.store.offer(job, node, step, files)
+            receipt = self.store.offer(job, node, step, files, units)
         except Refused as exc:
             return BulkAnswer(False, str(exc))
         if receipt is None:
@@ -393,6 +457,8 @@ class Replication:
         except Exception as exc:  # whatever stopped it, the receipt is dropped: nothing partial is served
             if not isinstance(exc, (Refused, Damaged, BulkError, OSError)):
                 log.exception("receiving node %s's part of step %s of job %r failed", receipt.node, receipt.step, receipt.job)
+            if isinstance(exc, Damaged):
+                self.engine.metrics.replica_damaged.labels("arrival").inc()
             log.warning("node %s's part of step %s of job %r was not kept: %s", receipt.node, receipt.step, receipt.job, exc)
             self._drop(receipt, loop)
             try:
@@ -439,11 +505,17 @@ class Replication:
 
     # ---- reading for this daemon's loads
 
-    async def fetch(self, holder: int, job: str, step: int, source: int, reads: Sequence[Range]) -> None:
+    async def fetch(
+        self, holder: int, job: str, step: int, source: int, reads: Sequence[Range], units: Mapping[str, Sequence[Unit]]
+    ) -> None:
         """Receive ranges of the replica of `source`'s part that `holder` holds into staging
-        files (same offsets): merged, in up to FETCH_STREAMS connections of their own."""
+        files (same offsets, readable fds): widened to whole checksum units (`units`: the step's,
+        by file), merged, in up to FETCH_STREAMS connections of their own; then every staged unit
+        is checked. Unavailable when the holder does not serve them, or they do not match (the
+        message names the holder's copy as damaged)."""
         cluster = self.engine.cluster
         assert cluster is not None
+        reads, checks = widen_to_units(reads, units)
         whole = merge_ranges(reads)
         total = sum(r[2] for r in whole)
         streams = max(1, min(FETCH_STREAMS, os.cpu_count() or 1, total // STREAM_MIN_BYTES))  # a receiving thread per stream
@@ -460,6 +532,13 @@ class Replication:
 
         started = time.monotonic()
         await asyncio.gather(*(stream(g) for g in groups))
+        problems = await asyncio.gather(*(asyncio.to_thread(staged_problem, checks[i::streams]) for i in range(streams)))
+        problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            self.engine.metrics.replica_damaged.labels("load").inc()
+            raise Unavailable(
+                f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of {cluster.describe(holder)} is damaged: {problem}"
+            )
         seconds = time.monotonic() - started
         self.engine.metrics.load_staged_bytes.labels("memory-peer").inc(total)
         log.info(
@@ -477,9 +556,16 @@ class Replication:
         finally:
             sock.close()
 
-    def copy_local(self, job: str, step: int, source: int, file: str, offset: int, nbytes: int, out_fd: int) -> None:
-        """(thread) Copy a range of a replica this daemon holds into a staging file (the kernel copies)."""
+    def copy_local(
+        self, job: str, step: int, source: int, file: str, offset: int, nbytes: int, out_fd: int, units: Mapping[str, Sequence[Unit]]
+    ) -> None:
+        """(thread) Copy a range of a replica this daemon holds into a staging file (the kernel
+        copies; `out_fd` readable too), widened to whole checksum units and checked as `fetch`
+        does. NotFound when the replica is gone; Unavailable when it ends short or the copy is
+        damaged (named as this node's)."""
         replica = self.store.replica(job, source, step)
+        (widened,), checks = widen_to_units([(file, offset, nbytes, out_fd)], units)
+        _, offset, nbytes, _ = widened
         ((fd, _, _),) = open_ranges(replica, [(file, offset, nbytes)])
         try:
             done = 0
@@ -490,4 +576,10 @@ class Replication:
                 done += n
         finally:
             os.close(fd)
+        problem = staged_problem(checks)
+        if problem is not None:
+            self.engine.metrics.replica_damaged.labels("load").inc()
+            raise Unavailable(
+                f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of this node (node {self.engine.node}) is damaged: {problem}"
+            )
         self.engine.metrics.load_staged_bytes.labels("memory-local").inc(nbytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import datetime, timedelta, timezone
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.remote.store import ObjectStore
@@ -44,6 +44,20 @@ class BucketCatalog:
             if parsed is not None and parsed[0] == job:
                 found.setdefault(parsed[1], set()).add(parsed[2])
         return found
+
+    def incomplete(self, job: str, indexes: Sequence[CheckpointIndex]) -> dict[int, list[str]]:
+        """step -> the files its index lists that the bucket lacks (or holds with another size),
+        for each of `indexes` (the job's) that is not complete; one listing of the job's prefix.
+        A step is complete when its index is written (upload.py), but objects can be deleted
+        after that: by hand, by a lifecycle rule."""
+        listed = self.store.list_objects(self.location.job_prefix(job))
+        gaps = {}
+        for index in indexes:
+            prefix = self.location.step_prefix(job, index.step)
+            lacking = [f.name for f in index.files if listed.get(prefix + f.name) != f.size]
+            if lacking:
+                gaps[index.step] = lacking
+        return gaps
 
     def index_bytes(self, job: str, step: int) -> bytes | None:
         """The step's index object as stored now, or None (not committed in the bucket)."""

@@ -10,7 +10,10 @@ root's, and restoring a step the root lacks before a load is planned (engine/loa
   machine, or a root that lost its steps), is downloaded into the root first (restore.py:
   verified, index last); one download per step whatever the number of ranks asking. With
   several nodes each node downloads the whole step into its own root; a node whose root is
-  node 0's waits for node 0's download instead (its ranks load the same step).
+  node 0's waits for node 0's download instead (its ranks load the same step). A step whose
+  index is in the bucket but some of whose files are not (deleted after the upload: by hand, a
+  lifecycle rule) is not downloaded: the load fails saying which files are gone and which step
+  to load instead (the newest complete one committed before it, in the bucket or the root).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.errors import Precondition, Unavailable
-from ckptd.daemon.format import CheckpointIndex, FormatError
+from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.location import RemoteLocation
 from ckptd.daemon.remote.restore import DownloadDamaged, StepRestorer
@@ -141,6 +144,7 @@ class BucketReads:
             data = await self._run(self.catalog.index_bytes, job, step)
             if data is None:
                 return  # not in the bucket either: the load reports it missing
+            await self._check_complete(job, CheckpointIndex.of_step(data, job, step, self.location.key(job, step, INDEX_NAME)))
             restored = await self._run(self.restorer.restore, job, step, data)
         except FileExistsError:
             return  # committed here meanwhile
@@ -154,6 +158,33 @@ class BucketReads:
         self.metrics.restored_bytes.labels(job).inc(restored.nbytes)
         log.info("restored step %s of job %s from %s into %s: %.1f MiB in %.2f s", step, job, self.location.url_of(job, step),
                  restored.where, restored.nbytes / 2**20, time.monotonic() - started, extra={"job": job, "step": step})
+
+    async def _check_complete(self, job: str, index: CheckpointIndex) -> None:
+        """Precondition when the bucket lacks files of the step that `index` commits, naming them
+        and the step to load instead: the newest committed before it that is complete in the
+        bucket, or committed in the root."""
+        step = index.step
+        before = [i for i in await self.committed_in_bucket(job) if (i.created_at, i.step) < (index.created_at, index.step)]
+        gaps = await self._run(self.catalog.incomplete, job, [index, *before])
+        lacking = gaps.get(step)
+        if not lacking:
+            return
+        candidates = [(i.created_at, i.step, self.location.url_of(job, i.step)) for i in before if i.step not in gaps]
+        local = await asyncio.to_thread(self.engine.storage.latest_step, job)
+        if local is not None and local != step:
+            created = (await self.engine.index(job, local)).created_at
+            if created < index.created_at:
+                candidates.append((created, local, self.engine.storage.step_location(job, local)))
+        shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+        if candidates:
+            _, instead, where = max(candidates)
+            advice = f"the newest complete step committed before it is step {instead} ({where}): load it with `load(state, step={instead})`"
+        else:
+            advice = f"no complete step of the job was committed before it, in the bucket or in {self.engine.storage.location}"
+        raise DownloadDamaged(
+            f"its index is in the bucket but {len(lacking)} of the {len(index.files)} files it lists {'is' if len(lacking) == 1 else 'are'} "
+            f"not ({shown}): deleted after the upload (by hand, or a lifecycle rule); {advice}"
+        )
 
     async def _wait_for_node0(self, job: str, step: int) -> None:
         """A node sharing node 0's root: node 0 downloads the step (its ranks load it too)."""

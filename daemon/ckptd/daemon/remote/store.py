@@ -206,6 +206,14 @@ class ObjectStore:
                 return
             marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
+    def abort_uploads_of(self, key: str) -> int:
+        """Abort every unfinished multipart upload of exactly `key` (the caller's own: it is not
+        uploading `key` now); returns how many. Nothing without boto3 (logged)."""
+        found = [upload_id for where, upload_id, _ in self.unfinished_uploads(key) if where == key]
+        for upload_id in found:
+            self.abort_upload(key, upload_id)
+        return len(found)
+
     def abort_upload(self, key: str, upload_id: str) -> None:
         client = self._boto_client()
         if client is not None:

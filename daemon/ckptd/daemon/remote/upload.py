@@ -15,6 +15,12 @@ Order, so that a step is visible in the bucket only when complete (its index is 
 3. node 0 waits until every file the index lists is in the bucket with its recorded size (the
    other nodes upload theirs), then writes the index, last, only if there is none.
 
+A multipart upload that fails mid-way because the server went away cannot be aborted then: its
+parts stay stored (and billed) under an upload id nobody will complete. The uploader remembers
+the key, and the attempt that uploads (or copies) that file again first aborts the key's
+unfinished uploads; the start-up sweep (tier.py) covers a daemon that died instead, and a step
+that is never retried.
+
 Every byte of a local file is read through the storage backend (a step's StepReader): no file
 under the root is opened here by path.
 """
@@ -32,9 +38,10 @@ import xxhash
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.location import RemoteLocation
-from ckptd.daemon.remote.objects import Unit, file_signature, file_units, uploads_of, writes_index
+from ckptd.daemon.remote.objects import file_signature, uploads_of, writes_index
 from ckptd.daemon.remote.store import ObjectStore, RemoteError, RemoteExists, RemoteNotFound, RemoteUnavailable, Stopped, gather
 from ckptd.daemon.storage import ReadHandle, StorageBackend
+from ckptd.daemon.units import Unit, file_units
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +173,8 @@ class StepUploader:
         self.node, self.streams = node, streams
         self._transfers, self._stop, self.copies = transfers, stop, copies
         self._replaced: dict[tuple[str, int], set[str]] = {}  # (job, step) -> keys of an older commit node 0 removes
+        self._abandoned: set[str] = set()  # keys whose multipart upload a failed attempt left unfinished
+        self._abandoned_lock = threading.Lock()  # _put runs on the transfer threads
 
     def local_index(self, job: str, step: int) -> tuple[CheckpointIndex, bytes]:
         """The step's index in the local root (StepGone when it is not there)."""
@@ -246,6 +255,26 @@ class StepUploader:
         self.remember(job, step, index, units)
         return Uploaded(sent + len(data), copied, published=True)
 
+    def _abort_abandoned(self, key: str) -> None:
+        """Before `key` is uploaded again: abort the multipart upload a failed attempt left of it
+        (see the module docstring). A server that does not answer fails this attempt (it is
+        retried); one that refuses the listing (credentials without the right to list multipart
+        uploads) leaves it to the sweep at the next start, logged."""
+        with self._abandoned_lock:
+            if key not in self._abandoned:
+                return
+        try:
+            aborted = self.store.abort_uploads_of(key)
+        except RemoteError as exc:
+            if exc.transient:
+                raise
+            log.warning("the unfinished multipart upload of %s that a failed attempt left is not aborted (%s): the next start sweeps it", key, exc)
+            aborted = 0
+        with self._abandoned_lock:
+            self._abandoned.discard(key)
+        if aborted:
+            log.info("aborted %s unfinished multipart upload(s) of %s that a failed attempt left", aborted, key)
+
     def _make_room(self, job: str, step: int, there: bytes) -> None:
         """The bucket holds another commit of the step: node 0 deletes it (index first), the
         others wait until it is gone (NotReady until then)."""
@@ -290,6 +319,7 @@ class StepUploader:
                 raise LocalDamage(f"step {step} of job {job!r}: {exc}") from None
             self.store.put_bytes(key, payload)
             return len(payload), 0
+        self._abort_abandoned(key)
         source = self.copies.find(job, signature)
         if source is not None and source != key and record.size <= MAX_COPY_BYTES:
             try:
@@ -306,7 +336,12 @@ class StepUploader:
             if handle.size != record.size:
                 raise LocalDamage(f"{record.name} of step {step} of job {job!r} has {handle.size} bytes, its index says {record.size}")
             body = VerifyingBody(handle, record.size, units, record.name, self._stop)
-            self.store.put_body(key, body, record.size, streams)
+            try:
+                self.store.put_body(key, body, record.size, streams)
+            except RemoteError:  # a multipart upload may be left unfinished: aborted at the next attempt
+                with self._abandoned_lock:
+                    self._abandoned.add(key)
+                raise
             problem = body.problem()
         if problem is not None:
             self.store.delete([key])
