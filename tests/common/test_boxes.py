@@ -6,7 +6,8 @@ import time
 import pytest
 
 from ckptd.common import tiling
-from ckptd.common.boxes import MAX_OVERLAPS_LISTED, Box, contiguous_runs, coverage_problems, intersect, relative
+from ckptd.common import boxes as boxes_module
+from ckptd.common.boxes import Box, contiguous_runs, coverage_problems, intersect, relative
 
 
 @pytest.mark.parametrize(
@@ -231,6 +232,6 @@ def test_coverage_problems_of_crafted_chunks_stay_fast_issue30() -> None:
         started = time.process_time()
         problems = coverage_problems(shape, boxes)
         took = time.process_time() - started
-        assert len(problems) == MAX_OVERLAPS_LISTED + 1 and all(" overlap in " in p for p in problems[:-1]), problems[:3]
+        assert len(problems) == boxes_module.MAX_OVERLAPS_LISTED + 1 and all(" overlap in " in p for p in problems[:-1]), problems[:3]
         assert problems[-1].startswith("and "), problems[-1]
         assert took < 2.0, f"{len(boxes)} crafted boxes took {took:.2f} s of CPU"
