@@ -42,8 +42,9 @@ def tiling_residual(shape: Sequence[int], spans: Sequence[Span], max_corners: in
     limit = MAX_CORNERS if max_corners is None else max_corners
     cuts = []  # per box, the dimensions in which it ends before the tensor does
     corners = 0
+    dims = range(len(shape))
     for _, ends in spans:
-        cut = [d for d, (e, s) in enumerate(zip(ends, shape)) if e < s]
+        cut = [d for d in dims if ends[d] < shape[d]]
         corners += 1 << len(cut)
         if corners > limit:
             return None
