@@ -18,6 +18,9 @@ The sources (`source_format`, "auto" detects it):
 - "dcp": a DCP directory written by dcp.save with a FileSystemWriter, any number of ranks,
   DTensor shards included (import_dcp.py: read without unpickling untrusted data).
 
+Only regular files are read, each checked first (import_source.py): a link out of a source
+directory (but a Hugging Face cache's into its blobs/), a FIFO or a device is refused, never read.
+
 The step is written by the daemon's own writer (direct_write.py): the same files, index and
 `latest` as a save by one rank; it becomes the job's newest step. A step that exists is never
 overwritten, and a failure leaves no visible step.
