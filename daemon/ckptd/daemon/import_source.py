@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Callable
 
 from ckptd.daemon.direct_write import ImportRefused
 from ckptd.daemon.storage import ForeignEntry, open_for_reading
@@ -37,12 +38,7 @@ HUB_SNAPSHOTS, HUB_BLOBS = "snapshots", "blobs"  # huggingface_hub's cache layou
 def check_source(source: Path) -> Path:
     """The path to read SOURCE from: a directory as given, a regular file resolved (SOURCE may
     be a link). ImportRefused when it is missing or something else (a FIFO, a device, a socket)."""
-    try:
-        st = os.stat(source)
-    except FileNotFoundError:
-        raise ImportRefused(f"{source} does not exist") from None
-    except OSError as exc:
-        raise ImportRefused(f"cannot read {source}: {exc.strerror or exc}") from None
+    st = _status(source, os.stat)
     if stat.S_ISDIR(st.st_mode):
         return source
     if not stat.S_ISREG(st.st_mode):
@@ -62,12 +58,7 @@ def source_file(directory: Path, name: str) -> Path:
     (or in a Hugging Face cache's blobs/, module docstring). ImportRefused when the entry is
     missing, a link out of the directory, or not a regular file."""
     path = directory / name
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise ImportRefused(f"{path} does not exist") from None
-    except OSError as exc:
-        raise ImportRefused(f"cannot read {path}: {exc.strerror or exc}") from None
+    st = _status(path, os.lstat)
     if stat.S_ISLNK(st.st_mode):
         target = Path(os.path.realpath(path))
         home = Path(os.path.realpath(directory))
@@ -105,6 +96,15 @@ def read_source(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise ImportRefused(f"{path} is larger than the {limit} bytes ckptd reads of such a file")
     return data
+
+
+def _status(path: Path, stat_of: Callable[[Path], os.stat_result]) -> os.stat_result:
+    try:
+        return stat_of(path)
+    except FileNotFoundError:
+        raise ImportRefused(f"{path} does not exist") from None
+    except OSError as exc:
+        raise ImportRefused(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _in_hub_blobs(target: Path, home: Path) -> bool:
