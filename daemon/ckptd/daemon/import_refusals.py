@@ -9,8 +9,9 @@ function) and leave the advice out; the callers say how to fix the source instea
 
 from __future__ import annotations
 
-import pickle
 import re
+
+from torch._weights_only_unpickler import UnpicklingError  # type: ignore[attr-defined]  # pickle's, re-exported
 
 # Sentences of torch's advice (torch/serialization.py: UNSAFE_MESSAGE and _get_wo_message; the
 # unpickler's allow-list hint), by how they start or what they say.
@@ -34,7 +35,7 @@ def unpickler_message(exc: BaseException) -> str:
     """The unpickler's own message: torch.load raises a new UnpicklingError with the advice
     around it, from None; the refusal it wrapped is still its __context__."""
     inner = exc.__context__
-    if isinstance(exc, pickle.UnpicklingError) and isinstance(inner, pickle.UnpicklingError):
+    if isinstance(exc, UnpicklingError) and isinstance(inner, UnpicklingError):
         return str(inner)
     return str(exc)
 
