@@ -13,6 +13,8 @@ created on first upload (`-s3.autoCreateBucket=false`): a missing bucket is `NoS
 AWS. Nothing here needs an S3 client library: buckets are created with `weed shell`.
 
 SeaweedFS traps this module handles (see /work/shared/research/s3-test-server.md):
+- a fixed number of volumes (`-volume.max`, `_VOLUME_SLOTS`): SeaweedFS's default sizes it from
+  the free disk, too few for a module's buckets on a fuller disk;
 - the Iceberg and Lance listeners are disabled (fixed ports 8181 and 9101 otherwise);
 - each service's gRPC port is its HTTP port + 10000, so HTTP ports are chosen below 55535 with
   both ports free;
@@ -53,6 +55,14 @@ _HOST = "127.0.0.1"
 _GRPC_OFFSET = 10000  # SeaweedFS's gRPC port = HTTP port + 10000
 _PORT_LOW, _PORT_HIGH = 20000, 55535 - 1  # HTTP ports; their gRPC twins stay below 65536
 _SERVICES = ("s3", "master", "volume", "filer")
+# Volumes: each bucket takes 7 as it is made (SeaweedFS's growth for one copy), and a volume is
+# a file that grows as objects are written (never preallocated: `-master.volumePreallocate` is
+# off), so the count is fixed and generous: 1000 volumes hold 142 buckets, and cost disk only
+# for what is written. `-volume.max=0` sized the count from the free disk instead (free /
+# size limit: 48 with 49 GB free), so a machine with less free disk ran out of volumes from the
+# 8th bucket on (HTTP 500, "No writable volumes and no free volumes left").
+_VOLUME_SLOTS = 1000
+_VOLUME_SIZE_LIMIT_MB = 1024  # the benchmarks write GiBs: a bucket fills 7 such volumes before it grows more
 
 
 @dataclass(frozen=True)
@@ -186,8 +196,8 @@ def _start(work: Path, ports: dict[str, int], startup_timeout_s: float) -> subpr
         f"-ip={_HOST}",
         f"-ip.bind={_HOST}",
         "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=1024",
-        "-volume.max=0",  # as many volumes as the disk holds: the benchmarks write GiBs
+        f"-master.volumeSizeLimitMB={_VOLUME_SIZE_LIMIT_MB}",
+        f"-volume.max={_VOLUME_SLOTS}",
         "-volume.preStopSeconds=0",
         "-s3",
         f"-s3.config={config}",

@@ -4,6 +4,7 @@ loaded in place into another layout, read whole, decoded when quantized."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound, LocalShard
+from ckptd.daemon.importing import import_checkpoint
 from ckptd.offline import list_steps, open_step
 
 
@@ -147,3 +149,38 @@ def test_several_boxes_of_one_tensor_read_at_once_into_any_target(saved) -> None
     assert torch.equal(torch.cat([top, bottom]), whole)
     assert converted is strided and torch.equal(strided, whole)
     assert torch.equal(step.read_box("model/0.weight", (2, 3), (4, 2), out=torch.zeros(4, 2, dtype=torch.float64)), whole[2:6, 3:5].double())
+
+
+# issue 30 finding 10: a FIFO or a link planted in place of a step's data file is refused, never
+# waited on or followed, for whole tensors and for boxes (whose ranges are advised to the kernel first).
+@pytest.mark.parametrize("planted", ["fifo", "link"])
+@pytest.mark.parametrize("box", [None, ((1, 0), (2, 4))])
+def test_a_fifo_or_a_link_planted_as_a_data_file_is_refused_not_read(tmp_path: Path, planted: str, box) -> None:
+    torch.save({"w": torch.arange(16.0).reshape(4, 4)}, tmp_path / "w.pt")
+    step_dir = import_checkpoint(tmp_path / "w.pt", tmp_path / "root", "j", 1).step_dir
+    (data,) = step_dir.glob("model-*.safetensors")
+    data.rename(tmp_path / "moved.safetensors")
+    if planted == "fifo":
+        os.mkfifo(data)
+    else:
+        data.symlink_to(tmp_path / "moved.safetensors")
+    step = open_step(tmp_path / "root", "j")
+    outcome: list[BaseException | torch.Tensor] = []
+
+    def read() -> None:
+        try:
+            outcome.append(step.tensor("model/w") if box is None else step.read_box("model/w", *box))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    waited = reader.is_alive()
+    if waited and planted == "fifo":
+        os.close(os.open(data, os.O_WRONLY | os.O_NONBLOCK))  # a writer lets the blocked open return
+        reader.join(10)
+    assert not waited, "the read waited on the FIFO"
+    (result,) = outcome
+    assert isinstance(result, CheckpointError), result
+    assert str(data) in str(result) and ("not a regular file" if planted == "fifo" else "a symbolic link, which ckptd never follows") in str(result)

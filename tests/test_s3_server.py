@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -73,3 +74,24 @@ def test_server_starts_makes_buckets_and_stops_clean() -> None:
 def test_round_trip_and_wrong_credentials_refused(s3_server: S3Server) -> None:  # noqa: F811 (the fixture imported above)
     s3_server.make_bucket("fixture-test")
     _round_trip_and_refusals(s3_server)
+
+
+# issue 30 finding 12: the server holds as many buckets as the suite makes, whatever the free disk.
+# Each bucket takes 7 volumes; with `-volume.max=0` SeaweedFS sized the volume count from the free
+# disk (about 48 slots with 49 GB free), and the 8th bucket's writes got HTTP 500.
+MANY_BUCKETS = 12
+
+
+def test_many_buckets_each_take_writes(s3_server: S3Server) -> None:  # noqa: F811 (the fixture imported above)
+    obstore = pytest.importorskip("obstore")
+    from obstore.store import S3Store
+
+    for k in range(MANY_BUCKETS):
+        name = s3_server.make_bucket(f"many-{k:02d}")
+        store = S3Store(
+            name, endpoint=s3_server.endpoint_url, access_key_id=s3_server.access_key_id, secret_access_key=s3_server.secret_access_key,
+            region=s3_server.region, client_options={"allow_http": True}, retry_config={"max_retries": 0, "backoff": {}, "retry_timeout": timedelta(seconds=5)},
+        )
+        body = os.urandom(64 * 1024) + bytes([k])
+        obstore.put(store, "step-00000001/a.bin", body)
+        assert bytes(obstore.get(store, "step-00000001/a.bin").bytes()) == body, name

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +144,7 @@ class Custom:
 @pytest.mark.parametrize(
     "content, expected",
     [
-        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "cfg": Custom()}, p), "holds an object of class"),
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "cfg": Custom()}, p), "refers to the Python global"),
         (lambda p: p.write_bytes(b""), "is empty"),
         *[(lambda p, seed=seed: p.write_bytes(random.Random(seed).randbytes(4096)), "not a torch.save file") for seed in range(8)],
         (lambda p: torch.save([torch.ones(1)], p), "holds a list, not a dict"),
@@ -155,7 +156,7 @@ def test_what_cannot_be_imported_is_refused_with_the_reason(tmp_path: Path, cont
     content(tmp_path / "bad.pt")
     with pytest.raises(ImportRefused, match=expected) as refused:
         import_checkpoint(tmp_path / "bad.pt", tmp_path / "root", "run", 1)
-    if expected == "holds an object of class":
+    if expected == "refers to the Python global":
         assert "test_importing.Custom" in str(refused.value) and "state_dict" in str(refused.value)
     assert not (tmp_path / "root" / "run" / "step-00000001").exists()
 
@@ -447,3 +448,69 @@ def test_the_names_kept_apart_to_import_less_agree() -> None:
 
     assert cli.IMPORT_FORMATS == tuple(importing.FORMATS)
     assert importing.DCP_METADATA_NAME == import_dcp.METADATA_NAME
+
+
+# ------------------------------------------------------------------ issue 30 finding 10: refusals
+
+TORCH_ADVICE = re.compile(r"weights_only`?\s*(=|set to)\s*`?False|add_safe_globals|safe_globals|trusted source", re.I)
+
+
+class Blocked:
+    def __reduce__(self):  # noqa: ANN204 - never run: the global it names is refused
+        return (os.system, ("true",))
+
+
+class Reducer:
+    def __reduce__(self):  # noqa: ANN204
+        return (getattr, ("text", "upper"))
+
+
+def _scripted(path: Path) -> None:
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+
+
+# issue 30 finding 10: a refused .pt names the global refused, never torch's advice to load it
+# with weights_only=False (or to allow-list it).
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "cfg": Custom()}, p), "test_importing.Custom"),
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "x": Blocked()}, p), f"Python global {os.system.__module__}.system"),
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "x": Blocked()}, p, _use_new_zipfile_serialization=False), f"Python global {os.system.__module__}.system"),
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "x": Reducer()}, p), "Python global getattr "),
+        (lambda p: torch.save({"model": {"w": torch.ones(1)}, "at": __import__("datetime").date(2025, 1, 2)}, p), "Python global datetime.date "),
+        (_scripted, "TorchScript"),
+    ],
+)
+def test_a_refused_torch_file_names_what_was_refused_without_torch_advice(tmp_path: Path, content, named: str) -> None:
+    content(tmp_path / "bad.pt")
+    with pytest.raises(ImportRefused) as refused:
+        import_checkpoint(tmp_path / "bad.pt", tmp_path / "root", "run", 1)
+    message = str(refused.value)
+    assert named in message and not TORCH_ADVICE.search(message), message
+    assert "\n" not in message and len(message) < 600
+    if named != "TorchScript":
+        assert "refers to the Python global" in message and "save only its tensors" in message
+
+
+# issue 30 finding 10
+def test_a_refused_dcp_entry_is_named_without_torch_advice(tmp_path: Path) -> None:
+    directory, _, _ = dcp_dir(tmp_path, {"loader": Loader()})
+    (skipped,) = import_checkpoint(directory, tmp_path / "root", "dcp", 1).skipped
+    assert "refers to the Python global" in skipped and "test_importing.Loader" in skipped and not TORCH_ADVICE.search(skipped), skipped
+
+
+# issue 30 finding 10: a chunk (or a "bytes" entry) that storage_data does not locate is named.
+@pytest.mark.parametrize("entry", ["model.0.weight", "optimizer.param_groups.0.lr"])
+def test_a_dcp_entry_without_storage_is_named_not_a_key_error(tmp_path: Path, entry: str) -> None:
+    directory, _, _ = dcp_dir(tmp_path)
+    metadata = read_metadata(directory)
+    (key,) = [k for k in metadata.storage_data if k.fqn == entry]
+    del metadata.storage_data[key]
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ImportRefused) as refused:
+        import_checkpoint(directory, tmp_path / "root", "dcp", 1)
+    message = str(refused.value)
+    where = "chunk [0:5, 0:6] of tensor 'model.0.weight'" if entry.startswith("model") else f"entry {entry!r}"
+    assert f"{where} has no storage_data entry" in message and "KeyError" not in message, message
+    assert "copy the whole directory that dcp.save wrote" in message

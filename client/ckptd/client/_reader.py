@@ -9,6 +9,7 @@ fragment when all of it is read, else against the checksums of the chunks the re
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ def open_piece(src: Source) -> int:
     try:
         fd = os.open(src.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # never through a link, never waiting on a FIFO
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"cannot read {src.path} (tensor {src.name!r}): it is a symbolic link, which ckptd never follows in a step (something other than the daemon put it there)") from None
         raise CheckpointError(f"cannot read {src.path} (tensor {src.name!r}): {exc.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -16,6 +16,7 @@ import ctypes
 import functools
 import mmap
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,12 +246,13 @@ def _prefetch(ranges: Sequence[tuple[str, int, int]]) -> None:
             else:
                 merged.append((lo, hi))
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # as the read opens it: a FIFO never blocks
         except OSError:
             continue  # reported by the read itself, with the tensor's name
         try:
-            for lo, hi in merged:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            if stat.S_ISREG(os.fstat(fd).st_mode):  # else the read says what is there
+                for lo, hi in merged:
+                    os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 

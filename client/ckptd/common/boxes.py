@@ -12,6 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ckptd.common.tiling import overlapping_pairs, tiling_residual
+
+MAX_OVERLAPS_LISTED = 100  # pairs of overlapping boxes coverage_problems names
+
 
 @dataclass(frozen=True, order=True)
 class Box:
@@ -91,30 +95,59 @@ def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 
 def coverage_problems(shape: Sequence[int], boxes: Iterable[Box]) -> list[str]:
-    """Why a set of distinct boxes does not tile a tensor of `shape` exactly (empty if it does).
+    """Why a set of boxes does not tile a tensor of `shape` exactly (empty if it does).
 
-    Identical boxes (replicas) must be removed by the caller first. The check is exact:
-    the boxes must lie inside the tensor, must not overlap, and their volumes must add up.
+    Identical boxes (replicas) count once; empty boxes cover nothing. The verdict is exact.
+    The problems: every box outside the tensor; else the pairs of boxes that overlap, in sorted
+    order (the first MAX_OVERLAPS_LISTED, then how many more); else how many elements the boxes
+    cover. O(n log n) for n boxes (common/tiling.py). Input made to slow the search for
+    overlapping pairs (boxes that overlap along the dimensions it sweeps) stops it after
+    tiling.MAX_COMPARED comparisons: then the problem is the sum of the volumes when it is not
+    the tensor's, else an element covered twice or not at all; boxes split in so many
+    dimensions that the exact check would take over tiling.MAX_CORNERS steps as well are a
+    problem of their own.
     """
-    unique = sorted(set(boxes))
-    problems = [f"box {b} lies outside shape {list(shape)}" for b in unique if not b.fits_in(shape)]
+    shape = tuple(shape)
+    # Distinct boxes in Box's order, as (offsets, lengths) keys: tuples hash and compare in C.
+    unique = sorted({(b.offsets, b.lengths): b for b in boxes}.items())
+    problems = []
+    solid: list[Box] = []  # empty boxes overlap nothing and cover nothing
+    spans = []
+    for (offsets, lengths), b in unique:
+        end = tuple(o + n for o, n in zip(offsets, lengths))
+        if len(end) != len(shape) or any(e > s for e, s in zip(end, shape)):
+            problems.append(f"box {b} lies outside shape {list(shape)}")
+        elif 0 not in lengths:
+            solid.append(b)
+            spans.append((offsets, end))
     if problems:
         return problems
-    for i, a in enumerate(unique):
-        for b in unique[i + 1 :]:
-            # Sorted by offsets: once b starts past a's end along dim 0 nothing later overlaps a.
-            if a.ndim and b.offsets[0] >= a.end[0]:
-                break
-            common = intersect(a, b)
-            if common is not None:
-                problems.append(f"boxes {a} and {b} overlap in {common}")
-    if problems:
+    covered, total = sum(math.prod(b.lengths) for b in solid), math.prod(shape)
+    residual = tiling_residual(shape, spans) if covered == total else None
+    if residual == {}:
+        return []
+    pairs, count, finished = overlapping_pairs(spans, MAX_OVERLAPS_LISTED)
+    if pairs:
+        problems = [_overlap_problem(solid[i], solid[j]) for i, j in pairs]
+        if count > len(pairs) or not finished:
+            problems.append(f"and {count - len(pairs)} more pairs of boxes overlap" if finished else "and more pairs of boxes may overlap")
         return problems
-    covered = sum(b.numel for b in unique)
-    total = math.prod(shape)
-    if covered != total:
-        problems.append(f"boxes cover {covered} of {total} elements")
-    return problems
+    if finished or covered != total:  # unfinished: a sum of volumes other than the total is still a gap or an overlap
+        if covered == total:
+            return []
+        return [f"boxes cover {covered} of {total} elements" + ("" if covered < total else ": some overlap")]
+    if residual is None:
+        return [f"{len(solid)} boxes split in {len(shape)} dimensions are too many to check that they tile shape "
+                f"{list(shape)}: split the tensor into fewer pieces or along fewer dimensions"]
+    point = min(residual)  # covered other than once
+    holders = [b for b in solid if all(o <= p < o + n for o, n, p in zip(b.offsets, b.lengths, point))]
+    if len(holders) > 1:
+        return [_overlap_problem(holders[0], b) for b in holders[1 : MAX_OVERLAPS_LISTED + 1]]
+    return [f"element {list(point)} lies in no box, and other boxes overlap"]
+
+
+def _overlap_problem(a: Box, b: Box) -> str:
+    return f"boxes {a} and {b} overlap in {intersect(a, b)}"
 
 
 def contiguous_runs(box: Box, shape: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -58,7 +58,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptd.common.boxes import Box, coverage_problems
 from ckptd.daemon.direct_write import ImportRefused
-from ckptd.daemon.import_state import short_reason
+from ckptd.daemon.import_source import read_source, source_file
+from ckptd.daemon.import_refusals import short_reason, weights_only_refusal
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 1 << 30
@@ -83,6 +84,7 @@ _COPIED = frozenset({
 })
 _STRINGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"})
 _PLAIN_NAME = re.compile(r"[^/\\\x00]+")
+_INCOMPLETE = " (the checkpoint is incomplete: copy the whole directory that dcp.save wrote, every rank's files and .metadata)"
 
 
 class _Refused:
@@ -94,6 +96,8 @@ def read_dcp(directory: Path) -> tuple[Any, list[str]]:
     whatever the ranks' shards were), and what was not imported (each with the reason).
     Raises ImportRefused for metadata that is not a DCP checkpoint's or cannot be read safely."""
     metadata = read_metadata(directory)
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        source_file(directory, name)  # a regular file of the directory: never a FIFO, a device or a link out
     paths = _paths(metadata)
     skipped: list[str] = []
     flat = _allocate(metadata, directory)
@@ -152,12 +156,9 @@ def read_metadata(directory: Path) -> Metadata:
     and checked; ImportRefused when it is missing, not a DCP metadata file, or not safe."""
     path = directory / METADATA_NAME
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
+        data = read_source(source_file(directory, METADATA_NAME), MAX_METADATA_BYTES)
     except OSError as exc:
         raise ImportRefused(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise ImportRefused(f"{path} is larger than {MAX_METADATA_BYTES} bytes: not a DCP metadata file ckptd reads")
     try:
         stream = as_protocol_2(data)
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
@@ -253,18 +254,16 @@ def _checked(metadata: Any, path: Path) -> Metadata:
 
     if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict):
         raise bad(f"it holds a {type(metadata).__name__}, not torch.distributed.checkpoint.metadata.Metadata")
-    for fqn, meta in metadata.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            raise bad(f"an entry named {fqn!r}")
-        if type(meta) is TensorStorageMetadata:
-            _check_tensor_meta(fqn, meta, bad)
-        elif type(meta) is not BytesStorageMetadata:
-            raise bad(f"entry {fqn!r} is a {type(meta).__name__}")
     if not isinstance(metadata.storage_data, dict):
         raise bad("no storage_data (where each entry's bytes are)")
+    stored: set[tuple[str, tuple[int, ...] | None]] = set()  # (fqn, chunk offsets or None): what storage_data locates
     for index, info in metadata.storage_data.items():
         if type(index) is not MetadataIndex or not isinstance(index.fqn, str) or type(info) is not _StorageInfo:
             raise bad(f"a storage_data entry {index!r}: {info!r}")
+        offset = index.__dict__.get("offset")
+        if offset is not None and _dims(offset) is None:
+            raise bad(f"entry {index.fqn!r} has a storage_data key with bad offsets {offset!r}")
+        stored.add((index.fqn, None if offset is None else tuple(offset)))
         relative = info.__dict__.get("relative_path")
         if not isinstance(relative, str) or not _PLAIN_NAME.fullmatch(relative) or relative in (".", ".."):
             raise bad(f"entry {index.fqn!r} names the data file {relative!r}, which is not a plain file name of the directory")
@@ -273,6 +272,15 @@ def _checked(metadata: Any, path: Path) -> Metadata:
         transforms = info.__dict__.get("transform_descriptors")
         if transforms is not None and not (isinstance(transforms, (list, tuple)) and all(isinstance(t, str) for t in transforms)):
             raise bad(f"entry {index.fqn!r} has bad transform descriptors")
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise bad(f"an entry named {fqn!r}")
+        if type(meta) is TensorStorageMetadata:
+            _check_tensor_meta(fqn, meta, stored, bad)
+        elif type(meta) is not BytesStorageMetadata:
+            raise bad(f"entry {fqn!r} is a {type(meta).__name__}")
+        elif (fqn, None) not in stored:
+            raise bad(f"entry {fqn!r} has no storage_data entry: no data file holds its value{_INCOMPLETE}")
     planner_data = metadata.__dict__.get("planner_data")
     if planner_data is not None and not (
         isinstance(planner_data, dict)
@@ -284,7 +292,7 @@ def _checked(metadata: Any, path: Path) -> Metadata:
     return metadata
 
 
-def _check_tensor_meta(fqn: str, meta: TensorStorageMetadata, bad: Callable[[str], ImportRefused]) -> None:
+def _check_tensor_meta(fqn: str, meta: TensorStorageMetadata, stored: set[tuple[str, tuple[int, ...] | None]], bad: Callable[[str], ImportRefused]) -> None:
     properties = meta.__dict__.get("properties")
     size = _dims(meta.__dict__.get("size"))
     chunks = meta.__dict__.get("chunks")
@@ -299,6 +307,8 @@ def _check_tensor_meta(fqn: str, meta: TensorStorageMetadata, bad: Callable[[str
         if offsets is None or lengths is None or len(offsets) != len(lengths):
             raise bad(f"tensor {fqn!r} has a bad chunk {chunk!r}")
         boxes.append(Box(offsets, lengths))
+        if (fqn, offsets) not in stored:
+            raise bad(f"chunk {boxes[-1]} of tensor {fqn!r} has no storage_data entry: no data file holds it{_INCOMPLETE}")
     problems = coverage_problems(size, boxes)  # else parts of the tensor would be memory never written
     if problems:
         raise bad(f"the chunks of tensor {fqn!r} do not tile its size {list(size)}: {problems[0]}")
@@ -391,5 +401,5 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
         try:
             self.state_dict[fqn] = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - refused or damaged: either way not imported, and reported
-            self.refused[fqn] = f"torch.load(weights_only=True) refuses it ({short_reason(exc)})"
+            self.refused[fqn] = f"torch.load(weights_only=True) refuses it: {weights_only_refusal(exc)}"
             self.state_dict[fqn] = _Refused()

@@ -253,11 +253,3 @@ def _names(names: list[Any]) -> str:
     shown = ", ".join(repr(n) for n in names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
-
-def short_reason(exc: BaseException) -> str:
-    """The reason of an error, shortened: torch's weights-only errors carry it after
-    "WeightsUnpickler error:", under paragraphs of advice that do not apply here."""
-    text = str(exc)
-    found = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
-    line = found.group(1) if found else next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
-    return line[:300]

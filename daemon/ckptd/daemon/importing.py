@@ -18,6 +18,9 @@ The sources (`source_format`, "auto" detects it):
 - "dcp": a DCP directory written by dcp.save with a FileSystemWriter, any number of ranks,
   DTensor shards included (import_dcp.py: read without unpickling untrusted data).
 
+Only regular files are read, each checked first (import_source.py): a link out of a source
+directory (but a Hugging Face cache's into its blobs/), a FIFO or a device is refused, never read.
+
 The step is written by the daemon's own writer (direct_write.py): the same files, index and
 `latest` as a save by one rank; it becomes the job's newest step. A step that exists is never
 overwritten, and a failure leaves no visible step.
@@ -30,7 +33,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -45,7 +47,9 @@ from ckptd.daemon import errors
 from ckptd.daemon.checks import MAX_MODEL_FILE_BYTES, check_model_files
 from ckptd.daemon.direct_write import DirectTensor, ImportRefused, check_target, write_step
 from ckptd.daemon.format import MAX_HEADER_BYTES, MODEL_FILES, FormatError, parse_safetensors_header
-from ckptd.daemon.import_state import Mapped, add_model, map_state, short_reason
+from ckptd.daemon.import_source import check_source, has_entry, open_source, read_source, source_file
+from ckptd.daemon.import_refusals import refused_global, short_reason, weights_only_refusal
+from ckptd.daemon.import_state import Mapped, add_model, map_state
 
 __all__ = ["FORMATS", "ImportRefused", "ImportReport", "detect_format", "import_checkpoint"]
 
@@ -126,14 +130,15 @@ def import_checkpoint(
     OSError from writing (I/O errors, a full disk), the step then removed again.
     """
     source, root = Path(source), Path(root)
-    if not os.path.exists(source):
-        raise ImportRefused(f"{source} does not exist")
-    fmt = detect_format(source) if source_format == "auto" else source_format
+    path = check_source(source)
+    fmt = detect_format(path) if source_format == "auto" else source_format
     if fmt not in FORMATS:
         raise ImportRefused(f"unknown source format {source_format!r}; use one of auto, {', '.join(FORMATS)}")
+    if (fmt in ("hf", "dcp")) != path.is_dir():
+        raise ImportRefused(f"--format {fmt} reads a {FORMATS[fmt]}, and {source} is {'a directory' if path.is_dir() else 'a file'}")
     check_target(root, job, step)  # before reading the source: a DCP read allocates the whole state
     with contextlib.ExitStack() as resources:
-        mapped = _READERS[fmt](source, resources)
+        mapped = _READERS[fmt](path, resources)
         _, step_dir = write_step(
             root, job, step, mapped.tensors, mapped.extras, mapped.model_files, max_file_bytes=max_file_bytes, write_threads=write_threads,
         )
@@ -152,13 +157,14 @@ def import_checkpoint(
 
 def detect_format(source: Path) -> str:
     """The format of `source` (a key of FORMATS): a file is a torch.save file unless it ends in
-    .safetensors; a directory with `.metadata` is DCP, one with HF weight files is "hf"."""
+    .safetensors; a directory with `.metadata` is DCP, one with HF weight files is "hf" (an
+    entry of any kind counts: reading it says what is wrong with it)."""
     if source.is_file():
         return "safetensors" if source.suffix == ".safetensors" else "torch"
     if source.is_dir():
-        if (source / DCP_METADATA_NAME).is_file():
+        if has_entry(source, DCP_METADATA_NAME):
             return "dcp"
-        if any((source / name).is_file() for name in (HF_SAFETENSORS_INDEX, HF_SAFETENSORS, HF_BIN_INDEX, HF_BIN)):
+        if any(has_entry(source, name) for name in (HF_SAFETENSORS_INDEX, HF_SAFETENSORS, HF_BIN_INDEX, HF_BIN)):
             return "hf"
         raise ImportRefused(
             f"{source} is neither a Hugging Face model directory ({HF_SAFETENSORS}, {HF_SAFETENSORS_INDEX}, {HF_BIN} "
@@ -188,15 +194,12 @@ def load_torch_file(path: Path) -> tuple[Any, list[str]]:
 
 
 def _weights_only_refusal(path: Path, exc: BaseException) -> str:
-    reason = short_reason(exc)
-    found = re.search(r"GLOBAL (\S+) was not an allowed global", reason)
-    if found is None:
-        return f"{path} is not a torch.save file that ckptd can read safely: {reason}"
+    if refused_global(exc) is None:
+        return f"{path} is not a torch.save file that ckptd can read safely: {short_reason(exc)}"
     return (
-        f"{path} holds an object of class {found.group(1)}, which ckptd does not load: unpickling it could run code "
-        "from the file (torch.load with weights_only=True refuses it). Where you trust the file, load it, save "
-        "only its tensors with torch.save: model.state_dict(), or {'model': model.state_dict(), 'step': step} "
-        "(plain values may sit beside the weights), and import that file"
+        f"{path} cannot be imported: {weights_only_refusal(exc)}. Where you trust the file, load it, save only its "
+        "tensors and plain values with torch.save: model.state_dict(), or {'model': model.state_dict(), 'step': step}, "
+        "and import that file"
     )
 
 
@@ -215,7 +218,7 @@ class _MappedFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "rb") as f:
+        with open(open_source(path), "rb") as f:
             self.size = os.fstat(f.fileno()).st_size
             if self.size < 8:
                 raise ImportRefused(f"{path} is {self.size} bytes: not a safetensors file")
@@ -275,19 +278,19 @@ def _read_hf(directory: Path, resources: contextlib.ExitStack) -> Mapped:
     """The weights of a Hugging Face model directory (safetensors first, as from_pretrained
     prefers them) and its config.json / generation_config.json."""
     out = Mapped()
-    if (directory / HF_SAFETENSORS_INDEX).is_file() or (directory / HF_SAFETENSORS).is_file():
-        index = HF_SAFETENSORS_INDEX if (directory / HF_SAFETENSORS_INDEX).is_file() else None
+    if has_entry(directory, HF_SAFETENSORS_INDEX) or has_entry(directory, HF_SAFETENSORS):
+        index = HF_SAFETENSORS_INDEX if has_entry(directory, HF_SAFETENSORS_INDEX) else None
         files = _weight_files(directory, index) if index else {HF_SAFETENSORS: None}
         names: set[str] = set()
         for name, keys in files.items():
-            found = _safetensors_weights(directory / name, resources, out, names)
+            found = _safetensors_weights(source_file(directory, name), resources, out, names)
             _check_weight_map(directory / name, keys, found)
     else:
-        index = HF_BIN_INDEX if (directory / HF_BIN_INDEX).is_file() else None
+        index = HF_BIN_INDEX if has_entry(directory, HF_BIN_INDEX) else None
         files = _weight_files(directory, index) if index else {HF_BIN: None}
         seen: dict[str, str] = {}
         for name, keys in files.items():
-            state, notes = load_torch_file(directory / name)
+            state, notes = load_torch_file(source_file(directory, name))
             if not isinstance(state, dict):
                 raise ImportRefused(f"{directory / name} holds a {type(state).__name__}, not a state_dict")
             _check_weight_map(directory / name, keys, state)
@@ -308,7 +311,7 @@ def _weight_files(directory: Path, index_name: str) -> dict[str, set[str]]:
     for an index that is malformed or names a file that is not a plain name of the directory."""
     path = directory / index_name
     try:
-        doc = json.loads(_read_small(path, MAX_INDEX_BYTES))
+        doc = json.loads(read_source(source_file(directory, index_name), MAX_INDEX_BYTES))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ImportRefused(f"{path} is not JSON: {exc}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -316,7 +319,7 @@ def _weight_files(directory: Path, index_name: str) -> dict[str, set[str]]:
         raise ImportRefused(f"{path} has no weight_map of tensor names to file names")
     files: dict[str, set[str]] = {}
     for key, name in weight_map.items():
-        if "/" in name or "\\" in name or name.startswith(".") or not (directory / name).is_file():
+        if "/" in name or "\\" in name or name.startswith(".") or not has_entry(directory, name):
             raise ImportRefused(f"{path} maps {key!r} to {name!r}, which is not a file of {directory}")
         files.setdefault(name, set()).add(key)
     return dict(sorted(files.items()))
@@ -333,9 +336,9 @@ def _model_files(directory: Path, out: Mapped) -> dict[str, bytes]:
     what a from_pretrained of the step will lack."""
     texts = {}
     for name in MODEL_FILES:
-        if (directory / name).is_file():
+        if has_entry(directory, name):
             try:
-                texts[name] = _read_small(directory / name, MAX_MODEL_FILE_BYTES).decode("utf-8")
+                texts[name] = read_source(source_file(directory, name), MAX_MODEL_FILE_BYTES).decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ImportRefused(f"{directory / name} is not UTF-8 text: {exc}") from None
     if "config.json" not in texts:
@@ -347,14 +350,6 @@ def _model_files(directory: Path, out: Mapped) -> dict[str, bytes]:
         return check_model_files(texts)
     except errors.InvalidRequest as exc:
         raise ImportRefused(f"{directory}: {exc}") from None
-
-
-def _read_small(path: Path, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ImportRefused(f"{path} is larger than the {limit} bytes ckptd reads of such a file")
-    return data
 
 
 # ------------------------------------------------------------------ DCP
