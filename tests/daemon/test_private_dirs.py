@@ -16,6 +16,7 @@ from ckptd.daemon.engine.replica_store import Receipt, ReplicaStore
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.format import FileRecord
+from ckptd.daemon.units import Unit
 from ckptd.daemon.private_dirs import ShmDirUnsafe, SocketDirUnsafe, create_file, dir_problem, files_dir, prepare_socket_dir
 
 OTHER_UID = 65533  # a user that is neither root nor the daemon (no account needed: chown takes a number)
@@ -177,7 +178,7 @@ def test_a_replica_part_is_not_received_through_a_planted_link(tmp_path: Path) -
     victim.write_text("precious")
     store = ReplicaStore(tmp_path, 1 << 20)
     record = FileRecord("model-00001-of-00001.safetensors", 16, "xxh3-64:0000000000000000", 0)
-    receipt = store.offer("job", 1, 5, [record])
+    receipt = store.offer("job", 1, 5, [record], {record.name: (Unit(0, record.size, 0),)})
     assert isinstance(receipt, Receipt)
     part = receipt.parts[record.name]
     part.symlink_to(victim)
