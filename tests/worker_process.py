@@ -1,10 +1,12 @@
 """Worker scripts of the integration tests (a training loop in a file beside its test): loaded
-as a module, to train in the test's process, or run as a process that may be SIGKILLed."""
+as a module, to train in the test's process, or run as a process that may be SIGKILLed; rank
+scripts (tests/integration/gloo_rank.py) run as the processes of one gloo group."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +30,18 @@ def run_worker(path: Path, spec: dict[str, Any], killed: bool = False) -> dict[s
     expected = -9 if killed else 0
     assert proc.returncode == expected, f"worker exited with {proc.returncode}, expected {expected}:\n{proc.stderr[-4000:]}"
     return json.loads(Path(spec["out"]).read_text())
+
+
+def run_ranks(script: Path, world: int, timeout_s: float = 180, **spec: Any) -> None:
+    """Run `world` processes of rank script `script`, one gloo group on a free port of
+    127.0.0.1, each with `spec` plus its rank, world_size and the port (JSON in argv[1]), and
+    wait for all; fails unless every one exits 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
+        for rank in range(world)
+    ]
+    codes = [p.wait(timeout_s) for p in procs]
+    assert codes == [0] * world, codes

@@ -27,3 +27,26 @@ def test_bad_arguments_are_refused_with_what_to_pass(kwargs: dict, message: str)
 def test_a_bad_job_id_is_refused() -> None:
     with pytest.raises(ValueError, match="job"):
         CheckpointClient("bad/job", address="unix:///nonexistent.sock", rank=0, world_size=1)
+
+
+# issue 30 finding 11
+def test_issue30_finding11_an_address_that_is_no_socket_is_refused_with_what_to_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"'localhost:50051' is not a Unix socket.*unix:///path/to/ckptd.sock"):
+        CheckpointClient("job", address="localhost:50051", rank=0, world_size=1)
+    monkeypatch.setenv("CKPTD_ADDRESS", "node0:7000")
+    with pytest.raises(ValueError, match=r"'node0:7000' is not a Unix socket.*set CKPTD_ADDRESS"):
+        CheckpointClient("job", rank=0, world_size=1)
+
+
+def test_issue30_finding11_a_sockets_bare_path_saves_and_loads(daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    socket = daemon.address.removeprefix("unix://")
+    monkeypatch.setenv("CKPTD_ADDRESS", socket)  # as `ckptd serve --socket` was given it
+    with CheckpointClient("bare-path", rank=0, world_size=1, on_error="raise") as ckpt:
+        assert ckpt.address == daemon.address
+        assert ckpt.save(1, {"model": {"w": torch.ones(3)}}).wait_durable(timeout=60) is not None
+    state = {"model": {"w": torch.zeros(3)}}
+    with CheckpointClient("bare-path", address=socket, rank=0, world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load(state) == 1
+    assert state["model"]["w"].tolist() == [1.0] * 3

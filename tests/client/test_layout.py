@@ -366,6 +366,54 @@ def test_layout_state_without_rules_makes_every_tensor_a_replica() -> None:
         assert f.box.is_full(tuple(lay.entry.tensor.shape)) and f.local is lay.entry.tensor and not lay.check_equal
 
 
+class _Sampler:
+    """A stateful object whose state holds a tensor (a data sampler's per-rank position)."""
+
+    def __init__(self, position: int) -> None:
+        self.position = torch.tensor(position)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+# issue 30 finding 3
+def test_issue30_finding3_a_ranks_own_extras_tensors_are_named_for_it() -> None:
+    state = {"model": nn.Linear(2, 2), "extra": {"t": torch.ones(3), "step": 4}, "sampler": _Sampler(7), "t": torch.zeros(1)}
+    for rank in (0, 3):
+        lays = {lay.entry.name: lay for lay in layout_state(flatten_state(state, rank=rank))}
+        own = {name: lay.fragments[0] for name, lay in lays.items() if lay.entry.per_rank}
+        assert {name: (f.name, f.per_rank) for name, f in own.items()} == {
+            "extra/t": (f"extra/rank{rank}/t", True),
+            "sampler/position": (f"sampler/rank{rank}/position", True),
+            "t": (f"t/rank{rank}", True),
+        }
+        assert all(f.box.is_full(tuple(f.local.shape)) for f in own.values())
+        assert [f.name for f in lays["model/weight"].fragments] == ["model/weight"]  # a module's tensors are replicas
+
+
+def test_issue30_finding3_a_layout_rule_or_a_given_layout_makes_an_extras_tensor_shared() -> None:
+    from ckptd.client import LocalShard
+
+    state = {"ema": {"w": torch.ones(4, 2), "s": LocalShard(torch.ones(2, 2), (2, 0), (4, 2))}, "extra": {"t": torch.ones(2)}}
+    rules = LayoutRules([Rule(r"ema/w", Split(0)), Rule(r"extra/t", Replicated(check_equal=False))])
+    lays = {lay.entry.name: lay for lay in layout_state(flatten_state(state, rank=1), rules, RankCoords(1, 2))}
+    assert {name: [(f.name, f.per_rank, f.box) for f in lay.fragments] for name, lay in lays.items()} == {
+        "ema/w": [("ema/w", False, Box((4, 0), (4, 2)))],
+        "ema/s": [("ema/s", False, Box((2, 0), (2, 2)))],
+        "extra/t": [("extra/t", False, Box((0,), (2,)))],
+    }
+
+
+def test_issue30_finding3_a_per_rank_name_that_is_another_tensors_name_is_refused() -> None:
+    state = {"extra": {"rank0": {"t": torch.ones(1)}, "t": torch.ones(1)}}
+    rules = LayoutRules([Rule(r"extra/rank0/t", Replicated(check_equal=False))])
+    with pytest.raises(LayoutError, match=r"'extra/t' is stored per rank as 'extra/rank0/t', which is the name of another tensor"):
+        layout_state(flatten_state(state, rank=0), rules, RankCoords(0, 1))
+
+
 # ------------------------------------------------------------------ DTensor arithmetic
 
 

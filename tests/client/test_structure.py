@@ -177,3 +177,31 @@ def test_an_invalid_state_is_refused_when_its_structure_is_derived() -> None:
         cache.for_state(_flat({"extra": {"w": torch.empty(2, device="meta")}}), None, None)
     with pytest.raises(TypeError, match="to_dense"):
         cache.for_state(_flat({"extra": {"w": torch.zeros(3, 3).to_sparse()}}), None, None)
+
+
+class _Position:
+    """A stateful object whose state_dict makes a new tensor at each call (as torch's RNG state)."""
+
+    def __init__(self) -> None:
+        self.at = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": torch.tensor([self.at])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.at = int(state["at"])
+
+
+# issue 30 finding 3
+def test_issue30_finding3_a_ranks_own_tensor_made_anew_each_save_keeps_its_per_rank_name() -> None:
+    position = _Position()
+    cache = StructureCache()
+    names = []
+    for at in (1, 2):
+        position.at = at
+        structure = cache.for_state(flatten_state({"sampler": position}, rank=3, for_save=True, validate=False), None, None)
+        names.append([(f.name, f.per_rank, int(f.local)) for _, f in structure.fragments])
+    assert names == [[("sampler/rank3/at", True, 1)], [("sampler/rank3/at", True, 2)]]
+    assert (cache.builds, cache.rebinds) == (1, 1)
+    other_rank = StructureCache().for_state(flatten_state({"sampler": position}, rank=0, for_save=True, validate=False), None, None)
+    assert other_rank.fingerprint != structure.fingerprint  # the rank's names are in the plan the daemon caches

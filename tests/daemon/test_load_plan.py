@@ -8,7 +8,8 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.load_plan import (
-    Location, StagedRead, Tier, file_locations, file_sources, incomplete_message, load_tier, needs_decoding, plan_pieces,
+    Location, StagedRead, Tier, extras_source, file_locations, file_sources, incomplete_message, load_tier, needs_decoding,
+    plan_pieces, rank_extras,
 )
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
@@ -166,3 +167,72 @@ def test_an_incomplete_step_names_its_files_tensors_writers_and_silent_nodes() -
     assert f"({F2}) with tensors model/w were written by node 1 (h1:7000)" in message
     assert "node 1 (h1:7000) did not answer (connection refused)" in message
     assert message.endswith("start the missing nodes' daemons on their storage, or load an older step")
+
+
+# ------------------------------------------------------------------ issue 30 finding 3: per-rank extras
+
+# A step of 2 ranks: each rank's own "extra/t" (rank 0's in F1, rank 1's in F2), a tensor
+# "extra/shared" of every rank (saved with a layout rule, or before extras were per rank).
+OWN = tuple(
+    TensorRecord(f"extra/rank{r}/t", "extra", "F32", (2,), (_frag(file, 32, Box((0,), (2,))),), rank=r) for r, file in ((0, F1), (1, F2))
+)
+SHARED = TensorRecord("extra/shared", "extra", "F32", (2,), (_frag(F1, 48, Box((0,), (2,))),))
+
+
+def _own(name: str, rank: int) -> TensorSpec:
+    """A per-rank request, as rank `rank`'s client sends it (its own name)."""
+    key, _, rest = name.partition("/")
+    return TensorSpec(f"{key}/rank{rank}/{rest}", "extra", "F32", (2,), Box.full((2,)), per_rank=True)
+
+
+@pytest.mark.parametrize(
+    ("rank", "file"),
+    [
+        (0, F1),  # its own copy
+        (1, F2),
+        (2, F1),  # a rank the step does not have (more ranks now): rank 0's, as its JSON extras
+        (5, F1),
+    ],
+)
+def test_issue30_finding3_a_ranks_own_extras_tensor_comes_from_its_extras_source(rank: int, file: str) -> None:
+    planned = plan_pieces(_index((W, *OWN)), [_own("extra/t", rank)], ["extra"], True, None, _local(), rank)
+    assert [(p.name, p.path.rsplit("/", 1)[1]) for p in planned.pieces] == [(f"extra/rank{rank}/t", file)]
+    assert planned.unexpected == () and planned.missing == ()  # the other rank's copy is neither
+
+
+def test_issue30_finding3_a_shared_extras_tensor_of_an_older_step_serves_every_rank() -> None:
+    index = _index((W, SHARED))
+    for rank in (0, 1, 3):
+        planned = plan_pieces(index, [_own("extra/shared", rank)], ["extra"], True, None, _local(), rank)
+        assert [p.name for p in planned.pieces] == [f"extra/rank{rank}/shared"] and planned.pieces[0].offset == 48
+
+
+def test_issue30_finding3_a_plain_request_of_a_per_rank_tensor_takes_the_sources_copy() -> None:
+    """Loaded with a layout rule (or as a DTensor) now: the copy of the rank whose extras it gets."""
+    want = TensorSpec("extra/t", "extra", "F32", (2,), Box.full((2,)))
+    planned = plan_pieces(_index((W, *OWN)), [want], ["extra"], True, None, _local(), 1)
+    assert [(p.name, p.path.rsplit("/", 1)[1]) for p in planned.pieces] == [("extra/t", F2)]
+
+
+def test_issue30_finding3_only_the_source_ranks_own_tensors_can_be_unexpected_or_missing() -> None:
+    index = _index((W, *OWN))
+    planned = plan_pieces(index, [], ["extra"], False, None, _local(), 1)
+    assert planned.unexpected == ("extra/rank1/t",)
+    planned = plan_pieces(index, [_own("extra/u", 1)], ["extra"], False, None, _local(), 1)
+    assert planned.missing == ("extra/rank1/u",) and planned.unexpected == ("extra/rank1/t",)
+    with pytest.raises(InvalidRequest, match=r"missing from step 7: extra/rank1/u; in step 7 but not in the state being loaded: extra/rank1/t"):
+        plan_pieces(index, [_own("extra/u", 1)], ["extra"], True, None, _local(), 1)
+    assert plan_pieces(index, [], ["extra"], False, None, _local(), 4).unexpected == ("extra/rank0/t",)  # rank 0's extras
+
+
+def test_issue30_finding3_a_per_rank_request_must_carry_the_ranks_own_name() -> None:
+    with pytest.raises(InvalidRequest, match=r"rank 1 asks for 'extra/rank0/t' as its own tensor.*rank1"):
+        plan_pieces(_index((W, *OWN)), [_own("extra/t", 0)], ["extra"], True, None, _local(), 1)
+
+
+def test_issue30_finding3_whose_extras_a_rank_loads() -> None:
+    saved = {0: {"r": 0, "rng": {"python": 0}}, 1: {"r": 1, "rng": {"python": 1}}}
+    assert [extras_source(r, 2) for r in range(4)] == [0, 1, 0, 0]
+    assert rank_extras(saved, 1, 2) == saved[1]  # its own, RNG state included
+    assert rank_extras(saved, 3, 2) == {"r": 0}  # rank 0's, without rank 0's generators
+    assert rank_extras({}, 0, 1) == {}

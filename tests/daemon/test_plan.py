@@ -167,3 +167,25 @@ def test_the_layout_id_changes_with_the_slots_tensor(dtype: str, shape: tuple[in
     assert [(s.name, s.offset, s.nbytes) for s in base.slots] == [(s.name, s.offset, s.nbytes) for s in other.slots]
     assert base.layout_id(0) != other.layout_id(0)
     assert base.layout_id(0) == make_save_plan([[full("model/w", (8, 8), "BF16")]]).layout_id(0)
+
+
+# issue 30 finding 3: every rank's own extras tensor is stored, never taken for a replica
+def own(rank: int, name: str = "t", shape: tuple[int, ...] = (4,)) -> TensorSpec:
+    return TensorSpec(f"extra/rank{rank}/{name}", "extra", "F32", shape, Box.full(shape), per_rank=True)
+
+
+def test_issue30_finding3_each_ranks_own_extras_tensor_gets_its_own_slot() -> None:
+    shared = full("extra/step", (1,), kind="extra")  # a replica (a layout rule said so): copied once
+    plan = make_save_plan([[own(0), shared], [own(1), shared], [own(2), shared]], node_of_rank=[0, 0, 1])
+    assert sorted((s.name, s.rank) for s in plan.slots if s.name != "extra/step") == [(f"extra/rank{r}/t", r) for r in range(3)]
+    assert len(plan.slots_named("extra/step")) == 1
+    assert {t.name: t.rank for t in plan.tensors} == {"extra/rank0/t": 0, "extra/rank1/t": 1, "extra/rank2/t": 2, "extra/step": None}
+    assert {p.name: p.node for p in plan.parts if p.name.endswith("/t")} == {"extra/rank0/t": 0, "extra/rank1/t": 0, "extra/rank2/t": 1}
+
+
+def test_issue30_finding3_a_ranks_own_tensor_must_carry_its_rank() -> None:
+    with pytest.raises(PlanError, match=r"rank 1 sends 'extra/rank0/t' as its own tensor.*rank1"):
+        make_save_plan([[own(0)], [own(0)]])
+    plain = TensorSpec("extra/rank1/t", "extra", "F32", (4,), Box.full((4,)))  # a user's key "rank1", not rank 1's own
+    with pytest.raises(PlanError, match=r"ranks disagree on tensor 'extra/rank1/t'.*rank 1's own"):
+        make_save_plan([[plain], [own(1)]])

@@ -240,8 +240,9 @@ class FakeRpcError(grpc.RpcError):
         (FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "x", ((REASON_KEY, UNKNOWN_FINGERPRINT),)), errors.UnknownFingerprint, "^x$"),
         (FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, str(errors.UnknownFingerprint())), errors.Aborted, "refused: unknown fingerprint"),
         (FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), errors.InvalidRequest, "^bad$"),
-        (FakeRpcError(grpc.StatusCode.UNAVAILABLE, ""), errors.Unavailable, "node 0 .* is not reachable: UNAVAILABLE"),
-        (FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "token"), errors.Unavailable, "is not reachable: token"),
+        # issue 30 finding 11: what is wrong and what to do, not gRPC's words alone
+        (FakeRpcError(grpc.StatusCode.UNAVAILABLE, ""), errors.Unavailable, r"the coordinator node 0 \(h:1\) is not reachable \(UNAVAILABLE\): .*start node 0's daemon, or check its address in --peers"),
+        (FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "token"), errors.Unavailable, r"node 0 \(h:1\) refused this node's peer token \(token\): give every node the same --peer-token"),
         (FakeRpcError(grpc.StatusCode.ABORTED, "never joined"), errors.Aborted, "refused: never joined"),
     ],
 )

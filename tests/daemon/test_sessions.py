@@ -163,6 +163,17 @@ def test_the_watchdogs_reason_names_the_ranks_that_held_the_save_up(arrived: lis
     assert session.timeout_reason() == reason
 
 
+# issue 30 finding 11
+def test_issue30_finding11_a_node_whose_ranks_all_arrived_is_joining_and_waits_for_the_other_nodes() -> None:
+    session = _session(ranks=2, world=4)  # this node serves ranks 2 and 3 of 4
+    session.arrived = {2: "fp"}
+    assert not session.joining and session.timeout_reason() == "ranks [0, 1, 3] never started it within 60 s"
+    session.arrived[3] = "fp"
+    assert session.joining and session.timeout_reason() == "ranks [0, 1] of the other nodes never joined it within 60 s"
+    session.plan_with(_plan(4))
+    assert not session.joining
+
+
 def test_a_job_files_ended_saves_in_the_order_they_ended_and_keeps_the_newest(tmp_path: Path) -> None:
     job = JobState(world_size=1, pool=ArenaPool(tmp_path, "job", 2))
     for step in range(RECENT_RESULTS + 3, 0, -1):  # a rolled-back job: newest saves have low steps

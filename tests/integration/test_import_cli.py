@@ -6,7 +6,6 @@ equal, bit for bit, to the source's."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from worker_process import run_ranks  # tests/worker_process.py
 
 HERE = Path(__file__).parent
 LOAD_RANK = HERE / "import_load_rank.py"
@@ -22,18 +22,6 @@ DCP_RANK = HERE / "import_dcp_rank.py"
 
 def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120)
-
-
-def launch(script: Path, world: int, **spec: object) -> None:
-    """Run `world` rank processes of `script` (a gloo group on a free port) and wait for all."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
-        for rank in range(world)
-    ]
-    assert [p.wait(180) for p in procs] == [0] * world
 
 
 def import_and_verify(source: Path, root: Path, job: str, step: int) -> dict:
@@ -52,7 +40,7 @@ def load_sharded(daemons, tmp: Path, job: str, step: int, reference: Path, **spe
     daemon = daemons.start()
     out = tmp / f"loaded-{job}"
     out.mkdir()
-    launch(LOAD_RANK, 2, address=daemon.address, job=job, step=step, reference=str(reference), out=str(out), **spec)
+    run_ranks(LOAD_RANK, 2, address=daemon.address, job=job, step=step, reference=str(reference), out=str(out), **spec)
     results = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
     names = set(load_file(str(reference)))
     for result in results:
@@ -109,7 +97,7 @@ def test_a_hugging_face_model_directory(daemons, tmp_path: Path, weights: str) -
 @pytest.mark.slow
 def test_a_dcp_directory_written_by_two_ranks(daemons, tmp_path: Path) -> None:
     source, reference = tmp_path / "dcp", tmp_path / "reference.safetensors"
-    launch(DCP_RANK, 2, out=str(source), reference=str(reference))
+    run_ranks(DCP_RANK, 2, out=str(source), reference=str(reference))
     assert len(list(source.glob("*.distcp"))) == 2
 
     report = import_and_verify(source, daemons.root, "dcp", 20)

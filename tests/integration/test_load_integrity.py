@@ -106,7 +106,7 @@ def test_damaged_extras_stored_as_tensors_fail_the_load_in_both_read_modes(daemo
     weights = _save_steps(daemon.address, {1: 6, 2: 7}, rng=True)
     step_dir = _step_dir(daemons.root, 2)
     index = json.loads((step_dir / INDEX_NAME).read_text())
-    fragment = index["tensors"]["extra/ema"]["fragments"][0]
+    fragment = index["tensors"]["extra/rank0/ema"]["fragments"][0]  # a rank's own extras tensor
     assert fragment["file"] == "extra.safetensors"
     with open(step_dir / fragment["file"], "r+b") as f:
         f.seek(fragment["offset"] + 5)
@@ -118,5 +118,5 @@ def test_damaged_extras_stored_as_tensors_fail_the_load_in_both_read_modes(daemo
     for read_files in (True, False):
         with pytest.raises(CheckpointError) as caught:
             _load(daemon.address, read_files, 2, rng=True)
-        assert "extra.safetensors" in str(caught.value) and "extra/ema" in str(caught.value), str(caught.value)
+        assert "extra.safetensors" in str(caught.value) and "extra/rank0/ema" in str(caught.value), str(caught.value)
     _assert_loads(daemon.address, 1, 6, weights, rng=True)

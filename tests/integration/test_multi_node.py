@@ -419,3 +419,34 @@ def test_an_unreadable_certificate_stops_the_daemon_with_the_file_named(tmp_path
     )
     assert result.returncode != 0
     assert f"--peer-tls-key {pki['key']}: cannot read it" in result.stderr, result.stderr
+
+
+# issue 30 finding 11: node 0 down, node 1's ranks and log say the coordinator is not reachable
+def test_issue30_finding11_with_node_0_down_node_1_says_the_coordinator_is_not_reachable(node_sets) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all("--replicas", "0")  # node 0's part is nowhere else: a load needs node 0
+    clients = [
+        CheckpointClient("down", address=cluster.address(r), rank=r, world_size=2, local_world_size=1, on_error="raise", timeout_s=6)
+        for r in (0, 1)
+    ]
+    with ThreadPoolExecutor(2) as pool:  # one rank on each node; save is collective
+        infos = list(pool.map(lambda r: clients[r].save(1, {"model": {"w": torch.ones(1024)}}).wait_durable(timeout=60), (0, 1)))
+    assert all(info is not None for info in infos)
+    clients[0].close()
+    coordinator = f"node 0 ({cluster.peers[0]})"
+    cluster.running[0].kill()
+
+    rank1 = clients[1]
+    with pytest.raises(CheckpointError) as loading:
+        rank1.load({"model": {"w": torch.zeros(1024)}})
+    assert f"{coordinator} did not answer (not reachable: no connection to it within 3 s)" in str(loading.value)
+    with pytest.raises(CheckpointError) as saving:
+        rank1.save(2, {"model": {"w": torch.ones(1024)}})
+    unreachable = f"the coordinator {coordinator} is not reachable (no connection to it within 6 s)"
+    assert unreachable in str(saving.value) and "start node 0's daemon, or check its address in --peers" in str(saving.value)
+    rank1.close()
+    log = cluster.running[1].log_text()
+    assert f"step 2 of job down waits up to 6 s for node 0: the coordinator {coordinator} is not reachable" in log
+    assert f"save of step 2 of job down failed: {unreachable}" in log

@@ -73,6 +73,16 @@ def test_status_and_gc_explain_a_daemon_that_is_not_there(tmp_path: Path) -> Non
         assert out.returncode == 1 and "no daemon socket" in out.stderr and "CKPTD_ADDRESS" in out.stderr
 
 
+# issue 30 finding 11
+def test_issue30_finding11_status_takes_the_sockets_bare_path(daemon) -> None:
+    socket = daemon.address.removeprefix("unix://")
+    out = ckptd("status", "--address", socket, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["address"] == daemon.address
+    wrong = ckptd("gc", "--address", "localhost:50051")
+    assert wrong.returncode == 1 and "is not a Unix socket" in wrong.stderr and "unix:///path/to/ckptd.sock" in wrong.stderr
+
+
 # ------------------------------------------------------------------ verify
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import math
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_process import run_ranks  # tests/worker_process.py
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -20,22 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: Path, world: int, **spec: object) -> None:
-    """Run `world` rank processes of `script` (a gloo group on a free port) and wait for all."""
-    port = free_port()
-    procs = [
-        subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
-        for rank in range(world)
-    ]
-    codes = [p.wait(180) for p in procs]
-    assert codes == [0] * world, codes
-
-
 def run_job(daemon, tmp: Path, mode: str, mesh: list[int], placements: dict, step: int, job: str = "reshard") -> list[dict]:
     world = math.prod(mesh)
     out = tmp / f"{mode}-{'x'.join(map(str, mesh))}-{free_port()}"
     out.mkdir()
-    launch(WORKER, world, address=daemon.address, job=job, step=step, mode=mode, mesh=mesh, placements=placements, out=str(out))
+    run_ranks(WORKER, world, address=daemon.address, job=job, step=step, mode=mode, mesh=mesh, placements=placements, out=str(out))
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
 
@@ -83,7 +71,7 @@ def train(daemon, tmp: Path, world: int, start: int, stop: int, save_at: int, jo
         "addresses": [nodes[0].address(n) for n in nodes[1]],
         "local_world_size": [nodes[1].count(n) for n in nodes[1]],
     }
-    launch(TRAINER, world, job=job, start=start, stop=stop, save_at=save_at, out=str(out), **where)
+    run_ranks(TRAINER, world, job=job, start=start, stop=stop, save_at=save_at, out=str(out), **where)
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 

@@ -112,16 +112,18 @@ def _unknown_fingerprint(exc: CheckpointError) -> bool:
 
 
 def tensor_meta(entry: TensorEntry, fragment: Fragment) -> pb.TensorMeta:
-    """The wire description of one fragment of a tensor."""
+    """The wire description of one fragment of a tensor (under the fragment's name: a per-rank
+    tensor's carries the rank)."""
     box = fragment.box
     return pb.TensorMeta(
-        name=entry.name,
+        name=fragment.name,
         kind=entry.kind,
         dtype=dtypes.from_torch_name(str(fragment.local.dtype)),
         shape=fragment.global_shape,
         box=pb.Box(offsets=box.offsets, lengths=box.lengths),
         aliases=entry.aliases,
         frozen=entry.frozen,
+        per_rank=fragment.per_rank,
     )
 
 

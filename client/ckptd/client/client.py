@@ -32,7 +32,7 @@ from ckptd.client.slots import Placed, SlotMismatch, place
 from ckptd.client.state import FlatState, flatten_state, restore_state
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
-from ckptd.common.paths import default_address
+from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
 
 __all__ = ["CheckpointClient", "CheckpointInfo"]
@@ -79,8 +79,9 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 class CheckpointClient:
     """A training rank's connection to its node's ckptd.
 
-    job: the training run's id. address: "unix:///path.sock" (default: $CKPTD_ADDRESS, else the
-    default socket). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
+    job: the training run's id. address: the daemon's socket (its `--socket`), "unix:///path.sock"
+    or the bare path (default: $CKPTD_ADDRESS, else the default socket; anything but a Unix
+    socket raises ValueError saying what to write). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
     on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
     goes on) or "raise". It covers what can pass (a daemon that is down, a full disk, a timeout,
     an aborted save); a state that can never be saved (an optimizer without its model, a value
@@ -138,7 +139,7 @@ class CheckpointClient:
             raise ValueError(f"read_files={read_files!r}: use None (read committed files when this process can), True or False")
         self.read_files = read_files
         self.run_config = check_run_config(run_config)
-        self.address = address or default_address()
+        self.address = daemon_address(address) if address else default_address()
         self.mode = mode
         self.on_error = on_error
         self.timeout_s = float(timeout_s)

@@ -11,7 +11,8 @@ rank's memory that holds exactly that box. Three sources of layout, in this orde
 2. Megatron-style manual tensor parallelism, declared with a `LayoutRules` table: `Split`,
    `Fused` (QKV with grouped-query sizes, gate/up), `PaddedVocab`, `Replicated`; the first rule
    whose pattern fully matches the tensor's *layout key* (see `layout_key`) wins.
-3. Anything else: a full replica, one fragment covering the whole tensor.
+3. Anything else: a full replica, one fragment covering the whole tensor; a rank's own extras
+   tensor (`TensorEntry.per_rank`) is one under its per-rank name (`names.per_rank_name`).
 
 Empty shares (more ranks than rows, a rank holding only vocabulary padding) are kept as one
 fragment with an empty box, so every rank names every tensor it has; an empty box covers
@@ -34,6 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ckptd.client.state import FlatState, TensorEntry
 from ckptd.common.boxes import Box
+from ckptd.common.names import per_rank_name
 
 
 class LayoutError(ValueError):
@@ -47,15 +49,16 @@ class LayoutError(ValueError):
 class Fragment:
     """A piece of a logical tensor that this rank holds: `local` is a view of the rank's memory.
 
-    name: the logical name (as in TensorEntry). global_shape: the logical tensor's shape.
-    box: where `local` sits in the global tensor. local: a view (no copy) of the rank's data for
-    exactly that box; `local.shape == box.lengths`.
+    name: the logical name (as in TensorEntry; a per-rank tensor's per-rank name). global_shape: the
+    logical tensor's shape. box: where `local` sits in the global tensor. local: a view (no copy) of
+    the rank's data for exactly that box; `local.shape == box.lengths`. per_rank: the rank's own.
     """
 
     name: str
     global_shape: tuple[int, ...]
     box: Box
     local: torch.Tensor
+    per_rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -475,8 +478,10 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
     Optimizer state and master copies are checked against their parameter's local shape (the
     entry "model/<fqn>", or one of its aliases). A tied tensor's names (entry name and aliases)
     must match the same rule, or none: otherwise LayoutError. After the first call,
-    `rules.unused()` tells which rules matched nothing.
+    `rules.unused()` tells which rules matched nothing. A per-rank entry (`TensorEntry.per_rank`)
+    that no rule matches is one whole fragment under `per_rank_name(name, flat.rank)`.
     """
+    taken = {n for e in flat.tensors for n in (e.name, *e.aliases)} if any(e.per_rank for e in flat.tensors) else set()
     param_shapes = {
         layout_key(name): tuple(e.tensor.shape)
         for e in flat.tensors
@@ -493,11 +498,25 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
             rule = None
         elif isinstance(entry.tensor, DTensor):
             fragments = fragments_of(entry.name, entry.tensor, rules, coords)
+        elif entry.per_rank and rule is None:
+            fragments = [_own_fragment(entry, flat.rank, taken)]
         else:
             fragments = _ruled_fragments(entry.name, entry.tensor, rule, coords, param_shape)
         check = rule is not None and isinstance(rule.layout, Replicated) and rule.layout.check_equal
         out.append(EntryLayout(entry, fragments[0].global_shape, tuple(fragments), check))
     return out
+
+
+def _own_fragment(entry: TensorEntry, rank: int, taken: set[str]) -> Fragment:
+    """A rank's own extras tensor: all of it, under its per-rank name (every rank's is stored)."""
+    name = per_rank_name(entry.name, rank)
+    if name in taken:
+        raise LayoutError(
+            f"{entry.name!r} is stored per rank as {name!r}, which is the name of another tensor of the state; "
+            "rename that key, or declare a layout for one of them (a layout rule such as Replicated)"
+        )
+    shape = tuple(entry.tensor.shape)
+    return Fragment(name, shape, Box.full(shape), entry.tensor, per_rank=True)
 
 
 def _entry_rule(entry: TensorEntry, rules: LayoutRules | None) -> Rule | None:

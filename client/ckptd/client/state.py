@@ -26,6 +26,11 @@ themselves, any other key is "extra"); values choose how they are read:
   tree, tensors named "<key>/<path>".
 - tensors and JSON-able values (see ckptd.client.tree): tensors named "<key>/<path>".
 
+The tensors of the last two under an extras key (not "model", "master" or "optimizer") are the
+rank's own (`TensorEntry.per_rank`): unless their layout is declared (a DTensor, a LocalShard, a
+layout rule), every rank's copy is stored, under `names.per_rank_name` (ckptd.client.layout),
+and comes back to that rank, as its JSON extras do (docs/usage.md: extras).
+
 Loading is the same walk on the load side: `flatten_state` of a fresh state of the same
 structure yields the same names, dtypes and shapes; the transport copies the checkpoint's
 bytes into those entries' tensors in place (for modules and optimizers they are the live
@@ -83,6 +88,8 @@ class TensorEntry(NamedTuple):
     aliases: tuple[str, ...] = ()
     placement: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None  # (offsets, global shape) of a LocalShard
     frozen: str = ""
+    # this rank's own extras tensor: stored per rank unless a layout rule matches it (ckptd.client.layout)
+    per_rank: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class FlatState:
     # keys of optimizers that had no state before this flattening gave them one (a load that
     # finds nothing to load makes them fresh again: `unfresh`)
     fresh: tuple[str, ...] = ()
+    rank: int = 0  # the rank this state is of: names its per-rank tensors (ckptd.client.layout)
 
     def unfresh(self, state: Mapping[str, Any]) -> None:
         """Take back the state this flattening initialized in fresh optimizers of `state`."""
@@ -101,11 +109,11 @@ class FlatState:
             state[key].state.clear()
 
     def fingerprint(self) -> str:
-        """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen), in order.
+        """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen, per_rank), in order.
 
         Equal across processes and runs for equal metadata; tensor values do not enter it.
         """
-        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases), e.frozen] for e in self.tensors]
+        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases), e.frozen, e.per_rank] for e in self.tensors]
         return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -129,7 +137,8 @@ def flatten_state(
     fresh_keys: list[str] = []
     for key in sorted(state):
         value = state[key]
-        add = entries.adder(kind_of(key))
+        kind = kind_of(key)
+        add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
         if isinstance(value, nn.Module):
             encoded = _flatten_module(key, value, entries)
         elif isinstance(value, torch.optim.Optimizer):
@@ -149,8 +158,9 @@ def flatten_state(
         if encoded is not None:
             extras[key] = encoded
     if rng:
+        # named by rank already (and optional on load: the daemon's load planner)
         extras[RNG_KEY] = tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
-    return FlatState(tuple(entries.entries), extras, tuple(fresh_keys))
+    return FlatState(tuple(entries.entries), extras, tuple(fresh_keys), rank)
 
 
 def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
@@ -219,12 +229,15 @@ class _Entries:
         self.names: set[str] = set()
         self.validate = validate
 
-    def adder(self, kind: str) -> Callable[[str, "torch.Tensor | LocalShard"], None]:
+    def adder(self, kind: str, per_rank: bool = False) -> Callable[[str, "torch.Tensor | LocalShard"], None]:
+        """Adds the tensors of a tree; per_rank: plain tensors among them (not a DTensor or a
+        LocalShard, whose layout is given) are the rank's own (TensorEntry.per_rank)."""
+
         def add(name: str, value: torch.Tensor | LocalShard) -> None:
             if isinstance(value, LocalShard):
                 self.add(TensorEntry(name, kind, value.tensor, placement=(value.offsets, value.global_shape)))
             else:
-                self.add(TensorEntry(name, kind, value))
+                self.add(TensorEntry(name, kind, value, per_rank=per_rank and not isinstance(value, DTensor)))
 
         return add
 

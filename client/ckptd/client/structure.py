@@ -10,9 +10,9 @@ not the checks and layout work again (docs/architecture.md section 6: a host-cos
 
 Two checks decide what can be reused, both cheap and exact:
 
-- the *signature*: per entry its name, kind, aliases, frozen class, dtype, shape, strides and device (for a
-  DTensor also its placements, its mesh and its local shape and strides), plus the layout rules
-  and this rank's coordinates. Any difference — a new parameter, a resized tensor, optimizer
+- the *signature*: per entry its name, kind, aliases, frozen class, dtype, shape, strides, device and
+  whether it is the rank's own (for a DTensor also its placements, its mesh and its local shape
+  and strides), plus the layout rules, this rank's coordinates and its rank. Any difference — a new parameter, a resized tensor, optimizer
   state that appears after the first step, a dtype change, other placements or rules — means a
   new structure: everything is validated and derived again.
 - the *pointers*: per entry the address of its (local) data. Equal signature and pointer mean
@@ -116,7 +116,7 @@ def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
     """Everything the structure depends on, per entry; None when a tensor has no strides (a
     sparse tensor: validation names it)."""
     try:
-        return (id(rules), coords, *[_entry_signature(e) for e in flat.tensors])
+        return (id(rules), coords, flat.rank, *[_entry_signature(e) for e in flat.tensors])
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -127,7 +127,7 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
         local = t._local_tensor
         return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
                 local.shape, local.stride(), local.device)
-    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement)
+    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank)
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:
@@ -143,7 +143,7 @@ def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords:
         by_entry[index_of[entry.name]].append((entry, fragment))
     for i in moved:
         entry = flat.tensors[i]
-        layout = layout_state(FlatState((entry,), {}), rules, coords)[0]
+        layout = layout_state(FlatState((entry,), {}, rank=flat.rank), rules, coords)[0]
         by_entry[i] = [(entry, f) for f in layout.fragments]
     fragments = tuple(pair for pairs in by_entry for pair in pairs)
     return Structure(last.signature, pointers, fragments, last.fingerprint)

@@ -84,3 +84,24 @@ def json_depth(value: object) -> int:
 def kind_of(top_level_key: str) -> str:
     """The kind of a top-level state key: model, master and optimizer are themselves; all else is extra."""
     return top_level_key if top_level_key in ("model", "master", "optimizer") else "extra"
+
+
+def per_rank_name(name: str, rank: int) -> str:
+    """The logical name of rank `rank`'s own copy of extras tensor `name`: the rank as a path
+    part right after the state key ("extra/t" -> "extra/rank1/t", a top-level "t" -> "t/rank1"),
+    as the RNG states are named ("rng/rank1/torch_cpu"). Every rank stores its own copy of an
+    extras tensor without a declared layout (docs/usage.md: extras)."""
+    key, sep, rest = name.partition("/")
+    return f"{key}/rank{rank}{sep}{rest}"
+
+
+def shared_name(name: str, rank: int) -> str | None:
+    """The extras tensor name that `per_rank_name(..., rank)` made `name` of; None when `name`
+    does not carry rank `rank` right after its state key."""
+    key, _, rest = name.partition("/")
+    mark = f"rank{rank}"
+    if rest == mark:
+        return key
+    if rest.startswith(mark + "/"):
+        return f"{key}/{rest[len(mark) + 1:]}"
+    return None

@@ -28,6 +28,24 @@ def default_root(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def default_address(environ: Mapping[str, str] | None = None) -> str:
-    """What a client connects to: $CKPTD_ADDRESS, else the default socket."""
+    """What a client connects to: $CKPTD_ADDRESS, else the default socket (as `daemon_address` reads it)."""
     env = os.environ if environ is None else environ
-    return env.get("CKPTD_ADDRESS") or f"unix://{default_socket(env)}"
+    return daemon_address(env.get("CKPTD_ADDRESS") or f"unix://{default_socket(env)}")
+
+
+def daemon_address(address: str) -> str:
+    """A client's address of its daemon, as gRPC takes it. The daemon serves ranks on its Unix
+    socket only (`ckptd serve --socket PATH`), so the address is that socket: "unix:///abs/path.sock"
+    (or gRPC's "unix:relative.sock", "unix-abstract:NAME") as it is, or the socket's bare path
+    ("/run/ckptd/ckptd.sock", "./ckptd.sock"). Raises ValueError naming the address and what to
+    write for anything else (a host:port, another scheme)."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return address
+    if address.startswith("/"):
+        return f"unix://{address}"
+    if address and ":" not in address:
+        return f"unix:{address}"  # a relative path
+    raise ValueError(
+        f"ckptd address {address!r} is not a Unix socket: the daemon serves ranks on its socket only (`ckptd serve "
+        "--socket PATH`); set CKPTD_ADDRESS (or address=) to unix:///path/to/ckptd.sock or to the socket's path"
+    )

@@ -85,7 +85,9 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
             raise errors.InvalidRequest(f"tensor {name!r}: frozen {meta.frozen!r} is not one of {', '.join(map(repr, FROZEN_CLASSES))}")
         if meta.frozen and meta.kind != "model":
             raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
-        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen))
+        if meta.per_rank and (meta.kind != "extra" or aliases or box != Box.full(shape)):
+            raise errors.InvalidRequest(f"tensor {name!r}: only a whole extra tensor without aliases can be a rank's own (per_rank)")
+        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen, meta.per_rank))
     return specs
 
 

@@ -19,8 +19,8 @@ A save across nodes (docs/architecture.md §12):
    A node that reports a failure, or stops answering, aborts the step everywhere: nobody
    writes an index and every node removes what it wrote.
 
-Daemons authenticate each other with a shared token in the call metadata (PEER_TOKEN_KEY),
-checked on every Peer call by rpc_auth.PeerTokenInterceptor. The messages are built and read
+Daemons authenticate each other with a shared token in the call metadata (PEER_TOKEN_KEY, sent
+by peer_links.PeerLinks), checked on every Peer call by rpc_auth.PeerTokenInterceptor. The messages are built and read
 in rpc_convert; a failed call to node 0 becomes a domain error in rpc_errors.coordinator_error.
 """
 
@@ -41,19 +41,16 @@ from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
+from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.plan_input import JobPlans, check_plan_input, plan_key
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
-from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
-from ckptd.daemon.rpc_errors import coordinator_error
+from ckptd.daemon.rpc_errors import coordinator_error, coordinator_unreachable
 from ckptd.daemon.storage import StorageBackend
-# the manifest's wire conversions live in rpc_convert; re-exported for tests/daemon/test_cluster.py
-from ckptd.wire import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS
 from ckptd.wire.v1 import peer_pb2 as ppb
-from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +58,7 @@ LIVENESS_PERIOD_S = 1.0
 LIVENESS_FAILURES = 3  # consecutive failed checks before a writing node counts as gone
 FETCH_CHUNK = 4 * 2**20
 INVENTORY_TIMEOUT_S = 3.0  # a peer that does not answer within this counts as absent for a load
+COORDINATOR_NOTICE_S = 5.0  # a save that cannot reach node 0 this long is logged (it waits on, up to its join window)
 RECENT_SAVES = 16
 
 
@@ -102,57 +100,6 @@ class _GlobalSave:
     @property
     def nodes(self) -> set[int]:
         return set(self.root_ids)
-
-
-class PeerLinks:
-    """gRPC channels to the other daemons, with the token on every call."""
-
-    def __init__(self, peers: Sequence[str], token: str, tls: PeerTls | None = None) -> None:
-        self.peers = tuple(peers)
-        self.tls = tls
-        self._metadata = ((PEER_TOKEN_KEY, token),)
-        self._channels: dict[int, grpc.aio.Channel] = {}
-
-    def _channel(self, node: int) -> grpc.aio.Channel:
-        channel = self._channels.get(node)
-        if channel is None:
-            options = [*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS]
-            if self.tls is None:
-                channel = grpc.aio.insecure_channel(self.peers[node], options=options)
-            else:
-                channel = grpc.aio.secure_channel(self.peers[node], self.tls.channel_credentials(), options=options)
-            self._channels[node] = channel
-        return channel
-
-    def stub(self, node: int) -> ppb_grpc.PeerStub:
-        return ppb_grpc.PeerStub(self._channel(node))
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    async def ready(self, node: int, within_s: float) -> bool:
-        """Wait until the channel to `node` is connected; False when it is not within `within_s`
-        seconds. A channel whose last attempt failed (the peer was restarting) fails every call
-        at once until its reconnect backoff ends: callers that must reach a peer wait here first."""
-        try:
-            await asyncio.wait_for(self._channel(node).channel_ready(), within_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
-        """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
-        try:
-            reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError:
-            return None
-        return reply.in_flight
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
 
 
 class Coordinator:
@@ -468,6 +415,14 @@ class Cluster:
     def describe(self, node: int) -> str:
         return f"node {node} ({self.links.peers[node]})" if 0 <= node < self.nodes else f"node {node}"
 
+    def coordinator_problem(self, waited_s: float) -> str | None:
+        """Why this node's save, waiting `waited_s` seconds, cannot reach the coordinator
+        (`coordinator_unreachable`), or None: this is node 0, or its channel to node 0 is
+        connected (the coordinator waits for other nodes' ranks)."""
+        if self.coordinator is not None or self.links.connected(0):
+            return None
+        return coordinator_unreachable(self.describe(0), f"no connection to it within {waited_s:.0f} s")
+
     async def join_save(
         self,
         job: str,
@@ -489,9 +444,17 @@ class Cluster:
         request = rpc_convert.join_request(
             job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage
         )
-        # A coordinator that is restarting joins late rather than failing this node's ranks; one
-        # that stays away past the join window fails the call below with gRPC's reason.
-        await self.links.ready(0, timeout_s)
+        # A coordinator that is restarting joins late rather than failing this node's ranks (the
+        # log says at once that it waits); one that stays away past the join window fails the
+        # save (the watchdog says why the same way).
+        notice_s = min(timeout_s, COORDINATOR_NOTICE_S)
+        if not await self.links.ready(0, notice_s):
+            log.warning(
+                "step %s of job %s waits up to %.0f s for node 0: %s", step, job, timeout_s,
+                coordinator_unreachable(self.describe(0), f"no connection to it within {notice_s:.0f} s"),
+            )
+            if not await self.links.ready(0, timeout_s - notice_s):
+                raise Unavailable(coordinator_unreachable(self.describe(0), f"no connection to it within {timeout_s:.0f} s"))
         reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
         result = rpc_convert.join_result_of(reply, world_size)
         check_plan_input(result, self.describe(0))
@@ -508,7 +471,9 @@ class Cluster:
         try:
             reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)
         except grpc.RpcError as exc:
-            return Outcome(False, f"the coordinator {self.describe(0)} did not answer: {exc.details() or exc.code().name}", decided=False)
+            details = exc.details() or exc.code().name
+            why = coordinator_unreachable(self.describe(0), details) if exc.code() == grpc.StatusCode.UNAVAILABLE else f"the coordinator {self.describe(0)} did not answer: {details}"
+            return Outcome(False, why, decided=False)
         return rpc_convert.outcome_of(reply)
 
     async def _call_coordinator(self, method: Any, request: Any, timeout_s: float) -> Any:
@@ -525,6 +490,8 @@ class Cluster:
                 ppb.InventoryRequest(job=job, step=step, newest=newest), timeout=INVENTORY_TIMEOUT_S, metadata=self.links.metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not self.links.connected(node):
+                return f"not reachable: no connection to it within {INVENTORY_TIMEOUT_S:.0f} s"
             return exc.details() or exc.code().name
         return rpc_convert.inventory_of(reply)
 

@@ -298,6 +298,10 @@ class TensorRecord:
     shape: tuple[int, ...]
     fragments: tuple[FragmentRecord, ...]
     aliases: tuple[str, ...] = ()
+    # A rank's own extras tensor (its name carries the rank: ckptd.common.names.per_rank_name):
+    # that rank. None: one tensor for every rank (and every such tensor of a step saved before
+    # issue 30, when extras tensors were not per rank).
+    rank: int | None = None
 
     @functools.cached_property
     def lossy(self) -> bool:
@@ -305,16 +309,20 @@ class TensorRecord:
         return any(f.quant is not None for f in self.fragments)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "kind": self.kind,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "aliases": list(self.aliases),
             "fragments": [f.to_json() for f in self.fragments],
         }
+        if self.rank is not None:
+            doc["rank"] = self.rank
+        return doc
 
     @staticmethod
     def from_json(name: str, d: dict[str, Any]) -> "TensorRecord":
+        rank = d.get("rank")
         return TensorRecord(
             name=name,
             kind=str(d["kind"]),
@@ -322,6 +330,7 @@ class TensorRecord:
             shape=tuple(int(x) for x in d["shape"]),
             fragments=tuple(FragmentRecord.from_json(f) for f in d["fragments"]),
             aliases=tuple(str(a) for a in d.get("aliases", ())),
+            rank=None if rank is None else int(rank),
         )
 
 

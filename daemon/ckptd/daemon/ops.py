@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import grpc
 
-from ckptd.common.paths import default_address
+from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
@@ -49,6 +49,16 @@ def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
     frac = min(1.0, done / total) if total > 0 else 0.0
     filled = int(round(frac * width))
     return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:3.0f}%"
+
+
+def _address(args: argparse.Namespace, what: str) -> str:
+    """The daemon's address: --address, else $CKPTD_ADDRESS, else the default socket
+    (paths.daemon_address: a socket's bare path is taken too); exit 1 saying what to write."""
+    try:
+        return daemon_address(args.address) if args.address else default_address()
+    except ValueError as exc:
+        _fail(f"ckptd {what}: {exc}")
+    raise AssertionError("unreachable")
 
 
 def _call(address: str, what: str, fn: Callable[[pb_grpc.CheckpointStub], T]) -> T:
@@ -205,7 +215,7 @@ def render_status(doc: dict[str, Any], now: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    address = args.address or default_address()
+    address = _address(args, "status")
     request = pb.StatusRequest(job=args.job or "")
     while True:
         reply = _call(address, "status", lambda stub: stub.Status(request, timeout=RPC_TIMEOUT_S))
@@ -225,7 +235,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    address = args.address or default_address()
+    address = _address(args, "gc")
     request = pb.CollectRequest(job=args.job or "", dry_run=args.dry_run)
     reply = _call(address, "gc", lambda stub: stub.Collect(request, timeout=600.0))
     rows = [{"job": r.job, "step": r.step, "path": r.path, "reason": r.reason, "bytes": r.bytes} for r in reply.removed]
@@ -331,7 +341,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         where, rows = _bucket_rows(root, args.job, args.all)
     else:
         if root is None:  # the running daemon's root
-            address = args.address or default_address()
+            address = _address(args, "ls")
             root = _call(address, "ls", lambda stub: stub.Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)).root
         where, rows = _root_rows(Path(root), args.job, args.all)
     rows.sort(key=lambda r: (r["job"], r["step"]))
@@ -434,14 +444,14 @@ def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", help="the daemon, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
+    parser.add_argument("--address", help="the daemon's socket (its --socket), unix:///path.sock or the path (default: $CKPTD_ADDRESS, else the default socket)")
     parser.add_argument("--job", help="only this job's checkpoints in flight")
     parser.add_argument("--watch", type=float, metavar="SECONDS", default=0.0, help="refresh every SECONDS until interrupted")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", help="the daemon, unix:///path.sock (default: $CKPTD_ADDRESS, else the default socket)")
+    parser.add_argument("--address", help="the daemon's socket (its --socket), unix:///path.sock or the path (default: $CKPTD_ADDRESS, else the default socket)")
     parser.add_argument("--job", help="only this job (default: every job under the daemon's root)")
     parser.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -11,7 +11,9 @@ Every rank of a job describes the fragments it holds (`TensorSpec`); ranks live 
   written as fragments, each by a node that holds it;
 - removes replicas inside a node: a fragment held by several of its ranks (data parallelism)
   is copied by one of them only, chosen so that the bytes each rank copies are as even as
-  possible, and gets a slot in that rank's arena.
+  possible, and gets a slot in that rank's arena. A rank's own extras tensor (`per_rank`) is
+  never a replica: its name carries its rank (`names.per_rank_name`), and it is recorded as that
+  rank's (`LogicalTensor.rank`, the index's `rank`).
 
 Every node computes the same plan from the same input (the coordinator sends the metadata
 of every rank), so only the input travels. Plans are frozen; the daemon caches them per job
@@ -30,7 +32,7 @@ from typing import Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
-from ckptd.common.names import KINDS, RESERVED_FILE_KEY, check_tensor_name
+from ckptd.common.names import KINDS, RESERVED_FILE_KEY, check_tensor_name, shared_name
 from ckptd.daemon.format import GROUP_OF_KIND, SCALES_SUFFIX, file_key
 
 PAGE = 4096
@@ -52,6 +54,7 @@ class TensorSpec:
     box: Box
     aliases: tuple[str, ...] = ()
     frozen: str = ""  # "" | "param" | "buffer": what the trainer does not train (ckptd.common.names.FROZEN_CLASSES)
+    per_rank: bool = False  # the sending rank's own extras tensor, under its per-rank name (TensorMeta.per_rank)
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +69,7 @@ class LogicalTensor:
     shape: tuple[int, ...]
     aliases: tuple[str, ...] = ()
     frozen: str = ""  # TensorSpec.frozen: frozen tensors are stored in files of their own (format.layout_files)
+    rank: int | None = None  # a rank's own extras tensor (TensorSpec.per_rank): that rank
 
     @property
     def nbytes(self) -> int:
@@ -219,7 +223,10 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
             if (spec.name, spec.box) in seen:
                 raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
             seen.add((spec.name, spec.box))
-            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen)
+            if spec.per_rank and shared_name(spec.name, rank) is None:
+                raise PlanError(f"rank {rank} sends {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
+            owner = rank if spec.per_rank else None
+            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen, owner)
             known = logical.setdefault(spec.name, described)
             if known != described and replace(known, frozen=described.frozen) == described:
                 logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
@@ -237,7 +244,8 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
 
 def _describe(t: LogicalTensor) -> str:
     aliases = f", aliases {list(t.aliases)}" if t.aliases else ""
-    return f"{t.kind} {t.dtype}{list(t.shape)}{aliases}"
+    own = f", rank {t.rank}'s own" if t.rank is not None else ""
+    return f"{t.kind} {t.dtype}{list(t.shape)}{aliases}{own}"
 
 
 def _check_aliases(logical: dict[str, LogicalTensor]) -> None:

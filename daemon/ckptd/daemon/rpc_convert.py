@@ -208,7 +208,10 @@ def removed_pb(removed: Iterable[Any]) -> list[pb.Removed]:
 
 
 def meta_of(spec: TensorSpec) -> pb.TensorMeta:
-    return pb.TensorMeta(name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape, box=box_pb(spec.box), aliases=spec.aliases, frozen=spec.frozen)
+    return pb.TensorMeta(
+        name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape, box=box_pb(spec.box), aliases=spec.aliases, frozen=spec.frozen,
+        per_rank=spec.per_rank,
+    )
 
 
 def join_request(

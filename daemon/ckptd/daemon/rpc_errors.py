@@ -10,7 +10,8 @@ Typed signals: an error that carries a `reason` (see `reason_of`) also sends it 
 metadata under `REASON_KEY`, so a caller acts on the reason, not on the wording of the message.
 
 Client side (this daemon calling a peer): `coordinator_error` turns a failed call to node 0
-into the domain error the engine expects.
+into the domain error the engine expects; `coordinator_unreachable` is the one wording of "node 0
+cannot be reached" (also for a save that times out joining there, cluster.py).
 """
 
 from __future__ import annotations
@@ -171,18 +172,32 @@ class ErrorStatusInterceptor(RewrappingInterceptor):
         return mapped
 
 
+def coordinator_unreachable(coordinator: str, detail: str) -> str:
+    """Why a node cannot save: the coordinator (node 0, described by `coordinator`, e.g. "node 0
+    (10.0.0.1:7000)") cannot be reached; detail: what was seen (gRPC's reason, a wait)."""
+    return (
+        f"the coordinator {coordinator} is not reachable ({detail}): every save of a job on several nodes "
+        "goes through node 0; start node 0's daemon, or check its address in --peers on every node"
+    )
+
+
 def coordinator_error(exc: grpc.RpcError, coordinator: str) -> errors.CkptdError:
     """The domain error for a failed call to the coordinator (node 0, described by
     `coordinator`): Precondition when it asks for the tensor metadata again (REASON_KEY), so the
     caller resends it; InvalidRequest for what it refused as invalid; Unavailable when it cannot
-    be reached or does not accept our token; Aborted for anything else."""
+    be reached (`coordinator_unreachable`) or does not accept our token; Aborted for anything else."""
     code = exc.code()
     details = exc.details() or code.name
     if code == grpc.StatusCode.FAILED_PRECONDITION and wire_reason_of(exc) == UNKNOWN_FINGERPRINT:
         return errors.UnknownFingerprint(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidRequest(details)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
-        return errors.Unavailable(f"the coordinator {coordinator} is not reachable: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.Unavailable(coordinator_unreachable(coordinator, details))
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unavailable(
+            f"the coordinator {coordinator} refused this node's peer token ({details}): give every node the same "
+            "--peer-token (CKPTD_PEER_TOKEN)"
+        )
     return errors.Aborted(f"the coordinator {coordinator} refused: {details}")
 

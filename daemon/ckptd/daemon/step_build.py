@@ -328,7 +328,7 @@ def step_files(
 
     def record(t: LogicalTensor) -> TensorRecord:
         fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
-        return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases)
+        return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases, t.rank)
 
     index = CheckpointIndex(
         job=job,

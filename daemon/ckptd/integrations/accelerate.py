@@ -25,7 +25,8 @@ What a checkpoint holds, read from the Accelerator (what `accelerator.prepare` a
     "optimizer", "optimizer_1", ...   the optimizers' states, keyed by parameter name
     "scheduler", "scheduler_1", ...   the LR schedulers' state_dicts
     "scaler"                the GradScaler's state_dict, when mixed precision has one
-    "custom_0", ...         the objects registered with accelerator.register_for_checkpointing
+    "custom_0", ...         the objects registered with accelerator.register_for_checkpointing,
+                            each process's own (tensors in their state_dicts too: docs/usage.md, extras)
     "accelerate"            accelerator.step (the gradient accumulation counter) and, per prepared
                             data loader, its epoch counter (`iteration`, which seeds the shuffle of
                             a seedable sampler) and, for a StatefulDataLoader, its state_dict

@@ -38,7 +38,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.engine.load_plan import Location, PieceInfo, Tier, plan_pieces
+from ckptd.daemon.engine.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.format import check_small_file as _check_small_file
@@ -230,11 +230,13 @@ class Step:
         fragments = fragments_of_state(flat, layout, coords)
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
         specs = [
-            TensorSpec(f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases) for entry, f in fragments
+            TensorSpec(
+                f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases, per_rank=f.per_rank
+            )
+            for entry, f in fragments
         ]
-        self._read(specs, [f.local for _, f in fragments], kinds, strict)
-        by_rank = self.extras_by_rank()
-        extras = by_rank[rank] if rank in by_rank else {k: v for k, v in by_rank.get(0, {}).items() if k != "rng"}
+        self._read(specs, [f.local for _, f in fragments], kinds, strict, rank)
+        extras = rank_extras(self.extras_by_rank(), rank, self.index.world_size)
         try:
             restore_state(state, flat, extras, strict=strict)
         except ValueError as exc:
@@ -249,10 +251,10 @@ class Step:
             raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
         return record
 
-    def _read(self, specs: Sequence[TensorSpec], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool) -> None:
+    def _read(self, specs: Sequence[TensorSpec], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool, rank: int = 0) -> None:
         """Fill each target with its spec's box (the engine's load planner, then the client's fills)."""
         try:
-            planned = plan_pieces(self.index, specs, kinds, strict, None, self._locations())
+            planned = plan_pieces(self.index, specs, kinds, strict, None, self._locations(), rank)
         except InvalidRequest as exc:
             raise CheckpointError(str(exc)) from None
         # each fragment once per name (several boxes of one tensor plan the same fragments)

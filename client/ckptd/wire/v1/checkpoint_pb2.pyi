@@ -15,7 +15,7 @@ class Box(_message.Message):
     def __init__(self, offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("name", "kind", "dtype", "shape", "box", "aliases", "frozen")
+    __slots__ = ("name", "kind", "dtype", "shape", "box", "aliases", "frozen", "per_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TensorMeta(_message.Message):
     BOX_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    PER_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     dtype: str
@@ -30,7 +31,8 @@ class TensorMeta(_message.Message):
     box: Box
     aliases: _containers.RepeatedScalarFieldContainer[str]
     frozen: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., frozen: _Optional[str] = ...) -> None: ...
+    per_rank: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., frozen: _Optional[str] = ..., per_rank: _Optional[bool] = ...) -> None: ...
 
 class RankId(_message.Message):
     __slots__ = ("job", "rank", "world_size", "local_world_size")

@@ -12,7 +12,8 @@ Tiers, tried in this order for each tensor:
 
 `file_sources` picks each file's tier and node, `file_locations` where the rank reads it,
 `plan_pieces` the pieces per tensor; the engine (engine/loads.py) asks the peers what they hold
-before, and performs the staged reads after. Replicas (memory tiers of files) are always staged
+before, and performs the staged reads after. `extras_source` / `rank_extras`: whose extras (JSON
+and per-rank tensors) a rank gets. Replicas (memory tiers of files) are always staged
 into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
 scales), from any tier but the held snapshot.
 """
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
+from ckptd.common.names import per_rank_name, shared_name
 from ckptd.common.quant_options import CAST
 from ckptd.daemon.arena import ArenaSet, SetState
 from ckptd.daemon.errors import InvalidRequest
@@ -33,6 +35,24 @@ from ckptd.daemon.format import CheckpointIndex, FileRecord, TensorRecord
 from ckptd.daemon.plan import SavePlan, TensorSpec
 
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state.RNG_KEY)
+
+
+def extras_source(rank: int, world_size: int) -> int:
+    """The rank whose extras (its JSON extras and its own extras tensors) `rank` loads from a step
+    saved by `world_size` ranks: its own when the step has its rank, else rank 0's (more ranks
+    than at save time). The extras of ranks beyond the loading world are not loaded."""
+    return rank if rank < world_size else 0
+
+
+def rank_extras(extras_by_rank: Mapping[int, Any], rank: int, world_size: int) -> Any:
+    """`rank`'s extras tree from every saved rank's: `extras_source`'s, without its RNG state
+    when it is another rank's (each rank's generators are its own)."""
+    source = extras_source(rank, world_size)
+    extras = extras_by_rank.get(source, {})
+    if source != rank and isinstance(extras, dict):
+        extras = {k: v for k, v in extras.items() if k != RNG_KEY}
+    return extras
 
 
 class Tier(StrEnum):
@@ -171,18 +191,24 @@ def plan_pieces(
     strict: bool,
     held: ArenaSet | None,
     locations: Mapping[str, Location],
+    rank: int = 0,
 ) -> PlannedPieces:
-    """The pieces of every wanted tensor box, the names missing from the step and those in it
-    (of the requested kinds) not asked for. Raises InvalidRequest for a shape that differs from
-    the step's, and (strict) for missing or unexpected names."""
+    """The pieces of every wanted tensor box of rank `rank`, the names missing from the step and
+    those in it (of the requested kinds) not asked for. Raises InvalidRequest for a shape that
+    differs from the step's, and (strict) for missing or unexpected names.
+
+    A rank's own extras tensor (`TensorSpec.per_rank`, named for `rank`) comes from the copy of
+    `extras_source`'s rank, or from the one tensor of that name a step saved before extras were
+    per rank; other ranks' own tensors are neither expected nor unexpected."""
     table = index.by_name()
     step = index.step
+    source = extras_source(rank, index.world_size)
     missing = []
     pieces: list[PieceInfo] = []
     reads: dict[tuple[str, int], StagedRead] = {}
     found: set[str] = set()
     for spec in wanted:
-        record = table.get(spec.name)
+        record = _record_of(table, spec, rank, source)
         if record is None:
             if not spec.name.startswith(OPTIONAL_PREFIXES):
                 missing.append(spec.name)
@@ -200,6 +226,7 @@ def plan_pieces(
         t.name
         for t in index.tensors
         if t.name not in found and t.name.split("/", 1)[0] in requested_kinds and not t.name.startswith(OPTIONAL_PREFIXES)
+        and t.rank in (None, source)
     )
     if strict and (missing or unexpected):
         parts = []
@@ -209,6 +236,30 @@ def plan_pieces(
             parts.append(f"in step {step} but not in the state being loaded: {names_text(unexpected)}")
         raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
     return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()))
+
+
+def _record_of(table: Mapping[str, TensorRecord], spec: TensorSpec, rank: int, source: int) -> TensorRecord | None:
+    """The step's tensor that `spec` of rank `rank` loads (source: `extras_source`), or None.
+
+    A per-rank request ("extra/rank<rank>/t") takes the source rank's own copy
+    ("extra/rank<source>/t"), else a tensor "extra/t" shared by every rank (saved with a layout
+    rule, imported, or saved before extras were per rank). A plain request of a tensor that the
+    step holds per rank (now loaded with a layout rule, or as a DTensor) takes the source rank's copy.
+    """
+    if not spec.per_rank:
+        record = table.get(spec.name)
+        if record is None and spec.kind == "extra":
+            own = table.get(per_rank_name(spec.name, source))
+            return own if own is not None and own.rank == source else None
+        return record
+    base = shared_name(spec.name, rank)
+    if base is None:
+        raise InvalidRequest(f"rank {rank} asks for {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
+    own = table.get(per_rank_name(base, source))
+    if own is not None and own.rank == source:
+        return own
+    shared = table.get(base)
+    return shared if shared is not None and shared.rank is None else None
 
 
 def _memory_pieces(spec: TensorSpec, record: TensorRecord, held: ArenaSet) -> list[PieceInfo] | None:

@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.load_plan import (
-    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, Tier, file_locations, file_sources, incomplete_message,
-    load_tier, needs_decoding, plan_digest, plan_pieces,
+    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, Tier, extras_source, file_locations, file_sources,
+    incomplete_message, load_tier, needs_decoding, plan_digest, plan_pieces, rank_extras,
 )
 from ckptd.daemon.engine.peer_steps import PeerSteps
 from ckptd.daemon.engine.replication import Replication
@@ -150,7 +150,7 @@ class Loads:
             return None if path is None else str(path)
 
         locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
-        planned = plan_pieces(index, wanted, kinds, strict, held, locations)
+        planned = plan_pieces(index, wanted, kinds, strict, held, locations, rank)
         await self._stage_all(index, planned.reads, locations)
         plan_id = ""
         if held is not None and planned.pieces and all(p.source == "shm" for p in planned.pieces):
@@ -170,14 +170,14 @@ class Loads:
         unexpected: tuple[str, ...],
         plan_id: str,
     ) -> LoadPlan:
-        """The plan of a load with this rank's extras, leased (the held snapshot stays until LoadDone)."""
+        """The plan of a load with this rank's extras (load_plan.rank_extras), leased (the held
+        snapshot stays until LoadDone)."""
         # the held snapshot has the extras of this node's ranks; others (more ranks than at save
         # time, or ranks of other nodes) come from extra.json
         in_memory = held.extras if held is not None else None
-        extras_by_rank = in_memory if in_memory is not None and rank in in_memory else await self._extras(job, step)
-        extras = extras_by_rank.get(rank)
-        if extras is None:  # more ranks than at save time: rank 0's extras, without its RNG state
-            extras = {k: v for k, v in extras_by_rank.get(0, {}).items() if k != "rng"}
+        source = extras_source(rank, index.world_size)
+        extras_by_rank = in_memory if in_memory is not None and source in in_memory else await self._extras(job, step)
+        extras = rank_extras(extras_by_rank, rank, index.world_size)
         load_id = uuid.uuid4().hex
         if held is not None:
             held.readers += 1

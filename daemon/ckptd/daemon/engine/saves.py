@@ -267,7 +267,12 @@ class Saves:
         try:
             await asyncio.wait_for(session.closed.wait(), session.timeout_s)
         except asyncio.TimeoutError:
-            await self.engine.fail(state, session, session.timeout_reason(), "timeout")
+            cluster = self.engine.cluster
+            problem = cluster.coordinator_problem(session.timeout_s) if cluster is not None and session.joining else None
+            if problem is not None:  # this node's ranks are here, node 0 is not: say so, not which ranks
+                await self.engine.fail(state, session, problem, "peer")
+            else:
+                await self.engine.fail(state, session, session.timeout_reason(), "timeout")
 
     async def progress(self, job: str, step: int, timeout_s: float) -> AsyncIterator[SaveSession | str]:
         """Yield the session at each change until it is finished; a str "committed" for a step

@@ -90,6 +90,12 @@ class SaveSession:
         return self.state in ENDED
 
     @property
+    def joining(self) -> bool:
+        """Every rank of this node has arrived and the save is not planned yet: with several
+        nodes, this node waits at the coordinator for the other nodes' ranks."""
+        return self.state is SaveState.GATHERING and self.plan is None and len(self.arrived) == self.local_ranks
+
+    @property
     def bytes_total(self) -> int:
         return self.plan.total_bytes if self.plan else 0
 
@@ -179,7 +185,10 @@ class SaveSession:
         """Why the save did not complete in time (for the watchdog's failure)."""
         waiting = sorted(set(range(self.world_size)) - set(self.committed))
         missing = sorted(set(range(self.world_size)) - set(self.arrived))
-        what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
+        if self.joining and missing:  # several nodes: this node's ranks are all here
+            what = f"ranks {missing} of the other nodes never joined it"
+        else:
+            what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
         return f"{what} within {self.timeout_s:.0f} s"
 
 

@@ -1,0 +1,26 @@
+"""ckptd.common.names: the per-rank names of a rank's own extras tensors (issue 30 finding 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.common.names import per_rank_name, shared_name
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "own"),
+    [
+        ("extra/t", 1, "extra/rank1/t"),
+        ("sampler/state/pos/0", 12, "sampler/rank12/state/pos/0"),
+        ("t", 0, "t/rank0"),  # a tensor at the top of the state
+        ("extra/rank1/t", 1, "extra/rank1/rank1/t"),  # a user's own "rank1" key stays a path part
+    ],
+)
+def test_issue30_finding3_per_rank_names_round_trip(name: str, rank: int, own: str) -> None:
+    assert per_rank_name(name, rank) == own
+    assert shared_name(own, rank) == name
+
+
+@pytest.mark.parametrize(("name", "rank"), [("extra/rank1/t", 0), ("extra/t", 1), ("extra/rank10/t", 1), ("t", 0), ("extra/rank1x", 1)])
+def test_issue30_finding3_a_name_without_the_rank_after_its_key_is_no_per_rank_name(name: str, rank: int) -> None:
+    assert shared_name(name, rank) is None
