@@ -36,7 +36,7 @@ def _slots(structure: Structure, **change: Any) -> list[pb.Slot]:
     for entry, fragment in structure.fragments:
         nbytes = fragment.local.numel() * fragment.local.element_size()
         slots.append(pb.Slot(
-            name=entry.name, offset=offset, nbytes=nbytes, box=pb.Box(offsets=fragment.box.offsets, lengths=fragment.box.lengths),
+            name=fragment.name, offset=offset, nbytes=nbytes, box=pb.Box(offsets=fragment.box.offsets, lengths=fragment.box.lengths),
             kind=entry.kind, dtype={torch.bfloat16: "BF16", torch.int64: "I64"}[fragment.local.dtype], shape=fragment.global_shape,
             aliases=entry.aliases,
         ))
