@@ -17,7 +17,7 @@ A save across nodes (docs/architecture.md §12):
    A node that reports a failure, or stops answering, aborts the step everywhere: nobody
    writes an index and every node removes what it wrote.
 
-Daemons authenticate each other with a shared token in the call metadata (PEER_TOKEN_KEY),
+Daemons authenticate each other with a shared token in the call metadata (peer_links.PeerLinks),
 checked on every Peer call by rpc_auth.PeerTokenInterceptor. The messages are built and read
 in rpc_convert; a failed call to node 0 becomes a domain error in rpc_errors.coordinator_error.
 """
@@ -38,20 +38,19 @@ import grpc
 
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
-from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable, UnknownFingerprint
+from ckptd.daemon.admission import Admission
+from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
+from ckptd.daemon.errors import Aborted, InvalidRequest, RunRefused, Unavailable, UnknownFingerprint
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
+from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.peer_tls import PeerTls
 from ckptd.daemon.step_build import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
-from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
 from ckptd.daemon.rpc_errors import coordinator_error
 from ckptd.daemon.storage import StorageBackend
-# the manifest's wire conversions live in rpc_convert; re-exported for tests/daemon/test_cluster.py
-from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import peer_pb2 as ppb
-from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +86,8 @@ class _GlobalSave:
     key: str = ""
     error: str = ""
     refused: bool = False  # the metadata itself is bad (INVALID_ARGUMENT)
+    claim: RunClaim = NO_CLAIM  # the run whose ranks save it (engine/runs.py)
+    run_refused: bool = False  # the run may not save into the job (errors.RunRefused)
     manifests: dict[int, NodeManifest] = field(default_factory=dict)
     extras: dict[int, Any] = field(default_factory=dict)
     model_files: dict[str, bytes] = field(default_factory=dict)
@@ -107,64 +108,6 @@ class _GlobalSave:
         return set(self.root_ids)
 
 
-class PeerLinks:
-    """gRPC channels to the other daemons, with the token on every call."""
-
-    def __init__(self, peers: Sequence[str], token: str, tls: PeerTls | None = None) -> None:
-        self.peers = tuple(peers)
-        self.tls = tls
-        self._metadata = ((PEER_TOKEN_KEY, token),)
-        self._channels: dict[int, grpc.aio.Channel] = {}
-
-    def _channel(self, node: int) -> grpc.aio.Channel:
-        channel = self._channels.get(node)
-        if channel is None:
-            options = [
-                *MESSAGE_SIZE_OPTIONS,
-                # a restarted peer is reachable again within a second, not after gRPC's
-                # default backoff of up to two minutes
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ]
-            if self.tls is None:
-                channel = grpc.aio.insecure_channel(self.peers[node], options=options)
-            else:
-                channel = grpc.aio.secure_channel(self.peers[node], self.tls.channel_credentials(), options=options)
-            self._channels[node] = channel
-        return channel
-
-    def stub(self, node: int) -> ppb_grpc.PeerStub:
-        return ppb_grpc.PeerStub(self._channel(node))
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    async def ready(self, node: int, within_s: float) -> bool:
-        """Wait until the channel to `node` is connected; False when it is not within `within_s`
-        seconds. A channel whose last attempt failed (the peer was restarting) fails every call
-        at once until its reconnect backoff ends: callers that must reach a peer wait here first."""
-        try:
-            await asyncio.wait_for(self._channel(node).channel_ready(), within_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
-        """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
-        try:
-            reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
-        except grpc.RpcError:
-            return None
-        return reply.in_flight
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-
-
 class Coordinator:
     """Node 0's part: one barrier and one commit per save of a job's step across nodes."""
 
@@ -175,9 +118,11 @@ class Coordinator:
         own_root_id: str,
         on_commit: Callable[[str], Awaitable[None]],
         decide: Decide = lossless_by_default,
+        runs: Runs | None = None,
     ) -> None:
         self.storage = storage
         self.links = links
+        self.admission = Admission(runs if runs is not None else Runs(), links, storage)  # which run may save (engine/runs.py)
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
@@ -200,12 +145,14 @@ class Coordinator:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
         """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
 
         options: the compression its ranks ask for (every node must ask for the same); lineage:
         the quantization generation of what they last loaded. The coordinator decides the
-        save's compression from these when it plans the save (JoinResult.compression)."""
+        save's compression from these when it plans the save (JoinResult.compression). claim: the
+        ranks' run, which may be refused (RunRefused) once all have joined (Admission.admit)."""
         for rank, fingerprint in fingerprints.items():
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
@@ -214,8 +161,10 @@ class Coordinator:
             elif (rank, fingerprint) not in self._specs:
                 raise UnknownFingerprint()
         save = self._saves.get((job, step))
+        if save is not None and not save.decided.is_set() and save.claim.run and claim.run and save.claim.run != claim.run:
+            await self._abort(save, await self.admission.replace(job, step, save.claim, claim))  # another run's: refused, or ended
         if save is None or save.decided.is_set():
-            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric)
+            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, claim=claim)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
@@ -243,7 +192,7 @@ class Coordinator:
             self._spawn(self._plan(save))
         await save.planned.wait()
         if save.error:
-            raise (InvalidRequest if save.refused else Aborted)(save.error)
+            raise (InvalidRequest if save.refused else RunRefused if save.run_refused else Aborted)(save.error)
         assert save.plan is not None
         known = save.key in known_plans
         return JoinResult(
@@ -262,6 +211,16 @@ class Coordinator:
         return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
 
     async def _plan(self, save: _GlobalSave) -> None:
+        try:
+            displaced = await self.admission.admit(save.job, save.step, save.claim)
+        except RunRefused as exc:
+            save.run_refused = True
+            await self._abort(save, str(exc))
+            save.planned.set()
+            return
+        for other in [s for s in self._saves.values() if displaced and (s.job, s.claim.run) == (save.job, displaced) and not s.planned.is_set()]:
+            await self._abort(other, f"run {short(save.claim.run)} took job {save.job!r} over")  # waits for ranks that will not come
+            other.planned.set()
         try:
             save.key = plan_key(save.fingerprints, save.node_of_rank)
             save.all_specs = tuple(self._specs[(r, save.fingerprints[r])] for r in range(save.world_size))
@@ -444,8 +403,10 @@ class Cluster:
         on_commit: Callable[[str], Awaitable[None]],
         tls: PeerTls | None = None,
         decide: Decide = lossless_by_default,
+        runs: Runs | None = None,
     ) -> None:
         self.node = node
+        self.runs = runs
         self.links = PeerLinks(peers, token, tls)
         self.storage = storage
         self.root_id = ""
@@ -457,7 +418,7 @@ class Cluster:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
         self.root_id = self.storage.root_id()
         if self.node == 0:
-            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide)
+            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs)
 
     @property
     def nodes(self) -> int:
@@ -478,14 +439,15 @@ class Cluster:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
         """Join the save at the coordinator (Coordinator.join); returns once every rank has."""
         if self.coordinator is not None:
             return await self.coordinator.join(
-                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage
+                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage, claim
             )
         request = rpc_convert.join_request(
-            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage
+            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage, claim
         )
         # A coordinator that is restarting joins late rather than failing this node's ranks; one
         # that stays away past the join window fails the call below with gRPC's reason.
@@ -561,8 +523,8 @@ class SingleNode:
 
     node = 0
 
-    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default) -> None:
-        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide)
+    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default, runs: Runs | None = None) -> None:
+        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide, runs)
 
     async def join_save(
         self,
@@ -576,8 +538,9 @@ class SingleNode:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
-        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage)
+        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage, claim)
 
     async def report(
         self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]

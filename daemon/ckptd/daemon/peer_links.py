@@ -1,0 +1,76 @@
+"""gRPC channels from this daemon to the other nodes' daemons (the Peer service), with the peer
+token on every call (rpc_auth.PEER_TOKEN_KEY) and mutual TLS when configured (peer_tls.py).
+The coordinator (cluster.py), run admission (admission.py) and tier 0b (replica_links.py) call
+the other nodes through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import grpc
+
+from ckptd.daemon.peer_tls import PeerTls
+from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY
+from ckptd.wire import MESSAGE_SIZE_OPTIONS
+from ckptd.wire.v1 import peer_pb2 as ppb
+from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
+
+
+class PeerLinks:
+    """gRPC channels to the other daemons, with the token on every call."""
+
+    def __init__(self, peers: Sequence[str], token: str, tls: PeerTls | None = None) -> None:
+        self.peers = tuple(peers)
+        self.tls = tls
+        self._metadata = ((PEER_TOKEN_KEY, token),)
+        self._channels: dict[int, grpc.aio.Channel] = {}
+
+    def _channel(self, node: int) -> grpc.aio.Channel:
+        channel = self._channels.get(node)
+        if channel is None:
+            options = [
+                *MESSAGE_SIZE_OPTIONS,
+                # a restarted peer is reachable again within a second, not after gRPC's
+                # default backoff of up to two minutes
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
+            if self.tls is None:
+                channel = grpc.aio.insecure_channel(self.peers[node], options=options)
+            else:
+                channel = grpc.aio.secure_channel(self.peers[node], self.tls.channel_credentials(), options=options)
+            self._channels[node] = channel
+        return channel
+
+    def stub(self, node: int) -> ppb_grpc.PeerStub:
+        return ppb_grpc.PeerStub(self._channel(node))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def ready(self, node: int, within_s: float) -> bool:
+        """Wait until the channel to `node` is connected; False when it is not within `within_s`
+        seconds. A channel whose last attempt failed (the peer was restarting) fails every call
+        at once until its reconnect backoff ends: callers that must reach a peer wait here first."""
+        try:
+            await asyncio.wait_for(self._channel(node).channel_ready(), within_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
+        """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
+        try:
+            reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError:
+            return None
+        return reply.in_flight
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
