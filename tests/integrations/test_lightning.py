@@ -354,9 +354,9 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
     io.teardown()
     assert not (tmp_path / "gone.ckpt").exists()
 
-    # a new run (e.g. resumed from an earlier checkpoint) saving a step the job holds: refused, saying why
+    # a new run that loaded nothing (a fresh start under a used job name) saving a step the job holds: refused, saying why
     again = _checkpoint(model, optimizer, 7, "first")
-    with pytest.raises(CheckpointError, match="already holds step 7: a run resumed from an earlier checkpoint.*new job"):
+    with pytest.raises(CheckpointError, match="step 7 of job 'same' is already committed.*loaded no step of the job.*new job name"):
         CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise").save_checkpoint(again, tmp_path / "again.ckpt")
     warn = CkptdCheckpointIO(job="same", address=daemon.address)
     warn.save_checkpoint(again, tmp_path / "again.ckpt")  # logged, training goes on

@@ -20,13 +20,13 @@ def passed_over(order: Sequence[int], step: int) -> list[int]:
 
 
 def rollbacks(order: Sequence[int]) -> dict[int, list[int]]:
-    """For each step of `order` (commit order) that was a rollback when it was committed: the
-    steps committed before it with higher numbers (those still on disk), ascending."""
+    """For each step of `order` (commit order) that was a rollback when it was committed (below
+    the step committed just before it): the steps committed before it with higher numbers (those
+    still on disk), ascending. The steps after a rollback that go on from it are not marked."""
     marked: dict[int, list[int]] = {}
     seen: list[int] = []  # the steps committed so far, ascending
-    for step in order:
-        above = seen[bisect_right(seen, step):]
-        if above:
-            marked[step] = above
+    for i, step in enumerate(order):
+        if i and step < order[i - 1]:
+            marked[step] = seen[bisect_right(seen, step):]
         insort(seen, step)
     return marked

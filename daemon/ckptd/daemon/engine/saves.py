@@ -163,10 +163,8 @@ class Saves:
         if resumed_from is not None and resumed_from in order and step in order and order.index(step) >= order.index(resumed_from):
             kept = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, 0.0, local_ranks)
             kept.state = SaveState.COMMITTED
-            kept.kept = (
-                f"step {step} of job {job!r} is committed already, by the run this one resumed from step {resumed_from}: "
-                "kept as it is, this save is not written again"
-            )
+            since = "it" if resumed_from == step else f"step {resumed_from}, committed before it (it redid that interval)"
+            kept.kept = f"step {step} of job {job!r} is committed already and this run resumed from {since}: the committed step is kept, this save is not written again"
             kept.step_dir = self.engine.storage.step_location(job, step)
             log.info("%s", kept.kept)
             return kept
