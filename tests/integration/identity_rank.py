@@ -49,7 +49,7 @@ def run(spec: dict) -> None:
                 handle = client("raise" if op.get("raise") else "warn").save(op["step"], {"model": {"w": tensor}})
                 if op.get("durable") and handle.ok:
                     handle.wait_durable(timeout=60)
-                line.update(ok=handle.ok, error=handle.error, kept=handle.kept)
+                line.update(ok=handle.ok, error=handle.error, kept=getattr(handle, "kept", None))  # kept: issue 30 finding 7
             elif op["op"] == "load":
                 loaded = torch.zeros_like(tensor)  # the run's own value stays what it saves
                 line["step"] = client("warn").load({"model": {"w": loaded}})
