@@ -62,7 +62,7 @@ class SaveHandle:
         self._pending = pending
         self.mode = mode  # "cpu" (no CUDA tensors), "copy", "overlap" or "ipc"
         self.copy_s = copy_s  # mode "copy": seconds from queueing the device copies until they were done
-        self.kept = kept
+        self.kept = kept  # the step was committed already and a resumed run redid it: why (the save is ok), else None
 
     @property
     def error(self) -> str | None:
