@@ -46,7 +46,7 @@ class PeerLinks:
         return channel
 
     def stub(self, node: int) -> ppb_grpc.PeerStub:
-        return ppb_grpc.PeerStub(self._channel(node))
+        return ppb_grpc.PeerStub(self._channel(node))  # type: ignore[no-untyped-call]
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -68,7 +68,7 @@ class PeerLinks:
             reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError:
             return None
-        return reply.in_flight
+        return bool(reply.in_flight)
 
     async def close(self) -> None:
         for channel in self._channels.values():
