@@ -29,7 +29,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ckptd.daemon.errors import RunRefused
 
@@ -193,17 +192,6 @@ class Runs:
         first = min(clients, key=lambda c: c.since)
         shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
         return f"rank{'s' if len(ranks) > 1 else ''} {shown} attached to this daemon, pid {first.pid} on {first.host or '?'}, for {_age(first.since)}"
-
-    def status(self) -> list[dict[str, Any]]:
-        """Per job: its owner and the runs attached here (for `ckptd status`)."""
-        out = []
-        for job, runs in sorted(self._jobs.items()):
-            attached: dict[str, list[int]] = {}
-            for client in runs.clients.values():
-                attached.setdefault(client.run, []).append(client.rank)
-            if runs.owner or attached:
-                out.append({"job": job, "owner": runs.owner, "attached": {run: sorted(ranks) for run, ranks in attached.items()}})
-        return out
 
 
 def live_owner_message(job: str, run: str, owner: str, where: str) -> str:
