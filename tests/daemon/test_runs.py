@@ -1,6 +1,6 @@
 """Job identity (issue 30, finding 6; engine/runs.py, admission.py): which run may save into a
 job, run by run, first as pure rules, then through the engine in process (service.CheckpointService
-without gRPC, one node): a second live run is refused with what to do, a resumed run takes the
+without gRPC, one node), then node 0's coordinator with other nodes that answer without a network: a second live run is refused with what to do, a resumed run takes the
 job over, a run that ended makes way, a client that goes away fails the save it left open; and
 the resumed run's save of a step it redid is kept as committed (finding 7)."""
 
@@ -17,12 +17,16 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.engine.runs import Client, Runs
+from ckptd.daemon.cluster import Coordinator
+from ckptd.daemon.engine.runs import Client, RunClaim, Runs
 from ckptd.daemon.engine.sessions import SaveState
-from ckptd.daemon.errors import AlreadyExists, RunRefused
+from ckptd.daemon.errors import Aborted, AlreadyExists, Precondition, RunRefused
+from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.rollback import passed_over, rollbacks
 from ckptd.daemon.service import CheckpointService, SaveSession
+from ckptd.daemon.storage import Storage
+from ckptd.wire.v1 import peer_pb2 as ppb
 
 
 def _client(run: str, rank: int = 0) -> Client:
@@ -244,5 +248,78 @@ def test_a_rollback_is_logged_with_the_steps_it_passes_over(service: CheckpointS
             "but are no longer the newest (`ckptd ls` marks the rollback)"
         ]
         assert all(r.levelno == logging.WARNING for r in caplog.records if "rollback" in r.getMessage())
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ node 0 (the coordinator, several nodes)
+
+
+class Peers(PeerLinks):
+    """Two other nodes that answer Inventory without a network: `attached` lists the runs each has
+    a client of (node -> runs)."""
+
+    def __init__(self, attached: dict[int, set[str]]) -> None:
+        super().__init__(["n0", "n1", "n2"], "t" * 16)
+        self.attached = attached
+        self.asked: list[tuple[int, str]] = []
+
+    def stub(self, node: int) -> Any:
+        links = self
+
+        class Stub:
+            async def Inventory(self, request: ppb.InventoryRequest, **_: Any) -> ppb.InventoryResponse:
+                links.asked.append((node, request.run_id))
+                return ppb.InventoryResponse(run_attached=request.run_id in links.attached.get(node, set()))
+
+        return Stub()
+
+
+async def _no_retention(job: str) -> None:
+    return None
+
+
+def _join(coord: Coordinator, node: int, step: int, claim: RunClaim, world: int = 1, rank: int = 0) -> Any:
+    spec = (TensorSpec("model/w", "model", "F32", (4,), Box.full((4,))),)
+    return coord.join("job", step, node, world, {rank: "fp"}, {rank: spec}, [], "root", 30.0, None, claim=claim)
+
+
+# issue 30 finding 6
+def test_node_0_asks_the_other_nodes_whether_the_owner_lives(tmp_path: Path) -> None:
+    async def run() -> None:
+        peers = Peers({2: {"a"}})
+        coord = Coordinator(Storage(tmp_path), peers, "root", _no_retention)
+        await _join(coord, 1, 1, RunClaim("a"))  # a's only rank is on node 1; a owns the job
+        assert peers.asked == []  # nobody asked while the owner did not change
+        with pytest.raises(RunRefused, match="job 'job' belongs to another run that is still live: run a .attached to another node"):
+            await _join(coord, 0, 2, RunClaim("b"))
+        assert sorted(peers.asked) == [(1, "a"), (2, "a")]  # node 2 has a client of a
+        peers.attached = {}
+        await _join(coord, 0, 3, RunClaim("b"))  # a ended everywhere: b takes over
+        with pytest.raises(RunRefused, match="run a no longer owns job 'job'"):
+            await _join(coord, 1, 4, RunClaim("a"))
+        await _join(coord, 2, 5, RunClaim("c", resumed=True))  # a resumed run takes over at once
+        assert coord.admission.runs.owner("job") == "c"
+
+    asyncio.run(run())
+
+
+# issue 30 finding 6
+def test_node_0_never_mixes_two_runs_in_one_save(tmp_path: Path) -> None:
+    async def run() -> None:
+        peers = Peers({1: {"a"}})
+        coord = Coordinator(Storage(tmp_path), peers, "root", _no_retention)
+        first = asyncio.ensure_future(_join(coord, 1, 7, RunClaim("a"), world=2, rank=0))  # a's rank 1 is still to come
+        await asyncio.sleep(0.05)
+        with pytest.raises(RunRefused, match="belongs to another run that is still live: run a"):
+            await _join(coord, 0, 7, RunClaim("b"), world=2, rank=1)  # b's rank 1 would complete a's save
+        with pytest.raises(Precondition, match="node 1 joined the save of step 7 twice"):  # a restarted daemon's node: not a refused state
+            await _join(coord, 1, 7, RunClaim("a"), world=2, rank=1)
+        peers.attached = {}  # a's processes ended: its half-joined save makes way for b
+        second = asyncio.ensure_future(_join(coord, 0, 7, RunClaim("b"), world=2, rank=1))
+        with pytest.raises(Aborted, match="run b began it after run a ended"):
+            await first
+        await _join(coord, 1, 7, RunClaim("b"), world=2, rank=0)
+        assert (await second).save_id
 
     asyncio.run(run())

@@ -40,7 +40,7 @@ from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.admission import Admission
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
-from ckptd.daemon.errors import Aborted, InvalidRequest, RunRefused, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused, Unavailable, UnknownFingerprint
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.peer_tls import PeerTls
@@ -163,6 +163,7 @@ class Coordinator:
         save = self._saves.get((job, step))
         if save is not None and not save.decided.is_set() and save.claim.run and claim.run and save.claim.run != claim.run:
             await self._abort(save, await self.admission.replace(job, step, save.claim, claim))  # another run's: refused, or ended
+            save.planned.set()  # its ranks waiting to be planned learn it now
         if save is None or save.decided.is_set():
             save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, claim=claim)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
@@ -172,7 +173,7 @@ class Coordinator:
         if save.world_size != world_size:
             raise InvalidRequest(f"node {node} says job {job!r} has {world_size} ranks, other nodes say {save.world_size}")
         if node in save.root_ids:
-            raise InvalidRequest(f"node {node} joined the save of step {step} twice")
+            raise Precondition(f"node {node} joined the save of step {step} twice (its daemon restarted?): save again")
         for rank in fingerprints:
             if rank in save.fingerprints:
                 raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")

@@ -20,7 +20,9 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Sequence
 from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.records import JoinResult
-from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, RunRefused, Timeout, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import (
+    Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint,
+)
 from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.engine.context import Engine, notify
@@ -213,7 +215,7 @@ class Saves:
                 else:  # failed (timed out) while waiting for the arenas
                     state.pool.release(arenas)
                     await notify(state.arena_freed)
-        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable, RunRefused) as exc:
+        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable, Precondition) as exc:  # RunRefused is a Precondition
             session.refused = isinstance(exc, (PlanError, InvalidRequest))
             session.run_refused = isinstance(exc, RunRefused)
             cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "run_refused" if session.run_refused else "peer"
