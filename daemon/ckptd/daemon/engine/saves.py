@@ -67,9 +67,10 @@ class Saves:
         options: this rank's compression options (every rank must give the same); lineage: the
         quantization generation of the step the rank last loaded. run: the rank's run ("": a
         client older than run ids); resumed_from: the step the run loaded before its first save
-        (a resume), else None; client_id: the rank's client ("" unknown). Raises RunRefused when the run may not save into the job
-        (engine/runs.py). A resumed run's save of a step committed at or after the step it
-        resumed from is kept: the session returned is committed (`kept` says why)."""
+        (a resume), else None; client_id: the rank's client ("": unknown). Raises RunRefused
+        when the run may not save into the job (engine/runs.py). A resumed run's save of a step
+        committed at or after the step it resumed from is kept: the session returned is
+        committed (`kept` says why)."""
         engine = self.engine
         options = options or SaveOptions()
         if engine.draining:
