@@ -323,3 +323,25 @@ def test_node_0_never_mixes_two_runs_in_one_save(tmp_path: Path) -> None:
         assert (await second).save_id
 
     asyncio.run(run())
+
+
+# issue 30 finding 6
+def test_a_load_by_another_run_leaves_a_live_runs_open_save_alone(service: CheckpointService) -> None:
+    """An evaluation reading the job (rank 0 of a run of its own) is not the training run's rank
+    0 moving on: the training run's save in flight stays open (it used to fail, "rank 0 moved on")."""
+
+    async def run() -> None:
+        _attach(service, "a")
+        await _save(service, "a", 1)
+        open_save = asyncio.ensure_future(_begin(service, "a", 0, 2, world=2))
+        await asyncio.sleep(0.05)
+        plan = await service.plan_load("job", 0, 1, None, [SPEC], ["model"], True, run="eval")
+        service.load_done(plan.load_id)
+        assert plan.step == 1 and not open_save.done()
+        session = await asyncio.gather(_begin(service, "a", 1, 2, world=2), open_save)
+        assert session[0] is session[1] and session[0].state is SaveState.SNAPSHOTTING
+        plan = await service.plan_load("job", 1, 2, None, [SPEC], ["model"], True, run="a")  # a's own rank 1 moves on: its save ends
+        service.load_done(plan.load_id)
+        assert session[0].state is SaveState.FAILED and "moved on" in session[0].error
+
+    asyncio.run(run())

@@ -264,8 +264,8 @@ class CheckpointService:
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         await self.commit.resolve_prepared(retry_s)
 
-    async def _abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
-        await self.saves.abort_left_behind(state, rank, step)
+    async def _abort_left_behind(self, state: JobState, rank: int, step: int | None, run: str = "") -> None:
+        await self.saves.abort_left_behind(state, rank, step, run)
 
     def _decide(self, options: SaveOptions, lineage: int) -> Compression:
         """Node 0: a save's compression for every node, under this daemon's settings."""
@@ -288,9 +288,10 @@ class CheckpointService:
         direct_read: bool = True,
         decodes: bool = True,
         decodes_frames: bool = True,
+        run: str = "",
     ) -> LoadPlan:
         """Loads.plan."""
-        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames)
+        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames, run)
 
     def load_done(self, load_id: str) -> None:
         self.loads.done(load_id)

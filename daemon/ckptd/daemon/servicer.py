@@ -141,7 +141,8 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         wanted = self._load_specs.resolve(job, rank, request.fingerprint, request.tensors)
         kinds = checks.check_kinds(request.kinds)
         plan = await self.service.plan_load(
-            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames
+            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
+            checks.check_run(request.who),
         )
         # checked after planning, as always: a rank with too many known plans is told so only then
         known_plans = checks.check_known_plans(request.known_plans)

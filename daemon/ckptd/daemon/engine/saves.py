@@ -90,7 +90,7 @@ class Saves:
             await self._outcome_of_writing(state, step)
         if state.committed_recently(step) or await engine.committed(job, step):
             return await self._already_committed(job, step, world_size, metric, local_ranks, resumed_from)
-        await self.abort_left_behind(state, rank, step)
+        await self.abort_left_behind(state, rank, step, run)
         session = state.sessions.get(step)
         if session is not None and session.open and client_id and rank in session.arrived and session.clients.get(rank) != client_id:
             # another client of this rank began the step: the rank restarted (a retry of one client is refused by arrive)
@@ -199,9 +199,9 @@ class Saves:
             )
         return local_world_size
 
-    async def abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
-        """A rank that starts another save or a load will never finish an older open one."""
-        for other in state.left_behind(rank, step):
+    async def abort_left_behind(self, state: JobState, rank: int, step: int | None, run: str = "") -> None:
+        """A rank (of `run`) that starts another save or a load will never finish an older open one."""
+        for other in state.left_behind(rank, step, run):
             await self.engine.fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})", "rank_restarted")
 
     async def _prepare(self, state: JobState, session: SaveSession) -> None:

@@ -227,10 +227,13 @@ class JobState:
                 return session
         return None
 
-    def left_behind(self, rank: int, step: int | None) -> Iterator[SaveSession]:
-        """Open saves other than `step` that `rank` joined but never handed over: a rank that
-        starts another save or a load will never finish them."""
+    def left_behind(self, rank: int, step: int | None, run: str = "") -> Iterator[SaveSession]:
+        """Open saves other than `step` that `rank` (of `run`) joined but never handed over: a
+        rank that starts another save or a load will never finish them. Another run's rank of
+        the same number is not this rank: its saves are not left behind."""
         for other in list(self.sessions.values()):
+            if run and other.run and other.run != run:
+                continue
             if other.step != step and other.open and rank in other.arrived and rank not in other.committed:
                 yield other
 
