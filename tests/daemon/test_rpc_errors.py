@@ -18,6 +18,7 @@ from ckptd.daemon import errors
 from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY, PeerTokenInterceptor, check_token
 from ckptd.daemon.rpc_errors import (
     REASON_KEY,
+    RUN_REFUSED,
     STATUS,
     UNKNOWN_FINGERPRINT,
     ErrorStatusInterceptor,
@@ -239,6 +240,8 @@ class FakeRpcError(grpc.RpcError):
     [
         (FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "x", ((REASON_KEY, UNKNOWN_FINGERPRINT),)), errors.UnknownFingerprint, "^x$"),
         (FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, str(errors.UnknownFingerprint())), errors.Aborted, "refused: unknown fingerprint"),
+        # issue 30 finding 6: node 0's refusal of a run reaches the ranks of every node as itself
+        (FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "job 'j' belongs to another run", ((REASON_KEY, RUN_REFUSED),)), errors.RunRefused, "^job 'j' belongs"),
         (FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), errors.InvalidRequest, "^bad$"),
         # issue 30 finding 11: what is wrong and what to do, not gRPC's words alone
         (FakeRpcError(grpc.StatusCode.UNAVAILABLE, ""), errors.Unavailable, r"the coordinator node 0 \(h:1\) is not reachable \(UNAVAILABLE\): .*start node 0's daemon, or check its address in --peers"),

@@ -55,7 +55,6 @@ def test_a_save_gathers_until_every_local_rank_arrived() -> None:
 @pytest.mark.parametrize(
     ("second", "local_ranks", "error"),
     [
-        ((0, SaveOptions()), 2, "rank 0 joined the save of step 1 twice"),
         ((1, SaveOptions(quantize="O1")), 2, "every rank must pass the same"),
         ((1, SaveOptions(no_quantize=True)), 2, "every rank must pass the same"),
         ((1, SaveOptions()), 3, "rank 1 says this node serves 3 ranks, an earlier rank said 2"),
@@ -67,6 +66,15 @@ def test_a_rank_that_disagrees_with_the_save_is_refused(second: tuple[int, SaveO
     with pytest.raises(InvalidRequest, match=error):
         session.arrive(second[0], "fp", second[1], 0, local_ranks)
     assert session.arrived == {0: "fp0"}  # the refused rank did not join
+
+
+# issue 30 finding 6: a rank joining twice is no caller error (a restarted rank, or a second run)
+def test_a_rank_that_joins_twice_is_a_precondition_not_a_refused_state() -> None:
+    session = _session()
+    session.arrive(0, "fp0", SaveOptions(), 0, 2)
+    with pytest.raises(Precondition, match="rank 0 joined the save of step 1 twice"):
+        session.arrive(0, "fp0", SaveOptions(), 0, 2)
+    assert session.arrived == {0: "fp0"}
 
 
 def test_no_rank_joins_a_save_that_is_already_snapshotting(tmp_path: Path) -> None:

@@ -278,9 +278,23 @@ def metas(place: Place) -> st.SearchStrategy[list[pb.TensorMeta]]:
     return st.one_of(valid_metas(), st.lists(hostile_metas(place), max_size=4), huge_metas())
 
 
+def run_ids(place: Place) -> st.SearchStrategy[str]:
+    """Run ids: none (a client older than run ids), a few valid ones, hostile names."""
+    return st.one_of(st.sampled_from(["", "", "run-a", "run-b", "0123456789abcdef0123456789abcdef"]), hostile_names(place))
+
+
+def client_ids(place: Place) -> st.SearchStrategy[str]:
+    return st.one_of(st.sampled_from(["", "client0123456789", "c" * 64, "c" * 65, "short"]), hostile_names(place))
+
+
 def who(place: Place) -> st.SearchStrategy[pb.RankId]:
-    valid = st.builds(pb.RankId, job=st.sampled_from(["fz", "fz2"]), rank=st.just(0), world_size=st.just(1), local_world_size=st.sampled_from([0, 1]))
-    hostile = st.builds(pb.RankId, job=jobs(place), rank=int32s(), world_size=int32s(), local_world_size=int32s())
+    valid = st.builds(
+        pb.RankId, job=st.sampled_from(["fz", "fz2"]), rank=st.just(0), world_size=st.just(1), local_world_size=st.sampled_from([0, 1]),
+        run_id=st.sampled_from(["", "run-a", "run-b"]), client_id=st.sampled_from(["", "client0123456789"]),
+    )
+    hostile = st.builds(
+        pb.RankId, job=jobs(place), rank=int32s(), world_size=int32s(), local_world_size=int32s(), run_id=run_ids(place), client_id=client_ids(place)
+    )
     return st.one_of(valid, hostile, st.just(pb.RankId()))
 
 
@@ -314,11 +328,13 @@ class Caller:
             return exc.code(), None
         return grpc.StatusCode.OK, reply
 
-    def stream(self, name: str, method: Callable[..., Any], request: Any, limit: int = 64) -> tuple[grpc.StatusCode, list[Any]]:
+    def stream(
+        self, name: str, method: Callable[..., Any], request: Any, limit: int = 64, timeout_s: float = CALL_TIMEOUT_S
+    ) -> tuple[grpc.StatusCode, list[Any]]:
         self.counts[name] += 1
         replies = []
         try:
-            for reply in method(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata):
+            for reply in method(request, timeout=timeout_s, metadata=self.metadata):
                 replies.append(reply)
                 if len(replies) >= limit:
                     break
@@ -385,6 +401,8 @@ def test_fuzz_begin_save(single: Place, stub: pb_grpc.CheckpointStub, counts: co
             lineage_generation=data.draw(int32s()),
             no_quantize=data.draw(st.booleans()),
             known_layout=data.draw(st.one_of(st.just(""), hostile_names(single))),
+            resumed=data.draw(st.booleans()),
+            resumed_from=data.draw(int64s()),
         )
         caller.unary("Checkpoint.BeginSave", stub.BeginSave, request)
 
@@ -534,6 +552,24 @@ def test_fuzz_open_close_staging(single: Place, stub: pb_grpc.CheckpointStub, co
     run()
 
 
+# issue 30 finding 6: the run calls
+def test_fuzz_attach_detach(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+    """Attach (a stream that stays open while the client lives: a valid one answers one event and
+    then runs into the short deadline) and Detach, with hostile run and client ids."""
+    caller = Caller(counts)
+
+    @FUZZ
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        request = pb.AttachRequest(who=data.draw(who(single)), pid=data.draw(int32s()), host=data.draw(hostile_names(single)))
+        code, events = caller.stream("Checkpoint.Attach", stub.Attach, request, timeout_s=0.3)
+        assert code != grpc.StatusCode.OK, "an Attach call ended by itself"
+        assert len(events) <= 1
+        caller.unary("Checkpoint.Detach", stub.Detach, pb.DetachRequest(who=data.draw(st.one_of(st.just(request.who), who(single)))))
+
+    run()
+
+
 # ------------------------------------------------------------------ ckptd.v1.Peer
 
 
@@ -599,6 +635,7 @@ def test_fuzz_peer_join_save(cluster: tuple[list[str], list[Place]], peer_stubs:
             quantize=data.draw(st.one_of(st.sampled_from(["", "O1", "O2", "o1"]), hostile_names(place))),
             master_weights=data.draw(st.one_of(st.sampled_from(["", "keep", "drop", "residual"]), hostile_names(place))),
             no_quantize=data.draw(st.booleans()), lineage=data.draw(int32s()),
+            run_id=data.draw(run_ids(place)), resumed=data.draw(st.booleans()),
         )
         code, _ = _peer_caller(counts, metadata).unary("Peer.JoinSave", peer_stubs[node].JoinSave, request)
         _check_refused(metadata, code)
@@ -670,7 +707,7 @@ def test_fuzz_peer_inventory(cluster: tuple[list[str], list[Place]], peer_stubs:
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())
         node = data.draw(st.sampled_from([0, 1]))
-        request = ppb.InventoryRequest(job=data.draw(jobs(place)), step=data.draw(st.one_of(st.just(1), int64s())))
+        request = ppb.InventoryRequest(job=data.draw(jobs(place)), step=data.draw(st.one_of(st.just(1), int64s())), run_id=data.draw(run_ids(place)))
         code, reply = _peer_caller(counts, metadata).unary("Peer.Inventory", peer_stubs[node].Inventory, request)
         _check_refused(metadata, code)
         if reply is not None:

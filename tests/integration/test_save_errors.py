@@ -114,14 +114,18 @@ def test_load_raises_on_an_unusable_state(daemon: Any) -> None:
 def test_a_new_world_size_while_the_old_worlds_save_is_open_only_fails_that_save(daemon: Any) -> None:
     """An elastic restart can meet a save of the old world still waiting for its ranks: that is
     not an error in the caller's state (FAILED_PRECONDITION, a failed handle with on_error="warn"),
-    and the same client saves once the old save has timed out."""
+    and the same client saves once the old save has timed out. Both worlds are one run here (a
+    launcher-given run id kept across the restart); two runs would meet the run rule instead
+    (tests/integration/test_job_identity.py)."""
     model, optimizer = _training()
     state = {"model": model, "optimizer": optimizer}
-    old_world = CheckpointClient("elastic", address=daemon.address, rank=0, world_size=2, local_world_size=2, on_error="warn", timeout_s=3)
+    old_world = CheckpointClient(
+        "elastic", address=daemon.address, rank=0, world_size=2, local_world_size=2, on_error="warn", timeout_s=3, run_id="elastic-1"
+    )
     waiting = threading.Thread(target=old_world.save, args=(1, state))  # rank 1 never comes: open until the timeout
     waiting.start()
     try:
-        with CheckpointClient("elastic", address=daemon.address, rank=0, world_size=1, on_error="warn") as ckpt:
+        with CheckpointClient("elastic", address=daemon.address, rank=0, world_size=1, on_error="warn", run_id="elastic-1") as ckpt:
             deadline = time.monotonic() + 10
             while not ckpt.status().in_flight and time.monotonic() < deadline:  # the old world's save is open
                 time.sleep(0.05)

@@ -7,6 +7,9 @@
   save_every     save after every step that is a multiple of it (without waiting)
   kill_at        0, or a step: at its end the process waits until the last save is durable,
                  writes that step to `marker` and kills itself with SIGKILL
+  kill_handed_over  with kill_at: wait only until the last save is handed over (its commit may
+                 still be under way in the daemon) before the kill
+  resume_step    the step to resume from (default: the newest committed)
   out            where {"resumed_from": step or None, "losses": {step: loss}, "tracker": {...}}
                  goes as JSON (rewritten after every step)
 The model has dropout, the DataLoader shuffles (seedable sampler, its own generator), an LR
@@ -80,7 +83,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     tracker = RunningMean()
     acc.register_for_checkpointing(tracker)
     ckpt = CheckpointClient(spec["job"], address=spec["address"], on_error="raise") if "address" in spec else None
-    start = (load_state(acc, ckpt) if ckpt is not None else None) or 0
+    start = (load_state(acc, ckpt, spec.get("resume_step")) if ckpt is not None else None) or 0
     result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "tracker": {}}
     handle = None
     per_epoch = len(loader)
@@ -104,8 +107,12 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             if ckpt is not None and spec.get("save_every") and step % spec["save_every"] == 0:
                 handle = save_state(acc, ckpt, step)
             if step == spec.get("kill_at", 0):
-                info = handle.wait_durable(timeout=60) if handle is not None else None
-                Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
+                if spec.get("kill_handed_over") and handle is not None:
+                    handle.wait_snapshot(host=True)  # handed over: the daemon writes and commits it after the kill
+                    Path(spec["marker"]).write_text(json.dumps(handle.step))
+                else:
+                    info = handle.wait_durable(timeout=60) if handle is not None else None
+                    Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
                 os.kill(os.getpid(), signal.SIGKILL)
     if ckpt is not None:
         ckpt.close()

@@ -8,6 +8,9 @@
   save_steps     the Trainer's save_steps (CkptdCallback saves there)
   kill_at        0, or a global step: at its end the process waits until the last ckptd save
                  is durable, writes that step to `marker` and kills itself with SIGKILL
+  kill_handed_over  with kill_at: wait only until the last save is handed over (its commit may
+                 still be under way in the daemon) before the kill
+  resume_step    the ckptd step to resume from (default: the newest committed)
   out            where {"resumed_from": step or None, "losses": {global step: [micro-batch losses]},
                  "log_history": [...]} goes as JSON (rewritten after every step)
 The model has dropout and the Trainer shuffles the data (seedable sampler, seed 7) with
@@ -108,9 +111,14 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             write()
             if state.global_step == spec.get("kill_at", 0):
                 last = ckpt.last_save
-                info = last.wait_durable(timeout=60) if last is not None else None
+                if spec.get("kill_handed_over") and last is not None:
+                    last.wait_snapshot(host=True)  # handed over: the daemon writes and commits it after the kill
+                    done = last.step
+                else:
+                    info = last.wait_durable(timeout=60) if last is not None else None
+                    done = info.step if info is not None else None
                 if rank == 0:
-                    Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
+                    Path(spec["marker"]).write_text(json.dumps(done))
                 os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks: list[Any] = []
@@ -119,7 +127,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         callbacks.append(ckpt)
     callbacks.append(Steps())
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
-    resume = ckpt.resume_from(trainer) if ckptd else None
+    resume = ckpt.resume_from(trainer, step=spec.get("resume_step")) if ckptd else None
     if resume is not None:
         result["resumed_from"] = json.loads(Path(resume, "trainer_state.json").read_text())["global_step"]
     trainer.train(resume_from_checkpoint=resume)

@@ -9,7 +9,11 @@ resumed run draws the same dropout masks and shuffles as an uninterrupted one.
 Spec: address, job, dirpath, out (one JSON line per step: {"step", "loss"}), max_steps, every,
 ckpt_path (null: fresh, "last", or a path), pause_at (0: never; else, at the start of the
 batch after global step `pause_at`, wait until last.ckpt names that step, print
-"DURABLE <step>" and sleep until killed); optional: batch (default 8), devices (default 1).
+"DURABLE <step>" and sleep until killed); optional: batch (default 8), devices (default 1),
+committed_at (at the start of the batch after global step N, wait until the daemon holds step N
+committed, print "COMMITTED <N>" and sleep until killed) with stall_pointers_from (pointers of
+that step and later are never written: a kill within the moment between a step's commit and its
+pointer, issue 30 finding 7, made certain).
 
 devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
 variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
@@ -32,6 +36,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ckptd.client import CheckpointClient
+from ckptd.integrations import _lightning_pointer
 from ckptd.integrations.lightning import CkptdCheckpointIO
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
@@ -101,6 +107,40 @@ class PauseWhenDurable(Callback):
         raise TimeoutError(f"{self.last} did not name step {self.step} within 60 s")
 
 
+class PauseWhenCommitted(Callback):
+    """At the start of the batch after global step `step`, wait until the daemon holds that step
+    committed (whatever the pointer files say), say so and sleep."""
+
+    def __init__(self, step: int, address: str, job: str) -> None:
+        self.step = step
+        self.address = address
+        self.job = job
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        with CheckpointClient(self.job, address=self.address, rank=0, world_size=1) as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if self.step in {info.step for info in client.list()}:
+                    print(f"COMMITTED {self.step}", flush=True)
+                    time.sleep(600)  # the test kills this process
+                time.sleep(0.01)
+        raise TimeoutError(f"step {self.step} was not committed within 60 s")
+
+
+def stall_pointers_from(step: int) -> None:
+    """Pointer files of `step` and later are never written (their writer blocks)."""
+    write = _lightning_pointer.write_pointer
+
+    def stalled(path: str, pointer: _lightning_pointer.Pointer, publish: Any) -> bool:
+        if pointer.step >= step:
+            time.sleep(3600)
+        return write(path, pointer, publish)
+
+    _lightning_pointer.write_pointer = stalled  # PointerWriter looks the function up at each write
+
+
 def train(spec: dict[str, Any]) -> None:
     """One run as `spec` says (see the module docstring). Losses match across runs only with the
     same torch thread count: the script runs with one, as the tests do in process."""
@@ -116,6 +156,10 @@ def train(spec: dict[str, Any]) -> None:
     ]
     if spec.get("pause_at"):
         callbacks.append(PauseWhenDurable(spec["pause_at"], dirpath / "last.ckpt"))
+    if spec.get("committed_at"):
+        callbacks.append(PauseWhenCommitted(spec["committed_at"], spec["address"], spec["job"]))
+    if spec.get("stall_pointers_from"):
+        stall_pointers_from(spec["stall_pointers_from"])
     trainer = L.Trainer(
         max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
         logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices,

@@ -68,6 +68,30 @@ def test_killed_and_resumed_twice_trains_what_an_uninterrupted_run_does(daemon, 
     assert third["tracker"] == baseline["tracker"]  # the registered object came back each time
 
 
+# issue 30 finding 7
+@pytest.mark.slow
+def test_a_resume_never_redoes_a_held_step_and_a_redone_ones_save_is_kept(daemons, tmp_path: Path, one_thread: None) -> None:
+    """Killed right after step 12 is handed over (before it is durable): load_state() resumes
+    from 12, which the daemon committed after the kill. A run resumed from an earlier step (8)
+    redoes 9..12: its save of the held step 12 is kept as committed (the step is not written
+    again, the handle is ok) and the run trains as an uninterrupted one."""
+    daemon = daemons.start("--keep-last", "0")  # every step stays
+    baseline = json.loads(json.dumps(loop.train({"steps": 20})))["losses"]
+    spec = {"address": daemon.address, "job": "accel-window", "steps": 20, "save_every": 4,
+            "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+    _run({**spec, "kill_at": 12, "kill_handed_over": True}, killed=True)
+    assert json.loads(Path(spec["marker"]).read_text()) == 12
+    second = _run(spec)  # load_state() waits for the step being written: 12, nothing redone
+    assert second["resumed_from"] == 12
+    assert second["losses"] == {str(k): baseline[str(k)] for k in range(13, 21)}
+
+    held = {step: (daemon.root / "accel-window" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in (12, 16, 20)}
+    third = _run({**spec, "resume_step": 8, "out": str(tmp_path / "again.json")})  # redoes 9..20: saves 12, 16, 20 again
+    assert third["resumed_from"] == 8
+    assert third["losses"] == {str(k): baseline[str(k)] for k in range(9, 21)}
+    assert {step: (daemon.root / "accel-window" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in held} == held
+
+
 def test_a_checkpoint_holds_no_pickle_and_loads_in_place(daemon, tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()

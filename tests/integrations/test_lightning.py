@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
 import math
 import os
 import signal
@@ -201,6 +202,51 @@ def test_a_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninter
     io.teardown()
 
 
+# issue 30 finding 7
+@pytest.mark.slow
+def test_a_run_killed_between_a_commit_and_its_pointer_resumes_from_the_newest_step(
+    daemons, worker, tmp_path: Path, one_thread: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 15 is committed but the run dies before last.ckpt names it (pointers from 15 on are
+    held back, then SIGKILL): ckpt_path="last" loads step 15, not the 10 that last.ckpt names,
+    and the run goes on as an uninterrupted one, without redoing 11..15. A later resume from an
+    earlier pointer of the job redoes steps the job holds: their saves keep the held steps."""
+    daemon = daemons.start("--keep-last", "0")
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": "run" if name != "ref" else "ref", "dirpath": str(tmp_path / ("ref" if name == "ref" else "run")),
+                "out": str(tmp_path / f"{name}.jsonl"), "max_steps": 25, "every": 5, "ckpt_path": None, "pause_at": 0}
+        return {**base, **changes}
+
+    def lines(name: str) -> list[tuple[int, float]]:
+        return [(line["step"], line["loss"]) for line in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())]
+
+    killed = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec("killed", committed_at=15, stall_pointers_from=15))], stdout=subprocess.PIPE, text=True)
+    try:
+        worker.train(spec("ref"))  # the uninterrupted run, meanwhile
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "COMMITTED 15"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)
+    ref = dict(lines("ref"))
+    assert [s for s, _ in lines("killed")] == list(range(1, 16))
+    assert pointer_steps(tmp_path / "run")["last.ckpt"] == 10 and 15 in ckptd_steps(daemon.address, "run")
+
+    with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
+        worker.train(spec("resumed", ckpt_path="last"))
+    assert any("last.ckpt names step 10 of ckptd job 'run', whose newest committed step is 15" in r.getMessage() for r in caplog.records)
+    assert lines("resumed") == [(s, ref[s]) for s in range(16, 26)]  # from 15 on, nothing redone, as uninterrupted
+    assert pointer_steps(tmp_path / "run")["last.ckpt"] == 25
+
+    earlier = min(pointer_steps(tmp_path / "run").items(), key=lambda item: item[1])
+    assert earlier[1] < 25, pointer_steps(tmp_path / "run")
+    held = {step: (daemon.root / "run" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in ckptd_steps(daemon.address, "run")}
+    worker.train(spec("again", ckpt_path=str(tmp_path / "run" / earlier[0])))  # redoes earlier+1..25: saves steps the job holds
+    assert lines("again") == [(s, ref[s]) for s in range(earlier[1] + 1, 26)]
+    assert {step: (daemon.root / "run" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in held} == held  # kept, not rewritten
+    assert pointer_steps(tmp_path / "run")["last.ckpt"] == 25
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -354,9 +400,9 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
     io.teardown()
     assert not (tmp_path / "gone.ckpt").exists()
 
-    # a new run (e.g. resumed from an earlier checkpoint) saving a step the job holds: refused, saying why
+    # a new run that loaded nothing (a fresh start under a used job name) saving a step the job holds: refused, saying why
     again = _checkpoint(model, optimizer, 7, "first")
-    with pytest.raises(CheckpointError, match="already holds step 7: a run resumed from an earlier checkpoint.*new job"):
+    with pytest.raises(CheckpointError, match="step 7 of job 'same' is already committed.*loaded no step of the job.*new job name"):
         CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise").save_checkpoint(again, tmp_path / "again.ckpt")
     warn = CkptdCheckpointIO(job="same", address=daemon.address)
     warn.save_checkpoint(again, tmp_path / "again.ckpt")  # logged, training goes on

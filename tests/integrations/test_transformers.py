@@ -76,6 +76,31 @@ def test_killed_and_resumed_twice_trains_what_an_uninterrupted_run_does(daemon, 
         assert ckpt.latest() == 10
 
 
+# issue 30 finding 7
+@pytest.mark.slow
+def test_a_resume_never_redoes_a_held_step_and_a_redone_ones_save_is_kept(daemons, tmp_path: Path, one_thread: None) -> None:
+    """Killed right after step 6 is handed over (before it is durable): resume_from picks 6,
+    which the daemon committed after the kill. A run resumed from an earlier step (3) redoes
+    4..10: its saves of the held steps 6, 9 and 10 are kept as committed (not written again, no
+    error with on_error="raise") and it trains as an uninterrupted run."""
+    daemon = daemons.start("--keep-last", "0")  # every step stays
+    losses = json.loads(json.dumps(hf.train({"output_dir": str(tmp_path / "plain"), "max_steps": 10})))["losses"]
+    spec = {"address": daemon.address, "job": "hf-window", "output_dir": str(tmp_path / "out"), "max_steps": 10, "save_steps": 3,
+            "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+    _run({**spec, "kill_at": 7, "kill_handed_over": True}, killed=True)  # step 6 is saved at the start of step 7
+    assert json.loads(Path(spec["marker"]).read_text()) == 6
+
+    second = _run(spec)
+    assert second["resumed_from"] == 6
+    assert second["losses"] == {str(k): losses[str(k)] for k in range(7, 11)}
+
+    held = {step: (daemon.root / "hf-window" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in (6, 9, 10)}
+    third = _run({**spec, "resume_step": 3, "out": str(tmp_path / "again.json")})
+    assert third["resumed_from"] == 3
+    assert third["losses"] == {str(k): losses[str(k)] for k in range(4, 11)}
+    assert {step: (daemon.root / "hf-window" / f"step-{step:08d}" / "ckptd.index.json").read_bytes() for step in held} == held
+
+
 def _run_ranks(spec: dict[str, Any], world_size: int, killed: bool = False) -> dict[str, Any]:
     """The worker as `world_size` ranks of one gloo job (torch.distributed from the environment, as torchrun sets it)."""
     with socket.socket() as s:

@@ -10,6 +10,9 @@ staged ranges, a commit request).
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -70,6 +73,7 @@ class SaveGrant(NamedTuple):
     arena_size: int  # bytes
     layout_id: str
     slots: Sequence[SlotLike]
+    committed: bool = False  # the step is committed already (a resumed run redid it): nothing to hand over; skip_reason says so
 
 
 @dataclass(frozen=True)
@@ -156,11 +160,45 @@ class DaemonRpc:
         self.address = address
         self.job = job
         self.timeout_s = timeout_s
-        self.who = pb.RankId(job=job, rank=rank, world_size=world_size, local_world_size=local_world_size)
+        self.who = pb.RankId(job=job, rank=rank, world_size=world_size, local_world_size=local_world_size, client_id=secrets.token_hex(16))
         self.channel = grpc.insecure_channel(address, options=[*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS])
         self.stub = pb_grpc.CheckpointStub(self.channel)  # type: ignore[no-untyped-call]
         self._known_fingerprints: set[str] = set()  # the daemon has their tensor metadata (BeginSave)
         self._known_load_fingerprints: set[str] = set()  # the same for PlanLoad
+        self._attachment: Any = None  # the open Attach call (grpc's call object), None before the first
+        self._attach_unsupported = False  # the daemon predates Attach
+
+    # ------------------------------------------------------------ run
+
+    def identify(self, run_id: str) -> None:
+        """Send `run_id` with every request from now on (client/ckptd/client/run_id.py)."""
+        self.who.run_id = run_id
+
+    def attach(self) -> None:
+        """Keep an Attach call open, so the daemon knows this client lives: opened at the first
+        call and again after it ended (the daemon restarted). Never read: the daemon sees it end
+        when this process exits. Best effort: a daemon that is down fails the next call anyway."""
+        call = self._attachment
+        if call is not None and call.done():
+            if call.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._attach_unsupported = True
+            call = None
+        if call is not None or self._attach_unsupported or not self.who.run_id:
+            return
+        self._attachment = self.stub.Attach(pb.AttachRequest(who=self.who, pid=os.getpid(), host=socket.gethostname()))
+
+    def detach(self) -> None:
+        """Tell the daemon this client is done (before a later client of the job saves), and end
+        the Attach call. Best effort: a failure is logged."""
+        call, self._attachment = self._attachment, None
+        if call is None:
+            return
+        if not call.done():
+            try:
+                self.stub.Detach(pb.DetachRequest(who=self.who), timeout=10)
+            except grpc.RpcError as exc:
+                log.debug("Detach failed (the daemon sees the client end anyway): %s", exc.details())
+        call.cancel()
 
     def call(self, method: Any, request: Any, refusal: bool = False) -> Any:
         """`method(request)` with the save/load timeout (timeout_s + 30 s); raises status_error's error."""
@@ -171,10 +209,14 @@ class DaemonRpc:
 
     # ------------------------------------------------------------ save
 
-    def begin_save(self, structure: Structure, step: int, metric: float | None, options: SaveOptions, lineage: int, known_layout: str) -> SaveGrant:
+    def begin_save(
+        self, structure: Structure, step: int, metric: float | None, options: SaveOptions, lineage: int, known_layout: str,
+        resumed_from: int | None = None,
+    ) -> SaveGrant:
         """BeginSave with only the structure's fingerprint when the daemon has its metadata from
         an earlier save; with the metadata when it has not (or forgot it: restarted). Raises
-        InvalidState when the daemon refuses the state."""
+        InvalidState when the daemon refuses the state. resumed_from: the step this run loaded
+        before its first save (a resume), else None."""
         fingerprint = structure.fingerprint
         request = pb.BeginSaveRequest(
             who=self.who,
@@ -188,6 +230,8 @@ class DaemonRpc:
             master_weights=options.master_weights,
             lineage_generation=lineage,
             known_layout=known_layout,
+            resumed=resumed_from is not None,
+            resumed_from=resumed_from or 0,
         )
         if fingerprint not in self._known_fingerprints:
             request.tensors.extend(tensor_metas(structure))
@@ -199,7 +243,9 @@ class DaemonRpc:
             request.tensors.extend(tensor_metas(structure))  # the daemon restarted: describe again
             reply = self.call(self.stub.BeginSave, request, refusal=True)
         self._known_fingerprints.add(fingerprint)
-        return SaveGrant(reply.save_id, reply.skipped, reply.skip_reason, reply.arena_path, reply.arena_size, reply.layout_id, reply.slots)
+        return SaveGrant(
+            reply.save_id, reply.skipped, reply.skip_reason, reply.arena_path, reply.arena_size, reply.layout_id, reply.slots, reply.committed
+        )
 
     def forget_fingerprint(self, fingerprint: str) -> None:
         """The next BeginSave of this structure sends its tensor metadata, not only its fingerprint."""
@@ -325,4 +371,5 @@ class DaemonRpc:
         return reply
 
     def close(self) -> None:
+        self.detach()
         self.channel.close()

@@ -28,6 +28,7 @@ from ckptd.client.environment import check_run_config, meshes_of, trainer_enviro
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.layout import LayoutRules, RankCoords
+from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
 from ckptd.client.state import FlatState, flatten_state, restore_state
 from ckptd.client.structure import Structure, StructureCache
@@ -103,6 +104,10 @@ class CheckpointClient:
     mode: how CUDA tensors are handed over (ckptd.client._handoff): "auto" (= "overlap"), "copy",
     "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
     `mode_reason` say what is used now and why it differs from the request (a fallback).
+    run_id: this run's id, the same on every rank and new at every start of the program (default:
+    $CKPTD_RUN_ID, else derived: ckptd.client.run_id). The daemon refuses the saves of a second
+    run of the job while the first is live, unless it resumed: loaded a step of the job before
+    its first save (docs/usage.md, "Job identity").
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class CheckpointClient:
         local_world_size: int | None = None,
         read_files: bool | None = None,
         run_config: dict[str, Any] | None = None,
+        run_id: str | None = None,
         _device_backend: DeviceBackend | None = None,
     ) -> None:
         self.job = check_job_id(job)
@@ -139,6 +145,7 @@ class CheckpointClient:
             raise ValueError(f"read_files={read_files!r}: use None (read committed files when this process can), True or False")
         self.read_files = read_files
         self.run_config = check_run_config(run_config)
+        self._run = RunIdentity(self.rank, self.world_size, run_id)  # settled at the first save or load (run_id.py)
         self.address = daemon_address(address) if address else default_address()
         self.mode = mode
         self.on_error = on_error
@@ -163,6 +170,24 @@ class CheckpointClient:
         self._placed: Placed | None = None
         self.failed_saves = 0
         self._lineage = 0  # quantization generation of the step this client loaded last (compounding guard)
+        self._began_save = False  # a save of this client reached the daemon
+        self._resumed_from: int | None = None  # the step loaded before the first save: this run resumed the job from it
+
+    @property
+    def run_id(self) -> str:
+        """This run's id (ckptd.client.run_id). The first access may be collective (a broadcast
+        through torch.distributed): make it on every rank, or let the first save or load do it."""
+        return self._run.get()
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step this client loaded before its first save (it resumed the job from it), else None."""
+        return self._resumed_from
+
+    def _in_run(self) -> None:
+        """Before a call to the daemon: the run id settled and sent, this client attached."""
+        self._rpc.identify(self._run.get())
+        self._rpc.attach()
 
     @property
     def mode_in_use(self) -> str:
@@ -247,7 +272,14 @@ class CheckpointClient:
             for rule in self.layout.unused():
                 log.warning("layout rule %r matched no tensor: check its pattern", rule.pattern)
         placed = self._placed if self._placed is not None and self._placed.structure.signature is structure.signature else None
-        grant = self._rpc.begin_save(structure, step, metric, options, self._lineage, placed.layout_id if placed is not None else "")
+        self._in_run()
+        grant = self._rpc.begin_save(
+            structure, step, metric, options, self._lineage, placed.layout_id if placed is not None else "", self._resumed_from
+        )
+        self._began_save = True
+        if grant.committed:  # a resumed run redid this step: the daemon keeps the committed one
+            log.warning("checkpoint of step %s: %s", step, grant.skip_reason)
+            return SaveHandle(self, step, time.perf_counter() - started, kept=grant.skip_reason)
         if grant.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, grant.skip_reason)
             return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=grant.skip_reason)
@@ -346,6 +378,7 @@ class CheckpointClient:
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
         known_plans = list(structure.cache.get("load_plans", ()))
         try:
+            self._in_run()
             plan = self._rpc.plan_load(structure, step, kinds, strict, self.read_files is not False, known_plans)
             if self.read_files is None and (unreadable := _unreadable_file(plan)) is not None:
                 log.info("cannot read %s here: the daemon copies the checkpoint's bytes into shared memory instead", unreadable)
@@ -368,6 +401,8 @@ class CheckpointClient:
             self._rpc.load_done(plan.load_id)
         for name in plan.missing:
             log.warning("not in step %s, left as it was: %s", plan.step, name)
+        if not self._began_save:
+            self._resumed_from = plan.step  # a resume: the daemon lets this run take the job over (docs/usage.md)
         return plan.step
 
     def _fill(self, structure: Structure, plan: LoadPlan) -> None:

@@ -35,6 +35,10 @@ class DurableInfo:
 class SaveHandle:
     """The result of one `save`. `ok` is False when the hand-off failed or was skipped.
 
+    `kept` (a message, else None): the step was committed already and this run resumed from it
+    or from a step before it (it redid that interval); the daemon keeps the committed step, the
+    save is ok and `wait_durable()` returns it.
+
     In modes "overlap" and "ipc" (CUDA tensors) the device copies may still be running when
     `save` returns: `snapshot_done` says whether the snapshot is handed over (copied and
     committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both. In the
@@ -54,6 +58,7 @@ class SaveHandle:
         pending: "Pending | None" = None,
         mode: str = CPU,
         copy_s: float | None = None,
+        kept: str | None = None,
     ) -> None:
         self._client = client
         self.step = step
@@ -64,6 +69,7 @@ class SaveHandle:
         self._pending = pending
         self.mode = mode  # "cpu" (no CUDA tensors), "copy", "overlap" or "ipc"
         self.copy_s = copy_s  # mode "copy": seconds from queueing the device copies until they were done
+        self.kept = kept  # the step was committed already and a resumed run redid it: why (the save is ok), else None
 
     @property
     def error(self) -> str | None:
@@ -120,5 +126,5 @@ class SaveHandle:
             return None
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self.error else "handed over" if self.snapshot_done else "copying"
+        state = "skipped" if self.skipped else "failed" if self.error else "kept" if self.kept else "handed over" if self.snapshot_done else "copying"
         return f"SaveHandle(step={self.step}, {state}, stall={self.stall_s * 1e3:.1f} ms)"

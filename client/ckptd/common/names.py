@@ -42,6 +42,17 @@ def check_job_id(job: str) -> str:
     return job
 
 
+def check_run_id(run_id: str) -> str:
+    """Return `run_id` if it is a valid run id (the job id's alphabet: client/ckptd/client/run_id.py),
+    else raise InvalidNameError saying why."""
+    if not isinstance(run_id, str) or not JOB_ID_PATTERN.fullmatch(run_id):
+        raise InvalidNameError(
+            f"invalid run id {run_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit, "
+            "the same on every rank of the run and new for every start of it (e.g. the launcher's job id and attempt)"
+        )
+    return run_id
+
+
 _CONTROL = re.compile("[\x00-\x1f]")
 
 

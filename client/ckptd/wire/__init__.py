@@ -6,6 +6,7 @@ MAX_MESSAGE_BYTES = 256 * 2**20  # a plan of hundreds of thousands of tensors, o
 # that the caller acts on the reason, never on the wording of the message.
 REASON_KEY = "ckptd-reason"
 UNKNOWN_FINGERPRINT = "unknown-fingerprint"  # FAILED_PRECONDITION: resend the request with the tensor metadata
+RUN_REFUSED = "run-refused"  # FAILED_PRECONDITION: another live run owns the job, or this run was superseded
 
 
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_tensor_name, json_depth
+from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_run_id, check_tensor_name, json_depth
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
@@ -38,6 +38,21 @@ def check_who(who: pb.RankId) -> tuple[str, int, int]:
     if not 0 <= who.rank < who.world_size:
         raise errors.InvalidRequest(f"rank {who.rank} must be in [0, world_size={who.world_size})")
     return job, who.rank, who.world_size
+
+
+def check_run(who: pb.RankId) -> str:
+    """The run id of a request ("" for a client older than run ids)."""
+    return check_run_id(who.run_id) if who.run_id else ""
+
+
+def check_client_id(who: pb.RankId, required: bool = False) -> str:
+    """The client id of a request ("" for a client older than client ids, unless required)."""
+    client_id = who.client_id
+    if not client_id and not required:
+        return ""
+    if not 8 <= len(client_id) <= 64 or not client_id.isascii() or not client_id.isalnum():
+        raise errors.InvalidRequest(f"client id {client_id[:80]!r} must be 8-64 ASCII letters and digits")
+    return client_id
 
 
 def check_step(step: int) -> int:

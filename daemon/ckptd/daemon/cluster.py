@@ -39,7 +39,9 @@ import grpc
 
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.engine.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
-from ckptd.daemon.errors import Aborted, InvalidRequest, Unavailable
+from ckptd.daemon.admission import Admission
+from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
+from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused, Unavailable
 from ckptd.daemon.format import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord, step_dir_name
 from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.peer_tls import PeerTls
@@ -82,6 +84,8 @@ class _GlobalSave:
     fresh_plan: bool = False  # the plan was made for this save (not taken from the job's cache)
     error: str = ""
     refused: bool = False  # the metadata itself is bad (INVALID_ARGUMENT)
+    claim: RunClaim = NO_CLAIM  # the run whose ranks save it (engine/runs.py)
+    run_refused: bool = False  # the run may not save into the job (errors.RunRefused)
     manifests: dict[int, NodeManifest] = field(default_factory=dict)
     extras: dict[int, Any] = field(default_factory=dict)
     model_files: dict[str, bytes] = field(default_factory=dict)
@@ -112,9 +116,11 @@ class Coordinator:
         own_root_id: str,
         on_commit: Callable[[str], Awaitable[None]],
         decide: Decide = lossless_by_default,
+        runs: Runs | None = None,
     ) -> None:
         self.storage = storage
         self.links = links
+        self.admission = Admission(runs if runs is not None else Runs(), links, storage)  # which run may save (engine/runs.py)
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
@@ -136,6 +142,7 @@ class Coordinator:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
         """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
 
@@ -143,15 +150,19 @@ class Coordinator:
         metadata of the ranks whose digest this job's cache may lack (UnknownFingerprint when
         it does). options: the compression its ranks ask for (every node must ask for the same); lineage:
         the quantization generation of what they last loaded. The coordinator decides the
-        save's compression from these when it plans the save (JoinResult.compression)."""
+        save's compression from these when it plans the save (JoinResult.compression). claim: the
+        ranks' run, which may be refused (RunRefused) once all have joined (Admission.admit)."""
         for rank in fingerprints:
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
         cache = self._job_cache(job, world_size)
         rank_specs = cache.take(fingerprints, specs)
         save = self._saves.get((job, step))
+        if save is not None and not save.decided.is_set() and save.claim.run and claim.run and save.claim.run != claim.run:
+            await self._abort(save, await self.admission.replace(job, step, save.claim, claim))  # another run's: refused, or ended
+            save.planned.set()  # its ranks waiting to be planned learn it now
         if save is None or save.decided.is_set():
-            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache)
+            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache, claim=claim)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
@@ -159,7 +170,7 @@ class Coordinator:
         if save.world_size != world_size:
             raise InvalidRequest(f"node {node} says job {job!r} has {world_size} ranks, other nodes say {save.world_size}")
         if node in save.root_ids:
-            raise InvalidRequest(f"node {node} joined the save of step {step} twice")
+            raise Precondition(f"node {node} joined the save of step {step} twice (its daemon restarted?): save again")
         for rank in fingerprints:
             if rank in save.fingerprints:
                 raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
@@ -180,7 +191,7 @@ class Coordinator:
             self._spawn(self._plan(save))
         await save.planned.wait()
         if save.error:
-            raise (InvalidRequest if save.refused else Aborted)(save.error)
+            raise (InvalidRequest if save.refused else RunRefused if save.run_refused else Aborted)(save.error)
         assert save.plan is not None
         known = save.key in known_plans
         return JoinResult(
@@ -207,6 +218,16 @@ class Coordinator:
         return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
 
     async def _plan(self, save: _GlobalSave) -> None:
+        try:
+            displaced = await self.admission.admit(save.job, save.step, save.claim)
+        except RunRefused as exc:
+            save.run_refused = True
+            await self._abort(save, str(exc))
+            save.planned.set()
+            return
+        for other in [s for s in self._saves.values() if displaced and (s.job, s.claim.run) == (save.job, displaced) and not s.planned.is_set()]:
+            await self._abort(other, f"run {short(save.claim.run)} took job {save.job!r} over")  # waits for ranks that will not come
+            other.planned.set()
         try:
             assert save.cache is not None
             save.key = plan_key(save.fingerprints, save.node_of_rank)
@@ -393,8 +414,10 @@ class Cluster:
         on_commit: Callable[[str], Awaitable[None]],
         tls: PeerTls | None = None,
         decide: Decide = lossless_by_default,
+        runs: Runs | None = None,
     ) -> None:
         self.node = node
+        self.runs = runs
         self.links = PeerLinks(peers, token, tls)
         self.storage = storage
         self.root_id = ""
@@ -406,7 +429,7 @@ class Cluster:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
         self.root_id = self.storage.root_id()
         if self.node == 0:
-            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide)
+            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs)
 
     @property
     def nodes(self) -> int:
@@ -435,14 +458,15 @@ class Cluster:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
         """Join the save at the coordinator (Coordinator.join); returns once every rank has."""
         if self.coordinator is not None:
             return await self.coordinator.join(
-                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage
+                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage, claim
             )
         request = rpc_convert.join_request(
-            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage
+            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage, claim
         )
         # A coordinator that is restarting joins late rather than failing this node's ranks (the
         # log says at once that it waits); one that stays away past the join window fails the
@@ -532,8 +556,8 @@ class SingleNode:
 
     node = 0
 
-    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default) -> None:
-        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide)
+    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default, runs: Runs | None = None) -> None:
+        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide, runs)
 
     async def join_save(
         self,
@@ -547,8 +571,9 @@ class SingleNode:
         metric: float | None,
         options: SaveOptions = NO_OPTIONS,
         lineage: int = 0,
+        claim: RunClaim = NO_CLAIM,
     ) -> JoinResult:
-        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage)
+        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage, claim)
 
     async def report(
         self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptd.wire import UNKNOWN_FINGERPRINT
+from ckptd.wire import RUN_REFUSED, UNKNOWN_FINGERPRINT
 
 
 class CkptdError(Exception):
@@ -34,6 +34,14 @@ class UnknownFingerprint(Precondition):
 
     def __init__(self, message: str = "unknown fingerprint: send the tensor metadata with this request") -> None:
         super().__init__(message)
+
+
+class RunRefused(Precondition):
+    """A run may not save into the job now (engine/runs.py): another live run owns it, or this
+    run was superseded. Carries `reason` (rpc_errors.REASON_KEY), so that node 0's refusal reaches
+    the ranks of every node as this error, not as an aborted save."""
+
+    reason = RUN_REFUSED
 
 
 class Exhausted(CkptdError):

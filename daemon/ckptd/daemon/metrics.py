@@ -42,6 +42,8 @@ FAILURE_CAUSES = (
     "peer",  # another node failed, stopped answering, or the coordinator aborted the step
     "shutdown",  # the daemon stopped before every rank handed over
     "gpu_staging",  # mode "ipc": copying a rank's device staging buffer into its arena failed
+    "run_refused",  # another live run owns the job, or this run was superseded (engine/runs.py)
+    "run_ended",  # the run's ranks ended (their clients detached) or another run took the job over before every rank handed over
     "internal",  # a bug: see the daemon's log
 )
 

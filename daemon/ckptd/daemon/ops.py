@@ -23,6 +23,7 @@ from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.storage import Storage
+from ckptd.daemon.rollback import rollbacks
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -359,7 +360,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         metric = f"{r['metric']:.6g}" if r["metric"] is not None else "-"
         tensors = str(r["tensors"]) if r["tensors"] is not None else "-"
         ranks = str(r["world_size"]) if r["world_size"] is not None else "-"
-        note = "  (latest)" if r["latest"] else "" if r["state"] == "committed" else (
+        notes = (["latest"] if r["latest"] else []) + ([f"rollback: committed after steps {_steps_text(r['rollback_over'])}"] if r["rollback_over"] else [])
+        note = f"  ({'; '.join(notes)})" if notes else "" if r["state"] == "committed" else (
             "  (uncommitted: no index; an upload under way or interrupted, which the daemon's tier finishes or sweeps)"
             if r["path"].startswith("s3://") else "  (uncommitted: no index; `ckptd gc` removes it)"
         )
@@ -370,9 +372,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _committed_row(job: str, index: CheckpointIndex, latest: bool, path: str) -> dict[str, Any]:
+def _steps_text(steps: list[int], limit: int = 8) -> str:
+    return ", ".join(map(str, steps[:limit])) + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+def _committed_row(job: str, index: CheckpointIndex, latest: bool, path: str, rollback_over: list[int]) -> dict[str, Any]:
+    """A committed step's row; rollback_over: the higher steps committed before it (rollback.rollbacks), [] for none."""
     return {
-        "job": job, "step": index.step, "state": "committed", "latest": latest,
+        "job": job, "step": index.step, "state": "committed", "latest": latest, "rollback_over": rollback_over,
         "created_at": index.created_at, "size_bytes": index.size_bytes, "files": len(index.files) + 1,
         "tensors": len(index.tensors), "world_size": index.world_size, "nodes": int(index.writer.get("nodes", 1)),
         "metric": index.metric, "path": path,
@@ -391,13 +398,14 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
             steps = storage.commit_order(name)  # the newest is the most recently committed, not the highest step
         except ValueError as exc:
             _fail(f"ckptd ls: {exc}", 2)
+        marked = rollbacks(steps)
         for step in steps:
             try:
                 index = storage.read_index(name, step)
             except (OSError, FormatError) as exc:
                 print(f"ckptd ls: skipping step {step} of {name}: {exc}", file=sys.stderr)
                 continue
-            rows.append(_committed_row(name, index, step == steps[-1], str(storage.step_dir(name, step))))
+            rows.append(_committed_row(name, index, step == steps[-1], str(storage.step_dir(name, step)), marked.get(step, [])))
         if uncommitted:
             rows += _uncommitted_rows(storage, name)
     return str(storage.root), rows
@@ -415,8 +423,9 @@ def _bucket_rows(url: str, job: str | None, uncommitted: bool) -> tuple[str, lis
         _fail(f"ckptd ls: {exc}", 2)
     rows = []
     for steps in jobs:
+        marked = rollbacks([index.step for index in steps.committed])
         for index in steps.committed:
-            rows.append(_committed_row(steps.job, index, index is steps.committed[-1], location.url_of(steps.job, index.step)))
+            rows.append(_committed_row(steps.job, index, index is steps.committed[-1], location.url_of(steps.job, index.step), marked.get(index.step, [])))
         if uncommitted:
             rows += [_uncommitted_row(steps.job, step, location.url_of(steps.job, step)) for step in steps.uncommitted]
     return location.url, rows
@@ -426,7 +435,7 @@ def _uncommitted_row(job: str, step: int, path: str, created_at: float | None = 
                      files: int | None = None) -> dict[str, Any]:
     """A step without an index, for `ls --all` (what is not known of it: None)."""
     return {
-        "job": job, "step": step, "state": "uncommitted", "latest": False, "created_at": created_at,
+        "job": job, "step": step, "state": "uncommitted", "latest": False, "rollback_over": [], "created_at": created_at,
         "size_bytes": size_bytes, "files": files, "tensors": None, "world_size": None,
         "nodes": None, "metric": None, "path": path,
     }

@@ -1,5 +1,8 @@
-"""gRPC channels from this daemon to the other daemons (the Peer service), with the peer token
-on every call: shared by the coordination (cluster.py) and tier 0b (replica_links.py)."""
+"""gRPC channels from this daemon to the other nodes' daemons (the Peer service), with the peer
+token on every call (rpc_auth.PEER_TOKEN_KEY) and mutual TLS when configured (peer_tls.py).
+The coordinator (cluster.py), run admission (admission.py) and tier 0b (replica_links.py) call
+the other nodes through them.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class PeerLinks:
         return channel
 
     def stub(self, node: int) -> ppb_grpc.PeerStub:
-        return ppb_grpc.PeerStub(self._channel(node))
+        return ppb_grpc.PeerStub(self._channel(node))  # type: ignore[no-untyped-call]
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -54,7 +57,7 @@ class PeerLinks:
 
     def connected(self, node: int) -> bool:
         """Whether the channel to `node` is connected now (no attempt is made)."""
-        return self._channel(node).get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        return bool(self._channel(node).get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY)
 
     async def saving(self, node: int, job: str, step: int, timeout_s: float = 2.0) -> bool | None:
         """Whether node's daemon is saving `step` of `job`; None when it does not answer."""
@@ -62,7 +65,7 @@ class PeerLinks:
             reply = await self.stub(node).Inventory(ppb.InventoryRequest(job=job, step=step), timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError:
             return None
-        return reply.in_flight
+        return bool(reply.in_flight)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
-from ckptd.common.names import check_job_id
+from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import checks, errors, rpc_convert
 from ckptd.daemon.cluster import FETCH_CHUNK, Coordinator
 from ckptd.daemon.engine.replication import Replication
@@ -65,7 +65,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         lineage = max(0, request.lineage)
         result = await coordinator.join(
             job, step, node, world_size, dict(request.fingerprints), specs, list(request.known_plans), request.root_id, timeout_s, metric,
-            options, lineage,
+            options, lineage, rpc_convert.join_claim_of(request),
         )
         key = (result.save_id, result.specs is None)
         answer = self._answers.get(key)
@@ -105,7 +105,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
         replication = self.service.replication
         replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
         newest = await asyncio.to_thread(storage.latest_step, job) if request.newest else None
-        return rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas, newest))
+        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas, newest))
+        if request.run_id:
+            reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
+        return reply
 
     def _replication(self) -> Replication:
         if self.service.replication is None:

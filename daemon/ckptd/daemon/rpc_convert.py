@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
+from ckptd.common.names import check_run_id
 from ckptd.daemon.checks import tensor_specs
 from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord
 from ckptd.daemon.gpu import StagedRange
@@ -101,7 +103,10 @@ class ShmPieces:
 
 
 def begin_response(session: "SaveSession", rank: int, known_layout: str, slots: SlotMessages) -> pb.BeginSaveResponse:
-    """The answer to BeginSave: skipped, or the rank's arena and (unless it knows the layout) slots."""
+    """The answer to BeginSave: committed already (kept), skipped, or the rank's arena and (unless
+    it knows the layout) slots."""
+    if session.kept:
+        return pb.BeginSaveResponse(save_id=session.save_id, committed=True, skip_reason=session.kept)
     if session.state == "skipped" or session.arenas is None or session.plan is None:
         return pb.BeginSaveResponse(save_id=session.save_id, skipped=True, skip_reason=session.skip_reason or session.state)
     arena = session.arenas.arenas[rank]
@@ -217,13 +222,14 @@ def meta_of(spec: TensorSpec) -> pb.TensorMeta:
 def join_request(
     job: str, step: int, node: int, world_size: int, fingerprints: dict[int, str], specs: dict[int, tuple[TensorSpec, ...]],
     known_plans: Sequence[str], timeout_s: float, metric: float | None, root_id: str, options: SaveOptions, lineage: int,
+    claim: RunClaim = NO_CLAIM,
 ) -> ppb.JoinSaveRequest:
     return ppb.JoinSaveRequest(
         job=job, step=step, node=node, world_size=world_size, fingerprints=fingerprints,
         tensors=[ppb.RankTensors(rank=r, fingerprint=fingerprints[r], tensors=[meta_of(s) for s in specs[r]]) for r in sorted(specs)],
         known_plans=list(known_plans), timeout_s=timeout_s, metric=metric or 0.0, has_metric=metric is not None,
         root_id=root_id, quantize=options.quantize or "", master_weights=options.master_weights or "",
-        no_quantize=options.no_quantize, lineage=lineage,
+        no_quantize=options.no_quantize, lineage=lineage, run_id=claim.run, resumed=claim.resumed,
     )
 
 
@@ -235,6 +241,11 @@ def join_options_of(request: ppb.JoinSaveRequest) -> SaveOptions:
     except ValueError as exc:
         raise InvalidRequest(f"node {request.node}: {exc}") from None
     return SaveOptions(quantize, master, request.no_quantize)
+
+
+def join_claim_of(request: ppb.JoinSaveRequest) -> RunClaim:
+    """A joining node's run (validated like a rank's: InvalidRequest)."""
+    return RunClaim(check_run_id(request.run_id), request.resumed) if request.run_id else NO_CLAIM
 
 
 def compression_pb(compression: Compression | None) -> ppb.Compression | None:

@@ -25,7 +25,7 @@ import grpc
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError
 from ckptd.daemon import errors
-from ckptd.wire import REASON_KEY, UNKNOWN_FINGERPRINT
+from ckptd.wire import REASON_KEY, RUN_REFUSED, UNKNOWN_FINGERPRINT
 from ckptd.wire import reason_of as wire_reason_of
 
 log = logging.getLogger(__name__)
@@ -184,12 +184,15 @@ def coordinator_unreachable(coordinator: str, detail: str) -> str:
 def coordinator_error(exc: grpc.RpcError, coordinator: str) -> errors.CkptdError:
     """The domain error for a failed call to the coordinator (node 0, described by
     `coordinator`): Precondition when it asks for the tensor metadata again (REASON_KEY), so the
-    caller resends it; InvalidRequest for what it refused as invalid; Unavailable when it cannot
-    be reached (`coordinator_unreachable`) or does not accept our token; Aborted for anything else."""
+    caller resends it; RunRefused when the run may not save into the job (its message is node 0's,
+    for the ranks); InvalidRequest for what it refused as invalid; Unavailable when it cannot be
+    reached (`coordinator_unreachable`) or does not accept our token; Aborted for anything else."""
     code = exc.code()
     details = exc.details() or code.name
     if code == grpc.StatusCode.FAILED_PRECONDITION and wire_reason_of(exc) == UNKNOWN_FINGERPRINT:
         return errors.UnknownFingerprint(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and wire_reason_of(exc) == RUN_REFUSED:
+        return errors.RunRefused(details)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidRequest(details)
     if code == grpc.StatusCode.UNAVAILABLE:

@@ -36,6 +36,7 @@ from ckptd.daemon.engine.load_plan import DecodeInfo, LoadPlan, PieceInfo
 from ckptd.daemon.engine.loads import LOAD_LEASE_S, LoadLease, Loads
 from ckptd.daemon.engine.saves import MAX_EXTRAS_BYTES, Saves
 from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.engine.replica_store import ReplicaStore
 from ckptd.daemon.engine.replication import Replication
@@ -70,12 +71,13 @@ class CheckpointService:
         """storage: where checkpoints live (default: the POSIX root `config.root`)."""
         storage = storage if storage is not None else Storage(config.root)
         tls = PeerTls.from_files(*config.peer_tls_files) if config.peer_tls_files is not None else None
+        runs = Runs()  # the runs attached here and the jobs' owners: the engine's and the coordinator's
         cluster = (
-            Cluster(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide)
+            Cluster(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide, runs)
             if config.multi_node else None
         )
-        coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide)
-        self.engine = Engine(config, storage, cluster, coordination)
+        coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs)
+        self.engine = Engine(config, storage, cluster, coordination, runs)
         if config.remote:  # the object-store tier; obstore is imported only when it starts
             from ckptd.daemon.remote.tier import RemoteTier
 
@@ -171,6 +173,7 @@ class CheckpointService:
         for job in engine.jobs.values():
             for session in list(job.sessions.values()):
                 await session.finished.wait()
+        engine.runs.end_all()  # the clients' Attach calls return (they attach again to the next daemon)
 
     async def start_remote(self) -> None:
         """Start the object-store tier (--remote), once serving: RemoteStartError (a RuntimeError)
@@ -210,10 +213,35 @@ class CheckpointService:
         master_weights: str | None = None,
         lineage: int = 0,
         no_quantize: bool = False,
+        run: str = "",
+        resumed_from: int | None = None,
+        client_id: str = "",
     ) -> SaveSession:
         """Saves.begin; the compression options as the wire carries them."""
         options = SaveOptions(quantize, master_weights, no_quantize)
-        return await self.saves.begin(job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage)
+        return await self.saves.begin(
+            job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage, run, resumed_from, client_id
+        )
+
+    # Runs (engine/runs.py).
+
+    @property
+    def runs(self) -> Runs:
+        return self.engine.runs
+
+    def attach(self, job: str, client_id: str, client: Client) -> asyncio.Event:
+        """A client lives (its Attach call is open): returns the event that ends the call."""
+        ended = self.engine.runs.attach(job, client_id, client)
+        if self.engine.draining:
+            ended.set()
+        return ended
+
+    def detach(self, job: str, client_id: str, only: Client | None = None) -> None:
+        """A client detached (Detach, or its process ended; `only`: that attachment only): the
+        open saves it joined and did not hand its part of over fail (Saves.client_gone, in the
+        background)."""
+        if self.engine.runs.detach(job, client_id, only) is not None:
+            self.engine.spawn(self.saves.client_gone(job, client_id))
 
     async def commit_snapshot(
         self,
@@ -240,8 +268,8 @@ class CheckpointService:
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         await self.commit.resolve_prepared(retry_s)
 
-    async def _abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
-        await self.saves.abort_left_behind(state, rank, step)
+    async def _abort_left_behind(self, state: JobState, rank: int, step: int | None, run: str = "") -> None:
+        await self.saves.abort_left_behind(state, rank, step, run)
 
     def _decide(self, options: SaveOptions, lineage: int) -> Compression:
         """Node 0: a save's compression for every node, under this daemon's settings."""
@@ -264,9 +292,10 @@ class CheckpointService:
         direct_read: bool = True,
         decodes: bool = True,
         decodes_frames: bool = True,
+        run: str = "",
     ) -> LoadPlan:
         """Loads.plan."""
-        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames)
+        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames, run)
 
     def load_done(self, load_id: str) -> None:
         self.loads.done(load_id)

@@ -9,12 +9,14 @@ registered on the server, turns them into status codes.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon import checks, errors, rpc_convert
+from ckptd.daemon.engine.runs import Client
 from ckptd.daemon.gpu import GpuStaging
 from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import TensorSpec
@@ -68,9 +70,11 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         fingerprint = checks.check_fingerprint(request.fingerprint)
         specs = checks.tensor_specs(request.tensors) if request.tensors else None
         metric = checks.check_metric(request.metric, request.has_metric)
+        run = checks.check_run(request.who)
+        resumed_from = checks.check_step(request.resumed_from) if request.resumed else None
         session = await self.service.begin_save(
             job, rank, world_size, step, fingerprint, specs, metric, checks.check_timeout(request.timeout_s), local_world_size,
-            quantize, master_weights, request.lineage_generation, request.no_quantize,
+            quantize, master_weights, request.lineage_generation, request.no_quantize, run, resumed_from, checks.check_client_id(request.who),
         )
         return rpc_convert.begin_response(session, rank, request.known_layout, self._slot_messages)
 
@@ -83,6 +87,27 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             staged = StagedHandOver(GpuStaging.name, request.staging_id, rpc_convert.staged_ranges(request.staged))
         await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s)
         return pb.CommitSnapshotResponse()
+
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachEvent]:
+        """Open while the client lives: one event, then nothing until Detach, the client's exit
+        (gRPC cancels this call at once) or the daemon's drain."""
+        job, rank, _ = checks.check_who(request.who)
+        run = checks.check_run(request.who)
+        if not run:
+            raise errors.InvalidRequest("Attach needs the client's run id (RankId.run_id)")
+        client_id = checks.check_client_id(request.who, required=True)
+        client = Client(run, rank, request.pid, request.host[:255], time.time())
+        ended = self.service.attach(job, client_id, client)
+        try:
+            yield pb.AttachEvent(owner_run=self.service.runs.owner(job))
+            await ended.wait()
+        finally:
+            self.service.detach(job, client_id, client)
+
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+        job, _, _ = checks.check_who(request.who)
+        self.service.detach(job, checks.check_client_id(request.who, required=True))
+        return pb.DetachResponse()
 
     async def OpenStaging(self, request: pb.OpenStagingRequest, context: grpc.aio.ServicerContext) -> pb.OpenStagingResponse:
         job, rank, _ = checks.check_who(request.who)
@@ -116,7 +141,8 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         wanted = self._load_specs.resolve(job, rank, request.fingerprint, request.tensors)
         kinds = checks.check_kinds(request.kinds)
         plan = await self.service.plan_load(
-            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames
+            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
+            checks.check_run(request.who),
         )
         # checked after planning, as always: a rank with too many known plans is told so only then
         known_plans = checks.check_known_plans(request.known_plans)

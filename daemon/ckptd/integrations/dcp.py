@@ -142,6 +142,9 @@ class CkptdStorageWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.step is None:
             raise ValueError("no step to save: pass CkptdStorageWriter(job, step=N) or dcp.save(..., checkpoint_id=N)")
+        # the client's run id is settled here, where every rank is at once (it may broadcast through
+        # torch.distributed): write_data may run in dcp.async_save's thread, where no collective may
+        _ = self.client.run_id
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

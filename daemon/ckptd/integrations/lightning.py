@@ -31,17 +31,20 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import threading
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.handle import SaveHandle
+from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
@@ -160,10 +163,10 @@ class CkptdCheckpointIO(CheckpointIO):
             handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize)
         except CheckpointError as exc:  # on_error="raise", or a state the daemon refuses
             self._last = None
-            raise type(exc)(self._not_saved(client, step, target, str(exc)), exc.code, exc.reason) from exc
+            raise type(exc)(self._not_saved(step, target, str(exc)), exc.code, exc.reason) from exc
         if not handle.ok:
             self._last = None
-            log.warning("%s", self._not_saved(client, step, target, handle.error or "unknown error"))
+            log.warning("%s", self._not_saved(step, target, handle.error or "unknown error"))
             return
         durable = _Durable(handle, self.durable_timeout_s)
         self._last = (SameStep(step, mapped), durable)
@@ -181,7 +184,13 @@ class CkptdCheckpointIO(CheckpointIO):
         Raises FileNotFoundError when there is no file or ckptd no longer holds the step (with
         the steps it holds), ValueError ("not a ckptd checkpoint pointer: ...") for another
         file, CheckpointError when the daemon cannot serve the step.
+
+        A ModelCheckpoint's last checkpoint (`last.ckpt`, `last-v1.ckpt`, ...: what
+        ckpt_path="last" picks) loads the newest committed step of its job, which is newer than
+        the step its pointer names when the run stopped after a save and before the pointer was
+        written (a warning says so): a resume never redoes an interval the job holds.
         """
+        follow_newest = _is_last_checkpoint(path, _calling_strategy())
         target = local_path(path)
         rank, world_size = _rank_and_world()
         self._writer.flush()
@@ -196,11 +205,11 @@ class CkptdCheckpointIO(CheckpointIO):
                 "must be a directory every rank sees: on several nodes, a shared file system"
             ) from None
         if pointer.job == self.job:
-            checkpoint = self._load(self._load_client(rank, world_size), pointer, target)
+            checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest)
         else:  # a checkpoint of another job (e.g. the run this one was started from)
             who = (rank, world_size) if rank else (0, 1)
             with self._new_client(pointer.job, "raise", *who) as client:
-                checkpoint = self._load(client, pointer, target)
+                checkpoint = self._load(client, pointer, target, follow_newest)
         return map_tensors(checkpoint, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -265,35 +274,29 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _new_client(self, job: str, on_error: str, rank: int, world_size: int) -> CheckpointClient:
         # Lightning saves the whole state from one process (global rank 0): a job of one rank.
-        # Other ranks only load, each as itself in the run's world (ckptd's loads are per rank).
+        # Other ranks only load, each as itself in the run's world (ckptd's loads are per rank),
+        # under a run id of their own: they never save, and no collective may settle one.
         return CheckpointClient(
             job, address=self.address, rank=rank, world_size=world_size, local_world_size=1 if world_size == 1 else None,
-            mode="copy", on_error=on_error, timeout_s=self.timeout_s,
+            mode="copy", on_error=on_error, timeout_s=self.timeout_s, run_id=new_run_id(),
         )
 
-    def _not_saved(self, client: CheckpointClient, step: int, path: str, error: str) -> str:
-        text = f"checkpoint {path} (step {step} of job {self.job!r}) was not saved to ckptd and no pointer is written: {error}"
-        try:
-            held = any(info.step == step for info in client.list())
-        except CheckpointError as exc:
-            log.debug("could not list the steps of job %r: %s", self.job, exc)
-            held = False
-        if held:
-            text += (
-                f". The job already holds step {step}: a run resumed from an earlier checkpoint saves its later steps "
-                "again, and ckptd keeps the first. Resume into a new job (CkptdCheckpointIO(job=...)) to save them"
-            )
-        return text
+    def _not_saved(self, step: int, path: str, error: str) -> str:
+        return f"checkpoint {path} (step {step} of job {self.job!r}) was not saved to ckptd and no pointer is written: {error}"
 
     def _raise_background_error(self) -> None:
         error = self._writer.take_error()
         if error is not None and self.on_error == "raise":
             raise CheckpointError(f"an earlier checkpoint's pointer file was not written: {error}") from error
 
-    def _load(self, client: CheckpointClient, pointer: Pointer, path: str) -> dict[str, Any]:
+    def _load(self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False) -> dict[str, Any]:
+        """The checkpoint `pointer` names; follow_newest: the job's newest committed step instead
+        when that is another (a last checkpoint whose pointer the stopped run did not update)."""
         layout: dict[str, Any] = {}
         try:
-            client.load({LAYOUT: layout}, step=pointer.step)
+            loaded = client.load({LAYOUT: layout}, step=None if follow_newest else pointer.step)
+            if loaded is None:  # the job holds no step at all
+                raise CheckpointNotFound(f"job {pointer.job!r} has no committed checkpoint")
         except CheckpointNotFound:
             held = [info.step for info in client.list()]
             raise FileNotFoundError(
@@ -303,6 +306,12 @@ class CkptdCheckpointIO(CheckpointIO):
             ) from None
         except ValueError as exc:
             raise ValueError(f"{path} names step {pointer.step} of ckptd job {pointer.job!r}, which CkptdCheckpointIO did not save: {exc}") from None
+        if loaded != pointer.step:
+            log.warning(
+                "%s names step %s of ckptd job %r, whose newest committed step is %s (the run stopped after saving it and before the "
+                "pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
+            )
+            pointer = Pointer(pointer.job, loaded)  # the step's own layout
         fresh = templates(layout)
         client.load(fresh.state, step=pointer.step)
         if pointer.shape is None:
@@ -333,6 +342,27 @@ class _Durable:
             if self._error is not None:
                 raise self._error
             return bool(self._result)
+
+
+def _is_last_checkpoint(path: Any, strategy: Strategy | None) -> bool:
+    """Whether `path` is a last checkpoint of the trainer's ModelCheckpoint callbacks (of a
+    default ModelCheckpoint without a trainer), matched as Lightning's ckpt_path="last" finds
+    them: CHECKPOINT_NAME_LAST, an optional version "-N", then FILE_EXTENSION."""
+    callbacks: list[Any] = [ModelCheckpoint]
+    try:
+        trainer = strategy.lightning_module.trainer if strategy is not None and strategy.lightning_module is not None else None
+    except RuntimeError:  # the module is not attached to a trainer
+        trainer = None
+    if trainer is not None:
+        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] or callbacks
+    stem, extension = os.path.splitext(os.path.basename(os.fsdecode(os.fspath(path))))
+    for callback in callbacks:
+        try:
+            if extension == callback.FILE_EXTENSION and re.match(rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?", stem):
+                return True
+        except re.error:  # a name Lightning could not match either
+            continue
+    return False
 
 
 def _rank_and_world() -> tuple[int, int]:

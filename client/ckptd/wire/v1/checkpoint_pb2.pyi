@@ -35,19 +35,23 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., aliases: _Optional[_Iterable[str]] = ..., frozen: _Optional[str] = ..., per_rank: _Optional[bool] = ...) -> None: ...
 
 class RankId(_message.Message):
-    __slots__ = ("job", "rank", "world_size", "local_world_size")
+    __slots__ = ("job", "rank", "world_size", "local_world_size", "run_id", "client_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     world_size: int
     local_world_size: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ...) -> None: ...
+    run_id: str
+    client_id: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize", "known_layout")
+    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize", "known_layout", "resumed", "resumed_from")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +64,8 @@ class BeginSaveRequest(_message.Message):
     LINEAGE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     NO_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     fingerprint: str
@@ -72,7 +78,9 @@ class BeginSaveRequest(_message.Message):
     lineage_generation: int
     no_quantize: bool
     known_layout: str
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ...) -> None: ...
+    resumed: bool
+    resumed_from: int
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ..., resumed: _Optional[bool] = ..., resumed_from: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("name", "offset", "nbytes", "box", "kind", "dtype", "shape", "aliases")
@@ -95,7 +103,7 @@ class Slot(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., box: _Optional[_Union[Box, _Mapping]] = ..., kind: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
-    __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots", "layout_id")
+    __slots__ = ("save_id", "skipped", "skip_reason", "arena_path", "arena_size", "slots", "layout_id", "committed")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +111,7 @@ class BeginSaveResponse(_message.Message):
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     skipped: bool
     skip_reason: str
@@ -110,7 +119,8 @@ class BeginSaveResponse(_message.Message):
     arena_size: int
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     layout_id: str
-    def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., layout_id: _Optional[str] = ...) -> None: ...
+    committed: bool
+    def __init__(self, save_id: _Optional[str] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., layout_id: _Optional[str] = ..., committed: _Optional[bool] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
     __slots__ = ("who", "save_id", "extras_json", "model_files", "stall_s", "staging_id", "staged")
@@ -226,6 +236,32 @@ class SaveProgress(_message.Message):
     step_dir: str
     bytes_linked: int
     def __init__(self, state: _Optional[str] = ..., bytes_total: _Optional[int] = ..., bytes_written: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., step_dir: _Optional[str] = ..., bytes_linked: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("who", "pid", "host")
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    pid: int
+    host: str
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("owner_run",)
+    OWNER_RUN_FIELD_NUMBER: _ClassVar[int]
+    owner_run: str
+    def __init__(self, owner_run: _Optional[str] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("who",)
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PlanLoadRequest(_message.Message):
     __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames", "fingerprint", "known_plans")

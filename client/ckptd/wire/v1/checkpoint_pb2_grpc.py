@@ -89,6 +89,16 @@ class CheckpointStub:
                 request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/ckptd.v1.Checkpoint/Attach',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.AttachRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.AttachEvent.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/ckptd.v1.Checkpoint/Detach',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.DetachRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.DetachResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServicer:
@@ -160,6 +170,18 @@ class CheckpointServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +239,16 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.CloseStaging,
                     request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.AttachRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.AttachEvent.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.DetachRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.DetachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +548,60 @@ class Checkpoint:
             '/ckptd.v1.Checkpoint/CloseStaging',
             ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingRequest.SerializeToString,
             ckptd_dot_v1_dot_checkpoint__pb2.CloseStagingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/Attach',
+            ckptd_dot_v1_dot_checkpoint__pb2.AttachRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.AttachEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/Detach',
+            ckptd_dot_v1_dot_checkpoint__pb2.DetachRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.DetachResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,7 +18,7 @@ class RankTensors(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_checkpoint_pb2.TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class JoinSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id", "quantize", "master_weights", "no_quantize", "lineage")
+    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id", "quantize", "master_weights", "no_quantize", "lineage", "run_id", "resumed")
     class FingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class JoinSaveRequest(_message.Message):
     MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     NO_QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     node: int
@@ -56,7 +58,9 @@ class JoinSaveRequest(_message.Message):
     master_weights: str
     no_quantize: bool
     lineage: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ..., quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., no_quantize: _Optional[bool] = ..., lineage: _Optional[int] = ...) -> None: ...
+    run_id: str
+    resumed: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ..., quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., no_quantize: _Optional[bool] = ..., lineage: _Optional[int] = ..., run_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class Compression(_message.Message):
     __slots__ = ("quantize", "master_weights", "recorded", "generation")
@@ -185,14 +189,16 @@ class ReportManifestResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., error: _Optional[str] = ..., step_files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
-    __slots__ = ("job", "step", "newest")
+    __slots__ = ("job", "step", "newest", "run_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEWEST_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     newest: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., newest: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., newest: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ReplicaFile(_message.Message):
     __slots__ = ("node", "name", "size")
@@ -205,20 +211,22 @@ class ReplicaFile(_message.Message):
     def __init__(self, node: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("root_id", "committed", "files", "in_flight", "replicas", "newest_step")
+    __slots__ = ("root_id", "committed", "files", "in_flight", "replicas", "newest_step", "run_attached")
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RUN_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     root_id: str
     committed: bool
     files: _containers.RepeatedCompositeFieldContainer[FileEntry]
     in_flight: bool
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
     newest_step: int
-    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., newest_step: _Optional[int] = ...) -> None: ...
+    run_attached: bool
+    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., newest_step: _Optional[int] = ..., run_attached: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "step", "file", "offset", "nbytes")

@@ -27,6 +27,7 @@ from ckptd.daemon.retention import RetentionPolicy
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.storage import StorageBackend
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
+from ckptd.daemon.engine.runs import RunClaim, Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 
 if TYPE_CHECKING:
@@ -90,8 +91,10 @@ class Coordination(Protocol):
         metric: float | None,
         options: SaveOptions = ...,
         lineage: int = ...,
+        claim: RunClaim = ...,
     ) -> JoinResult:
-        """Join the save; returns once every rank of the job has (the plan's input, the compression)."""
+        """Join the save; returns once every rank of the job has (the plan's input, the compression).
+        Raises RunRefused when the run may not save into the job (engine/runs.py)."""
 
     async def report(
         self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
@@ -103,10 +106,14 @@ class Engine:
     """The state the engine's parts share, and the outcomes every part records the same way.
 
     cluster: the other nodes (None: a single node); coordination: where saves are committed
-    (the cluster, or an in-process coordinator of one node)."""
+    (the cluster, or an in-process coordinator of one node); runs: the runs attached here and the
+    jobs' owners (engine/runs.py), shared with the coordinator."""
 
-    def __init__(self, config: DaemonConfig, storage: StorageBackend, cluster: Cluster | None, coordination: Coordination) -> None:
+    def __init__(
+        self, config: DaemonConfig, storage: StorageBackend, cluster: Cluster | None, coordination: Coordination, runs: Runs | None = None
+    ) -> None:
         self.config = config
+        self.runs = runs if runs is not None else Runs()
         self.storage = storage
         self.cluster = cluster
         self.coordination = coordination

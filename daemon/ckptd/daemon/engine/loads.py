@@ -47,7 +47,7 @@ class Loads:
     """PlanLoad and LoadDone; the leases of loads in progress (retention keeps their steps)."""
 
     def __init__(
-        self, engine: Engine, abort_left_behind: Callable[[JobState, int, int | None], Awaitable[None]], replication: Replication | None = None
+        self, engine: Engine, abort_left_behind: Callable[[JobState, int, int | None, str], Awaitable[None]], replication: Replication | None = None
     ) -> None:
         self.engine = engine
         self._abort_left_behind = abort_left_behind  # Saves.abort_left_behind
@@ -72,8 +72,10 @@ class Loads:
         direct_read: bool = True,
         decodes: bool = True,
         decodes_frames: bool = True,
+        run: str = "",
     ) -> LoadPlan:
-        """Where the bytes of each wanted tensor box are. direct_read: the rank reads committed
+        """Where the bytes of each wanted tensor box are (for rank `rank` of `run`: its open
+        saves are abandoned, another run's never). direct_read: the rank reads committed
         files in this node's root itself; else this daemon copies the needed fragments into
         shared memory first (once however many local ranks want them), for ranks that cannot
         see the root. decodes / decodes_frames: the client decodes quantized codes and residuals
@@ -84,7 +86,7 @@ class Loads:
         remote = False  # the step is not in this root: index and extras come from a peer (PeerSteps)
         state = engine.jobs.get(job)
         if state is not None:
-            await self._abort_left_behind(state, rank, None)
+            await self._abort_left_behind(state, rank, None, run)
         if step is None:
             if state is not None:
                 await self._wait_for_writes(state)

@@ -20,11 +20,14 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Sequence
 from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.records import JoinResult
-from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Timeout, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import (
+    Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint,
+)
 from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.engine.context import Engine, notify
 from ckptd.daemon.engine.compression import SaveOptions
+from ckptd.daemon.engine.runs import RunClaim, live_owner_message, short
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,20 @@ class Saves:
         local_world_size: int = 0,
         options: SaveOptions | None = None,
         lineage: int = 0,
+        run: str = "",
+        resumed_from: int | None = None,
+        client_id: str = "",
     ) -> SaveSession:
         """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived).
 
         local_world_size: the job's ranks this daemon serves (0: all, on a single node).
         options: this rank's compression options (every rank must give the same); lineage: the
-        quantization generation of the step the rank last loaded."""
+        quantization generation of the step the rank last loaded. run: the rank's run ("": a
+        client older than run ids); resumed_from: the step the run loaded before its first save
+        (a resume), else None; client_id: the rank's client ("": unknown). Raises RunRefused
+        when the run may not save into the job (engine/runs.py). A resumed run's save of a step
+        committed at or after the step it resumed from is kept: the session returned is
+        committed (`kept` says why)."""
         engine = self.engine
         options = options or SaveOptions()
         if engine.draining:
@@ -67,28 +78,39 @@ class Saves:
         local_ranks = self._local_ranks(world_size, local_world_size)
         for transport in engine.transports.values():
             await transport.before_save()
+        if run:
+            engine.runs.check(job, run, resumed_from is not None)
+            await self._end_other_runs(job, run, resumed_from is not None)
         state = engine.job(job, world_size)
         digest = self._describe(state, job, rank, fingerprint, specs)
+        if resumed_from is not None:
+            await self._outcome_of_writing(state, step)
         if state.committed_recently(step) or await engine.committed(job, step):
-            raise AlreadyExists(
-                f"step {step} of job {job!r} is already committed (after a rollback, the abandoned timeline's steps stay): "
-                "save under a step number not on disk (`ckptd ls` lists them), or move that step's directory out of the root first"
-            )
-        await self.abort_left_behind(state, rank, step)
+            return await self._already_committed(job, step, world_size, metric, local_ranks, resumed_from)
+        await self.abort_left_behind(state, rank, step, run)
         session = state.sessions.get(step)
+        if session is not None and session.open and client_id and rank in session.arrived and session.clients.get(rank) != client_id:
+            # another client of this rank began the step: the rank restarted (a retry of one client is refused by arrive)
+            await engine.fail(state, session, f"rank {rank} began step {step} again (it restarted)", "rank_restarted")
+            session = state.sessions.get(step)
         if session is None or not session.open:
             if session is not None:
                 raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
             timeout = min(timeout_s, engine.config.save_timeout_s) if timeout_s else engine.config.save_timeout_s
-            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout, local_ranks)
+            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout, local_ranks, run=run)
+            session.resumed = resumed_from is not None
             state.sessions[step] = session
             engine.spawn(self._watchdog(state, session))
         if session.arrive(rank, digest, options, lineage, local_ranks):
             engine.spawn(self._prepare(state, session))
+        if client_id:
+            session.clients[rank] = client_id
         await session.ready.wait()
         if session.state is SaveState.FAILED:
             if session.refused:
                 raise InvalidRequest(session.error)
+            if session.run_refused:
+                raise RunRefused(session.error)
             raise Aborted(f"save of step {step} aborted: {session.error}")
         return session
 
@@ -109,6 +131,72 @@ class Saves:
             )
         return digest
 
+    async def _end_other_runs(self, job: str, run: str, resumed: bool) -> None:
+        """Open saves of the job by other runs: refused (RunRefused) while such a run is live
+        here and `run` started afresh; else failed, so that `run`'s ranks begin their own (the
+        other run ended, or `run` resumed and takes the job over)."""
+        state = self.engine.jobs.get(job)
+        if state is None:
+            return
+        runs = self.engine.runs
+        for other in list(state.sessions.values()):
+            if not other.open or not other.run or other.run == run:
+                continue
+            if not runs.may_end(job, other.run, run, resumed):
+                raise RunRefused(live_owner_message(job, run, other.run, runs.describe(job, other.run)))
+            why = "resumed the job" if resumed else f"began a save after run {short(other.run)} ended"
+            await self.engine.fail(state, other, f"run {short(run)} {why}", "run_ended")
+
+    async def client_gone(self, job: str, client_id: str) -> None:
+        """A client detached (it closed, or its process ended): the open saves it joined and
+        did not hand its part of over can never complete, so they fail now instead of at their
+        timeout (their arenas free, a resumed run's load does not wait for them)."""
+        state = self.engine.jobs.get(job)
+        if state is None:
+            return
+        for session in list(state.sessions.values()):
+            gone = [r for r, c in session.clients.items() if c == client_id and r not in session.committed]
+            if session.open and gone:
+                await self.engine.fail(state, session, f"rank {gone[0]}'s process ended before it handed its snapshot over", "run_ended")
+
+    async def _outcome_of_writing(self, state: JobState, step: int) -> None:
+        """A resumed run saves a step that is being written (the run before it handed it over,
+        then stopped): wait for its outcome, which decides whether this save is kept."""
+        session = state.sessions.get(step)
+        if session is not None and session.state is SaveState.WRITING:
+            try:
+                await asyncio.wait_for(session.finished.wait(), session.timeout_s)
+            except asyncio.TimeoutError:
+                pass  # still writing: refused below as "being written"
+
+    async def _already_committed(
+        self, job: str, step: int, world_size: int, metric: float | None, local_ranks: int, resumed_from: int | None
+    ) -> SaveSession:
+        """`step` of the job is committed. A run that resumed from it, or from a step committed
+        before it, redid that interval: the committed step is kept and the save counts as
+        committed (a session that says so). Any other save is refused (AlreadyExists): ckptd
+        never overwrites a step."""
+        order = await asyncio.to_thread(self.engine.storage.commit_order, job)
+        if resumed_from is not None and resumed_from in order and step in order and order.index(step) >= order.index(resumed_from):
+            kept = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, 0.0, local_ranks)
+            kept.state = SaveState.COMMITTED
+            since = "it" if resumed_from == step else f"step {resumed_from}, committed before it (it redid that interval)"
+            kept.kept = f"step {step} of job {job!r} is committed already and this run resumed from {since}: the committed step is kept, this save is not written again"
+            kept.step_dir = self.engine.storage.step_location(job, step)
+            log.info("%s", kept.kept)
+            return kept
+        if resumed_from is not None and resumed_from in order:
+            advice = (
+                f"this run resumed from step {resumed_from}, committed after step {step}: step {step} belongs to the timeline it "
+                "rolled back from. Save under step numbers not on disk (`ckptd ls` lists them), or give the new timeline a new job name"
+            )
+        else:
+            advice = (
+                "this run loaded no step of the job before saving (a new run under a used job name?): give it a new job name, "
+                "or load the job's newest step first (load() without a step) to resume it; its saves after that step are kept"
+            )
+        raise AlreadyExists(f"step {step} of job {job!r} is already committed and ckptd never overwrites a step: {advice}")
+
     def _local_ranks(self, world_size: int, local_world_size: int) -> int:
         cluster = self.engine.cluster
         if cluster is None:
@@ -125,9 +213,9 @@ class Saves:
             )
         return local_world_size
 
-    async def abort_left_behind(self, state: JobState, rank: int, step: int | None) -> None:
-        """A rank that starts another save or a load will never finish an older open one."""
-        for other in state.left_behind(rank, step):
+    async def abort_left_behind(self, state: JobState, rank: int, step: int | None, run: str = "") -> None:
+        """A rank (of `run`) that starts another save or a load will never finish an older open one."""
+        for other in state.left_behind(rank, step, run):
             await self.engine.fail(state, other, f"rank {rank} moved on (it restarted or gave up on step {other.step})", "rank_restarted")
 
     async def _prepare(self, state: JobState, session: SaveSession) -> None:
@@ -143,9 +231,10 @@ class Saves:
                 else:  # failed (timed out) while waiting for the arenas
                     state.pool.release(arenas)
                     await notify(state.arena_freed)
-        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable) as exc:
+        except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable, Precondition) as exc:  # RunRefused is a Precondition
             session.refused = isinstance(exc, (PlanError, InvalidRequest))
-            cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "peer"
+            session.run_refused = isinstance(exc, RunRefused)
+            cause = "invalid" if session.refused else "no_arena" if isinstance(exc, Exhausted) else "run_refused" if session.run_refused else "peer"
             await engine.fail(state, session, str(exc), cause)
         except Exception as exc:
             log.exception("planning step %s of job %s failed", session.step, session.job)
@@ -164,7 +253,7 @@ class Saves:
             specs = {r: state.specs[(r, d)] for r, d in digests.items() if resend or (r, d) not in state.announced}
             return await coordination.join_save(
                 session.job, session.step, session.world_size, digests, specs, list(state.plans),
-                session.timeout_s, session.metric, session.options, lineage,
+                session.timeout_s, session.metric, session.options, lineage, RunClaim(session.run, session.resumed),
             )
 
         lineage = max(session.lineage, state.lineage)
@@ -174,6 +263,7 @@ class Saves:
         except UnknownFingerprint:  # the coordinator restarted and forgot the metadata
             result = await join(resend=True)
         state.announced.update(digests.items())
+        self.engine.runs.accepted(session.job, session.run)
         plan = result.plan or state.plans.get(result.plan_key)
         if plan is None:
             if result.specs is None:

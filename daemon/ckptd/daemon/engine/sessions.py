@@ -57,12 +57,16 @@ class SaveSession:
     timeout_s: float
     local_ranks: int  # ranks of the job this daemon serves (all of them on a single node)
     created: float = field(default_factory=time.monotonic)
+    run: str = ""  # the run whose ranks save it (engine/runs.py; "" a client older than run ids)
+    resumed: bool = False  # that run loaded a step of the job before its first save
+    kept: str = ""  # committed before: a resumed run's save of a step it redid, kept as it was (why, for the rank)
     global_id: str = ""  # several nodes: the coordinator's id of the save
     reported: bool = False  # several nodes: this node's part (or failure) went to the coordinator
     shared_root: bool = False  # several nodes writing into one storage root
     snapshot_done: float = 0.0  # when the last rank handed its part over (monotonic)
     write_started: float = 0.0  # when writing started (monotonic); 0 before
     arrived: dict[int, str] = field(default_factory=dict)  # rank -> digest of its metadata (plan.spec_digest)
+    clients: dict[int, str] = field(default_factory=dict)  # rank -> the client id it arrived from (when it sent one)
     committed: dict[int, Any] = field(default_factory=dict)  # rank -> extras tree
     model_files: dict[str, bytes] = field(default_factory=dict)  # e.g. config.json, from rank 0
     plan: SavePlan | None = None
@@ -71,6 +75,7 @@ class SaveSession:
     state: SaveState = SaveState.GATHERING
     error: str = ""
     refused: bool = False  # failed because the request itself was bad (INVALID_ARGUMENT)
+    run_refused: bool = False  # failed because node 0 refused the run (errors.RunRefused)
     step_dir: str = ""
     progress: Progress | None = None
     options: SaveOptions = SaveOptions()
@@ -104,8 +109,8 @@ class SaveSession:
 
     def arrive(self, rank: int, fingerprint: str, options: SaveOptions, lineage: int, local_ranks: int) -> bool:
         """Rank `rank` joins; True when it is the last of this node's ranks to do so."""
-        if rank in self.arrived:
-            raise InvalidRequest(f"rank {rank} joined the save of step {self.step} twice")
+        if rank in self.arrived:  # not the caller's state: a rank of the run restarted (engine/saves.py ends such a save first)
+            raise Precondition(f"rank {rank} joined the save of step {self.step} twice")
         if self.state is not SaveState.GATHERING:
             raise Precondition(f"save of step {self.step} is {self.state}, ranks can no longer join it")
         if not self.arrived:
@@ -250,10 +255,13 @@ class JobState:
                 return session
         return None
 
-    def left_behind(self, rank: int, step: int | None) -> Iterator[SaveSession]:
-        """Open saves other than `step` that `rank` joined but never handed over: a rank that
-        starts another save or a load will never finish them."""
+    def left_behind(self, rank: int, step: int | None, run: str = "") -> Iterator[SaveSession]:
+        """Open saves other than `step` that `rank` (of `run`) joined but never handed over: a
+        rank that starts another save or a load will never finish them. Another run's rank of
+        the same number is not this rank: its saves are not left behind."""
         for other in list(self.sessions.values()):
+            if run and other.run and other.run != run:
+                continue
             if other.step != step and other.open and rank in other.arrived and rank not in other.committed:
                 yield other
 

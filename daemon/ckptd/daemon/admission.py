@@ -1,0 +1,75 @@
+"""Node 0's decisions about runs (engine/runs.py has the rules): whether a save's run may save
+into the job, whether another run's save of the same step may be ended for it, and the rollback
+note. Liveness spans the nodes: a run is live while a client of it is attached to this daemon or
+to another node's (asked over the Peer service's Inventory, only when an owner would change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from ckptd.daemon.engine.runs import RunClaim, Runs, live_owner_message, short
+from ckptd.daemon.errors import RunRefused
+from ckptd.daemon.peer_links import PeerLinks
+from ckptd.daemon.rollback import passed_over
+from ckptd.daemon.storage import StorageBackend
+from ckptd.wire.v1 import peer_pb2 as ppb
+
+log = logging.getLogger(__name__)
+
+ATTACHED_TIMEOUT_S = 2.0  # a node that does not answer within this counts as holding no client
+
+
+class Admission:
+    """Node 0's run decisions for every node (the coordinator calls them)."""
+
+    def __init__(self, runs: Runs, links: PeerLinks, storage: StorageBackend) -> None:
+        self.runs = runs
+        self._links = links
+        self._storage = storage
+
+    async def live(self, job: str, run: str) -> bool:
+        """Whether a client of `run` is attached to this daemon or to another node's."""
+        if self.runs.live(job, run):
+            return True
+        others = range(1, len(self._links.peers))
+        return any(await asyncio.gather(*(self._attached(n, job, run) for n in others)))
+
+    async def _attached(self, node: int, job: str, run: str) -> bool:
+        request = ppb.InventoryRequest(job=job, run_id=run)
+        try:
+            reply = await self._links.stub(node).Inventory(request, timeout=ATTACHED_TIMEOUT_S, metadata=self._links.metadata)
+        except grpc.RpcError:
+            return False  # its ranks cannot save through it either
+        return bool(reply.run_attached)
+
+    async def replace(self, job: str, step: int, other: RunClaim, claim: RunClaim) -> str:
+        """Run `claim` joins step `step`, which run `other` began and not all of whose ranks
+        joined: RunRefused while `other` is live and `claim` did not resume; else the reason to
+        abort `other`'s save (it ended, or `claim` takes the job over)."""
+        if not claim.resumed and await self.live(job, other.run):
+            raise RunRefused(live_owner_message(job, claim.run, other.run, self.runs.describe(job, other.run)))
+        why = "resumed the job" if claim.resumed else f"began it after run {short(other.run)} ended"
+        return f"run {short(claim.run)} {why} (step {step})"
+
+    async def admit(self, job: str, step: int, claim: RunClaim) -> str:
+        """Every rank of a save has joined: `claim`'s run may save into the job (RunRefused if
+        not: engine/runs.py); returns the run it took the job over from ("" none). A save below
+        the job's newest committed step is logged as a rollback, with the steps it passes over."""
+        displaced = ""
+        if claim.run:
+            owner = self.runs.owner(job)
+            owner_live = bool(owner) and owner != claim.run and await self.live(job, owner)
+            displaced = self.runs.claim(job, claim.run, claim.resumed, owner_live)
+        order = await asyncio.to_thread(self._storage.commit_order, job)
+        above = passed_over(order, step)
+        if above:
+            shown = ", ".join(map(str, above[:16])) + (", ..." if len(above) > 16 else "")
+            log.warning(
+                "job %s saves step %s below its newest committed step %s: a rollback. It passes over steps %s, which stay on disk "
+                "but are no longer the newest (`ckptd ls` marks the rollback)", job, step, order[-1], shown,
+            )
+        return displaced
