@@ -27,6 +27,7 @@ from ckptd.daemon.retention import RetentionPolicy
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.storage import StorageBackend
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
+from ckptd.daemon.engine.memory import ArenaMemory
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class Engine:
         self.metrics = Metrics(config.node_rank)
         self.transports: dict[str, DaemonTransport] = daemon_transports()  # the daemon's side of hand-offs (handoffs.py)
         self.jobs: dict[str, JobState] = {}
+        self.memory = ArenaMemory(lambda: self.config, self.jobs, self.metrics, self.spawn)  # the arenas of all jobs, one budget
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
         self.last_commit: LastCommit | None = None
@@ -166,8 +168,8 @@ class Engine:
 
     async def fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
         """Fail the save (no-op once it ended). cause: the label of ckptd_save_failures_total
-        (metrics.FAILURE_CAUSES). Releases its arenas, and with several nodes tells the
-        coordinator, so that every node aborts it."""
+        (metrics.FAILURE_CAUSES). Releases its arenas (engine/memory.py decides whether the job
+        keeps them), and with several nodes tells the coordinator, so that every node aborts it."""
         if not session.fail(reason):
             return
         self.counters.failed += 1
@@ -178,7 +180,7 @@ class Engine:
         )
         if session.arenas is not None:
             state.pool.release(session.arenas)
-            await notify(state.arena_freed)
+            self.memory.settle(state)
         state.finish(session)
         if session.global_id and not session.reported:
             session.reported = True
@@ -203,7 +205,3 @@ class Engine:
     def writing_count(self) -> int:
         return sum(1 for s in self.jobs.values() for x in s.sessions.values() if x.state is SaveState.WRITING)
 
-
-async def notify(condition: asyncio.Condition) -> None:
-    async with condition:
-        condition.notify_all()

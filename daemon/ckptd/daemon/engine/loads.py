@@ -177,6 +177,9 @@ class Loads:
         if extras is None:  # more ranks than at save time: rank 0's extras, without its RNG state
             extras = {k: v for k, v in extras_by_rank.get(0, {}).items() if k != "rng"}
         load_id = uuid.uuid4().hex
+        state = self.engine.jobs.get(job)
+        if state is not None:
+            state.pool.mark_used()  # a load is use: the job is not idle (engine/memory.py)
         if held is not None:
             held.readers += 1
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
@@ -381,6 +384,10 @@ class Loads:
             return
         if lease.arenas is not None:
             lease.arenas.readers = max(0, lease.arenas.readers - 1)
+            state = self.engine.jobs.get(lease.job)
+            if state is not None:
+                state.pool.mark_used()
+                self.engine.memory.settle(state)  # the snapshot may be idle now: reusable, or given back
         self._release_staging(lease.job, lease.step)
 
     def _release_staging(self, job: str, step: int) -> None:
