@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.memory import trim_heap
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.records import LastCommit
@@ -181,6 +182,7 @@ class Commit:
             )
             state.finish(session)
             engine.memory.settle(state)
+            engine.spawn(asyncio.to_thread(trim_heap))
             return
         if not outcome.decided and manifest is not None and not session.shared_root and node != 0:
             # Node 0 went away before it answered: it may have committed the step (its index is

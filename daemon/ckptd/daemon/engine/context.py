@@ -35,19 +35,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INDEX_CACHE_ENTRIES = 16  # parsed indexes kept (about 1 KiB per tensor each): the steps loaded or committed last
+INDEX_CACHE_ENTRIES = 16  # parsed indexes kept: the steps loaded or committed last
+INDEX_CACHE_TENSORS = 1024  # and at most this many tensor records in all (about 1.3 KiB each)
 
 
 class IndexCache:
-    """The parsed indexes of the `entries` committed steps used most recently, by (job, step).
+    """The parsed indexes of the committed steps used most recently, by (job, step): at most
+    `entries` of them and `tensors` tensor records in all; the newest is kept whatever its size.
 
     Bounded: a job that keeps every 50th step for months has thousands of committed steps, and
     an index of every one of them in memory grew the daemon by about 190 KiB per step (200
-    tensors) in the soak benchmark (tests/bench/soak.py)."""
+    tensors) in the soak benchmark (tests/bench/soak.py); 16 indexes of a 1,000-tensor job took
+    20 MiB, 8% of its 256 MiB state (issue 30 finding 5). An index not cached is read again."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, tensors: int = INDEX_CACHE_TENSORS) -> None:
         self.entries = entries
+        self.tensors = tensors
         self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
+        self._records = 0
 
     def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
         index = self._items.get(key)
@@ -56,13 +61,18 @@ class IndexCache:
         return index
 
     def put(self, key: tuple[str, int], index: CheckpointIndex) -> None:
+        self.pop(key)
         self._items[key] = index
-        self._items.move_to_end(key)
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
+        self._records += len(index.tensors)
+        while len(self._items) > 1 and (len(self._items) > self.entries or self._records > self.tensors):
+            _, old = self._items.popitem(last=False)
+            self._records -= len(old.tensors)
 
     def pop(self, key: tuple[str, int]) -> CheckpointIndex | None:
-        return self._items.pop(key, None)
+        index = self._items.pop(key, None)
+        if index is not None:
+            self._records -= len(index.tensors)
+        return index
 
 
 @dataclass
