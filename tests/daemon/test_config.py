@@ -19,6 +19,7 @@ from ckptd.daemon.config import (
     env_name,
     load_config,
 )
+from ckptd.daemon.shm import ShmBudget, host_memory_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "ckptd.example.toml"
 FIELDS = [f.name for f in dataclasses.fields(DaemonConfig)]
@@ -111,6 +112,14 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("shm_dir", "/dev/shm/ckptd", '"/dev/shm/ckptd"', Path("/dev/shm/ckptd")),
     ("arena_policy", "skip", '"skip"', "skip"),
     ("max_inflight", "4", "4", 4),
+    ("shm_budget", "64GiB", '"64GiB"', ShmBudget(nbytes=64 << 30)),  # issue 30 finding 5: bytes,
+    ("shm_budget", "1073741824", "1073741824", ShmBudget(nbytes=1 << 30)),
+    ("shm_budget", "50%", '"50%"', ShmBudget(share=0.5)),  # a share of the host's memory,
+    ("shm_budget", "12.5 %", '"12.5%"', ShmBudget(share=0.125)),
+    ("shm_budget", "0", "0", ShmBudget()),  # or none
+    ("hold_while_saving", "yes", "true", True),
+    ("idle_release_s", "90", "90", 90.0),
+    ("idle_release_s", "0", "0", 0.0),
     ("keep_last", "0", "0", 0),
     ("keep_every", "1000", "1000", 1000),
     ("write_threads", "16", "16", 16),
@@ -151,6 +160,7 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
 
 
 TOKEN = "0123456789abcdef"
+BUDGET_EXPECTED = "0 (none), a size in bytes such as '64GiB' (B, KiB, MiB, GiB or TiB), or a share of the host's memory such as '50%'"
 
 
 @pytest.mark.parametrize(
@@ -253,6 +263,15 @@ def test_sizes(text: str, expected: int) -> None:
         ("max_file_bytes", "0", "a size in bytes >= 1"),
         ("max_file_bytes", "1.5", "a size in bytes >= 1"),
         ("max_file_bytes", "-1GiB", "a size in bytes >= 1"),
+        # issue 30 finding 5: the budget says which spellings it takes
+        ("shm_budget", "lots", BUDGET_EXPECTED),
+        ("shm_budget", "64GB", BUDGET_EXPECTED),
+        ("shm_budget", "-1GiB", BUDGET_EXPECTED),
+        ("shm_budget", "150%", f"{BUDGET_EXPECTED}; '150%' is not a percentage above 0 and at most 100"),
+        ("shm_budget", "0%", f"{BUDGET_EXPECTED}; '0%' is not a percentage above 0 and at most 100"),
+        ("shm_budget", "half%", f"{BUDGET_EXPECTED}; 'half%' is not a percentage above 0 and at most 100"),
+        ("idle_release_s", "-1", "a number of seconds > 0, or 0 (off)"),
+        ("idle_release_s", "an hour", "a number of seconds > 0, or 0 (off)"),
     ],
 )
 def test_bad_values_name_the_source(field: str, text: str, expected: str) -> None:
@@ -323,6 +342,26 @@ def test_direct_construction_validates_and_normalizes() -> None:
     assert isinstance(config.save_timeout_s, float)
     with pytest.raises(ConfigError, match=r"DaemonConfig.max_inflight=0: expected an integer >= 1"):
         DaemonConfig(root=Path("/r"), socket=Path("/s"), max_inflight=0)
+
+
+# issue 30 finding 5: the budget of shared memory, as a flag and resolved against the host's memory
+
+
+def test_the_shm_budget_flag_takes_bytes_or_a_share_of_the_hosts_memory() -> None:
+    config = config_from_args(parse_serve("--shm-budget", "25%", "--hold-while-saving", "--idle-release", "30"), BASE_ENV)
+    assert (config.shm_budget, config.hold_while_saving, config.idle_release_s) == (ShmBudget(share=0.25), True, 30.0)
+    assert config.shm_budget.resolve(8 * GiB) == 2 * GiB and str(config.shm_budget) == "25% of the host's memory"
+    config = config_from_args(parse_serve("--shm-budget", "72MiB"), {**BASE_ENV, "CKPTD_SHM_BUDGET": "50%"})
+    assert config.shm_budget.resolve(8 * GiB) == 72 << 20 and str(config.shm_budget) == "72.0 MiB"  # the flag wins
+    assert load_config({}, BASE_ENV, None).shm_budget.resolve(8 * GiB) is None  # default: none (the directory's size)
+    assert DaemonConfig(root=Path("/r"), socket=Path("/s"), shm_budget="10%").shm_budget == ShmBudget(share=0.1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"DaemonConfig.shm_budget='200%': expected .*'200%' is not a percentage"):
+        DaemonConfig(root=Path("/r"), socket=Path("/s"), shm_budget="200%")  # type: ignore[arg-type]
+
+
+def test_the_hosts_memory_is_at_most_memtotal() -> None:
+    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
+    assert 0 < host_memory_bytes() <= total
 
 
 # ------------------------------------------------------------------ the example file

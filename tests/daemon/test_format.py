@@ -9,6 +9,7 @@ from safetensors.torch import load as st_load
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.format import (
+    INDEX_HEAD_BYTES,
     CheckpointIndex,
     FileRecord,
     FormatError,
@@ -130,6 +131,22 @@ def test_compressed_index_round_trip_and_golden_records() -> None:
     plain = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "BF16", (4, 6), (model,)),), ())
     assert json.loads(plain.to_json_bytes())["format"] == "ckptd/1" and "quantization" not in json.loads(plain.to_json_bytes())
     assert CheckpointIndex.from_json_bytes(plain.to_json_bytes()).generation == 0
+    # issue 30 finding 5: encoded tensor by tensor, the same text as the whole document compact
+    for one in (index, plain):
+        assert one.to_json_bytes() == json.dumps(json.loads(one.to_json_bytes()), separators=(",", ":")).encode() + b"\n"
+        assert list(json.loads(one.to_json_bytes())) == ["format", "job", "step", "created_at", "world_size", "metric", "writer", "files", "tensors"] + (
+            ["quantization"] if one.quantization else []
+        )
+
+
+# issue 30 finding 5: the commit order reads each index's commit time from its head, not the whole index
+def test_the_commit_time_is_read_from_the_head_of_an_index() -> None:
+    frag = FragmentRecord("model-00001-of-00001.safetensors", "w", Box((0,), (4,)), "F32", 128, 16, "xxh3-64:00ff")
+    index = CheckpointIndex("run-1.a", 7, 1732294567.25, 2, (TensorRecord("model/w", "model", "F32", (4,), (frag,)),), ())
+    data = index.to_json_bytes()
+    assert CheckpointIndex.created_at_of(data[:INDEX_HEAD_BYTES]) == 1732294567.25
+    assert CheckpointIndex.created_at_of(json.dumps(json.loads(data), indent=1).encode()[:INDEX_HEAD_BYTES]) is None  # an older daemon's
+    assert CheckpointIndex.created_at_of(b'{"format":"ckptd/1","job":"a","step":1,"created_at":NaN,') is None
 
 
 @pytest.mark.parametrize("blob", [b"{}", b"[]", b'{"format": "ckptd/1"}', b"\xff", b'{"format": "other/9"}', b'{"format": "ckptd/3"}'])

@@ -3,7 +3,7 @@
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.plan import PAGE, PlanError, TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.plan import PAGE, PAGE_ALIGN_FROM, PlanError, TensorSpec, make_save_plan, spec_digest
 
 
 def full(name: str, shape: tuple[int, ...], dtype: str = "F32", kind: str = "model", aliases: tuple[str, ...] = ()) -> TensorSpec:
@@ -31,12 +31,20 @@ def test_sharded_fragments_stay_with_their_holder() -> None:
 
 
 def test_slots_are_aligned_and_inside_the_arena() -> None:
-    plan = make_save_plan([[full("model/a", (3,)), full("model/b", (5000,)), full("model/c", (7,))]])
+    plan = make_save_plan([[full("model/a", (3,)), full("model/b", (5000,)), full("model/c", (7,)), full("model/d", (300_000,))]])
     for slot in plan.slots:
-        assert slot.offset % (PAGE if slot.nbytes >= PAGE else 64) == 0
+        assert slot.offset % (PAGE if slot.nbytes >= PAGE_ALIGN_FROM else 64) == 0
         assert slot.offset + slot.nbytes <= plan.arena_bytes[slot.rank]
     ends = sorted((s.offset, s.offset + s.nbytes) for s in plan.slots)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+
+
+# issue 30 finding 5: padding between slots is under 64 bytes per slot of less than 1 MiB, and
+# under a page (0.4%) per larger one
+def test_the_padding_between_slots_is_small() -> None:
+    for elements, most in ((1025, 64), (65_537, 64), (262_145, PAGE)):  # a little over 4 KiB, 256 KiB, 1 MiB each
+        plan = make_save_plan([[full(f"model/w{i}", (elements,)) for i in range(100)]])
+        assert plan.arena_bytes[0] - plan.total_bytes < 100 * most + PAGE
 
 
 def test_a_rank_may_hold_several_fragments_of_one_tensor() -> None:

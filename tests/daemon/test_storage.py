@@ -3,6 +3,7 @@ through the pipeline and retention tests)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -12,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, FormatError
+from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
 from ckptd.daemon.storage import ForeignEntry, Storage, open_for_reading, read_file, start_writeback, write_small_file
 
@@ -454,3 +455,15 @@ def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, um
     os.chmod(existing, 0o755)
     Storage(existing).clean_uncommitted()
     assert stat.S_IMODE(existing.stat().st_mode) == 0o755
+
+
+# issue 30 finding 5: commit times come from each index's head (this version's compact index) or,
+# for an index an older daemon wrote indented, from the whole file; both order alike
+def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "root")
+    for step, created, indented in ((1, 30.0, True), (2, 10.0, False), (3, 20.0, True), (4, 40.0, False)):
+        data = CheckpointIndex("job", step, created, 1, (), ()).to_json_bytes()
+        if indented:
+            data = json.dumps(json.loads(data), indent=1).encode()
+        write_small_file(storage.prepare_step_dir("job", step) / INDEX_NAME, data)
+    assert storage.commit_order("job") == [2, 3, 1, 4]

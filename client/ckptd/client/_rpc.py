@@ -132,11 +132,10 @@ def tensor_meta(entry: TensorEntry, fragment: Fragment) -> pb.TensorMeta:
 
 
 def tensor_metas(structure: Structure) -> list[pb.TensorMeta]:
-    """The tensor metadata of a structure's fragments, built once per structure."""
-    metas = structure.cache.get("metas")
-    if metas is None:
-        metas = structure.cache["metas"] = [tensor_meta(e, f) for e, f in structure.fragments]
-    return metas
+    """The tensor metadata of a structure's fragments, built when sent: the first save and
+    load of a structure, and after a daemon restart. Not kept: about 1.1 KiB per tensor held in
+    the trainer for the rare resend (issue 30 finding 5)."""
+    return [tensor_meta(e, f) for e, f in structure.fragments]
 
 
 def _source(p: pb.Piece) -> Source:

@@ -17,7 +17,7 @@ from ckptd.common.tiling import overlapping_pairs, tiling_residual
 MAX_OVERLAPS_LISTED = 100  # pairs of overlapping boxes coverage_problems names
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Box:
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]

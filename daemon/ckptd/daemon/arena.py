@@ -7,7 +7,8 @@ and the first write later dies with SIGBUS; fallocate fails up front with ENOSPC
 
 An `ArenaSet` is one snapshot's worth of arenas: one per rank of a job. A job has at most
 `max_inflight` sets; a set is reused from save to save (a reused tmpfs page costs a fraction
-of a fresh one), and grows only when the plan needs more.
+of a fresh one), and grows only when the plan needs more. How many a job keeps between saves,
+and when their memory goes back, is engine/memory.py's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import enum
 import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -117,21 +119,47 @@ class ArenaSet:
     readers: int = 0  # loads currently reading this snapshot
     plan: Any = None  # the SavePlan of the snapshot inside (where each fragment is)
     extras: dict[int, Any] | None = None  # the ranks' extras of that snapshot
+    held_order: int = 0  # when it was held (the pool's count of holds): the newest held is the highest
 
     @property
     def nbytes(self) -> int:
         return sum(a.size for a in self.arenas if a is not None)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and no load reading: its memory may be reused or given back. A
+        snapshot being filled or written (the only copy of a step not yet durable) never is."""
+        return self.state in (SetState.FREE, SetState.HELD) and self.readers == 0
 
     def fits(self, sizes: tuple[int, ...]) -> bool:
         if len(sizes) != len(self.arenas):
             return False
         return all(need == 0 or (a is not None and a.size >= need) for a, need in zip(self.arenas, sizes))
 
+    def describe(self) -> str:
+        """For messages: 'step 7 (held)', 'step 8 (being written)', 'nothing (free)'."""
+        what = {SetState.FREE: "free", SetState.FILLING: "being copied", SetState.PERSISTING: "being written", SetState.HELD: "held"}[self.state]
+        read = f", read by {self.readers} load(s)" if self.readers else ""
+        return f"step {self.step} ({what}{read})" if self.step is not None else f"a snapshot ({what}{read})"
+
     def close(self) -> None:
         for arena in self.arenas:
             if arena is not None:
                 arena.close()
         self.arenas = []
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """An arena set taken for a snapshot (FILLING) before its memory is known to be there:
+    `ArenaPool.undo` puts it back as it was (a new set is removed)."""
+
+    arena_set: ArenaSet
+    new: bool
+    state: SetState
+    step: int | None
+    plan: Any
+    extras: dict[int, Any] | None
 
 
 def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
@@ -170,14 +198,21 @@ def _is_ckptd(pid: int) -> bool:
 
 
 class ArenaPool:
-    """The arena sets of one job: at most `max_inflight`, created on demand and reused."""
+    """The arena sets of one job: at most `max_inflight`, created on demand and reused.
+
+    Choosing a set for a snapshot (`reserve`, `reserve_new`) is bookkeeping on the event loop;
+    making its memory (`allocate`) runs in a thread. The daemon-wide budget and which sets are
+    given back are engine/memory.py's."""
 
     def __init__(self, shm_dir: Path, job: str, max_inflight: int) -> None:
         self.shm_dir = shm_dir
         self.job = job
         self.max_inflight = max_inflight
         self.sets: list[ArenaSet] = []
+        self.last_used = time.monotonic()  # the job's last save or load through these arenas
         self._generation = 0
+        self._holds = 0
+        self._next_index = 0
 
     @property
     def nbytes(self) -> int:
@@ -187,48 +222,68 @@ class ArenaPool:
     def count(self) -> int:
         return sum(1 for s in self.sets for a in s.arenas if a is not None)
 
+    @property
+    def can_grow(self) -> bool:
+        return len(self.sets) < self.max_inflight
+
+    def mark_used(self) -> None:
+        self.last_used = time.monotonic()
+
+    def idle_sets(self) -> list[ArenaSet]:
+        """The sets whose memory may be reused or given back: free ones, then held ones, oldest first."""
+        idle = [s for s in self.sets if s.idle]
+        return sorted(idle, key=lambda s: (s.state is SetState.HELD, s.held_order))
+
+    def fitting(self, sizes: tuple[int, ...], state: SetState) -> ArenaSet | None:
+        """An idle set in `state` with room for `sizes` (bytes per rank); held ones oldest first."""
+        return next((s for s in self.idle_sets() if s.state is state and s.fits(sizes)), None)
+
     def acquire(self, sizes: tuple[int, ...]) -> ArenaSet | None:
-        """A set with room for `sizes` (bytes per rank), marked FILLING; None if all are busy.
-
-        Preference: a free set; then a new set (up to `max_inflight`); then a held snapshot
-        that no load is reading, oldest first (its data is on disk already). A set that is
-        reused but too small is reallocated.
-        """
-        free = [s for s in self.sets if s.state is SetState.FREE]
-        fitting = [s for s in free if s.fits(sizes)]
-        if fitting or not free and len(self.sets) < self.max_inflight:
-            candidates = fitting
-        else:
-            candidates = free + sorted(
-                (s for s in self.sets if s.state is SetState.HELD and s.readers == 0), key=lambda s: s.step or 0
-            )
-        fitting = [s for s in candidates if s.fits(sizes)]
-        if fitting:
-            chosen = fitting[0]
-        elif candidates:
-            chosen = candidates[0]
-            self._allocate(chosen, sizes)
-        elif len(self.sets) < self.max_inflight:
-            chosen = ArenaSet(index=len(self.sets))
-            self.sets.append(chosen)
-            self._allocate(chosen, sizes)
-        else:
+        """A set with room for `sizes`, marked FILLING, its memory allocated here (no budget: the
+        engine uses engine/memory.py); None if every set is busy. Preference: a free set that
+        fits, a held one that fits, an idle one reallocated, a new one (up to `max_inflight`)."""
+        chosen = self.fitting(sizes, SetState.FREE) or self.fitting(sizes, SetState.HELD)
+        if chosen is not None:
+            return self.reserve(chosen).arena_set
+        idle = self.idle_sets()
+        if not idle and not self.can_grow:
             return None
-        chosen.state = SetState.FILLING
-        chosen.step = None
-        return chosen
+        reservation = self.reserve(idle[0]) if idle else self.reserve_new()
+        try:
+            self.allocate(reservation.arena_set, sizes)
+        except BaseException:
+            self.undo(reservation)
+            raise
+        return reservation.arena_set
 
-    def prewarm(self, sizes: tuple[int, ...]) -> bool:
-        """Create one more FREE set of `sizes` if the pool has room, so that the next save does
-        not pay for fresh pages while the trainer waits. Returns whether it created one."""
-        if len(self.sets) >= self.max_inflight or any(s.state is SetState.FREE and s.fits(sizes) for s in self.sets):
-            return False
-        arena_set = ArenaSet(index=len(self.sets))
-        self._allocate(arena_set, sizes)
+    def reserve(self, arena_set: ArenaSet) -> Reservation:
+        """Take an idle set for a snapshot (FILLING); a held snapshot inside is dropped."""
+        assert arena_set.idle and arena_set in self.sets
+        taken = Reservation(arena_set, False, arena_set.state, arena_set.step, arena_set.plan, arena_set.extras)
+        arena_set.state = SetState.FILLING
+        arena_set.step = arena_set.plan = arena_set.extras = None
+        return taken
+
+    def reserve_new(self) -> Reservation:
+        """A new, still empty set for a snapshot (FILLING); the caller allocates it."""
+        assert self.can_grow
+        arena_set = ArenaSet(index=self._next_index, state=SetState.FILLING)
+        self._next_index += 1
         self.sets.append(arena_set)
-        return True
+        return Reservation(arena_set, True, SetState.FREE, None, None, None)
 
-    def _allocate(self, arena_set: ArenaSet, sizes: tuple[int, ...]) -> None:
+    def undo(self, taken: Reservation) -> None:
+        """Put back a reservation whose memory could not be had: a new or emptied set goes."""
+        arena_set = taken.arena_set
+        if taken.new or not arena_set.arenas:
+            arena_set.close()
+            if arena_set in self.sets:
+                self.sets.remove(arena_set)
+            return
+        arena_set.state, arena_set.step, arena_set.plan, arena_set.extras = taken.state, taken.step, taken.plan, taken.extras
+
+    def allocate(self, arena_set: ArenaSet, sizes: tuple[int, ...]) -> None:
+        """Replace the set's arenas by new ones of `sizes` (blocking: run in a thread)."""
         arena_set.close()
         self._generation += 1
         arenas: list[Arena | None] = []
@@ -255,13 +310,35 @@ class ArenaPool:
 
     def hold(self, arena_set: ArenaSet, step: int, plan: Any, extras: dict[int, Any]) -> None:
         """Keep a committed snapshot (laid out by `plan`) for tier-0 restores; older held snapshots become free."""
+        self._holds += 1
         arena_set.state = SetState.HELD
         arena_set.step = step
         arena_set.plan = plan
         arena_set.extras = extras
+        arena_set.held_order = self._holds
+        self.mark_used()
         for other in self.sets:
             if other is not arena_set and other.state is SetState.HELD and other.readers == 0:
                 self.release(other)
+
+    def surplus(self) -> list[ArenaSet]:
+        """Take out every idle set but one (the newest held snapshot, else the largest free set):
+        what a job keeps between saves when the held snapshot's arenas are reused. Returns them
+        for the caller to close (off the event loop)."""
+        idle = self.idle_sets()
+        if len(idle) <= 1:
+            return []
+        held = [s for s in idle if s.state is SetState.HELD]
+        keep = held[-1] if held else max(idle, key=lambda s: s.nbytes)
+        return [self.detach(s) for s in idle if s is not keep]
+
+    def detach(self, arena_set: ArenaSet) -> ArenaSet:
+        """Take an idle set out of the pool (its held snapshot, if any, is no longer served);
+        the caller closes it."""
+        assert arena_set.idle
+        self.sets.remove(arena_set)
+        self.release(arena_set)
+        return arena_set
 
     def held(self, step: int) -> ArenaSet | None:
         for s in self.sets:

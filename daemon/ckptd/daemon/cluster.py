@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
@@ -104,6 +104,18 @@ class _GlobalSave:
     @property
     def nodes(self) -> set[int]:
         return set(self.root_ids)
+
+
+def _slim(save: _GlobalSave) -> None:
+    """A decided save only answers late reports: keep its outcome, not what the commit was made
+    of (manifests, extras, metadata, the index: ~2 KiB per tensor; issue 30 finding 5)."""
+    save.manifests.clear()
+    save.extras.clear()
+    save.model_files.clear()
+    save.all_specs = ()
+    if save.outcome is not None:
+        files = save.outcome.step_files if save.nodes - {0} else {}
+        save.outcome = replace(save.outcome, index=None, step_files=files)
 
 
 class Coordinator:
@@ -301,7 +313,8 @@ class Coordinator:
             log.exception("committing step %s of job %s failed", save.step, save.job)
             await self._abort(save, f"the coordinator could not commit: {exc}")
             return
-        save.outcome = Outcome(True, step_files={} if shared else files, index=index)
+        # the small files are for the other nodes with a root of their own (ReportManifest's answer)
+        save.outcome = Outcome(True, step_files={} if shared or not save.nodes - {0} else files, index=index)
         save.decided.set()
         if len(save.nodes) > 1:
             log.info("committed step %s of job %s across nodes %s", save.step, save.job, sorted(save.nodes))
@@ -379,6 +392,8 @@ class Coordinator:
         done = [step for (j, step), s in list(self._saves.items()) if j == job and s.decided.is_set()]
         for step in done[:-RECENT_SAVES]:
             self._saves.pop((job, step), None)
+        for step in done[-RECENT_SAVES:]:
+            _slim(self._saves[(job, step)])
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -2,7 +2,8 @@
 
 Each setting has one name, the `DaemonConfig` field name; the same name, spelled per source:
 
-- flag: `--` + the name with dashes (`--max-inflight`); exception: `save_timeout_s` is `--save-timeout`;
+- flag: `--` + the name with dashes (`--max-inflight`); exceptions: `save_timeout_s` is `--save-timeout`,
+  `idle_release_s` is `--idle-release`;
 - environment: `CKPTD_` + the name upper-cased (`CKPTD_MAX_INFLIGHT`); an empty value counts as unset;
 - TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the
   retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`,
@@ -26,8 +27,8 @@ from typing import Any, Callable, Final, Mapping
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.codecs import builtin as builtin_codecs
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
-from ckptd.common.sizes import human_bytes
 from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
+from ckptd.daemon.shm import ShmBudget, check_shm as check_shm  # re-exported
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -60,7 +61,14 @@ class DaemonConfig:
     shm_dir: where the shared-memory arenas live (a tmpfs, normally /dev/shm).
     arena_policy: what a save does when none of its rank's arenas is free: "wait" (backpressure)
         or "skip" (the checkpoint is skipped and reported on the handle).
-    max_inflight: arenas (snapshots) per rank, so a save can start while older ones are written.
+    max_inflight: arena sets (snapshots) per job, so a save can start while older ones are written;
+        the second is made only when a save finds none idle, and given back once idle again.
+    shm_budget: the most shared memory the arenas of all jobs take together (bytes, a share of
+        the host's memory, or none: the shm_dir's size); see docs/operations.md, Memory.
+    hold_while_saving: keep the newest committed snapshot while the next save fills a second
+        arena set (when max_inflight and the budget allow; 2x the state per job); off: the next
+        save reuses the held snapshot's arenas (1x), so that step restores from disk meanwhile.
+    idle_release_s: give back the arenas of a job with no save or load for this long; 0 = never.
     keep_last: retention, the number of newest committed steps to keep; 0 = keep all.
     keep_every: retention, also keep every step divisible by this forever; 0 = off.
     write_threads: threads that write and fsync files.
@@ -110,6 +118,9 @@ class DaemonConfig:
     shm_dir: Path = Path("/dev/shm")
     arena_policy: str = "wait"
     max_inflight: int = 2
+    shm_budget: ShmBudget = ShmBudget()
+    hold_while_saving: bool = False
+    idle_release_s: float = 3600.0
     keep_last: int = 3
     keep_every: int = 0
     write_threads: int = 4
@@ -257,6 +268,16 @@ def _seconds(raw: Any, text: bool) -> float:
     return float(raw)
 
 
+def _seconds_or_off(raw: Any, text: bool) -> float:
+    """Seconds as for _seconds, or 0 (off)."""
+    if (type(raw) in (int, float) and raw == 0) or (isinstance(raw, str) and raw.strip() in ("0", "0.0")):
+        return 0.0
+    try:
+        return _seconds(raw, text)
+    except _Expected:
+        raise _Expected("a number of seconds > 0, or 0 (off)") from None
+
+
 def _choice(choices: tuple[str, ...]) -> Parser:
     expected = "one of " + ", ".join(repr(c) for c in choices)
 
@@ -321,6 +342,22 @@ def _size_or_off(raw: Any, text: bool) -> int:
         return _size(raw, text)
     except _Expected as exc:
         raise _Expected(f"0 (off) or {exc}") from None
+
+
+def _shm_budget(raw: Any, text: bool) -> ShmBudget:
+    """0 (none), a size as for _size, or a share of the host's memory in percent ('50%')."""
+    expected = "0 (none), a size in bytes such as '64GiB' (B, KiB, MiB, GiB or TiB), or a share of the host's memory such as '50%'"
+    if isinstance(raw, ShmBudget):
+        return raw
+    if isinstance(raw, str) and raw.strip().endswith("%"):
+        try:
+            return ShmBudget.of_percent(raw)
+        except ValueError as exc:
+            raise _Expected(f"{expected}; {exc}") from None
+    try:
+        return ShmBudget(nbytes=_size_or_off(raw, text))
+    except _Expected:
+        raise _Expected(expected) from None
 
 
 def _peers(raw: Any, text: bool) -> tuple[str, ...]:
@@ -393,7 +430,10 @@ _SPECS: Final[dict[str, _Spec]] = {
     "socket": _Spec(_path, "--socket", "PATH", "Unix socket for the ranks (default: $XDG_RUNTIME_DIR/ckptd/ckptd.sock, else /run/ckptd/ckptd.sock as root, else /tmp/ckptd-<uid>/ckptd.sock)"),
     "shm_dir": _Spec(_path, "--shm-dir", "DIR", "directory (a tmpfs) for the shared-memory arenas (default: /dev/shm)"),
     "arena_policy": _Spec(_choice(ARENA_POLICIES), "--arena-policy", "{wait,skip}", "when no arena is free: wait (backpressure) or skip the checkpoint (default: wait)"),
-    "max_inflight": _Spec(_integer(1), "--max-inflight", "N", "arenas (snapshots) per rank (default: 2)"),
+    "max_inflight": _Spec(_integer(1), "--max-inflight", "N", "arena sets (snapshots) per job: a second lets a save start while the previous one is written (default: 2)"),
+    "shm_budget": _Spec(_shm_budget, "--shm-budget", "SIZE|PERCENT", "shared memory for the arenas of all jobs, e.g. 64GiB or 50%% (of the host's memory); idle snapshots are given back to stay within it; 0 = the --shm-dir's size (default: 0)"),
+    "hold_while_saving": _Spec(_boolean, "--hold-while-saving", "", "keep the newest snapshot in memory while the next save fills a second arena set, when --max-inflight and --shm-budget allow (2x memory per job); off: the next save reuses its arenas (default: off)"),
+    "idle_release_s": _Spec(_seconds_or_off, "--idle-release", "SECONDS", "give back the shared memory of a job with no save or load for this long; 0 = never (default: 3600)"),
     "keep_last": _Spec(_integer(0, " (0 = keep all)"), "--keep-last", "N", "keep the newest N committed steps; 0 keeps all (default: 3)"),
     "keep_every": _Spec(_integer(0, " (0 = off)"), "--keep-every", "N", "also keep every step divisible by N forever; 0 = off (default: 0)"),
     "write_threads": _Spec(_integer(1), "--write-threads", "N", "threads writing checkpoint files (default: 4)"),
@@ -552,38 +592,3 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str]) -> Daem
     given = {name: getattr(ns, name, None) for name in _SPECS}
     config = getattr(ns, "config", None)
     return load_config(given, environ, Path(config).expanduser() if config else None)
-
-
-# ------------------------------------------------------------------ start-up checks
-
-_SHM_FIX: Final = (
-    "give it more shared memory: Docker `docker run --shm-size=16g ...` (or `shm_size:` in compose); "
-    "Kubernetes: mount an emptyDir with `medium: Memory` and a `sizeLimit` at /dev/shm "
-    "(or use hostIPC: true); or point --shm-dir / CKPTD_SHM_DIR at a larger tmpfs"
-)
-
-
-def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
-    """None when `shm_dir` is a writable directory with at least `needed_bytes` free; else what is wrong and how to fix it.
-
-    Containers get a 64 MiB /dev/shm by default, far too little for checkpoint arenas (docs/architecture.md section 10).
-    """
-    if not shm_dir.is_dir():
-        return (
-            f"shared-memory directory {shm_dir} does not exist or is not a directory; create it, or point "
-            "--shm-dir / CKPTD_SHM_DIR at a tmpfs such as /dev/shm (in Kubernetes: an emptyDir with `medium: Memory`)"
-        )
-    if not os.access(shm_dir, os.W_OK | os.X_OK):
-        return f"shared-memory directory {shm_dir} is not writable by uid {os.geteuid()}; fix its permissions or choose another --shm-dir"
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError as exc:
-        return f"cannot check the free space of {shm_dir}: {exc.strerror or exc}"
-    free = st.f_bavail * st.f_frsize
-    if free < needed_bytes:
-        total = st.f_blocks * st.f_frsize
-        return (
-            f"{shm_dir} has {human_bytes(free)} free (of {human_bytes(total)}) but the checkpoint arenas need "
-            f"{human_bytes(needed_bytes)}; {_SHM_FIX}"
-        )
-    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -71,7 +72,7 @@ def parse_step_dir_name(name: str) -> int | None:
 # ------------------------------------------------------------------ safetensors
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeaderEntry:
     key: str
     dtype: str
@@ -90,18 +91,20 @@ def safetensors_header(
     to exactly `size` bytes, for a header written after data whose place was reserved for it;
     raises FormatError if it does not fit.
     """
-    meta = {"format": "pt", **(metadata or {})}
-    header: dict[str, Any] = {"__metadata__": meta}
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    parts = [f'{{"__metadata__":{encode({"format": "pt", **(metadata or {})})}']
+    keys = {"__metadata__"}
     placed = []
     cursor = 0
-    for key, dtype, shape in entries:
-        if key in header:
+    for key, dtype, shape in entries:  # encoded one at a time: no document of dicts (issue 30 finding 5)
+        if key in keys:
             raise FormatError(f"key {key!r} appears twice in one safetensors file")
+        keys.add(key)
         nbytes = dtypes.nbytes(dtype, shape)
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        parts.append(f"{encode(key)}:{encode({'dtype': dtype, 'shape': list(shape), 'data_offsets': [cursor, cursor + nbytes]})}")
         placed.append(HeaderEntry(key, dtype, tuple(shape), cursor, cursor + nbytes))
         cursor += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = (",".join(parts) + "}").encode()
     if size:
         assert size % HEADER_ALIGN == 0, f"header room {size} is not a multiple of {HEADER_ALIGN}"
         if 8 + len(text) > size:
@@ -158,7 +161,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tup
 # ------------------------------------------------------------------ index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SideRecord:
     """Bytes that decoding a fragment needs besides its own codes: its scale tensor, or (a master
     weight stored as a residual) the model weight it is a residual to."""
@@ -191,7 +194,7 @@ class SideRecord:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QuantRecord:
     """How a fragment's stored bytes become its values (ckptd.common.quant).
 
@@ -231,7 +234,7 @@ class QuantRecord:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FragmentRecord:
     """Where one fragment of a logical tensor is stored."""
 
@@ -290,7 +293,7 @@ class FragmentRecord:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     name: str
     kind: str
@@ -303,7 +306,7 @@ class TensorRecord:
     # issue 30, when extras tensors were not per rank).
     rank: int | None = None
 
-    @functools.cached_property
+    @property
     def lossy(self) -> bool:
         """Some fragment is stored coded (quantized, cast or a residual), not as its values."""
         return any(f.quant is not None for f in self.fragments)
@@ -334,7 +337,7 @@ class TensorRecord:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRecord:
     name: str
     size: int
@@ -400,7 +403,15 @@ class CheckpointIndex:
         return table
 
     def to_json_bytes(self) -> bytes:
-        doc = {
+        """The index as compact JSON, one line: {format, job, step, created_at, world_size,
+        metric, writer, files, tensors[, quantization]}.
+
+        Compact, by json's C encoder (an indent takes its pure-Python one), and the tensors
+        encoded one at a time instead of as one document of dicts: for 1,000 tensors the
+        indented document took 54 ms and a 4.7 MiB peak of objects (issue 30 finding 5). The
+        index is read by programs; `ckptd inspect` shows it to people."""
+        encode = json.JSONEncoder(separators=(",", ":")).encode
+        head = {
             "format": INDEX_FORMAT_QUANT if self.compressed else INDEX_FORMAT,
             "job": self.job,
             "step": self.step,
@@ -409,11 +420,19 @@ class CheckpointIndex:
             "metric": self.metric,
             "writer": self.writer,
             "files": {f.name: f.to_json() for f in self.files},
-            "tensors": {t.name: t.to_json() for t in self.tensors},
         }
-        if self.quantization is not None:
-            doc["quantization"] = self.quantization
-        return json.dumps(doc, indent=1, sort_keys=False).encode() + b"\n"
+        tensors = ",".join(f"{encode(t.name)}:{encode(t.to_json())}" for t in self.tensors)
+        tail = f',"quantization":{encode(self.quantization)}' if self.quantization is not None else ""
+        return f'{encode(head)[:-1]},"tensors":{{{tensors}}}{tail}}}\n'.encode()
+
+    @staticmethod
+    def created_at_of(head: bytes) -> float | None:
+        """The commit time from the first INDEX_HEAD_BYTES of an index written by to_json_bytes
+        (it comes first, after format, job and step); None when the head is not in that form
+        (an index written indented by an older daemon: parse the whole file then). Reading the
+        commit order of a job's steps then costs no parse of each index (issue 30 finding 5)."""
+        match = _CREATED_AT.match(head)
+        return float(match.group(1)) if match else None
 
     @staticmethod
     def from_json_bytes(data: bytes, where: str = INDEX_NAME) -> "CheckpointIndex":
@@ -441,6 +460,10 @@ class CheckpointIndex:
             raise
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FormatError(f"{where} is malformed: {type(exc).__name__}: {exc}") from None
+
+
+INDEX_HEAD_BYTES = 512
+_CREATED_AT = re.compile(rb'\{"format":"ckptd/[0-9]+","job":"[A-Za-z0-9._-]*","step":-?[0-9]+,"created_at":(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?),')
 
 
 def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
@@ -483,7 +506,7 @@ def parse_extra_json(data: bytes, record: FileRecord) -> dict[int, Any]:
 # ------------------------------------------------------------------ file layout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredTensor:
     """A tensor as it goes into a file: under `key`, whole or as one fragment (`box`)."""
 

@@ -48,6 +48,15 @@ FAILURE_CAUSES = (
 )
 
 
+# Why a job's arena memory went back (label `reason` of ckptd_arena_released_bytes_total).
+RELEASE_REASONS = (
+    "spare",  # a job's second arena set, idle again: a job keeps one between saves
+    "pressure",  # another save needed the memory (over --shm-budget, or the shared-memory directory full)
+    "idle",  # the job saved or loaded nothing here for --idle-release
+    "gc",  # `ckptd gc`
+)
+
+
 @dataclass(frozen=True)
 class LiveState:
     """The service's current state, as read on the event loop at scrape time.
@@ -55,6 +64,8 @@ class LiveState:
     queue_depth: job -> snapshots handed over and not yet committed (being written).
     open_saves: job -> saves waiting for ranks or copying (not yet handed over).
     arena_bytes / arenas: shared memory reserved for snapshots (bytes / count), all jobs.
+    job_arena_bytes / job_idle_s: per job, its arena sets' bytes and seconds since its last save
+        or load (0 while in use); shm_budget: --shm-budget in bytes (0: none).
     loads_active: loads being read (their steps are protected from retention).
     draining: 1 while shutting down.
     """
@@ -67,6 +78,9 @@ class LiveState:
     draining: bool = False
     replica_bytes: int = 0  # memory held (and being received into) for other nodes' replicas
     replicas: int = 0  # other nodes' parts held
+    job_arena_bytes: dict[str, int] = field(default_factory=dict)
+    job_idle_s: dict[str, float] = field(default_factory=dict)
+    shm_budget: int = 0
 
 
 class _LiveCollector(Collector):
@@ -89,6 +103,17 @@ class _LiveCollector(Collector):
         yield open_saves
         yield GaugeMetricFamily("ckptd_arena_bytes", "Shared memory reserved for snapshot arenas, in bytes (all jobs).", value=state.arena_bytes)
         yield GaugeMetricFamily("ckptd_arenas", "Snapshot arenas allocated (all jobs).", value=state.arenas)
+        job_bytes = GaugeMetricFamily("ckptd_job_arena_bytes", "Shared memory held by a job's snapshot arenas, in bytes.", labels=["job"])
+        for job, n in sorted(state.job_arena_bytes.items()):
+            job_bytes.add_metric([job], n)
+        yield job_bytes
+        job_idle = GaugeMetricFamily(
+            "ckptd_job_arena_idle_seconds", "Seconds since a job holding arenas last saved or loaded here (0 while in use).", labels=["job"]
+        )
+        for job, s in sorted(state.job_idle_s.items()):
+            job_idle.add_metric([job], s)
+        yield job_idle
+        yield GaugeMetricFamily("ckptd_shm_budget_bytes", "--shm-budget in bytes (0: none, the shared-memory directory's size).", value=state.shm_budget)
         yield GaugeMetricFamily("ckptd_loads_active", "Loads in progress (their steps are kept by retention).", value=state.loads_active)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is shutting down and takes no new saves.", value=int(state.draining))
         yield GaugeMetricFamily("ckptd_replica_bytes", "Memory held for other nodes' replicas (tier 0b), received and being received, in bytes.", value=state.replica_bytes)
@@ -134,6 +159,12 @@ class Metrics:
             ["job"], registry=r,
         )
         self.retention_deleted = Counter("ckptd_retention_deleted_steps", "Committed steps deleted by retention (after commits and by ckptd gc).", ["job"], registry=r)
+        self.arena_released = Counter(
+            "ckptd_arena_released_bytes", "Shared memory of snapshot arenas given back, by reason: spare (a job's second set, idle again), "
+            "pressure (another save needed it), idle (no save or load for --idle-release), gc.", ["reason"], registry=r,
+        )
+        for reason in RELEASE_REASONS:
+            self.arena_released.labels(reason)
         self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
         self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)
         # tier 0b: replicas of nodes' parts in other daemons' memory (engine/replication.py)

@@ -106,6 +106,13 @@ def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
         "queue_depth": reply.queue_depth,
         "arena_bytes": reply.arena_bytes,
         "arena_count": reply.arena_count,
+        "shm_budget": reply.shm_budget,
+        "shm_free": reply.shm_free,
+        "arena_holders": [
+            {"job": h.job, "bytes": h.bytes, "sets": h.sets, "held_steps": list(h.held_steps), "in_flight": h.in_flight,
+             "readers": h.readers, "idle_s": h.idle_s}
+            for h in reply.arena_holders
+        ],
         "loads_active": reply.loads_active,
         "committed_total": reply.committed_total,
         "failed_total": reply.failed_total,
@@ -165,12 +172,30 @@ def _replica_lines(replicas: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _holder_lines(doc: dict[str, Any]) -> list[str]:
+    """`ckptd status` lines of who holds the arenas' shared memory: per job, bytes, steps, idle time."""
+    lines = []
+    for h in doc.get("arena_holders", []):
+        parts = [f"{human_bytes(h['bytes'])} in {h['sets']} arena set(s)"]
+        if h["held_steps"]:
+            parts.append("holds step " + ", ".join(map(str, h["held_steps"])) + " for restores from memory")
+        if h["in_flight"]:
+            parts.append(f"{h['in_flight']} save(s) in flight")
+        if h["readers"]:
+            parts.append(f"read by {h['readers']} load(s)")
+        parts.append(f"idle {human_seconds(h['idle_s'])}" if h["idle_s"] > 0 else "in use")
+        lines.append(f"  job {h['job']}: " + "; ".join(parts))
+    return lines
+
+
 def render_status(doc: dict[str, Any], now: float) -> str:
+    budget = human_bytes(doc["shm_budget"]) if doc.get("shm_budget") else "none"
     lines = [
         f"ckptd {doc['version']} at {doc['address']} (node {doc['node_rank']} of {doc['nodes']}), root {doc['root']}, "
         f"up {human_seconds(doc['uptime_s'])}" + (", DRAINING (shutting down, no new saves)" if doc["draining"] else ""),
-        f"arenas: {doc['arena_count']} holding {human_bytes(doc['arena_bytes'])} of shared memory; queue depth {doc['queue_depth']}; "
-        f"loads in progress {doc['loads_active']}",
+        f"arenas: {doc['arena_count']} holding {human_bytes(doc['arena_bytes'])} of shared memory (budget {budget}, "
+        f"{human_bytes(doc.get('shm_free', 0))} free); queue depth {doc['queue_depth']}; loads in progress {doc['loads_active']}",
+        *_holder_lines(doc),
         f"since start: {doc['committed_total']} committed, {doc['failed_total']} failed, {doc['skipped_total']} skipped; "
         f"{human_bytes(doc['bytes_written_total'])} written"
         + (f"; {doc['link_mismatches_total']} linked files found damaged and written again (see the log)" if doc["link_mismatches_total"] else ""),

@@ -82,6 +82,19 @@ class InFlightSave:
 
 
 @dataclass(frozen=True)
+class ArenaHolder:
+    """One job's arena sets in `ckptd status`: who holds how much shared memory, and since when idle."""
+
+    job: str
+    bytes: int  # shared memory of its arena sets
+    sets: int
+    held_steps: tuple[int, ...]  # committed snapshots kept for restores from memory
+    in_flight: int  # sets being filled or written
+    readers: int  # loads reading its held snapshots
+    idle_s: float  # seconds since its last save or load here; 0 while a save is open or a set is in use
+
+
+@dataclass(frozen=True)
 class LastCommit:
     """The newest commit this daemon made or recorded."""
 
@@ -172,15 +185,22 @@ class StatusSnapshot:
     remote: "RemoteStatus | None" = None  # the object-store tier (--remote); None without one
     replicas: "ReplicaStatus | None" = None  # tier 0b; None on a single node
     link_mismatches_total: int = 0  # linked files incremental saves found damaged and wrote again
+    arena_holders: tuple[ArenaHolder, ...] = ()  # the jobs with arena sets
+    shm_budget: int = 0  # --shm-budget in bytes; 0: none (the shared-memory directory's size)
+    shm_free: int = 0  # bytes free in the shared-memory directory
 
     @classmethod
     def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":
         """From the dict CheckpointService.status() returns today (a KeyError names a missing
         field); `last_commit` may be any object with LastCommit's attributes."""
         last = status["last_commit"]
-        values = {f.name: status[f.name] for f in fields(cls) if f.name not in ("in_flight", "last_commit", "remote", "replicas")}
+        special = ("in_flight", "last_commit", "remote", "replicas", "arena_holders", "shm_budget", "shm_free")
+        values = {f.name: status[f.name] for f in fields(cls) if f.name not in special}
         return cls(
             in_flight=tuple(InFlightSave(**f) for f in status["in_flight"]),
+            arena_holders=tuple(status.get("arena_holders", ())),
+            shm_budget=status.get("shm_budget", 0),
+            shm_free=status.get("shm_free", 0),
             last_commit=None if last is None else LastCommit(**{f.name: getattr(last, f.name) for f in fields(LastCommit)}),
             remote=status.get("remote"),
             replicas=status.get("replicas"),
@@ -188,5 +208,7 @@ class StatusSnapshot:
         )
 
     def of_job(self, job: str) -> "StatusSnapshot":
-        """The same snapshot with only `job`'s saves in flight."""
-        return replace(self, in_flight=tuple(f for f in self.in_flight if f.job == job))
+        """The same snapshot with only `job`'s saves in flight and arena sets."""
+        return replace(
+            self, in_flight=tuple(f for f in self.in_flight if f.job == job), arena_holders=tuple(h for h in self.arena_holders if h.job == job)
+        )

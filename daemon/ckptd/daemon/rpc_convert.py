@@ -175,6 +175,13 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
         bytes_written_total=status.bytes_written_total, uptime_s=status.uptime_s, loads_active=status.loads_active,
         last_commit=_last_commit_pb(status.last_commit), remote=_remote_pb(status.remote), replicas=_replicas_pb(status.replicas),
         link_mismatches_total=status.link_mismatches_total,
+        arena_holders=[
+            pb.ArenaHolder(
+                job=h.job, bytes=h.bytes, sets=h.sets, held_steps=h.held_steps, in_flight=h.in_flight, readers=h.readers, idle_s=h.idle_s
+            )
+            for h in status.arena_holders
+        ],
+        shm_budget=status.shm_budget, shm_free=status.shm_free,
     )
 
 

@@ -148,7 +148,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     await server.start()
     if probe_server is not None:
         await probe_server.start()
-    background = []
+    background = [asyncio.get_running_loop().create_task(service.release_idle_arenas())]
     if peer_server is not None:
         await peer_server.start()
         log.info("node %s of %s: peer service on %s", config.node_rank, len(config.peers), config.peer_address)

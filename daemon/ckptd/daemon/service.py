@@ -311,6 +311,10 @@ class CheckpointService:
     async def member_retention_at_start(self) -> None:
         await self.housekeeping.member_retention_at_start()
 
+    async def release_idle_arenas(self) -> None:
+        """Give back the arenas of jobs idle for idle_release_s, until cancelled (engine/memory.py)."""
+        await self.engine.memory.release_idle_forever()
+
     async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
         return await self.housekeeping.collect(job, dry_run)
 

@@ -444,7 +444,7 @@ class LastCommit(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed_at: _Optional[float] = ..., latency_s: _Optional[float] = ..., bytes: _Optional[int] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas", "link_mismatches_total")
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas", "link_mismatches_total", "arena_holders", "shm_budget", "shm_free")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +465,9 @@ class StatusResponse(_message.Message):
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LINK_MISMATCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ARENA_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHM_FREE_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
@@ -485,7 +488,28 @@ class StatusResponse(_message.Message):
     remote: RemoteStatus
     replicas: ReplicaStatus
     link_mismatches_total: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., link_mismatches_total: _Optional[int] = ...) -> None: ...
+    arena_holders: _containers.RepeatedCompositeFieldContainer[ArenaHolder]
+    shm_budget: int
+    shm_free: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., link_mismatches_total: _Optional[int] = ..., arena_holders: _Optional[_Iterable[_Union[ArenaHolder, _Mapping]]] = ..., shm_budget: _Optional[int] = ..., shm_free: _Optional[int] = ...) -> None: ...
+
+class ArenaHolder(_message.Message):
+    __slots__ = ("job", "bytes", "sets", "held_steps", "in_flight", "readers", "idle_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SETS_FIELD_NUMBER: _ClassVar[int]
+    HELD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    bytes: int
+    sets: int
+    held_steps: _containers.RepeatedScalarFieldContainer[int]
+    in_flight: int
+    readers: int
+    idle_s: float
+    def __init__(self, job: _Optional[str] = ..., bytes: _Optional[int] = ..., sets: _Optional[int] = ..., held_steps: _Optional[_Iterable[int]] = ..., in_flight: _Optional[int] = ..., readers: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("held_bytes", "memory_limit", "held", "jobs", "bulk_port")

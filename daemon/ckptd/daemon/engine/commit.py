@@ -16,7 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
-from ckptd.daemon.engine.context import Engine, notify
+from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.memory import trim_heap
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.records import LastCommit
@@ -184,7 +185,8 @@ class Commit:
                 extra={"job": session.job, "step": session.step},
             )
             state.finish(session)
-            await notify(state.arena_freed)
+            engine.memory.settle(state)
+            engine.spawn(asyncio.to_thread(trim_heap))
             return
         if not outcome.decided and manifest is not None and not session.shared_root and node != 0:
             # Node 0 went away before it answered: it may have committed the step (its index is

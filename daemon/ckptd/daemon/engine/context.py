@@ -28,6 +28,7 @@ from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.storage import StorageBackend
 from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.engine.runs import RunClaim, Runs
+from ckptd.daemon.engine.memory import ArenaMemory
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 
 if TYPE_CHECKING:
@@ -35,19 +36,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INDEX_CACHE_ENTRIES = 16  # parsed indexes kept (about 1 KiB per tensor each): the steps loaded or committed last
+INDEX_CACHE_ENTRIES = 16  # parsed indexes kept: the steps loaded or committed last
+INDEX_CACHE_TENSORS = 1024  # and at most this many tensor records in all (about 1.3 KiB each)
 
 
 class IndexCache:
-    """The parsed indexes of the `entries` committed steps used most recently, by (job, step).
+    """The parsed indexes of the committed steps used most recently, by (job, step): at most
+    `entries` of them and `tensors` tensor records in all; the newest is kept whatever its size.
 
     Bounded: a job that keeps every 50th step for months has thousands of committed steps, and
     an index of every one of them in memory grew the daemon by about 190 KiB per step (200
-    tensors) in the soak benchmark (tests/bench/soak.py)."""
+    tensors) in the soak benchmark (tests/bench/soak.py); 16 indexes of a 1,000-tensor job took
+    20 MiB, 8% of its 256 MiB state (issue 30 finding 5). An index not cached is read again."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, tensors: int = INDEX_CACHE_TENSORS) -> None:
         self.entries = entries
+        self.tensors = tensors
         self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
+        self._records = 0
 
     def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
         index = self._items.get(key)
@@ -56,13 +62,18 @@ class IndexCache:
         return index
 
     def put(self, key: tuple[str, int], index: CheckpointIndex) -> None:
+        self.pop(key)
         self._items[key] = index
-        self._items.move_to_end(key)
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
+        self._records += len(index.tensors)
+        while len(self._items) > 1 and (len(self._items) > self.entries or self._records > self.tensors):
+            _, old = self._items.popitem(last=False)
+            self._records -= len(old.tensors)
 
     def pop(self, key: tuple[str, int]) -> CheckpointIndex | None:
-        return self._items.pop(key, None)
+        index = self._items.pop(key, None)
+        if index is not None:
+            self._records -= len(index.tensors)
+        return index
 
 
 @dataclass
@@ -122,6 +133,7 @@ class Engine:
         self.metrics = Metrics(config.node_rank)
         self.transports: dict[str, DaemonTransport] = daemon_transports()  # the daemon's side of hand-offs (handoffs.py)
         self.jobs: dict[str, JobState] = {}
+        self.memory = ArenaMemory(lambda: self.config, self.jobs, self.metrics, self.spawn)  # the arenas of all jobs, one budget
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
         self.last_commit: LastCommit | None = None
@@ -174,8 +186,8 @@ class Engine:
 
     async def fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
         """Fail the save (no-op once it ended). cause: the label of ckptd_save_failures_total
-        (metrics.FAILURE_CAUSES). Releases its arenas, and with several nodes tells the
-        coordinator, so that every node aborts it."""
+        (metrics.FAILURE_CAUSES). Releases its arenas (engine/memory.py decides whether the job
+        keeps them), and with several nodes tells the coordinator, so that every node aborts it."""
         if not session.fail(reason):
             return
         self.counters.failed += 1
@@ -186,7 +198,7 @@ class Engine:
         )
         if session.arenas is not None:
             state.pool.release(session.arenas)
-            await notify(state.arena_freed)
+            self.memory.settle(state)
         state.finish(session)
         if session.global_id and not session.reported:
             session.reported = True
@@ -211,7 +223,3 @@ class Engine:
     def writing_count(self) -> int:
         return sum(1 for s in self.jobs.values() for x in s.sessions.values() if x.state is SaveState.WRITING)
 
-
-async def notify(condition: asyncio.Condition) -> None:
-    async with condition:
-        condition.notify_all()

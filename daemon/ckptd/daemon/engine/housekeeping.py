@@ -26,7 +26,7 @@ class Collected:
     job: str
     step: int  # -1: not a step directory
     path: str
-    reason: str  # "retention" | "uncommitted" | "temporary"
+    reason: str  # "retention" | "uncommitted" | "temporary" | "memory" (an idle arena set given back)
     bytes: int
 
 
@@ -113,11 +113,15 @@ class Housekeeping:
         return out
 
     async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
-        """`ckptd gc`: apply retention now and remove uncommitted leftovers, for one job or all.
+        """`ckptd gc`: apply retention now, remove uncommitted leftovers and give back the shared
+        memory of idle arena sets (held snapshots: those steps then restore from disk), for one
+        job or all.
 
-        Never touches a step this daemon is saving; with several nodes, step directories changed
-        within the last save timeout are left alone too (another node may be writing them)."""
+        Never touches a step this daemon is saving, nor arenas in flight or being read; with
+        several nodes, step directories changed within the last save timeout are left alone too
+        (another node may be writing them)."""
         engine = self.engine
+        released = await engine.memory.collect(job, dry_run)
         jobs = [job] if job else await asyncio.to_thread(engine.storage.jobs)
         removed: list[Collected] = []
         min_age = engine.config.save_timeout_s if engine.cluster is not None else 0.0
@@ -128,7 +132,7 @@ class Housekeeping:
             removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
             if self._applies_retention(name):
                 removed += await self.apply_retention(name, dry_run)
-        return removed
+        return removed + [Collected(name, step, files, "memory", nbytes) for name, step, files, nbytes in released]
 
     def _applies_retention(self, job: str) -> bool:
         """Whether this daemon applies the job's retention: a single node, node 0 (the coordinator;
@@ -162,6 +166,7 @@ class Housekeeping:
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
         jobs = self.engine.jobs
+        holders = self.engine.memory.holders()
         return LiveState(
             queue_depth={job: len(state.writing()) for job, state in jobs.items()},
             open_saves={job: sum(1 for s in state.sessions.values() if s.open) for job, state in jobs.items()},
@@ -169,6 +174,9 @@ class Housekeeping:
             arenas=sum(s.pool.count for s in jobs.values()),
             loads_active=self._loads_active(),
             draining=self.engine.draining,
+            job_arena_bytes={h.job: h.bytes for h in holders},
+            job_idle_s={h.job: h.idle_s for h in holders},
+            shm_budget=self.engine.memory.budget or 0,
         )
 
     def status(self) -> dict[str, Any]:
@@ -213,4 +221,7 @@ class Housekeeping:
             "uptime_s": time.time() - engine.started_at,
             "loads_active": self._loads_active(),
             "remote": engine.remote.status() if engine.remote is not None else None,
+            "arena_holders": engine.memory.holders(),
+            "shm_budget": engine.memory.budget or 0,
+            "shm_free": engine.memory.free(),
         }

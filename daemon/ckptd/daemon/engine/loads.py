@@ -181,6 +181,9 @@ class Loads:
         extras_by_rank = in_memory if in_memory is not None and source in in_memory else await self._extras(job, step)
         extras = rank_extras(extras_by_rank, rank, index.world_size)
         load_id = uuid.uuid4().hex
+        state = self.engine.jobs.get(job)
+        if state is not None:
+            state.pool.mark_used()  # a load is use: the job is not idle (engine/memory.py)
         if held is not None:
             held.readers += 1
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
@@ -407,6 +410,10 @@ class Loads:
             return
         if lease.arenas is not None:
             lease.arenas.readers = max(0, lease.arenas.readers - 1)
+            state = self.engine.jobs.get(lease.job)
+            if state is not None:
+                state.pool.mark_used()
+                self.engine.memory.settle(state)  # the snapshot may be idle now: reusable, or given back
         self._release_staging(lease.job, lease.step)
 
     def _release_staging(self, job: str, step: int) -> None:

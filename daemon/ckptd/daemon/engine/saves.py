@@ -25,7 +25,7 @@ from ckptd.daemon.errors import (
 )
 from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
-from ckptd.daemon.engine.context import Engine, notify
+from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.compression import SaveOptions
 from ckptd.daemon.engine.runs import RunClaim, live_owner_message, short
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
@@ -230,7 +230,7 @@ class Saves:
                     engine.spawn(self._prewarm(state, plan))
                 else:  # failed (timed out) while waiting for the arenas
                     state.pool.release(arenas)
-                    await notify(state.arena_freed)
+                    engine.memory.settle(state)
         except (PlanError, Exhausted, InvalidRequest, Aborted, Unavailable, Precondition) as exc:  # RunRefused is a Precondition
             session.refused = isinstance(exc, (PlanError, InvalidRequest))
             session.run_refused = isinstance(exc, RunRefused)
@@ -276,20 +276,22 @@ class Saves:
         return plan, result.plan_key
 
     async def _acquire(self, state: JobState, session: SaveSession, plan: SavePlan) -> ArenaSet | None:
-        """An arena set for the snapshot; None when the save was skipped (policy "skip")."""
+        """An arena set for the snapshot (engine/memory.py: the budget, other jobs' idle
+        memory); None when the save was skipped (policy "skip")."""
         engine = self.engine
         deadline = session.created + session.timeout_s
+        sizes = plan.arena_bytes_of(engine.node)
         while True:
             async with state.acquire_lock:
-                arenas = await asyncio.to_thread(state.pool.acquire, plan.arena_bytes_of(engine.node))
+                arenas = await engine.memory.acquire(state, sizes)
             if arenas is not None:
                 return arenas
             if engine.config.arena_policy == "skip":
-                engine.skip(state, session, f"all {engine.config.max_inflight} snapshots of job {session.job!r} are still being written")
+                engine.skip(state, session, engine.memory.shortage(state.pool, sizes))
                 return None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise Exhausted(f"no free arena for step {session.step} within {session.timeout_s:.0f} s")
+                raise Exhausted(f"no arena set for step {session.step} within {session.timeout_s:.0f} s: {engine.memory.shortage(state.pool, sizes)}")
             async with state.arena_freed:
                 try:
                     await asyncio.wait_for(state.arena_freed.wait(), remaining)
@@ -297,11 +299,11 @@ class Saves:
                     pass  # the deadline: checked at the top
 
     async def _prewarm(self, state: JobState, plan: SavePlan) -> None:
-        """Allocate the next arena set in the background while this snapshot is copied and written."""
+        """With hold_while_saving: allocate the next arena set in the background while this
+        snapshot is copied and written, when the budget has room (engine/memory.py)."""
         try:
             async with state.acquire_lock:
-                if await asyncio.to_thread(state.pool.prewarm, plan.arena_bytes_of(self.engine.node)):
-                    await notify(state.arena_freed)
+                await self.engine.memory.prewarm(state, plan.arena_bytes_of(self.engine.node))
         except Exhausted as exc:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 

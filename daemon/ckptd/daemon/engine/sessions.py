@@ -266,7 +266,11 @@ class JobState:
                 yield other
 
     def finish(self, session: SaveSession) -> None:
-        """File an ended save among the recent results and wake whoever waits for it."""
+        """File an ended save among the recent results and wake whoever waits for it. Its extras
+        and model files go (the held snapshot keeps its own): a state's extras are ~280 KiB of
+        objects per 1,000 tensors, and RECENT_RESULTS saves of them grew the daemon by 4 MiB."""
+        session.committed = dict.fromkeys(session.committed)  # which ranks handed over, without their extras
+        session.model_files = {}
         self.sessions.pop(session.step, None)
         self.recent.pop(session.step, None)  # re-inserted: `recent` is in the order saves finished
         self.recent[session.step] = session

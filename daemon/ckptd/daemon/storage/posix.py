@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
+from ckptd.daemon.format import (
+    INDEX_HEAD_BYTES, INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name,
+)
 from ckptd.daemon.storage import posix_clean
 from ckptd.daemon.storage.fs import (
     DELETING_PREFIX,
@@ -132,7 +134,7 @@ class Storage:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            created = float(json.loads(read_file(path))["created_at"])
+            created = _created_at(path)
         except (OSError, ValueError, KeyError, TypeError):
             created = float("nan")
         if not math.isfinite(created):
@@ -455,3 +457,14 @@ class Storage:
     def uncommitted_steps(self, job: str) -> list[UncommittedStep]:
         """Step directories of `job` without an index (links not followed), for `ckptd ls --all`."""
         return posix_clean.uncommitted_steps(self, job)
+
+
+def _created_at(path: Path) -> float:
+    """An index's `created_at`: from its head when this version wrote it, else the whole file."""
+    fd = open_for_reading(path)
+    try:
+        head = os.read(fd, INDEX_HEAD_BYTES)
+    finally:
+        os.close(fd)
+    created = CheckpointIndex.created_at_of(head)
+    return created if created is not None else float(json.loads(read_file(path))["created_at"])

@@ -1,0 +1,142 @@
+"""Shared memory on a real daemon (issue 30 finding 5): several jobs share a small shared-memory
+directory or a budget, an idle job's memory goes back on its own and by `ckptd gc`, a snapshot
+being written is never taken, and `ckptd status` and the metrics say who holds what."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from daemon_rig import DaemonFactory, free_port
+from metrics_scrape import scrape  # tests/metrics_scrape.py
+from ckptd.client import CheckpointClient
+
+MiB = 1 << 20
+STATE_BYTES = 16 * MiB
+
+
+def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def state_of(job: int, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """16 MiB of fp32 whose values name the job and the step."""
+    return {"model": {"w": torch.full((STATE_BYTES // 4,), job * 1000.0 + step)}}
+
+
+def save(address: str, job: str, step: int, value: int) -> None:
+    with CheckpointClient(job, address=address, on_error="raise") as ckpt:
+        ckpt.save(step, state_of(value, step)).wait_durable(timeout=120)
+
+
+def arena_files(shm_dir: Path) -> list[Path]:
+    return [p for p in shm_dir.iterdir() if p.name.startswith("ckptd-") and "-fetch-" not in p.name]
+
+
+def status(address: str) -> dict:
+    out = ckptd("status", "--address", address, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@contextlib.contextmanager
+def small_shm(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` at `path`, unmounted at the end; skips where mounting is not allowed."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs for --shm-dir needs root")
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+# issue 30 finding 5 (a): the reproduction: 6 successive jobs of 16 MiB, 2 saves each, in 72 MiB
+# of shared memory; before, the ended jobs' arenas were never given back and 4 of 12 saves fit
+def test_six_successive_jobs_in_a_72_mib_shm_directory_all_save(daemons: DaemonFactory, tmp_path: Path) -> None:
+    with small_shm(tmp_path / "shm72", "72m") as shm:
+        port = free_port()
+        daemon = daemons.start("--shm-dir", str(shm), "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+        try:
+            for job in range(6):
+                for step in (1, 2):
+                    save(daemon.address, f"job{job}", step, job)
+            doc = status(daemon.address)
+            holders = {h["job"]: h for h in doc["arena_holders"]}
+            assert sum(h["bytes"] for h in holders.values()) <= 72 * MiB and "job5" in holders and "job0" not in holders
+            assert holders["job5"]["held_steps"] == [2] and holders["job5"]["idle_s"] > 0
+            metrics = scrape(port)
+            assert metrics['ckptd_job_arena_bytes{job="job5"}'] >= STATE_BYTES
+            assert metrics['ckptd_arena_released_bytes_total{reason="pressure"}'] >= 2 * STATE_BYTES
+            with CheckpointClient("job0", address=daemon.address, on_error="raise") as ckpt:  # given back: from disk, exact
+                target = state_of(0, 0)
+                assert ckpt.load(target) == 2 and torch.equal(target["model"]["w"], state_of(0, 2)["model"]["w"])
+        finally:
+            daemon.stop()
+
+
+# issue 30 finding 5 (a): --shm-budget bounds all jobs together, without a small directory
+def test_the_budget_bounds_the_arenas_of_all_jobs(daemons: DaemonFactory) -> None:
+    daemon = daemons.start("--shm-budget", "40MiB")
+    for job in range(4):
+        save(daemon.address, f"b{job}", 1, job)
+        doc = status(daemon.address)
+        assert doc["arena_bytes"] <= 40 * MiB and doc["shm_budget"] == 40 * MiB
+    assert sorted(h["job"] for h in status(daemon.address)["arena_holders"]) == ["b2", "b3"]
+    assert "budget 40.0 MiB" in ckptd("status", "--address", daemon.address).stdout
+
+
+# issue 30 finding 5 (a): ckptd gc and ckptd status: who holds what, then given back
+def test_status_names_the_holders_and_gc_gives_their_memory_back(daemons: DaemonFactory) -> None:
+    daemon = daemons.start()
+    save(daemon.address, "g", 1, 1)
+    text = ckptd("status", "--address", daemon.address).stdout
+    assert "job g: 16.0 MiB in 1 arena set(s); holds step 1 for restores from memory; idle" in text, text
+    dry = json.loads(ckptd("gc", "--address", daemon.address, "--dry-run", "--json").stdout)
+    assert [(r["job"], r["step"], r["reason"], r["bytes"]) for r in dry["removed"]] == [("g", 1, "memory", STATE_BYTES)]
+    assert len(arena_files(daemons.shm_dir)) == 1
+    out = ckptd("gc", "--address", daemon.address)
+    assert out.returncode == 0 and "removed memory" in out.stdout and "g" in out.stdout, out.stdout
+    assert arena_files(daemons.shm_dir) == [] and status(daemon.address)["arena_holders"] == []
+
+
+# issue 30 finding 5 (a): an idle job's memory goes back after --idle-release
+def test_an_idle_jobs_arenas_are_given_back_after_the_idle_time(daemons: DaemonFactory) -> None:
+    daemon = daemons.start("--idle-release", "1")
+    save(daemon.address, "idle", 1, 3)
+    deadline = time.monotonic() + 30
+    while arena_files(daemons.shm_dir):
+        assert time.monotonic() < deadline, f"still held: {arena_files(daemons.shm_dir)}"
+        time.sleep(0.2)
+    with CheckpointClient("idle", address=daemon.address, on_error="raise") as ckpt:
+        target = state_of(0, 0)
+        assert ckpt.load(target) == 1 and torch.equal(target["model"]["w"], state_of(3, 1)["model"]["w"])
+        assert not ckpt.list()[-1].in_memory
+
+
+# issue 30 finding 5 (a): a save short of memory waits for another job's snapshot being written
+# (the only copy of that step) to become durable, and never takes it
+def test_a_snapshot_being_written_is_never_given_to_another_job(daemons: DaemonFactory) -> None:
+    daemon = daemons.start("--shm-budget", "24MiB", "--write-throttle", "8MiB")  # a 16 MiB write takes about 2 s
+    with CheckpointClient("first", address=daemon.address, on_error="raise") as first:
+        handle = first.save(1, state_of(1, 1))
+        time.sleep(0.3)
+        assert [f.state for f in first.status().in_flight] == ["writing"]
+        save(daemon.address, "second", 1, 2)  # waits for the first's commit, then takes its memory
+        assert handle.wait_durable(timeout=60).step == 1
+        target = state_of(0, 0)
+        assert first.load(target) == 1 and torch.equal(target["model"]["w"], state_of(1, 1)["model"]["w"])
+    assert [h["job"] for h in status(daemon.address)["arena_holders"]] == ["second"]
