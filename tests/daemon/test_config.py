@@ -352,7 +352,7 @@ def test_the_shm_budget_flag_takes_bytes_or_a_share_of_the_hosts_memory() -> Non
     assert (config.shm_budget, config.hold_while_saving, config.idle_release_s) == (ShmBudget(share=0.25), True, 30.0)
     assert config.shm_budget.resolve(8 * GiB) == 2 * GiB and str(config.shm_budget) == "25% of the host's memory"
     config = config_from_args(parse_serve("--shm-budget", "72MiB"), {**BASE_ENV, "CKPTD_SHM_BUDGET": "50%"})
-    assert config.shm_budget.resolve(8 * GiB) == 72 << 20 and str(config.shm_budget) == "72.0 MiB"  # the flag wins
+    assert config.shm_budget.resolve(8 * GiB) == 72 << 20 and str(config.shm_budget) == "72 MiB"  # the flag wins
     assert load_config({}, BASE_ENV, None).shm_budget.resolve(8 * GiB) is None  # default: none (the directory's size)
     assert DaemonConfig(root=Path("/r"), socket=Path("/s"), shm_budget="10%").shm_budget == ShmBudget(share=0.1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"DaemonConfig.shm_budget='200%': expected .*'200%' is not a percentage"):

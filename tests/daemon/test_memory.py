@@ -196,7 +196,7 @@ def test_pressure_never_takes_a_snapshot_being_written_or_read(tmp_path: Path) -
         await _save(service, "a", 2)  # in step 1's arenas, being written: the only copy of step 2
         assert _writing(service, "a", 2)
         skipped = await _save(service, "b", 1)
-        assert skipped.state is SaveState.SKIPPED and "job 'a' 1.0 MiB: step 2 (being written)" in (skipped.skip_reason or "")
+        assert skipped.state is SaveState.SKIPPED and "job 'a' 1 MiB: step 2 (being written)" in (skipped.skip_reason or "")
         assert "Raise --shm-budget" in (skipped.skip_reason or "")
         assert await _durable(service, "a", 2) is SaveState.COMMITTED
         tier, load_id = await _load(service, "a", 2, done=False)  # a load reads the held snapshot

@@ -94,6 +94,12 @@ def free_bytes(shm_dir: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def total_bytes(shm_dir: Path) -> int:
+    """The size of the file system of `shm_dir` in bytes (OSError if it cannot be checked)."""
+    st = os.statvfs(shm_dir)
+    return st.f_blocks * st.f_frsize
+
+
 def check_shm(shm_dir: Path, needed_bytes: int) -> str | None:
     """None when `shm_dir` is a writable directory with at least `needed_bytes` free; else what is wrong and how to fix it.
 

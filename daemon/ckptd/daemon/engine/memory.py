@@ -33,7 +33,7 @@ from ckptd.daemon.errors import Exhausted
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import ArenaHolder
 from ckptd.common.sizes import human_bytes
-from ckptd.daemon.shm import free_bytes, host_memory_bytes
+from ckptd.daemon.shm import free_bytes, host_memory_bytes, total_bytes
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class ArenaMemory:
         sets (`_room`). Raises Exhausted when the shared-memory directory refuses the memory."""
         pool = state.pool
         pool.mark_used()
+        self._check_possible(pool, sizes)
         free = pool.fitting(sizes, SetState.FREE)
         if free is not None:
             return pool.reserve(free).arena_set
@@ -113,6 +114,26 @@ class ArenaMemory:
         if pool.can_grow:
             return await self._make(pool, pool.reserve_new(), sizes, evict=True)
         return None
+
+    def _check_possible(self, pool: ArenaPool, sizes: tuple[int, ...]) -> None:
+        """Raise Exhausted at once when `sizes` can never fit: more than the whole budget or the
+        whole shared-memory file system, however much is given back (waiting would only hold the
+        save until its timeout)."""
+        need = sum(sizes)
+        settings = self._settings()
+        budget = self.budget
+        try:
+            total = total_bytes(settings.shm_dir)
+        except OSError:
+            total = None
+        limits = [(b, f"all of --shm-budget ({human_bytes(b)})") for b in (budget,) if b is not None]
+        limits += [(t, f"all of {settings.shm_dir} ({human_bytes(t)})") for t in (total,) if t is not None]
+        for limit, what in limits:
+            if need > limit:
+                raise Exhausted(
+                    f"cannot reserve {human_bytes(need)} of shared memory for a snapshot of job {pool.job!r}: more than {what}; "
+                    "give the daemon more shared memory or a larger --shm-budget, or save a smaller state per node"
+                )
 
     async def prewarm(self, state: JobState, sizes: tuple[int, ...]) -> None:
         """With hold_while_saving: make the job's next set now, while this snapshot is copied
