@@ -92,6 +92,7 @@ ALLOWED = {
     ("arena.py", "Arena.__init__", "os.open"): "shared-memory arenas in /dev/shm, not the root",
     ("arena.py", "Arena.__init__", "os.unlink"): "shared-memory arenas in /dev/shm, not the root",
     ("arena.py", "Arena.close", "os.unlink"): "shared-memory arenas in /dev/shm, not the root",
+    ("arena.py", "Arena._punch", "os.open"): "shared-memory arenas in /dev/shm, not the root",
     ("arena.py", "remove_stale_arenas", ".unlink"): "shared-memory arenas in /dev/shm, not the root",
     ("cli.py", "main", "os.open"): "/dev/null for stdout at exit",
     ("server.py", "_prepare_socket", ".mkdir"): "the socket's directory, not the root",
