@@ -92,6 +92,7 @@ BANNED_METHODS = {"write_bytes", "write_text", "unlink", "rename", "mkdir", "rmd
 ALLOWED = {
     ("arena.py", "Arena.__init__", "os.unlink"): "shared-memory arenas in /dev/shm, not the root",
     ("arena.py", "Arena.close", "os.unlink"): "shared-memory arenas in /dev/shm, not the root",
+    ("arena.py", "Arena._punch", "os.open"): "shared-memory arenas in /dev/shm, not the root",
     ("arena.py", "remove_stale_arenas", ".unlink"): "shared-memory arenas in /dev/shm, not the root",
     ("cli.py", "main", "os.open"): "/dev/null for stdout at exit",
     ("engine/staging.py", "StagingFiles.open", "os.open"): "reopening a staging file in /dev/shm it created, not the root",

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "ckptd-"
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module before 3.13
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # linux/falloc.h; os has no fallocate()
 
 
 class Arena:
@@ -84,7 +85,9 @@ class Arena:
             del window  # releases the buffer export, so close() can unmap
 
     def close(self) -> None:
-        """Unmap and delete the file. Views still held elsewhere keep the mapping alive until released."""
+        """Give the pages back, unmap and delete the file. Views still held elsewhere keep the
+        mapping alive until released, but not its pages (see _punch)."""
+        self._punch()
         for callback in self.on_close:
             try:
                 callback()
@@ -99,6 +102,26 @@ class Arena:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+    def _punch(self) -> None:
+        """Free the file's pages now. A trainer keeps the arenas it used mapped (ckptd.client's
+        ArenaMaps) until it maps others or closes: without this, the memory of an idle job that
+        is still running would go back only then, not when the daemon gives it back. A trainer
+        never touches an arena the daemon gave back (it copies only into the one BeginSave
+        names); if it did, it would read zeros, not fault."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # gone already: its pages go with the last mapping
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+            if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, max(self.size, 1)) != 0:
+                log.debug("cannot free the pages of %s early: %s", self.path, os.strerror(ctypes.get_errno()))
+        except (AttributeError, OSError):
+            pass  # no fallocate in this C library: the pages go with the last mapping
+        finally:
+            os.close(fd)
 
 
 class SetState(enum.Enum):

@@ -182,7 +182,7 @@ class ArenaMemory:
         everything: give back until `need` bytes went back, whatever the checks say."""
         released = 0
         while True:
-            short = need - released if everything else self._shortfall(need)
+            short = need - released if everything else max(self._over_budget(need), self._over_directory(need))
             if short <= 0:
                 return True
             victim = self._victim(exclude, evict)
@@ -190,17 +190,23 @@ class ArenaMemory:
                 return False
             pool, arena_set = victim
             released += arena_set.nbytes
+            free_before = self.free()
             await self._give_back(pool, [arena_set], "pressure")
+            if not everything and self._over_budget(need) <= 0 and self.free() <= free_before:
+                return False  # the directory did not get the pages back (no hole punching there): taking more would not help
 
-    def _shortfall(self, need: int) -> int:
-        """Bytes missing for `need` more: over the budget, or beyond the directory's free space."""
+    def _over_budget(self, need: int) -> int:
+        """Bytes by which `need` more would exceed the budget (<= 0: within it)."""
         budget = self.budget
-        over = self.in_use() + need - budget if budget is not None else 0
+        return self.in_use() + need - budget if budget is not None else 0
+
+    def _over_directory(self, need: int) -> int:
+        """Bytes by which `need` more would exceed the directory's free space (<= 0: they fit)."""
         try:
-            over = max(over, need + self._pending - free_bytes(self._settings().shm_dir))
+            return need + self._pending - free_bytes(self._settings().shm_dir)
         except OSError as exc:  # allocation will say what is wrong with the directory
             log.warning("cannot check the free space of %s: %s", self._settings().shm_dir, exc)
-        return over
+            return 0
 
     def _victim(self, exclude: ArenaSet, evict: bool) -> tuple[ArenaPool, ArenaSet] | None:
         """The idle set to give back first: free sets before held snapshots, the pool idle longest first."""
