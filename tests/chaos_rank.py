@@ -80,6 +80,7 @@ class Rank:
                 p.copy_(want[name])
         self.extra["rank_tensor"] = want["extra/rank_tensor"].clone()
         self.extra["step"] = step
+        self.extra["rank"] = self.rank
 
     def scramble(self) -> None:
         """Values no step has, so a load that fills nothing cannot pass for exact."""
@@ -132,8 +133,14 @@ def train(spec: dict[str, Any], client: Any, rank: Rank) -> None:
     dist.broadcast_object_list(latest, src=0)
     step = latest[0] or 0
     if step:
-        result = _load(client, rank, step)
-        _append(spec["log"], {"resume": step, "result": result})
+        for _ in range(20):  # a daemon being restarted by the chaos: try again, as a job's retry would
+            result = _load(client, rank, step)
+            _append(spec["log"], {"resume": step, "result": result})
+            if not result.startswith("error"):
+                break
+            time.sleep(1.0)
+        else:
+            raise SystemExit(f"could not resume from step {step}: {result}")
     while True:
         step += 1
         rank.set_step(step)
