@@ -307,3 +307,14 @@ def test_status_and_metrics_say_who_holds_what(tmp_path: Path) -> None:
         asyncio.run(run())
     finally:
         service.close()
+
+
+# issue 30 finding 5: the budget and the release settings change on SIGHUP (CheckpointService.reconfigure)
+def test_the_memory_settings_change_without_a_restart(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+    try:
+        assert service.engine.memory.budget is None
+        fixed = service.reconfigure(DaemonConfig(**{**service.config.__dict__, "shm_budget": ShmBudget(nbytes=3 * MiB), "idle_release_s": 5.0}))
+        assert fixed == [] and service.engine.memory.budget == 3 * MiB and service.config.idle_release_s == 5.0
+    finally:
+        service.close()

@@ -136,8 +136,10 @@ def test_a_snapshot_being_written_is_never_given_to_another_job(daemons: DaemonF
     daemon = daemons.start("--shm-budget", "24MiB", "--write-throttle", "8MiB")  # a 16 MiB write takes about 2 s
     with CheckpointClient("first", address=daemon.address, on_error="raise") as first:
         handle = first.save(1, state_of(1, 1))
-        time.sleep(0.3)
-        assert [f.state for f in first.status().in_flight] == ["writing"]
+        deadline = time.monotonic() + 30
+        while [f.state for f in first.status().in_flight] != ["writing"]:
+            assert time.monotonic() < deadline, first.status().in_flight
+            time.sleep(0.05)
         save(daemon.address, "second", 1, 2)  # waits for the first's commit, then takes its memory
         assert handle.wait_durable(timeout=60).step == 1
         target = state_of(0, 0)

@@ -160,8 +160,10 @@ class ArenaSet:
         return all(need == 0 or (a is not None and a.size >= need) for a, need in zip(self.arenas, sizes))
 
     def describe(self) -> str:
-        """For messages: 'step 7 (held)', 'step 8 (being written)', 'nothing (free)'."""
-        what = {SetState.FREE: "free", SetState.FILLING: "being copied", SetState.PERSISTING: "being written", SetState.HELD: "held"}[self.state]
+        """For messages: 'step 7 (held)', 'step 8 (being written)', 'a snapshot (being copied)', 'nothing (free)'."""
+        if self.state is SetState.FREE:
+            return "nothing (free)"
+        what = {SetState.FILLING: "being copied", SetState.PERSISTING: "being written", SetState.HELD: "held"}[self.state]
         read = f", read by {self.readers} load(s)" if self.readers else ""
         return f"step {self.step} ({what}{read})" if self.step is not None else f"a snapshot ({what}{read})"
 

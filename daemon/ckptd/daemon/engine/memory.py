@@ -8,7 +8,7 @@ budget has room for it without taking anyone's memory. A second set is also made
 finds no idle one (the previous save is still being written, or read by a load), up to
 `max_inflight`; once idle again, the job's spare set is given back.
 
-Memory is given back (the arenas are unmapped and deleted) when a save needs more than the
+Memory is given back (the arenas' pages freed, the files unmapped and deleted) when a save needs more than the
 budget (`shm_budget`) or the shared-memory directory has: idle sets of any job, free ones
 first, then held snapshots, the job idle longest first; after `idle_release_s` without a save
 or load of a job; and by `ckptd gc`. Never a set in flight (being filled, or being written: the
@@ -37,6 +37,7 @@ from ckptd.daemon.shm import free_bytes, host_memory_bytes, total_bytes
 
 log = logging.getLogger(__name__)
 
+
 def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
 
@@ -47,6 +48,11 @@ def trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: the allocator keeps what it keeps
+
+
+def _close_all(sets: list[ArenaSet]) -> None:
+    for arena_set in sets:
+        arena_set.close()
 
 
 class ArenaMemory:
@@ -246,7 +252,7 @@ class ArenaMemory:
         level = logging.DEBUG if reason == "spare" else logging.INFO
         log.log(level, "gave back %s of shared memory of job %r (%s, idle %.0f s): %s", human_bytes(nbytes), job, what, idle_s, reason,
                 extra={"job": job})
-        await asyncio.to_thread(lambda: [s.close() for s in sets])
+        await asyncio.to_thread(_close_all, sets)
         self._metrics.arena_released.labels(reason).inc(nbytes)
         await self._notify()
 
