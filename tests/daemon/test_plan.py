@@ -155,14 +155,27 @@ def test_ranks_that_disagree_whether_a_tensor_is_frozen_store_it_as_trained() ->
         TensorSpec("model/w", "model", "BF16", (4, 2), Box((1, 0), (3, 2))),
         TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)), ("model/tied",)),
         TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)), (), "param"),
+        TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)), per_rank=True),
     ],
-    ids=["name", "kind", "dtype", "shape", "box-lengths", "box-offsets", "aliases", "frozen"],
+    ids=["name", "kind", "dtype", "shape", "box-lengths", "box-offsets", "aliases", "frozen", "per-rank"],
 )
 def test_the_spec_digest_covers_every_field(changed: TensorSpec) -> None:
     base = TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)))
     assert spec_digest([base]) == spec_digest((TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2))),))
     assert spec_digest([base]) != spec_digest([changed])
     assert spec_digest([base, full("model/x", (3,))]) != spec_digest([full("model/x", (3,)), base])  # order counts
+
+
+def test_the_spec_digest_covers_every_field_of_tensor_spec() -> None:
+    """A field added to TensorSpec later changes the digest without touching spec_digest."""
+    from dataclasses import fields, replace
+
+    base = TensorSpec("model/w", "model", "BF16", (4, 2), Box((0, 0), (4, 2)))
+    others = {"name": "model/v", "kind": "master", "dtype": "F16", "shape": (8, 2), "box": Box((0, 0), (2, 2)),
+              "aliases": ("model/tied",), "frozen": "param", "per_rank": True}
+    assert {f.name for f in fields(TensorSpec)} == set(others)  # a new field: add it here
+    for name, value in others.items():
+        assert spec_digest([base]) != spec_digest([replace(base, **{name: value})]), name
 
 
 @pytest.mark.parametrize("dtype, shape, kind, aliases", [("F16", (8, 8), "model", ()), ("BF16", (64,), "model", ()), ("BF16", (8, 8), "extra", ()),

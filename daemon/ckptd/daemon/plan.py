@@ -27,7 +27,7 @@ import functools
 import hashlib
 import re
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 from ckptd.common import dtypes
@@ -180,8 +180,10 @@ def spec_digest(specs: Sequence[TensorSpec]) -> str:
     """A digest of one rank's tensor metadata: every field of every spec, in order. The daemon's
     own key for that metadata (its caches of metadata and plans are keyed by it, per job), so a
     client's fingerprint is only a name for metadata the same rank of the same job sent before,
-    and two requests share a plan only when they describe the same tensors."""
-    described = [(s.name, s.kind, s.dtype, tuple(s.shape), tuple(s.box.offsets), tuple(s.box.lengths), tuple(s.aliases), s.frozen) for s in specs]
+    and two requests share a plan only when they describe the same tensors. Every field, by
+    TensorSpec's own field list: a field added later is covered without touching this."""
+    names = [f.name for f in fields(TensorSpec)]
+    described = [tuple(getattr(s, name) for name in names) for s in specs]
     return hashlib.sha256(repr(described).encode()).hexdigest()
 
 
