@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from ckptd.client import CheckpointClient
-from ckptd.client.run_id import RUN_ID_ENV, RunIdentity, _broadcast_from_rank0, _distributed_matches, launcher_run_id
+from ckptd.client.run_id import RUN_ID_ENV, RunIdentity, _broadcast_from_rank0, _distributed_matches, launcher_run_id, process_run_id
 from ckptd.common.names import InvalidNameError
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -28,10 +30,21 @@ def test_the_callers_id_comes_first() -> None:
         CheckpointClient("j", address="unix:///nonexistent.sock", rank=0, world_size=1, run_id="a b")
 
 
-def test_a_job_of_one_rank_gets_a_new_id_per_client() -> None:
+def test_a_job_of_one_rank_gets_its_process_id_the_same_for_every_client() -> None:
+    """Review of issue 30: ids were random per client, so a second client of the same job in the
+    same process (DCP makes a storage writer per save) was refused as another live run."""
     first, second = RunIdentity(0, 1, None, env={}), RunIdentity(0, 1, None, env={})
-    assert HEX32.fullmatch(first.get()) and first.get() != second.get() and first.source == "new"
+    assert HEX32.fullmatch(first.get()) and first.get() == second.get() == process_run_id() and first.source == "process"
     assert first.get() == first.get()  # settled once
+
+
+def test_another_process_has_another_id() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert process_run_id(child.pid) != process_run_id() and HEX32.fullmatch(process_run_id(child.pid))
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.parametrize(

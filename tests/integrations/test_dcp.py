@@ -155,3 +155,17 @@ def test_a_crafted_bytes_entry_is_refused_before_dcp_unpickles_it(daemon, tmp_pa
         dcp.load(state, storage_reader=CkptdStorageReader(info.step_dir))
     assert "DCP entry 'note' is not a value torch.load(weights_only=True) accepts" in str(refused.value)
     assert not marker.exists()
+
+
+def test_a_writer_per_save_in_one_process_is_one_run(daemon) -> None:
+    """Review of issue 30: a new CkptdStorageWriter per dcp.save (DCP never closes it) made each
+    save its own "run", and step 2 was refused while step 1's writer stayed attached."""
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}}
+    writers = [CkptdStorageWriter("per-save", address=daemon.address) for _ in range(2)]
+    for step, writer in enumerate(writers, start=1):
+        dcp.save(state, storage_writer=writer, checkpoint_id=step)
+        assert writer.handle.wait_durable(timeout=60) is not None, step
+    with CheckpointClient("per-save", address=daemon.address) as ckpt:
+        assert [c.step for c in ckpt.list()] == [1, 2]
+    for writer in writers:
+        writer.close()

@@ -2,19 +2,21 @@
 
 The daemon tells two runs of one job apart by it (a second live run's saves are refused; a run
 that resumed takes the job over: daemon engine/runs.py, docs/usage.md "Job identity"). Every
-rank must send the same id, so it comes from something the ranks share; the first that applies:
+rank must send the same id, and every client of one process must too (a `CheckpointClient` per
+save, as DCP's storage writer is, is still one run), so it comes from something the ranks share
+and a process keeps; the first that applies:
 
 1. `CheckpointClient(run_id=...)`, else $CKPTD_RUN_ID: the caller's (it must be new for every
    start of the program and equal on all its ranks);
-2. a job of one rank: a new random id for each client;
-3. torch.distributed initialized with this client's rank and world size: rank 0's random id,
-   broadcast to the others at the client's first save or load (both are collective);
-4. the launcher's: torchrun ($TORCHELASTIC_RUN_ID unless "none", with its restart count and
+2. the launcher's: torchrun ($TORCHELASTIC_RUN_ID unless "none", with its restart count and
    $MASTER_ADDR:$MASTER_PORT) or Slurm ($SLURM_JOB_ID, $SLURM_STEP_ID, $SLURM_RESTART_COUNT);
+3. a job of one rank: this process (host, boot, pid and start time);
+4. torch.distributed initialized with this client's rank and world size: rank 0's process,
+   broadcast to the others at the client's first save or load (both are collective);
 5. else this host and the parent process: ranks that are threads of one process, or processes
    that one launcher started on one node.
 
-Derived ids (3-5) are 32 hex digits. Nothing here runs at import.
+Derived ids (2-5) are 32 hex digits. Nothing here runs at import.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Mapping
 
 import torch
 
+from ckptd.client.layout import _collective_device
 from ckptd.common.names import check_run_id
 
 RUN_ID_ENV = "CKPTD_RUN_ID"
@@ -76,14 +79,25 @@ class RunIdentity:
         return self._id
 
     def _derive(self) -> tuple[str, str]:
-        if self.world_size == 1:
-            return new_run_id(), "new"
-        if _distributed_matches(self.rank, self.world_size):
-            return _broadcast_from_rank0(), "torch.distributed"
         launched = launcher_run_id(self._env)
         if launched is not None:
             return launched, "launcher"
+        if self.world_size == 1:
+            return process_run_id(), "process"
+        if _distributed_matches(self.rank, self.world_size):
+            return _broadcast_from_rank0(), "torch.distributed"
         return _digest(["parent", socket.gethostname(), str(os.getppid())]), "parent process"
+
+
+def process_run_id(pid: int | None = None) -> str:
+    """The id of process `pid` (this one by default): its host, the boot, its pid and the time
+    it started (a pid used again after a restart gives another id)."""
+    pid = os.getpid() if pid is None else pid
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        started = f.read().rsplit(b")", 1)[1].split()[19].decode()  # field 22, after "pid (comm)"
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return _digest(["process", socket.gethostname(), boot, str(pid), started])
 
 
 def _distributed_matches(rank: int, world_size: int) -> bool:
@@ -93,12 +107,9 @@ def _distributed_matches(rank: int, world_size: int) -> bool:
 
 
 def _broadcast_from_rank0() -> str:
-    """Rank 0's random id on every rank of the default group (one broadcast of 16 bytes)."""
-    dist = torch.distributed
-    backend = str(dist.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and "gloo" not in backend else torch.device("cpu")
-    buf = torch.zeros(16, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
+    """Rank 0's process id on every rank of the default group (one broadcast of 16 bytes)."""
+    buf = torch.zeros(16, dtype=torch.uint8, device=_collective_device(None))
+    if torch.distributed.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(bytes.fromhex(process_run_id())), dtype=torch.uint8))
+    torch.distributed.broadcast(buf, src=0)
     return bytes(buf.cpu().tolist()).hex()
