@@ -182,7 +182,7 @@ class DaemonRpc:
             if call.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._attach_unsupported = True
             call = None
-        if call is not None or self._attach_unsupported or not self.who.run_id:
+        if call is not None or self._attach_unsupported:
             return
         self._attachment = self.stub.Attach(pb.AttachRequest(who=self.who, pid=os.getpid(), host=socket.gethostname()))
 

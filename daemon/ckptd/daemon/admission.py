@@ -64,6 +64,16 @@ class Admission:
             owner = self.runs.owner(job)
             owner_live = bool(owner) and owner != claim.run and await self.live(job, owner)
             displaced = self.runs.claim(job, claim.run, claim.resumed, owner_live)
+        await self._note_rollback(job, step)
+        return displaced
+
+    async def _note_rollback(self, job: str, step: int) -> None:
+        """Log a save below the job's newest committed step, with the steps it passes over. The
+        job's `latest` (one small read) rules out the usual case, a save above it, without
+        listing every committed step on each save; only a save below it lists them."""
+        hint = await asyncio.to_thread(self._storage.latest_named, job)
+        if hint is not None and step >= hint:
+            return
         order = await asyncio.to_thread(self._storage.commit_order, job)
         above = passed_over(order, step)
         if above:
@@ -72,4 +82,3 @@ class Admission:
                 "job %s saves step %s below its newest committed step %s: a rollback. It passes over steps %s, which stay on disk "
                 "but are no longer the newest (`ckptd ls` marks the rollback)", job, step, order[-1], shown,
             )
-        return displaced
