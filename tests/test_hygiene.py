@@ -5,6 +5,7 @@ import contextlib
 import os
 import re
 import sys
+from arena_rig import take_arenas  # tests/arena_rig.py
 from pathlib import Path
 from typing import Iterator
 
@@ -250,7 +251,7 @@ def test_only_the_storage_package_touches_the_root_at_run_time(tmp_path: Path) -
     root = tmp_path / "root"
     with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as shm:
         pool = ArenaPool(Path(shm), "job", max_inflight=1)
-        arenas = pool.acquire(plan.arena_bytes)
+        arenas = take_arenas(pool, plan.arena_bytes)
         for slot in plan.slots:
             view = arenas.arenas[slot.rank].view(slot.offset, slot.nbytes)
             np.frombuffer(view, dtype=np.uint8)[:] = tensors[slot.name].contiguous().reshape(-1).view(torch.uint8).numpy()

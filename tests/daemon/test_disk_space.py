@@ -23,6 +23,7 @@ from ckptd.daemon.step_build import file_bytes_bound
 from ckptd.daemon.writer import PersistRequest, Progress, persist, write_node_files
 from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, reused_bytes, space_problem
+from arena_rig import take_arenas  # tests/arena_rig.py
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -175,7 +176,7 @@ def test_the_bytes_counted_bound_the_files_written(
         tensors["optimizer/state/w/exp_avg"][1, 1] = float("nan")
     plan = _plan(tensors)
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     _fill(arenas, plan, tensors)
     spy = _Spy()
     monkeypatch.setattr(writer, "check_space", spy)
@@ -193,7 +194,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
     tensors = _state()
     plan = _plan(tensors)
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     _fill(arenas, plan, tensors)
     storage = Storage(tmp_path)
     reserve = 3 * MiB
@@ -248,7 +249,7 @@ def test_a_shared_root_counts_every_nodes_files(tmp_path: Path, shm_dir: Path, m
     def write(node: int, shared: bool) -> None:
         (shm_dir / f"n{node}").mkdir(exist_ok=True)
         pool = ArenaPool(shm_dir / f"n{node}", "job", max_inflight=1)
-        arenas = pool.acquire(plan.arena_bytes_of(node))
+        arenas = take_arenas(pool, plan.arena_bytes_of(node))
         _fill(arenas, plan, {"model/w": w}, node)
         try:
             request = PersistRequest("job", 7, plan, arenas, {}, {}, None, 2**30, 2, node=node, shared_dir=shared)

@@ -24,6 +24,7 @@ from ckptd.daemon.plan import TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, StorageBackend
 from ckptd.daemon.verify import verify_files
 from ckptd.daemon.writer import PersistRequest, Progress, persist
+from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 
 
@@ -70,7 +71,7 @@ def test_fragments_of_two_ranks_are_written_whole_and_loadable(backend: StorageB
     ]
     plan = make_save_plan([rank0, rank1])
     pool = ArenaPool(shm_dir, "job", max_inflight=2)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     assert arenas is not None
     _fill(arenas, plan, tensors)
     storage = backend
@@ -97,7 +98,7 @@ def test_fragments_of_two_ranks_are_written_whole_and_loadable(backend: StorageB
 def test_a_failed_write_leaves_no_step(backend: StorageBackend, shm_dir: Path) -> None:
     plan = make_save_plan([[TensorSpec("model/w", "model", "F32", (4,), Box.full((4,)))]])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     arenas.arenas[0].close()  # the data vanished: writing must fail
     storage = backend
     with pytest.raises(Exception):  # noqa: B017  any error will do: the point is that nothing is committed
@@ -119,7 +120,7 @@ def test_a_failed_coded_write_leaves_no_step_and_no_open_file(
     specs.append(TensorSpec("model/w", "model", "F32", (64, 128), Box.full((64, 128))))
     plan = make_save_plan([specs])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     _fill(arenas, plan, {s.name: torch.randn(64, 128) for s in specs})
 
     def full_disk(*args: object) -> None:
@@ -154,7 +155,7 @@ def test_progress_of_a_compressed_save_reaches_the_snapshot_bytes(
     specs = [TensorSpec(n, n.split("/")[0], dtype[t.dtype], tuple(t.shape), Box.full(tuple(t.shape))) for n, t in tensors.items()]
     plan = make_save_plan([specs])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     _fill(arenas, plan, tensors)
     progress = Progress(plan.total_bytes)
     request = PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 2, quantize=quantize, master_weights=master_weights)
@@ -184,16 +185,16 @@ def test_clean_uncommitted_removes_crash_leftovers(tmp_path: Path) -> None:
 
 def test_arena_pool_reuses_and_bounds_sets(shm_dir: Path) -> None:
     pool = ArenaPool(shm_dir, "job", max_inflight=2)
-    a = pool.acquire((8192, 4096))
-    b = pool.acquire((8192, 4096))
-    assert a is not b and pool.acquire((8192, 4096)) is None  # both in use: the caller waits or skips
+    a = take_arenas(pool, (8192, 4096))
+    b = take_arenas(pool, (8192, 4096))
+    assert a is not b and take_arenas(pool, (8192, 4096)) is None  # both in use: the caller waits or skips
     pool.hold(a, 1, None, {})
-    c = pool.acquire((8192, 4096))
+    c = take_arenas(pool, (8192, 4096))
     assert c is a  # a committed snapshot in memory is given up before a new allocation is refused
     names = sorted(p.name for p in shm_dir.iterdir())
     assert len(names) == 4 and all(n.startswith(f"ckptd-{os.getpid()}-job-") for n in names)
     pool.release(b)
-    d = pool.acquire((2 * 8192, 4096))  # grows
+    d = take_arenas(pool, (2 * 8192, 4096))  # grows
     assert d is b and d.arenas[0].size == 2 * 8192
     pool.close()
     assert list(shm_dir.iterdir()) == []
@@ -203,7 +204,7 @@ def test_retention_recycles_data_files_into_the_next_save(backend: StorageBacken
     specs = [TensorSpec(f"model/w{i}", "model", "F32", (1000 * (i + 1),), Box.full((1000 * (i + 1),))) for i in range(3)]
     plan = make_save_plan([specs])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     tensors = {s.name: torch.randn(s.shape) for s in specs}
     _fill(arenas, plan, tensors)
     storage = backend
@@ -243,7 +244,7 @@ def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(back
     for node in (0, 1):
         pool = ArenaPool(shm_dir / f"n{node}", "job", max_inflight=1)
         (shm_dir / f"n{node}").mkdir()
-        arenas = pool.acquire(plan.arena_bytes_of(node))
+        arenas = take_arenas(pool, plan.arena_bytes_of(node))
         assert arenas is not None
         _fill_node(arenas, plan, {"model/w": w, "model/b": b}, node)
         request = PersistRequest("job", 7, plan, arenas, {}, {}, None, 2**30, 2, node=node, shared_dir=True)
@@ -294,7 +295,7 @@ def test_every_tensor_byte_written_has_its_writeback_started(backend: StorageBac
     tensors = {"model/w": torch.randn(64, 1024), "optimizer/state/w/exp_avg": torch.randn(64, 1024), "model/b": torch.randn(8)}
     plan = make_save_plan([[TensorSpec(name, name.split("/")[0], "F32", tuple(t.shape), Box.full(tuple(t.shape))) for name, t in tensors.items()]])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     _fill(arenas, plan, tensors)
     index = persist(backend, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 2), Progress(plan.total_bytes))
     pool.close()

@@ -23,6 +23,7 @@ from ckptd.daemon.step_build import NodeManifest, step_files
 from ckptd.daemon.storage import Storage, StorageBackend
 from ckptd.daemon.verify import verify_files
 from ckptd.daemon.writer import PersistRequest, Progress, write_node_files, write_step_files
+from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 
 
@@ -68,7 +69,7 @@ class _Saver:
     def __init__(self, storage: StorageBackend, shm_dir: Path, specs: list[TensorSpec], max_file_bytes: int = 2**30) -> None:
         self.storage, self.plan, self.max_file_bytes = storage, make_save_plan([specs]), max_file_bytes
         self.pool = ArenaPool(shm_dir, "job", max_inflight=1)
-        arenas = self.pool.acquire(self.plan.arena_bytes)
+        arenas = take_arenas(self.pool, self.plan.arena_bytes)
         assert arenas is not None
         self.arenas = arenas
 

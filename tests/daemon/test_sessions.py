@@ -14,6 +14,7 @@ from ckptd.daemon.engine.compression import SaveOptions
 from ckptd.daemon.engine.sessions import RECENT_RESULTS, JobState, SaveSession, SaveState
 from ckptd.daemon.errors import InvalidRequest, Precondition
 from ckptd.daemon.plan import TensorSpec, make_save_plan
+from arena_rig import take_arenas  # tests/arena_rig.py
 
 
 def _session(step: int = 1, ranks: int = 2, world: int = 2) -> SaveSession:
@@ -29,7 +30,7 @@ def _arenas(tmp_path: Path, plan: Any) -> ArenaSet:
     shm = tmp_path / f"shm{len(list(tmp_path.iterdir()))}"  # a pool of its own: arena names repeat per pool
     shm.mkdir()
     pool = ArenaPool(shm, "job", 2)
-    arenas = pool.acquire(plan.arena_bytes)
+    arenas = take_arenas(pool, plan.arena_bytes)
     assert arenas is not None
     return arenas
 

@@ -26,6 +26,7 @@ from ckptd.daemon import units as units_module
 from ckptd.daemon.storage import Storage
 from ckptd.daemon.units import Unit, file_units, read_ranges
 from ckptd.daemon.writer import PersistRequest, Progress, persist
+from arena_rig import take_arenas  # tests/arena_rig.py
 
 # ------------------------------------------------------------------ locations
 
@@ -98,7 +99,7 @@ def step(tmp_path: Path) -> Iterator[tuple[Storage, CheckpointIndex]]:
     storage.clean_uncommitted()  # makes the root
     with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as shm:
         pool = ArenaPool(Path(shm), "job", max_inflight=1)
-        arenas = pool.acquire(plan.arena_bytes)
+        arenas = take_arenas(pool, plan.arena_bytes)
         for slot in plan.slots:
             data = tensors[slot.name][tuple(slice(o, o + n) for o, n in zip(slot.box.offsets, slot.box.lengths))]
             view = arenas.arenas[slot.rank].view(slot.offset, slot.nbytes)

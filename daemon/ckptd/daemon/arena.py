@@ -263,24 +263,6 @@ class ArenaPool:
         """An idle set in `state` with room for `sizes` (bytes per rank); held ones oldest first."""
         return next((s for s in self.idle_sets() if s.state is state and s.fits(sizes)), None)
 
-    def acquire(self, sizes: tuple[int, ...]) -> ArenaSet | None:
-        """A set with room for `sizes`, marked FILLING, its memory allocated here (no budget: the
-        engine uses engine/memory.py); None if every set is busy. Preference: a free set that
-        fits, a held one that fits, an idle one reallocated, a new one (up to `max_inflight`)."""
-        chosen = self.fitting(sizes, SetState.FREE) or self.fitting(sizes, SetState.HELD)
-        if chosen is not None:
-            return self.reserve(chosen).arena_set
-        idle = self.idle_sets()
-        if not idle and not self.can_grow:
-            return None
-        reservation = self.reserve(idle[0]) if idle else self.reserve_new()
-        try:
-            self.allocate(reservation.arena_set, sizes)
-        except BaseException:
-            self.undo(reservation)
-            raise
-        return reservation.arena_set
-
     def reserve(self, arena_set: ArenaSet) -> Reservation:
         """Take an idle set for a snapshot (FILLING); a held snapshot inside is dropped."""
         assert arena_set.idle and arena_set in self.sets
