@@ -85,13 +85,15 @@ def test_liveness_follows_the_attached_clients() -> None:
     assert "ranks 0, 1 attached to this daemon, pid 1234 on host-a" in runs.describe("j", "a")
     with pytest.raises(RunRefused, match="belongs to another run that is still live: run a .ranks 0, 1 attached"):
         runs.check("j", "b", False)
-    assert runs.may_end("j", "a", "b", resumed=True) and not runs.may_end("j", "a", "b", resumed=False)
+    assert runs.end_reason("j", "a", "b", True, runs.live("j", "a")) == "run b resumed the job"
+    with pytest.raises(RunRefused, match="belongs to another run that is still live"):
+        runs.end_reason("j", "a", "b", False, runs.live("j", "a"))
     assert runs.detach("j", "c0") is first and ended.is_set() and runs.live("j", "a")
     assert runs.detach("j", "c0") is None  # once
     runs.attach("j", "c1", _client("a", 1))  # attached again under its id (a restarted daemon's client)
     assert runs.detach("j", "c1", only=second) is None and runs.live("j", "a")  # the old call's end leaves the new one
     runs.detach("j", "c1")
-    assert not runs.live("j", "a") and runs.may_end("j", "a", "b", resumed=False)
+    assert not runs.live("j", "a") and runs.end_reason("j", "a", "b", False, runs.live("j", "a")) == "run b began it after run a ended"
     runs.check("j", "b", False)  # the owner ended: node 0 decides (claim)
 
 

@@ -11,8 +11,7 @@ import logging
 
 import grpc
 
-from ckptd.daemon.engine.runs import RunClaim, Runs, live_owner_message, short
-from ckptd.daemon.errors import RunRefused
+from ckptd.daemon.engine.runs import RunClaim, Runs
 from ckptd.daemon.peer_links import PeerLinks
 from ckptd.daemon.rollback import passed_over
 from ckptd.daemon.storage import StorageBackend
@@ -50,10 +49,8 @@ class Admission:
         """Run `claim` joins step `step`, which run `other` began and not all of whose ranks
         joined: RunRefused while `other` is live and `claim` did not resume; else the reason to
         abort `other`'s save (it ended, or `claim` takes the job over)."""
-        if not claim.resumed and await self.live(job, other.run):
-            raise RunRefused(live_owner_message(job, claim.run, other.run, self.runs.describe(job, other.run)))
-        why = "resumed the job" if claim.resumed else f"began it after run {short(other.run)} ended"
-        return f"run {short(claim.run)} {why} (step {step})"
+        other_live = not claim.resumed and await self.live(job, other.run)  # asked of the nodes only when it decides
+        return f"{self.runs.end_reason(job, other.run, claim.run, claim.resumed, other_live)} (step {step})"
 
     async def admit(self, job: str, step: int, claim: RunClaim) -> str:
         """Every rank of a save has joined: `claim`'s run may save into the job (RunRefused if

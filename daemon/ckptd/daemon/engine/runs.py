@@ -140,11 +140,15 @@ class Runs:
         if owner and owner != run and not resumed and self.live(job, owner):
             raise RunRefused(live_owner_message(job, run, owner, self.describe(job, owner)))
 
-    def may_end(self, job: str, other: str, run: str, resumed: bool) -> bool:
-        """Whether a save of `other` that is still open may be ended for `run`, which starts a
-        save of the same job: `other` is not live here, or `run` resumed (it takes the job over).
-        False: `run` is refused (both runs are live and `run` started afresh)."""
-        return not other or other == run or resumed or not self.live(job, other)
+    def end_reason(self, job: str, other: str, run: str, resumed: bool, other_live: bool) -> str:
+        """`run` starts a save of `job` while `other`'s save of it is still open: the reason to
+        end that save (`run` resumed and takes the job over, or `other` is no longer live).
+        Raises RunRefused while `other` is live and `run` started afresh. other_live: whether a
+        client of `other` is attached (here, or on any node for node 0's decision)."""
+        if not resumed and other_live:
+            raise RunRefused(live_owner_message(job, run, other, self.describe(job, other)))
+        why = "resumed the job" if resumed else f"began it after run {short(other)} ended"
+        return f"run {short(run)} {why}"
 
     def claim(self, job: str, run: str, resumed: bool, owner_live: bool) -> str:
         """Node 0: `run` saves into `job` (the rules above). owner_live: whether the current owner

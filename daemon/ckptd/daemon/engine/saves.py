@@ -27,7 +27,7 @@ from ckptd.daemon.handoffs import StagedHandOver
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.compression import SaveOptions
-from ckptd.daemon.engine.runs import RunClaim, live_owner_message, short
+from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,8 @@ class Saves:
         for other in list(state.sessions.values()):
             if not other.open or not other.run or other.run == run:
                 continue
-            if not runs.may_end(job, other.run, run, resumed):
-                raise RunRefused(live_owner_message(job, run, other.run, runs.describe(job, other.run)))
-            why = "resumed the job" if resumed else f"began a save after run {short(other.run)} ended"
-            await self.engine.fail(state, other, f"run {short(run)} {why}", "run_ended")
+            reason = runs.end_reason(job, other.run, run, resumed, runs.live(job, other.run))
+            await self.engine.fail(state, other, reason, "run_ended")
 
     async def client_gone(self, job: str, client_id: str) -> None:
         """A client detached (it closed, or its process ended): the open saves it joined and
