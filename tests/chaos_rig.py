@@ -37,18 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.demo.process import DaemonProcess, start_daemon
+from daemon_rig import free_port  # tests/daemon_rig.py
 
 RANK_SCRIPT = Path(__file__).with_name("chaos_rank.py")
 PEER_TOKEN = "chaos-peer-token-0123456789"
 TMPFS_SIZE = "96m"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

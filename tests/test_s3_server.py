@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.request
 import subprocess
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from s3_server import S3Server, running_s3_server, s3_server  # noqa: F401 (s3_server: a fixture)
+from s3_server import _VOLUME_SLOTS, S3Server, running_s3_server, s3_server  # noqa: F401 (s3_server: a fixture)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -83,6 +85,10 @@ MANY_BUCKETS = 12
 
 
 def test_many_buckets_each_take_writes(s3_server: S3Server) -> None:  # noqa: F811 (the fixture imported above)
+    # The volume count is the fixed one, not the free disk's: with the old flag this held only on
+    # a disk with less than ~90 GB free, and the writes below fit anyway on a bigger one.
+    status = json.loads(urllib.request.urlopen(f"http://{s3_server.master_address}/dir/status", timeout=10).read())
+    assert status["Topology"]["Max"] == _VOLUME_SLOTS >= 7 * MANY_BUCKETS
     obstore = pytest.importorskip("obstore")
     from obstore.store import S3Store
 

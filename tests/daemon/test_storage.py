@@ -457,7 +457,7 @@ def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, um
     assert stat.S_IMODE(existing.stat().st_mode) == 0o755
 
 
-# issue 30 finding 5: commit times come from each index's head (this version's compact index) or,
+# commit times come from each index's head (a guard of issue 30's compact index, not a finding's test) (this version's compact index) or,
 # for an index an older daemon wrote indented, from the whole file; both order alike
 def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "root")
