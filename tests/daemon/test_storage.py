@@ -457,8 +457,9 @@ def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, um
     assert stat.S_IMODE(existing.stat().st_mode) == 0o755
 
 
-# commit times come from each index's head (a guard of issue 30's compact index, not a finding's test) (this version's compact index) or,
-# for an index an older daemon wrote indented, from the whole file; both order alike
+# Commit times come from each index's head (this version's compact index) or, for an index an
+# older daemon wrote indented, from the whole file; both order alike. A guard of issue 30's
+# compact index (it passes on 7224a82 too), not a finding's test.
 def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "root")
     for step, created, indented in ((1, 30.0, True), (2, 10.0, False), (3, 20.0, True), (4, 40.0, False)):
