@@ -222,7 +222,7 @@ class Saves:
             plan, plan_key = await self._join(state, session)
             session.plan_with(plan)
             arenas = await self._acquire(state, session, plan)
-            state.plans[plan_key] = plan  # kept once the save got past its refusals (a refused save's plan is not)
+            state.cache.keep(plan_key, plan)  # kept once the save got past its refusals (a refused save's plan is not)
             if arenas is not None:
                 if session.start_snapshot(arenas):
                     engine.spawn(self._prewarm(state, plan))
@@ -262,7 +262,7 @@ class Saves:
             result = await join(resend=True)
         state.announced.update(digests.items())
         self.engine.runs.accepted(session.job, session.run)
-        plan = result.plan or state.plans.get(result.plan_key)
+        plan = result.plan or state.cache.plan(result.plan_key)
         if plan is None:
             if result.specs is None:
                 raise Aborted(f"the coordinator assumed this node knows plan {result.plan_key[:12]}; retry the save")

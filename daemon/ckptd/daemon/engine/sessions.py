@@ -19,6 +19,7 @@ telling the coordinator) are the engine's (engine/context.py).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,6 +30,7 @@ from ckptd.daemon.engine.compression import Compression, SaveOptions
 from ckptd.daemon.errors import InvalidRequest, Precondition
 from ckptd.daemon.writer import Progress
 from ckptd.daemon.plan import SavePlan, TensorSpec
+from ckptd.daemon.plan_input import JobPlans
 
 RECENT_RESULTS = 16  # ended saves a job remembers (WaitDurable of a save that just ended)
 
@@ -208,14 +210,26 @@ class JobState:
     world_size: int
     pool: ArenaPool
     names: dict[tuple[int, str], str] = field(default_factory=dict)  # (rank, its fingerprint) -> digest of the metadata sent with it
-    specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
-    plans: dict[str, SavePlan] = field(default_factory=dict)  # by the coordinator's plan key (plan_input.plan_key over digests)
+    cache: JobPlans = field(init=False)  # metadata by (rank, digest), plans by the coordinator's plan key (the coordinator's kind)
     announced: set[tuple[int, str]] = field(default_factory=set)  # (rank, digest) whose metadata the coordinator has
     sessions: dict[int, SaveSession] = field(default_factory=dict)  # open or writing, by step
     recent: dict[int, SaveSession] = field(default_factory=dict)  # ended, newest RECENT_RESULTS, in the order they ended
     acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     arena_freed: asyncio.Condition = field(default_factory=asyncio.Condition)
     lineage: int = 0  # quantization generation of the step this job last loaded from this daemon
+
+    def __post_init__(self) -> None:
+        self.cache = JobPlans(self.world_size)
+
+    @property
+    def specs(self) -> dict[tuple[int, str], tuple[TensorSpec, ...]]:
+        """(rank, digest) -> metadata."""
+        return self.cache.specs
+
+    @property
+    def plans(self) -> OrderedDict[str, SavePlan]:
+        """Plan key (plan_input.plan_key over digests) -> plan, at most plan_input.PLANS_KEPT."""
+        return self.cache.plans
 
     def resize(self, world_size: int, job: str) -> None:
         """An elastic restart with another world size: forget the cached metadata and plans
@@ -229,8 +243,7 @@ class JobState:
             )
         self.world_size = world_size
         self.names.clear()
-        self.specs.clear()
-        self.plans.clear()
+        self.cache = JobPlans(world_size)
 
     def describe(self, rank: int, fingerprint: str, specs: tuple[TensorSpec, ...], digest: str) -> bool:
         """Rank `rank` sent `specs` (digest: their plan.spec_digest) under `fingerprint`: its
