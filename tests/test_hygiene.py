@@ -111,7 +111,7 @@ ALLOWED = {
     ("remote/faults.py", "*", "*"): "test-only fault injection of object-store requests: its event log, outside the root",
     ("cluster.py", "Cluster.fetch", "os.pwrite"): "a staging file in /dev/shm (a peer's Fetch into it), not the root",
     ("service.py", "CheckpointService.start", ".mkdir"): "the shm directory, not the root (Storage.clean_uncommitted makes the root)",
-    ("bulk.py", "recv_into_file", "os.pwrite"): "replica bytes into a file in /dev/shm (a replica or a staging file), not the root",
+    ("bulk.py", "move_into_file", "os.pwrite"): "replica bytes into a file in /dev/shm (a replica or a staging file), not the root",
     ("engine/replica_store.py", "ReplicaStore.check_and_rename", "os.rename"): "replica files in /dev/shm, not the root",
     ("engine/replica_store.py", "open_ranges", "os.open"): "reading replica files in /dev/shm (O_RDONLY), not the root",
     ("engine/replica_store.py", "remove_files", "os.unlink"): "replica files in /dev/shm, not the root",

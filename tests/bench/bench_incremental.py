@@ -21,8 +21,8 @@ values), then saves to both daemons in an order rotated each round:
 - check: what linking costs instead of writing. An incremental save reads every linked file
   back and checks it against the previous step's checksums before the step is reported
   written (reuse.check_linked; a file damaged on disk is written again). Measured here with
-  the same code (units.first_mismatch over ranges of reuse.CHECK_RANGE_BYTES, 4 threads as
-  the daemon's --write-threads) on the files the incremental daemon linked: from the page
+  the same code (reuse.check_files, which check_linked runs: ranges of reuse.CHECK_RANGE_BYTES,
+  4 threads as the daemon's --write-threads) on the files the incremental daemon linked: from the page
   cache (warm: where the daemon finds a file it wrote or read recently) and after evicting
   them (cold: posix_fadvise DONTNEED, read from the disk), against writing and fsyncing the
   same bytes as new files (what `--no-link-unchanged` does with them).
@@ -45,7 +45,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +53,9 @@ from torch import nn
 
 from ckptd.client import CheckpointClient
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
-from ckptd.daemon.reuse import CHECK_RANGE_BYTES
-from ckptd.daemon.units import first_mismatch, file_units, read_ranges
+from ckptd.daemon import reuse
+from ckptd.daemon.storage import step_at
+from ckptd.daemon.units import file_units
 from ckptd.demo.process import DaemonProcess, start_daemon
 
 WAYS = ("incremental", "full")
@@ -125,23 +125,21 @@ def linked_files(step_dir: Path, previous: Path) -> list[Path]:
 
 
 def check_files(step_dir: Path, files: list[Path], cold: bool) -> float:
-    """Seconds to read `files` of the step back and check every byte against the step's index,
-    as an incremental save checks the files it links; `cold`: evicted from the page cache first."""
+    """Seconds to read `files` of the step back and check every byte against the step's index
+    with the daemon's own check of the files it links (reuse.check_files, CHECK_THREADS threads);
+    `cold`: evicted from the page cache first."""
     units = file_units(CheckpointIndex.from_json_bytes((step_dir / INDEX_NAME).read_bytes()))
-    fds = {p.name: os.open(p, os.O_RDONLY) for p in files}
-    try:
-        if cold:
-            for fd in fds.values():
+    if cold:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        tasks = [(fds[name], group) for name in fds for _, _, group in read_ranges(units[name], CHECK_RANGE_BYTES)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(CHECK_THREADS) as pool:
-            problems = list(pool.map(lambda task: first_mismatch(lambda n, o: os.pread(task[0], n, o), task[1]), tasks))
-        seconds = time.perf_counter() - start
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    assert not any(problems), problems
+            finally:
+                os.close(fd)
+    start = time.perf_counter()
+    problems = reuse.check_files(step_at(step_dir).open, {p.name: units[p.name] for p in files}, CHECK_THREADS)
+    seconds = time.perf_counter() - start
+    assert not problems, problems
     return seconds
 
 

@@ -17,12 +17,13 @@ from ckptd.daemon.bulk import MAGIC, BulkError, BulkServer, Pacer, connect, recv
 from ckptd.daemon.bulk import send_status, split_evenly
 from ckptd.daemon.engine.replica_store import Damaged, Refused, ReplicaStore, open_ranges
 from ckptd.daemon.checks import check_replica_units
-from ckptd.daemon.engine.replication import buddies, cut_ranges, merge_ranges, widen_to_units
+from ckptd.daemon.engine.replica_ranges import cut_ranges, merge_ranges, units_in, widen_to_units
+from ckptd.daemon.engine.replication import buddies
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
 from ckptd.daemon.format import FileRecord
 from ckptd.daemon.step_build import checksum_name
-from ckptd.daemon.units import Unit
+from ckptd.daemon.units import Unit, UnitCheck
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 # ------------------------------------------------------------------ placement
@@ -73,12 +74,22 @@ def offered(files: list[FileRecord], data: bytes = b"") -> tuple[list[FileRecord
     return files, {f.name: (Unit(0, f.size, xxhash.xxh3_64_intdigest(data)),) for f in files}
 
 
+def arrive(data: bytes, fd: int, check: UnitCheck | None = None) -> None:
+    """`data` arriving on a bulk connection into fd (bulk.recv_into_file), fed to `check` as it arrives."""
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        sending = threading.Thread(target=sender.sendall, args=(data,))
+        sending.start()
+        recv_into_file(receiver, fd, 0, len(data), memoryview(bytearray(64 * 1024)), check)
+        sending.join()
+
+
 def receive(store: ReplicaStore, receipt, contents: dict[str, bytes]) -> None:
-    """What the bulk thread does with a complete transfer."""
+    """What the bulk thread does with a complete transfer (Replication._receive)."""
     fds = store.create_parts(receipt)
     try:
         for record, fd in zip(receipt.files, fds):
-            os.pwrite(fd, contents[record.name], 0)
+            arrive(contents[record.name], fd, receipt.checks[record.name])
         store.check_and_rename(receipt, fds)
     finally:
         for fd in fds:
@@ -158,8 +169,10 @@ def test_a_partial_or_wrong_replica_is_never_served(shm: Path, cut: str) -> None
     }[cut]
     fds = store.create_parts(receipt)
     try:
-        os.pwrite(fds[0], received, 0)
-        if cut != "a wrong header":  # a short stream: the bulk thread stops at the peer's close, before checking
+        if cut == "a wrong header":
+            arrive(received, fds[0], receipt.checks["m.safetensors"])
+        else:  # a short stream: the bulk thread stops at the peer's close, before checking
+            os.pwrite(fds[0], received, 0)
             os.ftruncate(fds[0], len(received))
         with pytest.raises(Damaged):
             store.check_and_rename(receipt, fds)
@@ -245,6 +258,37 @@ def test_ranges_merge_within_a_file_and_cut_for_parallel_connections() -> None:
     groups = split_evenly([5, 1, 4, 3, 3], 2)
     assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
     assert sorted(sum([5, 1, 4, 3, 3][i] for i in g) for g in groups) == [8, 8]
+
+
+# issue 30 review: a range is cut only between units, so that each staged unit arrives whole on
+# one connection and is checked as it arrives
+def test_ranges_are_cut_between_units_and_each_unit_is_checked_in_the_range_that_holds_it() -> None:
+    units = {"f": (Unit(0, 10, 1), Unit(10, 3 * MiB, 2), Unit(3 * MiB + 10, MiB, 3), Unit(4 * MiB + 10, 5, 4))}
+    cut = cut_ranges([("f", 0, 4 * MiB + 15, 7), ("g", 0, 3 * MiB, 8)], MiB, units=units)
+    # the cut at 1 MiB falls inside unit 1: it moves to that unit's end; a file without units is cut as before
+    assert cut == [("f", 0, 3 * MiB + 10, 7), ("f", 3 * MiB + 10, MiB, 7), ("f", 4 * MiB + 10, 5, 7),
+                   ("g", 0, MiB, 8), ("g", MiB, MiB, 8), ("g", 2 * MiB, MiB, 8)]
+    _, checks = widen_to_units([("f", 5, 20, 7), ("f", 4 * MiB + 11, 1, 7)], units)  # units 0, 1 and 3 are staged
+    assert units_in(cut, checks) == [units["f"][:2], (), (units["f"][3],), (), (), ()]
+
+
+# issue 30 review: the bytes a connection brings are checked before they are written, never read back
+def test_bytes_received_into_a_file_are_checked_as_they_arrive(tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB)
+    units = (Unit(0, 100, xxhash.xxh3_64_intdigest(data[:100])), Unit(100, len(data) - 100, xxhash.xxh3_64_intdigest(data[100:])))
+    out = tmp_path / "out"
+    out_fd = os.open(out, os.O_WRONLY | os.O_CREAT)  # write-only: a read back would fail
+    try:
+        check = UnitCheck(units)
+        arrive(data, out_fd, check)
+        assert check.problem() is None and out.read_bytes() == data
+        damaged = bytearray(data)
+        damaged[-1] ^= 1
+        check = UnitCheck(units)
+        arrive(bytes(damaged), out_fd, check)
+        assert check.problem() == f"bytes [100, {len(data)}) do not match their checksum in the index"
+    finally:
+        os.close(out_fd)
 
 
 # ------------------------------------------------------------------ the bulk channel

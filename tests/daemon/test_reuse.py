@@ -20,7 +20,9 @@ from ckptd.daemon.arena import ArenaPool, ArenaSet
 from ckptd.daemon.format import INDEX_NAME, StoredTensor, layout_files
 from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.step_build import NodeManifest, step_files
-from ckptd.daemon.storage import Storage, StorageBackend
+from ckptd.daemon.reuse import check_files
+from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
+from ckptd.daemon.units import file_units
 from ckptd.daemon.verify import verify_files
 from ckptd.daemon.writer import PersistRequest, Progress, write_node_files, write_step_files
 from arena_rig import take_arenas  # tests/arena_rig.py
@@ -278,4 +280,26 @@ def test_check_linked_names_each_file_that_does_not_match(tmp_path: Path, shm_di
     message = record.getMessage()
     assert "step 2 of job job" in message and "linked from step 1" in message and "damaged on disk" in message
     assert "bytes [" in message and f"{path.stat().st_size})" in message and "ckptd verify" in message
+    saver.pool.close()
+
+
+# issue 30 review: the check of linked files reads through the opener it is given (a step
+# reader's), one function that check_linked and tests/bench/bench_incremental.py both run
+def test_check_files_reads_each_file_through_its_opener_and_names_those_that_do_not_match(backend: StorageBackend, shm_dir: Path) -> None:
+    saver = _Saver(backend, shm_dir, _specs())
+    saver.save(1, _tensors(_specs()), None)
+    units = file_units(backend.read_index("job", 1))
+    reader = backend.step_reader("job", 1)
+    opened: list[str] = []
+
+    def open_file(name: str) -> ReadHandle:
+        opened.append(name)
+        return reader.open(name)
+
+    assert check_files(open_file, units, threads=3) == {} and set(opened) == set(units)
+    damaged = sorted(units)[0]
+    _damage(backend, 1, damaged, "in-place", 10)  # inside the header: unit 0
+    problems = check_files(open_file, {**units, "gone.safetensors": units[damaged]}, threads=3)
+    assert problems[damaged].startswith("bytes [0, ") and "do not match their checksum" in problems[damaged]
+    assert problems["gone.safetensors"].startswith("it cannot be read back") and set(problems) == {damaged, "gone.safetensors"}
     saver.pool.close()

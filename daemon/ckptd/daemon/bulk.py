@@ -6,8 +6,8 @@ most about 0.9 GB/s per daemon on the test VM (by-hand measurements, docs/archit
 whatever the message size or the number of streams (its per-message work runs on the event
 loop), about a cold disk read there;
 a plain socket moves the same bytes in threads, nothing on the event loop: a holder serving
-ranges sends them with `sendfile`, a receiver `recv_into`s a reused buffer and `pwrite`s it to
-shared memory; a push after a commit reads its files through the storage backend in paced
+ranges sends them with `sendfile`, a receiver `recv_into`s a reused buffer, checks it against
+the step's checksums (units.UnitCheck) and `pwrite`s it to shared memory; a push after a commit reads its files through the storage backend in paced
 slices (one copy into Python bytes per slice) and `sendall`s them.
 
 Only bytes travel here; every decision travels on the Peer service, which is authenticated (the
@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Sequence
 from ckptd.daemon.bulk_gate import Gate, PortHealth
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import BulkPortStatus
+from ckptd.daemon.units import UnitCheck
 
 log = logging.getLogger(__name__)
 
@@ -220,22 +221,38 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(data)
 
 
-def recv_into_file(sock: socket.socket, fd: int, offset: int, nbytes: int, buffer: memoryview) -> None:
-    """Receive exactly nbytes and write them at `offset` of fd (a file in shared memory): the
-    buffer is filled before each write, so a write moves up to len(buffer) bytes."""
+def recv_into_file(sock: socket.socket, fd: int, offset: int, nbytes: int, buffer: memoryview, check: UnitCheck | None = None) -> None:
+    """Receive exactly nbytes and write them at `offset` of fd, each buffer fed to `check` (its
+    position: `offset`) before it is written (move_into_file); BulkError when the peer closes first."""
+    done = move_into_file(lambda view, _: sock.recv_into(view), fd, offset, nbytes, buffer, check)
+    if done < nbytes:
+        raise BulkError(f"the peer closed the connection after {done} of {nbytes} bytes")
+
+
+def move_into_file(
+    read_into: Callable[[memoryview, int], int], fd: int, offset: int, nbytes: int, buffer: memoryview, check: UnitCheck | None = None
+) -> int:
+    """Move bytes [offset, offset + nbytes) of a source (a socket, a replica file) to the same
+    offsets of fd (a file in shared memory: a replica or a staging file). `read_into(view, at)`
+    puts the source's next bytes (those at `at`) at the start of `view` and returns how many, 0
+    where the source ended. The buffer is filled before each write, so a write moves up to
+    len(buffer) bytes, and fed to `check` before it is written: passing bytes are checked once,
+    never read back. Returns the bytes moved: nbytes, or fewer where the source ended."""
     done = 0
     while done < nbytes:
         want = min(len(buffer), nbytes - done)
         got = 0
-        while got < want:
-            n = sock.recv_into(buffer[got:want])
-            if not n:
-                raise BulkError(f"the peer closed the connection after {done + got} of {nbytes} bytes")
+        while got < want and (n := read_into(buffer[got:want], offset + done + got)):
             got += n
+        if check is not None:
+            check.feed(buffer[:got])
         written = 0
         while written < got:
             written += os.pwrite(fd, buffer[written:got], offset + done + written)
         done += got
+        if got < want:
+            break
+    return done
 
 
 def send_file_ranges(sock: socket.socket, ranges: Iterable[tuple[int, int, int]]) -> int:

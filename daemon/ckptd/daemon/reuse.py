@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import xxhash
 
@@ -29,7 +29,7 @@ from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FormatE
 from ckptd.daemon.plan import LogicalTensor
 from ckptd.daemon.snapshot_source import Piece, Source
 from ckptd.daemon.step_build import Placed, checksum_digest, checksum_name
-from ckptd.daemon.storage.base import StorageBackend
+from ckptd.daemon.storage.base import ReadHandle, StorageBackend
 from ckptd.daemon.units import Unit, first_mismatch, read_ranges
 
 CHECK_RANGE_BYTES = 64 << 20  # bytes of a linked file one task reads back and checks (consecutive units)
@@ -112,26 +112,28 @@ def check_linked(
 ) -> dict[str, str]:
     """Read the files of `linked` back as they are linked into step `step` of `job` and check
     every byte against the previous step's index (`units`: units.file_units of it, by the
-    previous file's name), ranges of CHECK_RANGE_BYTES read by `threads` threads. Returns
+    previous file's name; it has every data file of that step), with `check_files`. Returns
     {the new step's file name: what is wrong} for each file that does not match, or cannot be
-    read; a file missing from `units` (no checksums to check it by) counts as not matching."""
-    problems: dict[str, str] = {}
-    tasks: list[tuple[str, tuple[Unit, ...]]] = []
-    for reuse in linked:
-        known = units.get(reuse.source.name)
-        if known is None:
-            problems[reuse.layout.name] = f"the index of the previous step has no checksums of {reuse.source.name}"
-            continue
-        tasks += [(reuse.layout.name, group) for _, _, group in read_ranges(known, CHECK_RANGE_BYTES)]
+    read."""
+    return check_files(storage.step_reader(job, step).open, {r.layout.name: units[r.source.name] for r in linked}, threads)
+
+
+def check_files(open_file: Callable[[str], ReadHandle], files: Mapping[str, Sequence[Unit]], threads: int) -> dict[str, str]:
+    """Read each file of `files` (name -> the units that tile it) through `open_file` and check
+    every byte (units.first_mismatch), ranges of CHECK_RANGE_BYTES (consecutive units) read by
+    `threads` threads, each opening the file. Returns {name: what is wrong} for each file that
+    does not match, or cannot be read."""
+    tasks = [(name, group) for name, known in files.items() for _, _, group in read_ranges(known, CHECK_RANGE_BYTES)]
 
     def check(task: tuple[str, tuple[Unit, ...]]) -> str | None:
         name, group = task
         try:
-            with storage.step_reader(job, step).open(name) as handle:
+            with open_file(name) as handle:
                 return first_mismatch(handle.pread, group)
         except OSError as exc:
             return f"it cannot be read back: {exc}"
 
+    problems: dict[str, str] = {}
     with ThreadPoolExecutor(max(1, min(threads, len(tasks) or 1)), thread_name_prefix="ckptd-reuse-check") as pool:
         for (name, _), problem in zip(tasks, pool.map(check, tasks)):
             if problem is not None:

@@ -1,12 +1,15 @@
 """How the bytes of a step's data file are checked against the step's index: *units*. Pure
-(reading is the caller's: a pread function).
+(reading is the caller's: bytes fed to a UnitCheck as they pass, or a pread function).
 
 A data file (safetensors) is tiled exactly by units, byte ranges whose xxh3-64 the index
 records: the header ([0, first tensor), its FileRecord checksum) and every stored piece (a
 fragment, its scales), a large piece by its chunks (ckptd.common.chunks). Every place that takes
 a data file's bytes on trust checks them unit by unit: the object-store tier (what it uploads
-and downloads, remote/), an incremental save (a file it links from the previous step, reuse.py)
-and a buddy holding a replica in memory (what arrives, engine/replica_store.py).
+and downloads, remote/), an incremental save (a file it links from the previous step, reuse.py),
+a buddy holding a replica in memory (what arrives, engine/replica_store.py) and a load staging
+ranges of a replica (engine/replication.py). Bytes that pass through the daemon anyway (an
+upload, a replica or staged range arriving) are checked as they pass (UnitCheck); bytes that
+only lie on disk are read to be checked (first_mismatch).
 """
 
 from __future__ import annotations
@@ -122,20 +125,65 @@ def read_ranges(units: Sequence[Unit], target_bytes: int) -> list[tuple[int, int
     return ranges
 
 
+class UnitCheck:
+    """Checks bytes fed in file order, from byte `start` on, against `units` (in offset order, not
+    overlapping, none before `start`): a unit's xxh3-64 is compared once its last byte is fed.
+    Bytes no unit covers are passed over; hashing stops at the first unit that does not match.
+    Where bytes arrive (a replica, a staged range, an upload) they are checked as they pass, so
+    nothing is read back to be checked."""
+
+    def __init__(self, units: Sequence[Unit], start: int = 0) -> None:
+        self.units = units
+        self.position = start  # the file offset of the next byte fed
+        self.bad: str | None = None  # the first unit that did not match
+        self._next = 0  # the index of the unit being hashed
+        self._hasher = xxhash.xxh3_64()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The next bytes of the file, from `position` on."""
+        view = memoryview(data)
+        while self._next < len(self.units) and self.bad is None:
+            unit = self.units[self._next]
+            if self.position < unit.offset:  # bytes before the unit: passed over
+                skip = min(len(view), unit.offset - self.position)
+                if not skip:
+                    break
+                view, self.position = view[skip:], self.position + skip
+                continue
+            take = view[: unit.end - self.position]
+            self._hasher.update(take)
+            view, self.position = view[len(take):], self.position + len(take)
+            if self.position < unit.end:
+                break
+            if self._hasher.intdigest() != unit.xxh3:
+                self.bad = f"bytes [{unit.offset}, {unit.end}) do not match their checksum in the index"
+            self._hasher.reset()
+            self._next += 1
+        self.position += len(view)
+
+    def problem(self) -> str | None:
+        """None when every unit was fed and matched; else what is wrong with the first that did
+        not ("bytes [a, b) do not match their checksum in the index"), or where the bytes
+        stopped short of a unit."""
+        self.feed(b"")  # settles empty units at the end
+        if self.bad is not None or self._next == len(self.units):
+            return self.bad
+        unit = self.units[self._next]
+        return f"the bytes stop at byte {self.position}, short of the end of bytes [{unit.offset}, {unit.end}) that the index checksums"
+
+
 def first_mismatch(pread: Pread, units: Sequence[Unit]) -> str | None:
-    """Read each of `units` through `pread` (HASH_SLICE bytes at a time, one pass) and hash it:
-    None when every unit matches its checksum, else what is wrong with the first that does not
-    ("bytes [a, b) do not match their checksum in the index", or where the file ends short)."""
-    hasher = xxhash.xxh3_64()
-    for unit in units:
-        hasher.reset()
-        done = 0
-        while done < unit.nbytes:
-            data = pread(min(HASH_SLICE, unit.nbytes - done), unit.offset + done)
-            if not data:
-                return f"the file ends at byte {unit.offset + done}, inside bytes [{unit.offset}, {unit.end}) that the index checksums"
-            hasher.update(data)
-            done += len(data)
-        if hasher.intdigest() != unit.xxh3:
-            return f"bytes [{unit.offset}, {unit.end}) do not match their checksum in the index"
-    return None
+    """Read bytes [units[0].offset, units[-1].end) through `pread` (HASH_SLICE bytes at a time, one
+    pass, stopping at the first mismatch) and check them (UnitCheck): None when every unit
+    matches its checksum, else what is wrong with the first that does not, or where the file
+    ends short. For bytes on disk; bytes that arrive are checked as they pass (UnitCheck)."""
+    if not units:
+        return None
+    check = UnitCheck(units, units[0].offset)
+    end = units[-1].end
+    while check.position < end and check.bad is None:
+        data = pread(min(HASH_SLICE, end - check.position), check.position)
+        if not data:
+            break
+        check.feed(data)
+    return check.problem()

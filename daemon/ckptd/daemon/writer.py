@@ -195,7 +195,8 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
         files.append(reuse.record)
         placed += reuse.placed
         progress.link(sum(source.nbytes(t) for t in reuse.layout.tensors))
-    layouts = [f for f in layouts if f.name not in {reuse.layout.name for reuse in linked}]
+    linked_names = {reuse.layout.name for reuse in linked}
+    layouts = [f for f in layouts if f.name not in linked_names]
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     opened: list[PartWriter] = []
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:

@@ -4,11 +4,12 @@ A buddy keeps, per (job, node), the data files of the newest committed step that
 (engine/replication.py), byte for byte as the node wrote them, as files in --shm-dir (a tmpfs:
 memory). A loading node reads them by file name and byte range, as it reads a step's files.
 
-A replica is servable only once complete: its files are received under `.part` names, each
-checked against the size that the step's index records and, every byte of it, against the
-index's checksums (the units the offering node sends with its offer: header, tensors, chunks;
-ckptd.daemon.units), renamed, and then listed at once (`publish`). A receipt that ends any other way (a short stream, a bad
-header, a newer offer from the same node, the daemon stopping) is abandoned: its files are
+A replica is servable only once complete: its files are received under `.part` names, every
+byte checked as it arrives against the index's checksums (the units the offering node sends
+with its offer: header, tensors, chunks; units.UnitCheck), each file against the size that
+the index records, renamed, and then listed at once (`publish`). A receipt that ends any other
+way (a short stream, bytes that do not match, a newer offer from the same node, the daemon
+stopping) is abandoned: its files are
 removed and its memory released. Nothing here survives the process: a restarted daemon holds
 no replicas, and the files of a dead daemon are removed at start like its arenas
 (arena.remove_stale_arenas: same name prefix).
@@ -34,16 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-import xxhash
-
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.arena import ARENA_PREFIX
 from ckptd.daemon.errors import NotFound
 from ckptd.daemon.private_dirs import create_file
-from ckptd.daemon.format import FileRecord, read_header
+from ckptd.daemon.format import FileRecord
 from ckptd.daemon.metrics import Metrics
-from ckptd.daemon.step_build import checksum_name
-from ckptd.daemon.units import Unit, first_mismatch
+from ckptd.daemon.units import Unit, UnitCheck
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class Receipt:
     parts: dict[str, Path]  # file name -> where it is received
     paths: dict[str, Path]  # file name -> its name once published
     nbytes: int
-    units: dict[str, tuple[Unit, ...]] = field(default_factory=dict)  # file name -> its checksum units (tiling it)
+    checks: dict[str, UnitCheck] = field(default_factory=dict)  # file name -> the check of its bytes as they arrive (units tiling it)
     cancelled: bool = False  # superseded or stopping: abandoned when its transfer ends
 
     @property
@@ -113,7 +111,8 @@ class ReplicaStore:
     def offer(self, job: str, node: int, step: int, files: Sequence[FileRecord], units: Mapping[str, tuple[Unit, ...]]) -> Receipt | None:
         """Take an offer of node's part of a committed step: a Receipt to receive it into, or
         None when exactly that replica is held already. `units`: each file's checksum units
-        (tiling it: checks.check_replica_units), every byte is checked against them on arrival.
+        (tiling it: checks.check_replica_units), every byte is checked against them as it arrives
+        (the receipt's `checks`, fed by bulk.recv_into_file).
         Raises Refused (counted, logged) when it does not fit in the budget."""
         key = (job, node)
         files = tuple(files)
@@ -146,7 +145,7 @@ class ReplicaStore:
             parts={f.name: self.shm_dir / f"{stem}{f.name}.part" for f in files},
             paths={f.name: self.shm_dir / f"{stem}{f.name}" for f in files},
             nbytes=need,
-            units={f.name: tuple(units[f.name]) for f in files},
+            checks={f.name: UnitCheck(tuple(units[f.name])) for f in files},
         )
         self.receiving[key] = receipt
         return receipt
@@ -193,20 +192,15 @@ class ReplicaStore:
 
     @staticmethod
     def check_and_rename(receipt: Receipt, fds: Sequence[int]) -> None:
-        """Check each received file against its index record (size, header checksum) and every
-        byte of it against its checksum units, and give it its published name. Raises Damaged
-        naming the file and the bytes that do not match."""
+        """Check each received file against its index record (size) and its checksum units (the
+        receipt's `checks`, fed every byte as it arrived; the header is unit 0, units.file_units),
+        and give it its published name. Raises Damaged naming the file and the
+        bytes that do not match."""
         for record, fd in zip(receipt.files, fds):
             size = os.fstat(fd).st_size
             if size != record.size:
                 raise Damaged(f"{record.name}: {size} bytes received, the index says {record.size}")
-            if record.name.endswith(".safetensors"):
-                header = read_header(lambda n, offset: os.pread(fd, n, offset), size)
-                if header is None:
-                    raise Damaged(f"{record.name}: no safetensors header")
-                if checksum_name(xxhash.xxh3_64_intdigest(header)) != record.checksum:
-                    raise Damaged(f"{record.name}: its header does not match the index's checksum (another version of the file)")
-            problem = first_mismatch(lambda n, offset: os.pread(fd, n, offset), receipt.units[record.name])
+            problem = receipt.checks[record.name].problem()
             if problem is not None:
                 raise Damaged(f"{record.name} arrived damaged: {problem} (node {receipt.node}'s file or the transfer)")
         for record in receipt.files:

@@ -14,9 +14,10 @@ The other roles of a daemon: take offers (`offer`), serve ranges of what it hold
 nodes (`read`), and fetch ranges from a holder into staging files for its own loads (`fetch`,
 `copy_local`). All byte moving runs in threads, off the event loop.
 
-Every byte of a replica is checked against the step's index twice: by the buddy when it
-arrives (the offer carries each file's checksum units; a file that does not match is not kept)
-and by a loading node once it is staged (the ranges read are widened to whole units first).
+Every byte of a replica is checked against the step's index twice, as it passes (nothing is
+read back to be checked): by the buddy as it arrives (the offer carries each file's checksum
+units; a file that does not match is not kept) and by a loading node as it is staged (the
+ranges read are widened to whole units first, and cut only between units).
 A copy found damaged when loaded is named as the holder's (log, error, metric
 `ckptd_replica_damaged_total{where="load"}`) and the load reads those ranges from the disk of
 the node that wrote them instead (engine/loads.py).
@@ -31,33 +32,29 @@ import socket
 import ssl
 import threading
 import time
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 
 from ckptd.daemon.bulk import BUFFER_BYTES, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
-from ckptd.daemon.bulk import send_status, split_evenly, tls_contexts
+from ckptd.daemon.bulk import move_into_file, send_status, split_evenly, tls_contexts
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.replica_ranges import Range, cut_ranges, merge_ranges, units_in, widen_to_units
 from ckptd.daemon.engine.replica_store import Damaged, Receipt, Refused, ReplicaStore, close_fds, open_ranges
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
 from ckptd.daemon.format import CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.records import BulkAnswer, JobReplicas, ReplicaStatus
-from ckptd.daemon.units import Unit, file_units, first_mismatch
+from ckptd.daemon.units import Unit, UnitCheck, file_units
 
 log = logging.getLogger(__name__)
 
 PUSH_SLICE_BYTES = 8 * 2**20  # read from storage and sent per step of a push
 FETCH_STREAMS = 4  # connections a load's fetch from one holder uses at most (and no more than this host's cores)
 STREAM_MIN_BYTES = 32 * 2**20  # ... each with at least this much to move
-MERGE_GAP_BYTES = 64 * 1024  # ranges of a file closer than this are fetched as one
 PUBLISH_TIMEOUT_S = 30.0
 STEPS_TRACKED = 4  # node 0: recent steps per job whose parts it tracks
 HOLDERS_CHECK_S = 5.0  # node 0: how often the holders of a recoverable step are asked whether they still keep it
-
-Range = tuple[str, int, int, int]  # (file, offset, nbytes, staging fd)
-
 
 class ReplicaCalls(Protocol):
     """The Peer calls of tier 0b (replica_links.ReplicaLinks; the engine speaks no gRPC)."""
@@ -81,69 +78,6 @@ def buddies(node: int, nodes: int, replicas: int) -> tuple[int, ...]:
     (at most nodes - 1: a node is never its own buddy). Any `replicas` nodes lost, every
     node's part is still held by a node that is not lost (tests/daemon/test_replicas.py)."""
     return tuple((node + k) % nodes for k in range(1, min(replicas, nodes - 1) + 1))
-
-
-def merge_ranges(ranges: Sequence[Range], gap: int = MERGE_GAP_BYTES) -> list[Range]:
-    """Ranges of the same file and staging fd that overlap or lie within `gap` bytes merged
-    into one (the bytes between are the file's too), in file and offset order."""
-    merged: list[Range] = []
-    for file, offset, nbytes, fd in sorted(ranges, key=lambda r: (r[0], r[1])):
-        if merged and merged[-1][0] == file and merged[-1][3] == fd and offset <= merged[-1][1] + merged[-1][2] + gap:
-            last = merged[-1]
-            merged[-1] = (file, last[1], max(last[1] + last[2], offset + nbytes) - last[1], fd)
-        else:
-            merged.append((file, offset, nbytes, fd))
-    return merged
-
-
-Check = tuple[str, int, Unit]  # (file, staging fd, a checksum unit staged there)
-
-
-def widen_to_units(reads: Sequence[Range], units: Mapping[str, Sequence[Unit]]) -> tuple[list[Range], list[Check]]:
-    """The reads widened to the whole checksum units they touch (so that every staged byte can be
-    checked; the bytes around a range are the file's too, staged at their own offsets), and the
-    units to check, each once, in file order. A file without units is read as asked."""
-    widened: list[Range] = []
-    touched: dict[tuple[str, int, int], Unit] = {}
-    starts: dict[str, list[int]] = {}
-    for file, offset, nbytes, fd in reads:
-        known = units.get(file)
-        if not known:
-            widened.append((file, offset, nbytes, fd))
-            continue
-        if file not in starts:
-            starts[file] = [u.offset for u in known]
-        first = max(0, bisect_right(starts[file], offset) - 1)
-        covered = []
-        for unit in known[first:]:
-            if unit.offset >= offset + nbytes:
-                break
-            if unit.end > offset:
-                covered.append(unit)
-        if not covered:
-            widened.append((file, offset, nbytes, fd))
-            continue
-        widened.append((file, covered[0].offset, covered[-1].end - covered[0].offset, fd))
-        for unit in covered:
-            touched[(file, fd, unit.offset)] = unit
-    return widened, [(file, fd, unit) for (file, fd, _), unit in sorted(touched.items())]
-
-
-def staged_problem(checks: Sequence[Check]) -> str | None:
-    """(thread) Read the staged units back and check them: None, or what is wrong with the first
-    that does not match ("FILE: bytes [a, b) do not match ...")."""
-    for file, fd, unit in checks:
-        problem = first_mismatch(lambda n, offset: os.pread(fd, n, offset), (unit,))
-        if problem is not None:
-            return f"{file}: {problem}"
-    return None
-
-
-def cut_ranges(ranges: Sequence[Range], most: int, align: int = 2**20) -> list[Range]:
-    """The ranges cut into pieces of at most `most` bytes (rounded up to `align`), so that one
-    large range can travel over several connections."""
-    step = max(align, -(-most // align) * align)
-    return [(file, offset + at, min(step, nbytes - at), fd) for file, offset, nbytes, fd in ranges for at in range(0, nbytes, step)]
 
 
 @dataclass
@@ -449,7 +383,7 @@ class Replication:
             fds = self.store.create_parts(receipt)
             buffer = memoryview(bytearray(BUFFER_BYTES))
             for record, fd in zip(receipt.files, fds):
-                recv_into_file(sock, fd, 0, record.size, buffer)
+                recv_into_file(sock, fd, 0, record.size, buffer, receipt.checks[record.name])
             self.store.check_and_rename(receipt, fds)
             published = asyncio.run_coroutine_threadsafe(self._publish(receipt), loop).result(PUBLISH_TIMEOUT_S)
             if not published:
@@ -509,9 +443,9 @@ class Replication:
         self, holder: int, job: str, step: int, source: int, reads: Sequence[Range], units: Mapping[str, Sequence[Unit]]
     ) -> None:
         """Receive ranges of the replica of `source`'s part that `holder` holds into staging
-        files (same offsets, readable fds): widened to whole checksum units (`units`: the step's,
-        by file), merged, in up to FETCH_STREAMS connections of their own; then every staged unit
-        is checked. Unavailable when the holder does not serve them, or they do not match (the
+        files (same offsets): widened to whole checksum units (`units`: the step's, by file),
+        merged, in up to FETCH_STREAMS connections of their own, every staged unit checked as it
+        arrives. Unavailable when the holder does not serve them, or they do not match (the
         message names the holder's copy as damaged)."""
         cluster = self.engine.cluster
         assert cluster is not None
@@ -519,20 +453,22 @@ class Replication:
         whole = merge_ranges(reads)
         total = sum(r[2] for r in whole)
         streams = max(1, min(FETCH_STREAMS, os.cpu_count() or 1, total // STREAM_MIN_BYTES))  # a receiving thread per stream
-        merged = cut_ranges(whole, -(-total // streams))
+        merged = cut_ranges(whole, -(-total // streams), units=units)
+        checked = units_in(merged, checks)
         groups = split_evenly([r[2] for r in merged], streams)
 
-        async def stream(group: list[int]) -> None:
+        async def stream(group: list[int]) -> str | None:
             ranges = [merged[i] for i in group]
             answer = await self.calls.read(holder, job, step, source, [(f, o, n) for f, o, n, _ in ranges])
             try:
-                await asyncio.to_thread(self._receive_ranges, self.calls.host_of(holder), answer.port, answer.ticket, ranges)
+                return await asyncio.to_thread(
+                    self._receive_ranges, self.calls.host_of(holder), answer.port, answer.ticket, ranges, [checked[i] for i in group]
+                )
             except (BulkError, OSError) as exc:
                 raise Unavailable(f"reading node {source}'s part of step {step} of job {job!r} from the memory of {cluster.describe(holder)} failed: {exc}") from None
 
         started = time.monotonic()
-        await asyncio.gather(*(stream(g) for g in groups))
-        problems = await asyncio.gather(*(asyncio.to_thread(staged_problem, checks[i::streams]) for i in range(streams)))
+        problems = await asyncio.gather(*(stream(g) for g in groups))
         problem = next((p for p in problems if p is not None), None)
         if problem is not None:
             self.engine.metrics.replica_damaged.labels("load").inc()
@@ -547,39 +483,48 @@ class Replication:
             extra={"job": job, "step": step},
         )
 
-    def _receive_ranges(self, host: str, port: int, ticket: bytes, ranges: Sequence[Range]) -> None:
+    def _receive_ranges(self, host: str, port: int, ticket: bytes, ranges: Sequence[Range], checked: Sequence[tuple[Unit, ...]]) -> str | None:
+        """(thread) Receive the ranges into their staging files, each checked against its units
+        (`checked`, by range) as it arrives: None, or what is wrong with the first unit that does
+        not match ("FILE: bytes [a, b) do not match ...")."""
         sock = connect(host, port, ticket, self._client_tls)
+        problem = None
         try:
             buffer = memoryview(bytearray(min(BUFFER_BYTES, max(r[2] for r in ranges))))
-            for _, offset, nbytes, fd in ranges:
-                recv_into_file(sock, fd, offset, nbytes, buffer)
+            for (file, offset, nbytes, fd), units in zip(ranges, checked):
+                check = UnitCheck(units, offset)
+                recv_into_file(sock, fd, offset, nbytes, buffer, check)
+                found = check.problem()
+                if problem is None and found is not None:
+                    problem = f"{file}: {found}"
         finally:
             sock.close()
+        return problem
 
     def copy_local(
         self, job: str, step: int, source: int, file: str, offset: int, nbytes: int, out_fd: int, units: Mapping[str, Sequence[Unit]]
     ) -> None:
-        """(thread) Copy a range of a replica this daemon holds into a staging file (the kernel
-        copies; `out_fd` readable too), widened to whole checksum units and checked as `fetch`
-        does. NotFound when the replica is gone; Unavailable when it ends short or the copy is
-        damaged (named as this node's)."""
+        """(thread) Copy a range of a replica this daemon holds into a staging file, widened to
+        whole checksum units and checked as `fetch` does, as it passes (bulk.move_into_file: no
+        copy_file_range, which would leave the staged bytes to be read back to be checked).
+        NotFound when the replica is gone; Unavailable when it ends short or the copy is damaged
+        (named as this node's)."""
         replica = self.store.replica(job, source, step)
         (widened,), checks = widen_to_units([(file, offset, nbytes, out_fd)], units)
         _, offset, nbytes, _ = widened
+        check = UnitCheck([unit for _, _, unit in checks], offset)
         ((fd, _, _),) = open_ranges(replica, [(file, offset, nbytes)])
         try:
-            done = 0
-            while done < nbytes:
-                n = os.copy_file_range(fd, out_fd, nbytes - done, offset + done, offset + done)
-                if not n:
-                    raise Unavailable(f"node {source}'s replica of {file} ends before byte {offset + nbytes}")
-                done += n
+            buffer = memoryview(bytearray(min(BUFFER_BYTES, nbytes)))
+            done = move_into_file(lambda view, at: os.preadv(fd, [view], at), out_fd, offset, nbytes, buffer, check)
         finally:
             os.close(fd)
-        problem = staged_problem(checks)
+        if done < nbytes:
+            raise Unavailable(f"node {source}'s replica of {file} ends before byte {offset + nbytes}")
+        problem = check.problem()
         if problem is not None:
             self.engine.metrics.replica_damaged.labels("load").inc()
             raise Unavailable(
-                f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of this node (node {self.engine.node}) is damaged: {problem}"
+                f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of this node (node {self.engine.node}) is damaged: {file}: {problem}"
             )
         self.engine.metrics.load_staged_bytes.labels("memory-local").inc(nbytes)

@@ -33,15 +33,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import xxhash
-
 from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.location import RemoteLocation
 from ckptd.daemon.remote.objects import file_signature, uploads_of, writes_index
 from ckptd.daemon.remote.store import ObjectStore, RemoteError, RemoteExists, RemoteNotFound, RemoteUnavailable, Stopped, gather
 from ckptd.daemon.storage import ReadHandle, StorageBackend
-from ckptd.daemon.units import Unit, file_units
+from ckptd.daemon.units import Unit, UnitCheck, file_units
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +100,13 @@ class Copies:
 
 class VerifyingBody:
     """A local data file read for an upload (obstore reads it in parts, in order), checked unit
-    by unit against the index as the bytes stream by. `problem()` after the upload: None when
-    every byte was read in order and matched."""
+    by unit against the index as the bytes stream by (units.UnitCheck). `problem()` after the
+    upload: None when every byte was read in order and matched."""
 
     def __init__(self, handle: ReadHandle, size: int, units: tuple[Unit, ...], name: str, stop: threading.Event) -> None:
         self._handle, self._size, self._units, self._name, self._stop = handle, size, units, name, stop
         self._pos = 0
-        self._streamed = 0  # bytes hashed in order from the start
-        self._next = 0
-        self._hasher = xxhash.xxh3_64()
-        self._bad: str | None = None
+        self._check = UnitCheck(units)  # its position: the bytes checked in order from the start
         self._gap = False
 
     def read(self, size: int = -1) -> bytes:
@@ -124,42 +119,27 @@ class VerifyingBody:
             if not more:
                 break
             data += more
-        if self._pos == self._streamed:
-            self._feed(memoryview(data))
-        elif self._pos > self._streamed:
+        if self._pos == self._check.position:
+            self._check.feed(data)
+        elif self._pos > self._check.position:
             self._gap = True
         self._pos += len(data)
         return data
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self._pos = offset if whence == 0 else self._pos + offset if whence == 1 else self._size + offset
-        if self._pos == 0 and self._streamed:  # read again from the start: check again from the start
-            self._streamed, self._next, self._bad, self._gap = 0, 0, None, False
-            self._hasher.reset()
+        if self._pos == 0 and self._check.position:  # read again from the start: check again from the start
+            self._check, self._gap = UnitCheck(self._units), False
         return self._pos
 
     def tell(self) -> int:
         return self._pos
 
-    def _feed(self, view: memoryview) -> None:
-        while len(view) and self._next < len(self._units):
-            unit = self._units[self._next]
-            take = view[: unit.end - self._streamed]
-            self._hasher.update(take)
-            self._streamed += len(take)
-            view = view[len(take):]
-            if self._streamed == unit.end:
-                if self._hasher.intdigest() != unit.xxh3 and self._bad is None:
-                    self._bad = f"bytes [{unit.offset}, {unit.end}) of {self._name} do not match their checksum in the index"
-                self._hasher.reset()
-                self._next += 1
-
     def problem(self) -> str | None:
-        if self._bad is not None:
-            return self._bad
-        if self._gap or self._streamed != self._size:
-            return f"{self._name} was not read in order from start to end ({self._streamed} of {self._size} bytes checked)"
-        return None
+        problem = self._check.problem()
+        if self._check.bad is None and (self._gap or self._check.position != self._size):
+            return f"{self._name} was not read in order from start to end ({self._check.position} of {self._size} bytes checked)"
+        return None if problem is None else f"{self._name}: {problem}"
 
 
 class StepUploader:
