@@ -495,3 +495,28 @@ def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> 
             data = json.dumps(json.loads(data), indent=1).encode()
         write_small_file(storage.prepare_step_dir("job", step) / INDEX_NAME, data)
     assert storage.commit_order("job") == [2, 3, 1, 4]
+
+
+# issue 30 review: a node restarting on a root other nodes' daemons serve removes its own old
+# leftovers at start-up (as `ckptd gc` does), not nothing; a fresh step may be theirs in flight
+def test_start_up_on_a_shared_root_removes_old_leftovers_and_keeps_fresh_ones(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "root"
+    other_node = Storage(root)
+    other_node.claim(1, "/run/other.sock")
+    restarted = Storage(root)
+    restarted.claim(0, "/run/this.sock")
+    try:
+        dead = restarted.prepare_step_dir("job", 3)  # a save of this node's that died with its daemon
+        (dead / ".tmp-model-00001-of-00002.safetensors.1").write_bytes(b"x")
+        in_flight = restarted.prepare_step_dir("job", 4)  # node 1's save, being written now
+        (in_flight / ".tmp-model-00002-of-00002.safetensors.1").write_bytes(b"y")
+        long_ago = dead.stat().st_mtime - 3600
+        os.utime(dead, (long_ago, long_ago))
+        with caplog.at_level(logging.WARNING):
+            removed = restarted.clean_uncommitted(600.0)
+        assert removed == [dead] and not dead.exists()
+        assert (in_flight / ".tmp-model-00002-of-00002.safetensors.1").read_bytes() == b"y"
+        assert "start-up recovery" in caplog.text and "skipped" in caplog.text and "node 1" in caplog.text
+    finally:
+        restarted.release()
+        other_node.release()
