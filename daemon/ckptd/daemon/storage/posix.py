@@ -364,8 +364,7 @@ class Storage:
         self._claim.release()
 
     def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Path]:
-        """Start-up recovery: posix_clean.clean_uncommitted (while other nodes' daemons serve the
-        root, only leftovers unchanged for `min_age_s` seconds)."""
+        """Start-up recovery: posix_clean.clean_uncommitted (`min_age_s`: on a root others serve)."""
         return posix_clean.clean_uncommitted(self, self._claim.others(), min_age_s)
 
     # ------------------------------------------------------------ the rest of StorageBackend
