@@ -325,7 +325,7 @@ class MemoryStorage:
     def release(self) -> None:
         pass
 
-    def clean_uncommitted(self) -> list[Path]:
+    def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Path]:
         removed = []
         for job in self.jobs():
             removed += [p for p, _, _, _ in self.leftovers(job, set())]

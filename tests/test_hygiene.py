@@ -98,7 +98,6 @@ ALLOWED = {
     ("cli.py", "main", "os.open"): "/dev/null for stdout at exit",
     ("engine/staging.py", "StagingFiles.open", "os.open"): "reopening a staging file in /dev/shm it created, not the root",
     ("engine/staging.py", "_unlink_if", ".unlink"): "staging files in /dev/shm, not the root",
-    ("private_dirs.py", "create_file", "os.open"): "the daemon's files in its shared-memory directory (arenas, staging, replicas), not the root",
     ("server.py", "_prepare_socket", ".unlink"): "a stale socket, not the root",
     ("server.py", "serve", ".unlink"): "the socket, not the root",
     ("export.py", "export_files", "shutil.rmtree"): "OUT, the operator's export directory, not the root",

@@ -14,12 +14,11 @@ from ckptd.daemon.config import (
     ConfigError,
     DaemonConfig,
     add_serve_arguments,
-    check_shm,
     config_from_args,
     env_name,
     load_config,
 )
-from ckptd.daemon.shm import ShmBudget, host_memory_bytes
+from ckptd.daemon.shm import ShmBudget, check_shm, host_memory_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "ckptd.example.toml"
 FIELDS = [f.name for f in dataclasses.fields(DaemonConfig)]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ckptd.daemon.import_source import read_source
 from ckptd.daemon.importing import ImportRefused, import_checkpoint
 
 WAIT_S = 30  # far more than a refusal takes; a read blocked on a FIFO never ends
@@ -179,3 +180,15 @@ def test_a_format_that_does_not_fit_the_source_is_refused(tmp_path: Path) -> Non
         import_checkpoint(tmp_path / "hf", tmp_path / "root", "run", 1, source_format="torch")
     with pytest.raises(ImportRefused, match=r"--format dcp reads a torch.distributed.checkpoint directory, and .* is a file"):
         import_checkpoint(tmp_path / "hf" / "model.safetensors", tmp_path / "root", "run", 1, source_format="dcp")
+
+
+# issue 30 review: read_source reads as storage's read_file does, with the import's refusals
+def test_read_source_refuses_a_file_larger_than_its_limit_and_one_swapped_for_a_fifo(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(b"{}" * 8)
+    assert read_source(path, 16) == b"{}" * 8
+    with pytest.raises(ImportRefused, match=f"{path} is larger than the 15 bytes ckptd reads of such a file"):
+        read_source(path, 15)
+    path.unlink()
+    os.mkfifo(path)  # swapped after the checks on the path: refused on the descriptor, not waited on
+    assert "is a FIFO, not a regular file" in refusal(lambda: read_source(path, 16), (path,))

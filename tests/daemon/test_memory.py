@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.arena import SetState
+from ckptd.daemon.arena import Arena, SetState
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.plan import TensorSpec
@@ -318,3 +319,20 @@ def test_the_memory_settings_change_without_a_restart(tmp_path: Path) -> None:
         assert fixed == [] and service.engine.memory.budget == 3 * MiB and service.config.idle_release_s == 5.0
     finally:
         service.close()
+
+
+# issue 30 review: Arena.close frees the pages at once (libc's fallocate, loaded once), even
+# while a trainer still maps the file
+def test_closed_arenas_give_their_pages_back_while_a_trainer_still_maps_them(tmp_path: Path) -> None:
+    for n in range(2):  # the second close reuses the loaded fallocate
+        arena = Arena(tmp_path / f"ckptd-test-{n}", 4 * MiB)
+        arena.view(0, 4 * MiB)[:] = b"\x01" * (4 * MiB)
+        trainer = os.open(arena.path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(trainer, 4 * MiB)
+            assert os.fstat(trainer).st_blocks * 512 >= 4 * MiB
+            arena.close()
+            assert os.fstat(trainer).st_blocks == 0 and mapping[:4] == b"\x00" * 4
+            mapping.close()
+        finally:
+            os.close(trainer)

@@ -16,6 +16,7 @@ import pytest
 from ckptd.daemon.format import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
 from ckptd.daemon.storage import ForeignEntry, Storage, open_for_reading, read_file, start_writeback, write_small_file
+from ckptd.daemon.storage.fs import new_file
 
 
 def test_start_writeback_is_taken_and_leaves_the_bytes_as_written(tmp_path: Path) -> None:
@@ -198,6 +199,33 @@ def test_create_file_does_not_follow_a_link_and_replaces_only_its_own_leftover(t
     leftover.write_bytes(b"old attempt")
     os.close(storage_module.create_file(leftover))
     assert leftover.read_bytes() == b""
+
+
+# issue 30 review: the one "new file, never through a link" of the daemon (fs.create_file,
+# private_dirs.create_file and the node lock all make theirs with it)
+def test_new_file_has_its_mode_whatever_the_umask_and_never_goes_through_a_link(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        fd = new_file(tmp_path / "shm-file", 0o660, access=os.O_RDWR)
+    finally:
+        os.umask(old)
+    try:
+        os.pwrite(fd, b"abc", 0)
+        assert os.pread(fd, 3, 0) == b"abc"  # read-write when asked
+    finally:
+        os.close(fd)
+    assert _mode(tmp_path / "shm-file") == 0o660
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / "link").symlink_to(victim)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ("link", "victim"):
+            with pytest.raises(FileExistsError):
+                new_file(name, 0o640, dir_fd)
+    finally:
+        os.close(dir_fd)
+    assert victim.read_bytes() == b"keep" and (tmp_path / "link").is_symlink()
 
 
 def test_write_small_file_neither_writes_through_nor_replaces_a_link(tmp_path: Path, umask_007: None) -> None:
@@ -468,3 +496,28 @@ def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> 
             data = json.dumps(json.loads(data), indent=1).encode()
         write_small_file(storage.prepare_step_dir("job", step) / INDEX_NAME, data)
     assert storage.commit_order("job") == [2, 3, 1, 4]
+
+
+# issue 30 review: a node restarting on a root other nodes' daemons serve removes its own old
+# leftovers at start-up (as `ckptd gc` does), not nothing; a fresh step may be theirs in flight
+def test_start_up_on_a_shared_root_removes_old_leftovers_and_keeps_fresh_ones(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "root"
+    other_node = Storage(root)
+    other_node.claim(1, "/run/other.sock")
+    restarted = Storage(root)
+    restarted.claim(0, "/run/this.sock")
+    try:
+        dead = restarted.prepare_step_dir("job", 3)  # a save of this node's that died with its daemon
+        (dead / ".tmp-model-00001-of-00002.safetensors.1").write_bytes(b"x")
+        in_flight = restarted.prepare_step_dir("job", 4)  # node 1's save, being written now
+        (in_flight / ".tmp-model-00002-of-00002.safetensors.1").write_bytes(b"y")
+        long_ago = dead.stat().st_mtime - 3600
+        os.utime(dead, (long_ago, long_ago))
+        with caplog.at_level(logging.WARNING):
+            removed = restarted.clean_uncommitted(600.0)
+        assert removed == [dead] and not dead.exists()
+        assert (in_flight / ".tmp-model-00002-of-00002.safetensors.1").read_bytes() == b"y"
+        assert "start-up recovery" in caplog.text and "skipped" in caplog.text and "node 1" in caplog.text
+    finally:
+        restarted.release()
+        other_node.release()

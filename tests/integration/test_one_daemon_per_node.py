@@ -139,3 +139,22 @@ def test_the_lock_of_a_killed_daemon_is_taken_over_at_the_next_start(daemons) ->
     assert json.loads(lock_path(first.root, 0).read_text())["pid"] == second.pid
     with CheckpointClient("again", address=second.address, on_error="raise") as ckpt:
         assert [i.step for i in ckpt.list()] == [1]
+
+
+# issue 30 review: with other nodes' daemons on the shared root, a restarted node still removes
+# its own old leftovers (as `ckptd gc` does, older than the save timeout), keeping fresh ones
+def test_a_node_restarting_on_a_shared_root_removes_its_old_leftovers_and_keeps_fresh_ones(node_sets) -> None:
+    cluster = node_sets(2, shared_root=True)
+    cluster.start_all()
+    job_dir = cluster.root(0) / "leftovers"
+    dead, in_flight = job_dir / "step-00000003", job_dir / "step-00000004"  # no index: a dead save, one being written
+    for step_dir in (dead, in_flight):
+        step_dir.mkdir(parents=True)
+        (step_dir / ".tmp-model-00001-of-00001.safetensors.1").write_bytes(b"x" * 100)
+    long_ago = time.time() - 3600  # older than the save timeout (600 s)
+    os.utime(dead, (long_ago, long_ago))
+    cluster.running[1].kill()
+    restarted = cluster.start(1)
+    assert not dead.exists(), restarted.log_text()[-3000:]
+    assert (in_flight / ".tmp-model-00001-of-00001.safetensors.1").read_bytes() == b"x" * 100
+    assert "start-up recovery" in restarted.log_text() and "skipped" in restarted.log_text()

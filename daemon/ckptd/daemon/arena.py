@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import mmap
 import os
@@ -109,19 +110,29 @@ class Arena:
         is still running would go back only then, not when the daemon gives it back. A trainer
         never touches an arena the daemon gave back (it copies only into the one BeginSave
         names); if it did, it would read zeros, not fault."""
+        fallocate = _fallocate()
+        if fallocate is None:
+            return  # no fallocate in this C library: the pages go with the last mapping
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return  # gone already: its pages go with the last mapping
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-            if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, max(self.size, 1)) != 0:
+            if fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, max(self.size, 1)) != 0:
                 log.debug("cannot free the pages of %s early: %s", self.path, os.strerror(ctypes.get_errno()))
-        except (AttributeError, OSError):
-            pass  # no fallocate in this C library: the pages go with the last mapping
         finally:
             os.close(fd)
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's fallocate(fd, mode, offset, len), or None where libc has none (loaded once)."""
+    call = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if call is None:
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    call.restype = ctypes.c_int
+    return call
 
 
 class SetState(enum.Enum):

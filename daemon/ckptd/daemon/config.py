@@ -28,7 +28,7 @@ from ckptd.common.paths import default_root, default_socket
 from ckptd.common.codecs import builtin as builtin_codecs
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
 from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
-from ckptd.daemon.shm import ShmBudget, check_shm as check_shm  # re-exported
+from ckptd.daemon.shm import ShmBudget
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"

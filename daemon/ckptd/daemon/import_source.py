@@ -23,13 +23,14 @@ midway) is outside them, except for the files opened here, which are checked on 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 from typing import Callable
 
 from ckptd.daemon.direct_write import ImportRefused
-from ckptd.daemon.storage import ForeignEntry, open_for_reading
+from ckptd.daemon.storage import ForeignEntry, open_for_reading, read_file
 from ckptd.daemon.storage.fs import kind_of
 
 HUB_SNAPSHOTS, HUB_BLOBS = "snapshots", "blobs"  # huggingface_hub's cache layout
@@ -90,12 +91,16 @@ def open_source(path: Path) -> int:
 
 
 def read_source(path: Path, limit: int) -> bytes:
-    """The whole file at `path` (open_source), at most `limit` bytes; ImportRefused when larger."""
-    with open(open_source(path), "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ImportRefused(f"{path} is larger than the {limit} bytes ckptd reads of such a file")
-    return data
+    """The whole file at `path` (a checked path, as for open_source), at most `limit` bytes, read
+    as storage's read_file does; ImportRefused when it is larger or not a regular file now."""
+    try:
+        return read_file(path, limit)
+    except ForeignEntry:
+        raise _not_a_file(path, os.lstat(path)) from None
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        raise ImportRefused(f"{path} is larger than the {limit} bytes ckptd reads of such a file") from None
 
 
 def _status(path: Path, stat_of: Callable[[Path], os.stat_result]) -> os.stat_result:

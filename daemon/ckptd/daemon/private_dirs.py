@@ -15,7 +15,8 @@ The socket's directory is made (0750, whatever the umask) when missing, else che
 `--shm-dir` itself when it is private as above, else, when it is a shared sticky directory such
 as /dev/shm (1777), the daemon's own subdirectory `ckptd-user-<uid>` in it (made 0750, checked
 when it exists); anything else is refused (`ShmDirUnsafe`). Files are created in it with
-`create_file`: O_CREAT | O_EXCL | O_NOFOLLOW, never through a link or into a file already there.
+`create_file` (storage.fs.new_file: O_CREAT | O_EXCL | O_NOFOLLOW), never through a link or into
+a file already there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckptd.daemon.storage.fs import ForeignEntry, make_dir, make_dirs
+from ckptd.daemon.storage.fs import ForeignEntry, make_dir, make_dirs, new_file
 
 SHM_SUBDIR_PREFIX = "ckptd-user-"
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
@@ -109,11 +110,5 @@ def files_dir(shm_dir: Path) -> Path:
 
 def create_file(path: Path, mode: int) -> int:
     """A new file at `path` open for reading and writing, with `mode` whatever the umask: never
-    through a link nor into a file already there (O_EXCL | O_NOFOLLOW: FileExistsError)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.fchmod(fd, mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    through a link nor into a file already there (storage.fs.new_file: FileExistsError)."""
+    return new_file(path, mode, access=os.O_RDWR)

@@ -26,7 +26,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ckptd.daemon.config import DaemonConfig, check_shm
+from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.peer_servicer import PeerServicer
 from ckptd.daemon.private_dirs import files_dir, prepare_socket_dir
@@ -35,6 +35,7 @@ from ckptd.daemon.rpc_auth import PeerTokenInterceptor
 from ckptd.daemon.rpc_errors import ErrorStatusInterceptor
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.servicer import CheckpointServicer
+from ckptd.daemon.shm import check_shm
 from ckptd.daemon.storage.fs import make_dir
 from ckptd.wire import MESSAGE_SIZE_OPTIONS
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc

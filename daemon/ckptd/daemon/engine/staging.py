@@ -6,7 +6,9 @@ file), shared by every local rank and filled range by range, removed once no loa
 A staging file is created once, by its first range, with O_EXCL | O_NOFOLLOW (never through a
 link, never into a file someone planted at the name), and reopened for its other ranges only
 if it is still that very file (device and inode). Anything else at the path fails the load
-(Precondition) and nothing is written into it.
+(Precondition) and nothing is written into it: the ranks read the file by its path. Each range
+gets an open file of its own, not an os.dup of the first (which would share one file position:
+Storage.copy_range seeks and sendfiles into it while other ranges are staged at once).
 """
 
 from __future__ import annotations

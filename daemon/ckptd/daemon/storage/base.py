@@ -226,5 +226,7 @@ class StorageBackend(Protocol):
     def release(self) -> None:
         """Give up what `claim` took (idempotent)."""
 
-    def clean_uncommitted(self) -> list[Path]:
-        """Start-up recovery: remove what a crash left, fix each job's `latest`."""
+    def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Path]:
+        """Start-up recovery: remove what a crash left, fix each job's `latest`. While other
+        nodes' daemons serve the storage (a shared root), only leftovers unchanged for
+        `min_age_s` seconds (the save timeout): younger ones may be their saves in flight."""

@@ -26,8 +26,6 @@ RECYCLE_DIR = ".recycle"
 FILE_MODE = 0o640  # every file the daemon writes under the root, whatever its umask
 DIR_MODE = 0o750  # every directory it makes there
 
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 class ForeignEntry(OSError):
     """Something the daemon did not make sits where it creates, writes or removes: a symbolic
@@ -110,37 +108,44 @@ def make_dirs(path: Path) -> None:
         raise ForeignEntry(f"{path} is {lkind(path)}, not a directory: give a directory as the storage root")
 
 
-def create_file(path: Path | str, dir_fd: int | None = None) -> int:
-    """A new empty file at `path` (relative to `dir_fd` when given) open for writing, mode
-    FILE_MODE whatever the umask, never through a link (O_EXCL | O_NOFOLLOW). One of the daemon's
-    own files already there (foreign_reason: a temporary file of an attempt that failed) is
-    replaced; anything else raises ForeignEntry and is left as it is."""
+def new_file(path: Path | str, mode: int, dir_fd: int | None = None, access: int = os.O_WRONLY) -> int:
+    """A new file at `path` (relative to `dir_fd` when given), open with `access` (os.O_WRONLY or
+    os.O_RDWR), with `mode` whatever the umask: never through a link nor into anything already
+    there (O_CREAT | O_EXCL | O_NOFOLLOW: FileExistsError, and what is there stays as it is)."""
+    fd = os.open(path, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
-        fd = os.open(path, _NEW_FILE, FILE_MODE, dir_fd=dir_fd)
-    except FileExistsError:
-        why = foreign_reason(os.stat(path, dir_fd=dir_fd, follow_symlinks=False))
-        if why is not None:
-            log.warning("leaving %s alone: it is %s, which the daemon did not make", path, why)
-            raise ForeignEntry(f"{path} is {why}, which the daemon did not make: remove it or move it away") from None
-        os.unlink(path, dir_fd=dir_fd)
-        fd = os.open(path, _NEW_FILE, FILE_MODE, dir_fd=dir_fd)
-    try:
-        os.fchmod(fd, FILE_MODE)
+        os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def open_for_reading(path: Path | str, dir_fd: int | None = None) -> int:
-    """A descriptor to read the regular file at `path` (relative to `dir_fd` when given) under
-    the root. Never follows a link and never blocks on a FIFO (opened O_NONBLOCK, checked on the
-    descriptor, then set blocking): a link, a FIFO, a directory, a socket or a device there
+def create_file(path: Path | str, dir_fd: int | None = None) -> int:
+    """A new empty file at `path` (relative to `dir_fd` when given) open for writing, mode
+    FILE_MODE (new_file). One of the daemon's own files already there (foreign_reason: a
+    temporary file of an attempt that failed) is replaced; anything else raises ForeignEntry and
+    is left as it is."""
+    try:
+        return new_file(path, FILE_MODE, dir_fd)
+    except FileExistsError:
+        why = foreign_reason(os.stat(path, dir_fd=dir_fd, follow_symlinks=False))
+        if why is not None:
+            log.warning("leaving %s alone: it is %s, which the daemon did not make", path, why)
+            raise ForeignEntry(f"{path} is {why}, which the daemon did not make: remove it or move it away") from None
+        os.unlink(path, dir_fd=dir_fd)
+        return new_file(path, FILE_MODE, dir_fd)
+
+
+def open_for_reading(path: Path | str, dir_fd: int | None = None, write: bool = False) -> int:
+    """A descriptor to read (with `write`, to read and write: O_RDWR) the regular file at
+    `path` (relative to `dir_fd` when given) under the root. Never follows a link and never
+    blocks on a FIFO (opened O_NONBLOCK, checked on the descriptor, then set blocking): a link, a FIFO, a directory, a socket or a device there
     raises ForeignEntry naming the path and saying what to do, and is left as it is. A file with
     other hard links is read (a backup made with `cp -al` is harmless; checksums check content).
     OSError (FileNotFoundError, PermissionError...) as os.open raises it otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
@@ -154,7 +159,6 @@ def open_for_reading(path: Path | str, dir_fd: int | None = None) -> int:
         os.close(fd)
         raise
     return fd
-
 
 
 def read_file(path: Path | str, limit: int = 1 << 30) -> bytes:

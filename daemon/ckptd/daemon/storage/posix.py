@@ -363,9 +363,9 @@ class Storage:
     def release(self) -> None:
         self._claim.release()
 
-    def clean_uncommitted(self) -> list[Path]:
-        """Start-up recovery: posix_clean.clean_uncommitted (skipped while other nodes' daemons serve the root)."""
-        return posix_clean.clean_uncommitted(self, self._claim.others())
+    def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Path]:
+        """Start-up recovery: posix_clean.clean_uncommitted (`min_age_s`: on a root others serve)."""
+        return posix_clean.clean_uncommitted(self, self._claim.others(), min_age_s)
 
     # ------------------------------------------------------------ the rest of StorageBackend
 

@@ -169,7 +169,7 @@ def leftovers(storage: "Storage", job: str, busy: set[int], min_age_s: float = 0
     return out
 
 
-def clean_uncommitted(storage: "Storage", others: list[str]) -> list[Path]:
+def clean_uncommitted(storage: "Storage", others: list[str], min_age_s: float) -> list[Path]:
     """Remove what a crash left: step directories without an index, temporary files and
     half-deleted steps (only what the daemon wrote: remove_own_tree). Then rewrite each
     job's `latest` from the committed steps where it does not name the newest. What cannot
@@ -177,15 +177,23 @@ def clean_uncommitted(storage: "Storage", others: list[str]) -> list[Path]:
     starts and serves loads; saves fail naming the cause.
 
     The root is made (DIR_MODE) when missing. `others`: the other nodes' daemons that serve
-    this root now (a shared root, RootLock.others). Then nothing is removed, with a warning: a
-    step without an index may be one they are writing; `ckptd gc` removes leftovers once old."""
+    this root now (a shared root, RootLock.others). Then a step without an index may be one
+    they are writing: only leftovers unchanged for `min_age_s` seconds (the save timeout) are
+    removed, as `ckptd gc` does (`leftovers`), and `latest` is left to them."""
     make_dirs(storage.root)
     if others:
         log.warning(
-            "start-up recovery of %s skipped: other nodes' daemons serve this root (%s), so a step without an index may be "
-            "one they are writing; `ckptd gc` removes leftovers later", storage.root, "; ".join(others),
+            "start-up recovery of %s skipped for what changed in the last %.0f s: other nodes' daemons serve this root (%s), "
+            "so a step without an index may be one they are writing; older leftovers are removed, as `ckptd gc` does",
+            storage.root, min_age_s, "; ".join(others),
         )
-        return []
+        swept = []
+        for job in storage.jobs():
+            try:
+                swept += [path for path, _, _, _ in leftovers(storage, job, set(), min_age_s)]
+            except OSError as exc:  # a read-only root: the daemon still starts and serves loads
+                log.error("cannot remove the leftovers of job %s: %s", job, exc)
+        return swept
     removed = []
     for job in storage.jobs():
         job_dir = storage.job_dir(job)

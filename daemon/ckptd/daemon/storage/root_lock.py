@@ -30,19 +30,17 @@ import json
 import logging
 import os
 import socket
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.daemon.storage.fs import make_dirs
+from ckptd.daemon.storage.fs import FILE_MODE, ForeignEntry, foreign_reason, make_dirs, new_file, open_for_reading
 
 log = logging.getLogger(__name__)
 
 LOCK_PREFIX = ".ckptd-node-"
 LOCK_SUFFIX = ".lock"
 RECORD_LIMIT = 4096  # bytes of the owner record read back
-FILE_MODE = 0o640
 BUSY_RETRY_S = 1.0  # a lock found taken is tried again this long: another node's daemon may be testing it (others())
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # the root cannot be written
@@ -87,46 +85,31 @@ def lock_path(root: Path, node: int) -> Path:
     return root / f"{LOCK_PREFIX}{node}{LOCK_SUFFIX}"
 
 
-def _foreign(fd: int) -> str | None:
-    """Why the open file is not a lock file of the daemon's (None when it is one)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"a file of uid {st.st_uid}, not the daemon's {os.geteuid()}"
-    if st.st_nlink != 1:
-        return f"a file with {st.st_nlink} hard links"
-    return None
-
-
 def _open(path: Path, write: bool) -> int | None:
     """The lock file open for reading (or reading and writing), made (FILE_MODE) when missing;
     None when it is missing and the root cannot be written. A link, a FIFO, a directory,
     another user's file or one with other hard links is refused and left as it is: the record
     must never land in a file the daemon does not own."""
     try:
-        fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | _OPEN)
+        fd = open_for_reading(path, write=write)
     except FileNotFoundError:
         try:
-            made = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN, FILE_MODE)
+            os.close(new_file(path, FILE_MODE))
         except FileExistsError:  # made meanwhile by another daemon starting
-            return _open(path, write)
+            pass
         except OSError as exc:
             if exc.errno in _READ_ONLY:
                 return None
             raise RootInUse(f"cannot create the lock file {path}: {exc.strerror or exc}") from None
-        os.fchmod(made, FILE_MODE)
-        os.close(made)
         return _open(path, write)
+    except ForeignEntry as exc:
+        raise RootInUse(f"{exc}, then start the daemon again") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise RootInUse(f"{path} is a symbolic link, not the daemon's lock file: remove it, then start the daemon again") from None
         raise RootInUse(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
-    problem = _foreign(fd)
+    problem = foreign_reason(os.fstat(fd))
     if problem is not None:
         os.close(fd)
         raise RootInUse(f"{path} is {problem}, not the daemon's lock file: remove it or move it away, then start the daemon again")
-    os.set_blocking(fd, True)
     return fd
 
 
@@ -241,11 +224,11 @@ class RootLock:
             if not number.isdigit() or int(number) == self.node:
                 continue
             try:
-                fd = os.open(self.root / entry, os.O_RDONLY | _OPEN)
+                fd = open_for_reading(self.root / entry)
             except OSError:
-                continue  # gone, a link, unreadable: not a daemon's lock file
+                continue  # gone, a link, a FIFO, unreadable: not a daemon's lock file
             try:
-                if _foreign(fd) is not None:
+                if foreign_reason(os.fstat(fd)) is not None:
                     continue
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 fcntl.flock(fd, fcntl.LOCK_UN)
