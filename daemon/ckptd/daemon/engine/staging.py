@@ -42,7 +42,7 @@ class StagingFiles:
         return self.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-fetch-{job}-{step}-{file}"
 
     def open(self, path: str) -> int:
-        """(thread) The staging file at `path` open for writing (and reading back) one of its ranges; Precondition
+        """(thread) The staging file at `path` open for writing one of its ranges; Precondition
         naming the path when something this daemon did not create is there."""
         with self._lock:
             made = self._made.get(path)
@@ -55,7 +55,7 @@ class StagingFiles:
                 self._made[path] = (st.st_dev, st.st_ino)
                 return fd
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # read back by the replica check; a FIFO: no wait
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: ENXIO, not a wait
         except OSError as exc:
             raise Precondition(_planted(path, exc)) from None
         st = os.fstat(fd)
