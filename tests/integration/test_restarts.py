@@ -1,0 +1,108 @@
+"""Restarts under torchrun (issue 31 item 6; docs/usage.md "Restarts and preemption").
+
+A real `torchrun --max-restarts 1` (python -m torch.distributed.run, gloo on CPU) of two DDP
+ranks (restart_rank.py) saving through a real daemon after every step. On the first attempt rank
+1 waits until step 3 is durable, moves the step's data files out of the root, and SIGKILLs
+itself in the middle of step 4. torchrun's agent stops rank 0 and starts the group again
+(a new $TORCHELASTIC_RESTART_COUNT: a new run id, which takes the job over by loading first);
+the new ranks load step 3 from the daemon's memory (the held snapshot of the newest step) and
+train to the end. Checked:
+
+- the resumed run's losses equal an uninterrupted run's, step for step, bit for bit;
+- no data file was read: the files were not there while the restarted ranks loaded, and the
+  daemon counted both loads as served from memory (`ckptd_loads_total{tier="memory"}`, none from
+  disk);
+- put back, step 3 verifies (`ckptd verify`), and the steps the restarted run saved load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemon_rig import DaemonFactory, free_port
+from metrics_scrape import scrape
+
+WORKER = Path(__file__).with_name("restart_rank.py")
+STEPS = 5
+KILL_STEP = 3
+
+
+def torchrun(address: str, spec: dict[str, Any], *, max_restarts: int, log: Path) -> subprocess.Popen[bytes]:
+    """Start `python -m torch.distributed.run` of two local ranks of restart_rank.py (output to `log`)."""
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the restarted ranks' store is rank 0's, new at each
+    # attempt; with the agent's store shared across attempts, a restarted rank may read the dead
+    # rank 0's gloo address of the first attempt (pytorch/pytorch#135712) and fail to connect
+    env = {**os.environ, "CKPTD_ADDRESS": address, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("CKPTD_RUN_ID", None)  # the run id is torchrun's (run id, restart count, rendezvous)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(WORKER), json.dumps(spec),
+    ]
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(run: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> str:
+    """Wait for a torchrun; its output. Fails the test unless it exited 0."""
+    try:
+        run.wait(timeout)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)  # torchrun and its workers (their own session)
+            run.wait()
+    output = log.read_text(errors="replace")
+    assert run.returncode == 0, output[-4000:]
+    return output
+
+
+def losses(out: Path, rank: int) -> dict[int, list[tuple[int, float, int]]]:
+    """Each step's records of one rank: (attempt, loss, resumed_from) per time it was trained."""
+    by_step: dict[int, list[tuple[int, float, int]]] = {}
+    for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], []).append((record["attempt"], record["loss"], record["resumed_from"]))
+    return by_step
+
+
+# issue 31 item 6
+def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losses(daemons: DaemonFactory, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = daemons.start("--keep-last", "0", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+
+    hidden = tmp_path / "hidden"
+    spec = {"job": "restarted", "steps": STEPS, "out": str(tmp_path / "restarted"), "kill": {"rank": 1, "step": KILL_STEP, "hide": str(hidden)}}
+    reference = torchrun(daemon.address, {"job": "reference", "steps": STEPS, "out": str(tmp_path / "reference")}, max_restarts=0, log=tmp_path / "reference.log")
+    run = torchrun(daemon.address, spec, max_restarts=1, log=tmp_path / "restarted.log")  # side by side: the time is mostly start-up
+    finish(reference, tmp_path / "reference.log")
+    output = finish(run, tmp_path / "restarted.log")
+    assert "exitcode: -9) local_rank: 1" in output, output[-4000:]  # torchrun saw rank 1 killed, and restarted the group
+    loads = scrape(port)
+
+    for rank in (0, 1):
+        expected = {step: records[0][1] for step, records in losses(tmp_path / "reference", rank).items()}
+        got = losses(tmp_path / "restarted", rank)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step, records in got.items():
+            assert [loss for _, loss, _ in records] == [expected[step]] * len(records), (rank, step, records)
+        resumed = [(attempt, start) for records in got.values() for attempt, _, start in records if attempt == 1]
+        assert resumed and all(start == KILL_STEP for _, start in resumed), resumed  # the restart began after step 3
+
+    # both restarted ranks were served from the daemon's memory, none from disk
+    # (the reference run never finds a step to load: a load of a job without steps counts no tier)
+    served = {tier: loads.get(f'ckptd_loads_total{{tier="{tier}"}}', 0) for tier in ("memory", "disk", "mixed")}
+    assert served == {"memory": 2, "disk": 0, "mixed": 0}, served
+    step_dir = daemons.root / "restarted" / f"step-{KILL_STEP:08d}"
+    assert not list(step_dir.glob("*.safetensors"))  # still away: nobody could have read them
+
+    for data in hidden.iterdir():
+        shutil.move(str(data), str(step_dir / data.name))
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
