@@ -18,49 +18,18 @@ train to the end. Checked:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from daemon_rig import DaemonFactory, free_port
 from metrics_scrape import scrape
+from torchrun_rig import finish, torchrun
 
 WORKER = Path(__file__).with_name("restart_rank.py")
 STEPS = 5
 KILL_STEP = 3
-
-
-def torchrun(address: str, spec: dict[str, Any], *, max_restarts: int, log: Path) -> subprocess.Popen[bytes]:
-    """Start `python -m torch.distributed.run` of two local ranks of restart_rank.py (output to `log`)."""
-    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the restarted ranks' store is rank 0's, new at each
-    # attempt; with the agent's store shared across attempts, a restarted rank may read the dead
-    # rank 0's gloo address of the first attempt (pytorch/pytorch#135712) and fail to connect
-    env = {**os.environ, "CKPTD_ADDRESS": address, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("CKPTD_RUN_ID", None)  # the run id is torchrun's (run id, restart count, rendezvous)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(WORKER), json.dumps(spec),
-    ]
-    with open(log, "wb") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(run: subprocess.Popen[bytes], log: Path, timeout: float = 240) -> str:
-    """Wait for a torchrun; its output. Fails the test unless it exited 0."""
-    try:
-        run.wait(timeout)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)  # torchrun and its workers (their own session)
-            run.wait()
-    output = log.read_text(errors="replace")
-    assert run.returncode == 0, output[-4000:]
-    return output
 
 
 def losses(out: Path, rank: int) -> dict[int, list[tuple[int, float, int]]]:
@@ -79,8 +48,8 @@ def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losse
 
     hidden = tmp_path / "hidden"
     spec = {"job": "restarted", "steps": STEPS, "out": str(tmp_path / "restarted"), "kill": {"rank": 1, "step": KILL_STEP, "hide": str(hidden)}}
-    reference = torchrun(daemon.address, {"job": "reference", "steps": STEPS, "out": str(tmp_path / "reference")}, max_restarts=0, log=tmp_path / "reference.log")
-    run = torchrun(daemon.address, spec, max_restarts=1, log=tmp_path / "restarted.log")  # side by side: the time is mostly start-up
+    reference = torchrun(WORKER, daemon.address, {"job": "reference", "steps": STEPS, "out": str(tmp_path / "reference")}, log=tmp_path / "reference.log")
+    run = torchrun(WORKER, daemon.address, spec, log=tmp_path / "restarted.log", max_restarts=1)  # side by side: the time is mostly start-up
     finish(reference, tmp_path / "reference.log")
     output = finish(run, tmp_path / "restarted.log")
     assert "exitcode: -9) local_rank: 1" in output, output[-4000:]  # torchrun saw rank 1 killed, and restarted the group
