@@ -23,6 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from ckptd.client import CheckpointClient
+from ckptd.client.run_id import launcher_run_id
 from daemon_rig import DaemonFactory, free_port
 from metrics_scrape import scrape
 from torchrun_rig import finish, torchrun
@@ -75,3 +79,24 @@ def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losse
         shutil.move(str(data), str(step_dir / data.name))
     verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+# issue 31 item 6
+def test_a_new_pod_resumes_under_the_run_id_of_the_first_attempt(daemon) -> None:
+    """torchrun derives the run id from its run id, restart count and master address: a pod that
+    Kubernetes starts again (restart count 0, the same --rdzv-id and master service) gets the
+    first attempt's id, which the second attempt superseded. Once that attempt has ended, the new
+    pod's ranks resume and save (the daemon used to refuse them as the superseded run)."""
+    def attempt(restarts: int) -> str:
+        env = {"TORCHELASTIC_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": str(restarts), "MASTER_ADDR": "trainer-0.svc", "MASTER_PORT": "29500"}
+        run_id = launcher_run_id(env)
+        assert run_id is not None
+        return run_id
+
+    state = {"model": torch.nn.Linear(4, 4)}
+    for restarts, step in ((0, 1), (1, 2), (0, 3)):  # attempt 0, its restart, then a new pod
+        with CheckpointClient("pods", address=daemon.address, rank=0, world_size=1, run_id=attempt(restarts), on_error="raise") as ckpt:
+            assert ckpt.load(state) == (step - 1 or None)
+            assert ckpt.save(step, state).wait_durable(timeout=60) is not None
+    with CheckpointClient("pods", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        assert [info.step for info in ckpt.list()] == [1, 2, 3]
