@@ -60,6 +60,7 @@ class PreemptionSave:
 
     @property
     def ok(self) -> bool:
+        """The step is durable."""
         return self.durable is not None
 
 
@@ -70,7 +71,7 @@ class Preemption:
     step must be durable; keep it below what the platform allows (Kubernetes'
     terminationGracePeriodSeconds, Slurm's GraceTime or the lead time of `--signal`, torchrun's
     `--shutdown-timeout`) minus the time a step of training takes. signals: the signals that
-    request the save (default SIGTERM). group: the process group the ranks agree over (default:
+    request the save (None: SIGTERM). group: the process group the ranks agree over (default:
     torch.distributed's default group, when initialized).
 
     Use it as a context manager (or `install()`/`uninstall()`) in the main thread: Python runs
@@ -82,11 +83,13 @@ class Preemption:
         client: "CheckpointClient",
         *,
         grace_s: float = 25.0,
-        signals: Sequence[int] = (signal.SIGTERM,),
+        signals: Sequence[int] | None = None,
         group: Any = None,
     ) -> None:
         if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not grace_s > 0:
             raise ValueError(f"grace_s={grace_s!r}: give the seconds the platform allows after its signal (a number > 0)")
+        if signals is None:
+            signals = (signal.SIGTERM,)
         if not signals:
             raise ValueError("signals is empty: name the signals that request a save, e.g. (signal.SIGTERM,)")
         self.client = client
@@ -188,8 +191,8 @@ class Preemption:
 
     def save_and_exit(self, step: int, state: Mapping[str, Any], **save_kwargs: Any) -> NoReturn:
         """`save`, log the outcome, exit: SystemExit(128 + the signal's number, 143 for SIGTERM,
-        as if the signal had ended the process) once `step` is durable; exit status 1 when it is
-        not (the log says why). When the daemon did not answer in time the process ends at once
+        as if the signal had ended the process) once `step` is durable; exit status 1
+        (NOT_DURABLE_EXIT) when it is not (the log says why). When the daemon did not answer in time the process ends at once
         (os._exit after flushing the logs: the save's thread is stuck, and exit handlers could
         wait on it past the platform's SIGKILL)."""
         outcome = self.save(step, state, **save_kwargs)
