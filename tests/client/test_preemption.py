@@ -122,3 +122,34 @@ def test_a_failed_save_is_reported_and_exits_1(tmp_path) -> None:
         preemption.save_and_exit(1, make_state())
     assert exited.value.code == NOT_DURABLE_EXIT
     client.close()
+
+
+# issue 31 item 6
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["copy", "overlap", "ipc"])
+def test_a_preemption_save_of_cuda_tensors_is_durable_and_exact(daemon, mode: str) -> None:
+    """The save runs in a helper thread on the caller's CUDA stream: what the stream computed
+    last is what the step holds (one command on a GPU machine: pytest -m gpu tests/client/test_preemption.py)."""
+    state = make_state()
+    state["model"].cuda()
+    state["optimizer"] = torch.optim.AdamW(state["model"].parameters(), lr=0.1)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the training's own stream, not the default one
+        state["model"](torch.randn(4, 8, device="cuda")).square().sum().backward()
+        state["optimizer"].step()
+        with torch.no_grad():
+            for p in state["model"].parameters():
+                p.mul_(1.5)  # the last change before the save, still queued on the stream
+        ckpt = CheckpointClient(f"gpu-{mode}", address=daemon.address, rank=0, world_size=1, mode=mode)
+        outcome = Preemption(ckpt, grace_s=60).save(1, state)
+    torch.cuda.synchronize()
+    assert outcome.ok, outcome.reason
+    expected = {k: v.cpu() for k, v in tensors(state).items()}
+    fresh = {"model": nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))}
+    fresh["optimizer"] = torch.optim.AdamW(fresh["model"].parameters(), lr=0.1)
+    with CheckpointClient(f"gpu-{mode}", address=daemon.address, rank=0, world_size=1, on_error="raise") as reader:
+        assert reader.load(fresh) == 1
+    got = tensors(fresh)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    ckpt.close()

@@ -57,6 +57,8 @@ def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losse
     finish(reference, tmp_path / "reference.log")
     output = finish(run, tmp_path / "restarted.log")
     assert "exitcode: -9) local_rank: 1" in output, output[-4000:]  # torchrun saw rank 1 killed, and restarted the group
+    # the second attempt is a new run (torchrun's restart count is part of its id) that resumed
+    assert "job restarted: run " in daemon.log_text() and "(resumed)" in daemon.log_text(), daemon.log_text()[-3000:]
     loads = scrape(port)
 
     for rank in (0, 1):
