@@ -153,3 +153,16 @@ def test_a_preemption_save_of_cuda_tensors_is_durable_and_exact(daemon, mode: st
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
     ckpt.close()
+
+
+# issue 31 item 6
+def test_a_step_saved_at_the_same_boundary_is_waited_for_not_saved_again(daemon) -> None:
+    """A periodic save of the step just before the preemption check: the daemon would refuse a
+    second save of it (ALREADY_EXISTS); the helper waits until that one is durable."""
+    state = make_state()
+    ckpt = CheckpointClient("periodic", address=daemon.address, rank=0, world_size=1, on_error="raise")
+    ckpt.save(10, state)
+    outcome = Preemption(ckpt, grace_s=30).save(10, state)
+    assert outcome.ok and outcome.durable is not None and outcome.durable.step == 10, outcome.reason
+    assert [info.step for info in ckpt.list()] == [10] and ckpt.failed_saves == 0
+    ckpt.close()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 import torch
 
-from ckptd.client.errors import CheckpointError
+from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.handle import DurableInfo
 
 if TYPE_CHECKING:
@@ -235,6 +235,8 @@ class _SaveWorker:
             self.reason = f"the save raised {type(exc).__name__}: {exc}"
 
     def _run(self) -> None:
+        if self._saved_already():
+            return
         handle = self.client.save(self.step, self.state, **self.save_kwargs)
         handle.wait_snapshot(host=True)
         if not handle.ok:
@@ -245,6 +247,22 @@ class _SaveWorker:
             self.durable = self.client._wait_durable(self.step, max(0.1, self.deadline - time.monotonic()))
         except CheckpointError as exc:
             self.reason = str(exc)
+
+
+    def _saved_already(self) -> bool:
+        """Whether the step was handed over already (a periodic save at this same boundary):
+        then this waits for it (durable set, or the reason), as a second save would be refused."""
+        try:
+            self.durable = self.client._wait_durable(self.step, max(0.1, self.deadline - time.monotonic()))
+        except CheckpointNotFound:
+            return False  # the usual case: not saved yet
+        except CheckpointError as exc:
+            if exc.code == "DEADLINE_EXCEEDED":  # still being written when the grace period ran out
+                self.reason = str(exc)
+                return True
+            log.info("ckptd: step %d was saved before and is not durable (%s): saving it again", self.step, exc)
+            return False
+        return True
 
 
 def _current_cuda_stream() -> Any:
