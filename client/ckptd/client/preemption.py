@@ -72,7 +72,9 @@ class Preemption:
     terminationGracePeriodSeconds, Slurm's GraceTime or the lead time of `--signal`, torchrun's
     `--shutdown-timeout`) minus the time a step of training takes. signals: the signals that
     request the save (None: SIGTERM). group: the process group the ranks agree over (default:
-    torch.distributed's default group, when initialized).
+    torch.distributed's default group, when initialized). With NCCL, a gloo group
+    (`dist.new_group(backend="gloo")`) keeps `requested()` off the GPU: on an NCCL group its
+    all-reduce and `.item()` wait for the GPU's queued work.
 
     Use it as a context manager (or `install()`/`uninstall()`) in the main thread: Python runs
     signal handlers only there. The handlers it replaces are restored on exit.
