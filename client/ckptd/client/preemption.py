@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 import torch
 
-from ckptd.client.errors import CheckpointError, CheckpointNotFound
+from ckptd.client.errors import CheckpointError
 from ckptd.client.handle import DurableInfo
 
 if TYPE_CHECKING:
@@ -252,12 +252,14 @@ class _SaveWorker:
 
 
     def _saved_already(self) -> bool:
-        """Whether the step was handed over already (a periodic save at this same boundary):
-        then this waits for it (durable set, or the reason), as a second save would be refused."""
+        """Whether this client saved the step already (a periodic save at this same boundary):
+        then this waits for it (durable set, or the reason), as a second save would be refused.
+        Only this client's own save counts: another rank's save of the step may be waiting for
+        this one to join."""
+        if self.client._last_step != self.step:
+            return False
         try:
             self.durable = self.client._wait_durable(self.step, max(0.1, self.deadline - time.monotonic()))
-        except CheckpointNotFound:
-            return False  # the usual case: not saved yet
         except CheckpointError as exc:
             if exc.code == "DEADLINE_EXCEEDED":  # still being written when the grace period ran out
                 self.reason = str(exc)
