@@ -67,6 +67,7 @@ MODULES: tuple[Section, ...] = (
          "LayoutError", "layout_key", "verify_replicated"),
         required=True,
     ),
+    Section("ckptd.client.preemption", ("Preemption", "PreemptionSave"), required=True),
     Section("ckptd.integrations.transformers", extra="hf"),
     Section("ckptd.integrations.accelerate", extra="hf"),
     Section("ckptd.integrations.lightning", extra="lightning"),

@@ -65,6 +65,7 @@ def test_a_superseded_run_stays_refused_even_if_it_resumed_once() -> None:
     runs = Runs()
     runs.claim("j", "a", True, False)
     runs.claim("j", "b", True, True)  # b resumed: a is superseded
+    runs.attach("j", "cb", _client("b"))  # b is live here
     for resumed in (False, True):
         with pytest.raises(RunRefused, match="run a no longer owns job 'j': run b took the job over"):
             runs.claim("j", "a", resumed, True)
@@ -72,6 +73,22 @@ def test_a_superseded_run_stays_refused_even_if_it_resumed_once() -> None:
             runs.check("j", "a", resumed)
     runs.check("j", "b", False)  # the owner passes
     assert runs.claim("j", "", False, True) == "" and runs.owner("j") == "b"  # a client older than run ids: not told apart
+
+
+# issue 31 item 6
+def test_a_superseded_run_id_that_resumes_after_the_owner_ended_is_a_new_start() -> None:
+    """torchrun in a new pod derives the id of the first attempt again (restart count 0, same
+    --rdzv-id and master address): once the run that took over has ended, that id resumes."""
+    runs = Runs()
+    runs.claim("j", "a", False, False)
+    runs.claim("j", "b", True, False)  # attempt 1 resumed: a (attempt 0, killed) is superseded
+    with pytest.raises(RunRefused, match="no longer owns"):
+        runs.claim("j", "a", False, False)  # not resumed: refused, even with b ended
+    runs.check("j", "a", True)  # b is not live here: node 0 decides
+    assert runs.claim("j", "a", True, False) == "b" and runs.owner("j") == "a"  # resumed, b ended: takes over
+    runs.claim("j", "a", False, False)  # the owner again, its later saves too
+    runs.check("j", "b", True)
+    assert runs.claim("j", "b", True, False) == "a"  # and the other way round
 
 
 # issue 30 finding 6

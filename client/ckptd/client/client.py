@@ -172,6 +172,7 @@ class CheckpointClient:
         self._lineage = 0  # quantization generation of the step this client loaded last (compounding guard)
         self._began_save = False  # a save of this client reached the daemon
         self._resumed_from: int | None = None  # the step loaded before the first save: this run resumed the job from it
+        self._last_step: int | None = None  # the step of this client's last save the daemon took (preemption.py waits for it, not saving it twice)
 
     @property
     def run_id(self) -> str:
@@ -277,6 +278,7 @@ class CheckpointClient:
             structure, step, metric, options, self._lineage, placed.layout_id if placed is not None else "", self._resumed_from
         )
         self._began_save = True
+        self._last_step = step
         if grant.committed:  # a resumed run redid this step: the daemon keeps the committed one
             log.warning("checkpoint of step %s: %s", step, grant.skip_reason)
             return SaveHandle(self, step, time.perf_counter() - started, kept=grant.skip_reason)

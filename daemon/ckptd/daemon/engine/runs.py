@@ -13,7 +13,10 @@ refuse early what node 0 would refuse (`check`). The rules:
 - the owner saves;
 - a run that *resumed* (it loaded a step of the job before its first save) takes the job over
   at its first save: crash-and-resume is never refused, however late the daemon learns that the
-  crashed run is gone. The former owner is *superseded*: its later saves are refused;
+  crashed run is gone. The former owner is *superseded*: its later saves are refused while the
+  job's owner is live; once the owner has ended, a superseded run id that resumed is a new start
+  under the same id (a launcher that derives it again: torchrun's restart count starts at 0 in a
+  new pod with the same --rdzv-id and master address) and takes the job over;
 - any other run is refused while the owner is live on some node, with a message that names the
   job and what to do (a new job name, or load first to resume);
 - once the owner has ended (no client attached on any node), the next run that saves becomes
@@ -129,14 +132,14 @@ class Runs:
 
     def check(self, job: str, run: str, resumed: bool) -> None:
         """Refuse (RunRefused) a save of `run` that node 0 would refuse, from what this daemon
-        knows: `run` was superseded, or another run owns the job, is live here, and `run` did
-        not resume."""
+        knows: `run` was superseded and did not resume or the owner is live here, or another run
+        owns the job, is live here, and `run` did not resume."""
         runs = self._jobs.get(job)
         if not run or runs is None:
             return
-        if run in runs.superseded:
-            raise RunRefused(superseded_message(job, run, runs.superseded[run]))
         owner = runs.owner
+        if run in runs.superseded and (not resumed or (bool(owner) and self.live(job, owner))):
+            raise RunRefused(superseded_message(job, run, runs.superseded[run]))
         if owner and owner != run and not resumed and self.live(job, owner):
             raise RunRefused(live_owner_message(job, run, owner, self.describe(job, owner)))
 
@@ -152,14 +155,16 @@ class Runs:
 
     def claim(self, job: str, run: str, resumed: bool, owner_live: bool) -> str:
         """Node 0: `run` saves into `job` (the rules above). owner_live: whether the current owner
-        (another run) has a client attached on some node; only read when it decides. Returns
+        (another run) has a client attached on some node. Returns
         the former owner when `run` took the job over from it ("" otherwise); raises RunRefused."""
         if not run:
             return ""
         runs = self._job(job)
-        if run in runs.superseded:
-            raise RunRefused(superseded_message(job, run, runs.superseded[run]))
         owner = runs.owner
+        if run in runs.superseded:
+            if not resumed or owner_live:
+                raise RunRefused(superseded_message(job, run, runs.superseded[run]))
+            del runs.superseded[run]  # a new start under the same id, after the owner ended: a resume like any other
         if owner == run:
             return ""
         if owner and not resumed and owner_live:
