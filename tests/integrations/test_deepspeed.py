@@ -1,0 +1,128 @@
+"""ckptd.integrations.deepspeed with the real DeepSpeed engine (its CPU accelerator, gloo ranks as
+processes) and a real daemon: ZeRO-1/2/3 partitions saved by each rank, the ranks SIGKILLed,
+resumed with the losses of the uninterrupted run, resumed at another data-parallel size with
+the master weights and optimizer state bit-exact, and read into a plain PyTorch model.
+
+The run that saves is the uninterrupted one: it saves at step 2, trains on to step 4 and is
+SIGKILLed there (what it trained after the save is lost); the resumed run must repeat its
+steps 3 and 4. The first DeepSpeed run on a machine JIT-builds its CPU shared-memory op
+(deepspeed_shm_comm, cached in ~/.cache/torch_extensions)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from worker_process import load_worker  # tests/worker_process.py
+
+pytest.importorskip("deepspeed")
+
+from ckptd.client import CheckpointClient  # noqa: E402
+from ckptd.integrations.deepspeed import load_consolidated  # noqa: E402
+
+WORKER = Path(__file__).with_name("deepspeed_ranks.py")
+SAVE_AT, STEPS = 2, 4
+
+
+def _ranks(world: int, expect: int, **spec: Any) -> None:
+    """Run `world` processes of the worker (one gloo group) and check each exits with `expect`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
+        for rank in range(world)
+    ]
+    codes = [p.wait(240) for p in procs]
+    assert codes == [expect] * world, codes
+
+
+def _run(daemon: Any, out: Path, world: int, *, kill: bool = False, steps: int = STEPS, **spec: Any) -> list[dict[str, Any]]:
+    out.mkdir()
+    _ranks(world, -9 if kill else 0, address=daemon.address, out=str(out), steps=steps, kill=kill, **spec)
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+def _dump(out: Path, which: str) -> dict[str, torch.Tensor]:
+    return load_file(str(out / f"0-{which}.safetensors"))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _saved_run(daemon: Any, tmp: Path, stage: int, job: str) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    saved = _run(daemon, tmp / f"saved-{stage}", 2, kill=True, job=job, stage=stage, save_at=SAVE_AT)
+    return saved, _dump(tmp / f"saved-{stage}", "saved")
+
+
+def _check_resumed(saved: list[dict[str, Any]], saved_dump: dict[str, torch.Tensor], resumed: list[dict[str, Any]], out: Path) -> None:
+    """The resumed ranks hold what the saved ones held at the save."""
+    _assert_same(_dump(out, "loaded"), saved_dump)
+    for report in resumed:
+        assert report["loaded_step"] == SAVE_AT
+        assert report["extra"] == {"epoch": SAVE_AT // 2}
+        assert report["loaded"] == saved[0]["saved"]
+
+
+def _check_consolidated(daemon: Any, root: Path, job: str, saved_dump: dict[str, torch.Tensor]) -> None:
+    """A plain Net gets the whole fp32 weights, offline and through the daemon."""
+    net = load_worker(WORKER).Net
+    for source in ("offline", "daemon"):
+        model = net()
+        with torch.no_grad():
+            model.scale.zero_()
+        if source == "offline":
+            assert load_consolidated(model, root, job=job) == SAVE_AT
+        else:
+            with CheckpointClient(job, address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+                assert load_consolidated(model, ckpt) == SAVE_AT
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), saved_dump[f"master.{name}"]), (source, name)
+        assert model.scale.tolist() == [1.0, 0.5, 2.0]
+
+
+@pytest.fixture(scope="module")
+def ds_daemon(module_daemons: Any) -> Any:
+    return module_daemons.start()
+
+
+# issue 31 item 2
+def test_issue31_item2_zero2_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, tmp_path: Path) -> None:
+    job = "ds-zero2"
+    saved, saved_dump = _saved_run(ds_daemon, tmp_path, 2, job)
+    resumed = _run(ds_daemon, tmp_path / "same", 2, job=job, stage=2, resume=True)
+    _check_resumed(saved, saved_dump, resumed, tmp_path / "same")
+    for rank in range(2):
+        assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
+        assert resumed[rank]["final"] == saved[rank]["final"]
+    grown = _run(ds_daemon, tmp_path / "dp3", 3, job=job, stage=2, resume=True, steps=SAVE_AT + 1)
+    _check_resumed(saved, saved_dump, grown, tmp_path / "dp3")
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, tmp_path: Path, stage: int) -> None:
+    job = f"ds-zero{stage}"
+    saved, saved_dump = _saved_run(ds_daemon, tmp_path, stage, job)
+    resumed = _run(ds_daemon, tmp_path / "same", 2, job=job, stage=stage, resume=True)
+    _check_resumed(saved, saved_dump, resumed, tmp_path / "same")
+    for rank in range(2):
+        assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
+        assert resumed[rank]["final"] == saved[rank]["final"]
+    grown = _run(ds_daemon, tmp_path / "dp3", 3, job=job, stage=stage, resume=True, steps=SAVE_AT + 1)
+    _check_resumed(saved, saved_dump, grown, tmp_path / "dp3")
+    shrunk = _run(ds_daemon, tmp_path / "dp1", 1, job=job, stage=stage, resume=True, steps=SAVE_AT + 1)
+    _check_resumed(saved, saved_dump, shrunk, tmp_path / "dp1")
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
