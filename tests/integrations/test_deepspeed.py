@@ -11,16 +11,13 @@ steps 3 and 4. The first DeepSpeed run on a machine JIT-builds its CPU shared-me
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from worker_process import load_worker  # tests/worker_process.py
+from worker_process import load_worker, run_ranks  # tests/worker_process.py
 
 pytest.importorskip("deepspeed")
 
@@ -31,22 +28,9 @@ WORKER = Path(__file__).with_name("deepspeed_ranks.py")
 SAVE_AT, STEPS = 2, 4
 
 
-def _ranks(world: int, expect: int, **spec: Any) -> None:
-    """Run `world` processes of the worker (one gloo group) and check each exits with `expect`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
-        for rank in range(world)
-    ]
-    codes = [p.wait(240) for p in procs]
-    assert codes == [expect] * world, codes
-
-
 def _run(daemon: Any, out: Path, world: int, *, kill: bool = False, steps: int = STEPS, **spec: Any) -> list[dict[str, Any]]:
     out.mkdir()
-    _ranks(world, -9 if kill else 0, address=daemon.address, out=str(out), steps=steps, kill=kill, **spec)
+    run_ranks(WORKER, world, 240, -9 if kill else 0, address=daemon.address, out=str(out), steps=steps, kill=kill, **spec)
     return [json.loads((out / f"{rank}.json").read_text()) for rank in range(world)]
 
 
@@ -96,33 +80,94 @@ def ds_daemon(module_daemons: Any) -> Any:
     return module_daemons.start()
 
 
-# issue 31 item 2
-def test_issue31_item2_zero2_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, tmp_path: Path) -> None:
-    job = "ds-zero2"
-    saved, saved_dump = _saved_run(ds_daemon, tmp_path, 2, job)
-    resumed = _run(ds_daemon, tmp_path / "same", 2, job=job, stage=2, resume=True)
-    _check_resumed(saved, saved_dump, resumed, tmp_path / "same")
+@pytest.fixture(scope="module")
+def saved_runs(ds_daemon: Any, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]]:
+    """stage -> (job, the reports, the dump at the save) of a 2-rank run that saved at step 2
+    and was SIGKILLed at step 4; run once per stage and module."""
+    runs: dict[int, tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]] = {}
+
+    def get(stage: int) -> tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"zero{stage}") / "saved"
+            job = f"ds-zero{stage}"
+            reports = _run(ds_daemon, out, 2, kill=True, job=job, stage=stage, save_at=SAVE_AT)
+            runs[stage] = job, reports, _dump(out, "saved")
+        return runs[stage]
+
+    return get
+
+
+def _same_size(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int) -> None:
+    job, saved, saved_dump = saved_runs(stage)
+    resumed = _run(ds_daemon, tmp / "same", 2, job=job, stage=stage, resume=True)
+    _check_resumed(saved, saved_dump, resumed, tmp / "same")
     for rank in range(2):
         assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
         assert resumed[rank]["final"] == saved[rank]["final"]
-    grown = _run(ds_daemon, tmp_path / "dp3", 3, job=job, stage=2, resume=True, steps=SAVE_AT + 1)
-    _check_resumed(saved, saved_dump, grown, tmp_path / "dp3")
+
+
+def _other_sizes(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, load_stage: int) -> None:
+    job, saved, saved_dump = saved_runs(stage)
+    for world in (3, 1):
+        out = tmp / f"dp{world}"
+        resumed = _run(ds_daemon, out, world, job=job, stage=load_stage, resume=True, steps=SAVE_AT + 1)
+        _check_resumed(saved, saved_dump, resumed, out)
+
+
+# issue 31 item 2
+def test_issue31_item2_zero2_killed_resumes_with_the_same_losses(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path) -> None:
+    _same_size(ds_daemon, saved_runs, tmp_path, 2)
+    job, _, saved_dump = saved_runs(2)
     _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
 
 
 # issue 31 item 2
 @pytest.mark.slow
+def test_issue31_item2_zero2_resumes_at_another_data_parallel_size(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    _other_sizes(ds_daemon, saved_runs, tmp_path, 2, 2)
+
+
+# issue 31 item 2
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
-def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, tmp_path: Path, stage: int) -> None:
-    job = f"ds-zero{stage}"
-    saved, saved_dump = _saved_run(ds_daemon, tmp_path, stage, job)
-    resumed = _run(ds_daemon, tmp_path / "same", 2, job=job, stage=stage, resume=True)
-    _check_resumed(saved, saved_dump, resumed, tmp_path / "same")
-    for rank in range(2):
-        assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
-        assert resumed[rank]["final"] == saved[rank]["final"]
-    grown = _run(ds_daemon, tmp_path / "dp3", 3, job=job, stage=stage, resume=True, steps=SAVE_AT + 1)
-    _check_resumed(saved, saved_dump, grown, tmp_path / "dp3")
-    shrunk = _run(ds_daemon, tmp_path / "dp1", 1, job=job, stage=stage, resume=True, steps=SAVE_AT + 1)
-    _check_resumed(saved, saved_dump, shrunk, tmp_path / "dp1")
+def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
+    _same_size(ds_daemon, saved_runs, tmp_path, stage)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, stage, stage)
+    job, _, saved_dump = saved_runs(stage)
     _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+def test_issue31_item2_zero3_checkpoint_loads_into_zero1(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    job, saved, saved_dump = saved_runs(3)
+    resumed = _run(ds_daemon, tmp_path / "zero1", 1, job=job, stage=1, resume=True, steps=SAVE_AT + 1)
+    _check_resumed(saved, saved_dump, resumed, tmp_path / "zero1")
+
+
+# issue 31 item 2
+def test_issue31_item2_consolidated_load_names_what_does_not_fit(ds_daemon: Any, module_daemons: Any, saved_runs: Any) -> None:
+    job, _, saved_dump = saved_runs(2)
+    model = load_worker(WORKER).Net()
+    model.head = torch.nn.Linear(3, 2)  # a parameter the checkpoint lacks
+    with pytest.raises(ValueError, match=r"not in the checkpoint: head\.bias, head\.weight"):
+        load_consolidated(model, module_daemons.root, job=job)
+    assert load_consolidated(model, module_daemons.root, job=job, strict=False) == SAVE_AT
+    assert torch.equal(model.inp.weight.detach(), saved_dump["master.inp.weight"])
+
+
+# issue 31 item 2
+def test_issue31_item2_refuses_other_checkpoints_and_objects(ds_daemon: Any, module_daemons: Any) -> None:
+    from ckptd.integrations.deepspeed import load, save
+
+    model = torch.nn.Linear(2, 2)
+    with CheckpointClient("ds-plain", address=ds_daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model}).wait_durable(timeout=60)
+        with pytest.raises(ValueError, match="was not saved by ckptd.integrations.deepspeed.save"):
+            load_consolidated(model, ckpt)
+        with pytest.raises(TypeError, match="expected a deepspeed.DeepSpeedEngine"):
+            save(model, ckpt, 2)
+        with pytest.raises(TypeError, match="expected a deepspeed.DeepSpeedEngine"):
+            load(model, ckpt)
+    with pytest.raises(ValueError, match="was not saved by ckptd.integrations.deepspeed.save"):
+        load_consolidated(model, module_daemons.root, job="ds-plain")
