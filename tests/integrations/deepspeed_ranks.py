@@ -47,6 +47,19 @@ class Net(nn.Module):
         return self.out(torch.relu(self.norm(self.inp(x)))) * self.scale
 
 
+class Position:
+    """A stateful object of the rank's own (a data sampler's position), saved through `extra`."""
+
+    def __init__(self, seen: int) -> None:
+        self.seen = torch.tensor([seen])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"].clone()
+
+
 def config(stage: int, world: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
@@ -102,12 +115,13 @@ def body(spec: dict[str, Any]) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(spec["stage"], world))
     out = Path(spec["out"])
     report: dict[str, Any] = {"losses": {}}
-    extra = {"epoch": -1}
+    extra: dict[str, Any] = {"epoch": -1, "position": Position(-1)}
     start = 0
     with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
         if spec.get("resume"):
             start = load(engine, ckpt, extra=extra)
-            report["loaded_step"], report["extra"] = start, dict(extra)
+            report["loaded_step"] = start
+            report["extra"] = {"epoch": extra["epoch"], "position": int(extra["position"].seen)}
             report["loaded"] = facts(engine)
             save_file(gathered(engine), str(out / f"{rank}-loaded.safetensors"))
         for step in range(start + 1, spec["steps"] + 1):
@@ -117,7 +131,7 @@ def body(spec: dict[str, Any]) -> None:
             engine.step()
             report["losses"][step] = loss.item()
             if step == spec.get("save_at"):
-                handle = save(engine, ckpt, step, extra={"epoch": step // 2})
+                handle = save(engine, ckpt, step, extra={"epoch": step // 2, "position": Position(10 * rank + step)})
                 handle.wait_durable(timeout=60)
                 report["saved"] = facts(engine)
                 save_file(gathered(engine), str(out / f"{rank}-saved.safetensors"))

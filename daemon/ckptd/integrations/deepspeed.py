@@ -26,7 +26,8 @@ them as `LocalShard`s of per-parameter logical tensors instead, each the paramet
     "deepspeed"                             JSON: the parameters' shapes, the optimizer's
                                             param_groups with their scalar state (Adam's
                                             "step"), the engine's step counters, the loss scaler
-    "extra"                                 the caller's own (`extra=`), as any ckptd extras
+    other keys                              the caller's own (`extra=`): more top-level keys of
+                                            the state, as CheckpointClient.save takes them
     RNG                                     torch, Python and NumPy generators of every rank
 
 A ZeRO-1/2 rank holds a contiguous range of each parameter it shares in (its partition of the
@@ -51,16 +52,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, MutableMapping
 
 import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient, LocalShard, SaveHandle
 
-__all__ = ["FORMAT", "load", "load_consolidated", "save"]
+__all__ = ["FORMAT", "RESERVED_KEYS", "load", "load_consolidated", "save"]
 
 META_KEY = "deepspeed"
+# the top-level keys of the state this module saves ("rng": CheckpointClient's random generators)
+RESERVED_KEYS = frozenset({"master", "optimizer", "model", "scheduler", META_KEY, "rng"})
 FORMAT = "ckptd.deepspeed/1"  # the layout of this module's checkpoints; a change of it changes the name
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 _SHOWN = 5  # names listed in an error message before "... and N more"
@@ -101,8 +104,10 @@ def save(
     """Hand the ZeRO engine's training state to ckptd as checkpoint `step` (module docstring).
 
     Collective: every rank of the engine calls it for the same step, after `engine.step()` (at
-    a gradient accumulation boundary). Returns the client's SaveHandle. extra: JSON-able values
-    and tensors of the caller's (a data loader's position...), per rank. metric, quantize: as
+    a gradient accumulation boundary). Returns the client's SaveHandle. extra: more top-level
+    keys of the state, as `CheckpointClient.save` takes them (stateful objects such as a data
+    loader, dicts, tensors, JSON values; per rank), e.g. what a trainer built on DeepSpeed keeps
+    beside the engine; not the keys of this module (RESERVED_KEYS). metric, quantize: as
     `CheckpointClient.save`. Raises ValueError/TypeError for what can never be saved.
     """
     optimizer = _check(engine, client)
@@ -128,15 +133,16 @@ def save(
     return client.save(step, state, metric=metric, quantize=quantize, master_weights="keep", rng=True)
 
 
-def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extra: dict[str, Any] | None = None) -> int | None:
+def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extra: MutableMapping[str, Any] | None = None) -> int | None:
     """Restore the ZeRO engine's training state from ckptd checkpoint `step` (None: the newest).
 
     Collective, like `engine.load_checkpoint`: every rank calls it, after `deepspeed.initialize`
     built the engine with the same model and optimizer type as when the checkpoint was saved;
     the data-parallel size and the ZeRO stage may differ. The fp32 master weights, optimizer
     state, param_groups, scheduler, loss scaler, step counters and random generators are set
-    back, and the module's weights from the master weights. extra: a dict that the saved
-    `extra` is put into (updated in place). Returns the step loaded, or None when the job has no
+    back, and the module's weights from the master weights. extra: the keys given to `save`'s
+    extra, with objects of the same structure: stateful objects, tensors and dicts are filled in
+    place, and every entry of `extra` is then set to what was loaded. Returns the step loaded, or None when the job has no
     checkpoint yet (nothing changed). Raises CheckpointError when the step cannot be loaded and
     ValueError when it holds another model or was not saved by this module.
     """
@@ -154,6 +160,8 @@ def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extr
         optimizer.checkpoint_event_prologue()  # every parameter partitioned, as DeepSpeed's own load does
     state = _state(engine, slots, meta["state_keys"], extra)
     client.load(state, step=loaded, rng=True)
+    if extra is not None:
+        extra.update((key, state[key]) for key in extra)  # JSON values cannot be filled in place
     _restore_param_groups(optimizer, flats, meta["param_groups"])
     for name, value in meta["counters"].items():
         setattr(engine, name, int(value))
@@ -332,7 +340,10 @@ def _state(engine: Any, slots: list[_Slot], keys: list[str], extra: Mapping[str,
     if engine.lr_scheduler is not None:
         state["scheduler"] = engine.lr_scheduler
     if extra is not None:
-        state["extra"] = extra
+        taken = sorted(set(extra) & RESERVED_KEYS)
+        if taken:
+            raise ValueError(f"extra uses the keys {taken}, which ckptd.integrations.deepspeed saves itself; rename them")
+        state.update(extra)
     return state
 
 
