@@ -1,7 +1,7 @@
 """One rank of a DeepSpeed ZeRO job (CPU accelerator, gloo) that trains, saves and resumes through
 ckptd.integrations.deepspeed: `python deepspeed_ranks.py SPEC_JSON` (test_deepspeed.py).
 
-Spec: address, job, stage (1, 2, 3), steps (train up to this step), out (a directory: rank r
+Spec: address, job, stage (1, 2, 3), bf16 (optional: bf16 weights, fp32 master), steps (train up to this step), out (a directory: rank r
 writes r.json and r-<name>.safetensors), rank, world_size, port, and
 - save_at: save at this step (wait until durable) and dump the whole fp32 master weights and
   optimizer moments as DeepSpeed's own API gathers them (`saved`), then train on to `steps`;
@@ -60,8 +60,9 @@ class Position:
         self.seen = state["seen"].clone()
 
 
-def config(stage: int, world: int) -> dict[str, Any]:
+def config(stage: int, world: int, bf16: bool) -> dict[str, Any]:
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -112,7 +113,8 @@ def body(spec: dict[str, Any]) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # joins the group run_rank made
     torch.manual_seed(0 if spec.get("resume") is None else 7)  # a resumed run starts from other weights
     model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(spec["stage"], world))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(spec["stage"], world, spec.get("bf16", False)))
+    dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
     out = Path(spec["out"])
     report: dict[str, Any] = {"losses": {}}
     extra: dict[str, Any] = {"epoch": -1, "position": Position(-1)}
@@ -126,7 +128,7 @@ def body(spec: dict[str, Any]) -> None:
             save_file(gathered(engine), str(out / f"{rank}-loaded.safetensors"))
         for step in range(start + 1, spec["steps"] + 1):
             x, y = batch(step, rank, world)
-            loss = nn.functional.mse_loss(engine(x), y)
+            loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             engine.backward(loss)
             engine.step()
             report["losses"][step] = loss.item()

@@ -82,36 +82,36 @@ def ds_daemon(module_daemons: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def saved_runs(ds_daemon: Any, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]]:
-    """stage -> (job, the reports, the dump at the save) of a 2-rank run that saved at step 2
-    and was SIGKILLed at step 4; run once per stage and module."""
-    runs: dict[int, tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]] = {}
+def saved_runs(ds_daemon: Any, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]]:
+    """(stage, bf16=False) -> (job, the reports, the dump at the save) of a 2-rank run that
+    saved at step 2 and was SIGKILLed at step 4; run once per stage, bf16 and module."""
+    runs: dict[tuple[int, bool], tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]] = {}
 
-    def get(stage: int) -> tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]:
-        if stage not in runs:
-            out = tmp_path_factory.mktemp(f"zero{stage}") / "saved"
-            job = f"ds-zero{stage}"
-            reports = _run(ds_daemon, out, 2, kill=True, job=job, stage=stage, save_at=SAVE_AT)
-            runs[stage] = job, reports, _dump(out, "saved")
-        return runs[stage]
+    def get(stage: int, bf16: bool = False) -> tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]:
+        if (stage, bf16) not in runs:
+            job = f"ds-zero{stage}" + ("-bf16" if bf16 else "")
+            out = tmp_path_factory.mktemp(job) / "saved"
+            reports = _run(ds_daemon, out, 2, kill=True, job=job, stage=stage, save_at=SAVE_AT, bf16=bf16)
+            runs[stage, bf16] = job, reports, _dump(out, "saved")
+        return runs[stage, bf16]
 
     return get
 
 
-def _same_size(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int) -> None:
-    job, saved, saved_dump = saved_runs(stage)
-    resumed = _run(ds_daemon, tmp / "same", 2, job=job, stage=stage, resume=True)
+def _same_size(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, bf16: bool = False) -> None:
+    job, saved, saved_dump = saved_runs(stage, bf16)
+    resumed = _run(ds_daemon, tmp / "same", 2, job=job, stage=stage, resume=True, bf16=bf16)
     _check_resumed(saved, saved_dump, resumed, tmp / "same")
     for rank in range(2):
         assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
         assert resumed[rank]["final"] == saved[rank]["final"]
 
 
-def _other_sizes(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, load_stage: int) -> None:
-    job, saved, saved_dump = saved_runs(stage)
-    for world in (3, 1):
+def _other_sizes(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, worlds: tuple[int, ...] = (3, 1), bf16: bool = False) -> None:
+    job, saved, saved_dump = saved_runs(stage, bf16)
+    for world in worlds:
         out = tmp / f"dp{world}"
-        resumed = _run(ds_daemon, out, world, job=job, stage=load_stage, resume=True, steps=SAVE_AT + 1)
+        resumed = _run(ds_daemon, out, world, job=job, stage=stage, resume=True, steps=SAVE_AT + 1, bf16=bf16)
         _check_resumed(saved, saved_dump, resumed, out)
 
 
@@ -125,7 +125,7 @@ def test_issue31_item2_zero2_killed_resumes_with_the_same_losses(ds_daemon: Any,
 # issue 31 item 2
 @pytest.mark.slow
 def test_issue31_item2_zero2_resumes_at_another_data_parallel_size(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
-    _other_sizes(ds_daemon, saved_runs, tmp_path, 2, 2)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, 2)
 
 
 # issue 31 item 2
@@ -133,7 +133,7 @@ def test_issue31_item2_zero2_resumes_at_another_data_parallel_size(ds_daemon: An
 @pytest.mark.parametrize("stage", [1, 3])
 def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
     _same_size(ds_daemon, saved_runs, tmp_path, stage)
-    _other_sizes(ds_daemon, saved_runs, tmp_path, stage, stage)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, stage)
     job, _, saved_dump = saved_runs(stage)
     _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
 
@@ -172,3 +172,15 @@ def test_issue31_item2_refuses_other_checkpoints_and_objects(ds_daemon: Any, mod
             load(model, ckpt)
     with pytest.raises(ValueError, match="was not saved by ckptd.integrations.deepspeed.save"):
         load_consolidated(model, module_daemons.root, job="ds-plain")
+
+
+# issue 31 item 2
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_issue31_item2_bf16_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
+    """bf16 weights, fp32 master weights: only the master weights are saved, and the bf16
+    weights set from them on load are those of the uninterrupted run (the same losses)."""
+    _same_size(ds_daemon, saved_runs, tmp_path, stage, bf16=True)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, stage, (1,), bf16=True)
+    job, _, saved_dump = saved_runs(stage, True)
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
