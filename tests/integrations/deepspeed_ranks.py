@@ -121,11 +121,13 @@ def body(spec: dict[str, Any]) -> None:
     start = 0
     with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
         if spec.get("resume"):
-            start = load(engine, ckpt, extra=extra)
-            report["loaded_step"] = start
+            loaded = load(engine, ckpt, extra=extra)
+            report["loaded_step"] = loaded
             report["extra"] = {"epoch": extra["epoch"], "position": int(extra["position"].seen)}
             report["loaded"] = facts(engine)
-            save_file(gathered(engine), str(out / f"{rank}-loaded.safetensors"))
+            if loaded is not None:  # a fresh engine has no optimizer state to gather yet
+                save_file(gathered(engine), str(out / f"{rank}-loaded.safetensors"))
+            start = loaded or 0
         for step in range(start + 1, spec["steps"] + 1):
             x, y = batch(step, rank, world)
             loss = nn.functional.mse_loss(engine(x.to(dtype)).float(), y)

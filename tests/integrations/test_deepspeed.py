@@ -184,3 +184,11 @@ def test_issue31_item2_bf16_killed_resumed_and_resharded(ds_daemon: Any, module_
     _other_sizes(ds_daemon, saved_runs, tmp_path, stage, (1,), bf16=True)
     job, _, saved_dump = saved_runs(stage, True)
     _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+def test_issue31_item2_a_job_without_a_checkpoint_starts_fresh(ds_daemon: Any, tmp_path: Path) -> None:
+    (report,) = _run(ds_daemon, tmp_path / "fresh", 1, job="ds-fresh", stage=1, resume=True, steps=1)
+    assert report["loaded_step"] is None and report["extra"] == {"epoch": -1, "position": -1}
+    assert list(report["losses"]) == ["1"] and report["final"]["counters"][0] == 1
