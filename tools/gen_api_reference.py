@@ -73,6 +73,7 @@ MODULES: tuple[Section, ...] = (
     Section("ckptd.integrations.lightning", extra="lightning"),
     Section("ckptd.integrations.peft", extra="peft"),
     Section("ckptd.integrations.dcp"),
+    Section("ckptd.integrations.deepspeed"),
     Section("ckptd.offline"),
 )
 

@@ -85,3 +85,14 @@ def test_issue30_finding3_an_extras_tensor_stored_once_for_every_rank_loads_on_e
         with CheckpointClient("imported", address=daemon.address, rank=rank, world_size=2, on_error="raise") as ckpt:
             assert ckpt.load(state) == 3
         assert (state["extra"]["t"].tolist(), state["extra"]["r"]) == ([0.0, 1.0, 2.0, 3.0], 7)
+
+
+# issue 31 item 2 (ckptd.integrations.deepspeed reads its own key first, with strict=False)
+def test_a_load_with_strict_false_leaves_a_key_the_step_lacks(saved) -> None:
+    daemon, _ = saved
+    state = {"extra": {"t": torch.zeros(4), "r": -1}, "absent": {"x": 5}}
+    with CheckpointClient("extras", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load(state, step=1, strict=False) == 1
+        assert state["absent"] == {"x": 5} and state["extra"]["r"] == 0
+        with pytest.raises(ValueError, match="the checkpoint has no value for 'absent'"):
+            ckpt.load(state, step=1)

@@ -398,7 +398,7 @@ class CheckpointClient:
         try:
             self._fill(structure, plan)
             extras = json.loads(plan.extras_json) if plan.extras_json else {}
-            restore_state(state, flat, extras)
+            restore_state(state, flat, extras, strict=strict)
         finally:
             self._rpc.load_done(plan.load_id)
         for name in plan.missing:

@@ -1,0 +1,194 @@
+"""ckptd.integrations.deepspeed with the real DeepSpeed engine (its CPU accelerator, gloo ranks as
+processes) and a real daemon: ZeRO-1/2/3 partitions saved by each rank, the ranks SIGKILLed,
+resumed with the losses of the uninterrupted run, resumed at another data-parallel size with
+the master weights and optimizer state bit-exact, and read into a plain PyTorch model.
+
+The run that saves is the uninterrupted one: it saves at step 2, trains on to step 4 and is
+SIGKILLed there (what it trained after the save is lost); the resumed run must repeat its
+steps 3 and 4. The first DeepSpeed run on a machine JIT-builds its CPU shared-memory op
+(deepspeed_shm_comm, cached in ~/.cache/torch_extensions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from worker_process import load_worker, run_ranks  # tests/worker_process.py
+
+pytest.importorskip("deepspeed")
+
+from ckptd.client import CheckpointClient  # noqa: E402
+from ckptd.integrations.deepspeed import load_consolidated  # noqa: E402
+
+WORKER = Path(__file__).with_name("deepspeed_ranks.py")
+SAVE_AT, STEPS = 2, 4
+
+
+def _run(daemon: Any, out: Path, world: int, *, kill: bool = False, steps: int = STEPS, **spec: Any) -> list[dict[str, Any]]:
+    out.mkdir()
+    run_ranks(WORKER, world, 240, -9 if kill else 0, address=daemon.address, out=str(out), steps=steps, kill=kill, **spec)
+    return [json.loads((out / f"{rank}.json").read_text()) for rank in range(world)]
+
+
+def _dump(out: Path, which: str) -> dict[str, torch.Tensor]:
+    return load_file(str(out / f"0-{which}.safetensors"))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _saved_run(daemon: Any, tmp: Path, stage: int, job: str) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    saved = _run(daemon, tmp / f"saved-{stage}", 2, kill=True, job=job, stage=stage, save_at=SAVE_AT)
+    return saved, _dump(tmp / f"saved-{stage}", "saved")
+
+
+def _check_resumed(saved: list[dict[str, Any]], saved_dump: dict[str, torch.Tensor], resumed: list[dict[str, Any]], out: Path) -> None:
+    """The resumed ranks hold what the saved ones held at the save."""
+    _assert_same(_dump(out, "loaded"), saved_dump)
+    for rank, report in enumerate(resumed):
+        assert report["loaded_step"] == SAVE_AT
+        own = rank if rank < len(saved) else 0  # a rank the save did not have gets rank 0's extras
+        assert report["extra"] == {"epoch": SAVE_AT // 2, "position": 10 * own + SAVE_AT}
+        assert report["loaded"] == saved[0]["saved"]
+
+
+def _check_consolidated(daemon: Any, root: Path, job: str, saved_dump: dict[str, torch.Tensor]) -> None:
+    """A plain Net gets the whole fp32 weights, offline and through the daemon."""
+    net = load_worker(WORKER).Net
+    for source in ("offline", "daemon"):
+        model = net()
+        with torch.no_grad():
+            model.scale.zero_()
+        if source == "offline":
+            assert load_consolidated(model, root, job=job) == SAVE_AT
+        else:
+            with CheckpointClient(job, address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+                assert load_consolidated(model, ckpt) == SAVE_AT
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), saved_dump[f"master.{name}"]), (source, name)
+        assert model.scale.tolist() == [1.0, 0.5, 2.0]
+
+
+@pytest.fixture(scope="module")
+def ds_daemon(module_daemons: Any) -> Any:
+    return module_daemons.start()
+
+
+@pytest.fixture(scope="module")
+def saved_runs(ds_daemon: Any, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]]:
+    """(stage, bf16=False) -> (job, the reports, the dump at the save) of a 2-rank run that
+    saved at step 2 and was SIGKILLed at step 4; run once per stage, bf16 and module."""
+    runs: dict[tuple[int, bool], tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]] = {}
+
+    def get(stage: int, bf16: bool = False) -> tuple[str, list[dict[str, Any]], dict[str, torch.Tensor]]:
+        if (stage, bf16) not in runs:
+            job = f"ds-zero{stage}" + ("-bf16" if bf16 else "")
+            out = tmp_path_factory.mktemp(job) / "saved"
+            reports = _run(ds_daemon, out, 2, kill=True, job=job, stage=stage, save_at=SAVE_AT, bf16=bf16)
+            runs[stage, bf16] = job, reports, _dump(out, "saved")
+        return runs[stage, bf16]
+
+    return get
+
+
+def _same_size(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, bf16: bool = False) -> None:
+    job, saved, saved_dump = saved_runs(stage, bf16)
+    resumed = _run(ds_daemon, tmp / "same", 2, job=job, stage=stage, resume=True, bf16=bf16)
+    _check_resumed(saved, saved_dump, resumed, tmp / "same")
+    for rank in range(2):
+        assert resumed[rank]["losses"] == {str(s): saved[rank]["losses"][str(s)] for s in range(SAVE_AT + 1, STEPS + 1)}
+        assert resumed[rank]["final"] == saved[rank]["final"]
+
+
+def _other_sizes(ds_daemon: Any, saved_runs: Any, tmp: Path, stage: int, worlds: tuple[int, ...] = (3, 1), bf16: bool = False) -> None:
+    job, saved, saved_dump = saved_runs(stage, bf16)
+    for world in worlds:
+        out = tmp / f"dp{world}"
+        resumed = _run(ds_daemon, out, world, job=job, stage=stage, resume=True, steps=SAVE_AT + 1, bf16=bf16)
+        _check_resumed(saved, saved_dump, resumed, out)
+
+
+# issue 31 item 2
+def test_issue31_item2_zero2_killed_resumes_with_the_same_losses(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path) -> None:
+    _same_size(ds_daemon, saved_runs, tmp_path, 2)
+    job, _, saved_dump = saved_runs(2)
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+def test_issue31_item2_zero2_resumes_at_another_data_parallel_size(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    _other_sizes(ds_daemon, saved_runs, tmp_path, 2)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
+    _same_size(ds_daemon, saved_runs, tmp_path, stage)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, stage)
+    job, _, saved_dump = saved_runs(stage)
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+def test_issue31_item2_zero3_checkpoint_loads_into_zero1(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    job, saved, saved_dump = saved_runs(3)
+    resumed = _run(ds_daemon, tmp_path / "zero1", 1, job=job, stage=1, resume=True, steps=SAVE_AT + 1)
+    _check_resumed(saved, saved_dump, resumed, tmp_path / "zero1")
+
+
+# issue 31 item 2
+def test_issue31_item2_consolidated_load_names_what_does_not_fit(ds_daemon: Any, module_daemons: Any, saved_runs: Any) -> None:
+    job, _, saved_dump = saved_runs(2)
+    model = load_worker(WORKER).Net()
+    model.head = torch.nn.Linear(3, 2)  # a parameter the checkpoint lacks
+    with pytest.raises(ValueError, match=r"not in the checkpoint: head\.bias, head\.weight"):
+        load_consolidated(model, module_daemons.root, job=job)
+    assert load_consolidated(model, module_daemons.root, job=job, strict=False) == SAVE_AT
+    assert torch.equal(model.inp.weight.detach(), saved_dump["master.inp.weight"])
+
+
+# issue 31 item 2
+def test_issue31_item2_refuses_other_checkpoints_and_objects(ds_daemon: Any, module_daemons: Any) -> None:
+    from ckptd.integrations.deepspeed import load, save
+
+    model = torch.nn.Linear(2, 2)
+    with CheckpointClient("ds-plain", address=ds_daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model}).wait_durable(timeout=60)
+        with pytest.raises(ValueError, match="was not saved by ckptd.integrations.deepspeed.save"):
+            load_consolidated(model, ckpt)
+        with pytest.raises(TypeError, match="expected a deepspeed.DeepSpeedEngine"):
+            save(model, ckpt, 2)
+        with pytest.raises(TypeError, match="expected a deepspeed.DeepSpeedEngine"):
+            load(model, ckpt)
+    with pytest.raises(ValueError, match="was not saved by ckptd.integrations.deepspeed.save"):
+        load_consolidated(model, module_daemons.root, job="ds-plain")
+
+
+# issue 31 item 2
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_issue31_item2_bf16_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
+    """bf16 weights, fp32 master weights: only the master weights are saved, and the bf16
+    weights set from them on load are those of the uninterrupted run (the same losses)."""
+    _same_size(ds_daemon, saved_runs, tmp_path, stage, bf16=True)
+    _other_sizes(ds_daemon, saved_runs, tmp_path, stage, (1,), bf16=True)
+    job, _, saved_dump = saved_runs(stage, True)
+    _check_consolidated(ds_daemon, module_daemons.root, job, saved_dump)
+
+
+# issue 31 item 2
+@pytest.mark.slow
+def test_issue31_item2_a_job_without_a_checkpoint_starts_fresh(ds_daemon: Any, tmp_path: Path) -> None:
+    (report,) = _run(ds_daemon, tmp_path / "fresh", 1, job="ds-fresh", stage=1, resume=True, steps=1)
+    assert report["loaded_step"] is None and report["extra"] == {"epoch": -1, "position": -1}
+    assert list(report["losses"]) == ["1"] and report["final"]["counters"][0] == 1
