@@ -123,13 +123,13 @@ def test_issue31_item2_zero2_killed_resumes_with_the_same_losses(ds_daemon: Any,
 
 
 # issue 31 item 2
-@pytest.mark.slow
+@pytest.mark.long  # the full sweep (pytest -m long); the default run keeps ZeRO-2 killed-and-resumed and ZeRO-3 into ZeRO-1 at 1 rank
 def test_issue31_item2_zero2_resumes_at_another_data_parallel_size(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
     _other_sizes(ds_daemon, saved_runs, tmp_path, 2)
 
 
 # issue 31 item 2
-@pytest.mark.slow
+@pytest.mark.long  # the full sweep (pytest -m long); the default run keeps ZeRO-2 killed-and-resumed and ZeRO-3 into ZeRO-1 at 1 rank
 @pytest.mark.parametrize("stage", [1, 3])
 def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
     _same_size(ds_daemon, saved_runs, tmp_path, stage)
@@ -139,7 +139,6 @@ def test_issue31_item2_zero1_zero3_killed_resumed_and_resharded(ds_daemon: Any, 
 
 
 # issue 31 item 2
-@pytest.mark.slow
 def test_issue31_item2_zero3_checkpoint_loads_into_zero1(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
     job, saved, saved_dump = saved_runs(3)
     resumed = _run(ds_daemon, tmp_path / "zero1", 1, job=job, stage=1, resume=True, steps=SAVE_AT + 1)
@@ -175,7 +174,7 @@ def test_issue31_item2_refuses_other_checkpoints_and_objects(ds_daemon: Any, mod
 
 
 # issue 31 item 2
-@pytest.mark.slow
+@pytest.mark.long  # the full sweep (pytest -m long); the default run keeps ZeRO-2 killed-and-resumed and ZeRO-3 into ZeRO-1 at 1 rank
 @pytest.mark.parametrize("stage", [2, 3])
 def test_issue31_item2_bf16_killed_resumed_and_resharded(ds_daemon: Any, module_daemons: Any, saved_runs: Any, tmp_path: Path, stage: int) -> None:
     """bf16 weights, fp32 master weights: only the master weights are saved, and the bf16
@@ -187,7 +186,7 @@ def test_issue31_item2_bf16_killed_resumed_and_resharded(ds_daemon: Any, module_
 
 
 # issue 31 item 2
-@pytest.mark.slow
+@pytest.mark.long  # the full sweep (pytest -m long); the default run keeps ZeRO-2 killed-and-resumed and ZeRO-3 into ZeRO-1 at 1 rank
 def test_issue31_item2_a_job_without_a_checkpoint_starts_fresh(ds_daemon: Any, tmp_path: Path) -> None:
     (report,) = _run(ds_daemon, tmp_path / "fresh", 1, job="ds-fresh", stage=1, resume=True, steps=1)
     assert report["loaded_step"] is None and report["extra"] == {"epoch": -1, "position": -1}
