@@ -38,12 +38,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.client import CheckpointClient
 from ckptd.integrations import _lightning_pointer
-from ckptd.integrations.lightning import CkptdCheckpointIO
+from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdModelParallelStrategy
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
 
 
-class TinyMLP(L.LightningModule):
+class MLP(L.LightningModule):
+    """An MLP with dropout, Adam and a StepLR schedule stepped every step."""
+
     def __init__(self, hidden: int = 16) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -59,11 +61,31 @@ class TinyMLP(L.LightningModule):
         opt = torch.optim.Adam(self.parameters(), lr=0.02)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5), "interval": "step"}}
 
+
+class TinyMLP(MLP):
+    """MLP with the RNG hooks a user writes for Lightning's own checkpoints."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng"] = {"torch": torch.get_rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         torch.set_rng_state(checkpoint["rng"]["torch"])
+
+
+class ShardedMLP(MLP):
+    """MLP parallelized in configure_model over the strategy's device mesh: tensor parallel
+    (column-, then row-wise) over "tensor_parallel" when it has several ranks, then FSDP2
+    (fully_shard) over "data_parallel". No RNG hooks: CkptdCheckpointIO restores each rank's
+    generators itself."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
+        fully_shard(self.net, mesh=mesh["data_parallel"])
 
 
 def data(batch: int = BATCH) -> DataLoader:
@@ -129,6 +151,32 @@ class PauseWhenCommitted(Callback):
         raise TimeoutError(f"step {self.step} was not committed within 60 s")
 
 
+class DumpState(Callback):
+    """At the end of fit, the whole training state as one full copy, written by global rank 0:
+    `<path>.safetensors` (the model's and the optimizer's tensors, gathered from every rank)
+    and `<path>.json` (the optimizer's param_groups, the scheduler's state, global_step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = trainer.strategy.model
+        optimizer = trainer.optimizers[0]
+        weights = get_model_state_dict(model, options=options)
+        optim = get_optimizer_state_dict(model, optimizer, options=options)
+        if not trainer.is_global_zero:
+            return
+        tensors = {f"model/{k}": v.contiguous() for k, v in weights.items()}
+        tensors.update({f"optimizer/{p}/{f}": v.reshape(v.shape).contiguous() for p, s in optim["state"].items() for f, v in s.items()})
+        save_file(tensors, str(self.path) + ".safetensors")
+        rest = {"param_groups": optim["param_groups"], "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "global_step": trainer.global_step}
+        Path(str(self.path) + ".json").write_text(json.dumps(rest, sort_keys=True, default=str))
+
+
 def stall_pointers_from(step: int) -> None:
     """Pointer files of `step` and later are never written (their writer blocks)."""
     write = _lightning_pointer.write_pointer
@@ -160,12 +208,18 @@ def train(spec: dict[str, Any]) -> None:
         callbacks.append(PauseWhenCommitted(spec["committed_at"], spec["address"], spec["job"]))
     if spec.get("stall_pointers_from"):
         stall_pointers_from(spec["stall_pointers_from"])
+    strategy: Any = "ddp" if devices > 1 else "auto"
+    model: MLP = TinyMLP()
+    if "tp" in spec:  # FSDP2 (+ TP) through CkptdModelParallelStrategy: devices = dp * tp
+        strategy = CkptdModelParallelStrategy(data_parallel_size=devices // spec["tp"], tensor_parallel_size=spec["tp"])
+        model = ShardedMLP()
+    if spec.get("dump"):
+        callbacks.append(DumpState(Path(spec["dump"])))
     trainer = L.Trainer(
         max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices, strategy=strategy,
     )
-    trainer.fit(TinyMLP(), data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
+    trainer.fit(model, data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -186,22 +186,25 @@ class Templates:
     tensors: dict[str, torch.Tensor]
 
 
-def templates(layout: Mapping[str, Any]) -> Templates:
+def templates(layout: Mapping[str, Any], skip: Collection[str] = ()) -> Templates:
     """Empty tensors of the recorded dtypes and shapes, under the recorded names.
 
     Each saved part (ckptd key) gets a flat dict {name without "<key>/": tensor}, which
     flattens to the same names as the saved structure; the load then puts the saved structure
-    back into it (a part without tensors gets an empty dict, filled the same way).
+    back into it (a part without tensors gets an empty dict, filled the same way). Parts in
+    `skip` (the caller brings its own targets for them) get nothing.
     Raises ValueError when the layout is not one this module wrote.
     """
     table = layout.get("tensors")
     parts = layout.get("parts")
     if layout.get("version") != LAYOUT_VERSION or not isinstance(table, dict) or not isinstance(parts, list) or REST not in parts:
         raise ValueError(f"the step's {LAYOUT!r} is not a layout of version {LAYOUT_VERSION} that CkptdCheckpointIO wrote")
-    state: dict[str, Any] = {key: {} for key in parts if key in (MODEL, OPTIMIZER, REST)}
+    state: dict[str, Any] = {key: {} for key in parts if key in (MODEL, OPTIMIZER, REST) and key not in skip}
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in table.items():
         key, _, rest = name.partition("/")
+        if key in skip and key in parts:
+            continue
         if key not in state or not (isinstance(spec, list) and len(spec) == 2):
             raise ValueError(f"the step's {LAYOUT!r} lists a tensor {name!r} that no saved part holds")
         dtype_name, shape = spec

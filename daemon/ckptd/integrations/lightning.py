@@ -33,7 +33,7 @@ import logging
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -47,6 +47,7 @@ from ckptd.client.handle import SaveHandle
 from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
+from ckptd.integrations._lightning_sharded import CkptdModelParallelStrategy
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
 from ckptd.integrations._lightning_state import (
     LAYOUT,
@@ -61,7 +62,7 @@ from ckptd.integrations._lightning_state import (
     to_state,
 )
 
-__all__ = ["CkptdCheckpointIO"]
+__all__ = ["CkptdCheckpointIO", "CkptdModelParallelStrategy"]
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
@@ -94,6 +95,7 @@ class CkptdCheckpointIO(CheckpointIO):
         quantize: str | None = None,
         durable_timeout_s: float = 600.0,
         timeout_s: float = 600.0,
+        rng: bool = True,
     ) -> None:
         super().__init__()
         self.job = check_job_id(job)
@@ -108,6 +110,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self.quantize = quantize
         self.durable_timeout_s = float(durable_timeout_s)
         self.timeout_s = float(timeout_s)
+        self.rng = bool(rng)
         self._client: CheckpointClient | None = None  # saves (a job of one rank), and loads on global rank 0
         self._reader: CheckpointClient | None = None  # loads on the other ranks of a run of several processes
         self._writer = PointerWriter()
@@ -137,13 +140,27 @@ class CkptdCheckpointIO(CheckpointIO):
         supported); RuntimeError when called by a sharding strategy, by DDP started by
         multiprocessing, or on a global rank other than 0.
         """
+        _check_saver(_calling_strategy())
+        self._save(checkpoint, path, storage_options, self._connect, pointer=True)
+
+    def save_shards(self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, storage_options: Any | None = None) -> None:
+        """Hand this rank's part of a sharded checkpoint to ckptd (a sharding strategy calls it on
+        every rank: CkptdModelParallelStrategy); the pointer at `path` is written by rank 0.
+
+        `checkpoint` is Lightning's dict with this rank's shards: DTensors in state_dict and in
+        the optimizer states (keyed by parameter name). Every rank saves as itself in a job of
+        `world_size` ranks, each handing over only its own shards (no gather); the daemon
+        stores each logical tensor once. Raises as save_checkpoint does.
+        """
+        self._save(checkpoint, path, storage_options, lambda: self._sharded_client(rank, world_size), pointer=rank == 0)
+
+    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None, connect: Callable[[], CheckpointClient], pointer: bool) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}: "
                 "ckptd's daemon decides where and how the checkpoint is stored (its --root and configuration)"
             )
         target = local_path(path)
-        _check_saver(_calling_strategy())
         self._raise_background_error()
         step = global_step_of(checkpoint)
         mapped = to_state(checkpoint)
@@ -156,11 +173,12 @@ class CkptdCheckpointIO(CheckpointIO):
                     f"{target} differs from it: {why}. ckptd holds one checkpoint per step: save again only after "
                     "the next optimizer step"
                 )
-            self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
+            if pointer:
+                self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
             return
-        client = self._connect()
+        client = connect()
         try:
-            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize)
+            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize, rng=self.rng)
         except CheckpointError as exc:  # on_error="raise", or a state the daemon refuses
             self._last = None
             raise type(exc)(self._not_saved(step, target, str(exc)), exc.code, exc.reason) from exc
@@ -170,7 +188,8 @@ class CkptdCheckpointIO(CheckpointIO):
             return
         durable = _Durable(handle, self.durable_timeout_s)
         self._last = (SameStep(step, mapped), durable)
-        self._writer.submit(target, Pointer(self.job, step), durable)
+        if pointer:
+            self._writer.submit(target, Pointer(self.job, step), durable)
 
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict the pointer at `path` names, as Lightning saved it.
@@ -191,11 +210,42 @@ class CkptdCheckpointIO(CheckpointIO):
         written (a warning says so): a resume never redoes an interval the job holds.
         """
         follow_newest = _is_last_checkpoint(path, _calling_strategy())
-        target = local_path(path)
         rank, world_size = _rank_and_world()
+        target, pointer = self._pointer(path, rank, world_size)
+        rng = self.rng and rank == 0  # the saving rank's generators (a job of one rank): see docs
+        if pointer.job == self.job:
+            checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest, rng=rng)
+        else:  # a checkpoint of another job (e.g. the run this one was started from)
+            who = (rank, world_size) if rank else (0, 1)
+            with self._new_client(pointer.job, "raise", *who) as client:
+                checkpoint = self._load(client, pointer, target, follow_newest, rng=rng)
+        return map_tensors(checkpoint, map_location)
+
+    def load_shards(self, path: Any, targets: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+        """Load the checkpoint the pointer at `path` names into this rank's shards (a sharding
+        strategy calls it on every rank: CkptdModelParallelStrategy), in any world size.
+
+        targets: the parts to fill in place, in the layout of this run: "model" (the model's
+        sharded state dict: DTensors keyed by parameter name) and, when resuming a fit,
+        "optimizer" ({"0": the first optimizer's sharded state dict, ...}). Each rank reads
+        only its own boxes, whatever layout saved them. Returns Lightning's checkpoint dict,
+        whose state_dict and optimizer_states are the filled targets; this rank's random
+        generators are restored when it saved them (a rank beyond the saved world keeps its
+        own). Raises as load_checkpoint does.
+        """
+        follow_newest = _is_last_checkpoint(path, _calling_strategy())
+        target, pointer = self._pointer(path, rank, world_size)
+        if pointer.job == self.job:
+            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=self.rng)
+        with self._new_client(pointer.job, "raise", rank, world_size) as client:
+            return self._load(client, pointer, target, follow_newest, targets, rng=self.rng)
+
+    def _pointer(self, path: Any, rank: int, world_size: int) -> tuple[str, Pointer]:
+        """The local path and the pointer at `path`, once this process's pending pointers are written."""
+        target = local_path(path)
         self._writer.flush()
         try:
-            pointer = read_pointer(target)
+            return target, read_pointer(target)
         except FileNotFoundError as exc:
             if rank == 0:
                 raise
@@ -204,13 +254,6 @@ class CkptdCheckpointIO(CheckpointIO):
                 "each once its step is durable; every rank reads them, so ModelCheckpoint's dirpath (or the ckpt_path) "
                 "must be a directory every rank sees: on several nodes, a shared file system"
             ) from None
-        if pointer.job == self.job:
-            checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest)
-        else:  # a checkpoint of another job (e.g. the run this one was started from)
-            who = (rank, world_size) if rank else (0, 1)
-            with self._new_client(pointer.job, "raise", *who) as client:
-                checkpoint = self._load(client, pointer, target, follow_newest)
-        return map_tensors(checkpoint, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at `path` (and one still waiting to be written).
@@ -260,6 +303,18 @@ class CkptdCheckpointIO(CheckpointIO):
             self._client = self._new_client(self.job, self.on_error, 0, 1)
         return self._client
 
+    def _sharded_client(self, rank: int, world_size: int) -> CheckpointClient:
+        """The client of a sharded run: this rank of a job of `world_size` ranks, under the run id
+        every rank derives alike (the launcher's, else rank 0's through torch.distributed)."""
+        if self._client is not None and (self._client.rank, self._client.world_size) != (rank, world_size):
+            self._client.close()
+            self._client = None
+        if self._client is None:
+            self._client = CheckpointClient(
+                self.job, address=self.address, rank=rank, world_size=world_size, mode="copy", on_error=self.on_error, timeout_s=self.timeout_s,
+            )
+        return self._client
+
     def _load_client(self, rank: int, world_size: int) -> CheckpointClient:
         """The client this process loads its job's steps with: the saving client on global rank
         0 (or in one process), else one as this rank of the run's world (a rank other than 0
@@ -289,9 +344,14 @@ class CkptdCheckpointIO(CheckpointIO):
         if error is not None and self.on_error == "raise":
             raise CheckpointError(f"an earlier checkpoint's pointer file was not written: {error}") from error
 
-    def _load(self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False) -> dict[str, Any]:
+    def _load(
+        self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False,
+        targets: dict[str, Any] | None = None, rng: bool = False,
+    ) -> dict[str, Any]:
         """The checkpoint `pointer` names; follow_newest: the job's newest committed step instead
-        when that is another (a last checkpoint whose pointer the stopped run did not update)."""
+        when that is another (a last checkpoint whose pointer the stopped run did not update).
+        targets: parts filled in place instead of fresh tensors (load_shards); rng: restore
+        this rank's random generators saved with the step."""
         layout: dict[str, Any] = {}
         try:
             loaded = client.load({LAYOUT: layout}, step=None if follow_newest else pointer.step)
@@ -312,12 +372,13 @@ class CkptdCheckpointIO(CheckpointIO):
                 "pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
             )
             pointer = Pointer(pointer.job, loaded)  # the step's own layout
-        fresh = templates(layout)
-        client.load(fresh.state, step=pointer.step)
+        fresh = templates(layout, skip=set(targets or ()))
+        state = {**fresh.state, **(targets or {})}
+        client.load(state, step=pointer.step, rng=rng)
         if pointer.shape is None:
-            return assemble(layout["order"], layout["state_dict_metadata"], fresh.state)
+            return assemble(layout["order"], layout["state_dict_metadata"], state)
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
-        parts = {**fresh.state, **decode_parts(shape["trees"], fresh.tensors)}
+        parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
 
 
