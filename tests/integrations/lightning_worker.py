@@ -25,6 +25,10 @@ on its share of the data; global rank 0 writes the losses, of its own batches.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,6 +191,40 @@ def stall_pointers_from(step: int) -> None:
         return write(path, pointer, publish)
 
     _lightning_pointer.write_pointer = stalled  # PointerWriter looks the function up at each write
+
+
+def start_ranks(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Popen[str]]:
+    """The processes of one multi-process run of this script (DDP, or the model-parallel
+    strategy when spec has "tp"), started with the variables Lightning reads when processes are
+    created outside it; global rank 0's stdout is piped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs: list[subprocess.Popen[str]] = []
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    for rank in range(world_size):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps({**spec, "devices": world_size})], env=env, stdout=stdout, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
+    """Wait for every process of a run; fails unless each exits 0 (the others are killed)."""
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        kill(procs)
+    assert codes == [0] * len(procs), f"a process of the run failed: exit codes {codes}"
+
+
+def kill(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL every process of a run still alive, and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)
 
 
 def train(spec: dict[str, Any]) -> None:

@@ -14,13 +14,11 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +40,12 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from ckptd.client import CheckpointClient  # noqa: E402
 from ckptd.client.errors import CheckpointError  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+from worker_process import load_worker  # noqa: E402  (tests/worker_process.py)
+
+_worker = load_worker(Path(__file__).with_name("lightning_worker.py"))  # tests/integrations is no package
+finish = _worker.finish
+kill = _worker.kill
+start_ranks = _worker.start_ranks
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
@@ -50,11 +54,7 @@ RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
 @pytest.fixture(scope="module")
 def worker() -> ModuleType:
     """lightning_worker.py, imported by path (tests/integrations is no package)."""
-    spec = importlib.util.spec_from_file_location("lightning_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _worker
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:
@@ -247,41 +247,6 @@ def test_a_run_killed_between_a_commit_and_its_pointer_resumes_from_the_newest_s
     assert pointer_steps(tmp_path / "run")["last.ckpt"] == 25
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_ddp(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Popen[str]]:
-    """The processes of one DDP run of lightning_worker.py, started here with the variables
-    Lightning's DDP reads when the processes are created outside it; rank 0's stdout is piped."""
-    port = str(_free_port())
-    procs: list[subprocess.Popen[str]] = []
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    for rank in range(world_size):
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
-        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**spec, "devices": world_size})], env=env, stdout=stdout, text=True))
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        _kill(procs)
-    assert codes == [0] * len(procs), f"a DDP process failed: exit codes {codes}"
-
-
-def _kill(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, tmp_path: Path) -> None:
     """2 processes of Lightning's DDP (CPU, gloo), 4 samples per rank and batch (5 batches per
@@ -298,19 +263,19 @@ def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uni
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         return {line["step"]: line["loss"] for line in lines}
 
-    killed = _start_ddp(spec("run", pause_at=10))
+    killed = start_ranks(spec("run", pause_at=10))
     try:
-        _finish(_start_ddp(spec("ref")))  # the uninterrupted run, meanwhile
+        finish(start_ranks(spec("ref")))  # the uninterrupted run, meanwhile
         assert killed[0].stdout is not None and killed[0].stdout.readline().strip() == "DURABLE 10"
     finally:
-        _kill(killed)  # every process of the run: SIGKILL
+        kill(killed)  # every process of the run: SIGKILL
     assert [p.returncode for p in killed] == [-signal.SIGKILL] * 2
     ref, before = losses("ref"), losses("run")
     assert sorted(ref) == list(range(1, 21)) and len(set(ref.values())) == 20
     assert max(before) == 10 and all(before[s] == ref[s] for s in before)
     assert pointer_steps(tmp_path / "run")["last.ckpt"] == 10
 
-    _finish(_start_ddp(spec("run", ckpt_path="last")))  # new processes, Trainer, plugin and clients
+    finish(start_ranks(spec("run", ckpt_path="last")))  # new processes, Trainer, plugin and clients
     resumed = losses("run")
     assert max(resumed) == 20
     assert [resumed[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]

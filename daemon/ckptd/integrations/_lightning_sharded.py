@@ -1,18 +1,22 @@
-"""Lightning's FSDP2 + tensor-parallel strategy saving through ckptd: `CkptdModelParallelStrategy`.
+"""Lightning's sharding strategies saving through ckptd: `CkptdModelParallelStrategy` (FSDP2 + TP)
+and `CkptdFSDPStrategy` (FSDP1).
 
 Lightning's ModelParallelStrategy (FSDP2 and TP, applied in `LightningModule.configure_model`)
-saves and loads without the CheckpointIO: its save_checkpoint writes a torch.distributed.checkpoint
-directory from every rank, its load_checkpoint reads one (lightning/pytorch/strategies/
-model_parallel.py, `save_checkpoint` and `load_checkpoint`). This subclass keeps everything else
-of it and replaces those two with CkptdCheckpointIO's sharded calls:
+and FSDPStrategy save and load without the CheckpointIO: with sharded state dicts their
+save_checkpoint writes a torch.distributed.checkpoint directory from every rank and their
+load_checkpoint reads one (lightning/pytorch/strategies/model_parallel.py and fsdp.py,
+`save_checkpoint` and `load_checkpoint`); with full state dicts they gather the whole model on
+rank 0 and read the file with torch. These subclasses keep everything else of them and replace
+those two with CkptdCheckpointIO's sharded calls:
 
 - save: every rank hands its own shards (the DTensors of the model's and the optimizers'
-  sharded state dicts) to its node's daemon as its rank of a job of world_size ranks
-  (`CkptdCheckpointIO.save_shards`); nothing is gathered, and no collective is added to
-  Lightning's own (the Trainer's barrier after a save);
+  sharded state dicts, torch.distributed.checkpoint.state_dict's) to its node's daemon as its
+  rank of a job of world_size ranks (`CkptdCheckpointIO.save_shards`); nothing is gathered, and
+  no collective is added to Lightning's own (the Trainer's barrier after a save);
 - load: every rank fills the sharded state dicts of the model and optimizers as they are laid
-  out now, from any layout and world size the step was saved in (`CkptdCheckpointIO.load_shards`),
-  then sets them into the model and optimizers with torch's set_*_state_dict.
+  out now, from whatever layout and world size the step was saved in
+  (`CkptdCheckpointIO.load_shards`), then sets them into the model and optimizers with torch's
+  set_model_state_dict / set_optimizer_state_dict.
 
 The state dicts are taken without CPU offload: ckptd copies from the device itself (hand-off
 mode "copy"), so offloading first would copy every byte twice. Needs the `lightning` package.
@@ -24,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CkptdModelParallelStrategy"]
+__all__ = ["CkptdFSDPStrategy", "CkptdModelParallelStrategy"]
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -47,22 +51,15 @@ class ShardedCheckpointIO(Protocol):
     def load_shards(self, path: Any, targets: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]: ...
 
 
-class CkptdModelParallelStrategy(ModelParallelStrategy):
-    """ModelParallelStrategy (FSDP2 + TP) whose checkpoints go through CkptdCheckpointIO, sharded.
+class _ShardedThroughCkptd:
+    """The checkpoint methods both strategies share (mixed in before Lightning's strategy class)."""
 
-        trainer = L.Trainer(strategy=CkptdModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                            plugins=[CkptdCheckpointIO(job="run-42")], ...)
-
-    Takes ModelParallelStrategy's arguments except save_distributed_checkpoint (always sharded).
-    A resume may use another data- or tensor-parallel size: each rank loads its own boxes.
-    Raises TypeError at the first save or load when the Trainer's CheckpointIO is not a
-    CkptdCheckpointIO.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if "save_distributed_checkpoint" in kwargs:
-            raise TypeError(f"{type(self).__name__} always saves each rank's shards through ckptd: leave out save_distributed_checkpoint")
-        super().__init__(*args, save_distributed_checkpoint=True, **kwargs)
+    model: torch.nn.Module | None
+    lightning_module: Any
+    optimizers: list[Any]
+    checkpoint_io: Any
+    global_rank: int
+    world_size: int
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's sharded state dict (DTensors on the model's device)."""
@@ -104,6 +101,12 @@ class CkptdModelParallelStrategy(ModelParallelStrategy):
                 set_optimizer_state_dict(model, optimizer, state, options=_SHARDED)
         return checkpoint
 
+    def teardown(self) -> None:
+        """Lightning's, then the CheckpointIO's (FSDPStrategy's and ModelParallelStrategy's
+        teardown skip it): it waits for the pointers still being written."""
+        super().teardown()  # type: ignore[misc]
+        self.checkpoint_io.teardown()
+
     def _ckptd_io(self) -> ShardedCheckpointIO:
         io = self.checkpoint_io
         if not (hasattr(io, "save_shards") and hasattr(io, "load_shards")):
@@ -111,4 +114,49 @@ class CkptdModelParallelStrategy(ModelParallelStrategy):
                 f"{type(self).__name__} saves through ckptd: pass plugins=[CkptdCheckpointIO(job=...)] to the Trainer "
                 f"(its CheckpointIO is a {type(io).__name__})"
             )
-        return io  # type: ignore[return-value]
+        return io  # type: ignore[no-any-return]
+
+
+class CkptdModelParallelStrategy(_ShardedThroughCkptd, ModelParallelStrategy):
+    """ModelParallelStrategy (FSDP2 + TP) whose checkpoints go through CkptdCheckpointIO, sharded.
+
+        trainer = L.Trainer(strategy=CkptdModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                            plugins=[CkptdCheckpointIO(job="run-42")], ...)
+
+    Takes ModelParallelStrategy's arguments (by keyword) except save_distributed_checkpoint (always sharded).
+    A resume may use another data- or tensor-parallel size: each rank loads its own boxes.
+    Raises TypeError at the first save or load when the Trainer's CheckpointIO is not a
+    CkptdCheckpointIO.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        if "save_distributed_checkpoint" in kwargs:
+            raise TypeError(f"{type(self).__name__} always saves each rank's shards through ckptd: leave out save_distributed_checkpoint")
+        super().__init__(**{**kwargs, "save_distributed_checkpoint": True})
+
+
+class CkptdFSDPStrategy(_ShardedThroughCkptd, FSDPStrategy):
+    """FSDPStrategy (torch's FullyShardedDataParallel, "FSDP1") whose checkpoints go through
+    CkptdCheckpointIO, sharded: `L.Trainer(strategy=CkptdFSDPStrategy(...), plugins=[CkptdCheckpointIO(job=...)])`.
+
+    Takes FSDPStrategy's arguments (by keyword) except state_dict_type (always sharded). Without a
+    device_mesh argument it gives FSDP a one-dimensional mesh of all ranks, so that FSDP's
+    sharded state dicts are DTensors (with none, FSDP1 gives ShardedTensors, which ckptd does
+    not take). FSDP1 needs an accelerator: torch refuses CPU modules
+    (torch/distributed/fsdp/_init_utils.py, `_init_device_handle`: "FSDP needs a non-CPU
+    accelerator device"); for CPU training use CkptdModelParallelStrategy (FSDP2).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        if "state_dict_type" in kwargs:
+            raise TypeError(f"{type(self).__name__} always saves each rank's shards through ckptd: leave out state_dict_type")
+        super().__init__(**{**kwargs, "state_dict_type": "sharded"})
+
+    def setup_environment(self) -> None:
+        """FSDPStrategy's, then a device mesh of all ranks on the strategy's device type (FSDPStrategy
+        makes a tuple of sizes into a CUDA mesh itself)."""
+        super().setup_environment()
+        if self.kwargs.get("device_mesh") is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, (self.world_size,))

@@ -47,7 +47,7 @@ from ckptd.client.handle import SaveHandle
 from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
-from ckptd.integrations._lightning_sharded import CkptdModelParallelStrategy
+from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
 from ckptd.integrations._lightning_state import (
     LAYOUT,
@@ -62,7 +62,7 @@ from ckptd.integrations._lightning_state import (
     to_state,
 )
 
-__all__ = ["CkptdCheckpointIO", "CkptdModelParallelStrategy"]
+__all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdModelParallelStrategy"]
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
