@@ -2,9 +2,9 @@
 `python lightning_worker.py SPEC_JSON` (tests/integrations/test_lightning.py runs it).
 
 An MLP with dropout on a shuffled DataLoader, Adam with a StepLR schedule, ModelCheckpoint
-keeping the 2 best by train_loss plus last.ckpt every `every` steps. The module saves the torch
-RNG state in its checkpoints (on_save_checkpoint) and restores it (on_load_checkpoint), so a
-resumed run draws the same dropout masks and shuffles as an uninterrupted one.
+keeping the 2 best by train_loss plus last.ckpt every `every` steps. The random generators are
+restored on a resume (by CkptdCheckpointIO, or by the module's own hooks), so a resumed run
+draws the same dropout masks and shuffles as an uninterrupted one.
 
 Spec: address, job, dirpath, out (one JSON line per step: {"step", "loss"}), max_steps, every,
 ckpt_path (null: fresh, "last", or a path), pause_at (0: never; else, at the start of the
@@ -14,6 +14,12 @@ committed_at (at the start of the batch after global step N, wait until the daem
 committed, print "COMMITTED <N>" and sleep until killed) with stall_pointers_from (pointers of
 that step and later are never written: a kill within the moment between a step's commit and its
 pointer, issue 30 finding 7, made certain).
+
+hooks (default true): the module saves and restores the torch RNG state itself (TinyMLP); false:
+MLP, without hooks (CkptdCheckpointIO restores the generators; rng false turns that off). tp: the
+run uses CkptdModelParallelStrategy over `devices` ranks, tensor parallel over `tp` of them
+and FSDP2 over the rest (ShardedMLP, no hooks). dump: a path, where DumpState writes the whole
+state at the end of fit.
 
 devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
 variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
@@ -42,13 +48,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.client import CheckpointClient
 from ckptd.integrations import _lightning_pointer
-from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdModelParallelStrategy
+from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdLoadFromCheckpoint, CkptdModelParallelStrategy
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
 
 
-class MLP(L.LightningModule):
-    """An MLP with dropout, Adam and a StepLR schedule stepped every step."""
+class MLP(CkptdLoadFromCheckpoint, L.LightningModule):
+    """An MLP with dropout, Adam and a StepLR schedule stepped every step; load_from_checkpoint
+    reads ckptd pointers too."""
 
     def __init__(self, hidden: int = 16) -> None:
         super().__init__()
@@ -247,14 +254,14 @@ def train(spec: dict[str, Any]) -> None:
     if spec.get("stall_pointers_from"):
         stall_pointers_from(spec["stall_pointers_from"])
     strategy: Any = "ddp" if devices > 1 else "auto"
-    model: MLP = TinyMLP()
+    model: MLP = TinyMLP() if spec.get("hooks", True) else MLP()
     if "tp" in spec:  # FSDP2 (+ TP) through CkptdModelParallelStrategy: devices = dp * tp
         strategy = CkptdModelParallelStrategy(data_parallel_size=devices // spec["tp"], tensor_parallel_size=spec["tp"])
         model = ShardedMLP()
     if spec.get("dump"):
         callbacks.append(DumpState(Path(spec["dump"])))
     trainer = L.Trainer(
-        max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
+        max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise", rng=spec.get("rng", True))],
         logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices, strategy=strategy,
     )
     trainer.fit(model, data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))

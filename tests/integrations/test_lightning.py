@@ -153,6 +153,45 @@ def test_every_checkpoint_a_trainer_saves_loads_back_as_lightning_built_it(daemo
     io.teardown()
 
 
+# issue 31 item 7
+def test_without_rng_hooks_a_resume_draws_as_the_uninterrupted_run_and_load_from_checkpoint_reads_pointers(daemon, worker, tmp_path: Path, one_thread: None) -> None:
+    """A module without on_save/on_load_checkpoint hooks (dropout, a shuffled loader): resumed
+    from step 5, steps 6-10 have the uninterrupted run's losses because the plugin restores the
+    generators (with rng=False they do not); Model.load_from_checkpoint on a pointer gives the
+    saved weights and hyper-parameters."""
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": name, "dirpath": str(tmp_path / name), "out": str(tmp_path / f"{name}.jsonl"),
+                "max_steps": 10, "every": 5, "ckpt_path": None, "pause_at": 0, "hooks": False}
+        return {**base, **changes}
+
+    def losses(name: str) -> dict[int, float]:
+        return {line["step"]: line["loss"] for line in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
+
+    worker.train(spec("ref"))
+    for name, rng in (("run", True), ("norng", False)):
+        worker.train(spec(name, max_steps=5, rng=rng))
+        worker.train(spec(name, ckpt_path="last", rng=rng))
+    ref = losses("ref")
+    assert [losses("run")[s] for s in range(6, 11)] == [ref[s] for s in range(6, 11)]
+    assert [losses("norng")[s] for s in range(6, 11)] != [ref[s] for s in range(6, 11)]
+
+    pointer = tmp_path / "run" / "epoch=0-step=5.ckpt"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker.MLP, "ckptd_address", daemon.address)
+        model = worker.MLP.load_from_checkpoint(pointer)
+        with pytest.raises(RuntimeError, match=r"size mismatch for net.0.weight.*\[16, 6\].*\[32, 6\]"):
+            worker.MLP.load_from_checkpoint(pointer, hidden=32)  # kwargs override the saved hyper-parameters
+    saved = CkptdCheckpointIO(job="run", address=daemon.address).load_checkpoint(pointer)["state_dict"]
+    assert type(model) is worker.MLP and model.hparams.hidden == 16
+    assert differences(model.state_dict(), saved) == []
+    with pytest.raises(TypeError, match="ckptd pointer.*not hparams_file"):
+        worker.MLP.load_from_checkpoint(pointer, hparams_file=tmp_path / "h.yaml")
+    plain = {"pytorch-lightning_version": L.__version__, "state_dict": model.state_dict(), "hyper_parameters": {"hidden": 16}}
+    torch.save(plain, tmp_path / "plain.ckpt")  # not a pointer: Lightning's own load_from_checkpoint
+    assert differences(worker.MLP.load_from_checkpoint(tmp_path / "plain.ckpt").state_dict(), saved) == []
+
+
 @pytest.mark.slow
 def test_a_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, worker, tmp_path: Path, one_thread: None) -> None:
     daemon = daemons.start(*RETENTION)

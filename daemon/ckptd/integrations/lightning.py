@@ -33,11 +33,13 @@ import logging
 import os
 import re
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
@@ -62,7 +64,7 @@ from ckptd.integrations._lightning_state import (
     to_state,
 )
 
-__all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdModelParallelStrategy"]
+__all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdLoadFromCheckpoint", "CkptdModelParallelStrategy"]
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
@@ -380,6 +382,50 @@ class CkptdCheckpointIO(CheckpointIO):
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
         parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
+
+
+class CkptdLoadFromCheckpoint:
+    """A LightningModule mixin: `Model.load_from_checkpoint(path)` also reads CkptdCheckpointIO's pointers.
+
+        class Model(CkptdLoadFromCheckpoint, L.LightningModule): ...
+        model = Model.load_from_checkpoint("ckpts/epoch=3-step=20.ckpt")
+
+    Lightning's load_from_checkpoint reads the file with torch.load itself (no CheckpointIO:
+    lightning/pytorch/core/saving.py, _load_from_checkpoint), which a pointer is not. For a
+    pointer this loads the step it names from the daemon (`ckptd_address`, default
+    $CKPTD_ADDRESS, else the default socket; a last checkpoint: the job's newest committed
+    step, as CkptdCheckpointIO.load_checkpoint does), whole, in this process, from whatever
+    layout saved it (one process, DDP, FSDP2, TP), then builds the module as Lightning does: its
+    saved hyper-parameters updated with `kwargs`, `on_load_checkpoint`, `load_state_dict(strict)`,
+    moved to the device of the loaded weights (map_location as torch's). Any other path or file
+    object goes to Lightning's own load_from_checkpoint. Raises what
+    CkptdCheckpointIO.load_checkpoint raises; TypeError for hparams_file with a pointer.
+    """
+
+    ckptd_address: ClassVar[str | None] = None
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, map_location: MapLocation = None, hparams_file: Any = None, strict: bool | None = None,
+        weights_only: bool | None = None, **kwargs: Any,
+    ) -> Any:
+        try:
+            pointer = read_pointer(local_path(checkpoint_path))
+        except (TypeError, ValueError, OSError):  # a file object, another format, no file: Lightning's own answer
+            return super().load_from_checkpoint(  # type: ignore[misc]
+                checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only, **kwargs
+            )
+        if hparams_file is not None:
+            raise TypeError(f"{checkpoint_path} is a ckptd pointer, whose checkpoint holds its hyper-parameters: pass changed ones as keyword arguments, not hparams_file")
+        io = CkptdCheckpointIO(pointer.job, address=cls.ckptd_address, on_error="raise", rng=False)
+        try:
+            checkpoint = io.load_checkpoint(checkpoint_path, map_location=map_location)
+        finally:
+            io.teardown()
+        checkpoint.setdefault(LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+        model: Any = _load_state(cls, checkpoint, strict=strict, **kwargs)  # type: ignore[arg-type]
+        weights = [t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)]
+        return model.to(weights[0].device) if weights else model
 
 
 class _Durable:
