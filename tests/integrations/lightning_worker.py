@@ -19,7 +19,10 @@ hooks (default true): the module saves and restores the torch RNG state itself (
 MLP, without hooks (CkptdCheckpointIO restores the generators; rng false turns that off). tp: the
 run uses CkptdModelParallelStrategy over `devices` ranks, tensor parallel over `tp` of them
 and FSDP2 over the rest (ShardedMLP, no hooks). dump: a path, where DumpState writes the whole
-state at the end of fit.
+state at the end of fit. fsdp1: CkptdFSDPStrategy (MLP, no hooks), with accelerator (default
+"cpu", where torch refuses FSDP1: give "gpu"). spawn: strategy="ddp_spawn" over `devices` processes that Lightning
+starts from this one (which is then the main process); handback: a path, where the main
+process writes the weights the workers handed back (safetensors).
 
 devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
 variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
@@ -48,7 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.client import CheckpointClient
 from ckptd.integrations import _lightning_pointer
-from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdLoadFromCheckpoint, CkptdModelParallelStrategy
+from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdFSDPStrategy, CkptdLoadFromCheckpoint, CkptdModelParallelStrategy
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
 
@@ -238,7 +241,7 @@ def train(spec: dict[str, Any]) -> None:
     """One run as `spec` says (see the module docstring). Losses match across runs only with the
     same torch thread count: the script runs with one, as the tests do in process."""
     devices = spec.get("devices", 1)
-    if devices > 1:  # always a process of its own: seed_everything also sets PL_GLOBAL_SEED in os.environ
+    if devices > 1 or spec.get("spawn"):  # always a process of its own: seed_everything also sets PL_GLOBAL_SEED in os.environ
         L.seed_everything(0, verbose=False)
     else:
         torch.manual_seed(0)
@@ -253,18 +256,25 @@ def train(spec: dict[str, Any]) -> None:
         callbacks.append(PauseWhenCommitted(spec["committed_at"], spec["address"], spec["job"]))
     if spec.get("stall_pointers_from"):
         stall_pointers_from(spec["stall_pointers_from"])
-    strategy: Any = "ddp" if devices > 1 else "auto"
+    strategy: Any = ("ddp_spawn" if spec.get("spawn") else "ddp") if devices > 1 else "auto"
     model: MLP = TinyMLP() if spec.get("hooks", True) else MLP()
     if "tp" in spec:  # FSDP2 (+ TP) through CkptdModelParallelStrategy: devices = dp * tp
         strategy = CkptdModelParallelStrategy(data_parallel_size=devices // spec["tp"], tensor_parallel_size=spec["tp"])
         model = ShardedMLP()
+    if spec.get("fsdp1"):  # FSDP1 through CkptdFSDPStrategy: needs an accelerator (tests/gpu/lightning_fsdp1.py)
+        strategy = CkptdFSDPStrategy()
+        model = MLP()
     if spec.get("dump"):
         callbacks.append(DumpState(Path(spec["dump"])))
     trainer = L.Trainer(
         max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise", rng=spec.get("rng", True))],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices, strategy=strategy,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator=spec.get("accelerator", "cpu"), devices=devices, strategy=strategy,
     )
     trainer.fit(model, data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
+    if spec.get("handback"):  # ddp_spawn: the weights the workers handed back to this (main) process
+        from safetensors.torch import save_file
+
+        save_file(model.state_dict(), spec["handback"])
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ckptd.client import tree
 from ckptd.common import dtypes
@@ -315,7 +316,9 @@ class SameStep:
 
 
 def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor._version)
+    # a DTensor's own data_ptr is 0: its rank's local tensor is the memory (the version counter is shared)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return (tensor.device, local.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(local.shape), local.stride(), tensor._version)
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

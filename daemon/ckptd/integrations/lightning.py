@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
@@ -50,6 +51,7 @@ from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
 from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
+from ckptd.integrations._lightning_handback import read_weights, write_weights
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
 from ckptd.integrations._lightning_state import (
     LAYOUT,
@@ -119,14 +121,16 @@ class CkptdCheckpointIO(CheckpointIO):
         # the step handed over last and whether it became durable: a later save of the same
         # global_step reuses it (kept across teardown: trainer.save_checkpoint after fit)
         self._last: tuple[SameStep, _Durable] | None = None
+        self._pid = os.getpid()  # the process the connections and the pointer writer's thread belong to
 
     def __getstate__(self) -> dict[str, Any]:
-        """Refused: the plugin holds a connection to the daemon and helper threads, which do
-        not travel to another process (strategy="ddp_spawn" pickles the Trainer)."""
-        raise TypeError(
-            f"{type(self).__name__} cannot be copied or sent to another process (strategy='ddp_spawn' does so with the "
-            "Trainer's plugins): use strategy='ddp', which starts the processes by running your script again, or torchrun"
-        )
+        """The plugin's configuration only (strategy="ddp_spawn" pickles the Trainer with its
+        plugins into each new process): a copy connects to the daemon when it first needs to
+        and has no pointers pending."""
+        return {name: getattr(self, name) for name in _CONFIG}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("job"), **state)  # type: ignore[misc]
 
     # ------------------------------------------------------------ CheckpointIO
 
@@ -142,7 +146,12 @@ class CkptdCheckpointIO(CheckpointIO):
         supported); RuntimeError when called by a sharding strategy, by DDP started by
         multiprocessing, or on a global rank other than 0.
         """
-        _check_saver(_calling_strategy())
+        self._own_process()
+        caller = _caller()
+        if isinstance(caller, _MultiProcessingLauncher):  # the trained weights, handed back at the end of fit
+            write_weights(local_path(path), checkpoint)
+            return
+        _check_saver(caller)
         self._save(checkpoint, path, storage_options, self._connect, pointer=True)
 
     def save_shards(self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, storage_options: Any | None = None) -> None:
@@ -154,6 +163,7 @@ class CkptdCheckpointIO(CheckpointIO):
         `world_size` ranks, each handing over only its own shards (no gather); the daemon
         stores each logical tensor once. Raises as save_checkpoint does.
         """
+        self._own_process()
         self._save(checkpoint, path, storage_options, lambda: self._sharded_client(rank, world_size), pointer=rank == 0)
 
     def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None, connect: Callable[[], CheckpointClient], pointer: bool) -> None:
@@ -211,10 +221,14 @@ class CkptdCheckpointIO(CheckpointIO):
         the step its pointer names when the run stopped after a save and before the pointer was
         written (a warning says so): a resume never redoes an interval the job holds.
         """
-        follow_newest = _is_last_checkpoint(path, _calling_strategy())
+        self._own_process()
+        caller = _caller()
+        if isinstance(caller, _MultiProcessingLauncher):  # the weights a worker handed back (save_checkpoint)
+            return map_tensors(read_weights(local_path(path)), map_location)
+        follow_newest = _is_last_checkpoint(path, caller)
         rank, world_size = _rank_and_world()
         target, pointer = self._pointer(path, rank, world_size)
-        rng = self.rng and rank == 0  # the saving rank's generators (a job of one rank): see docs
+        rng = self.rng and rank == 0 and _resuming_fit(caller)  # the saving rank's generators (a job of one rank): see docs
         if pointer.job == self.job:
             checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest, rng=rng)
         else:  # a checkpoint of another job (e.g. the run this one was started from)
@@ -235,12 +249,15 @@ class CkptdCheckpointIO(CheckpointIO):
         generators are restored when it saved them (a rank beyond the saved world keeps its
         own). Raises as load_checkpoint does.
         """
-        follow_newest = _is_last_checkpoint(path, _calling_strategy())
+        self._own_process()
+        caller = _caller()
+        follow_newest = _is_last_checkpoint(path, caller if isinstance(caller, Strategy) else None)
         target, pointer = self._pointer(path, rank, world_size)
+        rng = self.rng and _resuming_fit(caller)
         if pointer.job == self.job:
-            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=self.rng)
+            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=rng)
         with self._new_client(pointer.job, "raise", rank, world_size) as client:
-            return self._load(client, pointer, target, follow_newest, targets, rng=self.rng)
+            return self._load(client, pointer, target, follow_newest, targets, rng=rng)
 
     def _pointer(self, path: Any, rank: int, world_size: int) -> tuple[str, Pointer]:
         """The local path and the pointer at `path`, once this process's pending pointers are written."""
@@ -264,6 +281,7 @@ class CkptdCheckpointIO(CheckpointIO):
         deletes one step. Run the daemon with retention that keeps what ModelCheckpoint keeps
         (docs/integrations/lightning.md: --keep-best with this plugin's metrics, --keep-last).
         """
+        self._own_process()
         target = local_path(path)
         self._writer.cancel(target)
         if os.path.isdir(target) and not os.path.islink(target):
@@ -279,6 +297,7 @@ class CkptdCheckpointIO(CheckpointIO):
         its save failed: logged; raised with on_error="raise"). Not part of Lightning's
         CheckpointIO: for code that hands a checkpoint path on at once (load_checkpoint and
         teardown wait by themselves)."""
+        self._own_process()
         self._writer.flush()
         self._raise_background_error()
 
@@ -288,6 +307,7 @@ class CkptdCheckpointIO(CheckpointIO):
         Lightning calls it at the end of fit, validate and test; a later save or load connects
         again. With on_error="raise", a pointer that could not be written raises here.
         """
+        self._own_process()
         try:
             self._writer.close()
         finally:
@@ -299,6 +319,15 @@ class CkptdCheckpointIO(CheckpointIO):
         self._raise_background_error()
 
     # ------------------------------------------------------------ internals
+
+    def _own_process(self) -> None:
+        """After a fork (strategy="ddp_fork", "ddp_notebook"), the parent's connections and pointer
+        thread are not this process's: start afresh, leaving the parent's to it."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._client = self._reader = None
+            self._writer = PointerWriter()
+            self._last = None
 
     def _connect(self) -> CheckpointClient:
         if self._client is None:
@@ -472,6 +501,16 @@ def _is_last_checkpoint(path: Any, strategy: Strategy | None) -> bool:
     return False
 
 
+def _resuming_fit(caller: Strategy | _MultiProcessingLauncher | None) -> bool:
+    """Whether a load is a fit's resume (Lightning's strategy loading for Trainer.fit), the one
+    load that restores the random generators: a validate, test or a direct call leaves them."""
+    try:
+        module = caller.lightning_module if isinstance(caller, Strategy) else None
+        return module is not None and module.trainer.state.fn == TrainerFn.FITTING
+    except RuntimeError:  # the module is not attached to a trainer
+        return False
+
+
 def _rank_and_world() -> tuple[int, int]:
     """This process's global rank and the number of training processes: torch.distributed's
     when it is initialized (Lightning's DDP does so before any save or load), else (0, 1)."""
@@ -483,17 +522,21 @@ def _rank_and_world() -> tuple[int, int]:
 # Strategies that shard the model: they save without the CheckpointIO or load the checkpoint
 # file with torch themselves (FSDP's and ModelParallel's full state dicts), never through it.
 _SHARDING = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
-# Frames searched for the calling Strategy: the plugin's method, overrides of it in subclasses
-# that call super(), then Lightning's Strategy.save_checkpoint.
+# Frames searched for the caller: the plugin's method, overrides of it in subclasses that call
+# super(), then Lightning's Strategy.save_checkpoint (or the launcher's hand-back).
 _FRAMES_SEARCHED = 5
+# What a copy of the plugin keeps (__getstate__): the arguments of its constructor.
+_CONFIG = ("job", "address", "on_error", "quantize", "durable_timeout_s", "timeout_s", "rng")
 
 
-def _calling_strategy() -> Strategy | None:
-    """The Lightning Strategy whose method called into this plugin (the `self` of one of the
-    nearest calling frames), or None (a call from user code or a wrapping CheckpointIO).
+def _caller() -> Strategy | _MultiProcessingLauncher | None:
+    """The Lightning Strategy, or multiprocessing launcher, whose method called into this plugin
+    (the `self` of one of the nearest calling frames), or None (a call from user code or a
+    wrapping CheckpointIO).
 
-    A CheckpointIO is not told which strategy uses it; Lightning's Strategy.save_checkpoint
-    calls it directly, so the caller is the only place that says.
+    A CheckpointIO is not told who uses it; Lightning's Strategy.save_checkpoint and the
+    launcher's hand-back of the trained weights call it directly, so the caller is the only
+    place that says.
     """
     here = inspect.currentframe()
     frame = here.f_back if here is not None else None
@@ -502,7 +545,7 @@ def _calling_strategy() -> Strategy | None:
             if frame is None:
                 return None
             found = frame.f_locals.get("self")
-            if isinstance(found, Strategy):
+            if isinstance(found, (Strategy, _MultiProcessingLauncher)):
                 return found
             frame = frame.f_back
         return None
@@ -511,22 +554,15 @@ def _calling_strategy() -> Strategy | None:
 
 
 def _check_saver(strategy: Strategy | None) -> None:
-    """Raise RuntimeError unless this save can be loaded back: not from a sharding strategy, nor
-    from DDP started by multiprocessing, and from global rank 0 (which holds the whole
+    """Raise RuntimeError unless this save can be loaded back: not from a sharding strategy
+    (but its Ckptd subclasses call save_shards), and from global rank 0 (which holds the whole
     replicated state under DDP)."""
     if isinstance(strategy, _SHARDING):
         raise RuntimeError(
             f"CkptdCheckpointIO does not work with {type(strategy).__name__}: that strategy shards the model and loads "
-            "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use strategy='ddp', or save "
-            "through ckptd.client.CheckpointClient from every rank (it saves each rank's shards and restores any layout), "
-            "or through torch.distributed.checkpoint with ckptd.integrations.dcp"
-        )
-    if strategy is not None and isinstance(strategy.launcher, _MultiProcessingLauncher):
-        raise RuntimeError(
-            "CkptdCheckpointIO does not work with DDP started by multiprocessing (strategy='ddp_spawn', 'ddp_fork' or "
-            "'ddp_notebook'): at the end of fit its launcher hands the trained weights to the main process through the "
-            "CheckpointIO as a bare state dict, which is no checkpoint. Use strategy='ddp' (Lightning starts the processes "
-            "by running your script again) or launch the processes with torchrun"
+            "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use "
+            "strategy=CkptdModelParallelStrategy(...) (FSDP2, TP) or CkptdFSDPStrategy(...) from ckptd.integrations.lightning, "
+            "which save each rank's shards through this plugin, or strategy='ddp'"
         )
     rank, world_size = _rank_and_world()
     if rank != 0:
