@@ -18,31 +18,33 @@ Strategies: one process, or DDP (several processes that each hold the whole mode
 Lightning calls save_checkpoint and remove_checkpoint on global rank 0 only, with the whole
 (replicated) state, and load_checkpoint on every rank. So global rank 0 saves as the only rank
 of a job of one rank, and every rank loads the step back on its own (ckptd's loads are per
-rank; a rank the step was not saved by gets rank 0's extras). Sharding strategies (FSDP,
-ModelParallel, DeepSpeed) load without the CheckpointIO, and DDP started by multiprocessing
-(ddp_spawn, ddp_fork, ddp_notebook) hands the trained weights back through it as a bare
-state dict: their saves are refused.
+rank; a rank the step was not saved by gets rank 0's extras). DDP started by multiprocessing
+(ddp_spawn, ddp_fork, ddp_notebook) works alike: a copy of the plugin carries only its
+configuration, and the trained weights its launcher hands back to the main process through the
+plugin go to a safetensors file, not to the daemon (ckptd.integrations._lightning_handback).
+Lightning's sharding strategies (FSDP, ModelParallel) save and load without the CheckpointIO:
+their subclasses CkptdModelParallelStrategy and CkptdFSDPStrategy
+(ckptd.integrations._lightning_sharded) call save_shards / load_shards on every rank instead,
+each rank handing over and loading its own shards. DeepSpeed saves without it: refused.
+The random generators are saved with every step and restored when a fit resumes (rng=True).
+CkptdLoadFromCheckpoint lets LightningModule.load_from_checkpoint read a pointer.
 
 Needs the `lightning` package (`pip install 'ckptd[lightning]'`); the rest of ckptd does not.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
-import re
 import threading
 from typing import Any, Callable, ClassVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.saving import _load_state
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-from lightning.pytorch.trainer.states import TrainerFn
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
@@ -50,9 +52,10 @@ from ckptd.client.handle import SaveHandle
 from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
-from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
+from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, rank_and_world, resuming_fit
 from ckptd.integrations._lightning_handback import read_weights, write_weights
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
+from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
 from ckptd.integrations._lightning_state import (
     LAYOUT,
     MapLocation,
@@ -70,6 +73,9 @@ __all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdLoadFromCheckpoint", 
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
+# What a copy of the plugin keeps (__getstate__): the arguments of its constructor.
+_CONFIG = ("job", "address", "on_error", "quantize", "durable_timeout_s", "timeout_s", "rng")
+
 
 class CkptdCheckpointIO(CheckpointIO):
     """A Lightning CheckpointIO that saves through ckptd: `Trainer(plugins=[CkptdCheckpointIO(job="run-42")])`.
@@ -80,11 +86,14 @@ class CkptdCheckpointIO(CheckpointIO):
     cannot take is logged, training goes on, and no pointer appears at its path) or "raise".
     quantize: None (the daemon's default), "none", "O1" or "O2" (ckptd's compression of Adam
     moments). durable_timeout_s: how long a pointer waits for its step to be durable.
-    timeout_s: the client's wait for the daemon on a save or load.
+    timeout_s: the client's wait for the daemon on a save or load. rng: save this process's
+    random generators with every step, and restore them when a fit resumes.
 
-    Strategies: one process, or DDP (see the module docstring): global rank 0 saves, every rank
-    loads; a save from a sharding strategy (FSDP, ModelParallel, DeepSpeed), from DDP started
-    by multiprocessing (ddp_spawn, ddp_fork, ddp_notebook) or from another rank is refused.
+    Strategies (see the module docstring): one process or DDP (also started by
+    multiprocessing): global rank 0 saves, every rank loads; CkptdModelParallelStrategy and
+    CkptdFSDPStrategy: every rank saves and loads its shards (save_shards, load_shards). A save
+    from Lightning's own sharding strategies (FSDP, ModelParallel, DeepSpeed), or through
+    save_checkpoint on another rank, is refused.
     CUDA tensors are handed over in ckptd's mode "copy": save_checkpoint returns once they are
     in host memory, since this plugin sees tensors, not the optimizer whose step would fence an
     overlapped copy.
@@ -143,15 +152,17 @@ class CkptdCheckpointIO(CheckpointIO):
         same tensors, unchanged (else ValueError); its pointer names the same step and carries
         the parts of its non-tensor content that differ (JSON). Raises TypeError naming the key
         of a value that is neither a tensor nor JSON-able, and for storage_options (none are
-        supported); RuntimeError when called by a sharding strategy, by DDP started by
-        multiprocessing, or on a global rank other than 0.
+        supported); RuntimeError when called by one of Lightning's own sharding strategies or on
+        a global rank other than 0. Called by the multiprocessing launcher at the end of fit
+        (the trained weights for the main process: a bare state dict), it writes them to `path`
+        as a safetensors file instead, which load_checkpoint reads back for the launcher.
         """
         self._own_process()
-        caller = _caller()
+        caller = find_caller()
         if isinstance(caller, _MultiProcessingLauncher):  # the trained weights, handed back at the end of fit
             write_weights(local_path(path), checkpoint)
             return
-        _check_saver(caller)
+        check_saver(caller)
         self._save(checkpoint, path, storage_options, self._connect, pointer=True)
 
     def save_shards(self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, storage_options: Any | None = None) -> None:
@@ -222,13 +233,13 @@ class CkptdCheckpointIO(CheckpointIO):
         written (a warning says so): a resume never redoes an interval the job holds.
         """
         self._own_process()
-        caller = _caller()
+        caller = find_caller()
         if isinstance(caller, _MultiProcessingLauncher):  # the weights a worker handed back (save_checkpoint)
             return map_tensors(read_weights(local_path(path)), map_location)
-        follow_newest = _is_last_checkpoint(path, caller)
-        rank, world_size = _rank_and_world()
+        follow_newest = is_last_checkpoint(path, caller)
+        rank, world_size = rank_and_world()
         target, pointer = self._pointer(path, rank, world_size)
-        rng = self.rng and rank == 0 and _resuming_fit(caller)  # the saving rank's generators (a job of one rank): see docs
+        rng = self.rng and rank == 0 and resuming_fit(caller)  # the saving rank's generators (a job of one rank): see docs
         if pointer.job == self.job:
             checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest, rng=rng)
         else:  # a checkpoint of another job (e.g. the run this one was started from)
@@ -250,10 +261,10 @@ class CkptdCheckpointIO(CheckpointIO):
         own). Raises as load_checkpoint does.
         """
         self._own_process()
-        caller = _caller()
-        follow_newest = _is_last_checkpoint(path, caller if isinstance(caller, Strategy) else None)
+        caller = find_caller()
+        follow_newest = is_last_checkpoint(path, caller if isinstance(caller, Strategy) else None)
         target, pointer = self._pointer(path, rank, world_size)
-        rng = self.rng and _resuming_fit(caller)
+        rng = self.rng and resuming_fit(caller)
         if pointer.job == self.job:
             return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=rng)
         with self._new_client(pointer.job, "raise", rank, world_size) as client:
@@ -478,96 +489,3 @@ class _Durable:
             if self._error is not None:
                 raise self._error
             return bool(self._result)
-
-
-def _is_last_checkpoint(path: Any, strategy: Strategy | None) -> bool:
-    """Whether `path` is a last checkpoint of the trainer's ModelCheckpoint callbacks (of a
-    default ModelCheckpoint without a trainer), matched as Lightning's ckpt_path="last" finds
-    them: CHECKPOINT_NAME_LAST, an optional version "-N", then FILE_EXTENSION."""
-    callbacks: list[Any] = [ModelCheckpoint]
-    try:
-        trainer = strategy.lightning_module.trainer if strategy is not None and strategy.lightning_module is not None else None
-    except RuntimeError:  # the module is not attached to a trainer
-        trainer = None
-    if trainer is not None:
-        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] or callbacks
-    stem, extension = os.path.splitext(os.path.basename(os.fsdecode(os.fspath(path))))
-    for callback in callbacks:
-        try:
-            if extension == callback.FILE_EXTENSION and re.match(rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?", stem):
-                return True
-        except re.error:  # a name Lightning could not match either
-            continue
-    return False
-
-
-def _resuming_fit(caller: Strategy | _MultiProcessingLauncher | None) -> bool:
-    """Whether a load is a fit's resume (Lightning's strategy loading for Trainer.fit), the one
-    load that restores the random generators: a validate, test or a direct call leaves them."""
-    try:
-        module = caller.lightning_module if isinstance(caller, Strategy) else None
-        return module is not None and module.trainer.state.fn == TrainerFn.FITTING
-    except RuntimeError:  # the module is not attached to a trainer
-        return False
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the number of training processes: torch.distributed's
-    when it is initialized (Lightning's DDP does so before any save or load), else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-# Strategies that shard the model: they save without the CheckpointIO or load the checkpoint
-# file with torch themselves (FSDP's and ModelParallel's full state dicts), never through it.
-_SHARDING = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
-# Frames searched for the caller: the plugin's method, overrides of it in subclasses that call
-# super(), then Lightning's Strategy.save_checkpoint (or the launcher's hand-back).
-_FRAMES_SEARCHED = 5
-# What a copy of the plugin keeps (__getstate__): the arguments of its constructor.
-_CONFIG = ("job", "address", "on_error", "quantize", "durable_timeout_s", "timeout_s", "rng")
-
-
-def _caller() -> Strategy | _MultiProcessingLauncher | None:
-    """The Lightning Strategy, or multiprocessing launcher, whose method called into this plugin
-    (the `self` of one of the nearest calling frames), or None (a call from user code or a
-    wrapping CheckpointIO).
-
-    A CheckpointIO is not told who uses it; Lightning's Strategy.save_checkpoint and the
-    launcher's hand-back of the trained weights call it directly, so the caller is the only
-    place that says.
-    """
-    here = inspect.currentframe()
-    frame = here.f_back if here is not None else None
-    try:
-        for _ in range(_FRAMES_SEARCHED):
-            if frame is None:
-                return None
-            found = frame.f_locals.get("self")
-            if isinstance(found, (Strategy, _MultiProcessingLauncher)):
-                return found
-            frame = frame.f_back
-        return None
-    finally:
-        del here, frame  # frames refer to their locals: no reference cycle kept
-
-
-def _check_saver(strategy: Strategy | None) -> None:
-    """Raise RuntimeError unless this save can be loaded back: not from a sharding strategy
-    (but its Ckptd subclasses call save_shards), and from global rank 0 (which holds the whole
-    replicated state under DDP)."""
-    if isinstance(strategy, _SHARDING):
-        raise RuntimeError(
-            f"CkptdCheckpointIO does not work with {type(strategy).__name__}: that strategy shards the model and loads "
-            "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use "
-            "strategy=CkptdModelParallelStrategy(...) (FSDP2, TP) or CkptdFSDPStrategy(...) from ckptd.integrations.lightning, "
-            "which save each rank's shards through this plugin, or strategy='ddp'"
-        )
-    rank, world_size = _rank_and_world()
-    if rank != 0:
-        raise RuntimeError(
-            f"CkptdCheckpointIO.save_checkpoint was called on global rank {rank} of {world_size}; it saves the whole "
-            "checkpoint from global rank 0, as Lightning's DDP strategy calls it (Strategy.save_checkpoint). With a "
-            "strategy that saves from every rank, save through ckptd.client.CheckpointClient from every rank instead"
-        )
