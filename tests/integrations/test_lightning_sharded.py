@@ -7,7 +7,7 @@ resume in the same or another layout restores the model, the optimizer and the s
 - 2 processes of FSDP2, SIGKILLed after step 10 is durable: resumed in 3 processes, the state
   is bit for bit the one saved; resumed in 2, the losses are an uninterrupted run's (no RNG
   hooks in the module: the plugin restores each rank's generators) (slow);
-- 2 processes of tensor parallel (TP=2) resumed as FSDP2 over 2 ranks: bit for bit (slow);
+- 4 processes of FSDP2 x tensor parallel (DP=2 x TP=2) resumed as FSDP2 over 2: bit for bit (slow);
 - FSDP1 on CPU: torch refuses it, the strategy says so (default run).
 """
 
@@ -134,14 +134,16 @@ def test_fsdp2_killed_resumes_in_three_ranks_bit_for_bit_and_in_two_with_the_los
 
 # issue 31 item 1
 @pytest.mark.slow
-def test_tensor_parallel_saved_at_tp2_resumes_as_fsdp2_bit_for_bit(daemons, tmp_path: Path) -> None:
+def test_fsdp2_with_tensor_parallel_saved_on_four_ranks_resumes_on_two_as_fsdp2_bit_for_bit(daemons, tmp_path: Path) -> None:
+    """DP=2 x TP=2 (4 processes; FSDP2 shards TP's DTensors again: _StridedShard placements),
+    saved at step 5, resumed as DP=2 x TP=1 (2 processes, FSDP2 only)."""
     daemon = daemons.start("--keep-last", "0")
     base = {"address": daemon.address, "job": "tp", "dirpath": str(tmp_path / "tp"), "out": str(tmp_path / "tp.jsonl"), "max_steps": 5,
             "every": 5, "batch": 4, "ckpt_path": None, "pause_at": 0}
-    finish(start_ranks({**base, "tp": 2, "dump": str(tmp_path / "tp2")}))  # DP=1 x TP=2
+    finish(start_ranks({**base, "tp": 2, "dump": str(tmp_path / "2d")}, world_size=4))
     saved = read_whole(daemon.address, tmp_path / "tp" / "last.ckpt")
-    assert_state_is_the_checkpoint(dumped(tmp_path / "tp2"), saved)
-    finish(start_ranks({**base, "tp": 1, "ckpt_path": "last", "dump": str(tmp_path / "dp2")}))  # DP=2 x TP=1
+    assert_state_is_the_checkpoint(dumped(tmp_path / "2d"), saved)
+    finish(start_ranks({**base, "tp": 1, "ckpt_path": "last", "dump": str(tmp_path / "dp2")}))
     assert_state_is_the_checkpoint(dumped(tmp_path / "dp2"), saved)
 
 
