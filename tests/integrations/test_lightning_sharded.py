@@ -77,6 +77,7 @@ def test_a_model_parallel_fit_in_one_process_saves_its_shards_and_resumes_bit_fo
     """One rank (a one-rank device mesh, gloo): the strategy's own save and load paths, fast."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else Lightning sets it for the rest of the session
     spec = {"address": daemon.address, "job": "mp1", "dirpath": str(tmp_path / "mp1"), "out": str(tmp_path / "a.jsonl"), "max_steps": 6,
             "every": 3, "ckpt_path": None, "pause_at": 0, "tp": 1, "dump": str(tmp_path / "a")}
     try:
