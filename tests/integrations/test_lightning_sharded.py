@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,6 @@ def test_a_model_parallel_fit_in_one_process_saves_its_shards_and_resumes_bit_fo
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
