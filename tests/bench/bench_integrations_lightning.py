@@ -1,6 +1,6 @@
 """Stall per save of Lightning checkpoint plugins: CkptdCheckpointIO against Lightning's own.
 
-`python tests/bench/bench_integrations_lightning.py [--params-m 8] [--rounds 7] [--out DIR]`
+`python tests/bench/bench_integrations_lightning.py [--params-m 8] [--rounds 7] [--out DIR] [--sharded]`
 
 The checkpoint is a real one: a LightningModule (an MLP of `--params-m` million fp32
 parameters), trained two steps with Adam under a Trainer with ModelCheckpoint, then
@@ -15,6 +15,14 @@ Each round saves that dict once with each plugin, in an order that rotates from 
   then writes in a helper thread;
 - ckptd: CkptdCheckpointIO against a real daemon (started here in a temporary root): the
   hand-off of the tensors into the daemon's shared memory; the daemon writes in the background.
+
+`--sharded`: the same model under ModelParallelStrategy (FSDP2's fully_shard in configure_model,
+one rank of a one-rank device mesh in this process, gloo), its checkpoint dict (DTensors) saved
+each round by Lightning's own sharded path (ModelParallelStrategy.save_checkpoint: a
+torch.distributed.checkpoint directory written synchronously, plus the metadata file) and by
+CkptdModelParallelStrategy.save_checkpoint (the rank's shards handed to the daemon), interleaved
+in rotating order; after each, untimed, DCP's directory is synced and removed, ckptd's step
+waited for until durable.
 
 Stall = the time `save_checkpoint` blocks the caller (the training loop). Before each round the
 ModelCheckpoint state in the dict gets this round's file names (as ModelCheckpoint renames its
@@ -49,7 +57,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.demo.process import start_daemon
-from ckptd.integrations.lightning import CkptdCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdModelParallelStrategy
 
 WIDTH = 1024
 
@@ -136,12 +146,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="scratch directory on the disk under test (default: a new temporary one)")
+    parser.add_argument("--sharded", action="store_true", help="Lightning's FSDP2 (ModelParallelStrategy) checkpointing against CkptdModelParallelStrategy")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-lightning-", dir=args.out))
     shm = Path(tempfile.mkdtemp(prefix="bench-lightning-", dir="/dev/shm"))
     daemon = start_daemon(root=scratch / "root", socket=scratch / "d.sock", extra_args=["--shm-dir", str(shm), "--keep-last", "2"], log_path=scratch / "daemon.log")
     try:
-        run(args, scratch, daemon.address)
+        (run_sharded if args.sharded else run)(args, scratch, daemon.address)
     finally:
         daemon.kill()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -197,6 +208,73 @@ def run(args: argparse.Namespace, scratch: Path, address: str) -> None:
     for other in ("torch", "async"):
         ratios = [c / o for c, o in zip(stalls["ckptd"], stalls[other])]
         print(f"  ckptd / {other:5} {statistics.median(ratios):6.3f}  [{min(ratios):.3f} - {max(ratios):.3f}]")
+    print(f"load average at end: {load_average()}")
+
+
+class ShardedBig(Big):
+    """Big, with FSDP2 applied over the strategy's data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def run_sharded(args: argparse.Namespace, scratch: Path, address: str) -> None:
+    print(f"machine: {machine()}")
+    print(f"load average at start: {load_average()}", flush=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    io = CkptdCheckpointIO(job="bench-sharded", address=address, on_error="raise")
+    trainer = L.Trainer(
+        max_steps=2, plugins=[io], strategy=CkptdModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), accelerator="cpu",
+        devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    layers = max(1, round(args.params_m * 1e6 / (WIDTH * WIDTH + WIDTH)))
+    trainer.fit(ShardedBig(layers), DataLoader(TensorDataset(torch.randn(16, WIDTH)), batch_size=8))
+    strategy = trainer.strategy
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
+    print(f"checkpoint: {tensor_bytes(checkpoint) / 1e6:.1f} MB of tensors (DTensors of a one-rank mesh: weights + Adam state)")
+    dirpath = scratch / "ckpts"
+
+    def lightning_save(path: Path) -> None:
+        ModelParallelStrategy.save_checkpoint(strategy, dict(checkpoint), path)  # pops state_dict/optimizer_states: a copy
+
+    def lightning_settle(path: Path) -> None:
+        os.sync()
+        shutil.rmtree(path)
+
+    def ckptd_settle(path: Path) -> None:
+        io.wait_durable()
+        io.remove_checkpoint(path)
+
+    savers: dict[str, tuple[Callable[[Path], None], Callable[[Path], None]]] = {
+        "lightning-dcp": (lightning_save, lightning_settle),
+        "ckptd": (lambda path: strategy.save_checkpoint(dict(checkpoint), path), ckptd_settle),
+    }
+    names = list(savers)
+    stalls: dict[str, list[float]] = {n: [] for n in names}
+    for round_no in range(1, args.warmup + args.rounds + 1):
+        checkpoint["global_step"] = 100 + round_no
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            save, settle = savers[name]
+            path = dirpath / f"{name}-step={round_no}.ckpt"
+            started = time.perf_counter()
+            save(path)
+            stall = time.perf_counter() - started
+            settle(path)
+            if round_no > args.warmup:
+                stalls[name].append(stall)
+    io.teardown()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    print(f"\nstall per save, {args.rounds} rounds after {args.warmup} warm-up rounds (ms: median [min - max])")
+    for name in names:
+        values = [s * 1e3 for s in stalls[name]]
+        print(f"  {name:13} {statistics.median(values):8.1f}  [{min(values):.1f} - {max(values):.1f}]")
+    ratios = [c / o for c, o in zip(stalls["ckptd"], stalls["lightning-dcp"])]
+    print(f"ratio ckptd / lightning-dcp (median of the per-round ratios): {statistics.median(ratios):.3f}  [{min(ratios):.3f} - {max(ratios):.3f}]")
     print(f"load average at end: {load_average()}")
 
 

@@ -2,9 +2,9 @@
 `python lightning_worker.py SPEC_JSON` (tests/integrations/test_lightning.py runs it).
 
 An MLP with dropout on a shuffled DataLoader, Adam with a StepLR schedule, ModelCheckpoint
-keeping the 2 best by train_loss plus last.ckpt every `every` steps. The module saves the torch
-RNG state in its checkpoints (on_save_checkpoint) and restores it (on_load_checkpoint), so a
-resumed run draws the same dropout masks and shuffles as an uninterrupted one.
+keeping the 2 best by train_loss plus last.ckpt every `every` steps. The random generators are
+restored on a resume (by CkptdCheckpointIO, or by the module's own hooks), so a resumed run
+draws the same dropout masks and shuffles as an uninterrupted one.
 
 Spec: address, job, dirpath, out (one JSON line per step: {"step", "loss"}), max_steps, every,
 ckpt_path (null: fresh, "last", or a path), pause_at (0: never; else, at the start of the
@@ -14,6 +14,15 @@ committed_at (at the start of the batch after global step N, wait until the daem
 committed, print "COMMITTED <N>" and sleep until killed) with stall_pointers_from (pointers of
 that step and later are never written: a kill within the moment between a step's commit and its
 pointer, issue 30 finding 7, made certain).
+
+hooks (default true): the module saves and restores the torch RNG state itself (TinyMLP); false:
+MLP, without hooks (CkptdCheckpointIO restores the generators; rng false turns that off). tp: the
+run uses CkptdModelParallelStrategy over `devices` ranks, tensor parallel over `tp` of them
+and FSDP2 over the rest (ShardedMLP, no hooks). dump: a path, where DumpState writes the whole
+state at the end of fit. fsdp1: CkptdFSDPStrategy (MLP, no hooks), with accelerator (default
+"cpu", where torch refuses FSDP1: give "gpu"). spawn: strategy="ddp_spawn" over `devices` processes that Lightning
+starts from this one (which is then the main process); handback: a path, where the main
+process writes the weights the workers handed back (safetensors).
 
 devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
 variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
@@ -25,6 +34,10 @@ on its share of the data; global rank 0 writes the losses, of its own batches.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,12 +51,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.client import CheckpointClient
 from ckptd.integrations import _lightning_pointer
-from ckptd.integrations.lightning import CkptdCheckpointIO
+from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdFSDPStrategy, CkptdLoadFromCheckpoint, CkptdModelParallelStrategy
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
 
 
-class TinyMLP(L.LightningModule):
+class MLP(CkptdLoadFromCheckpoint, L.LightningModule):
+    """An MLP with dropout, Adam and a StepLR schedule stepped every step; load_from_checkpoint
+    reads ckptd pointers too."""
+
     def __init__(self, hidden: int = 16) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -59,11 +75,31 @@ class TinyMLP(L.LightningModule):
         opt = torch.optim.Adam(self.parameters(), lr=0.02)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5), "interval": "step"}}
 
+
+class TinyMLP(MLP):
+    """MLP with the RNG hooks a user writes for Lightning's own checkpoints."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng"] = {"torch": torch.get_rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         torch.set_rng_state(checkpoint["rng"]["torch"])
+
+
+class ShardedMLP(MLP):
+    """MLP parallelized in configure_model over the strategy's device mesh: tensor parallel
+    (column-, then row-wise) over "tensor_parallel" when it has several ranks, then FSDP2
+    (fully_shard) over "data_parallel". No RNG hooks: CkptdCheckpointIO restores each rank's
+    generators itself."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
+        fully_shard(self.net, mesh=mesh["data_parallel"])
 
 
 def data(batch: int = BATCH) -> DataLoader:
@@ -129,6 +165,32 @@ class PauseWhenCommitted(Callback):
         raise TimeoutError(f"step {self.step} was not committed within 60 s")
 
 
+class DumpState(Callback):
+    """At the end of fit, the whole training state as one full copy, written by global rank 0:
+    `<path>.safetensors` (the model's and the optimizer's tensors, gathered from every rank)
+    and `<path>.json` (the optimizer's param_groups, the scheduler's state, global_step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = trainer.strategy.model
+        optimizer = trainer.optimizers[0]
+        weights = get_model_state_dict(model, options=options)
+        optim = get_optimizer_state_dict(model, optimizer, options=options)
+        if not trainer.is_global_zero:
+            return
+        tensors = {f"model/{k}": v.contiguous() for k, v in weights.items()}
+        tensors.update({f"optimizer/{p}/{f}": v.reshape(v.shape).contiguous() for p, s in optim["state"].items() for f, v in s.items()})
+        save_file(tensors, str(self.path) + ".safetensors")
+        rest = {"param_groups": optim["param_groups"], "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "global_step": trainer.global_step}
+        Path(str(self.path) + ".json").write_text(json.dumps(rest, sort_keys=True, default=str))
+
+
 def stall_pointers_from(step: int) -> None:
     """Pointer files of `step` and later are never written (their writer blocks)."""
     write = _lightning_pointer.write_pointer
@@ -141,11 +203,45 @@ def stall_pointers_from(step: int) -> None:
     _lightning_pointer.write_pointer = stalled  # PointerWriter looks the function up at each write
 
 
+def start_ranks(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Popen[str]]:
+    """The processes of one multi-process run of this script (DDP, or the model-parallel
+    strategy when spec has "tp"), started with the variables Lightning reads when processes are
+    created outside it; global rank 0's stdout is piped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs: list[subprocess.Popen[str]] = []
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    for rank in range(world_size):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable, __file__, json.dumps({**spec, "devices": world_size})], env=env, stdout=stdout, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
+    """Wait for every process of a run; fails unless each exits 0 (the others are killed)."""
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        kill(procs)
+    assert codes == [0] * len(procs), f"a process of the run failed: exit codes {codes}"
+
+
+def kill(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL every process of a run still alive, and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=30)
+
+
 def train(spec: dict[str, Any]) -> None:
     """One run as `spec` says (see the module docstring). Losses match across runs only with the
     same torch thread count: the script runs with one, as the tests do in process."""
     devices = spec.get("devices", 1)
-    if devices > 1:  # always a process of its own: seed_everything also sets PL_GLOBAL_SEED in os.environ
+    if devices > 1 or spec.get("spawn"):  # always a process of its own: seed_everything also sets PL_GLOBAL_SEED in os.environ
         L.seed_everything(0, verbose=False)
     else:
         torch.manual_seed(0)
@@ -160,12 +256,25 @@ def train(spec: dict[str, Any]) -> None:
         callbacks.append(PauseWhenCommitted(spec["committed_at"], spec["address"], spec["job"]))
     if spec.get("stall_pointers_from"):
         stall_pointers_from(spec["stall_pointers_from"])
+    strategy: Any = ("ddp_spawn" if spec.get("spawn") else "ddp") if devices > 1 else "auto"
+    model: MLP = TinyMLP() if spec.get("hooks", True) else MLP()
+    if "tp" in spec:  # FSDP2 (+ TP) through CkptdModelParallelStrategy: devices = dp * tp
+        strategy = CkptdModelParallelStrategy(data_parallel_size=devices // spec["tp"], tensor_parallel_size=spec["tp"])
+        model = ShardedMLP()
+    if spec.get("fsdp1"):  # FSDP1 through CkptdFSDPStrategy: needs an accelerator (tests/gpu/lightning_fsdp1.py)
+        strategy = CkptdFSDPStrategy()
+        model = MLP()
+    if spec.get("dump"):
+        callbacks.append(DumpState(Path(spec["dump"])))
     trainer = L.Trainer(
-        max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise")],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        max_steps=spec["max_steps"], callbacks=callbacks, plugins=[CkptdCheckpointIO(job=spec["job"], address=spec["address"], on_error="raise", rng=spec.get("rng", True))],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator=spec.get("accelerator", "cpu"), devices=devices, strategy=strategy,
     )
-    trainer.fit(TinyMLP(), data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
+    trainer.fit(model, data(spec.get("batch", BATCH)), ckpt_path=spec.get("ckpt_path"))
+    if spec.get("handback"):  # ddp_spawn: the weights the workers handed back to this (main) process
+        from safetensors.torch import save_file
+
+        save_file(model.state_dict(), spec["handback"])
 
 
 if __name__ == "__main__":

@@ -14,13 +14,11 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +40,12 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 from ckptd.client import CheckpointClient  # noqa: E402
 from ckptd.client.errors import CheckpointError  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
+from worker_process import load_worker  # noqa: E402  (tests/worker_process.py)
+
+_worker = load_worker(Path(__file__).with_name("lightning_worker.py"))  # tests/integrations is no package
+finish = _worker.finish
+kill = _worker.kill
+start_ranks = _worker.start_ranks
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
@@ -50,11 +54,7 @@ RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
 @pytest.fixture(scope="module")
 def worker() -> ModuleType:
     """lightning_worker.py, imported by path (tests/integrations is no package)."""
-    spec = importlib.util.spec_from_file_location("lightning_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _worker
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:
@@ -153,6 +153,45 @@ def test_every_checkpoint_a_trainer_saves_loads_back_as_lightning_built_it(daemo
     io.teardown()
 
 
+# issue 31 item 7
+def test_without_rng_hooks_a_resume_draws_as_the_uninterrupted_run_and_load_from_checkpoint_reads_pointers(daemon, worker, tmp_path: Path, one_thread: None) -> None:
+    """A module without on_save/on_load_checkpoint hooks (dropout, a shuffled loader): resumed
+    from step 5, steps 6-10 have the uninterrupted run's losses because the plugin restores the
+    generators (with rng=False they do not); Model.load_from_checkpoint on a pointer gives the
+    saved weights and hyper-parameters."""
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": name, "dirpath": str(tmp_path / name), "out": str(tmp_path / f"{name}.jsonl"),
+                "max_steps": 10, "every": 5, "ckpt_path": None, "pause_at": 0, "hooks": False}
+        return {**base, **changes}
+
+    def losses(name: str) -> dict[int, float]:
+        return {line["step"]: line["loss"] for line in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
+
+    worker.train(spec("ref"))
+    for name, rng in (("run", True), ("norng", False)):
+        worker.train(spec(name, max_steps=5, rng=rng))
+        worker.train(spec(name, ckpt_path="last", rng=rng))
+    ref = losses("ref")
+    assert [losses("run")[s] for s in range(6, 11)] == [ref[s] for s in range(6, 11)]
+    assert [losses("norng")[s] for s in range(6, 11)] != [ref[s] for s in range(6, 11)]
+
+    pointer = tmp_path / "run" / "epoch=0-step=5.ckpt"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(worker.MLP, "ckptd_address", daemon.address)
+        model = worker.MLP.load_from_checkpoint(pointer)
+        with pytest.raises(RuntimeError, match=r"size mismatch for net.0.weight.*\[16, 6\].*\[32, 6\]"):
+            worker.MLP.load_from_checkpoint(pointer, hidden=32)  # kwargs override the saved hyper-parameters
+    saved = CkptdCheckpointIO(job="run", address=daemon.address).load_checkpoint(pointer)["state_dict"]
+    assert type(model) is worker.MLP and model.hparams.hidden == 16
+    assert differences(model.state_dict(), saved) == []
+    with pytest.raises(TypeError, match="ckptd pointer.*not hparams_file"):
+        worker.MLP.load_from_checkpoint(pointer, hparams_file=tmp_path / "h.yaml")
+    plain = {"pytorch-lightning_version": L.__version__, "state_dict": model.state_dict(), "hyper_parameters": {"hidden": 16}}
+    torch.save(plain, tmp_path / "plain.ckpt")  # not a pointer: Lightning's own load_from_checkpoint
+    assert differences(worker.MLP.load_from_checkpoint(tmp_path / "plain.ckpt").state_dict(), saved) == []
+
+
 @pytest.mark.slow
 def test_a_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, worker, tmp_path: Path, one_thread: None) -> None:
     daemon = daemons.start(*RETENTION)
@@ -247,41 +286,6 @@ def test_a_run_killed_between_a_commit_and_its_pointer_resumes_from_the_newest_s
     assert pointer_steps(tmp_path / "run")["last.ckpt"] == 25
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_ddp(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Popen[str]]:
-    """The processes of one DDP run of lightning_worker.py, started here with the variables
-    Lightning's DDP reads when the processes are created outside it; rank 0's stdout is piped."""
-    port = str(_free_port())
-    procs: list[subprocess.Popen[str]] = []
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    for rank in range(world_size):
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
-        stdout = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**spec, "devices": world_size})], env=env, stdout=stdout, text=True))
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> None:
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        _kill(procs)
-    assert codes == [0] * len(procs), f"a DDP process failed: exit codes {codes}"
-
-
-def _kill(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uninterrupted_one(daemons, tmp_path: Path) -> None:
     """2 processes of Lightning's DDP (CPU, gloo), 4 samples per rank and batch (5 batches per
@@ -298,19 +302,19 @@ def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uni
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         return {line["step"]: line["loss"] for line in lines}
 
-    killed = _start_ddp(spec("run", pause_at=10))
+    killed = start_ranks(spec("run", pause_at=10))
     try:
-        _finish(_start_ddp(spec("ref")))  # the uninterrupted run, meanwhile
+        finish(start_ranks(spec("ref")))  # the uninterrupted run, meanwhile
         assert killed[0].stdout is not None and killed[0].stdout.readline().strip() == "DURABLE 10"
     finally:
-        _kill(killed)  # every process of the run: SIGKILL
+        kill(killed)  # every process of the run: SIGKILL
     assert [p.returncode for p in killed] == [-signal.SIGKILL] * 2
     ref, before = losses("ref"), losses("run")
     assert sorted(ref) == list(range(1, 21)) and len(set(ref.values())) == 20
     assert max(before) == 10 and all(before[s] == ref[s] for s in before)
     assert pointer_steps(tmp_path / "run")["last.ckpt"] == 10
 
-    _finish(_start_ddp(spec("run", ckpt_path="last")))  # new processes, Trainer, plugin and clients
+    finish(start_ranks(spec("run", ckpt_path="last")))  # new processes, Trainer, plugin and clients
     resumed = losses("run")
     assert max(resumed) == 20
     assert [resumed[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]
@@ -327,20 +331,62 @@ def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uni
     io.teardown()
 
 
+# issue 31 item 1 (ddp_spawn)
+@pytest.mark.slow
+def test_a_ddp_spawn_run_killed_resumes_with_the_losses_of_an_uninterrupted_one_and_hands_its_weights_back(daemons, tmp_path: Path) -> None:
+    """strategy="ddp_spawn" (2 processes that Lightning starts by multiprocessing from the
+    worker's main process, which pickles the Trainer with the plugin: only its configuration
+    travels): SIGKILLed with its workers after step 10 is durable, resumed with
+    ckpt_path="last": the losses of steps 11-20 are an uninterrupted ddp_spawn run's, and the
+    main process gets the trained weights back (through the plugin, never the daemon)."""
+    daemon = daemons.start(*RETENTION)
+
+    def spec(name: str, **changes: Any) -> dict[str, Any]:
+        base = {"address": daemon.address, "job": name, "dirpath": str(tmp_path / name), "out": str(tmp_path / f"{name}.jsonl"),
+                "max_steps": 20, "every": 5, "batch": 4, "ckpt_path": None, "pause_at": 0, "spawn": True, "devices": 2}
+        return {**base, **changes}
+
+    def run(body: dict[str, Any], **kwargs: Any) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(WORKER), json.dumps(body)], text=True, start_new_session=True, **kwargs)
+
+    def losses(name: str) -> dict[int, float]:
+        return {line["step"]: line["loss"] for line in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
+
+    killed = run(spec("run", pause_at=10), stdout=subprocess.PIPE)
+    try:
+        assert run(spec("ref")).wait(timeout=300) == 0  # the uninterrupted run, meanwhile
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "DURABLE 10"
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # the main process and its workers
+        killed.wait(timeout=30)
+    ref = losses("ref")
+    assert sorted(ref) == list(range(1, 21)) and max(losses("run")) == 10 and pointer_steps(tmp_path / "run")["last.ckpt"] == 10
+
+    assert run(spec("run", ckpt_path="last", handback=str(tmp_path / "handback.safetensors"))).wait(timeout=300) == 0
+    resumed = losses("run")
+    assert [resumed[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]
+    io = CkptdCheckpointIO(job="reader", address=daemon.address)
+    final = io.load_checkpoint(tmp_path / "run" / "last.ckpt")
+    io.teardown()
+    assert final["global_step"] == 20
+    from safetensors.torch import load_file
+
+    handed_back = load_file(tmp_path / "handback.safetensors")
+    assert differences(dict(sorted(handed_back.items())), dict(sorted(final["state_dict"].items()))) == []  # safetensors sorts the names
+
+
 def test_saves_that_could_not_be_loaded_back_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sharding strategies, DDP started by multiprocessing, a save on a rank other than 0, and a
-    pointer another rank cannot see: refused before anything reaches a daemon."""
+    """Lightning's own sharding strategies, a save on a rank other than 0, and a pointer another
+    rank cannot see: refused before anything reaches a daemon. A copy of the plugin keeps its
+    configuration only."""
     io = CkptdCheckpointIO(job="refused", address="unix:///nonexistent/ckptd.sock", on_error="raise")
     model, optimizer = _trained()
     good = _checkpoint(model, optimizer, 1, "x")
-    with pytest.raises(RuntimeError, match="does not work with FSDPStrategy: that strategy shards the model"):
+    with pytest.raises(RuntimeError, match="does not work with FSDPStrategy: that strategy shards the model.*CkptdModelParallelStrategy"):
         FSDPStrategy(checkpoint_io=io).save_checkpoint(good, tmp_path / "x.ckpt")  # through Lightning's Strategy
-    for strategy in ("ddp_fork", "ddp_notebook"):
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[io], logger=False)
-        with pytest.raises(RuntimeError, match="does not work with DDP started by multiprocessing"):
-            trainer.strategy.save_checkpoint(good, tmp_path / "x.ckpt")
-    with pytest.raises(TypeError, match="cannot be copied or sent to another process.*ddp_spawn"):
-        copy.deepcopy(io)  # what strategy="ddp_spawn" does to the plugins, through pickle
+    copied = copy.deepcopy(io)  # what strategy="ddp_spawn" does to the plugins, through pickle: the configuration only
+    assert (copied.job, copied.address, copied.on_error, copied.rng) == (io.job, io.address, io.on_error, io.rng)
+    assert copied._client is None and copied._writer is not io._writer
 
     # global rank 1 of 2, as torch.distributed would say under DDP
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

@@ -34,9 +34,10 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ckptd.client import tree
 from ckptd.common import dtypes
@@ -186,22 +187,25 @@ class Templates:
     tensors: dict[str, torch.Tensor]
 
 
-def templates(layout: Mapping[str, Any]) -> Templates:
+def templates(layout: Mapping[str, Any], skip: Collection[str] = ()) -> Templates:
     """Empty tensors of the recorded dtypes and shapes, under the recorded names.
 
     Each saved part (ckptd key) gets a flat dict {name without "<key>/": tensor}, which
     flattens to the same names as the saved structure; the load then puts the saved structure
-    back into it (a part without tensors gets an empty dict, filled the same way).
+    back into it (a part without tensors gets an empty dict, filled the same way). Parts in
+    `skip` (the caller brings its own targets for them) get nothing.
     Raises ValueError when the layout is not one this module wrote.
     """
     table = layout.get("tensors")
     parts = layout.get("parts")
     if layout.get("version") != LAYOUT_VERSION or not isinstance(table, dict) or not isinstance(parts, list) or REST not in parts:
         raise ValueError(f"the step's {LAYOUT!r} is not a layout of version {LAYOUT_VERSION} that CkptdCheckpointIO wrote")
-    state: dict[str, Any] = {key: {} for key in parts if key in (MODEL, OPTIMIZER, REST)}
+    state: dict[str, Any] = {key: {} for key in parts if key in (MODEL, OPTIMIZER, REST) and key not in skip}
     tensors: dict[str, torch.Tensor] = {}
     for name, spec in table.items():
         key, _, rest = name.partition("/")
+        if key in skip and key in parts:
+            continue
         if key not in state or not (isinstance(spec, list) and len(spec) == 2):
             raise ValueError(f"the step's {LAYOUT!r} lists a tensor {name!r} that no saved part holds")
         dtype_name, shape = spec
@@ -312,7 +316,9 @@ class SameStep:
 
 
 def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor._version)
+    # a DTensor's own data_ptr is 0: its rank's local tensor is the memory (the version counter is shared)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return (tensor.device, local.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(local.shape), local.stride(), tensor._version)
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

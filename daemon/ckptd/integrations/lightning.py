@@ -18,27 +18,32 @@ Strategies: one process, or DDP (several processes that each hold the whole mode
 Lightning calls save_checkpoint and remove_checkpoint on global rank 0 only, with the whole
 (replicated) state, and load_checkpoint on every rank. So global rank 0 saves as the only rank
 of a job of one rank, and every rank loads the step back on its own (ckptd's loads are per
-rank; a rank the step was not saved by gets rank 0's extras). Sharding strategies (FSDP,
-ModelParallel, DeepSpeed) load without the CheckpointIO, and DDP started by multiprocessing
-(ddp_spawn, ddp_fork, ddp_notebook) hands the trained weights back through it as a bare
-state dict: their saves are refused.
+rank; a rank the step was not saved by gets rank 0's extras). DDP started by multiprocessing
+(ddp_spawn, ddp_fork, ddp_notebook) works alike: a copy of the plugin carries only its
+configuration, and the trained weights its launcher hands back to the main process through the
+plugin go to a safetensors file, not to the daemon (ckptd.integrations._lightning_handback).
+Lightning's sharding strategies (FSDP, ModelParallel) save and load without the CheckpointIO:
+their subclasses CkptdModelParallelStrategy and CkptdFSDPStrategy
+(ckptd.integrations._lightning_sharded) call save_shards / load_shards on every rank instead,
+each rank handing over and loading its own shards. DeepSpeed saves without it: refused.
+The random generators are saved with every step and restored when a fit resumes (rng=True).
+CkptdLoadFromCheckpoint lets LightningModule.load_from_checkpoint read a pointer.
 
 Needs the `lightning` package (`pip install 'ckptd[lightning]'`); the rest of ckptd does not.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
-import re
 import threading
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch import LightningModule
+from lightning.pytorch.core.saving import _load_state
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ckptd.client import CheckpointClient
@@ -47,7 +52,10 @@ from ckptd.client.handle import SaveHandle
 from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
+from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, rank_and_world, resuming_fit
+from ckptd.integrations._lightning_handback import read_weights, write_weights
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
+from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
 from ckptd.integrations._lightning_state import (
     LAYOUT,
     MapLocation,
@@ -61,9 +69,12 @@ from ckptd.integrations._lightning_state import (
     to_state,
 )
 
-__all__ = ["CkptdCheckpointIO"]
+__all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdLoadFromCheckpoint", "CkptdModelParallelStrategy"]
 
 log = logging.getLogger("ckptd.integrations.lightning")
+
+# What a copy of the plugin keeps (__getstate__): the arguments of its constructor.
+_CONFIG = ("job", "address", "on_error", "quantize", "durable_timeout_s", "timeout_s", "rng")
 
 
 class CkptdCheckpointIO(CheckpointIO):
@@ -75,11 +86,14 @@ class CkptdCheckpointIO(CheckpointIO):
     cannot take is logged, training goes on, and no pointer appears at its path) or "raise".
     quantize: None (the daemon's default), "none", "O1" or "O2" (ckptd's compression of Adam
     moments). durable_timeout_s: how long a pointer waits for its step to be durable.
-    timeout_s: the client's wait for the daemon on a save or load.
+    timeout_s: the client's wait for the daemon on a save or load. rng: save this process's
+    random generators with every step, and restore them when a fit resumes.
 
-    Strategies: one process, or DDP (see the module docstring): global rank 0 saves, every rank
-    loads; a save from a sharding strategy (FSDP, ModelParallel, DeepSpeed), from DDP started
-    by multiprocessing (ddp_spawn, ddp_fork, ddp_notebook) or from another rank is refused.
+    Strategies (see the module docstring): one process or DDP (also started by
+    multiprocessing): global rank 0 saves, every rank loads; CkptdModelParallelStrategy and
+    CkptdFSDPStrategy: every rank saves and loads its shards (save_shards, load_shards). A save
+    from Lightning's own sharding strategies (FSDP, ModelParallel, DeepSpeed), or through
+    save_checkpoint on another rank, is refused.
     CUDA tensors are handed over in ckptd's mode "copy": save_checkpoint returns once they are
     in host memory, since this plugin sees tensors, not the optimizer whose step would fence an
     overlapped copy.
@@ -94,6 +108,7 @@ class CkptdCheckpointIO(CheckpointIO):
         quantize: str | None = None,
         durable_timeout_s: float = 600.0,
         timeout_s: float = 600.0,
+        rng: bool = True,
     ) -> None:
         super().__init__()
         self.job = check_job_id(job)
@@ -108,20 +123,23 @@ class CkptdCheckpointIO(CheckpointIO):
         self.quantize = quantize
         self.durable_timeout_s = float(durable_timeout_s)
         self.timeout_s = float(timeout_s)
+        self.rng = bool(rng)
         self._client: CheckpointClient | None = None  # saves (a job of one rank), and loads on global rank 0
         self._reader: CheckpointClient | None = None  # loads on the other ranks of a run of several processes
         self._writer = PointerWriter()
         # the step handed over last and whether it became durable: a later save of the same
         # global_step reuses it (kept across teardown: trainer.save_checkpoint after fit)
         self._last: tuple[SameStep, _Durable] | None = None
+        self._pid = os.getpid()  # the process the connections and the pointer writer's thread belong to
 
     def __getstate__(self) -> dict[str, Any]:
-        """Refused: the plugin holds a connection to the daemon and helper threads, which do
-        not travel to another process (strategy="ddp_spawn" pickles the Trainer)."""
-        raise TypeError(
-            f"{type(self).__name__} cannot be copied or sent to another process (strategy='ddp_spawn' does so with the "
-            "Trainer's plugins): use strategy='ddp', which starts the processes by running your script again, or torchrun"
-        )
+        """The plugin's configuration only (strategy="ddp_spawn" pickles the Trainer with its
+        plugins into each new process): a copy connects to the daemon when it first needs to
+        and has no pointers pending."""
+        return {name: getattr(self, name) for name in _CONFIG}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("job"), **state)  # type: ignore[misc]
 
     # ------------------------------------------------------------ CheckpointIO
 
@@ -134,16 +152,38 @@ class CkptdCheckpointIO(CheckpointIO):
         same tensors, unchanged (else ValueError); its pointer names the same step and carries
         the parts of its non-tensor content that differ (JSON). Raises TypeError naming the key
         of a value that is neither a tensor nor JSON-able, and for storage_options (none are
-        supported); RuntimeError when called by a sharding strategy, by DDP started by
-        multiprocessing, or on a global rank other than 0.
+        supported); RuntimeError when called by one of Lightning's own sharding strategies or on
+        a global rank other than 0. Called by the multiprocessing launcher at the end of fit
+        (the trained weights for the main process: a bare state dict), it writes them to `path`
+        as a safetensors file instead, which load_checkpoint reads back for the launcher.
         """
+        self._own_process()
+        caller = find_caller()
+        if isinstance(caller, _MultiProcessingLauncher):  # the trained weights, handed back at the end of fit
+            write_weights(local_path(path), checkpoint)
+            return
+        check_saver(caller)
+        self._save(checkpoint, path, storage_options, self._connect, pointer=True)
+
+    def save_shards(self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, storage_options: Any | None = None) -> None:
+        """Hand this rank's part of a sharded checkpoint to ckptd (a sharding strategy calls it on
+        every rank: CkptdModelParallelStrategy); the pointer at `path` is written by rank 0.
+
+        `checkpoint` is Lightning's dict with this rank's shards: DTensors in state_dict and in
+        the optimizer states (keyed by parameter name). Every rank saves as itself in a job of
+        `world_size` ranks, each handing over only its own shards (no gather); the daemon
+        stores each logical tensor once. Raises as save_checkpoint does.
+        """
+        self._own_process()
+        self._save(checkpoint, path, storage_options, lambda: self._sharded_client(rank, world_size), pointer=rank == 0)
+
+    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None, connect: Callable[[], CheckpointClient], pointer: bool) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}: "
                 "ckptd's daemon decides where and how the checkpoint is stored (its --root and configuration)"
             )
         target = local_path(path)
-        _check_saver(_calling_strategy())
         self._raise_background_error()
         step = global_step_of(checkpoint)
         mapped = to_state(checkpoint)
@@ -156,11 +196,12 @@ class CkptdCheckpointIO(CheckpointIO):
                     f"{target} differs from it: {why}. ckptd holds one checkpoint per step: save again only after "
                     "the next optimizer step"
                 )
-            self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
+            if pointer:
+                self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
             return
-        client = self._connect()
+        client = connect()
         try:
-            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize)
+            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize, rng=self.rng)
         except CheckpointError as exc:  # on_error="raise", or a state the daemon refuses
             self._last = None
             raise type(exc)(self._not_saved(step, target, str(exc)), exc.code, exc.reason) from exc
@@ -170,7 +211,8 @@ class CkptdCheckpointIO(CheckpointIO):
             return
         durable = _Durable(handle, self.durable_timeout_s)
         self._last = (SameStep(step, mapped), durable)
-        self._writer.submit(target, Pointer(self.job, step), durable)
+        if pointer:
+            self._writer.submit(target, Pointer(self.job, step), durable)
 
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict the pointer at `path` names, as Lightning saved it.
@@ -190,12 +232,50 @@ class CkptdCheckpointIO(CheckpointIO):
         the step its pointer names when the run stopped after a save and before the pointer was
         written (a warning says so): a resume never redoes an interval the job holds.
         """
-        follow_newest = _is_last_checkpoint(path, _calling_strategy())
+        self._own_process()
+        caller = find_caller()
+        if isinstance(caller, _MultiProcessingLauncher):  # the weights a worker handed back (save_checkpoint)
+            return map_tensors(read_weights(local_path(path)), map_location)
+        follow_newest = is_last_checkpoint(path, caller)
+        rank, world_size = rank_and_world()
+        target, pointer = self._pointer(path, rank, world_size)
+        rng = self.rng and rank == 0 and resuming_fit(caller)  # the saving rank's generators (a job of one rank): see docs
+        if pointer.job == self.job:
+            checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest, rng=rng)
+        else:  # a checkpoint of another job (e.g. the run this one was started from)
+            who = (rank, world_size) if rank else (0, 1)
+            with self._new_client(pointer.job, "raise", *who) as client:
+                checkpoint = self._load(client, pointer, target, follow_newest, rng=rng)
+        return map_tensors(checkpoint, map_location)
+
+    def load_shards(self, path: Any, targets: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+        """Load the checkpoint the pointer at `path` names into this rank's shards (a sharding
+        strategy calls it on every rank: CkptdModelParallelStrategy), in any world size.
+
+        targets: the parts to fill in place, in the layout of this run: "model" (the model's
+        sharded state dict: DTensors keyed by parameter name) and, when resuming a fit,
+        "optimizer" ({"0": the first optimizer's sharded state dict, ...}). Each rank reads
+        only its own boxes, whatever layout saved them. Returns Lightning's checkpoint dict,
+        whose state_dict and optimizer_states are the filled targets; this rank's random
+        generators are restored when it saved them (a rank beyond the saved world keeps its
+        own). Raises as load_checkpoint does.
+        """
+        self._own_process()
+        caller = find_caller()
+        follow_newest = is_last_checkpoint(path, caller if isinstance(caller, Strategy) else None)
+        target, pointer = self._pointer(path, rank, world_size)
+        rng = self.rng and resuming_fit(caller)
+        if pointer.job == self.job:
+            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=rng)
+        with self._new_client(pointer.job, "raise", rank, world_size) as client:
+            return self._load(client, pointer, target, follow_newest, targets, rng=rng)
+
+    def _pointer(self, path: Any, rank: int, world_size: int) -> tuple[str, Pointer]:
+        """The local path and the pointer at `path`, once this process's pending pointers are written."""
         target = local_path(path)
-        rank, world_size = _rank_and_world()
         self._writer.flush()
         try:
-            pointer = read_pointer(target)
+            return target, read_pointer(target)
         except FileNotFoundError as exc:
             if rank == 0:
                 raise
@@ -204,13 +284,6 @@ class CkptdCheckpointIO(CheckpointIO):
                 "each once its step is durable; every rank reads them, so ModelCheckpoint's dirpath (or the ckpt_path) "
                 "must be a directory every rank sees: on several nodes, a shared file system"
             ) from None
-        if pointer.job == self.job:
-            checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest)
-        else:  # a checkpoint of another job (e.g. the run this one was started from)
-            who = (rank, world_size) if rank else (0, 1)
-            with self._new_client(pointer.job, "raise", *who) as client:
-                checkpoint = self._load(client, pointer, target, follow_newest)
-        return map_tensors(checkpoint, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at `path` (and one still waiting to be written).
@@ -219,6 +292,7 @@ class CkptdCheckpointIO(CheckpointIO):
         deletes one step. Run the daemon with retention that keeps what ModelCheckpoint keeps
         (docs/integrations/lightning.md: --keep-best with this plugin's metrics, --keep-last).
         """
+        self._own_process()
         target = local_path(path)
         self._writer.cancel(target)
         if os.path.isdir(target) and not os.path.islink(target):
@@ -234,6 +308,7 @@ class CkptdCheckpointIO(CheckpointIO):
         its save failed: logged; raised with on_error="raise"). Not part of Lightning's
         CheckpointIO: for code that hands a checkpoint path on at once (load_checkpoint and
         teardown wait by themselves)."""
+        self._own_process()
         self._writer.flush()
         self._raise_background_error()
 
@@ -243,6 +318,7 @@ class CkptdCheckpointIO(CheckpointIO):
         Lightning calls it at the end of fit, validate and test; a later save or load connects
         again. With on_error="raise", a pointer that could not be written raises here.
         """
+        self._own_process()
         try:
             self._writer.close()
         finally:
@@ -255,9 +331,30 @@ class CkptdCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------ internals
 
+    def _own_process(self) -> None:
+        """After a fork (strategy="ddp_fork", "ddp_notebook"), the parent's connections and pointer
+        thread are not this process's: start afresh, leaving the parent's to it."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._client = self._reader = None
+            self._writer = PointerWriter()
+            self._last = None
+
     def _connect(self) -> CheckpointClient:
         if self._client is None:
             self._client = self._new_client(self.job, self.on_error, 0, 1)
+        return self._client
+
+    def _sharded_client(self, rank: int, world_size: int) -> CheckpointClient:
+        """The client of a sharded run: this rank of a job of `world_size` ranks, under the run id
+        every rank derives alike (the launcher's, else rank 0's through torch.distributed)."""
+        if self._client is not None and (self._client.rank, self._client.world_size) != (rank, world_size):
+            self._client.close()
+            self._client = None
+        if self._client is None:
+            self._client = CheckpointClient(
+                self.job, address=self.address, rank=rank, world_size=world_size, mode="copy", on_error=self.on_error, timeout_s=self.timeout_s,
+            )
         return self._client
 
     def _load_client(self, rank: int, world_size: int) -> CheckpointClient:
@@ -289,9 +386,14 @@ class CkptdCheckpointIO(CheckpointIO):
         if error is not None and self.on_error == "raise":
             raise CheckpointError(f"an earlier checkpoint's pointer file was not written: {error}") from error
 
-    def _load(self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False) -> dict[str, Any]:
+    def _load(
+        self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False,
+        targets: dict[str, Any] | None = None, rng: bool = False,
+    ) -> dict[str, Any]:
         """The checkpoint `pointer` names; follow_newest: the job's newest committed step instead
-        when that is another (a last checkpoint whose pointer the stopped run did not update)."""
+        when that is another (a last checkpoint whose pointer the stopped run did not update).
+        targets: parts filled in place instead of fresh tensors (load_shards); rng: restore
+        this rank's random generators saved with the step."""
         layout: dict[str, Any] = {}
         try:
             loaded = client.load({LAYOUT: layout}, step=None if follow_newest else pointer.step)
@@ -312,13 +414,58 @@ class CkptdCheckpointIO(CheckpointIO):
                 "pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
             )
             pointer = Pointer(pointer.job, loaded)  # the step's own layout
-        fresh = templates(layout)
-        client.load(fresh.state, step=pointer.step)
+        fresh = templates(layout, skip=set(targets or ()))
+        state = {**fresh.state, **(targets or {})}
+        client.load(state, step=pointer.step, rng=rng)
         if pointer.shape is None:
-            return assemble(layout["order"], layout["state_dict_metadata"], fresh.state)
+            return assemble(layout["order"], layout["state_dict_metadata"], state)
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
-        parts = {**fresh.state, **decode_parts(shape["trees"], fresh.tensors)}
+        parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
+
+
+class CkptdLoadFromCheckpoint:
+    """A LightningModule mixin: `Model.load_from_checkpoint(path)` also reads CkptdCheckpointIO's pointers.
+
+        class Model(CkptdLoadFromCheckpoint, L.LightningModule): ...
+        model = Model.load_from_checkpoint("ckpts/epoch=3-step=20.ckpt")
+
+    Lightning's load_from_checkpoint reads the file with torch.load itself (no CheckpointIO:
+    lightning/pytorch/core/saving.py, _load_from_checkpoint), which a pointer is not. For a
+    pointer this loads the step it names from the daemon (`ckptd_address`, default
+    $CKPTD_ADDRESS, else the default socket; a last checkpoint: the job's newest committed
+    step, as CkptdCheckpointIO.load_checkpoint does), whole, in this process, from whatever
+    layout saved it (one process, DDP, FSDP2, TP), then builds the module as Lightning does: its
+    saved hyper-parameters updated with `kwargs`, `on_load_checkpoint`, `load_state_dict(strict)`,
+    moved to the device of the loaded weights (map_location as torch's). Any other path or file
+    object goes to Lightning's own load_from_checkpoint. Raises what
+    CkptdCheckpointIO.load_checkpoint raises; TypeError for hparams_file with a pointer.
+    """
+
+    ckptd_address: ClassVar[str | None] = None
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, map_location: MapLocation = None, hparams_file: Any = None, strict: bool | None = None,
+        weights_only: bool | None = None, **kwargs: Any,
+    ) -> Any:
+        try:
+            pointer = read_pointer(local_path(checkpoint_path))
+        except (TypeError, ValueError, OSError):  # a file object, another format, no file: Lightning's own answer
+            return super().load_from_checkpoint(  # type: ignore[misc]
+                checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only, **kwargs
+            )
+        if hparams_file is not None:
+            raise TypeError(f"{checkpoint_path} is a ckptd pointer, whose checkpoint holds its hyper-parameters: pass changed ones as keyword arguments, not hparams_file")
+        io = CkptdCheckpointIO(pointer.job, address=cls.ckptd_address, on_error="raise", rng=False)
+        try:
+            checkpoint = io.load_checkpoint(checkpoint_path, map_location=map_location)
+        finally:
+            io.teardown()
+        checkpoint.setdefault(LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+        model: Any = _load_state(cls, checkpoint, strict=strict, **kwargs)  # type: ignore[arg-type]
+        weights = [t for t in checkpoint["state_dict"].values() if isinstance(t, torch.Tensor)]
+        return model.to(weights[0].device) if weights else model
 
 
 class _Durable:
@@ -342,89 +489,3 @@ class _Durable:
             if self._error is not None:
                 raise self._error
             return bool(self._result)
-
-
-def _is_last_checkpoint(path: Any, strategy: Strategy | None) -> bool:
-    """Whether `path` is a last checkpoint of the trainer's ModelCheckpoint callbacks (of a
-    default ModelCheckpoint without a trainer), matched as Lightning's ckpt_path="last" finds
-    them: CHECKPOINT_NAME_LAST, an optional version "-N", then FILE_EXTENSION."""
-    callbacks: list[Any] = [ModelCheckpoint]
-    try:
-        trainer = strategy.lightning_module.trainer if strategy is not None and strategy.lightning_module is not None else None
-    except RuntimeError:  # the module is not attached to a trainer
-        trainer = None
-    if trainer is not None:
-        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] or callbacks
-    stem, extension = os.path.splitext(os.path.basename(os.fsdecode(os.fspath(path))))
-    for callback in callbacks:
-        try:
-            if extension == callback.FILE_EXTENSION and re.match(rf"^{callback.CHECKPOINT_NAME_LAST}(-(\d+))?", stem):
-                return True
-        except re.error:  # a name Lightning could not match either
-            continue
-    return False
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the number of training processes: torch.distributed's
-    when it is initialized (Lightning's DDP does so before any save or load), else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-# Strategies that shard the model: they save without the CheckpointIO or load the checkpoint
-# file with torch themselves (FSDP's and ModelParallel's full state dicts), never through it.
-_SHARDING = (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)
-# Frames searched for the calling Strategy: the plugin's method, overrides of it in subclasses
-# that call super(), then Lightning's Strategy.save_checkpoint.
-_FRAMES_SEARCHED = 5
-
-
-def _calling_strategy() -> Strategy | None:
-    """The Lightning Strategy whose method called into this plugin (the `self` of one of the
-    nearest calling frames), or None (a call from user code or a wrapping CheckpointIO).
-
-    A CheckpointIO is not told which strategy uses it; Lightning's Strategy.save_checkpoint
-    calls it directly, so the caller is the only place that says.
-    """
-    here = inspect.currentframe()
-    frame = here.f_back if here is not None else None
-    try:
-        for _ in range(_FRAMES_SEARCHED):
-            if frame is None:
-                return None
-            found = frame.f_locals.get("self")
-            if isinstance(found, Strategy):
-                return found
-            frame = frame.f_back
-        return None
-    finally:
-        del here, frame  # frames refer to their locals: no reference cycle kept
-
-
-def _check_saver(strategy: Strategy | None) -> None:
-    """Raise RuntimeError unless this save can be loaded back: not from a sharding strategy, nor
-    from DDP started by multiprocessing, and from global rank 0 (which holds the whole
-    replicated state under DDP)."""
-    if isinstance(strategy, _SHARDING):
-        raise RuntimeError(
-            f"CkptdCheckpointIO does not work with {type(strategy).__name__}: that strategy shards the model and loads "
-            "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use strategy='ddp', or save "
-            "through ckptd.client.CheckpointClient from every rank (it saves each rank's shards and restores any layout), "
-            "or through torch.distributed.checkpoint with ckptd.integrations.dcp"
-        )
-    if strategy is not None and isinstance(strategy.launcher, _MultiProcessingLauncher):
-        raise RuntimeError(
-            "CkptdCheckpointIO does not work with DDP started by multiprocessing (strategy='ddp_spawn', 'ddp_fork' or "
-            "'ddp_notebook'): at the end of fit its launcher hands the trained weights to the main process through the "
-            "CheckpointIO as a bare state dict, which is no checkpoint. Use strategy='ddp' (Lightning starts the processes "
-            "by running your script again) or launch the processes with torchrun"
-        )
-    rank, world_size = _rank_and_world()
-    if rank != 0:
-        raise RuntimeError(
-            f"CkptdCheckpointIO.save_checkpoint was called on global rank {rank} of {world_size}; it saves the whole "
-            "checkpoint from global rank 0, as Lightning's DDP strategy calls it (Strategy.save_checkpoint). With a "
-            "strategy that saves from every rank, save through ckptd.client.CheckpointClient from every rank instead"
-        )
