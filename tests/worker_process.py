@@ -32,10 +32,10 @@ def run_worker(path: Path, spec: dict[str, Any], killed: bool = False) -> dict[s
     return json.loads(Path(spec["out"]).read_text())
 
 
-def run_ranks(script: Path, world: int, timeout_s: float = 180, **spec: Any) -> None:
+def run_ranks(script: Path, world: int, timeout_s: float = 180, killed: bool = False, **spec: Any) -> None:
     """Run `world` processes of rank script `script`, one gloo group on a free port of
     127.0.0.1, each with `spec` plus its rank, world_size and the port (JSON in argv[1]), and
-    wait for all; fails unless every one exits 0."""
+    wait for all; fails unless every one exits 0 (killed: is killed by SIGKILL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -44,4 +44,4 @@ def run_ranks(script: Path, world: int, timeout_s: float = 180, **spec: Any) -> 
         for rank in range(world)
     ]
     codes = [p.wait(timeout_s) for p in procs]
-    assert codes == [0] * world, codes
+    assert codes == [-9 if killed else 0] * world, codes
