@@ -202,6 +202,52 @@ def test_metrics_reach_keep_best_and_a_step_holds_the_trainer_state(daemon, tmp_
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
 
 
+# issue 31 item 7
+def test_save_strategy_best_saves_each_new_best_and_load_best_model_at_end_loads_it(daemons, tmp_path: Path, one_thread: None) -> None:
+    """save_strategy="best": ckptd saves exactly the evaluated steps whose eval_loss beat the best so
+    far (the Trainer writes nothing), each with its metric; load_best_model_at_end leaves the
+    model of the best step, loaded from ckptd; the daemon's keep-best retention keeps that step."""
+    daemon = daemons.start("--keep-last", "1", "--keep-best", "1", "--best-mode", "min")
+    ckpt = CkptdCallback(job="hf-best", address=daemon.address, on_error="raise")
+    args = hf.training_args(str(tmp_path / "out"), max_steps=6, save_steps=1, ckptd=True, learning_rate=0.3, warmup_steps=0, lr_scheduler_type="constant",
+                            save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                            load_best_model_at_end=True, per_device_eval_batch_size=24)
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                                   callbacks=[ckpt])
+    assert ckpt.resume_from(trainer) is None
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    saved: set[int] = set()
+
+    class Weights(transformers.TrainerCallback):  # the model after each step, and the steps ckptd saved
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saved.update([ckpt.last_save.step] if ckpt.last_save is not None else [])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen[state.global_step] = {k: v.clone() for k, v in kwargs["model"].state_dict().items()}
+
+    trainer.add_callback(Weights())
+    trainer.train(resume_from_checkpoint=None)
+
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    improved, best = [], float("inf")
+    for step in sorted(evals):
+        if evals[step] < best:
+            improved.append(step)
+            best = evals[step]
+    best_step = improved[-1]
+    assert best_step != max(evals), evals  # the learning rate is high enough that the last step is not the best
+    assert (trainer.state.best_global_step, trainer.state.best_metric) == (best_step, best)
+    assert sorted(saved) == improved and ckpt.last_save is not None and ckpt.last_save.step == best_step  # a save per new best, no other
+    with CheckpointClient("hf-best", address=daemon.address) as client:
+        kept = {info.step: info.metric for info in client.list()}
+    assert kept == {best_step: best}  # --keep-last 1: the newest save is the best one
+    assert trainer.state.best_model_checkpoint is not None and trainer.state.best_model_checkpoint.endswith(f"step-{best_step:08d}")
+    assert all(torch.equal(v, seen[best_step][k]) for k, v in trainer.model.state_dict().items())
+    assert not all(torch.equal(v, seen[6][k]) for k, v in trainer.model.state_dict().items())
+    _no_trainer_checkpoints(tmp_path / "out")
+
+
 def test_the_resume_directory_holds_json_and_a_tensorless_shard(daemon, tmp_path: Path, one_thread: None) -> None:
     args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=2, ckptd=True)
     first = CkptdCallback(job="hf-dir", address=daemon.address, on_error="raise")
@@ -273,8 +319,6 @@ def test_client_options_pass_through() -> None:
 @pytest.mark.parametrize(
     "more, words",
     [
-        ({"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"}, "save_strategy='best'"),
-        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3}, "load_best_model_at_end"),
         ({"save_only_model": True}, "save_only_model=False"),
     ],
 )

@@ -79,6 +79,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
 from ckptd.client import CheckpointClient, DaemonUnavailable, SaveHandle
@@ -175,6 +176,7 @@ class CkptdCallback(TrainerCallback):
         self._rng_due: str | None = None  # AT_STEP/AT_EPOCH: restore the generators at that hook
         self._last: SaveHandle | None = None
         self._warned_no_trainer = False
+        self._training = False  # between on_train_begin and on_train_end
 
     @property
     def last_save(self) -> SaveHandle | None:
@@ -243,6 +245,7 @@ class CkptdCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._pending = False
         self._rng_due = None
+        self._training = True
         resume = self._resume
         if resume is None:
             return
@@ -274,6 +277,8 @@ class CkptdCallback(TrainerCallback):
         metrics = kwargs.get("metrics") or {}
         if self._metric_key is not None and isinstance(metrics.get(self._metric_key), (int, float)):
             self._metric_seen = (state.global_step, float(metrics[self._metric_key]))
+        if self._training and args.save_strategy == SaveStrategy.BEST:
+            self._take_over_best(args, state, metrics)
         self._take_over_save(control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -282,9 +287,12 @@ class CkptdCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
         self._save_if_pending(args, state, control, kwargs, AT_END)
+        self._training = False
         last = self._last
         if last is not None and last.ok and self.wait_at_end_s is not None:
             last.wait_durable(timeout=self.wait_at_end_s)
+        if args.load_best_model_at_end and state.best_global_step:
+            self._load_best_model(args, state, kwargs.get("model"))
         if self._resume is not None:
             shutil.rmtree(self._resume.directory, ignore_errors=True)
             self._resume = None
@@ -293,6 +301,41 @@ class CkptdCallback(TrainerCallback):
             self._ckpt = None
 
     # ------------------------------------------------------------ internals
+
+    def _take_over_best(self, args: TrainingArguments, state: TrainerState, metrics: Mapping[str, Any]) -> None:
+        """save_strategy="best": the Trainer decides to save after the last callback event
+        (Trainer._determine_best_metric: a metric strictly better than state.best_metric). Make
+        that decision here, by the same rule, and record the new best as it would; it then finds
+        no improvement, so its own save does not run, and ckptd saves the step instead."""
+        key = args.metric_for_best_model
+        if key is None:
+            return  # the Trainer refuses save_strategy="best" without it
+        value = metrics.get(key if key.startswith("eval_") else f"eval_{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return  # the Trainer raises KeyError naming the metrics it got
+        best = state.best_metric
+        if best is None or (value > best if args.greater_is_better else value < best):
+            state.best_metric = float(value)
+            state.best_global_step = state.global_step
+            self._pending = True
+
+    def _load_best_model(self, args: TrainingArguments, state: TrainerState, model: torch.nn.Module | None) -> None:
+        """load_best_model_at_end: the model's weights of ckptd step state.best_global_step (the
+        Trainer's own _load_best_model finds no checkpoint-* directory and does not run)."""
+        step = state.best_global_step
+        if model is None:
+            raise ValueError("the Trainer passed no model to CkptdCallback.on_train_end: it cannot load the best model")
+        try:
+            self._client(args).load({"model": model}, step=step)
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise
+            log.error("load_best_model_at_end: could not load the model of ckptd step %d (best %s %s), so the model is "
+                      "the last step's; keep best steps with the daemon's --keep-best N --best-mode %s: %s",
+                      step, args.metric_for_best_model, state.best_metric, "max" if args.greater_is_better else "min", exc)
+            return
+        state.best_model_checkpoint = next((info.path for info in self._client(args).list() if info.step == step), None)
+        log.info("loaded the best model: ckptd step %d (%s %s)", step, args.metric_for_best_model, state.best_metric)
 
     def _take_over_save(self, control: TrainerControl) -> None:
         """The Trainer wants a checkpoint: ckptd makes it (at the next step, epoch or end), the Trainer not."""
@@ -361,16 +404,6 @@ def _check_client_options(options: Mapping[str, Any]) -> None:
 
 def _check_training_args(args: TrainingArguments) -> None:
     """Refuse, with the reason, the TrainingArguments whose checkpoints the callback cannot take over."""
-    if args.save_strategy == "best":
-        raise ValueError(
-            "CkptdCallback cannot take over save_strategy='best' (the Trainer decides that save after the last callback "
-            "event); use save_strategy='steps' with eval_steps == save_steps and the daemon's keep-best retention"
-        )
-    if args.load_best_model_at_end:
-        raise ValueError(
-            "CkptdCallback does not support load_best_model_at_end (the Trainer reloads it from a checkpoint-* directory); "
-            "load the best step with CheckpointClient(job).load({'model': model}, step=...) after training"
-        )
     if args.save_only_model:
         raise ValueError("CkptdCallback saves the whole training state; set save_only_model=False")
     if args.deepspeed is not None:
