@@ -11,8 +11,13 @@
                  still be under way in the daemon) before the kill
   resume_step    the step to resume from (default: the newest committed)
   out            where {"resumed_from": step or None, "losses": {step: loss}, "tracker": {...}}
-                 goes as JSON (rewritten after every step); "{rank}" in it is the process index
+                 goes as JSON (rewritten after every step), with "samples": {step: [sample ids]}
+                 and "epochs": {epoch: [sample ids in the order trained]};
+                 "{rank}" in it is the process index
   rank, world_size, port   run as one process of a gloo group (run_ranks sets them); else one process
+  resized        resumed in another world size than the checkpoint's: skip by batches_to_skip
+  stateful       Accelerate's use_stateful_dataloader (torchdata's StatefulDataLoader): the loader's
+                 state comes back with load_state, so the loop skips nothing itself
   fsdp           with ranks: Accelerate's FSDP2 plugin (sharded state dict; tests/integrations/fsdp_cpu.py)
   dump           a path ("{rank}" allowed): after the load (or the fresh start) and after the last
                  step, each process writes the full model and optimizer tensors (safetensors,
@@ -59,22 +64,23 @@ class RunningMean:
 
 
 def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.DataLoader]:
-    """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader, seeded."""
+    """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader (batches of
+    inputs, targets and sample ids), seeded."""
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
     g = torch.Generator().manual_seed(99)
-    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES))
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
     return model, optimizer, scheduler, loader
 
 
-def accelerator(fsdp: bool = False) -> Any:
+def accelerator(fsdp: bool = False, stateful: bool = False) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
-    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
     if fsdp:
         from fsdp_cpu import fsdp2_accelerator
 
@@ -101,29 +107,35 @@ def _write_dump(path: str, dumped: dict[str, Any]) -> None:
 def train(spec: dict[str, Any]) -> dict[str, Any]:
     """Train as the spec says; returns what `out` receives."""
     from ckptd.client import CheckpointClient
-    from ckptd.integrations.accelerate import load_state, save_state
+    from ckptd.integrations.accelerate import batches_to_skip, load_state, save_state
 
-    acc = accelerator(spec.get("fsdp", False))
+    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False))
     model, optimizer, scheduler, loader = parts()
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     tracker = RunningMean()
     acc.register_for_checkpointing(tracker)
     ckpt = CheckpointClient(spec["job"], address=spec["address"], on_error="raise") if "address" in spec else None
     start = (load_state(acc, ckpt, spec.get("resume_step")) if ckpt is not None else None) or 0
-    result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "tracker": {}, "collectives_in_save": []}
+    result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "samples": {}, "epochs": {}, "tracker": {}, "collectives_in_save": []}
     out = spec["out"].format(rank=acc.process_index) if "out" in spec else None
     dumped: dict[str, Any] = {}
     if "dump" in spec:
         _dump("loaded", model, optimizer, scheduler, dumped)
     handle = None
     per_epoch = len(loader)
-    for epoch in range(start // per_epoch, (spec["steps"] + per_epoch - 1) // per_epoch):
+    # in another world size than the checkpoint's, the batches to skip come from batches_to_skip
+    first_epoch, first_skip = batches_to_skip(acc, ckpt, start, start) if spec.get("resized") and ckpt and start else divmod(start, per_epoch)
+    step = start
+    for epoch in range(first_epoch, (spec["steps"] + per_epoch - 1) // per_epoch):
         loader.set_epoch(epoch)
-        skip = start % per_epoch if epoch == start // per_epoch else 0
-        batches = acc.skip_first_batches(loader, skip) if skip else loader
-        for step, (x, y) in enumerate(batches, start=epoch * per_epoch + skip + 1):
+        skip = first_skip if epoch == first_epoch else 0
+        # a StatefulDataLoader resumes where its restored state_dict stood (same world size); else skip
+        batches = acc.skip_first_batches(loader, skip) if skip and (spec.get("resized") or not spec.get("stateful")) else loader
+        for x, y, ids in batches:
+            step += 1
             if step > spec["steps"]:
                 break
+            result["epochs"].setdefault(epoch, []).extend(ids.tolist())
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y) * (1.0 + tracker.mean)
             acc.backward(loss)
@@ -131,6 +143,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             scheduler.step()
             tracker.update(loss.item())
             result["losses"][step] = loss.item()
+            result["samples"][step] = ids.tolist()
             result["tracker"] = tracker.state_dict()
             if out is not None:
                 Path(out).write_text(json.dumps(result))
