@@ -18,13 +18,26 @@ this is needed: tests/gpu/fsdp2_accelerate.sh runs the same checks with NCCL.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 
+DEVICE_ENV = "CKPTD_TEST_DEVICE"  # "cuda": the workers run on GPUs with NCCL and Accelerate's own choice
+
+
+def on_gpus() -> bool:
+    """Whether the workers run on GPUs (tests/gpu/fsdp2_accelerate.sh sets CKPTD_TEST_DEVICE=cuda)."""
+    return os.environ.get(DEVICE_ENV) == "cuda"
+
+
 @contextmanager
 def fsdp_on_cpu() -> Iterator[None]:
-    """Within: make the Accelerator (or Trainer) whose FSDP plugin Accelerate should honour on CPU."""
+    """Within: make the Accelerator (or Trainer) whose FSDP plugin Accelerate should honour on CPU
+    (on GPUs, CKPTD_TEST_DEVICE=cuda: nothing to do)."""
+    if on_gpus():
+        yield
+        return
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -45,7 +58,7 @@ def fsdp2_accelerator(**kwargs: Any) -> Any:
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True)
     with fsdp_on_cpu():
-        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, **kwargs)
+        accelerator = Accelerator(cpu=not on_gpus(), fsdp_plugin=plugin, **kwargs)
     if not accelerator.is_fsdp2:
         raise RuntimeError(f"the Accelerator is {accelerator.distributed_type}, not FSDP2")
     return accelerator
@@ -61,11 +74,11 @@ def full_state(model: Any, optimizer: Any) -> dict[str, Any]:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     names = {id(p): name for name, p in model.named_parameters()}
-    out = {f"model/{k}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    out = {f"model/{k}": full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
-                out[f"optimizer/{names[id(p)]}/{key}"] = full(value).detach().clone()
+                out[f"optimizer/{names[id(p)]}/{key}"] = full(value).detach().cpu().clone()
     return out
 
 

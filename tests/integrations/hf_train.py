@@ -71,7 +71,7 @@ def training_args(output_dir: str, max_steps: int, save_steps: int, ckptd: bool,
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
         save_strategy="steps" if ckptd else "no", save_steps=save_steps, logging_steps=1, report_to="none",
-        seed=SEED, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        seed=SEED, use_cpu=os.environ.get("CKPTD_TEST_DEVICE") != "cuda", dataloader_num_workers=0, disable_tqdm=True,
     )
     return transformers.TrainingArguments(**{**settings, **more})
 

@@ -27,15 +27,19 @@ What a checkpoint holds, read from the Accelerator (what `accelerator.prepare` a
     "scaler"                the GradScaler's state_dict, when mixed precision has one
     "custom_0", ...         the objects registered with accelerator.register_for_checkpointing,
                             each process's own (tensors in their state_dicts too: docs/usage.md, extras)
-    "accelerate"            accelerator.step (the gradient accumulation counter) and, per prepared
-                            data loader, its epoch counter (`iteration`, which seeds the shuffle of
-                            a seedable sampler) and, for a StatefulDataLoader, its state_dict
+    "accelerate"            accelerator.step (the gradient accumulation counter), the number of
+                            processes and, per prepared data loader, its epoch counter (`iteration`,
+                            which seeds the shuffle of a seedable sampler), its length and, for a
+                            StatefulDataLoader, its state_dict (each process's own)
     RNG                     rng=True: torch (CPU and CUDA), Python and NumPy generators of every rank
 
 The position inside an epoch is where Accelerate leaves it: the caller skips the batches already
 trained with `accelerator.skip_first_batches(dataloader, n)`, n counted from the step that
-`load_state` returns (or uses a StatefulDataLoader, whose state_dict is saved and restored;
-not exercised by the tests, which run without torchdata). For the shuffle
+`load_state` returns, or uses a StatefulDataLoader (`use_stateful_dataloader=True`), whose
+state_dict is saved per process and restored to that process. In another world size the saved
+states describe the old split and are not restored (a warning says so); `batches_to_skip` gives
+each process the batches to skip so that the rest of the epoch is trained once (its docstring has
+the rule). For the shuffle
 and the random generators after a resume to be those of an uninterrupted run, as in
 tests/integrations/test_accelerate.py (and tests/integrations/accel_train.py, the loop to copy):
 - make the shuffle order a function of the epoch: DataLoaderConfiguration(use_seedable_sampler=True),
@@ -48,9 +52,11 @@ tests/integrations/test_accelerate.py (and tests/integrations/accel_train.py, th
   generators by one draw that the interrupted run made before its save (measured: the losses
   after a mid-epoch resume then differ).
 
-Not supported (refused with the reason): DeepSpeed and Megatron-LM (their engines save their own
-state), FSDP version 1 and XLA. FSDP2 goes through the client's DTensor path (not exercised by
-this module's tests). Hooks registered with register_save_state_pre_hook /
+FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`): the parameters and optimizer states
+are DTensors, and each process hands its own shards to the client's DTensor path; a save makes no
+collective, nothing is gathered to a process, and a checkpoint loads into another number of
+processes (tests/integrations/test_accelerate_fsdp.py). Not supported (refused with the reason):
+DeepSpeed and Megatron-LM (their engines save their own state), FSDP version 1 and XLA. Hooks registered with register_save_state_pre_hook /
 register_load_state_pre_hook are not called (they expect a directory): a warning says so.
 """
 
@@ -106,7 +112,7 @@ def load_state(accelerator: Accelerator, client: CheckpointClient, step: int | N
     and `register_for_checkpointing` gave the Accelerator the same objects as when the
     checkpoint was saved. Models, optimizers, schedulers, scaler and registered objects are
     filled in place; the random generators, accelerator.step and the data loaders' epoch
-    counters (and StatefulDataLoader states) are set back. Returns the step loaded, or None when
+    counters (and, in the same world size, StatefulDataLoader states) are set back. Returns the step loaded, or None when
     the job has no checkpoint yet (nothing changed). Raises CheckpointError when the step
     cannot be loaded and ValueError when the checkpoint holds other objects than the Accelerator.
     """
@@ -239,7 +245,8 @@ def batches_to_skip(accelerator: Accelerator, client: CheckpointClient, step: in
     training began (the step, when every step takes one batch; step * accumulation steps with
     gradient accumulation). Reads the loader's length and the world size saved with checkpoint
     `step`. In the same world size: (batches_done // length, batches_done % length), the usual
-    skip. In another world size (Accelerate deals batch b of an epoch to process b % world size):
+    skip. In another world size, with the same batch size per process and a seedable sampler
+    (the epoch's batch order is then the same; Accelerate deals batch b to process b % world size):
     the old run had trained the epoch's first `done = (batches_done % length) * old world size`
     batches, and this process skips its batches among them, ceil((done - process index) / world size);
     every later batch is then trained once, none twice. The processes' remaining batch counts

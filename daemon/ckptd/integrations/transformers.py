@@ -51,15 +51,29 @@ before the optimizer exists, loads nothing. Then:
 So the losses after a resume equal those of an uninterrupted run, bit for bit on a deterministic
 device (tests/integrations/test_transformers.py).
 
+save_strategy="best": the Trainer decides that save after the last callback event
+(`_determine_best_metric`: a metric strictly better than `state.best_metric`). `on_evaluate`
+makes the same decision by the same rule and records the new best in the TrainerState as the
+Trainer would (best_metric, best_global_step); the Trainer then finds no improvement and does not
+save, and ckptd saves the step, with its metric. load_best_model_at_end: the Trainer finds no
+`checkpoint-*` directory (`best_model_checkpoint` stays None) and loads nothing; `on_train_end`,
+after the last save is durable, loads the model of ckptd step `best_global_step` and sets
+`best_model_checkpoint` to its directory. Keep that step with the daemon's retention
+(`--keep-best 1 --best-mode min|max`). `save_total_limit` is the daemon's retention too
+(`--keep-last N`): the callback cannot set it (it is the daemon's, for every job).
+
+FSDP2 (fsdp_config={"fsdp_version": 2, ...}): the model's parameters and the optimizer's states are
+DTensors; each rank hands its own shards (no gather, no collective in the save) and a checkpoint
+resumes in another world size (tests/integrations/test_transformers.py).
+
 Failures: with on_error="warn" (default) a daemon that is down or a save that fails is logged and
 training goes on (`last_save.ok` is False); `resume_from` logs that the daemon cannot be reached
-and returns None (a fresh start). A state that can never be saved, and a checkpoint that cannot
-be loaded into this model, raise. Not supported (refused with the reason when the Trainer is
-made): save_strategy="best" (the Trainer sets should_save after the last callback event, so it
-cannot be taken over: use save_strategy="steps" and the daemon's keep-best retention),
-load_best_model_at_end, save_only_model, DeepSpeed, and resuming PEFT models (the Trainer's
-resume path then loads adapter files: see ckptd.integrations.peft). `on_save` of other
-callbacks is never called, since the Trainer's save does not run.
+and returns None (a fresh start); a best model that cannot be loaded is logged and the model
+stays the last step's. A state that can never be saved, and a checkpoint that cannot be loaded
+into this model, raise. Not supported (refused with the reason when the Trainer is made):
+save_only_model, DeepSpeed, and resuming PEFT models (the Trainer's resume path then loads
+adapter files: see ckptd.integrations.peft). `on_save` of other callbacks is never called, since
+the Trainer's save does not run.
 """
 
 from __future__ import annotations
@@ -239,6 +253,11 @@ class CkptdCallback(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _check_training_args(args)
+        if args.save_total_limit and args.process_index == 0:
+            best = args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end
+            log.warning("save_total_limit=%d is the ckptd daemon's retention: the callback cannot set it (it holds for "
+                        "every job of the daemon); run it with --keep-last %d%s", args.save_total_limit, args.save_total_limit,
+                        f" --keep-best 1 --best-mode {'max' if args.greater_is_better else 'min'}" if best else "")
         key = self.metric if self.metric is not None else args.metric_for_best_model
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
 
