@@ -5,7 +5,7 @@ Accelerate 1.15 never selects FSDP on a CPU: `AcceleratorState.__init__` turns a
 (or ACCELERATE_USE_FSDP=true, or the Trainer's `fsdp=`) into DistributedType.FSDP only when the
 process group's type is one of MULTI_GPU/MLU/SDAA/MUSA/NPU/XPU/HPU/NEURON
 (accelerate/state.py:986-1013); with `cpu=True` (the Trainer's use_cpu=True) the type is
-MULTI_CPU (state.py:801-808), so the plugin is dropped without a word and the model is wrapped in
+MULTI_CPU (state.py:800-808), so the plugin is dropped without a word and the model is wrapped in
 DDP. Everything after that choice works on CPU with gloo (`fully_shard`, DTensor, Accelerate's own
 sharded save_state through DCP): torch 2.13's FSDP2 does.
 

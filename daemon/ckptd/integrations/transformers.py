@@ -96,7 +96,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from ckptd.client import CheckpointClient, DaemonUnavailable, SaveHandle
+from ckptd.client import CheckpointClient, CheckpointError, DaemonUnavailable, SaveHandle
 from ckptd.client.client import ON_ERROR
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -191,6 +191,7 @@ class CkptdCallback(TrainerCallback):
         self._last: SaveHandle | None = None
         self._warned_no_trainer = False
         self._training = False  # between on_train_begin and on_train_end
+        self._best_saved: int | None = None  # the newest step saved while it was state.best_global_step
 
     @property
     def last_save(self) -> SaveHandle | None:
@@ -339,14 +340,16 @@ class CkptdCallback(TrainerCallback):
             self._pending = True
 
     def _load_best_model(self, args: TrainingArguments, state: TrainerState, model: torch.nn.Module | None) -> None:
-        """load_best_model_at_end: the model's weights of ckptd step state.best_global_step (the
-        Trainer's own _load_best_model finds no checkpoint-* directory and does not run)."""
-        step = state.best_global_step
+        """load_best_model_at_end: the model's weights of the newest step saved while it was the
+        best (as the Trainer's best_model_checkpoint: the best evaluated step may have had no save),
+        else, in a run resumed since, of state.best_global_step. The Trainer's own _load_best_model
+        finds no checkpoint-* directory and does not run."""
+        step = self._best_saved if self._best_saved is not None else state.best_global_step
         if model is None:
             raise ValueError("the Trainer passed no model to CkptdCallback.on_train_end: it cannot load the best model")
         try:
             self._client(args).load({"model": model}, step=step)
-        except Exception as exc:
+        except CheckpointError as exc:  # not found (retention removed it, or no save at that step), daemon down
             if self.on_error == "raise":
                 raise
             log.error("load_best_model_at_end: could not load the model of ckptd step %d (best %s %s), so the model is "
@@ -380,6 +383,8 @@ class CkptdCallback(TrainerCallback):
         self._last = self._client(args).save(
             step, saved, metric=metric, quantize=self.quantize, master_weights=self.master_weights, rng=True
         )
+        if self._last.ok and state.best_global_step == step:
+            self._best_saved = step
 
     def _restore_rng(self, args: TrainingArguments) -> None:
         """Set the random generators to the checkpoint's, at the point of the loop where they were saved."""
