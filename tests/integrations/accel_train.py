@@ -19,6 +19,7 @@
   stateful       Accelerate's use_stateful_dataloader (torchdata's StatefulDataLoader): the loader's
                  state comes back with load_state, so the loop skips nothing itself
   fsdp           with ranks: Accelerate's FSDP2 plugin (sharded state dict; tests/integrations/fsdp_cpu.py)
+  replicas       with fsdp: HSDP, Accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=rest)
   dump           a path ("{rank}" allowed): after the load (or the fresh start) and after the last
                  step, each process writes the full model and optimizer tensors (safetensors,
                  keys prefixed "loaded/" and "end/") and the scheduler's state (JSON, .json beside)
@@ -76,7 +77,7 @@ def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.Dat
     return model, optimizer, scheduler, loader
 
 
-def accelerator(fsdp: bool = False, stateful: bool = False) -> Any:
+def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
@@ -84,6 +85,12 @@ def accelerator(fsdp: bool = False, stateful: bool = False) -> Any:
     if fsdp:
         from fsdp_cpu import fsdp2_accelerator
 
+        if replicas:  # HSDP: `replicas` groups, each sharding the model over the rest of the processes
+            from accelerate.parallelism_config import ParallelismConfig
+
+            world = int(os.environ["WORLD_SIZE"])
+            hsdp = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
+            return fsdp2_accelerator(dataloader_config=config, parallelism_config=hsdp)
         return fsdp2_accelerator(dataloader_config=config)
     return Accelerator(cpu=True, dataloader_config=config)
 
@@ -109,7 +116,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     from ckptd.client import CheckpointClient
     from ckptd.integrations.accelerate import batches_to_skip, load_state, save_state
 
-    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False))
+    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0))
     model, optimizer, scheduler, loader = parts()
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     tracker = RunningMean()

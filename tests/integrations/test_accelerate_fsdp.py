@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from worker_process import run_ranks  # tests/worker_process.py
@@ -50,20 +51,36 @@ def test_fsdp2_killed_and_resumed_trains_what_an_uninterrupted_run_does(daemon, 
     assert index["world_size"] == 2 and index["tensors"]["model/0.weight"]["shape"] == [32, 8]  # the logical tensor
 
 
-# issue 31 item 1
-def test_fsdp2_saved_by_two_ranks_loads_bit_exact_into_three(daemon, tmp_path: Path) -> None:
-    spec = {"fsdp": True, "steps": 4, "save_every": 4, "address": daemon.address, "job": "accel-fsdp-3"}
-    run_ranks(WORKER, 2, **spec, dump=str(tmp_path / "two-{rank}.safetensors"))
-    run_ranks(WORKER, 3, **spec, dump=str(tmp_path / "three-{rank}.safetensors"))  # loads step 4, trains no further
-    saved = safetensors_torch.load_file(str(tmp_path / "two-0.safetensors"))
-    saved_meta = json.loads((tmp_path / "two-0.safetensors.json").read_text())
+def _saved_then_loaded(daemon: Any, tmp_path: Path, job: str, saving: dict[str, Any], loading: dict[str, Any]) -> None:
+    """Train 4 steps and save in `saving` ({"world": processes, ...spec}), load in `loading` (no
+    training after the load): every process's full model and optimizer tensors and scheduler
+    state after the load equal those of the saving run's process 0 at its save, bit for bit."""
+    spec = {"fsdp": True, "steps": 4, "save_every": 4, "address": daemon.address, "job": job}
+    run_ranks(WORKER, saving["world"], **spec, **{k: v for k, v in saving.items() if k != "world"}, dump=str(tmp_path / "saved-{rank}.safetensors"))
+    run_ranks(WORKER, loading["world"], **spec, **{k: v for k, v in loading.items() if k != "world"}, dump=str(tmp_path / "loaded-{rank}.safetensors"))
+    saved = safetensors_torch.load_file(str(tmp_path / "saved-0.safetensors"))
+    saved_meta = json.loads((tmp_path / "saved-0.safetensors.json").read_text())
     expected = {k.removeprefix("end/"): v for k, v in saved.items() if k.startswith("end/")}
     assert any(k.startswith("optimizer/") and k.endswith("/exp_avg_sq") for k in expected)
-    for rank in range(3):
-        loaded_all = safetensors_torch.load_file(str(tmp_path / f"three-{rank}.safetensors"))
+    for rank in range(loading["world"]):
+        loaded_all = safetensors_torch.load_file(str(tmp_path / f"loaded-{rank}.safetensors"))
         loaded = {k.removeprefix("loaded/"): v for k, v in loaded_all.items() if k.startswith("loaded/")}
         assert sorted(loaded) == sorted(expected)
         differ = [k for k in expected if not (loaded[k].dtype == expected[k].dtype and torch.equal(loaded[k], expected[k]))]
         assert differ == [], differ
-        meta = json.loads((tmp_path / f"three-{rank}.safetensors.json").read_text())
+        meta = json.loads((tmp_path / f"loaded-{rank}.safetensors.json").read_text())
         assert meta["loaded/scheduler"] == saved_meta["end/scheduler"]
+
+
+# issue 31 item 1
+def test_fsdp2_saved_by_two_ranks_loads_bit_exact_into_three(daemon, tmp_path: Path) -> None:
+    _saved_then_loaded(daemon, tmp_path, "accel-fsdp-3", {"world": 2}, {"world": 3})
+
+
+# issue 31 item 1
+@pytest.mark.slow
+def test_hsdp_saved_by_two_replicas_of_two_shards_loads_bit_exact_into_fsdp2_over_two(daemon, tmp_path: Path) -> None:
+    """HSDP through Accelerate's ParallelismConfig (dp_replicate 2 x dp_shard 2: DTensors placed
+    (Replicate(), Shard(0)) on a 2-D mesh): the replicas' equal shards are stored once; loaded by
+    plain FSDP2 over 2 processes, bit-exact."""
+    _saved_then_loaded(daemon, tmp_path, "accel-hsdp", {"world": 4, "replicas": 2}, {"world": 2})
