@@ -100,7 +100,16 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     ckptd = "address" in spec
     fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}}
     args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd, **(fsdp if spec.get("fsdp") else {}))
-    result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": []}
+    result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": [], "collectives_in_save": []}
+
+    class CountingCallback(CkptdCallback):
+        """CkptdCallback, recording the collectives its saves run (fsdp: each rank hands its own shards)."""
+
+        def _save_if_pending(self, *args: Any) -> None:
+            from fsdp_cpu import collectives_during
+
+            result["collectives_in_save"] += collectives_during(super()._save_if_pending, *args)[1]
+
 
     rank = int(os.environ.get("RANK", "0"))  # several ranks (torch.distributed from the environment): rank 0 writes
 
@@ -146,7 +155,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 
     callbacks: list[Any] = []
     if ckptd:
-        ckpt = CkptdCallback(job=spec["job"], address=spec["address"], on_error="raise")
+        ckpt = (CountingCallback if spec.get("fsdp") else CkptdCallback)(job=spec["job"], address=spec["address"], on_error="raise")
         callbacks.append(ckpt)
     callbacks.append(Steps())
     if spec.get("fsdp"):

@@ -152,6 +152,20 @@ def test_fsdp2_killed_and_resumed_trains_what_an_uninterrupted_run_does(daemon, 
     _no_trainer_checkpoints(tmp_path / "out")
 
 
+# issue 31 item 1
+def test_fsdp2_each_rank_hands_its_own_shards(daemon, tmp_path: Path) -> None:
+    """The Trainer's FSDP2 over 2 gloo ranks: the saves run no collective (nothing gathered), the
+    step holds the logical tensors, each rank's generators, and no Trainer checkpoint is written."""
+    spec = {"address": daemon.address, "job": "hf-fsdp-shards", "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 1,
+            "fsdp": True, "out": str(tmp_path / "run.json")}
+    run = _run_ranks(spec, 2)
+    assert run["collectives_in_save"] == []  # rank 0's; rank 1 runs the same code
+    index = json.loads((daemon.root / "hf-fsdp-shards" / "step-00000002" / "ckptd.index.json").read_text())
+    assert index["world_size"] == 2 and index["tensors"]["model/transformer.wte.weight"]["shape"] == [hf.VOCAB, 32]
+    assert "rng/rank1/torch_cpu" in json.dumps(index)
+    _no_trainer_checkpoints(tmp_path / "out")
+
+
 # issue 31 item 1 (slow: 3 Trainer processes; test_accelerate_fsdp.py's 2 -> 3 test runs the same client path by default)
 @pytest.mark.slow
 def test_fsdp2_saved_by_two_ranks_resumes_bit_exact_in_three(daemon, tmp_path: Path) -> None:
