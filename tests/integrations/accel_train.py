@@ -11,7 +11,18 @@
                  still be under way in the daemon) before the kill
   resume_step    the step to resume from (default: the newest committed)
   out            where {"resumed_from": step or None, "losses": {step: loss}, "tracker": {...}}
-                 goes as JSON (rewritten after every step)
+                 goes as JSON (rewritten after every step), with "samples": {step: [sample ids]}
+                 and "epochs": {epoch: [sample ids in the order trained]};
+                 "{rank}" in it is the process index
+  rank, world_size, port   run as one process of a gloo group (run_ranks sets them); else one process
+  resized        resumed in another world size than the checkpoint's: skip by batches_to_skip
+  stateful       Accelerate's use_stateful_dataloader (torchdata's StatefulDataLoader): the loader's
+                 state comes back with load_state, so the loop skips nothing itself
+  fsdp           with ranks: Accelerate's FSDP2 plugin (sharded state dict; tests/integrations/fsdp_cpu.py)
+  replicas       with fsdp: HSDP, Accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=rest)
+  dump           a path ("{rank}" allowed): after the load (or the fresh start) and after the last
+                 step, each process writes the full model and optimizer tensors (safetensors,
+                 keys prefixed "loaded/" and "end/") and the scheduler's state (JSON, .json beside)
 The model has dropout, the DataLoader shuffles (seedable sampler, its own generator), an LR
 scheduler steps every step and a registered object with state_dict/load_state_dict keeps a
 running mean that scales the loss: what a resume must reproduce exactly.
@@ -54,46 +65,84 @@ class RunningMean:
 
 
 def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.DataLoader]:
-    """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader, seeded."""
+    """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader (batches of
+    inputs, targets and sample ids), seeded."""
     torch.manual_seed(SEED)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
     g = torch.Generator().manual_seed(99)
-    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES))
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
     return model, optimizer, scheduler, loader
 
 
-def accelerator() -> Any:
+def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
-    return Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
+    if fsdp:
+        from fsdp_cpu import fsdp2_accelerator
+
+        if replicas:  # HSDP: `replicas` groups, each sharding the model over the rest of the processes
+            from accelerate.parallelism_config import ParallelismConfig
+
+            world = int(os.environ["WORLD_SIZE"])
+            hsdp = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
+            return fsdp2_accelerator(dataloader_config=config, parallelism_config=hsdp)
+        return fsdp2_accelerator(dataloader_config=config)
+    return Accelerator(cpu=True, dataloader_config=config)
+
+
+def _dump(tag: str, model: nn.Module, optimizer: Any, scheduler: Any, into: dict[str, Any]) -> None:
+    """Collect the full state under `tag` (a collective under FSDP: every process calls it)."""
+    from fsdp_cpu import full_state
+
+    into.update({f"{tag}/{k}": v for k, v in full_state(model, optimizer.optimizer).items()})
+    into[f"{tag}/scheduler"] = scheduler.scheduler.state_dict()
+
+
+def _write_dump(path: str, dumped: dict[str, Any]) -> None:
+    import safetensors.torch
+
+    tensors = {k: v.contiguous() for k, v in dumped.items() if isinstance(v, torch.Tensor)}
+    safetensors.torch.save_file(tensors, path)
+    Path(path + ".json").write_text(json.dumps({k: v for k, v in dumped.items() if not isinstance(v, torch.Tensor)}))
 
 
 def train(spec: dict[str, Any]) -> dict[str, Any]:
     """Train as the spec says; returns what `out` receives."""
     from ckptd.client import CheckpointClient
-    from ckptd.integrations.accelerate import load_state, save_state
+    from ckptd.integrations.accelerate import batches_to_skip, load_state, save_state
 
-    acc = accelerator()
+    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0))
     model, optimizer, scheduler, loader = parts()
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     tracker = RunningMean()
     acc.register_for_checkpointing(tracker)
     ckpt = CheckpointClient(spec["job"], address=spec["address"], on_error="raise") if "address" in spec else None
     start = (load_state(acc, ckpt, spec.get("resume_step")) if ckpt is not None else None) or 0
-    result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "tracker": {}}
+    result: dict[str, Any] = {"resumed_from": start or None, "losses": {}, "samples": {}, "epochs": {}, "tracker": {}, "collectives_in_save": []}
+    out = spec["out"].format(rank=acc.process_index) if "out" in spec else None
+    dumped: dict[str, Any] = {}
+    if "dump" in spec:
+        _dump("loaded", model, optimizer, scheduler, dumped)
     handle = None
     per_epoch = len(loader)
-    for epoch in range(start // per_epoch, (spec["steps"] + per_epoch - 1) // per_epoch):
+    # in another world size than the checkpoint's, the batches to skip come from batches_to_skip
+    first_epoch, first_skip = batches_to_skip(acc, ckpt, start, start) if spec.get("resized") and ckpt and start else divmod(start, per_epoch)
+    step = start
+    for epoch in range(first_epoch, (spec["steps"] + per_epoch - 1) // per_epoch):
         loader.set_epoch(epoch)
-        skip = start % per_epoch if epoch == start // per_epoch else 0
-        batches = acc.skip_first_batches(loader, skip) if skip else loader
-        for step, (x, y) in enumerate(batches, start=epoch * per_epoch + skip + 1):
+        skip = first_skip if epoch == first_epoch else 0
+        # a StatefulDataLoader resumes where its restored state_dict stood (same world size); else skip
+        batches = acc.skip_first_batches(loader, skip) if skip and (spec.get("resized") or not spec.get("stateful")) else loader
+        for x, y, ids in batches:
+            step += 1
             if step > spec["steps"]:
                 break
+            result["epochs"].setdefault(epoch, []).extend(ids.tolist())
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), y) * (1.0 + tracker.mean)
             acc.backward(loss)
@@ -101,24 +150,45 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             scheduler.step()
             tracker.update(loss.item())
             result["losses"][step] = loss.item()
+            result["samples"][step] = ids.tolist()
             result["tracker"] = tracker.state_dict()
-            if "out" in spec:
-                Path(spec["out"]).write_text(json.dumps(result))
+            if out is not None:
+                Path(out).write_text(json.dumps(result))
             if ckpt is not None and spec.get("save_every") and step % spec["save_every"] == 0:
-                handle = save_state(acc, ckpt, step)
+                if acc.num_processes > 1:  # a rank process (tests/integrations on sys.path)
+                    from fsdp_cpu import collectives_during
+
+                    handle, seen = collectives_during(save_state, acc, ckpt, step)
+                    result["collectives_in_save"] += seen
+                else:
+                    handle = save_state(acc, ckpt, step)
             if step == spec.get("kill_at", 0):
                 if spec.get("kill_handed_over") and handle is not None:
                     handle.wait_snapshot(host=True)  # handed over: the daemon writes and commits it after the kill
-                    Path(spec["marker"]).write_text(json.dumps(handle.step))
+                    done = handle.step
                 else:
                     info = handle.wait_durable(timeout=60) if handle is not None else None
-                    Path(spec["marker"]).write_text(json.dumps(info.step if info is not None else None))
+                    done = info.step if info is not None else None
+                if acc.is_main_process:
+                    Path(spec["marker"]).write_text(json.dumps(done))
                 os.kill(os.getpid(), signal.SIGKILL)
+    if "dump" in spec:
+        _dump("end", model, optimizer, scheduler, dumped)
+        _write_dump(spec["dump"].format(rank=acc.process_index), dumped)
     if ckpt is not None:
         ckpt.close()
+    if acc.num_processes > 1:
+        acc.wait_for_everyone()
+        acc.end_training()
     return result
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the tests train their baselines in-process with one thread too
-    train(json.loads(sys.argv[1]))
+    job = json.loads(sys.argv[1])
+    if "rank" in job:  # what torchrun (or `accelerate launch`) sets for each process
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]),
+            WORLD_SIZE=str(job["world_size"]), LOCAL_WORLD_SIZE=str(job["world_size"]),
+        )
+    train(job)

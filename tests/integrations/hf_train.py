@@ -12,7 +12,12 @@
                  still be under way in the daemon) before the kill
   resume_step    the ckptd step to resume from (default: the newest committed)
   out            where {"resumed_from": step or None, "losses": {global step: [micro-batch losses]},
-                 "log_history": [...]} goes as JSON (rewritten after every step)
+                 "log_history": [...]} goes as JSON (rewritten after every step; rank 0's)
+  fsdp           with several ranks: the Trainer's FSDP2 (fsdp=True, fsdp_config fsdp_version 2,
+                 sharded state dict; on CPU through tests/integrations/fsdp_cpu.py)
+  dump           a path ("{rank}" allowed): each rank writes the full model and optimizer tensors
+                 and the scheduler's state (safetensors, and JSON beside it) as they are when
+                 training begins (after a resume's load: keys "loaded/...") and ends ("end/...")
 The model has dropout and the Trainer shuffles the data (seedable sampler, seed 7) with
 gradient accumulation 2 over 12 batches an epoch: what a resume must reproduce exactly.
 """
@@ -66,7 +71,7 @@ def training_args(output_dir: str, max_steps: int, save_steps: int, ckptd: bool,
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=3e-3, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.01,
         save_strategy="steps" if ckptd else "no", save_steps=save_steps, logging_steps=1, report_to="none",
-        seed=SEED, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        seed=SEED, use_cpu=os.environ.get("CKPTD_TEST_DEVICE") != "cuda", dataloader_num_workers=0, disable_tqdm=True,
     )
     return transformers.TrainingArguments(**{**settings, **more})
 
@@ -93,8 +98,18 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     model = tiny_model()
     record = LossLog(model)
     ckptd = "address" in spec
-    args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd)
-    result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": []}
+    fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}}
+    args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd, **(fsdp if spec.get("fsdp") else {}))
+    result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": [], "collectives_in_save": []}
+
+    class CountingCallback(CkptdCallback):
+        """CkptdCallback, recording the collectives its saves run (fsdp: each rank hands its own shards)."""
+
+        def _save_if_pending(self, *args: Any) -> None:
+            from fsdp_cpu import collectives_during
+
+            result["collectives_in_save"] += collectives_during(super()._save_if_pending, *args)[1]
+
 
     rank = int(os.environ.get("RANK", "0"))  # several ranks (torch.distributed from the environment): rank 0 writes
 
@@ -102,7 +117,24 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         if "out" in spec and rank == 0:
             Path(spec["out"]).write_text(json.dumps(result))
 
+    dumped: dict[str, Any] = {}
+
+    def dump(tag: str, objects: dict[str, Any]) -> None:
+        if "dump" not in spec:
+            return
+        from fsdp_cpu import full_state
+
+        optimizer = objects["optimizer"]
+        dumped.update({f"{tag}/{k}": v for k, v in full_state(objects["model"], getattr(optimizer, "optimizer", optimizer)).items()})
+        dumped[f"{tag}/scheduler"] = objects["lr_scheduler"].state_dict()
+
     class Steps(transformers.TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            dump("loaded", kwargs)  # after CkptdCallback.on_train_begin loaded the checkpoint
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            dump("end", kwargs)
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             record.step = state.global_step + 1
 
@@ -123,16 +155,32 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 
     callbacks: list[Any] = []
     if ckptd:
-        ckpt = CkptdCallback(job=spec["job"], address=spec["address"], on_error="raise")
+        ckpt = (CountingCallback if spec.get("fsdp") else CkptdCallback)(job=spec["job"], address=spec["address"], on_error="raise")
         callbacks.append(ckpt)
     callbacks.append(Steps())
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
+    if spec.get("fsdp"):
+        from fsdp_cpu import fsdp_on_cpu
+
+        with fsdp_on_cpu():
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
+        assert trainer.is_fsdp_enabled
+    else:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
     resume = ckpt.resume_from(trainer, step=spec.get("resume_step")) if ckptd else None
     if resume is not None:
         result["resumed_from"] = json.loads(Path(resume, "trainer_state.json").read_text())["global_step"]
     trainer.train(resume_from_checkpoint=resume)
     result["log_history"] = trainer.state.log_history
     write()
+    if "dump" in spec:
+        import safetensors.torch
+
+        path = spec["dump"].format(rank=rank)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in dumped.items() if isinstance(v, torch.Tensor)}, path)
+        Path(path + ".json").write_text(json.dumps({k: v for k, v in dumped.items() if not isinstance(v, torch.Tensor)}))
+    if torch.distributed.is_initialized():  # leave the group together: a rank exiting first can abort the other's gloo threads
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return result
 
 

@@ -40,7 +40,7 @@ def _prepared() -> tuple[Any, nn.Module, torch.optim.Optimizer, Any, Any, Any]:
 
 
 def _train_steps(acc: Any, model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, steps: int) -> None:
-    for _, (x, y) in zip(range(steps), loader):
+    for _, (x, y, _ids) in zip(range(steps), loader):
         optimizer.zero_grad()
         acc.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()

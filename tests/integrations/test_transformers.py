@@ -132,6 +132,65 @@ def test_two_ranks_save_collectively_and_resume_exactly(daemon, tmp_path: Path) 
     _no_trainer_checkpoints(tmp_path / "out")
 
 
+# issue 31 item 1
+@pytest.mark.slow
+def test_fsdp2_killed_and_resumed_trains_what_an_uninterrupted_run_does(daemon, tmp_path: Path) -> None:
+    """The Trainer's FSDP2 (fsdp_config fsdp_version 2, sharded state dict) over 2 gloo ranks:
+    killed after step 2 is durable, resumed, the losses and the log history of steps 3-6 equal an
+    uninterrupted FSDP2 run's (rank 0's micro-batches; the log's loss is the mean over the ranks)."""
+    plain = _run_ranks({"output_dir": str(tmp_path / "plain"), "max_steps": 6, "fsdp": True, "out": str(tmp_path / "plain.json")}, 2)
+    spec = {"address": daemon.address, "job": "hf-fsdp", "output_dir": str(tmp_path / "out"), "max_steps": 6, "save_steps": 2,
+            "fsdp": True, "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+    _run_ranks({**spec, "kill_at": 3}, 2, killed=True)
+    assert json.loads(Path(spec["marker"]).read_text()) == 2
+    resumed = _run_ranks(spec, 2)
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == {str(k): plain["losses"][str(k)] for k in range(3, 7)}
+    assert _train_logs(resumed["log_history"]) == _train_logs(plain["log_history"])
+    index = json.loads((daemon.root / "hf-fsdp" / "step-00000006" / "ckptd.index.json").read_text())
+    assert index["tensors"]["model/transformer.wte.weight"]["aliases"] == ["model/lm_head.weight"]  # tied, stored once
+    _no_trainer_checkpoints(tmp_path / "out")
+
+
+# issue 31 item 1
+def test_fsdp2_each_rank_hands_its_own_shards(daemon, tmp_path: Path) -> None:
+    """The Trainer's FSDP2 over 2 gloo ranks: the saves run no collective (nothing gathered), the
+    step holds the logical tensors, each rank's generators, and no Trainer checkpoint is written."""
+    spec = {"address": daemon.address, "job": "hf-fsdp-shards", "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 1,
+            "fsdp": True, "out": str(tmp_path / "run.json")}
+    run = _run_ranks(spec, 2)
+    assert run["collectives_in_save"] == []  # rank 0's; rank 1 runs the same code
+    index = json.loads((daemon.root / "hf-fsdp-shards" / "step-00000002" / "ckptd.index.json").read_text())
+    assert index["world_size"] == 2 and index["tensors"]["model/transformer.wte.weight"]["shape"] == [hf.VOCAB, 32]
+    assert "rng/rank1/torch_cpu" in json.dumps(index)
+    _no_trainer_checkpoints(tmp_path / "out")
+
+
+# issue 31 item 1 (slow: 3 Trainer processes; test_accelerate_fsdp.py's 2 -> 3 test runs the same client path by default)
+@pytest.mark.slow
+def test_fsdp2_saved_by_two_ranks_resumes_bit_exact_in_three(daemon, tmp_path: Path) -> None:
+    """Saved by the Trainer's FSDP2 over 2 ranks (each rank hands its own DTensor shards), resumed
+    by 3: the model, the optimizer and the scheduler each rank holds when training begins equal
+    the 2-rank run's at its save, bit for bit."""
+    spec = {"address": daemon.address, "job": "hf-fsdp-3", "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 2,
+            "fsdp": True, "out": str(tmp_path / "run.json")}
+    _run_ranks({**spec, "dump": str(tmp_path / "two-{rank}.safetensors")}, 2)
+    resumed = _run_ranks({**spec, "dump": str(tmp_path / "three-{rank}.safetensors")}, 3)
+    assert resumed["resumed_from"] == 2
+    import safetensors.torch
+
+    saved = safetensors.torch.load_file(str(tmp_path / "two-0.safetensors"))
+    expected = {k.removeprefix("end/"): v for k, v in saved.items() if k.startswith("end/")}
+    assert any(k.endswith("/exp_avg_sq") for k in expected)
+    scheduler = json.loads((tmp_path / "two-0.safetensors.json").read_text())["end/scheduler"]
+    for rank in range(3):
+        dumped = safetensors.torch.load_file(str(tmp_path / f"three-{rank}.safetensors"))
+        loaded = {k.removeprefix("loaded/"): v for k, v in dumped.items() if k.startswith("loaded/")}
+        assert sorted(loaded) == sorted(expected)
+        assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
+        assert json.loads((tmp_path / f"three-{rank}.safetensors.json").read_text())["loaded/scheduler"] == scheduler
+
+
 def test_metrics_reach_keep_best_and_a_step_holds_the_trainer_state(daemon, tmp_path: Path, one_thread: None) -> None:
     ckpt = CkptdCallback(job="hf-metric", address=daemon.address, on_error="raise")
     args = hf.training_args(str(tmp_path / "out"), max_steps=4, save_steps=2, ckptd=True,
@@ -156,6 +215,52 @@ def test_metrics_reach_keep_best_and_a_step_holds_the_trainer_state(daemon, tmp_
     # the step directory is a Hugging Face model directory as it is
     loaded = transformers.GPT2LMHeadModel.from_pretrained(infos[4].path)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.model.state_dict().values()))
+
+
+# issue 31 item 7
+def test_save_strategy_best_saves_each_new_best_and_load_best_model_at_end_loads_it(daemons, tmp_path: Path, one_thread: None) -> None:
+    """save_strategy="best": ckptd saves exactly the evaluated steps whose eval_loss beat the best so
+    far (the Trainer writes nothing), each with its metric; load_best_model_at_end leaves the
+    model of the best step, loaded from ckptd; the daemon's keep-best retention keeps that step."""
+    daemon = daemons.start("--keep-last", "1", "--keep-best", "1", "--best-mode", "min")
+    ckpt = CkptdCallback(job="hf-best", address=daemon.address, on_error="raise")
+    args = hf.training_args(str(tmp_path / "out"), max_steps=6, save_steps=1, ckptd=True, learning_rate=0.3, warmup_steps=0, lr_scheduler_type="constant",
+                            save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="loss",
+                            load_best_model_at_end=True, per_device_eval_batch_size=24)
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                                   callbacks=[ckpt])
+    assert ckpt.resume_from(trainer) is None
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    saved: set[int] = set()
+
+    class Weights(transformers.TrainerCallback):  # the model after each step, and the steps ckptd saved
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            saved.update([ckpt.last_save.step] if ckpt.last_save is not None else [])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen[state.global_step] = {k: v.clone() for k, v in kwargs["model"].state_dict().items()}
+
+    trainer.add_callback(Weights())
+    trainer.train(resume_from_checkpoint=None)
+
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    improved, best = [], float("inf")
+    for step in sorted(evals):
+        if evals[step] < best:
+            improved.append(step)
+            best = evals[step]
+    best_step = improved[-1]
+    assert best_step != max(evals), evals  # the learning rate is high enough that the last step is not the best
+    assert (trainer.state.best_global_step, trainer.state.best_metric) == (best_step, best)
+    assert sorted(saved) == improved and ckpt.last_save is not None and ckpt.last_save.step == best_step  # a save per new best, no other
+    with CheckpointClient("hf-best", address=daemon.address) as client:
+        kept = {info.step: info.metric for info in client.list()}
+    assert kept == {best_step: best}  # --keep-last 1: the newest save is the best one
+    assert trainer.state.best_model_checkpoint is not None and trainer.state.best_model_checkpoint.endswith(f"step-{best_step:08d}")
+    assert all(torch.equal(v, seen[best_step][k]) for k, v in trainer.model.state_dict().items())
+    assert not all(torch.equal(v, seen[6][k]) for k, v in trainer.model.state_dict().items())
+    _no_trainer_checkpoints(tmp_path / "out")
 
 
 def test_the_resume_directory_holds_json_and_a_tensorless_shard(daemon, tmp_path: Path, one_thread: None) -> None:
@@ -229,8 +334,6 @@ def test_client_options_pass_through() -> None:
 @pytest.mark.parametrize(
     "more, words",
     [
-        ({"save_strategy": "best", "eval_strategy": "steps", "metric_for_best_model": "loss"}, "save_strategy='best'"),
-        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3}, "load_best_model_at_end"),
         ({"save_only_model": True}, "save_only_model=False"),
     ],
 )
@@ -240,6 +343,16 @@ def test_trainer_settings_it_cannot_take_over_are_refused(tmp_path: Path, more: 
         transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
                              callbacks=[CkptdCallback(job="j")])
     assert words in str(raised.value)
+
+
+# issue 31 item 7
+def test_save_total_limit_names_the_daemons_retention_flags(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=1, ckptd=True, save_total_limit=2, eval_strategy="steps",
+                            eval_steps=1, metric_for_best_model="accuracy", greater_is_better=True, load_best_model_at_end=True)
+    with caplog.at_level(logging.WARNING):
+        transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                             callbacks=[CkptdCallback(job="j")])
+    assert "run it with --keep-last 2 --keep-best 1 --best-mode max" in caplog.text
 
 
 def test_resume_from_needs_the_trainer_it_belongs_to(tmp_path: Path) -> None:

@@ -27,15 +27,19 @@ What a checkpoint holds, read from the Accelerator (what `accelerator.prepare` a
     "scaler"                the GradScaler's state_dict, when mixed precision has one
     "custom_0", ...         the objects registered with accelerator.register_for_checkpointing,
                             each process's own (tensors in their state_dicts too: docs/usage.md, extras)
-    "accelerate"            accelerator.step (the gradient accumulation counter) and, per prepared
-                            data loader, its epoch counter (`iteration`, which seeds the shuffle of
-                            a seedable sampler) and, for a StatefulDataLoader, its state_dict
+    "accelerate"            accelerator.step (the gradient accumulation counter), the number of
+                            processes and, per prepared data loader, its epoch counter (`iteration`,
+                            which seeds the shuffle of a seedable sampler), its length and, for a
+                            StatefulDataLoader, its state_dict (each process's own)
     RNG                     rng=True: torch (CPU and CUDA), Python and NumPy generators of every rank
 
 The position inside an epoch is where Accelerate leaves it: the caller skips the batches already
 trained with `accelerator.skip_first_batches(dataloader, n)`, n counted from the step that
-`load_state` returns (or uses a StatefulDataLoader, whose state_dict is saved and restored;
-not exercised by the tests, which run without torchdata). For the shuffle
+`load_state` returns, or uses a StatefulDataLoader (`use_stateful_dataloader=True`), whose
+state_dict is saved per process and restored to that process. In another world size the saved
+states describe the old split and are not restored (a warning says so); `batches_to_skip` gives
+each process the batches to skip so that the rest of the epoch is trained once (its docstring has
+the rule). For the shuffle
 and the random generators after a resume to be those of an uninterrupted run, as in
 tests/integrations/test_accelerate.py (and tests/integrations/accel_train.py, the loop to copy):
 - make the shuffle order a function of the epoch: DataLoaderConfiguration(use_seedable_sampler=True),
@@ -48,9 +52,11 @@ tests/integrations/test_accelerate.py (and tests/integrations/accel_train.py, th
   generators by one draw that the interrupted run made before its save (measured: the losses
   after a mid-epoch resume then differ).
 
-Not supported (refused with the reason): DeepSpeed and Megatron-LM (their engines save their own
-state), FSDP version 1 and XLA. FSDP2 goes through the client's DTensor path (not exercised by
-this module's tests). Hooks registered with register_save_state_pre_hook /
+FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`): the parameters and optimizer states
+are DTensors, and each process hands its own shards to the client's DTensor path; a save makes no
+collective, nothing is gathered to a process, and a checkpoint loads into another number of
+processes (tests/integrations/test_accelerate_fsdp.py). Not supported (refused with the reason):
+DeepSpeed and Megatron-LM (their engines save their own state), FSDP version 1 and XLA. Hooks registered with register_save_state_pre_hook /
 register_load_state_pre_hook are not called (they expect a directory): a warning says so.
 """
 
@@ -66,7 +72,7 @@ from torch import nn
 
 from ckptd.client import CheckpointClient, SaveHandle
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["batches_to_skip", "load_state", "save_state"]
 
 log = logging.getLogger("ckptd.integrations.accelerate")
 
@@ -106,7 +112,7 @@ def load_state(accelerator: Accelerator, client: CheckpointClient, step: int | N
     and `register_for_checkpointing` gave the Accelerator the same objects as when the
     checkpoint was saved. Models, optimizers, schedulers, scaler and registered objects are
     filled in place; the random generators, accelerator.step and the data loaders' epoch
-    counters (and StatefulDataLoader states) are set back. Returns the step loaded, or None when
+    counters (and, in the same world size, StatefulDataLoader states) are set back. Returns the step loaded, or None when
     the job has no checkpoint yet (nothing changed). Raises CheckpointError when the step
     cannot be loaded and ValueError when the checkpoint holds other objects than the Accelerator.
     """
@@ -166,6 +172,7 @@ def _state(accelerator: Accelerator) -> dict[str, Any]:
     state[META_KEY] = {
         "step": accelerator.step,
         "counts": _counts(accelerator),
+        "world_size": accelerator.num_processes,
         "dataloaders": [_loader_position(dl) for dl in accelerator._dataloaders],
     }
     if not models and not accelerator._custom_objects:
@@ -201,17 +208,65 @@ def _check_counts(saved: Any, now: dict[str, int], step: int) -> None:
 
 
 def _loader_position(dataloader: Any) -> dict[str, Any]:
-    position: dict[str, Any] = {"iteration": getattr(dataloader, "iteration", None)}
+    position: dict[str, Any] = {"iteration": getattr(dataloader, "iteration", None), "length": _length(dataloader)}
     if getattr(dataloader, "use_stateful_dataloader", False):
         position["state"] = dataloader.state_dict()
     return position
 
 
+def _length(dataloader: Any) -> int | None:
+    try:
+        return len(dataloader)
+    except TypeError:  # an iterable dataset without a length
+        return None
+
+
 def _restore_meta(accelerator: Accelerator, meta: dict[str, Any]) -> None:
     accelerator.step = int(meta["step"])
+    saved_world = int(meta.get("world_size", accelerator.num_processes))
+    resized = saved_world != accelerator.num_processes
     for dataloader, position in zip(accelerator._dataloaders, meta["dataloaders"]):
         if position.get("iteration") is not None and hasattr(dataloader, "iteration"):
             dataloader.iteration = int(position["iteration"])  # __iter__ calls set_epoch(iteration)
-        if "state" in position:
+        if "state" in position and not resized:
             dataloader.load_state_dict(position["state"])
+    if resized and any("state" in position for position in meta["dataloaders"]):
+        log.warning(
+            "the StatefulDataLoader states were saved by %d processes and this run has %d: each describes its process's share "
+            "of the old split, so none is restored; skip the trained batches with accelerator.skip_first_batches(loader, "
+            "batches_to_skip(...)[1]) (ckptd.integrations.accelerate.batches_to_skip)", saved_world, accelerator.num_processes,
+        )
+
+
+def batches_to_skip(accelerator: Accelerator, client: CheckpointClient, step: int, batches_done: int, dataloader: int = 0) -> tuple[int, int]:
+    """Where this process resumes prepared data loader number `dataloader`: (epoch, batches to skip in it).
+
+    batches_done: the batches each process of the saving run had taken from that loader since
+    training began (the step, when every step takes one batch; step * accumulation steps with
+    gradient accumulation). Reads the loader's length and the world size saved with checkpoint
+    `step`. In the same world size: (batches_done // length, batches_done % length), the usual
+    skip. In another world size, with the same batch size per process and a seedable sampler
+    (the epoch's batch order is then the same; Accelerate deals batch b to process b % world size):
+    the old run had trained the epoch's first `done = (batches_done % length) * old world size`
+    batches, and this process skips its batches among them, ceil((done - process index) / world size);
+    every later batch is then trained once, none twice. The processes' remaining batch counts
+    differ unless `done` is a multiple of the new world size: Accelerate's even_batches then
+    repeats batches of the epoch's start on the short processes, as in any epoch whose batches
+    do not divide by the processes. Raises ValueError when the checkpoint does not hold that loader.
+    """
+    _check(accelerator, client)
+    if isinstance(batches_done, bool) or not isinstance(batches_done, int) or batches_done < 0:
+        raise ValueError(f"batches_done={batches_done!r}: the batches each saving process had taken, an integer >= 0")
+    meta: dict[str, Any] = {META_KEY: {}}
+    client.load(meta, step=step)
+    loaders = meta[META_KEY].get("dataloaders") or []
+    if not 0 <= dataloader < len(loaders) or not loaders[dataloader].get("length"):
+        raise ValueError(f"ckptd step {step} holds no length of prepared data loader {dataloader} (saved by an older ckptd, or the loader has no len())")
+    length = int(loaders[dataloader]["length"])
+    saved_world = int(meta[META_KEY].get("world_size", accelerator.num_processes))
+    epoch, done = divmod(batches_done, length)
+    if saved_world == accelerator.num_processes:
+        return epoch, done
+    trained = done * saved_world  # the epoch's first batches, in the order the sampler gives them
+    return epoch, max(0, -(-(trained - accelerator.process_index) // accelerator.num_processes))
 

@@ -51,15 +51,29 @@ before the optimizer exists, loads nothing. Then:
 So the losses after a resume equal those of an uninterrupted run, bit for bit on a deterministic
 device (tests/integrations/test_transformers.py).
 
+save_strategy="best": the Trainer decides that save after the last callback event
+(`_determine_best_metric`: a metric strictly better than `state.best_metric`). `on_evaluate`
+makes the same decision by the same rule and records the new best in the TrainerState as the
+Trainer would (best_metric, best_global_step); the Trainer then finds no improvement and does not
+save, and ckptd saves the step, with its metric. load_best_model_at_end: the Trainer finds no
+`checkpoint-*` directory (`best_model_checkpoint` stays None) and loads nothing; `on_train_end`,
+after the last save is durable, loads the model of ckptd step `best_global_step` and sets
+`best_model_checkpoint` to its directory. Keep that step with the daemon's retention
+(`--keep-best 1 --best-mode min|max`). `save_total_limit` is the daemon's retention too
+(`--keep-last N`): the callback cannot set it (it is the daemon's, for every job).
+
+FSDP2 (fsdp_config={"fsdp_version": 2, ...}): the model's parameters and the optimizer's states are
+DTensors; each rank hands its own shards (no gather, no collective in the save) and a checkpoint
+resumes in another world size (tests/integrations/test_transformers.py).
+
 Failures: with on_error="warn" (default) a daemon that is down or a save that fails is logged and
 training goes on (`last_save.ok` is False); `resume_from` logs that the daemon cannot be reached
-and returns None (a fresh start). A state that can never be saved, and a checkpoint that cannot
-be loaded into this model, raise. Not supported (refused with the reason when the Trainer is
-made): save_strategy="best" (the Trainer sets should_save after the last callback event, so it
-cannot be taken over: use save_strategy="steps" and the daemon's keep-best retention),
-load_best_model_at_end, save_only_model, DeepSpeed, and resuming PEFT models (the Trainer's
-resume path then loads adapter files: see ckptd.integrations.peft). `on_save` of other
-callbacks is never called, since the Trainer's save does not run.
+and returns None (a fresh start); a best model that cannot be loaded is logged and the model
+stays the last step's. A state that can never be saved, and a checkpoint that cannot be loaded
+into this model, raise. Not supported (refused with the reason when the Trainer is made):
+save_only_model, DeepSpeed, and resuming PEFT models (the Trainer's resume path then loads
+adapter files: see ckptd.integrations.peft). `on_save` of other callbacks is never called, since
+the Trainer's save does not run.
 """
 
 from __future__ import annotations
@@ -79,9 +93,10 @@ from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-unt
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from ckptd.client import CheckpointClient, DaemonUnavailable, SaveHandle
+from ckptd.client import CheckpointClient, CheckpointError, DaemonUnavailable, SaveHandle
 from ckptd.client.client import ON_ERROR
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -175,6 +190,8 @@ class CkptdCallback(TrainerCallback):
         self._rng_due: str | None = None  # AT_STEP/AT_EPOCH: restore the generators at that hook
         self._last: SaveHandle | None = None
         self._warned_no_trainer = False
+        self._training = False  # between on_train_begin and on_train_end
+        self._best_saved: int | None = None  # the newest step saved while it was state.best_global_step
 
     @property
     def last_save(self) -> SaveHandle | None:
@@ -237,12 +254,18 @@ class CkptdCallback(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _check_training_args(args)
+        if args.save_total_limit and args.process_index == 0:
+            best = args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end
+            log.warning("save_total_limit=%d is the ckptd daemon's retention: the callback cannot set it (it holds for "
+                        "every job of the daemon); run it with --keep-last %d%s", args.save_total_limit, args.save_total_limit,
+                        f" --keep-best 1 --best-mode {'max' if args.greater_is_better else 'min'}" if best else "")
         key = self.metric if self.metric is not None else args.metric_for_best_model
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._pending = False
         self._rng_due = None
+        self._training = True
         resume = self._resume
         if resume is None:
             return
@@ -274,6 +297,8 @@ class CkptdCallback(TrainerCallback):
         metrics = kwargs.get("metrics") or {}
         if self._metric_key is not None and isinstance(metrics.get(self._metric_key), (int, float)):
             self._metric_seen = (state.global_step, float(metrics[self._metric_key]))
+        if self._training and args.save_strategy == SaveStrategy.BEST:
+            self._take_over_best(args, state, metrics)
         self._take_over_save(control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -282,9 +307,12 @@ class CkptdCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
         self._save_if_pending(args, state, control, kwargs, AT_END)
+        self._training = False
         last = self._last
         if last is not None and last.ok and self.wait_at_end_s is not None:
             last.wait_durable(timeout=self.wait_at_end_s)
+        if args.load_best_model_at_end and state.best_global_step:
+            self._load_best_model(args, state, kwargs.get("model"))
         if self._resume is not None:
             shutil.rmtree(self._resume.directory, ignore_errors=True)
             self._resume = None
@@ -293,6 +321,43 @@ class CkptdCallback(TrainerCallback):
             self._ckpt = None
 
     # ------------------------------------------------------------ internals
+
+    def _take_over_best(self, args: TrainingArguments, state: TrainerState, metrics: Mapping[str, Any]) -> None:
+        """save_strategy="best": the Trainer decides to save after the last callback event
+        (Trainer._determine_best_metric: a metric strictly better than state.best_metric). Make
+        that decision here, by the same rule, and record the new best as it would; it then finds
+        no improvement, so its own save does not run, and ckptd saves the step instead."""
+        key = args.metric_for_best_model
+        if key is None:
+            return  # the Trainer refuses save_strategy="best" without it
+        value = metrics.get(key if key.startswith("eval_") else f"eval_{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return  # the Trainer raises KeyError naming the metrics it got
+        best = state.best_metric
+        if best is None or (value > best if args.greater_is_better else value < best):
+            state.best_metric = float(value)
+            state.best_global_step = state.global_step
+            self._pending = True
+
+    def _load_best_model(self, args: TrainingArguments, state: TrainerState, model: torch.nn.Module | None) -> None:
+        """load_best_model_at_end: the model's weights of the newest step saved while it was the
+        best (as the Trainer's best_model_checkpoint: the best evaluated step may have had no save),
+        else, in a run resumed since, of state.best_global_step. The Trainer's own _load_best_model
+        finds no checkpoint-* directory and does not run."""
+        step = self._best_saved if self._best_saved is not None else state.best_global_step
+        if model is None:
+            raise ValueError("the Trainer passed no model to CkptdCallback.on_train_end: it cannot load the best model")
+        try:
+            self._client(args).load({"model": model}, step=step)
+        except CheckpointError as exc:  # not found (retention removed it, or no save at that step), daemon down
+            if self.on_error == "raise":
+                raise
+            log.error("load_best_model_at_end: could not load the model of ckptd step %d (best %s %s), so the model is "
+                      "the last step's; keep best steps with the daemon's --keep-best N --best-mode %s: %s",
+                      step, args.metric_for_best_model, state.best_metric, "max" if args.greater_is_better else "min", exc)
+            return
+        state.best_model_checkpoint = next((info.path for info in self._client(args).list() if info.step == step), None)
+        log.info("loaded the best model: ckptd step %d (%s %s)", step, args.metric_for_best_model, state.best_metric)
 
     def _take_over_save(self, control: TrainerControl) -> None:
         """The Trainer wants a checkpoint: ckptd makes it (at the next step, epoch or end), the Trainer not."""
@@ -318,6 +383,8 @@ class CkptdCallback(TrainerCallback):
         self._last = self._client(args).save(
             step, saved, metric=metric, quantize=self.quantize, master_weights=self.master_weights, rng=True
         )
+        if self._last.ok and state.best_global_step == step:
+            self._best_saved = step
 
     def _restore_rng(self, args: TrainingArguments) -> None:
         """Set the random generators to the checkpoint's, at the point of the loop where they were saved."""
@@ -361,16 +428,6 @@ def _check_client_options(options: Mapping[str, Any]) -> None:
 
 def _check_training_args(args: TrainingArguments) -> None:
     """Refuse, with the reason, the TrainingArguments whose checkpoints the callback cannot take over."""
-    if args.save_strategy == "best":
-        raise ValueError(
-            "CkptdCallback cannot take over save_strategy='best' (the Trainer decides that save after the last callback "
-            "event); use save_strategy='steps' with eval_steps == save_steps and the daemon's keep-best retention"
-        )
-    if args.load_best_model_at_end:
-        raise ValueError(
-            "CkptdCallback does not support load_best_model_at_end (the Trainer reloads it from a checkpoint-* directory); "
-            "load the best step with CheckpointClient(job).load({'model': model}, step=...) after training"
-        )
     if args.save_only_model:
         raise ValueError("CkptdCallback saves the whole training state; set save_only_model=False")
     if args.deepspeed is not None:
