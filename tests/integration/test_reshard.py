@@ -50,7 +50,7 @@ def test_four_ranks_hand_over_each_fragment_once(saved) -> None:
     [
         ([3], {"w_even": [S0], "w_uneven": [S0], "b": [S0], "tiny": [S0]}),  # uneven: 13 rows over 3, 2 rows over 3
         ([1], {"w_even": [R], "w_uneven": [R], "b": [R], "tiny": [R]}),  # one process, whole tensors
-        ([8], {"w_even": [S1], "w_uneven": [S1], "b": [S0], "tiny": [S1]}),  # Shard(0) -> Shard(1), more ranks than rows
+        pytest.param([8], {"w_even": [S1], "w_uneven": [S1], "b": [S0], "tiny": [S1]}, marks=pytest.mark.long),  # Shard(0) -> Shard(1), more ranks than rows (8 processes: pytest -m long)
         ([2, 2], {"w_even": [R, S0], "w_uneven": [S0, S1], "b": [R, R], "tiny": [S1, S0]}),  # 1-D -> 2-D mesh
     ],
 )

@@ -58,13 +58,13 @@ def test_stateful_dataloader_killed_and_resumed_trains_each_sample_once(daemon, 
 
 
 # issue 31 item 5
-@pytest.mark.slow
+@pytest.mark.long  # the default run's killed-and-resumed test covers the same path
 def test_stateful_dataloader_resumed_trains_the_batches_of_an_uninterrupted_run(daemon, tmp_path: Path) -> None:
     _killed_and_resumed(daemon, tmp_path, "accel-stateful-all", stateful=True, baseline=True)
 
 
 # issue 31 item 5
-@pytest.mark.slow
+@pytest.mark.long  # skip_first_batches instead of the stateful loader: pytest -m long
 def test_skip_first_batches_killed_and_resumed_trains_each_sample_once(daemon, tmp_path: Path) -> None:
     _killed_and_resumed(daemon, tmp_path, "accel-skip", stateful=False, baseline=True)
 

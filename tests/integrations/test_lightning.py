@@ -332,7 +332,7 @@ def test_a_ddp_run_killed_after_a_durable_save_resumes_with_the_losses_of_an_uni
 
 
 # issue 31 item 1 (ddp_spawn)
-@pytest.mark.slow
+@pytest.mark.long  # ~100 s on 2 cores: pytest -m long (the plugin's copy is checked by the default run's refusal test)
 def test_a_ddp_spawn_run_killed_resumes_with_the_losses_of_an_uninterrupted_one_and_hands_its_weights_back(daemons, tmp_path: Path) -> None:
     """strategy="ddp_spawn" (2 processes that Lightning starts by multiprocessing from the
     worker's main process, which pickles the Trainer with the plugin: only its configuration

@@ -166,8 +166,8 @@ def test_fsdp2_each_rank_hands_its_own_shards(daemon, tmp_path: Path) -> None:
     _no_trainer_checkpoints(tmp_path / "out")
 
 
-# issue 31 item 1 (slow: 3 Trainer processes; test_accelerate_fsdp.py's 2 -> 3 test runs the same client path by default)
-@pytest.mark.slow
+# issue 31 item 1 (long: 3 Trainer processes; test_accelerate_fsdp.py's 2 -> 3 test runs the same client path by default)
+@pytest.mark.long
 def test_fsdp2_saved_by_two_ranks_resumes_bit_exact_in_three(daemon, tmp_path: Path) -> None:
     """Saved by the Trainer's FSDP2 over 2 ranks (each rank hands its own DTensor shards), resumed
     by 3: the model, the optimizer and the scheduler each rank holds when training begins equal
