@@ -138,9 +138,10 @@ def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords:
     """`last` with the fragments of the entries whose memory moved taken from `flat` again."""
     moved = {i for i, (a, b) in enumerate(zip(last.pointers, pointers)) if a != b}
     by_entry: list[list[tuple[TensorEntry, Fragment]]] = [[] for _ in flat.tensors]
-    index_of = {e.name: i for i, e in enumerate(flat.tensors)} if moved else {}
+    # a LocalShards' boxes share a name: an entry is its name and placement
+    index_of = {(e.name, e.placement): i for i, e in enumerate(flat.tensors)} if moved else {}
     for entry, fragment in last.fragments:
-        by_entry[index_of[entry.name]].append((entry, fragment))
+        by_entry[index_of[entry.name, entry.placement]].append((entry, fragment))
     for i in moved:
         entry = flat.tensors[i]
         layout = layout_state(FlatState((entry,), {}, rank=flat.rank), rules, coords)[0]

@@ -7,8 +7,9 @@
     dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)        # or dcp.async_save
     dcp.load(state_dict, storage_reader=CkptdStorageReader(step_dir))     # any world size
 
-The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors)
-to the node's daemon through a CheckpointClient, as LocalShards at the chunks' offsets, so
+The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors;
+several chunks of one tensor on one rank as LocalShards) to the node's daemon through a
+CheckpointClient, as LocalShard boxes at the chunks' offsets, so
 `dcp.save` returns after the hand-off and the daemon writes and commits in the background
 (`durable=True` waits for the commit instead; `writer.handle` is the last save's handle).
 Names: DCP's flattened key "model.layers.0.weight" is ckptd's "model/layers.0.weight" (kinds
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ckptd.client import CheckpointClient, LocalShard, SaveHandle
+from ckptd.client import CheckpointClient, LocalShard, LocalShards, SaveHandle
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.offline import Step, open_step
@@ -159,6 +160,7 @@ class CkptdStorageWriter(StorageWriter):
         """This rank's part of the collective save: every rank calls it, with or without items."""
         assert self.step is not None
         state: dict[str, Any] = {}
+        chunks: dict[str, dict[str, list[LocalShard]]] = {}  # state key -> path -> this rank's chunks
         encoded: dict[str, str] = {}
         results = []
         for item in plan.items:
@@ -173,15 +175,12 @@ class CkptdStorageWriter(StorageWriter):
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor)
             key, path = ckptd_name(fqn)
-            place = state.setdefault(key, {})
-            if path in place:
-                raise ValueError(
-                    f"rank {self.client.rank} holds two chunks of {fqn!r}; ckptd takes one chunk per tensor per rank "
-                    "(DTensor shards are one): reshard that tensor so each rank holds one piece"
-                )
             chunk = item.tensor_data.chunk
-            place[path] = LocalShard(tensor.detach(), tuple(chunk.offsets), tuple(item.tensor_data.size))
+            shard = LocalShard(tensor.detach(), tuple(chunk.offsets), tuple(item.tensor_data.size))
+            chunks.setdefault(key, {}).setdefault(path, []).append(shard)
             results.append(WriteResult(item.index, tensor.numel() * tensor.element_size(), None))
+        for key, paths in chunks.items():  # several chunks of one tensor on this rank: its boxes
+            state[key] = {path: shards[0] if len(shards) == 1 else LocalShards(shards) for path, shards in paths.items()}
         state[BYTES_KEY] = encoded  # always a key: a rank with nothing to write still joins the save
         self.handle = self.client.save(self.step, state, quantize=self.quantize)
         if self.handle.error:
