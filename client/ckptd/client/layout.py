@@ -506,7 +506,7 @@ def _check_renamed(entry: TensorEntry, stored: str, rule: Rule, flat: FlatState,
             "is stored under its first name: let the rule match none of its names, or untie them"
         )
     other = renamed.get(stored)
-    if other is None and any(stored in (e.name, *e.aliases) for e in flat.tensors):
+    if other is None and any(stored in (e.name, *e.aliases) for e in flat.tensors if e is not entry):
         other = stored
     if other is not None:
         raise LayoutError(
