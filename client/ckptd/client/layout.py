@@ -38,6 +38,7 @@ from ckptd.client.errors import LayoutError
 from ckptd.client.placements import Piece as Piece, dtensor_pieces as dtensor_pieces
 from ckptd.client.replicas import replicated_checksum as replicated_checksum, verify_replicated as verify_replicated
 from ckptd.client.state import FlatState, TensorEntry
+from ckptd.client.subclasses import inner_tensor
 from ckptd.common.boxes import Box
 from ckptd.common.names import per_rank_name
 
@@ -417,7 +418,7 @@ def _dtensor_fragments(name: str, tensor: DTensor) -> list[Fragment]:
         local_shape, pieces = dtensor_pieces(global_shape, tuple(mesh.shape), coordinate, tensor.placements)
     except LayoutError as exc:
         raise LayoutError(f"{name!r}: {exc}") from None
-    local = tensor.to_local()
+    local = inner_tensor(tensor.to_local())
     if tuple(local.shape) != local_shape:
         raise LayoutError(
             f"{name!r} is a DTensor whose local tensor has shape {list(local.shape)}, but its placements "
@@ -469,16 +470,17 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
     for entry in flat.tensors:
         rule = _entry_rule(entry, rules)
         param_shape = None if entry.name.startswith("model/") else param_shapes.get(layout_key(entry.name))
+        tensor = entry.tensor if isinstance(entry.tensor, DTensor) else inner_tensor(entry.tensor)
         if entry.placement is not None:  # a LocalShard: its box is given
             offsets, global_shape = entry.placement
-            fragments = [Fragment(entry.name, global_shape, Box(offsets, tuple(entry.tensor.shape)), entry.tensor)]
+            fragments = [Fragment(entry.name, global_shape, Box(offsets, tuple(tensor.shape)), tensor)]
             rule = None
-        elif isinstance(entry.tensor, DTensor):
-            fragments = fragments_of(entry.name, entry.tensor, rules, coords)
+        elif isinstance(tensor, DTensor):
+            fragments = fragments_of(entry.name, tensor, rules, coords)
         elif entry.per_rank and rule is None:
             fragments = [_own_fragment(entry, flat.rank, taken)]
         else:
-            fragments = _ruled_fragments(entry.name, entry.tensor, rule, coords, param_shape)
+            fragments = _ruled_fragments(entry.name, tensor, rule, coords, param_shape)
         if rule is not None and isinstance(rule.layout, RENAMING):
             _check_renamed(entry, fragments[0].name, rule, flat, renamed)
         check = rule is not None and isinstance(rule.layout, Replicated) and rule.layout.check_equal
@@ -494,8 +496,8 @@ def _own_fragment(entry: TensorEntry, rank: int, taken: set[str]) -> Fragment:
             f"{entry.name!r} is stored per rank as {name!r}, which is the name of another tensor of the state; "
             "rename that key, or declare a layout for one of them (a layout rule such as Replicated)"
         )
-    shape = tuple(entry.tensor.shape)
-    return Fragment(name, shape, Box.full(shape), entry.tensor, per_rank=True)
+    shape = tuple(inner_tensor(entry.tensor).shape)
+    return Fragment(name, shape, Box.full(shape), inner_tensor(entry.tensor), per_rank=True)
 
 
 def _check_renamed(entry: TensorEntry, stored: str, rule: Rule, flat: FlatState, renamed: dict[str, str]) -> None:

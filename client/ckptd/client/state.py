@@ -59,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
 from ckptd.client.shards import LocalShard, LocalShards
+from ckptd.client.subclasses import check_wrapper, inner_tensor, is_wrapper
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 
@@ -281,6 +282,7 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         check_tensor_name(name)
     except InvalidNameError as exc:
         raise ValueError(f"cannot checkpoint {name!r}: {exc}") from None
+    check_wrapper(name, tensor._local_tensor if isinstance(tensor, DTensor) else tensor)
     if tensor.layout != torch.strided:
         raise TypeError(f"cannot checkpoint {name!r}: it is a {tensor.layout} tensor; convert it with .to_dense() first")
     if tensor.is_meta:
@@ -420,6 +422,8 @@ def _memory_identity(t: torch.Tensor) -> tuple | None:
         if local.numel() == 0:
             return ("dtensor", id(t))
         return ("dtensor", *(_memory_identity(local) or ()), tuple(t.shape), tuple(t.placements))
+    if is_wrapper(t):  # a subclass's own storage is not its data either (ckptd.client.subclasses)
+        return ("wrapper", *(_memory_identity(inner_tensor(t)) or (id(t),)))
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 

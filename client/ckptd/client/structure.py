@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, validate_entries
+from ckptd.client.subclasses import inner_tensor
 
 Signature = tuple[Any, ...]
 
@@ -131,7 +132,7 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:
-    return tuple((e.tensor._local_tensor if isinstance(e.tensor, DTensor) else e.tensor).data_ptr() for e in flat.tensors)
+    return tuple(inner_tensor(e.tensor._local_tensor if isinstance(e.tensor, DTensor) else e.tensor).data_ptr() for e in flat.tensors)
 
 
 def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: tuple[int, ...]) -> Structure:
