@@ -21,7 +21,9 @@ from ckptd.offline import open_step
 
 SCRIPT = Path(__file__).with_name("dcp_rank.py")
 sys.path.insert(0, str(SCRIPT.parent))
+sys.path.insert(0, str(SCRIPT.parents[1]))
 from dcp_rank import reference  # noqa: E402
+from worker_process import run_ranks  # noqa: E402
 
 
 def _launch(world: int, **spec: object) -> None:
@@ -169,3 +171,14 @@ def test_a_writer_per_save_in_one_process_is_one_run(daemon) -> None:
         assert [c.step for c in ckpt.list()] == [1, 2]
     for writer in writers:
         writer.close()
+
+
+# issue 31 item 7: several local chunks of one tensor per rank
+def test_several_chunks_of_a_tensor_per_rank_save_and_load_in_another_world_size(daemon) -> None:
+    script = SCRIPT.with_name("dcp_chunks_rank.py")
+    run_ranks(script, 2, mode="save", address=daemon.address, job="chunks", step=3)
+    step_dir = daemon.root / "chunks" / "step-00000003"
+    # the four chunks (two of each rank) cover the tensor: the daemon stores it whole
+    whole = open_step(step_dir).tensors_named(["model/embed.weight"])["model/embed.weight"]
+    assert torch.equal(whole, torch.arange(60.0).reshape(12, 5) * len("xembed.weight"))
+    run_ranks(script, 3, mode="load", step_dir=str(step_dir))
