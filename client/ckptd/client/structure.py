@@ -28,6 +28,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
@@ -132,7 +133,13 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:
-    return tuple(inner_tensor(e.tensor._local_tensor if isinstance(e.tensor, DTensor) else e.tensor).data_ptr() for e in flat.tensors)
+    return tuple(_data_ptr(e.tensor) for e in flat.tensors)
+
+
+def _data_ptr(t: Any) -> int:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # nearly all: no lookups
+        return int(t.data_ptr())
+    return int(inner_tensor(t._local_tensor if isinstance(t, DTensor) else t).data_ptr())
 
 
 def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: tuple[int, ...]) -> Structure:
