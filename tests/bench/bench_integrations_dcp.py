@@ -63,7 +63,7 @@ def run(rounds: int, counts: list[int], mib: int) -> int:
                 step += 1
                 dcp.async_save(state, storage_writer=writer, checkpoint_id=step, planner=writer.planner).result()
                 writer.handle.wait_durable(timeout=600)
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch / f"warm-{step}")))
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(scratch / f"warm-{count}-{step}")))
             times: dict[str, list[float]] = {"dcp": [], "async": [], "ckptd": [], "ckptd-async": []}
             for r in range(rounds):
                 touch(state)

