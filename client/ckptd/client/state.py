@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
 from ckptd.client.shards import LocalShard, LocalShards
-from ckptd.client.subclasses import check_wrapper, inner_tensor, is_wrapper
+from ckptd.client.subclasses import check_wrapper, inner_tensor
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 
@@ -247,8 +247,7 @@ class _Entries:
 
         return add
 
-    def add(self, entry: TensorEntry, chunk: bool = False) -> None:
-        """chunk: the entry is a box of a LocalShards, whose other boxes share its name."""
+    def add(self, entry: TensorEntry, chunk: bool = False) -> None:  # chunk: a box of a LocalShards (they share a name)
         for name in (entry.name, *entry.aliases):
             if self.validate:
                 _check_tensor(name, entry.tensor)
@@ -422,8 +421,7 @@ def _memory_identity(t: torch.Tensor) -> tuple | None:
         if local.numel() == 0:
             return ("dtensor", id(t))
         return ("dtensor", *(_memory_identity(local) or ()), tuple(t.shape), tuple(t.placements))
-    if is_wrapper(t):  # a subclass's own storage is not its data either (ckptd.client.subclasses)
-        return ("wrapper", *(_memory_identity(inner_tensor(t)) or (id(t),)))
+    t = inner_tensor(t)  # a subclass's own storage is not its data either (ckptd.client.subclasses)
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
