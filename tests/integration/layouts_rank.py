@@ -14,7 +14,8 @@ at. Every scenario runs in one process group, each under its own job:
   layer of the last stage tied to the embedding of the first (`StoredAs`); "ep" is EP = world,
   "pp" is PP = world, "ppep" is PP 2 x EP 2 at 4 ranks, PP 2 x EP 1 at 2, 1 x 1 at 1.
 - "pp-dcp": pipeline stages as plain dicts with global names through DCP, the last stage's
-  copy of the embedding under the embedding's key.
+  copy of the embedding under the embedding's key, and experts (EP = world) under their global
+  index, as Megatron's sharded_state_dict names them.
 
 A saving rank writes the values it saved, by stored name, to out/expected-<job>-<rank>.safetensors
 (FP8 as raw bytes); a loading rank compares what it loaded with them, byte for byte.
@@ -218,7 +219,9 @@ def pp_dcp_state(fill: bool) -> dict[str, dict]:
     names = [f"layers.{i}.attn.weight" for i in range(rank * per, (rank + 1) * per)]
     if rank in (0, world - 1):  # the last stage's output layer is stored as the embedding it is tied to
         names.append("embed.weight")
-    shapes = {n: (V, H) if n == "embed.weight" else (H, H) for n in names}
+    per = E // world  # and expert parallel over the same ranks: each rank's experts under their global index
+    names += [f"moe.experts.{e}.w1" for e in range(rank * per, (rank + 1) * per)]
+    shapes = {n: (V, H) if n == "embed.weight" else (F, H) if ".experts." in n else (H, H) for n in names}
     return {"model": {n: values(n, s) if fill else torch.zeros(s) for n, s in shapes.items()}}
 
 
