@@ -188,7 +188,7 @@ def test_several_chunks_of_a_tensor_per_rank_save_and_load_in_another_world_size
 def test_async_saves_through_the_writer_reuse_the_plan_until_the_structure_changes(daemon) -> None:
     from torch.distributed.checkpoint.staging import AsyncStager
 
-    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3)}, "meta": {"lr": 0.1}}
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3)}, "meta": {"lr": 0.1}, "step_count": torch.tensor([7])}
     writer = CkptdStorageWriter("plans", address=daemon.address)
     assert isinstance(writer, AsyncStager)  # dcp.async_save makes no copy of its own first
     try:
@@ -208,7 +208,8 @@ def test_async_saves_through_the_writer_reuse_the_plan_until_the_structure_chang
         failing.close()
     finally:
         writer.close()
-    loaded = {"model": {"w": torch.zeros(3, 4), "b": torch.ones(3)}, "meta": {"lr": 0.0}}
+    loaded = {"model": {"w": torch.zeros(3, 4), "b": torch.ones(3)}, "meta": {"lr": 0.0}, "step_count": torch.zeros(1, dtype=torch.int64)}
     dcp.load(loaded, storage_reader=CkptdStorageReader(info.step_dir))
     assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4) + 3) and loaded["meta"] == {"lr": 0.1}
+    assert loaded["step_count"].tolist() == [7]  # a tensor outside model/optimizer: one for the job, not per rank
     assert open_step(last.step_dir).tensors_named(["model/extra"])["model/extra"].tolist() == [1.0, 1.0]

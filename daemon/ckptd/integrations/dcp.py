@@ -260,7 +260,8 @@ class CkptdStorageWriter(StorageWriter):
             assert item.tensor_data is not None
             key, path = ckptd_name(item.index.fqn)
             chunk, size = item.tensor_data.chunk, tuple(item.tensor_data.size)
-            whole = not any(chunk.offsets) and tuple(chunk.sizes) == size
+            # a plain tensor under an extras key would be the rank's own (per rank): give those their box
+            whole = key in KINDS_BY_PREFIX and not any(chunk.offsets) and tuple(chunk.sizes) == size
             targets.append((item, key, path, None if whole else tuple(chunk.offsets), size))
         self._plan_targets = (plan, targets)
         return targets
