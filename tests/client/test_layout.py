@@ -253,7 +253,7 @@ def test_rules_are_checked_when_the_table_is_built() -> None:
         LayoutRules([Rule("a", Fused(0, ()))])
     with pytest.raises(ValueError, match="PaddedVocab size must be positive"):
         LayoutRules([Rule("a", PaddedVocab(0, 0))])
-    with pytest.raises(TypeError, match="use Split, Fused, PaddedVocab or Replicated"):
+    with pytest.raises(TypeError, match="use Split, Fused, PaddedVocab, Replicated, Expert or StoredAs"):
         LayoutRules([Rule("a", "split")])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"write Rule\(pattern, layout\)"):
         LayoutRules([("a", Split(0))])  # type: ignore[list-item]

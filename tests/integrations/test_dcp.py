@@ -21,7 +21,9 @@ from ckptd.offline import open_step
 
 SCRIPT = Path(__file__).with_name("dcp_rank.py")
 sys.path.insert(0, str(SCRIPT.parent))
+sys.path.insert(0, str(SCRIPT.parents[1]))
 from dcp_rank import reference  # noqa: E402
+from worker_process import run_ranks  # noqa: E402
 
 
 def _launch(world: int, **spec: object) -> None:
@@ -169,3 +171,45 @@ def test_a_writer_per_save_in_one_process_is_one_run(daemon) -> None:
         assert [c.step for c in ckpt.list()] == [1, 2]
     for writer in writers:
         writer.close()
+
+
+# issue 31 item 7: several local chunks of one tensor per rank
+def test_several_chunks_of_a_tensor_per_rank_save_and_load_in_another_world_size(daemon) -> None:
+    script = SCRIPT.with_name("dcp_chunks_rank.py")
+    run_ranks(script, 2, mode="save", address=daemon.address, job="chunks", step=3)
+    step_dir = daemon.root / "chunks" / "step-00000003"
+    # the four chunks (two of each rank) cover the tensor: the daemon stores it whole
+    whole = open_step(step_dir).tensors_named(["model/embed.weight"])["model/embed.weight"]
+    assert torch.equal(whole, torch.arange(60.0).reshape(12, 5) * len("xembed.weight"))
+    run_ranks(script, 3, mode="load", step_dir=str(step_dir))
+
+
+# issue 31 item 7: DCP's plans kept across saves; dcp.async_save stages through the writer
+def test_async_saves_through_the_writer_reuse_the_plan_until_the_structure_changes(daemon) -> None:
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3)}, "meta": {"lr": 0.1}, "step_count": torch.tensor([7])}
+    writer = CkptdStorageWriter("plans", address=daemon.address)
+    assert isinstance(writer, AsyncStager)  # dcp.async_save makes no copy of its own first
+    try:
+        for step in (1, 2, 3):
+            state["model"]["w"].add_(1.0)
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=step, planner=writer.planner).result(timeout=60)
+            info = writer.handle.wait_durable(timeout=60)
+        assert writer.planner.local_plans_built == 1  # values changed, the structure did not
+        state["model"]["extra"] = torch.ones(2)  # a new tensor: planned again, and saved
+        dcp.save(state, storage_writer=writer, checkpoint_id=4, planner=writer.planner)
+        assert writer.planner.local_plans_built == 2
+        last = writer.handle.wait_durable(timeout=60)
+        # a save that fails in DCP's thread before the hand-off ends async_save, with the error, instead of hanging it
+        failing = CkptdStorageWriter("plans-fail", address=daemon.address)
+        with pytest.raises(CheckpointException, match="no step to save"):
+            dcp.async_save(state, storage_writer=failing).result(timeout=60)
+        failing.close()
+    finally:
+        writer.close()
+    loaded = {"model": {"w": torch.zeros(3, 4), "b": torch.ones(3)}, "meta": {"lr": 0.0}, "step_count": torch.zeros(1, dtype=torch.int64)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(info.step_dir))
+    assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4) + 3) and loaded["meta"] == {"lr": 0.1}
+    assert loaded["step_count"].tolist() == [7]  # a tensor outside model/optimizer: one for the job, not per rank
+    assert open_step(last.step_dir).tensors_named(["model/extra"])["model/extra"].tolist() == [1.0, 1.0]

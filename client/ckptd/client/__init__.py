@@ -6,7 +6,7 @@
 from ckptd.client.client import CheckpointClient, CheckpointInfo
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
-from ckptd.client.shards import LocalShard
+from ckptd.client.shards import LocalShard, LocalShards
 
 __all__ = [
     "CheckpointClient",
@@ -17,5 +17,6 @@ __all__ = [
     "DurableInfo",
     "InvalidState",
     "LocalShard",
+    "LocalShards",
     "SaveHandle",
 ]

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -366,12 +366,20 @@ class CheckpointClient:
 
     # ------------------------------------------------------------ load
 
-    def load(self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True, rng: bool = False) -> int | None:
+    def load(
+        self, state: Mapping[str, Any], *, step: int | None = None, strict: bool | Literal["missing"] = True, rng: bool = False
+    ) -> int | None:
         """Restore `state` in place from `step` (None: the newest committed); returns the step.
 
         Returns None when step is None and the job has no checkpoint yet. Raises CheckpointError
         (CheckpointNotFound for a missing step) with the tensors named when strict checks fail.
+        strict: True, every tensor of the state is in the step and every tensor of the step (of
+        the state's kinds) is in the state; "missing", only the first: for a rank that holds part
+        of the model (a pipeline stage, its experts), whose step holds the other ranks' tensors
+        too; False, neither (what is missing is logged and left as it is).
         """
+        if strict not in (True, False, "missing"):
+            raise ValueError(f"strict={strict!r}: pass True, False or 'missing'")
         flat = flatten_state(state, rank=self.rank, rng=rng, validate=False)
         previous = self._handoff.commits.settle()  # a snapshot still being handed over would be abandoned by the load
         if previous is not None:
@@ -381,11 +389,15 @@ class CheckpointClient:
         known_plans = list(structure.cache.get("load_plans", ()))
         try:
             self._in_run()
-            plan = self._rpc.plan_load(structure, step, kinds, strict, self.read_files is not False, known_plans)
+            plan = self._rpc.plan_load(structure, step, kinds, strict is True, self.read_files is not False, known_plans)
             if self.read_files is None and (unreadable := _unreadable_file(plan)) is not None:
                 log.info("cannot read %s here: the daemon copies the checkpoint's bytes into shared memory instead", unreadable)
                 self._rpc.load_done(plan.load_id)
-                plan = self._rpc.plan_load(structure, step, kinds, strict, False, known_plans)
+                plan = self._rpc.plan_load(structure, step, kinds, strict is True, False, known_plans)
+            if strict == "missing" and plan.missing:
+                self._rpc.load_done(plan.load_id)
+                named = ", ".join(sorted(plan.missing)[:20]) + (f" and {len(plan.missing) - 20} more" if len(plan.missing) > 20 else "")
+                raise CheckpointError(f"missing from step {plan.step}: {named} (pass strict=False to load the rest)")
         except CheckpointNotFound:
             flat.unfresh(state)  # nothing loaded: a fresh optimizer stays as fresh as it was
             if step is None:

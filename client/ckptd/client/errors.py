@@ -25,3 +25,7 @@ class InvalidState(CheckpointError, ValueError):
     shapes that do not tile, options the ranks disagree on). Like the ValueError/TypeError that
     `save` raises before asking the daemon, a caller error: retrying cannot help, so `save`
     raises it whatever `on_error` says; the message says how to fix the state."""
+
+
+class LayoutError(ValueError):
+    """A tensor whose layout cannot be described or does not fit its rule; says which and how to fix it."""

@@ -8,9 +8,13 @@ rank's memory that holds exactly that box. Three sources of layout, in this orde
    mesh dims sharding the same tensor dim (nested, left to right), and `_StridedShard` (FSDP2
    over TP: a rank's shard may be several separate pieces of the global tensor, one fragment
    each). `Partial` is refused: reduce it before saving. A rule matching a DTensor is an error.
-2. Megatron-style manual tensor parallelism, declared with a `LayoutRules` table: `Split`,
-   `Fused` (QKV with grouped-query sizes, gate/up), `PaddedVocab`, `Replicated`; the first rule
-   whose pattern fully matches the tensor's *layout key* (see `layout_key`) wins.
+2. Megatron-style manual parallelism, declared with a `LayoutRules` table: `Split`,
+   `Fused` (QKV with grouped-query sizes, gate/up), `PaddedVocab`, `Replicated` (tensor
+   parallel), `Expert` (expert parallel: a rank's experts under local indices, stored under
+   their global ones) and `StoredAs` (a copy of another tensor, e.g. the output layer tied to the
+   embedding across pipeline stages); the first rule whose pattern fully matches the tensor's
+   *layout key* (see `layout_key`) wins. `Expert` and `StoredAs` rename: the fragment's name
+   (the logical tensor it is stored as) is not the entry's.
 3. Anything else: a full replica, one fragment covering the whole tensor; a rank's own extras
    tensor (`TensorEntry.per_rank`) is one under its per-rank name (`names.per_rank_name`).
 
@@ -23,23 +27,20 @@ other than the first). No I/O here; only `verify_replicated` talks to other proc
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor
 
+from ckptd.client.errors import LayoutError
+from ckptd.client.placements import Piece as Piece, dtensor_pieces as dtensor_pieces
+from ckptd.client.replicas import replicated_checksum as replicated_checksum, verify_replicated as verify_replicated
 from ckptd.client.state import FlatState, TensorEntry
+from ckptd.client.subclasses import inner_tensor
 from ckptd.common.boxes import Box
 from ckptd.common.names import per_rank_name
-
-
-class LayoutError(ValueError):
-    """A tensor whose layout cannot be described or does not fit its rule; says which and how to fix it."""
 
 
 # ------------------------------------------------------------------ data
@@ -63,14 +64,19 @@ class Fragment:
 
 @dataclass(frozen=True)
 class RankCoords:
-    """This rank's place in the manual (Megatron-style) tensor-parallel group."""
+    """This rank's place in the manual (Megatron-style) tensor-parallel group, and in the
+    expert-parallel group (`Expert` rules; ep_size 1: every expert on every rank)."""
 
     tp_rank: int
     tp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+        if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"need 0 <= ep_rank < ep_size, got ep_rank={self.ep_rank}, ep_size={self.ep_size}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +119,33 @@ class Replicated:
     check_equal: bool = True
 
 
-Layout = Split | Fused | PaddedVocab | Replicated
+@dataclass(frozen=True)
+class Expert:
+    r"""A whole expert of a MoE layer that this rank holds under its *local* index, Megatron-style:
+    the rule's pattern has one capturing group, the local index i, e.g.
+    r"layers\.\d+\.experts\.(\d+)\..*". With `num_experts` experts per layer over ep_size ranks
+    (RankCoords.ep_rank, ep_size), rank r holds the k = num_experts / ep_size experts
+    [r * k, (r + 1) * k), and local expert i is stored as the tensor named with i replaced by
+    r * k + i. So every expert is stored under its own name (none is mistaken for a replica of
+    another rank's expert with the same local index), and a load at another ep_size finds each
+    rank's experts by the same rule. Optimizer state and master copies follow their expert."""
+
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class StoredAs:
+    r"""A copy of the tensor whose layout key is `name`, stored as (a replica of) it: e.g. the
+    output layer of the last pipeline stage tied to the embedding of the first,
+    Rule(r"lm_head\.weight", StoredAs("embed.weight")). Stored once; a rank holding only the
+    copy loads it from that tensor. On a rank where the two are one tied tensor the rule has
+    nothing to do and is ignored. Optimizer state and master copies follow it."""
+
+    name: str
+
+
+Layout = Split | Fused | PaddedVocab | Replicated | Expert | StoredAs
+RENAMING = (Expert, StoredAs)  # layouts that store a tensor under another name
 
 
 @dataclass(frozen=True)
@@ -154,14 +186,15 @@ class LayoutRules:
 def _compile(index: int, rule: Rule) -> re.Pattern[str]:
     if not isinstance(rule, Rule):
         raise TypeError(f"layout rule #{index} is a {type(rule).__name__}; write Rule(pattern, layout)")
-    _check_layout(rule)
     try:
-        return re.compile(rule.pattern)
+        compiled = re.compile(rule.pattern)
     except re.error as exc:
         raise ValueError(f"layout rule #{index} has an invalid pattern {rule.pattern!r}: {exc}") from None
+    _check_layout(rule, compiled)
+    return compiled
 
 
-def _check_layout(rule: Rule) -> None:
+def _check_layout(rule: Rule, compiled: re.Pattern[str]) -> None:
     layout = rule.layout
     if isinstance(layout, Fused):
         if not layout.sizes or any(not isinstance(s, int) or s <= 0 for s in layout.sizes):
@@ -169,9 +202,20 @@ def _check_layout(rule: Rule) -> None:
     elif isinstance(layout, PaddedVocab):
         if layout.size <= 0:
             raise ValueError(f"rule {rule.pattern!r}: PaddedVocab size must be positive, got {layout.size}")
+    elif isinstance(layout, Expert):
+        if not isinstance(layout.num_experts, int) or layout.num_experts <= 0:
+            raise ValueError(f"rule {rule.pattern!r}: Expert num_experts must be a positive integer, got {layout.num_experts!r}")
+        if compiled.groups != 1:
+            raise ValueError(
+                f"rule {rule.pattern!r}: an Expert rule's pattern needs exactly one capturing group, the local expert index, "
+                r"e.g. r'layers\.\d+\.experts\.(\d+)\..*' (write other groups as (?:...))"
+            )
+    elif isinstance(layout, StoredAs):
+        if not isinstance(layout.name, str) or not layout.name or "/" in layout.name:
+            raise ValueError(f"rule {rule.pattern!r}: StoredAs needs the layout key (a parameter FQN such as 'embed.weight'), got {layout.name!r}")
     elif not isinstance(layout, (Split, Replicated)):
         raise TypeError(
-            f"rule {rule.pattern!r} has layout {layout!r}; use Split, Fused, PaddedVocab or Replicated"
+            f"rule {rule.pattern!r} has layout {layout!r}; use Split, Fused, PaddedVocab, Replicated, Expert or StoredAs"
         )
 
 
@@ -240,6 +284,8 @@ def _ruled_fragments(
     shape = tuple(tensor.shape)
     if rule is None or isinstance(rule.layout, Replicated):
         return [Fragment(name, shape, Box.full(shape), tensor)]
+    if isinstance(rule.layout, RENAMING):
+        return [Fragment(stored_name(name, rule, coords), shape, Box.full(shape), tensor)]
     if _is_optimizer_state(name) and tensor.numel() <= 1:
         return [Fragment(name, shape, Box.full(shape), tensor)]
     if param_shape is not None and shape != tuple(param_shape):
@@ -260,6 +306,43 @@ def _ruled_fragments(
     if isinstance(layout, Fused):
         return _fused(name, tensor, dim, layout.sizes, coords, rule)
     return [_padded(name, tensor, dim, layout.size, coords, rule)]
+
+
+def stored_name(entry_name: str, rule: Rule, coords: RankCoords | None) -> str:
+    """The logical name that entry `entry_name`, matched by renaming rule `rule` (Expert or
+    StoredAs), is stored as: its layout key replaced, the rest of the name (kind, optimizer
+    field) kept. coords None is expert parallelism of size 1. Raises LayoutError when the
+    expert's index does not fit this rank's share."""
+    key = layout_key(entry_name)
+    layout = rule.layout
+    if isinstance(layout, StoredAs):
+        new_key = layout.name
+    else:
+        assert isinstance(layout, Expert)
+        ep_rank, ep_size = (coords.ep_rank, coords.ep_size) if coords is not None else (0, 1)
+        if layout.num_experts % ep_size:
+            raise LayoutError(
+                f"rule {rule.pattern!r}: {layout.num_experts} experts do not divide over ep_size {ep_size}; "
+                "every expert-parallel rank must hold the same number of experts"
+            )
+        per_rank = layout.num_experts // ep_size
+        match = re.fullmatch(rule.pattern, key)
+        assert match is not None  # the rule matched this key
+        local = match.group(1)
+        if local is None or not local.isdigit() or int(local) >= per_rank:
+            raise LayoutError(
+                f"{entry_name!r} matches Expert rule {rule.pattern!r} with local expert index {local!r}, but rank "
+                f"{ep_rank} of ep_size {ep_size} holds {per_rank} of the {layout.num_experts} experts (local indices "
+                f"0..{per_rank - 1}); fix num_experts, this rank's RankCoords(ep_rank, ep_size) or the pattern's group"
+            )
+        new_key = f"{key[:match.start(1)]}{ep_rank * per_rank + int(local)}{key[match.end(1):]}"
+    head, _, rest = entry_name.partition("/")
+    if head in ("model", "master") and rest:
+        return f"{head}/{new_key}"
+    if _is_optimizer_state(entry_name):
+        parts = entry_name.split("/", 3)
+        return "/".join((parts[0], parts[1], new_key, parts[3]))
+    return new_key
 
 
 def _dim(name: str, rule: Rule, tensor: torch.Tensor) -> int:
@@ -325,112 +408,6 @@ def _padded(name: str, tensor: torch.Tensor, dim: int, size: int, coords: RankCo
 # ------------------------------------------------------------------ DTensor
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A part of a rank's shard that is one box of the global tensor.
-
-    box: where it sits in the global tensor. local: where it sits in the rank's local tensor.
-    """
-
-    box: Box
-    local: Box
-
-
-def dtensor_pieces(
-    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
-) -> tuple[tuple[int, ...], list[Piece]]:
-    """The local shape of a DTensor's shard at mesh `coordinate`, and its pieces of the global tensor.
-
-    Pure arithmetic, equal to what DTensor does: placements apply left to right, each splitting
-    the part that the earlier ones left along its dim like torch.chunk (chunks of ceil(n / k),
-    the last ones short or empty); `_StridedShard(d, split_factor=f)` first cuts that part into
-    f chunks, splits each over the mesh dim, and joins the rank's pieces. Replicate splits
-    nothing. A shard that is one box (all but strided shards) is one piece; an empty shard is one
-    piece with an empty box placed at the global end of its empty dims (as
-    torch's compute_local_shape_and_global_offset does). Raises LayoutError for Partial.
-    """
-    if len(mesh_shape) != len(placements) or len(coordinate) != len(placements):
-        raise ValueError(
-            f"mesh shape {list(mesh_shape)}, coordinate {list(coordinate)} and placements {list(placements)} "
-            "must have one entry per mesh dim"
-        )
-    runs: list[list[tuple[int, int]]] = [[(0, int(n))] if n else [] for n in global_shape]
-    for placement, n, i in zip(placements, mesh_shape, coordinate):
-        if isinstance(placement, _StridedShard):  # not a Shard subclass in recent torch; test it first
-            d = _shard_dim(placement.dim, global_shape)
-            factor = int(placement.split_factor)
-            parts = [_take(runs[d], *_chunk(_length(runs[d]), factor, j)) for j in range(factor)]
-            runs[d] = _merge([r for part in parts for r in _take(part, *_chunk(_length(part), n, i))])
-        elif isinstance(placement, Shard):
-            d = _shard_dim(placement.dim, global_shape)
-            runs[d] = _take(runs[d], *_chunk(_length(runs[d]), n, i))
-        elif placement.is_partial():
-            raise LayoutError(
-                f"placement {placement} holds partial sums, not values: reduce it before saving "
-                "(e.g. dtensor.redistribute(placements=[Replicate()] * mesh.ndim))"
-            )
-        elif not isinstance(placement, Replicate):
-            raise LayoutError(f"placement {placement!r} is not one that ckptd knows (Shard, Replicate, _StridedShard)")
-    local_shape = tuple(_length(r) for r in runs)
-    if 0 in local_shape:
-        offsets = tuple(r[0][0] if r else int(n) for r, n in zip(runs, global_shape))
-        return local_shape, [Piece(Box(offsets, local_shape), Box((0,) * len(local_shape), local_shape))]
-    per_dim = [_with_local_offsets(r) for r in runs]
-    pieces = []
-    for combo in itertools.product(*per_dim):
-        box = Box(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo))
-        local = Box(tuple(o for _, o, _ in combo), box.lengths)
-        pieces.append(Piece(box, local))
-    return local_shape, pieces
-
-
-def _shard_dim(dim: int, global_shape: Sequence[int]) -> int:
-    if not -len(global_shape) <= dim < len(global_shape):
-        raise LayoutError(f"a placement shards dim {dim} of a tensor of shape {list(global_shape)}")
-    return dim % len(global_shape)
-
-
-def _chunk(total: int, n: int, i: int) -> tuple[int, int]:
-    """(start, length) of the i-th of n chunks of `total` items, as torch.chunk (padded with empties) cuts them."""
-    size = -(-total // n)
-    start = min(total, i * size)
-    return start, min(total, start + size) - start
-
-
-def _length(runs: list[tuple[int, int]]) -> int:
-    return sum(n for _, n in runs)
-
-
-def _take(runs: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
-    """Items [start, start + length) of the sequence that `runs` (global start, length) describe, as runs."""
-    out = []
-    pos = 0
-    for g, n in runs:
-        lo, hi = max(start, pos), min(start + length, pos + n)
-        if lo < hi:
-            out.append((g + lo - pos, hi - lo))
-        pos += n
-    return out
-
-
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for g, n in runs:
-        if out and out[-1][0] + out[-1][1] == g:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((g, n))
-    return out
-
-
-def _with_local_offsets(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    out, local = [], 0
-    for g, n in runs:
-        out.append((g, local, n))
-        local += n
-    return out
-
-
 def _dtensor_fragments(name: str, tensor: DTensor) -> list[Fragment]:
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
@@ -441,7 +418,7 @@ def _dtensor_fragments(name: str, tensor: DTensor) -> list[Fragment]:
         local_shape, pieces = dtensor_pieces(global_shape, tuple(mesh.shape), coordinate, tensor.placements)
     except LayoutError as exc:
         raise LayoutError(f"{name!r}: {exc}") from None
-    local = tensor.to_local()
+    local = inner_tensor(tensor.to_local())
     if tuple(local.shape) != local_shape:
         raise LayoutError(
             f"{name!r} is a DTensor whose local tensor has shape {list(local.shape)}, but its placements "
@@ -489,19 +466,23 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
         if name.startswith("model/")
     }
     out = []
+    renamed: dict[str, str] = {}  # stored name -> the entry stored under it by a renaming rule
     for entry in flat.tensors:
         rule = _entry_rule(entry, rules)
         param_shape = None if entry.name.startswith("model/") else param_shapes.get(layout_key(entry.name))
+        tensor = entry.tensor if isinstance(entry.tensor, DTensor) else inner_tensor(entry.tensor)
         if entry.placement is not None:  # a LocalShard: its box is given
             offsets, global_shape = entry.placement
-            fragments = [Fragment(entry.name, global_shape, Box(offsets, tuple(entry.tensor.shape)), entry.tensor)]
+            fragments = [Fragment(entry.name, global_shape, Box(offsets, tuple(tensor.shape)), tensor)]
             rule = None
-        elif isinstance(entry.tensor, DTensor):
-            fragments = fragments_of(entry.name, entry.tensor, rules, coords)
+        elif isinstance(tensor, DTensor):
+            fragments = fragments_of(entry.name, tensor, rules, coords)
         elif entry.per_rank and rule is None:
             fragments = [_own_fragment(entry, flat.rank, taken)]
         else:
-            fragments = _ruled_fragments(entry.name, entry.tensor, rule, coords, param_shape)
+            fragments = _ruled_fragments(entry.name, tensor, rule, coords, param_shape)
+        if rule is not None and isinstance(rule.layout, RENAMING):
+            _check_renamed(entry, fragments[0].name, rule, flat, renamed)
         check = rule is not None and isinstance(rule.layout, Replicated) and rule.layout.check_equal
         out.append(EntryLayout(entry, fragments[0].global_shape, tuple(fragments), check))
     return out
@@ -515,14 +496,33 @@ def _own_fragment(entry: TensorEntry, rank: int, taken: set[str]) -> Fragment:
             f"{entry.name!r} is stored per rank as {name!r}, which is the name of another tensor of the state; "
             "rename that key, or declare a layout for one of them (a layout rule such as Replicated)"
         )
-    shape = tuple(entry.tensor.shape)
-    return Fragment(name, shape, Box.full(shape), entry.tensor, per_rank=True)
+    shape = tuple(inner_tensor(entry.tensor).shape)
+    return Fragment(name, shape, Box.full(shape), inner_tensor(entry.tensor), per_rank=True)
+
+
+def _check_renamed(entry: TensorEntry, stored: str, rule: Rule, flat: FlatState, renamed: dict[str, str]) -> None:
+    """A tensor stored under another name must be the only one of this rank stored there, and untied."""
+    if entry.aliases:
+        raise LayoutError(
+            f"{entry.name!r} is tied to {list(entry.aliases)} and matches renaming rule {rule.pattern!r}; a tied tensor "
+            "is stored under its first name: let the rule match none of its names, or untie them"
+        )
+    other = renamed.get(stored)
+    if other is None and any(stored in (e.name, *e.aliases) for e in flat.tensors if e is not entry):
+        other = stored
+    if other is not None:
+        raise LayoutError(
+            f"{entry.name!r} is stored as {stored!r} by rule {rule.pattern!r}, but this rank also holds {other!r} "
+            "stored under that name; tie the two (one tensor) or fix the rule"
+        )
+    renamed[stored] = entry.name
 
 
 def _entry_rule(entry: TensorEntry, rules: LayoutRules | None) -> Rule | None:
     if rules is None:
         return None
-    matched = {name: rules.match(layout_key(name)) for name in (entry.name, *entry.aliases)}
+    own = {layout_key(name) for name in (entry.name, *entry.aliases)}
+    matched = {name: _own_copy(rules.match(layout_key(name)), own) for name in (entry.name, *entry.aliases)}
     distinct = {id(rule): rule for rule in matched.values()}
     if len(distinct) > 1:
         described = ", ".join(f"{n!r} -> {r.pattern if r else 'no rule'}" for n, r in matched.items())
@@ -530,70 +530,8 @@ def _entry_rule(entry: TensorEntry, rules: LayoutRules | None) -> Rule | None:
     return matched[entry.name]
 
 
-# ------------------------------------------------------------------ replicas
-
-
-def replicated_checksum(tensor: torch.Tensor) -> str:
-    """A hex digest of a tensor's dtype, shape and values: equal on two ranks iff they hold the same bytes.
-
-    Copies the tensor to the CPU if needed (meant for the small replicated tensors of TP: norms,
-    biases). A DTensor is digested by its local tensor.
-    """
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    data = tensor.detach().cpu().contiguous().reshape(-1)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{data.dtype}{list(tensor.shape)}".encode())
-    if data.numel():
-        digest.update(data.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distributed.ProcessGroup | None = None) -> None:
-    """Check that every rank of `group` (e.g. the TP group) holds the same values for each tensor.
-
-    A collective: every rank of the group must call it with the same names (in any order).
-    The digests travel as uint8 tensors (no pickling), on the CPU unless the group only has NCCL.
-    Raises LayoutError on every rank naming the tensors that differ and the ranks that disagree.
-    """
-    dist = torch.distributed
-    names = sorted(tensors)
-    device = _collective_device(group)
-    names_digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
-    header = torch.tensor(list(names_digest), dtype=torch.uint8, device=device)
-    headers = _all_gather(header, group)
-    if any(not torch.equal(h, headers[0]) for h in headers):
-        raise LayoutError(
-            "the ranks of the group passed different sets of replicated tensors to verify_replicated; "
-            "call it with the same names on every rank"
-        )
-    if not names:
-        return
-    rows = [bytes.fromhex(replicated_checksum(tensors[n])) for n in names]
-    mine = torch.tensor([list(r) for r in rows], dtype=torch.uint8, device=device).reshape(len(names), 16)
-    gathered = _all_gather(mine, group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    problems = []
-    for i, name in enumerate(names):
-        differing = [ranks[r] for r, g in enumerate(gathered) if not torch.equal(g[i], gathered[0][i])]
-        if differing:
-            problems.append(f"{name!r} (ranks {differing} differ from rank {ranks[0]})")
-    if problems:
-        raise LayoutError(
-            "tensors declared Replicated differ across tensor-parallel ranks: " + "; ".join(problems)
-            + ". Find why they drift (a missing all-reduce), or declare them Replicated(check_equal=False)"
-        )
-
-
-def _collective_device(group: torch.distributed.ProcessGroup | None) -> torch.device:
-    backend = str(torch.distributed.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _all_gather(tensor: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> list[torch.Tensor]:
-    size = torch.distributed.get_world_size(group)
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    torch.distributed.all_gather(out, tensor, group=group)
-    return [t.cpu() for t in out]
+def _own_copy(rule: Rule | None, own: set[str]) -> Rule | None:
+    """None for a StoredAs rule naming a tensor the entry is tied to (nothing to store apart)."""
+    if rule is not None and isinstance(rule.layout, StoredAs) and rule.layout.name in own:
+        return None
+    return rule

@@ -58,7 +58,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
-from ckptd.client.shards import LocalShard
+from ckptd.client.shards import LocalShard, LocalShards
+from ckptd.client.subclasses import check_wrapper, inner_tensor
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 
@@ -227,30 +228,37 @@ class _Entries:
     def __init__(self, validate: bool = True) -> None:
         self.entries: list[TensorEntry] = []
         self.names: set[str] = set()
+        self.chunked: set[str] = set()  # the name of the LocalShards being added
         self.validate = validate
 
-    def adder(self, kind: str, per_rank: bool = False) -> Callable[[str, "torch.Tensor | LocalShard"], None]:
+    def adder(self, kind: str, per_rank: bool = False) -> Callable[[str, "torch.Tensor | LocalShard | LocalShards"], None]:
         """Adds the tensors of a tree; per_rank: plain tensors among them (not a DTensor or a
         LocalShard, whose layout is given) are the rank's own (TensorEntry.per_rank)."""
 
-        def add(name: str, value: torch.Tensor | LocalShard) -> None:
+        def add(name: str, value: torch.Tensor | LocalShard | LocalShards) -> None:
             if isinstance(value, LocalShard):
                 self.add(TensorEntry(name, kind, value.tensor, placement=(value.offsets, value.global_shape)))
+            elif isinstance(value, LocalShards):
+                for shard in value.shards:  # one entry per box, all under the tensor's name
+                    self.add(TensorEntry(name, kind, shard.tensor, placement=(shard.offsets, shard.global_shape)), chunk=True)
+                self.chunked.discard(name)  # the next value of this name is another tensor
             else:
                 self.add(TensorEntry(name, kind, value, per_rank=per_rank and not isinstance(value, DTensor)))
 
         return add
 
-    def add(self, entry: TensorEntry) -> None:
+    def add(self, entry: TensorEntry, chunk: bool = False) -> None:  # chunk: a box of a LocalShards (they share a name)
         for name in (entry.name, *entry.aliases):
             if self.validate:
                 _check_tensor(name, entry.tensor)
-            if name in self.names:
+            if name in self.names and not (chunk and name in self.chunked):
                 raise ValueError(
                     f"two tensors of the state are both named {name!r}; rename a key so that "
                     "no key path joined with '/' equals another"
                 )
             self.names.add(name)
+        if chunk:
+            self.chunked.add(entry.name)
         self.entries.append(entry)
 
 
@@ -273,6 +281,7 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         check_tensor_name(name)
     except InvalidNameError as exc:
         raise ValueError(f"cannot checkpoint {name!r}: {exc}") from None
+    check_wrapper(name, tensor._local_tensor if isinstance(tensor, DTensor) else tensor)
     if tensor.layout != torch.strided:
         raise TypeError(f"cannot checkpoint {name!r}: it is a {tensor.layout} tensor; convert it with .to_dense() first")
     if tensor.is_meta:
@@ -412,6 +421,7 @@ def _memory_identity(t: torch.Tensor) -> tuple | None:
         if local.numel() == 0:
             return ("dtensor", id(t))
         return ("dtensor", *(_memory_identity(local) or ()), tuple(t.shape), tuple(t.placements))
+    t = inner_tensor(t)  # a subclass's own storage is not its data either (ckptd.client.subclasses)
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 

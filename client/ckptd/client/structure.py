@@ -28,10 +28,12 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
 from ckptd.client.state import FlatState, TensorEntry, validate_entries
+from ckptd.client.subclasses import inner_tensor
 
 Signature = tuple[Any, ...]
 
@@ -131,16 +133,23 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
 
 
 def _pointers(flat: FlatState) -> tuple[int, ...]:
-    return tuple((e.tensor._local_tensor if isinstance(e.tensor, DTensor) else e.tensor).data_ptr() for e in flat.tensors)
+    return tuple(_data_ptr(e.tensor) for e in flat.tensors)
+
+
+def _data_ptr(t: Any) -> int:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # nearly all: no lookups
+        return int(t.data_ptr())
+    return int(inner_tensor(t._local_tensor if isinstance(t, DTensor) else t).data_ptr())
 
 
 def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: tuple[int, ...]) -> Structure:
     """`last` with the fragments of the entries whose memory moved taken from `flat` again."""
     moved = {i for i, (a, b) in enumerate(zip(last.pointers, pointers)) if a != b}
     by_entry: list[list[tuple[TensorEntry, Fragment]]] = [[] for _ in flat.tensors]
-    index_of = {e.name: i for i, e in enumerate(flat.tensors)} if moved else {}
+    # a LocalShards' boxes share a name: an entry is its name and placement
+    index_of = {(e.name, e.placement): i for i, e in enumerate(flat.tensors)} if moved else {}
     for entry, fragment in last.fragments:
-        by_entry[index_of[entry.name]].append((entry, fragment))
+        by_entry[index_of[entry.name, entry.placement]].append((entry, fragment))
     for i in moved:
         entry = flat.tensors[i]
         layout = layout_state(FlatState((entry,), {}, rank=flat.rank), rules, coords)[0]

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ckptd.client.shards import LocalShard
+from ckptd.client.shards import LocalShard, LocalShards
 from ckptd.common.names import MAX_EXTRAS_DEPTH
 
 TENSOR = "__tensor__"
@@ -54,7 +54,7 @@ TAGS = frozenset({TENSOR, TUPLE, FLOAT, BYTES, NDARRAY, NPSCALAR, MAPPING})
 _NUMPY_KINDS = "biufc"
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
-AddTensor = Callable[[str, "torch.Tensor | LocalShard"], None]  # a LocalShard: a box of the logical tensor
+AddTensor = Callable[[str, "torch.Tensor | LocalShard | LocalShards"], None]  # LocalShard(s): boxes of the logical tensor
 GetTensor = Callable[[str], torch.Tensor]
 
 
@@ -98,7 +98,7 @@ class _Encoder:
     def value(self, value: Any, path: tuple[str, ...], in_key: bool = False) -> Any:
         # Order matters: bool is an int, numpy's float64 is a float. Tensors first: a state is
         # mostly tensors, and none of the other types is one.
-        if isinstance(value, (torch.Tensor, LocalShard)) and not in_key:
+        if isinstance(value, (torch.Tensor, LocalShard, LocalShards)) and not in_key:
             name = self.where(path)
             self.add_tensor(name, value)
             return {TENSOR: name}

@@ -4,13 +4,17 @@
     from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
 
     writer = CkptdStorageWriter(job="run-42")                  # one per run: it keeps its client
-    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step)        # or dcp.async_save
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id=step, planner=writer.planner)  # or dcp.async_save
     dcp.load(state_dict, storage_reader=CkptdStorageReader(step_dir))     # any world size
 
-The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors)
-to the node's daemon through a CheckpointClient, as LocalShards at the chunks' offsets, so
+The writer hands every rank's chunks (DTensor shards, ShardedTensor shards, whole tensors;
+several chunks of one tensor on one rank as LocalShards) to the node's daemon through a
+CheckpointClient, as LocalShard boxes at the chunks' offsets, so
 `dcp.save` returns after the hand-off and the daemon writes and commits in the background
 (`durable=True` waits for the commit instead; `writer.handle` is the last save's handle).
+The writer is DCP's AsyncStager: `dcp.async_save` makes no copy of its own and returns once
+its thread has handed the tensors to the daemon. `writer.planner` (CkptdSavePlanner) keeps
+DCP's plans while the state's structure is unchanged.
 Names: DCP's flattened key "model.layers.0.weight" is ckptd's "model/layers.0.weight" (kinds
 model, master and optimizer by the first part, so the model files stay Hugging Face
 loadable); any other key k is "dcp/k". Non-tensor values (DCP's "bytes" entries) travel in
@@ -32,6 +36,9 @@ import base64
 import io
 import logging
 import os
+import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +53,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ckptd.client import CheckpointClient, LocalShard, SaveHandle
+from ckptd.client import CheckpointClient, LocalShard, LocalShards, SaveHandle
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
+from ckptd.integrations._dcp_plan import CkptdSavePlanner
 from ckptd.offline import Step, open_step
 
-__all__ = ["CkptdStorageReader", "CkptdStorageWriter", "export_dcp", "ckptd_name", "dcp_fqn"]
+__all__ = ["CkptdSavePlanner", "CkptdStorageReader", "CkptdStorageWriter", "export_dcp", "ckptd_name", "dcp_fqn"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,14 @@ def _step_of(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
     return int(text)
 
 
+@dataclass
+class _Staged:
+    """One dcp.async_save through the writer: set once its tensors are handed to the daemon."""
+
+    handed_off: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
 class CkptdStorageWriter(StorageWriter):
     """A DCP StorageWriter that hands the state to the node's ckptd daemon (see the module).
 
@@ -120,6 +136,18 @@ class CkptdStorageWriter(StorageWriter):
         self._owns_client = client is None
         self._client_args = {"on_error": "raise", **client_args}
         self.handle: SaveHandle | None = None
+        self._planner: CkptdSavePlanner | None = None
+        self._plan_targets: tuple[SavePlan, list[Any]] | None = None  # the last plan and its items' targets (_targets)
+        self._staged: _Staged | None = None  # the dcp.async_save being staged
+
+    @property
+    def planner(self) -> CkptdSavePlanner:
+        """A save planner that keeps DCP's plans from save to save while the state's structure is
+        unchanged (ckptd.integrations._dcp_plan): pass it with every save,
+        `dcp.save(state, storage_writer=writer, planner=writer.planner, checkpoint_id=step)`."""
+        if self._planner is None:
+            self._planner = CkptdSavePlanner()
+        return self._planner
 
     @property
     def client(self) -> CheckpointClient:
@@ -140,11 +168,39 @@ class CkptdStorageWriter(StorageWriter):
             return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._staged is not None:
+            self._staged.thread = threading.current_thread()  # dcp.async_save's save thread
         if self.step is None:
             raise ValueError("no step to save: pass CkptdStorageWriter(job, step=N) or dcp.save(..., checkpoint_id=N)")
         # the client's run id is settled here, where every rank is at once (it may broadcast through
         # torch.distributed): write_data may run in dcp.async_save's thread, where no collective may
         _ = self.client.run_id
+
+    # DCP's AsyncStager protocol: dcp.async_save stages through the writer instead of copying the
+    # state first (DCP's DefaultStager); async_save returns once the save thread has handed the
+    # tensors to the daemon (synchronize_staging), which is the snapshot, and the daemon persists.
+    _synchronize_after_execute = True
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return True
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """No copy: the save thread's hand-off to the daemon is the snapshot; the caller waits for
+        it in synchronize_staging, so training does not change the tensors while they are copied."""
+        _ = self.client.run_id  # settled in the caller's thread, where a collective may run
+        self._staged = _Staged()
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Wait until this async save has handed its tensors to the daemon, or its thread left
+        DCP's save without doing so (planning failed: its future holds the error)."""
+        staged = self._staged
+        if staged is None:
+            return
+        while not staged.handed_off.wait(0.002):
+            if staged.thread is not None and not _in_dcp_save(staged.thread):
+                return
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -159,36 +215,56 @@ class CkptdStorageWriter(StorageWriter):
         """This rank's part of the collective save: every rank calls it, with or without items."""
         assert self.step is not None
         state: dict[str, Any] = {}
+        chunks: dict[str, dict[str, list[torch.Tensor | LocalShard]]] = {}  # state key -> path -> this rank's chunks
         encoded: dict[str, str] = {}
         results = []
-        for item in plan.items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
+        for item, key, path, offsets, size in self._targets(plan):
+            if key is None:
                 data = planner.resolve_data(item)
                 raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                encoded[fqn] = base64.b64encode(raw).decode("ascii")
+                encoded[item.index.fqn] = base64.b64encode(raw).decode("ascii")
                 results.append(WriteResult(item.index, len(raw), None))
                 continue
-            assert item.tensor_data is not None
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor)
-            key, path = ckptd_name(fqn)
-            place = state.setdefault(key, {})
-            if path in place:
-                raise ValueError(
-                    f"rank {self.client.rank} holds two chunks of {fqn!r}; ckptd takes one chunk per tensor per rank "
-                    "(DTensor shards are one): reshard that tensor so each rank holds one piece"
-                )
-            chunk = item.tensor_data.chunk
-            place[path] = LocalShard(tensor.detach(), tuple(chunk.offsets), tuple(item.tensor_data.size))
+            # a whole tensor goes as it is; a chunk as the LocalShard at its offsets
+            value: torch.Tensor | LocalShard = tensor.detach() if offsets is None else LocalShard(tensor.detach(), offsets, size)
+            chunks.setdefault(key, {}).setdefault(path, []).append(value)
             results.append(WriteResult(item.index, tensor.numel() * tensor.element_size(), None))
+        for key, paths in chunks.items():  # several chunks of one tensor on this rank: its boxes
+            state[key] = {path: values[0] if len(values) == 1 else LocalShards(values) for path, values in paths.items()}  # type: ignore[arg-type]
         state[BYTES_KEY] = encoded  # always a key: a rank with nothing to write still joins the save
-        self.handle = self.client.save(self.step, state, quantize=self.quantize)
+        staged = self._staged
+        try:
+            self.handle = self.client.save(self.step, state, quantize=self.quantize)
+        finally:
+            if staged is not None:
+                staged.handed_off.set()
         if self.handle.error:
             raise CheckpointError(f"ckptd could not take step {self.step} of job {self.job!r}: {self.handle.error}")
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
+
+    def _targets(self, plan: SavePlan) -> list[tuple[WriteItem, str | None, str, tuple[int, ...] | None, tuple[int, ...]]]:
+        """Per write item: (item, state key or None for a bytes entry, path, the chunk's offsets or
+        None for a whole tensor, the tensor's size). Kept for the plan object: a planner that keeps
+        its plans (CkptdSavePlanner) hands the same one to every save of an unchanged state."""
+        if self._plan_targets is not None and self._plan_targets[0] is plan:
+            return self._plan_targets[1]
+        targets: list[tuple[WriteItem, str | None, str, tuple[int, ...] | None, tuple[int, ...]]] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                targets.append((item, None, item.index.fqn, None, ()))
+                continue
+            assert item.tensor_data is not None
+            key, path = ckptd_name(item.index.fqn)
+            chunk, size = item.tensor_data.chunk, tuple(item.tensor_data.size)
+            # a plain tensor under an extras key would be the rank's own (per rank): give those their box
+            whole = key in KINDS_BY_PREFIX and not any(chunk.offsets) and tuple(chunk.sizes) == size
+            targets.append((item, key, path, None if whole else tuple(chunk.offsets), size))
+        self._plan_targets = (plan, targets)
+        return targets
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Called on the coordinator rank only: the commit is the daemons' (ckptd.index.json)."""
@@ -196,10 +272,24 @@ class CkptdStorageWriter(StorageWriter):
             self.handle.wait_durable()
 
     def close(self) -> None:
-        """Close the client this writer made (not one passed in)."""
+        """Close the client this writer made (not one passed in); drop its planner's plans."""
+        if self._planner is not None:
+            self._planner.forget()
         if self._client is not None and self._owns_client:
             self._client.close()
             self._client = None
+
+
+def _in_dcp_save(thread: threading.Thread) -> bool:
+    """Whether `thread` is inside DCP's save of a state (set_up_storage_writer is called there)."""
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is _save_state_dict.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class CkptdStorageReader(StorageReader):
