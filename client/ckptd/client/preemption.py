@@ -148,9 +148,9 @@ class Preemption:
         agreed = self._received is not None
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            from ckptd.client.layout import _collective_device
+            from ckptd.client.replicas import collective_device
 
-            flag = torch.tensor([int(agreed)], dtype=torch.int32, device=_collective_device(self.group))
+            flag = torch.tensor([int(agreed)], dtype=torch.int32, device=collective_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             agreed = bool(flag.item())
         if agreed:

@@ -37,7 +37,7 @@ def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distribu
     """
     dist = torch.distributed
     names = sorted(tensors)
-    device = _collective_device(group)
+    device = collective_device(group)
     names_digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
     header = torch.tensor(list(names_digest), dtype=torch.uint8, device=device)
     headers = _all_gather(header, group)
@@ -64,7 +64,9 @@ def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distribu
         )
 
 
-def _collective_device(group: torch.distributed.ProcessGroup | None) -> torch.device:
+def collective_device(group: torch.distributed.ProcessGroup | None) -> torch.device:
+    """Where a tensor for a collective over `group` must live: the CPU for gloo (or without
+    CUDA), else the current CUDA device (NCCL takes only device tensors)."""
     backend = str(torch.distributed.get_backend(group))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")

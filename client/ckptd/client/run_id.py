@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from ckptd.client.replicas import _collective_device
+from ckptd.client.replicas import collective_device
 from ckptd.common.names import check_run_id
 
 RUN_ID_ENV = "CKPTD_RUN_ID"
@@ -108,7 +108,7 @@ def _distributed_matches(rank: int, world_size: int) -> bool:
 
 def _broadcast_from_rank0() -> str:
     """Rank 0's process id on every rank of the default group (one broadcast of 16 bytes)."""
-    buf = torch.zeros(16, dtype=torch.uint8, device=_collective_device(None))
+    buf = torch.zeros(16, dtype=torch.uint8, device=collective_device(None))
     if torch.distributed.get_rank() == 0:
         buf.copy_(torch.frombuffer(bytearray(bytes.fromhex(process_run_id())), dtype=torch.uint8))
     torch.distributed.broadcast(buf, src=0)
