@@ -14,6 +14,7 @@ resume in the same or another layout restores the model, the optimizer and the s
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 from pathlib import Path
@@ -81,6 +82,7 @@ def test_a_model_parallel_fit_in_one_process_saves_its_shards_and_resumes_bit_fo
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else Lightning sets it for the rest of the session
     spec = {"address": daemon.address, "job": "mp1", "dirpath": str(tmp_path / "mp1"), "out": str(tmp_path / "a.jsonl"), "max_steps": 6,
             "every": 3, "ckpt_path": None, "pause_at": 0, "tp": 1, "dump": str(tmp_path / "a")}
+    environment = dict(os.environ)  # Lightning sets WORLD_SIZE, LOCAL_WORLD_SIZE, ... in this process: later tests' ranks inherit them
     try:
         train(spec)
         assert json.loads((tmp_path / "mp1" / "last.ckpt").read_text())["step"] == 6
@@ -88,6 +90,8 @@ def test_a_model_parallel_fit_in_one_process_saves_its_shards_and_resumes_bit_fo
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     assert not (tmp_path / "b.jsonl").exists()
     saved = read_whole(daemon.address, tmp_path / "mp1" / "last.ckpt")
     assert_state_is_the_checkpoint(dumped(tmp_path / "a"), saved)
