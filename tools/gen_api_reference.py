@@ -142,6 +142,9 @@ def _annotation_text(annotation: Any) -> str:
 
 
 def _default_text(default: Any) -> str:
+    if isinstance(default, (set, frozenset)):  # a set's order follows string hashing, which changes from run to run
+        items = ", ".join(sorted(repr(item) for item in default))
+        return f"{type(default).__name__}({{{items}}})" if items else f"{type(default).__name__}()"
     text = repr(default)
     return "..." if " at 0x" in text else text  # an address would differ from run to run
 
