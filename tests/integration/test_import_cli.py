@@ -65,7 +65,7 @@ def test_a_torch_save_file(daemons, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+@pytest.mark.parametrize("weights", ["safetensors", pytest.param("bin", marks=pytest.mark.long)])
 def test_a_hugging_face_model_directory(daemons, tmp_path: Path, weights: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -94,7 +94,7 @@ def test_four_ranks_on_two_nodes_commit_one_checkpoint(shared_cluster) -> None:
     [
         ([3], {"w_even": [S0], "w_uneven": [S0], "b": [S0], "tiny": [S0]}, 2),  # uneven shards over 3 ranks
         pytest.param([8], {"w_even": [S1], "w_uneven": [S1], "b": [S0], "tiny": [S1]}, 2, marks=pytest.mark.long),  # Shard(0) -> Shard(1), 8 ranks (pytest -m long)
-        ([2, 2], {"w_even": [R, S0], "w_uneven": [S0, S1], "b": [R, R], "tiny": [S1, S0]}, 2),  # 1-D -> 2-D mesh
+        pytest.param([2, 2], {"w_even": [R, S0], "w_uneven": [S0, S1], "b": [R, R], "tiny": [S1, S0]}, 2, marks=pytest.mark.long),  # 1-D -> 2-D mesh (test_reshard loads it from one node by default)
         ([2], {"w_even": [R], "w_uneven": [S1], "b": [R], "tiny": [R]}, 1),  # Shard -> Replicate, one node
     ],
 )

@@ -85,7 +85,7 @@ def test_adam_state_is_resharded_and_training_continues_the_same(daemon, tmp_pat
     assert losses == reference  # exactly: same global computation, Adam moments resharded 2 -> 3
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the one-node test above runs by default; test_multi_node covers two nodes' fetches
 def test_adam_state_saved_on_two_nodes_is_resharded_and_training_continues_the_same(node_sets, tmp_path: Path) -> None:
     """The same on two daemons with node-local roots: 2 ranks (one per node) save, 3 ranks
     (2 on node 0, 1 on node 1) resume; each node fetches the shards the other node wrote."""
