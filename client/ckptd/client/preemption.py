@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 import torch
 
+from ckptd.client.collectives import collective_device
 from ckptd.client.errors import CheckpointError
 from ckptd.client.handle import DurableInfo
 
@@ -148,8 +149,6 @@ class Preemption:
         agreed = self._received is not None
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            from ckptd.client.replicas import collective_device
-
             flag = torch.tensor([int(agreed)], dtype=torch.int32, device=collective_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             agreed = bool(flag.item())

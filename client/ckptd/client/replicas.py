@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from ckptd.client.collectives import all_gather_to_cpu, collective_device
 from ckptd.client.errors import LayoutError
 
 
@@ -40,7 +41,7 @@ def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distribu
     device = collective_device(group)
     names_digest = hashlib.blake2b("\n".join(names).encode(), digest_size=16).digest()
     header = torch.tensor(list(names_digest), dtype=torch.uint8, device=device)
-    headers = _all_gather(header, group)
+    headers = all_gather_to_cpu(header, group)
     if any(not torch.equal(h, headers[0]) for h in headers):
         raise LayoutError(
             "the ranks of the group passed different sets of replicated tensors to verify_replicated; "
@@ -50,7 +51,7 @@ def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distribu
         return
     rows = [bytes.fromhex(replicated_checksum(tensors[n])) for n in names]
     mine = torch.tensor([list(r) for r in rows], dtype=torch.uint8, device=device).reshape(len(names), 16)
-    gathered = _all_gather(mine, group)
+    gathered = all_gather_to_cpu(mine, group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     problems = []
     for i, name in enumerate(names):
@@ -62,19 +63,3 @@ def verify_replicated(tensors: Mapping[str, torch.Tensor], group: torch.distribu
             "tensors declared Replicated differ across tensor-parallel ranks: " + "; ".join(problems)
             + ". Find why they drift (a missing all-reduce), or declare them Replicated(check_equal=False)"
         )
-
-
-def collective_device(group: torch.distributed.ProcessGroup | None) -> torch.device:
-    """Where a tensor for a collective over `group` must live: the CPU for gloo (or without
-    CUDA), else the current CUDA device (NCCL takes only device tensors)."""
-    backend = str(torch.distributed.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _all_gather(tensor: torch.Tensor, group: torch.distributed.ProcessGroup | None) -> list[torch.Tensor]:
-    size = torch.distributed.get_world_size(group)
-    out = [torch.empty_like(tensor) for _ in range(size)]
-    torch.distributed.all_gather(out, tensor, group=group)
-    return [t.cpu() for t in out]

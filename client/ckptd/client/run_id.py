@@ -29,7 +29,7 @@ from typing import Mapping
 
 import torch
 
-from ckptd.client.replicas import collective_device
+from ckptd.client.collectives import collective_device
 from ckptd.common.names import check_run_id
 
 RUN_ID_ENV = "CKPTD_RUN_ID"
