@@ -1,0 +1,110 @@
+"""torchtitan's checkpoint manager through ckptd (ckptd.integrations.torchtitan): gloo ranks as
+processes train with torchtitan's own optimizer, scheduler and dataloader containers and the
+CkptdCheckpointManager its Config builds, against a real daemon; a run SIGKILLed between saves
+resumes from the newest step bit for bit (model, optimizer, lr scheduler, dataloader, train
+state) with the losses of the uninterrupted run, and in another world size."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan==0.3.0 --no-deps; docs/integrations/torchtitan.md)")
+
+from ckptd.integrations.torchtitan import CkptdCheckpointManager  # noqa: E402
+from ckptd.offline import list_steps, open_step  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("titan_ranks.py")
+sys.path.insert(0, str(SCRIPT.parents[1]))
+from daemon_rig import DaemonFactory  # noqa: E402
+from worker_process import run_ranks  # noqa: E402
+
+STEPS, INTERVAL, KILL_AT = 6, 2, 6  # saves at 2 and 4; killed after step 6's training, before its save
+
+
+def _state(out: Path, rank: int, what: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return load_file(f"{out}-{rank}-{what}.safetensors"), json.loads(Path(f"{out}-{rank}-{what}.json").read_text())
+
+
+def _losses(out: Path, rank: int) -> dict[str, float]:
+    return json.loads(Path(f"{out}-{rank}-losses.json").read_text())
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonFactory, Any, Path]]:
+    """A 2-rank async run SIGKILLed after step 6's training: it holds steps 2 and 4, and wrote its
+    state after step 4's save and its losses of steps 1-6 (the uninterrupted run's)."""
+    base = tmp_path_factory.mktemp("titan")
+    daemons = DaemonFactory(base / "root")
+    try:
+        daemon = daemons.start()
+        out = base / "killed"
+        run_ranks(SCRIPT, 2, expect=-9, address=daemon.address, job="titan", async_mode="async", steps=STEPS, interval=INTERVAL,
+                  kill_at=KILL_AT, dump_at=4, out=str(out))
+        yield daemons, daemon, out
+    finally:
+        daemons.close()
+
+
+# issue 31 item 7
+@pytest.mark.slow
+def test_a_killed_async_run_resumes_from_the_newest_step_bit_exact(killed: tuple[DaemonFactory, Any, Path], tmp_path: Path) -> None:
+    daemons, daemon, before = killed
+    assert [s.step for s in list_steps(daemons.root, "titan")] == [2, 4]
+    after = tmp_path / "resumed"
+    run_ranks(SCRIPT, 2, address=daemon.address, job="titan", async_mode="async", steps=STEPS, interval=INTERVAL, out=str(after))
+    for rank in range(2):
+        loaded, saved = _state(after, rank, "loaded"), _state(before, rank, "4")
+        _assert_same(loaded[0], saved[0])  # model and optimizer, gathered
+        assert loaded[1] == saved[1]  # lr scheduler, lrs, train state, dataloader position, optimizer hyperparameters
+        assert loaded[1]["train_state"]["step"] == 4
+        # steps 5 and 6 again: the uninterrupted run's losses, bit for bit
+        assert _losses(after, rank) == {k: v for k, v in _losses(before, rank).items() if int(k) > 4}
+    # the last step is saved synchronously (dcp.save): the whole state, committed
+    assert [s.step for s in list_steps(daemons.root, "titan")] == [2, 4, 6]
+    final, _ = _state(after, 0, "final")
+    stored = open_step(daemons.root, "titan", 6).state_dict("model")
+    _assert_same({f"model.{k}": v for k, v in stored.items()}, {k: v for k, v in final.items() if k.startswith("model.")})
+
+
+# issue 31 item 7
+@pytest.mark.long  # ~35 s on 2 cores; CkptdStorageReader's 2 -> 3 path stays in the default run (test_dcp.py)
+def test_a_step_saved_by_two_ranks_loads_in_three(killed: tuple[DaemonFactory, Any, Path], tmp_path: Path) -> None:
+    """FSDP2 shards of 2 ranks into 3: model, optimizer, scheduler and train state bit for bit.
+    The dataloader stays out (exclude_from_loading): torchtitan refuses to reshard its state."""
+    _, daemon, before = killed
+    three = tmp_path / "three"
+    run_ranks(SCRIPT, 3, address=daemon.address, job="titan", async_mode="disabled", steps=4, interval=INTERVAL, load_step=4,
+              load_only=True, exclude=["dataloader"], out=str(three))
+    saved_tensors, saved = _state(before, 0, "4")
+    for rank in range(3):
+        tensors, other = _state(three, rank, "loaded")
+        _assert_same(tensors, saved_tensors)
+        assert {k: other[k] for k in ("lr_scheduler", "lrs", "train_state")} == {k: saved[k] for k in ("lr_scheduler", "lrs", "train_state")}
+
+
+# issue 31 item 7
+def test_the_config_refuses_what_ckptd_does_otherwise() -> None:
+    with pytest.raises(ValueError, match="--keep-last 5"):
+        CkptdCheckpointManager.Config(enable=True, job="j", keep_latest_k=5)
+    with pytest.raises(ValueError, match="ckptd export"):
+        CkptdCheckpointManager.Config(enable=True, job="j", last_save_in_hf=True)
+    with pytest.raises(ValueError, match="needs job="):
+        CkptdCheckpointManager.Config(enable=True)
+    with pytest.raises(ValueError, match="invalid job id"):
+        CkptdCheckpointManager.Config(enable=True, job="a job")
+    assert CkptdCheckpointManager.Config().build(
+        dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
+    ).load() is False  # disabled: torchtitan's own no-op, no daemon asked
