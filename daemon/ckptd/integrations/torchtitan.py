@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager  # type: ignore[import-untyped]
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
 from ckptd.client import CheckpointClient
 from ckptd.common.names import check_job_id
@@ -61,6 +63,13 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
     passes to every checkpoint manager. One CkptdStorageWriter (one CheckpointClient: one run of
     the job) serves every save of the run and the daemon queries of its loads.
     """
+
+    # set by torchtitan's CheckpointManager.__init__ (untyped there)
+    async_mode: AsyncMode
+    save_future: Future[Any] | None
+    states: dict[str, Any]
+    folder: str
+    pg: Any
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):  # type: ignore[misc]
@@ -125,9 +134,8 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return self.writer.client
 
     def _close(self) -> None:
-        if self.save_future is not None:  # DCP's save thread may still use the writer's client
-            self.save_future.result()
-            self.save_future = None
+        if getattr(self, "save_future", None) is not None:  # DCP's save thread may still use the writer's client
+            self._wait_for_saving()
         super()._close()
         writer = getattr(self, "writer", None)
         if writer is not None:
@@ -177,9 +185,11 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
             raise ValueError(f"{checkpoint_id!r} is not a ckptd step directory (ROOT/JOB/step-NNNNNNNN)")
         writer, nested = self.writer, self._nest_model(state_dict)
         if async_mode == AsyncMode.DISABLED:
-            dcp.save(nested, storage_writer=writer, planner=writer.planner, checkpoint_id=str(step))
+            dcp_save(nested, storage_writer=writer, planner=writer.planner, checkpoint_id=str(step))
             return None
-        future: Future[Any] = dcp.async_save(nested, storage_writer=writer, planner=writer.planner, checkpoint_id=str(step), process_group=self.pg)
+        future = dcp_async_save(nested, storage_writer=writer, planner=writer.planner, checkpoint_id=str(step), process_group=self.pg)
+        if not isinstance(future, Future):  # the writer stages in place: DCP answers with the save's future
+            raise TypeError(f"dcp.async_save answered {type(future).__name__}, not the save's Future")
         return future
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
@@ -189,7 +199,7 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         nested = self._nest_model(state_dict)
-        dcp.load(nested, storage_reader=CkptdStorageReader(checkpoint_id))
+        dcp_load(nested, storage_reader=CkptdStorageReader(checkpoint_id))
         state_dict.update(nested.get(MODEL, {}))  # DCP may replace a non-tensor entry of the model's
         if MODEL in self.states:  # the model's entries are flattened into state_dict (torchtitan's layout)
             self.states[MODEL].load_state_dict(state_dict)
