@@ -137,20 +137,27 @@ def test_the_config_refuses_what_ckptd_does_otherwise() -> None:
 
 
 # issue 31 item 7
-def test_a_load_waits_for_the_save_in_flight_and_reads_a_plain_client_step(daemon: DaemonProcess) -> None:
+def test_a_load_waits_for_the_save_in_flight_and_reads_a_plain_client_step(daemons: DaemonFactory, daemon: DaemonProcess) -> None:
     """load_step=-1 takes the step a run handed over just before it ended, not the one before it
-    (the daemon is still writing it), and reads it although CheckpointClient wrote it (model kind)."""
+    (the daemon is still writing it), and reads it although CheckpointClient wrote it (model kind).
+    One process, no process group: the last step is then saved model-only in bfloat16 (export_dtype)."""
     torch.manual_seed(0)
     first, second, target = (torch.nn.Linear(2048, 2048) for _ in range(3))  # 16 MiB: written while the manager looks
     with CheckpointClient("inflight", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(1, {"model": first}).wait_durable(timeout=60)
         ckpt.save(2, {"model": second})  # handed over; the daemon writes it now
-        manager = CkptdCheckpointManager.Config(
-            enable=True, job="inflight", address=daemon.address, exclude_from_loading=["optimizer", "lr_scheduler", "dataloader"]
-        ).build(dataloader=None, model_parts=[target], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
-        try:
-            assert manager.load() is True
-        finally:
-            manager.close()
+    manager = CkptdCheckpointManager.Config(
+        enable=True, job="inflight", address=daemon.address, exclude_from_loading=["optimizer", "lr_scheduler", "dataloader"],
+        export_dtype="bfloat16", durable=True,
+    ).build(dataloader=None, model_parts=[target], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+    try:
+        assert manager.load() is True
+        for name, tensor in second.state_dict().items():
+            assert torch.equal(target.state_dict()[name], tensor), name
+        assert manager.save(3, last_step=True) is True
+    finally:
+        manager.close()
+    stored = open_step(daemons.root, "inflight", 3).state_dict("model")
+    assert {k: v.dtype for k, v in stored.items()} == {"weight": torch.bfloat16, "bias": torch.bfloat16}
     for name, tensor in second.state_dict().items():
-        assert torch.equal(target.state_dict()[name], tensor), name
+        assert torch.equal(stored[name], tensor.to(torch.bfloat16)), name
