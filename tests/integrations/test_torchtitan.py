@@ -106,14 +106,17 @@ def test_a_killed_run_resumes_bit_exact_in_each_async_mode(async_mode: str, tmp_
 
 
 # issue 31 item 7
-@pytest.mark.long  # ~35 s on 2 cores; CkptdStorageReader's 2 -> 3 path stays in the default run (test_dcp.py)
-def test_a_step_saved_by_two_ranks_loads_in_three(killed: tuple[DaemonFactory, DaemonProcess, Path], tmp_path: Path) -> None:
-    """FSDP2 shards of 2 ranks into 3: model, optimizer, scheduler and train state bit for bit.
+@pytest.mark.long  # ~25 s each on 2 cores; CkptdStorageReader's 2 -> 3 path stays in the default run (test_dcp.py)
+@pytest.mark.parametrize("how", ["load_step", "initial_load_path"])
+def test_a_step_saved_by_two_ranks_loads_in_three(killed: tuple[DaemonFactory, DaemonProcess, Path], tmp_path: Path, how: str) -> None:
+    """FSDP2 shards of 2 ranks into 3: model, optimizer, scheduler and train state bit for bit,
+    as load_step=4 of the job, or as the initial_load_path of a new job (its step directory).
     The dataloader stays out (exclude_from_loading): torchtitan refuses to reshard its state."""
-    _, daemon, before = killed
+    daemons, daemon, before = killed
     three = tmp_path / "three"
-    run_ranks(SCRIPT, 3, address=daemon.address, job="titan", async_mode="disabled", steps=4, interval=INTERVAL, load_step=4,
-              load_only=True, exclude=["dataloader"], out=str(three))
+    where = {"job": "titan", "load_step": 4} if how == "load_step" else {"job": "titan-3", "initial_load_path": str(daemons.root / "titan" / "step-00000004")}
+    run_ranks(SCRIPT, 3, address=daemon.address, async_mode="disabled", steps=4, interval=INTERVAL, load_only=True, exclude=["dataloader"],
+              out=str(three), **where)
     saved_tensors, saved = _state(before, 0, "4")
     for rank in range(3):
         tensors, other = _state(three, rank, "loaded")

@@ -9,7 +9,7 @@ the optimizer step, save(step, last_step=...). The model is FSDP2-sharded (fully
 ranks, so its and the optimizer's state are DTensors.
 
 Spec: address, job, async_mode, steps, interval; load_step (default -1); load_only;
-exclude (exclude_from_loading); kill_at (SIGKILL every rank after that step's training, before
+exclude (exclude_from_loading); initial_load_path (loaded whole when the job has no step); kill_at (SIGKILL every rank after that step's training, before
 its save); dump_at (write the state after that step's save); out (prefix of this rank's files:
 OUT-<rank>-<what>.safetensors / .json, what = "loaded" after the load, the dump_at step, "final").
 """
@@ -136,6 +136,8 @@ def body(spec: dict[str, Any]) -> None:
         interval=spec["interval"],
         load_only=spec.get("load_only", False),
         exclude_from_loading=spec.get("exclude", []),
+        initial_load_path=spec.get("initial_load_path"),
+        initial_load_model_only=False,
         last_save_model_only=False,
     ).build(
         dataloader=dataloader,
