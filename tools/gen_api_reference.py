@@ -74,6 +74,7 @@ MODULES: tuple[Section, ...] = (
     Section("ckptd.integrations.peft", extra="peft"),
     Section("ckptd.integrations.dcp"),
     Section("ckptd.integrations.deepspeed"),
+    Section("ckptd.integrations.torchtitan"),
     Section("ckptd.offline"),
 )
 
