@@ -2,8 +2,9 @@
 (issue 31, "Must show": for each strategy, killed mid-run, resumed in the same and in another
 world size, losses identical to an uninterrupted run).
 
-Gloo ranks as processes (train_layouts_rank.py: FSDP2, HSDP, TP, PP with a tied embedding across
-the first and last stage, EP with experts under local indices), a real daemon, saves after every
+Gloo ranks as processes (train_layouts_rank.py: FSDP2, HSDP, TP, PP through
+torch.distributed.pipelining with a tied embedding across the first and last stage, EP with
+experts under local indices), a real daemon, saves after every
 step. Rank 1 waits until step 2 is durable and SIGKILLs itself right after its save of step 3
 returns (the snapshot handed over, its commit in flight); the others are then SIGKILLed, as
 torchrun's agent stops a group. The group is started again at the same world size: it loads the
@@ -64,7 +65,7 @@ CASES = [
 ]
 
 
-# issue 31 "Must show" (SIGKILL and resume per strategy; items 1 and 3 in a training loop)
+# issue 31 item 1 (FSDP2, HSDP, TP) and item 3 (PP, EP): "Must show" SIGKILL and resume per strategy
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, world, other, other_world, same_order", CASES)
 def test_killed_mid_run_resumes_with_identical_losses_then_loads_in_another_layout(
@@ -104,7 +105,7 @@ def test_killed_mid_run_resumes_with_identical_losses_then_loads_in_another_layo
     for name, t in saved.items():
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
     next_loss = json.loads((out / "next_loss.json").read_text())
-    if same_order:  # the stages compute in the same order at any PP size
+    if same_order:  # the stages compute the same micro-batches in the same order at any PP size
         assert next_loss == reference[STEPS + 1]
     else:  # the gradient and loss reductions sum in another order over another number of ranks
         assert next_loss == pytest.approx(reference[STEPS + 1], rel=1e-5)

@@ -9,7 +9,8 @@ after every step and resumed from the daemon's newest committed step at start. T
 - "tp": `parallelize_module` colwise/rowwise over all ranks (every rank sees the same batch);
 - "pp": stage modules keeping their global names (`layers.<i>.*`), the embedding on the first
   stage tied to the output layer on the last (`StoredAs("embed.weight")`; one tensor at PP=1),
-  activations and their gradients sent between stages, the tied gradients summed;
+  run by torch.distributed.pipelining's `PipelineStage` and `ScheduleGPipe`, the tied gradients
+  summed;
 - "ep": a MoE block whose experts are split over the ranks under local indices (`Expert`),
   tokens gathered to every rank, each expert's output summed back; dense parts data parallel.
 
@@ -208,7 +209,9 @@ class TensorParallel(Strategy):
 
 class Stage(nn.Module):
     """Pipeline stage `s` of `world`: layers [s*per, (s+1)*per) under their global names, the
-    embedding on the first stage, the output layer on the last, one tied tensor at PP=1."""
+    embedding on the first stage, the output layer on the last, one tied tensor at PP=1. Its
+    input: tokens on the first stage, else the previous stage's activations; its output: logits
+    on the last stage, else activations."""
 
     def __init__(self, s: int, world: int) -> None:
         super().__init__()
@@ -221,16 +224,33 @@ class Stage(nn.Module):
             if s == 0:
                 self.lm_head.weight = self.embed.weight
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "embed"):
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = x + torch.tanh(layer(x))
+        return self.lm_head(x) if hasattr(self, "lm_head") else x
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+
 
 class Pipeline(Strategy):
-    """PP = world: one micro-batch forward stage by stage, backward in reverse (gloo send/recv)."""
+    """PP = world: torch.distributed.pipelining's GPipe schedule over the stages, MICROBATCHES
+    micro-batches; the tied embedding's and output layer's gradients summed after each step."""
 
     strict = "missing"
+    MICROBATCHES = 2
 
     def __init__(self, rank: int, world: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
         super().__init__(rank, world)
         self.first, self.last = rank == 0, rank == world - 1
         self.tied = dist.new_group([0, world - 1]) if world > 1 else None  # every rank makes the group
+        stage = PipelineStage(self.model, rank, world, torch.device("cpu"))
+        self.schedule = ScheduleGPipe(stage, self.MICROBATCHES, loss_fn=next_token_loss)
 
     def build(self) -> nn.Module:
         stage = Stage(self.rank, self.world)
@@ -248,32 +268,15 @@ class Pipeline(Strategy):
     def forward_backward(self, step: int) -> float:
         g = torch.Generator().manual_seed(200 + step)
         tokens = torch.randint(0, V, (BATCH, SEQ + 1), generator=g)
-        stage = self.model
-        if self.first:
-            x_in = None
-            x = stage.embed(tokens[:, :-1])
-        else:
-            x_in = torch.empty(BATCH, SEQ, H)
-            dist.recv(x_in, self.rank - 1)
-            x = x_in.requires_grad_()
-        for layer in stage.layers.values():
-            x = x + torch.tanh(layer(x))
-        loss = torch.zeros(())
-        if self.last:
-            loss = nn.functional.cross_entropy(stage.lm_head(x).reshape(-1, V), tokens[:, 1:].reshape(-1))
-            loss.backward()
-        else:
-            dist.send(x.detach().contiguous(), self.rank + 1)
-            grad = torch.empty(BATCH, SEQ, H)
-            dist.recv(grad, self.rank + 1)
-            x.backward(grad)
-        if x_in is not None:
-            dist.send(x_in.grad.contiguous(), self.rank - 1)
+        inputs = (tokens[:, :-1],) if self.first else ()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*inputs, target=tokens[:, 1:] if self.last else None, losses=losses)
         if self.tied is not None and (self.first or self.last):  # the tied copies' gradients summed
-            tied = stage.embed.weight if self.first else stage.lm_head.weight
+            tied = self.model.embed.weight if self.first else self.model.lm_head.weight
             dist.all_reduce(tied.grad, group=self.tied)
-        loss = loss.detach()
-        dist.broadcast(loss, self.world - 1)
+        loss = torch.stack(losses).mean() if self.last else torch.zeros(())
+        if self.world > 1:
+            dist.broadcast(loss, self.world - 1)
         return loss.item()
 
 
