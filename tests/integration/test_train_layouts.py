@@ -16,7 +16,7 @@ daemon's newest committed step (2, or 3 if its commit got through) and trains to
 - the final step's index holds exactly the model's and optimizer's tensors by stored name (every
   expert under its global index, the tied output layer stored once as the embedding);
 - the final step loads into another layout and world size (PP 2 -> 1, EP 2 -> 1; *long*: PP 4 -> 2,
-  EP 4 -> 2, TP 2 -> 1, HSDP 2x2 -> FSDP2 over 2, FSDP2 2 -> 1): every tensor of the model and the
+  EP 4 -> 2, EP with DTensor experts 2 -> 1, TP 2 -> 1, HSDP 2x2 -> FSDP2 over 2, FSDP2 2 -> 1): every tensor of the model and the
   optimizer, by its stored name, equals the saved one bit for bit, none missing, none extra; one
   more step trained there gives the loss of the uninterrupted run's next step up to float
   reduction order (exactly where the layout computes in the same order).
@@ -59,6 +59,7 @@ CASES = [
     pytest.param("ep", 2, "ep", 1, False, id="ep-2-then-1"),
     pytest.param("pp", 4, "pp", 2, True, id="pp-4-then-2", marks=pytest.mark.long),
     pytest.param("ep", 4, "ep", 2, False, id="ep-4-then-2", marks=pytest.mark.long),
+    pytest.param("ep-dtensor", 2, "ep-dtensor", 1, False, id="ep-dtensor-2-then-1", marks=pytest.mark.long),
     pytest.param("tp", 2, "tp", 1, False, id="tp-2-then-1", marks=pytest.mark.long),
     pytest.param("hsdp", 4, "fsdp2", 2, False, id="hsdp-2x2-then-fsdp2-2", marks=pytest.mark.long),
     pytest.param("fsdp2", 2, "fsdp2", 1, False, id="fsdp2-2-then-1", marks=pytest.mark.long),

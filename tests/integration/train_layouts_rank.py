@@ -12,7 +12,9 @@ after every step and resumed from the daemon's newest committed step at start. T
   run by torch.distributed.pipelining's `PipelineStage` and `ScheduleGPipe`, the tied gradients
   summed;
 - "ep": a MoE block whose experts are split over the ranks under local indices (`Expert`),
-  tokens gathered to every rank, each expert's output summed back; dense parts data parallel.
+  tokens gathered to every rank, each expert's output summed back; dense parts data parallel;
+- "ep-dtensor": the same block with stacked experts, DTensors with `Shard(0)` on the expert
+  dimension.
 
 Every parameter starts as a pure function of its stored name, so every layout starts from the
 same model; the data of a step is a pure function of the step. The loss logged is the global
@@ -305,6 +307,10 @@ class ExpertParallel(Strategy):
             parts[1] = str(self.rank * (E // self.world) + int(parts[1]))
         return ".".join(parts)
 
+    def local_experts(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """This rank's experts, by local index."""
+        return list(self.model.experts)
+
     def forward_backward(self, step: int) -> float:
         m, per = self.model, BATCH // self.world
         x, y = regression_batch(step)
@@ -315,8 +321,9 @@ class ExpertParallel(Strategy):
         gate = torch.softmax(m.router(tokens), dim=-1)
         choice = gate.argmax(dim=-1)
         out = torch.zeros(BATCH, H)
-        for local, expert in enumerate(m.experts):
-            e = self.rank * len(m.experts) + local
+        experts = self.local_experts()
+        for local, expert in enumerate(experts):
+            e = self.rank * len(experts) + local
             out = out + torch.where((choice == e)[:, None], gate[:, e : e + 1] * expert(tokens), 0.0)
         moe = AllReduceSum.apply(out)  # one expert per token: the sum adds zeros only
         pred = m.head(h + rows(moe, self.rank, self.world))
@@ -329,7 +336,42 @@ class ExpertParallel(Strategy):
         return mean_over_ranks(loss)
 
 
-STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": Fsdp2, "hsdp": Hsdp, "tp": TensorParallel, "pp": Pipeline, "ep": ExpertParallel}
+class ExpertParallelDTensor(ExpertParallel):
+    """The same MoE block with the experts stacked: experts.w1 (E, F, H) and experts.w2 (E, H, F),
+    DTensors with Shard(0) on the expert dimension over every rank (no layout rule)."""
+
+    strict = True
+
+    def build(self) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        model = nn.Module()
+        model.inp, model.router, model.head = nn.Linear(IN, H), nn.Linear(H, E, bias=False), nn.Linear(H, 1)
+        init_by_name(model, self.stored)
+        mesh, per = init_device_mesh("cpu", (self.world,)), E // self.world
+        model.experts = nn.Module()
+        for name, shape in (("w1", (E, F, H)), ("w2", (E, H, F))):
+            whole = values(f"experts.{name}", shape)
+            local = whole[self.rank * per : (self.rank + 1) * per].clone()
+            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride())
+            model.experts.register_parameter(name, nn.Parameter(dt))
+        return model
+
+    def client_options(self) -> dict[str, Any]:
+        return {}
+
+    def stored(self, name: str) -> str:
+        return name
+
+    def local_experts(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        w1, w2 = self.model.experts.w1.to_local(), self.model.experts.w2.to_local()  # their gradients come back as DTensors
+        return [lambda t, j=j: torch.tanh(t @ w1[j].T) @ w2[j].T for j in range(w1.shape[0])]
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "fsdp2": Fsdp2, "hsdp": Hsdp, "tp": TensorParallel, "pp": Pipeline, "ep": ExpertParallel, "ep-dtensor": ExpertParallelDTensor,
+}
 
 
 def save_held(strategy: Strategy, path: Path) -> None:
