@@ -6,7 +6,7 @@ Gloo ranks as processes (train_layouts_rank.py: FSDP2, HSDP, TP, PP through
 torch.distributed.pipelining with a tied embedding across the first and last stage, EP with
 experts under local indices), a real daemon, saves after every
 step. Rank 1 waits until step 2 is durable and SIGKILLs itself right after its save of step 3
-returns (the snapshot handed over, its commit in flight); the others are then SIGKILLed, as
+returns (the bytes copied, the commit that hands them over in flight); the others are then SIGKILLed, as
 torchrun's agent stops a group. The group is started again at the same world size: it loads the
 daemon's newest committed step (2, or 3 if its commit got through) and trains to the end. Checked:
 

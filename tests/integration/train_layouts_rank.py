@@ -24,7 +24,7 @@ Spec (JSON): strategy, address, job, steps, out (a directory), mode, plus rank, 
 - mode "train": load the newest step (if any), train to `steps`, saving each. Rank 0 appends
   {"step", "loss", "resumed_from"} per trained step to out/losses.jsonl. `kill: {"rank", "step"}`:
   that rank waits until `step` is durable, and SIGKILLs itself right after its save of step+1
-  returns (the snapshot handed over, its commit still in flight). At the end every rank writes
+  returns (the bytes copied, the commit that hands them over still in flight). At the end every rank writes
   what it holds, by stored name, to out/saved-<rank>.safetensors; with `reference`, it then
   trains a fresh model without ckptd: what it holds after `steps` steps to
   out/reference-<rank>.safetensors, and rank 0 writes the losses of steps+1 steps to
@@ -395,7 +395,7 @@ def train(spec: dict, strategy: Strategy) -> None:
             if kill is not None and kill["rank"] == rank and step == kill["step"]:
                 assert handle.wait_durable(timeout=60) is not None
             if kill is not None and kill["rank"] == rank and step == kill["step"] + 1:
-                os.kill(os.getpid(), signal.SIGKILL)  # the save of this step handed over, its commit in flight
+                os.kill(os.getpid(), signal.SIGKILL)  # this step copied, its commit on the helper thread
         assert handle is None or handle.wait_durable(timeout=60) is not None
     save_held(strategy, out / f"saved-{rank}.safetensors")
     if spec.get("reference"):
