@@ -32,16 +32,38 @@ def run_worker(path: Path, spec: dict[str, Any], killed: bool = False) -> dict[s
     return json.loads(Path(spec["out"]).read_text())
 
 
-def run_ranks(script: Path, world: int, timeout_s: float = 180, expect: int = 0, **spec: Any) -> None:
-    """Run `world` processes of rank script `script`, one gloo group on a free port of
-    127.0.0.1, each with `spec` plus its rank, world_size and the port (JSON in argv[1]), and
-    wait for all; fails unless every one exits with `expect` (-9: SIGKILLed)."""
+def start_ranks(script: Path, world: int, **spec: Any) -> list[subprocess.Popen[bytes]]:
+    """Start `world` processes of rank script `script`, one gloo group on a free port of
+    127.0.0.1, each with `spec` plus its rank, world_size and the port (JSON in argv[1])."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [
+    return [
         subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
         for rank in range(world)
     ]
+
+
+def run_ranks(script: Path, world: int, timeout_s: float = 180, expect: int = 0, **spec: Any) -> None:
+    """Run `world` processes of rank script `script` (start_ranks) and wait for all; fails
+    unless every one exits with `expect` (-9: SIGKILLed)."""
+    procs = start_ranks(script, world, **spec)
     codes = [p.wait(timeout_s) for p in procs]
     assert codes == [expect] * world, codes
+
+
+def run_ranks_until_killed(script: Path, world: int, victim: int, timeout_s: float = 180, **spec: Any) -> None:
+    """Run `world` ranks of `script` (start_ranks) until rank `victim` SIGKILLs itself, then
+    SIGKILL the others, as torchrun's agent stops a group one of whose ranks died; fails unless
+    the victim died of SIGKILL and no rank finished (the kill came mid-run). The others may have
+    ended on their own meanwhile (gloo fails a collective with a dead peer)."""
+    procs = start_ranks(script, world, **spec)
+    try:
+        procs[victim].wait(timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes[victim] == -9 and 0 not in codes, codes
