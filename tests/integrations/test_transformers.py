@@ -22,6 +22,7 @@ from ckptd.client import CheckpointClient, DaemonUnavailable
 
 transformers = pytest.importorskip("transformers")
 
+from ckptd.integrations._hf_pointers import POINTER_FILE  # noqa: E402
 from ckptd.integrations.transformers import EMPTY_SHARD_NAME, RESUME_DIR_PREFIX, CkptdCallback  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_train.py")
@@ -35,8 +36,10 @@ def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:
 
 
 def _no_trainer_checkpoints(output_dir: Path) -> None:
+    """No checkpoint of the Trainer's own: checkpoint-<step> directories are ckptd pointers (no weights, nothing pickled)."""
     written = sorted(p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*")) if output_dir.exists() else []
-    assert not [p for p in written if p.startswith("checkpoint-")], written
+    pointer_files = {"", EMPTY_SHARD_NAME, POINTER_FILE, "model.safetensors.index.json", "trainer_state.json"}
+    assert not [p for p in written if p.startswith("checkpoint-") and p.partition("/")[2] not in pointer_files], written
     assert not [p for p in written if p.endswith((".pt", ".pth", ".bin", ".pkl"))], written
 
 
@@ -274,7 +277,7 @@ def test_the_resume_directory_holds_json_and_a_tensorless_shard(daemon, tmp_path
     trainer = transformers.Trainer(model=model, args=args, train_dataset=hf.TokenData(), callbacks=[again])
     directory = Path(again.resume_from(trainer))
     assert directory == tmp_path / "out" / f"{RESUME_DIR_PREFIX}0"
-    assert sorted(p.name for p in directory.iterdir()) == sorted([EMPTY_SHARD_NAME, "model.safetensors.index.json", "trainer_state.json"])
+    assert sorted(p.name for p in directory.iterdir()) == sorted([EMPTY_SHARD_NAME, POINTER_FILE, "model.safetensors.index.json", "trainer_state.json"])
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.state_dict())
     import safetensors.torch
