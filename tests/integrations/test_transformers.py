@@ -348,16 +348,6 @@ def test_trainer_settings_it_cannot_take_over_are_refused(tmp_path: Path, more: 
     assert words in str(raised.value)
 
 
-# issue 31 item 7
-def test_save_total_limit_names_the_daemons_retention_flags(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=1, ckptd=True, save_total_limit=2, eval_strategy="steps",
-                            eval_steps=1, metric_for_best_model="accuracy", greater_is_better=True, load_best_model_at_end=True)
-    with caplog.at_level(logging.WARNING):
-        transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
-                             callbacks=[CkptdCallback(job="j")])
-    assert "run it with --keep-last 2 --keep-best 1 --best-mode max" in caplog.text
-
-
 def test_resume_from_needs_the_trainer_it_belongs_to(tmp_path: Path) -> None:
     args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=3, ckptd=True)
     ckpt = CkptdCallback(job="j")

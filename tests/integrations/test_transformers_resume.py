@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from on_disk import committed  # tests/on_disk.py
 from worker_process import load_worker, run_worker  # tests/worker_process.py
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, JobRetention
 
 transformers = pytest.importorskip("transformers")
 
 from ckptd.integrations import _hf_pointers as pointers  # noqa: E402
-from ckptd.integrations.transformers import CkptdCallback  # noqa: E402
+from ckptd.integrations.transformers import CkptdCallback, job_retention  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_train.py")
 hf = load_worker(WORKER)
@@ -57,18 +58,21 @@ def test_killed_and_resumed_through_resume_from_checkpoint_true(daemon, tmp_path
 
 
 # issue 31 item 7
-def test_pointers_follow_retention_and_an_older_pointer_resumes_its_step(daemons, tmp_path: Path, one_thread: None) -> None:
-    """With the daemon keeping 2 steps, only the pointers of the 2 kept steps stay. Resuming
-    `checkpoint-4` (not the newest) trains steps 5 and 6 exactly as the first run did."""
-    daemon = daemons.start("--keep-last", "2")
+def test_save_total_limit_keeps_that_many_steps_and_pointers_and_an_older_pointer_resumes(daemon, tmp_path: Path, one_thread: None) -> None:
+    """save_total_limit=2 on a daemon that keeps 3 steps (its default): the job keeps 2 steps, and
+    only their pointers stay. Resuming `checkpoint-4` (not the newest) trains steps 5 and 6
+    exactly as the first run did."""
     out_dir = tmp_path / "out"
-    args = hf.training_args(str(out_dir), max_steps=6, save_steps=2, ckptd=True)
+    args = hf.training_args(str(out_dir), max_steps=6, save_steps=2, ckptd=True, save_total_limit=2)
     model = hf.tiny_model()
     record = hf.LossLog(model)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=hf.TokenData(),
                                    callbacks=[CkptdCallback(job="hf-ptr", address=daemon.address, on_error="raise"), _Steps(record)])
     trainer.train()
+    assert committed(daemon.root, "hf-ptr") == [4, 6]
     assert _pointer_steps(out_dir) == [4, 6]
+    index = json.loads((daemon.root / "hf-ptr" / "step-00000006" / "ckptd.index.json").read_text())
+    assert index["retention"]["asked"] == {"keep_last": 2} and index["retention"]["keep_last"] == 2
     (out_dir / "checkpoint-9").mkdir()  # not a pointer: left alone
     state = json.loads((out_dir / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["stateful_callbacks"][pointers.MARKER_KEY]["attributes"] == {"job": "hf-ptr", "step": 4}
@@ -95,6 +99,22 @@ def test_a_pointer_of_another_job_is_refused(daemon, tmp_path: Path, one_thread:
                                    train_dataset=hf.TokenData(), callbacks=[other])
     with pytest.raises(ValueError, match="pointer to ckptd job 'hf-a', but this CkptdCallback is job 'hf-b'"):
         trainer.train(resume_from_checkpoint=True)
+
+
+# issue 31 item 7
+@pytest.mark.parametrize(
+    "more, retention",
+    [
+        ({}, None),
+        ({"save_total_limit": 2}, JobRetention(keep_last=2)),
+        ({"save_total_limit": 1, "eval_strategy": "steps", "load_best_model_at_end": True, "metric_for_best_model": "accuracy",
+          "greater_is_better": True}, JobRetention(keep_last=1, keep_best=1, best_mode="max")),
+        ({"eval_strategy": "steps", "save_strategy": "best", "metric_for_best_model": "loss"}, JobRetention(keep_best=1, best_mode="min")),
+    ],
+)
+def test_the_training_arguments_give_the_jobs_retention(tmp_path: Path, more: dict[str, Any], retention: JobRetention | None) -> None:
+    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=1, ckptd=True, **more)
+    assert job_retention(args) == retention
 
 
 def _pointer_steps_of(output_dir: Path) -> list[int]:

@@ -7,11 +7,12 @@ What a user writes beyond their usual Trainer code (three lines):
     ckpt = CkptdCallback(job="run-1")            # the daemon: $CKPTD_ADDRESS, or address="unix:///..."
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[ckpt])
     trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))   # None on the first run: a fresh start
+    # or, in a script that restarts the Trainer's way: trainer.train(resume_from_checkpoint=True)
 
 Saving replaces the Trainer's own. Whenever the Trainer decides to save (`save_strategy`,
 `save_steps`: DefaultFlowCallback sets `control.should_save`), the callback clears that flag, so
-`Trainer._save_checkpoint` never runs: no `checkpoint-*` directory, no `optimizer.pt`,
-`rng_state.pth` or any other pickled file. It hands the checkpoint to ckptd instead, as step
+`Trainer._save_checkpoint` never runs: no weights, no `optimizer.pt`, `rng_state.pth` or any
+other pickled file in output_dir, whose `checkpoint-<step>` directories are pointers (below). It hands the checkpoint to ckptd instead, as step
 `state.global_step`, collectively on every rank (as `CheckpointClient.save` wants):
 
     "model"          the model (weights as safetensors; the step directory loads with from_pretrained)
@@ -48,6 +49,13 @@ before the optimizer exists, loads nothing. Then:
   first `on_step_begin` (after the resumed epoch's skipped and first batches were fetched: where
   the Trainer itself would load rng_state.pth) or the first `on_epoch_begin`.
 
+resume_from_checkpoint=True (or "<output_dir>/checkpoint-<step>"): the Trainer reads
+output_dir/checkpoint-<step> before any callback event of train(). The callback keeps there one
+pointer directory per committed step the job keeps (ckptd.integrations._hf_pointers: the step's
+trainer_state.json marked with the ckptd step, the tensorless weights index; published once the
+daemon lists the step as committed, the newest committed step's made when the Trainer is made,
+removed with retention); on_train_begin reads the marker and loads that step as above.
+
 So the losses after a resume equal those of an uninterrupted run, bit for bit on a deterministic
 device (tests/integrations/test_transformers.py).
 
@@ -58,9 +66,9 @@ Trainer would (best_metric, best_global_step); the Trainer then finds no improve
 save, and ckptd saves the step, with its metric. load_best_model_at_end: the Trainer finds no
 `checkpoint-*` directory (`best_model_checkpoint` stays None) and loads nothing; `on_train_end`,
 after the last save is durable, loads the model of ckptd step `best_global_step` and sets
-`best_model_checkpoint` to its directory. Keep that step with the daemon's retention
-(`--keep-best 1 --best-mode min|max`). `save_total_limit` is the daemon's retention too
-(`--keep-last N`): the callback cannot set it (it is the daemon's, for every job).
+`best_model_checkpoint` to its directory. Retention is the job's own (`job_retention`, sent with
+every save, within the daemon's flags, which bound it): `save_total_limit` keeps that many steps,
+and load_best_model_at_end / save_strategy="best" keep the best one (keep-best 1).
 
 FSDP2 (fsdp_config={"fsdp_version": 2, ...}): the model's parameters and the optimizer's states are
 DTensors; each rank hands its own shards (no gather, no collective in the save) and a checkpoint
@@ -92,7 +100,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
-from ckptd.client import CheckpointClient, CheckpointError, CheckpointInfo, DaemonUnavailable, SaveHandle
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointInfo, DaemonUnavailable, JobRetention, SaveHandle
 from ckptd.client.client import ON_ERROR
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
@@ -119,7 +127,7 @@ DATA_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "worl
              "dataloader_drop_last", "train_sampling_strategy", "ignore_data_skip")
 
 # CheckpointClient keywords that the callback sets itself.
-_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "_device_backend"})
+_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "retention", "_device_backend"})
 
 
 @dataclass(frozen=True)
@@ -268,11 +276,6 @@ class CkptdCallback(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _check_training_args(args)
-        if args.save_total_limit and args.process_index == 0:
-            best = args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end
-            log.warning("save_total_limit=%d is the ckptd daemon's retention: the callback cannot set it (it holds for "
-                        "every job of the daemon); run it with --keep-last %d%s", args.save_total_limit, args.save_total_limit,
-                        f" --keep-best 1 --best-mode {'max' if args.greater_is_better else 'min'}" if best else "")
         key = self.metric if self.metric is not None else args.metric_for_best_model
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
         model = kwargs.get("model")
@@ -512,9 +515,24 @@ class CkptdCallback(TrainerCallback):
         if self._ckpt is None:
             self._ckpt = CheckpointClient(
                 self.job, address=self.address, rank=args.process_index, world_size=args.world_size,
-                on_error=self.on_error, **self.client_options,
+                on_error=self.on_error, retention=job_retention(args), **self.client_options,
             )
         return self._ckpt
+
+
+def job_retention(args: TrainingArguments) -> JobRetention | None:
+    """The job's retention that the TrainingArguments ask for, sent with every save (the daemon
+    applies it within its own flags, which bound it): save_total_limit -> keep_last;
+    load_best_model_at_end or save_strategy="best" -> keep_best 1, best_mode by greater_is_better.
+    None when they ask for neither (the daemon's flags)."""
+    best = args.load_best_model_at_end or args.save_strategy == SaveStrategy.BEST
+    if not args.save_total_limit and not best:
+        return None
+    return JobRetention(
+        keep_last=args.save_total_limit or None,
+        keep_best=1 if best else None,
+        best_mode=("max" if args.greater_is_better else "min") if best else None,
+    )
 
 
 def _check_client_options(options: Mapping[str, Any]) -> None:
