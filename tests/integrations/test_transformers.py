@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_process import load_worker, run_worker  # tests/worker_process.py
+from worker_process import load_worker, run_torchrun_like, run_worker  # tests/worker_process.py
 import torch
 
 from ckptd.client import CheckpointClient, DaemonUnavailable
@@ -105,18 +101,7 @@ def test_a_resume_never_redoes_a_held_step_and_a_redone_ones_save_is_kept(daemon
 
 
 def _run_ranks(spec: dict[str, Any], world_size: int, killed: bool = False) -> dict[str, Any]:
-    """The worker as `world_size` ranks of one gloo job (torch.distributed from the environment, as torchrun sets it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world_size)]
-    errors = [proc.communicate(timeout=300)[1] for proc in procs]
-    expected = -9 if killed else 0
-    for rank, (proc, err) in enumerate(zip(procs, errors)):
-        assert proc.returncode == expected, f"rank {rank} exited with {proc.returncode}, expected {expected}:\n{err[-4000:]}"
-    return json.loads(Path(spec["out"]).read_text())
+    return run_torchrun_like(WORKER, spec, world_size, killed)
 
 
 @pytest.mark.slow

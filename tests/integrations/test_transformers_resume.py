@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from on_disk import committed  # tests/on_disk.py
-from worker_process import load_worker, run_worker  # tests/worker_process.py
+from worker_process import load_worker, run_torchrun_like, run_worker  # tests/worker_process.py
 
 from ckptd.client import CheckpointClient, JobRetention
 
@@ -55,6 +55,25 @@ def test_killed_and_resumed_through_resume_from_checkpoint_true(daemon, tmp_path
     assert _pointer_steps(out_dir) == [3, 6]
     with CheckpointClient("hf-true", address=daemon.address) as ckpt:
         assert ckpt.latest() == 6
+
+
+# issue 31 item 7 (long: 2 x 2 Trainer processes; the single-rank test above runs the same path by default)
+@pytest.mark.long
+def test_two_ranks_killed_and_resumed_through_resume_from_checkpoint_true(daemon, tmp_path: Path) -> None:
+    """DDP over 2 gloo ranks: both SIGKILLed at step 4 after step 2 is durable, restarted with
+    `resume_from_checkpoint=True` (rank 1 waits at on_init_end until rank 0 has synced the
+    pointers, so both resume step 2): rank 0's micro-batch losses of steps 3-6 equal an
+    uninterrupted 2-rank run's, and so does the log history (the mean over the ranks)."""
+    plain = run_torchrun_like(WORKER, {"output_dir": str(tmp_path / "plain"), "max_steps": 6, "out": str(tmp_path / "plain.json")}, 2)
+    spec = {"address": daemon.address, "job": "hf-true-ddp", "output_dir": str(tmp_path / "out"), "max_steps": 6, "save_steps": 2,
+            "resume_true": True, "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
+    run_torchrun_like(WORKER, {**spec, "kill_at": 4}, 2, killed=True)
+    assert json.loads(Path(spec["marker"]).read_text()) == 2  # step 4's save is made at step 5's beginning
+    resumed = run_torchrun_like(WORKER, spec, 2)
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == {str(k): plain["losses"][str(k)] for k in range(3, 7)}
+    assert [e for e in resumed["log_history"] if "loss" in e] == [e for e in plain["log_history"] if "loss" in e]
+    assert _pointer_steps(tmp_path / "out") == [2, 4, 6]
 
 
 # issue 31 item 7

@@ -280,7 +280,10 @@ class CkptdCallback(TrainerCallback):
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
         model = kwargs.get("model")
         self._model_keys = list(model.state_dict().keys()) if model is not None else []
-        self._sync_pointers(args)
+        if self.pointer_dirs:
+            # the other ranks wait (a barrier) until the pointers are synced: then every rank's train() finds the same newest one
+            with args.main_process_first(local=args.save_on_each_node, desc="ckptd checkpoint-<step> pointers"):
+                self._sync_pointers(args)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._pending = False
