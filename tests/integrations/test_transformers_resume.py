@@ -6,6 +6,7 @@ retention. Real Trainer on CPU, real daemons, SIGKILL."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,18 @@ def _pointer_steps(output_dir: Path) -> list[int]:
 
 # issue 31 item 7
 def test_killed_and_resumed_through_resume_from_checkpoint_true(daemon, tmp_path: Path, one_thread: None) -> None:
-    """SIGKILLed at step 4 right after step 3 is durable (its pointer may not be published yet:
-    the Trainer made again publishes it), resumed by `train(resume_from_checkpoint=True)`: the
-    losses and log history of steps 4-6 equal an uninterrupted run's."""
+    """SIGKILLed at step 4 right after step 3 is durable, its pointer removed (as when the kill
+    comes before the commit is seen): the Trainer made again publishes it, and
+    `train(resume_from_checkpoint=True)` resumes step 3: the losses and log history of steps 4-6
+    equal an uninterrupted run's."""
     baseline = json.loads(json.dumps(hf.train({"output_dir": str(tmp_path / "plain"), "max_steps": 6})))
     out_dir = tmp_path / "out"
     spec = {"address": daemon.address, "job": "hf-true", "output_dir": str(out_dir), "max_steps": 6, "save_steps": 3,
             "resume_true": True, "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run.json")}
     first = run_worker(WORKER, {**spec, "kill_at": 4}, killed=True)
     assert json.loads(Path(spec["marker"]).read_text()) == 3 and first["resumed_from"] is None
+    assert _pointer_steps(out_dir) in ([], [3])
+    shutil.rmtree(out_dir / "checkpoint-3", ignore_errors=True)  # as if killed before the commit was seen: the Trainer made again makes it
 
     resumed = run_worker(WORKER, spec)
     assert resumed["resumed_from"] == 3  # the pointer get_last_checkpoint found once the Trainer was made
