@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -67,3 +68,20 @@ def run_ranks_until_killed(script: Path, world: int, victim: int, timeout_s: flo
             p.wait()
     codes = [p.returncode for p in procs]
     assert codes[victim] == -9 and 0 not in codes, codes
+
+
+def run_torchrun_like(script: Path, spec: dict[str, Any], world_size: int, killed: bool = False) -> dict[str, Any]:
+    """The worker script as `world_size` ranks of one gloo job, torch.distributed from the
+    environment as torchrun sets it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), `spec` as
+    JSON in argv[1]; fails unless every rank exits 0 (-9 when `killed`); returns what it wrote to spec["out"]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world_size)]
+    errors = [proc.communicate(timeout=300)[1] for proc in procs]
+    expected = -9 if killed else 0
+    for rank, (proc, err) in enumerate(zip(procs, errors)):
+        assert proc.returncode == expected, f"rank {rank} exited with {proc.returncode}, expected {expected}:\n{err[-4000:]}"
+    return json.loads(Path(spec["out"]).read_text())

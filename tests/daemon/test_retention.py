@@ -210,3 +210,49 @@ def test_reasons_say_why_a_step_is_kept() -> None:
 def test_bad_best_settings_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         RetentionPolicy(**{field: value})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- a job's own retention (issue 31 item 7)
+
+from ckptd.daemon.retention import JobRetention, merge, policy_of_record, policy_record  # noqa: E402
+
+
+# issue 31 item 7
+@pytest.mark.parametrize(
+    ("daemon", "job", "merged"),
+    [
+        (RetentionPolicy(3), None, RetentionPolicy(3)),  # nothing asked: the daemon's flags
+        (RetentionPolicy(3), JobRetention(), RetentionPolicy(3)),
+        (RetentionPolicy(3), JobRetention(keep_last=2), RetentionPolicy(2)),  # fewer: granted
+        (RetentionPolicy(3), JobRetention(keep_last=10), RetentionPolicy(3)),  # more: bounded by the daemon's
+        (RetentionPolicy(3), JobRetention(keep_last=0), RetentionPolicy(3)),  # keep all: the daemon's bound
+        (RetentionPolicy(0), JobRetention(keep_last=10), RetentionPolicy(10)),  # a daemon that keeps all bounds nothing
+        (RetentionPolicy(0), JobRetention(keep_last=0), RetentionPolicy(0)),
+        (RetentionPolicy(3, keep_every=100), JobRetention(keep_last=1), RetentionPolicy(1, keep_every=100)),  # keep_every: the daemon's
+        (RetentionPolicy(3), JobRetention(keep_best=1, best_mode="max"), RetentionPolicy(3, keep_best=1, best_mode="max")),
+        (RetentionPolicy(3), JobRetention(keep_last=2, keep_best=5), RetentionPolicy(2, keep_best=2)),  # best: at most keep_last
+        (RetentionPolicy(0), JobRetention(keep_best=5), RetentionPolicy(0, keep_best=5)),
+        (RetentionPolicy(3, keep_best=2, best_mode="max"), JobRetention(keep_last=2), RetentionPolicy(2, keep_best=2, best_mode="max")),
+        (RetentionPolicy(3, keep_best=2, best_mode="max"), JobRetention(keep_best=0), RetentionPolicy(3, keep_best=0, best_mode="max")),
+        (RetentionPolicy(3, keep_best=1, best_mode="min"), JobRetention(best_mode="max"), RetentionPolicy(3, keep_best=1, best_mode="max")),
+    ],
+)
+def test_a_jobs_retention_merges_within_the_daemons(daemon: RetentionPolicy, job: JobRetention | None, merged: RetentionPolicy) -> None:
+    assert merge(daemon, job) == merged
+    if job is not None:
+        assert policy_of_record(policy_record(merged, job)) == merged
+
+
+# issue 31 item 7
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"keep_last": -1}, "keep_last=-1"),
+        ({"keep_best": True}, "keep_best=True"),
+        ({"keep_last": 1 << 31}, "keep_last=2147483648"),
+        ({"best_mode": "lowest"}, "best_mode='lowest'"),
+    ],
+)
+def test_a_bad_job_retention_is_refused(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        JobRetention(**kwargs)

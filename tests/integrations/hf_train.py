@@ -11,6 +11,9 @@
   kill_handed_over  with kill_at: wait only until the last save is handed over (its commit may
                  still be under way in the daemon) before the kill
   resume_step    the ckptd step to resume from (default: the newest committed)
+  resume_true    resume through the Trainer's own `train(resume_from_checkpoint=True)` (the newest
+                 checkpoint-<step> pointer in output_dir) when there is one, instead of resume_from
+  save_total_limit  the Trainer's save_total_limit (ckptd: the job's keep_last)
   out            where {"resumed_from": step or None, "losses": {global step: [micro-batch losses]},
                  "log_history": [...]} goes as JSON (rewritten after every step; rank 0's)
   fsdp           with several ranks: the Trainer's FSDP2 (fsdp=True, fsdp_config fsdp_version 2,
@@ -99,7 +102,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     record = LossLog(model)
     ckptd = "address" in spec
     fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}}
-    args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd, **(fsdp if spec.get("fsdp") else {}))
+    more = {**(fsdp if spec.get("fsdp") else {}), **({"save_total_limit": spec["save_total_limit"]} if "save_total_limit" in spec else {})}
+    args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd, **more)
     result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": [], "collectives_in_save": []}
 
     class CountingCallback(CkptdCallback):
@@ -166,9 +170,15 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         assert trainer.is_fsdp_enabled
     else:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=callbacks)
-    resume = ckpt.resume_from(trainer, step=spec.get("resume_step")) if ckptd else None
-    if resume is not None:
-        result["resumed_from"] = json.loads(Path(resume, "trainer_state.json").read_text())["global_step"]
+    if spec.get("resume_true"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        found = get_last_checkpoint(spec["output_dir"]) if os.path.isdir(spec["output_dir"]) else None
+        resume: Any = True if found is not None else None  # the Trainer raises on True with no checkpoint-* at all
+    else:
+        found = resume = ckpt.resume_from(trainer, step=spec.get("resume_step")) if ckptd else None
+    if found is not None:
+        result["resumed_from"] = json.loads(Path(found, "trainer_state.json").read_text())["global_step"]
     trainer.train(resume_from_checkpoint=resume)
     result["log_history"] = trainer.state.log_history
     write()

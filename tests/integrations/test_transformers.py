@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_process import load_worker, run_worker  # tests/worker_process.py
+from worker_process import load_worker, run_torchrun_like, run_worker  # tests/worker_process.py
 import torch
 
 from ckptd.client import CheckpointClient, DaemonUnavailable
 
 transformers = pytest.importorskip("transformers")
 
+from ckptd.integrations._hf_pointers import POINTER_FILE  # noqa: E402
 from ckptd.integrations.transformers import EMPTY_SHARD_NAME, RESUME_DIR_PREFIX, CkptdCallback  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_train.py")
@@ -35,8 +32,10 @@ def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:
 
 
 def _no_trainer_checkpoints(output_dir: Path) -> None:
+    """No checkpoint of the Trainer's own: checkpoint-<step> directories are ckptd pointers (no weights, nothing pickled)."""
     written = sorted(p.relative_to(output_dir).as_posix() for p in output_dir.rglob("*")) if output_dir.exists() else []
-    assert not [p for p in written if p.startswith("checkpoint-")], written
+    pointer_files = {"", EMPTY_SHARD_NAME, POINTER_FILE, "model.safetensors.index.json", "trainer_state.json"}
+    assert not [p for p in written if p.startswith("checkpoint-") and p.partition("/")[2] not in pointer_files], written
     assert not [p for p in written if p.endswith((".pt", ".pth", ".bin", ".pkl"))], written
 
 
@@ -102,18 +101,7 @@ def test_a_resume_never_redoes_a_held_step_and_a_redone_ones_save_is_kept(daemon
 
 
 def _run_ranks(spec: dict[str, Any], world_size: int, killed: bool = False) -> dict[str, Any]:
-    """The worker as `world_size` ranks of one gloo job (torch.distributed from the environment, as torchrun sets it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world_size)]
-    errors = [proc.communicate(timeout=300)[1] for proc in procs]
-    expected = -9 if killed else 0
-    for rank, (proc, err) in enumerate(zip(procs, errors)):
-        assert proc.returncode == expected, f"rank {rank} exited with {proc.returncode}, expected {expected}:\n{err[-4000:]}"
-    return json.loads(Path(spec["out"]).read_text())
+    return run_torchrun_like(WORKER, spec, world_size, killed)
 
 
 @pytest.mark.slow
@@ -274,7 +262,7 @@ def test_the_resume_directory_holds_json_and_a_tensorless_shard(daemon, tmp_path
     trainer = transformers.Trainer(model=model, args=args, train_dataset=hf.TokenData(), callbacks=[again])
     directory = Path(again.resume_from(trainer))
     assert directory == tmp_path / "out" / f"{RESUME_DIR_PREFIX}0"
-    assert sorted(p.name for p in directory.iterdir()) == sorted([EMPTY_SHARD_NAME, "model.safetensors.index.json", "trainer_state.json"])
+    assert sorted(p.name for p in directory.iterdir()) == sorted([EMPTY_SHARD_NAME, POINTER_FILE, "model.safetensors.index.json", "trainer_state.json"])
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(model.state_dict())
     import safetensors.torch
@@ -343,16 +331,6 @@ def test_trainer_settings_it_cannot_take_over_are_refused(tmp_path: Path, more: 
         transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
                              callbacks=[CkptdCallback(job="j")])
     assert words in str(raised.value)
-
-
-# issue 31 item 7
-def test_save_total_limit_names_the_daemons_retention_flags(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    args = hf.training_args(str(tmp_path / "out"), max_steps=2, save_steps=1, ckptd=True, save_total_limit=2, eval_strategy="steps",
-                            eval_steps=1, metric_for_best_model="accuracy", greater_is_better=True, load_best_model_at_end=True)
-    with caplog.at_level(logging.WARNING):
-        transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
-                             callbacks=[CkptdCallback(job="j")])
-    assert "run it with --keep-last 2 --keep-best 1 --best-mode max" in caplog.text
 
 
 def test_resume_from_needs_the_trainer_it_belongs_to(tmp_path: Path) -> None:

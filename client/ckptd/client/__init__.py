@@ -7,6 +7,7 @@ from ckptd.client.client import CheckpointClient, CheckpointInfo
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.handle import DurableInfo, SaveHandle
 from ckptd.client.shards import LocalShard, LocalShards
+from ckptd.common.retention import JobRetention
 
 __all__ = [
     "CheckpointClient",
@@ -16,6 +17,7 @@ __all__ = [
     "DaemonUnavailable",
     "DurableInfo",
     "InvalidState",
+    "JobRetention",
     "LocalShard",
     "LocalShards",
     "SaveHandle",

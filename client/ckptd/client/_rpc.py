@@ -28,6 +28,7 @@ from ckptd.client.structure import Structure
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
+from ckptd.common.retention import JobRetention
 from ckptd.wire import MESSAGE_SIZE_OPTIONS, RECONNECT_OPTIONS, UNKNOWN_FINGERPRINT, reason_of
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -155,10 +156,13 @@ class DaemonRpc:
     methods); every call but the best-effort ones (abort, close, done) raises `status_error`'s
     error."""
 
-    def __init__(self, address: str, job: str, rank: int, world_size: int, local_world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, job: str, rank: int, world_size: int, local_world_size: int, timeout_s: float, retention: JobRetention | None = None
+    ) -> None:
         self.address = address
         self.job = job
         self.timeout_s = timeout_s
+        self.retention = retention  # the job's own, sent with every BeginSave
         self.who = pb.RankId(job=job, rank=rank, world_size=world_size, local_world_size=local_world_size, client_id=secrets.token_hex(16))
         self.channel = grpc.insecure_channel(address, options=[*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS])
         self.stub = pb_grpc.CheckpointStub(self.channel)  # type: ignore[no-untyped-call]
@@ -229,6 +233,7 @@ class DaemonRpc:
             master_weights=options.master_weights,
             lineage_generation=lineage,
             known_layout=known_layout,
+            retention=_retention_message(self.retention),
             resumed=resumed_from is not None,
             resumed_from=resumed_from or 0,
         )
@@ -372,3 +377,10 @@ class DaemonRpc:
     def close(self) -> None:
         self.detach()
         self.channel.close()
+
+
+def _retention_message(retention: JobRetention | None) -> pb.Retention | None:
+    """The job's retention request as BeginSaveRequest carries it (None: unset, the daemon's flags)."""
+    if retention is None:
+        return None
+    return pb.Retention(keep_last=retention.keep_last, keep_best=retention.keep_best, best_mode=retention.best_mode or "")

@@ -35,6 +35,7 @@ from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
+from ckptd.common.retention import JobRetention, check_job_retention
 
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
@@ -91,7 +92,7 @@ class CheckpointClient:
     state's metadata, with the message that says how to fix it. timeout_s: how long a save or
     load may wait for the other ranks.
     layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
-    tensor parallelism (ckptd.client.layout); DTensors need none.
+    tensor parallelism (ckptd.client.layout); DTensors need none. retention: the job's JobRetention (docs/operations.md, "Retention").
     local_world_size: how many of the job's ranks use this node's daemon; needed when the job
     spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
     read_files: how loads get bytes from disk: True, read the committed files directly (the
@@ -126,7 +127,7 @@ class CheckpointClient:
         local_world_size: int | None = None,
         read_files: bool | None = None,
         run_config: dict[str, Any] | None = None,
-        run_id: str | None = None,
+        run_id: str | None = None, retention: JobRetention | None = None,
         _device_backend: DeviceBackend | None = None,
     ) -> None:
         self.job = check_job_id(job)
@@ -155,7 +156,7 @@ class CheckpointClient:
         self.layout = layout
         self.coords = coords
         self._rules_reported = False
-        self._rpc = DaemonRpc(self.address, self.job, self.rank, self.world_size, self.local_world_size, self.timeout_s)
+        self._rpc = DaemonRpc(self.address, self.job, self.rank, self.world_size, self.local_world_size, self.timeout_s, check_job_retention(retention))
         self._pool = ThreadPoolExecutor(copy_threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
         self._maps = ArenaMaps()
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1

@@ -16,6 +16,7 @@ from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES, FileRecord
 from ckptd.daemon.plan import TensorSpec, spec_digest
+from ckptd.daemon.retention import JobRetention
 from ckptd.daemon.units import Unit, tiling_problem
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 
@@ -163,6 +164,20 @@ def check_metric(metric: float, has_metric: bool) -> float | None:
     if not math.isfinite(metric):
         raise errors.InvalidRequest(f"metric {metric} must be a finite number")
     return metric
+
+
+def check_retention(message: Any, present: bool) -> JobRetention | None:
+    """A job's retention request (a Retention message of either service), or None when absent."""
+    if not present:
+        return None
+    try:
+        return JobRetention(
+            keep_last=message.keep_last if message.HasField("keep_last") else None,
+            keep_best=message.keep_best if message.HasField("keep_best") else None,
+            best_mode=message.best_mode or None,
+        )
+    except ValueError as exc:
+        raise errors.InvalidRequest(str(exc)) from None
 
 
 def check_stall(stall_s: float) -> float:

@@ -50,6 +50,7 @@ from ckptd.daemon.writer import write_step_files
 from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.plan_input import JobPlans, check_plan_input, plan_key
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
+from ckptd.daemon.retention import DEFAULT_JOB_POLICY, JobPolicy, policy_record
 from ckptd.daemon.rpc_errors import coordinator_error, coordinator_unreachable
 from ckptd.daemon.storage import StorageBackend
 from ckptd.wire.v1 import peer_pb2 as ppb
@@ -128,10 +129,11 @@ class Coordinator:
         own_root_id: str,
         on_commit: Callable[[str], Awaitable[None]],
         decide: Decide = lossless_by_default,
-        runs: Runs | None = None,
+        runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY,
     ) -> None:
         self.storage = storage
         self.links = links
+        self.job_policy = job_policy  # a job's retention request -> the policy the index records (node 0's flags)
         self.admission = Admission(runs if runs is not None else Runs(), links, storage)  # which run may save (engine/runs.py)
         self.root_id = own_root_id
         self.on_commit = on_commit  # retention for the job, after each commit
@@ -188,10 +190,8 @@ class Coordinator:
                 raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
         if save.root_ids and options != save.options:
             raise InvalidRequest(
-                f"node {node}'s ranks ask for quantize={options.quantize!r}, master_weights={options.master_weights!r} in step {step} "
-                f"but other nodes' ranks asked for quantize={save.options.quantize!r}, master_weights={save.options.master_weights!r}; "
-                "every rank must pass the same"
-            )
+                f"node {node}'s ranks ask for {options.describe()} in step {step} but other nodes' ranks asked for {save.options.describe()}; "
+                "every rank must pass the same")
         save.options = options
         save.lineage = max(save.lineage, lineage)
         save.root_ids[node] = node_root_id
@@ -339,9 +339,11 @@ class Coordinator:
         assert save.plan is not None
         manifests = [save.manifests[n] for n in sorted(save.manifests)]
         assert save.compression is not None
+        asked = save.options.retention  # the job's own retention, merged into node 0's flags: every node prunes by what the index records
         index, files = step_files(
             save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric,
             quantization=save.compression.record, adapter=self._adapter_copy(save, manifests),
+            retention=None if asked is None else policy_record(self.job_policy(asked), asked),
         )
         if shared:
             present = self.storage.step_file_sizes(save.job, save.step)
@@ -429,9 +431,10 @@ class Cluster:
         on_commit: Callable[[str], Awaitable[None]],
         tls: PeerTls | None = None,
         decide: Decide = lossless_by_default,
-        runs: Runs | None = None,
+        runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY,
     ) -> None:
         self.node = node
+        self._job_policy = job_policy
         self.runs = runs
         self.links = PeerLinks(peers, token, tls)
         self.storage = storage
@@ -444,7 +447,7 @@ class Cluster:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
         self.root_id = self.storage.root_id()
         if self.node == 0:
-            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs)
+            self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs, self._job_policy)
 
     @property
     def nodes(self) -> int:
@@ -571,8 +574,9 @@ class SingleNode:
 
     node = 0
 
-    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default, runs: Runs | None = None) -> None:
-        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide, runs)
+    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default,
+                 runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY) -> None:
+        self.coordinator = Coordinator(storage, PeerLinks((), ""), "", on_commit, decide, runs, job_policy)
 
     async def join_save(
         self,

@@ -366,6 +366,7 @@ class CheckpointIndex:
     # {"generation": lossy quantize/restore cycles in the values' history (the compounding guard),
     #  "quantize": "O1" | "O2" | None, "master_weights": "keep" | "drop" | "residual"}
     quantization: dict[str, Any] | None = None
+    retention: dict[str, Any] | None = None  # the job's own policy (retention.policy_record): every node prunes by the newest step's
 
     @property
     def compressed(self) -> bool:
@@ -404,7 +405,7 @@ class CheckpointIndex:
 
     def to_json_bytes(self) -> bytes:
         """The index as compact JSON, one line: {format, job, step, created_at, world_size,
-        metric, writer, files, tensors[, quantization]}.
+        metric, writer, files, tensors[, quantization][, retention]}.
 
         Compact, by json's C encoder (an indent takes its pure-Python one), and the tensors
         encoded one at a time instead of as one document of dicts: for 1,000 tensors the
@@ -423,6 +424,7 @@ class CheckpointIndex:
         }
         tensors = ",".join(f"{encode(t.name)}:{encode(t.to_json())}" for t in self.tensors)
         tail = f',"quantization":{encode(self.quantization)}' if self.quantization is not None else ""
+        tail += f',"retention":{encode(self.retention)}' if self.retention is not None else ""
         return f'{encode(head)[:-1]},"tensors":{{{tensors}}}{tail}}}\n'.encode()
 
     @staticmethod
@@ -440,9 +442,9 @@ class CheckpointIndex:
             doc = json.loads(data)
             if doc.get("format") not in READABLE_FORMATS:
                 raise FormatError(f"{where}: format {doc.get('format')!r}, this ckptd reads {' and '.join(map(repr, READABLE_FORMATS))}")
-            quantization = doc.get("quantization")
-            if quantization is not None and not isinstance(quantization, dict):
-                raise FormatError(f"{where}: 'quantization' must be an object, got {quantization!r}")
+            for key in ("quantization", "retention"):
+                if doc.get(key) is not None and not isinstance(doc[key], dict):
+                    raise FormatError(f"{where}: {key!r} must be an object, got {doc[key]!r}")
             return CheckpointIndex(
                 job=str(doc["job"]),
                 step=int(doc["step"]),
@@ -454,7 +456,8 @@ class CheckpointIndex:
                     FileRecord(n, int(f["size"]), str(f["checksum"]), int(f.get("node", 0))) for n, f in doc["files"].items()
                 ),
                 tensors=tuple(TensorRecord.from_json(n, t) for n, t in doc["tensors"].items()),
-                quantization=quantization,
+                quantization=doc.get("quantization"),
+                retention=doc.get("retention"),
             )
         except FormatError:
             raise

@@ -10,6 +10,10 @@ A step is kept when any rule keeps it; every other committed step is deleted. Th
   with `best_mode="min"` (a loss), higher with "max" (an accuracy); 0 = off. Steps saved
   without a metric never count as best; ties go to the newer step.
 
+A job may ask for its own retention (`JobRetention`, sent with every save: the Trainer's
+`save_total_limit`, keep-best for `load_best_model_at_end`); `merge` applies it within the
+daemon's policy, which stays every job's default and its upper bound (docs/operations.md, "Retention").
+
 "Newest" is commit order, not step number (docs/architecture.md §9): a job that rolled back (loaded step
 10 after saving 30) and saved step 15 has 15 as its newest step, so `keep_last` counts the
 most recently committed steps. The caller passes the steps in the order they were committed.
@@ -19,9 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
-BEST_MODES = ("min", "max")
+from ckptd.common.retention import BEST_MODES, JobRetention
+
+__all__ = ["BEST_MODES", "DEFAULT_JOB_POLICY", "JobPolicy", "JobRetention", "RetentionPolicy", "merge", "policy_of_record", "policy_record"]
+
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,51 @@ class RetentionPolicy:
         if step in self.best(steps, metrics or {}):
             why.append(f"best {self.keep_best} ({self.best_mode})")
         return why
+
+
+def merge(daemon: RetentionPolicy, job: JobRetention | None) -> RetentionPolicy:
+    """The policy a job's steps are kept by: the daemon's, changed by what the job asks within it.
+
+    The daemon's policy is every job's default and its upper bound, so that a job never holds
+    more than the daemon's operator allows:
+    - keep_last: the job's, at most the daemon's (a daemon that keeps all, keep_last 0, bounds
+      nothing; a job asking to keep all gets the daemon's);
+    - keep_best and best_mode: the job's, keep_best at most the resulting keep_last (unless that
+      keeps all): the best steps add at most as many steps as the recent ones;
+    - keep_every: the daemon's.
+    """
+    if job is None:
+        return daemon
+    keep_last = daemon.keep_last
+    if job.keep_last is not None and job.keep_last > 0:
+        keep_last = job.keep_last if daemon.keep_last == 0 else min(job.keep_last, daemon.keep_last)
+    keep_best, best_mode = daemon.keep_best, daemon.best_mode
+    if job.keep_best is not None:
+        keep_best = job.keep_best if keep_last == 0 else min(job.keep_best, keep_last)
+        best_mode = job.best_mode or daemon.best_mode
+    elif job.best_mode is not None:
+        best_mode = job.best_mode
+    return RetentionPolicy(keep_last=keep_last, keep_every=daemon.keep_every, keep_best=keep_best, best_mode=best_mode)
+
+
+JobPolicy = Callable[[JobRetention], RetentionPolicy]  # a job's request -> its policy (merged into the daemon's flags)
+
+
+def DEFAULT_JOB_POLICY(job: JobRetention) -> RetentionPolicy:  # noqa: N802 (a constant's role: the default of a seam)
+    """merge into the default RetentionPolicy (a coordinator made without the daemon's flags: tests)."""
+    return merge(RetentionPolicy(), job)
+
+
+def policy_record(policy: RetentionPolicy, asked: JobRetention) -> dict[str, object]:
+    """A job's merged policy as the index records it ("retention"), with what the job asked."""
+    return {"keep_last": policy.keep_last, "keep_every": policy.keep_every, "keep_best": policy.keep_best, "best_mode": policy.best_mode,
+            "asked": {k: v for k, v in (("keep_last", asked.keep_last), ("keep_best", asked.keep_best), ("best_mode", asked.best_mode)) if v is not None}}
+
+
+def policy_of_record(record: Mapping[str, object]) -> RetentionPolicy:
+    """The policy an index's "retention" record holds (ValueError when it is not one)."""
+    values = {k: record.get(k) for k in ("keep_last", "keep_every", "keep_best", "best_mode")}
+    return RetentionPolicy(**values)  # type: ignore[arg-type]  # RetentionPolicy checks each value
 
 
 def _commit_order(committed_steps: Iterable[int]) -> list[int]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.names import check_run_id
-from ckptd.daemon.checks import tensor_specs
+from ckptd.daemon.checks import check_retention, tensor_specs
 from ckptd.daemon.engine.compression import Compression, SaveOptions
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
 from ckptd.daemon.errors import Aborted, InvalidRequest
@@ -23,6 +23,7 @@ from ckptd.daemon.gpu import StagedRange
 from ckptd.daemon.step_build import NodeManifest
 from ckptd.daemon.plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
 from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
+from ckptd.daemon.retention import JobRetention
 from ckptd.daemon.units import Unit
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
@@ -237,7 +238,15 @@ def join_request(
         known_plans=list(known_plans), timeout_s=timeout_s, metric=metric or 0.0, has_metric=metric is not None,
         root_id=root_id, quantize=options.quantize or "", master_weights=options.master_weights or "",
         no_quantize=options.no_quantize, lineage=lineage, run_id=claim.run, resumed=claim.resumed,
+        retention=retention_message(options.retention),
     )
+
+
+def retention_message(retention: JobRetention | None) -> pb.Retention | None:
+    """A job's retention request as the wire carries it (None: the field stays unset)."""
+    if retention is None:
+        return None
+    return pb.Retention(keep_last=retention.keep_last, keep_best=retention.keep_best, best_mode=retention.best_mode or "")
 
 
 def join_options_of(request: ppb.JoinSaveRequest) -> SaveOptions:
@@ -247,7 +256,8 @@ def join_options_of(request: ppb.JoinSaveRequest) -> SaveOptions:
         master = check_master_mode(request.master_weights or None)
     except ValueError as exc:
         raise InvalidRequest(f"node {request.node}: {exc}") from None
-    return SaveOptions(quantize, master, request.no_quantize)
+    retention = check_retention(request.retention, request.HasField("retention"))
+    return SaveOptions(quantize, master, request.no_quantize, retention)
 
 
 def join_claim_of(request: ppb.JoinSaveRequest) -> RunClaim:

@@ -36,6 +36,7 @@ from ckptd.daemon.engine.load_plan import DecodeInfo, LoadPlan, PieceInfo
 from ckptd.daemon.engine.loads import LOAD_LEASE_S, LoadLease, Loads
 from ckptd.daemon.engine.saves import MAX_EXTRAS_BYTES, Saves
 from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.retention import JobRetention, RetentionPolicy, merge
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.engine.replica_store import ReplicaStore
@@ -73,10 +74,11 @@ class CheckpointService:
         tls = PeerTls.from_files(*config.peer_tls_files) if config.peer_tls_files is not None else None
         runs = Runs()  # the runs attached here and the jobs' owners: the engine's and the coordinator's
         cluster = (
-            Cluster(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide, runs)
+            Cluster(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide, runs,
+                    self._job_policy)
             if config.multi_node else None
         )
-        coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs)
+        coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs, self._job_policy)
         self.engine = Engine(config, storage, cluster, coordination, runs)
         if config.remote:  # the object-store tier; obstore is imported only when it starts
             from ckptd.daemon.remote.tier import RemoteTier
@@ -216,9 +218,10 @@ class CheckpointService:
         run: str = "",
         resumed_from: int | None = None,
         client_id: str = "",
+        retention: JobRetention | None = None,
     ) -> SaveSession:
-        """Saves.begin; the compression options as the wire carries them."""
-        options = SaveOptions(quantize, master_weights, no_quantize)
+        """Saves.begin; the compression options and the job's retention as the wire carries them."""
+        options = SaveOptions(quantize, master_weights, no_quantize, retention)
         return await self.saves.begin(
             job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage, run, resumed_from, client_id
         )
@@ -270,6 +273,10 @@ class CheckpointService:
 
     async def _abort_left_behind(self, state: JobState, rank: int, step: int | None, run: str = "") -> None:
         await self.saves.abort_left_behind(state, rank, step, run)
+
+    def _job_policy(self, asked: JobRetention) -> RetentionPolicy:
+        """A job's retention request merged into this daemon's flags (as they are now: SIGHUP reloads them)."""
+        return merge(self.engine.retention, asked)
 
     def _decide(self, options: SaveOptions, lineage: int) -> Compression:
         """Node 0: a save's compression for every node, under this daemon's settings."""

@@ -72,9 +72,11 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         metric = checks.check_metric(request.metric, request.has_metric)
         run = checks.check_run(request.who)
         resumed_from = checks.check_step(request.resumed_from) if request.resumed else None
+        retention = checks.check_retention(request.retention, request.HasField("retention"))
         session = await self.service.begin_save(
             job, rank, world_size, step, fingerprint, specs, metric, checks.check_timeout(request.timeout_s), local_world_size,
             quantize, master_weights, request.lineage_generation, request.no_quantize, run, resumed_from, checks.check_client_id(request.who),
+            retention,
         )
         return rpc_convert.begin_response(session, rank, request.known_layout, self._slot_messages)
 

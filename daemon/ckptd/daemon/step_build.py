@@ -284,12 +284,14 @@ def step_files(
     clock: Callable[[], float] = time.time,
     quantization: dict[str, Any] | None = None,
     adapter: tuple[FileRecord, bytes] | None = None,
+    retention: dict[str, Any] | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
     adapter: (the record of adapter_source's file, its bytes): written as ADAPTER_WEIGHTS,
     recorded with that file's size and header checksum (a safetensors file, as `ckptd verify`
-    checks them). Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
+    checks them). retention: the job's own policy (retention.policy_record), recorded in the
+    index. Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
     IncompleteStep when the manifests do not hold every tensor's bytes exactly once.
     """
     by_name: dict[str, list[FragmentRecord]] = {}
@@ -340,6 +342,7 @@ def step_files(
         metric=metric,
         writer={"host": host, "ckptd": VERSION, "nodes": len(manifests)},
         quantization=quantization,
+        retention=retention,
     )
     small[INDEX_NAME] = index.to_json_bytes()
     return index, small

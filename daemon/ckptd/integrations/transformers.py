@@ -7,11 +7,12 @@ What a user writes beyond their usual Trainer code (three lines):
     ckpt = CkptdCallback(job="run-1")            # the daemon: $CKPTD_ADDRESS, or address="unix:///..."
     trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[ckpt])
     trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))   # None on the first run: a fresh start
+    # or, in a script that restarts the Trainer's way: trainer.train(resume_from_checkpoint=True)
 
 Saving replaces the Trainer's own. Whenever the Trainer decides to save (`save_strategy`,
 `save_steps`: DefaultFlowCallback sets `control.should_save`), the callback clears that flag, so
-`Trainer._save_checkpoint` never runs: no `checkpoint-*` directory, no `optimizer.pt`,
-`rng_state.pth` or any other pickled file. It hands the checkpoint to ckptd instead, as step
+`Trainer._save_checkpoint` never runs: no weights, no `optimizer.pt`, `rng_state.pth` or any
+other pickled file in output_dir, whose `checkpoint-<step>` directories are pointers (below). It hands the checkpoint to ckptd instead, as step
 `state.global_step`, collectively on every rank (as `CheckpointClient.save` wants):
 
     "model"          the model (weights as safetensors; the step directory loads with from_pretrained)
@@ -48,6 +49,13 @@ before the optimizer exists, loads nothing. Then:
   first `on_step_begin` (after the resumed epoch's skipped and first batches were fetched: where
   the Trainer itself would load rng_state.pth) or the first `on_epoch_begin`.
 
+resume_from_checkpoint=True (or "<output_dir>/checkpoint-<step>"): the Trainer reads
+output_dir/checkpoint-<step> before any callback event of train(). The callback keeps there one
+pointer directory per committed step the job keeps (ckptd.integrations._hf_pointers: the step's
+trainer_state.json marked with the ckptd step, the tensorless weights index; published once the
+daemon lists the step as committed, the newest committed step's made when the Trainer is made,
+removed with retention); on_train_begin reads the marker and loads that step as above.
+
 So the losses after a resume equal those of an uninterrupted run, bit for bit on a deterministic
 device (tests/integrations/test_transformers.py).
 
@@ -58,9 +66,9 @@ Trainer would (best_metric, best_global_step); the Trainer then finds no improve
 save, and ckptd saves the step, with its metric. load_best_model_at_end: the Trainer finds no
 `checkpoint-*` directory (`best_model_checkpoint` stays None) and loads nothing; `on_train_end`,
 after the last save is durable, loads the model of ckptd step `best_global_step` and sets
-`best_model_checkpoint` to its directory. Keep that step with the daemon's retention
-(`--keep-best 1 --best-mode min|max`). `save_total_limit` is the daemon's retention too
-(`--keep-last N`): the callback cannot set it (it is the daemon's, for every job).
+`best_model_checkpoint` to its directory. Retention is the job's own (`job_retention`, sent with
+every save, within the daemon's flags, which bound it): `save_total_limit` keeps that many steps,
+and load_best_model_at_end / save_strategy="best" keep the best one (keep-best 1).
 
 FSDP2 (fsdp_config={"fsdp_version": 2, ...}): the model's parameters and the optimizer's states are
 DTensors; each rank hands its own shards (no gather, no collective in the save) and a checkpoint
@@ -80,26 +88,25 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-import safetensors.torch
 import torch
 from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
 
-from ckptd.client import CheckpointClient, CheckpointError, DaemonUnavailable, SaveHandle
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointInfo, DaemonUnavailable, JobRetention, SaveHandle
 from ckptd.client.client import ON_ERROR
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
+from ckptd.integrations import _hf_pointers as pointers
+from ckptd.integrations._hf_pointers import EMPTY_SHARD_NAME
+from ckptd.offline import open_step
 
 __all__ = ["CkptdCallback", "EMPTY_SHARD_NAME", "RESUME_DIR_PREFIX"]
 
@@ -107,7 +114,6 @@ log = logging.getLogger("ckptd.integrations.transformers")
 
 TRAINER_STATE_KEY = "trainer_state"
 POSITION_KEY = "ckptd_trainer"
-EMPTY_SHARD_NAME = "ckptd-weights-come-from-ckptd.safetensors"  # the resume directory's tensorless shard
 RESUME_DIR_PREFIX = ".ckptd-resume-rank"  # + the rank: the resume directory, in output_dir
 
 # Where a save was made, and so where a resumed run restores the random generators.
@@ -121,7 +127,7 @@ DATA_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "worl
              "dataloader_drop_last", "train_sampling_strategy", "ignore_data_skip")
 
 # CheckpointClient keywords that the callback sets itself.
-_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "_device_backend"})
+_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "retention", "_device_backend"})
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ class _Resume:
     step: int
     global_step: int
     rng_at: str
-    directory: str
+    directory: str | None  # resume_from's directory (removed at the end of training); None: a pointer directory (kept)
 
 
 class CkptdCallback(TrainerCallback):
@@ -144,7 +150,10 @@ class CkptdCallback(TrainerCallback):
     `metric_for_best_model`; the "eval_" prefix is added as the Trainer does). quantize,
     master_weights: passed to every `CheckpointClient.save` (None: the daemon's defaults).
     wait_at_end_s: seconds `on_train_end` waits for the last checkpoint to be committed (None:
-    it does not wait). client_options: other `CheckpointClient` keywords (mode, timeout_s,
+    it does not wait). pointer_dirs: keep an output_dir/checkpoint-<step> pointer directory
+    (no weights) for every committed step the daemon keeps, so that
+    `trainer.train(resume_from_checkpoint=True)` resumes the newest (ckptd.integrations._hf_pointers).
+    client_options: other `CheckpointClient` keywords (mode, timeout_s,
     read_files, local_world_size, ...). Rank and world size come from the TrainingArguments.
     Raises ValueError/TypeError at once for arguments that cannot work.
     """
@@ -159,6 +168,7 @@ class CkptdCallback(TrainerCallback):
         quantize: str | None = None,
         master_weights: str | None = None,
         wait_at_end_s: float | None = 600.0,
+        pointer_dirs: bool = True,
         **client_options: Any,
     ) -> None:
         self.job = check_job_id(job)
@@ -173,6 +183,8 @@ class CkptdCallback(TrainerCallback):
         check_master_mode(master_weights)
         if wait_at_end_s is not None and (isinstance(wait_at_end_s, bool) or not isinstance(wait_at_end_s, (int, float)) or wait_at_end_s < 0):
             raise ValueError(f"wait_at_end_s={wait_at_end_s!r}: seconds >= 0, or None not to wait for the last checkpoint")
+        if not isinstance(pointer_dirs, bool):
+            raise TypeError(f"pointer_dirs={pointer_dirs!r}: True (checkpoint-<step> pointers in output_dir, for resume_from_checkpoint=True) or False")
         _check_client_options(client_options)
         self.address = address
         self.on_error = on_error
@@ -180,6 +192,7 @@ class CkptdCallback(TrainerCallback):
         self.quantize = quantize
         self.master_weights = master_weights
         self.wait_at_end_s = wait_at_end_s
+        self.pointer_dirs = pointer_dirs
         self.client_options = dict(client_options)
         self._ckpt: CheckpointClient | None = None
         self._trainer: Trainer | None = None
@@ -192,6 +205,8 @@ class CkptdCallback(TrainerCallback):
         self._warned_no_trainer = False
         self._training = False  # between on_train_begin and on_train_end
         self._best_saved: int | None = None  # the newest step saved while it was state.best_global_step
+        self._model_keys: list[str] = []  # the model's state_dict keys (a pointer's weights index), from on_init_end
+        self._unpublished: dict[int, dict[str, Any]] = {}  # step -> trainer state tree: saved, pointer not yet published
 
     @property
     def last_save(self) -> SaveHandle | None:
@@ -211,13 +226,9 @@ class CkptdCallback(TrainerCallback):
         Also gives the callback the trainer, whose GradScaler and stateful callbacks are saved
         with each checkpoint: call it on every run, the first included. Every rank calls it.
         """
-        if not isinstance(trainer, Trainer):
-            raise TypeError(f"resume_from takes the Trainer this callback belongs to, got {type(trainer).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step={step!r}: a committed step (an integer >= 0), or None for the newest")
-        if self not in trainer.callback_handler.callbacks:
-            raise ValueError("this CkptdCallback is not among the trainer's callbacks: pass it as Trainer(..., callbacks=[ckpt])")
-        self._trainer = trainer
+        self.attach(trainer, what="resume_from")
         model = trainer.model
         if model is None:
             raise ValueError("the trainer has no model yet: make it with Trainer(model=...) (or model_init) before resume_from")
@@ -226,9 +237,9 @@ class CkptdCallback(TrainerCallback):
                 "CkptdCallback cannot resume a PEFT model through the Trainer (its resume path loads adapter files); "
                 "save and load the adapter with ckptd.integrations.peft.adapter_state instead"
             )
-        if self._resume is not None:
+        if self._resume is not None and self._resume.directory is not None:
             shutil.rmtree(self._resume.directory, ignore_errors=True)
-            self._resume = None
+        self._resume = None
         found: dict[str, Any] = {TRAINER_STATE_KEY: {}, POSITION_KEY: {}}
         try:
             loaded = self._client(trainer.args).load(found, step=step)
@@ -245,22 +256,34 @@ class CkptdCallback(TrainerCallback):
         if trainer.args.output_dir is None:
             raise ValueError("TrainingArguments.output_dir is None: CkptdCallback writes the resume directory there; set it")
         directory = os.path.join(trainer.args.output_dir, f"{RESUME_DIR_PREFIX}{trainer.args.process_index}")
-        _write_resume_dir(directory, loaded, trainer_state, model.state_dict().keys())
+        pointers.write_resume_dir(directory, self.job, loaded, trainer_state, model.state_dict().keys())
         self._resume = _Resume(loaded, int(trainer_state["global_step"]), str(position["at"]), directory)
         log.info("resuming job %s from ckptd step %d (global step %d)", self.job, loaded, self._resume.global_step)
         return directory
+
+    def attach(self, trainer: Trainer, what: str = "attach") -> None:
+        """Give the callback its trainer, so that each checkpoint holds the current state of the
+        trainer's stateful callbacks (EarlyStoppingCallback, ...; else the state they had when the
+        Trainer was made) and the GradScaler. resume_from does it; with
+        `train(resume_from_checkpoint=True)` call it before train when such callbacks are used."""
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"{what} takes the Trainer this callback belongs to, got {type(trainer).__name__}")
+        if self not in trainer.callback_handler.callbacks:
+            raise ValueError("this CkptdCallback is not among the trainer's callbacks: pass it as Trainer(..., callbacks=[ckpt])")
+        self._trainer = trainer
 
     # ------------------------------------------------------------ Trainer events
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _check_training_args(args)
-        if args.save_total_limit and args.process_index == 0:
-            best = args.save_strategy == SaveStrategy.BEST or args.load_best_model_at_end
-            log.warning("save_total_limit=%d is the ckptd daemon's retention: the callback cannot set it (it holds for "
-                        "every job of the daemon); run it with --keep-last %d%s", args.save_total_limit, args.save_total_limit,
-                        f" --keep-best 1 --best-mode {'max' if args.greater_is_better else 'min'}" if best else "")
         key = self.metric if self.metric is not None else args.metric_for_best_model
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
+        model = kwargs.get("model")
+        self._model_keys = list(model.state_dict().keys()) if model is not None else []
+        if self.pointer_dirs:
+            # the other ranks wait (a barrier) until the pointers are synced: then every rank's train() finds the same newest one
+            with args.main_process_first(local=args.save_on_each_node, desc="ckptd checkpoint-<step> pointers"):
+                self._sync_pointers(args)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._pending = False
@@ -268,6 +291,7 @@ class CkptdCallback(TrainerCallback):
         self._training = True
         resume = self._resume
         if resume is None:
+            self._resume_pointed(args, state, kwargs)
             return
         if state.global_step != resume.global_step:
             raise ValueError(
@@ -289,6 +313,7 @@ class CkptdCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
+        self._publish_pointers(args)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
@@ -311,14 +336,89 @@ class CkptdCallback(TrainerCallback):
         last = self._last
         if last is not None and last.ok and self.wait_at_end_s is not None:
             last.wait_durable(timeout=self.wait_at_end_s)
+        self._publish_pointers(args)
         if args.load_best_model_at_end and state.best_global_step:
             self._load_best_model(args, state, kwargs.get("model"))
-        if self._resume is not None:
+        if self._resume is not None and self._resume.directory is not None:
             shutil.rmtree(self._resume.directory, ignore_errors=True)
-            self._resume = None
+        self._resume = None
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+
+    # ------------------------------------------------------------ pointer directories (resume_from_checkpoint=True)
+
+    def _resume_pointed(self, args: TrainingArguments, state: TrainerState, objects: Mapping[str, Any]) -> None:
+        """on_train_begin of a run the Trainer resumed from a pointer directory (its
+        trainer_state.json names the ckptd step): load that step's model, optimizer, scheduler
+        and scaler in place and restore the generators where they were saved, as for resume_from."""
+        step = pointers.marked_step(state.stateful_callbacks if isinstance(state.stateful_callbacks, dict) else None, self.job)
+        if step is None:
+            return  # a fresh start, or a Trainer checkpoint of its own
+        if step != state.global_step:
+            raise ValueError(f"the pointer to ckptd step {step} has a trainer_state.json at global step {state.global_step}: "
+                             "it was changed by hand; remove it, CkptdCallback makes it again from the daemon")
+        found = {**self._state(objects), POSITION_KEY: {}}
+        self._client(args).load(found, step=step)
+        position = found[POSITION_KEY]
+        _warn_on_changed_data_args(position.get("data_args", {}), args)
+        self._resume = _Resume(step, step, str(position["at"]), None)
+        self._rng_due = AT_STEP if self._resume.rng_at == AT_STEP else AT_EPOCH
+        log.info("resuming job %s from ckptd step %d (the Trainer's resume_from_checkpoint)", self.job, step)
+
+    def _pointer_dir(self, args: TrainingArguments) -> str | None:
+        """output_dir when this process keeps the pointer directories: the one that writes the
+        Trainer's own checkpoints (process 0; with save_on_each_node, each node's local process 0)."""
+        return args.output_dir if self.pointer_dirs and args.should_save else None
+
+    def _publish_pointers(self, args: TrainingArguments) -> None:
+        """Publish the pointers of this run's saves that the daemon committed since, and remove
+        those of steps it no longer keeps. A save not (yet) committed gets none."""
+        output_dir = self._pointer_dir(args)
+        if not self._unpublished or output_dir is None:
+            return
+        infos = self._committed(args)
+        if infos is None:
+            return
+        committed = [info.step for info in infos]
+        listed = set(committed)
+        saved = list(self._unpublished)
+        done = [step for step in saved if step in listed]
+        for step in done:
+            pointers.publish(output_dir, self.job, step, self._unpublished[step], self._model_keys)
+        newest = max((saved.index(step) for step in done), default=-1)
+        self._unpublished = {step: tree for step, tree in self._unpublished.items() if step not in listed and saved.index(step) > newest}
+        pointers.prune(output_dir, self.job, committed)
+
+    def _sync_pointers(self, args: TrainingArguments) -> None:
+        """When the Trainer is made (before train looks for checkpoint-* directories): the pointer
+        of the job's newest committed step (the last save of a killed run may have been
+        committed after the kill), read from its files; pointers of removed steps go."""
+        output_dir = self._pointer_dir(args)
+        if output_dir is None:
+            return
+        infos = self._committed(args)
+        if infos is None:
+            return
+        newest = infos[-1] if infos else None
+        if newest is not None and newest.step not in pointers.pointer_steps(output_dir, self.job):
+            try:
+                tree = open_step(newest.path).extras(0).get(TRAINER_STATE_KEY)
+            except (CheckpointError, OSError) as exc:
+                tree = None
+                log.warning("cannot read the trainer state of ckptd step %d at %s (%s): resume_from_checkpoint=True will not find it; "
+                            "use trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))", newest.step, newest.path, exc)
+            if isinstance(tree, dict):
+                pointers.publish(output_dir, self.job, newest.step, tree, self._model_keys)
+        pointers.prune(output_dir, self.job, [info.step for info in infos])
+
+    def _committed(self, args: TrainingArguments) -> list[CheckpointInfo] | None:
+        """The job's committed steps in commit order, or None (logged) when the daemon cannot say."""
+        try:
+            return self._client(args).list()
+        except CheckpointError as exc:
+            log.warning("cannot list the ckptd job's steps, so its checkpoint-* pointers in %s are not updated: %s", args.output_dir, exc)
+            return None
 
     # ------------------------------------------------------------ internals
 
@@ -372,10 +472,11 @@ class CkptdCallback(TrainerCallback):
         step = state.global_step
         if self._last is not None and self._last.step == step and self._last.ok:
             return  # already saved at this step (e.g. a step save followed by an epoch save)
-        if self._trainer is None and not self._warned_no_trainer:
+        others = sorted({str(name) for name in state.stateful_callbacks or {}} - {"TrainerControl", pointers.MARKER_KEY})
+        if self._trainer is None and others and not self._warned_no_trainer:
             self._warned_no_trainer = True
-            log.warning("CkptdCallback.resume_from(trainer) was not called: checkpoints hold no GradScaler state and only "
-                        "TrainerControl among the stateful callbacks; call it before trainer.train()")
+            log.warning("CkptdCallback does not know the trainer, so checkpoints hold the state that the stateful callbacks %s had "
+                        "when the Trainer was made; call ckpt.attach(trainer) (or ckpt.resume_from(trainer)) before trainer.train()", others)
         saved = self._state(objects)
         saved[TRAINER_STATE_KEY] = _trainer_state_tree(state, self._exportable(control))
         saved[POSITION_KEY] = {"at": at, "data_args": _data_args(args)}
@@ -385,6 +486,8 @@ class CkptdCallback(TrainerCallback):
         )
         if self._last.ok and state.best_global_step == step:
             self._best_saved = step
+        if self._last.ok and self._pointer_dir(args) is not None:
+            self._unpublished[step] = saved[TRAINER_STATE_KEY]
 
     def _restore_rng(self, args: TrainingArguments) -> None:
         """Set the random generators to the checkpoint's, at the point of the loop where they were saved."""
@@ -397,10 +500,11 @@ class CkptdCallback(TrainerCallback):
         model, optimizer, scheduler = objects.get("model"), objects.get("optimizer"), objects.get("lr_scheduler")
         if model is None or optimizer is None or scheduler is None:
             raise ValueError("the Trainer passed no model, optimizer or lr_scheduler to CkptdCallback: it needs all three")
+        # Accelerate hands its GradScaler to the optimizer wrapper too: found without the trainer
+        scaler = getattr(self._trainer.accelerator, "scaler", None) if self._trainer is not None else getattr(objects.get("optimizer"), "scaler", None)
         while isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
-        scaler = getattr(self._trainer.accelerator, "scaler", None) if self._trainer is not None else None
         if scaler is not None:
             state["scaler"] = scaler
         return state
@@ -414,9 +518,24 @@ class CkptdCallback(TrainerCallback):
         if self._ckpt is None:
             self._ckpt = CheckpointClient(
                 self.job, address=self.address, rank=args.process_index, world_size=args.world_size,
-                on_error=self.on_error, **self.client_options,
+                on_error=self.on_error, retention=job_retention(args), **self.client_options,
             )
         return self._ckpt
+
+
+def job_retention(args: TrainingArguments) -> JobRetention | None:
+    """The job's retention that the TrainingArguments ask for, sent with every save (the daemon
+    applies it within its own flags, which bound it): save_total_limit -> keep_last;
+    load_best_model_at_end or save_strategy="best" -> keep_best 1, best_mode by greater_is_better.
+    None when they ask for neither (the daemon's flags)."""
+    best = args.load_best_model_at_end or args.save_strategy == SaveStrategy.BEST
+    if not args.save_total_limit and not best:
+        return None
+    return JobRetention(
+        keep_last=args.save_total_limit or None,
+        keep_best=1 if best else None,
+        best_mode=("max" if args.greater_is_better else "min") if best else None,
+    )
 
 
 def _check_client_options(options: Mapping[str, Any]) -> None:
@@ -446,7 +565,8 @@ def _trainer_state_tree(state: TrainerState, exportable: Iterable[ExportableStat
             current[name] = [*(before if isinstance(before, list) else [before]), callback.state()]
         else:
             current[name] = callback.state()
-    tree["stateful_callbacks"] = {**(tree.get("stateful_callbacks") or {}), **current}
+    earlier = {k: v for k, v in (tree.get("stateful_callbacks") or {}).items() if k != pointers.MARKER_KEY}  # a pointer's marker: not state
+    tree["stateful_callbacks"] = {**earlier, **current}
     return tree
 
 
@@ -464,22 +584,6 @@ def _warn_on_changed_data_args(saved: Mapping[str, Any], args: TrainingArguments
     if changed:
         log.warning("the Trainer skips the trained batches by global_step, but these arguments changed since the checkpoint, "
                     "so the data after the resume is not where the run stopped: %s", ", ".join(changed))
-
-
-def _write_resume_dir(directory: str, step: int, trainer_state: Mapping[str, Any], model_keys: Iterable[str]) -> None:
-    """Make `directory` (anew) the one for `Trainer.train(resume_from_checkpoint=...)`: the
-    checkpoint's trainer_state.json, and a weights index that maps every model key to a shard
-    holding no tensor (the Trainer requires weights there and loads them before the optimizer
-    exists; CkptdCallback.on_train_begin loads the real ones, with the optimizer, from ckptd)."""
-    shutil.rmtree(directory, ignore_errors=True)  # a killed run's, from its own resume
-    os.makedirs(directory)
-    with open(os.path.join(directory, TRAINER_STATE_NAME), "w", encoding="utf-8") as out:
-        out.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")  # as TrainerState.save_to_json writes it
-    note = f"the weights of ckptd step {step} are loaded by CkptdCallback.on_train_begin; this shard holds no tensor"
-    safetensors.torch.save_file({}, os.path.join(directory, EMPTY_SHARD_NAME), metadata={"format": "pt", "ckptd": note})
-    index = {"metadata": {"ckptd_step": step, "note": note}, "weight_map": {key: EMPTY_SHARD_NAME for key in model_keys}}
-    with open(os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as out:
-        json.dump(index, out, indent=2)
 
 
 def _is_peft(model: torch.nn.Module) -> bool:

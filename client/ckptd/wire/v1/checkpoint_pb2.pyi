@@ -51,7 +51,7 @@ class RankId(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., local_world_size: _Optional[int] = ..., run_id: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
-    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize", "known_layout", "resumed", "resumed_from")
+    __slots__ = ("who", "step", "fingerprint", "tensors", "quantize", "metric", "has_metric", "timeout_s", "master_weights", "lineage_generation", "no_quantize", "known_layout", "resumed", "resumed_from", "retention")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class BeginSaveRequest(_message.Message):
     KNOWN_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     fingerprint: str
@@ -80,7 +81,18 @@ class BeginSaveRequest(_message.Message):
     known_layout: str
     resumed: bool
     resumed_from: int
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ..., resumed: _Optional[bool] = ..., resumed_from: _Optional[int] = ...) -> None: ...
+    retention: Retention
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., quantize: _Optional[str] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., master_weights: _Optional[str] = ..., lineage_generation: _Optional[int] = ..., no_quantize: _Optional[bool] = ..., known_layout: _Optional[str] = ..., resumed: _Optional[bool] = ..., resumed_from: _Optional[int] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("keep_last", "keep_best", "best_mode")
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BEST_FIELD_NUMBER: _ClassVar[int]
+    BEST_MODE_FIELD_NUMBER: _ClassVar[int]
+    keep_last: int
+    keep_best: int
+    best_mode: str
+    def __init__(self, keep_last: _Optional[int] = ..., keep_best: _Optional[int] = ..., best_mode: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("name", "offset", "nbytes", "box", "kind", "dtype", "shape", "aliases")

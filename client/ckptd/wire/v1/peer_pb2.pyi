@@ -18,7 +18,7 @@ class RankTensors(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_checkpoint_pb2.TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class JoinSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id", "quantize", "master_weights", "no_quantize", "lineage", "run_id", "resumed")
+    __slots__ = ("job", "step", "node", "world_size", "fingerprints", "tensors", "known_plans", "timeout_s", "metric", "has_metric", "root_id", "quantize", "master_weights", "no_quantize", "lineage", "run_id", "resumed", "retention")
     class FingerprintsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class JoinSaveRequest(_message.Message):
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     node: int
@@ -60,7 +61,8 @@ class JoinSaveRequest(_message.Message):
     lineage: int
     run_id: str
     resumed: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ..., quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., no_quantize: _Optional[bool] = ..., lineage: _Optional[int] = ..., run_id: _Optional[str] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    retention: _checkpoint_pb2.Retention
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., node: _Optional[int] = ..., world_size: _Optional[int] = ..., fingerprints: _Optional[_Mapping[int, str]] = ..., tensors: _Optional[_Iterable[_Union[RankTensors, _Mapping]]] = ..., known_plans: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., metric: _Optional[float] = ..., has_metric: _Optional[bool] = ..., root_id: _Optional[str] = ..., quantize: _Optional[str] = ..., master_weights: _Optional[str] = ..., no_quantize: _Optional[bool] = ..., lineage: _Optional[int] = ..., run_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., retention: _Optional[_Union[_checkpoint_pb2.Retention, _Mapping]] = ...) -> None: ...
 
 class Compression(_message.Message):
     __slots__ = ("quantize", "master_weights", "recorded", "generation")

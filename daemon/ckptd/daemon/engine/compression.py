@@ -11,14 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ckptd.daemon.retention import JobRetention
+
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """What compression a rank asks for; every rank of a save (on every node) must ask for the same."""
+    """What compression (and job retention) a rank asks for; every rank of a save (on every node) must ask for the same."""
 
     quantize: str | None = None  # None: the daemon's default
     master_weights: str | None = None  # None: the daemon's default
     no_quantize: bool = False
+    retention: JobRetention | None = None  # the job's own retention (retention.merge); None: the daemon's
+
+    def describe(self) -> str:
+        """The options as an error message names them."""
+        return f"quantize={self.quantize!r}, master_weights={self.master_weights!r}" + (f", {self.retention}" if self.retention else "")
 
 
 NO_OPTIONS = SaveOptions()

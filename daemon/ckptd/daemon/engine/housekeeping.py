@@ -14,6 +14,7 @@ from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.format import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
+from ckptd.daemon.retention import RetentionPolicy, policy_of_record
 from ckptd.daemon.step_build import VERSION
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,10 @@ class Housekeeping:
         protected.add(await asyncio.to_thread(storage.latest_named, job))
         protected.add(committed)
         protected.discard(None)
-        metrics = await self._step_metrics(job, steps) if engine.retention.keep_best else {}
+        policy = await self.policy(job, steps)
+        metrics = await self._step_metrics(job, steps) if policy.keep_best else {}
         removed = []
-        for step in engine.retention.to_delete(steps, {s for s in protected if s is not None}, metrics):
+        for step in policy.to_delete(steps, {s for s in protected if s is not None}, metrics):
             where = storage.step_location(job, step)
             size = await asyncio.to_thread(storage.step_bytes, job, step)
             if not dry_run:
@@ -98,6 +100,25 @@ class Housekeeping:
                 log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
             removed.append(Collected(job, step, where, "retention", size))
         return removed
+
+    async def policy(self, job: str, steps: Sequence[int]) -> RetentionPolicy:
+        """The retention policy of `job`: the one its newest committed step's index records (the
+        job asked for its own, node 0 merged it into its flags: every node follows the same), else
+        this daemon's flags. `steps`: the job's committed steps in commit order."""
+        if not steps:
+            return self.engine.retention
+        try:
+            record = (await self.engine.index(job, steps[-1])).retention
+        except (Precondition, OSError) as exc:
+            log.warning("retention: cannot read the index of step %s of job %s (%s), so the daemon's flags apply", steps[-1], job, exc)
+            return self.engine.retention
+        if record is None:
+            return self.engine.retention
+        try:
+            return policy_of_record(record)
+        except (TypeError, ValueError) as exc:
+            log.warning("retention: step %s of job %s records a retention the daemon cannot use (%s), so its flags apply", steps[-1], job, exc)
+            return self.engine.retention
 
     async def _step_metrics(self, job: str, steps: Sequence[int]) -> dict[int, float]:
         """step -> the metric it was saved with, for the steps that have one (keep-best retention)."""

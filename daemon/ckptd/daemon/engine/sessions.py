@@ -119,8 +119,8 @@ class SaveSession:
             self.options = options
         elif options != self.options:
             raise InvalidRequest(
-                f"rank {rank} asks for quantize={options.quantize!r}, master_weights={options.master_weights!r} in step {self.step} "
-                f"but an earlier rank asked for quantize={self.options.quantize!r}, master_weights={self.options.master_weights!r}; "
+                f"rank {rank} asks for {options.describe()} in step {self.step} "
+                f"but an earlier rank asked for {self.options.describe()}; "
                 "every rank must pass the same"
             )
         if local_ranks != self.local_ranks:
