@@ -24,8 +24,12 @@ bytes go changes:
   anything torchtitan reads itself (a DCP directory, Hugging Face weights).
 - `folder` is not used: the steps are ROOT/JOB/step-NNNNNNNN under the daemon's root.
 
-Refused, with the reason in the error: `keep_latest_k` > 0 (retention is the daemon's
-`--keep-last N`, for every job it serves), `last_save_in_hf` (the step's model files are
+- `keep_latest_k=N` is the job's own retention (`JobRetention(keep_last=N)`, sent with every
+  save): the daemon prunes the job's steps, at most to its own `--keep-last` (its flags are the
+  upper bound); torchtitan's purge of step directories never runs. 0 (the default here): the
+  daemon's setting.
+
+Refused, with the reason in the error: `last_save_in_hf` (the step's model files are
 safetensors already; `ckptd export` writes a consolidated Hugging Face copy).
 """
 
@@ -44,7 +48,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, JobRetention
 from ckptd.common.names import check_job_id
 from ckptd.daemon.format import parse_step_dir_name, step_dir_name
 from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
@@ -86,15 +90,10 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         """How long a load waits, in seconds, for this node's saves of the job still in flight."""
 
         keep_latest_k: int = 0
-        """Must stay 0: ckptd's retention is the daemon's --keep-last N."""
+        """Keep the job's N newest steps (the daemon's --keep-last is the upper bound); 0: the daemon's setting."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.keep_latest_k:
-                raise ValueError(
-                    f"keep_latest_k={self.keep_latest_k}: ckptd's retention is the daemon's, for every job it serves; "
-                    f"start it with `ckptd serve --keep-last {self.keep_latest_k}` and leave keep_latest_k=0 here"
-                )
             if self.last_save_in_hf:
                 raise ValueError(
                     "last_save_in_hf=True: through ckptd the last step's model files are safetensors already; "
@@ -119,7 +118,8 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
             self.async_mode = AsyncMode.ASYNC
         self.job = config.job
         self.wait_s = config.wait_s
-        self.writer = CkptdStorageWriter(config.job, address=config.address, durable=config.durable)
+        retention = JobRetention(keep_last=config.keep_latest_k) if config.keep_latest_k else None
+        self.writer = CkptdStorageWriter(config.job, address=config.address, durable=config.durable, retention=retention)
         self.folder = os.path.join(self.client.status().root, config.job)
         if not os.path.isdir(self.folder) and self.client.list():
             # torchtitan would start afresh where it sees no folder: the steps exist, this process cannot read them
@@ -140,6 +140,10 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         writer = getattr(self, "writer", None)
         if writer is not None:
             writer.close()
+
+    def _should_purge(self) -> bool:
+        """Never: the daemon prunes the job's steps (keep_latest_k is sent as its JobRetention)."""
+        return False
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         """The step's directory under the daemon's root: ROOT/JOB/step-NNNNNNNN."""
