@@ -127,9 +127,9 @@ def _dump(tag: str, model: nn.Module, optimizer: Any, scheduler: Any, into: dict
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         for name, p in model.module.named_parameters():
-            into[f"{tag}/master/{name}"] = safe_get_full_fp32_param(p).clone()
+            into[f"{tag}/master/{name}"] = safe_get_full_fp32_param(p).cpu().clone()
             for key in ("exp_avg", "exp_avg_sq") if model.global_steps else ():  # a fresh engine has no moments yet
-                into[f"{tag}/optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).clone()
+                into[f"{tag}/optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
     else:
         into.update({f"{tag}/{k}": v for k, v in full_state(model, optimizer.optimizer).items()})
     into[f"{tag}/scheduler"] = scheduler.scheduler.state_dict()

@@ -215,9 +215,9 @@ class DumpState(Callback):
         engine = trainer.strategy.model
         tensors = {}
         for name, p in engine.module.named_parameters():
-            tensors[f"master/{name}"] = safe_get_full_fp32_param(p).clone()
+            tensors[f"master/{name}"] = safe_get_full_fp32_param(p).cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):
-                tensors[f"optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).clone()
+                tensors[f"optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
         if not trainer.is_global_zero:
             return
         save_file(tensors, str(self.path) + ".safetensors")

@@ -13,6 +13,7 @@ The first DeepSpeed run on a machine JIT-builds its CPU shared-memory op (~/.cac
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ def losses(path: Path) -> dict[int, float]:
 
 def _spec(daemon: Any, tmp: Path, name: str, job: str, stage: int, **changes: Any) -> dict[str, Any]:
     base = {"address": daemon.address, "job": job, "dirpath": str(tmp / job), "out": str(tmp / f"{name}.jsonl"), "max_steps": 8,
-            "every": 5, "batch": 4, "ckpt_path": None, "pause_at": 0, "deepspeed": stage}
+            "every": 5, "batch": 4, "ckpt_path": None, "pause_at": 0, "deepspeed": stage,
+            "accelerator": "gpu" if os.environ.get("CKPTD_TEST_DEVICE") == "cuda" else "cpu"}  # tests/gpu/deepspeed_integrations.sh
     return {**base, **changes}
 
 
