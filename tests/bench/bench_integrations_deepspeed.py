@@ -99,14 +99,42 @@ def _timed(times: list[float], save: Any) -> Any:
     return result
 
 
+def _interleave(spec: dict[str, Any], train_step: Any, theirs: Any, ours: Any, engine: Any) -> None:
+    """The rounds of --via engine and accelerate: after two untimed saves each way, per round a
+    train step, the tool's own save `theirs(directory)` (timed, then removed), a train step and
+    ckptd's `ours(client, step)` (timed; waited for until durable, untimed)."""
+    import torch.distributed as dist
+
+    from ckptd.client import CheckpointClient
+
+    scratch = Path(spec["scratch"])
+    times: dict[str, list[float]] = {"deepspeed": [], "ckptd": []}
+    with CheckpointClient("bench-deepspeed", address=spec["address"], on_error="raise") as client:
+        step = 0
+        for warm in range(2):
+            train_step()
+            step += 1
+            ours(client, step).wait_durable(timeout=600)
+            theirs(str(scratch / "warm" / f"w{warm}"))
+        for r in range(spec["rounds"]):
+            train_step()
+            _timed(times["deepspeed"], lambda: theirs(str(scratch / "ds" / f"r{r}")))
+            dist.barrier()
+            if spec["rank"] == 0:
+                shutil.rmtree(scratch / "ds" / f"r{r}")
+            train_step()
+            step += 1
+            _timed(times["ckptd"], lambda: ours(client, step)).wait_durable(timeout=600)
+    _report(spec, times, engine)
+    dist.barrier()
+
+
 def _accelerate_rank(spec: dict[str, Any]) -> None:
     """--via accelerate: Accelerator.save_state(dir) against ckptd's save_state."""
     import torch
-    import torch.distributed as dist
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    from ckptd.client import CheckpointClient
     from ckptd.integrations.accelerate import save_state
 
     torch.set_num_threads(1)
@@ -121,26 +149,7 @@ def _accelerate_rank(spec: dict[str, Any]) -> None:
         acc.backward(engine(x).square().mean())  # the engine's backward and step
         optimizer.step()
 
-    scratch = Path(spec["scratch"])
-    times: dict[str, list[float]] = {"deepspeed": [], "ckptd": []}
-    with CheckpointClient("bench-deepspeed", address=spec["address"], on_error="raise") as client:
-        step = 0
-        for warm in range(2):
-            train_step()
-            step += 1
-            save_state(acc, client, step).wait_durable(timeout=600)
-            acc.save_state(str(scratch / "warm" / str(warm)))
-        for r in range(spec["rounds"]):
-            train_step()
-            _timed(times["deepspeed"], lambda: acc.save_state(str(scratch / "ds" / f"r{r}")))
-            dist.barrier()
-            if spec["rank"] == 0:
-                shutil.rmtree(scratch / "ds" / f"r{r}")
-            train_step()
-            step += 1
-            _timed(times["ckptd"], lambda: save_state(acc, client, step)).wait_durable(timeout=600)
-    _report(spec, times, engine)
-    dist.barrier()
+    _interleave(spec, train_step, acc.save_state, lambda client, step: save_state(acc, client, step), engine)
 
 
 def _lightning_rank(spec: dict[str, Any]) -> None:
@@ -210,12 +219,9 @@ def _engine_rank(spec: dict[str, Any]) -> None:
     """--via engine (default): engine.save_checkpoint against ckptd.integrations.deepspeed.save."""
     import deepspeed  # type: ignore[import-untyped]
     import torch
-    import torch.distributed as dist
 
-    from ckptd.client import CheckpointClient
     from ckptd.integrations.deepspeed import save
 
-    rank = spec["rank"]
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model(spec)
@@ -226,34 +232,7 @@ def _engine_rank(spec: dict[str, Any]) -> None:
         engine.backward(engine(x).square().mean())
         engine.step()
 
-    scratch = Path(spec["scratch"])
-    times: dict[str, list[float]] = {"deepspeed": [], "ckptd": []}
-    with CheckpointClient("bench-deepspeed", address=spec["address"], on_error="raise") as client:
-        step = 0
-        for warm in range(2):
-            train_step()
-            step += 1
-            save(engine, client, step).wait_durable(timeout=600)
-            engine.save_checkpoint(str(scratch / "warm"), tag=f"w{warm}")
-        for r in range(spec["rounds"]):
-            train_step()
-            dist.barrier()
-            started = time.perf_counter()
-            engine.save_checkpoint(str(scratch / "ds"), tag=f"r{r}")
-            times["deepspeed"].append(time.perf_counter() - started)
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(scratch / "ds" / f"r{r}")
-
-            train_step()
-            step += 1
-            dist.barrier()
-            started = time.perf_counter()
-            handle = save(engine, client, step)
-            times["ckptd"].append(time.perf_counter() - started)
-            handle.wait_durable(timeout=600)
-    _report(spec, times, engine)
-    dist.barrier()
+    _interleave(spec, train_step, engine.save_checkpoint, lambda client, step: save(engine, client, step), engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,25 @@ def _dump(tag: str, model: nn.Module, optimizer: Any, scheduler: Any, into: dict
     into[f"{tag}/scheduler"] = scheduler.scheduler.state_dict()
 
 
+def dump_differences(saved: str, loaded: str) -> list[str]:
+    """Compare two dumps (`dump` paths): the state at the end of the run that wrote `saved`
+    ("end/") against the state right after the load of the run that wrote `loaded` ("loaded/").
+    Returns what differs: names present in one only, tensors not equal bit for bit (or of
+    another dtype), the scheduler state; empty when none. Needs some optimizer state in `saved`."""
+    import safetensors.torch
+
+    expected = {k.removeprefix("end/"): v for k, v in safetensors.torch.load_file(saved).items() if k.startswith("end/")}
+    got = {k.removeprefix("loaded/"): v for k, v in safetensors.torch.load_file(loaded).items() if k.startswith("loaded/")}
+    if not any(k.endswith("/exp_avg_sq") for k in expected):
+        return [f"{saved} holds no optimizer state"]
+    differ = sorted(set(expected) ^ set(got))
+    differ += [k for k in sorted(set(expected) & set(got)) if not (got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]))]
+    saved_meta, loaded_meta = (json.loads(Path(f"{path}.json").read_text()) for path in (saved, loaded))
+    if loaded_meta["loaded/scheduler"] != saved_meta["end/scheduler"]:
+        differ.append("scheduler")
+    return differ
+
+
 def _write_dump(path: str, dumped: dict[str, Any]) -> None:
     import safetensors.torch
 
