@@ -14,7 +14,18 @@ untimed engine step that changes every value, back to back:
 A round's stall is the slowest rank's (the next step waits for it). Printed: the median stall of
 each (min, max) and the median of the per-round ratios.
 
-    python tests/bench/bench_integrations_deepspeed.py [--rounds 7] [--stage 2] [--world 2] [--hidden 1024 --layers 8]
+`--via` drives the same engine through another integration, each against that tool's own save:
+
+- accelerate: an Accelerator with a DeepSpeedPlugin prepares the model and optimizer;
+  `accelerator.save_state(dir)` (the engine's save_checkpoint plus Accelerate's random states)
+  against `ckptd.integrations.accelerate.save_state(accelerator, client, step)`;
+- lightning: a Lightning Trainer fits with CkptdDeepSpeedStrategy (on CPU: the tests' subclass
+  that skips Lightning's CUDA check, tests/integrations/lightning_worker.py); a callback after
+  each step dumps Lightning's checkpoint dict and saves it with DeepSpeedStrategy.save_checkpoint
+  (the engine's save_checkpoint, Lightning's own) and with CkptdDeepSpeedStrategy.save_checkpoint
+  (through CkptdCheckpointIO), alternately, timing the dump and the save.
+
+    python tests/bench/bench_integrations_deepspeed.py [--rounds 7] [--stage 2] [--world 2] [--hidden 1024 --layers 8] [--via engine|accelerate|lightning]
 """
 
 from __future__ import annotations
@@ -37,34 +48,64 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 def rank_main(spec: dict[str, Any]) -> None:
     """One rank: train, save both ways per round, write its stalls to spec["out"]/<rank>.json."""
-    import deepspeed  # type: ignore[import-untyped]
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
-    from ckptd.client import CheckpointClient
-    from ckptd.integrations.deepspeed import save
-
     rank, world = spec["rank"], spec["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    h = spec["hidden"]
-    model = nn.Sequential(*[nn.Linear(h, h) for _ in range(spec["layers"])])
-    config = {
+    if spec["via"] == "accelerate":
+        _accelerate_rank(spec)
+    elif spec["via"] == "lightning":
+        _lightning_rank(spec)
+    else:
+        _engine_rank(spec)
+
+
+def _config(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
         "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
         "zero_optimization": {"stage": spec["stage"]},
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x = torch.randn(2, h)
 
-    def train_step() -> None:
-        engine.backward(engine(x).square().mean())
-        engine.step()
+
+def _client_optimizer_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """_config without DeepSpeed's optimizer and scheduler: the tool hands it a torch Adam."""
+    config = {k: v for k, v in _config(spec).items() if k not in ("optimizer", "scheduler")}
+    return {**config, "zero_allow_untested_optimizer": True}
+
+
+def _model(spec: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(spec["hidden"], spec["hidden"]) for _ in range(spec["layers"])])
+
+
+def _report(spec: dict[str, Any], times: dict[str, list[float]], engine: Any) -> None:
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    (Path(spec["out"]) / f"{spec['rank']}.json").write_text(json.dumps({"times": times, "params": n_params}))
+
+
+def _timed(times: list[float], save: Any) -> Any:
+    """Every rank at the start line, then save(); its wall time appended to `times`."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    result = save()
+    times.append(time.perf_counter() - started)
+    return result
+
+
+def _interleave(spec: dict[str, Any], train_step: Any, theirs: Any, ours: Any, engine: Any) -> None:
+    """The rounds of --via engine and accelerate: after two untimed saves each way, per round a
+    train step, the tool's own save `theirs(directory)` (timed, then removed), a train step and
+    ckptd's `ours(client, step)` (timed; waited for until durable, untimed)."""
+    import torch.distributed as dist
+
+    from ckptd.client import CheckpointClient
 
     scratch = Path(spec["scratch"])
     times: dict[str, list[float]] = {"deepspeed": [], "ckptd": []}
@@ -73,28 +114,125 @@ def rank_main(spec: dict[str, Any]) -> None:
         for warm in range(2):
             train_step()
             step += 1
-            save(engine, client, step).wait_durable(timeout=600)
-            engine.save_checkpoint(str(scratch / "warm"), tag=f"w{warm}")
+            ours(client, step).wait_durable(timeout=600)
+            theirs(str(scratch / "warm" / f"w{warm}"))
         for r in range(spec["rounds"]):
             train_step()
+            _timed(times["deepspeed"], lambda: theirs(str(scratch / "ds" / f"r{r}")))
             dist.barrier()
-            started = time.perf_counter()
-            engine.save_checkpoint(str(scratch / "ds"), tag=f"r{r}")
-            times["deepspeed"].append(time.perf_counter() - started)
-            dist.barrier()
-            if rank == 0:
+            if spec["rank"] == 0:
                 shutil.rmtree(scratch / "ds" / f"r{r}")
-
             train_step()
             step += 1
-            dist.barrier()
-            started = time.perf_counter()
-            handle = save(engine, client, step)
-            times["ckptd"].append(time.perf_counter() - started)
-            handle.wait_durable(timeout=600)
-    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-    (Path(spec["out"]) / f"{rank}.json").write_text(json.dumps({"times": times, "params": n_params}))
+            _timed(times["ckptd"], lambda: ours(client, step)).wait_durable(timeout=600)
+    _report(spec, times, engine)
     dist.barrier()
+
+
+def _accelerate_rank(spec: dict[str, Any]) -> None:
+    """--via accelerate: Accelerator.save_state(dir) against ckptd's save_state."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from ckptd.integrations.accelerate import save_state
+
+    torch.set_num_threads(1)
+    plugin = DeepSpeedPlugin(hf_ds_config=_client_optimizer_config(spec))
+    # without a GPU Accelerate needs the gloo backend named (tests/integrations/accel_train.py, deepspeed_accelerator)
+    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    model = _model(spec)
+    engine, optimizer = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+    x = torch.randn(2, spec["hidden"])
+
+    def train_step() -> None:
+        acc.backward(engine(x).square().mean())  # the engine's backward and step
+        optimizer.step()
+
+    _interleave(spec, train_step, acc.save_state, lambda client, step: save_state(acc, client, step), engine)
+
+
+def _lightning_rank(spec: dict[str, Any]) -> None:
+    """--via lightning: DeepSpeedStrategy.save_checkpoint against CkptdDeepSpeedStrategy's."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+    from lightning_worker import CpuDeepSpeedStrategy  # Lightning's DeepSpeedStrategy refuses CPU: its docstring says where
+
+    from ckptd.integrations.lightning import CkptdCheckpointIO
+
+    torch.set_num_threads(1)
+    scratch = Path(spec["scratch"])
+    times: dict[str, list[float]] = {"deepspeed": [], "ckptd": []}
+    rounds, warm = spec["rounds"], 2
+    total = 2 * (warm + rounds)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(spec)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    class Saves(L.Callback):
+        """After each step, alternately: Lightning's own DeepSpeed save, then ckptd's (waited for, untimed)."""
+
+        def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step, strategy = trainer.global_step, trainer.strategy
+            timed = step > 2 * warm
+            if step % 2:
+                path = scratch / "ds" / f"s{step}"
+                spent: list[float] = []
+                _timed(spent, lambda: DeepSpeedStrategy.save_checkpoint(strategy, trainer._checkpoint_connector.dump_checkpoint(), str(path)))
+                strategy.barrier()
+                if trainer.is_global_zero:
+                    shutil.rmtree(path)
+                if timed:
+                    times["deepspeed"] += spent
+            else:
+                spent = []
+                _timed(spent, lambda: strategy.save_checkpoint(trainer._checkpoint_connector.dump_checkpoint(), str(scratch / "pointers" / f"s{step}.ckpt")))
+                strategy.checkpoint_io.wait_durable()
+                if timed:
+                    times["ckptd"] += spent
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2 * total * spec["world"], spec["hidden"])), batch_size=2)
+    (scratch / "pointers").mkdir(exist_ok=True)
+    lightning_config = {k: v for k, v in _client_optimizer_config(spec).items() if k != "gradient_accumulation_steps"}  # the Trainer's to set
+    trainer = L.Trainer(
+        accelerator="cpu", devices=spec["world"], strategy=CpuDeepSpeedStrategy(config=lightning_config), max_steps=total,
+        callbacks=[Saves()],
+        plugins=[CkptdCheckpointIO(job="bench-deepspeed", address=spec["address"], on_error="raise")],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(Module(), data)
+    _report(spec, times, trainer.strategy.model)
+
+
+def _engine_rank(spec: dict[str, Any]) -> None:
+    """--via engine (default): engine.save_checkpoint against ckptd.integrations.deepspeed.save."""
+    import deepspeed  # type: ignore[import-untyped]
+    import torch
+
+    from ckptd.integrations.deepspeed import save
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model(spec)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(spec))
+    x = torch.randn(2, spec["hidden"])
+
+    def train_step() -> None:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+    _interleave(spec, train_step, engine.save_checkpoint, lambda client, step: save(engine, client, step), engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--via", default="engine", choices=("engine", "accelerate", "lightning"),
+                   help="the integration the engine is driven through, each against that tool's own DeepSpeed save")
     args = p.parse_args(argv)
 
     from ckptd.demo.process import start_daemon
@@ -127,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [d / c for d, c in zip(times["deepspeed"], times["ckptd"])]
         n = reports[0]["params"]
         print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}), {n / 1e6:.1f} M fp32 parameters + Adam "
-              f"({n * 12 / 2**20:.0f} MiB a save), ZeRO-{args.stage}, {args.world} ranks, {args.rounds} rounds")
+              f"({n * 12 / 2**20:.0f} MiB a save), ZeRO-{args.stage}, {args.world} ranks, {args.rounds} rounds, via {args.via}")
         for name, values in times.items():
             print(f"{name:>10}: stall median {statistics.median(values) * 1e3:7.1f} ms (min {min(values) * 1e3:.1f}, max {max(values) * 1e3:.1f})")
         print(f"deepspeed / ckptd stall: median {statistics.median(ratios):.1f}x (min {min(ratios):.1f}, max {max(ratios):.1f})")

@@ -20,6 +20,8 @@
                  state comes back with load_state, so the loop skips nothing itself
   fsdp           with ranks: Accelerate's FSDP2 plugin (sharded state dict; tests/integrations/fsdp_cpu.py)
   replicas       with fsdp: HSDP, Accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=rest)
+  deepspeed      with ranks: a ZeRO stage (1, 2, 3): Accelerate's DeepSpeedPlugin on DeepSpeed's CPU
+                 accelerator over gloo (deepspeed_accelerator below)
   dump           a path ("{rank}" allowed): after the load (or the fresh start) and after the last
                  step, each process writes the full model and optimizer tensors (safetensors,
                  keys prefixed "loaded/" and "end/") and the scheduler's state (JSON, .json beside)
@@ -77,11 +79,33 @@ def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.Dat
     return model, optimizer, scheduler, loader
 
 
-def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0) -> Any:
+def deepspeed_accelerator(stage: int, **kwargs: Any) -> Any:
+    """An Accelerator with Accelerate's DeepSpeedPlugin at ZeRO `stage` over gloo.
+
+    Accelerate picks DeepSpeed only without cpu=True (accelerate/state.py:974, "and not cpu"),
+    and without a GPU it then finds no backend and sets the world to one process
+    (state.py:287-290, while DeepSpeed's engine sees them all): InitProcessGroupKwargs(backend="gloo"),
+    Accelerate's own setting, gives it the gloo group DeepSpeed's CPU accelerator uses. On GPUs
+    (CKPTD_TEST_DEVICE=cuda) Accelerate's own NCCL choice is kept."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from fsdp_cpu import on_gpus
+
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    handlers = [] if on_gpus() else [InitProcessGroupKwargs(backend="gloo")]
+    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=handlers, **kwargs)
+    if acc.num_processes != int(os.environ["WORLD_SIZE"]):
+        raise RuntimeError(f"the Accelerator sees {acc.num_processes} processes of {os.environ['WORLD_SIZE']}")
+    return acc
+
+
+def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0, deepspeed: int = 0) -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
     config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
+    if deepspeed:
+        return deepspeed_accelerator(deepspeed, dataloader_config=config)
     if fsdp:
         from fsdp_cpu import fsdp2_accelerator
 
@@ -99,8 +123,35 @@ def _dump(tag: str, model: nn.Module, optimizer: Any, scheduler: Any, into: dict
     """Collect the full state under `tag` (a collective under FSDP: every process calls it)."""
     from fsdp_cpu import full_state
 
-    into.update({f"{tag}/{k}": v for k, v in full_state(model, optimizer.optimizer).items()})
+    if hasattr(model, "zero_optimization_stage"):  # a DeepSpeed engine: its fp32 master weights and moments, gathered by DeepSpeed
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        for name, p in model.module.named_parameters():
+            into[f"{tag}/master/{name}"] = safe_get_full_fp32_param(p).cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq") if model.global_steps else ():  # a fresh engine has no moments yet
+                into[f"{tag}/optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
+    else:
+        into.update({f"{tag}/{k}": v for k, v in full_state(model, optimizer.optimizer).items()})
     into[f"{tag}/scheduler"] = scheduler.scheduler.state_dict()
+
+
+def dump_differences(saved: str, loaded: str) -> list[str]:
+    """Compare two dumps (`dump` paths): the state at the end of the run that wrote `saved`
+    ("end/") against the state right after the load of the run that wrote `loaded` ("loaded/").
+    Returns what differs: names present in one only, tensors not equal bit for bit (or of
+    another dtype), the scheduler state; empty when none. Needs some optimizer state in `saved`."""
+    import safetensors.torch
+
+    expected = {k.removeprefix("end/"): v for k, v in safetensors.torch.load_file(saved).items() if k.startswith("end/")}
+    got = {k.removeprefix("loaded/"): v for k, v in safetensors.torch.load_file(loaded).items() if k.startswith("loaded/")}
+    if not any(k.endswith("/exp_avg_sq") for k in expected):
+        return [f"{saved} holds no optimizer state"]
+    differ = sorted(set(expected) ^ set(got))
+    differ += [k for k in sorted(set(expected) & set(got)) if not (got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]))]
+    saved_meta, loaded_meta = (json.loads(Path(f"{path}.json").read_text()) for path in (saved, loaded))
+    if loaded_meta["loaded/scheduler"] != saved_meta["end/scheduler"]:
+        differ.append("scheduler")
+    return differ
 
 
 def _write_dump(path: str, dumped: dict[str, Any]) -> None:
@@ -116,7 +167,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     from ckptd.client import CheckpointClient
     from ckptd.integrations.accelerate import batches_to_skip, load_state, save_state
 
-    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0))
+    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0), spec.get("deepspeed", 0))
     model, optimizer, scheduler, loader = parts()
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     tracker = RunningMean()
@@ -186,6 +237,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the tests train their baselines in-process with one thread too
     job = json.loads(sys.argv[1])
+    if job.get("deepspeed"):
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if os.environ.get("CKPTD_TEST_DEVICE") == "cuda" else "cpu")
     if "rank" in job:  # what torchrun (or `accelerate launch`) sets for each process
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]),

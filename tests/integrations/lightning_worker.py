@@ -22,7 +22,11 @@ and FSDP2 over the rest (ShardedMLP, no hooks). dump: a path, where DumpState wr
 state at the end of fit. fsdp1: CkptdFSDPStrategy (MLP, no hooks), with accelerator (default
 "cpu", where torch refuses FSDP1: give "gpu"). spawn: strategy="ddp_spawn" over `devices` processes that Lightning
 starts from this one (which is then the main process); handback: a path, where the main
-process writes the weights the workers handed back (safetensors).
+process writes the weights the workers handed back (safetensors). deepspeed: a ZeRO stage (1, 2,
+3): CkptdDeepSpeedStrategy on DeepSpeed's CPU accelerator (CpuDeepSpeedStrategy; MLP, no hooks);
+dump then writes DeepSpeed's whole fp32 master weights and Adam moments. pause_after: with
+pause_at, the pause comes at the start of the batch after this later step (the steps between
+are trained, after the save at pause_at).
 
 devices > 1: one process of Lightning's DDP on CPU (gloo), started by the caller with the
 variables Lightning reads when processes are created outside it (MASTER_ADDR, MASTER_PORT,
@@ -51,7 +55,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd.client import CheckpointClient
 from ckptd.integrations import _lightning_pointer
-from ckptd.integrations.lightning import CkptdCheckpointIO, CkptdFSDPStrategy, CkptdLoadFromCheckpoint, CkptdModelParallelStrategy
+from ckptd.integrations.lightning import (
+    CkptdCheckpointIO,
+    CkptdDeepSpeedStrategy,
+    CkptdFSDPStrategy,
+    CkptdLoadFromCheckpoint,
+    CkptdModelParallelStrategy,
+)
 
 SAMPLES, BATCH = 40, 8  # 5 batches per epoch
 
@@ -124,15 +134,16 @@ class Losses(Callback):
 
 
 class PauseWhenDurable(Callback):
-    """At the start of the batch after global step `step` (ModelCheckpoint has saved it), wait
-    until last.ckpt names that step, i.e. ckptd has made it durable, say so and sleep."""
+    """At the start of the batch after global step `at` (default `step`; ModelCheckpoint has
+    saved `step`), wait until last.ckpt names `step`, i.e. ckptd has made it durable, say so and sleep."""
 
-    def __init__(self, step: int, last: Path) -> None:
+    def __init__(self, step: int, last: Path, at: int | None = None) -> None:
         self.step = step
         self.last = last
+        self.at = step if at is None else at
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step != self.step:
+        if trainer.global_step != self.at:
             return
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -175,6 +186,10 @@ class DumpState(Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from safetensors.torch import save_file
+
+        if isinstance(trainer.strategy, CkptdDeepSpeedStrategy):
+            self._deepspeed(trainer)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -189,6 +204,46 @@ class DumpState(Callback):
         save_file(tensors, str(self.path) + ".safetensors")
         rest = {"param_groups": optim["param_groups"], "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "global_step": trainer.global_step}
         Path(str(self.path) + ".json").write_text(json.dumps(rest, sort_keys=True, default=str))
+
+
+    def _deepspeed(self, trainer: L.Trainer) -> None:
+        """The engine's whole fp32 master weights and Adam moments, as DeepSpeed gathers them
+        (collective: every rank), the inner optimizer's param_groups and the scheduler."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from safetensors.torch import save_file
+
+        engine = trainer.strategy.model
+        tensors = {}
+        for name, p in engine.module.named_parameters():
+            tensors[f"master/{name}"] = safe_get_full_fp32_param(p).cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
+        if not trainer.is_global_zero:
+            return
+        save_file(tensors, str(self.path) + ".safetensors")
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.optimizer.param_groups]
+        rest = {"param_groups": groups, "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "global_step": trainer.global_step,
+                "counters": [engine.global_steps, engine.global_samples, engine.micro_steps]}
+        Path(str(self.path) + ".json").write_text(json.dumps(rest, sort_keys=True, default=str))
+
+
+class CpuDeepSpeedStrategy(CkptdDeepSpeedStrategy):
+    """CkptdDeepSpeedStrategy on CPU. Lightning refuses DeepSpeed on anything but CUDA devices:
+    DeepSpeedStrategy.setup_environment raises (lightning/pytorch/strategies/deepspeed.py:342-346,
+    "The DeepSpeed strategy is only supported on CUDA GPUs"), and where it goes on it needs device
+    indices, which Lightning's CPU devices lack (None): setup_distributed checks they are the local
+    ranks (lightning/fabric/strategies/deepspeed.py:877-885) and deepspeed.initialize gets
+    device_rank=root_device.index (lightning/pytorch/strategies/deepspeed.py:447-448; DeepSpeed
+    compares it with 0). DeepSpeed itself runs on its CPU accelerator over gloo. This gives the
+    CPU devices their indices ("cpu:<local rank>", the same device to torch) and skips the CUDA
+    check; on GPUs the worker uses CkptdDeepSpeedStrategy itself."""
+
+    def setup_environment(self) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        assert self.parallel_devices is not None
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices))]
+        DDPStrategy.setup_environment(self)  # what DeepSpeedStrategy's calls after its check
 
 
 def stall_pointers_from(step: int) -> None:
@@ -251,7 +306,7 @@ def train(spec: dict[str, Any]) -> None:
         Losses(Path(spec["out"])),
     ]
     if spec.get("pause_at"):
-        callbacks.append(PauseWhenDurable(spec["pause_at"], dirpath / "last.ckpt"))
+        callbacks.append(PauseWhenDurable(spec["pause_at"], dirpath / "last.ckpt", spec.get("pause_after")))
     if spec.get("committed_at"):
         callbacks.append(PauseWhenCommitted(spec["committed_at"], spec["address"], spec["job"]))
     if spec.get("stall_pointers_from"):
@@ -263,6 +318,10 @@ def train(spec: dict[str, Any]) -> None:
         model = ShardedMLP()
     if spec.get("fsdp1"):  # FSDP1 through CkptdFSDPStrategy: needs an accelerator (tests/gpu/lightning_fsdp1.py)
         strategy = CkptdFSDPStrategy()
+        model = MLP()
+    if spec.get("deepspeed"):  # ZeRO through CkptdDeepSpeedStrategy (on CPU: CpuDeepSpeedStrategy)
+        on_gpus = spec.get("accelerator", "cpu") != "cpu"
+        strategy = (CkptdDeepSpeedStrategy if on_gpus else CpuDeepSpeedStrategy)(stage=spec["deepspeed"])
         model = MLP()
     if spec.get("dump"):
         callbacks.append(DumpState(Path(spec["dump"])))
@@ -279,4 +338,7 @@ def train(spec: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    train(json.loads(sys.argv[1]))
+    run = json.loads(sys.argv[1])
+    if run.get("deepspeed"):  # DeepSpeed reads it when first imported (by the strategy)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu" if run.get("accelerator", "cpu") == "cpu" else "cuda")
+    train(run)

@@ -100,8 +100,8 @@ def check_saver(strategy: Strategy | None) -> None:
         raise RuntimeError(
             f"CkptdCheckpointIO does not work with {type(strategy).__name__}: that strategy shards the model and loads "
             "checkpoints without the CheckpointIO (a resume could not read the pointer file). Use "
-            "strategy=CkptdModelParallelStrategy(...) (FSDP2, TP) or CkptdFSDPStrategy(...) from ckptd.integrations.lightning, "
-            "which save each rank's shards through this plugin, or strategy='ddp'"
+            "strategy=CkptdModelParallelStrategy(...) (FSDP2, TP), CkptdFSDPStrategy(...) or CkptdDeepSpeedStrategy(...) from "
+            "ckptd.integrations.lightning, which save each rank's shards through this plugin, or strategy='ddp'"
         )
     rank, world_size = rank_and_world()
     if rank != 0:

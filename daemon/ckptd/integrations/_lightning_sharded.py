@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CkptdFSDPStrategy", "CkptdModelParallelStrategy"]
+__all__ = ["CkptdFSDPStrategy", "CkptdModelParallelStrategy", "ckptd_io"]
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -108,13 +108,19 @@ class _ShardedThroughCkptd:
         self.checkpoint_io.teardown()
 
     def _ckptd_io(self) -> ShardedCheckpointIO:
-        io = self.checkpoint_io
-        if not (hasattr(io, "save_shards") and hasattr(io, "load_shards")):
-            raise TypeError(
-                f"{type(self).__name__} saves through ckptd: pass plugins=[CkptdCheckpointIO(job=...)] to the Trainer "
-                f"(its CheckpointIO is a {type(io).__name__})"
-            )
-        return io  # type: ignore[no-any-return]
+        return ckptd_io(self, "save_shards", "load_shards")  # type: ignore[no-any-return]
+
+
+def ckptd_io(strategy: Any, *methods: str) -> Any:
+    """The strategy's CheckpointIO, once it has `methods` (CkptdCheckpointIO has them); raises
+    TypeError saying to pass CkptdCheckpointIO to the Trainer otherwise."""
+    io = strategy.checkpoint_io
+    if not all(hasattr(io, method) for method in methods):
+        raise TypeError(
+            f"{type(strategy).__name__} saves through ckptd: pass plugins=[CkptdCheckpointIO(job=...)] to the Trainer "
+            f"(its CheckpointIO is a {type(io).__name__})"
+        )
+    return io
 
 
 class CkptdModelParallelStrategy(_ShardedThroughCkptd, ModelParallelStrategy):

@@ -55,8 +55,17 @@ tests/integrations/test_accelerate.py (and tests/integrations/accel_train.py, th
 FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`): the parameters and optimizer states
 are DTensors, and each process hands its own shards to the client's DTensor path; a save makes no
 collective, nothing is gathered to a process, and a checkpoint loads into another number of
-processes (tests/integrations/test_accelerate_fsdp.py). Not supported (refused with the reason):
-DeepSpeed and Megatron-LM (their engines save their own state), FSDP version 1 and XLA. Hooks registered with register_save_state_pre_hook /
+processes (tests/integrations/test_accelerate_fsdp.py).
+
+DeepSpeed ZeRO-1/2/3 (`DeepSpeedPlugin`): the prepared model is a DeepSpeed engine, and its
+fp32 master weights, optimizer state, engine scheduler and step counters go through
+ckptd.integrations.deepspeed (each rank its own partitions, loadable into another number of
+processes and another ZeRO stage); the rest (schedulers that Accelerate steps, under
+"lr_scheduler", "lr_scheduler_1", ...; registered objects; "accelerate") is that module's
+`extra`. One model only (tests/integrations/test_accelerate_deepspeed.py).
+
+Not supported (refused with the reason): Megatron-LM (its engine saves its own state), FSDP
+version 1 and XLA. Hooks registered with register_save_state_pre_hook /
 register_load_state_pre_hook are not called (they expect a directory): a warning says so.
 """
 
@@ -78,7 +87,6 @@ log = logging.getLogger("ckptd.integrations.accelerate")
 
 META_KEY = "accelerate"
 _REFUSED = {
-    DistributedType.DEEPSPEED: "DeepSpeed, whose engine saves its own state",
     DistributedType.MEGATRON_LM: "Megatron-LM, whose engine saves its own state",
     DistributedType.XLA: "XLA devices",
 }
@@ -102,6 +110,16 @@ def save_state(
     saved (an unsupported distributed setup, a client made for other ranks).
     """
     _check(accelerator, client)
+    engine = _deepspeed_engine(accelerator)
+    if engine is not None:
+        if master_weights not in (None, "keep"):
+            raise ValueError(
+                f"master_weights={master_weights!r}: under DeepSpeed the fp32 master weights are the only copy of the weights "
+                "ckptd saves (the module's bf16/fp16 weights are set from them on load); leave master_weights out"
+            )
+        from ckptd.integrations import deepspeed
+
+        return deepspeed.save(engine, client, step, extra=_deepspeed_extra(accelerator), metric=metric, quantize=quantize)
     return client.save(step, _state(accelerator), metric=metric, quantize=quantize, master_weights=master_weights, rng=True)
 
 
@@ -122,8 +140,15 @@ def load_state(accelerator: Accelerator, client: CheckpointClient, step: int | N
     if loaded is None:
         return None
     _check_counts(meta[META_KEY], _counts(accelerator), loaded)
-    state = _state(accelerator)
-    client.load(state, step=loaded, rng=True)
+    engine = _deepspeed_engine(accelerator)
+    if engine is not None:
+        from ckptd.integrations import deepspeed
+
+        state = _deepspeed_extra(accelerator)
+        deepspeed.load(engine, client, step=loaded, extra=state)
+    else:
+        state = _state(accelerator)
+        client.load(state, step=loaded, rng=True)
     _restore_meta(accelerator, state[META_KEY])
     return loaded
 
@@ -149,6 +174,34 @@ def _check(accelerator: Accelerator, client: CheckpointClient) -> None:
                     "ckptd.integrations.accelerate (they expect a checkpoint directory)")
 
 
+def _deepspeed_engine(accelerator: Accelerator) -> Any | None:
+    """The DeepSpeed engine Accelerate prepared (None when it runs without DeepSpeed)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    if len(accelerator._models) != 1:
+        raise ValueError(
+            f"ckptd.integrations.accelerate saves one DeepSpeed engine, and this Accelerator prepared {len(accelerator._models)} "
+            "models: prepare one model (with its optimizer) per Accelerator"
+        )
+    return accelerator._models[0]
+
+
+def _deepspeed_extra(accelerator: Accelerator) -> dict[str, Any]:
+    """What ckptd.integrations.deepspeed saves besides the engine: the schedulers Accelerate
+    steps itself (a scheduler DeepSpeed's engine holds is saved with the engine), the registered
+    objects and the Accelerator's own counters; live objects, so a load fills them in place."""
+    from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper  # type: ignore[import-untyped]
+
+    state: dict[str, Any] = {
+        _name("lr_scheduler", i): scheduler
+        for i, scheduler in enumerate(accelerator._schedulers)
+        if not isinstance(scheduler, DeepSpeedSchedulerWrapper)
+    }
+    state.update((f"custom_{i}", obj) for i, obj in enumerate(accelerator._custom_objects))
+    state[META_KEY] = _meta(accelerator)
+    return state
+
+
 def _state(accelerator: Accelerator) -> dict[str, Any]:
     """The state to save or to load into: live objects, so a load fills them in place."""
     models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in accelerator._models]
@@ -169,15 +222,20 @@ def _state(accelerator: Accelerator) -> dict[str, Any]:
         state["scaler"] = accelerator.scaler
     for i, obj in enumerate(accelerator._custom_objects):
         state[f"custom_{i}"] = obj
-    state[META_KEY] = {
+    state[META_KEY] = _meta(accelerator)
+    if not models and not accelerator._custom_objects:
+        raise ValueError("the Accelerator holds nothing to checkpoint: prepare a model (or register objects) first")
+    return state
+
+
+def _meta(accelerator: Accelerator) -> dict[str, Any]:
+    """The Accelerator's own counters and its data loaders' positions (JSON, per process)."""
+    return {
         "step": accelerator.step,
         "counts": _counts(accelerator),
         "world_size": accelerator.num_processes,
         "dataloaders": [_loader_position(dl) for dl in accelerator._dataloaders],
     }
-    if not models and not accelerator._custom_objects:
-        raise ValueError("the Accelerator holds nothing to checkpoint: prepare a model (or register objects) first")
-    return state
 
 
 def _name(key: str, i: int) -> str:

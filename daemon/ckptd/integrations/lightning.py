@@ -25,7 +25,9 @@ plugin go to a safetensors file, not to the daemon (ckptd.integrations._lightnin
 Lightning's sharding strategies (FSDP, ModelParallel) save and load without the CheckpointIO:
 their subclasses CkptdModelParallelStrategy and CkptdFSDPStrategy
 (ckptd.integrations._lightning_sharded) call save_shards / load_shards on every rank instead,
-each rank handing over and loading its own shards. DeepSpeed saves without it: refused.
+each rank handing over and loading its own shards. DeepSpeed saves without it too: its subclass
+CkptdDeepSpeedStrategy (ckptd.integrations._lightning_deepspeed) calls save_engine / load_engine
+on every rank, each handing over its ZeRO partitions through ckptd.integrations.deepspeed.
 The random generators are saved with every step and restored when a fit resumes (rng=True).
 CkptdLoadFromCheckpoint lets LightningModule.load_from_checkpoint read a pointer.
 
@@ -53,11 +55,13 @@ from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
 from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, rank_and_world, resuming_fit
+from ckptd.integrations._lightning_deepspeed import CkptdDeepSpeedStrategy
 from ckptd.integrations._lightning_handback import read_weights, write_weights
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
 from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
 from ckptd.integrations._lightning_state import (
     LAYOUT,
+    PARTS,
     MapLocation,
     SameStep,
     assemble,
@@ -69,12 +73,17 @@ from ckptd.integrations._lightning_state import (
     to_state,
 )
 
-__all__ = ["CkptdCheckpointIO", "CkptdFSDPStrategy", "CkptdLoadFromCheckpoint", "CkptdModelParallelStrategy"]
+__all__ = ["CkptdCheckpointIO", "CkptdDeepSpeedStrategy", "CkptdFSDPStrategy", "CkptdLoadFromCheckpoint", "CkptdModelParallelStrategy"]
 
 log = logging.getLogger("ckptd.integrations.lightning")
 
 # What a copy of the plugin keeps (__getstate__): the arguments of its constructor.
 _CONFIG = ("job", "address", "on_error", "quantize", "durable_timeout_s", "timeout_s", "rng")
+
+# How a save hands a mapped checkpoint over: (client, step, state, metric) -> the client's handle;
+# how a load fills the state to load into: (client, state, step). None: CheckpointClient's own.
+HandOver = Callable[[CheckpointClient, int, dict[str, Any], "float | None"], SaveHandle]
+Fill = Callable[[CheckpointClient, dict[str, Any], int], None]
 
 
 class CkptdCheckpointIO(CheckpointIO):
@@ -91,7 +100,8 @@ class CkptdCheckpointIO(CheckpointIO):
 
     Strategies (see the module docstring): one process or DDP (also started by
     multiprocessing): global rank 0 saves, every rank loads; CkptdModelParallelStrategy and
-    CkptdFSDPStrategy: every rank saves and loads its shards (save_shards, load_shards). A save
+    CkptdFSDPStrategy: every rank saves and loads its shards (save_shards, load_shards);
+    CkptdDeepSpeedStrategy: every rank its ZeRO partitions (save_engine, load_engine). A save
     from Lightning's own sharding strategies (FSDP, ModelParallel, DeepSpeed), or through
     save_checkpoint on another rank, is refused.
     CUDA tensors are handed over in ckptd's mode "copy": save_checkpoint returns once they are
@@ -177,7 +187,29 @@ class CkptdCheckpointIO(CheckpointIO):
         self._own_process()
         self._save(checkpoint, path, storage_options, lambda: self._sharded_client(rank, world_size), pointer=rank == 0)
 
-    def _save(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None, connect: Callable[[], CheckpointClient], pointer: bool) -> None:
+    def save_engine(self, engine: Any, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, storage_options: Any | None = None) -> None:
+        """Hand this rank's part of a DeepSpeed ZeRO checkpoint to ckptd (CkptdDeepSpeedStrategy
+        calls it on every rank); the pointer at `path` is written by rank 0.
+
+        The engine's fp32 master weights, optimizer state and counters go through
+        ckptd.integrations.deepspeed.save (each rank its own partitions); Lightning's other keys
+        (loops, callbacks, schedulers, ...) are its `extra`. The checkpoint's state_dict and
+        optimizer_states are not saved: the engine holds them. Raises as save_checkpoint does.
+        """
+        from ckptd.integrations import deepspeed
+
+        self._own_process()
+
+        def hand_over(client: CheckpointClient, step: int, state: dict[str, Any], metric: float | None) -> SaveHandle:
+            return deepspeed.save(engine, client, step, extra=state, metric=metric, quantize=self.quantize)
+
+        rest = {key: value for key, value in checkpoint.items() if key not in PARTS}
+        self._save(rest, path, storage_options, lambda: self._sharded_client(rank, world_size), pointer=rank == 0, hand_over=hand_over)
+
+    def _save(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None, connect: Callable[[], CheckpointClient], pointer: bool,
+        hand_over: HandOver | None = None,
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}: "
@@ -201,7 +233,11 @@ class CkptdCheckpointIO(CheckpointIO):
             return
         client = connect()
         try:
-            handle = client.save(step, mapped.state, metric=monitored_metric(checkpoint, target), quantize=self.quantize, rng=self.rng)
+            metric = monitored_metric(checkpoint, target)
+            if hand_over is None:
+                handle = client.save(step, mapped.state, metric=metric, quantize=self.quantize, rng=self.rng)
+            else:
+                handle = hand_over(client, step, mapped.state, metric)
         except CheckpointError as exc:  # on_error="raise", or a state the daemon refuses
             self._last = None
             raise type(exc)(self._not_saved(step, target, str(exc)), exc.code, exc.reason) from exc
@@ -261,14 +297,36 @@ class CkptdCheckpointIO(CheckpointIO):
         own). Raises as load_checkpoint does.
         """
         self._own_process()
-        caller = find_caller()
+        return self._load_sharded(find_caller(), path, rank, world_size, targets)
+
+    def load_engine(self, engine: Any, path: Any, rank: int, world_size: int) -> dict[str, Any]:
+        """Load the checkpoint the pointer at `path` names into a DeepSpeed ZeRO engine
+        (CkptdDeepSpeedStrategy calls it on every rank), in any data-parallel size and ZeRO
+        stage (ckptd.integrations.deepspeed.load: master weights, optimizer state, counters,
+        random generators, then the module's weights). Returns Lightning's checkpoint dict
+        without state_dict and optimizer_states (the engine holds them, as after
+        DeepSpeedStrategy's own load). Raises as load_checkpoint does.
+        """
+        from ckptd.integrations import deepspeed
+
+        self._own_process()
+
+        def fill(client: CheckpointClient, state: dict[str, Any], step: int) -> None:
+            deepspeed.load(engine, client, step, extra=state)
+
+        return self._load_sharded(find_caller(), path, rank, world_size, None, fill)
+
+    def _load_sharded(
+        self, caller: Any, path: Any, rank: int, world_size: int, targets: dict[str, Any] | None, fill: Fill | None = None,
+    ) -> dict[str, Any]:
+        """A load of every rank of a sharded run (load_shards, load_engine)."""
         follow_newest = is_last_checkpoint(path, caller if isinstance(caller, Strategy) else None)
         target, pointer = self._pointer(path, rank, world_size)
         rng = self.rng and resuming_fit(caller)
         if pointer.job == self.job:
-            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=rng)
+            return self._load(self._sharded_client(rank, world_size), pointer, target, follow_newest, targets, rng=rng, fill=fill)
         with self._new_client(pointer.job, "raise", rank, world_size) as client:
-            return self._load(client, pointer, target, follow_newest, targets, rng=rng)
+            return self._load(client, pointer, target, follow_newest, targets, rng=rng, fill=fill)
 
     def _pointer(self, path: Any, rank: int, world_size: int) -> tuple[str, Pointer]:
         """The local path and the pointer at `path`, once this process's pending pointers are written."""
@@ -388,12 +446,13 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _load(
         self, client: CheckpointClient, pointer: Pointer, path: str, follow_newest: bool = False,
-        targets: dict[str, Any] | None = None, rng: bool = False,
+        targets: dict[str, Any] | None = None, rng: bool = False, fill: Fill | None = None,
     ) -> dict[str, Any]:
         """The checkpoint `pointer` names; follow_newest: the job's newest committed step instead
         when that is another (a last checkpoint whose pointer the stopped run did not update).
         targets: parts filled in place instead of fresh tensors (load_shards); rng: restore
-        this rank's random generators saved with the step."""
+        this rank's random generators saved with the step; fill: loads the state instead of
+        CheckpointClient.load (load_engine: the engine's partitions, and the generators always)."""
         layout: dict[str, Any] = {}
         try:
             loaded = client.load({LAYOUT: layout}, step=None if follow_newest else pointer.step)
@@ -416,7 +475,10 @@ class CkptdCheckpointIO(CheckpointIO):
             pointer = Pointer(pointer.job, loaded)  # the step's own layout
         fresh = templates(layout, skip=set(targets or ()))
         state = {**fresh.state, **(targets or {})}
-        client.load(state, step=pointer.step, rng=rng)
+        if fill is None:
+            client.load(state, step=pointer.step, rng=rng)
+        else:
+            fill(client, state, pointer.step)
         if pointer.shape is None:
             return assemble(layout["order"], layout["state_dict_metadata"], state)
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
