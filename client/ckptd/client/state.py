@@ -236,7 +236,9 @@ class _Entries:
         LocalShard, whose layout is given) are the rank's own (TensorEntry.per_rank)."""
 
         def add(name: str, value: torch.Tensor | LocalShard | LocalShards) -> None:
-            if isinstance(value, LocalShard):
+            if type(value) is torch.Tensor:  # nearly every value: no other checks
+                self.add(TensorEntry(name, kind, value, (), None, "", per_rank))
+            elif isinstance(value, LocalShard):
                 self.add(TensorEntry(name, kind, value.tensor, placement=(value.offsets, value.global_shape)))
             elif isinstance(value, LocalShards):
                 for shard in value.shards:  # one entry per box, all under the tensor's name
@@ -248,7 +250,7 @@ class _Entries:
         return add
 
     def add(self, entry: TensorEntry, chunk: bool = False) -> None:  # chunk: a box of a LocalShards (they share a name)
-        for name in (entry.name, *entry.aliases):
+        for name in (entry.name, *entry.aliases) if entry.aliases else (entry.name,):
             if self.validate:
                 _check_tensor(name, entry.tensor)
             if name in self.names and not (chunk and name in self.chunked):
