@@ -9,7 +9,9 @@ not sent, the coordinator reuses its global plan), under a key of its own rather
 per-class key, so two planners (two jobs) in one process never share plans; and (2) keeps its
 local plan while the state's *structure* is unchanged (per key: the value's type, dtype, shape;
 a DTensor's placements, mesh and local shape; a ShardedTensor's local shards), where DCP builds
-it again before comparing. Values never enter a plan, so they may change freely.
+it again before comparing; and (3) flattens a state of nested mappings in one walk, to DCP's
+own result (DCP walks it twice, the second time for ShardedTensors to rewrite), leaving any
+other state (lists, ShardedTensors) to DCP. Values never enter a plan, so they may change freely.
 """
 
 from __future__ import annotations
