@@ -24,7 +24,7 @@ import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint import _version, default_planner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
@@ -47,7 +47,7 @@ class CkptdSavePlanner(DefaultSavePlanner):
         self._local: tuple[Hashable, SavePlan] | None = None
         self.local_plans_built = 0  # how many local plans were made from scratch (tests, benchmarks)
 
-    def set_up_planner(self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
         """DCP's set_up_planner; a state of nested mappings whose leaves are neither lists nor
         ShardedTensors (nothing DCP's flattening rewrites) is flattened in one walk, to the same
         flat dict and mappings."""
@@ -94,16 +94,16 @@ class CkptdSavePlanner(DefaultSavePlanner):
             cache.pop(self._cached_plans_key, None)
 
 
-def _flat_mappings(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]] | None:
+def _flat_mappings(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
     """DCP's flatten_state_dict of a state of nested mappings with no list and no ShardedTensor
     in it, in the same order: {"a.b": leaf} and {"a.b": ("a", "b")}. None for any other state
     (and for a key that two paths flatten to: DCP's flattening raises its error)."""
     flat: dict[str, Any] = {}
-    mappings: dict[str, tuple[str, ...]] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
     return (flat, mappings) if _flatten_into(flat, mappings, (), state_dict) else None
 
 
-def _flatten_into(flat: dict[str, Any], mappings: dict[str, tuple[str, ...]], prefix: tuple[str, ...], node: Mapping[Any, Any]) -> bool:
+def _flatten_into(flat: dict[str, Any], mappings: dict[str, tuple[str | int, ...]], prefix: tuple[str, ...], node: Mapping[Any, Any]) -> bool:
     for key, value in node.items():
         path = (*prefix, key if type(key) is str else str(key))
         if type(value) not in _PLAIN:  # a plain tensor (nearly every leaf) is a leaf at once
