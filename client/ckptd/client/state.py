@@ -236,9 +236,7 @@ class _Entries:
         LocalShard, whose layout is given) are the rank's own (TensorEntry.per_rank)."""
 
         def add(name: str, value: torch.Tensor | LocalShard | LocalShards) -> None:
-            if type(value) is torch.Tensor:  # nearly every value: no other checks
-                self.add(TensorEntry(name, kind, value, (), None, "", per_rank))
-            elif isinstance(value, LocalShard):
+            if isinstance(value, LocalShard):
                 self.add(TensorEntry(name, kind, value.tensor, placement=(value.offsets, value.global_shape)))
             elif isinstance(value, LocalShards):
                 for shard in value.shards:  # one entry per box, all under the tensor's name
@@ -250,7 +248,7 @@ class _Entries:
         return add
 
     def add(self, entry: TensorEntry, chunk: bool = False) -> None:  # chunk: a box of a LocalShards (they share a name)
-        for name in (entry.name, *entry.aliases) if entry.aliases else (entry.name,):
+        for name in (entry.name, *entry.aliases):
             if self.validate:
                 _check_tensor(name, entry.tensor)
             if name in self.names and not (chunk and name in self.chunked):
