@@ -49,6 +49,7 @@ def _state(seed: int) -> list[torch.Tensor]:
         torch.zeros(0),  # empty: nothing to copy
         torch.tensor(3.5),  # 0-dim
         torch.randint(-5, 5, (5, 5, 5), generator=g, dtype=torch.int64),
+        torch.randn(4, 100, generator=g)[2],  # small, contiguous, at an offset into its storage (issue 31 item 7)
     ]
 
 

@@ -37,3 +37,35 @@ def test_a_read_only_destination_is_refused() -> None:
     frozen.flags.writeable = False
     with pytest.raises((TypeError, ValueError, BufferError)):
         _copy.stream_copy(frozen, np.zeros(4, np.uint8))
+
+
+# issue 31 item 7: many small pieces in one call (arena_copy's small tensors)
+@pytest.mark.parametrize("streaming", [True, False])
+def test_copy_many_puts_every_piece_at_its_offset_and_nothing_else_changes(streaming: bool) -> None:
+    rng = np.random.default_rng(7)
+    lengths = [0, 1, 63, 64, 65, 1000, 4096 + 17]
+    sources = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    offsets, at = [], 3
+    for n in lengths:
+        offsets.append(at)
+        at += n + 5  # gaps that must keep their bytes
+    dst = np.full(at, 0xAB, dtype=np.uint8)
+    _copy.copy_many(dst, offsets, [s.ctypes.data for s in sources], lengths, streaming)
+    expected = np.full(at, 0xAB, dtype=np.uint8)
+    for offset, s in zip(offsets, sources):
+        expected[offset : offset + len(s)] = s
+    assert np.array_equal(dst, expected)
+
+
+def test_copy_many_refuses_a_range_outside_the_destination_before_copying_anything() -> None:
+    src = np.arange(8, dtype=np.uint8)
+    dst = np.zeros(10, np.uint8)
+    with pytest.raises(ValueError, match=r"bytes \[4, 12\) are outside the destination of 10 bytes"):
+        _copy.copy_many(dst, [0, 4], [src.ctypes.data, src.ctypes.data], [2, 8], True)
+    assert not dst.any()
+    with pytest.raises(ValueError, match="same length"):
+        _copy.copy_many(dst, [0], [src.ctypes.data], [1, 2], True)
+    with pytest.raises(ValueError, match=r"offsets\[0\] is negative"):
+        _copy.copy_many(dst, [-1], [src.ctypes.data], [1], True)
+    with pytest.raises(TypeError, match="read-write"):
+        _copy.copy_many(b"abcd", [0], [src.ctypes.data], [1], False)

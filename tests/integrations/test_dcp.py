@@ -213,3 +213,23 @@ def test_async_saves_through_the_writer_reuse_the_plan_until_the_structure_chang
     assert torch.equal(loaded["model"]["w"], torch.arange(12.0).reshape(3, 4) + 3) and loaded["meta"] == {"lr": 0.1}
     assert loaded["step_count"].tolist() == [7]  # a tensor outside model/optimizer: one for the job, not per rank
     assert open_step(last.step_dir).tensors_named(["model/extra"])["model/extra"].tolist() == [1.0, 1.0]
+
+
+# issue 31 item 7: the writer's per-plan layout and the client's copy plan follow a changed structure
+def test_a_tensor_resized_or_recast_between_saves_is_saved_as_it_is_now(daemon) -> None:
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3)}}
+    writer = CkptdStorageWriter("restructured", address=daemon.address)
+    try:
+        for step, change in enumerate([None, ("w", torch.arange(20.0).reshape(4, 5)), ("b", torch.arange(3, dtype=torch.float64)), None], start=1):
+            if change is not None:
+                state["model"][change[0]] = change[1]
+            state["model"]["w"].add_(1.0)  # the values of every save differ
+            dcp.save(state, storage_writer=writer, checkpoint_id=step, planner=writer.planner)
+            info = writer.handle.wait_durable(timeout=60)
+            stored = open_step(info.step_dir).tensors_named(["model/w", "model/b"])
+            for name, tensor in state["model"].items():
+                got = stored[f"model/{name}"]
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (step, name)
+        assert writer.planner.local_plans_built == 3  # the last save kept the third plan
+    finally:
+        writer.close()

@@ -2,15 +2,15 @@
 
 A save copies the same tensors to the same arena offsets again and again (ckptd.client.structure
 keeps what does not change between saves). `CopyPlan` splits that work once into `workers`
-groups of about equal bytes, in arena order: small tensors stay whole and are copied by one
-`torch._foreach_copy_` call per group (one C++ loop, no Python per tensor); tensors of
-`SPLIT_BYTES` or more are cut into chunks copied with the GIL released, so a few large tensors
-still spread over every core. Once a plan moves `STREAM_MIN_BYTES` or more, the chunks are
-copied with streaming stores (ckptd.common._copy): pieces of a few MiB copied by memcpy pay a
-read of every destination line first, about a third more time than the same bytes copied at
-once (measured in _copy.c's comment). Running the plan costs a few Python calls per
-group, whatever the number of tensors: one group runs on the calling thread, the others on the
-client's copy pool.
+groups of about equal bytes, in arena order: small contiguous tensors stay whole and are copied
+by one `copy_many` call per group (ckptd.common._copy: one C loop with the GIL released, no
+Python and no OpenMP region per tensor); tensors of `SPLIT_BYTES` or more are cut into chunks
+copied with the GIL released, so a few large tensors still spread over every core. Once a plan
+moves `STREAM_MIN_BYTES` or more, both are copied with streaming stores: pieces of a few MiB
+copied by memcpy pay a read of every destination line first, about a third more time than the
+same bytes copied at once (measured in _copy.c's comment). Running the plan costs a few Python
+calls per group and one data_ptr() per small tensor: one group runs on the calling thread, the
+others on the client's copy pool.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ckptd.client._arenas import MADV_POPULATE_WRITE, SPLIT_BYTES  # tensors from SPLIT_BYTES up go in chunks
-from ckptd.common._copy import stream_copy
+from ckptd.common._copy import copy_many, stream_copy
 
 CHUNK_BYTES = 16 * 2**20  # largest chunk
 MIN_CHUNK_BYTES = 2**20  # smallest chunk (but the last one of a tensor)
@@ -34,12 +34,13 @@ STREAM_MIN_BYTES = 64 * 2**20  # from this in all, chunks bypass the cache (a sm
 
 @dataclass
 class _Group:
-    """One worker's share: small pairs copied by one foreach call, then chunks of large ones."""
+    """One worker's share: small tensors copied by one copy_many call, then chunks of large ones."""
 
-    small_index: list[int] = field(default_factory=list)  # indices into the sources
-    small_dst: list[torch.Tensor] = field(default_factory=list)  # views of the arena, shaped like the sources
+    small_index: list[int] = field(default_factory=list)  # indices into the sources (contiguous ones)
+    small_offsets: list[int] = field(default_factory=list)  # their arena offsets
+    small_sizes: list[int] = field(default_factory=list)  # their bytes
     chunks: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)  # (index, start, stop, arena bytes)
-    strided: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # large non-contiguous sources: one torch copy
+    strided: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # non-contiguous sources: one torch copy each
     span: tuple[int, int] = (0, 0)  # [first, last) arena byte this group writes (to populate a cold mapping)
     nbytes: int = 0
 
@@ -67,12 +68,14 @@ class CopyPlan:
             nbytes = t.numel() * t.element_size()
             if nbytes == 0:
                 continue
-            if nbytes < SPLIT_BYTES:
-                self._take(target, groups, nbytes, offset).small_index.append(i)
-                self.groups[-1].small_dst.append(flat[offset : offset + nbytes].view(t.dtype).view(t.shape))
-            elif not t.is_contiguous():
+            if not t.is_contiguous():
                 group = self._take(target, groups, nbytes, offset)
                 group.strided.append((i, flat[offset : offset + nbytes].view(t.dtype).view(t.shape)))
+            elif nbytes < SPLIT_BYTES:
+                group = self._take(target, groups, nbytes, offset)
+                group.small_index.append(i)
+                group.small_offsets.append(offset)
+                group.small_sizes.append(nbytes)
             else:  # cut where the current group is full, so groups end up with about equal bytes
                 start = 0
                 while start < nbytes:
@@ -116,8 +119,8 @@ class CopyPlan:
     def _run_group(self, group: _Group, sources: Sequence[torch.Tensor], cold: bool) -> None:
         if cold:
             _populate(self.arena, *group.span)
-        if group.small_index:
-            torch._foreach_copy_(group.small_dst, [sources[i] for i in group.small_index])
+        if group.small_index:  # the sources have the plan's shapes and strides (contiguous): their bytes
+            copy_many(self.arena, group.small_offsets, [sources[i].data_ptr() for i in group.small_index], group.small_sizes, self.streaming)
         for i, dst in group.strided:
             dst.copy_(sources[i])
         if group.chunks:

@@ -14,6 +14,12 @@
  * stores after a memcpy up to the first 64-byte boundary of dst, then an sfence, so the bytes
  * are visible to other processes when the call returns. Elsewhere: memcpy. The GIL is released
  * for the copy; no Python object is touched while it is.
+ *
+ * copy_many(dst, offsets, addresses, sizes, streaming): many small pieces (tensors below
+ * arena_copy's SPLIT_BYTES) in one call, streaming or not. torch._foreach_copy_ did this before,
+ * but each of its copies is an OpenMP parallel region: with thousands of tensors of a few
+ * hundred KiB, the fork and join of every one cost more than the copy once the other cores are
+ * busy (1,000 tensors of 128 KiB: 0.2-0.8 s on a loaded 2-core VM, against 0.03 s idle).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -98,12 +104,88 @@ done:
     return result;
 }
 
+/* Reads seq[i] of a sequence made by PySequence_Fast as a non-negative Py_ssize_t. */
+static int read_sizes(PyObject *seq, Py_ssize_t n, Py_ssize_t *out, const char *what) {
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsSsize_t(items[i]);
+        if (out[i] < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "copy_many: %s[%zd] is negative", what, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst = {0};
+    PyObject *offsets_arg, *addresses_arg, *sizes_arg;
+    int streaming;
+    if (!PyArg_ParseTuple(args, "w*OOOp", &dst, &offsets_arg, &addresses_arg, &sizes_arg, &streaming))
+        return NULL;
+    PyObject *result = NULL, *offsets = NULL, *addresses = NULL, *sizes = NULL;
+    Py_ssize_t *values = NULL;
+    offsets = PySequence_Fast(offsets_arg, "copy_many: offsets must be a sequence of ints");
+    addresses = offsets ? PySequence_Fast(addresses_arg, "copy_many: addresses must be a sequence of ints") : NULL;
+    sizes = addresses ? PySequence_Fast(sizes_arg, "copy_many: sizes must be a sequence of ints") : NULL;
+    if (!sizes)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(offsets);
+    if (PySequence_Fast_GET_SIZE(addresses) != n || PySequence_Fast_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_many: offsets, addresses and sizes must be of the same length");
+        goto done;
+    }
+    values = PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (size_t)(n ? n : 1));
+    if (!values) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t *at = values, *len = values + n;
+    char **from = (char **)(values + 2 * n);
+    if (read_sizes(offsets, n, at, "offsets") || read_sizes(sizes, n, len, "sizes"))
+        goto done;
+    PyObject **items = PySequence_Fast_ITEMS(addresses);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (len[i] > dst.len || at[i] > dst.len - len[i]) {
+            PyErr_Format(PyExc_ValueError, "copy_many: bytes [%zd, %zd) are outside the destination of %zd bytes",
+                         at[i], at[i] + len[i], dst.len);
+            goto done;
+        }
+        from[i] = PyLong_AsVoidPtr(items[i]);
+        if (!from[i] && PyErr_Occurred())
+            goto done;
+    }
+    copy_fn fn = streaming ? chosen : copy_plain;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        fn((char *)dst.buf + at[i], from[i], (size_t)len[i]);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(values);
+    Py_XDECREF(offsets);
+    Py_XDECREF(addresses);
+    Py_XDECREF(sizes);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"stream_copy", stream_copy, METH_VARARGS,
      "stream_copy(dst, src) -> None\n\n"
      "Copy the bytes of `src` into `dst` (a writable buffer of the same length) with streaming\n"
      "stores where the CPU has them (see KIND), releasing the GIL. The bytes are visible to other\n"
      "processes mapping dst when it returns."},
+    {"copy_many", copy_many, METH_VARARGS,
+     "copy_many(dst, offsets, addresses, sizes, streaming) -> None\n\n"
+     "Copy sizes[i] bytes from process address addresses[i] to dst[offsets[i]:] for every i, in one\n"
+     "call with the GIL released: streaming stores when `streaming` (as stream_copy), else memcpy.\n"
+     "dst is a writable buffer; every range must lie inside it (ValueError otherwise). The sources\n"
+     "are raw addresses (e.g. torch's data_ptr() of contiguous tensors): the caller guarantees that\n"
+     "each is readable for its size and stays alive until the call returns."},
     {NULL, NULL, 0, NULL},
 };
 

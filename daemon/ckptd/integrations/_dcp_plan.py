@@ -9,19 +9,22 @@ not sent, the coordinator reuses its global plan), under a key of its own rather
 per-class key, so two planners (two jobs) in one process never share plans; and (2) keeps its
 local plan while the state's *structure* is unchanged (per key: the value's type, dtype, shape;
 a DTensor's placements, mesh and local shape; a ShardedTensor's local shards), where DCP builds
-it again before comparing. Values never enter a plan, so they may change freely.
+it again before comparing; and (3) flattens a state of nested mappings in one walk, to DCP's
+own result (DCP walks it twice, the second time for ShardedTensors to rewrite), leaving any
+other state (lists, ShardedTensors) to DCP. Values never enter a plan, so they may change freely.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any, Hashable
+from typing import Any, Hashable, Mapping
 
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint import _version, default_planner
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +46,17 @@ class CkptdSavePlanner(DefaultSavePlanner):
         self._cached_plans_key = f"{type(self).__name__}-{id(self):x}"
         self._local: tuple[Hashable, SavePlan] | None = None
         self.local_plans_built = 0  # how many local plans were made from scratch (tests, benchmarks)
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
+        """DCP's set_up_planner; a state of nested mappings whose leaves are neither lists nor
+        ShardedTensors (nothing DCP's flattening rewrites) is flattened in one walk, to the same
+        flat dict and mappings."""
+        flat = _flat_mappings(state_dict) if self.flatten_state_dict and _version._derived_version is None else None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        self.state_dict, self.mappings = flat
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         key = _structure(self.state_dict, self.is_coordinator)
@@ -80,13 +94,42 @@ class CkptdSavePlanner(DefaultSavePlanner):
             cache.pop(self._cached_plans_key, None)
 
 
+def _flat_mappings(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]] | None:
+    """DCP's flatten_state_dict of a state of nested mappings with no list and no ShardedTensor
+    in it, in the same order: {"a.b": leaf} and {"a.b": ("a", "b")}. None for any other state
+    (and for a key that two paths flatten to: DCP's flattening raises its error)."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
+    return (flat, mappings) if _flatten_into(flat, mappings, (), state_dict) else None
+
+
+def _flatten_into(flat: dict[str, Any], mappings: dict[str, tuple[str | int, ...]], prefix: tuple[str, ...], node: Mapping[Any, Any]) -> bool:
+    for key, value in node.items():
+        path = (*prefix, key if type(key) is str else str(key))
+        if type(value) not in _PLAIN:  # a plain tensor (nearly every leaf) is a leaf at once
+            if isinstance(value, Mapping):
+                if not _flatten_into(flat, mappings, path, value):
+                    return False
+                continue
+            if isinstance(value, (list, ShardedTensor)):
+                return False
+        fqn = ".".join(path)
+        if fqn in flat:
+            return False
+        flat[fqn] = value
+        mappings[fqn] = path
+    return True
+
+
 def _structure(state_dict: dict[str, Any], is_coordinator: bool) -> Hashable | None:
     """What a local plan of the flattened `state_dict` depends on; None for a value whose write
     items DCP cannot be asked about cheaply (an object with its own __create_write_items__ other
     than a DTensor): such a state is planned every time."""
     parts: list[Hashable] = [is_coordinator]
     for fqn, value in state_dict.items():
-        if isinstance(value, DTensor):
+        if type(value) in _PLAIN:  # nearly every value: no lookups
+            parts.append((fqn, "t", value.dtype, value.shape, value.requires_grad, value.layout))
+        elif isinstance(value, DTensor):
             local = value._local_tensor
             parts.append((fqn, "d", value.dtype, value.shape, tuple(value.placements), id(value.device_mesh),
                           value.device_mesh.get_coordinate() is not None, local.shape, value.requires_grad))

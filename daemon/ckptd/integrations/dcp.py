@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import math
 import os
 import sys
 import threading
@@ -99,6 +100,31 @@ def _step_of(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
     return int(text)
 
 
+@dataclass(frozen=True)
+class _PlanLayout:
+    """A save plan's write items as CkptdStorageWriter hands them over, derived once per plan.
+
+    tensor_items: the tensor items, resolved in this order at every save. whole: per state key
+    (model, master, optimizer), (path, index into tensor_items) of each whole tensor. chunked:
+    (state key, path, pieces) of every other tensor, each piece (index, the chunk's offsets, the
+    tensor's size): this rank's boxes of it. results: the tensor items' WriteResults (their
+    sizes are the plan's). bytes_items: DCP's bytes entries (serialized at every save).
+    """
+
+    plan: SavePlan
+    bytes_items: tuple[WriteItem, ...]
+    tensor_items: tuple[WriteItem, ...]
+    whole: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
+    chunked: tuple[tuple[str, str, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]], ...]
+    results: tuple[WriteResult, ...]
+
+
+def _detached(tensor: torch.Tensor | io.BytesIO) -> torch.Tensor:
+    """The tensor without autograd history (a plain tensor that needs none as it is)."""
+    assert isinstance(tensor, torch.Tensor)
+    return tensor if type(tensor) is torch.Tensor and not tensor.requires_grad else tensor.detach()
+
+
 @dataclass
 class _Staged:
     """One dcp.async_save through the writer: set once its tensors are handed to the daemon."""
@@ -137,7 +163,7 @@ class CkptdStorageWriter(StorageWriter):
         self._client_args = {"on_error": "raise", **client_args}
         self.handle: SaveHandle | None = None
         self._planner: CkptdSavePlanner | None = None
-        self._plan_targets: tuple[SavePlan, list[Any]] | None = None  # the last plan and its items' targets (_targets)
+        self._plan_layout: _PlanLayout | None = None  # of the last plan (_layout)
         self._staged: _Staged | None = None  # the dcp.async_save being staged
 
     @property
@@ -214,25 +240,19 @@ class CkptdStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """This rank's part of the collective save: every rank calls it, with or without items."""
         assert self.step is not None
-        state: dict[str, Any] = {}
-        chunks: dict[str, dict[str, list[torch.Tensor | LocalShard]]] = {}  # state key -> path -> this rank's chunks
+        layout = self._layout(plan)
+        tensors = [planner.resolve_data(item) for item in layout.tensor_items]
+        state: dict[str, Any] = {key: {path: _detached(tensors[i]) for path, i in paths} for key, paths in layout.whole}
+        for key, path, pieces in layout.chunked:  # a chunk goes as the LocalShard at its offsets; several as LocalShards
+            shards = [LocalShard(_detached(tensors[i]), offsets, size) for i, offsets, size in pieces]
+            state.setdefault(key, {})[path] = shards[0] if len(shards) == 1 else LocalShards(shards)
         encoded: dict[str, str] = {}
-        results = []
-        for item, key, path, offsets, size in self._targets(plan):
-            if key is None:
-                data = planner.resolve_data(item)
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                encoded[item.index.fqn] = base64.b64encode(raw).decode("ascii")
-                results.append(WriteResult(item.index, len(raw), None))
-                continue
-            tensor = planner.resolve_data(item)
-            assert isinstance(tensor, torch.Tensor)
-            # a whole tensor goes as it is; a chunk as the LocalShard at its offsets
-            value: torch.Tensor | LocalShard = tensor.detach() if offsets is None else LocalShard(tensor.detach(), offsets, size)
-            chunks.setdefault(key, {}).setdefault(path, []).append(value)
-            results.append(WriteResult(item.index, tensor.numel() * tensor.element_size(), None))
-        for key, paths in chunks.items():  # several chunks of one tensor on this rank: its boxes
-            state[key] = {path: values[0] if len(values) == 1 else LocalShards(values) for path, values in paths.items()}  # type: ignore[arg-type]
+        results = list(layout.results)
+        for item in layout.bytes_items:
+            data = planner.resolve_data(item)
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            encoded[item.index.fqn] = base64.b64encode(raw).decode("ascii")
+            results.append(WriteResult(item.index, len(raw), None))
         state[BYTES_KEY] = encoded  # always a key: a rank with nothing to write still joins the save
         staged = self._staged
         try:
@@ -246,25 +266,39 @@ class CkptdStorageWriter(StorageWriter):
         done.set_result(results)
         return done
 
-    def _targets(self, plan: SavePlan) -> list[tuple[WriteItem, str | None, str, tuple[int, ...] | None, tuple[int, ...]]]:
-        """Per write item: (item, state key or None for a bytes entry, path, the chunk's offsets or
-        None for a whole tensor, the tensor's size). Kept for the plan object: a planner that keeps
-        its plans (CkptdSavePlanner) hands the same one to every save of an unchanged state."""
-        if self._plan_targets is not None and self._plan_targets[0] is plan:
-            return self._plan_targets[1]
-        targets: list[tuple[WriteItem, str | None, str, tuple[int, ...] | None, tuple[int, ...]]] = []
+    def _layout(self, plan: SavePlan) -> _PlanLayout:
+        """Where the plan's write items go in the state handed to the client (_PlanLayout), kept
+        for the plan object: a planner that keeps its plans (CkptdSavePlanner) hands the same one
+        to every save of an unchanged state."""
+        if self._plan_layout is not None and self._plan_layout.plan is plan:
+            return self._plan_layout
+        bytes_items: list[WriteItem] = []
+        tensor_items: list[WriteItem] = []
+        whole: dict[str, list[tuple[str, int]]] = {}
+        chunked: dict[tuple[str, str], list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        results: list[WriteResult] = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                targets.append((item, None, item.index.fqn, None, ()))
+                bytes_items.append(item)
                 continue
             assert item.tensor_data is not None
             key, path = ckptd_name(item.index.fqn)
             chunk, size = item.tensor_data.chunk, tuple(item.tensor_data.size)
+            i = len(tensor_items)
+            tensor_items.append(item)
+            results.append(WriteResult(item.index, math.prod(chunk.sizes) * item.tensor_data.properties.dtype.itemsize, None))
             # a plain tensor under an extras key would be the rank's own (per rank): give those their box
-            whole = key in KINDS_BY_PREFIX and not any(chunk.offsets) and tuple(chunk.sizes) == size
-            targets.append((item, key, path, None if whole else tuple(chunk.offsets), size))
-        self._plan_targets = (plan, targets)
-        return targets
+            if key in KINDS_BY_PREFIX and not any(chunk.offsets) and tuple(chunk.sizes) == size:
+                whole.setdefault(key, []).append((path, i))
+            else:
+                chunked.setdefault((key, path), []).append((i, tuple(chunk.offsets), size))
+        self._plan_layout = _PlanLayout(
+            plan, tuple(bytes_items), tuple(tensor_items),
+            tuple((key, tuple(paths)) for key, paths in whole.items()),
+            tuple((key, path, tuple(pieces)) for (key, path), pieces in chunked.items()),
+            tuple(results),
+        )
+        return self._plan_layout
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Called on the coordinator rank only: the commit is the daemons' (ckptd.index.json)."""
