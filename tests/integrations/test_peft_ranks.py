@@ -1,6 +1,7 @@
 """Adapter-only checkpoints (ckptd.integrations.peft.adapter_state) of a LoRA fine-tune run by
 gloo ranks as processes against a real daemon (peft_ranks.py): under DDP killed with SIGKILL and
-resumed exactly, and under FSDP2 (DTensor adapters) saved sharded and loaded at one rank."""
+resumed exactly; under FSDP2, HSDP and tensor parallel (DTensor adapters) saved by every rank
+and loaded bit-exact at one rank."""
 
 from __future__ import annotations
 
@@ -87,5 +88,27 @@ def test_sharded_dtensor_adapters_are_saved_and_load_whole_at_one_rank(daemon, t
 
     saved, loaded = load_file(tmp_path / "sharded" / "held.safetensors"), load_file(tmp_path / "whole" / "held.safetensors")
     assert any(k.endswith("/exp_avg_sq") for k in saved)
+    assert _same(loaded, saved)
+    assert json.loads((tmp_path / "whole" / "lr.json").read_text()) == json.loads((tmp_path / "sharded" / "lr.json").read_text())
+
+
+# issue 31 item 1 (PEFT x TP)
+@pytest.mark.long
+def test_tensor_parallel_lora_is_saved_and_loads_whole_at_one_rank(daemon, tmp_path: Path) -> None:
+    """TP over 2 ranks (peft_ranks.tensor_parallel: lora_B a Shard(0) DTensor, split like its
+    base layer's output; lora_A whole on every rank): the adapter-only step loads bit-exact into
+    a plain PeftModel at one rank, adapter, optimizer state and scheduler."""
+    steps = 3
+    for name in ("sharded", "whole"):
+        (tmp_path / name).mkdir()
+    common = {"address": daemon.address, "job": "tp", "steps": steps, "save_every": steps}
+    run_ranks(SCRIPT, 2, layout="tp", mode="train", out=str(tmp_path / "sharded"), **common)
+    run_ranks(SCRIPT, 1, layout="none", mode="load", out=str(tmp_path / "whole"), **common)
+
+    held_as = json.loads((tmp_path / "sharded" / "placements.json").read_text())
+    assert {k: p for k, p in held_as.items() if ".lora_B." in k} == {k: ["S(0)"] for k in held_as if ".lora_B." in k}
+    assert {k: p for k, p in held_as.items() if ".lora_A." in k} == {k: None for k in held_as if ".lora_A." in k}
+    saved, loaded = load_file(tmp_path / "sharded" / "held.safetensors"), load_file(tmp_path / "whole" / "held.safetensors")
+    assert any(k.endswith("/exp_avg_sq") and ".lora_B." in k for k in saved)
     assert _same(loaded, saved)
     assert json.loads((tmp_path / "whole" / "lr.json").read_text()) == json.loads((tmp_path / "sharded" / "lr.json").read_text())
