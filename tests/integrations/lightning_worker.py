@@ -18,7 +18,8 @@ pointer, issue 30 finding 7, made certain).
 hooks (default true): the module saves and restores the torch RNG state itself (TinyMLP); false:
 MLP, without hooks (CkptdCheckpointIO restores the generators; rng false turns that off). tp: the
 run uses CkptdModelParallelStrategy over `devices` ranks, tensor parallel over `tp` of them
-and FSDP2 over the rest (ShardedMLP, no hooks). dump: a path, where DumpState writes the whole
+and FSDP2 over the rest (ShardedMLP, no hooks). moe (true): CkptdModelParallelStrategy with
+expert parallelism over all `devices` ranks (ExpertParallelMoE, no hooks). dump: a path, where DumpState writes the whole
 state at the end of fit. fsdp1: CkptdFSDPStrategy (MLP, no hooks), with accelerator (default
 "cpu", where torch refuses FSDP1: give "gpu"). spawn: strategy="ddp_spawn" over `devices` processes that Lightning
 starts from this one (which is then the main process); handback: a path, where the main
@@ -110,6 +111,76 @@ class ShardedMLP(MLP):
         if mesh["tensor_parallel"].size() > 1:
             parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
         fully_shard(self.net, mesh=mesh["data_parallel"])
+
+
+class MoE(nn.Module):
+    """A tiny mixture of experts, top-1 routed: a router (Linear 6 -> `experts`) and `experts`
+    two-layer experts (6 -> hidden -> 1, ReLU, dropout) whose weights are stacked on a first,
+    expert, dimension (w_in [E, 6, H], b_in [E, H], w_out [E, H, 1]). `parallelize(mesh)` makes
+    them DTensors sharded on that dimension (Shard(0)) over `mesh`, the expert-parallel group, and
+    the router replicated over it. Every rank of the group gets the same tokens, runs its own
+    experts on the tokens routed to them, and the partial outputs are summed over the group
+    (DTensor Partial -> Replicate, which autograd follows); the router's gradients are summed
+    over the group by reduce_router_grads."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, experts)
+        self.w_in = nn.Parameter(torch.randn(experts, 6, hidden) * 0.4)
+        self.b_in = nn.Parameter(torch.zeros(experts, hidden))
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, 1) * 0.25)
+        self.dropout = nn.Dropout(0.3)
+        self.mesh: Any = None
+
+    def parallelize(self, mesh: Any) -> None:
+        """Shard the experts over `mesh` (1-D; its size must divide the number of experts)."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        experts = self.w_in.shape[0]
+        if experts % mesh.size():
+            raise ValueError(f"{experts} experts do not split evenly over an expert-parallel group of {mesh.size()} ranks")
+        for module, name, placement in ((self.router, "weight", Replicate()), (self.router, "bias", Replicate()),
+                                        (self, "w_in", Shard(0)), (self, "b_in", Shard(0)), (self, "w_out", Shard(0))):
+            setattr(module, name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), mesh, [placement])))
+        self.mesh = mesh
+
+    def reduce_router_grads(self) -> None:
+        """Sum the router's gradients over the group: each rank's holds only what flowed back
+        through its own experts' gates (call after backward, before the optimizer step)."""
+        with torch.no_grad():
+            for p in self.router.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad.to_local(), group=self.mesh.get_group())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        probs = torch.softmax(nn.functional.linear(x, self.router.weight.to_local(), self.router.bias.to_local()), dim=-1)
+        top = probs.argmax(dim=-1)
+        w_in, b_in, w_out = self.w_in.to_local(), self.b_in.to_local(), self.w_out.to_local()
+        first = self.mesh.get_local_rank() * w_in.shape[0]  # the global index of this rank's first expert
+        out = torch.zeros(x.shape[0], 1)
+        for i in range(w_in.shape[0]):
+            gate = (probs[:, first + i] * (top == first + i)).unsqueeze(-1)
+            out = out + gate * (self.dropout(torch.relu(x @ w_in[i] + b_in[i])) @ w_out[i])
+        return DTensor.from_local(out, self.mesh, [Partial()]).redistribute(self.mesh, [Replicate()]).to_local()
+
+
+class ExpertParallelMoE(MLP):
+    """MLP's training with a MoE (4 experts) for its net, the experts sharded in configure_model
+    over the strategy's "tensor_parallel" mesh dimension, used as the expert-parallel group
+    (Lightning's mesh has no dimension of its own for it; data_parallel_size is 1, so every rank
+    gets the same batches). No RNG hooks."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__(hidden)
+        self.net = MoE(hidden, experts=4)
+
+    def configure_model(self) -> None:
+        self.net.parallelize(self.device_mesh["tensor_parallel"])
+
+    def on_after_backward(self) -> None:
+        self.net.reduce_router_grads()
 
 
 def data(batch: int = BATCH) -> DataLoader:
@@ -316,6 +387,9 @@ def train(spec: dict[str, Any]) -> None:
     if "tp" in spec:  # FSDP2 (+ TP) through CkptdModelParallelStrategy: devices = dp * tp
         strategy = CkptdModelParallelStrategy(data_parallel_size=devices // spec["tp"], tensor_parallel_size=spec["tp"])
         model = ShardedMLP()
+    if spec.get("moe"):  # expert parallelism over every rank through CkptdModelParallelStrategy
+        strategy = CkptdModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=devices)
+        model = ExpertParallelMoE()
     if spec.get("fsdp1"):  # FSDP1 through CkptdFSDPStrategy: needs an accelerator (tests/gpu/lightning_fsdp1.py)
         strategy = CkptdFSDPStrategy()
         model = MLP()
