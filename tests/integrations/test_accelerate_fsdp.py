@@ -100,15 +100,16 @@ def test_tensor_and_expert_parallel_saved_at_two_ranks_load_bit_exact_in_one(dae
 
 # issue 31 item 1 (long: 3 runs of 2 processes loading transformers)
 @pytest.mark.long
-def test_tensor_parallel_killed_and_resumed_trains_what_an_uninterrupted_run_does(daemon, tmp_path: Path) -> None:
-    """Accelerate with a Llama tensor parallel over 2 ranks (transformers' DistributedConfig,
-    ParallelismConfig(tp_size=2)): saves at 4, killed at 5 after 4 is durable, resumed: the
-    losses of steps 5-6 equal an uninterrupted TP run's."""
+@pytest.mark.parametrize("kind", ["tp", "ep"])
+def test_tensor_and_expert_parallel_killed_and_resumed_train_what_an_uninterrupted_run_does(daemon, tmp_path: Path, kind: str) -> None:
+    """Accelerate with a Llama tensor parallel ("tp") or a Mixtral expert parallel ("ep") over 2
+    ranks (transformers' DistributedConfig, ParallelismConfig(tp_size=2)): saves at 4, killed at
+    5 after 4 is durable, resumed: the losses of steps 5-6 equal an uninterrupted run's."""
     model_dir = str(tmp_path / "model")
-    load_worker(WORKER.with_name("hf_train.py")).save_parallel_model("tp", model_dir)
-    layout = {"parallel": "tp", "model_dir": model_dir, "steps": 6}
+    load_worker(WORKER.with_name("hf_train.py")).save_parallel_model(kind, model_dir)
+    layout = {"parallel": kind, "model_dir": model_dir, "steps": 6}
     run_ranks(WORKER, 2, **layout, out=str(tmp_path / "plain-{rank}.json"))
-    spec = {**layout, "save_every": 4, "address": daemon.address, "job": "accel-tp-kill",
+    spec = {**layout, "save_every": 4, "address": daemon.address, "job": f"accel-{kind}-kill",
             "marker": str(tmp_path / "marker"), "out": str(tmp_path / "run-{rank}.json")}
     run_ranks(WORKER, 2, expect=-9, **{**spec, "kill_at": 5})
     assert json.loads((tmp_path / "marker").read_text()) == 4
