@@ -11,5 +11,6 @@ if [ "$gpus" -lt 2 ]; then
 fi
 select="fsdp2"
 if [ "$gpus" -lt 3 ]; then select="fsdp2 and not three"; fi
+if [ "$gpus" -lt 4 ]; then select="$select and not hsdp"; fi  # HSDP 2x2: 4 processes
 CKPTD_TEST_DEVICE=cuda exec python -m pytest -q -m "slow or not slow" -k "$select" \
   tests/integrations/test_accelerate_fsdp.py tests/integrations/test_transformers.py

@@ -20,6 +20,10 @@
                  state comes back with load_state, so the loop skips nothing itself
   fsdp           with ranks: Accelerate's FSDP2 plugin (sharded state dict; tests/integrations/fsdp_cpu.py)
   replicas       with fsdp: HSDP, Accelerate's ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=rest)
+  parallel, model_dir  "tp" or "ep": instead of the small MLP, hf_train.save_parallel_model's causal LM
+                 from model_dir, tensor (and "ep": expert) parallel over all the ranks as transformers'
+                 DistributedConfig loads it, under Accelerate's ParallelismConfig(tp_size=ranks) (on CPU
+                 through fsdp_cpu.fsdp_on_cpu("MULTI_GPU")); one process loads it plain
   deepspeed      with ranks: a ZeRO stage (1, 2, 3): Accelerate's DeepSpeedPlugin on DeepSpeed's CPU
                  accelerator over gloo (deepspeed_accelerator below)
   dump           a path ("{rank}" allowed): after the load (or the fresh start) and after the last
@@ -66,15 +70,23 @@ class RunningMean:
         self.mean = float(state["mean"])
 
 
-def parts() -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.DataLoader]:
+def parts(parallel: str = "", model_dir: str = "") -> tuple[nn.Module, torch.optim.Optimizer, Any, torch.utils.data.DataLoader]:
     """The model (with dropout), optimizer, LR scheduler and shuffling DataLoader (batches of
-    inputs, targets and sample ids), seeded."""
+    inputs, targets and sample ids), seeded. `parallel` ("tp", "ep"): the causal LM in
+    `model_dir` over all the ranks instead (inputs token ids, targets unused)."""
     torch.manual_seed(SEED)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    g = torch.Generator().manual_seed(99)
+    if parallel:
+        import hf_train
+
+        model: nn.Module = hf_train.parallel_model(parallel, model_dir, int(os.environ.get("WORLD_SIZE", "1")))
+        inputs = torch.randint(0, hf_train.VOCAB, (SAMPLES, hf_train.SEQ), generator=g)
+    else:
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+        inputs = torch.randn(SAMPLES, 8, generator=g)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
-    g = torch.Generator().manual_seed(99)
-    data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES))
+    data = torch.utils.data.TensorDataset(inputs, torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES))
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5))
     return model, optimizer, scheduler, loader
 
@@ -99,11 +111,18 @@ def deepspeed_accelerator(stage: int, **kwargs: Any) -> Any:
     return acc
 
 
-def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0, deepspeed: int = 0) -> Any:
+def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0, deepspeed: int = 0, parallel: str = "") -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
     config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=stateful)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if parallel and world > 1:  # every rank one tensor (and expert) parallel group: no data parallel
+        from accelerate.parallelism_config import ParallelismConfig
+        from fsdp_cpu import fsdp_on_cpu, on_gpus
+
+        with fsdp_on_cpu("MULTI_GPU"):
+            return Accelerator(cpu=not on_gpus(), dataloader_config=config, parallelism_config=ParallelismConfig(tp_size=world))
     if deepspeed:
         return deepspeed_accelerator(deepspeed, dataloader_config=config)
     if fsdp:
@@ -112,7 +131,6 @@ def accelerator(fsdp: bool = False, stateful: bool = False, replicas: int = 0, d
         if replicas:  # HSDP: `replicas` groups, each sharding the model over the rest of the processes
             from accelerate.parallelism_config import ParallelismConfig
 
-            world = int(os.environ["WORLD_SIZE"])
             hsdp = ParallelismConfig(dp_replicate_size=replicas, dp_shard_size=world // replicas)
             return fsdp2_accelerator(dataloader_config=config, parallelism_config=hsdp)
         return fsdp2_accelerator(dataloader_config=config)
@@ -131,7 +149,8 @@ def _dump(tag: str, model: nn.Module, optimizer: Any, scheduler: Any, into: dict
             for key in ("exp_avg", "exp_avg_sq") if model.global_steps else ():  # a fresh engine has no moments yet
                 into[f"{tag}/optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key).cpu().clone()
     else:
-        into.update({f"{tag}/{k}": v for k, v in full_state(model, optimizer.optimizer).items()})
+        plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # names without DDP's "module."
+        into.update({f"{tag}/{k}": v for k, v in full_state(plain, optimizer.optimizer).items()})
     into[f"{tag}/scheduler"] = scheduler.scheduler.state_dict()
 
 
@@ -167,8 +186,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     from ckptd.client import CheckpointClient
     from ckptd.integrations.accelerate import batches_to_skip, load_state, save_state
 
-    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0), spec.get("deepspeed", 0))
-    model, optimizer, scheduler, loader = parts()
+    acc = accelerator(spec.get("fsdp", False), spec.get("stateful", False), spec.get("replicas", 0), spec.get("deepspeed", 0), spec.get("parallel", ""))
+    model, optimizer, scheduler, loader = parts(spec.get("parallel", ""), spec.get("model_dir", ""))
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     tracker = RunningMean()
     acc.register_for_checkpointing(tracker)
@@ -195,7 +214,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
                 break
             result["epochs"].setdefault(epoch, []).extend(ids.tolist())
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y) * (1.0 + tracker.mean)
+            fit = model(input_ids=x, labels=x).loss if spec.get("parallel") else nn.functional.mse_loss(model(x), y)
+            loss = fit * (1.0 + tracker.mean)
             acc.backward(loss)
             optimizer.step()
             scheduler.step()

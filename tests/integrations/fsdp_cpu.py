@@ -12,8 +12,10 @@ sharded save_state through DCP): torch 2.13's FSDP2 does.
 `fsdp_on_cpu()` makes that one choice for the library: it sets up the process group with
 Accelerate's own PartialState (gloo, CPU), presents it as MULTI_GPU while the Accelerator (or the
 Trainer, which makes one) reads it, then records it as FSDP, the type Accelerate would have given
-it on a GPU. Nothing else of Accelerate or the Trainer is replaced. On a GPU machine none of
-this is needed: tests/gpu/fsdp2_accelerate.sh runs the same checks with NCCL.
+it on a GPU. Nothing else of Accelerate or the Trainer is replaced. `fsdp_on_cpu("MULTI_GPU")` does the same for a
+ParallelismConfig with tensor parallel only (a model transformers' DistributedConfig sharded at
+load time), which Accelerate refuses on MULTI_CPU (accelerate/parallelism_config.py:390-397): the
+type stays MULTI_GPU, as on GPUs. On a GPU machine none of this is needed: tests/gpu/fsdp2_accelerate.sh runs the same checks with NCCL.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ def on_gpus() -> bool:
 
 
 @contextmanager
-def fsdp_on_cpu() -> Iterator[None]:
+def fsdp_on_cpu(then: str = "FSDP") -> Iterator[None]:
     """Within: make the Accelerator (or Trainer) whose FSDP plugin Accelerate should honour on CPU
-    (on GPUs, CKPTD_TEST_DEVICE=cuda: nothing to do)."""
+    (on GPUs, CKPTD_TEST_DEVICE=cuda: nothing to do). `then`: the DistributedType recorded after,
+    "FSDP", or "MULTI_GPU" for a ParallelismConfig without FSDP (tensor or expert parallel: a
+    model loaded with transformers' DistributedConfig), which Accelerate refuses on MULTI_CPU
+    (accelerate/parallelism_config.py:390-397) and keeps as MULTI_GPU on GPUs."""
     if on_gpus():
         yield
         return
@@ -48,7 +53,7 @@ def fsdp_on_cpu() -> Iterator[None]:
     try:
         yield
     finally:
-        state.distributed_type = DistributedType.FSDP  # what later AcceleratorState() copies read
+        state.distributed_type = DistributedType[then]  # what later AcceleratorState() copies read
 
 
 def fsdp2_accelerator(**kwargs: Any) -> Any:

@@ -18,6 +18,8 @@
                  "log_history": [...]} goes as JSON (rewritten after every step; rank 0's)
   fsdp           with several ranks: the Trainer's FSDP2 (fsdp=True, fsdp_config fsdp_version 2,
                  sharded state dict; on CPU through tests/integrations/fsdp_cpu.py)
+  replicas       with fsdp: HSDP, the Trainer's parallelism_config ParallelismConfig(dp_replicate_size=
+                 replicas, dp_shard_size=the other ranks): (Replicate, Shard(0)) DTensors on a 2-D mesh
   dump           a path ("{rank}" allowed): each rank writes the full model and optimizer tensors
                  and the scheduler's state (safetensors, and JSON beside it) as they are when
                  training begins (after a resume's load: keys "loaded/...") and ends ("end/...")
@@ -67,6 +69,37 @@ def tiny_model() -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
+def save_parallel_model(kind: str, path: str) -> None:
+    """Write the tiny model accel_train.py's `parallel` spec loads: "tp" a Llama (its base_model_tp_plan), "ep" a
+    Mixtral with 4 experts (its base_model_ep_plan shards the experts on their first dimension)."""
+    import transformers
+
+    sizes: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(SEED)
+    if kind == "tp":
+        model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    elif kind == "ep":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        raise ValueError(f"parallel must be 'tp' or 'ep', got {kind!r}")
+    model.save_pretrained(path)
+
+
+def parallel_model(kind: str, path: str, world: int) -> Any:
+    """The model save_parallel_model wrote, tensor (and for "ep" expert) parallel over `world` ranks
+    (transformers' DistributedConfig: DTensors on a 1-D mesh of all the ranks; gloo on CPU), plain
+    in one process. The Trainer refuses to checkpoint such a model (transformers/trainer.py:632-640)."""
+    import transformers
+
+    if world == 1:
+        return transformers.AutoModelForCausalLM.from_pretrained(path)
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config = DistributedConfig(tp_size=world, tp_plan="auto", **({"ep_size": world} if kind == "ep" else {}))
+    return transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+
+
 def training_args(output_dir: str, max_steps: int, save_steps: int, ckptd: bool, **more: Any) -> Any:
     import transformers
 
@@ -98,10 +131,15 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 
     from ckptd.integrations.transformers import CkptdCallback
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     model = tiny_model()
     record = LossLog(model)
     ckptd = "address" in spec
-    fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}}
+    fsdp: dict[str, Any] = {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}}
+    if spec.get("replicas"):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        fsdp["parallelism_config"] = ParallelismConfig(dp_replicate_size=spec["replicas"], dp_shard_size=world // spec["replicas"])
     more = {**(fsdp if spec.get("fsdp") else {}), **({"save_total_limit": spec["save_total_limit"]} if "save_total_limit" in spec else {})}
     args = training_args(spec["output_dir"], spec["max_steps"], spec.get("save_steps", 3), ckptd, **more)
     result: dict[str, Any] = {"resumed_from": None, "losses": record.losses, "log_history": [], "collectives_in_save": []}

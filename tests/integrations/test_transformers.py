@@ -160,23 +160,43 @@ def test_fsdp2_saved_by_two_ranks_resumes_bit_exact_in_three(daemon, tmp_path: P
     """Saved by the Trainer's FSDP2 over 2 ranks (each rank hands its own DTensor shards), resumed
     by 3: the model, the optimizer and the scheduler each rank holds when training begins equal
     the 2-rank run's at its save, bit for bit."""
-    spec = {"address": daemon.address, "job": "hf-fsdp-3", "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 2,
-            "fsdp": True, "out": str(tmp_path / "run.json")}
-    _run_ranks({**spec, "dump": str(tmp_path / "two-{rank}.safetensors")}, 2)
-    resumed = _run_ranks({**spec, "dump": str(tmp_path / "three-{rank}.safetensors")}, 3)
+    _saved_then_resumed_bit_exact(daemon, tmp_path, "hf-fsdp-3", {"fsdp": True}, 2, {"fsdp": True}, 3)
+
+
+def _saved_then_resumed_bit_exact(daemon: Any, tmp_path: Path, job: str, saving: dict[str, Any], saving_world: int,
+                                  resuming: dict[str, Any], resuming_world: int) -> dict[str, Any]:
+    """Train 2 steps in `saving_world` ranks with spec `saving`, save at step 2; resume with spec
+    `resuming` in `resuming_world` ranks: each resuming rank's model, optimizer and scheduler when
+    training begins equal the saving run's at its save, bit for bit. Returns rank 0's saving run."""
+    spec = {"address": daemon.address, "job": job, "output_dir": str(tmp_path / "out"), "max_steps": 2, "save_steps": 2,
+            "out": str(tmp_path / "run.json")}
+    saved_run = _run_ranks({**spec, **saving, "dump": str(tmp_path / "saved-{rank}.safetensors")}, saving_world)
+    resumed = _run_ranks({**spec, **resuming, "dump": str(tmp_path / "resumed-{rank}.safetensors")}, resuming_world)
     assert resumed["resumed_from"] == 2
     import safetensors.torch
 
-    saved = safetensors.torch.load_file(str(tmp_path / "two-0.safetensors"))
+    saved = safetensors.torch.load_file(str(tmp_path / "saved-0.safetensors"))
     expected = {k.removeprefix("end/"): v for k, v in saved.items() if k.startswith("end/")}
     assert any(k.endswith("/exp_avg_sq") for k in expected)
-    scheduler = json.loads((tmp_path / "two-0.safetensors.json").read_text())["end/scheduler"]
-    for rank in range(3):
-        dumped = safetensors.torch.load_file(str(tmp_path / f"three-{rank}.safetensors"))
+    scheduler = json.loads((tmp_path / "saved-0.safetensors.json").read_text())["end/scheduler"]
+    for rank in range(resuming_world):
+        dumped = safetensors.torch.load_file(str(tmp_path / f"resumed-{rank}.safetensors"))
         loaded = {k.removeprefix("loaded/"): v for k, v in dumped.items() if k.startswith("loaded/")}
         assert sorted(loaded) == sorted(expected)
         assert [k for k in expected if not torch.equal(loaded[k], expected[k])] == []
-        assert json.loads((tmp_path / f"three-{rank}.safetensors.json").read_text())["loaded/scheduler"] == scheduler
+        assert json.loads((tmp_path / f"resumed-{rank}.safetensors.json").read_text())["loaded/scheduler"] == scheduler
+    return saved_run
+
+
+# issue 31 item 1 (long: 4 + 2 Trainer processes; test_accelerate_fsdp.py's HSDP test runs the same client path)
+@pytest.mark.long
+def test_hsdp_saved_by_two_replicas_of_two_shards_resumes_bit_exact_in_fsdp2_over_two(daemon, tmp_path: Path) -> None:
+    """The Trainer's HSDP (parallelism_config dp_replicate 2 x dp_shard 2 with its FSDP2): saved at
+    4 ranks, resumed by the Trainer's FSDP2 over 2, bit-exact; no collective in the saves."""
+    saved = _saved_then_resumed_bit_exact(daemon, tmp_path, "hf-hsdp", {"fsdp": True, "replicas": 2}, 4, {"fsdp": True}, 2)
+    assert saved["collectives_in_save"] == []
+    index = json.loads((daemon.root / "hf-hsdp" / "step-00000002" / "ckptd.index.json").read_text())
+    assert index["world_size"] == 4 and index["tensors"]["model/transformer.wte.weight"]["shape"] == [hf.VOCAB, 32]
 
 
 def test_metrics_reach_keep_best_and_a_step_holds_the_trainer_state(daemon, tmp_path: Path, one_thread: None) -> None:
