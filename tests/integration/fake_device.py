@@ -66,7 +66,8 @@ class FakeCopy:
 
     def fence(self, host: bool = False) -> None:
         self.backend.events.append(("fence", self.label, host))
-        self._done.wait(60)
+        if host or self.backend.stream_fences_wait:
+            self._done.wait(60)
 
 
 class FakeStaging:
@@ -87,6 +88,10 @@ class FakeBackend:
     """owns(): the tensors passed in (by their memory); everything else is a CPU tensor.
 
     lib: the strict CUDA library that keeps the arena registrations (fakecuda.FakeCudaLib).
+    stream_fences_wait: a GPU-side fence (fence(host=False)) blocks the host until the copy is done,
+    standing in for the compute stream that waits on the copy (the host is this fake's compute
+    stream); False: it returns at once, as on a real GPU where only later kernels wait (a trainer
+    whose device copy hangs still returns from save()).
     """
 
     def __init__(self, device_tensors: Sequence[torch.Tensor], staging_error: str | None = None) -> None:
@@ -94,6 +99,7 @@ class FakeBackend:
         self.gate = threading.Event()
         self.gate.set()
         self.hold: set[str] | None = None  # labels of the copies that wait for the gate (None: all)
+        self.stream_fences_wait = True
         self.events: list[tuple] = []
         self.staging_error = staging_error
         self.stagings: list[FakeStaging] = []
@@ -171,6 +177,7 @@ def die_mid_overlap(address: str, job: str, step: int) -> None:
     weights = torch.arange(4096, dtype=torch.float32)
     backend = FakeBackend([weights])
     backend.gate.clear()  # the copy stays in flight
+    backend.stream_fences_wait = False  # the GPU-side fence of the model's copy does not block the host
     ckpt = CheckpointClient(job, address=address, rank=0, world_size=1, on_error="raise", timeout_s=5, _device_backend=backend)
     handle = ckpt.save(step, {"model": {"w": weights}})
     assert not handle.snapshot_done
