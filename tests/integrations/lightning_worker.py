@@ -416,3 +416,7 @@ if __name__ == "__main__":
     if run.get("deepspeed"):  # DeepSpeed reads it when first imported (by the strategy)
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if run.get("accelerator", "cpu") == "cpu" else "cuda")
     train(run)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # gloo's threads end before the interpreter does: one CI run saw a rank abort at exit
+        # ("terminate called without an active exception") after its fit had finished
+        torch.distributed.destroy_process_group()
