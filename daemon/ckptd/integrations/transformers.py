@@ -313,7 +313,6 @@ class CkptdCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
-        self._publish_pointers(args)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._take_over_save(control)
@@ -373,7 +372,9 @@ class CkptdCallback(TrainerCallback):
 
     def _publish_pointers(self, args: TrainingArguments) -> None:
         """Publish the pointers of this run's saves that the daemon committed since, and remove
-        those of steps it no longer keeps. A save not (yet) committed gets none."""
+        those of steps it no longer keeps. A save not (yet) committed gets none. Called after each
+        save and at the end of training (one listing per save, none per step); a run killed
+        before gets the pointer of its newest committed step when its Trainer is made again."""
         output_dir = self._pointer_dir(args)
         if not self._unpublished or output_dir is None:
             return
@@ -382,12 +383,11 @@ class CkptdCallback(TrainerCallback):
             return
         committed = [info.step for info in infos]
         listed = set(committed)
-        saved = list(self._unpublished)
-        done = [step for step in saved if step in listed]
+        done = [step for step in self._unpublished if step in listed]
         for step in done:
             pointers.publish(output_dir, self.job, step, self._unpublished[step], self._model_keys)
-        newest = max((saved.index(step) for step in done), default=-1)
-        self._unpublished = {step: tree for step, tree in self._unpublished.items() if step not in listed and saved.index(step) > newest}
+        newest = max(done, default=-1)  # an older save still unlisted failed or was removed: it never gets one
+        self._unpublished = {step: tree for step, tree in self._unpublished.items() if step > newest and step not in listed}
         pointers.prune(output_dir, self.job, committed)
 
     def _sync_pointers(self, args: TrainingArguments) -> None:
@@ -488,6 +488,7 @@ class CkptdCallback(TrainerCallback):
             self._best_saved = step
         if self._last.ok and self._pointer_dir(args) is not None:
             self._unpublished[step] = saved[TRAINER_STATE_KEY]
+            self._publish_pointers(args)  # the earlier saves' pointers, committed by now
 
     def _restore_rng(self, args: TrainingArguments) -> None:
         """Set the random generators to the checkpoint's, at the point of the loop where they were saved."""
