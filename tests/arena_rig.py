@@ -3,7 +3,7 @@ engine/memory.py chooses them when no budget limits them."""
 
 from __future__ import annotations
 
-from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState
+from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
 
 
 def take_arenas(pool: ArenaPool, sizes: tuple[int, ...]) -> ArenaSet | None:

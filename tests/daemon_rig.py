@@ -48,8 +48,8 @@ PEER_TOKEN = "test-peer-token-0123456789"
 def metadata_digest(metas: Sequence[Any]) -> str:
     """The digest a daemon names a rank's tensor metadata by over the Peer service
     (plan.spec_digest of the validated TensorMeta messages): node 0 refuses metadata sent under another."""
-    from ckptd.daemon.checks import tensor_specs
-    from ckptd.daemon.plan import spec_digest
+    from ckptd.daemon.rpc.validate import tensor_specs
+    from ckptd.daemon.plan.save_plan import spec_digest
 
     return spec_digest(tensor_specs(metas))
 

@@ -19,8 +19,8 @@ import boto3
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
-from ckptd.daemon.verify import verify_step
+from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.daemon.tools.verify import verify_step
 from ckptd.demo.process import DaemonProcess, start_daemon
 from s3_server import S3Server, _pick_ports, _remove_grpc_sockets, _SERVICES, _start, _stop_group
 
@@ -60,7 +60,7 @@ class Node:
         """`ckptd serve` that is expected to exit (a start refused): its exit code and output."""
         import sys
 
-        cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(self.root), "--socket", str(self.sock_dir / "d.sock"),
+        cmd = [sys.executable, "-m", "ckptd.daemon.app.cli", "serve", "--root", str(self.root), "--socket", str(self.sock_dir / "d.sock"),
                "--shm-dir", str(self.shm), "--remote", remote, *args]
         return subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=60)
 
@@ -118,7 +118,7 @@ class StatusPoller:
 
     def status(self) -> dict[str, Any]:
         """The daemon's `ckptd status --json` document (its Status RPC, as the CLI renders it)."""
-        from ckptd.daemon.ops import status_doc
+        from ckptd.daemon.tools.ops import status_doc
         from ckptd.wire.v1 import checkpoint_pb2 as pb
 
         return status_doc(self.stub.Status(pb.StatusRequest(), timeout=10), self.address)

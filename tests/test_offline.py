@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound, LocalShard
-from ckptd.daemon.importing import import_checkpoint
+from ckptd.daemon.importer.importing import import_checkpoint
 from ckptd.offline import list_steps, open_step
 
 

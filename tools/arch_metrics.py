@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +177,7 @@ def depth(graph: Graph, group: int = 3) -> int:
 def largest_classes(graph: Graph, top: int = 3) -> tuple[list[tuple[int, int, str]], list[tuple[int, str]]]:
     """(lines, methods, where) of the biggest classes; (methods, where) of the widest Protocols."""
     classes, protocols = [], []
-    for name, path in graph.paths.items():
+    for path in graph.paths.values():
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ClassDef) or node.end_lineno is None:
                 continue

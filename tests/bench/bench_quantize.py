@@ -53,7 +53,7 @@ import torch
 from ckptd.client import CheckpointClient
 from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
+from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.demo.process import start_daemon
 
 
@@ -277,7 +277,7 @@ def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[flo
     blocks already exist, per scheme: None writes them as they are, O1/O2 encode them first and
     write codes and scales. Uses the daemon's own writer step (writer._write_bytes: pwrite 1 MiB
     at a time with the whole-tensor and chunk hashes, then start_writeback)."""
-    from ckptd.daemon import writer
+    from ckptd.daemon.write import writer
     from ckptd.daemon.storage.fs import pwrite_all, start_writeback
 
     class FilePart:

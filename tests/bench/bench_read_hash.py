@@ -24,7 +24,7 @@ import xxhash
 from ckptd.client import _reader
 from ckptd.common.boxes import Box
 from ckptd.common.chunks import HASH_SLICE, chunk_bytes_for
-from ckptd.daemon import verify
+from ckptd.daemon.tools import verify
 
 BEFORE = {"checked load": 64 * 2**20, "verify": 16 * 2**20}  # read sizes before the change
 

@@ -225,7 +225,7 @@ def ceilings(cluster: Cluster) -> tuple[float, float]:
     them after posix_fadvise(DONTNEED), and the same bytes sent over loopback TCP by the bulk
     channel (sendfile) into a fresh file in /dev/shm (recv_into + pwrite): the two floors the
     disk and the memory path stand on."""
-    from ckptd.daemon.bulk import BulkServer, connect, recv_into_file, send_file_ranges
+    from ckptd.daemon.tiers.bulk import BulkServer, connect, recv_into_file, send_file_ranges
 
     files = sorted((cluster.root(1) / JOB).rglob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)

@@ -783,7 +783,7 @@ def run_part(name: str, bench: Callable[..., None], state: State, workdir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ckptd.daemon.server import tmpfs_options
+    from ckptd.daemon.app.server import tmpfs_options
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

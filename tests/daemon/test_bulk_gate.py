@@ -10,8 +10,8 @@ from typing import Iterator
 
 import pytest
 
-from ckptd.daemon import bulk_gate
-from ckptd.daemon.bulk import BulkServer, connect, recv_status, send_status
+from ckptd.daemon.tiers import bulk_gate
+from ckptd.daemon.tiers.bulk import BulkServer, connect, recv_status, send_status
 
 IDLE = 200
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.daemon.engine.compression import SaveOptions, decide_compression
+from ckptd.daemon.plan.compression import SaveOptions, decide_compression
 
 KEEP, DROP = "keep", "drop"
 

@@ -18,7 +18,7 @@ from ckptd.daemon.config import (
     env_name,
     load_config,
 )
-from ckptd.daemon.shm import ShmBudget, check_shm, host_memory_bytes
+from ckptd.daemon.handoff.shm_dir import ShmBudget, check_shm, host_memory_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "ckptd.example.toml"
 FIELDS = [f.name for f in dataclasses.fields(DaemonConfig)]
@@ -425,7 +425,7 @@ def test_bad_operations_settings_say_what_to_give(given: dict[str, str], message
 
 def test_the_retention_policy_is_built_from_the_settings_in_one_place() -> None:
     from ckptd.daemon.config import DaemonConfig
-    from ckptd.daemon.retention import RetentionPolicy
+    from ckptd.daemon.plan.retention import RetentionPolicy
 
     config = DaemonConfig(root=Path("/tmp/r"), socket=Path("/tmp/r.sock"), keep_last=2, keep_every=10, keep_best=1, best_mode="max")
     assert config.retention_policy() == RetentionPolicy(keep_last=2, keep_every=10, keep_best=1, best_mode="max")

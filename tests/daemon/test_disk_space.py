@@ -15,13 +15,13 @@ import torch
 
 from ckptd.common.boxes import Box
 from ckptd.common.sizes import human_bytes
-from ckptd.daemon import writer
-from ckptd.daemon.arena import ArenaPool
+from ckptd.daemon.write import writer
+from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.daemon.config import GiB, DaemonConfig, load_config
 from ckptd.daemon.errors import Exhausted, NoSpace
-from ckptd.daemon.step_build import file_bytes_bound
-from ckptd.daemon.writer import PersistRequest, Progress, persist, write_node_files
-from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan.files import file_bytes_bound
+from ckptd.daemon.write.writer import PersistRequest, Progress, persist, write_node_files
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, reused_bytes, space_problem
 from arena_rig import take_arenas  # tests/arena_rig.py
 

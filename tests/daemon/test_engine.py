@@ -20,8 +20,9 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, NotFound, Unavailable, UnknownFingerprint
-from ckptd.daemon.plan import TensorSpec
-from ckptd.daemon.service import CheckpointService, SaveSession
+from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.engine.sessions import SaveSession
+from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.storage import Storage, StorageBackend
 from memory_backend import MemoryStorage
 
@@ -234,7 +235,7 @@ def test_a_draining_daemon_takes_no_new_save(service: CheckpointService) -> None
 def test_a_hand_over_through_a_transport_the_daemon_lacks_is_refused(service: CheckpointService) -> None:
     """Daemon-side transports are looked up by name (handoffs.daemon_transports): "ipc" is there."""
     from ckptd.daemon.errors import InvalidRequest
-    from ckptd.daemon.handoffs import StagedHandOver
+    from ckptd.daemon.handoff.transports import StagedHandOver
 
     async def run() -> None:
         session = (await _save(service, 3, hand_over=()))[0]

@@ -1,4 +1,4 @@
-"""The test-only fault hook (ckptd.daemon.faults): what it counts, and that it kills at event N."""
+"""The test-only fault hook (ckptd.daemon.faults.files): what it counts, and that it kills at event N."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ckptd.daemon.faults import FaultInjector, install_from_env
+from ckptd.daemon.faults.files import FaultInjector, install_from_env
 
 
 def test_nothing_is_installed_without_the_variables(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_it_kills_the_process_before_event_n(tmp_path: Path) -> None:
         f"""
         import os
         from pathlib import Path
-        from ckptd.daemon.faults import install_from_env
+        from ckptd.daemon.faults.files import install_from_env
         install_from_env(os.environ, Path({str(root)!r})).arm()
         for i in range(10):
             (Path({str(root)!r}) / f"f{{i}}").write_bytes(b"x")  # open-w, write: two events each

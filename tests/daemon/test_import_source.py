@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptd.daemon.import_source import read_source
-from ckptd.daemon.importing import ImportRefused, import_checkpoint
+from ckptd.daemon.importer.source import read_source
+from ckptd.daemon.importer.importing import ImportRefused, import_checkpoint
 
 WAIT_S = 30  # far more than a refusal takes; a read blocked on a FIFO never ends
 
@@ -164,7 +164,7 @@ def test_a_device_is_refused_not_read(tmp_path: Path, source_format: str) -> Non
 def test_ckptd_import_of_a_directory_with_a_fifo_exits_at_once(tmp_path: Path) -> None:
     dcp_directory(tmp_path / "dcp")
     fifo = replace_with_fifo(tmp_path / "dcp" / "__0_0.distcp")
-    command = [sys.executable, "-m", "ckptd.daemon.cli", "import", str(tmp_path / "dcp"), "--root", str(tmp_path / "root"), "--job", "run", "--step", "1"]
+    command = [sys.executable, "-m", "ckptd.daemon.app.cli", "import", str(tmp_path / "dcp"), "--root", str(tmp_path / "root"), "--job", "run", "--step", "1"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:

@@ -1,4 +1,4 @@
-"""`ckptd import` without a daemon (ckptd.daemon.importing): each source format read into a
+"""`ckptd import` without a daemon (ckptd.daemon.importer.importing): each source format read into a
 committed step, what is refused and why, and what an import leaves behind when it fails."""
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckptd.client import tree
-from ckptd.daemon import cli, direct_write, importing
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex
-from ckptd.daemon.import_dcp import SAFE_GLOBALS, as_protocol_2, read_metadata
-from ckptd.daemon.import_state import direct_tensor, encode
-from ckptd.daemon.importing import ImportRefused, import_checkpoint
+from ckptd.daemon.app import cli
+from ckptd.daemon.importer import direct_write
+from ckptd.daemon.importer import importing
+from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.daemon.importer.dcp import SAFE_GLOBALS, as_protocol_2, read_metadata
+from ckptd.daemon.importer.state import direct_tensor, encode
+from ckptd.daemon.importer.importing import ImportRefused, import_checkpoint
 from ckptd.daemon.storage import Storage
-from ckptd.daemon.verify import verify_step
+from ckptd.daemon.tools.verify import verify_step
 
 
 def small_model() -> torch.nn.Module:
@@ -444,7 +446,7 @@ def test_extras_are_encoded_as_the_client_encodes_them(value) -> None:
 
 
 def test_the_names_kept_apart_to_import_less_agree() -> None:
-    from ckptd.daemon import import_dcp
+    from ckptd.daemon.importer import dcp as import_dcp
 
     assert cli.IMPORT_FORMATS == tuple(importing.FORMATS)
     assert importing.DCP_METADATA_NAME == import_dcp.METADATA_NAME

@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.engine.load_plan import (
+from ckptd.daemon.plan.load_plan import (
     Location, StagedRead, Tier, extras_source, file_locations, file_sources, incomplete_message, load_tier, needs_decoding,
     plan_pieces, rank_extras,
 )
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
+from ckptd.daemon.plan.save_plan import TensorSpec
 
 F1, F2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 

@@ -17,13 +17,14 @@ from typing import Any
 
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.arena import Arena, SetState
+from ckptd.daemon.handoff.arena import Arena, SetState
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.sessions import SaveState
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
-from ckptd.daemon.service import CheckpointService, SaveSession
-from ckptd.daemon.shm import ShmBudget
+from ckptd.daemon.engine.sessions import SaveSession
+from ckptd.daemon.service import CheckpointService
+from ckptd.daemon.handoff.shm_dir import ShmBudget
 
 MiB = 1 << 20
 SLOW = 1 << 20  # --write-throttle: a 1 MiB snapshot takes about 1 s to write

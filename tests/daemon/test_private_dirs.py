@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from ckptd.common.paths import default_socket
-from ckptd.daemon.engine.replica_store import Receipt, ReplicaStore
+from ckptd.daemon.tiers.replica_store import Receipt, ReplicaStore
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format import FileRecord
-from ckptd.daemon.units import Unit
+from ckptd.daemon.format.index import FileRecord
+from ckptd.daemon.format.units import Unit
 from ckptd.daemon.private_dirs import ShmDirUnsafe, SocketDirUnsafe, create_file, dir_problem, files_dir, prepare_socket_dir
 
 OTHER_UID = 65533  # a user that is neither root nor the daemon (no account needed: chown takes a number)
@@ -69,7 +69,7 @@ def test_a_missing_socket_directory_is_made_0750_whatever_the_umask(tmp_path: Pa
 def test_a_non_root_daemon_refuses_the_tmp_socket_directory_another_user_made_first(tmp_path: Path) -> None:
     """Without $XDG_RUNTIME_DIR a user's daemon serves from /tmp/ckptd-<uid>; another user who
     made that directory first could swap the socket. The check runs as that user, in a child."""
-    from ckptd.daemon.server import _prepare_socket
+    from ckptd.daemon.app.server import _prepare_socket
 
     victim, attacker = 61234, 61235
     planted = Path(f"/tmp/ckptd-{victim}")  # default_socket({}) of uid `victim`

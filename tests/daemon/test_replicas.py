@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ckptd.daemon.bulk import MAGIC, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
-from ckptd.daemon.bulk import send_status, split_evenly
-from ckptd.daemon.engine.replica_store import Damaged, Refused, ReplicaStore, open_ranges
-from ckptd.daemon.checks import check_replica_units
-from ckptd.daemon.engine.replica_ranges import cut_ranges, merge_ranges, units_in, widen_to_units
-from ckptd.daemon.engine.replication import buddies
+from ckptd.daemon.tiers.bulk import MAGIC, BulkError, BulkServer, Pacer, connect, recv_into_file, recv_status, send_chunks, send_file_ranges
+from ckptd.daemon.tiers.bulk import send_status, split_evenly
+from ckptd.daemon.tiers.replica_store import Damaged, Refused, ReplicaStore, open_ranges
+from ckptd.daemon.rpc.validate import check_replica_units
+from ckptd.daemon.tiers.replica_ranges import cut_ranges, merge_ranges, units_in, widen_to_units
+from ckptd.daemon.tiers.replicas import buddies
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
-from ckptd.daemon.format import FileRecord
-from ckptd.daemon.step_build import checksum_name
-from ckptd.daemon.units import Unit, UnitCheck
+from ckptd.daemon.format.index import FileRecord
+from ckptd.daemon.format.units import checksum_name
+from ckptd.daemon.format.units import Unit, UnitCheck
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 # ------------------------------------------------------------------ placement
@@ -379,7 +379,7 @@ def test_a_part_no_holder_keeps_makes_the_step_not_recoverable(answers: dict[int
     import asyncio
     from types import SimpleNamespace
 
-    from ckptd.daemon.engine.replication import Recoverability
+    from ckptd.daemon.tiers.replicas import Recoverability
     from ckptd.daemon.metrics import Metrics
 
     metrics = Metrics()

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from ckptd.daemon.retention import RetentionPolicy
+from ckptd.daemon.plan.retention import RetentionPolicy
 
 STEPS = list(range(10, 310, 10))  # 30 committed steps: 10, 20, ..., 300
 ALL = set(STEPS)
@@ -214,7 +214,7 @@ def test_bad_best_settings_are_refused(field: str, value: object) -> None:
 
 # ---------------------------------------------------------------- a job's own retention (issue 31 item 7)
 
-from ckptd.daemon.retention import JobRetention, merge, policy_of_record, policy_record  # noqa: E402
+from ckptd.daemon.plan.retention import JobRetention, merge, policy_of_record, policy_record  # noqa: E402
 
 
 # issue 31 item 7

@@ -1,4 +1,4 @@
-"""Incremental saves (daemon/ckptd/daemon/reuse.py, writer.py, storage link_file): files of frozen
+"""Incremental saves (daemon/ckptd/daemon/write/reuse.py, writer.py, storage link_file): files of frozen
 tensors unchanged since the previous step are linked, never assumed unchanged; retention and
 recycling never take bytes a kept step still uses. Both backends (POSIX and the in-memory test
 double), real shared-memory arenas, no server."""
@@ -16,15 +16,15 @@ import torch
 from safetensors.torch import load as load_bytes
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.arena import ArenaPool, ArenaSet
-from ckptd.daemon.format import INDEX_NAME, StoredTensor, layout_files
-from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.step_build import NodeManifest, step_files
-from ckptd.daemon.reuse import check_files
+from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet
+from ckptd.daemon.format.index import INDEX_NAME, StoredTensor, layout_files
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan.files import NodeManifest, step_files
+from ckptd.daemon.write.reuse import check_files
 from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
-from ckptd.daemon.units import file_units
-from ckptd.daemon.verify import verify_files
-from ckptd.daemon.writer import PersistRequest, Progress, write_node_files, write_step_files
+from ckptd.daemon.format.units import file_units
+from ckptd.daemon.tools.verify import verify_files
+from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files, write_step_files
 from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 
@@ -272,7 +272,7 @@ def test_check_linked_names_each_file_that_does_not_match(tmp_path: Path, shm_di
     saver.save(1, tensors, None)
     path = storage.step_dir("job", 1) / "model-00003-of-00003.safetensors"
     _damage(storage, 1, path.name, "in-place", path.stat().st_size - 1)  # the last byte of the last tensor
-    with caplog.at_level("WARNING", logger="ckptd.daemon.writer"):
+    with caplog.at_level("WARNING", logger="ckptd.daemon.write.writer"):
         manifest = saver.save(2, tensors, 1)
     assert verify_files(storage.step_reader("job", 2)).ok
     assert manifest.rewritten == (path.name,)

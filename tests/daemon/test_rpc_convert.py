@@ -7,14 +7,14 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
-from ckptd.daemon import rpc_convert
-from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.rpc import convert as rpc_convert
+from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
-from ckptd.daemon.format import FileRecord, FragmentRecord, QuantRecord, SideRecord
-from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.plan import TensorSpec, make_save_plan
+from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
+from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
-from ckptd.daemon.service import DecodeInfo, PieceInfo
+from ckptd.daemon.plan.load_plan import DecodeInfo, PieceInfo
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 

@@ -15,8 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ckptd.common.names import InvalidNameError
 from ckptd.daemon import errors
-from ckptd.daemon.rpc_auth import PEER_TOKEN_KEY, PeerTokenInterceptor, check_token
-from ckptd.daemon.rpc_errors import (
+from ckptd.daemon.rpc.auth import PEER_TOKEN_KEY, PeerTokenInterceptor, check_token
+from ckptd.daemon.rpc.errors import (
     REASON_KEY,
     RUN_REFUSED,
     STATUS,
@@ -122,7 +122,7 @@ def test_an_unexpected_error_is_internal_names_the_rpc_and_is_logged(tmp_path: P
         servicer.to_raise = None
         assert (await pb_grpc.CheckpointStub(channel).BeginSave(pb.BeginSaveRequest())).save_id == "ok"  # the server stays up
 
-    with caplog.at_level(logging.ERROR, logger="ckptd.daemon.rpc_errors"):
+    with caplog.at_level(logging.ERROR, logger="ckptd.daemon.rpc.errors"):
         serve(tmp_path, scenario)
     assert any("internal error in BeginSave" in r.getMessage() and r.exc_info for r in caplog.records)
 

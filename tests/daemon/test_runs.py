@@ -17,14 +17,15 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.cluster import Coordinator
+from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.runs import Client, RunClaim, Runs
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Precondition, RunRefused
-from ckptd.daemon.peer_links import PeerLinks
-from ckptd.daemon.plan import TensorSpec
-from ckptd.daemon.rollback import passed_over, rollbacks
-from ckptd.daemon.service import CheckpointService, SaveSession
+from ckptd.daemon.rpc.peer_links import PeerLinks
+from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.plan.rollback import passed_over, rollbacks
+from ckptd.daemon.engine.sessions import SaveSession
+from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import peer_pb2 as ppb
 
@@ -258,7 +259,7 @@ def test_a_rollback_is_logged_with_the_steps_it_passes_over(service: CheckpointS
     async def run() -> None:
         for step in (10, 20, 30):
             await _save(service, "a", step)
-        with caplog.at_level(logging.WARNING, logger="ckptd.daemon.admission"):
+        with caplog.at_level(logging.WARNING, logger="ckptd.daemon.engine.admission"):
             await _save(service, "a", 15)
             await _save(service, "a", 16)  # newer than 15, the newest now: no rollback
         rollback = [r.getMessage() for r in caplog.records if "rollback" in r.getMessage()]

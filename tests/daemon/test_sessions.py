@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState
-from ckptd.daemon.engine.compression import SaveOptions
+from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
+from ckptd.daemon.plan.compression import SaveOptions
 from ckptd.daemon.engine.sessions import RECENT_RESULTS, JobState, SaveSession, SaveState
 from ckptd.daemon.errors import InvalidRequest, Precondition
-from ckptd.daemon.plan import TensorSpec, make_save_plan
+from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from arena_rig import take_arenas  # tests/arena_rig.py
 
 

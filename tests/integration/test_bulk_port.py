@@ -57,13 +57,13 @@ class Pair:
         return time.monotonic() - started
 
     def status(self, node: int) -> dict:
-        out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", self.nodes.address(node), "--json"],
+        out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "status", "--address", self.nodes.address(node), "--json"],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
     def status_text(self, node: int) -> str:
-        return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", self.nodes.address(node)],
+        return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "status", "--address", self.nodes.address(node)],
                               capture_output=True, text=True, timeout=60).stdout
 
 

@@ -13,7 +13,7 @@ from ckptd.client import CheckpointClient
 
 
 def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_ls_lists_committed_checkpoints(daemon) -> None:

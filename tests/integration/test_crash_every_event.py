@@ -1,5 +1,5 @@
 """Crash at every file event of a save (issue 20): the daemon kills itself (SIGKILL, no cleanup)
-just before the N-th file event under its root (ckptd.daemon.faults, enabled by
+just before the N-th file event under its root (ckptd.daemon.faults.files, enabled by
 CKPTD_FAULT_KILL_AT / CKPTD_FAULT_LOG), for every N of a save, on one node and on two nodes
 (the coordinator, node 0, and the member, node 1, each in turn).
 
@@ -38,9 +38,9 @@ import torch
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.arena import ARENA_PREFIX
-from ckptd.daemon.faults import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
-from ckptd.daemon.format import INDEX_NAME, LATEST, PREPARED_NAME
+from ckptd.daemon.handoff.arena import ARENA_PREFIX
+from ckptd.daemon.faults.files import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
+from ckptd.daemon.format.index import INDEX_NAME, LATEST, PREPARED_NAME
 from ckptd.demo.process import DaemonProcess, start_daemon
 from ckptd.daemon.storage import DELETING_PREFIX, RECYCLE_DIR, TMP_MARK, Storage
 

@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 def status(address: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", address, "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "status", "--address", address, "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -34,10 +34,10 @@ import small_fs  # tests/small_fs.py
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.export import ExportError, export_model
-from ckptd.daemon.format import INDEX_NAME
+from ckptd.daemon.tools.export import ExportError, export_model
+from ckptd.daemon.format.index import INDEX_NAME
 from ckptd.daemon.storage import Storage
-from ckptd.daemon.verify import verify_step
+from ckptd.daemon.tools.verify import verify_step
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 

@@ -66,7 +66,7 @@ def test_a_model_with_adapter_config_gets_the_file_peft_reads(daemon) -> None:
     assert (step_dir / "adapter_model.safetensors").read_bytes() == model_file.read_bytes()
     index = json.loads((step_dir / "ckptd.index.json").read_text())
     assert index["files"]["adapter_model.safetensors"]["checksum"] == index["files"][model_file.name]["checksum"]
-    verified = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    verified = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(step_dir)], capture_output=True, text=True)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
@@ -100,9 +100,9 @@ def test_each_step_records_its_environment_and_inspect_shows_it(daemon) -> None:
     assert env["trainer"]["run_config"] == run_config
     assert env["layout"]["world_size"] == 1 and env["layout"]["ranks_per_node"] == [1]
     assert env["layout"]["kinds"]["model"]["tensors"] == 2
-    shown = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", info.step_dir], capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", info.step_dir], capture_output=True, text=True, check=True).stdout
     assert f"torch {torch.__version__}" in shown and "world size 1 on 1 nodes" in shown and '"lr": 0.0003' in shown
-    as_json = json.loads(subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", "--json", info.step_dir], capture_output=True, text=True, check=True).stdout)
+    as_json = json.loads(subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", "--json", info.step_dir], capture_output=True, text=True, check=True).stdout)
     assert as_json["environment"] == env
 
 

@@ -21,7 +21,7 @@ DCP_RANK = HERE / "import_dcp_rank.py"
 
 
 def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def import_and_verify(source: Path, root: Path, job: str, step: int) -> dict:

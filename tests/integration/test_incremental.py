@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format import INDEX_NAME
+from ckptd.daemon.format.index import INDEX_NAME
 from metrics_scrape import scrape
 from daemon_rig import free_port
 
@@ -86,7 +86,7 @@ def test_frozen_files_are_written_once_and_every_step_loads(daemons, tmp_path: P
             for f in _step_dir(daemon.root, step).glob("model-*.safetensors"):
                 tensors.update(load_file(f))  # every file whole, as from_pretrained reads them
             assert all(torch.equal(tensors[k], v) for k, v in saved[step].items())
-            out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(_step_dir(daemon.root, step))], capture_output=True, text=True, timeout=120)
+            out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(_step_dir(daemon.root, step))], capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stdout + out.stderr
 
         # A frozen weight changed in place (loaded again, or a bug): found by content, written.
@@ -199,7 +199,7 @@ def test_a_frozen_file_damaged_on_disk_is_written_again_and_every_acknowledged_s
             fresh = LoraModel()
             assert client.load({"model": fresh}, step=step, strict=False) == step
             assert all(torch.equal(v, saved[step][k]) for k, v in fresh.state_dict().items())
-            out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(_step_dir(restarted.root, step))], capture_output=True, text=True, timeout=120)
+            out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(_step_dir(restarted.root, step))], capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stdout + out.stderr
     assert mismatches == 1  # step 2 found it; step 3 linked step 2's good copy
     assert f"step 2 of job job: {damaged}, linked from step 1" in log and "damaged on disk" in log

@@ -205,10 +205,10 @@ def test_a_rollback_is_logged_with_the_steps_it_passes_over_and_marked_by_ls(dae
     log = daemon.log_path.read_text()
     assert "job rb saves step 15 below its newest committed step 30: a rollback. It passes over steps 20, 30" in log
     assert "saves step 16 below" not in log
-    listed = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "ls", str(daemon.root), "rb", "--json"], capture_output=True, text=True, timeout=120)
+    listed = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(daemon.root), "rb", "--json"], capture_output=True, text=True, timeout=120)
     rows = {r["step"]: r for r in json.loads(listed.stdout)}
     assert {s: r["rollback_over"] for s, r in rows.items()} == {10: [], 15: [20, 30], 16: [], 20: [], 30: []}
-    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "ls", str(daemon.root), "rb"], capture_output=True, text=True, timeout=120).stdout
+    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(daemon.root), "rb"], capture_output=True, text=True, timeout=120).stdout
     assert [line for line in text.splitlines() if "(rollback:" in line] == [line for line in text.splitlines() if "step-00000015" in line]
     assert "(rollback: committed after steps 20, 30)" in text and "(latest)" in text
 

@@ -96,7 +96,7 @@ def test_a_link_planted_at_a_staging_path_is_not_written_through(daemons, tmp_pa
 
 def _serve(tmp_path: Path, socket_path: Path, root: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess[str]:
     shm = tempfile.mkdtemp(prefix="ckptd-test-", dir="/dev/shm")
-    cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(root or tmp_path / "root"), "--socket", str(socket_path), "--shm-dir", shm]
+    cmd = [sys.executable, "-m", "ckptd.daemon.app.cli", "serve", "--root", str(root or tmp_path / "root"), "--socket", str(socket_path), "--shm-dir", shm]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=None if umask is None else (lambda: os.umask(umask)))
     finally:

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from ckptd.client import CheckpointClient, LocalShard
-from ckptd.daemon.export import export_model
+from ckptd.daemon.tools.export import export_model
 from ckptd.integrations.dcp import export_dcp
 from ckptd.offline import open_step
 

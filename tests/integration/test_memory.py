@@ -25,7 +25,7 @@ STATE_BYTES = 16 * MiB
 
 
 def ckptd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def state_of(job: int, step: int) -> dict[str, dict[str, torch.Tensor]]:

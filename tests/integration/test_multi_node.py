@@ -16,7 +16,7 @@ import torch
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.format import CheckpointIndex
+from ckptd.daemon.format.index import CheckpointIndex
 from pki import make_pki, tls_args  # tests/pki.py (shared with test_peer_security.py)
 
 
@@ -109,7 +109,7 @@ def test_saved_on_two_nodes_loaded_by_another_layout(shared_cluster, mesh: list[
 def test_export_makes_whole_tensors_of_fragments_written_by_several_nodes(shared_cluster, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from ckptd.daemon.export import export_model
+    from ckptd.daemon.tools.export import export_model
 
     cluster, _, _ = shared_cluster
     sys.path.insert(0, str(WORKER.parent))
@@ -277,7 +277,7 @@ def test_a_node_restarted_before_it_recorded_the_commit_adopts_node_0s_decision(
     committed gets its index on the restarted node; a step it never committed is removed."""
     import time
 
-    from ckptd.daemon.format import PREPARED_NAME
+    from ckptd.daemon.format.index import PREPARED_NAME
 
     cluster = node_sets(2, shared_root=False)
     cluster.start_all()
@@ -413,7 +413,7 @@ def test_an_unreadable_certificate_stops_the_daemon_with_the_file_named(tmp_path
     pki = make_pki(tmp_path / "pki", "cluster")
     pki["key"].unlink()
     result = subprocess.run(
-        [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(tmp_path / "root"), "--socket", str(tmp_path / "d.sock"),
+        [sys.executable, "-m", "ckptd.daemon.app.cli", "serve", "--root", str(tmp_path / "root"), "--socket", str(tmp_path / "d.sock"),
          "--node-rank", "0", "--peers", "127.0.0.1:1,127.0.0.1:2", "--peer-token", "0123456789abcdef", *tls_args(pki)],
         capture_output=True, text=True, timeout=60,
     )

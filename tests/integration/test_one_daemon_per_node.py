@@ -46,7 +46,7 @@ def _serve_until_exit(root: Path, sock: Path, *extra: str, timeout_s: float = 60
     """Run `ckptd serve` and wait for it to exit; (exit code, output). A daemon still serving after
     `timeout_s` is stopped and reported with code None."""
     shm = tempfile.mkdtemp(prefix="ckptd-test-", dir="/dev/shm")
-    cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(root), "--socket", str(sock), "--shm-dir", shm, *extra]
+    cmd = [sys.executable, "-m", "ckptd.daemon.app.cli", "serve", "--root", str(root), "--socket", str(sock), "--shm-dir", shm, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout_s)

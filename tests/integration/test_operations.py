@@ -19,7 +19,7 @@ import torch
 from metrics_scrape import scrape  # tests/metrics_scrape.py
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format import INDEX_NAME
+from ckptd.daemon.format.index import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 def ckptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 # ------------------------------------------------------------------ status

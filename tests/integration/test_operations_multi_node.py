@@ -50,7 +50,7 @@ def test_retention_by_metric_on_node_local_roots_and_status_per_node(node_sets) 
             assert committed(cluster.root(node), "mnk") == kept_after[step], (node, step)
 
     for node in (0, 1):
-        out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "status", "--address", cluster.address(node), "--json"],
+        out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "status", "--address", cluster.address(node), "--json"],
                              capture_output=True, text=True, timeout=60)
         doc = json.loads(out.stdout)
         assert (doc["node_rank"], doc["nodes"], doc["committed_total"]) == (node, 2, 5)

@@ -17,7 +17,7 @@ from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
 from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
-from ckptd.daemon.format import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
+from ckptd.daemon.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
 
 
 class Mlp(nn.Module):
@@ -146,7 +146,7 @@ def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> N
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
-    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(step_dir)], capture_output=True, text=True)
     assert verify.returncode != 0 and "@scales" in verify.stdout and "does not match its checksum" in verify.stdout, verify.stdout
     rules = LayoutRules([Rule(r"w", Split(dim=0))])
     with CheckpointClient("bad-scales", address=daemon.address, on_error="raise", rank=2, world_size=3, layout=rules, coords=RankCoords(2, 3)) as client:
@@ -280,18 +280,18 @@ def test_inspect_shows_the_quantization(daemon) -> None:
     with CheckpointClient("insp", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(5, {"model": model, "optimizer": opt}, quantize="O1").wait_durable(timeout=60)
     step_dir = daemon.root / "insp" / "step-00000005"
-    run = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir), "--json"], capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(step_dir), "--json"], capture_output=True, text=True, check=True)
     doc = json.loads(run.stdout)
     assert doc["quantization"]["quantize"] == "O1" and doc["quantization"]["generation"] == 1
     tensor = doc["tensors"]["optimizer/state/up.weight/exp_avg"]
     assert tensor["fragments"][0]["quant"]["codec"] == "lin-i8" and tensor["fragments"][0]["quant"]["block"] == 256
     assert tensor["fragments"][0]["quant"]["scales"]["key"].endswith("@scales")
     assert "frames" not in tensor["fragments"][0]["quant"]  # int8 codes are stored as they are
-    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True).stdout
     assert "lin-i8" in text and "generation 1" in text and "optimizer/state/up.weight/exp_avg_sq" in text
     with CheckpointClient("insp", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(6, {"model": model, "optimizer": opt}, quantize="O2").wait_durable(timeout=60)
-    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(daemon.root / "insp" / "step-00000006")], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(daemon.root / "insp" / "step-00000006")], capture_output=True, text=True, check=True).stdout
     rows_per_frame = frames.FRAME_BYTES // (96 // 2)  # up.weight is (300, 96): 48 bytes of int4 codes per row
     assert "lin-i4 block 128" in text and f"in 1 zstd frames of {rows_per_frame} rows" in text
 
@@ -339,7 +339,7 @@ def test_small_files_with_codes_and_a_lossless_fallback_stay_valid(daemons) -> N
     up = index.by_name()["optimizer/state/up.weight/exp_avg"].fragments[0]
     assert up.quant is not None and up.quant.frames is not None
     assert index.by_name()["optimizer/state/down.weight/exp_avg"].fragments[0].quant is None
-    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True)
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(step_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     loaded, saved = opt_state(m2, o2), opt_state(model, opt)
     assert torch.equal(loaded["up.bias"]["exp_avg"], saved["up.bias"]["exp_avg"])
@@ -376,9 +376,9 @@ def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -
     with CheckpointClient("plain", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(1, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
     step_dir = daemon.root / "plain" / "step-00000001"
-    run = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(step_dir)], capture_output=True, text=True, check=True)
     assert "quantization: none (lossless, generation 0)" in run.stdout and "model/up.weight" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a committed step directory" in bad.stderr
 
 

@@ -27,7 +27,7 @@ import grpc
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.client.shards import LocalShard
-from ckptd.daemon.ops import render_status, status_doc
+from ckptd.daemon.tools.ops import render_status, status_doc
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from daemon_rig import NodeSet, free_port

@@ -79,7 +79,7 @@ def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losse
 
     for data in hidden.iterdir():
         shutil.move(str(data), str(step_dir / data.name))
-    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "verify", str(step_dir)], capture_output=True, text=True, timeout=120)
+    verify = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "verify", str(step_dir)], capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 

@@ -15,7 +15,7 @@ import torch
 
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format import INDEX_NAME
+from ckptd.daemon.format.index import INDEX_NAME
 
 RETENTION = ("--keep-last", "2", "--keep-every", "10")
 
@@ -28,7 +28,7 @@ def latest_file(root: Path, job: str) -> str:
 
 
 def ls_latest(root: Path, job: str) -> list[int]:
-    out = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "ls", str(root), job, "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(root), job, "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return [r["step"] for r in json.loads(out.stdout) if r["latest"]]
 

@@ -131,7 +131,7 @@ def test_ckptd_export_format_dcp_writes_a_directory_dcp_loads(daemon, tmp_path: 
     with CheckpointClient("cli-exp", address=daemon.address, on_error="raise") as ckpt:
         info = ckpt.save(2, {"model": model}).wait_durable(timeout=60)
     out = tmp_path / "dcp-out"
-    done = subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "export", info.step_dir, str(out), "--format", "dcp"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "export", info.step_dir, str(out), "--format", "dcp"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     state = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(out)))

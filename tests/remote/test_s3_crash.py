@@ -1,7 +1,7 @@
 """Crash at every object-store request of an upload (issue 23 "Must show", in the spirit of
 tests/integration/test_crash_every_event.py): the daemon kills itself (SIGKILL, no cleanup, no
 abort of the multipart upload in flight) just before its N-th request to the object store
-(ckptd.daemon.remote.faults: CKPTD_FAULT_S3_KILL_AT, counted once CKPTD_FAULT_S3_ARM_FILE exists),
+(ckptd.daemon.faults.objects: CKPTD_FAULT_S3_KILL_AT, counted once CKPTD_FAULT_S3_ARM_FILE exists),
 for every N of the upload of a step: its data file in parts (a kill between two parts), the small
 files, node 0's check that every file is there, the index, and the bucket's retention.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.remote.faults import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
+from ckptd.daemon.faults.objects import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
 from s3_rig import Bucket, Node, daemon_env, save_steps, uploads_settled, wait_for
 from s3_server import running_s3_server
 

@@ -16,8 +16,8 @@ from typing import Iterator
 import pytest
 
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.format import INDEX_NAME
-from ckptd.daemon.verify import verify_step
+from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.daemon.tools.verify import verify_step
 from metrics_scrape import scrape
 from s3_rig import Bucket, Node, daemon_env, equal_states, remote_status, state_of, uploads_settled, wait_for, zeros_like
 from s3_server import S3Server, module_s3_server  # noqa: F401  (the fixture)
@@ -265,7 +265,7 @@ def test_a_graceful_stop_does_not_wait_for_an_upload_and_the_next_start_finishes
 
 
 def ckptd_ls(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptd.daemon.cli", "ls", *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_ckptd_ls_lists_the_buckets_steps_without_a_daemon(module_s3_server: S3Server, bucket: Bucket, nodes: list[Node]) -> None:  # noqa: F811

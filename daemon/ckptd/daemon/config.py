@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
-from ckptd.common.paths import default_root, default_socket
 from ckptd.common.codecs import builtin as builtin_codecs
+from ckptd.common.paths import default_root, default_socket
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
-from ckptd.daemon.retention import BEST_MODES, RetentionPolicy
-from ckptd.daemon.shm import ShmBudget
+from ckptd.daemon.handoff.shm_dir import ShmBudget
+from ckptd.daemon.plan.retention import BEST_MODES, RetentionPolicy
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"

@@ -1,4 +1,4 @@
-"""Domain errors of the daemon. Each maps to one gRPC status code, in one place (rpc_errors.py)."""
+"""Domain errors of the daemon. Each maps to one gRPC status code, in one place (rpc/errors.py)."""
 
 from __future__ import annotations
 

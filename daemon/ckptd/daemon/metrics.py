@@ -167,7 +167,7 @@ class Metrics:
             self.arena_released.labels(reason)
         self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
         self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)
-        # tier 0b: replicas of nodes' parts in other daemons' memory (engine/replication.py)
+        # tier 0b: replicas of nodes' parts in other daemons' memory (tiers/replicas.py)
         self.replica_pushes = Counter("ckptd_replica_pushes", "Pushes of this node's part of a committed step to its buddies, by outcome: ok, failed (some buddy does not hold it), cancelled (a newer commit).", ["outcome"], registry=r)
         self.replica_pushed_bytes = Counter("ckptd_replica_pushed_bytes", "Bytes of this node's parts sent to buddies' memory.", registry=r)
         self.replica_received_bytes = Counter("ckptd_replica_received_bytes", "Bytes of other nodes' parts received, checked and held.", registry=r)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, NamedTuple
 
-from ckptd.daemon.engine.compression import Compression
-from ckptd.daemon.format import CheckpointIndex
-from ckptd.daemon.plan import SavePlan, TensorSpec
+from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.daemon.plan.compression import Compression
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class PeerInventory(NamedTuple):
 
 @dataclass(frozen=True)
 class BulkAnswer:
-    """A daemon's answer to OfferReplica / ReadReplica: a ticket for its bulk port (bulk.py)."""
+    """A daemon's answer to OfferReplica / ReadReplica: a ticket for its bulk port (tiers/bulk.py)."""
 
     accepted: bool
     reason: str = ""  # why it was refused
@@ -140,7 +140,7 @@ class JobReplicas:
 
 @dataclass(frozen=True)
 class BulkPortStatus:
-    """The bulk port (tier 0b's bytes, bulk.py) in `ckptd status`."""
+    """The bulk port (tier 0b's bytes, tiers/bulk.py) in `ckptd status`."""
 
     port: int
     healthy: bool

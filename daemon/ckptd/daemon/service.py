@@ -1,5 +1,5 @@
-"""The daemon's engine behind one facade: what the servicers (servicer.py, peer_servicer.py) and
-the server's lifecycle (server.py) call.
+"""The daemon's engine behind one facade: what the servicers (rpc/checkpoint.py, rpc/peer.py) and
+the server's lifecycle (app/server.py) call.
 
 The engine's parts, each a module of `ckptd.daemon.engine`:
 
@@ -13,8 +13,8 @@ The engine's parts, each a module of `ckptd.daemon.engine`:
     context       what they share (settings, storage, metrics, the jobs) and a save's outcomes
 
 Runs on the event loop; blocking work (arena allocation, writing, reading indexes) goes to
-threads. The servicers validate requests (checks.py), call this and convert (rpc_convert.py);
-`CkptdError`s become gRPC status codes in one interceptor (rpc_errors.py).
+threads. The servicers validate requests (rpc/validate.py), call this and convert (rpc/convert.py);
+`CkptdError`s become gRPC status codes in one interceptor (rpc/errors.py).
 """
 
 from __future__ import annotations
@@ -26,34 +26,32 @@ import time
 from dataclasses import replace
 from typing import Any, AsyncIterator, Sequence
 
-from ckptd.daemon.arena import remove_stale_arenas
-from ckptd.daemon.cluster import Cluster, SingleNode
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
-from ckptd.daemon.engine.context import Counters, Engine, IndexCache
+from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
-from ckptd.daemon.engine.load_plan import DecodeInfo, LoadPlan, PieceInfo
-from ckptd.daemon.engine.loads import LOAD_LEASE_S, LoadLease, Loads
-from ckptd.daemon.engine.saves import MAX_EXTRAS_BYTES, Saves
-from ckptd.daemon.engine.compression import Compression, SaveOptions
-from ckptd.daemon.retention import JobRetention, RetentionPolicy, merge
+from ckptd.daemon.engine.loads import Loads
 from ckptd.daemon.engine.runs import Client, Runs
-from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
-from ckptd.daemon.engine.replica_store import ReplicaStore
-from ckptd.daemon.engine.replication import Replication
-from ckptd.daemon.format import CheckpointIndex
-from ckptd.daemon.gpu import GpuStaging
-from ckptd.daemon.handoffs import StagedHandOver
+from ckptd.daemon.engine.saves import Saves
+from ckptd.daemon.engine.sessions import JobState, SaveSession
+from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.daemon.handoff.arena import remove_stale_arenas
+from ckptd.daemon.handoff.gpu_ipc import GpuStaging
+from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
-from ckptd.daemon.peer_tls import PeerTls
-from ckptd.daemon.replica_links import ReplicaLinks
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.plan.compression import Compression, SaveOptions
+from ckptd.daemon.plan.load_plan import LoadPlan
+from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
+from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.rpc.peer_client import PeerClient
+from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
+from ckptd.daemon.tiers.replica_links import ReplicaLinks
+from ckptd.daemon.tiers.replica_store import ReplicaStore
+from ckptd.daemon.tiers.replicas import Replication
 
-__all__ = [
-    "CheckpointService", "Collected", "Counters", "DecodeInfo", "IndexCache", "JobState", "LOAD_LEASE_S",
-    "LoadLease", "LoadPlan", "MAX_EXTRAS_BYTES", "PieceInfo", "SaveSession", "SaveState",
-]
+__all__ = ["CheckpointService"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +72,7 @@ class CheckpointService:
         tls = PeerTls.from_files(*config.peer_tls_files) if config.peer_tls_files is not None else None
         runs = Runs()  # the runs attached here and the jobs' owners: the engine's and the coordinator's
         cluster = (
-            Cluster(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide, runs,
+            PeerClient(config.node_rank, config.peers, config.peer_token, storage, self._retention_after_coordinator_commit, tls, self._decide, runs,
                     self._job_policy)
             if config.multi_node else None
         )
@@ -106,7 +104,7 @@ class CheckpointService:
         return self.engine.storage
 
     @property
-    def cluster(self) -> Cluster | None:
+    def cluster(self) -> PeerClient | None:
         return self.engine.cluster
 
     @property

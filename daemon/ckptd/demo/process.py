@@ -107,7 +107,7 @@ def start_daemon(
 
     The daemon's stdout/stderr go to `log_path` when given (else they are inherited).
     """
-    cmd = [sys.executable, "-m", "ckptd.daemon.cli", "serve", "--root", str(root), "--socket", str(socket), *extra_args]
+    cmd = [sys.executable, "-m", "ckptd.daemon.app.cli", "serve", "--root", str(root), "--socket", str(socket), *extra_args]
     child_env = dict(os.environ if env is None else env)
     log_file = open(log_path, "ab") if log_path is not None else None
     popen = subprocess.Popen(cmd, env=child_env, stdout=log_file, stderr=subprocess.STDOUT if log_file else None)

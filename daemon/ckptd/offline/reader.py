@@ -38,11 +38,11 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.engine.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
+from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
-from ckptd.daemon.format import check_small_file as _check_small_file
-from ckptd.daemon.plan import TensorSpec
+from ckptd.daemon.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
+from ckptd.daemon.format.index import check_small_file as _check_small_file
+from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.storage import Storage
 
 __all__ = ["Step", "StepInfo", "TensorInfo", "list_steps", "open_step"]

@@ -20,10 +20,10 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
+from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
+from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
-from ckptd.daemon.format import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
-from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
+from ckptd.daemon.write.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,7 +45,7 @@ class Commit:
 
     async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
         """The job's newest committed step, whose unchanged files of frozen tensors the writer
-        links (reuse.py); None when the plan has no frozen tensor, linking is off, or there is
+        links (write/reuse.py); None when the plan has no frozen tensor, linking is off, or there is
         no readable previous step (then every file is written)."""
         assert session.plan is not None
         engine = self.engine

@@ -12,24 +12,22 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Coroutine, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Coroutine
 
-from ckptd.daemon.arena import ArenaPool
-from ckptd.daemon.cluster import Cluster
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format import CheckpointIndex, FormatError
-from ckptd.daemon.handoffs import DaemonTransport, daemon_transports
-from ckptd.daemon.metrics import Metrics
-from ckptd.daemon.plan import TensorSpec
-from ckptd.daemon.records import JoinResult, LastCommit, Outcome
-from ckptd.daemon.retention import RetentionPolicy
-from ckptd.daemon.step_build import NodeManifest
-from ckptd.daemon.storage import StorageBackend
-from ckptd.daemon.engine.compression import Compression, SaveOptions, decide_compression
-from ckptd.daemon.engine.runs import RunClaim, Runs
 from ckptd.daemon.engine.memory import ArenaMemory
+from ckptd.daemon.engine.peers import Coordination, Peers
+from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+from ckptd.daemon.errors import Precondition
+from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.daemon.handoff.arena import ArenaPool
+from ckptd.daemon.handoff.transports import DaemonTransport, daemon_transports
+from ckptd.daemon.metrics import Metrics
+from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
+from ckptd.daemon.plan.retention import RetentionPolicy
+from ckptd.daemon.records import LastCommit
+from ckptd.daemon.storage import StorageBackend
 
 if TYPE_CHECKING:
     from ckptd.daemon.remote.tier import RemoteTier
@@ -86,33 +84,6 @@ class Counters:
     link_mismatches: int = 0  # files of the previous step that an incremental save found damaged and wrote again
 
 
-class Coordination(Protocol):
-    """Where a save's nodes meet and its commit is decided: the cluster (several nodes) or an
-    in-process coordinator of one node (cluster.SingleNode); the same protocol either way."""
-
-    async def join_save(
-        self,
-        job: str,
-        step: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = ...,
-        lineage: int = ...,
-        claim: RunClaim = ...,
-    ) -> JoinResult:
-        """Join the save; returns once every rank of the job has (the plan's input, the compression).
-        Raises RunRefused when the run may not save into the job (engine/runs.py)."""
-
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
-        """Report this node's written part (or its failure, manifest None); returns once decided."""
-
-
 class Engine:
     """The state the engine's parts share, and the outcomes every part records the same way.
 
@@ -121,7 +92,7 @@ class Engine:
     jobs' owners (engine/runs.py), shared with the coordinator."""
 
     def __init__(
-        self, config: DaemonConfig, storage: StorageBackend, cluster: Cluster | None, coordination: Coordination, runs: Runs | None = None
+        self, config: DaemonConfig, storage: StorageBackend, cluster: Peers | None, coordination: Coordination, runs: Runs | None = None
     ) -> None:
         self.config = config
         self.runs = runs if runs is not None else Runs()
@@ -131,7 +102,7 @@ class Engine:
         self.node = config.node_rank
         self.retention: RetentionPolicy = config.retention_policy()
         self.metrics = Metrics(config.node_rank)
-        self.transports: dict[str, DaemonTransport] = daemon_transports()  # the daemon's side of hand-offs (handoffs.py)
+        self.transports: dict[str, DaemonTransport] = daemon_transports()  # the daemon's side of hand-offs (handoff/transports.py)
         self.jobs: dict[str, JobState] = {}
         self.memory = ArenaMemory(lambda: self.config, self.jobs, self.metrics, self.spawn)  # the arenas of all jobs, one budget
         self.counters = Counters()
@@ -159,7 +130,7 @@ class Engine:
         return state
 
     def compression(self, options: SaveOptions, lineage: int) -> Compression:
-        """A save's compression under this daemon's current settings (engine/compression.py)."""
+        """A save's compression under this daemon's current settings (plan/compression.py)."""
         config = self.config
         decided = decide_compression(options, lineage, config.quantize, config.master_weights, config.quant_max_generations)
         if decided.capped:

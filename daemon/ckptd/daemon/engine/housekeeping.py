@@ -12,10 +12,10 @@ from typing import Any, Callable, Sequence
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format import CheckpointIndex
+from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
-from ckptd.daemon.retention import RetentionPolicy, policy_of_record
-from ckptd.daemon.step_build import VERSION
+from ckptd.daemon.plan.files import VERSION
+from ckptd.daemon.plan.retention import RetentionPolicy, policy_of_record
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Loads: find the step, plan where each requested box's bytes are (engine/load_plan.py), stage
+"""Loads: find the step, plan where each requested box's bytes are (plan/load_plan.py), stage
 what the rank cannot read itself into shared memory, and lease what it reads until LoadDone.
 
 A lease keeps a held snapshot (and staging files) from being reused or removed while a rank
@@ -15,20 +15,34 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.engine.context import Engine
-from ckptd.daemon.engine.load_plan import (
-    LoadPlan, Location, MemoryPlan, MemoryPlans, PieceInfo, StagedRead, Tier, extras_source, file_locations, file_sources,
-    incomplete_message, load_tier, needs_decoding, plan_digest, plan_pieces, rank_extras,
-)
-from ckptd.daemon.engine.peer_steps import PeerSteps
-from ckptd.daemon.engine.replication import Replication
 from ckptd.daemon.engine.sessions import JobState
-from ckptd.daemon.errors import NotFound, Precondition, Unavailable
-from ckptd.daemon.format import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
-from ckptd.daemon.plan import TensorSpec
 from ckptd.daemon.engine.staging import StagingFiles
-from ckptd.daemon.units import Unit, file_units
+from ckptd.daemon.errors import NotFound, Precondition, Unavailable
+from ckptd.daemon.format.index import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
+from ckptd.daemon.format.units import Unit, file_units
+from ckptd.daemon.handoff.arena import ArenaSet
+from ckptd.daemon.plan.load_plan import (
+    LoadPlan,
+    Location,
+    MemoryPlan,
+    MemoryPlans,
+    PieceInfo,
+    StagedRead,
+    Tier,
+    extras_source,
+    file_locations,
+    file_sources,
+    incomplete_message,
+    load_tier,
+    needs_decoding,
+    plan_digest,
+    plan_pieces,
+    rank_extras,
+)
+from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.tiers.peer_disks import PeerSteps
+from ckptd.daemon.tiers.replicas import Replication
 
 log = logging.getLogger(__name__)
 

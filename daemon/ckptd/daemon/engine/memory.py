@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
-from ckptd.daemon.arena import ARENA_PREFIX, ArenaPool, ArenaSet, Reservation, SetState
+from ckptd.common.sizes import human_bytes
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.errors import Exhausted
+from ckptd.daemon.handoff.arena import ARENA_PREFIX, ArenaPool, ArenaSet, Reservation, SetState
+from ckptd.daemon.handoff.shm_dir import free_bytes, host_memory_bytes, total_bytes
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import ArenaHolder
-from ckptd.common.sizes import human_bytes
-from ckptd.daemon.shm import free_bytes, host_memory_bytes, total_bytes
 
 log = logging.getLogger(__name__)
 

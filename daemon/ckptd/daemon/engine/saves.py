@@ -18,17 +18,15 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Coroutine, Sequence
 
 from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
-from ckptd.daemon.arena import ArenaSet
-from ckptd.daemon.records import JoinResult
-from ckptd.daemon.errors import (
-    Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint,
-)
-from ckptd.daemon.handoffs import StagedHandOver
-from ckptd.daemon.plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.engine.context import Engine
-from ckptd.daemon.engine.compression import SaveOptions
 from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint
+from ckptd.daemon.handoff.arena import ArenaSet
+from ckptd.daemon.handoff.transports import StagedHandOver
+from ckptd.daemon.plan.compression import SaveOptions
+from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.records import JoinResult
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +315,7 @@ class Saves:
     ) -> None:
         """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
         mode "ipc", copied from its staging buffer into its arena first; if that fails the save
-        fails (nothing of it is persisted); see handoffs.py. stall_s: seconds its save() blocked training so far
+        fails (nothing of it is persisted); see handoff/transports.py. stall_s: seconds its save() blocked training so far
         (0: not reported)."""
         engine = self.engine
         state, session = self.find(job, save_id)

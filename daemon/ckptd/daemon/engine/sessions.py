@@ -19,18 +19,18 @@ telling the coordinator) are the engine's (engine/context.py).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Iterator
 
-from ckptd.daemon.arena import ArenaPool, ArenaSet, SetState
-from ckptd.daemon.engine.compression import Compression, SaveOptions
+from ckptd.daemon.engine.plan_inputs import JobPlans
 from ckptd.daemon.errors import InvalidRequest, Precondition
-from ckptd.daemon.writer import Progress
-from ckptd.daemon.plan import SavePlan, TensorSpec
-from ckptd.daemon.plan_input import JobPlans
+from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
+from ckptd.daemon.plan.compression import Compression, SaveOptions
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
+from ckptd.daemon.write.writer import Progress
 
 RECENT_RESULTS = 16  # ended saves a job remembers (WaitDurable of a save that just ended)
 
@@ -82,7 +82,7 @@ class SaveSession:
     progress: Progress | None = None
     options: SaveOptions = SaveOptions()
     lineage: int = 0  # quantization generation of the checkpoint the ranks last loaded
-    compression: Compression | None = None  # decided when the save is planned (engine/compression.py)
+    compression: Compression | None = None  # decided when the save is planned (plan/compression.py)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # plan + arenas decided (or failed)
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # no longer open: handed over, failed or skipped
     finished: asyncio.Event = field(default_factory=asyncio.Event)  # committed, failed or skipped

@@ -19,8 +19,8 @@ import stat
 import threading
 from pathlib import Path
 
-from ckptd.daemon.arena import ARENA_PREFIX
 from ckptd.daemon.errors import Precondition
+from ckptd.daemon.handoff.arena import ARENA_PREFIX
 from ckptd.daemon.private_dirs import create_file
 
 log = logging.getLogger(__name__)

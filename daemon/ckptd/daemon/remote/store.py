@@ -19,8 +19,8 @@ import logging
 import os
 import re
 import threading
-from datetime import datetime, timedelta, timezone
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from ckptd.daemon.remote.credentials import FIX_CREDENTIALS, StoreSettings

@@ -30,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ckptd.daemon.errors import Unavailable
-from ckptd.daemon.format import CheckpointIndex, FormatError
+from ckptd.daemon.faults import objects as faults
+from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import RemoteStatus
-from ckptd.daemon.remote import faults
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.credentials import CredentialsError, resolve
 from ckptd.daemon.remote.location import parse_location
@@ -42,7 +43,6 @@ from ckptd.daemon.remote.restore import StepRestorer
 from ckptd.daemon.remote.status import TierCounters, TierMetrics
 from ckptd.daemon.remote.store import RETRY_TIMEOUT_S, ObjectStore, RemoteAccessDenied, RemoteBucketMissing, RemoteError, Stopped, open_store, require_client
 from ckptd.daemon.remote.upload import Copies, LocalDamage, NotReady, StepGone, StepUploader, Uploaded, transient
-from ckptd.daemon.retention import RetentionPolicy
 
 if TYPE_CHECKING:
     from ckptd.daemon.config import DaemonConfig

@@ -1,0 +1,1 @@
+"""The on-disk format: safetensors headers, the step index and its records, checksum units."""

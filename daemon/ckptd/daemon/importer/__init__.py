@@ -1,0 +1,1 @@
+"""`ckptd import`: reading torch.save, DCP and safetensors checkpoints and writing them as ckptd steps."""

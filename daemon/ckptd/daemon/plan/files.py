@@ -1,0 +1,329 @@
+"""What a step's files hold, pure: the stored tensors of a plan, the room reserved for a
+header, the bytes a file can take, the index records of what the writer placed, and the small
+files (HF indexes, extra.json, ckptd.index.json) that commit a step. No I/O: write/writer.py executes.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box, coverage_problems
+from ckptd.common.chunks import chunk_bytes_for
+from ckptd.common.frames import Frames
+from ckptd.common.quant_options import CAST, RESIDUAL
+from ckptd.daemon.format.index import (
+    ADAPTER_WEIGHTS,
+    ENVIRONMENT_JSON,
+    EXTRA_JSON,
+    GROUP_OF_KIND,
+    HEADER_ALIGN,
+    INDEX_NAME,
+    CheckpointIndex,
+    FileLayout,
+    FileRecord,
+    FragmentRecord,
+    QuantRecord,
+    SideRecord,
+    StoredTensor,
+    TensorRecord,
+    extra_json,
+    file_key,
+    fragment_key,
+    hf_index_json,
+    safetensors_header,
+    scales_key,
+)
+from ckptd.daemon.format.units import checksum_name
+from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class NodeManifest:
+    """What one node wrote of a step: its data files (fsynced, renamed) and where each stored
+    tensor or fragment is in them."""
+
+    node: int
+    files: tuple[FileRecord, ...]
+    fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
+    linked: tuple[str, ...] = ()  # files linked from the previous step, not written (this node's own count; not sent)
+    rewritten: tuple[str, ...] = ()  # files whose linked copy did not match the snapshot: written again (this node's own count; not sent)
+
+
+class IncompleteStep(ValueError):
+    """The nodes' manifests do not cover every tensor exactly once; the message names them."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A stored tensor as written: its file, absolute offset, xxh3-64 and chunk digests."""
+
+    tensor: StoredTensor
+    file: str
+    offset: int
+    digest: int
+    chunks: str
+
+
+@dataclass(frozen=True)
+class Coding:
+    """A stored tensor whose bytes are made in memory: quantized codes and scales (`codec`, a
+    ckptd.common.quant.Codec), or a master weight's bf16 residual to the stored model weight
+    `model` (its whole twin, of the same box)."""
+
+    codec: Any = None
+    model: StoredTensor | None = None
+
+
+@dataclass(frozen=True)
+class CodedWrite:
+    """What a coding job wrote: the codes and scales of `tensor` (`frames`: the table of int4
+    codes in zstd frames), or its values as they are when they could not be quantized."""
+
+    tensor: StoredTensor
+    placed: tuple[Placed, ...]
+    frames: Frames | None
+    quantized: bool
+
+
+def placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "Coding"]) -> bool:
+    """Whether `t` (codes or scales of a quantized tensor) is placed once coded; scales are
+    written beside their codes (layout_files keeps both in one file)."""
+    coding = codings.get((t.name, t.box))
+    return coding is not None and coding.codec is not None
+
+
+def scales_shapes(layout: FileLayout) -> dict[tuple[str, Box], tuple[int, ...]]:
+    """The shapes of the scales of the file's quantized tensors, by (name, box) of their codes."""
+    return {(t.name, t.box): t.shape for t in layout.tensors if t.role == "scales"}
+
+
+def header_room(
+    fixed: list[StoredTensor], late: list[StoredTensor], tensors: dict[str, LogicalTensor], scales_shapes: dict[tuple[str, Box], tuple[int, ...]]
+) -> int:
+    """Bytes to reserve for the header of a file whose `late` tensors (codes) are placed, with
+    their scales, once coded.
+
+    The header is measured as if every quantized tensor fell back to its values as they are
+    (its logical dtype and shape: more bytes than its codes, so larger offsets, a dtype name at
+    least as long, a shape whose digits outnumber the coded size's) and its scales stayed: the
+    real header is never longer."""
+    bound = [(t.key, t.dtype, t.shape) for t in fixed]
+    for t in late:
+        bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
+        bound.append((scales_key(t.key), "F32", scales_shapes[(t.name, t.box)]))
+    header, _ = safetensors_header(bound)
+    return len(header) + HEADER_ALIGN * 2 * len(late)  # spare room: a compressed size can exceed its codes by a few bytes
+
+
+def file_bytes_bound(layout: FileLayout, tensors: dict[str, LogicalTensor]) -> int:
+    """The most bytes the file of `layout` can take once written, header included.
+
+    Exact for a file of tensors of known size (values, bf16 residuals). A quantized tensor's
+    size is known only once it is coded (int4 codes are zstd-compressed; a tensor that cannot
+    be quantized is stored as its values instead), so each counts as its values as they are
+    (logical dtype over its box) plus its scales, and the header as header_room reserves it.
+    Only floating point values (2 bytes or more each) are quantized, to codes of 1 or 1/2 byte
+    per value; zstd adds under 1% to incompressible int4 codes, and a few bytes of framing that
+    can outgrow the values only for a fragment of a handful of values (the reserve covers that)."""
+    shapes = scales_shapes(layout)
+    if not shapes:
+        header, _ = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
+        return len(header) + layout.nbytes
+    coded = [t for t in layout.tensors if (t.name, t.box) in shapes]
+    fixed = [t for t in layout.tensors if (t.name, t.box) not in shapes]
+    late = [t for t in coded if t.role == "data"]
+    values = sum(dtypes.nbytes(tensors[t.name].dtype, t.box.lengths) for t in late)
+    scales = sum(t.nbytes for t in coded if t.role == "scales")
+    return header_room(fixed, late, tensors, shapes) + sum(t.nbytes for t in fixed) + values + scales
+
+
+def whole_parts(plan: SavePlan) -> list[StoredPart]:
+    """One part per tensor, whole, on node 0 (a plan without parts: one node)."""
+    return [StoredPart(t.name, Box.full(t.shape), 0, True) for t in plan.tensors]
+
+
+def stored_tensors(plan: SavePlan) -> list[StoredTensor]:
+    """The tensors every node's files hold, as the plan stores them (before compression): a
+    whole tensor once (its parts are one per fragment), a fragment stored on its own under its
+    fragment key. The same on every node, so all nodes lay out the same files."""
+    tensors = {t.name: t for t in plan.tensors}
+    stored = []
+    whole_done: set[str] = set()
+    for part in plan.parts or whole_parts(plan):
+        t = tensors[part.name]
+        if part.whole:
+            if t.name not in whole_done:
+                whole_done.add(t.name)
+                stored.append(StoredTensor(t.name, file_key(t.name, t.kind), t.dtype, t.shape, Box.full(t.shape), part.node))
+        else:
+            key = fragment_key(file_key(t.name, t.kind), part.box)
+            stored.append(StoredTensor(t.name, key, t.dtype, part.box.lengths, part.box, part.node))
+    return stored
+
+
+def fragment_records(
+    placed: list[Placed], codings: dict[tuple[str, Box], Coding], outcomes: dict[tuple[str, Box], CodedWrite],
+    cast: dict[str, StoredTensor],
+) -> tuple[tuple[str, FragmentRecord], ...]:
+    """The index records of what was written: codes with their scales and frames (and residuals
+    with the model weight they add to) in QuantRecords; dropped master weights as the model
+    weight's bytes."""
+    where = {(p.tensor.name, p.tensor.box, p.tensor.role): p for p in placed}
+
+    def side(p: Placed) -> SideRecord:
+        t = p.tensor
+        return SideRecord(p.file, t.key, t.dtype, t.shape, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks)
+
+    def fragment(p: Placed, quant: QuantRecord | None) -> FragmentRecord:
+        t = p.tensor
+        return FragmentRecord(p.file, t.key, t.box, t.dtype, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks, quant)
+
+    records = []
+    for p in placed:
+        t = p.tensor
+        if t.role != "data":
+            continue
+        quant = None
+        coding = codings.get((t.name, t.box))
+        if coding is not None and coding.model is not None:
+            quant = QuantRecord(RESIDUAL, base=side(where[(coding.model.name, coding.model.box, "data")]))
+        elif coding is not None and outcomes[(t.name, t.box)].quantized:
+            codec = coding.codec
+            quant = QuantRecord(codec.name, codec.block, scales=side(where[(t.name, t.box, "scales")]), frames=outcomes[(t.name, t.box)].frames)
+        records.append((t.name, fragment(p, quant)))
+    for name, model in cast.items():
+        records.append((name, fragment(where[(model.name, model.box, "data")], QuantRecord(CAST))))
+    return tuple(records)
+
+
+def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
+    """environment.json: the trainer's record as rank 0 sent it (versions of Python, torch and
+    ckptd, device meshes, the user's run config; {} from a client that sends none), the layout
+    that wrote the step (from the plan) and the daemon that committed it."""
+    ranks_of_node = Counter(plan.node_of_rank or (0,) * plan.world_size)
+    ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
+    boxes: dict[str, set[Box]] = {}
+    for slot in plan.slots:
+        boxes.setdefault(slot.name, set()).add(slot.box)
+    kinds: dict[str, dict[str, int]] = {}
+    for t in plan.tensors:
+        counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
+        counts["tensors"] += 1
+        counts["sharded"] += len(boxes.get(t.name, ())) > 1
+        counts["fragments"] += len(boxes.get(t.name, ()))
+        counts["bytes"] += t.nbytes
+    doc = {
+        "trainer": json.loads(trainer) if trainer else {},
+        "layout": {"world_size": plan.world_size, "nodes": len(ranks_per_node), "ranks_per_node": ranks_per_node, "kinds": kinds},
+        "daemon": {"ckptd": VERSION, "python": platform.python_version(), "host": host},
+    }
+    return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+
+
+ADAPTER_COPY_LIMIT = 1 << 30  # bytes: a larger adapter file is not copied (`ckptd export` makes one)
+
+
+def adapter_source(manifests: Sequence[NodeManifest], kinds: dict[str, str], model_files: dict[str, bytes]) -> FileRecord | None:
+    """The data file to copy as ADAPTER_WEIGHTS: the only file holding model tensors, when the
+    step's model files include adapter_config.json and those tensors are stored whole and
+    lossless in it (a PEFT adapter, saved by ckptd.integrations.peft); else None."""
+    if "adapter_config.json" not in model_files:
+        return None
+    files = {f.name: f for m in manifests for f in m.files}
+    holding = set()
+    for manifest in manifests:
+        for name, fragment in manifest.fragments:
+            if kinds.get(name) == "model":
+                if fragment.quant is not None or fragment.key != file_key(name, "model"):
+                    return None
+                holding.add(fragment.file)
+    if len(holding) != 1:
+        return None
+    record = files[holding.pop()]
+    return record if record.size <= ADAPTER_COPY_LIMIT else None
+
+
+def step_files(
+    job: str,
+    step: int,
+    plan: SavePlan,
+    manifests: Sequence[NodeManifest],
+    extras: dict[int, Any],
+    model_files: dict[str, bytes],
+    metric: float | None,
+    clock: Callable[[], float] = time.time,
+    quantization: dict[str, Any] | None = None,
+    adapter: tuple[FileRecord, bytes] | None = None,
+    retention: dict[str, Any] | None = None,
+) -> tuple[CheckpointIndex, dict[str, bytes]]:
+    """The index and the small files that commit a step whose data files the nodes wrote.
+
+    adapter: (the record of adapter_source's file, its bytes): written as ADAPTER_WEIGHTS,
+    recorded with that file's size and header checksum (a safetensors file, as `ckptd verify`
+    checks them). retention: the job's own policy (retention.policy_record), recorded in the
+    index. Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
+    IncompleteStep when the manifests do not hold every tensor's bytes exactly once.
+    """
+    by_name: dict[str, list[FragmentRecord]] = {}
+    for manifest in manifests:
+        for name, fragment in manifest.fragments:
+            by_name.setdefault(name, []).append(fragment)
+    problems = []
+    for t in plan.tensors:
+        found = coverage_problems(t.shape, [f.box for f in by_name.get(t.name, [])])
+        if found:
+            problems.append(f"{t.name}: {found[0]}")
+    if problems:
+        raise IncompleteStep(f"{len(problems)} tensors are not written exactly once: " + "; ".join(problems[:5]))
+    data_files = [f for manifest in sorted(manifests, key=lambda m: m.node) for f in manifest.files]
+    kinds = {t.name: t.kind for t in plan.tensors}
+    small: dict[str, bytes] = {}
+    for group in ("model", "master_weights", "optimizer"):
+        in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
+        split = any(len(by_name[name]) > 1 for name, _ in in_group)
+        # a dropped master weight is the model weight's bytes: not in the master files
+        pieces = [piece for _, f in in_group for piece in f.stored_pieces()]
+        if pieces and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
+            weight_map = {piece.key: piece.file for piece in pieces}
+            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
+    small[EXTRA_JSON] = extra_json(step, extras)
+    small.update(model_files)
+    host = socket.gethostname()
+    small[ENVIRONMENT_JSON] = environment_json(plan, model_files.get(ENVIRONMENT_JSON), host)
+    records = [FileRecord(name, len(data), checksum_name(xxhash.xxh3_64_intdigest(data))) for name, data in small.items()]
+    if adapter is not None:
+        source, data = adapter
+        if len(data) != source.size:
+            raise ValueError(f"the copy of {source.name} for {ADAPTER_WEIGHTS} has {len(data)} bytes, the file {source.size}")
+        small[ADAPTER_WEIGHTS] = data
+        records.append(FileRecord(ADAPTER_WEIGHTS, source.size, source.checksum))
+
+    def record(t: LogicalTensor) -> TensorRecord:
+        fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
+        return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases, t.rank)
+
+    index = CheckpointIndex(
+        job=job,
+        step=step,
+        created_at=clock(),
+        world_size=plan.world_size,
+        tensors=tuple(record(t) for t in plan.tensors),
+        files=tuple(data_files + records),
+        metric=metric,
+        writer={"host": host, "ckptd": VERSION, "nodes": len(manifests)},
+        quantization=quantization,
+        retention=retention,
+    )
+    small[INDEX_NAME] = index.to_json_bytes()
+    return index, small

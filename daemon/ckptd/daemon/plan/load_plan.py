@@ -1,0 +1,400 @@
+"""Where each requested tensor box's bytes come from: the load planner. Pure: no I/O, no awaits.
+
+Tiers, tried in this order for each tensor:
+
+    memory here   a snapshot this daemon still holds in shared memory (the newest committed step);
+                  for files: a replica of another node's part that this daemon holds (tier 0b)
+    memory, peer  a replica of the file's node's part in a peer daemon's memory (tier 0b)
+    disk here     the step's files in this node's root, read by the rank itself
+    disk on peer  a file another node wrote (own roots): fetched into shared memory first
+    (staged)      a file here that the rank cannot read (no access to the root, or a backend
+                  without local files): copied into shared memory first
+
+`file_sources` picks each file's tier and node, `file_locations` where the rank reads it,
+`plan_pieces` the pieces per tensor; the engine (engine/loads.py) asks the peers what they hold
+before, and performs the staged reads after. `extras_source` / `rank_extras`: whose extras (JSON
+and per-rank tensors) a rank gets. Replicas (memory tiers of files) are always staged
+into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
+scales), from any tier but the held snapshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from ckptd.common.boxes import Box, intersect
+from ckptd.common.frames import Frames
+from ckptd.common.names import per_rank_name, shared_name
+from ckptd.common.quant_options import CAST
+from ckptd.daemon.errors import InvalidRequest
+from ckptd.daemon.format.index import CheckpointIndex, FileRecord, TensorRecord
+from ckptd.daemon.handoff.arena import ArenaSet, SetState
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
+
+OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
+RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state.RNG_KEY)
+
+
+def extras_source(rank: int, world_size: int) -> int:
+    """The rank whose extras (its JSON extras and its own extras tensors) `rank` loads from a step
+    saved by `world_size` ranks: its own when the step has its rank, else rank 0's (more ranks
+    than at save time). The extras of ranks beyond the loading world are not loaded."""
+    return rank if rank < world_size else 0
+
+
+def rank_extras(extras_by_rank: Mapping[int, Any], rank: int, world_size: int) -> Any:
+    """`rank`'s extras tree from every saved rank's: `extras_source`'s, without its RNG state
+    when it is another rank's (each rank's generators are its own)."""
+    source = extras_source(rank, world_size)
+    extras = extras_by_rank.get(source, {})
+    if source != rank and isinstance(extras, dict):
+        extras = {k: v for k, v in extras.items() if k != RNG_KEY}
+    return extras
+
+
+class Tier(StrEnum):
+    MEMORY_LOCAL = "memory-local"
+    MEMORY_PEER = "memory-peer"  # a replica in a peer daemon's memory (tier 0b)
+    DISK_LOCAL = "disk-local"
+    DISK_PEER = "disk-peer"
+
+
+class PieceInfo(NamedTuple):
+    """One source of bytes for (part of) a requested tensor (a named tuple: a load makes one
+    per tensor, and a tuple is made in C)."""
+
+    name: str  # the requested name
+    source: str  # "shm" | "file" (the wire's Piece.source)
+    path: str
+    offset: int
+    nbytes: int
+    fragment: Box
+    dtype: str
+    checksum: str
+    chunk_bytes: int = 0  # file pieces: the fragment's chunk checksums (FragmentRecord)
+    chunk_xxh3: str = ""
+    decode: "DecodeInfo | None" = None  # the bytes are codes or a residual, not values
+
+
+@dataclass(frozen=True)
+class DecodeInfo:
+    """How the client turns a piece's bytes into values (ckptd.common.quant)."""
+
+    codec: str
+    block: int
+    scales: PieceInfo | None
+    base: PieceInfo | None
+    frames: Frames | None = None  # the codes are stored in zstd frames
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    load_id: str
+    step: int
+    pieces: tuple[PieceInfo, ...]
+    extras: Any
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    tier: str  # "memory" | "disk" | "mixed" (the wire's and the metrics' label)
+    generation: int = 0
+    plan_id: str = ""  # memory tier: a digest of `pieces` (see MemoryPlans)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the rank reads one data file of the step."""
+
+    tier: Tier
+    node: int  # the node whose root has the file
+    path: str  # what the rank opens: the file itself, or its staging copy in shared memory
+    staged: bool  # the daemon copies the needed ranges to `path` first
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """Bytes [offset, offset + nbytes) of `file` (on `node`) to copy to the same offset of its staging file."""
+
+    file: str
+    node: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlannedPieces:
+    pieces: tuple[PieceInfo, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    reads: tuple[StagedRead, ...]  # to perform before the rank reads (in the order found)
+
+
+TIER_ORDER = (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER, Tier.DISK_LOCAL, Tier.DISK_PEER)
+
+
+def file_sources(
+    files: Sequence[FileRecord], node: int, disk: Mapping[int, Mapping[str, int]], memory: Mapping[int, Mapping[str, int]]
+) -> tuple[dict[str, tuple[Tier, int]], list[FileRecord]]:
+    """Where to read each data file from: (tier, node) by TIER_ORDER (this node's memory, a
+    peer's memory, this node's disk, a peer's disk), the lowest node first among peers of one
+    tier. disk / memory: node -> file name -> size it holds (memory: replicas of other nodes'
+    parts); a holder counts only with the size the index gives. Returns the choice per file and
+    the files that no node holds."""
+    chosen: dict[str, tuple[Tier, int]] = {}
+    missing = []
+    peers = sorted((set(disk) | set(memory)) - {node})
+    holders = {Tier.MEMORY_LOCAL: ([node], memory), Tier.MEMORY_PEER: (peers, memory), Tier.DISK_LOCAL: ([node], disk), Tier.DISK_PEER: (peers, disk)}
+    for f in files:
+        found = next(((tier, n) for tier in TIER_ORDER for n in holders[tier][0] if holders[tier][1].get(n, {}).get(f.name) == f.size), None)
+        if found is None:
+            missing.append(f)
+        else:
+            chosen[f.name] = found
+    return chosen, missing
+
+
+def file_locations(
+    files: Sequence[FileRecord],
+    node: int,
+    where: Mapping[str, int],
+    local_path: Callable[[str], str | None],
+    staging_path: Callable[[str], str],
+    tiers: Mapping[str, Tier] | None = None,
+) -> dict[str, Location]:
+    """Each data file's location. where: file -> the node that has it (absent: this one);
+    tiers: file -> its tier when it is a replica in memory (file_sources; absent: on disk), read
+    from the node in `where` and always staged; local_path: the path by which the rank reads a
+    file of this node's storage itself, None when it cannot (a rank without access to the root,
+    a backend without local files): the file is then staged."""
+    out = {}
+    for f in files:
+        holder = where.get(f.name, node)
+        tier = (tiers or {}).get(f.name)
+        path = local_path(f.name) if holder == node and tier is None else None
+        if tier in (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER):
+            out[f.name] = Location(tier, holder, staging_path(f.name), True)
+        elif holder != node:
+            out[f.name] = Location(Tier.DISK_PEER, holder, staging_path(f.name), True)
+        elif path is None:
+            out[f.name] = Location(Tier.DISK_LOCAL, node, staging_path(f.name), True)
+        else:
+            out[f.name] = Location(Tier.DISK_LOCAL, node, path, False)
+    return out
+
+
+def plan_pieces(
+    index: CheckpointIndex,
+    wanted: Sequence[TensorSpec],
+    kinds: Sequence[str],
+    strict: bool,
+    held: ArenaSet | None,
+    locations: Mapping[str, Location],
+    rank: int = 0,
+) -> PlannedPieces:
+    """The pieces of every wanted tensor box of rank `rank`, the names missing from the step and
+    those in it (of the requested kinds) not asked for. Raises InvalidRequest for a shape that
+    differs from the step's, and (strict) for missing or unexpected names.
+
+    A rank's own extras tensor (`TensorSpec.per_rank`, named for `rank`) comes from the copy of
+    `extras_source`'s rank, or from the one tensor of that name a step saved before extras were
+    per rank; other ranks' own tensors are neither expected nor unexpected."""
+    table = index.by_name()
+    step = index.step
+    source = extras_source(rank, index.world_size)
+    missing = []
+    pieces: list[PieceInfo] = []
+    reads: dict[tuple[str, int], StagedRead] = {}
+    found: set[str] = set()
+    for spec in wanted:
+        record = _record_of(table, spec, rank, source)
+        if record is None:
+            if not spec.name.startswith(OPTIONAL_PREFIXES):
+                missing.append(spec.name)
+            continue
+        found.add(record.name)
+        if tuple(record.shape) != tuple(spec.shape):
+            raise InvalidRequest(
+                f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
+                f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
+            )
+        in_memory = _memory_pieces(spec, record, held) if held is not None and not record.lossy else None
+        pieces += in_memory if in_memory is not None else _file_pieces(spec, record, locations, reads)
+    requested_kinds = set(kinds)
+    unexpected = sorted(
+        t.name
+        for t in index.tensors
+        if t.name not in found and t.name.split("/", 1)[0] in requested_kinds and not t.name.startswith(OPTIONAL_PREFIXES)
+        and t.rank in (None, source)
+    )
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from step {step}: {names_text(missing)}")
+        if unexpected:
+            parts.append(f"in step {step} but not in the state being loaded: {names_text(unexpected)}")
+        raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
+    return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()))
+
+
+def _record_of(table: Mapping[str, TensorRecord], spec: TensorSpec, rank: int, source: int) -> TensorRecord | None:
+    """The step's tensor that `spec` of rank `rank` loads (source: `extras_source`), or None.
+
+    A per-rank request ("extra/rank<rank>/t") takes the source rank's own copy
+    ("extra/rank<source>/t"), else a tensor "extra/t" shared by every rank (saved with a layout
+    rule, imported, or saved before extras were per rank). A plain request of a tensor that the
+    step holds per rank (now loaded with a layout rule, or as a DTensor) takes the source rank's copy.
+    """
+    if not spec.per_rank:
+        record = table.get(spec.name)
+        if record is None and spec.kind == "extra":
+            own = table.get(per_rank_name(spec.name, source))
+            return own if own is not None and own.rank == source else None
+        return record
+    base = shared_name(spec.name, rank)
+    if base is None:
+        raise InvalidRequest(f"rank {rank} asks for {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
+    own = table.get(per_rank_name(base, source))
+    if own is not None and own.rank == source:
+        return own
+    shared = table.get(base)
+    return shared if shared is not None and shared.rank is None else None
+
+
+def _memory_pieces(spec: TensorSpec, record: TensorRecord, held: ArenaSet) -> list[PieceInfo] | None:
+    """The pieces of `spec`'s box in the held snapshot; None when some overlapping fragment was
+    copied by a rank of another node (not all of it is here)."""
+    out = []
+    for slot in held.plan.slots_named(record.name):
+        if intersect(slot.box, spec.box) is None:
+            continue
+        arena = held.arenas[slot.rank]
+        if arena is None:
+            return None
+        out.append(PieceInfo(spec.name, "shm", arena.path_text, slot.offset, slot.nbytes, slot.box, record.dtype, ""))
+    return out
+
+
+def _file_pieces(
+    spec: TensorSpec, record: TensorRecord, locations: Mapping[str, Location], reads: dict[tuple[str, int], StagedRead]
+) -> list[PieceInfo]:
+    def path_of(file: str, offset: int, nbytes: int) -> str:
+        location = locations[file]
+        if location.staged and (file, offset) not in reads:
+            reads[(file, offset)] = StagedRead(file, location.node, offset, nbytes)
+        return location.path
+
+    out = []
+    for frag in record.fragments:
+        if intersect(frag.box, spec.box) is None:
+            continue
+        path = path_of(frag.file, frag.offset, frag.nbytes)
+        decode = None
+        if frag.quant is not None and frag.quant.codec != CAST:  # "cast": the model weight's bytes, converted as any dtype
+            sides: list[PieceInfo | None] = []
+            for side in (frag.quant.scales, frag.quant.base):
+                if side is None:
+                    sides.append(None)
+                    continue
+                side_path = path_of(side.file, side.offset, side.nbytes)
+                sides.append(
+                    PieceInfo(
+                        spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum,
+                        chunk_bytes=side.chunk_bytes, chunk_xxh3=side.chunk_xxh3,
+                    )
+                )
+            decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1], frag.quant.frames)
+        out.append(
+            PieceInfo(
+                spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
+                chunk_bytes=frag.chunk_bytes, chunk_xxh3=frag.chunk_xxh3, decode=decode,
+            )
+        )
+    return out
+
+
+def load_tier(pieces: Sequence[PieceInfo], held: ArenaSet | None) -> str:
+    """The load's label: "memory" (all from the held snapshot), "disk" (none) or "mixed"."""
+    sources = {p.source for p in pieces}
+    if sources == {"shm"} or (held is not None and not pieces):
+        return "memory"
+    return "disk" if "shm" not in sources else "mixed"
+
+
+def needs_decoding(index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tuple[bool, bool]:
+    """Whether the pieces of `wanted` include quantized codes or residuals (which a load always
+    reads as stored, whatever the tier), and whether some of those codes are in zstd frames.
+    "cast" fragments (a dropped master weight: the model weight's bytes) need no decoding."""
+    table = index.by_name()
+    coded = [
+        f.quant for spec in wanted if spec.name in table for f in table[spec.name].fragments
+        if f.quant is not None and f.quant.codec != CAST and intersect(f.box, spec.box) is not None
+    ]
+    return bool(coded), any(q.frames is not None for q in coded)
+
+
+def incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], unreachable: Mapping[int, str], describe: Callable[[int], str]) -> str:
+    """Why a step cannot be loaded from the nodes present: which files and tensors are where."""
+    lost = {f.name for f in missing}
+    tensors = sorted({t.name for t in index.tensors for frag in t.fragments if frag.file in lost})
+    writers = sorted({f.node for f in missing})
+    parts = [
+        f"step {index.step} of job {index.job!r} is not complete on the nodes present: "
+        f"{len(missing)} files ({names_text([f.name for f in missing], 5)}) with tensors {names_text(tensors, 10)} were written by "
+        + ", ".join(describe(n) for n in writers)
+    ]
+    for node, why in sorted(unreachable.items()):
+        parts.append(f"{describe(node)} did not answer ({why})")
+    parts.append("start the missing nodes' daemons on their storage, or load an older step")
+    return "; ".join(parts)
+
+
+def names_text(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def plan_digest(pieces: Sequence[PieceInfo]) -> str:
+    h = hashlib.sha256()
+    for p in pieces:
+        h.update(f"{p.name}|{p.path}|{p.offset}|{p.nbytes}|{p.fragment.offsets}|{p.fragment.lengths}|{p.dtype}\n".encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryPlan:
+    """Pieces of a load served wholly from a held snapshot, for the same request again."""
+
+    held: ArenaSet
+    layout: SavePlan  # the held snapshot's plan when these pieces were derived
+    wanted: Sequence[TensorSpec]
+    pieces: tuple[PieceInfo, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    plan_id: str
+
+
+class MemoryPlans:
+    """Memory-tier load plans by (job, rank, options, held arena set): a rank that loads the same
+    tensors (the very specs object its fingerprint resolved to) from an arena set laid out by the
+    same save plan again gets the same pieces (they name arena paths and offsets, not steps)
+    without their per-tensor derivation. Keeps the last `keep` plans."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._keep = keep
+        self._plans: dict[tuple[Any, ...], MemoryPlan] = {}
+
+    def get(self, key: tuple[Any, ...], held: ArenaSet | None, wanted: Sequence[TensorSpec], step: int) -> MemoryPlan | None:
+        plan = self._plans.get(key)
+        if plan is None or held is None or plan.held is not held or plan.wanted is not wanted or plan.layout is not held.plan:
+            return None
+        if held.state is not SetState.HELD or held.step != step:
+            return None
+        return plan
+
+    def put(self, key: tuple[Any, ...], plan: MemoryPlan) -> None:
+        self._plans.pop(key, None)
+        self._plans[key] = plan
+        while len(self._plans) > self._keep:
+            del self._plans[next(iter(self._plans))]

@@ -1,0 +1,354 @@
+"""Save planning: from what every rank holds to which node writes what and who copies it where.
+Pure; no I/O.
+
+Every rank of a job describes the fragments it holds (`TensorSpec`); ranks live on nodes
+(one daemon each). The plan
+- checks that the ranks agree on each logical tensor (kind, dtype, global shape, aliases)
+  and that the distinct boxes of each tensor tile it exactly;
+- gives every logical tensor to the nodes that write it, spreading bytes evenly over nodes:
+  a tensor that some node holds entirely is written whole by one such node (so model files
+  stay loadable by Hugging Face); a tensor no node holds entirely (sharded across nodes) is
+  written as fragments, each by a node that holds it;
+- removes replicas inside a node: a fragment held by several of its ranks (data parallelism)
+  is copied by one of them only, chosen so that the bytes each rank copies are as even as
+  possible, and gets a slot in that rank's arena. A rank's own extras tensor (`per_rank`) is
+  never a replica: its name carries its rank (`names.per_rank_name`), and it is recorded as that
+  rank's (`LogicalTensor.rank`, the index's `rank`).
+
+Every node computes the same plan from the same input (the coordinator sends the metadata
+of every rank), so only the input travels. Plans are frozen; the daemon caches them per job
+under the digests of the metadata they were made from (`spec_digest`: derived by the daemon
+from what the ranks sent, never a key a client chose).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from collections import defaultdict
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+from ckptd.common import dtypes
+from ckptd.common.boxes import Box, coverage_problems
+from ckptd.common.names import KINDS, RESERVED_FILE_KEY, check_tensor_name, shared_name
+from ckptd.daemon.format.index import GROUP_OF_KIND, SCALES_SUFFIX, file_key
+
+PAGE = 4096
+SMALL_ALIGN = 64
+# Slots of this size or more start on a page, smaller ones on 64 bytes (enough for the copies'
+# vector stores): padding costs less than 64 bytes per small slot, and 0.4% of a large one.
+# Page-aligning every slot of a page or more cost 0.7% of a state of 1,000 tensors of 256 KiB,
+# and up to half of one of tensors a little over 4 KiB (issue 30 finding 5).
+PAGE_ALIGN_FROM = 2**20
+
+
+class PlanError(ValueError):
+    """The ranks' tensor metadata cannot form a checkpoint; the message names the tensors."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One fragment a rank holds: the logical tensor it belongs to and the box it covers."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    box: Box
+    aliases: tuple[str, ...] = ()
+    frozen: str = ""  # "" | "param" | "buffer": what the trainer does not train (ckptd.common.names.FROZEN_CLASSES)
+    per_rank: bool = False  # the sending rank's own extras tensor, under its per-rank name (TensorMeta.per_rank)
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalTensor:
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    aliases: tuple[str, ...] = ()
+    frozen: str = ""  # TensorSpec.frozen: frozen tensors are stored in files of their own (format.layout_files)
+    rank: int | None = None  # a rank's own extras tensor (TensorSpec.per_rank): that rank
+
+    @property
+    def nbytes(self) -> int:
+        return dtypes.nbytes(self.dtype, self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentSlot:
+    """A unique fragment, the rank that copies it, and where: `offset` bytes into that rank's arena."""
+
+    name: str
+    box: Box
+    rank: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPart:
+    """What `node` writes of a logical tensor: all of it (`whole`) or the fragment `box`."""
+
+    name: str
+    box: Box
+    node: int
+    whole: bool
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    world_size: int
+    tensors: tuple[LogicalTensor, ...]  # sorted by name
+    slots: tuple[FragmentSlot, ...]  # sorted by (name, box)
+    arena_bytes: tuple[int, ...]  # per rank; 0 = the rank copies nothing
+    parts: tuple[StoredPart, ...] = ()  # sorted by (name, box)
+    node_of_rank: tuple[int, ...] = ()  # empty: every rank on node 0
+
+    def slots_of(self, rank: int) -> tuple[FragmentSlot, ...]:
+        return self._slots_by_rank.get(rank, ())
+
+    def slots_named(self, name: str) -> tuple[FragmentSlot, ...]:
+        """The slots of logical tensor `name` (every rank's), in (name, box) order."""
+        return self._slots_by_name.get(name, ())
+
+    def layout_id(self, rank: int) -> str:
+        """A digest of `slots_of(rank)` (names, boxes, offsets, sizes, and each slot's tensor:
+        kind, dtype, shape, aliases): equal ids mean a rank copies the same fragments of the same
+        tensors to the same arena offsets, so it may reuse what it derived (and checked) from an
+        earlier answer with that id (ckptd.client: BeginSaveRequest.known_layout)."""
+        found = self._layout_ids.get(rank)
+        if found is None:
+            h = hashlib.sha256()
+            for s in self.slots_of(rank):
+                t = self.tensor(s.name)
+                h.update(repr((s.name, s.box.offsets, s.box.lengths, s.offset, s.nbytes, t.kind, t.dtype, t.shape, t.aliases)).encode())
+            found = self._layout_ids[rank] = h.hexdigest()[:32]
+        return found
+
+    @functools.cached_property
+    def _slots_by_rank(self) -> dict[int, tuple[FragmentSlot, ...]]:
+        by_rank: dict[int, list[FragmentSlot]] = defaultdict(list)
+        for s in self.slots:
+            by_rank[s.rank].append(s)
+        return {r: tuple(slots) for r, slots in by_rank.items()}
+
+    @functools.cached_property
+    def _slots_by_name(self) -> dict[str, tuple[FragmentSlot, ...]]:
+        by_name: dict[str, list[FragmentSlot]] = defaultdict(list)
+        for s in self.slots:
+            by_name[s.name].append(s)
+        return {n: tuple(slots) for n, slots in by_name.items()}
+
+    @functools.cached_property
+    def _layout_ids(self) -> dict[int, str]:
+        return {}
+
+    def node(self, rank: int) -> int:
+        return self.node_of_rank[rank] if self.node_of_rank else 0
+
+    def parts_of(self, node: int) -> tuple[StoredPart, ...]:
+        return tuple(p for p in self.parts if p.node == node)
+
+    def arena_bytes_of(self, node: int) -> tuple[int, ...]:
+        """arena_bytes with 0 for the ranks of other nodes (their arenas live there)."""
+        return tuple(n if self.node(r) == node else 0 for r, n in enumerate(self.arena_bytes))
+
+    def node_bytes(self, node: int) -> int:
+        """Bytes of tensor data `node` writes."""
+        return sum(s.nbytes for s in self.slots if self.node(s.rank) == node)
+
+    def tensor(self, name: str) -> LogicalTensor:
+        return self._tensors_by_name[name]
+
+    @functools.cached_property
+    def _tensors_by_name(self) -> dict[str, LogicalTensor]:
+        return {t.name: t for t in self.tensors}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+def spec_digest(specs: Sequence[TensorSpec]) -> str:
+    """A digest of one rank's tensor metadata: every field of every spec, in order. The daemon's
+    own key for that metadata (its caches of metadata and plans are keyed by it, per job), so a
+    client's fingerprint is only a name for metadata the same rank of the same job sent before,
+    and two requests share a plan only when they describe the same tensors. Every field, by
+    TensorSpec's own field list: a field added later is covered without touching this."""
+    names = [f.name for f in fields(TensorSpec)]
+    described = [tuple(getattr(s, name) for name in names) for s in specs]
+    return hashlib.sha256(repr(described).encode()).hexdigest()
+
+
+def align(offset: int, nbytes: int) -> int:
+    """Slots of PAGE_ALIGN_FROM bytes or more start on a page boundary; others on 64 bytes."""
+    step = PAGE if nbytes >= PAGE_ALIGN_FROM else SMALL_ALIGN
+    return -(-offset // step) * step
+
+
+def validate_spec(spec: TensorSpec) -> None:
+    """Raise PlanError if one fragment description is malformed."""
+    try:
+        check_tensor_name(spec.name)
+        for alias in spec.aliases:
+            check_tensor_name(alias)
+        dtypes.itemsize(spec.dtype)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if spec.kind not in KINDS:
+        raise PlanError(f"tensor {spec.name!r}: kind {spec.kind!r} is not one of {', '.join(KINDS)}")
+    if any(d < 0 for d in spec.shape):
+        raise PlanError(f"tensor {spec.name!r}: negative dimension in shape {list(spec.shape)}")
+    if not spec.box.fits_in(spec.shape):
+        raise PlanError(f"tensor {spec.name!r}: box {spec.box} does not lie inside shape {list(spec.shape)}")
+
+
+def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: Sequence[int] | None = None) -> SavePlan:
+    """Plan a save of the fragments every rank holds (index = rank). Raises PlanError.
+
+    `node_of_rank[r]`: the node of rank r (default: every rank on node 0).
+    """
+    world_size = len(specs_by_rank)
+    if world_size == 0:
+        raise PlanError("a save needs at least one rank")
+    nodes = tuple(node_of_rank) if node_of_rank is not None else (0,) * world_size
+    if len(nodes) != world_size or any(n < 0 for n in nodes):
+        raise PlanError(f"node_of_rank {list(nodes)} does not give a node >= 0 for each of the {world_size} ranks")
+    logical: dict[str, LogicalTensor] = {}
+    holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    for rank, specs in enumerate(specs_by_rank):
+        seen: set[tuple[str, Box]] = set()
+        for spec in specs:
+            validate_spec(spec)
+            if (spec.name, spec.box) in seen:
+                raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
+            seen.add((spec.name, spec.box))
+            if spec.per_rank and shared_name(spec.name, rank) is None:
+                raise PlanError(f"rank {rank} sends {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
+            owner = rank if spec.per_rank else None
+            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen, owner)
+            known = logical.setdefault(spec.name, described)
+            if known != described and replace(known, frozen=described.frozen) == described:
+                logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
+            elif known != described:
+                raise PlanError(
+                    f"ranks disagree on tensor {spec.name!r}: {_describe(known)} vs {_describe(described)} "
+                    f"(rank {rank}); every rank must describe the same global tensor"
+                )
+            holders[(spec.name, spec.box)].append(rank)
+    _check_aliases(logical)
+    _check_file_keys(logical)
+    _check_coverage(logical, holders)
+    return _assign(logical, holders, nodes)
+
+
+def _describe(t: LogicalTensor) -> str:
+    aliases = f", aliases {list(t.aliases)}" if t.aliases else ""
+    own = f", rank {t.rank}'s own" if t.rank is not None else ""
+    return f"{t.kind} {t.dtype}{list(t.shape)}{aliases}{own}"
+
+
+def _check_aliases(logical: dict[str, LogicalTensor]) -> None:
+    for t in logical.values():
+        for alias in t.aliases:
+            if alias in logical:
+                raise PlanError(f"{alias!r} is both a tensor and an alias of {t.name!r}; tied tensors are sent once")
+
+
+_DERIVED_SUFFIX = re.compile(rf"@(?:{re.escape(SCALES_SUFFIX[1:])}|\d+(?:,\d+)*)")
+
+
+def _check_file_keys(logical: dict[str, LogicalTensor]) -> None:
+    """Refuse tensors whose safetensors keys (format.file_key) would clash in the files of one
+    group: the key safetensors reserves, two tensors under one key (model files drop the first
+    "/"-part of a name: "model/w" and "ema/w" are both "w"), or a key that is another tensor's
+    key with the suffix of its scales or of one of its fragments ("w@scales", "w@0,0")."""
+    owner: dict[tuple[str, str], str] = {}
+    for t in logical.values():
+        key = file_key(t.name, t.kind)
+        if key == RESERVED_FILE_KEY:
+            raise PlanError(f"tensor {t.name!r} would be stored under the safetensors key {key!r}, which safetensors reserves; rename it")
+        slot = (GROUP_OF_KIND[t.kind], key)
+        other = owner.setdefault(slot, t.name)
+        if other != t.name:
+            raise PlanError(
+                f"tensors {other!r} and {t.name!r} would both be stored under the safetensors key {key!r} in the "
+                f"{slot[0]} files; rename one of them"
+            )
+    for (group, key), name in owner.items():
+        base, at, _ = key.rpartition("@")
+        if at and _DERIVED_SUFFIX.fullmatch(key[len(base):]) and (group, base) in owner:
+            raise PlanError(
+                f"tensor {name!r} is stored under the safetensors key {key!r}, which ckptd uses for a part of tensor "
+                f"{owner[(group, base)]!r} (its scales or a fragment); rename one of them"
+            )
+
+
+def _check_coverage(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]]) -> None:
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for name, box in holders:
+        boxes[name].append(box)
+    for name, tensor in logical.items():
+        problems = coverage_problems(tensor.shape, boxes[name])
+        if problems:
+            raise PlanError(f"the ranks' fragments of {name!r} do not tile its shape {list(tensor.shape)} exactly: "
+                            + "; ".join(problems[:3]))
+
+
+def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]], nodes: tuple[int, ...]) -> SavePlan:
+    """Greedy balance, largest first: tensors (or fragments) to the least loaded node that holds
+    them, then each fragment to the least loaded of that node's ranks that hold it."""
+    itemsizes = {name: dtypes.itemsize(t.dtype) for name, t in logical.items()}
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for name, box in holders:
+        boxes[name].append(box)
+
+    def nodes_holding(name: str, box: Box) -> set[int]:
+        return {nodes[r] for r in holders[(name, box)]}
+
+    node_load: dict[int, int] = defaultdict(int)
+    parts: list[StoredPart] = []
+    for name in sorted(logical, key=lambda n: (-logical[n].nbytes, n)):
+        tensor_boxes = sorted(boxes[name])
+        everywhere = set.intersection(*(nodes_holding(name, b) for b in tensor_boxes))
+        if everywhere:
+            node = min(everywhere, key=lambda n: (node_load[n], n))
+            parts += [StoredPart(name, b, node, True) for b in tensor_boxes]
+            node_load[node] += logical[name].nbytes
+            continue
+        for box in sorted(tensor_boxes, key=lambda b: (-b.numel, b)):
+            node = min(nodes_holding(name, box), key=lambda n: (node_load[n], n))
+            parts.append(StoredPart(name, box, node, False))
+            node_load[node] += box.numel * itemsizes[name]
+
+    rank_load = [0] * len(nodes)
+    chosen: dict[tuple[str, Box], int] = {}
+    for part in sorted(parts, key=lambda p: (-p.box.numel * itemsizes[p.name], p.name, p.box)):
+        candidates = [r for r in holders[(part.name, part.box)] if nodes[r] == part.node]
+        rank = min(candidates, key=lambda r: (rank_load[r], r))
+        chosen[(part.name, part.box)] = rank
+        rank_load[rank] += part.box.numel * itemsizes[part.name]
+    cursor = [0] * len(nodes)
+    slots = []
+    for name, box in sorted(chosen):
+        rank = chosen[(name, box)]
+        nbytes = box.numel * itemsizes[name]
+        offset = align(cursor[rank], nbytes)
+        slots.append(FragmentSlot(name, box, rank, offset, nbytes))
+        cursor[rank] = offset + nbytes
+    arena_bytes = tuple(-(-c // PAGE) * PAGE for c in cursor)
+    return SavePlan(
+        world_size=len(nodes),
+        tensors=tuple(logical[n] for n in sorted(logical)),
+        slots=tuple(slots),
+        arena_bytes=arena_bytes,
+        parts=tuple(sorted(parts, key=lambda p: (p.name, p.box))),
+        node_of_rank=nodes,
+    )

@@ -1,0 +1,419 @@
+"""Every conversion between the daemon's records and wire messages, for both services.
+
+Checkpoint (ranks <-> this daemon) and Peer (daemon <-> daemon). Conversions only: requests
+are validated in `rpc/validate.py` before their values reach the engine, and what a peer answers is
+validated here where it becomes a record (`join_result_of` checks the metadata it carries).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields as dataclass_fields
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from ckptd.common.boxes import Box
+from ckptd.common.names import check_run_id
+from ckptd.common.quant_options import check_master_mode, check_scheme
+from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
+from ckptd.daemon.errors import Aborted, InvalidRequest
+from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord
+from ckptd.daemon.format.units import Unit
+from ckptd.daemon.handoff.gpu_ipc import StagedRange
+from ckptd.daemon.plan.compression import Compression, SaveOptions
+from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.plan.retention import JobRetention
+from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
+from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
+from ckptd.daemon.rpc.validate import check_retention, tensor_specs
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import peer_pb2 as ppb
+
+if TYPE_CHECKING:
+    from ckptd.daemon.engine.sessions import SaveSession
+    from ckptd.daemon.format.index import CheckpointIndex
+    from ckptd.daemon.plan.load_plan import LoadPlan, PieceInfo
+
+# ------------------------------------------------------------------ Checkpoint service
+
+
+def box_pb(box: Box) -> pb.Box:
+    return pb.Box(offsets=box.offsets, lengths=box.lengths)
+
+
+def piece_pb(p: "PieceInfo") -> pb.Piece:
+    piece = pb.Piece(
+        name=p.name, source=p.source, path=p.path, offset=p.offset, nbytes=p.nbytes,
+        fragment=box_pb(p.fragment), dtype=p.dtype, checksum=p.checksum,
+        chunk_bytes=p.chunk_bytes, chunk_xxh3=p.chunk_xxh3,
+    )
+    if p.decode is not None:
+        piece.decode.codec = p.decode.codec
+        piece.decode.block = p.decode.block
+        if p.decode.scales is not None:
+            piece.decode.scales.CopyFrom(piece_pb(p.decode.scales))
+        if p.decode.base is not None:
+            piece.decode.base.CopyFrom(piece_pb(p.decode.base))
+        if p.decode.frames is not None:
+            piece.decode.frame_rows = p.decode.frames.rows
+            piece.decode.frame_ends.extend(p.decode.frames.ends)
+    return piece
+
+
+class SlotMessages:
+    """The Slot messages of a rank's share of a plan, built once per (plan, rank): a save of a
+    known layout then costs no per-tensor work here. Holds the last few plans only."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._by_plan: dict[int, tuple[SavePlan, dict[int, list[pb.Slot]]]] = {}
+
+    def get(self, plan: SavePlan, rank: int) -> list[pb.Slot]:
+        entry = self._by_plan.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            entry = self._by_plan[id(plan)] = (plan, {})
+            while len(self._by_plan) > self._keep:
+                del self._by_plan[next(iter(self._by_plan))]
+        by_rank = entry[1]
+        if rank not in by_rank:
+            by_rank[rank] = [slot_pb(s, plan.tensor(s.name)) for s in plan.slots_of(rank)]
+        return by_rank[rank]
+
+
+def slot_pb(slot: FragmentSlot, tensor: LogicalTensor) -> pb.Slot:
+    """A slot and the logical tensor it was planned for (the client checks it against its own)."""
+    return pb.Slot(
+        name=slot.name, offset=slot.offset, nbytes=slot.nbytes, box=box_pb(slot.box),
+        kind=tensor.kind, dtype=tensor.dtype, shape=tensor.shape, aliases=tensor.aliases,
+    )
+
+
+class ShmPieces:
+    """Piece messages of the daemon's memory tier, by value: the same snapshot is served to a
+    rank's every load from memory, so each message is built once. Forgets all at `keep`."""
+
+    def __init__(self, keep: int = 200_000) -> None:
+        self._keep = keep
+        self._pieces: dict["PieceInfo", pb.Piece] = {}
+
+    def get(self, info: "PieceInfo") -> pb.Piece:
+        piece = self._pieces.get(info)
+        if piece is None:
+            if len(self._pieces) >= self._keep:
+                self._pieces.clear()
+            piece = self._pieces[info] = piece_pb(info)
+        return piece
+
+
+def begin_response(session: "SaveSession", rank: int, known_layout: str, slots: SlotMessages) -> pb.BeginSaveResponse:
+    """The answer to BeginSave: committed already (kept), skipped, or the rank's arena and (unless
+    it knows the layout) slots."""
+    if session.kept:
+        return pb.BeginSaveResponse(save_id=session.save_id, committed=True, skip_reason=session.kept)
+    if session.state == "skipped" or session.arenas is None or session.plan is None:
+        return pb.BeginSaveResponse(save_id=session.save_id, skipped=True, skip_reason=session.skip_reason or session.state)
+    arena = session.arenas.arenas[rank]
+    layout_id = session.plan.layout_id(rank)
+    reply = pb.BeginSaveResponse(
+        save_id=session.save_id,
+        arena_path=str(arena.path) if arena is not None else "",
+        arena_size=arena.size if arena is not None else 0,
+        layout_id=layout_id,
+    )
+    if known_layout != layout_id:
+        reply.slots.extend(slots.get(session.plan, rank))
+    return reply
+
+
+def staged_ranges(ranges: Iterable[pb.StagedRange]) -> list[StagedRange]:
+    return [StagedRange(r.staging_offset, r.arena_offset, r.nbytes) for r in ranges]
+
+
+def progress_pb(session: "SaveSession") -> pb.SaveProgress:
+    return pb.SaveProgress(
+        state=session.state,
+        bytes_total=session.bytes_total,
+        bytes_written=session.progress.written if session.progress else 0,
+        bytes_linked=session.progress.linked if session.progress else 0,
+        done=session.finished.is_set(),
+        error=session.error or session.skip_reason or "",
+        step_dir=session.step_dir,
+    )
+
+
+def committed_pb(step_dir: str) -> pb.SaveProgress:
+    """The last progress message of a save whose step is committed."""
+    return pb.SaveProgress(state="committed", done=True, step_dir=step_dir)
+
+
+def plan_load_response(plan: "LoadPlan", pieces: Sequence[pb.Piece]) -> pb.PlanLoadResponse:
+    return pb.PlanLoadResponse(
+        load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),
+        missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation, plan_id=plan.plan_id,
+    )
+
+
+def checkpoint_info_pb(index: "CheckpointIndex", path: str, in_memory: bool) -> pb.CheckpointInfo:
+    return pb.CheckpointInfo(
+        step=index.step, created_at=index.created_at, size_bytes=index.size_bytes,
+        file_count=len(index.files) + 1, path=path, in_memory=in_memory,
+        metric=index.metric or 0.0, has_metric=index.metric is not None,
+    )
+
+
+def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        version=status.version, root=status.root,
+        in_flight=[
+            pb.InFlight(
+                job=f.job, step=f.step, state=f.state, bytes_total=f.bytes_total, bytes_written=f.bytes_written, age_s=f.age_s,
+                ranks_arrived=f.ranks_arrived, ranks_expected=f.ranks_expected, write_s=f.write_s, bytes_linked=f.bytes_linked,
+            )
+            for f in status.in_flight
+        ],
+        arena_bytes=status.arena_bytes, arena_count=status.arena_count,
+        committed_total=status.committed_total, failed_total=status.failed_total,
+        skipped_total=status.skipped_total, last_error=status.last_error, draining=status.draining,
+        queue_depth=status.queue_depth, node_rank=status.node_rank, nodes=status.nodes,
+        bytes_written_total=status.bytes_written_total, uptime_s=status.uptime_s, loads_active=status.loads_active,
+        last_commit=_last_commit_pb(status.last_commit), remote=_remote_pb(status.remote), replicas=_replicas_pb(status.replicas),
+        link_mismatches_total=status.link_mismatches_total,
+        arena_holders=[
+            pb.ArenaHolder(
+                job=h.job, bytes=h.bytes, sets=h.sets, held_steps=h.held_steps, in_flight=h.in_flight, readers=h.readers, idle_s=h.idle_s
+            )
+            for h in status.arena_holders
+        ],
+        shm_budget=status.shm_budget, shm_free=status.shm_free,
+    )
+
+
+def _replicas_pb(record: ReplicaStatus | None) -> pb.ReplicaStatus | None:
+    if record is None:
+        return None
+    return pb.ReplicaStatus(
+        held_bytes=record.held_bytes, memory_limit=record.memory_limit,
+        held=[pb.HeldReplica(job=job, node=node, step=step, bytes=nbytes) for job, node, step, nbytes in record.held],
+        jobs=[pb.JobReplicas(**{f.name: getattr(j, f.name) for f in dataclass_fields(j)}) for j in record.jobs],
+        bulk_port=pb.BulkPort(**{f.name: getattr(record.bulk_port, f.name) for f in dataclass_fields(record.bulk_port)}) if record.bulk_port else None,
+    )
+
+
+def _remote_pb(record: RemoteStatus | None) -> pb.RemoteStatus | None:
+    if record is None:
+        return None
+    return pb.RemoteStatus(**{f.name: getattr(record, f.name) for f in dataclass_fields(record)})
+
+
+def _last_commit_pb(record: LastCommit | None) -> pb.LastCommit | None:
+    if record is None:
+        return None
+    return pb.LastCommit(
+        job=record.job, step=record.step, committed_at=record.committed_at, latency_s=record.latency_s,
+        bytes=record.bytes, step_dir=record.step_dir,
+    )
+
+
+def removed_pb(removed: Iterable[Any]) -> list[pb.Removed]:
+    """Removed messages from service.collect's records (job, step, path, reason, bytes)."""
+    return [pb.Removed(job=r.job, step=r.step, path=r.path, reason=r.reason, bytes=r.bytes) for r in removed]
+
+
+# ------------------------------------------------------------------ Peer service
+
+
+def meta_of(spec: TensorSpec) -> pb.TensorMeta:
+    return pb.TensorMeta(
+        name=spec.name, kind=spec.kind, dtype=spec.dtype, shape=spec.shape, box=box_pb(spec.box), aliases=spec.aliases, frozen=spec.frozen,
+        per_rank=spec.per_rank,
+    )
+
+
+def join_request(
+    job: str, step: int, node: int, world_size: int, fingerprints: dict[int, str], specs: dict[int, tuple[TensorSpec, ...]],
+    known_plans: Sequence[str], timeout_s: float, metric: float | None, root_id: str, options: SaveOptions, lineage: int,
+    claim: RunClaim = NO_CLAIM,
+) -> ppb.JoinSaveRequest:
+    return ppb.JoinSaveRequest(
+        job=job, step=step, node=node, world_size=world_size, fingerprints=fingerprints,
+        tensors=[ppb.RankTensors(rank=r, fingerprint=fingerprints[r], tensors=[meta_of(s) for s in specs[r]]) for r in sorted(specs)],
+        known_plans=list(known_plans), timeout_s=timeout_s, metric=metric or 0.0, has_metric=metric is not None,
+        root_id=root_id, quantize=options.quantize or "", master_weights=options.master_weights or "",
+        no_quantize=options.no_quantize, lineage=lineage, run_id=claim.run, resumed=claim.resumed,
+        retention=retention_message(options.retention),
+    )
+
+
+def retention_message(retention: JobRetention | None) -> pb.Retention | None:
+    """A job's retention request as the wire carries it (None: the field stays unset)."""
+    if retention is None:
+        return None
+    return pb.Retention(keep_last=retention.keep_last, keep_best=retention.keep_best, best_mode=retention.best_mode or "")
+
+
+def join_options_of(request: ppb.JoinSaveRequest) -> SaveOptions:
+    """A joining node's compression options (validated like a rank's: InvalidRequest)."""
+    try:
+        quantize = check_scheme(request.quantize or None)
+        master = check_master_mode(request.master_weights or None)
+    except ValueError as exc:
+        raise InvalidRequest(f"node {request.node}: {exc}") from None
+    retention = check_retention(request.retention, request.HasField("retention"))
+    return SaveOptions(quantize, master, request.no_quantize, retention)
+
+
+def join_claim_of(request: ppb.JoinSaveRequest) -> RunClaim:
+    """A joining node's run (validated like a rank's: InvalidRequest)."""
+    return RunClaim(check_run_id(request.run_id), request.resumed) if request.run_id else NO_CLAIM
+
+
+def compression_pb(compression: Compression | None) -> ppb.Compression | None:
+    if compression is None:
+        return None
+    return ppb.Compression(
+        quantize=compression.quantize or "", master_weights=compression.master_weights,
+        recorded=compression.recorded, generation=compression.generation,
+    )
+
+
+def compression_of(message: ppb.Compression) -> Compression:
+    """The coordinator's decision (validated: InvalidRequest for a scheme or mode this node does not know)."""
+    try:
+        quantize = check_scheme(message.quantize or None)
+        master = check_master_mode(message.master_weights) or "keep"
+    except ValueError as exc:
+        raise InvalidRequest(f"the coordinator decided a compression this node cannot write: {exc}") from None
+    return Compression(quantize, master, max(0, message.generation), message.recorded)
+
+
+def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
+    """The answer to a joining node. Every rank's metadata, unless the node knows the plan; a
+    rank whose fingerprint an earlier rank has (a data-parallel replica) is sent as that
+    fingerprint alone, so the answer grows with the distinct layouts, not with the ranks."""
+    tensors = []
+    if result.specs is not None:
+        sent: set[str] = set()
+        for rank, rank_specs in enumerate(result.specs):
+            fingerprint = result.fingerprints[rank] if result.fingerprints else ""
+            if fingerprint and fingerprint in sent:
+                tensors.append(ppb.RankTensors(rank=rank, fingerprint=fingerprint))
+                continue
+            if fingerprint:
+                sent.add(fingerprint)
+            tensors.append(ppb.RankTensors(rank=rank, fingerprint=fingerprint, tensors=[meta_of(s) for s in rank_specs]))
+    return ppb.JoinSaveResponse(
+        save_id=result.save_id, plan_key=result.plan_key, node_of_rank=dict(enumerate(result.node_of_rank)),
+        tensors=tensors, shared_root=result.shared_root, compression=compression_pb(result.compression),
+    )
+
+
+def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
+    """The coordinator's answer as a record; its metadata is validated like a rank's (InvalidRequest),
+    and Aborted when it does not cover every rank. The caller checks the metadata against its
+    digests (plan_input.check_plan_input)."""
+    specs_out = None
+    digests: tuple[str, ...] = ()
+    if reply.tensors:
+        by_rank: dict[int, tuple[TensorSpec, ...]] = {}
+        digest_of: dict[int, str] = {}
+        by_fingerprint: dict[str, tuple[TensorSpec, ...]] = {}
+        for t in reply.tensors:  # a rank sent as a digest alone has the metadata of the first rank with it
+            digest_of[t.rank] = t.fingerprint
+            if t.fingerprint and not t.tensors and t.fingerprint in by_fingerprint:
+                by_rank[t.rank] = by_fingerprint[t.fingerprint]
+                continue
+            by_rank[t.rank] = tuple(tensor_specs(t.tensors))
+            if t.fingerprint:
+                by_fingerprint.setdefault(t.fingerprint, by_rank[t.rank])
+        if sorted(by_rank) != list(range(world_size)):
+            raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
+        specs_out = tuple(by_rank[r] for r in range(world_size))
+        digests = tuple(digest_of[r] for r in range(world_size))
+    node_of_rank = tuple(reply.node_of_rank[r] for r in range(world_size))
+    compression = compression_of(reply.compression) if reply.HasField("compression") else None
+    return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression, fingerprints=digests)
+
+
+def manifest_to_wire(manifest: NodeManifest) -> tuple[list[ppb.FileEntry], list[ppb.StoredFragment]]:
+    files = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in manifest.files]
+    fragments = [
+        ppb.StoredFragment(
+            name=name, file=f.file, key=f.key, box=box_pb(f.box),
+            dtype=f.dtype, offset=f.offset, nbytes=f.nbytes, checksum=f.checksum,
+            chunk_bytes=f.chunk_bytes, chunk_xxh3=f.chunk_xxh3,
+            quant_json=json.dumps(f.quant.to_json()) if f.quant is not None else "",
+        )
+        for name, f in manifest.fragments
+    ]
+    return files, fragments
+
+
+def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Sequence[ppb.StoredFragment]) -> NodeManifest:
+    """Raises InvalidRequest for malformed quantization records (their JSON depth is checked
+    before, by checks.parse_json)."""
+    try:
+        records = tuple(
+            (
+                f.name,
+                FragmentRecord(
+                    f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
+                    f.chunk_bytes, f.chunk_xxh3,
+                    QuantRecord.from_json(json.loads(f.quant_json)) if f.quant_json else None,
+                ),
+            )
+            for f in fragments
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidRequest(f"node {node}'s manifest has a malformed quantization record: {exc}") from None
+    return NodeManifest(node, tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files), records)
+
+
+def report_request(
+    job: str, step: int, save_id: str, node: int, manifest: NodeManifest | None, error: str, extras: dict[int, str], model_files: dict[str, bytes]
+) -> ppb.ReportManifestRequest:
+    """extras: rank -> JSON text; model files as bytes (UTF-8 JSON)."""
+    files, fragments = manifest_to_wire(manifest) if manifest is not None else ([], [])
+    return ppb.ReportManifestRequest(
+        job=job, step=step, save_id=save_id, node=node, ok=manifest is not None, error=error,
+        files=files, fragments=fragments, extras_json=extras,
+        model_files={k: v.decode() for k, v in model_files.items()},
+    )
+
+
+def report_response(outcome: Outcome) -> ppb.ReportManifestResponse:
+    return ppb.ReportManifestResponse(committed=outcome.committed, error=outcome.error, step_files=outcome.step_files)
+
+
+def outcome_of(reply: ppb.ReportManifestResponse) -> Outcome:
+    return Outcome(reply.committed, reply.error, dict(reply.step_files))
+
+
+def inventory_response(inventory: PeerInventory) -> ppb.InventoryResponse:
+    files = [ppb.FileEntry(name=name, size=size) for name, size in inventory.sizes.items()]
+    replicas = [ppb.ReplicaFile(node=node, name=name, size=size) for node, name, size in inventory.replicas]
+    newest = -1 if inventory.newest is None else inventory.newest
+    return ppb.InventoryResponse(
+        root_id=inventory.root_id, committed=inventory.committed, files=files, in_flight=inventory.in_flight, replicas=replicas, newest_step=newest
+    )
+
+
+def inventory_of(reply: ppb.InventoryResponse) -> PeerInventory:
+    replicas = tuple((r.node, r.name, r.size) for r in reply.replicas)
+    newest = reply.newest_step if reply.newest_step >= 0 else None
+    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas, newest)
+
+
+def bulk_ticket(answer: BulkAnswer) -> ppb.BulkTicket:
+    return ppb.BulkTicket(accepted=answer.accepted, reason=answer.reason, held=answer.held, port=answer.port, ticket=answer.ticket)
+
+
+def bulk_answer_of(reply: ppb.BulkTicket) -> BulkAnswer:
+    return BulkAnswer(reply.accepted, reply.reason, reply.held, reply.port, reply.ticket)
+
+
+def offer_request(job: str, step: int, node: int, files: Sequence[FileRecord], units: Mapping[str, Sequence[Unit]]) -> ppb.OfferReplicaRequest:
+    entries = [ppb.FileEntry(name=f.name, size=f.size, checksum=f.checksum) for f in files]
+    checks = [
+        ppb.FileUnits(name=f.name, units=[ppb.ChecksumUnit(offset=u.offset, nbytes=u.nbytes, xxh3=u.xxh3) for u in units[f.name]])
+        for f in files
+    ]
+    return ppb.OfferReplicaRequest(job=job, step=step, node=node, files=entries, units=checks)

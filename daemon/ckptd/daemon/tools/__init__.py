@@ -1,0 +1,1 @@
+"""Operator tools over committed steps: ls/gc/rm (ops), verify, export, inspect."""

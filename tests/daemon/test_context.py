@@ -1,0 +1,35 @@
+"""The service's in-process parts (its RPC behaviour is tested through real daemons in tests/integration)."""
+
+from __future__ import annotations
+
+from ckptd.daemon.format.index import CheckpointIndex, TensorRecord
+from ckptd.daemon.engine.context import IndexCache
+
+
+def _index(step: int, tensors: int = 1) -> CheckpointIndex:
+    return CheckpointIndex("j", step, 0.0, 1, tuple(TensorRecord(f"model/w{i}", "model", "F32", (1,), ()) for i in range(tensors)), ())
+
+
+def test_the_daemon_keeps_a_bounded_number_of_parsed_indexes_most_recently_used_last() -> None:
+    cache = IndexCache(2)
+    one, two, three = _index(1), _index(2), _index(3)
+    cache.put(("j", 1), one)
+    cache.put(("j", 2), two)
+    assert cache.get(("j", 1)) is one  # now the most recent
+    cache.put(("j", 3), three)
+    assert cache.get(("j", 2)) is None and cache.get(("j", 1)) is one and cache.get(("j", 3)) is three
+    assert cache.pop(("j", 3)) is three and cache.get(("j", 3)) is None
+
+
+# issue 30 finding 5: also bounded by tensor records (16 indexes of 1,000 tensors took 20 MiB);
+# the newest stays whatever its size
+def test_the_parsed_indexes_kept_are_bounded_by_their_tensors_too() -> None:
+    cache = IndexCache(16, tensors=1000)
+    for step in (1, 2, 3):
+        cache.put(("j", step), _index(step, 400))
+    assert [cache.get(("j", s)) is not None for s in (1, 2, 3)] == [False, True, True]
+    cache.put(("j", 4), _index(4, 5000))
+    assert cache.get(("j", 4)) is not None and cache.get(("j", 3)) is None and cache.get(("j", 2)) is None
+    cache.put(("j", 4), _index(4, 10))  # replaced: counted once
+    cache.put(("j", 5), _index(5, 900))
+    assert cache.get(("j", 4)) is not None and cache.get(("j", 5)) is not None
