@@ -18,6 +18,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.engine.requests import BeginSave, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, NotFound, Unavailable, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import TensorSpec
@@ -73,7 +74,7 @@ async def _save(service: CheckpointService, step: int, world: int = 2, hand_over
 
     async def rank(r: int) -> SaveSession:
         specs = _specs(r, world)
-        session = await service.begin_save("job", r, world, step, f"fp{r}", specs, None, 30.0)
+        session = await service.begin_save(BeginSave("job", r, world, step, f"fp{r}", specs, None, 30.0))
         if hand_over is None or r in hand_over:
             assert session.plan is not None and session.arenas is not None
             arena = session.arenas.arenas[r]
@@ -106,7 +107,7 @@ async def _check_load(service: CheckpointService, step: int | None, expect_step:
     """Load the whole state as one rank of a new world of one; check every byte; return the tier."""
     whole = [TensorSpec("model/w", "model", "F32", (2 * world, 3), Box.full((2 * world, 3)))]
     whole += [TensorSpec(f"model/b{r}", "model", "F32", (3,), Box.full((3,))) for r in range(world)]
-    plan = await service.plan_load("job", 0, 1, step, whole, ["model"], True)
+    plan = await service.plan_load(PlanLoad("job", 0, 1, step, whole, ["model"], True))
     assert plan.step == expect_step and not plan.missing and not plan.unexpected
     for spec in whole:
         got = np.zeros(spec.shape, np.float32)
@@ -218,9 +219,9 @@ def test_the_skip_policy_skips_a_save_when_every_arena_is_busy(config: DaemonCon
 
 def test_loading_a_step_that_is_not_committed_says_so(service: CheckpointService) -> None:
     with pytest.raises(NotFound, match="has no committed checkpoint"):
-        asyncio.run(service.plan_load("job", 0, 1, None, [], [], False))
+        asyncio.run(service.plan_load(PlanLoad("job", 0, 1, None, [], [], False)))
     with pytest.raises(NotFound, match="step 4 of job 'job' is not committed"):
-        asyncio.run(service.plan_load("job", 0, 1, 4, [], [], False))
+        asyncio.run(service.plan_load(PlanLoad("job", 0, 1, 4, [], [], False)))
 
 
 def test_a_draining_daemon_takes_no_new_save(service: CheckpointService) -> None:
@@ -276,14 +277,14 @@ def _whole(dtype: str, shape: tuple[int, ...] = (4, 2)) -> list[TensorSpec]:
 
 def test_a_save_is_planned_from_the_metadata_its_rank_sent_under_a_known_fingerprint(service: CheckpointService) -> None:
     async def run() -> None:
-        first = await service.begin_save("job", 0, 1, 1, "fp", _whole("BF16"), None, 30.0)
+        first = await service.begin_save(BeginSave("job", 0, 1, 1, "fp", _whole("BF16"), None, 30.0))
         assert first.plan is not None and first.plan.tensors[0].dtype == "BF16"
-        changed = await service.begin_save("job", 0, 1, 2, "fp", _whole("F16"), None, 30.0)  # fails step 1: the rank moved on
+        changed = await service.begin_save(BeginSave("job", 0, 1, 2, "fp", _whole("F16"), None, 30.0))  # fails step 1: the rank moved on
         assert changed.plan is not None and changed.plan.tensors[0].dtype == "F16"
-        named = await service.begin_save("job", 0, 1, 3, "fp", None, None, 30.0)  # the fingerprint alone: what it sent last
+        named = await service.begin_save(BeginSave("job", 0, 1, 3, "fp", None, None, 30.0))  # the fingerprint alone: what it sent last
         assert named.plan is not None and named.plan.tensors[0].dtype == "F16"
         with pytest.raises(UnknownFingerprint):  # another job never sent metadata under "fp"
-            await service.begin_save("other", 0, 1, 1, "fp", None, None, 30.0)
+            await service.begin_save(BeginSave("other", 0, 1, 1, "fp", None, None, 30.0))
 
     asyncio.run(run())
 
@@ -291,12 +292,12 @@ def test_a_save_is_planned_from_the_metadata_its_rank_sent_under_a_known_fingerp
 def test_a_save_refused_for_its_arena_keeps_no_plan_and_touches_no_other_job(service: CheckpointService) -> None:
     async def run() -> None:
         with pytest.raises(Aborted, match=r"cannot reserve 256 TiB of shared memory") as refused:
-            await service.begin_save("evil", 0, 1, 1, "fp", _whole("F32", (1 << 46,)), None, 30.0)
+            await service.begin_save(BeginSave("evil", 0, 1, 1, "fp", _whole("F32", (1 << 46,)), None, 30.0))
         assert "MiB" not in str(refused.value)
         assert service.engine.jobs["evil"].plans == {}
-        victim = await service.begin_save("victim", 0, 1, 1, "fp", _whole("F32"), None, 30.0)
+        victim = await service.begin_save(BeginSave("victim", 0, 1, 1, "fp", _whole("F32"), None, 30.0))
         assert victim.plan is not None and victim.plan.total_bytes == 32 and victim.arenas is not None
-        retry = await service.begin_save("evil", 0, 1, 2, "fp", _whole("F32"), None, 30.0)  # fixed: planned anew
+        retry = await service.begin_save(BeginSave("evil", 0, 1, 2, "fp", _whole("F32"), None, 30.0))  # fixed: planned anew
         assert retry.plan is not None and retry.plan.total_bytes == 32
 
     asyncio.run(run())

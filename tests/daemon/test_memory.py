@@ -19,6 +19,7 @@ from typing import Any
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import Arena, SetState
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.engine.requests import BeginSave, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
@@ -44,7 +45,7 @@ def _service(tmp_path: Path, **settings: Any) -> CheckpointService:
 
 async def _save(service: CheckpointService, job: str, step: int, nbytes: int = MiB, timeout_s: float = 30.0) -> SaveSession:
     """One rank saves `nbytes` of value `step` (mod 256) and hands them over."""
-    session = await service.begin_save(job, 0, 1, step, f"fp-{nbytes}", [_spec(nbytes)], None, timeout_s)
+    session = await service.begin_save(BeginSave(job, 0, 1, step, f"fp-{nbytes}", [_spec(nbytes)], None, timeout_s))
     if session.state is SaveState.SKIPPED:
         return session
     assert session.arenas is not None and session.plan is not None
@@ -70,7 +71,7 @@ async def _saved(service: CheckpointService, job: str, step: int, nbytes: int = 
 
 async def _load(service: CheckpointService, job: str, step: int, nbytes: int = MiB, done: bool = True) -> tuple[str, str]:
     """Load the step, check every byte; returns (its tier, the load id)."""
-    plan = await service.plan_load(job, 0, 1, step, [_spec(nbytes)], ["model"], True)
+    plan = await service.plan_load(PlanLoad(job, 0, 1, step, [_spec(nbytes)], ["model"], True))
     got = bytearray()
     for piece in plan.pieces:
         fd = os.open(piece.path, os.O_RDONLY)

@@ -7,12 +7,16 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
+from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.runs import RunClaim
+from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.rpc import convert as rpc_convert
+from ckptd.daemon.rpc import validate
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
-from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
+from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
 from ckptd.daemon.plan.load_plan import DecodeInfo, PieceInfo
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -30,10 +34,23 @@ def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
     assert rpc_convert.join_result_of(rpc_convert.join_response(result), 2) == result
     known = JoinResult("save-2", "key", (0, 0), None, False)
     assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == known
-    request = rpc_convert.join_request("job", 3, 1, 2, {1: "fp"}, {1: specs(HALVES[1])}, ["k"], 9.5, None, "root", SaveOptions(), 0)
+    request = rpc_convert.join_request(JoinSave("job", 3, 2, {1: "fp"}, {1: specs(HALVES[1])}, ("k",), 9.5, None), 1, "root")
     assert (request.node, dict(request.fingerprints), request.has_metric, request.root_id) == (1, {1: "fp"}, False, "root")
     assert [m.name for m in request.tensors[0].tensors] == ["model/w", "optimizer/step"] and list(request.tensors[0].tensors[0].aliases) == ["model/tied"]
-    assert rpc_convert.join_request("job", 3, 1, 2, {}, {}, [], 1.0, 0.0, "r", SaveOptions(), 0).has_metric  # a metric of 0 is a metric
+    assert rpc_convert.join_request(JoinSave("job", 3, 2, {1: "fp"}, {}, (), 1.0, 0.0), 1, "r").has_metric  # a metric of 0 is a metric
+
+
+@pytest.mark.parametrize(
+    "joining",
+    [
+        JoinSave("job", 3, 2, {1: spec_digest(specs(HALVES[1]))}, {1: specs(HALVES[1])}, ("k",), 9.5, None),
+        JoinSave("job", 3, 2, {0: "fa", 1: "fb"}, {}, (), 1.0, 0.0, SaveOptions("O2", "drop", False, JobRetention(keep_last=2)), 4, RunClaim("run1", True)),
+        JoinSave("job", 0, 1, {0: "f"}, {}, ("k1", "k2"), 3.0, 1.5, SaveOptions(None, None, True), 0, RunClaim("run2")),
+    ],
+)
+def test_a_join_request_crosses_the_wire_unchanged(joining: JoinSave) -> None:
+    node, back = validate.join_save_of(rpc_convert.join_request(joining, 1, "root"), nodes=2, default_timeout_s=60.0)
+    assert (node, back) == (1, joining)
 
 
 def test_replicas_metadata_crosses_once_and_arrives_for_every_rank() -> None:
@@ -98,11 +115,14 @@ def test_a_node_refuses_a_compression_it_cannot_write() -> None:
 
 
 def test_a_joining_nodes_options_are_checked_like_a_ranks() -> None:
-    request = rpc_convert.join_request("j", 1, 1, 2, {1: "f"}, {}, [], 10.0, None, "r", SaveOptions("O2", "drop", False), 4)
-    assert rpc_convert.join_options_of(request) == SaveOptions("O2", "drop", False) and request.lineage == 4
+    request = rpc_convert.join_request(JoinSave("j", 1, 2, {1: "f"}, {}, (), 10.0, None, SaveOptions("O2", "drop", False), 4), 1, "r")
+    _, joining = validate.join_save_of(request, nodes=2, default_timeout_s=60.0)
+    assert joining.options == SaveOptions("O2", "drop", False) and joining.lineage == 4
     request.master_weights = "shred"
     with pytest.raises(InvalidRequest, match="node 1: master_weights='shred'"):
-        rpc_convert.join_options_of(request)
+        validate.join_save_of(request, nodes=2, default_timeout_s=60.0)
+    request.timeout_s, request.master_weights = 0.0, ""
+    assert validate.join_save_of(request, nodes=2, default_timeout_s=60.0)[1].timeout_s == 60.0  # none given: the daemon's
 
 
 def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:

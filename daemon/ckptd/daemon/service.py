@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -32,6 +32,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
+from ckptd.daemon.engine.requests import BeginSave, PlanLoad
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
@@ -43,7 +44,6 @@ from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
-from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
@@ -198,31 +198,9 @@ class CheckpointService:
 
     # Saves.
 
-    async def begin_save(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int,
-        fingerprint: str,
-        specs: Sequence[TensorSpec] | None,
-        metric: float | None,
-        timeout_s: float,
-        local_world_size: int = 0,
-        quantize: str | None = None,
-        master_weights: str | None = None,
-        lineage: int = 0,
-        no_quantize: bool = False,
-        run: str = "",
-        resumed_from: int | None = None,
-        client_id: str = "",
-        retention: JobRetention | None = None,
-    ) -> SaveSession:
-        """Saves.begin; the compression options and the job's retention as the wire carries them."""
-        options = SaveOptions(quantize, master_weights, no_quantize, retention)
-        return await self.saves.begin(
-            job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage, run, resumed_from, client_id
-        )
+    async def begin_save(self, request: BeginSave) -> SaveSession:
+        """Saves.begin."""
+        return await self.saves.begin(request)
 
     # Runs (engine/runs.py).
 
@@ -285,22 +263,9 @@ class CheckpointService:
 
     # Loads.
 
-    async def plan_load(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int | None,
-        wanted: Sequence[TensorSpec],
-        kinds: Sequence[str],
-        strict: bool,
-        direct_read: bool = True,
-        decodes: bool = True,
-        decodes_frames: bool = True,
-        run: str = "",
-    ) -> LoadPlan:
+    async def plan_load(self, request: PlanLoad) -> LoadPlan:
         """Loads.plan."""
-        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames, run)
+        return await self.loads.plan(request)
 
     def load_done(self, load_id: str) -> None:
         self.loads.done(load_id)

@@ -7,12 +7,10 @@ peers' inventories and files (`Peers`), and what node 0's coordinator probes whi
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-from ckptd.daemon.engine.runs import RunClaim
-from ckptd.daemon.plan.compression import SaveOptions
+from ckptd.daemon.engine.requests import JoinSave
 from ckptd.daemon.plan.files import NodeManifest
-from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 
 
@@ -20,20 +18,7 @@ class Coordination(Protocol):
     """Where a save's nodes meet and its commit is decided: the cluster (several nodes) or an
     in-process coordinator of one node (engine/coordinator.py SingleNode); the same protocol either way."""
 
-    async def join_save(
-        self,
-        job: str,
-        step: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = ...,
-        lineage: int = ...,
-        claim: RunClaim = ...,
-    ) -> JoinResult:
+    async def join_save(self, request: JoinSave) -> JoinResult:
         """Join the save; returns once every rank of the job has (the plan's input, the compression).
         Raises RunRefused when the run may not save into the job (engine/runs.py)."""
 

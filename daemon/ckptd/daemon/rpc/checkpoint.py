@@ -65,22 +65,9 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         self._shm_pieces = rpc_convert.ShmPieces()
 
     async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
-        job, rank, world_size = checks.check_who(request.who)
-        step = checks.check_step(request.step)
-        local_world_size = checks.check_local_world_size(request.who.local_world_size, world_size)
-        quantize, master_weights = checks.check_compression(request.quantize, request.master_weights, request.no_quantize, request.lineage_generation)
-        fingerprint = checks.check_fingerprint(request.fingerprint)
-        specs = checks.tensor_specs(request.tensors) if request.tensors else None
-        metric = checks.check_metric(request.metric, request.has_metric)
-        run = checks.check_run(request.who)
-        resumed_from = checks.check_step(request.resumed_from) if request.resumed else None
-        retention = checks.check_retention(request.retention, request.HasField("retention"))
-        session = await self.service.begin_save(
-            job, rank, world_size, step, fingerprint, specs, metric, checks.check_timeout(request.timeout_s), local_world_size,
-            quantize, master_weights, request.lineage_generation, request.no_quantize, run, resumed_from, checks.check_client_id(request.who),
-            retention,
-        )
-        return rpc_convert.begin_response(session, rank, request.known_layout, self._slot_messages)
+        begin = checks.begin_save_of(request)
+        session = await self.service.begin_save(begin)
+        return rpc_convert.begin_response(session, begin.rank, request.known_layout, self._slot_messages)
 
     async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
         job, rank, _ = checks.check_who(request.who)
@@ -140,14 +127,8 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
             yield rpc_convert.progress_pb(item)
 
     async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:
-        job, rank, world_size = checks.check_who(request.who)
-        step = None if request.latest else checks.check_step(request.step)
-        wanted = self._load_specs.resolve(job, rank, request.fingerprint, request.tensors)
-        kinds = checks.check_kinds(request.kinds)
-        plan = await self.service.plan_load(
-            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
-            checks.check_run(request.who),
-        )
+        load = checks.plan_load_of(request, lambda job, rank: self._load_specs.resolve(job, rank, request.fingerprint, request.tensors))
+        plan = await self.service.plan_load(load)
         # checked after planning, as always: a rank with too many known plans is told so only then
         known_plans = checks.check_known_plans(request.known_plans)
         if plan.plan_id and plan.plan_id in known_plans:

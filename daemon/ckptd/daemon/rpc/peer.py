@@ -50,26 +50,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
 
     async def JoinSave(self, request: ppb.JoinSaveRequest, context: grpc.aio.ServicerContext) -> ppb.JoinSaveResponse:
         coordinator = self._coordinator()
-        job = check_job_id(request.job)
-        step = checks.check_step(request.step)
-        node = checks.check_node(request.node, self.cluster.nodes)
-        world_size = checks.check_world_size(request.world_size)
-        if not request.fingerprints:
-            raise errors.InvalidRequest(f"node {node} joined the save of step {step} without ranks")
-        specs = {}
-        for entry in request.tensors:
-            if request.fingerprints.get(entry.rank) != entry.fingerprint:
-                raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
-            specs[entry.rank] = tuple(checks.tensor_specs(entry.tensors))
-            checks.check_digest(node, entry.rank, entry.fingerprint, specs[entry.rank])
-        timeout_s = checks.check_timeout(request.timeout_s) or self.service.config.save_timeout_s
-        metric = request.metric if request.has_metric else None
-        options = rpc_convert.join_options_of(request)
-        lineage = max(0, request.lineage)
-        result = await coordinator.join(
-            job, step, node, world_size, dict(request.fingerprints), specs, list(request.known_plans), request.root_id, timeout_s, metric,
-            options, lineage, rpc_convert.join_claim_of(request),
-        )
+        node, joining = checks.join_save_of(request, self.cluster.nodes, self.service.config.save_timeout_s)
+        result = await coordinator.join(joining, node, request.root_id)
         key = (result.save_id, result.specs is None)
         answer = self._answers.get(key)
         if answer is None:
