@@ -12,7 +12,7 @@ from memory_backend import MemoryStorage
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input, plan_key
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.daemon.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
@@ -88,7 +88,7 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
         assert results[0] == results[1] and results[0].node_of_rank == (0, 1) and results[0].shared_root
         save_id = results[0].save_id
         outcomes = await asyncio.gather(
-            *[coord.report("job", 1, save_id, n, manifest(n, HALVES[n]), "", {n: {"r": n}}, {}) for n in (0, 1)]
+            *[coord.report(ReportManifest("job", 1, save_id, manifest(n, HALVES[n]), "", {n: {"r": n}}), n) for n in (0, 1)]
         )
         assert all(o.committed for o in outcomes)
         # the next save of the same layout does not resend the metadata
@@ -109,8 +109,8 @@ def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storag
         coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
         return await asyncio.gather(
-            coord.report("job", 1, save_id, 0, manifest(0, HALVES[0]), "", {}, {}),
-            coord.report("job", 1, save_id, 1, None, "disk full", {}, {}),
+            coord.report(ReportManifest("job", 1, save_id, manifest(0, HALVES[0])), 0),
+            coord.report(ReportManifest("job", 1, save_id, None, "disk full"), 1),
         )
 
     written_part(storage, 1, "model-00001-of-00002.safetensors", b"x" * 100)
@@ -124,7 +124,7 @@ def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: S
     async def scenario() -> list:
         coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
-        return await asyncio.gather(*[coord.report("job", 1, save_id, n, manifest(n, HALVES[0]), "", {}, {}) for n in (0, 1)])
+        return await asyncio.gather(*[coord.report(ReportManifest("job", 1, save_id, manifest(n, HALVES[0])), n) for n in (0, 1)])
 
     outcomes = asyncio.run(scenario())
     assert not outcomes[0].committed and "not written exactly once" in outcomes[0].error
@@ -245,7 +245,7 @@ def test_an_aborted_saves_plan_is_not_kept(tmp_path: Path) -> None:
     async def scenario() -> None:
         coord = coordinator(tmp_path)
         refused = await join_alone(coord, "job", 1, "d", whole("F32", HUGE))
-        outcome = await coord.report("job", 1, refused.save_id, 0, None, "cannot reserve 256 TiB of shared memory", {}, {})
+        outcome = await coord.report(ReportManifest("job", 1, refused.save_id, None, "cannot reserve 256 TiB of shared memory"), 0)
         assert not outcome.committed
         again = await join_alone(coord, "job", 2, "d", None)
         assert again.plan is not None and again.plan is not refused.plan  # planned anew

@@ -7,7 +7,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.rpc import convert as rpc_convert
@@ -85,10 +85,10 @@ def test_a_report_carries_the_manifest_and_model_files() -> None:
         (FileRecord("model-00002-of-00002.safetensors", 100, "xxh3-64:0", 1),),
         (("model/w", FragmentRecord("model-00002-of-00002.safetensors", "w@2,0", HALVES[1], "I8", 84, 16, "xxh3-64:1", 65536, "ab", quant)),),
     )
-    request = rpc_convert.report_request("job", 3, "save", 1, manifest, "", {0: "{}"}, {"config.json": b"{}"})
+    request = rpc_convert.report_request(ReportManifest("job", 3, "save", manifest, "", {0: {}}, {"config.json": b"{}"}), 1)
     assert request.ok and dict(request.model_files) == {"config.json": "{}"} and dict(request.extras_json) == {0: "{}"}
     assert rpc_convert.manifest_from_wire(1, request.files, request.fragments) == manifest
-    failed = rpc_convert.report_request("job", 3, "save", 1, None, "disk full", {}, {})
+    failed = rpc_convert.report_request(ReportManifest("job", 3, "save", None, "disk full"), 1)
     assert not failed.ok and not failed.files and failed.error == "disk full"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.files import NodeManifest, environment_json
@@ -86,7 +86,7 @@ def test_the_commit_waits_for_every_node_that_joined(tmp_path: Path, joined: tup
         save_id = results[0].save_id
         tasks = []
         for i, node in enumerate(reports):
-            tasks.append(asyncio.create_task(coord.report("job", 1, save_id, node, manifest(node), "", {}, {})))
+            tasks.append(asyncio.create_task(coord.report(ReportManifest("job", 1, save_id, manifest(node)), node)))
             if i == commits_after:  # the commit writes files: wait for it rather than for a fixed time
                 await asyncio.wait_for(asyncio.shield(tasks[-1]), 60)
             else:
@@ -108,6 +108,6 @@ def test_a_report_from_a_node_that_did_not_join_is_refused(tmp_path: Path) -> No
         specs = {n: (TensorSpec("model/w", "model", "F32", (2,), Box((n,), (1,))),) for n in (0, 1)}
         results = await asyncio.gather(*[coord.join(JoinSave("job", 1, 2, {n: f"fp{n}"}, {n: specs[n]}, [], 30.0, None), n, f"root{n}") for n in (0, 1)])
         with pytest.raises(InvalidRequest, match="node 2 did not join the save of step 1"):
-            await coord.report("job", 1, results[0].save_id, 2, manifest(2), "", {}, {})
+            await coord.report(ReportManifest("job", 1, results[0].save_id, manifest(2)), 2)
 
     asyncio.run(scenario())

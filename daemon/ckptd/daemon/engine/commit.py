@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
@@ -161,7 +162,7 @@ class Commit:
         written = time.monotonic()
         session.reported = True
         outcome = await engine.coordination.report(
-            session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files
+            ReportManifest(session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files)
         )
         if outcome.committed:
             try:

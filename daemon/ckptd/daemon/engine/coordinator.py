@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from ckptd.daemon.engine.admission import Admission
 from ckptd.daemon.engine.peers import NoPeers, PeerProbe
 from ckptd.daemon.engine.plan_inputs import JobPlans, plan_key
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused
 from ckptd.daemon.format.index import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord
@@ -249,18 +249,9 @@ class Coordinator:
             )
             save.planned.set()
 
-    async def report(
-        self,
-        job: str,
-        step: int,
-        save_id: str,
-        node: int,
-        manifest: NodeManifest | None,
-        error: str,
-        extras: dict[int, Any],
-        model_files: dict[str, bytes],
-    ) -> Outcome:
-        """Take node's manifest (or its failure); returns the step's outcome once it is decided."""
+    async def report(self, request: ReportManifest, node: int) -> Outcome:
+        """Take `node`'s manifest (or its failure); returns the step's outcome once it is decided."""
+        job, step, save_id, manifest = request.job, request.step, request.save_id, request.manifest
         save = self._saves.get((job, step))
         if save is None or save.save_id != save_id:
             return Outcome(False, f"the coordinator knows no save {save_id} of step {step} (it restarted or the save was aborted)", decided=False)
@@ -268,11 +259,11 @@ class Coordinator:
             raise InvalidRequest(f"node {node} did not join the save of step {step}")
         if not save.decided.is_set():
             if manifest is None:
-                await self._abort(save, f"node {node} failed: {error or 'no reason given'}")
+                await self._abort(save, f"node {node} failed: {request.error or 'no reason given'}")
             else:
                 save.manifests[node] = manifest
-                save.extras.update(extras)
-                save.model_files.update(model_files)
+                save.extras.update(request.extras)
+                save.model_files.update(request.model_files)
                 if len(save.manifests) == len(save.root_ids):  # manifests come from joined nodes only: all have reported
                     await self._commit(save)
         await save.decided.wait()
@@ -407,7 +398,5 @@ class SingleNode:
     async def join_save(self, request: JoinSave) -> JoinResult:
         return await self.coordinator.join(request, 0, "")
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
-        return await self.coordinator.report(job, step, save_id, 0, manifest, error, extras, model_files)
+    async def report(self, request: ReportManifest) -> Outcome:
+        return await self.coordinator.report(request, 0)

@@ -7,10 +7,9 @@ peers' inventories and files (`Peers`), and what node 0's coordinator probes whi
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
-from ckptd.daemon.engine.requests import JoinSave
-from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 
 
@@ -22,9 +21,7 @@ class Coordination(Protocol):
         """Join the save; returns once every rank of the job has (the plan's input, the compression).
         Raises RunRefused when the run may not save into the job (engine/runs.py)."""
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
+    async def report(self, request: ReportManifest) -> Outcome:
         """Report this node's written part (or its failure, manifest None); returns once decided."""
 
 

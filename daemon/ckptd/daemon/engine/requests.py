@@ -6,16 +6,18 @@ parameters are written down here and nowhere else.
 
     BeginSave   a rank joins the save of a step (Saves.begin)
     JoinSave    a node joins the save at the coordinator (Coordination.join_save, Coordinator.join)
+    ReportManifest  a node reports its written part, or its failure (Coordination.report, Coordinator.report)
     PlanLoad    a rank asks where the bytes of the tensors it loads are (Loads.plan)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
 from ckptd.daemon.plan.compression import NO_OPTIONS, SaveOptions
+from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec
 
 
@@ -55,6 +57,20 @@ class JoinSave:
     options: SaveOptions = NO_OPTIONS  # what its ranks ask for (every node must ask for the same)
     lineage: int = 0  # the deepest quantization generation its ranks last loaded
     claim: RunClaim = NO_CLAIM  # the ranks' run (engine/runs.py)
+
+
+@dataclass(frozen=True)
+class ReportManifest:
+    """A node's part of the save `save_id` of `step` is written (`manifest`), or failed (`manifest`
+    None, `error` says why); the reporting node is given alongside (Coordinator.report)."""
+
+    job: str
+    step: int
+    save_id: str  # the coordinator's id of the save (JoinResult.save_id)
+    manifest: NodeManifest | None
+    error: str = ""
+    extras: Mapping[int, Any] = field(default_factory=dict)  # rank -> its extras tree (extra.json), the node's ranks
+    model_files: Mapping[str, bytes] = field(default_factory=dict)  # config.json ... as the ranks sent them
 
 
 @dataclass(frozen=True)

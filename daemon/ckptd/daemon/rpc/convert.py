@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord
 from ckptd.daemon.format.units import Unit
@@ -348,15 +348,14 @@ def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Seq
     return NodeManifest(node, tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files), records)
 
 
-def report_request(
-    job: str, step: int, save_id: str, node: int, manifest: NodeManifest | None, error: str, extras: dict[int, str], model_files: dict[str, bytes]
-) -> ppb.ReportManifestRequest:
-    """extras: rank -> JSON text; model files as bytes (UTF-8 JSON)."""
+def report_request(request: ReportManifest, node: int) -> ppb.ReportManifestRequest:
+    """A node's ReportManifest message: extras as JSON text, model files as UTF-8 text."""
+    manifest = request.manifest
     files, fragments = manifest_to_wire(manifest) if manifest is not None else ([], [])
     return ppb.ReportManifestRequest(
-        job=job, step=step, save_id=save_id, node=node, ok=manifest is not None, error=error,
-        files=files, fragments=fragments, extras_json=extras,
-        model_files={k: v.decode() for k, v in model_files.items()},
+        job=request.job, step=request.step, save_id=request.save_id, node=node, ok=manifest is not None, error=request.error,
+        files=files, fragments=fragments, extras_json={r: json.dumps(e) for r, e in request.extras.items()},
+        model_files={k: v.decode() for k, v in request.model_files.items()},
     )
 
 

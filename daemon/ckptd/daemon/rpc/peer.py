@@ -15,6 +15,7 @@ import grpc
 from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import errors
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.format.index import INDEX_NAME, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
@@ -73,7 +74,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
             manifest = rpc_convert.manifest_from_wire(node, request.files, request.fragments)
             for record in manifest.files:
                 checks.check_file_name(record.name)
-        outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)
+        outcome = await coordinator.report(ReportManifest(job, step, request.save_id, manifest, request.error[:2000], extras, model_files), node)
         return rpc_convert.report_response(outcome)
 
     async def Inventory(self, request: ppb.InventoryRequest, context: grpc.aio.ServicerContext) -> ppb.InventoryResponse:

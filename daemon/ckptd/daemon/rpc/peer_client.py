@@ -10,7 +10,6 @@ rpc/errors.py coordinator_error.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from typing import Any, Awaitable, Callable, Sequence
@@ -19,12 +18,11 @@ import grpc
 
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input
-from ckptd.daemon.engine.requests import JoinSave
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.errors import Unavailable
 from ckptd.daemon.format.index import step_dir_name
 from ckptd.daemon.plan.compression import Decide, lossless_by_default
-from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
@@ -108,16 +106,13 @@ class PeerClient:
         check_plan_input(result, self.describe(0))
         return result
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
-        """Report this node's part; returns the outcome. extras: rank -> its extras tree."""
+    async def report(self, request: ReportManifest) -> Outcome:
+        """Report this node's part; returns the outcome."""
         if self.coordinator is not None:
-            return await self.coordinator.report(job, step, save_id, self.node, manifest, error, extras, model_files)
-        texts = {r: json.dumps(e) for r, e in extras.items()}
-        request = rpc_convert.report_request(job, step, save_id, self.node, manifest, error, texts, model_files)
+            return await self.coordinator.report(request, self.node)
+        message = rpc_convert.report_request(request, self.node)
         try:
-            reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)
+            reply = await self.links.stub(0).ReportManifest(message, metadata=self.links.metadata)
         except grpc.RpcError as exc:
             details = exc.details() or exc.code().name
             why = coordinator_unreachable(self.describe(0), details) if exc.code() == grpc.StatusCode.UNAVAILABLE else f"the coordinator {self.describe(0)} did not answer: {details}"
