@@ -298,10 +298,10 @@ def test_status_and_metrics_say_who_holds_what(tmp_path: Path) -> None:
         await _saved(service, "a", 1)
         await _save(service, "b", 1, nbytes=2 * MiB)
         status = service.status()
-        a, b = status["arena_holders"]
+        a, b = status.arena_holders
         assert isinstance(a, ArenaHolder) and (a.job, a.bytes, a.sets, a.held_steps, a.in_flight, a.readers) == ("a", MiB, 1, (1,), 0, 0)
         assert a.idle_s > 0 and (b.job, b.bytes, b.in_flight, b.idle_s) == ("b", 2 * MiB, 1, 0.0)
-        assert status["shm_budget"] == 64 * MiB and status["shm_free"] > 0
+        assert status.shm_budget == 64 * MiB and status.shm_free > 0
         live = service.live_state()
         assert live.job_arena_bytes == {"a": MiB, "b": 2 * MiB} and live.job_idle_s["b"] == 0.0 and live.shm_budget == 64 * MiB
         await _durable(service, "b", 1)

@@ -3,6 +3,8 @@ messages, and what a peer sends is validated where it becomes a record."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ckptd.common.boxes import Box
@@ -17,7 +19,7 @@ from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
-from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
+from ckptd.daemon.records import InFlightSave, JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
 from ckptd.daemon.plan.load_plan import DecodeInfo, PieceInfo
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
@@ -155,20 +157,19 @@ def test_slot_messages_are_built_once_per_plan_and_rank() -> None:
     assert first is slots.get(plan, 1) and [s.name for s in first] == [s.name for s in plan.slots_of(1)]
 
 
-def test_a_status_snapshot_from_the_services_dict() -> None:
-    in_flight = dict(job="a", step=1, state="writing", bytes_total=10, bytes_written=5, age_s=1.5, ranks_arrived=2, ranks_expected=2, write_s=0.5)
-    status = {
-        "version": "1", "root": "/r", "in_flight": [in_flight, {**in_flight, "job": "b"}], "arena_bytes": 1, "arena_count": 2,
-        "committed_total": 3, "failed_total": 4, "skipped_total": 5, "last_error": "e", "draining": True, "queue_depth": 6,
-        "last_commit": LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), "node_rank": 0, "nodes": 2, "bytes_written_total": 7,
-        "uptime_s": 8.0, "loads_active": 9, "link_mismatches_total": 1,
-    }
-    snapshot = StatusSnapshot.from_dict(status)
+def test_a_status_snapshot_crosses_the_wire_and_narrows_to_a_job() -> None:
+    in_flight = InFlightSave(job="a", step=1, state="writing", bytes_total=10, bytes_written=5, age_s=1.5, ranks_arrived=2, ranks_expected=2, write_s=0.5)
+    snapshot = StatusSnapshot(
+        version="1", root="/r", in_flight=(in_flight, replace(in_flight, job="b")), arena_bytes=1, arena_count=2,
+        committed_total=3, failed_total=4, skipped_total=5, last_error="e", draining=True, queue_depth=6,
+        last_commit=LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), node_rank=0, nodes=2, bytes_written_total=7,
+        uptime_s=8.0, loads_active=9, link_mismatches_total=1,
+    )
     message = rpc_convert.status_pb(snapshot.of_job("b"))
     assert [f.job for f in message.in_flight] == ["b"] and message.in_flight[0].bytes_written == 5
     assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/a/step-1")
     assert message.link_mismatches_total == 1
-    assert not rpc_convert.status_pb(StatusSnapshot.from_dict({**status, "last_commit": None})).HasField("last_commit")
+    assert not rpc_convert.status_pb(replace(snapshot, last_commit=None)).HasField("last_commit")
     assert len(snapshot.in_flight) == 2
 
 

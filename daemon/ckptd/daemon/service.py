@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -44,6 +44,7 @@ from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
+from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
@@ -297,7 +298,7 @@ class CheckpointService:
             return state
         return replace(state, replica_bytes=self.replication.store.nbytes, replicas=len(self.replication.store.held))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusSnapshot:
+        """`ckptd status`: Housekeeping.status with tier 0b's replicas."""
         status = self.housekeeping.status()
-        status["replicas"] = self.replication.status() if self.replication is not None else None
-        return status
+        return status if self.replication is None else replace(status, replicas=self.replication.status())

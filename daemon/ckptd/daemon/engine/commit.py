@@ -245,10 +245,10 @@ class Commit:
         engine = self.engine
         assert engine.cluster is not None
         answer = await engine.cluster.inventory(0, job, step)
-        if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
+        if isinstance(answer, str) or (answer.in_flight and not answer.committed):  # unreachable, or still deciding
             return False
         try:
-            if answer[1]:
+            if answer.committed:
                 await self._adopt_commit(job, step)
                 await self._retention(job, step)  # as after a commit it heard of (_write_node)
             else:

@@ -20,7 +20,6 @@ from ckptd.daemon.engine.runs import Client
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
 from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.plan.save_plan import TensorSpec
-from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc import validate as checks
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -148,7 +147,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         return pb.ListResponse(checkpoints=[rpc_convert.checkpoint_info_pb(index, path, in_memory) for index, path, in_memory in listed])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        status = StatusSnapshot.from_dict(self.service.status())
+        status = self.service.status()
         if request.job:
             status = status.of_job(check_job_id(request.job))
         return rpc_convert.status_pb(status)

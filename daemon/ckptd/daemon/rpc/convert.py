@@ -379,7 +379,7 @@ def inventory_response(inventory: PeerInventory) -> ppb.InventoryResponse:
 def inventory_of(reply: ppb.InventoryResponse) -> PeerInventory:
     replicas = tuple((r.node, r.name, r.size) for r in reply.replicas)
     newest = reply.newest_step if reply.newest_step >= 0 else None
-    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas, newest)
+    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas=replicas, newest=newest)
 
 
 def bulk_ticket(answer: BulkAnswer) -> ppb.BulkTicket:
