@@ -133,7 +133,7 @@ def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:
     inventory = PeerInventory("root", True, {"a.safetensors": 10, "b.safetensors": 20}, False)
     back = rpc_convert.inventory_of(rpc_convert.inventory_response(inventory))
     assert back == inventory and back.sizes == inventory.sizes
-    assert (back[1], back.sizes, back[3], back[0]) == (True, inventory.sizes, False, "root")  # the engine still reads it by position
+    assert (back.committed, back.sizes, back.in_flight, back.root_id) == (True, inventory.sizes, False, "root")
     held = PeerInventory("root", True, {}, False, replicas=((2, "a.safetensors", 10),), newest=7)  # tier 0b
     assert rpc_convert.inventory_of(rpc_convert.inventory_response(held)) == held
 
