@@ -57,8 +57,10 @@ class _LoadSpecs:
 
 
 class CheckpointServicer(pb_grpc.CheckpointServicer):
-    def __init__(self, service: "CheckpointService") -> None:
+    def __init__(self, service: "CheckpointService", staging: GpuStaging) -> None:
+        """staging: mode "ipc"'s staging buffers, which OpenStaging and CloseStaging open and close."""
         self.service = service
+        self._staging = staging
         self._slot_messages = rpc_convert.SlotMessages()
         self._load_specs = _LoadSpecs()
         self._shm_pieces = rpc_convert.ShmPieces()
@@ -101,14 +103,14 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     async def OpenStaging(self, request: pb.OpenStagingRequest, context: grpc.aio.ServicerContext) -> pb.OpenStagingResponse:
         job, rank, _ = checks.check_who(request.who)
-        staging_id, reason = await self.service.gpu.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
+        staging_id, reason = await self._staging.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
         if reason:
             log.warning("rank %s of job %s cannot use mode 'ipc' (it falls back to 'overlap'): %s", rank, job, reason)
         return pb.OpenStagingResponse(staging_id=staging_id, reason=reason)
 
     async def CloseStaging(self, request: pb.CloseStagingRequest, context: grpc.aio.ServicerContext) -> pb.CloseStagingResponse:
         job, rank, _ = checks.check_who(request.who)
-        await self.service.gpu.close(job, rank, request.staging_id)
+        await self._staging.close(job, rank, request.staging_id)
         return pb.CloseStagingResponse()
 
     async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.AbortSaveResponse:
