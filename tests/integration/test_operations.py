@@ -1,5 +1,5 @@
 """Operating a real daemon: ckptd status during a slow save, verify, gc, ls, retention across 30
-saves with metrics, and the Prometheus endpoint scraped over HTTP."""
+saves with metrics, the Prometheus endpoint scraped over HTTP, and health while it drains."""
 
 from __future__ import annotations
 
