@@ -18,7 +18,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.engine.requests import BeginSave, PlanLoad
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, NotFound, Unavailable, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import TensorSpec
@@ -82,7 +82,7 @@ async def _save(service: CheckpointService, step: int, world: int = 2, hand_over
                 if slot.rank == r:
                     spec = next(s for s in specs if s.name == slot.name and s.box == slot.box)
                     arena.view(slot.offset, slot.nbytes)[:] = _values(step, spec).tobytes()
-            await service.commit_snapshot("job", r, session.save_id, json.dumps({"rank": r, "step": step}))
+            await service.commit_snapshot(CommitSnapshot("job", r, session.save_id, json.dumps({"rank": r, "step": step})))
         return session
 
     return list(await asyncio.gather(*(rank(r) for r in range(world))))
@@ -241,7 +241,7 @@ def test_a_hand_over_through_a_transport_the_daemon_lacks_is_refused(service: Ch
     async def run() -> None:
         session = (await _save(service, 3, hand_over=()))[0]
         with pytest.raises(InvalidRequest, match="through transport 'rdma', which this daemon does not have"):
-            await service.commit_snapshot("job", 0, session.save_id, "{}", staged=StagedHandOver("rdma", "s", ()))
+            await service.commit_snapshot(CommitSnapshot("job", 0, session.save_id, "{}", staged=StagedHandOver("rdma", "s", ())))
         assert sorted(service.engine.transports) == ["ipc"] and session.state is SaveState.SNAPSHOTTING
 
     asyncio.run(run())

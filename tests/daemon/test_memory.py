@@ -19,7 +19,7 @@ from typing import Any
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import Arena, SetState
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.engine.requests import BeginSave, PlanLoad
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
@@ -53,7 +53,7 @@ async def _save(service: CheckpointService, job: str, step: int, nbytes: int = M
     arena = session.arenas.arenas[0]
     assert arena is not None
     arena.view(slot.offset, slot.nbytes)[:] = bytes([step % 256]) * slot.nbytes
-    await service.commit_snapshot(job, 0, session.save_id, json.dumps({"step": step}))
+    await service.commit_snapshot(CommitSnapshot(job, 0, session.save_id, json.dumps({"step": step})))
     return session
 
 

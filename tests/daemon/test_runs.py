@@ -18,7 +18,7 @@ import pytest
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.coordinator import Coordinator
-from ckptd.daemon.engine.requests import BeginSave, JoinSave, PlanLoad
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave, PlanLoad
 from ckptd.daemon.engine.runs import Client, RunClaim, Runs
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Precondition, RunRefused
@@ -147,7 +147,7 @@ async def _begin(service: CheckpointService, run: str, rank: int, step: int, wor
 
 
 async def _hand_over(service: CheckpointService, session: SaveSession, rank: int) -> None:
-    await service.commit_snapshot("job", rank, session.save_id, json.dumps({"rank": rank}))
+    await service.commit_snapshot(CommitSnapshot("job", rank, session.save_id, json.dumps({"rank": rank})))
 
 
 async def _save(service: CheckpointService, run: str, step: int, world: int = 1, resumed_from: int | None = None) -> SaveSession:

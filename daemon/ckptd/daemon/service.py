@@ -32,14 +32,13 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
-from ckptd.daemon.engine.requests import BeginSave, PlanLoad
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
-from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
@@ -223,18 +222,9 @@ class CheckpointService:
         if self.engine.runs.detach(job, client_id, only) is not None:
             self.engine.spawn(self.saves.client_gone(job, client_id))
 
-    async def commit_snapshot(
-        self,
-        job: str,
-        rank: int,
-        save_id: str,
-        extras_json: str,
-        model_files: dict[str, bytes] | None = None,
-        staged: StagedHandOver | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
+    async def commit_snapshot(self, request: CommitSnapshot) -> None:
         """Saves.hand_over."""
-        await self.saves.hand_over(job, rank, save_id, extras_json, model_files, staged, stall_s)
+        await self.saves.hand_over(request)
 
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         await self.saves.abort(job, rank, save_id, reason)

@@ -5,6 +5,7 @@ facade (service.py), the engine and the coordinator pass it on unchanged, so a r
 parameters are written down here and nowhere else.
 
     BeginSave   a rank joins the save of a step (Saves.begin)
+    CommitSnapshot  a rank hands its part of the snapshot over (Saves.hand_over)
     JoinSave    a node joins the save at the coordinator (Coordination.join_save, Coordinator.join)
     ReportManifest  a node reports its written part, or its failure (Coordination.report, Coordinator.report)
     PlanLoad    a rank asks where the bytes of the tensors it loads are (Loads.plan)
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
+from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.plan.compression import NO_OPTIONS, SaveOptions
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec
@@ -39,6 +41,19 @@ class BeginSave:
     run: str = ""  # the rank's run ("": a client older than run ids)
     resumed_from: int | None = None  # the step the run loaded before its first save (a resume), else None
     client_id: str = ""  # the rank's client ("": unknown)
+
+
+@dataclass(frozen=True)
+class CommitSnapshot:
+    """Rank `rank`'s part of the save `save_id` is in its arena (or, `staged`, in its staging buffer)."""
+
+    job: str
+    rank: int
+    save_id: str  # BeginSave's answer
+    extras_json: str  # the rank's extras tree as JSON text (checked by Saves.hand_over)
+    model_files: Mapping[str, bytes] | None = None  # config.json ... (rank 0's are kept)
+    staged: StagedHandOver | None = None  # mode "ipc": ranges to copy from its staging buffer into its arena first
+    stall_s: float = 0.0  # seconds its save() blocked training so far, for the metrics (0: not reported)
 
 
 @dataclass(frozen=True)

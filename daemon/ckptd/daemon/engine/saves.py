@@ -19,12 +19,11 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 
 from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
 from ckptd.daemon.engine.context import Engine
-from ckptd.daemon.engine.requests import BeginSave, JoinSave
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave
 from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint
 from ckptd.daemon.handoff.arena import ArenaSet
-from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
 
@@ -284,24 +283,15 @@ class Saves:
         except Exhausted as exc:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
-    async def hand_over(
-        self,
-        job: str,
-        rank: int,
-        save_id: str,
-        extras_json: str,
-        model_files: dict[str, bytes] | None = None,
-        staged: StagedHandOver | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
-        """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
-        mode "ipc", copied from its staging buffer into its arena first; if that fails the save
-        fails (nothing of it is persisted); see handoff/transports.py. stall_s: seconds its save() blocked training so far
-        (0: not reported)."""
+    async def hand_over(self, request: CommitSnapshot) -> None:
+        """The rank's part of the snapshot is complete. A rank in mode "ipc" hands its part over
+        staged (`request.staged`): copied from its staging buffer into its arena first; if that
+        fails the save fails (nothing of it is persisted); see handoff/transports.py."""
+        job, rank, staged = request.job, request.rank, request.staged
         engine = self.engine
-        state, session = self.find(job, save_id)
+        state, session = self.find(job, request.save_id)
         session.check_hand_over(rank)
-        extras = parse_extras(rank, extras_json)
+        extras = parse_extras(rank, request.extras_json)
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
@@ -315,9 +305,9 @@ class Saves:
                 raise
             if session.state is not SaveState.SNAPSHOTTING:  # failed or timed out while copying
                 raise Aborted(f"save of step {session.step} is {session.state}: {session.error}")
-        if stall_s > 0:
-            engine.metrics.stall.labels(job).observe(stall_s)
-        if session.hand_over(rank, extras, model_files):
+        if request.stall_s > 0:
+            engine.metrics.stall.labels(job).observe(request.stall_s)
+        if session.hand_over(rank, extras, request.model_files):
             engine.spawn(self._write(state, session))
 
     async def abort(self, job: str, rank: int, save_id: str, reason: str) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon import errors
+from ckptd.daemon.engine.requests import CommitSnapshot
 from ckptd.daemon.engine.runs import Client
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
 from ckptd.daemon.handoff.transports import StagedHandOver
@@ -77,7 +78,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         staged = None
         if checks.check_staged(request.staging_id, len(request.staged)):
             staged = StagedHandOver(GpuStaging.name, request.staging_id, rpc_convert.staged_ranges(request.staged))
-        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s)
+        await self.service.commit_snapshot(CommitSnapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s))
         return pb.CommitSnapshotResponse()
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachEvent]:
