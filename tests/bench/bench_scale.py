@@ -56,7 +56,9 @@ from typing import Callable
 from ckptd.common.boxes import Box
 from ckptd.common.chunks import chunk_bytes_for, chunk_count
 from ckptd.daemon.rpc import convert as rpc_convert
-from ckptd.daemon.engine.coordinator import Coordinator, PeerLinks
+from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
+from ckptd.daemon.rpc.peer_links import PeerLinks
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
 from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
@@ -221,9 +223,12 @@ async def simulate_save(
     started = time.perf_counter()
     joins = [
         coord.join(
-            JOB, step, n, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
-            {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
-            known_plans, root_id, 3600.0, None,
+            JoinSave(
+                JOB, step, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
+                {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
+                known_plans, 3600.0, None,
+            ),
+            n, root_id,
         )
         for n in range(layout.nodes)
     ]
@@ -236,13 +241,13 @@ async def simulate_save(
     save_id = results[0].save_id
     extras = {0: {"scheduler": {"last_epoch": step}, "step": step}}
     early = [
-        asyncio.create_task(coord.report(JOB, step, save_id, n, made[n], "", extras if n == 0 else {}, {}))
+        asyncio.create_task(coord.report(ReportManifest(JOB, step, save_id, made[n], "", extras if n == 0 else {}), n))
         for n in range(layout.nodes - 1)
     ]
     await asyncio.sleep(0)  # every earlier report is in and waits for the decision
     last = layout.nodes - 1
     started = time.perf_counter()
-    outcome = await coord.report(JOB, step, save_id, last, made[last], "", {}, {})
+    outcome = await coord.report(ReportManifest(JOB, step, save_id, made[last]), last)
     commit_s = time.perf_counter() - started
     if not outcome.committed:
         raise RuntimeError(f"step {step} was not committed: {outcome.error}")

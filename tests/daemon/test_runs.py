@@ -18,6 +18,7 @@ import pytest
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave, PlanLoad
 from ckptd.daemon.engine.runs import Client, RunClaim, Runs
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Precondition, RunRefused
@@ -141,12 +142,12 @@ def service(tmp_path: Path) -> Any:
 
 async def _begin(service: CheckpointService, run: str, rank: int, step: int, world: int = 2, resumed_from: int | None = None) -> SaveSession:
     return await service.begin_save(
-        "job", rank, world, step, "fp", [SPEC], None, 30.0, run=run, resumed_from=resumed_from, client_id=f"{run}client{rank}"
+        BeginSave("job", rank, world, step, "fp", [SPEC], None, 30.0, run=run, resumed_from=resumed_from, client_id=f"{run}client{rank}")
     )
 
 
 async def _hand_over(service: CheckpointService, session: SaveSession, rank: int) -> None:
-    await service.commit_snapshot("job", rank, session.save_id, json.dumps({"rank": rank}))
+    await service.commit_snapshot(CommitSnapshot("job", rank, session.save_id, json.dumps({"rank": rank})))
 
 
 async def _save(service: CheckpointService, run: str, step: int, world: int = 1, resumed_from: int | None = None) -> SaveSession:
@@ -301,7 +302,7 @@ async def _no_retention(job: str) -> None:
 
 def _join(coord: Coordinator, node: int, step: int, claim: RunClaim, world: int = 1, rank: int = 0) -> Any:
     spec = (TensorSpec("model/w", "model", "F32", (4,), Box.full((4,))),)
-    return coord.join("job", step, node, world, {rank: "fp"}, {rank: spec}, [], "root", 30.0, None, claim=claim)
+    return coord.join(JoinSave("job", step, world, {rank: "fp"}, {rank: spec}, [], 30.0, None, claim=claim), node, "root")
 
 
 # issue 30 finding 6
@@ -355,12 +356,12 @@ def test_a_load_by_another_run_leaves_a_live_runs_open_save_alone(service: Check
         await _save(service, "a", 1)
         open_save = asyncio.ensure_future(_begin(service, "a", 0, 2, world=2))
         await asyncio.sleep(0.05)
-        plan = await service.plan_load("job", 0, 1, None, [SPEC], ["model"], True, run="eval")
+        plan = await service.plan_load(PlanLoad("job", 0, 1, None, [SPEC], ["model"], True, run="eval"))
         service.load_done(plan.load_id)
         assert plan.step == 1 and not open_save.done()
         session = await asyncio.gather(_begin(service, "a", 1, 2, world=2), open_save)
         assert session[0] is session[1] and session[0].state is SaveState.SNAPSHOTTING
-        plan = await service.plan_load("job", 1, 2, None, [SPEC], ["model"], True, run="a")  # a's own rank 1 moves on: its save ends
+        plan = await service.plan_load(PlanLoad("job", 1, 2, None, [SPEC], ["model"], True, run="a"))  # a's own rank 1 moves on: its save ends
         service.load_done(plan.load_id)
         assert session[0].state is SaveState.FAILED and "moved on" in session[0].error
 

@@ -4,8 +4,7 @@ step, and the daemon's status snapshot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass, field, replace
 
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.plan.compression import Compression
@@ -42,9 +41,9 @@ class Outcome:
     index: CheckpointIndex | None = field(default=None, compare=False)  # in process only (node 0): the committed index
 
 
-class PeerInventory(NamedTuple):
-    """What a peer daemon holds of one step (its Inventory answer). A named tuple so that the
-    engine's positional reads (`answer[0]`, `answer[1]`, `answer[3]`) keep working."""
+@dataclass(frozen=True)
+class PeerInventory:
+    """What a peer daemon holds of one step (its Inventory answer)."""
 
     root_id: str  # the peer's storage root id: equal to ours when the root is shared
     committed: bool  # the step's index is on the peer's root
@@ -188,24 +187,6 @@ class StatusSnapshot:
     arena_holders: tuple[ArenaHolder, ...] = ()  # the jobs with arena sets
     shm_budget: int = 0  # --shm-budget in bytes; 0: none (the shared-memory directory's size)
     shm_free: int = 0  # bytes free in the shared-memory directory
-
-    @classmethod
-    def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":
-        """From the dict CheckpointService.status() returns today (a KeyError names a missing
-        field); `last_commit` may be any object with LastCommit's attributes."""
-        last = status["last_commit"]
-        special = ("in_flight", "last_commit", "remote", "replicas", "arena_holders", "shm_budget", "shm_free")
-        values = {f.name: status[f.name] for f in fields(cls) if f.name not in special}
-        return cls(
-            in_flight=tuple(InFlightSave(**f) for f in status["in_flight"]),
-            arena_holders=tuple(status.get("arena_holders", ())),
-            shm_budget=status.get("shm_budget", 0),
-            shm_free=status.get("shm_free", 0),
-            last_commit=None if last is None else LastCommit(**{f.name: getattr(last, f.name) for f in fields(LastCommit)}),
-            remote=status.get("remote"),
-            replicas=status.get("replicas"),
-            **values,
-        )
 
     def of_job(self, job: str) -> "StatusSnapshot":
         """The same snapshot with only `job`'s saves in flight and arena sets."""

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -32,18 +32,18 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
-from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
-from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
@@ -198,31 +198,9 @@ class CheckpointService:
 
     # Saves.
 
-    async def begin_save(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int,
-        fingerprint: str,
-        specs: Sequence[TensorSpec] | None,
-        metric: float | None,
-        timeout_s: float,
-        local_world_size: int = 0,
-        quantize: str | None = None,
-        master_weights: str | None = None,
-        lineage: int = 0,
-        no_quantize: bool = False,
-        run: str = "",
-        resumed_from: int | None = None,
-        client_id: str = "",
-        retention: JobRetention | None = None,
-    ) -> SaveSession:
-        """Saves.begin; the compression options and the job's retention as the wire carries them."""
-        options = SaveOptions(quantize, master_weights, no_quantize, retention)
-        return await self.saves.begin(
-            job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage, run, resumed_from, client_id
-        )
+    async def begin_save(self, request: BeginSave) -> SaveSession:
+        """Saves.begin."""
+        return await self.saves.begin(request)
 
     # Runs (engine/runs.py).
 
@@ -244,18 +222,9 @@ class CheckpointService:
         if self.engine.runs.detach(job, client_id, only) is not None:
             self.engine.spawn(self.saves.client_gone(job, client_id))
 
-    async def commit_snapshot(
-        self,
-        job: str,
-        rank: int,
-        save_id: str,
-        extras_json: str,
-        model_files: dict[str, bytes] | None = None,
-        staged: StagedHandOver | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
+    async def commit_snapshot(self, request: CommitSnapshot) -> None:
         """Saves.hand_over."""
-        await self.saves.hand_over(job, rank, save_id, extras_json, model_files, staged, stall_s)
+        await self.saves.hand_over(request)
 
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         await self.saves.abort(job, rank, save_id, reason)
@@ -285,22 +254,9 @@ class CheckpointService:
 
     # Loads.
 
-    async def plan_load(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int | None,
-        wanted: Sequence[TensorSpec],
-        kinds: Sequence[str],
-        strict: bool,
-        direct_read: bool = True,
-        decodes: bool = True,
-        decodes_frames: bool = True,
-        run: str = "",
-    ) -> LoadPlan:
+    async def plan_load(self, request: PlanLoad) -> LoadPlan:
         """Loads.plan."""
-        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames, run)
+        return await self.loads.plan(request)
 
     def load_done(self, load_id: str) -> None:
         self.loads.done(load_id)
@@ -332,7 +288,7 @@ class CheckpointService:
             return state
         return replace(state, replica_bytes=self.replication.store.nbytes, replicas=len(self.replication.store.held))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusSnapshot:
+        """`ckptd status`: Housekeeping.status with tier 0b's replicas."""
         status = self.housekeeping.status()
-        status["replicas"] = self.replication.status() if self.replication is not None else None
-        return status
+        return status if self.replication is None else replace(status, replicas=self.replication.status())

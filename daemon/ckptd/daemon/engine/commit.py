@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
@@ -161,7 +162,7 @@ class Commit:
         written = time.monotonic()
         session.reported = True
         outcome = await engine.coordination.report(
-            session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files
+            ReportManifest(session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files)
         )
         if outcome.committed:
             try:
@@ -244,10 +245,10 @@ class Commit:
         engine = self.engine
         assert engine.cluster is not None
         answer = await engine.cluster.inventory(0, job, step)
-        if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
+        if isinstance(answer, str) or (answer.in_flight and not answer.committed):  # unreachable, or still deciding
             return False
         try:
-            if answer[1]:
+            if answer.committed:
                 await self._adopt_commit(job, step)
                 await self._retention(job, step)  # as after a commit it heard of (_write_node)
             else:

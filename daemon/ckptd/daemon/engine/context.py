@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.memory import ArenaMemory
 from ckptd.daemon.engine.peers import Coordination, Peers
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.errors import Precondition
@@ -183,7 +184,7 @@ class Engine:
 
     async def _report_failure(self, session: SaveSession) -> None:
         """Tell the coordinator this node's part of the save failed, so every node aborts it."""
-        outcome = await self.coordination.report(session.job, session.step, session.global_id, None, session.error, {}, {})
+        outcome = await self.coordination.report(ReportManifest(session.job, session.step, session.global_id, None, session.error))
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
     def saving(self, job: str, step: int) -> bool:

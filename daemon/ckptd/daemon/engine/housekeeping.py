@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
@@ -16,6 +16,7 @@ from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.files import VERSION
 from ckptd.daemon.plan.retention import RetentionPolicy, policy_of_record
+from ckptd.daemon.records import InFlightSave, StatusSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Housekeeping:
             if isinstance(answer, str):
                 log.info("retention at start-up left to the next commit: node 0 did not answer (%s)", answer)
                 return
-            if answer[0] == cluster.root_id:
+            if answer.root_id == cluster.root_id:
                 return  # a root shared with node 0: its retention is node 0's
             await self.apply_retention(job)
 
@@ -200,49 +201,49 @@ class Housekeeping:
             shm_budget=self.engine.memory.budget or 0,
         )
 
-    def status(self) -> dict[str, Any]:
-        """`ckptd status`: saves in flight, arenas, counters, the newest commit."""
+    def status(self) -> StatusSnapshot:
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit (tier 0b's
+        replicas are the service's to add)."""
         engine = self.engine
-        in_flight = []
         now = time.monotonic()
-        for job, state in engine.jobs.items():
-            for session in state.sessions.values():
-                in_flight.append(
-                    {
-                        "job": job,
-                        "step": session.step,
-                        "state": session.state,
-                        "bytes_total": session.bytes_total,
-                        "bytes_written": session.progress.written if session.progress else 0,
-                        "bytes_linked": session.progress.linked if session.progress else 0,
-                        "age_s": now - session.created,
-                        "ranks_arrived": len(session.committed) if session.state is SaveState.SNAPSHOTTING else len(session.arrived),
-                        "ranks_expected": session.local_ranks,
-                        "write_s": now - session.write_started if session.write_started else 0.0,
-                    }
-                )
+        in_flight = tuple(
+            InFlightSave(
+                job=job,
+                step=session.step,
+                state=session.state,
+                bytes_total=session.bytes_total,
+                bytes_written=session.progress.written if session.progress else 0,
+                bytes_linked=session.progress.linked if session.progress else 0,
+                age_s=now - session.created,
+                ranks_arrived=len(session.committed) if session.state is SaveState.SNAPSHOTTING else len(session.arrived),
+                ranks_expected=session.local_ranks,
+                write_s=now - session.write_started if session.write_started else 0.0,
+            )
+            for job, state in engine.jobs.items()
+            for session in state.sessions.values()
+        )
         counters = engine.counters
-        return {
-            "version": VERSION,
-            "root": engine.storage.location,
-            "in_flight": in_flight,
-            "arena_bytes": sum(s.pool.nbytes for s in engine.jobs.values()),
-            "arena_count": sum(s.pool.count for s in engine.jobs.values()),
-            "committed_total": counters.committed,
-            "failed_total": counters.failed,
-            "skipped_total": counters.skipped,
-            "last_error": counters.last_error,
-            "draining": engine.draining,
-            "queue_depth": engine.writing_count(),
-            "last_commit": engine.last_commit,
-            "node_rank": engine.node,
-            "nodes": engine.cluster.nodes if engine.cluster is not None else 1,
-            "bytes_written_total": counters.bytes_written,
-            "link_mismatches_total": counters.link_mismatches,
-            "uptime_s": time.time() - engine.started_at,
-            "loads_active": self._loads_active(),
-            "remote": engine.remote.status() if engine.remote is not None else None,
-            "arena_holders": engine.memory.holders(),
-            "shm_budget": engine.memory.budget or 0,
-            "shm_free": engine.memory.free(),
-        }
+        return StatusSnapshot(
+            version=VERSION,
+            root=engine.storage.location,
+            in_flight=in_flight,
+            arena_bytes=sum(s.pool.nbytes for s in engine.jobs.values()),
+            arena_count=sum(s.pool.count for s in engine.jobs.values()),
+            committed_total=counters.committed,
+            failed_total=counters.failed,
+            skipped_total=counters.skipped,
+            last_error=counters.last_error,
+            draining=engine.draining,
+            queue_depth=engine.writing_count(),
+            last_commit=engine.last_commit,
+            node_rank=engine.node,
+            nodes=engine.cluster.nodes if engine.cluster is not None else 1,
+            bytes_written_total=counters.bytes_written,
+            link_mismatches_total=counters.link_mismatches,
+            uptime_s=time.time() - engine.started_at,
+            loads_active=self._loads_active(),
+            remote=engine.remote.status() if engine.remote is not None else None,
+            arena_holders=tuple(engine.memory.holders()),
+            shm_budget=engine.memory.budget or 0,
+            shm_free=engine.memory.free(),
+        )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.requests import PlanLoad
 from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
@@ -27,7 +28,7 @@ from ckptd.daemon.plan.load_plan import (
     Location,
     MemoryPlan,
     MemoryPlans,
-    PieceInfo,
+    PlannedPieces,
     StagedRead,
     Tier,
     extras_source,
@@ -40,7 +41,6 @@ from ckptd.daemon.plan.load_plan import (
     plan_pieces,
     rank_extras,
 )
-from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.tiers.peer_disks import PeerSteps
 from ckptd.daemon.tiers.replicas import Replication
 
@@ -74,33 +74,21 @@ class Loads:
         self._memory_plans = MemoryPlans()
         self.staging = StagingFiles(engine.config.shm_dir)
 
-    async def plan(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int | None,
-        wanted: Sequence[TensorSpec],
-        kinds: Sequence[str],
-        strict: bool,
-        direct_read: bool = True,
-        decodes: bool = True,
-        decodes_frames: bool = True,
-        run: str = "",
-    ) -> LoadPlan:
-        """Where the bytes of each wanted tensor box are (for rank `rank` of `run`: its open
-        saves are abandoned, another run's never). direct_read: the rank reads committed
+    async def plan(self, request: PlanLoad) -> LoadPlan:
+        """Where the bytes of each wanted tensor box are (for the request's rank of its run: its
+        open saves are abandoned, another run's never). direct_read: the rank reads committed
         files in this node's root itself; else this daemon copies the needed fragments into
         shared memory first (once however many local ranks want them), for ranks that cannot
         see the root. decodes / decodes_frames: the client decodes quantized codes and residuals
         / codes in zstd frames; a client that cannot is refused (Precondition) before any bytes
         are fetched or staged for it."""
+        job, step = request.job, request.step
         engine = self.engine
         storage = engine.storage
         remote = False  # the step is not in this root: index and extras come from a peer (PeerSteps)
         state = engine.jobs.get(job)
         if state is not None:
-            await self._abort_left_behind(state, rank, None, run)
+            await self._abort_left_behind(state, request.rank, None, request.run)
         if step is None:
             if state is not None:
                 await self._wait_for_writes(state)
@@ -121,42 +109,33 @@ class Loads:
         else:
             self._remote.discard((job, step))
         index = await self._index(job, step)
-        coded, framed = needs_decoding(index, wanted)
-        if coded and not decodes:
+        coded, framed = needs_decoding(index, request.wanted)
+        if coded and not request.decodes:
             raise Precondition(
                 f"step {step} of job {job!r} is compressed (quantized optimizer state or master-weight residuals) and this "
                 "client cannot decode it; upgrade the ckptd client, or load an uncompressed step"
             )
-        if framed and not decodes_frames:
+        if framed and not request.decodes_frames:
             raise Precondition(f"step {step} of job {job!r} stores quantized codes in zstd frames, which this client cannot read; upgrade the ckptd client")
         if state is not None:
             state.lineage = index.generation  # the compounding guard of this job's next saves
         self._planning[(job, step)] = self._planning.get((job, step), 0) + 1
         try:
-            return await self._plan(job, rank, step, index, state, wanted, kinds, strict, direct_read)
+            return await self._plan(request, step, index, state)
         finally:
             self._planning[(job, step)] -= 1
             if not self._planning[(job, step)]:
                 del self._planning[(job, step)]
             self._release_staging(job, step)
 
-    async def _plan(
-        self,
-        job: str,
-        rank: int,
-        step: int,
-        index: CheckpointIndex,
-        state: JobState | None,
-        wanted: Sequence[TensorSpec],
-        kinds: Sequence[str],
-        strict: bool,
-        direct_read: bool,
-    ) -> LoadPlan:
+    async def _plan(self, request: PlanLoad, step: int, index: CheckpointIndex, state: JobState | None) -> LoadPlan:
+        """The plan of a load of `step` (the request's, or the newest found), from its `index`."""
+        job, rank, wanted, direct_read = request.job, request.rank, request.wanted, request.direct_read
         held = state.pool.held(step) if state is not None else None
-        memo_key = (job, rank, direct_read, strict, tuple(kinds), id(held))
+        memo_key = (job, rank, direct_read, request.strict, tuple(request.kinds), id(held))
         memo = self._memory_plans.get(memo_key, held, wanted, step)
         if memo is not None:
-            return await self._lease(job, rank, step, held, index, memo.pieces, memo.missing, memo.unexpected, memo.plan_id)
+            return await self._lease(request, step, held, index, memo, memo.plan_id)
         data_files = [f for f in index.files if f.name.endswith(".safetensors")]
         where, tiers = await self._file_sources(index) if self.engine.cluster is not None else ({}, {})
         storage = self.engine.storage
@@ -166,28 +145,20 @@ class Loads:
             return None if path is None else str(path)
 
         locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
-        planned = plan_pieces(index, wanted, kinds, strict, held, locations, rank)
+        planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
         await self._stage_all(index, planned.reads, locations)
         plan_id = ""
         if held is not None and planned.pieces and all(p.source == "shm" for p in planned.pieces):
             plan_id = plan_digest(planned.pieces)
             self._memory_plans.put(memo_key, MemoryPlan(held, held.plan, wanted, planned.pieces, planned.missing, planned.unexpected, plan_id))
-        return await self._lease(job, rank, step, held, index, planned.pieces, planned.missing, planned.unexpected, plan_id)
+        return await self._lease(request, step, held, index, planned, plan_id)
 
     async def _lease(
-        self,
-        job: str,
-        rank: int,
-        step: int,
-        held: ArenaSet | None,
-        index: CheckpointIndex,
-        pieces: tuple[PieceInfo, ...],
-        missing: tuple[str, ...],
-        unexpected: tuple[str, ...],
-        plan_id: str,
+        self, request: PlanLoad, step: int, held: ArenaSet | None, index: CheckpointIndex, found: PlannedPieces | MemoryPlan, plan_id: str
     ) -> LoadPlan:
         """The plan of a load with this rank's extras (load_plan.rank_extras), leased (the held
-        snapshot stays until LoadDone)."""
+        snapshot stays until LoadDone). found: its pieces and the tensors missing and unexpected."""
+        job, rank = request.job, request.rank
         # the held snapshot has the extras of this node's ranks; others (more ranks than at save
         # time, or ranks of other nodes) come from extra.json
         in_memory = held.extras if held is not None else None
@@ -202,9 +173,9 @@ class Loads:
             held.readers += 1
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
         self.expire_leases()
-        tier = load_tier(pieces, held)
+        tier = load_tier(found.pieces, held)
         self.engine.metrics.loads.labels(tier).inc()
-        return LoadPlan(load_id, step, pieces, extras, missing, unexpected, tier, index.generation, plan_id)
+        return LoadPlan(load_id, step, found.pieces, extras, found.missing, found.unexpected, tier, index.generation, plan_id)
 
     async def _wait_for_writes(self, state: JobState) -> None:
         """A restarted trainer asking for the newest step gets the one every rank already handed

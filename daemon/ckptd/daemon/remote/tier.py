@@ -387,7 +387,7 @@ class RemoteTier:
             answer = await cluster.inventory(0, job, 0)
             if isinstance(answer, str):
                 raise Unavailable(f"node 0 does not answer ({answer}): whether this node's root is node 0's is not known yet")
-            self._shares_root = answer[0] == cluster.root_id
+            self._shares_root = answer.root_id == cluster.root_id
         return self._shares_root
 
     # ------------------------------------------------------------ status

@@ -15,6 +15,7 @@ import grpc
 from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import errors
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.format.index import INDEX_NAME, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
@@ -50,26 +51,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
 
     async def JoinSave(self, request: ppb.JoinSaveRequest, context: grpc.aio.ServicerContext) -> ppb.JoinSaveResponse:
         coordinator = self._coordinator()
-        job = check_job_id(request.job)
-        step = checks.check_step(request.step)
-        node = checks.check_node(request.node, self.cluster.nodes)
-        world_size = checks.check_world_size(request.world_size)
-        if not request.fingerprints:
-            raise errors.InvalidRequest(f"node {node} joined the save of step {step} without ranks")
-        specs = {}
-        for entry in request.tensors:
-            if request.fingerprints.get(entry.rank) != entry.fingerprint:
-                raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
-            specs[entry.rank] = tuple(checks.tensor_specs(entry.tensors))
-            checks.check_digest(node, entry.rank, entry.fingerprint, specs[entry.rank])
-        timeout_s = checks.check_timeout(request.timeout_s) or self.service.config.save_timeout_s
-        metric = request.metric if request.has_metric else None
-        options = rpc_convert.join_options_of(request)
-        lineage = max(0, request.lineage)
-        result = await coordinator.join(
-            job, step, node, world_size, dict(request.fingerprints), specs, list(request.known_plans), request.root_id, timeout_s, metric,
-            options, lineage, rpc_convert.join_claim_of(request),
-        )
+        node, joining = checks.join_save_of(request, self.cluster.nodes, self.service.config.save_timeout_s)
+        result = await coordinator.join(joining, node, request.root_id)
         key = (result.save_id, result.specs is None)
         answer = self._answers.get(key)
         if answer is None:
@@ -91,7 +74,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
             manifest = rpc_convert.manifest_from_wire(node, request.files, request.fragments)
             for record in manifest.files:
                 checks.check_file_name(record.name)
-        outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)
+        outcome = await coordinator.report(ReportManifest(job, step, request.save_id, manifest, request.error[:2000], extras, model_files), node)
         return rpc_convert.report_response(outcome)
 
     async def Inventory(self, request: ppb.InventoryRequest, context: grpc.aio.ServicerContext) -> ppb.InventoryResponse:
@@ -108,7 +91,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         replication = self.service.replication
         replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
         newest = await asyncio.to_thread(storage.latest_step, job) if request.newest else None
-        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas, newest))
+        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas=replicas, newest=newest))
         if request.run_id:
             reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
         return reply
