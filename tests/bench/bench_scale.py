@@ -98,6 +98,12 @@ class Layout:
 Param = tuple[str, tuple[int, ...], int | None]
 
 
+
+def _prepared(storage: Storage, job: str, step: int, fresh: bool = True) -> Path:
+    """The directory of a step just prepared (StepWriting.prepare_step)."""
+    storage.writing.prepare_step(job, step, fresh)
+    return storage.tree.step_dir(job, step)
+
 def stage_params(stage: int) -> list[Param]:
     """The parameters pipeline stage `stage` holds."""
     per = LAYERS // PP
@@ -180,7 +186,7 @@ def node_manifests(plan: SavePlan, nodes: int) -> list[NodeManifest]:
 
 def place_sparse_files(storage: Storage, step: int, manifests: list[NodeManifest]) -> None:
     """The nodes' data files in the shared root: sparse files of the manifests' sizes."""
-    step_dir = storage.prepare_step_dir(JOB, step, fresh=True)
+    step_dir = _prepared(storage, JOB, step, fresh=True)
     for manifest in manifests:
         for record in manifest.files:
             with open(step_dir / record.name, "wb") as f:
@@ -217,7 +223,7 @@ async def simulate_save(
     """One save of `step` through `coord`: every node joins (with its ranks' metadata when
     `specs` is given), then reports; returns the times and node 0's join answer."""
     fps = [fingerprint(layout, r) for r in range(layout.world)]
-    root_id = storage.root_id()
+    root_id = storage.catalog.root_id()
     started = time.perf_counter()
     joins = [
         coord.join(
@@ -248,14 +254,14 @@ async def simulate_save(
         raise RuntimeError(f"step {step} was not committed: {outcome.error}")
     await asyncio.gather(*early)
     assert outcome.index is not None
-    index_bytes = os.path.getsize(storage.step_dir(JOB, step) / "ckptd.index.json")
+    index_bytes = os.path.getsize(storage.tree.step_dir(JOB, step) / "ckptd.index.json")
     return SaveTimes(join_s, commit_s, index_bytes, len(outcome.index.files)), results[0]
 
 
 def new_coordinator(root: Path, nodes: int) -> tuple[Coordinator, Storage]:
     storage = Storage(root)
     links = AnsweringLinks([f"sim-node-{n}" for n in range(nodes)], "")
-    return Coordinator(storage, links, storage.root_id(), _no_retention), storage
+    return Coordinator(storage, links, storage.catalog.root_id(), _no_retention), storage
 
 
 # ---------------------------------------------------------------- one point
@@ -314,12 +320,12 @@ def measure(nodes: int, saves: int, tmp: Path) -> Point:
         for step in range(2, saves + 2):  # plan cached: the nodes send fingerprints only
             later, _ = await simulate_save(coord, storage, layout, step, None, manifests, (result.plan_key,))
             times.append(later)
-            await asyncio.to_thread(storage.remove_step, JOB, step - 1)  # keep the disk small
+            await asyncio.to_thread(storage.janitor.remove_step, JOB, step - 1)  # keep the disk small
         return times, result
 
     times, result = asyncio.run(run())
     wire, wire_s = join_answer(result)
-    index_path = storage.step_dir(JOB, saves + 1) / "ckptd.index.json"
+    index_path = storage.tree.step_dir(JOB, saves + 1) / "ckptd.index.json"
     raw = index_path.read_bytes()
     started = time.perf_counter()
     index = CheckpointIndex.from_json_bytes(raw)

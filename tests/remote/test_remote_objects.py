@@ -96,7 +96,7 @@ def step(tmp_path: Path) -> Iterator[tuple[Storage, CheckpointIndex]]:
     ]
     plan = make_save_plan(ranks)
     storage = Storage(tmp_path / "root")
-    storage.clean_uncommitted()  # makes the root
+    storage.janitor.clean_uncommitted()  # makes the root
     with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as shm:
         pool = ArenaPool(Path(shm), "job", max_inflight=1)
         arenas = take_arenas(pool, plan.arena_bytes)
@@ -107,7 +107,7 @@ def step(tmp_path: Path) -> Iterator[tuple[Storage, CheckpointIndex]]:
             view.release()
         persist(storage, PersistRequest("job", 7, plan, arenas, {0: {"lr": 0.1}}, {"config.json": b"{}"}, None, 2**30, 2), Progress(plan.total_bytes))
         pool.close()
-    yield storage, storage.read_index("job", 7)
+    yield storage, storage.files.read_index("job", 7)
 
 
 def test_units_tile_every_data_file_and_match_its_bytes(step: tuple[Storage, CheckpointIndex]) -> None:
@@ -118,7 +118,7 @@ def test_units_tile_every_data_file_and_match_its_bytes(step: tuple[Storage, Che
     import xxhash
 
     for record in data_files:
-        body = storage.read_small("job", 7, record.name)
+        body = storage.files.read_small("job", 7, record.name)
         assert units[record.name][0].offset == 0 and units[record.name][-1].end == record.size == len(body)
         for unit in units[record.name]:
             assert xxhash.xxh3_64_intdigest(body[unit.offset : unit.end]) == unit.xxh3
@@ -133,7 +133,7 @@ def test_large_pieces_are_verified_by_their_chunks(step: tuple[Storage, Checkpoi
     assert [u.nbytes for u in units[optimizer][1:]] == [64 << 10] * 4  # 256 KiB by its four 64 KiB chunks, still tiling
     import xxhash
 
-    body = storage.read_small("job", 7, optimizer)
+    body = storage.files.read_small("job", 7, optimizer)
     assert all(xxhash.xxh3_64_intdigest(body[u.offset : u.end]) == u.xxh3 for u in units[optimizer])
 
 
@@ -207,7 +207,7 @@ def test_an_upload_checks_every_byte_it_reads(step: tuple[Storage, CheckpointInd
     storage, index = step
     units = file_units(index)
     model = next(f for f in index.files if f.name.startswith("model-"))
-    good = storage.read_small("job", 7, model.name)
+    good = storage.files.read_small("job", 7, model.name)
     stop = threading.Event()
 
     def read_all(data: bytes, part: int = 1000) -> VerifyingBody:

@@ -115,7 +115,7 @@ def write_step(
     storage = check_target(root, job, step)
     plan = _plan(tensors)
     if not storage.root.is_dir():
-        storage.ensure_step(job, step)  # a new root: the writer measures its free space first
+        storage.writing.ensure_step(job, step)  # a new root: the writer measures its free space first
     by_name = {t.name: t for t in tensors}
     arena = TensorArena([(slot.offset, by_name[slot.name].data) for slot in plan.slots], plan.arena_bytes[0])
     request = PersistRequest(
@@ -130,7 +130,7 @@ def write_step(
         write_threads=write_threads if write_threads is not None else _serve_default("write_threads"),
     )
     index = persist(storage, request, Progress(plan.total_bytes))
-    return index, storage.step_dir(job, step)
+    return index, storage.tree.step_dir(job, step)
 
 
 def check_target(root: Path, job: str, step: int) -> Storage:
@@ -171,12 +171,12 @@ def _plan(tensors: Sequence[DirectTensor]) -> SavePlan:
 def _check_new_step(storage: Storage, job: str, step: int) -> None:
     """ImportRefused unless nothing is at the step's directory, and the job's directory and
     its `latest` are not links (nothing under the root is followed)."""
-    job_dir = storage.job_dir(job)
+    job_dir = storage.tree.job_dir(job)
     for path in (job_dir, job_dir / LATEST):
         if os.path.islink(path):
             raise ImportRefused(f"{path} is a symbolic link; ckptd follows no link under its root: remove it or choose another --job")
-    path = storage.step_dir(job, step)
-    if storage.is_committed(job, step):
+    path = storage.tree.step_dir(job, step)
+    if storage.catalog.is_committed(job, step):
         raise ImportRefused(
             f"step {step} of job {job!r} already exists ({path}); a committed step is never overwritten: "
             "choose another --step or --job (or remove that step first)"

@@ -66,22 +66,22 @@ class StepRestorer:
         except FormatError as exc:
             raise DownloadDamaged(f"{where}: {exc}") from None
         self._check_space(job, index)
-        self.storage.prepare_step(job, step)
+        self.storage.writing.prepare_step(job, step)
         try:
             nbytes, small = self._download(job, step, index, units)
             write_step_files(self.storage, job, step, {**small, INDEX_NAME: index_bytes})  # the small files, then the index: the commit
         except BaseException:
             try:
-                self.storage.remove_step(job, step)
+                self.storage.janitor.remove_step(job, step)
             except OSError as exc:  # left for start-up recovery or `ckptd gc` (no index: never served)
                 log.warning("could not remove the interrupted restore of step %s of job %s: %s", step, job, exc)
             raise
         write_latest_newest(self.storage, job, step)
-        return Restored(job, step, nbytes + len(index_bytes), self.storage.step_location(job, step))
+        return Restored(job, step, nbytes + len(index_bytes), self.storage.catalog.step_location(job, step))
 
     def _check_space(self, job: str, index: CheckpointIndex) -> None:
-        free = self.storage.free_bytes(job)
-        problem = space_problem(index.size_bytes, 0, self.disk_reserve, *free) if free is not None else None
+        free = self.storage.writing.free_bytes(job)
+        problem = space_problem(index.size_bytes, 0, self.disk_reserve, free.nbytes, free.where) if free is not None else None
         if problem is not None:
             raise NoSpace(f"step {index.step} of job {job!r} is not restored: {problem}")
 
@@ -94,7 +94,7 @@ class StepRestorer:
             for record in index.files:
                 if record.name not in units:
                     continue
-                part = self.storage.open_part(job, step, record.name, record.size)
+                part = self.storage.writing.open_part(job, step, record.name, record.size)
                 parts[record.name] = part
                 key = self.location.key(job, step, record.name)
                 for start, end, group in read_ranges(units[record.name], RANGE_BYTES):

@@ -159,10 +159,10 @@ class StepUploader:
     def local_index(self, job: str, step: int) -> tuple[CheckpointIndex, bytes]:
         """The step's index in the local root (StepGone when it is not there)."""
         try:
-            data = self.storage.read_small(job, step, INDEX_NAME)
+            data = self.storage.files.read_small(job, step, INDEX_NAME)
         except FileNotFoundError:
             raise StepGone(f"step {step} of job {job!r} is no longer in {self.storage.location}") from None
-        return CheckpointIndex.from_json_bytes(data, where=f"{self.storage.step_location(job, step)}/{INDEX_NAME}"), data
+        return CheckpointIndex.from_json_bytes(data, where=f"{self.storage.catalog.step_location(job, step)}/{INDEX_NAME}"), data
 
     def uploaded(self, job: str, step: int) -> bool:
         """Whether the bucket holds this very commit of the step (its index, byte for byte);
@@ -288,7 +288,7 @@ class StepUploader:
         if self._stop.is_set():
             raise Stopped("stopped")
         key = self.location.key(job, step, record.name)
-        reader = self.storage.step_reader(job, step)
+        reader = self.storage.files.step_reader(job, step)
         if units is None:
             try:
                 payload = reader.read_small(record.name, limit=record.size)

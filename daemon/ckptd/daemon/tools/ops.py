@@ -324,7 +324,7 @@ def _steps_of_job(job_dir: Path) -> tuple[list[Path], list[Path]]:
     ones; exits 2 when `job_dir` holds no step directory at all."""
     storage = Storage(job_dir.parent)
     try:
-        committed = [storage.step_dir(job_dir.name, step) for step in storage.commit_order(job_dir.name)]
+        committed = [storage.tree.step_dir(job_dir.name, step) for step in storage.catalog.commit_order(job_dir.name)]
     except ValueError as exc:  # not a valid job id
         _fail(f"ckptd verify: {job_dir} is neither a step directory nor a job directory ({exc})", 2)
     step_dirs = sorted(p for p in job_dir.iterdir() if parse_step_dir_name(p.name) is not None and p.is_dir() and not p.is_symlink())
@@ -418,19 +418,19 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
     if not storage.root.is_dir():
         _fail(f"ckptd ls: {storage.root} is not a directory", 2)
     rows = []
-    for name in [job] if job else storage.jobs():
+    for name in [job] if job else storage.catalog.jobs():
         try:
-            steps = storage.commit_order(name)  # the newest is the most recently committed, not the highest step
+            steps = storage.catalog.commit_order(name)  # the newest is the most recently committed, not the highest step
         except ValueError as exc:
             _fail(f"ckptd ls: {exc}", 2)
         marked = rollbacks(steps)
         for step in steps:
             try:
-                index = storage.read_index(name, step)
+                index = storage.files.read_index(name, step)
             except (OSError, FormatError) as exc:
                 print(f"ckptd ls: skipping step {step} of {name}: {exc}", file=sys.stderr)
                 continue
-            rows.append(_committed_row(name, index, step == steps[-1], str(storage.step_dir(name, step)), marked.get(step, [])))
+            rows.append(_committed_row(name, index, step == steps[-1], str(storage.tree.step_dir(name, step)), marked.get(step, [])))
         if uncommitted:
             rows += _uncommitted_rows(storage, name)
     return str(storage.root), rows
@@ -470,7 +470,7 @@ def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
     """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
     return [
         _uncommitted_row(job, s.step, str(s.path), s.mtime, s.nbytes, s.files)
-        for s in storage.uncommitted_steps(job)  # links not followed
+        for s in storage.catalog.uncommitted_steps(job)  # links not followed
     ]
 
 
