@@ -228,7 +228,7 @@ def _audited(root: Path) -> Iterator[_Recorder]:
 
 def test_only_the_storage_package_touches_the_root_at_run_time(tmp_path: Path) -> None:
     """Every open, rename, remove, rmdir and mkdir under the root during a save (twice, the second
-    on recycled files), a commit by write_step_files, reads of the index and of every fragment,
+    on recycled files), a commit by StepCommit, reads of the index and of every fragment,
     verify, export (to a directory outside the root), retention and gc comes from a frame of
     ckptd.daemon.storage."""
     import tempfile

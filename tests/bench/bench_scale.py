@@ -11,7 +11,7 @@ of a Llama-70B-like model under TP x PP x DP, and the real code plans and commit
   and reports a synthetic NodeManifest (Coordinator.report) laid out as the writer lays out its
   files (step_build.stored_tensors, format.layout_files, safetensors headers), with each data
   file present in the shared root as a sparse file of its size, so the coordinator's checks
-  run; the commit (step_build.step_files, writer.write_step_files, `latest`) goes to a real
+  run; the commit (step_build.step_files, storage.step_commit.StepCommit) goes to a real
   POSIX Storage in a temporary root. "commit" is the time from the call of the last node's
   report to its answer (the commit decided, the index and small files written);
 - the coordinator's memory for one save, in a fresh process: the growth of its resident set

@@ -24,7 +24,8 @@ from ckptd.daemon.write.reuse import check_files
 from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
 from ckptd.daemon.format.units import file_units
 from ckptd.daemon.tools.verify import verify_files
-from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files, write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files
 from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 
@@ -81,7 +82,7 @@ class _Saver:
         req = PersistRequest("job", step, self.plan, self.arenas, {}, {}, None, self.max_file_bytes, 2, previous=index)
         manifest = write_node_files(self.storage, req, Progress(self.plan.total_bytes))
         _, files = step_files("job", step, self.plan, [manifest], {}, {}, None)
-        write_step_files(self.storage, "job", step, files)
+        StepCommit(self.storage.writing, self.storage.catalog, "job", step).publish(files)
         return manifest
 
     def loaded(self, step: int) -> dict[str, torch.Tensor]:

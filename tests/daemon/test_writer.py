@@ -230,7 +230,8 @@ def test_retention_recycles_data_files_into_the_next_save(backend: StorageBacken
 
 def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(backend: StorageBackend, shm_dir: Path) -> None:
     from ckptd.daemon.plan.files import IncompleteStep, step_files
-    from ckptd.daemon.write.writer import write_node_files, write_step_files
+    from ckptd.daemon.storage.step_commit import StepCommit
+    from ckptd.daemon.write.writer import write_node_files
 
     w = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     b = torch.arange(6, dtype=torch.float32)
@@ -255,7 +256,7 @@ def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(back
         step_files("job", 7, plan, manifests[:1], {}, {}, None)
     index, files = step_files("job", 7, plan, manifests, {0: {}}, {}, None)
     assert list(files)[-1] == INDEX_NAME
-    write_step_files(storage, "job", 7, files)
+    StepCommit(storage.writing, storage.catalog, "job", 7).publish(files)
     assert storage.catalog.is_committed("job", 7)
     record = index.by_name()["model/w"]
     assert [f.file for f in record.fragments] == ["model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2

@@ -23,7 +23,8 @@ from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
-from ckptd.daemon.write.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.write.writer import PersistRequest, write_node_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,9 +210,8 @@ class Commit:
         """Record node 0's commit in this node's own root (unmark_prepared also removes the
         temporaries of a daemon that died writing this commit before)."""
         storage = self.engine.storage
-        write_step_files(storage, job, step, files)
+        StepCommit(storage.writing, storage.catalog, job, step).commit(files, latest="newest")  # by node 0's created_at
         storage.janitor.unmark_prepared(job, step)
-        write_latest_newest(storage, job, step)  # by node 0's created_at
 
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         """Several nodes with their own roots: finish or discard the parts this node wrote before

@@ -42,7 +42,7 @@ from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy, policy_re
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, Outcome
 from ckptd.daemon.storage import StorageBackend
-from ckptd.daemon.write.writer import write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +336,7 @@ class Coordinator:
             for manifest in manifests:
                 for record in manifest.files:
                     _check_file(present, record, manifest.node)
-        write_step_files(self.storage, save.job, save.step, files)
-        self.storage.writing.write_latest(save.job, save.step)
+        StepCommit(self.storage.writing, self.storage.catalog, save.job, save.step).commit(files)
         return index, files
 
     async def _abort(self, save: _GlobalSave, reason: str) -> None:

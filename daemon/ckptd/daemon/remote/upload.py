@@ -1,6 +1,7 @@
 """Uploading one committed step to the bucket (blocking: runs on the tier's worker threads).
 
-Order, so that a step is visible in the bucket only when complete (its index is there):
+Order, so that a step is visible in the bucket only when complete (its index is there): the
+commit rule of storage/step_commit.py, kept on objects:
 
 1. the step's index is read from the local root; if the bucket holds the same index, the step
    is already uploaded; if it holds another commit under the same step number (a job that

@@ -16,7 +16,7 @@ validated job id and an integer step; files of a step by a plain name (no '/'), 
 can name anything outside the root.
 
 A step becomes visible (committed) only when its index (format.INDEX_NAME) is published, last;
-the order is stated and kept in one place, commit.StepCommit.
+the order is stated and kept in one place, step_commit.StepCommit.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class StepFiles(Protocol):
 
 class StepWriting(Protocol):
     """Writing a step (the writer, the restore from an object store); the order of the calls
-    that commit it is commit.StepCommit's."""
+    that commit it is step_commit.StepCommit's."""
 
     def prepare_step(self, job: str, step: int, fresh: bool = True) -> None:
         """Make room for a new step. `fresh`: an earlier failed attempt's files go; else (nodes

@@ -1,7 +1,7 @@
 """Writing the steps of a POSIX storage root (base.StepWriting): step directories, data files
 (posix_parts.PosixPartWriter, from the recycle bin when it holds one), hard links of unchanged
 files, small files, `latest`, and the space left. The order that commits a step is
-commit.StepCommit's."""
+step_commit.StepCommit's."""
 
 from __future__ import annotations
 

@@ -28,7 +28,6 @@ from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
 from ckptd.daemon.format.index import (
-    INDEX_NAME,
     CheckpointIndex,
     FileLayout,
     FileRecord,
@@ -57,6 +56,7 @@ from ckptd.daemon.plan.files import (
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan
 from ckptd.daemon.storage.base import PartWriter, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
+from ckptd.daemon.storage.step_commit import StepCommit
 from ckptd.daemon.write.reuse import Reuse, check_linked, frozen_names, reusable_files
 from ckptd.daemon.write.source import Piece, ScratchPool, Source, compress, flat_bytes
 
@@ -149,8 +149,7 @@ def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, cl
         index, files = step_files(
             req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
         )
-        write_step_files(storage, req.job, req.step, files)
-        storage.writing.write_latest(req.job, req.step)
+        StepCommit(storage.writing, storage.catalog, req.job, req.step).commit(files)
         return index
     except BaseException:
         storage.janitor.remove_step(req.job, req.step)
@@ -273,7 +272,7 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
                 part.close()
     for part in opened:
         part.publish()
-    storage.writing.sync_step(req.job, req.step)
+    StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
     outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
     return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(r.layout.name for r in linked), tuple(damaged))
 
@@ -425,25 +424,6 @@ def _write_residual(
         digest = _write_bytes(part, memoryview(flat_bytes(residual)), offset, throttle)
     progress.add(source.nbytes(t))
     return digest
-
-
-def write_step_files(storage: StorageBackend, job: str, step: int, files: dict[str, bytes]) -> None:
-    """Write a step's small files (each fsynced), fsync the directory, then the index: the commit.
-
-    `files` comes from step_files(); its ckptd.index.json is written last, atomically."""
-    storage.writing.ensure_step(job, step)
-    for name, data in files.items():
-        if name != INDEX_NAME:
-            storage.writing.write_small(job, step, name, data, atomic=False)
-    storage.writing.sync_step(job, step)
-    storage.writing.write_small(job, step, INDEX_NAME, files[INDEX_NAME])
-
-
-def write_latest_newest(storage: StorageBackend, job: str, step: int) -> None:
-    """Point the job's `latest` at its newest committed step (the most recently committed, by the
-    indexes: normally `step`, the one just recorded; `step` when none is found)."""
-    newest = storage.catalog.latest_step(job)
-    storage.writing.write_latest(job, step if newest is None else newest)
 
 
 def _write_tensor(part: PartWriter, arenas: ArenaSet, pieces: list[Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
