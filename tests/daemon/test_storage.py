@@ -15,7 +15,7 @@ import pytest
 
 from ckptd.daemon.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
-from ckptd.daemon.storage import ForeignEntry, RecycledFile, Storage, open_for_reading, read_file, start_writeback, write_small_file
+from ckptd.daemon.storage import ROOT_ID_FILE, ForeignEntry, RecycledFile, Storage, is_job_dir, is_storage_root, open_for_reading, read_file, start_writeback, write_small_file
 from ckptd.daemon.storage.fs import new_file
 
 
@@ -527,3 +527,19 @@ def test_start_up_on_a_shared_root_removes_old_leftovers_and_keeps_fresh_ones(tm
     finally:
         restarted.release()
         other_node.release()
+
+
+def test_one_rule_says_what_a_job_directory_and_a_storage_root_are(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "job" / "step-00000001").mkdir(parents=True)
+    (root / "job" / "step-00000001" / INDEX_NAME).write_text("{}")
+    (root / "fresh").mkdir()
+    (root / "fresh" / "latest").write_text("step-00000001\n")
+    (root / ".recycle" / "step-00000001").mkdir(parents=True)
+    (root / "plain").mkdir()
+    (root / "linked").symlink_to(root / "job")
+    verdicts = {name: is_job_dir(root / name) for name in ("job", "fresh", ".recycle", "plain", "linked", "job/step-00000001", "missing")}
+    assert verdicts == {"job": True, "fresh": True, ".recycle": False, "plain": False, "linked": False, "job/step-00000001": False, "missing": False}
+    assert is_storage_root(root) and not is_storage_root(root / "job") and not is_storage_root(root / "plain")
+    (root / "plain" / ROOT_ID_FILE).write_text("id\n")
+    assert is_storage_root(root / "plain")

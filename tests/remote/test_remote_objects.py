@@ -18,7 +18,7 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
-from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location
+from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location, parse_step_location
 from ckptd.daemon.remote.objects import file_signature, small_files, uploads_of
 from ckptd.daemon.remote.store import Stopped
 from ckptd.daemon.remote.upload import VerifyingBody
@@ -64,6 +64,27 @@ def test_locations_parse_and_normalize(text: str, bucket: str, prefix: str, url:
 def test_bad_locations_say_what_is_wrong(text: str, message: str) -> None:
     with pytest.raises(LocationError, match=message):
         parse_location(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("s3://bkt/ckpt/a/run-1/step-00000042", (RemoteLocation("bkt", "ckpt/a"), "run-1", 42)),
+        ("s3://bkt/run-1/step-00000042/", (RemoteLocation("bkt", ""), "run-1", 42)),
+        ("s3://bkt/ckpt/run-1", None),  # a job, not a step
+        ("s3://bkt/step-00000042", None),  # no job
+        ("s3://bkt/ckpt/-bad/step-00000042", None),  # not a job id
+        ("s3://Bkt/run-1/step-00000042", None),  # not a bucket
+        ("/root/run-1/step-00000042", None),  # a path
+    ],
+)
+def test_a_step_location_is_the_url_ckptd_ls_shows(text: str, parsed: tuple[RemoteLocation, str, int] | None) -> None:
+    if parsed is None:
+        with pytest.raises(LocationError):
+            parse_step_location(text)
+    else:
+        location, job, step = parse_step_location(text)
+        assert (location, job, step) == parsed and location.url_of(job, step) == text.rstrip("/")
 
 
 def test_keys_follow_the_on_disk_layout_and_parse_back() -> None:

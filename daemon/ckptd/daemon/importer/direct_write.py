@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,10 +23,10 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.format.index import LATEST, CheckpointIndex, parse_step_dir_name
+from ckptd.daemon.format.index import LATEST, CheckpointIndex
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import ROOT_ID_FILE, Storage
+from ckptd.daemon.storage import Storage, is_storage_root
 from ckptd.daemon.write.writer import PersistRequest, Progress, persist
 
 
@@ -198,26 +197,15 @@ def check_root(root: Path) -> None:
         return
     if not root.is_dir():
         raise ImportRefused(f"--root {root} exists and is not a directory; give a new or empty directory, or the --root of `ckptd serve`")
-    entries = list(os.scandir(root))
-    if any(e.name == ROOT_ID_FILE for e in entries) or any(_is_job_dir(e) for e in entries):
+    if is_storage_root(root):
         return
     # what a new volume or a file server puts in an empty directory does not make it someone's
-    entries = [e for e in entries if not e.name.startswith(".") and e.name != "lost+found"]
+    entries = [e for e in os.listdir(root) if not e.startswith(".") and e != "lost+found"]
     if not entries:
         return
-    shown = ", ".join(sorted(e.name for e in entries)[:5]) + (", ..." if len(entries) > 5 else "")
+    shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
     raise ImportRefused(
         f"--root {root} is not empty ({shown}) and holds no ckptd checkpoint; give a new or empty directory, "
         "or the --root of `ckptd serve`"
     )
 
-
-def _is_job_dir(entry: os.DirEntry[str]) -> bool:
-    """A real directory (not a link) holding a `latest` file or a step directory."""
-    if entry.name.startswith(".") or not stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
-        return False
-    try:
-        names = os.listdir(entry.path)
-    except OSError:
-        return False
-    return any(name == LATEST or parse_step_dir_name(name) is not None for name in names)

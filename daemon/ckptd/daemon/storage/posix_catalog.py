@@ -12,9 +12,7 @@ from pathlib import Path
 
 from ckptd.daemon.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
 from ckptd.daemon.storage.fs import FILE_MODE, open_for_reading, read_file, real_dir_at, tree_bytes
-from ckptd.daemon.storage.posix_tree import PosixTree, committed_at
-
-ROOT_ID_FILE = ".ckptd-root-id"
+from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ import stat
 from pathlib import Path
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format.index import INDEX_NAME, step_dir_name
+from ckptd.daemon.format.index import INDEX_NAME, LATEST, parse_step_dir_name, step_dir_name
 from ckptd.daemon.storage.fs import RECYCLE_DIR, ForeignEntry, lkind, open_for_reading, real_dir_at, real_file_at
+
+ROOT_ID_FILE = ".ckptd-root-id"  # the root's id (PosixCatalog.root_id): a directory holding one is a storage root
 
 
 class PosixTree:
@@ -68,3 +70,24 @@ def is_real_dir(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except FileNotFoundError:
         return False
+
+
+def is_job_dir(path: Path) -> bool:
+    """The one rule of what a job directory is: a real directory (not a link), not hidden, not
+    itself a step (no step directory name, no index), holding a `latest` or a step directory."""
+    if path.name.startswith(".") or parse_step_dir_name(path.name) is not None or not real_dir_at(path):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return INDEX_NAME not in names and any(name == LATEST or parse_step_dir_name(name) is not None for name in names)
+
+
+def is_storage_root(path: Path) -> bool:
+    """Whether directory `path` is a storage root: it holds the root's id or a job directory."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return ROOT_ID_FILE in entries or any(is_job_dir(path / name) for name in entries)
