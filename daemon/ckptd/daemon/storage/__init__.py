@@ -3,11 +3,12 @@
 - base.py: the StorageBackend protocol and its four roles (StepCatalog, StepFiles,
   StepWriting, StepJanitor), PartWriter, ReadHandle, StepReader, and the records of the
   contract (RecycledFile, FreeSpace, Leftover);
+- step_commit.py: StepCommit, the commit rule of a step (the index last), stated once;
 - posix.py: Storage, the POSIX backend (a directory tree), composing one class per role:
   posix_catalog.py, posix_files.py, posix_writing.py, posix_janitor.py (recycle bin,
-  recovery, gc), over posix_tree.py (the root's paths, and the one rule of what a job directory and a storage
-  root are) and posix_parts.py (data files being
-  written, steps read by the tools);
+  recovery, gc), over posix_tree.py (the root's paths, and the one rule of what a job
+  directory and a storage root are) and posix_parts.py (data files being written, steps read
+  by the tools);
 - fs.py: the safe file primitives under them (no link followed, nothing foreign touched);
 - space.py: whether a step fits (pure).
 

@@ -3,10 +3,10 @@ bin), aborted parts, prepared markers, gc of what failed saves left, start-up re
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
-import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -28,8 +28,8 @@ from ckptd.daemon.storage.fs import (
     real_dir_at,
     real_file_at,
     remove_own_tree,
-    tree_bytes,
     tmp_name,
+    tree_bytes,
     unlink_own,
     write_small_file,
 )
