@@ -43,7 +43,7 @@ async def no_retention(job: str) -> None:
 def coordinator(tmp_path: Path, storage: StorageBackend | None = None) -> Coordinator:
     tmp_path.mkdir(exist_ok=True)
     storage = storage if storage is not None else Storage(tmp_path)
-    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention)
+    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.catalog.root_id(), no_retention)
 
 
 @pytest.fixture(params=["posix", "memory"])
@@ -54,13 +54,13 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
 
 def written_part(storage: StorageBackend, step: int, name: str, data: bytes) -> None:
     """A node's data file of `step`, written and published as the writer does (not committed)."""
-    storage.prepare_step("job", step, fresh=False)
-    part = storage.open_part("job", step, name, len(data))
+    storage.writing.prepare_step("job", step, fresh=False)
+    part = storage.writing.open_part("job", step, name, len(data))
     part.pwrite(0, memoryview(data))
     part.sync()
     part.close()
     part.publish()
-    storage.sync_step("job", step)
+    storage.writing.sync_step("job", step)
 
 
 async def join_both(coord: Coordinator, step: int = 1) -> list:
@@ -73,7 +73,7 @@ def test_root_ids_are_shared_by_a_root_and_differ_between_roots(tmp_path: Path) 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b = Storage(tmp_path / "a"), Storage(tmp_path / "b")
-    assert a.root_id() == Storage(tmp_path / "a").root_id() != b.root_id()
+    assert a.catalog.root_id() == Storage(tmp_path / "a").catalog.root_id() != b.catalog.root_id()
 
 
 def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
@@ -100,8 +100,8 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
     for n in (0, 1):
         written_part(storage, 1, f"model-{n + 1:05d}-of-00002.safetensors", b"x" * 100)
     asyncio.run(scenario())
-    assert storage.is_committed("job", 1) and storage.latest_step("job") == 1
-    assert storage.read_index("job", 1).step == 1
+    assert storage.catalog.is_committed("job", 1) and storage.catalog.latest_step("job") == 1
+    assert storage.files.read_index("job", 1).step == 1
 
 
 def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storage: StorageBackend) -> None:
@@ -117,7 +117,7 @@ def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storag
     outcomes = asyncio.run(scenario())
     assert [o.committed for o in outcomes] == [False, False]
     assert "node 1 failed: disk full" in outcomes[0].error
-    assert not storage.is_committed("job", 1) and storage.step_file_sizes("job", 1) == {}
+    assert not storage.catalog.is_committed("job", 1) and storage.files.step_file_sizes("job", 1) == {}
 
 
 def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: StorageBackend) -> None:
@@ -128,7 +128,7 @@ def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: S
 
     outcomes = asyncio.run(scenario())
     assert not outcomes[0].committed and "not written exactly once" in outcomes[0].error
-    assert not storage.is_committed("job", 1)
+    assert not storage.catalog.is_committed("job", 1)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +174,7 @@ def test_the_coordinator_decides_the_compression_once_for_every_node(tmp_path: P
 
     async def scenario() -> list:
         storage = Storage(tmp_path)
-        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention, decide)
+        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.catalog.root_id(), no_retention, decide)
         return await asyncio.gather(
             *[coord.join(JoinSave("job", 1, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], 30.0, None, SaveOptions(), n), n, coord.root_id) for n in (0, 1)]
         )

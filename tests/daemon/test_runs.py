@@ -192,7 +192,7 @@ def test_a_second_live_run_cannot_join_the_first_runs_save(service: CheckpointSe
         assert session.state is SaveState.COMMITTED
         with pytest.raises(RunRefused, match="belongs to another run"):  # also at a step of its own
             await _begin(service, "b", 1, 20)
-        assert service.storage.committed_steps("job") == [10]
+        assert service.storage.catalog.committed_steps("job") == [10]
 
     asyncio.run(run())
 
@@ -209,7 +209,7 @@ def test_a_run_that_ended_makes_way_and_its_open_save_fails_at_once(service: Che
             await waiting
         _attach(service, "b")
         await _save(service, "b", 2)  # a fresh run after a: allowed, b owns the job
-        assert service.runs.owner("job") == "b" and service.storage.committed_steps("job") == [1, 2]
+        assert service.runs.owner("job") == "b" and service.storage.catalog.committed_steps("job") == [1, 2]
 
     asyncio.run(run())
 
@@ -230,7 +230,7 @@ def test_a_resumed_run_takes_the_job_over_from_a_live_one(service: CheckpointSer
             await hung  # a's open save was ended for b
         with pytest.raises(RunRefused, match="run a no longer owns job 'job': run b took the job over"):
             await _begin(service, "a", 0, 3, world=1)
-        assert service.runs.owner("job") == "b" and service.storage.committed_steps("job") == [1, 2]
+        assert service.runs.owner("job") == "b" and service.storage.catalog.committed_steps("job") == [1, 2]
 
     asyncio.run(run())
 
@@ -240,10 +240,10 @@ def test_a_resumed_runs_save_of_a_step_it_redid_is_kept(service: CheckpointServi
     async def run() -> None:
         for step in (10, 20, 30):
             await _save(service, "a", step)
-        before = service.storage.read_index("job", 20).created_at
+        before = service.storage.files.read_index("job", 20).created_at
         kept = await _save(service, "b", 20, resumed_from=10)  # resumed from 10 (a stale pointer), redid 10..20
         assert kept.state is SaveState.COMMITTED and "is committed already and this run resumed from step 10" in kept.kept
-        assert service.storage.read_index("job", 20).created_at == before  # not written again
+        assert service.storage.files.read_index("job", 20).created_at == before  # not written again
         assert "this run resumed from it" in (await _save(service, "b", 30, resumed_from=30)).kept
         # the rolled-back timeline: b goes on from 10 with 15, then a run resumed from 15 saves 20, which b passed over
         await _save(service, "b", 15, resumed_from=10)

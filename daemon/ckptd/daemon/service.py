@@ -134,8 +134,8 @@ class CheckpointService:
         of the root stops here (RootInUse), before anything is removed."""
         config = self.engine.config
         self.engine.storage.claim(config.node_rank, str(config.socket))
-        for path in self.engine.storage.clean_uncommitted(config.save_timeout_s):  # a shared root: only what gc would remove
-            log.warning("removed uncommitted leftover %s", path)
+        for left in self.engine.storage.janitor.clean_uncommitted(config.save_timeout_s):  # a shared root: only what gc would remove
+            log.warning("removed uncommitted leftover %s", left.where)
         config.shm_dir.mkdir(parents=True, exist_ok=True)
         for path in remove_stale_arenas(config.shm_dir, os.getpid()):
             log.warning("removed stale shared-memory arena %s", path)

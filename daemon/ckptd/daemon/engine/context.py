@@ -142,7 +142,7 @@ class Engine:
         return decided
 
     async def committed(self, job: str, step: int) -> bool:
-        return await asyncio.to_thread(self.storage.is_committed, job, step)
+        return await asyncio.to_thread(self.storage.catalog.is_committed, job, step)
 
     async def index(self, job: str, step: int) -> CheckpointIndex:
         """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
@@ -150,7 +150,7 @@ class Engine:
         index = self.indexes.get(key)
         if index is None:
             try:
-                index = await asyncio.to_thread(self.storage.read_index, job, step)
+                index = await asyncio.to_thread(self.storage.files.read_index, job, step)
             except FormatError as exc:
                 raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
             self.indexes.put(key, index)

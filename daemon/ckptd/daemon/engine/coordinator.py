@@ -43,7 +43,7 @@ from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy, policy_re
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, Outcome
 from ckptd.daemon.storage import StorageBackend
-from ckptd.daemon.write.writer import write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class Coordinator:
         if source is None:
             return None
         try:
-            return source, self.storage.read_range(save.job, save.step, source.name, 0, source.size)
+            return source, self.storage.files.read_range(save.job, save.step, source.name, 0, source.size)
         except OSError as exc:
             log.warning("step %s of job %s: no %s beside adapter_config.json (%s); `ckptd export` writes one", save.step, save.job, ADAPTER_WEIGHTS, exc)
             return None
@@ -312,12 +312,11 @@ class Coordinator:
             retention=None if asked is None else policy_record(self.job_policy(asked), asked),
         )
         if shared:
-            present = self.storage.step_file_sizes(save.job, save.step)
+            present = self.storage.files.step_file_sizes(save.job, save.step)
             for manifest in manifests:
                 for record in manifest.files:
                     _check_file(present, record, manifest.node)
-        write_step_files(self.storage, save.job, save.step, files)
-        self.storage.write_latest(save.job, save.step)
+        StepCommit(self.storage.writing, self.storage.catalog, save.job, save.step).commit(files)
         return index, files
 
     async def _abort(self, save: _GlobalSave, reason: str) -> None:
@@ -330,7 +329,7 @@ class Coordinator:
             save.cache.forget(save.key, save.plan)  # a plan is kept once a save made with it got past its refusals
         log.warning("save of step %s of job %s aborted on every node: %s", save.step, save.job, reason)
         try:
-            await asyncio.to_thread(self.storage.remove_step, save.job, save.step)
+            await asyncio.to_thread(self.storage.janitor.remove_step, save.job, save.step)
         except OSError as exc:
             log.error("could not remove the aborted step %s of job %s: %s", save.step, save.job, exc)
 

@@ -47,7 +47,7 @@ class Housekeeping:
         other nodes have already deleted (and so no longer loads)."""
         if self.engine.cluster is not None and self.engine.node != 0:
             return
-        for job in await asyncio.to_thread(self.engine.storage.jobs):
+        for job in await asyncio.to_thread(self.engine.storage.catalog.jobs):
             await self.apply_retention(job)
 
     async def member_retention_at_start(self) -> None:
@@ -56,7 +56,7 @@ class Housekeeping:
         id; when node 0 does not answer, the next commit applies it."""
         cluster = self.engine.cluster
         assert cluster is not None and self.engine.node != 0
-        for job in await asyncio.to_thread(self.engine.storage.jobs):
+        for job in await asyncio.to_thread(self.engine.storage.catalog.jobs):
             answer = await cluster.inventory(0, job, 0)
             if isinstance(answer, str):
                 log.info("retention at start-up left to the next commit: node 0 did not answer (%s)", answer)
@@ -77,22 +77,22 @@ class Housekeeping:
         this), the step `latest` names (written before this runs), steps being loaded."""
         engine = self.engine
         storage = engine.storage
-        steps = await asyncio.to_thread(storage.commit_order, job)
+        steps = await asyncio.to_thread(storage.catalog.commit_order, job)
         protected: set[int | None] = set(self._leased_steps(job))
         if engine.remote is not None:
             protected |= engine.remote.protected(job)  # kept until uploaded to the object store
-        protected.add(await asyncio.to_thread(storage.latest_named, job))
+        protected.add(await asyncio.to_thread(storage.catalog.latest_named, job))
         protected.add(committed)
         protected.discard(None)
         policy = await self.policy(job, steps)
         metrics = await self._step_metrics(job, steps) if policy.keep_best else {}
         removed = []
         for step in policy.to_delete(steps, {s for s in protected if s is not None}, metrics):
-            where = storage.step_location(job, step)
-            size = await asyncio.to_thread(storage.step_bytes, job, step)
+            where = storage.catalog.step_location(job, step)
+            size = await asyncio.to_thread(storage.catalog.step_bytes, job, step)
             if not dry_run:
                 try:
-                    await asyncio.to_thread(storage.remove_step, job, step, True)
+                    await asyncio.to_thread(storage.janitor.remove_step, job, step, True)
                 except OSError as exc:
                     log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
                     continue
@@ -144,14 +144,14 @@ class Housekeeping:
         (another node may be writing them)."""
         engine = self.engine
         released = await engine.memory.collect(job, dry_run)
-        jobs = [job] if job else await asyncio.to_thread(engine.storage.jobs)
+        jobs = [job] if job else await asyncio.to_thread(engine.storage.catalog.jobs)
         removed: list[Collected] = []
         min_age = engine.config.save_timeout_s if engine.cluster is not None else 0.0
         for name in jobs:
             state = engine.jobs.get(name)
             busy = set(state.sessions) if state is not None else set()
-            leftovers = await asyncio.to_thread(engine.storage.leftovers, name, busy, min_age, dry_run)
-            removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
+            leftovers = await asyncio.to_thread(engine.storage.janitor.leftovers, name, busy, min_age, dry_run)
+            removed += [Collected(name, left.step, left.where, left.reason, left.nbytes) for left in leftovers]
             if self._applies_retention(name):
                 removed += await self.apply_retention(name, dry_run)
         return removed + [Collected(name, step, files, "memory", nbytes) for name, step, files, nbytes in released]
@@ -170,7 +170,7 @@ class Housekeeping:
         """The job's committed steps in commit order, oldest first: the last is the newest (what
         load() without a step restores), whatever its number."""
         engine = self.engine
-        steps = await asyncio.to_thread(engine.storage.commit_order, job)
+        steps = await asyncio.to_thread(engine.storage.catalog.commit_order, job)
         state = engine.jobs.get(job)
         out = []
         for step in steps:
@@ -180,7 +180,7 @@ class Housekeeping:
                 log.warning("%s", exc)
                 continue
             in_memory = state is not None and state.pool.held(step) is not None
-            out.append((index, engine.storage.step_location(job, step), in_memory))
+            out.append((index, engine.storage.catalog.step_location(job, step), in_memory))
         if engine.remote is not None:  # and the object store's steps that are not here
             out = await engine.remote.listing(job, out)
         return out

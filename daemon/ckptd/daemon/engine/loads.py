@@ -92,12 +92,12 @@ class Loads:
         if step is None:
             if state is not None:
                 await self._wait_for_writes(state)
-            step = await asyncio.to_thread(storage.latest_step, job)
+            step = await asyncio.to_thread(storage.catalog.latest_step, job)
             if step is None and self._peer_steps is not None:  # a replaced node, on an empty root
                 step = await self._peer_steps.newest(job)
                 remote = step is not None
             if not remote and engine.remote is not None and await engine.remote.restore_newest(job):  # the object store's newer step, downloaded
-                step = await asyncio.to_thread(storage.latest_step, job)
+                step = await asyncio.to_thread(storage.catalog.latest_step, job)
             if step is None:
                 raise NotFound(f"job {job!r} has no committed checkpoint in {storage.location}")
         elif not await engine.committed(job, step):
@@ -141,7 +141,7 @@ class Loads:
         storage = self.engine.storage
 
         def local_path(file: str) -> str | None:
-            path = storage.local_path(job, step, file) if direct_read else None
+            path = storage.files.local_path(job, step, file) if direct_read else None
             return None if path is None else str(path)
 
         locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
@@ -202,7 +202,7 @@ class Loads:
         def replicas(held: Sequence[tuple[int, str, int]]) -> dict[str, int]:
             return {name: size for source, name, size in held if writer.get(name) == source}
 
-        sizes = await asyncio.to_thread(self.engine.storage.step_file_sizes, index.job, index.step)
+        sizes = await asyncio.to_thread(self.engine.storage.files.step_file_sizes, index.job, index.step)
         disk: dict[int, dict[str, int]] = {node: sizes}
         here = self._replication.store.files_of(index.job, index.step) if self._replication is not None else []
         memory: dict[int, dict[str, int]] = {node: replicas(here)}
@@ -330,11 +330,11 @@ class Loads:
                     await self._stage_from_disk(index, source, [read], {read.file: location}, exc)
             elif read.node == engine.node:
                 try:
-                    await asyncio.to_thread(engine.storage.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
+                    await asyncio.to_thread(engine.storage.files.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
                 except (FormatError, OSError) as exc:
                     # A data file of the step is missing, unreadable or short: name it and say what
                     # to do, as a damaged extra.json or index does (_extras, Engine.index).
-                    path = f"{engine.storage.step_location(index.job, index.step)}/{read.file}"
+                    path = f"{engine.storage.catalog.step_location(index.job, index.step)}/{read.file}"
                     problem = (
                         f"{path} is missing" if isinstance(exc, FileNotFoundError)
                         else f"cannot read {path}: {exc.strerror or exc}" if isinstance(exc, OSError)
@@ -352,11 +352,11 @@ class Loads:
     async def _damaged(self, job: str, step: int, problem: str) -> str:
         """The message for a committed step that cannot be loaded: what, and what to do."""
         storage = self.engine.storage
-        older = [s for s in await asyncio.to_thread(storage.committed_steps, job) if s < step]
+        older = [s for s in await asyncio.to_thread(storage.catalog.committed_steps, job) if s < step]
         example = f"load(state, step={older[-1]})" if older else "load(state, step=N)"
         return (
             f"step {step} of job {job!r} cannot be loaded: {problem}; load an older step (`{example}`), "
-            f"and see what else is damaged with `ckptd verify {storage.step_location(job, step)}`"
+            f"and see what else is damaged with `ckptd verify {storage.catalog.step_location(job, step)}`"
         )
 
     def _from_peers(self, job: str, step: int) -> PeerSteps | None:
@@ -382,7 +382,7 @@ class Loads:
                 raise Precondition(f"step {step} of job {job!r}: a peer's {EXTRA_JSON}: {exc}") from None
         storage = self.engine.storage
         try:
-            data = await asyncio.to_thread(storage.read_small, job, step, EXTRA_JSON)  # no link followed, no FIFO waited on
+            data = await asyncio.to_thread(storage.files.read_small, job, step, EXTRA_JSON)  # no link followed, no FIFO waited on
             return parse_extra_json(data, record)
         except (OSError, FormatError) as exc:
             problem = f"{EXTRA_JSON} is missing" if isinstance(exc, FileNotFoundError) else str(exc)

@@ -32,7 +32,7 @@ class Peers(Coordination, Protocol):
     coordinator."""
 
     node: int
-    root_id: str  # this node's root id (storage.root_id): equal ids mean one shared root
+    root_id: str  # this node's root id (storage.catalog.root_id): equal ids mean one shared root
 
     @property
     def nodes(self) -> int:

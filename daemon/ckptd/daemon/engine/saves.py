@@ -152,13 +152,13 @@ class Saves:
         committed (a session that says so). Any other save is refused (AlreadyExists): ckptd
         never overwrites a step."""
         job, step, resumed_from = request.job, request.step, request.resumed_from
-        order = await asyncio.to_thread(self.engine.storage.commit_order, job)
+        order = await asyncio.to_thread(self.engine.storage.catalog.commit_order, job)
         if resumed_from is not None and resumed_from in order and step in order and order.index(step) >= order.index(resumed_from):
             kept = SaveSession(job, step, request.world_size, uuid.uuid4().hex, request.metric, 0.0, local_ranks)
             kept.state = SaveState.COMMITTED
             since = "it" if resumed_from == step else f"step {resumed_from}, committed before it (it redid that interval)"
             kept.kept = f"step {step} of job {job!r} is committed already and this run resumed from {since}: the committed step is kept, this save is not written again"
-            kept.step_dir = self.engine.storage.step_location(job, step)
+            kept.step_dir = self.engine.storage.catalog.step_location(job, step)
             log.info("%s", kept.kept)
             return kept
         if resumed_from is not None and resumed_from in order:

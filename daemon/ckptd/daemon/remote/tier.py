@@ -186,7 +186,7 @@ class RemoteTier:
         """Steps of the job local retention must keep: queued or being uploaded; before the
         start-up catch-up knows which steps the bucket lacks, every committed step."""
         if not self._caught_up and not self._stop.is_set():
-            return set(self.engine.storage.committed_steps(job))
+            return set(self.engine.storage.catalog.committed_steps(job))
         return {step for j, step in self._queue if j == job}
 
     def lag(self) -> float:
@@ -282,7 +282,7 @@ class RemoteTier:
         if engine.node == 0:
             assert self.uploader is not None
             index, _ = await self._run(self.uploader.local_index, job, step)
-            sizes = await self._run(engine.storage.step_file_sizes, job, step)
+            sizes = await self._run(engine.storage.files.step_file_sizes, job, step)
             return all(f.name in sizes for f in index.files)
         try:
             return await self.shares_node0_root(job)
@@ -312,8 +312,8 @@ class RemoteTier:
         assert self.uploader is not None and self.catalog is not None
         storage, uploader, catalog = self.engine.storage, self.uploader, self.catalog
         found: dict[tuple[str, int], tuple[bool | None, float]] = {}
-        for job in await self._run(storage.jobs):
-            steps = await self._run(storage.commit_order, job)
+        for job in await self._run(storage.catalog.jobs):
+            steps = await self._run(storage.catalog.commit_order, job)
             try:  # a member on node 0's root sweeps nothing: node 0 uploads that root's files, and may be uploading now
                 member_of_shared = self.engine.cluster is not None and self.engine.node != 0 and await self.shares_node0_root(job)
             except Unavailable:
@@ -331,7 +331,7 @@ class RemoteTier:
                 except StepGone:
                     continue
             if self.engine.node == 0:
-                keep = set(await self._run(storage.committed_steps, job))
+                keep = set(await self._run(storage.catalog.committed_steps, job))
                 await self._run(catalog.sweep_leftovers, job, keep)
                 await self._bucket_retention(job)  # as after an upload (a daemon may have died in between)
         self._queue = {**found, **self._queue}
@@ -354,7 +354,7 @@ class RemoteTier:
             index, _ = self.uploader.local_index(job, step)
         except (StepGone, FormatError):
             return False
-        sizes = self.engine.storage.step_file_sizes(job, step)
+        sizes = self.engine.storage.files.step_file_sizes(job, step)
         shared = self.engine.node == 0 and all(f.name in sizes for f in index.files)
         return any(f.name == name for f in uploads_of(index, self.engine.node, shared))
 

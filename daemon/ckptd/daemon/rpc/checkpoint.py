@@ -124,7 +124,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         step = checks.check_step(request.step)
         async for item in self.service.progress(job, step, checks.check_timeout(request.timeout_s)):
             if isinstance(item, str):  # the step is committed
-                yield rpc_convert.committed_pb(self.service.storage.step_location(job, step))
+                yield rpc_convert.committed_pb(self.service.storage.catalog.step_location(job, step))
                 return
             yield rpc_convert.progress_pb(item)
 

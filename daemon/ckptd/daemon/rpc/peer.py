@@ -81,16 +81,16 @@ class PeerServicer(ppb_grpc.PeerServicer):
         job = check_job_id(request.job)
         step = checks.check_step(request.step)
         storage = self.service.storage
-        committed = await asyncio.to_thread(storage.is_committed, job, step)  # links not followed
+        committed = await asyncio.to_thread(storage.catalog.is_committed, job, step)  # links not followed
         sizes = {}
         if committed:
-            files = await asyncio.to_thread(storage.step_file_sizes, job, step)
+            files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
             sizes = {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
         coordinator = self.cluster.coordinator
         in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
         replication = self.service.replication
         replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
-        newest = await asyncio.to_thread(storage.latest_step, job) if request.newest else None
+        newest = await asyncio.to_thread(storage.catalog.latest_step, job) if request.newest else None
         reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas=replicas, newest=newest))
         if request.run_id:
             reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
@@ -136,7 +136,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         storage = self.service.storage
         sizes = {f.name: f.size for f in index.files}
         if name == INDEX_NAME:
-            sizes[name] = (await asyncio.to_thread(storage.step_file_sizes, job, step)).get(name, 0)
+            sizes[name] = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
         if name not in sizes:
             raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
         nbytes = checks.check_byte_range(name, sizes[name], request.offset, request.nbytes)
@@ -144,7 +144,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         while done < nbytes:
             n = min(FETCH_CHUNK, nbytes - done)
             try:  # no link followed, no FIFO waited on; a short file is an error, not a short answer
-                data = await asyncio.to_thread(storage.read_range, job, step, name, request.offset + done, n)
+                data = await asyncio.to_thread(storage.files.read_range, job, step, name, request.offset + done, n)
             except ForeignEntry as exc:
                 raise errors.Precondition(f"{name} on node {self.cluster.node} is not served: {exc}") from None
             except FormatError as exc:

@@ -65,7 +65,7 @@ class PeerClient:
 
     def start(self) -> None:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
-        self.root_id = self.storage.root_id()
+        self.root_id = self.storage.catalog.root_id()
         if self.node == 0:
             self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs, self._job_policy)
 

@@ -301,7 +301,7 @@ class Replication:
                 while offset < record.size:
                     n = min(pacer.slice_bytes(PUSH_SLICE_BYTES), record.size - offset)
                     try:
-                        yield storage.read_range(job, step, record.name, offset, n)
+                        yield storage.files.read_range(job, step, record.name, offset, n)
                     except (OSError, FormatError) as exc:
                         raise BulkError(f"cannot read {record.name} of step {step}: {exc}") from None
                     offset += n
