@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
+from ckptd.daemon.engine.tiers import Tiers
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
@@ -34,8 +35,9 @@ class Collected:
 class Housekeeping:
     """Retention, garbage collection and the daemon's reports."""
 
-    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int]) -> None:
+    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int], tiers: Tiers) -> None:
         self.engine = engine
+        self._tiers = tiers  # what they keep from retention, add to listings and report
         self._leased_steps = leased_steps  # Loads.leased_steps: steps being read are kept
         self._loads_active = loads_active
 
@@ -78,8 +80,8 @@ class Housekeeping:
         storage = engine.storage
         steps = await asyncio.to_thread(storage.commit_order, job)
         protected: set[int | None] = set(self._leased_steps(job))
-        if engine.remote is not None:
-            protected |= engine.remote.protected(job)  # kept until uploaded to the object store
+        for tier in self._tiers:
+            protected |= tier.protected(job)  # e.g. kept until uploaded to the object store
         protected.add(await asyncio.to_thread(storage.latest_named, job))
         protected.add(committed)
         protected.discard(None)
@@ -180,15 +182,15 @@ class Housekeeping:
                 continue
             in_memory = state is not None and state.pool.held(step) is not None
             out.append((index, engine.storage.step_location(job, step), in_memory))
-        if engine.remote is not None:  # and the object store's steps that are not here
-            out = await engine.remote.listing(job, out)
+        for tier in self._tiers:  # and the steps the tiers hold that are not here (the bucket's)
+            out = await tier.listing(job, out)
         return out
 
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
         jobs = self.engine.jobs
         holders = self.engine.memory.holders()
-        return LiveState(
+        state = LiveState(
             queue_depth={job: len(state.writing()) for job, state in jobs.items()},
             open_saves={job: sum(1 for s in state.sessions.values() if s.open) for job, state in jobs.items()},
             arena_bytes=sum(s.pool.nbytes for s in jobs.values()),
@@ -199,9 +201,12 @@ class Housekeeping:
             job_idle_s={h.job: h.idle_s for h in holders},
             shm_budget=self.engine.memory.budget or 0,
         )
+        for tier in self._tiers:
+            state = tier.live(state)
+        return state
 
     def status(self) -> dict[str, Any]:
-        """`ckptd status`: saves in flight, arenas, counters, the newest commit."""
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit, the tiers'."""
         engine = self.engine
         in_flight = []
         now = time.monotonic()
@@ -222,7 +227,7 @@ class Housekeeping:
                     }
                 )
         counters = engine.counters
-        return {
+        status = {
             "version": VERSION,
             "root": engine.storage.location,
             "in_flight": in_flight,
@@ -241,8 +246,10 @@ class Housekeeping:
             "link_mismatches_total": counters.link_mismatches,
             "uptime_s": time.time() - engine.started_at,
             "loads_active": self._loads_active(),
-            "remote": engine.remote.status() if engine.remote is not None else None,
             "arena_holders": engine.memory.holders(),
             "shm_budget": engine.memory.budget or 0,
             "shm_free": engine.memory.free(),
         }
+        for tier in self._tiers:
+            status.update(tier.status_fields())  # "replicas", "remote": absent without the tier
+        return status

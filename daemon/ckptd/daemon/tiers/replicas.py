@@ -41,6 +41,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
 from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.format.units import Unit, UnitCheck, file_units
+from ckptd.daemon.plan.load_plan import TierName
 from ckptd.daemon.records import BulkAnswer, JobReplicas, ReplicaStatus
 from ckptd.daemon.tiers.bulk import (
     BUFFER_BYTES,
@@ -489,7 +490,7 @@ class Replication:
                 f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of {cluster.describe(holder)} is damaged: {problem}"
             )
         seconds = time.monotonic() - started
-        self.engine.metrics.load_staged_bytes.labels("memory-peer").inc(total)
+        self.engine.metrics.load_staged_bytes.labels(TierName.REPLICA_PEER.value).inc(total)
         log.info(
             "staged %s of node %s's part of step %s of job %s from the memory of %s in %.3f s (%.2f GB/s, %s ranges in %s connections)",
             human_bytes(total), source, step, job, cluster.describe(holder), seconds, total / max(seconds, 1e-9) / 1e9, len(merged), len(groups),
@@ -540,4 +541,4 @@ class Replication:
             raise Unavailable(
                 f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of this node (node {self.engine.node}) is damaged: {file}: {problem}"
             )
-        self.engine.metrics.load_staged_bytes.labels("memory-local").inc(nbytes)
+        self.engine.metrics.load_staged_bytes.labels(TierName.REPLICA_HERE.value).inc(nbytes)
