@@ -172,7 +172,6 @@ class Housekeeping:
         load() without a step restores), whatever its number."""
         engine = self.engine
         steps = await asyncio.to_thread(engine.storage.commit_order, job)
-        state = engine.jobs.get(job)
         out = []
         for step in steps:
             try:
@@ -180,7 +179,7 @@ class Housekeeping:
             except Precondition as exc:
                 log.warning("%s", exc)
                 continue
-            in_memory = state is not None and state.pool.held(step) is not None
+            in_memory = any(tier.snapshot(job, step) is not None for tier in self._tiers)
             out.append((index, engine.storage.step_location(job, step), in_memory))
         for tier in self._tiers:  # and the steps the tiers hold that are not here (the bucket's)
             out = await tier.listing(job, out)

@@ -21,7 +21,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.staging import StagingFiles
-from ckptd.daemon.engine.tiers import Located, Snapshot, StagingTarget, StepCopy, Tier, Tiers
+from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.daemon.format.index import EXTRA_JSON, CheckpointIndex
 from ckptd.daemon.plan.load_plan import (
@@ -101,7 +101,10 @@ class Loads:
             await self._abort_left_behind(state, rank, None, run)
         if step is None and state is not None:
             await self._wait_for_writes(state)
-        located = await self._locate(job, step)
+        located = await locate(self._tiers.all, job, step)
+        if located is None:
+            where = engine.storage.location
+            raise NotFound(f"job {job!r} has no committed checkpoint in {where}" if step is None else f"step {step} of job {job!r} is not committed in {where}")
         step = located.step
         if located.copy is not None:
             self._copies[(job, step)] = located.copy
@@ -126,23 +129,6 @@ class Loads:
             if not self._planning[(job, step)]:
                 del self._planning[(job, step)]
             self._release_staging(job, step)
-
-    async def _locate(self, job: str, step: int | None) -> Located:
-        """The step to load (None: the newest), from the first tier that holds it; for the newest
-        each tier may offer a newer one than the tiers before it found (the bucket's). NotFound
-        when none holds it."""
-        found: Located | None = None
-        for tier in self._tiers:
-            if step is None:
-                found = await tier.newest(job, found) or found
-            else:
-                found = await tier.locate(job, step)
-                if found is not None:
-                    return found
-        if found is None:
-            where = self.engine.storage.location
-            raise NotFound(f"job {job!r} has no committed checkpoint in {where}" if step is None else f"step {step} of job {job!r} is not committed in {where}")
-        return found
 
     async def _plan(
         self,

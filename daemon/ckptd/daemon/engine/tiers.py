@@ -152,3 +152,18 @@ class Tiers:
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.all)
+
+
+async def locate(tiers: Sequence[Tier], job: str, step: int | None) -> Located | None:
+    """The step to load (None: the newest) from the tiers, in order: for a given step the first
+    tier that holds it; for the newest, each tier may offer one over what the tiers before it
+    found (the bucket's, committed after the root's newest). None when no tier holds it."""
+    found: Located | None = None
+    for tier in tiers:
+        if step is None:
+            found = await tier.newest(job, found) or found
+        else:
+            found = await tier.locate(job, step)
+            if found is not None:
+                return found
+    return found
