@@ -43,7 +43,7 @@ def _replicas(index: CheckpointIndex, held: Sequence[tuple[int, str, int]]) -> d
 
 class ReplicasHere(Tier):
     """Other nodes' parts held in this daemon's memory; also where this node's own part is
-    pushed from after a commit, and what `ckptd status` and the metrics show of tier 0b."""
+    pushed from after a commit, and what `ckptd status` and the metrics show of the replica tiers."""
 
     name = TierName.REPLICA_HERE
 

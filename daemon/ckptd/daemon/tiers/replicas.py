@@ -1,4 +1,4 @@
-"""Tier 0b: each node's part of its newest committed step, held in the memory of buddy daemons
+"""The replica tiers (REPLICA_HERE, REPLICA_PEER): each node's part of its newest committed step, held in the memory of buddy daemons
 (docs/architecture.md §9), and when a step is *recoverable*.
 
 After a commit, each node offers its data files of the step (the bytes as written) to its
@@ -71,7 +71,7 @@ STEPS_TRACKED = 4  # node 0: recent steps per job whose parts it tracks
 HOLDERS_CHECK_S = 5.0  # node 0: how often the holders of a recoverable step are asked whether they still keep it
 
 class ReplicaCalls(Protocol):
-    """The Peer calls of tier 0b (replica_links.ReplicaLinks; the engine speaks no gRPC)."""
+    """The Peer calls of the replica tiers (replica_links.ReplicaLinks; the engine speaks no gRPC)."""
 
     def host_of(self, node: int) -> str:
         """The host of a node's --peers entry (its bulk port listens there too)."""
@@ -172,7 +172,7 @@ class Recoverability:
 
 
 class Replication:
-    """Tier 0b on this daemon: pushing its parts, holding and serving others', fetching for loads."""
+    """The replica tiers on this daemon: pushing its parts, holding and serving others', fetching for loads."""
 
     def __init__(self, engine: Engine, store: ReplicaStore, calls: ReplicaCalls) -> None:
         self.engine = engine
@@ -203,7 +203,7 @@ class Replication:
         self.store.close()
 
     def status(self) -> ReplicaStatus:
-        """What `ckptd status` shows of tier 0b."""
+        """What `ckptd status` shows of the replica tiers."""
         recoverability = self.recoverability
         jobs = []
         for job in sorted(set(self.pushes) | set(recoverability.recoverable) | set(recoverability.problems)):
