@@ -49,7 +49,7 @@ class PeerInventory:
     committed: bool  # the step's index is on the peer's root
     sizes: dict[str, int]  # data file name -> bytes (empty unless committed)
     in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
-    replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (tier 0b)
+    replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (the replica tiers)
     newest: int | None = None  # when asked: the peer's newest committed step of the job (None: none)
 
 
@@ -126,7 +126,7 @@ class RemoteStatus:
 
 @dataclass(frozen=True)
 class JobReplicas:
-    """Tier 0b of one job in `ckptd status`: where this node's newest part is held; node 0: what is recoverable."""
+    """The replica tiers of one job in `ckptd status`: where this node's newest part is held; node 0: what is recoverable."""
 
     job: str
     pushed_step: int  # this node's newest part offered to its buddies; -1: none
@@ -139,7 +139,7 @@ class JobReplicas:
 
 @dataclass(frozen=True)
 class BulkPortStatus:
-    """The bulk port (tier 0b's bytes, tiers/bulk.py) in `ckptd status`."""
+    """The bulk port (the replica tiers' bytes, tiers/bulk.py) in `ckptd status`."""
 
     port: int
     healthy: bool
@@ -151,7 +151,7 @@ class BulkPortStatus:
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """Tier 0b in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
+    """The replica tiers in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
 
     held_bytes: int  # memory held and being received into for other nodes' parts
     memory_limit: int  # --replica-memory
@@ -182,7 +182,7 @@ class StatusSnapshot:
     uptime_s: float
     loads_active: int  # loads being read (their steps are kept by retention)
     remote: "RemoteStatus | None" = None  # the object-store tier (--remote); None without one
-    replicas: "ReplicaStatus | None" = None  # tier 0b; None on a single node
+    replicas: "ReplicaStatus | None" = None  # the replica tiers; None on a single node
     link_mismatches_total: int = 0  # linked files incremental saves found damaged and wrote again
     arena_holders: tuple[ArenaHolder, ...] = ()  # the jobs with arena sets
     shm_budget: int = 0  # --shm-budget in bytes; 0: none (the shared-memory directory's size)

@@ -7,8 +7,8 @@ The engine's parts, each a module of `ckptd.daemon.engine`:
     compression   the one compression decision of a save (pure)
     saves         BeginSave, CommitSnapshot, AbortSave, WaitDurable's progress
     commit        writing a complete snapshot; the coordinator commits it (one protocol for one node or many)
-    load_plan     where each requested box's bytes are (pure, tiered)
-    loads         PlanLoad and LoadDone: staging and leases
+    loads         PlanLoad and LoadDone: the step from the tiers, staging through them, leases
+    tiers, root   the tiers' protocol (implemented in tiers/, remote/ and engine/root.py)
     housekeeping  retention, gc, status
     context       what they share (settings, storage, metrics, the jobs) and a save's outcomes
 
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -33,9 +33,11 @@ from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
 from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
+from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
+from ckptd.daemon.engine.tiers import Tier, Tiers
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
@@ -47,9 +49,15 @@ from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
+from ckptd.daemon.tiers.held import HeldSnapshots
+from ckptd.daemon.tiers.peer_disks import PeerDisks
 from ckptd.daemon.tiers.replica_links import ReplicaLinks
 from ckptd.daemon.tiers.replica_store import ReplicaStore
+from ckptd.daemon.tiers.replica_tiers import ReplicasHere, ReplicasOnPeers
 from ckptd.daemon.tiers.replicas import Replication
+
+if TYPE_CHECKING:
+    from ckptd.daemon.remote.tier import RemoteTier
 
 __all__ = ["CheckpointService"]
 
@@ -78,19 +86,31 @@ class CheckpointService:
         )
         coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs, self._job_policy)
         self.engine = Engine(config, storage, cluster, coordination, runs)
-        if config.remote:  # the object-store tier; obstore is imported only when it starts
-            from ckptd.daemon.remote.tier import RemoteTier
-
-            self.engine.remote = RemoteTier(config, self.engine)
         self._writer = ThreadPool()
-        # tier 0b (several nodes): replicas of nodes' parts in other daemons' memory
+        # the tiers (engine/tiers.py), in TierName's order: the arenas, replicas of nodes' parts in
+        # the daemons' memory and the peers' roots (several nodes), this root, the object store
         self.replication = (
             Replication(self.engine, ReplicaStore(config.shm_dir, config.replica_memory, self.engine.metrics), ReplicaLinks(cluster))
             if cluster is not None else None
         )
-        self.loads = Loads(self.engine, self._abort_left_behind, self.replication)
-        self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases))
-        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.replication.committed if self.replication is not None else None)
+        self.remote: RemoteTier | None = None
+        if config.remote:  # the object-store tier; obstore is imported only when it starts
+            from ckptd.daemon.remote.tier import RemoteTier
+
+            self.remote = RemoteTier(config, self.engine)
+        root = Root(self.engine)
+        tiers: list[Tier] = [HeldSnapshots(self.engine)]
+        if self.replication is not None:
+            tiers += [ReplicasHere(self.replication), ReplicasOnPeers(self.replication)]
+        tiers.append(root)
+        if cluster is not None:
+            tiers.append(PeerDisks(self.engine))
+        if self.remote is not None:
+            tiers.append(self.remote)
+        self.tiers = Tiers(tiers)
+        self.loads = Loads(self.engine, self._abort_left_behind, self.tiers, root)
+        self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases), self.tiers)
+        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.tiers)
         self.saves = Saves(self.engine, self.commit.write)
 
     # What the servicers and the server read.
@@ -152,8 +172,8 @@ class CheckpointService:
         fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(old, n)]
         self.engine.config = replace(new, **{n: getattr(old, n) for n in RESTART_SETTINGS})
         self.engine.retention = new.retention_policy()
-        if self.engine.remote is not None:
-            self.engine.remote.reconfigure(new)
+        if self.remote is not None:
+            self.remote.reconfigure(new)
         return fixed
 
     async def drain(self, grace_s: float) -> None:
@@ -178,12 +198,12 @@ class CheckpointService:
     async def start_remote(self) -> None:
         """Start the object-store tier (--remote), once serving: RemoteStartError (a RuntimeError)
         when its credentials are refused or its bucket does not exist."""
-        if self.engine.remote is not None:
-            await self.engine.remote.start()
+        if self.remote is not None:
+            await self.remote.start()
 
     async def close_remote(self) -> None:
-        if self.engine.remote is not None:
-            await self.engine.remote.close()
+        if self.remote is not None:
+            await self.remote.close()
 
     def close(self) -> None:
         self._writer.shutdown()
@@ -283,12 +303,7 @@ class CheckpointService:
         return await self.housekeeping.list_checkpoints(job)
 
     def live_state(self) -> LiveState:
-        state = self.housekeeping.live_state()
-        if self.replication is None:
-            return state
-        return replace(state, replica_bytes=self.replication.store.nbytes, replicas=len(self.replication.store.held))
+        return self.housekeeping.live_state()
 
     def status(self) -> StatusSnapshot:
-        """`ckptd status`: Housekeeping.status with tier 0b's replicas."""
-        status = self.housekeeping.status()
-        return status if self.replication is None else replace(status, replicas=self.replication.status())
+        return self.housekeeping.status()

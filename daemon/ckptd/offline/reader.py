@@ -38,7 +38,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
+from ckptd.daemon.plan.load_plan import Location, PieceInfo, TierName, plan_pieces, rank_extras
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.format.index import check_small_file as _check_small_file
@@ -291,7 +291,7 @@ class Step:
                 path = self._storage.files.local_path(self.job, self.step, f.name)
                 if path is None:
                     raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
-                out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
+                out[f.name] = Location(TierName.ROOT, 0, str(path), False)
         return out
 
     def _small_file(self, name: str) -> bytes | None:

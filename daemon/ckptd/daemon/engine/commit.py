@@ -20,6 +20,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
 from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.sessions import JobState, SaveSession
+from ckptd.daemon.engine.tiers import Committed, Tiers
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
@@ -36,13 +37,11 @@ Retention = Callable[[str, int], Awaitable[object]]  # (job, the step just commi
 class Commit:
     """Writes complete snapshots and commits them (one writer thread: saves are written in order)."""
 
-    def __init__(
-        self, engine: Engine, retention: Retention, executor: "ThreadPool", on_committed: Callable[[str, int, CheckpointIndex], None] | None = None
-    ) -> None:
+    def __init__(self, engine: Engine, retention: Retention, executor: "ThreadPool", tiers: Tiers) -> None:
         self.engine = engine
         self._retention = retention
         self._executor = executor
-        self._on_committed = on_committed  # (job, step, index) after a commit recorded here: Replication.committed pushes this node's part
+        self._tiers = tiers  # told of each commit recorded here (Tier.after_commit): replicas pushed, uploads queued
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
 
     async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
@@ -104,10 +103,11 @@ class Commit:
         engine.metrics.commit_latency.labels(session.job).observe(latency)
         engine.metrics.last_commit.labels(session.job).set(engine.last_commit.committed_at)
         engine.metrics.last_step.labels(session.job).set(session.step)
-        if self._on_committed is not None:
-            self._on_committed(session.job, session.step, index)
-        if engine.remote is not None:  # the object-store tier uploads it in the background
-            engine.remote.committed(session.job, session.step, session.shared_root, index.created_at)
+        self._after_commit(Committed(session.job, session.step, index, session.shared_root))
+
+    def _after_commit(self, commit: Committed) -> None:
+        for tier in self._tiers:
+            tier.after_commit(commit)
 
     def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
         """Count the data bytes this node wrote for a step (metrics: bytes, throughput), the
@@ -273,8 +273,7 @@ class Commit:
                 check_small_file(record, files[record.name])  # FormatError: not written, resolved later
         files[INDEX_NAME] = data
         await asyncio.to_thread(self._write_commit_here, job, step, files)
-        if self.engine.remote is not None:  # a node-local root's part, committed by node 0 before this restart
-            self.engine.remote.committed(job, step, False, index.created_at)
+        self._after_commit(Committed(job, step, index, False, adopted=True))  # a node-local root's part, committed by node 0 before this restart
         log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.engine.node)
 
 

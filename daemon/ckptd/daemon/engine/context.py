@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import Any, Coroutine
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.memory import ArenaMemory
@@ -29,9 +29,6 @@ from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compr
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage import StorageBackend
-
-if TYPE_CHECKING:
-    from ckptd.daemon.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +106,6 @@ class Engine:
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
         self.last_commit: LastCommit | None = None
-        self.remote: "RemoteTier | None" = None  # the object-store tier (--remote), set by the service
         self.started_at = time.time()
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()

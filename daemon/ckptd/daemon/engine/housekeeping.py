@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
+from ckptd.daemon.engine.tiers import Tiers
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
@@ -35,8 +36,9 @@ class Collected:
 class Housekeeping:
     """Retention, garbage collection and the daemon's reports."""
 
-    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int]) -> None:
+    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int], tiers: Tiers) -> None:
         self.engine = engine
+        self._tiers = tiers  # what they keep from retention, add to listings and report
         self._leased_steps = leased_steps  # Loads.leased_steps: steps being read are kept
         self._loads_active = loads_active
 
@@ -79,8 +81,8 @@ class Housekeeping:
         storage = engine.storage
         steps = await asyncio.to_thread(storage.catalog.commit_order, job)
         protected: set[int | None] = set(self._leased_steps(job))
-        if engine.remote is not None:
-            protected |= engine.remote.protected(job)  # kept until uploaded to the object store
+        for tier in self._tiers:
+            protected |= tier.protected(job)  # e.g. kept until uploaded to the object store
         protected.add(await asyncio.to_thread(storage.catalog.latest_named, job))
         protected.add(committed)
         protected.discard(None)
@@ -171,7 +173,6 @@ class Housekeeping:
         load() without a step restores), whatever its number."""
         engine = self.engine
         steps = await asyncio.to_thread(engine.storage.catalog.commit_order, job)
-        state = engine.jobs.get(job)
         out = []
         for step in steps:
             try:
@@ -179,17 +180,17 @@ class Housekeeping:
             except Precondition as exc:
                 log.warning("%s", exc)
                 continue
-            in_memory = state is not None and state.pool.held(step) is not None
+            in_memory = any(tier.snapshot(job, step) is not None for tier in self._tiers)
             out.append((index, engine.storage.catalog.step_location(job, step), in_memory))
-        if engine.remote is not None:  # and the object store's steps that are not here
-            out = await engine.remote.listing(job, out)
+        for tier in self._tiers:  # and the steps the tiers hold that are not here (the bucket's)
+            out = await tier.listing(job, out)
         return out
 
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
         jobs = self.engine.jobs
         holders = self.engine.memory.holders()
-        return LiveState(
+        state = LiveState(
             queue_depth={job: len(state.writing()) for job, state in jobs.items()},
             open_saves={job: sum(1 for s in state.sessions.values() if s.open) for job, state in jobs.items()},
             arena_bytes=sum(s.pool.nbytes for s in jobs.values()),
@@ -200,10 +201,12 @@ class Housekeeping:
             job_idle_s={h.job: h.idle_s for h in holders},
             shm_budget=self.engine.memory.budget or 0,
         )
+        for tier in self._tiers:
+            state = tier.live(state)
+        return state
 
     def status(self) -> StatusSnapshot:
-        """`ckptd status`: saves in flight, arenas, counters, the newest commit (tier 0b's
-        replicas are the service's to add)."""
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit, the tiers'."""
         engine = self.engine
         now = time.monotonic()
         in_flight = tuple(
@@ -223,7 +226,7 @@ class Housekeeping:
             for session in state.sessions.values()
         )
         counters = engine.counters
-        return StatusSnapshot(
+        status = StatusSnapshot(
             version=VERSION,
             root=engine.storage.location,
             in_flight=in_flight,
@@ -242,8 +245,10 @@ class Housekeeping:
             link_mismatches_total=counters.link_mismatches,
             uptime_s=time.time() - engine.started_at,
             loads_active=self._loads_active(),
-            remote=engine.remote.status() if engine.remote is not None else None,
             arena_holders=tuple(engine.memory.holders()),
             shm_budget=engine.memory.budget or 0,
             shm_free=engine.memory.free(),
         )
+        for tier in self._tiers:
+            status = replace(status, **tier.status_fields())  # remote, replicas: None without the tier
+        return status

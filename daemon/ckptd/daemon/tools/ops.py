@@ -151,7 +151,7 @@ def _replicas_doc(r: pb.ReplicaStatus) -> dict[str, Any]:
 
 
 def _replica_lines(replicas: dict[str, Any]) -> list[str]:
-    """`ckptd status` lines of tier 0b: what this node holds for others, where its parts are held,
+    """`ckptd status` lines of the replica tiers: what this node holds for others, where its parts are held,
     and (node 0) which step each job can recover from memory."""
     held = ", ".join(f"node {h['node']}'s step {h['step']} of {h['job']} ({human_bytes(h['bytes'])})" for h in replicas["held"])
     lines = [f"replicas held for other nodes: {human_bytes(replicas['held_bytes'])} of {human_bytes(replicas['memory_limit'])}" + (f": {held}" if held else "")]
