@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_run_id, check_tensor_name, json_depth
-from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
+from ckptd.common.blocks import QuantError
+from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.format import MODEL_FILES, FileRecord

@@ -369,14 +369,14 @@ def _write_coded(
     """Code one tensor (int4 codes: in zstd frames) and write its codes and scales side by side
     at the end of `file`. Values that cannot be quantized are logged and written as they are
     instead."""
-    from ckptd.common import quant  # imported by compress already: a lookup
+    from ckptd.common.blocks import QuantError
 
     with scratch.take() as space:
         problem = ""
         with source.values(t) as values:
             try:
-                codes, scale_values = quant.encode(coding.codec, values, t.box, space)
-            except quant.QuantError as exc:
+                codes, scale_values = coding.codec.encode(values, t.box, space)
+            except QuantError as exc:
                 problem = str(exc)
             del values  # no export of an arena view may outlive the block
         if problem:
