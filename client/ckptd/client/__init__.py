@@ -5,7 +5,8 @@
 
 from ckptd.client.client import CheckpointClient, CheckpointInfo
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
-from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client._rpc import DurableInfo
+from ckptd.client.handle import SaveHandle
 from ckptd.client.shards import LocalShard, LocalShards
 from ckptd.common.retention import JobRetention
 

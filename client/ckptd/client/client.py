@@ -23,10 +23,10 @@ from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO, resolve_mode
 from ckptd.client._handoff.select import Handoff
 from ckptd.client._restore import Fill, MemoryCopies, device_fills, fill_all
-from ckptd.client._rpc import CheckpointInfo, DaemonRpc, LoadPlan, SaveGrant, SaveOptions, StatusResponse
+from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, SaveGrant, SaveOptions, StatusResponse
 from ckptd.client.environment import check_run_config, meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
-from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.handle import SaveHandle
 from ckptd.client.layout import LayoutRules, RankCoords
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
@@ -282,10 +282,10 @@ class CheckpointClient:
         self._last_step = step
         if grant.committed:  # a resumed run redid this step: the daemon keeps the committed one
             log.warning("checkpoint of step %s: %s", step, grant.skip_reason)
-            return SaveHandle(self, step, time.perf_counter() - started, kept=grant.skip_reason)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, kept=grant.skip_reason)
         if grant.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, grant.skip_reason)
-            return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=grant.skip_reason)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, skipped=True, error=grant.skip_reason)
         try:
             placed = self._placed_for(structure, placed, grant)
             transport = self._handoff.transport_for(placed)
@@ -305,7 +305,7 @@ class CheckpointClient:
             copies.wait()
             copy_s = time.perf_counter() - copies.queued
             self._rpc.commit(commit)
-            return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=placed.nbytes, mode=copies.mode, copy_s=copy_s)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, mode=copies.mode, copy_s=copy_s)
 
         # The trainer goes on while a helper thread tells the daemon, once the copies (if any)
         # are done. The next save, load or close waits for that commit first; a failed one
@@ -319,7 +319,7 @@ class CheckpointClient:
 
         pending = self._handoff.commits.start_commit(step, copies.copies, send, lambda reason: self._rpc.abort(grant.save_id, reason))
         pending.future.add_done_callback(lambda done: self._late_failure(step, done))
-        return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
+        return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
 
     def _step_files(self, state: Mapping[str, Any], structure: Structure) -> dict[str, str]:
         """Rank 0's small files of a step: the model's (config.json ...) and environment.json."""
@@ -360,7 +360,7 @@ class CheckpointClient:
         if self.on_error == "raise":
             raise exc
         log.warning("checkpoint of step %s failed, training goes on: %s", step, exc)
-        return SaveHandle(self, step, time.perf_counter() - started, error=str(exc))
+        return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, error=str(exc))
 
     def _wait_durable(self, step: int, timeout: float | None) -> DurableInfo:
         return self._rpc.wait_durable(step, timeout)

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from ckptd.client._handoff.base import Copy, Started, lazy_placements
+from ckptd.client._handoff.base import Copy, Started, TransportHost, lazy_placements
 from ckptd.client._handoff.modes import COPY
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client._handoff.select import Handoff
     from ckptd.client._rpc import SaveGrant
     from ckptd.client.slots import Placed
 
@@ -80,7 +79,7 @@ class CudaBackend:
 class DeviceCopyTransport:
     """HandoffTransport of modes "copy" and "overlap" (`mode`): device copies into the arena."""
 
-    def __init__(self, handoff: "Handoff", mode: str) -> None:
+    def __init__(self, handoff: TransportHost, mode: str) -> None:
         self.handoff = handoff
         self.mode = mode
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ckptd.client._handoff.base import Started
+from ckptd.client._handoff.base import Started, TransportHost
 from ckptd.client._handoff.cuda import DeviceCopyTransport
 from ckptd.client._handoff.modes import FALLBACK, IPC
 from ckptd.client.devcopy import coalesced_ranges, item_of
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client._handoff.select import Handoff
     from ckptd.client._rpc import DaemonRpc, SaveGrant
     from ckptd.client.slots import Placed
 
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 class IpcTransport(DeviceCopyTransport):
     """HandoffTransport of mode "ipc"; delegates to FALLBACK's transport once it has fallen back."""
 
-    def __init__(self, handoff: "Handoff") -> None:
+    def __init__(self, handoff: TransportHost) -> None:
         super().__init__(handoff, IPC)
         self.rpc: "DaemonRpc" = handoff.rpc
         self.staging: Any = None  # ckptd.client.ipc.DeviceStaging, opened by the daemon
