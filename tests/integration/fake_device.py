@@ -10,7 +10,7 @@ arena mapping is page-locked once, whole, when `host_view` first maps it (`regis
 counts the calls; a second registration of it would fail with 712), and every copy of the plan
 into an arena must lie inside one registration, else `copy` raises CUDA's "invalid argument"
 as torch would when the copy is issued. Staging buffers have 64-byte handles with zero bytes.
-(tests/client/test_cuda_mocked.py runs the real CudaBackend on fakecuda; this fake is for the
+(tests/client/test_cuda_copier_mocked.py runs the real CudaBackend on fakecuda; this fake is for the
 hand-off's bookkeeping with a real daemon.) Also runnable as a script for crash tests:
 
     python fake_device.py die-mid-overlap ADDRESS JOB STEP   # overlap save whose copy never ends, then SIGKILL
@@ -28,8 +28,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptd.client.devcopy import CopyPlan, item_of, plan_copies, run_copies
-from ckptd.client.ipc import IpcUnavailable
+from ckptd.client.devcopy import DeviceCopyPlan, item_of, plan_copies, run_copies
+from ckptd.client.staging_buffer import IpcUnavailable
 
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (crash tests): tests/ for fakecuda
@@ -117,7 +117,7 @@ class FakeBackend:
         return tensor.numel() > 0 and tensor.data_ptr() in self.ptrs
 
     def host_view(self, path: str, size: int) -> torch.Tensor:
-        """The arena mapped once and page-locked once, whole (as ckptd.client.cuda does)."""
+        """The arena mapped once and page-locked once, whole (as ckptd.client.cuda_copier does)."""
         if path not in self._maps:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -131,7 +131,7 @@ class FakeBackend:
             self._maps[path] = (mapped, host)
         return self._maps[path][1]
 
-    def _check(self, plan: CopyPlan, dst: torch.Tensor) -> None:
+    def _check(self, plan: DeviceCopyPlan, dst: torch.Tensor) -> None:
         """Every copy of `plan` into host memory lies inside one registration, or CUDA's error."""
         if any(dst is host for _, host in self._maps.values()):
             spans = [(r.offset, r.nbytes) for r in plan.runs] + [(g.offset, g.span) for g in plan.gathers]

@@ -4,7 +4,7 @@ What is tested here without a GPU: mode selection and fallbacks, the fences (opt
 installed once, handle.wait_snapshot, ckpt.fence), that overlap and ipc saves return before the
 copy is done and commit only after it, that a snapshot whose copy never completes is never
 persisted, the daemon's OpenStaging/CloseStaging validation, and restores through the device
-path. tests/client/test_cuda.py runs the real CUDA paths (marked gpu).
+path. tests/client/test_cuda_copier.py runs the real CUDA paths (marked gpu).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_the_cuda_modules_are_not_imported_by_a_cpu_client(daemon) -> None:
         "import sys, torch; from ckptd.client import CheckpointClient\n"
         f"c = CheckpointClient('lazy', address={daemon.address!r}, rank=0, world_size=1, on_error='raise')\n"
         "c.save(1, {'model': {'w': torch.ones(4)}}).wait_durable(); c.fence(); c.close()\n"
-        "assert not {'ckptd.client.cuda', 'ckptd.client.ipc', 'ckptd.common.cudart'} & set(sys.modules), sys.modules.keys()\n"
+        "assert not {'ckptd.client.cuda_copier', 'ckptd.client.staging_buffer', 'ckptd.common.cudart'} & set(sys.modules), sys.modules.keys()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

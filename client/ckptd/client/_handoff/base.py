@@ -57,7 +57,7 @@ class DeviceBackend(Protocol):
         """Queue the copies of placements[i] for i in `only` into `dst`; returns without waiting."""
 
     def staging(self, device: torch.device, nbytes: int) -> Any:
-        """A device staging buffer (ckptd.client.ipc.DeviceStaging); raises IpcUnavailable."""
+        """A device staging buffer (ckptd.client.staging_buffer.DeviceStaging); raises IpcUnavailable."""
 
     def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (host, device target) pair and wait."""

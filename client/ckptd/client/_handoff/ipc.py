@@ -1,6 +1,6 @@
 """Mode "ipc": a save's CUDA tensors copied device-to-device into the rank's staging buffer.
 
-The buffer (ckptd.client.ipc.DeviceStaging) mirrors the arena's layout and is opened by the
+The buffer (ckptd.client.staging_buffer.DeviceStaging) mirrors the arena's layout and is opened by the
 daemon once (OpenStaging); a save queues the copies into it and returns like "overlap"; the
 commit names the ranges the daemon drains from the buffer into the arena. When the buffer
 cannot be set up (several devices, no GPU memory, the daemon refuses it) or the daemon cannot
@@ -30,7 +30,7 @@ class IpcTransport(DeviceCopyTransport):
     def __init__(self, handoff: TransportHost) -> None:
         super().__init__(handoff, IPC)
         self.rpc: "DaemonRpc" = handoff.rpc
-        self.staging: Any = None  # ckptd.client.ipc.DeviceStaging, opened by the daemon
+        self.staging: Any = None  # ckptd.client.staging_buffer.DeviceStaging, opened by the daemon
 
     def start(self, state: Mapping[str, Any], placed: "Placed", grant: "SaveGrant") -> Started:
         staging = self._staging_for(placed, grant.arena_size)
@@ -47,7 +47,7 @@ class IpcTransport(DeviceCopyTransport):
     def _staging_for(self, placed: "Placed", arena_size: int) -> Any:
         """The rank's device staging buffer, opened by the daemon (at least `arena_size` bytes:
         it mirrors the arena's layout); None after falling back (reason logged)."""
-        from ckptd.client.ipc import IpcUnavailable
+        from ckptd.client.staging_buffer import IpcUnavailable
 
         handoff = self.handoff
         devices = {placed.for_device[i][0].device for i in placed.device}
