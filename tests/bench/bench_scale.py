@@ -54,14 +54,14 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.common.boxes import Box
-from ckptd.common.chunks import chunk_bytes_for, chunk_count
+from ckptd.common.chunks import checksum_name, chunk_bytes_for, chunk_count
 from ckptd.daemon import rpc_convert
 from ckptd.daemon.cluster import Coordinator, PeerLinks
 from ckptd.daemon.engine.load_plan import file_locations, plan_pieces
 from ckptd.daemon.format import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult
-from ckptd.daemon.step_build import NodeManifest, checksum_name, stored_tensors
+from ckptd.daemon.step_build import NodeManifest, stored_tensors
 from ckptd.daemon.storage.posix import Storage
 
 LAYERS, HIDDEN, FFN, VOCAB, KV_DIM = 80, 8192, 28672, 128256, 8 * 128  # Llama-3-70B: 64 heads, 8 KV heads of 128

@@ -23,6 +23,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
+from ckptd.common.chunks import checksum_name
 from ckptd.daemon.format import (
     INDEX_NAME,
     MODEL_FILES,
@@ -36,7 +37,6 @@ from ckptd.daemon.format import (
     layout_files,
     safetensors_header,
 )
-from ckptd.daemon.step_build import checksum_name
 from ckptd.daemon.storage import StepReader, fsync_dir, step_at
 
 

@@ -23,12 +23,12 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for, checksum_name
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.format import CheckpointIndex, FileLayout, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header
 from ckptd.daemon.plan import LogicalTensor
 from ckptd.daemon.snapshot_source import Piece, Source
-from ckptd.daemon.step_build import Placed, checksum_digest, checksum_name
+from ckptd.daemon.step_build import Placed, checksum_digest
 from ckptd.daemon.storage.base import ReadHandle, StorageBackend
 from ckptd.daemon.units import Unit, first_mismatch, read_ranges
 

@@ -17,7 +17,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
-from ckptd.common.chunks import chunk_bytes_for
+from ckptd.common.chunks import CHECKSUM_PREFIX, chunk_bytes_for, checksum_name
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.daemon.format import (
@@ -46,14 +46,6 @@ from ckptd.daemon.format import (
 from ckptd.daemon.plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"
-
-
-CHECKSUM_PREFIX = "xxh3-64:"
-
-
-def checksum_name(digest: int) -> str:
-    """The index's name of an xxh3-64 digest."""
-    return f"{CHECKSUM_PREFIX}{digest:016x}"
 
 
 def checksum_digest(name: str, what: str) -> int:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for, checksum_name
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.arena import ArenaSet
 from ckptd.daemon.errors import NoSpace
@@ -37,7 +37,6 @@ from ckptd.daemon.step_build import (
     Coding,
     NodeManifest,
     Placed,
-    checksum_name,
     file_bytes_bound,
     fragment_records,
     header_room,
