@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ckptd.client import CheckpointClient
 from ckptd.client.devcopy import DeviceCopyPlan, item_of, plan_copies, run_copies
 from ckptd.client.staging_buffer import IpcUnavailable
 
@@ -170,15 +171,18 @@ class FakeBackend:
         self.closed = True
 
 
+def client_on(backend: FakeBackend, job: str, **keywords: Any) -> CheckpointClient:
+    """A CheckpointClient whose CUDA hand-off runs on `backend` (the CheckpointClient._device_backend seam)."""
+    return type("FakeDeviceClient", (CheckpointClient,), {"_device_backend": backend})(job, **keywords)
+
+
 def die_mid_overlap(address: str, job: str, step: int) -> None:
     """An overlap-mode save whose device copy never completes; then the process is killed."""
-    from ckptd.client import CheckpointClient
-
     weights = torch.arange(4096, dtype=torch.float32)
     backend = FakeBackend([weights])
     backend.gate.clear()  # the copy stays in flight
     backend.stream_fences_wait = False  # the GPU-side fence of the model's copy does not block the host
-    ckpt = CheckpointClient(job, address=address, rank=0, world_size=1, on_error="raise", timeout_s=5, _device_backend=backend)
+    ckpt = client_on(backend, job, address=address, rank=0, world_size=1, on_error="raise", timeout_s=5)
     handle = ckpt.save(step, {"model": {"w": weights}})
     assert not handle.snapshot_done
     print("saved-not-committed", flush=True)
