@@ -71,37 +71,11 @@ def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
 class CheckpointClient:
     """A training rank's connection to its node's ckptd.
 
-    job: the training run's id. address: the daemon's socket (its `--socket`), "unix:///path.sock"
-    or the bare path (default: $CKPTD_ADDRESS, else the default socket; anything but a Unix
-    socket raises ValueError saying what to write). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
-    on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
-    goes on) or "raise". It covers what can pass (a daemon that is down, a full disk, a timeout,
-    an aborted save); a state that can never be saved (an optimizer without its model, a value
-    of an unsupported type, a bad tensor name, a meta or sparse tensor) raises on the first save
-    whatever it says: ValueError or TypeError, or InvalidState when the daemon refuses the
-    state's metadata, with the message that says how to fix it. timeout_s: how long a save or
-    load may wait for the other ranks.
-    layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
-    tensor parallelism (ckptd.client.layout); DTensors need none. retention: the job's JobRetention (docs/operations.md, "Retention").
-    local_world_size: how many of the job's ranks use this node's daemon; needed when the job
-    spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
-    read_files: how loads get bytes from disk: True, read the committed files directly (the
-    storage root must be visible here); False, the daemon copies what is needed into shared
-    memory first (a trainer container without the storage volume); None (default), read
-    directly when this process can open the files, else go through the daemon.
-    run_config: the run's settings (a JSON-able dict: hyperparameters, data, launcher), kept in
-    each checkpoint's environment record (environment.json, shown by `ckptd inspect`) beside
-    the versions of Python, torch and ckptd and the layout that wrote it.
-    mode: how CUDA tensors are handed over (ckptd.client._handoff): "auto" (= "overlap"), "copy",
-    "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
-    `mode_reason` say what is used now and why it differs from the request (a fallback).
-    run_id: this run's id, the same on every rank and new at every start of the program (default:
-    $CKPTD_RUN_ID, else derived: ckptd.client.run_id). The daemon refuses the saves of a second
-    run of the job while the first is live, unless it resumed: loaded a step of the job before
-    its first save (docs/usage.md, "Job identity").
-
-    options: all of the above but job as one ClientOptions (ckptd.client.options), made and
-    checked up front; pass either options or the keywords, not both.
+    job: the training run's id. Every other keyword is a setting, a field of ClientOptions
+    (ckptd.client.options), which says what each does: address, rank, world_size, mode, on_error,
+    timeout_s, copy_threads, layout, coords, local_world_size, read_files, run_config, run_id,
+    retention. Pass them as keywords or made up front as options=ClientOptions(...), not both;
+    either way they are checked here, with a message that says how to fix them.
     """
 
     _device_backend: DeviceBackend | None = None  # a stand-in for CUDA: tests set it on a subclass (tests/integration/fake_device.py)

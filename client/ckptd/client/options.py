@@ -27,19 +27,42 @@ ON_ERROR = ("warn", "raise")
 
 @dataclass(frozen=True)
 class ClientOptions:
-    """Every setting of a CheckpointClient but its job (CheckpointClient's docstring says what each does).
+    """Every setting of a CheckpointClient but its job, checked once, here.
 
-    address: the daemon's Unix socket, "unix:///path.sock" or the bare path (None: $CKPTD_ADDRESS,
-    else the default socket). rank, world_size: None, from torch.distributed, else $RANK /
-    $WORLD_SIZE (ckptd.client.rank_and_world). mode: "auto", "copy", "overlap" or "ipc". on_error:
-    "warn" or "raise". timeout_s: seconds a save or load may wait for the other ranks (> 0).
-    copy_threads: threads of the shared-memory copy (None or 0: min(4, cores)). layout, coords:
-    manual sharding rules and this rank's place in tensor parallelism (both or neither).
-    local_world_size: the job's ranks on this node (None: $LOCAL_WORLD_SIZE, else all). read_files:
-    None, True or False. run_config: a JSON-able dict. run_id: this run's id (None: $CKPTD_RUN_ID,
-    else derived). retention: the job's JobRetention.
+    address: the daemon's socket (its `--socket`), "unix:///path.sock" or the bare path (default:
+    $CKPTD_ADDRESS, else the default socket; anything but a Unix socket raises ValueError saying
+    what to write). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE
+    (ckptd.client.rank_and_world).
+    on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
+    goes on) or "raise". It covers what can pass (a daemon that is down, a full disk, a timeout,
+    an aborted save); a state that can never be saved (an optimizer without its model, a value
+    of an unsupported type, a bad tensor name, a meta or sparse tensor) raises on the first save
+    whatever it says: ValueError or TypeError, or InvalidState when the daemon refuses the
+    state's metadata, with the message that says how to fix it. timeout_s: how long a save or
+    load may wait for the other ranks (seconds, > 0).
+    layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
+    tensor parallelism (ckptd.client.layout); DTensors need none. retention: the job's JobRetention (docs/operations.md, "Retention").
+    local_world_size: how many of the job's ranks use this node's daemon; needed when the job
+    spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
+    read_files: how loads get bytes from disk: True, read the committed files directly (the
+    storage root must be visible here); False, the daemon copies what is needed into shared
+    memory first (a trainer container without the storage volume); None (default), read
+    directly when this process can open the files, else go through the daemon.
+    run_config: the run's settings (a JSON-able dict: hyperparameters, data, launcher), kept in
+    each checkpoint's environment record (environment.json, shown by `ckptd inspect`) beside
+    the versions of Python, torch and ckptd and the layout that wrote it.
+    mode: how CUDA tensors are handed over (ckptd.client._handoff): "auto" (= "overlap"), "copy",
+    "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
+    `mode_reason` say what is used now and why it differs from the request (a fallback).
+    run_id: this run's id, the same on every rank and new at every start of the program (default:
+    $CKPTD_RUN_ID, else derived: ckptd.client.run_id). The daemon refuses the saves of a second
+    run of the job while the first is live, unless it resumed: loaded a step of the job before
+    its first save (docs/usage.md, "Job identity").
+    copy_threads: threads of the shared-memory copy (None or 0: min(4, cores)).
 
-    Raises ValueError or TypeError, saying what to pass, for a value that cannot work.
+    Raises ValueError or TypeError, saying what to pass, for a value that cannot work; what
+    depends on the process (the rank against the world size, $LOCAL_WORLD_SIZE, $CKPTD_RUN_ID) is
+    checked by the client.
     """
 
     address: str | None = None
