@@ -12,7 +12,6 @@ import torch
 
 from ckptd.client import CheckpointClient, tree
 from ckptd.common.names import InvalidNameError, check_tensor_name
-from ckptd.demo.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -21,12 +20,6 @@ WHO = pb.RankId(job="bad", rank=0, world_size=1)
 # here as the contract the tests hold the code to.
 MAX_EXTRAS_DEPTH = 64
 MAX_EXTRAS_JSON_DEPTH = 256
-
-
-@pytest.fixture
-def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
-    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
-    return shared_daemon
 
 
 def _stub(daemon) -> pb_grpc.CheckpointStub:
