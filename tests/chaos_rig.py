@@ -284,7 +284,14 @@ class Chaos:
         self.report.actions["disk filled"] += 1
 
     # ---------------------------------------------------------------- the run
-    def run(self) -> ChaosReport:
+    def _enough(self, min_acked: int, min_actions: int) -> bool:
+        acked = [len({rec["ack"] for log in job.logs for rec in read_records(log) if "ack" in rec}) for job in self.jobs]
+        return min(acked) >= min_acked and sum(self.report.actions.values()) >= min_actions
+
+    def run(self, min_acked: int = 0, min_actions: int = 0) -> ChaosReport:
+        """Chaos for `seconds` once both jobs have saved, and on (up to twice as long again) until
+        each job has `min_acked` acknowledged saves and `min_actions` actions were taken: a loaded
+        machine gets the same test, slower."""
         if not all(n.mounted for n in self.nodes):
             self.report.skipped.append("disk full (no tmpfs could be mounted for the roots: not root, or no mount permission)")
         for node in self.nodes:
@@ -295,7 +302,8 @@ class Chaos:
         weights = [3, 3, 1, 1, 1]
         self._wait_for_first_acks(timeout_s=180.0)  # the chaos starts once both jobs train and save
         deadline = time.monotonic() + self.seconds
-        while time.monotonic() < deadline:
+        overtime = deadline + 2 * self.seconds
+        while time.monotonic() < deadline or (time.monotonic() < overtime and not self._enough(min_acked, min_actions)):
             self.rng.choices(actions, weights)[0]()
             time.sleep(self.rng.uniform(*self.pause))
         for job in self.jobs:

@@ -52,6 +52,16 @@ def module_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonF
     factory.close()
 
 
+@pytest.fixture
+def shared_daemon(module_daemons: DaemonFactory) -> DaemonProcess:
+    """The module's daemon (default settings, on module_daemons' root), shared by the module's tests
+    that ask for it instead of each starting its own; each of them saves under a job of its own.
+    Started by the first such test, and again after a test that left it stopped or dead, so one
+    test's failure does not fail the next. A module that asks for it uses module_daemons for
+    nothing else."""
+    return module_daemons.running()
+
+
 def _node_set_factory(base: Path) -> tuple[Callable[..., NodeSet], list[NodeSet]]:
     made: list[NodeSet] = []
 

@@ -31,6 +31,13 @@ class DaemonFactory:
         self.started.append(daemon)
         return daemon
 
+    def running(self, *extra_args: str) -> DaemonProcess:
+        """The daemon started last if it still runs, else a new one started with `extra_args` (a
+        daemon shared by several tests, started again after one that stopped or killed it)."""
+        if self.started and self.started[-1].popen.poll() is None:
+            return self.started[-1]
+        return self.start(*extra_args)
+
     def arenas(self) -> list[Path]:
         return sorted(self.shm_dir.iterdir())
 

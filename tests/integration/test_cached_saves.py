@@ -18,8 +18,10 @@ from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 
 @pytest.fixture
-def daemon(daemons: Any) -> DaemonProcess:
-    return daemons.start("--keep-last", "10")
+def daemon(module_daemons: Any) -> DaemonProcess:
+    """The module's tests share one daemon (each saves under its own job), started again after a
+    test that left it stopped or dead."""
+    return module_daemons.running("--keep-last", "10")
 
 
 def _model() -> nn.Module:

@@ -1,7 +1,9 @@
 """Crash at every file event of a save (issue 20): the daemon kills itself (SIGKILL, no cleanup)
 just before the N-th file event under its root (ckptd.daemon.faults.files, enabled by
 CKPTD_FAULT_KILL_AT / CKPTD_FAULT_LOG), for every N of a save, on one node and on two nodes
-(the coordinator, node 0, and the member, node 1, each in turn).
+(the coordinator, node 0, and the member, node 1, each in turn). The default run kills at a
+sample of the events (kill_points: every fourth, every rename, after each commit, the last two)
+and on one node and the coordinator; `pytest -m long` at every event, and the member too.
 
 How: a counting run (CKPTD_FAULT_LOG alone) learns how many events a save makes; then for each
 N the victim daemon is started with CKPTD_FAULT_KILL_AT=N, a save runs, the daemon dies at
@@ -250,9 +252,20 @@ def wait_dead(daemon: DaemonProcess, timeout_s: float) -> bool:
     return True
 
 
+def kill_points(events: list[dict], every: int) -> list[int]:
+    """The events to kill at (1-based; len(events) + 1 is the SIGKILL right after the save): every
+    `every`-th, and always each rename (the atomic steps of a save: a recycled file taken, a file
+    into its name, a step into `.deleting-`), the event after a commit's rename (of the step's
+    index, of `latest`: renamed, not yet fsynced), and the last two (the end of retention)."""
+    count = len(events)
+    commits = {e["n"] + 1 for e in events if e["kind"] == "rename" and Path(e["path"]).name.startswith((f".tmp-{INDEX_NAME}", f".tmp-{LATEST}"))}
+    renames = {e["n"] for e in events if e["kind"] == "rename"}
+    return [n for n in range(1, count + 2) if (n - 1) % every == 0 or n in renames or n in commits or n >= count - 1]
+
+
 def crash_at_every_event(rig: Rig, victim: int, scenario: str, every: int = 1) -> dict:
     """Prime the job, count a save's events on node `victim`, then kill it at each (every=k: at
-    every k-th event, and at the last two, where the commit is); returns a summary."""
+    the points kill_points picks); returns a summary."""
     started = time.monotonic()
     for n in range(rig.nodes):
         rig.start(n)
@@ -281,7 +294,7 @@ def crash_at_every_event(rig: Rig, victim: int, scenario: str, every: int = 1) -
     warmups = 0
     before: list[int] = []  # the committed steps and the ack of the previous kill's save (set from n = 1 on)
     acked = False
-    points = [n for n in range(1, count + 2) if (n - 1) % every == 0 or n >= count - 1]
+    points = kill_points(events, every)
     for n in points:  # count + 1: the save completes, then a SIGKILL right after it
         log, arm = rig.base / f"kill{n}.jsonl", rig.base / f"arm{n}"
         rig.start(victim, kill_at=n, log=log, arm=arm)  # recovers what the kill at n - 1 left
@@ -346,16 +359,27 @@ def rig_factory(tmp_path: Path):
         rig.close()
 
 
-# The default run kills at every other event (and at the last two, around the commit); `pytest -m
-# long` kills at every event, and the member case (node 1 at each of its events, ~2 min on 2 cores).
-@pytest.mark.parametrize("every", [2, pytest.param(1, marks=pytest.mark.long)])
+# The default run kills at every fourth event, at every rename, after each commit and at the last
+# two (kill_points: 26 of a single-node save's 60 points); `pytest -m long` kills at every event,
+# and the member case (node 1 at each of its events, ~2 min on 2 cores).
+@pytest.mark.parametrize("every", [4, pytest.param(1, marks=pytest.mark.long)])
 def test_a_single_node_daemon_killed_at_every_file_event_of_a_save(rig_factory, every: int) -> None:
     crash_at_every_event(rig_factory(1), victim=0, scenario="single", every=every)
 
 
 @pytest.mark.parametrize(
     "victim, scenario, every",
-    [(0, "coordinator", 2), pytest.param(0, "coordinator", 1, marks=pytest.mark.long), pytest.param(1, "member", 1, marks=pytest.mark.long)],
+    [(0, "coordinator", 4), pytest.param(0, "coordinator", 1, marks=pytest.mark.long), pytest.param(1, "member", 1, marks=pytest.mark.long)],
 )
 def test_two_nodes_with_a_daemon_killed_at_every_file_event_of_a_save(rig_factory, victim: int, scenario: str, every: int) -> None:
     crash_at_every_event(rig_factory(2), victim=victim, scenario=scenario, every=every)
+
+
+def test_the_kill_points_are_every_kth_event_each_rename_each_commit_and_the_end() -> None:
+    kinds = ["mkdir"] * 12
+    kinds[6] = kinds[8] = kinds[9] = "rename"  # events 7, 9 and 10 (10: the index's commit)
+    paths = ["crash/step-5/x"] * 12
+    paths[9] = "crash/step-5/.tmp-ckptd.index.json.91-1"
+    events = [{"n": i + 1, "kind": k, "path": p} for i, (k, p) in enumerate(zip(kinds, paths))]
+    assert kill_points(events, 4) == [1, 5, 7, 9, 10, 11, 12, 13]
+    assert kill_points(events, 1) == list(range(1, 14))

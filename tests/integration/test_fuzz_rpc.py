@@ -13,7 +13,8 @@ daemons log no traceback; they stay up (health, then a normal save and load); no
 outside their roots (a canary directory and a snapshot of the test's directory are compared) and
 nothing outside a step is served by Fetch.
 
-CKPTD_FUZZ_EXAMPLES sets the examples per test (default 150). The run is derandomized: CI sees the
+CKPTD_FUZZ_EXAMPLES sets the examples per test of the default run (50); `pytest -m long` runs each
+test with 150 (the tests' [150] variants). The run is derandomized: CI sees the
 same requests every time (CKPTD_FUZZ_RANDOM=1: new ones each run, to hunt). The number of requests
 sent per RPC is printed at the end. The deep-JSON cases the fuzzer found have their own tests.
 """
@@ -45,7 +46,8 @@ from ckptd.wire.v1 import peer_pb2 as ppb
 from ckptd.wire.v1 import peer_pb2_grpc as ppb_grpc
 from daemon_rig import metadata_digest
 
-EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "50"))
+LONG_EXAMPLES = 150
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -119,13 +121,19 @@ def _healthy(address: str, *, channel_credentials: grpc.ChannelCredentials | Non
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.fixture(scope="module", params=[EXAMPLES, pytest.param(LONG_EXAMPLES, marks=pytest.mark.long)])
+def fuzz(request: pytest.FixtureRequest) -> settings:
+    """The hypothesis settings of a fuzz test: FUZZ with the examples of the run (default or long)."""
+    return settings(FUZZ, max_examples=request.param)
+
+
 @pytest.fixture(scope="module")
 def counts(request: pytest.FixtureRequest) -> Iterator[collections.Counter[str]]:
     """Requests sent per RPC; printed at the end of the module (also without -s)."""
     counter: collections.Counter[str] = collections.Counter()
     yield counter
     lines = [f"  {rpc}: {n}" for rpc, n in sorted(counter.items())]
-    summary = "\nfuzz requests per RPC (total %d, %d examples per test):\n%s" % (sum(counter.values()), EXAMPLES, "\n".join(lines))
+    summary = "\nfuzz requests per RPC (total %d):\n%s" % (sum(counter.values()), "\n".join(lines))
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if capture is not None and reporter is not None:
@@ -382,10 +390,10 @@ def fresh_steps() -> Iterator[Iterator[int]]:
     yield iter(range(1000, 10**9))
 
 
-def test_fuzz_begin_save(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_begin_save(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         request = pb.BeginSaveRequest(
@@ -409,11 +417,11 @@ def test_fuzz_begin_save(single: Place, stub: pb_grpc.CheckpointStub, counts: co
     run()
 
 
-def test_fuzz_commit_snapshot(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fresh_steps: Iterator[int]) -> None:
+def test_fuzz_commit_snapshot(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fresh_steps: Iterator[int], fuzz: settings) -> None:
     """Half the commits are for a save begun just before (a real save_id), the rest for none."""
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         rank_id, save_id, real = _save_to_target(data, single, stub, "fzc", fresh_steps)
@@ -438,10 +446,10 @@ def test_fuzz_commit_snapshot(single: Place, stub: pb_grpc.CheckpointStub, count
     run()
 
 
-def test_fuzz_abort_save(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fresh_steps: Iterator[int]) -> None:
+def test_fuzz_abort_save(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fresh_steps: Iterator[int], fuzz: settings) -> None:
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         rank_id, save_id, _ = _save_to_target(data, single, stub, "fza", fresh_steps)
@@ -451,10 +459,10 @@ def test_fuzz_abort_save(single: Place, stub: pb_grpc.CheckpointStub, counts: co
     run()
 
 
-def test_fuzz_wait_durable(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_wait_durable(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         request = pb.WaitDurableRequest(
@@ -465,14 +473,14 @@ def test_fuzz_wait_durable(single: Place, stub: pb_grpc.CheckpointStub, counts: 
     run()
 
 
-def test_fuzz_plan_load(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_plan_load(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     caller = Caller(counts)
     real = [
         pb.TensorMeta(name="model/w", kind="model", dtype="F32", shape=[3, 4], box=pb.Box(offsets=[0, 0], lengths=[3, 4])),
         pb.TensorMeta(name="model/b", kind="model", dtype="F32", shape=[5]),
     ]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         rank_id = data.draw(st.one_of(st.just(pb.RankId(job="real", rank=0, world_size=1)), who(single)))
@@ -498,10 +506,10 @@ def test_fuzz_plan_load(single: Place, stub: pb_grpc.CheckpointStub, counts: col
     run()
 
 
-def test_fuzz_load_done(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_load_done(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         request = pb.LoadDoneRequest(who=data.draw(who(single)), load_id=data.draw(hostile_names(single)))
@@ -510,11 +518,11 @@ def test_fuzz_load_done(single: Place, stub: pb_grpc.CheckpointStub, counts: col
     run()
 
 
-def test_fuzz_list_status_collect(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_list_status_collect(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     """The queries and gc: List, Status and Collect (dry runs and real ones)."""
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         job = data.draw(jobs(single))
@@ -531,11 +539,11 @@ def test_fuzz_list_status_collect(single: Place, stub: pb_grpc.CheckpointStub, c
     run()
 
 
-def test_fuzz_open_close_staging(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_open_close_staging(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     """OpenStaging on a daemon without CUDA: refused or answered with a reason, never INTERNAL."""
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         request = pb.OpenStagingRequest(
@@ -553,12 +561,12 @@ def test_fuzz_open_close_staging(single: Place, stub: pb_grpc.CheckpointStub, co
 
 
 # issue 30 finding 6: the run calls
-def test_fuzz_attach_detach(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str]) -> None:
+def test_fuzz_attach_detach(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     """Attach (a stream that stays open while the client lives: a valid one answers one event and
     then runs into the short deadline) and Detach, with hostile run and client ids."""
     caller = Caller(counts)
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         request = pb.AttachRequest(who=data.draw(who(single)), pid=data.draw(int32s()), host=data.draw(hostile_names(single)))
@@ -607,11 +615,11 @@ def peer_tensors(place: Place) -> st.SearchStrategy[list[ppb.RankTensors]]:
     )
 
 
-def test_fuzz_peer_join_save(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str]) -> None:
+def test_fuzz_peer_join_save(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fuzz: settings) -> None:
     _, places = cluster
     place = places[0]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())
@@ -668,13 +676,14 @@ def _join_as(stub: ppb_grpc.PeerStub, node: int, job: str, step: int, tensors: l
 
 
 def test_fuzz_peer_report_manifest(
-    cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fresh_steps: Iterator[int]
+    cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fresh_steps: Iterator[int],
+    fuzz: settings,
 ) -> None:
     """Half the manifests are for a save joined just before (they reach the commit), the rest for none."""
     _, places = cluster
     place = places[0]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())
@@ -698,11 +707,11 @@ def test_fuzz_peer_report_manifest(
     run()
 
 
-def test_fuzz_peer_inventory(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str]) -> None:
+def test_fuzz_peer_inventory(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fuzz: settings) -> None:
     _, places = cluster
     place = places[0]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())
@@ -716,12 +725,12 @@ def test_fuzz_peer_inventory(cluster: tuple[list[str], list[Place]], peer_stubs:
     run()
 
 
-def test_fuzz_peer_fetch(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str]) -> None:
+def test_fuzz_peer_fetch(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fuzz: settings) -> None:
     """Fetch serves bytes of a committed step's files and nothing else (the canary never leaks)."""
     _, places = cluster
     place = places[0]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())
@@ -741,14 +750,14 @@ def test_fuzz_peer_fetch(cluster: tuple[list[str], list[Place]], peer_stubs: lis
     run()
 
 
-def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str]) -> None:
+def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fuzz: settings) -> None:
     """Tier 0b's calls: offers, reads of replicas and holder reports with hostile names, sizes,
     nodes and ranges are refused with a reason (never INTERNAL); a ticket is given only for a
     replica that is held, or an offer of plain file names that fits the budget."""
     _, places = cluster
     place = places[0]
 
-    @FUZZ
+    @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         metadata = data.draw(tokens())

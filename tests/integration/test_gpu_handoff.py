@@ -24,6 +24,7 @@ from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client._handoff.modes import resolve_mode
+from ckptd.demo.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -34,6 +35,12 @@ fake_device = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_device)
 FakeBackend = fake_device.FakeBackend
 client_on = fake_device.client_on
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 class Net(nn.Module):

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient
+from ckptd.demo.process import DaemonProcess
 
 transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 @pytest.mark.parametrize("tied", [True, False])

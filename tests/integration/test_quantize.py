@@ -18,6 +18,13 @@ from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
 from ckptd.common import codecs, frames
 from ckptd.common.boxes import Box
 from ckptd.daemon.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
+from ckptd.demo.process import DaemonProcess
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 class Mlp(nn.Module):
@@ -383,7 +390,7 @@ def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("mode", ["O2", "residual"])
-def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemons, daemon, mode: str) -> None:
+def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(module_daemons, daemon, mode: str) -> None:
     """read_files=False: the daemon copies codes, scales and residual bases into shared memory;
     the client decodes from there exactly as from the files."""
     if mode == "O2":
@@ -408,7 +415,7 @@ def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(daemon
         for piece in coded:
             for where in (piece, piece.decode.scales if piece.decode.scales.path else piece.decode.base):
                 # staged: a copy of the file's bytes in shared memory, read like the file
-                assert Path(where.path).is_relative_to(daemon.root if read_files else daemons.shm_dir), where.path
+                assert Path(where.path).is_relative_to(daemon.root if read_files else module_daemons.shm_dir), where.path
         if mode == "O2":
             loaded.append(opt_state(fresh_state["model"], fresh_state["optimizer"])["up.weight"]["exp_avg_sq"].clone())
         else:

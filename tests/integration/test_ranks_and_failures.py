@@ -52,7 +52,9 @@ def test_four_local_replicas_write_each_tensor_once(daemon, tmp_path: Path) -> N
 
 
 def test_trainer_killed_mid_handoff_leaves_no_checkpoint_and_no_leak(daemons, tmp_path: Path) -> None:
-    daemon = daemons.start("--save-timeout", "20")
+    # rank 0 learns that step 2 failed when it times out: 10 s, enough for the other saves' two
+    # rank processes to arrive on a loaded machine
+    daemon = daemons.start("--save-timeout", "10")
     assert wait_all(run_ranks("save", daemon.address, "crash", 2, 1, tmp_path)) == [0, 0]
 
     # rank 0 hands its part over normally; rank 1 dies with its arena half written.

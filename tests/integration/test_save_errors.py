@@ -13,6 +13,13 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError
+from ckptd.demo.process import DaemonProcess
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _model() -> nn.Module:

@@ -14,6 +14,13 @@ from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound
 from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.demo.process import DaemonProcess
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 class Net(nn.Module):

@@ -15,6 +15,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import CheckpointClient
+from ckptd.demo.process import DaemonProcess
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 class Counter(nn.Module):
@@ -136,7 +143,7 @@ def test_ddp_model_is_stored_under_the_names_of_its_optimizer_state(daemon, proc
 )
 def test_resume_across_wrapping(daemon, process_group, save_wrap, load_wrap) -> None:
     saved = _trained(save_wrap, seed=7)
-    with CheckpointClient("across", address=daemon.address, on_error="raise") as ckpt:
+    with CheckpointClient(f"across-{save_wrap.__name__}-{load_wrap.__name__}", address=daemon.address, on_error="raise") as ckpt:
         ckpt.save(1, {"model": saved[1], "optimizer": saved[2]}).wait_durable(timeout=60)
         loaded = _fresh(load_wrap)
         assert ckpt.load({"model": loaded[1], "optimizer": loaded[2]}) == 1

@@ -18,12 +18,19 @@ from ckptd.client import CheckpointClient
 
 accelerate = pytest.importorskip("accelerate")
 
+from ckptd.demo.process import DaemonProcess  # noqa: E402
 from ckptd.integrations.accelerate import load_state, save_state  # noqa: E402
 
 WORKER = Path(__file__).with_name("accel_train.py")
 
 
 loop = load_worker(WORKER)
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:

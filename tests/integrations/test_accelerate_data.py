@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ckptd.demo.process import DaemonProcess
 from worker_process import load_worker, run_ranks  # tests/worker_process.py
 
 pytest.importorskip("accelerate")
@@ -19,6 +21,12 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 WORKER = Path(__file__).with_name("accel_train.py")
 SAMPLES = 40
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _runs(tmp: Path, name: str, world: int) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file
 
 from ckptd.client import CheckpointClient
+from ckptd.demo.process import DaemonProcess
 from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter, ckptd_name, dcp_fqn, export_dcp
 from ckptd.offline import open_step
 
@@ -24,6 +25,12 @@ sys.path.insert(0, str(SCRIPT.parent))
 sys.path.insert(0, str(SCRIPT.parents[1]))
 from dcp_rank import reference  # noqa: E402
 from worker_process import run_ranks  # noqa: E402
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _launch(world: int, **spec: object) -> None:

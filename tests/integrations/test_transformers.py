@@ -18,6 +18,7 @@ from ckptd.client import CheckpointClient, ClientOptions, DaemonUnavailable
 
 transformers = pytest.importorskip("transformers")
 
+from ckptd.demo.process import DaemonProcess  # noqa: E402
 from ckptd.integrations._hf_pointers import POINTER_FILE  # noqa: E402
 from ckptd.integrations.transformers import EMPTY_SHARD_NAME, RESUME_DIR_PREFIX, CkptdCallback  # noqa: E402
 
@@ -25,6 +26,12 @@ WORKER = Path(__file__).with_name("hf_train.py")
 
 
 hf = load_worker(WORKER)
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _run(spec: dict[str, Any], killed: bool = False) -> dict[str, Any]:

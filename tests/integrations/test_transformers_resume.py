@@ -18,11 +18,18 @@ from ckptd.client import CheckpointClient, JobRetention
 
 transformers = pytest.importorskip("transformers")
 
+from ckptd.demo.process import DaemonProcess  # noqa: E402
 from ckptd.integrations import _hf_pointers as pointers  # noqa: E402
 from ckptd.integrations.transformers import CkptdCallback, job_retention  # noqa: E402
 
 WORKER = Path(__file__).with_name("hf_train.py")
 hf = load_worker(WORKER)
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _pointer_steps(output_dir: Path) -> list[int]:

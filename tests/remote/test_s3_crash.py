@@ -3,7 +3,9 @@ tests/integration/test_crash_every_event.py): the daemon kills itself (SIGKILL, 
 abort of the multipart upload in flight) just before its N-th request to the object store
 (ckptd.daemon.faults.objects: CKPTD_FAULT_S3_KILL_AT, counted once CKPTD_FAULT_S3_ARM_FILE exists),
 for every N of the upload of a step: its data file in parts (a kill between two parts), the small
-files, node 0's check that every file is there, the index, and the bucket's retention.
+files, node 0's check that every file is there, the index, and the bucket's retention. The
+default run kills at every other N and at the first and last request of each kind (kill_points);
+`pytest -m long` at every N.
 
 After each kill, and again after each restart:
 - every step visible in the bucket (its index present) is complete: each file it lists is there
@@ -39,8 +41,30 @@ def events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+def kill_points(counted: list[dict], every: int) -> list[int]:
+    """The requests to kill at (1-based): every `every`-th, and always the first and the last of
+    each kind (the first part and the last, the index's put, the list, the retention's delete)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for e in counted:
+        first.setdefault(e["kind"], e["n"])
+        last[e["kind"]] = e["n"]
+    ends = set(first.values()) | set(last.values())
+    return [n for n in range(1, len(counted) + 1) if (n - 1) % every == 0 or n in ends]
+
+
+def test_the_kill_points_are_every_kth_request_and_the_first_and_last_of_each_kind() -> None:
+    kinds = ["get", "put-file", "put-part", "put-part", "put-part", "put-part", "put", "put", "put", "list", "delete", "delete"]
+    counted = [{"n": i + 1, "kind": k} for i, k in enumerate(kinds)]
+    assert kill_points(counted, 3) == [1, 2, 3, 4, 6, 7, 9, 10, 11, 12]
+    assert kill_points(counted, 1) == list(range(1, 13))
+
+
+# The default run kills at every other request and at the first and last of each kind; `pytest -m
+# long` at every request.
 @pytest.mark.slow
-def test_a_daemon_killed_at_every_request_of_an_upload_leaves_complete_steps_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [2, pytest.param(1, marks=pytest.mark.long)])
+def test_a_daemon_killed_at_every_request_of_an_upload_leaves_complete_steps_only(tmp_path: Path, every: int) -> None:
     node = Node(tmp_path / "node")
     try:
         with running_s3_server() as server:
@@ -67,7 +91,7 @@ def test_a_daemon_killed_at_every_request_of_an_upload_leaves_complete_steps_onl
 
             step = 3
             killed, unacknowledged = [], []
-            for n in range(1, len(counted) + 1):
+            for n in kill_points(counted, every):
                 log, arm = tmp_path / f"kill{n}.jsonl", tmp_path / f"arm{n}"
                 node.start(bucket.url, {**env, KILL_AT_ENV: str(n), LOG_ENV: str(log), ARM_FILE_ENV: str(arm)}, *ARGS)
                 settled_check([step - 1, step])  # the previous kill's step was uploaded after the restart
