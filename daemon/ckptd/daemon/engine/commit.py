@@ -23,7 +23,8 @@ from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
-from ckptd.daemon.write.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
+from ckptd.daemon.write.request import PersistRequest
+from ckptd.daemon.write.writer import write_latest_newest, write_node_files, write_step_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

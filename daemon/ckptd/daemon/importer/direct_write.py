@@ -28,7 +28,8 @@ from ckptd.daemon.format.index import LATEST, CheckpointIndex, parse_step_dir_na
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import ROOT_ID_FILE, Storage
-from ckptd.daemon.write.writer import PersistRequest, Progress, persist
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import persist
 
 
 class ImportRefused(ValueError):
