@@ -381,4 +381,5 @@ def _file_plan(layout: FileLayout, tensors: Mapping[str, LogicalTensor], codings
         items.append(FileItem(t, room + entry.begin, snapshot.values(t), coding, twin))
     appended = tuple(AppendedItem(t, snapshot.values(t), codings[(t.name, t.box)]) for t in late)
     record = None if late else FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), layout.node)
-    return FilePlan(layout.name, layout.node, layout.nbytes, header, room, tuple(items), appended, record, file_bytes_bound(layout, tensors))
+    bound = file_bytes_bound(layout, tensors) if late else len(header) + layout.nbytes  # the same, without a second header
+    return FilePlan(layout.name, layout.node, layout.nbytes, header, room, tuple(items), appended, record, bound)
