@@ -38,7 +38,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
+from ckptd.daemon.plan.load_plan import Location, PieceInfo, TierName, plan_pieces, rank_extras
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.daemon.format.index import check_small_file as _check_small_file
@@ -83,12 +83,12 @@ def list_steps(root: str | os.PathLike[str], job: str) -> list[StepInfo]:
     storage = _storage(root)
     check_job_id(job)
     out = []
-    for step in storage.commit_order(job):
+    for step in storage.catalog.commit_order(job):
         try:
-            index = storage.read_index(job, step)
+            index = storage.files.read_index(job, step)
         except (OSError, FormatError):
             continue
-        out.append(StepInfo(job, step, storage.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
+        out.append(StepInfo(job, step, storage.tree.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
     return out
 
 
@@ -106,16 +106,16 @@ def open_step(where: str | os.PathLike[str], job: str | None = None, step: int |
     storage = _storage(where)
     check_job_id(job)
     if step is None:
-        order = storage.commit_order(job)
+        order = storage.catalog.commit_order(job)
         if not order:
             raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {storage.root}")
         step = order[-1]
-    if not storage.is_committed(job, step):
+    if not storage.catalog.is_committed(job, step):
         raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {storage.root} (`ckptd ls {storage.root}` lists them)")
     try:
-        index = storage.read_index(job, step)
+        index = storage.files.read_index(job, step)
     except (OSError, FormatError) as exc:
-        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {storage.step_dir(job, step)}` says more") from None
+        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {storage.tree.step_dir(job, step)}` says more") from None
     return Step(storage, job, step, index)
 
 
@@ -127,7 +127,7 @@ class Step:
         self.job = job
         self.step = step
         self.index = index
-        self.path = storage.step_dir(job, step)
+        self.path = storage.tree.step_dir(job, step)
         self._extras: dict[int, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
@@ -288,10 +288,10 @@ class Step:
         out = {}
         for f in self.index.files:
             if f.name.endswith(".safetensors"):
-                path = self._storage.local_path(self.job, self.step, f.name)
+                path = self._storage.files.local_path(self.job, self.step, f.name)
                 if path is None:
                     raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
-                out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
+                out[f.name] = Location(TierName.ROOT, 0, str(path), False)
         return out
 
     def _small_file(self, name: str) -> bytes | None:
@@ -300,7 +300,7 @@ class Step:
         if record is None:
             return None
         try:
-            data = self._storage.read_small(self.job, self.step, name, max(record.size, 1))
+            data = self._storage.files.read_small(self.job, self.step, name, max(record.size, 1))
             _check_small_file(record, data)
         except (OSError, FormatError) as exc:
             raise CheckpointError(f"{self.path}/{name} cannot be read: {exc}; `ckptd verify {self.path}` says what else is damaged") from None

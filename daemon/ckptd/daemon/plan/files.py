@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import xxhash
 
 from ckptd.common.boxes import Box, coverage_problems
-from ckptd.common.chunks import chunk_bytes_for
+from ckptd.common.chunks import checksum_name, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.daemon.format.index import (
@@ -37,7 +37,6 @@ from ckptd.daemon.format.index import (
     fragment_key,
     hf_index_json,
 )
-from ckptd.daemon.format.units import checksum_name
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"

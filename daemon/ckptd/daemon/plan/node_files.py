@@ -18,6 +18,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
+from ckptd.common.chunks import checksum_name
 from ckptd.common.codecs import codec_for
 from ckptd.daemon.format.index import (
     HEADER_ALIGN,
@@ -30,7 +31,6 @@ from ckptd.daemon.format.index import (
     safetensors_header,
     scales_key,
 )
-from ckptd.daemon.format.units import checksum_name
 from ckptd.daemon.plan.files import Coding, stored_tensors
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan
 

@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.daemon.format.index import FileRecord, FormatError, FragmentRecord
-from ckptd.daemon.format.units import Unit, checksum_digest, checksum_name, first_mismatch, read_ranges
+from ckptd.daemon.format.units import Unit, checksum_digest, first_mismatch, read_ranges
 from ckptd.daemon.plan.files import PlacedTensor
 from ckptd.daemon.plan.node_files import ArenaRun, FileItem, LinkCandidate
 from ckptd.daemon.storage.base import ReadHandle, StorageBackend
@@ -107,7 +107,7 @@ def check_linked(
     previous file's name; it has every data file of that step), with `check_files`. Returns
     {the new step's file name: what is wrong} for each file that does not match, or cannot be
     read."""
-    return check_files(storage.step_reader(job, step).open, {r.name: units[r.previous.name] for r in linked}, threads)
+    return check_files(storage.files.step_reader(job, step).open, {r.name: units[r.previous.name] for r in linked}, threads)
 
 
 def check_files(open_file: Callable[[str], ReadHandle], files: Mapping[str, Sequence[Unit]], threads: int) -> dict[str, str]:

@@ -70,7 +70,7 @@ class ScratchPool:
 
     @contextlib.contextmanager
     def take(self) -> Iterator[Any]:
-        from ckptd.common import quant  # imported by load_torch already: a lookup
+        from ckptd.common import quant  # the torch math (load_torch imported torch already)
 
         with self._ready:
             self._ready.wait_for(lambda: self._free or self._made < self._size)
@@ -87,12 +87,10 @@ class ScratchPool:
 
 
 def load_torch() -> None:
-    """Import torch for coding (quantized codes, bf16 residuals) on the writer's threads, set up
+    """Import torch (only when compressing) for coding (quantized codes, bf16 residuals) on the writer's threads, set up
     for them: one intra-op thread, and the objects torch brings frozen for the garbage collector."""
     first_import = "torch" not in sys.modules
     import torch
-
-    from ckptd.common import quant  # noqa: F401 (torch: imported by the writer thread, only when compressing)
 
     # One intra-op thread: coding runs in parallel over tensors (on the writer threads) instead
     # of inside each op; on a busy machine OpenMP's spinning threads cost several times the work.

@@ -25,15 +25,16 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
-from ckptd.daemon.format.units import Unit, checksum_name, file_units
+from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
+from ckptd.daemon.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
 from ckptd.daemon.plan.node_files import AppendedItem, ArenaRun, FileItem, FilePlan, FileSpace, plan_node_files
-from ckptd.daemon.storage.base import PartWriter, StorageBackend
+from ckptd.daemon.storage.base import PartWriter, RecycledFile, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
+from ckptd.daemon.storage.step_commit import StepCommit
 from ckptd.daemon.write.request import PersistRequest, Progress
 from ckptd.daemon.write.reuse import Reuse, check_linked, unchanged_files
 from ckptd.daemon.write.source import ArenaSource, ScratchPool, flat_bytes, load_torch
@@ -76,11 +77,10 @@ def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, cl
         index, files = step_files(
             req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
         )
-        write_step_files(storage, req.job, req.step, files)
-        storage.write_latest(req.job, req.step)
+        StepCommit(storage.writing, storage.catalog, req.job, req.step).commit(files)
         return index
     except BaseException:
-        storage.remove_step(req.job, req.step)
+        storage.janitor.remove_step(req.job, req.step)
         raise
 
 
@@ -109,9 +109,9 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
         except FormatError as exc:  # its files cannot be checked: none is linked
             log.warning("step %s of job %s writes every file: the files of step %s cannot be checked (%s)", req.step, req.job, req.previous.step, exc)
             reusable = {}
-    recycled = storage.take_recycled(req.job)
-    check_space(storage, req, [f for f in files.space if f.name not in reusable], [size for _, size in recycled])
-    storage.prepare_step(req.job, req.step, fresh=not req.shared_dir)
+    recycled = storage.writing.take_recycled(req.job)
+    check_space(storage, req, [f for f in files.space if f.name not in reusable], [r.size for r in recycled])
+    storage.writing.prepare_step(req.job, req.step, fresh=not req.shared_dir)
     # A linked file found damaged is written after all: bytes check_space did not count (rare;
     # a disk that is full then fails the save as any write does).
     linked, damaged = _link_checked(storage, req, reusable, previous_units)
@@ -121,14 +121,14 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
         progress.link(reuse.candidate.file.snapshot_bytes)
     linked_names = {reuse.name for reuse in linked}
     written, written_placed, coded = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress)
-    storage.sync_step(req.job, req.step)
+    StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
     outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
     fragments = fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
     return NodeManifest(req.node, tuple(records + written), fragments, tuple(r.name for r in linked), tuple(damaged))
 
 
 def _write_files(
-    storage: StorageBackend, req: PersistRequest, files: Sequence[FilePlan], recycled: list[tuple[str, int]], source: ArenaSource,
+    storage: StorageBackend, req: PersistRequest, files: Sequence[FilePlan], recycled: list[RecycledFile], source: ArenaSource,
     progress: Progress,
 ) -> tuple[list[FileRecord], list[PlacedTensor], list[CodedWrite]]:
     """Write `files` over the recycled files (`recycled`: taken from the front), sync and
@@ -150,7 +150,7 @@ def _write_files(
         coded: list[Future[CodedWrite]] = []
         try:
             for file in files:
-                part = storage.open_part(req.job, req.step, file.name, file.room + file.nbytes, recycled.pop(0)[0] if recycled else None)
+                part = storage.writing.open_part(req.job, req.step, file.name, file.room + file.nbytes, recycled.pop(0) if recycled else None)
                 opened.append(part)
                 file_writes: list[Future[Any]] = []
                 for item in file.fixed:
@@ -208,7 +208,7 @@ def _link_checked(
     previous = req.previous
     if previous is None or not reusable:
         return [], []
-    linked = [r for r in reusable.values() if storage.link_file(req.job, previous.step, r.previous.name, req.step, r.name, r.record.size)]
+    linked = [r for r in reusable.values() if storage.writing.link_file(req.job, previous.step, r.previous.name, req.step, r.name, r.record.size)]
     problems = check_linked(storage, req.job, req.step, linked, units, req.write_threads) if linked else {}
     for name, problem in problems.items():
         reuse = reusable[name]
@@ -216,7 +216,7 @@ def _link_checked(
             "step %s of job %s: %s, linked from step %s (%s), does not match the snapshot: %s. Step %s's copy of it is damaged on disk "
             "(check it: `ckptd verify %s`); step %s writes the file again from the snapshot",
             req.step, req.job, name, previous.step, reuse.previous.name, problem, previous.step,
-            storage.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
+            storage.catalog.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
         )
     return [r for r in linked if r.name not in problems], sorted(problems)
 
@@ -237,12 +237,12 @@ def check_space(storage: StorageBackend, req: PersistRequest, files: Sequence[Fi
     recycled files. With several nodes writing at once this is an estimate (the nodes race for
     the recycled files); with a root of its own it is a bound. A file system that reports no
     size is not checked."""
-    measured = storage.free_bytes(req.job)
+    measured = storage.writing.free_bytes(req.job)
     if measured is None:
         log.debug("the storage of job %s reports no size: step %s is written without a free-space check", req.job, req.step)
         return
-    free, where = measured
-    present = storage.allocated_in_step(req.job, req.step) if req.shared_dir else {}
+    free, where = measured.nbytes, measured.where
+    present = storage.writing.allocated_in_step(req.job, req.step) if req.shared_dir else {}
     started = [f for f in files if f.name in present]
     fresh = [f for f in files if f.name not in present]
     fresh.sort(key=lambda f: -f.nbytes)
@@ -296,15 +296,15 @@ def _write_coded(
     """Code one tensor (int4 codes: in zstd frames) and write its codes and scales side by side
     at the end of `file`. Values that cannot be quantized are logged and written as they are
     instead."""
-    from ckptd.common import quant  # imported by load_torch already: a lookup
+    from ckptd.common.blocks import QuantError
 
     t = item.tensor
     with scratch.take() as space:
         problem = ""
         with source.values(item.values) as values:
             try:
-                codes, scale_values = quant.encode(item.coding.codec, values, t.box, space)
-            except quant.QuantError as exc:
+                codes, scale_values = item.coding.codec.encode(values, t.box, space)
+            except QuantError as exc:
                 problem = str(exc)
             del values  # no export of an arena view may outlive the block
         if problem:
@@ -343,25 +343,6 @@ def _write_residual(
         digest = _write_bytes(part, memoryview(flat_bytes(residual)), item.offset, throttle)
     progress.add(item.values.nbytes)
     return digest
-
-
-def write_step_files(storage: StorageBackend, job: str, step: int, files: dict[str, bytes]) -> None:
-    """Write a step's small files (each fsynced), fsync the directory, then the index: the commit.
-
-    `files` comes from step_files(); its ckptd.index.json is written last, atomically."""
-    storage.ensure_step(job, step)
-    for name, data in files.items():
-        if name != INDEX_NAME:
-            storage.write_small(job, step, name, data, atomic=False)
-    storage.sync_step(job, step)
-    storage.write_small(job, step, INDEX_NAME, files[INDEX_NAME])
-
-
-def write_latest_newest(storage: StorageBackend, job: str, step: int) -> None:
-    """Point the job's `latest` at its newest committed step (the most recently committed, by the
-    indexes: normally `step`, the one just recorded; `step` when none is found)."""
-    newest = storage.latest_step(job)
-    storage.write_latest(job, step if newest is None else newest)
 
 
 def _write_tensor(
