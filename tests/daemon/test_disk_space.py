@@ -19,8 +19,8 @@ from ckptd.daemon.write import writer
 from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.daemon.config import GiB, DaemonConfig, load_config
 from ckptd.daemon.errors import Exhausted, NoSpace
-from ckptd.daemon.plan.files import file_bytes_bound
-from ckptd.daemon.write.writer import PersistRequest, Progress, persist, write_node_files
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import persist, write_node_files
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import FreeSpace, Storage, reused_bytes, space_problem
 from ckptd.daemon.storage.posix_writing import PosixWriting
@@ -155,9 +155,9 @@ class _Spy:
         self.real = writer.check_space
         self.bounds: list[int] = []
 
-    def __call__(self, storage: Storage, req: PersistRequest, layouts: Any, tensors: Any, recycled: Any) -> None:
-        self.bounds.append(sum(file_bytes_bound(f, tensors) for f in layouts))
-        self.real(storage, req, layouts, tensors, recycled)
+    def __call__(self, storage: Storage, req: PersistRequest, files: Any, recycled: Any) -> None:
+        self.bounds.append(sum(f.bound for f in files))
+        self.real(storage, req, files, recycled)
 
 
 def _data_bytes(step_dir: Path) -> int:

@@ -25,7 +25,8 @@ from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
 from ckptd.daemon.format.units import file_units
 from ckptd.daemon.tools.verify import verify_files
 from ckptd.daemon.storage.step_commit import StepCommit
-from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import write_node_files
 from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 

@@ -23,7 +23,8 @@ from ckptd.daemon.format.index import INDEX_NAME
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, StorageBackend
 from ckptd.daemon.tools.verify import verify_files
-from ckptd.daemon.write.writer import PersistRequest, Progress, persist
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import persist
 from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 

@@ -25,7 +25,8 @@ from ckptd.daemon.remote.upload import VerifyingBody
 from ckptd.daemon.format import units as units_module
 from ckptd.daemon.storage import Storage
 from ckptd.daemon.format.units import Unit, file_units, read_ranges
-from ckptd.daemon.write.writer import PersistRequest, Progress, persist
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import persist
 from arena_rig import take_arenas  # tests/arena_rig.py
 
 # ------------------------------------------------------------------ locations

@@ -26,7 +26,8 @@ from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, 
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage.step_commit import StepCommit
-from ckptd.daemon.write.writer import PersistRequest, write_node_files
+from ckptd.daemon.write.request import PersistRequest
+from ckptd.daemon.write.writer import write_node_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from ckptd.daemon.errors import InvalidRequest, Precondition
 from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
-from ckptd.daemon.write.writer import Progress
+from ckptd.daemon.write.request import Progress
 
 RECENT_RESULTS = 16  # ended saves a job remembers (WaitDurable of a save that just ended)
 

@@ -570,7 +570,7 @@ def layout_files(
 
     `frozen` (logical name -> "param" | "buffer"; others train) puts a node's frozen tensors
     after its trained ones, each class in files of its own: a file of frozen tensors that did
-    not change is then the same file as at the previous save (writer.reusable_files).
+    not change is then the same file as at the previous save (plan/node_files.link_candidates).
     """
     frozen = frozen or {}
     order = {"": 0, "buffer": 1, "param": 2}

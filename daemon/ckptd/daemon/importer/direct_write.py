@@ -27,7 +27,8 @@ from ckptd.daemon.format.index import LATEST, CheckpointIndex
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, is_storage_root
-from ckptd.daemon.write.writer import PersistRequest, Progress, persist
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.writer import persist
 
 
 class ImportRefused(ValueError):

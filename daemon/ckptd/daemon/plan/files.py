@@ -1,6 +1,6 @@
-"""What a step's files hold, pure: the stored tensors of a plan, the room reserved for a
-header, the bytes a file can take, the index records of what the writer placed, and the small
-files (HF indexes, extra.json, ckptd.index.json) that commit a step. No I/O: write/writer.py executes.
+"""What a step's files hold, pure: the stored tensors of a plan, the index records of what the
+writer placed, and the small files (HF indexes, extra.json, ckptd.index.json) that commit a
+step. One node's data files are planned in plan/node_files.py. No I/O: write/writer.py executes.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
 from ckptd.common.chunks import checksum_name, chunk_bytes_for
 from ckptd.common.frames import Frames
@@ -25,10 +24,8 @@ from ckptd.daemon.format.index import (
     ENVIRONMENT_JSON,
     EXTRA_JSON,
     GROUP_OF_KIND,
-    HEADER_ALIGN,
     INDEX_NAME,
     CheckpointIndex,
-    FileLayout,
     FileRecord,
     FragmentRecord,
     QuantRecord,
@@ -39,8 +36,6 @@ from ckptd.daemon.format.index import (
     file_key,
     fragment_key,
     hf_index_json,
-    safetensors_header,
-    scales_key,
 )
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
@@ -64,7 +59,7 @@ class IncompleteStep(ValueError):
 
 
 @dataclass(frozen=True)
-class Placed:
+class PlacedTensor:
     """A stored tensor as written: its file, absolute offset, xxh3-64 and chunk digests."""
 
     tensor: StoredTensor
@@ -90,61 +85,9 @@ class CodedWrite:
     codes in zstd frames), or its values as they are when they could not be quantized."""
 
     tensor: StoredTensor
-    placed: tuple[Placed, ...]
+    placed: tuple[PlacedTensor, ...]
     frames: Frames | None
     quantized: bool
-
-
-def placed_when_coded(t: StoredTensor, codings: dict[tuple[str, Box], "Coding"]) -> bool:
-    """Whether `t` (codes or scales of a quantized tensor) is placed once coded; scales are
-    written beside their codes (layout_files keeps both in one file)."""
-    coding = codings.get((t.name, t.box))
-    return coding is not None and coding.codec is not None
-
-
-def scales_shapes(layout: FileLayout) -> dict[tuple[str, Box], tuple[int, ...]]:
-    """The shapes of the scales of the file's quantized tensors, by (name, box) of their codes."""
-    return {(t.name, t.box): t.shape for t in layout.tensors if t.role == "scales"}
-
-
-def header_room(
-    fixed: list[StoredTensor], late: list[StoredTensor], tensors: dict[str, LogicalTensor], scales_shapes: dict[tuple[str, Box], tuple[int, ...]]
-) -> int:
-    """Bytes to reserve for the header of a file whose `late` tensors (codes) are placed, with
-    their scales, once coded.
-
-    The header is measured as if every quantized tensor fell back to its values as they are
-    (its logical dtype and shape: more bytes than its codes, so larger offsets, a dtype name at
-    least as long, a shape whose digits outnumber the coded size's) and its scales stayed: the
-    real header is never longer."""
-    bound = [(t.key, t.dtype, t.shape) for t in fixed]
-    for t in late:
-        bound.append((t.key, tensors[t.name].dtype, t.box.lengths))
-        bound.append((scales_key(t.key), "F32", scales_shapes[(t.name, t.box)]))
-    header, _ = safetensors_header(bound)
-    return len(header) + HEADER_ALIGN * 2 * len(late)  # spare room: a compressed size can exceed its codes by a few bytes
-
-
-def file_bytes_bound(layout: FileLayout, tensors: dict[str, LogicalTensor]) -> int:
-    """The most bytes the file of `layout` can take once written, header included.
-
-    Exact for a file of tensors of known size (values, bf16 residuals). A quantized tensor's
-    size is known only once it is coded (int4 codes are zstd-compressed; a tensor that cannot
-    be quantized is stored as its values instead), so each counts as its values as they are
-    (logical dtype over its box) plus its scales, and the header as header_room reserves it.
-    Only floating point values (2 bytes or more each) are quantized, to codes of 1 or 1/2 byte
-    per value; zstd adds under 1% to incompressible int4 codes, and a few bytes of framing that
-    can outgrow the values only for a fragment of a handful of values (the reserve covers that)."""
-    shapes = scales_shapes(layout)
-    if not shapes:
-        header, _ = safetensors_header((t.key, t.dtype, t.shape) for t in layout.tensors)
-        return len(header) + layout.nbytes
-    coded = [t for t in layout.tensors if (t.name, t.box) in shapes]
-    fixed = [t for t in layout.tensors if (t.name, t.box) not in shapes]
-    late = [t for t in coded if t.role == "data"]
-    values = sum(dtypes.nbytes(tensors[t.name].dtype, t.box.lengths) for t in late)
-    scales = sum(t.nbytes for t in coded if t.role == "scales")
-    return header_room(fixed, late, tensors, shapes) + sum(t.nbytes for t in fixed) + values + scales
 
 
 def whole_parts(plan: SavePlan) -> list[StoredPart]:
@@ -172,19 +115,19 @@ def stored_tensors(plan: SavePlan) -> list[StoredTensor]:
 
 
 def fragment_records(
-    placed: list[Placed], codings: dict[tuple[str, Box], Coding], outcomes: dict[tuple[str, Box], CodedWrite],
-    cast: dict[str, StoredTensor],
+    placed: Sequence[PlacedTensor], codings: Mapping[tuple[str, Box], Coding], outcomes: Mapping[tuple[str, Box], CodedWrite],
+    cast: Mapping[str, StoredTensor],
 ) -> tuple[tuple[str, FragmentRecord], ...]:
     """The index records of what was written: codes with their scales and frames (and residuals
     with the model weight they add to) in QuantRecords; dropped master weights as the model
     weight's bytes."""
     where = {(p.tensor.name, p.tensor.box, p.tensor.role): p for p in placed}
 
-    def side(p: Placed) -> SideRecord:
+    def side(p: PlacedTensor) -> SideRecord:
         t = p.tensor
         return SideRecord(p.file, t.key, t.dtype, t.shape, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks)
 
-    def fragment(p: Placed, quant: QuantRecord | None) -> FragmentRecord:
+    def fragment(p: PlacedTensor, quant: QuantRecord | None) -> FragmentRecord:
         t = p.tensor
         return FragmentRecord(p.file, t.key, t.box, t.dtype, p.offset, t.nbytes, checksum_name(p.digest), chunk_bytes_for(t.nbytes), p.chunks, quant)
 

@@ -1,10 +1,12 @@
-"""The writer: executes a save's write plan against a StorageBackend. Threads, ordering,
-hashing, progress; every byte goes through the backend (storage/base.py), never to a path.
+"""The writer: executes a node's write plan (plan/node_files.NodeFilePlan) against a
+StorageBackend. Threads, ordering, hashing, progress; every byte goes through the backend
+(storage/base.py), never to a path.
 
 Runs in worker threads (never on the event loop). Data goes from the shared-memory arenas to
 the backend's parts with positional writes of zero-copy views, several tensors in parallel;
 each stored tensor's xxh3 checksum is computed from the same views while it is written. What
-the files hold (layouts, header room, records, the small files) is plan/files.py, pure.
+the files hold (layouts, headers, offsets, arena runs, codings) is plan/node_files.py; the
+index records and the small files plan/files.py; both pure.
 
 Commit order (a crash anywhere before the index is published leaves no visible step): data
 parts (temporary, synced, published) → sync_step → HF indexes, extra.json → sync_step →
@@ -19,7 +21,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import xxhash
@@ -27,53 +28,20 @@ import xxhash
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format.index import CheckpointIndex, FileLayout, FileRecord, FormatError, StoredTensor, layout_files, safetensors_header, scales_key
+from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
 from ckptd.daemon.format.units import Unit, file_units
-from ckptd.daemon.handoff.arena import ArenaSet
-from ckptd.daemon.plan.files import (
-    CodedWrite,
-    Coding,
-    NodeManifest,
-    Placed,
-    file_bytes_bound,
-    fragment_records,
-    header_room,
-    placed_when_coded,
-    scales_shapes,
-    step_files,
-    stored_tensors,
-)
-from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan
-from ckptd.daemon.storage.base import PartWriter, StorageBackend
+from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
+from ckptd.daemon.plan.node_files import AppendedItem, ArenaRun, FileItem, FilePlan, FileSpace, plan_node_files
+from ckptd.daemon.storage.base import PartWriter, RecycledFile, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
 from ckptd.daemon.storage.step_commit import StepCommit
-from ckptd.daemon.write.reuse import Reuse, check_linked, frozen_names, reusable_files
-from ckptd.daemon.write.source import Piece, ScratchPool, Source, compress, flat_bytes
+from ckptd.daemon.write.request import PersistRequest, Progress
+from ckptd.daemon.write.reuse import Reuse, check_linked, unchanged_files
+from ckptd.daemon.write.source import ArenaSource, ScratchPool, flat_bytes, load_torch
 
 log = logging.getLogger(__name__)
 
 WRITE_CHUNK = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class PersistRequest:
-    job: str
-    step: int
-    plan: SavePlan
-    arenas: ArenaSet
-    extras: dict[int, Any]  # rank -> JSON tree
-    model_files: dict[str, bytes]  # small files for model tools (config.json), validated names
-    metric: float | None
-    max_file_bytes: int
-    write_threads: int
-    throttle_bytes_per_s: float = 0.0  # 0: as fast as the disk goes (a slow disk, for tests and drills)
-    node: int = 0  # this daemon's node: it writes the plan's parts of this node
-    shared_dir: bool = False  # other nodes write into the same step directory
-    quantize: str | None = None  # "O1" | "O2": quantize the optimizer moments (ckptd.common.quant)
-    master_weights: str = "keep"  # "keep" | "drop" | "residual"
-    quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
-    disk_reserve: int = 0  # bytes to leave free on the root's file system (check_space); 0: the files only have to fit
-    previous: CheckpointIndex | None = None  # the job's newest committed step: its unchanged files of frozen tensors are linked (write/reuse.py)
 
 
 class Throttle:
@@ -94,36 +62,6 @@ class Throttle:
             self._next = max(self._next, now) + nbytes / self.bytes_per_s
             delay = self._next - now
         time.sleep(delay)
-
-
-class Progress:
-    """A save's bytes (of stored tensors) written so far, and those linked from the previous step
-    instead (incremental saves: read back and checked, not written); read by WaitDurable and
-    Status from another thread. `total`: all of the save's bytes, written or linked."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self._written = 0
-        self._linked = 0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        """`nbytes` more were written."""
-        with self._lock:
-            self._written += nbytes
-
-    def link(self, nbytes: int) -> None:
-        """`nbytes` more were linked from the previous step (and checked) instead of written."""
-        with self._lock:
-            self._linked += nbytes
-
-    @property
-    def written(self) -> int:
-        return self._written
-
-    @property
-    def linked(self) -> int:
-        return self._linked
 
 
 def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, clock: Callable[[], float] = time.time) -> CheckpointIndex:
@@ -149,109 +87,104 @@ def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, cl
 def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Progress) -> NodeManifest:
     """Write the data files that the plan gives to node `req.node`: temp names, fsync, rename.
 
-    The step is not committed by this (no index). With `req.shared_dir` other nodes write into
-    the same step directory at the same time, so it is not emptied first.
-    Raises NoSpace when the files would not fit (check_space), before the step directory or any
-    file of it is created.
+    Plans them first (plan/node_files.py, pure), links the unchanged ones from `req.previous`
+    (write/reuse.py), then executes the plan. The step is not committed by this (no index).
+    With `req.shared_dir` other nodes write into the same step directory at the same time, so
+    it is not emptied first. Raises NoSpace when the files would not fit (check_space), before
+    the step directory or any file of it is created.
     """
-    plan = req.plan
-    slots_by_name: dict[str, list[FragmentSlot]] = {}
-    for slot in plan.slots:
-        slots_by_name.setdefault(slot.name, []).append(slot)
-    slot_of = {(s.name, s.box): s for s in plan.slots}
-    tensors = {t.name: t for t in plan.tensors}
-    kinds = {t.name: t.kind for t in plan.tensors}
-    stored = stored_tensors(plan)
-    files: list[FileRecord] = []
-    placed: list[Placed] = []
-    throttle = Throttle(req.throttle_bytes_per_s)
-    source = Source(req.arenas, tensors, slots_by_name, slot_of)
-    stored, codings, cast = compress(source, stored, kinds, req, progress)
-    # Largest files first: they take the largest recycled files.
-    frozen = frozen_names(plan.tensors)
-    every_node = layout_files(stored, kinds, req.max_file_bytes, frozen)
-    layouts = [f for f in every_node if f.node == req.node]
-    layouts.sort(key=lambda f: -f.nbytes)
-    previous = req.previous if frozen else None
-    reusable: dict[str, Reuse] = {}
+    files = plan_node_files(
+        req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+        shared_dir=req.shared_dir, previous=req.previous,
+    )
+    if req.quantize is not None or req.master_weights != "keep":
+        load_torch()
+    progress.add(files.dropped_bytes)  # dropped master weights: nothing to write
+    source = ArenaSource(req.arenas)
+    reusable = unchanged_files(files.candidates, source, req.write_threads)
     previous_units: dict[str, tuple[Unit, ...]] = {}
-    if previous is not None:
-        uncoded = [f for f in layouts if not any((t.name, t.box) in codings for t in f.tensors)]
-        reusable = reusable_files(uncoded, frozen, previous, source, req.node, req.shared_dir, req.write_threads)
-        if reusable:
-            try:
-                previous_units = file_units(previous)
-            except FormatError as exc:  # its files cannot be checked: none is linked
-                log.warning("step %s of job %s writes every file: the files of step %s cannot be checked (%s)", req.step, req.job, previous.step, exc)
-                reusable = {}
+    if reusable and req.previous is not None:
+        try:
+            previous_units = file_units(req.previous)
+        except FormatError as exc:  # its files cannot be checked: none is linked
+            log.warning("step %s of job %s writes every file: the files of step %s cannot be checked (%s)", req.step, req.job, req.previous.step, exc)
+            reusable = {}
     recycled = storage.writing.take_recycled(req.job)
-    check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [r.size for r in recycled])
+    check_space(storage, req, [f for f in files.space if f.name not in reusable], [r.size for r in recycled])
     storage.writing.prepare_step(req.job, req.step, fresh=not req.shared_dir)
     # A linked file found damaged is written after all: bytes check_space did not count (rare;
     # a disk that is full then fails the save as any write does).
     linked, damaged = _link_checked(storage, req, reusable, previous_units)
+    records = [reuse.record for reuse in linked]
+    placed = [p for reuse in linked for p in reuse.placed]
     for reuse in linked:
-        files.append(reuse.record)
-        placed += reuse.placed
-        progress.link(sum(source.nbytes(t) for t in reuse.layout.tensors))
-    linked_names = {reuse.layout.name for reuse in linked}
-    layouts = [f for f in layouts if f.name not in linked_names]
+        progress.link(reuse.candidate.file.snapshot_bytes)
+    linked_names = {reuse.name for reuse in linked}
+    written, written_placed, coded = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress)
+    StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
+    outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
+    fragments = fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
+    return NodeManifest(req.node, tuple(records + written), fragments, tuple(r.name for r in linked), tuple(damaged))
+
+
+def _write_files(
+    storage: StorageBackend, req: PersistRequest, files: Sequence[FilePlan], recycled: list[RecycledFile], source: ArenaSource,
+    progress: Progress,
+) -> tuple[list[FileRecord], list[PlacedTensor], list[CodedWrite]]:
+    """Write `files` over the recycled files (`recycled`: taken from the front), sync and
+    publish each. Returns their records, the places of their tensors and the coding jobs'
+    outcomes."""
+    throttle = Throttle(req.throttle_bytes_per_s)
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
+    records: list[FileRecord] = []
     opened: list[PartWriter] = []
     with ThreadPoolExecutor(max(1, req.write_threads), thread_name_prefix="ckptd-write") as pool:
-        # Which tensors go into which file follows from the shapes (all nodes number the same
-        # files). Tensors of known size are written at fixed offsets; quantized codes are coded
-        # and written by one writer job each, placed after the file's fixed tensors in the
-        # order they finish (their size depends on the values), and such a file's header is
-        # written last, into room reserved for it.
-        writes: list[tuple[StoredTensor, str, int, Future[tuple[int, str]]]] = []
+        # Tensors of known size are written at fixed offsets; quantized codes are coded and
+        # written by one writer job each, placed after the file's fixed tensors in the order
+        # they finish (their size depends on the values), and such a file's header is written
+        # last, into room reserved for it.
+        writes: list[tuple[FileItem, str, Future[tuple[int, str]]]] = []
         jobs: list[tuple[int, Callable[[], CodedWrite], list[Future[CodedWrite]]]] = []  # (bytes to code, job, its file's jobs)
-        plain: list[tuple[int, list[Future[Any]]]] = []  # files without coded tensors, and their writes
-        finishes: list[tuple[_AppendedFile, list[StoredTensor], int, list[Future[Any]], list[Future[CodedWrite]]]] = []
+        plain: list[tuple[PartWriter, list[Future[Any]]]] = []  # files without coded tensors, and their writes
+        finishes: list[tuple[_AppendedFile, FilePlan, list[Future[Any]], list[Future[CodedWrite]]]] = []
         coded: list[Future[CodedWrite]] = []
         try:
-            for layout in layouts:
-                fixed = [t for t in layout.tensors if not placed_when_coded(t, codings)]
-                late = [t for t in layout.tensors if placed_when_coded(t, codings) and t.role == "data"]
-                header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in fixed)
-                header_size = header_room(fixed, late, tensors, scales_shapes(layout)) if late else len(header)
-                part = storage.writing.open_part(req.job, req.step, layout.name, header_size + layout.nbytes, recycled.pop(0) if recycled else None)
+            for file in files:
+                part = storage.writing.open_part(req.job, req.step, file.name, file.room + file.nbytes, recycled.pop(0) if recycled else None)
                 opened.append(part)
-                file_writes = []
-                for tensor, entry in zip(fixed, entries):
-                    offset = header_size + entry.begin
-                    coding = codings.get((tensor.name, tensor.box))
-                    if coding is not None:  # a residual: its size is known
-                        write = functools.partial(_write_residual, part, offset, tensor, coding, source, progress, throttle, scratch)
+                file_writes: list[Future[Any]] = []
+                for item in file.fixed:
+                    if item.coding is not None:  # a residual: its size is known
+                        write = functools.partial(_write_residual, part, item, source, progress, throttle, scratch)
                     else:
-                        write = functools.partial(_write_tensor, part, req.arenas, source.pieces(tensor, offset), progress, throttle)
-                    writes.append((tensor, layout.name, offset, pool.submit(write)))
-                    file_writes.append(writes[-1][3])
-                if not late:
-                    part.pwrite(0, memoryview(header))
-                    files.append(FileRecord(layout.name, len(header) + layout.nbytes, checksum_name(xxhash.xxh3_64_intdigest(header)), req.node))
+                        write = functools.partial(_write_tensor, part, source, item.values.runs, item.offset, progress, throttle)
+                    writes.append((item, file.name, pool.submit(write)))
+                    file_writes.append(writes[-1][2])
+                if file.record is not None:  # nothing appended: the header is known
+                    part.pwrite(0, memoryview(file.header))
+                    records.append(file.record)
                     plain.append((part, file_writes))
                     continue
-                file = _AppendedFile(part, header_size + sum(t.nbytes for t in fixed))
+                appended = _AppendedFile(part, file.appended_from)
                 file_jobs: list[Future[CodedWrite]] = []
-                for t in late:
-                    job = functools.partial(_write_coded, file, t, codings[(t.name, t.box)], source, progress, throttle, scratch, req.step)
-                    jobs.append((t.box.numel, job, file_jobs))
-                finishes.append((file, fixed, header_size, file_writes, file_jobs))
+                for late in file.appended:
+                    job = functools.partial(_write_coded, appended, late, source, progress, throttle, scratch, req.step)
+                    jobs.append((late.tensor.box.numel, job, file_jobs))
+                finishes.append((appended, file, file_writes, file_jobs))
             # Coding jobs after the fixed writes (those start the disk early), largest first (the
             # threads finish together instead of one coding the last big tensor alone); then each
             # file's fsync or finish, queued after every job it waits for (a pool job waits only
             # for jobs queued before it, so none deadlocks).
             jobs.sort(key=lambda job: -job[0])
-            for _, job, file_jobs in jobs:
-                file_jobs.append(pool.submit(job))
+            for _, coding_job, file_jobs in jobs:
+                file_jobs.append(pool.submit(coding_job))
                 coded.append(file_jobs[-1])
             syncs = [pool.submit(_sync_when_written, part, file_writes) for part, file_writes in plain]
             finished = [pool.submit(_finish_file, *finish, req.node) for finish in finishes]
-            placed += [Placed(t, name, offset, *digest.result()) for t, name, offset, digest in writes]
+            placed = [PlacedTensor(item.tensor, name, item.offset, *digest.result()) for item, name, digest in writes]
             for finish in finished:
                 record, late_placed = finish.result()
-                files.append(record)
+                records.append(record)
                 placed += late_placed
             for sync in syncs:
                 sync.result()
@@ -262,9 +195,7 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
                 part.close()
     for part in opened:
         part.publish()
-    StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
-    outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
-    return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(r.layout.name for r in linked), tuple(damaged))
+    return records, placed, [job.result() for job in coded]
 
 
 def _link_checked(
@@ -277,48 +208,46 @@ def _link_checked(
     previous = req.previous
     if previous is None or not reusable:
         return [], []
-    linked = [r for r in reusable.values() if storage.writing.link_file(req.job, previous.step, r.source.name, req.step, r.layout.name, r.record.size)]
+    linked = [r for r in reusable.values() if storage.writing.link_file(req.job, previous.step, r.previous.name, req.step, r.name, r.record.size)]
     problems = check_linked(storage, req.job, req.step, linked, units, req.write_threads) if linked else {}
     for name, problem in problems.items():
         reuse = reusable[name]
         log.warning(
             "step %s of job %s: %s, linked from step %s (%s), does not match the snapshot: %s. Step %s's copy of it is damaged on disk "
             "(check it: `ckptd verify %s`); step %s writes the file again from the snapshot",
-            req.step, req.job, name, previous.step, reuse.source.name, problem, previous.step,
+            req.step, req.job, name, previous.step, reuse.previous.name, problem, previous.step,
             storage.catalog.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
         )
-    return [r for r in linked if r.layout.name not in problems], sorted(problems)
+    return [r for r in linked if r.name not in problems], sorted(problems)
 
 
-def check_space(
-    storage: StorageBackend, req: PersistRequest, layouts: Sequence[FileLayout], tensors: dict[str, LogicalTensor], recycled: Sequence[int]
-) -> None:
-    """Raise NoSpace unless the data files of `layouts` fit on the storage root's file system
-    with `req.disk_reserve` bytes to spare; called before anything of the step is created.
+def check_space(storage: StorageBackend, req: PersistRequest, files: Sequence[FileSpace], recycled: Sequence[int]) -> None:
+    """Raise NoSpace unless the data files `files` fit on the storage root's file system with
+    `req.disk_reserve` bytes to spare; called before anything of the step is created.
 
-    Needed = the files' bytes (file_bytes_bound: an upper bound for quantized tensors) - the
+    Needed = the files' bytes (FileSpace.bound: an upper bound for quantized tensors) - the
     bytes that overwrite recycled files in place (`recycled`: the bin's sizes, largest first,
-    given to the files in the order of `layouts`, largest first, as write_node_files does) +
-    the reserve, against statvfs's free bytes. The step's small files (indexes, extra.json,
-    model config files) are left to the reserve.
+    given to the files largest first, as write_node_files does) + the reserve, against
+    statvfs's free bytes. The step's small files (indexes, extra.json, model config files) are
+    left to the reserve.
 
-    `layouts` are this node's files; in a root shared by several nodes (req.shared_dir) every
-    node's files, since they all take the same free space at once: files some node has already
-    started then count only for what they still lack (Storage.allocated_in_step), and the rest
-    take the recycled files. With several nodes writing at once this is an estimate (the nodes
-    race for the recycled files); with a root of its own it is a bound. A file system that
-    reports no size is not checked."""
+    `files` are this node's; in a root shared by several nodes (req.shared_dir) every node's,
+    since they all take the same free space at once: files some node has already started then
+    count only for what they still lack (Storage.allocated_in_step), and the rest take the
+    recycled files. With several nodes writing at once this is an estimate (the nodes race for
+    the recycled files); with a root of its own it is a bound. A file system that reports no
+    size is not checked."""
     measured = storage.writing.free_bytes(req.job)
     if measured is None:
         log.debug("the storage of job %s reports no size: step %s is written without a free-space check", req.job, req.step)
         return
     free, where = measured.nbytes, measured.where
     present = storage.writing.allocated_in_step(req.job, req.step) if req.shared_dir else {}
-    started = [f for f in layouts if f.name in present]
-    fresh = [f for f in layouts if f.name not in present]
+    started = [f for f in files if f.name in present]
+    fresh = [f for f in files if f.name not in present]
     fresh.sort(key=lambda f: -f.nbytes)
-    sizes = [file_bytes_bound(f, tensors) for f in fresh]
-    write_bytes = sum(sizes) + sum(max(0, file_bytes_bound(f, tensors) - present[f.name]) for f in started)
+    sizes = [f.bound for f in fresh]
+    write_bytes = sum(sizes) + sum(max(0, f.bound - present[f.name]) for f in started)
     problem = space_problem(write_bytes, reused_bytes(sizes, recycled), req.disk_reserve, free, where)
     if problem is not None:
         raise NoSpace(f"step {req.step} of job {req.job!r} refused: {problem}")
@@ -348,89 +277,89 @@ def _sync_when_written(part: PartWriter, writes: list[Future[Any]], size: int | 
 
 
 def _finish_file(
-    file: _AppendedFile, fixed: list[StoredTensor], header_size: int, fixed_writes: list[Future[Any]],
-    coded: list[Future["CodedWrite"]], node: int,
-) -> tuple[FileRecord, list[Placed]]:
-    """Once the file's coding jobs are done, write its header (padded to `header_size`), cut
-    the file after the last coded tensor and fsync it once `fixed_writes` are done too.
-    Returns its record and the coded tensors' places."""
+    file: _AppendedFile, plan: FilePlan, fixed_writes: list[Future[Any]], coded: list[Future[CodedWrite]], node: int,
+) -> tuple[FileRecord, list[PlacedTensor]]:
+    """Once the file's coding jobs are done, write its header (padded to `plan.room`), cut the
+    file after the last coded tensor and fsync it once `fixed_writes` are done too. Returns its
+    record and the coded tensors' places."""
     placed = sorted((p for job in coded for p in job.result().placed), key=lambda p: p.offset)
-    header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in fixed] + [(p.tensor.key, p.tensor.dtype, p.tensor.shape) for p in placed], size=header_size)
+    stored = [item.tensor for item in plan.fixed] + [p.tensor for p in placed]
+    header, _ = safetensors_header([(t.key, t.dtype, t.shape) for t in stored], size=plan.room)
     file.part.pwrite(0, memoryview(header))
     _sync_when_written(file.part, fixed_writes, file.end)
     return FileRecord(file.name, file.end, checksum_name(xxhash.xxh3_64_intdigest(header)), node), placed
 
 
 def _write_coded(
-    file: _AppendedFile, t: StoredTensor, coding: Coding, source: Source, progress: Progress, throttle: Throttle,
-    scratch: ScratchPool, step: int,
+    file: _AppendedFile, item: AppendedItem, source: ArenaSource, progress: Progress, throttle: Throttle, scratch: ScratchPool, step: int,
 ) -> CodedWrite:
     """Code one tensor (int4 codes: in zstd frames) and write its codes and scales side by side
     at the end of `file`. Values that cannot be quantized are logged and written as they are
     instead."""
     from ckptd.common.blocks import QuantError
 
+    t = item.tensor
     with scratch.take() as space:
         problem = ""
-        with source.values(t) as values:
+        with source.values(item.values) as values:
             try:
-                codes, scale_values = coding.codec.encode(values, t.box, space)
+                codes, scale_values = item.coding.codec.encode(values, t.box, space)
             except QuantError as exc:
                 problem = str(exc)
             del values  # no export of an arena view may outlive the block
         if problem:
             log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
-            raw = StoredTensor(t.name, t.key, source.tensors[t.name].dtype, t.box.lengths, t.box, t.node)
+            raw = StoredTensor(t.name, t.key, item.values.dtype, t.box.lengths, t.box, t.node)
             offset = file.take(raw.nbytes)
-            digest, chunks = _write_tensor(file.part, source.arenas, source.pieces(raw, offset), progress, throttle)
-            return CodedWrite(t, (Placed(raw, file.name, offset, digest, chunks),), None, False)  # progress counted as written
+            digest, chunks = _write_tensor(file.part, source, item.values.runs, offset, progress, throttle)
+            return CodedWrite(t, (PlacedTensor(raw, file.name, offset, digest, chunks),), None, False)  # progress counted as written
         data, frames = flat_bytes(codes), None
-        if coding.codec.framed:
+        if item.coding.codec.framed:
             data, frames = compress_frames(data, len(data) // codes.shape[0])
         stored = t if frames is None else StoredTensor(t.name, t.key, "U8", (len(data),), t.box, t.node)
         scale_bytes = flat_bytes(scale_values)
         scales = StoredTensor(t.name, scales_key(t.key), "F32", tuple(scale_values.shape), t.box, t.node, role="scales")
         offset = file.take(len(data) + len(scale_bytes))
         placed = (
-            Placed(stored, file.name, offset, *_write_bytes(file.part, memoryview(data), offset, throttle)),
-            Placed(scales, file.name, offset + len(data), *_write_bytes(file.part, memoryview(scale_bytes), offset + len(data), throttle)),
+            PlacedTensor(stored, file.name, offset, *_write_bytes(file.part, memoryview(data), offset, throttle)),
+            PlacedTensor(scales, file.name, offset + len(data), *_write_bytes(file.part, memoryview(scale_bytes), offset + len(data), throttle)),
         )
-    progress.add(source.nbytes(t))
+    progress.add(item.values.nbytes)
     return CodedWrite(t, placed, frames, True)
 
 
 def _write_residual(
-    part: PartWriter, offset: int, t: StoredTensor, coding: Coding, source: Source, progress: Progress, throttle: Throttle, scratch: ScratchPool
+    part: PartWriter, item: FileItem, source: ArenaSource, progress: Progress, throttle: Throttle, scratch: ScratchPool
 ) -> tuple[int, str]:
-    """Write the bf16 residual of master weight `t` to its model weight at `offset`; returns
-    its xxh3-64 and chunk digests."""
+    """Write the bf16 residual of master weight `item` to its model weight (`item.twin`) at
+    `item.offset`; returns its xxh3-64 and chunk digests."""
     from ckptd.common import quant
 
-    assert coding.model is not None
+    assert item.twin is not None
     with scratch.take() as space:
-        with source.values(t) as master, source.values(coding.model) as weights:
+        with source.values(item.values) as master, source.values(item.twin) as weights:
             residual = quant.residual_encode(master, weights, space)
             del master, weights  # no export of an arena view may outlive the block
-        digest = _write_bytes(part, memoryview(flat_bytes(residual)), offset, throttle)
-    progress.add(source.nbytes(t))
+        digest = _write_bytes(part, memoryview(flat_bytes(residual)), item.offset, throttle)
+    progress.add(item.values.nbytes)
     return digest
 
 
-def _write_tensor(part: PartWriter, arenas: ArenaSet, pieces: list[Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
-    """Write one tensor's runs (in file order, contiguous); return the xxh3-64 of its bytes and
-    the digests of its chunks (ckptd.common.chunks)."""
+def _write_tensor(
+    part: PartWriter, source: ArenaSource, runs: Sequence[ArenaRun], offset: int, progress: Progress, throttle: Throttle
+) -> tuple[int, str]:
+    """Write one tensor's arena runs (in order, contiguous) from byte `offset` of the file;
+    return the xxh3-64 of its bytes and the digests of its chunks (ckptd.common.chunks)."""
     hasher = xxhash.xxh3_64()
-    chunks = ChunkHasher(chunk_bytes_for(sum(p.nbytes for p in pieces)))
-    for piece in pieces:
-        arena = arenas.arenas[piece.rank]
-        assert arena is not None, "plan gave a fragment to a rank without an arena"
+    chunks = ChunkHasher(chunk_bytes_for(sum(r.nbytes for r in runs)))
+    for run in runs:
         done = 0
-        while done < piece.nbytes:
-            n = min(throttle.chunk, piece.nbytes - done)
+        while done < run.nbytes:
+            n = min(throttle.chunk, run.nbytes - done)
             throttle.wait(n)
-            view = arena.view(piece.src + done, n)
+            view = source.view(run, done, n)
             try:
-                _write_hashed(part, view, piece.dst + done, hasher, chunks)
+                _write_hashed(part, view, offset + run.dst + done, hasher, chunks)
             finally:
                 view.release()
             done += n
