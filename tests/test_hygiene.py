@@ -326,13 +326,10 @@ def test_every_import_points_down_the_layers() -> None:
     assert sorted(UPWARD_TODO - upward) == [], "UPWARD_TODO entries that are fixed: remove them"
 
 
-CIRCLES_TODO = 0  # none left: keep it so
-
-
 def test_no_import_circles_counting_type_checking() -> None:
     metrics, graph = _graph()
     found = metrics.circles(graph.edges(with_type_only=True))
-    assert len(found) <= CIRCLES_TODO, found
+    assert found == [], "import circles (each a set of modules that import each other): point the imports one way"
 
 
 def test_no_module_imports_another_packages_private_module() -> None:
