@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError, step_dir_name
+from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError, step_dir_name
 
 
 class MemoryPart:

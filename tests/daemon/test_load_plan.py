@@ -12,7 +12,7 @@ from ckptd.daemon.plan.load_plan import (
     plan_pieces, rank_extras,
 )
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
+from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
 from ckptd.daemon.plan.save_plan import TensorSpec
 
 F1, F2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"

@@ -10,7 +10,7 @@ from ckptd.common.frames import Frames
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
-from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
+from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot

@@ -17,7 +17,7 @@ from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
 from ckptd.common import frames, quant
 from ckptd.common.boxes import Box
-from ckptd.daemon.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
 
 
 class Mlp(nn.Module):

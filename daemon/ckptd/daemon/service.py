@@ -35,7 +35,7 @@ from ckptd.daemon.engine.loads import Loads
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
 from ckptd.daemon.handoff.transports import StagedHandOver

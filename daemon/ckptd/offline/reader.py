@@ -40,8 +40,8 @@ from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
 from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
-from ckptd.daemon.format.index import check_small_file as _check_small_file
+from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
+from ckptd.format.index import check_small_file as _check_small_file
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.storage import Storage
 

@@ -20,7 +20,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.errors import CkptdError, NoSpace
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.write.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files

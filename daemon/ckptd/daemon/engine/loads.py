@@ -19,8 +19,8 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
-from ckptd.daemon.format.index import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
-from ckptd.daemon.format.units import Unit, file_units
+from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FormatError, parse_extra_json
+from ckptd.format.units import Unit, file_units
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.load_plan import (
     LoadPlan,

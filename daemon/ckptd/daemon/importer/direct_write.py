@@ -24,7 +24,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.format.index import LATEST, CheckpointIndex, parse_step_dir_name
+from ckptd.format.index import LATEST, CheckpointIndex, parse_step_dir_name
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import ROOT_ID_FILE, Storage

@@ -20,7 +20,7 @@ from ckptd.common.boxes import Box, coverage_problems
 from ckptd.common.chunks import chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     ADAPTER_WEIGHTS,
     ENVIRONMENT_JSON,
     EXTRA_JSON,
@@ -42,7 +42,7 @@ from ckptd.daemon.format.index import (
     safetensors_header,
     scales_key,
 )
-from ckptd.daemon.format.units import checksum_name
+from ckptd.format.units import checksum_name
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"

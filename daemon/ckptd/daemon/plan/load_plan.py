@@ -30,7 +30,7 @@ from ckptd.common.frames import Frames
 from ckptd.common.names import per_rank_name, shared_name
 from ckptd.common.quant_options import CAST
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, TensorRecord
+from ckptd.format.index import CheckpointIndex, FileRecord, TensorRecord
 from ckptd.daemon.handoff.arena import ArenaSet, SetState
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
 

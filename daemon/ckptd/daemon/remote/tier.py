@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from ckptd.daemon.errors import Unavailable
 from ckptd.daemon.faults import objects as faults
-from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import CheckpointIndex, FormatError
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import RemoteStatus
 from ckptd.daemon.remote.catalog import BucketCatalog

@@ -16,8 +16,8 @@ from ckptd.common.names import check_run_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
 from ckptd.daemon.errors import Aborted, InvalidRequest
-from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord
-from ckptd.daemon.format.units import Unit
+from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
+from ckptd.format.units import Unit
 from ckptd.daemon.handoff.gpu_ipc import StagedRange
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.files import NodeManifest
@@ -30,7 +30,7 @@ from ckptd.wire.v1 import peer_pb2 as ppb
 
 if TYPE_CHECKING:
     from ckptd.daemon.engine.sessions import SaveSession
-    from ckptd.daemon.format.index import CheckpointIndex
+    from ckptd.format.index import CheckpointIndex
     from ckptd.daemon.plan.load_plan import LoadPlan, PieceInfo
 
 # ------------------------------------------------------------------ Checkpoint service

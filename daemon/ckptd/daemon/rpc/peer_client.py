@@ -21,7 +21,7 @@ from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs
 from ckptd.daemon.errors import Unavailable
-from ckptd.daemon.format.index import step_dir_name
+from ckptd.format.index import step_dir_name
 from ckptd.daemon.plan.compression import NO_OPTIONS, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy

@@ -14,8 +14,8 @@ from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, che
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
-from ckptd.daemon.format.index import MODEL_FILES, FileRecord
-from ckptd.daemon.format.units import Unit, tiling_problem
+from ckptd.format.index import MODEL_FILES, FileRecord
+from ckptd.format.units import Unit, tiling_problem
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.plan.save_plan import TensorSpec, spec_digest
 from ckptd.wire.v1 import checkpoint_pb2 as pb

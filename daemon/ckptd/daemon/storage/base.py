@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 
 
 class PartWriter(Protocol):

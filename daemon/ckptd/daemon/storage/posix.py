@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
+from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, PREPARED_NAME, CheckpointIndex, FormatError, parse_step_dir_name, step_dir_name
 from ckptd.daemon.storage import posix_clean
 from ckptd.daemon.storage.fs import (
     DELETING_PREFIX,

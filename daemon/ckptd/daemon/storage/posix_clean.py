@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptd.daemon.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
+from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
 from ckptd.daemon.storage.fs import (
     DELETING_PREFIX,
     TMP_MARK,

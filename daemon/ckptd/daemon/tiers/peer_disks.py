@@ -15,7 +15,7 @@ import logging
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.errors import CkptdError, NotFound, Precondition, Unavailable
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
 from ckptd.daemon.records import PeerInventory
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     INDEX_NAME,
     MODEL_FILES,
     CheckpointIndex,
@@ -36,7 +36,7 @@ from ckptd.daemon.format.index import (
     layout_files,
     safetensors_header,
 )
-from ckptd.daemon.format.units import checksum_name
+from ckptd.format.units import checksum_name
 from ckptd.daemon.storage import StepReader, fsync_dir, step_at
 
 

@@ -21,7 +21,7 @@ import grpc
 
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.plan.rollback import rollbacks
 from ckptd.daemon.storage import Storage
 from ckptd.wire.v1 import checkpoint_pb2 as pb

@@ -24,8 +24,8 @@ import xxhash
 
 from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header, read_header
-from ckptd.daemon.format.units import checksum_name
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header, read_header
+from ckptd.format.units import checksum_name
 from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader, step_at
 
 

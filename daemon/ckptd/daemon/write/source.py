@@ -19,7 +19,7 @@ import numpy as np
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
-from ckptd.daemon.format.index import StoredTensor, scales_key
+from ckptd.format.index import StoredTensor, scales_key
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.files import Coding
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor

@@ -27,7 +27,7 @@ import xxhash
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     INDEX_NAME,
     CheckpointIndex,
     FileLayout,
@@ -38,7 +38,7 @@ from ckptd.daemon.format.index import (
     safetensors_header,
     scales_key,
 )
-from ckptd.daemon.format.units import Unit, file_units
+from ckptd.format.units import Unit, file_units
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.files import (
     CodedWrite,
