@@ -160,9 +160,9 @@ def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> N
 def test_client_reads_any_slice_like_the_whole(daemon) -> None:
     """The client's decode path directly: a PlanLoad piece read for sub-boxes (odd column
     offsets, row ranges) equals the whole decoded tensor sliced."""
-    from ckptd.client._arenas import ArenaMaps
-    from ckptd.client._reader import Decoding, Source
-    from ckptd.client._restore import Fill, fill_all
+    from ckptd.client.arenas import ArenaMaps
+    from ckptd.client.reader.pieces import Decoding, Source
+    from ckptd.client.reader.fill import Fill, fill_all
     from concurrent.futures import ThreadPoolExecutor
 
     model, opt = trained()

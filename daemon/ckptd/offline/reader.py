@@ -27,9 +27,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ckptd.client._arenas import ArenaMaps
-from ckptd.client._reader import Decoding, Source
-from ckptd.client._restore import Fill, fill_all
+from ckptd.client.arenas import ArenaMaps
+from ckptd.client.reader.pieces import Decoding, Source
+from ckptd.client.reader.fill import Fill, fill_all
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.layout import LayoutRules, RankCoords
 from ckptd.client.state import flatten_state, restore_state
