@@ -42,8 +42,8 @@ from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, 
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.format.index import check_small_file as _check_small_file
+from ckptd.offline.root import StepRoot
 from ckptd.daemon.plan.save_plan import TensorSpec
-from ckptd.daemon.storage import Storage
 
 __all__ = ["Step", "StepInfo", "TensorInfo", "list_steps", "open_step"]
 
@@ -80,15 +80,15 @@ def list_steps(root: str | os.PathLike[str], job: str) -> list[StepInfo]:
 
     Raises CheckpointError when `root` is not a directory or the job id is invalid; a step
     whose index cannot be read is left out (`ckptd verify` says why)."""
-    storage = _storage(root)
+    steps = _step_root(root)
     check_job_id(job)
     out = []
-    for step in storage.commit_order(job):
+    for step in steps.commit_order(job):
         try:
-            index = storage.read_index(job, step)
+            index = steps.read_index(job, step)
         except (OSError, FormatError):
             continue
-        out.append(StepInfo(job, step, storage.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
+        out.append(StepInfo(job, step, steps.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
     return out
 
 
@@ -103,31 +103,31 @@ def open_step(where: str | os.PathLike[str], job: str | None = None, step: int |
             raise ValueError("open_step(STEP_DIR) takes no step; use open_step(ROOT, JOB, STEP)")
         step_dir = Path(where)
         return open_step(step_dir.parent.parent, step_dir.parent.name, _step_number(step_dir))
-    storage = _storage(where)
+    steps = _step_root(where)
     check_job_id(job)
     if step is None:
-        order = storage.commit_order(job)
+        order = steps.commit_order(job)
         if not order:
-            raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {storage.root}")
+            raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {steps.root}")
         step = order[-1]
-    if not storage.is_committed(job, step):
-        raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {storage.root} (`ckptd ls {storage.root}` lists them)")
+    if not steps.is_committed(job, step):
+        raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {steps.root} (`ckptd ls {steps.root}` lists them)")
     try:
-        index = storage.read_index(job, step)
+        index = steps.read_index(job, step)
     except (OSError, FormatError) as exc:
-        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {storage.step_dir(job, step)}` says more") from None
-    return Step(storage, job, step, index)
+        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {steps.step_dir(job, step)}` says more") from None
+    return Step(steps, job, step, index)
 
 
 class Step:
     """One committed step, read from its files. Cheap to make: only the index is read."""
 
-    def __init__(self, storage: Storage, job: str, step: int, index: CheckpointIndex) -> None:
-        self._storage = storage
+    def __init__(self, root: StepRoot, job: str, step: int, index: CheckpointIndex) -> None:
+        self._root = root
         self.job = job
         self.step = step
         self.index = index
-        self.path = storage.step_dir(job, step)
+        self.path = root.step_dir(job, step)
         self._extras: dict[int, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
@@ -288,9 +288,7 @@ class Step:
         out = {}
         for f in self.index.files:
             if f.name.endswith(".safetensors"):
-                path = self._storage.local_path(self.job, self.step, f.name)
-                if path is None:
-                    raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
+                path = self._root.file_path(self.job, self.step, f.name)
                 out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
         return out
 
@@ -300,7 +298,7 @@ class Step:
         if record is None:
             return None
         try:
-            data = self._storage.read_small(self.job, self.step, name, max(record.size, 1))
+            data = self._root.read_small(self.job, self.step, name, max(record.size, 1))
             _check_small_file(record, data)
         except (OSError, FormatError) as exc:
             raise CheckpointError(f"{self.path}/{name} cannot be read: {exc}; `ckptd verify {self.path}` says what else is damaged") from None
@@ -322,13 +320,13 @@ def host_fills(fills: Sequence[Fill]) -> tuple[list[Fill], list[tuple[torch.Tens
     return on_host, to_device
 
 
-def _storage(root: str | os.PathLike[str]) -> Storage:
+def _step_root(root: str | os.PathLike[str]) -> StepRoot:
     path = Path(root)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory: give the storage root that `ckptd serve --root` used")
     if (path / INDEX_NAME).exists():
         raise CheckpointError(f"{path} is a step directory, not a storage root: use open_step({str(path)!r})")
-    return Storage(path)
+    return StepRoot(path.resolve())
 
 
 def _step_number(step_dir: Path) -> int:
