@@ -153,9 +153,6 @@ class SavePlan:
     def node(self, rank: int) -> int:
         return self.node_of_rank[rank] if self.node_of_rank else 0
 
-    def parts_of(self, node: int) -> tuple[StoredPart, ...]:
-        return tuple(p for p in self.parts if p.node == node)
-
     def arena_bytes_of(self, node: int) -> tuple[int, ...]:
         """arena_bytes with 0 for the ranks of other nodes (their arenas live there)."""
         return tuple(n if self.node(r) == node else 0 for r, n in enumerate(self.arena_bytes))
