@@ -311,13 +311,10 @@ UPWARD_TODO: set[str] = {
     "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.peer_disks",  # R1
     "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.replicas",  # R1
     "ckptd.daemon.plan.load_plan -> ckptd.daemon.handoff.arena",  # R1: the held snapshots as a tier
-    # the client root's integrations and offline reader, through a public reader core
-    "ckptd.integrations.torchtitan -> ckptd.daemon.format.index",
+    # TODO(issue 32 R2, phase 2): the offline reader's file planning, from the daemon's load planner
     "ckptd.offline.reader -> ckptd.daemon.errors",
-    "ckptd.offline.reader -> ckptd.daemon.format.index",
     "ckptd.offline.reader -> ckptd.daemon.plan.load_plan",
     "ckptd.offline.reader -> ckptd.daemon.plan.save_plan",
-    "ckptd.offline.reader -> ckptd.daemon.storage",
 }
 
 
