@@ -36,23 +36,17 @@ def test_no_silently_swallowed_errors() -> None:
     assert offenders == []
 
 
-# TODO(issue 32 R2, phase 2): the offline reader plans a step's file reads with the daemon's load
-# planner until the planner's file part moves to the client root's reading core; must end empty.
-CLIENT_IMPORTS_DAEMON_TODO = {"client/ckptd/offline/reader.py"}
-
-
 def test_the_client_never_imports_the_daemon() -> None:
     client = [p for p in SOURCES if p.is_relative_to(REPO / "client")]
     offenders = [str(p.relative_to(REPO)) for p in client if "ckptd.daemon" in p.read_text()]
-    assert sorted(set(offenders) - CLIENT_IMPORTS_DAEMON_TODO) == []
-    assert sorted(CLIENT_IMPORTS_DAEMON_TODO - set(offenders)) == [], "CLIENT_IMPORTS_DAEMON_TODO entries that are fixed: remove them"
+    assert offenders == []
 
 
 def test_the_pure_core_does_no_io_and_no_rpc() -> None:
     pure = [REPO / f for f in (
         "daemon/ckptd/daemon/plan/save_plan.py", "client/ckptd/format/index.py", "client/ckptd/common/boxes.py", "client/ckptd/common/reshard.py", "client/ckptd/common/tiling.py", "client/ckptd/common/quant.py", "client/ckptd/common/quant_options.py", "client/ckptd/common/codecs.py",
         "daemon/ckptd/daemon/plan/load_plan.py", "daemon/ckptd/daemon/plan/compression.py", "daemon/ckptd/daemon/plan/files.py", "client/ckptd/format/units.py",
-        "daemon/ckptd/daemon/plan/rollback.py",
+        "daemon/ckptd/daemon/plan/rollback.py", "client/ckptd/format/file_plan.py",
     )]
     banned = re.compile(r"^\s*(import|from)\s+(grpc|asyncio|os|shutil|pathlib)\b", re.M)
     assert [str(p.relative_to(REPO)) for p in pure if banned.search(p.read_text())] == []
@@ -311,10 +305,6 @@ UPWARD_TODO: set[str] = {
     "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.peer_disks",  # R1
     "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.replicas",  # R1
     "ckptd.daemon.plan.load_plan -> ckptd.daemon.handoff.arena",  # R1: the held snapshots as a tier
-    # TODO(issue 32 R2, phase 2): the offline reader's file planning, from the daemon's load planner
-    "ckptd.offline.reader -> ckptd.daemon.errors",
-    "ckptd.offline.reader -> ckptd.daemon.plan.load_plan",
-    "ckptd.offline.reader -> ckptd.daemon.plan.save_plan",
 }
 
 

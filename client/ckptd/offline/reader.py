@@ -38,12 +38,10 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.plan.load_plan import Location, PieceInfo, Tier, plan_pieces, rank_extras
-from ckptd.daemon.errors import InvalidRequest
+from ckptd.format.file_plan import FileInPlace, LoadMismatch, PieceInfo, Wanted, plan_pieces, rank_extras
 from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
 from ckptd.format.index import check_small_file as _check_small_file
 from ckptd.offline.root import StepRoot
-from ckptd.daemon.plan.save_plan import TensorSpec
 
 __all__ = ["Step", "StepInfo", "TensorInfo", "list_steps", "open_step"]
 
@@ -206,7 +204,7 @@ class Step:
                 out = torch.empty(box.lengths, dtype=getattr(torch, dtypes.torch_name(record.dtype)))
             elif tuple(out.shape) != box.lengths:
                 raise ValueError(f"out has shape {list(out.shape)}, the box {list(box.lengths)}")
-            specs.append(TensorSpec(name, record.kind, dtypes.from_torch_name(str(out.dtype)), tuple(record.shape), box))
+            specs.append(Wanted(name, record.kind, tuple(record.shape), box))
             targets.append(out)
         self._read(specs, targets, sorted({s.kind for s in specs}), strict=False)
         return targets
@@ -230,9 +228,7 @@ class Step:
         fragments = fragments_of_state(flat, layout, coords)
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
         specs = [
-            TensorSpec(
-                f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases, per_rank=f.per_rank
-            )
+            Wanted(f.name, entry.kind, f.global_shape, f.box, per_rank=f.per_rank)
             for entry, f in fragments
         ]
         self._read(specs, [f.local for _, f in fragments], kinds, strict, rank)
@@ -251,11 +247,11 @@ class Step:
             raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
         return record
 
-    def _read(self, specs: Sequence[TensorSpec], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool, rank: int = 0) -> None:
-        """Fill each target with its spec's box (the engine's load planner, then the client's fills)."""
+    def _read(self, specs: Sequence[Wanted], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool, rank: int = 0) -> None:
+        """Fill each target with its spec's box (the load planner's file part, then the client's fills)."""
         try:
-            planned = plan_pieces(self.index, specs, kinds, strict, None, self._locations(), rank)
-        except InvalidRequest as exc:
+            planned = plan_pieces(self.index, specs, kinds, strict, self._locations(), rank)
+        except LoadMismatch as exc:
             raise CheckpointError(str(exc)) from None
         # each fragment once per name (several boxes of one tensor plan the same fragments)
         by_name: dict[str, dict[Box, Source]] = {}
@@ -281,7 +277,7 @@ class Step:
         finally:
             maps.close()
 
-    def _locations(self) -> dict[str, Location]:
+    def _locations(self) -> dict[str, FileInPlace]:
         """Every data file of the step, read here, each checked to be a regular file (not a
         link) in a step directory that is not one either."""
         _check_directory(self.path)
@@ -289,7 +285,7 @@ class Step:
         for f in self.index.files:
             if f.name.endswith(".safetensors"):
                 path = self._root.file_path(self.job, self.step, f.name)
-                out[f.name] = Location(Tier.DISK_LOCAL, 0, str(path), False)
+                out[f.name] = FileInPlace(str(path))
         return out
 
     def _small_file(self, name: str) -> bytes | None:
