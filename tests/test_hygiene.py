@@ -228,7 +228,7 @@ def _audited(root: Path) -> Iterator[_Recorder]:
 
 def test_only_the_storage_package_touches_the_root_at_run_time(tmp_path: Path) -> None:
     """Every open, rename, remove, rmdir and mkdir under the root during a save (twice, the second
-    on recycled files), a commit by write_step_files, reads of the index and of every fragment,
+    on recycled files), a commit by StepCommit, reads of the index and of every fragment,
     verify, export (to a directory outside the root), retention and gc comes from a frame of
     ckptd.daemon.storage."""
     import tempfile
@@ -257,24 +257,24 @@ def test_only_the_storage_package_touches_the_root_at_run_time(tmp_path: Path) -
             view.release()
         with _audited(root) as recorder:
             storage = Storage(root)
-            storage.ensure_step("job", 0)  # makes the root
+            storage.writing.ensure_step("job", 0)  # makes the root
             for step in (1, 2, 3):
                 persist(storage, PersistRequest("job", step, plan, arenas, {0: {}}, {"config.json": b"{}"}, None, 2**30, 2), Progress(plan.total_bytes))
-            storage.remove_step("job", 1, recycle=True)
+            storage.janitor.remove_step("job", 1, recycle=True)
             persist(storage, PersistRequest("job", 4, plan, arenas, {}, {}, None, 2**30, 2), Progress(plan.total_bytes))
-            index = storage.read_index("job", 4)
+            index = storage.files.read_index("job", 4)
             for t in index.tensors:
                 for f in t.fragments:
-                    assert len(storage.read_range("job", 4, f.file, f.offset, f.nbytes)) == f.nbytes
-            assert verify_step(storage.step_dir("job", 4)).ok
-            assert read_step(storage.step_dir("job", 4)).step == 4
-            export_model(storage.step_dir("job", 4), tmp_path / "exported")
-            storage.ensure_step("job", 5)
-            storage.mark_prepared("job", 5, "s", 0)
-            storage.unmark_prepared("job", 5)
-            storage.leftovers("job", set())
-            storage.clean_uncommitted()
-            storage.root_id()
+                    assert len(storage.files.read_range("job", 4, f.file, f.offset, f.nbytes)) == f.nbytes
+            assert verify_step(storage.tree.step_dir("job", 4)).ok
+            assert read_step(storage.tree.step_dir("job", 4)).step == 4
+            export_model(storage.tree.step_dir("job", 4), tmp_path / "exported")
+            storage.writing.ensure_step("job", 5)
+            storage.janitor.mark_prepared("job", 5, "s", 0)
+            storage.janitor.unmark_prepared("job", 5)
+            storage.janitor.leftovers("job", set())
+            storage.janitor.clean_uncommitted()
+            storage.catalog.root_id()
         pool.close()
     outside = sorted({(event, module) for event, _, module in recorder.events if not module.startswith("ckptd.daemon.storage.")})
     assert outside == [], recorder.events
@@ -300,12 +300,7 @@ def _graph():  # type: ignore[no-untyped-def]
 
 
 # Imports that still point up, each to be cut by the refinement named (issue 32); must end empty.
-UPWARD_TODO: set[str] = {
-    "ckptd.daemon.engine.context -> ckptd.daemon.remote.tier",  # R1: tiers as objects
-    "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.peer_disks",  # R1
-    "ckptd.daemon.engine.loads -> ckptd.daemon.tiers.replicas",  # R1
-    "ckptd.daemon.plan.load_plan -> ckptd.daemon.handoff.arena",  # R1: the held snapshots as a tier
-}
+UPWARD_TODO: set[str] = set()
 
 
 def test_every_import_points_down_the_layers() -> None:
@@ -322,7 +317,7 @@ def test_every_import_points_down_the_layers() -> None:
     assert sorted(UPWARD_TODO - upward) == [], "UPWARD_TODO entries that are fixed: remove them"
 
 
-CIRCLES_TODO = 5  # R1 (engine/remote), R3 (POSIX storage), R4 (writer), the client hand-off, the codecs: must end 0
+CIRCLES_TODO = 3  # R4 (writer), the client hand-off, the codecs: must end 0
 
 
 def test_no_import_circles_counting_type_checking() -> None:

@@ -5,9 +5,10 @@
 
 Figures: modules at the daemon package's top level; import circles (strongly connected
 components of more than one module) at run time and counting `if TYPE_CHECKING:` imports;
-the largest class and the widest protocol; the depth of the import graph (the longest chain of
+the largest class, the widest protocol and the widest signatures (parameters other than
+self/cls, *args and **kwargs counted); the depth of the import graph (the longest chain of
 modules, and of packages, circles collapsed) and the imports that point up the declared layer order
-(`LAYERS` in tests/test_hygiene.py, read from there so the figure and the rule agree).
+(tests/layers.py, read from there so the figure and the rule agree).
 """
 
 from __future__ import annotations
@@ -189,6 +190,21 @@ def largest_classes(graph: Graph, top: int = 3) -> tuple[list[tuple[int, int, st
     return sorted(classes, reverse=True)[:top], sorted(protocols, reverse=True)[:top]
 
 
+def widest_functions(graph: Graph, top: int = 8) -> list[tuple[int, str]]:
+    """(parameters, where) of the functions and methods with the most parameters (self and cls
+    left out; *args and **kwargs count one each)."""
+    found = []
+    for path in graph.paths.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            count = len([n for n in names if n not in ("self", "cls")]) + (a.vararg is not None) + (a.kwarg is not None)
+            found.append((count, f"{path.relative_to(REPO)}:{node.lineno} {node.name}"))
+    return sorted(found, key=lambda f: (-f[0], f[1]))[:top]
+
+
 def _layers() -> list[tuple[str, ...]]:
     sys.path.insert(0, str(REPO / "tests"))
     from layers import DAEMON_LAYERS, LAYERS  # tests/layers.py: the declared order, shared with test_hygiene
@@ -220,6 +236,8 @@ def main() -> None:
         print(f"class: {where}: {lines} lines, {methods} methods")
     for methods, where in protocols:
         print(f"protocol: {where}: {methods} methods")
+    for count, where in widest_functions(graph):
+        print(f"signature: {where}: {count} parameters")
     if args.cycles:
         for c in typed:
             print("circle: " + " ".join(c))

@@ -11,7 +11,7 @@ of a Llama-70B-like model under TP x PP x DP, and the real code plans and commit
   and reports a synthetic NodeManifest (Coordinator.report) laid out as the writer lays out its
   files (step_build.stored_tensors, format.layout_files, safetensors headers), with each data
   file present in the shared root as a sparse file of its size, so the coordinator's checks
-  run; the commit (step_build.step_files, writer.write_step_files, `latest`) goes to a real
+  run; the commit (step_build.step_files, storage.step_commit.StepCommit) goes to a real
   POSIX Storage in a temporary root. "commit" is the time from the call of the last node's
   report to its answer (the commit decided, the index and small files written);
 - the coordinator's memory for one save, in a fresh process: the growth of its resident set
@@ -56,7 +56,9 @@ from typing import Callable
 from ckptd.common.boxes import Box
 from ckptd.common.chunks import chunk_bytes_for, chunk_count
 from ckptd.daemon.rpc import convert as rpc_convert
-from ckptd.daemon.engine.coordinator import Coordinator, PeerLinks
+from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
+from ckptd.daemon.rpc.peer_links import PeerLinks
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
 from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
@@ -97,6 +99,12 @@ class Layout:
 # (fqn, global shape, split dim or None = replicated across the TP group)
 Param = tuple[str, tuple[int, ...], int | None]
 
+
+
+def _prepared(storage: Storage, job: str, step: int, fresh: bool = True) -> Path:
+    """The directory of a step just prepared (StepWriting.prepare_step)."""
+    storage.writing.prepare_step(job, step, fresh)
+    return storage.tree.step_dir(job, step)
 
 def stage_params(stage: int) -> list[Param]:
     """The parameters pipeline stage `stage` holds."""
@@ -180,7 +188,7 @@ def node_manifests(plan: SavePlan, nodes: int) -> list[NodeManifest]:
 
 def place_sparse_files(storage: Storage, step: int, manifests: list[NodeManifest]) -> None:
     """The nodes' data files in the shared root: sparse files of the manifests' sizes."""
-    step_dir = storage.prepare_step_dir(JOB, step, fresh=True)
+    step_dir = _prepared(storage, JOB, step, fresh=True)
     for manifest in manifests:
         for record in manifest.files:
             with open(step_dir / record.name, "wb") as f:
@@ -217,13 +225,16 @@ async def simulate_save(
     """One save of `step` through `coord`: every node joins (with its ranks' metadata when
     `specs` is given), then reports; returns the times and node 0's join answer."""
     fps = [fingerprint(layout, r) for r in range(layout.world)]
-    root_id = storage.root_id()
+    root_id = storage.catalog.root_id()
     started = time.perf_counter()
     joins = [
         coord.join(
-            JOB, step, n, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
-            {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
-            known_plans, root_id, 3600.0, None,
+            JoinSave(
+                JOB, step, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
+                {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
+                known_plans, 3600.0, None,
+            ),
+            n, root_id,
         )
         for n in range(layout.nodes)
     ]
@@ -236,26 +247,26 @@ async def simulate_save(
     save_id = results[0].save_id
     extras = {0: {"scheduler": {"last_epoch": step}, "step": step}}
     early = [
-        asyncio.create_task(coord.report(JOB, step, save_id, n, made[n], "", extras if n == 0 else {}, {}))
+        asyncio.create_task(coord.report(ReportManifest(JOB, step, save_id, made[n], "", extras if n == 0 else {}), n))
         for n in range(layout.nodes - 1)
     ]
     await asyncio.sleep(0)  # every earlier report is in and waits for the decision
     last = layout.nodes - 1
     started = time.perf_counter()
-    outcome = await coord.report(JOB, step, save_id, last, made[last], "", {}, {})
+    outcome = await coord.report(ReportManifest(JOB, step, save_id, made[last]), last)
     commit_s = time.perf_counter() - started
     if not outcome.committed:
         raise RuntimeError(f"step {step} was not committed: {outcome.error}")
     await asyncio.gather(*early)
     assert outcome.index is not None
-    index_bytes = os.path.getsize(storage.step_dir(JOB, step) / "ckptd.index.json")
+    index_bytes = os.path.getsize(storage.tree.step_dir(JOB, step) / "ckptd.index.json")
     return SaveTimes(join_s, commit_s, index_bytes, len(outcome.index.files)), results[0]
 
 
 def new_coordinator(root: Path, nodes: int) -> tuple[Coordinator, Storage]:
     storage = Storage(root)
     links = AnsweringLinks([f"sim-node-{n}" for n in range(nodes)], "")
-    return Coordinator(storage, links, storage.root_id(), _no_retention), storage
+    return Coordinator(storage, links, storage.catalog.root_id(), _no_retention), storage
 
 
 # ---------------------------------------------------------------- one point
@@ -314,12 +325,12 @@ def measure(nodes: int, saves: int, tmp: Path) -> Point:
         for step in range(2, saves + 2):  # plan cached: the nodes send fingerprints only
             later, _ = await simulate_save(coord, storage, layout, step, None, manifests, (result.plan_key,))
             times.append(later)
-            await asyncio.to_thread(storage.remove_step, JOB, step - 1)  # keep the disk small
+            await asyncio.to_thread(storage.janitor.remove_step, JOB, step - 1)  # keep the disk small
         return times, result
 
     times, result = asyncio.run(run())
     wire, wire_s = join_answer(result)
-    index_path = storage.step_dir(JOB, saves + 1) / "ckptd.index.json"
+    index_path = storage.tree.step_dir(JOB, saves + 1) / "ckptd.index.json"
     raw = index_path.read_bytes()
     started = time.perf_counter()
     index = CheckpointIndex.from_json_bytes(raw)

@@ -12,6 +12,7 @@ from memory_backend import MemoryStorage
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input, plan_key
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
@@ -42,7 +43,7 @@ async def no_retention(job: str) -> None:
 def coordinator(tmp_path: Path, storage: StorageBackend | None = None) -> Coordinator:
     tmp_path.mkdir(exist_ok=True)
     storage = storage if storage is not None else Storage(tmp_path)
-    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention)
+    return Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.catalog.root_id(), no_retention)
 
 
 @pytest.fixture(params=["posix", "memory"])
@@ -53,18 +54,18 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
 
 def written_part(storage: StorageBackend, step: int, name: str, data: bytes) -> None:
     """A node's data file of `step`, written and published as the writer does (not committed)."""
-    storage.prepare_step("job", step, fresh=False)
-    part = storage.open_part("job", step, name, len(data))
+    storage.writing.prepare_step("job", step, fresh=False)
+    part = storage.writing.open_part("job", step, name, len(data))
     part.pwrite(0, memoryview(data))
     part.sync()
     part.close()
     part.publish()
-    storage.sync_step("job", step)
+    storage.writing.sync_step("job", step)
 
 
 async def join_both(coord: Coordinator, step: int = 1) -> list:
     return await asyncio.gather(
-        *[coord.join("job", step, n, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], coord.root_id, 30.0, None) for n in (0, 1)]
+        *[coord.join(JoinSave("job", step, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], 30.0, None), n, coord.root_id) for n in (0, 1)]
     )
 
 
@@ -72,7 +73,7 @@ def test_root_ids_are_shared_by_a_root_and_differ_between_roots(tmp_path: Path) 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b = Storage(tmp_path / "a"), Storage(tmp_path / "b")
-    assert a.root_id() == Storage(tmp_path / "a").root_id() != b.root_id()
+    assert a.catalog.root_id() == Storage(tmp_path / "a").catalog.root_id() != b.catalog.root_id()
 
 
 def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
@@ -87,20 +88,20 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
         assert results[0] == results[1] and results[0].node_of_rank == (0, 1) and results[0].shared_root
         save_id = results[0].save_id
         outcomes = await asyncio.gather(
-            *[coord.report("job", 1, save_id, n, manifest(n, HALVES[n]), "", {n: {"r": n}}, {}) for n in (0, 1)]
+            *[coord.report(ReportManifest("job", 1, save_id, manifest(n, HALVES[n]), "", {n: {"r": n}}), n) for n in (0, 1)]
         )
         assert all(o.committed for o in outcomes)
         # the next save of the same layout does not resend the metadata
         again = await asyncio.gather(
-            *[coord.join("job", 2, n, 2, {n: f"fp{n}"}, {}, [results[0].plan_key], coord.root_id, 30.0, None) for n in (0, 1)]
+            *[coord.join(JoinSave("job", 2, 2, {n: f"fp{n}"}, {}, [results[0].plan_key], 30.0, None), n, coord.root_id) for n in (0, 1)]
         )
         assert again[0].specs is None
 
     for n in (0, 1):
         written_part(storage, 1, f"model-{n + 1:05d}-of-00002.safetensors", b"x" * 100)
     asyncio.run(scenario())
-    assert storage.is_committed("job", 1) and storage.latest_step("job") == 1
-    assert storage.read_index("job", 1).step == 1
+    assert storage.catalog.is_committed("job", 1) and storage.catalog.latest_step("job") == 1
+    assert storage.files.read_index("job", 1).step == 1
 
 
 def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storage: StorageBackend) -> None:
@@ -108,26 +109,26 @@ def test_a_node_that_fails_aborts_the_step_for_every_node(tmp_path: Path, storag
         coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
         return await asyncio.gather(
-            coord.report("job", 1, save_id, 0, manifest(0, HALVES[0]), "", {}, {}),
-            coord.report("job", 1, save_id, 1, None, "disk full", {}, {}),
+            coord.report(ReportManifest("job", 1, save_id, manifest(0, HALVES[0])), 0),
+            coord.report(ReportManifest("job", 1, save_id, None, "disk full"), 1),
         )
 
     written_part(storage, 1, "model-00001-of-00002.safetensors", b"x" * 100)
     outcomes = asyncio.run(scenario())
     assert [o.committed for o in outcomes] == [False, False]
     assert "node 1 failed: disk full" in outcomes[0].error
-    assert not storage.is_committed("job", 1) and storage.step_file_sizes("job", 1) == {}
+    assert not storage.catalog.is_committed("job", 1) and storage.files.step_file_sizes("job", 1) == {}
 
 
 def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: StorageBackend) -> None:
     async def scenario() -> list:
         coord = coordinator(tmp_path, storage)
         save_id = (await join_both(coord))[0].save_id
-        return await asyncio.gather(*[coord.report("job", 1, save_id, n, manifest(n, HALVES[0]), "", {}, {}) for n in (0, 1)])
+        return await asyncio.gather(*[coord.report(ReportManifest("job", 1, save_id, manifest(n, HALVES[0])), n) for n in (0, 1)])
 
     outcomes = asyncio.run(scenario())
     assert not outcomes[0].committed and "not written exactly once" in outcomes[0].error
-    assert not storage.is_committed("job", 1)
+    assert not storage.catalog.is_committed("job", 1)
 
 
 @pytest.mark.parametrize(
@@ -141,11 +142,11 @@ def test_manifests_that_miss_a_fragment_do_not_commit(tmp_path: Path, storage: S
 def test_bad_joins_are_refused_with_what_to_fix(tmp_path: Path, second: dict, error: type, message: str) -> None:
     async def scenario() -> None:
         coord = coordinator(tmp_path)
-        first = asyncio.ensure_future(coord.join("job", 1, 0, 2, {0: "fp0"}, {0: spec(HALVES[0])}, [], coord.root_id, 2.0, None))
+        first = asyncio.ensure_future(coord.join(JoinSave("job", 1, 2, {0: "fp0"}, {0: spec(HALVES[0])}, [], 2.0, None), 0, coord.root_id))
         await asyncio.sleep(0)
         kwargs = {"fingerprints": {1: "fp1"}, "specs": {1: spec(HALVES[1])}, "world_size": 2, **second}
         with pytest.raises(error, match=message):
-            await coord.join("job", 1, 1, kwargs["world_size"], kwargs["fingerprints"], kwargs["specs"], [], coord.root_id, 2.0, None)
+            await coord.join(JoinSave("job", 1, kwargs["world_size"], kwargs["fingerprints"], kwargs["specs"], [], 2.0, None), 1, coord.root_id)
         with pytest.raises(Aborted, match="never joined"):
             await first
 
@@ -173,9 +174,9 @@ def test_the_coordinator_decides_the_compression_once_for_every_node(tmp_path: P
 
     async def scenario() -> list:
         storage = Storage(tmp_path)
-        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.root_id(), no_retention, decide)
+        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2"], "t" * 16), storage.catalog.root_id(), no_retention, decide)
         return await asyncio.gather(
-            *[coord.join("job", 1, n, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], coord.root_id, 30.0, None, SaveOptions(), n) for n in (0, 1)]
+            *[coord.join(JoinSave("job", 1, 2, {n: f"fp{n}"}, {n: spec(HALVES[n])}, [], 30.0, None, SaveOptions(), n), n, coord.root_id) for n in (0, 1)]
         )
 
     results = asyncio.run(scenario())
@@ -186,10 +187,10 @@ def test_the_coordinator_decides_the_compression_once_for_every_node(tmp_path: P
 def test_nodes_whose_ranks_ask_for_different_compression_are_refused(tmp_path: Path) -> None:
     async def scenario() -> None:
         coord = coordinator(tmp_path)
-        first = asyncio.ensure_future(coord.join("job", 1, 0, 2, {0: "fp0"}, {0: spec(HALVES[0])}, [], coord.root_id, 1.0, None, SaveOptions("O1")))
+        first = asyncio.ensure_future(coord.join(JoinSave("job", 1, 2, {0: "fp0"}, {0: spec(HALVES[0])}, [], 1.0, None, SaveOptions("O1")), 0, coord.root_id))
         await asyncio.sleep(0)
         with pytest.raises(InvalidRequest, match="node 1's ranks ask for quantize=None.*other nodes' ranks asked for quantize='O1'"):
-            await coord.join("job", 1, 1, 2, {1: "fp1"}, {1: spec(HALVES[1])}, [], coord.root_id, 1.0, None, SaveOptions())
+            await coord.join(JoinSave("job", 1, 2, {1: "fp1"}, {1: spec(HALVES[1])}, [], 1.0, None, SaveOptions()), 1, coord.root_id)
         with pytest.raises(Aborted, match="never joined"):
             await first
 
@@ -210,7 +211,7 @@ def whole(dtype: str = "BF16", shape: tuple[int, ...] = SHAPE) -> tuple[TensorSp
 
 async def join_alone(coord: Coordinator, job: str, step: int, digest: str, specs: tuple[TensorSpec, ...] | None) -> JoinResult:
     """The join of a one-rank job on node 0 (planned at once); specs None: the digest alone."""
-    return await coord.join(job, step, 0, 1, {0: digest}, {} if specs is None else {0: specs}, [], coord.root_id, 30.0, None)
+    return await coord.join(JoinSave(job, step, 1, {0: digest}, {} if specs is None else {0: specs}, [], 30.0, None), 0, coord.root_id)
 
 
 @pytest.mark.parametrize("evil", [whole("F16"), whole("F32", HUGE)], ids=["same-size-other-dtype", "2^46-elements"])
@@ -244,7 +245,7 @@ def test_an_aborted_saves_plan_is_not_kept(tmp_path: Path) -> None:
     async def scenario() -> None:
         coord = coordinator(tmp_path)
         refused = await join_alone(coord, "job", 1, "d", whole("F32", HUGE))
-        outcome = await coord.report("job", 1, refused.save_id, 0, None, "cannot reserve 256 TiB of shared memory", {}, {})
+        outcome = await coord.report(ReportManifest("job", 1, refused.save_id, None, "cannot reserve 256 TiB of shared memory"), 0)
         assert not outcome.committed
         again = await join_alone(coord, "job", 2, "d", None)
         assert again.plan is not None and again.plan is not refused.plan  # planned anew
@@ -258,7 +259,7 @@ def test_a_jobs_cache_starts_anew_when_its_world_size_changes(tmp_path: Path) ->
         coord = coordinator(tmp_path)
         await join_alone(coord, "job", 1, "d", whole())
         with pytest.raises(Precondition, match="unknown fingerprint"):
-            await coord.join("job", 2, 0, 2, {0: "d"}, {}, [], coord.root_id, 1.0, None)
+            await coord.join(JoinSave("job", 2, 2, {0: "d"}, {}, [], 1.0, None), 0, coord.root_id)
 
     asyncio.run(scenario())
 

@@ -22,7 +22,8 @@ from ckptd.daemon.errors import Exhausted, NoSpace
 from ckptd.daemon.plan.files import file_bytes_bound
 from ckptd.daemon.write.writer import PersistRequest, Progress, persist, write_node_files
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import Storage, reused_bytes, space_problem
+from ckptd.daemon.storage import FreeSpace, Storage, reused_bytes, space_problem
+from ckptd.daemon.storage.posix_writing import PosixWriting
 from arena_rig import take_arenas  # tests/arena_rig.py
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -87,22 +88,23 @@ def test_disk_reserve_defaults_to_one_gib_and_parses_sizes(tmp_path: Path) -> No
 
 def test_free_bytes_is_statvfs_of_the_job_directory_or_the_root(tmp_path: Path) -> None:
     storage = Storage(tmp_path)
-    measured = storage.free_bytes("job")
-    assert measured is not None and measured[1] == tmp_path.resolve()  # no job directory yet: the root
+    measured = storage.writing.free_bytes("job")
+    assert measured is not None and measured.where == str(tmp_path.resolve())  # no job directory yet: the root
     st = os.statvfs(tmp_path)
-    assert abs(measured[0] - st.f_bavail * st.f_frsize) < 64 * MiB  # others write to the same disk meanwhile
+    assert abs(measured.nbytes - st.f_bavail * st.f_frsize) < 64 * MiB  # others write to the same disk meanwhile
     (tmp_path / "job").mkdir()
-    assert storage.free_bytes("job")[1] == tmp_path.resolve() / "job"  # type: ignore[index]
+    in_job = storage.writing.free_bytes("job")
+    assert in_job is not None and in_job.where == str(tmp_path.resolve() / "job")
 
 
 def test_allocated_in_step_counts_files_and_temporary_names(tmp_path: Path) -> None:
     storage = Storage(tmp_path)
-    assert storage.allocated_in_step("job", 1) == {}
+    assert storage.writing.allocated_in_step("job", 1) == {}
     step_dir = tmp_path / "job" / "step-00000001"
     step_dir.mkdir(parents=True)
     (step_dir / "model-00001-of-00002.safetensors").write_bytes(b"x" * 100_000)
     (step_dir / ".tmp-model-00002-of-00002.safetensors.4242").write_bytes(b"y" * 10_000)
-    found = storage.allocated_in_step("job", 1)
+    found = storage.writing.allocated_in_step("job", 1)
     assert set(found) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
     assert found["model-00001-of-00002.safetensors"] >= 100_000 and found["model-00002-of-00002.safetensors"] >= 10_000
 
@@ -207,7 +209,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
 
     free = {"bytes": needed + reserve - 1}
-    monkeypatch.setattr(Storage, "free_bytes", lambda self, job: (free["bytes"], self.root))
+    monkeypatch.setattr(PosixWriting, "free_bytes", lambda self, job: FreeSpace(free["bytes"], str(self.tree.root)))
     with pytest.raises(NoSpace) as refused:
         save(2)
     message = str(refused.value)
@@ -218,20 +220,20 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(tmp_path
 
     free["bytes"] = needed + reserve  # exactly enough
     save(2)
-    assert storage.committed_steps("job") == [1, 2]
+    assert storage.catalog.committed_steps("job") == [1, 2]
 
     # step 1's files go to the recycle bin: a step of the same files takes (almost) no new space
     # (files of the same tensors but another header may trade places and grow by a few bytes)
-    storage.remove_step("job", 1, recycle=True)
+    storage.janitor.remove_step("job", 1, recycle=True)
     free["bytes"] = reserve + 4 * KiB
     assert needed > 100 * KiB
     save(3)
-    assert storage.committed_steps("job") == [2, 3]
-    storage.remove_step("job", 2, recycle=True)
+    assert storage.catalog.committed_steps("job") == [2, 3]
+    storage.janitor.remove_step("job", 2, recycle=True)
     free["bytes"] = reserve - 1
     with pytest.raises(NoSpace, match=r"needs 3 MiB \(\d+ B of data \+ 3 MiB reserve; another 1\d\d(\.\d)? KiB reuse recycled files\)"):
         save(4)
-    assert len(storage.take_recycled("job")) == len(list((tmp_path / "job" / "step-00000003").glob("*.safetensors")))  # the bin is untouched
+    assert len(storage.writing.take_recycled("job")) == len(list((tmp_path / "job" / "step-00000003").glob("*.safetensors")))  # the bin is untouched
     assert not (tmp_path / "job" / "step-00000004").exists()
     pool.close()
 
@@ -244,7 +246,7 @@ def test_a_shared_root_counts_every_nodes_files(tmp_path: Path, shm_dir: Path, m
     plan = make_save_plan(specs, node_of_rank=[0, 0, 1, 1])
     storage = Storage(tmp_path)
     node_bytes = 32 * 256 * 4  # each node's half of w
-    monkeypatch.setattr(Storage, "free_bytes", lambda self, job: (node_bytes + 4 * KiB, self.root))  # one half fits, not both
+    monkeypatch.setattr(PosixWriting, "free_bytes", lambda self, job: FreeSpace(node_bytes + 4 * KiB, str(self.tree.root)))  # one half fits, not both
 
     def write(node: int, shared: bool) -> None:
         (shm_dir / f"n{node}").mkdir(exist_ok=True)

@@ -18,6 +18,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, NotFound, Unavailable, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import TensorSpec
@@ -65,7 +66,7 @@ def service(config: DaemonConfig, storage: StorageBackend) -> Iterator[Checkpoin
 
 
 def _steps(service: CheckpointService) -> list[int]:
-    return service.storage.committed_steps("job")
+    return service.storage.catalog.committed_steps("job")
 
 
 async def _save(service: CheckpointService, step: int, world: int = 2, hand_over: tuple[int, ...] | None = None) -> list[SaveSession]:
@@ -73,7 +74,7 @@ async def _save(service: CheckpointService, step: int, world: int = 2, hand_over
 
     async def rank(r: int) -> SaveSession:
         specs = _specs(r, world)
-        session = await service.begin_save("job", r, world, step, f"fp{r}", specs, None, 30.0)
+        session = await service.begin_save(BeginSave("job", r, world, step, f"fp{r}", specs, None, 30.0))
         if hand_over is None or r in hand_over:
             assert session.plan is not None and session.arenas is not None
             arena = session.arenas.arenas[r]
@@ -81,7 +82,7 @@ async def _save(service: CheckpointService, step: int, world: int = 2, hand_over
                 if slot.rank == r:
                     spec = next(s for s in specs if s.name == slot.name and s.box == slot.box)
                     arena.view(slot.offset, slot.nbytes)[:] = _values(step, spec).tobytes()
-            await service.commit_snapshot("job", r, session.save_id, json.dumps({"rank": r, "step": step}))
+            await service.commit_snapshot(CommitSnapshot("job", r, session.save_id, json.dumps({"rank": r, "step": step})))
         return session
 
     return list(await asyncio.gather(*(rank(r) for r in range(world))))
@@ -106,7 +107,7 @@ async def _check_load(service: CheckpointService, step: int | None, expect_step:
     """Load the whole state as one rank of a new world of one; check every byte; return the tier."""
     whole = [TensorSpec("model/w", "model", "F32", (2 * world, 3), Box.full((2 * world, 3)))]
     whole += [TensorSpec(f"model/b{r}", "model", "F32", (3,), Box.full((3,))) for r in range(world)]
-    plan = await service.plan_load("job", 0, 1, step, whole, ["model"], True)
+    plan = await service.plan_load(PlanLoad("job", 0, 1, step, whole, ["model"], True))
     assert plan.step == expect_step and not plan.missing and not plan.unexpected
     for spec in whole:
         got = np.zeros(spec.shape, np.float32)
@@ -132,8 +133,8 @@ def test_a_save_goes_through_its_states_to_a_commit_and_loads_from_memory_then_d
         assert all(s is sessions[0] for s in sessions)  # one session for the step
         outcome = await _durable(service, 10)
         assert isinstance(outcome, SaveSession) and outcome.state is SaveState.COMMITTED
-        assert _steps(service) == [10] and outcome.step_dir == storage.step_location("job", 10)
-        assert service.status()["committed_total"] == 1 and service.engine.last_commit is not None
+        assert _steps(service) == [10] and outcome.step_dir == storage.catalog.step_location("job", 10)
+        assert service.status().committed_total == 1 and service.engine.last_commit is not None
         assert await _check_load(service, None, 10) == "memory"  # the held snapshot
         assert await _durable(service, 10) is outcome  # a finished save is reported as it ended
 
@@ -167,8 +168,8 @@ def test_a_rank_that_never_hands_over_fails_the_save_at_its_timeout_and_frees_th
         assert isinstance(outcome, SaveSession) and outcome.state is SaveState.FAILED
         assert outcome.error.startswith("ranks [1] did not hand their snapshot over within")
         assert sessions[0].arenas is not None and service.jobs["job"].pool.count >= 1
-        assert service.status()["failed_total"] == 1 and "step 5" in service.status()["last_error"]
-        assert _steps(service) == [] and not service.storage.step_file_sizes("job", 5)
+        assert service.status().failed_total == 1 and "step 5" in service.status().last_error
+        assert _steps(service) == [] and not service.storage.files.step_file_sizes("job", 5)
         await _save(service, 6)  # the arenas came back: the next save gets them
         assert (await _durable(service, 6)).state is SaveState.COMMITTED  # type: ignore[union-attr]
 
@@ -207,7 +208,7 @@ def test_the_skip_policy_skips_a_save_when_every_arena_is_busy(config: DaemonCon
         second = (await _save(service, 2, hand_over=()))[0]
         assert first.state is SaveState.WRITING
         assert second.state is SaveState.SKIPPED and "still being written" in (second.skip_reason or "")
-        assert service.status()["skipped_total"] == 1
+        assert service.status().skipped_total == 1
         assert (await _durable(service, 1)).state is SaveState.COMMITTED  # type: ignore[union-attr]
 
     try:
@@ -218,9 +219,9 @@ def test_the_skip_policy_skips_a_save_when_every_arena_is_busy(config: DaemonCon
 
 def test_loading_a_step_that_is_not_committed_says_so(service: CheckpointService) -> None:
     with pytest.raises(NotFound, match="has no committed checkpoint"):
-        asyncio.run(service.plan_load("job", 0, 1, None, [], [], False))
+        asyncio.run(service.plan_load(PlanLoad("job", 0, 1, None, [], [], False)))
     with pytest.raises(NotFound, match="step 4 of job 'job' is not committed"):
-        asyncio.run(service.plan_load("job", 0, 1, 4, [], [], False))
+        asyncio.run(service.plan_load(PlanLoad("job", 0, 1, 4, [], [], False)))
 
 
 def test_a_draining_daemon_takes_no_new_save(service: CheckpointService) -> None:
@@ -240,7 +241,7 @@ def test_a_hand_over_through_a_transport_the_daemon_lacks_is_refused(service: Ch
     async def run() -> None:
         session = (await _save(service, 3, hand_over=()))[0]
         with pytest.raises(InvalidRequest, match="through transport 'rdma', which this daemon does not have"):
-            await service.commit_snapshot("job", 0, session.save_id, "{}", staged=StagedHandOver("rdma", "s", ()))
+            await service.commit_snapshot(CommitSnapshot("job", 0, session.save_id, "{}", staged=StagedHandOver("rdma", "s", ())))
         assert sorted(service.engine.transports) == ["ipc"] and session.state is SaveState.SNAPSHOTTING
 
     asyncio.run(run())
@@ -276,14 +277,14 @@ def _whole(dtype: str, shape: tuple[int, ...] = (4, 2)) -> list[TensorSpec]:
 
 def test_a_save_is_planned_from_the_metadata_its_rank_sent_under_a_known_fingerprint(service: CheckpointService) -> None:
     async def run() -> None:
-        first = await service.begin_save("job", 0, 1, 1, "fp", _whole("BF16"), None, 30.0)
+        first = await service.begin_save(BeginSave("job", 0, 1, 1, "fp", _whole("BF16"), None, 30.0))
         assert first.plan is not None and first.plan.tensors[0].dtype == "BF16"
-        changed = await service.begin_save("job", 0, 1, 2, "fp", _whole("F16"), None, 30.0)  # fails step 1: the rank moved on
+        changed = await service.begin_save(BeginSave("job", 0, 1, 2, "fp", _whole("F16"), None, 30.0))  # fails step 1: the rank moved on
         assert changed.plan is not None and changed.plan.tensors[0].dtype == "F16"
-        named = await service.begin_save("job", 0, 1, 3, "fp", None, None, 30.0)  # the fingerprint alone: what it sent last
+        named = await service.begin_save(BeginSave("job", 0, 1, 3, "fp", None, None, 30.0))  # the fingerprint alone: what it sent last
         assert named.plan is not None and named.plan.tensors[0].dtype == "F16"
         with pytest.raises(UnknownFingerprint):  # another job never sent metadata under "fp"
-            await service.begin_save("other", 0, 1, 1, "fp", None, None, 30.0)
+            await service.begin_save(BeginSave("other", 0, 1, 1, "fp", None, None, 30.0))
 
     asyncio.run(run())
 
@@ -291,12 +292,12 @@ def test_a_save_is_planned_from_the_metadata_its_rank_sent_under_a_known_fingerp
 def test_a_save_refused_for_its_arena_keeps_no_plan_and_touches_no_other_job(service: CheckpointService) -> None:
     async def run() -> None:
         with pytest.raises(Aborted, match=r"cannot reserve 256 TiB of shared memory") as refused:
-            await service.begin_save("evil", 0, 1, 1, "fp", _whole("F32", (1 << 46,)), None, 30.0)
+            await service.begin_save(BeginSave("evil", 0, 1, 1, "fp", _whole("F32", (1 << 46,)), None, 30.0))
         assert "MiB" not in str(refused.value)
         assert service.engine.jobs["evil"].plans == {}
-        victim = await service.begin_save("victim", 0, 1, 1, "fp", _whole("F32"), None, 30.0)
+        victim = await service.begin_save(BeginSave("victim", 0, 1, 1, "fp", _whole("F32"), None, 30.0))
         assert victim.plan is not None and victim.plan.total_bytes == 32 and victim.arenas is not None
-        retry = await service.begin_save("evil", 0, 1, 2, "fp", _whole("F32"), None, 30.0)  # fixed: planned anew
+        retry = await service.begin_save(BeginSave("evil", 0, 1, 2, "fp", _whole("F32"), None, 30.0))  # fixed: planned anew
         assert retry.plan is not None and retry.plan.total_bytes == 32
 
     asyncio.run(run())

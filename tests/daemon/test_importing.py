@@ -196,7 +196,7 @@ def test_the_root_must_be_new_empty_or_a_ckptd_root(tmp_path: Path, weights: Pat
     (tmp_path / "empty" / "lost+found").mkdir(parents=True)  # a new volume's
     import_checkpoint(weights, tmp_path / "empty", "run", 1)
     import_checkpoint(weights, tmp_path / "empty", "other", 1)  # a ckptd root now
-    assert Storage(tmp_path / "empty").committed_steps("other") == [1]
+    assert Storage(tmp_path / "empty").catalog.committed_steps("other") == [1]
     with pytest.raises(ImportRefused, match="invalid job id"):
         import_checkpoint(weights, tmp_path / "empty", "../up", 1)
 
@@ -236,7 +236,7 @@ def test_a_failure_midway_leaves_no_step(tmp_path: Path, monkeypatch: pytest.Mon
         import_checkpoint(tmp_path / source, root, "run", 2, write_threads=1)
     assert len(reads) >= 5
     storage = Storage(root)
-    assert storage.committed_steps("run") == [1] and storage.latest_named("run") == 1
+    assert storage.catalog.committed_steps("run") == [1] and storage.catalog.latest_named("run") == 1
     assert sorted(p.name for p in (root / "run").iterdir()) == ["latest", "step-00000001"]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.plan.load_plan import (
-    Location, StagedRead, Tier, extras_source, file_locations, file_sources, incomplete_message, load_tier, needs_decoding,
+    Location, StagedRead, TierName, extras_source, file_locations, file_sources, incomplete_message, load_tier, needs_decoding,
     plan_pieces, rank_extras,
 )
 from ckptd.daemon.errors import InvalidRequest
@@ -38,7 +38,7 @@ def _want(name: str, shape: tuple[int, ...], box: Box | None = None) -> TensorSp
 
 
 def _local(files: tuple[str, ...] = (F1, F2)) -> dict[str, Location]:
-    return {f: Location(Tier.DISK_LOCAL, 0, f"/root/job/step-00000007/{f}", False) for f in files}
+    return {f: Location(TierName.ROOT, 0, f"/root/job/step-00000007/{f}", False) for f in files}
 
 
 def test_file_locations_by_node_and_access() -> None:
@@ -46,15 +46,15 @@ def test_file_locations_by_node_and_access() -> None:
     staging = "/dev/shm/fetch-{}".format
     local = "/r/s/{}".format
     assert file_locations(files, 0, {}, local, staging) == {
-        F1: Location(Tier.DISK_LOCAL, 0, f"/r/s/{F1}", False),
-        F2: Location(Tier.DISK_LOCAL, 0, f"/r/s/{F2}", False),
+        F1: Location(TierName.ROOT, 0, f"/r/s/{F1}", False),
+        F2: Location(TierName.ROOT, 0, f"/r/s/{F2}", False),
     }
-    assert file_locations(files, 0, {F2: 1}, local, staging)[F2] == Location(Tier.DISK_PEER, 1, f"/dev/shm/fetch-{F2}", True)
+    assert file_locations(files, 0, {F2: 1}, local, staging)[F2] == Location(TierName.PEER_DISK, 1, f"/dev/shm/fetch-{F2}", True)
     no_access = file_locations(files, 0, {}, lambda f: None, staging)  # a rank that cannot read the root, or no local files
-    assert no_access[F1] == Location(Tier.DISK_LOCAL, 0, f"/dev/shm/fetch-{F1}", True)
+    assert no_access[F1] == Location(TierName.ROOT, 0, f"/dev/shm/fetch-{F1}", True)
 
 
-M, P, L, D = Tier.MEMORY_LOCAL, Tier.MEMORY_PEER, Tier.DISK_LOCAL, Tier.DISK_PEER
+M, P, L, D = TierName.REPLICA_HERE, TierName.REPLICA_PEER, TierName.ROOT, TierName.PEER_DISK
 
 
 @pytest.mark.parametrize(
@@ -131,8 +131,8 @@ def test_a_shape_that_differs_from_the_steps_is_refused_with_both_shapes() -> No
 
 def test_staged_files_give_one_read_per_range_however_many_tensors_share_it() -> None:
     locations = {
-        F1: Location(Tier.DISK_LOCAL, 0, "/dev/shm/s1", True),
-        F2: Location(Tier.DISK_PEER, 1, "/dev/shm/s2", True),
+        F1: Location(TierName.ROOT, 0, "/dev/shm/s1", True),
+        F2: Location(TierName.PEER_DISK, 1, "/dev/shm/s2", True),
     }
     wanted = [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("model/w", (4, 2), Box((0, 0), (1, 2)))]
     planned = plan_pieces(_index((B, W)), wanted, ["model"], False, None, locations)

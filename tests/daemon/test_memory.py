@@ -19,6 +19,7 @@ from typing import Any
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import Arena, SetState
 from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
@@ -44,7 +45,7 @@ def _service(tmp_path: Path, **settings: Any) -> CheckpointService:
 
 async def _save(service: CheckpointService, job: str, step: int, nbytes: int = MiB, timeout_s: float = 30.0) -> SaveSession:
     """One rank saves `nbytes` of value `step` (mod 256) and hands them over."""
-    session = await service.begin_save(job, 0, 1, step, f"fp-{nbytes}", [_spec(nbytes)], None, timeout_s)
+    session = await service.begin_save(BeginSave(job, 0, 1, step, f"fp-{nbytes}", [_spec(nbytes)], None, timeout_s))
     if session.state is SaveState.SKIPPED:
         return session
     assert session.arenas is not None and session.plan is not None
@@ -52,7 +53,7 @@ async def _save(service: CheckpointService, job: str, step: int, nbytes: int = M
     arena = session.arenas.arenas[0]
     assert arena is not None
     arena.view(slot.offset, slot.nbytes)[:] = bytes([step % 256]) * slot.nbytes
-    await service.commit_snapshot(job, 0, session.save_id, json.dumps({"step": step}))
+    await service.commit_snapshot(CommitSnapshot(job, 0, session.save_id, json.dumps({"step": step})))
     return session
 
 
@@ -70,7 +71,7 @@ async def _saved(service: CheckpointService, job: str, step: int, nbytes: int = 
 
 async def _load(service: CheckpointService, job: str, step: int, nbytes: int = MiB, done: bool = True) -> tuple[str, str]:
     """Load the step, check every byte; returns (its tier, the load id)."""
-    plan = await service.plan_load(job, 0, 1, step, [_spec(nbytes)], ["model"], True)
+    plan = await service.plan_load(PlanLoad(job, 0, 1, step, [_spec(nbytes)], ["model"], True))
     got = bytearray()
     for piece in plan.pieces:
         fd = os.open(piece.path, os.O_RDONLY)
@@ -297,10 +298,10 @@ def test_status_and_metrics_say_who_holds_what(tmp_path: Path) -> None:
         await _saved(service, "a", 1)
         await _save(service, "b", 1, nbytes=2 * MiB)
         status = service.status()
-        a, b = status["arena_holders"]
+        a, b = status.arena_holders
         assert isinstance(a, ArenaHolder) and (a.job, a.bytes, a.sets, a.held_steps, a.in_flight, a.readers) == ("a", MiB, 1, (1,), 0, 0)
         assert a.idle_s > 0 and (b.job, b.bytes, b.in_flight, b.idle_s) == ("b", 2 * MiB, 1, 0.0)
-        assert status["shm_budget"] == 64 * MiB and status["shm_free"] > 0
+        assert status.shm_budget == 64 * MiB and status.shm_free > 0
         live = service.live_state()
         assert live.job_arena_bytes == {"a": MiB, "b": 2 * MiB} and live.job_idle_s["b"] == 0.0 and live.shm_budget == 64 * MiB
         await _durable(service, "b", 1)

@@ -24,7 +24,8 @@ from ckptd.daemon.write.reuse import check_files
 from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
 from ckptd.format.units import file_units
 from ckptd.daemon.tools.verify import verify_files
-from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files, write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.write.writer import PersistRequest, Progress, write_node_files
 from arena_rig import take_arenas  # tests/arena_rig.py
 from memory_backend import MemoryStorage
 
@@ -77,18 +78,18 @@ class _Saver:
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], previous: int | None) -> NodeManifest:
         _fill(self.arenas, self.plan, tensors)
-        index = self.storage.read_index("job", previous) if previous is not None else None
+        index = self.storage.files.read_index("job", previous) if previous is not None else None
         req = PersistRequest("job", step, self.plan, self.arenas, {}, {}, None, self.max_file_bytes, 2, previous=index)
         manifest = write_node_files(self.storage, req, Progress(self.plan.total_bytes))
         _, files = step_files("job", step, self.plan, [manifest], {}, {}, None)
-        write_step_files(self.storage, "job", step, files)
+        StepCommit(self.storage.writing, self.storage.catalog, "job", step).publish(files)
         return manifest
 
     def loaded(self, step: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        for name in self.storage.step_file_sizes("job", step):
+        for name in self.storage.files.step_file_sizes("job", step):
             if name.endswith(".safetensors"):
-                out.update(load_bytes(self.storage.read_small("job", step, name)))
+                out.update(load_bytes(self.storage.files.read_small("job", step, name)))
         return out
 
 
@@ -129,16 +130,16 @@ def test_unchanged_frozen_files_are_linked_and_every_step_stays_whole(backend: S
     assert set(second.linked) == frozen_files == {"model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"}
     assert _same(saver.loaded(1), tensors) and _same(saver.loaded(2), trained)
     for step in (1, 2):
-        report = verify_files(backend.step_reader("job", step))
+        report = verify_files(backend.files.step_reader("job", step))
         assert report.ok, report.problems
     if isinstance(backend, Storage):
         for name in second.linked:
-            one, two = (backend.step_dir("job", s) / name for s in (1, 2))
+            one, two = (backend.tree.step_dir("job", s) / name for s in (1, 2))
             assert one.stat().st_ino == two.stat().st_ino and two.stat().st_nlink == 2
     # the first step deleted and recycled: the second keeps its linked files whole, and the
     # bin never takes a file that another step still names
-    backend.remove_step("job", 1, recycle=True)
-    assert len(backend.take_recycled("job")) <= 2  # only the written files may be recycled
+    backend.janitor.remove_step("job", 1, recycle=True)
+    assert len(backend.writing.take_recycled("job")) <= 2  # only the written files may be recycled
     third = saver.save(3, trained, 2)
     assert set(third.linked) == frozen_files
     assert _same(saver.loaded(2), trained) and _same(saver.loaded(3), trained)
@@ -180,14 +181,14 @@ def test_a_previous_file_replaced_by_a_link_or_gone_is_written_instead(tmp_path:
     saver = _Saver(storage, shm_dir, specs)
     tensors = _tensors(specs)
     saver.save(1, tensors, None)
-    step1 = storage.step_dir("job", 1)
+    step1 = storage.tree.step_dir("job", 1)
     bait = tmp_path / "bait.safetensors"
     os.replace(step1 / "model-00003-of-00003.safetensors", bait)
     (step1 / "model-00003-of-00003.safetensors").symlink_to(bait)  # planted: never linked through
     (step1 / "model-00002-of-00003.safetensors").unlink()
     manifest = saver.save(2, tensors, 1)
     assert manifest.linked == ()
-    assert not (storage.step_dir("job", 2) / "model-00003-of-00003.safetensors").is_symlink()
+    assert not (storage.tree.step_dir("job", 2) / "model-00003-of-00003.safetensors").is_symlink()
     assert _same(saver.loaded(2), tensors)
     saver.pool.close()
 
@@ -198,16 +199,16 @@ def test_link_file_refuses_an_uncommitted_source_and_another_size(tmp_path: Path
     saver = _Saver(storage, shm_dir, specs)
     saver.save(1, _tensors(specs), None)
     name = "model-00003-of-00003.safetensors"
-    size = (storage.step_dir("job", 1) / name).stat().st_size
-    storage.prepare_step("job", 2)
-    assert not storage.link_file("job", 1, name, 2, name, size + 1)
-    assert storage.link_file("job", 1, name, 2, name, size)
-    (storage.step_dir("job", 1) / INDEX_NAME).unlink()  # step 1 no longer committed
-    storage.prepare_step("job", 3)
-    assert not storage.link_file("job", 1, name, 3, name, size)
-    assert not (storage.step_dir("job", 3) / name).exists()
+    size = (storage.tree.step_dir("job", 1) / name).stat().st_size
+    storage.writing.prepare_step("job", 2)
+    assert not storage.writing.link_file("job", 1, name, 2, name, size + 1)
+    assert storage.writing.link_file("job", 1, name, 2, name, size)
+    (storage.tree.step_dir("job", 1) / INDEX_NAME).unlink()  # step 1 no longer committed
+    storage.writing.prepare_step("job", 3)
+    assert not storage.writing.link_file("job", 1, name, 3, name, size)
+    assert not (storage.tree.step_dir("job", 3) / name).exists()
     with pytest.raises(ValueError):
-        storage.link_file("job", 1, "../x", 3, name, size)
+        storage.writing.link_file("job", 1, "../x", 3, name, size)
     saver.pool.close()
 
 
@@ -215,12 +216,12 @@ def _damage(backend: StorageBackend, step: int, name: str, how: str, at: int) ->
     """Damage a committed data file: flip the byte at `at` in place (the same file, every link
     of it) or replace the file by another of the same size with that byte flipped."""
     if isinstance(backend, MemoryStorage):
-        files = backend.steps[("job", step)].files
+        files = backend.state.steps[("job", step)].files
         data = bytearray(files[name])
         data[at] ^= 0xFF
         files[name] = bytes(data)  # a file of its own now: other steps keep the bytes they share
         return
-    path = backend.step_dir("job", step) / name
+    path = backend.tree.step_dir("job", step) / name
     if how == "in-place":
         with open(path, "r+b") as f:
             f.seek(at)
@@ -243,19 +244,19 @@ def test_a_previous_file_damaged_on_disk_is_written_again_not_linked(backend: St
     saver = _Saver(backend, shm_dir, specs)
     tensors = _tensors(specs)
     first = saver.save(1, tensors, None)
-    index = backend.read_index("job", 1)
+    index = backend.files.read_index("job", 1)
     fragment = next(t for t in index.tensors if t.name == "model/base.1").fragments[0]
     damaged = fragment.file
     _damage(backend, 1, damaged, how, fragment.offset + fragment.nbytes // 2 if where == "tensor" else 10)
-    assert not verify_files(backend.step_reader("job", 1)).ok
+    assert not verify_files(backend.files.step_reader("job", 1)).ok
     second = saver.save(2, tensors, 1)
-    report = verify_files(backend.step_reader("job", 2))
+    report = verify_files(backend.files.step_reader("job", 2))
     assert report.ok, report.problems
     assert _same(saver.loaded(2), tensors)
     frozen_files = {f.name for f in first.files} - {"model-00001-of-00003.safetensors", "optimizer-00001-of-00001.safetensors"}
     assert second.rewritten == (damaged,) and set(second.linked) == frozen_files - {damaged}
     if isinstance(backend, Storage):
-        one, two = (backend.step_dir("job", s) / damaged for s in (1, 2))
+        one, two = (backend.tree.step_dir("job", s) / damaged for s in (1, 2))
         assert two.stat().st_nlink == 1 and one.stat().st_ino != two.stat().st_ino  # the damaged inode is in step 1 only
     third = saver.save(3, tensors, 2)  # the next save links the good copy step 2 wrote
     assert set(third.linked) == frozen_files and third.rewritten == ()
@@ -270,11 +271,11 @@ def test_check_linked_names_each_file_that_does_not_match(tmp_path: Path, shm_di
     saver = _Saver(storage, shm_dir, specs)
     tensors = _tensors(specs)
     saver.save(1, tensors, None)
-    path = storage.step_dir("job", 1) / "model-00003-of-00003.safetensors"
+    path = storage.tree.step_dir("job", 1) / "model-00003-of-00003.safetensors"
     _damage(storage, 1, path.name, "in-place", path.stat().st_size - 1)  # the last byte of the last tensor
     with caplog.at_level("WARNING", logger="ckptd.daemon.write.writer"):
         manifest = saver.save(2, tensors, 1)
-    assert verify_files(storage.step_reader("job", 2)).ok
+    assert verify_files(storage.files.step_reader("job", 2)).ok
     assert manifest.rewritten == (path.name,)
     (record,) = [r for r in caplog.records if path.name in r.getMessage()]
     message = record.getMessage()
@@ -288,8 +289,8 @@ def test_check_linked_names_each_file_that_does_not_match(tmp_path: Path, shm_di
 def test_check_files_reads_each_file_through_its_opener_and_names_those_that_do_not_match(backend: StorageBackend, shm_dir: Path) -> None:
     saver = _Saver(backend, shm_dir, _specs())
     saver.save(1, _tensors(_specs()), None)
-    units = file_units(backend.read_index("job", 1))
-    reader = backend.step_reader("job", 1)
+    units = file_units(backend.files.read_index("job", 1))
+    reader = backend.files.step_reader("job", 1)
     opened: list[str] = []
 
     def open_file(name: str) -> ReadHandle:

@@ -3,17 +3,23 @@ messages, and what a peer sends is validated where it becomes a record."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
+from ckptd.daemon.engine.runs import RunClaim
+from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.rpc import convert as rpc_convert
+from ckptd.daemon.rpc import validate
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
-from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
-from ckptd.daemon.records import JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
+from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.records import InFlightSave, JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
 from ckptd.daemon.plan.load_plan import DecodeInfo, PieceInfo
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
@@ -30,10 +36,23 @@ def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
     assert rpc_convert.join_result_of(rpc_convert.join_response(result), 2) == result
     known = JoinResult("save-2", "key", (0, 0), None, False)
     assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == known
-    request = rpc_convert.join_request("job", 3, 1, 2, {1: "fp"}, {1: specs(HALVES[1])}, ["k"], 9.5, None, "root", SaveOptions(), 0)
+    request = rpc_convert.join_request(JoinSave("job", 3, 2, {1: "fp"}, {1: specs(HALVES[1])}, ("k",), 9.5, None), 1, "root")
     assert (request.node, dict(request.fingerprints), request.has_metric, request.root_id) == (1, {1: "fp"}, False, "root")
     assert [m.name for m in request.tensors[0].tensors] == ["model/w", "optimizer/step"] and list(request.tensors[0].tensors[0].aliases) == ["model/tied"]
-    assert rpc_convert.join_request("job", 3, 1, 2, {}, {}, [], 1.0, 0.0, "r", SaveOptions(), 0).has_metric  # a metric of 0 is a metric
+    assert rpc_convert.join_request(JoinSave("job", 3, 2, {1: "fp"}, {}, (), 1.0, 0.0), 1, "r").has_metric  # a metric of 0 is a metric
+
+
+@pytest.mark.parametrize(
+    "joining",
+    [
+        JoinSave("job", 3, 2, {1: spec_digest(specs(HALVES[1]))}, {1: specs(HALVES[1])}, ("k",), 9.5, None),
+        JoinSave("job", 3, 2, {0: "fa", 1: "fb"}, {}, (), 1.0, 0.0, SaveOptions("O2", "drop", False, JobRetention(keep_last=2)), 4, RunClaim("run1", True)),
+        JoinSave("job", 0, 1, {0: "f"}, {}, ("k1", "k2"), 3.0, 1.5, SaveOptions(None, None, True), 0, RunClaim("run2")),
+    ],
+)
+def test_a_join_request_crosses_the_wire_unchanged(joining: JoinSave) -> None:
+    node, back = validate.join_save_of(rpc_convert.join_request(joining, 1, "root"), nodes=2, default_timeout_s=60.0)
+    assert (node, back) == (1, joining)
 
 
 def test_replicas_metadata_crosses_once_and_arrives_for_every_rank() -> None:
@@ -68,10 +87,10 @@ def test_a_report_carries_the_manifest_and_model_files() -> None:
         (FileRecord("model-00002-of-00002.safetensors", 100, "xxh3-64:0", 1),),
         (("model/w", FragmentRecord("model-00002-of-00002.safetensors", "w@2,0", HALVES[1], "I8", 84, 16, "xxh3-64:1", 65536, "ab", quant)),),
     )
-    request = rpc_convert.report_request("job", 3, "save", 1, manifest, "", {0: "{}"}, {"config.json": b"{}"})
+    request = rpc_convert.report_request(ReportManifest("job", 3, "save", manifest, "", {0: {}}, {"config.json": b"{}"}), 1)
     assert request.ok and dict(request.model_files) == {"config.json": "{}"} and dict(request.extras_json) == {0: "{}"}
     assert rpc_convert.manifest_from_wire(1, request.files, request.fragments) == manifest
-    failed = rpc_convert.report_request("job", 3, "save", 1, None, "disk full", {}, {})
+    failed = rpc_convert.report_request(ReportManifest("job", 3, "save", None, "disk full"), 1)
     assert not failed.ok and not failed.files and failed.error == "disk full"
 
 
@@ -98,11 +117,14 @@ def test_a_node_refuses_a_compression_it_cannot_write() -> None:
 
 
 def test_a_joining_nodes_options_are_checked_like_a_ranks() -> None:
-    request = rpc_convert.join_request("j", 1, 1, 2, {1: "f"}, {}, [], 10.0, None, "r", SaveOptions("O2", "drop", False), 4)
-    assert rpc_convert.join_options_of(request) == SaveOptions("O2", "drop", False) and request.lineage == 4
+    request = rpc_convert.join_request(JoinSave("j", 1, 2, {1: "f"}, {}, (), 10.0, None, SaveOptions("O2", "drop", False), 4), 1, "r")
+    _, joining = validate.join_save_of(request, nodes=2, default_timeout_s=60.0)
+    assert joining.options == SaveOptions("O2", "drop", False) and joining.lineage == 4
     request.master_weights = "shred"
     with pytest.raises(InvalidRequest, match="node 1: master_weights='shred'"):
-        rpc_convert.join_options_of(request)
+        validate.join_save_of(request, nodes=2, default_timeout_s=60.0)
+    request.timeout_s, request.master_weights = 0.0, ""
+    assert validate.join_save_of(request, nodes=2, default_timeout_s=60.0)[1].timeout_s == 60.0  # none given: the daemon's
 
 
 def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:
@@ -111,7 +133,7 @@ def test_an_outcome_and_an_inventory_cross_the_wire_unchanged() -> None:
     inventory = PeerInventory("root", True, {"a.safetensors": 10, "b.safetensors": 20}, False)
     back = rpc_convert.inventory_of(rpc_convert.inventory_response(inventory))
     assert back == inventory and back.sizes == inventory.sizes
-    assert (back[1], back.sizes, back[3], back[0]) == (True, inventory.sizes, False, "root")  # the engine still reads it by position
+    assert (back.committed, back.sizes, back.in_flight, back.root_id) == (True, inventory.sizes, False, "root")
     held = PeerInventory("root", True, {}, False, replicas=((2, "a.safetensors", 10),), newest=7)  # tier 0b
     assert rpc_convert.inventory_of(rpc_convert.inventory_response(held)) == held
 
@@ -135,20 +157,19 @@ def test_slot_messages_are_built_once_per_plan_and_rank() -> None:
     assert first is slots.get(plan, 1) and [s.name for s in first] == [s.name for s in plan.slots_of(1)]
 
 
-def test_a_status_snapshot_from_the_services_dict() -> None:
-    in_flight = dict(job="a", step=1, state="writing", bytes_total=10, bytes_written=5, age_s=1.5, ranks_arrived=2, ranks_expected=2, write_s=0.5)
-    status = {
-        "version": "1", "root": "/r", "in_flight": [in_flight, {**in_flight, "job": "b"}], "arena_bytes": 1, "arena_count": 2,
-        "committed_total": 3, "failed_total": 4, "skipped_total": 5, "last_error": "e", "draining": True, "queue_depth": 6,
-        "last_commit": LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), "node_rank": 0, "nodes": 2, "bytes_written_total": 7,
-        "uptime_s": 8.0, "loads_active": 9, "link_mismatches_total": 1,
-    }
-    snapshot = StatusSnapshot.from_dict(status)
+def test_a_status_snapshot_crosses_the_wire_and_narrows_to_a_job() -> None:
+    in_flight = InFlightSave(job="a", step=1, state="writing", bytes_total=10, bytes_written=5, age_s=1.5, ranks_arrived=2, ranks_expected=2, write_s=0.5)
+    snapshot = StatusSnapshot(
+        version="1", root="/r", in_flight=(in_flight, replace(in_flight, job="b")), arena_bytes=1, arena_count=2,
+        committed_total=3, failed_total=4, skipped_total=5, last_error="e", draining=True, queue_depth=6,
+        last_commit=LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), node_rank=0, nodes=2, bytes_written_total=7,
+        uptime_s=8.0, loads_active=9, link_mismatches_total=1,
+    )
     message = rpc_convert.status_pb(snapshot.of_job("b"))
     assert [f.job for f in message.in_flight] == ["b"] and message.in_flight[0].bytes_written == 5
     assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/a/step-1")
     assert message.link_mismatches_total == 1
-    assert not rpc_convert.status_pb(StatusSnapshot.from_dict({**status, "last_commit": None})).HasField("last_commit")
+    assert not rpc_convert.status_pb(replace(snapshot, last_commit=None)).HasField("last_commit")
     assert len(snapshot.in_flight) == 2
 
 

@@ -18,6 +18,7 @@ import pytest
 from ckptd.common.boxes import Box
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave, PlanLoad
 from ckptd.daemon.engine.runs import Client, RunClaim, Runs
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Precondition, RunRefused
@@ -141,12 +142,12 @@ def service(tmp_path: Path) -> Any:
 
 async def _begin(service: CheckpointService, run: str, rank: int, step: int, world: int = 2, resumed_from: int | None = None) -> SaveSession:
     return await service.begin_save(
-        "job", rank, world, step, "fp", [SPEC], None, 30.0, run=run, resumed_from=resumed_from, client_id=f"{run}client{rank}"
+        BeginSave("job", rank, world, step, "fp", [SPEC], None, 30.0, run=run, resumed_from=resumed_from, client_id=f"{run}client{rank}")
     )
 
 
 async def _hand_over(service: CheckpointService, session: SaveSession, rank: int) -> None:
-    await service.commit_snapshot("job", rank, session.save_id, json.dumps({"rank": rank}))
+    await service.commit_snapshot(CommitSnapshot("job", rank, session.save_id, json.dumps({"rank": rank})))
 
 
 async def _save(service: CheckpointService, run: str, step: int, world: int = 1, resumed_from: int | None = None) -> SaveSession:
@@ -191,7 +192,7 @@ def test_a_second_live_run_cannot_join_the_first_runs_save(service: CheckpointSe
         assert session.state is SaveState.COMMITTED
         with pytest.raises(RunRefused, match="belongs to another run"):  # also at a step of its own
             await _begin(service, "b", 1, 20)
-        assert service.storage.committed_steps("job") == [10]
+        assert service.storage.catalog.committed_steps("job") == [10]
 
     asyncio.run(run())
 
@@ -208,7 +209,7 @@ def test_a_run_that_ended_makes_way_and_its_open_save_fails_at_once(service: Che
             await waiting
         _attach(service, "b")
         await _save(service, "b", 2)  # a fresh run after a: allowed, b owns the job
-        assert service.runs.owner("job") == "b" and service.storage.committed_steps("job") == [1, 2]
+        assert service.runs.owner("job") == "b" and service.storage.catalog.committed_steps("job") == [1, 2]
 
     asyncio.run(run())
 
@@ -229,7 +230,7 @@ def test_a_resumed_run_takes_the_job_over_from_a_live_one(service: CheckpointSer
             await hung  # a's open save was ended for b
         with pytest.raises(RunRefused, match="run a no longer owns job 'job': run b took the job over"):
             await _begin(service, "a", 0, 3, world=1)
-        assert service.runs.owner("job") == "b" and service.storage.committed_steps("job") == [1, 2]
+        assert service.runs.owner("job") == "b" and service.storage.catalog.committed_steps("job") == [1, 2]
 
     asyncio.run(run())
 
@@ -239,10 +240,10 @@ def test_a_resumed_runs_save_of_a_step_it_redid_is_kept(service: CheckpointServi
     async def run() -> None:
         for step in (10, 20, 30):
             await _save(service, "a", step)
-        before = service.storage.read_index("job", 20).created_at
+        before = service.storage.files.read_index("job", 20).created_at
         kept = await _save(service, "b", 20, resumed_from=10)  # resumed from 10 (a stale pointer), redid 10..20
         assert kept.state is SaveState.COMMITTED and "is committed already and this run resumed from step 10" in kept.kept
-        assert service.storage.read_index("job", 20).created_at == before  # not written again
+        assert service.storage.files.read_index("job", 20).created_at == before  # not written again
         assert "this run resumed from it" in (await _save(service, "b", 30, resumed_from=30)).kept
         # the rolled-back timeline: b goes on from 10 with 15, then a run resumed from 15 saves 20, which b passed over
         await _save(service, "b", 15, resumed_from=10)
@@ -301,7 +302,7 @@ async def _no_retention(job: str) -> None:
 
 def _join(coord: Coordinator, node: int, step: int, claim: RunClaim, world: int = 1, rank: int = 0) -> Any:
     spec = (TensorSpec("model/w", "model", "F32", (4,), Box.full((4,))),)
-    return coord.join("job", step, node, world, {rank: "fp"}, {rank: spec}, [], "root", 30.0, None, claim=claim)
+    return coord.join(JoinSave("job", step, world, {rank: "fp"}, {rank: spec}, [], 30.0, None, claim=claim), node, "root")
 
 
 # issue 30 finding 6
@@ -355,12 +356,12 @@ def test_a_load_by_another_run_leaves_a_live_runs_open_save_alone(service: Check
         await _save(service, "a", 1)
         open_save = asyncio.ensure_future(_begin(service, "a", 0, 2, world=2))
         await asyncio.sleep(0.05)
-        plan = await service.plan_load("job", 0, 1, None, [SPEC], ["model"], True, run="eval")
+        plan = await service.plan_load(PlanLoad("job", 0, 1, None, [SPEC], ["model"], True, run="eval"))
         service.load_done(plan.load_id)
         assert plan.step == 1 and not open_save.done()
         session = await asyncio.gather(_begin(service, "a", 1, 2, world=2), open_save)
         assert session[0] is session[1] and session[0].state is SaveState.SNAPSHOTTING
-        plan = await service.plan_load("job", 1, 2, None, [SPEC], ["model"], True, run="a")  # a's own rank 1 moves on: its save ends
+        plan = await service.plan_load(PlanLoad("job", 1, 2, None, [SPEC], ["model"], True, run="a"))  # a's own rank 1 moves on: its save ends
         service.load_done(plan.load_id)
         assert session[0].state is SaveState.FAILED and "moved on" in session[0].error
 

@@ -11,6 +11,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.files import NodeManifest, environment_json
@@ -80,12 +81,12 @@ def test_the_commit_waits_for_every_node_that_joined(tmp_path: Path, joined: tup
         storage = Storage(tmp_path)
         coord = Coordinator(storage, Answering([f"n{n}" for n in range(3)], ""), "own-root", no_retention)  # node-local roots
         results = await asyncio.gather(
-            *[coord.join("job", 1, n, 3, {n: f"fp{n}"}, {n: (TensorSpec("model/w", "model", "F32", SHAPE, third(n)),)}, [], f"root{n}", 30.0, None) for n in joined]
+            *[coord.join(JoinSave("job", 1, 3, {n: f"fp{n}"}, {n: (TensorSpec("model/w", "model", "F32", SHAPE, third(n)),)}, [], 30.0, None), n, f"root{n}") for n in joined]
         )
         save_id = results[0].save_id
         tasks = []
         for i, node in enumerate(reports):
-            tasks.append(asyncio.create_task(coord.report("job", 1, save_id, node, manifest(node), "", {}, {})))
+            tasks.append(asyncio.create_task(coord.report(ReportManifest("job", 1, save_id, manifest(node)), node)))
             if i == commits_after:  # the commit writes files: wait for it rather than for a fixed time
                 await asyncio.wait_for(asyncio.shield(tasks[-1]), 60)
             else:
@@ -105,8 +106,8 @@ def test_a_report_from_a_node_that_did_not_join_is_refused(tmp_path: Path) -> No
     async def scenario() -> None:
         coord = Coordinator(Storage(tmp_path), Answering(["a", "b", "c"], ""), "own-root", no_retention)
         specs = {n: (TensorSpec("model/w", "model", "F32", (2,), Box((n,), (1,))),) for n in (0, 1)}
-        results = await asyncio.gather(*[coord.join("job", 1, n, 2, {n: f"fp{n}"}, {n: specs[n]}, [], f"root{n}", 30.0, None) for n in (0, 1)])
+        results = await asyncio.gather(*[coord.join(JoinSave("job", 1, 2, {n: f"fp{n}"}, {n: specs[n]}, [], 30.0, None), n, f"root{n}") for n in (0, 1)])
         with pytest.raises(InvalidRequest, match="node 2 did not join the save of step 1"):
-            await coord.report("job", 1, results[0].save_id, 2, manifest(2), "", {}, {})
+            await coord.report(ReportManifest("job", 1, results[0].save_id, manifest(2)), 2)
 
     asyncio.run(scenario())

@@ -15,9 +15,15 @@ import pytest
 
 from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
-from ckptd.daemon.storage import ForeignEntry, Storage, open_for_reading, read_file, start_writeback, write_small_file
+from ckptd.daemon.storage import ROOT_ID_FILE, ForeignEntry, RecycledFile, Storage, is_job_dir, is_storage_root, open_for_reading, read_file, start_writeback, write_small_file
 from ckptd.daemon.storage.fs import new_file
 
+
+
+def _prepared(storage: Storage, job: str, step: int, fresh: bool = True) -> Path:
+    """The directory of a step just prepared (StepWriting.prepare_step)."""
+    storage.writing.prepare_step(job, step, fresh)
+    return storage.tree.step_dir(job, step)
 
 def test_start_writeback_is_taken_and_leaves_the_bytes_as_written(tmp_path: Path) -> None:
     path = tmp_path / "data"
@@ -47,7 +53,7 @@ def test_start_writeback_refused_is_a_debug_message_not_an_error(caplog: pytest.
 
 def _step_file(root: Path, data: bytes) -> Storage:
     storage = Storage(root)
-    step_dir = storage.step_dir("job", 1)
+    step_dir = storage.tree.step_dir("job", 1)
     step_dir.mkdir(parents=True)
     (step_dir / "data.safetensors").write_bytes(data)
     return storage
@@ -59,8 +65,8 @@ def test_copy_range_copies_to_the_same_offset(tmp_path: Path) -> None:
     out = tmp_path / "staging"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o640)
     try:
-        storage.copy_range("job", 1, "data.safetensors", fd, 1000, 2**20 + 3)
-        storage.copy_range("job", 1, "data.safetensors", fd, 2 * 2**20, 2**20 + 5)  # a second range, to the end
+        storage.files.copy_range("job", 1, "data.safetensors", fd, 1000, 2**20 + 3)
+        storage.files.copy_range("job", 1, "data.safetensors", fd, 2 * 2**20, 2**20 + 5)  # a second range, to the end
     finally:
         os.close(fd)
     staged = out.read_bytes()
@@ -74,7 +80,7 @@ def test_copy_range_of_a_short_file_says_where_it_ends(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "staging", os.O_WRONLY | os.O_CREAT, 0o640)
     try:
         with pytest.raises(FormatError, match="ends at byte 100, before the 50 bytes its index gives from 80"):
-            storage.copy_range("job", 1, "data.safetensors", fd, 80, 50)
+            storage.files.copy_range("job", 1, "data.safetensors", fd, 80, 50)
     finally:
         os.close(fd)
 
@@ -99,7 +105,7 @@ def _mode(path: Path) -> int:
 
 def _committed_step(storage: Storage, job: str, step: int, data: bytes) -> Path:
     """A committed step of `job` with one data file (another job's shard, for the link to aim at)."""
-    step_dir = storage.prepare_step_dir(job, step)
+    step_dir = _prepared(storage, job, step)
     (step_dir / "model-00001-of-00001.safetensors").write_bytes(data)
     write_small_file(step_dir / INDEX_NAME, b"{}")
     return step_dir / "model-00001-of-00001.safetensors"
@@ -107,11 +113,11 @@ def _committed_step(storage: Storage, job: str, step: int, data: bytes) -> Path:
 
 def _recycled_bin(storage: Storage, job: str, sizes: list[int]) -> Path:
     """The job's recycle bin holding files of `sizes`, made the daemon's way (a step removed)."""
-    step_dir = storage.prepare_step_dir(job, 99)
+    step_dir = _prepared(storage, job, 99)
     for i, size in enumerate(sizes):
         (step_dir / f"model-{i:05d}.safetensors").write_bytes(b"r" * size)
-    storage.remove_step(job, 99, recycle=True)
-    return storage.recycle_dir(job)
+    storage.janitor.remove_step(job, 99, recycle=True)
+    return storage.tree.recycle_dir(job)
 
 
 def test_take_recycled_accepts_only_the_daemons_own_regular_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -125,7 +131,7 @@ def test_take_recycled_accepts_only_the_daemons_own_regular_files(tmp_path: Path
     os.mkfifo(bin_dir / "fifo")
     (bin_dir / "dir").mkdir()
     with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
-        assert storage.take_recycled("b") == [(own, 3000)]
+        assert storage.writing.take_recycled("b") == [RecycledFile(str(own), 3000)]
     warned = " ".join(r.getMessage() for r in caplog.records)
     for name, what in (("link", "a symbolic link"), ("hard", "2 hard links"), ("fifo", "a FIFO"), ("dir", "a directory")):
         assert f"{bin_dir / name} in the recycle bin alone: it is " in warned and what in warned, (name, warned)
@@ -137,15 +143,15 @@ def test_a_recycle_bin_that_is_a_link_is_not_used(tmp_path: Path, caplog: pytest
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 5000)
     before = victim.read_bytes()
-    storage.prepare_step_dir("b", 1)
-    storage.recycle_dir("b").symlink_to(victim.parent)  # another job's committed step as the bin
+    _prepared(storage, "b", 1)
+    storage.tree.recycle_dir("b").symlink_to(victim.parent)  # another job's committed step as the bin
     with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
-        assert storage.take_recycled("b") == []
-        step_dir = storage.prepare_step_dir("b", 2)
+        assert storage.writing.take_recycled("b") == []
+        step_dir = _prepared(storage, "b", 2)
         (step_dir / "model-00001-of-00001.safetensors").write_bytes(b"B" * 100)
-        storage.remove_step("b", 2, recycle=True)  # the bin is not emptied, nothing moves into it
-    assert "not directory the daemon made" not in caplog.text and f"{storage.recycle_dir('b')} is a symbolic link" in caplog.text
-    assert storage.recycle_dir("b").is_symlink()
+        storage.janitor.remove_step("b", 2, recycle=True)  # the bin is not emptied, nothing moves into it
+    assert "not directory the daemon made" not in caplog.text and f"{storage.tree.recycle_dir('b')} is a symbolic link" in caplog.text
+    assert storage.tree.recycle_dir("b").is_symlink()
     assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name] and victim.read_bytes() == before
 
 
@@ -162,7 +168,7 @@ def test_open_recycled_never_opens_truncates_or_moves_a_foreign_entry(tmp_path: 
         os.link(victim, entry)
     else:
         os.mkfifo(entry)
-    dest = storage.prepare_step_dir("b", 2) / ".tmp-model.safetensors.1"
+    dest = _prepared(storage, "b", 2) / ".tmp-model.safetensors.1"
     with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
         assert storage_module.open_recycled(entry, dest) is None  # e.g. swapped in after take_recycled looked
     assert f"leaving {entry} in the recycle bin alone" in caplog.text
@@ -174,7 +180,7 @@ def test_open_recycled_takes_the_daemons_own_file_as_a_0640_file(tmp_path: Path,
     storage = Storage(tmp_path / "root")
     bin_dir = _recycled_bin(storage, "b", [4096])
     os.chmod(bin_dir / "00000", 0o660)  # as an older version under UMask=0007 left it
-    dest = storage.prepare_step_dir("b", 2) / ".tmp-model.safetensors.1"
+    dest = _prepared(storage, "b", 2) / ".tmp-model.safetensors.1"
     fd = storage_module.open_recycled(bin_dir / "00000", dest)
     assert fd is not None
     try:
@@ -232,77 +238,77 @@ def test_write_small_file_neither_writes_through_nor_replaces_a_link(tmp_path: P
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 100)
     before = victim.read_bytes()
-    storage.prepare_step_dir("b", 1)
-    latest = storage.job_dir("b") / "latest"
+    _prepared(storage, "b", 1)
+    latest = storage.tree.job_dir("b") / "latest"
     latest.symlink_to(victim)
     with pytest.raises(ForeignEntry, match=f"{latest} is a symbolic link, which the daemon did not make: it is not replaced"):
-        storage.write_latest("b", 1)
+        storage.writing.write_latest("b", 1)
     assert victim.read_bytes() == before and os.readlink(latest) == str(victim)
     assert sorted(p.name for p in latest.parent.iterdir()) == ["latest", "step-00000001"]  # no temporary file left
     latest.unlink()
-    storage.write_latest("b", 1)
+    storage.writing.write_latest("b", 1)
     assert not latest.is_symlink() and latest.read_text() == "step-00000001\n" and _mode(latest) == 0o640
-    linked_dir = storage.job_dir("c")
+    linked_dir = storage.tree.job_dir("c")
     linked_dir.symlink_to(victim.parent)  # a job directory that is a link: not written into
     with pytest.raises(OSError, match="is a symbolic link, not a directory the daemon made"):
-        storage.write_latest("c", 1)
+        storage.writing.write_latest("c", 1)
     assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name]
 
 
 def test_modes_are_0640_and_0750_whatever_the_umask(tmp_path: Path, umask_007: None) -> None:
     storage = Storage(tmp_path / "root")
     step_dir = _committed_step(storage, "job", 1, b"x").parent
-    storage.write_latest("job", 1)
-    storage.mark_prepared("job", 1, "save", 0)
+    storage.writing.write_latest("job", 1)
+    storage.janitor.mark_prepared("job", 1, "save", 0)
     _recycled_bin(storage, "job", [10])
-    assert _mode(storage.job_dir("job")) == 0o750 and _mode(step_dir) == 0o750 and _mode(storage.recycle_dir("job")) == 0o750
+    assert _mode(storage.tree.job_dir("job")) == 0o750 and _mode(step_dir) == 0o750 and _mode(storage.tree.recycle_dir("job")) == 0o750
     for name in (INDEX_NAME, PREPARED_NAME):
         assert _mode(step_dir / name) == 0o640, name
-    assert _mode(storage.job_dir("job") / "latest") == 0o640
-    for path in (storage.job_dir("job"), storage.recycle_dir("job")):
+    assert _mode(storage.tree.job_dir("job") / "latest") == 0o640
+    for path in (storage.tree.job_dir("job"), storage.tree.recycle_dir("job")):
         os.chmod(path, 0o770)  # as an older version made them under UMask=0007
     _recycled_bin(storage, "job", [10])
-    assert _mode(storage.job_dir("job")) == 0o750 and _mode(storage.recycle_dir("job")) == 0o750
+    assert _mode(storage.tree.job_dir("job")) == 0o750 and _mode(storage.tree.recycle_dir("job")) == 0o750
 
 
 def test_a_step_directory_that_is_a_link_is_neither_followed_nor_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 100)
-    uncommitted = storage.prepare_step_dir("a", 2)
+    uncommitted = _prepared(storage, "a", 2)
     (uncommitted / ".tmp-x.1").write_bytes(b"a's temporary file")
-    storage.mark_prepared("a", 2, "save", 1)  # a node's prepared part: kept by a's clean-up
-    storage.prepare_step_dir("b", 1)
-    storage.prepare_step_dir("b", 7)
+    storage.janitor.mark_prepared("a", 2, "save", 1)  # a node's prepared part: kept by a's clean-up
+    _prepared(storage, "b", 1)
+    _prepared(storage, "b", 7)
     for step, target in ((5, victim.parent), (6, uncommitted)):
-        storage.step_dir("b", step).symlink_to(target)
-    (storage.job_dir("b") / ".tmp-planted.1").symlink_to(victim)
-    (storage.job_dir("b") / ".deleting-step-00000007").symlink_to(victim.parent)
+        storage.tree.step_dir("b", step).symlink_to(target)
+    (storage.tree.job_dir("b") / ".tmp-planted.1").symlink_to(victim)
+    (storage.tree.job_dir("b") / ".deleting-step-00000007").symlink_to(victim.parent)
     with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
-        storage.remove_step("b", 5, recycle=True)
-        storage.remove_step("b", 7)  # its `.deleting-` name is taken by a link to a's step
+        storage.janitor.remove_step("b", 5, recycle=True)
+        storage.janitor.remove_step("b", 7)  # its `.deleting-` name is taken by a link to a's step
         with pytest.raises(OSError, match="is a symbolic link, not a step directory the daemon made"):
-            storage.prepare_step_dir("b", 6)
-        storage.unmark_prepared("b", 6)
-        storage.discard_part("b", 6, [".tmp-x.1"], shared=True)
-        storage.leftovers("b", set())
-        storage.clean_uncommitted()
+            _prepared(storage, "b", 6)
+        storage.janitor.unmark_prepared("b", 6)
+        storage.janitor.discard_part("b", 6, [".tmp-x.1"], shared=True)
+        storage.janitor.leftovers("b", set())
+        storage.janitor.clean_uncommitted()
     assert "leaving " in caplog.text and "symbolic link" in caplog.text
     for step in (5, 6):
-        assert storage.step_dir("b", step).is_symlink(), step
-    assert (storage.job_dir("b") / ".tmp-planted.1").is_symlink() and (storage.job_dir("b") / ".deleting-step-00000007").is_symlink()
+        assert storage.tree.step_dir("b", step).is_symlink(), step
+    assert (storage.tree.job_dir("b") / ".tmp-planted.1").is_symlink() and (storage.tree.job_dir("b") / ".deleting-step-00000007").is_symlink()
     assert sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name] and victim.read_bytes() == b"A" * 100
-    assert not os.path.lexists(storage.step_dir("b", 7))  # removed under another name
+    assert not os.path.lexists(storage.tree.step_dir("b", 7))  # removed under another name
     assert sorted(p.name for p in uncommitted.iterdir()) == [".tmp-x.1", PREPARED_NAME]  # nothing removed through the link
 
 
 def test_a_job_directory_that_is_a_link_is_not_a_job(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "root")
     _committed_step(storage, "a", 1, b"A")
-    storage.job_dir("b").symlink_to(storage.job_dir("a"))
-    assert storage.jobs() == ["a"]
+    storage.tree.job_dir("b").symlink_to(storage.tree.job_dir("a"))
+    assert storage.catalog.jobs() == ["a"]
     with pytest.raises(OSError, match="is a symbolic link, not a directory the daemon made"):
-        storage.prepare_step_dir("b", 2)
-    assert sorted(p.name for p in storage.job_dir("a").iterdir()) == ["step-00000001"]
+        _prepared(storage, "b", 2)
+    assert sorted(p.name for p in storage.tree.job_dir("a").iterdir()) == ["step-00000001"]
 
 
 def test_recycling_leaves_foreign_entries_in_the_bin_and_takes_other_names(tmp_path: Path) -> None:
@@ -322,17 +328,17 @@ def test_copy_range_and_read_index_do_not_follow_links(tmp_path: Path) -> None:
     storage = Storage(tmp_path / "root")
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 100)
-    step_dir = storage.prepare_step_dir("job", 1)
+    step_dir = _prepared(storage, "job", 1)
     (step_dir / "data.safetensors").symlink_to(secret)
     (step_dir / INDEX_NAME).symlink_to(secret)
     fd = os.open(tmp_path / "staging", os.O_WRONLY | os.O_CREAT, 0o640)
     try:
         with pytest.raises(OSError, match="is a symbolic link"):
-            storage.copy_range("job", 1, "data.safetensors", fd, 0, 10)
+            storage.files.copy_range("job", 1, "data.safetensors", fd, 0, 10)
     finally:
         os.close(fd)
     with pytest.raises(OSError, match="is a symbolic link"):
-        storage.read_index("job", 1)
+        storage.files.read_index("job", 1)
     assert (tmp_path / "staging").read_bytes() == b""
 
 
@@ -341,17 +347,17 @@ def test_a_planted_step_directory_link_is_not_listed_loaded_or_deleted_through(t
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 100)  # a committed step elsewhere: what the link aims at
     _committed_step(storage, "b", 1, b"B")
-    storage.step_dir("b", 99).symlink_to(victim.parent)
-    storage.step_dir("b", 98).symlink_to(tmp_path)  # no index there at all
-    (storage.step_dir("b", 1) / "x").mkdir()
-    assert storage.committed_steps("b") == [1] and storage.commit_order("b") == [1] and storage.latest_step("b") == 1
-    assert not storage.is_committed("b", 99) and storage.is_committed("b", 1)
+    storage.tree.step_dir("b", 99).symlink_to(victim.parent)
+    storage.tree.step_dir("b", 98).symlink_to(tmp_path)  # no index there at all
+    (storage.tree.step_dir("b", 1) / "x").mkdir()
+    assert storage.catalog.committed_steps("b") == [1] and storage.catalog.commit_order("b") == [1] and storage.catalog.latest_step("b") == 1
+    assert not storage.catalog.is_committed("b", 99) and storage.catalog.is_committed("b", 1)
     with pytest.raises(ForeignEntry, match="is a symbolic link, not a directory the daemon made"):
-        storage.read_index("b", 99)
+        storage.files.read_index("b", 99)
     with pytest.raises(ForeignEntry, match="step-00000099 is a symbolic link"):
-        storage.open_step_file("b", 99, victim.name)
-    storage.remove_step("b", 99, recycle=True)
-    assert storage.step_dir("b", 99).is_symlink() and sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name]
+        storage.tree.open_step_file("b", 99, victim.name)
+    storage.janitor.remove_step("b", 99, recycle=True)
+    assert storage.tree.step_dir("b", 99).is_symlink() and sorted(p.name for p in victim.parent.iterdir()) == [INDEX_NAME, victim.name]
     assert victim.read_bytes() == b"A" * 100
 
 
@@ -379,21 +385,21 @@ def test_retention_leaves_a_committed_step_that_holds_what_the_daemon_did_not_wr
     shard = _committed_step(storage, "a", 1, b"A")
     (shard.parent / "planted").symlink_to(victim)
     with pytest.raises(ForeignEntry, match=r"step directory .*step-00000001 is not deleted: it holds what the daemon did not write: .*planted \(a symbolic link\)"):
-        storage.remove_step("a", 1, recycle=True)
-    assert storage.committed_steps("a") == [1] and shard.read_bytes() == b"A"
+        storage.janitor.remove_step("a", 1, recycle=True)
+    assert storage.catalog.committed_steps("a") == [1] and shard.read_bytes() == b"A"
     (shard.parent / "planted").unlink()
-    storage.remove_step("a", 1, recycle=True)
-    assert storage.committed_steps("a") == [] and victim.read_bytes() == b"v"
+    storage.janitor.remove_step("a", 1, recycle=True)
+    assert storage.catalog.committed_steps("a") == [] and victim.read_bytes() == b"v"
 
     # an uncommitted attempt: the daemon's own files go, the foreign one stays, and a save of that step says why it cannot start
-    step_dir = storage.prepare_step_dir("a", 2)
+    step_dir = _prepared(storage, "a", 2)
     (step_dir / "own.safetensors").write_bytes(b"x")
     os.mkfifo(step_dir / "fifo")
-    storage.remove_step("a", 2)
+    storage.janitor.remove_step("a", 2)
     assert sorted(p.name for p in step_dir.iterdir()) == ["fifo"]
     with pytest.raises(ForeignEntry, match=r"step-00000002 holds what the daemon did not write: .*fifo \(a FIFO\)"):
-        storage.prepare_step_dir("a", 2)
-    assert storage.leftovers("a", set()) == [] and stat.S_ISFIFO(os.lstat(step_dir / "fifo").st_mode)
+        _prepared(storage, "a", 2)
+    assert storage.janitor.leftovers("a", set()) == [] and stat.S_ISFIFO(os.lstat(step_dir / "fifo").st_mode)
 
 
 def test_the_root_id_file_is_0640_and_never_followed(tmp_path: Path, umask_007: None) -> None:
@@ -403,15 +409,15 @@ def test_the_root_id_file_is_0640_and_never_followed(tmp_path: Path, umask_007: 
     os.umask(0)
     root = tmp_path / "root"
     root.mkdir()
-    first = Storage(root).root_id()
-    assert len(first) == 32 and Storage(root).root_id() == first and _mode(root / ROOT_ID_FILE) == 0o640
+    first = Storage(root).catalog.root_id()
+    assert len(first) == 32 and Storage(root).catalog.root_id() == first and _mode(root / ROOT_ID_FILE) == 0o640
     other = tmp_path / "other"
     other.mkdir()
     victim = tmp_path / "victim"
     victim.write_bytes(b"not an id\n")
     (other / ROOT_ID_FILE).symlink_to(victim)
     with pytest.raises(ForeignEntry, match="is a symbolic link"):
-        Storage(other).root_id()
+        Storage(other).catalog.root_id()
     assert victim.read_bytes() == b"not an id\n" and os.readlink(other / ROOT_ID_FILE) == str(victim)
 
 
@@ -458,17 +464,17 @@ def test_a_committed_step_loses_its_prepared_marker_and_temporaries_and_keeps_wh
     victim.write_bytes(b"v")
 
     def interrupted_commit(step: int) -> None:
-        step_dir = storage.prepare_step_dir("job", step)
+        step_dir = _prepared(storage, "job", step)
         for name in (INDEX_NAME, PREPARED_NAME, ".tmp-extra.json.123"):
             (step_dir / name).write_bytes(b"{}")
         (step_dir / ".tmp-planted").symlink_to(victim)
 
     interrupted_commit(1)
-    storage.clean_uncommitted()
+    storage.janitor.clean_uncommitted()
     interrupted_commit(2)
-    storage.unmark_prepared("job", 2)
+    storage.janitor.unmark_prepared("job", 2)
     for step in (1, 2):
-        left = sorted(p.name for p in storage.step_dir("job", step).iterdir())
+        left = sorted(p.name for p in storage.tree.step_dir("job", step).iterdir())
         assert left == [".tmp-planted", INDEX_NAME], (step, left)
     assert victim.read_bytes() == b"v"
 
@@ -476,12 +482,12 @@ def test_a_committed_step_loses_its_prepared_marker_and_temporaries_and_keeps_wh
 # issue 30 finding 9 (c)
 def test_the_root_the_daemon_makes_is_0750_whatever_the_umask(tmp_path: Path, umask_007: None) -> None:
     root = tmp_path / "new" / "ckpt"
-    Storage(root).clean_uncommitted()
+    Storage(root).janitor.clean_uncommitted()
     assert stat.S_IMODE(root.stat().st_mode) == 0o750 and stat.S_IMODE(root.parent.stat().st_mode) == 0o750
     existing = tmp_path / "operators"  # a root the operator made keeps its mode
     existing.mkdir(mode=0o755)
     os.chmod(existing, 0o755)
-    Storage(existing).clean_uncommitted()
+    Storage(existing).janitor.clean_uncommitted()
     assert stat.S_IMODE(existing.stat().st_mode) == 0o755
 
 
@@ -494,8 +500,8 @@ def test_the_commit_order_mixes_compact_and_indented_indexes(tmp_path: Path) -> 
         data = CheckpointIndex("job", step, created, 1, (), ()).to_json_bytes()
         if indented:
             data = json.dumps(json.loads(data), indent=1).encode()
-        write_small_file(storage.prepare_step_dir("job", step) / INDEX_NAME, data)
-    assert storage.commit_order("job") == [2, 3, 1, 4]
+        write_small_file(_prepared(storage, "job", step) / INDEX_NAME, data)
+    assert storage.catalog.commit_order("job") == [2, 3, 1, 4]
 
 
 # issue 30 review: a node restarting on a root other nodes' daemons serve removes its own old
@@ -507,17 +513,33 @@ def test_start_up_on_a_shared_root_removes_old_leftovers_and_keeps_fresh_ones(tm
     restarted = Storage(root)
     restarted.claim(0, "/run/this.sock")
     try:
-        dead = restarted.prepare_step_dir("job", 3)  # a save of this node's that died with its daemon
+        dead = _prepared(restarted, "job", 3)  # a save of this node's that died with its daemon
         (dead / ".tmp-model-00001-of-00002.safetensors.1").write_bytes(b"x")
-        in_flight = restarted.prepare_step_dir("job", 4)  # node 1's save, being written now
+        in_flight = _prepared(restarted, "job", 4)  # node 1's save, being written now
         (in_flight / ".tmp-model-00002-of-00002.safetensors.1").write_bytes(b"y")
         long_ago = dead.stat().st_mtime - 3600
         os.utime(dead, (long_ago, long_ago))
         with caplog.at_level(logging.WARNING):
-            removed = restarted.clean_uncommitted(600.0)
-        assert removed == [dead] and not dead.exists()
+            removed = restarted.janitor.clean_uncommitted(600.0)
+        assert [left.where for left in removed] == [str(dead)] and not dead.exists()
         assert (in_flight / ".tmp-model-00002-of-00002.safetensors.1").read_bytes() == b"y"
         assert "start-up recovery" in caplog.text and "skipped" in caplog.text and "node 1" in caplog.text
     finally:
         restarted.release()
         other_node.release()
+
+
+def test_one_rule_says_what_a_job_directory_and_a_storage_root_are(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "job" / "step-00000001").mkdir(parents=True)
+    (root / "job" / "step-00000001" / INDEX_NAME).write_text("{}")
+    (root / "fresh").mkdir()
+    (root / "fresh" / "latest").write_text("step-00000001\n")
+    (root / ".recycle" / "step-00000001").mkdir(parents=True)
+    (root / "plain").mkdir()
+    (root / "linked").symlink_to(root / "job")
+    verdicts = {name: is_job_dir(root / name) for name in ("job", "fresh", ".recycle", "plain", "linked", "job/step-00000001", "missing")}
+    assert verdicts == {"job": True, "fresh": True, ".recycle": False, "plain": False, "linked": False, "job/step-00000001": False, "missing": False}
+    assert is_storage_root(root) and not is_storage_root(root / "job") and not is_storage_root(root / "plain")
+    (root / "plain" / ROOT_ID_FILE).write_text("id\n")
+    assert is_storage_root(root / "plain")

@@ -36,7 +36,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> StorageBackend:
 
 def _load(storage: StorageBackend, job: str, step: int, name: str) -> dict[str, torch.Tensor]:
     """A stored safetensors file's tensors, read through the backend."""
-    return load_bytes(storage.read_small(job, step, name))
+    return load_bytes(storage.files.read_small(job, step, name))
 
 
 @pytest.fixture
@@ -85,13 +85,13 @@ def test_fragments_of_two_ranks_are_written_whole_and_loadable(backend: StorageB
     optim = _load(storage, "job", 3, "optimizer-00001-of-00001.safetensors")
     assert torch.equal(optim["optimizer/state/w/exp_avg"], col)
     assert progress.written == plan.total_bytes
-    assert storage.read_index("job", 3) == index
-    assert json.loads(storage.read_small("job", 3, "extra.json"))["ranks"] == {"0": {"a": 1}, "1": {"a": 2}}
-    assert storage.latest_named("job") == 3
-    assert storage.read_small("job", 3, "config.json") == b"{}"
-    assert sorted(storage.step_file_sizes("job", 3)) == sorted([f.name for f in index.files] + [INDEX_NAME])
-    assert storage.committed_steps("job") == [3]
-    report = verify_files(storage.step_reader("job", 3))  # the index read back through the backend, every byte checked
+    assert storage.files.read_index("job", 3) == index
+    assert json.loads(storage.files.read_small("job", 3, "extra.json"))["ranks"] == {"0": {"a": 1}, "1": {"a": 2}}
+    assert storage.catalog.latest_named("job") == 3
+    assert storage.files.read_small("job", 3, "config.json") == b"{}"
+    assert sorted(storage.files.step_file_sizes("job", 3)) == sorted([f.name for f in index.files] + [INDEX_NAME])
+    assert storage.catalog.committed_steps("job") == [3]
+    report = verify_files(storage.files.step_reader("job", 3))  # the index read back through the backend, every byte checked
     assert report.ok and report.notes == (), report.problems
 
 
@@ -103,8 +103,8 @@ def test_a_failed_write_leaves_no_step(backend: StorageBackend, shm_dir: Path) -
     storage = backend
     with pytest.raises(Exception):  # noqa: B017  any error will do: the point is that nothing is committed
         persist(storage, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 1), Progress(16))
-    assert storage.step_file_sizes("job", 1) == {} and storage.step_bytes("job", 1) == 0
-    assert storage.committed_steps("job") == []
+    assert storage.files.step_file_sizes("job", 1) == {} and storage.catalog.step_bytes("job", 1) == 0
+    assert storage.catalog.committed_steps("job") == []
 
 
 def test_a_failed_coded_write_leaves_no_step_and_no_open_file(
@@ -131,8 +131,8 @@ def test_a_failed_coded_write_leaves_no_step_and_no_open_file(
     with pytest.raises(OSError, match="No space left"):
         persist(storage, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 3, quantize="O1"), Progress(plan.total_bytes))
     assert _open_files_under(tmp_path) == []  # (counting all fds is flaky: other tests' threads open and close theirs)
-    assert storage.step_file_sizes("job", 1) == {}
-    assert storage.committed_steps("job") == []
+    assert storage.files.step_file_sizes("job", 1) == {}
+    assert storage.catalog.committed_steps("job") == []
     pool.close()
 
 
@@ -161,7 +161,7 @@ def test_progress_of_a_compressed_save_reaches_the_snapshot_bytes(
     request = PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 2, quantize=quantize, master_weights=master_weights)
     index = persist(backend, request, progress)
     pool.close()
-    assert verify_files(backend.step_reader("job", 1)).ok  # codes, scales, frames and residuals as the index records them
+    assert verify_files(backend.files.step_reader("job", 1)).ok  # codes, scales, frames and residuals as the index records them
     assert {t.name: [f.quant.codec if f.quant else None for f in t.fragments] for t in index.tensors}["master/w"] == [
         "residual-bf16" if master_weights == "residual" else "cast"
     ]
@@ -178,8 +178,8 @@ def test_clean_uncommitted_removes_crash_leftovers(tmp_path: Path) -> None:
     (done / INDEX_NAME).write_text("{}")
     (done / ".tmp-x.1").write_text("")
     (tmp_path / "job" / "latest").write_text("step-00000002\n")
-    removed = storage.clean_uncommitted()
-    assert half in removed and not half.exists() and not (done / ".tmp-x.1").exists()
+    removed = storage.janitor.clean_uncommitted()
+    assert str(half) in [left.where for left in removed] and not half.exists() and not (done / ".tmp-x.1").exists()
     assert (tmp_path / "job" / "latest").read_text() == "step-00000001\n"
 
 
@@ -214,15 +214,15 @@ def test_retention_recycles_data_files_into_the_next_save(backend: StorageBacken
 
     save(1, 8000)  # three model files
     old_inodes = {p.stat().st_ino for p in (tmp_path / "job" / "step-00000001").glob("*.safetensors")}
-    storage.remove_step("job", 1, recycle=True)
-    assert len(storage.take_recycled("job")) == 3 and not storage.is_committed("job", 1) and storage.step_file_sizes("job", 1) == {}
-    largest = storage.take_recycled("job")[0][0]
+    storage.janitor.remove_step("job", 1, recycle=True)
+    assert len(storage.writing.take_recycled("job")) == 3 and not storage.catalog.is_committed("job", 1) and storage.files.step_file_sizes("job", 1) == {}
+    largest = storage.writing.take_recycled("job")[0].key
     save(2, 2**30)  # one bigger file: made from the largest recycled one
     if isinstance(storage, Storage):
         assert (tmp_path / "job" / "step-00000002" / "model-00001-of-00001.safetensors").stat().st_ino in old_inodes
     else:
-        assert all(handle is not largest for handle, _ in storage.take_recycled("job"))
-    assert len(storage.take_recycled("job")) == 2
+        assert all(r.key != largest for r in storage.writing.take_recycled("job"))
+    assert len(storage.writing.take_recycled("job")) == 2
     loaded = _load(storage, "job", 2, "model-00001-of-00001.safetensors")
     assert all(torch.equal(loaded[n.split("/", 1)[1]], t) for n, t in tensors.items())
     pool.close()
@@ -230,7 +230,8 @@ def test_retention_recycles_data_files_into_the_next_save(backend: StorageBacken
 
 def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(backend: StorageBackend, shm_dir: Path) -> None:
     from ckptd.daemon.plan.files import IncompleteStep, step_files
-    from ckptd.daemon.write.writer import write_node_files, write_step_files
+    from ckptd.daemon.storage.step_commit import StepCommit
+    from ckptd.daemon.write.writer import write_node_files
 
     w = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     b = torch.arange(6, dtype=torch.float32)
@@ -250,20 +251,20 @@ def test_two_nodes_write_their_fragments_and_the_commit_covers_every_tensor(back
         request = PersistRequest("job", 7, plan, arenas, {}, {}, None, 2**30, 2, node=node, shared_dir=True)
         manifests.append(write_node_files(storage, request, Progress(plan.node_bytes(node))))
         pool.close()
-    assert not storage.is_committed("job", 7)  # data files alone commit nothing
+    assert not storage.catalog.is_committed("job", 7)  # data files alone commit nothing
     with pytest.raises(IncompleteStep, match="model/w"):
         step_files("job", 7, plan, manifests[:1], {}, {}, None)
     index, files = step_files("job", 7, plan, manifests, {0: {}}, {}, None)
     assert list(files)[-1] == INDEX_NAME
-    write_step_files(storage, "job", 7, files)
-    assert storage.is_committed("job", 7)
+    StepCommit(storage.writing, storage.catalog, "job", 7).publish(files)
+    assert storage.catalog.is_committed("job", 7)
     record = index.by_name()["model/w"]
     assert [f.file for f in record.fragments] == ["model-00001-of-00002.safetensors"] * 2 + ["model-00002-of-00002.safetensors"] * 2
     assert {f.node for f in index.files if f.name.startswith("model-")} == {0, 1}
     stored = {**_load(storage, "job", 7, "model-00001-of-00002.safetensors"), **_load(storage, "job", 7, "model-00002-of-00002.safetensors")}
     assert torch.equal(torch.cat([stored[f"w@{2 * r},0"] for r in range(4)]), w) and torch.equal(stored["b"], b)
-    assert "model.safetensors.index.json" not in storage.step_file_sizes("job", 7)  # not HF-loadable until exported
-    assert verify_files(storage.step_reader("job", 7)).ok
+    assert "model.safetensors.index.json" not in storage.files.step_file_sizes("job", 7)  # not HF-loadable until exported
+    assert verify_files(storage.files.step_reader("job", 7)).ok
 
 
 def _fill_node(arenas, plan, tensors: dict[str, torch.Tensor], node: int) -> None:
@@ -278,7 +279,7 @@ def _fill_node(arenas, plan, tensors: dict[str, torch.Tensor], node: int) -> Non
 
 def test_every_tensor_byte_written_has_its_writeback_started(backend: StorageBackend, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[tuple[str, int, int]] = []
-    real_open = backend.open_part
+    real_open = backend.writing.open_part
 
     def open_part(*args: object, **kwargs: object) -> object:
         part = real_open(*args, **kwargs)  # type: ignore[arg-type]
@@ -291,7 +292,7 @@ def test_every_tensor_byte_written_has_its_writeback_started(backend: StorageBac
         part.start_writeback = hint  # type: ignore[method-assign]
         return part
 
-    monkeypatch.setattr(backend, "open_part", open_part)
+    monkeypatch.setattr(backend.writing, "open_part", open_part)
     tensors = {"model/w": torch.randn(64, 1024), "optimizer/state/w/exp_avg": torch.randn(64, 1024), "model/b": torch.randn(8)}
     plan = make_save_plan([[TensorSpec(name, name.split("/")[0], "F32", tuple(t.shape), Box.full(tuple(t.shape))) for name, t in tensors.items()]])
     pool = ArenaPool(shm_dir, "job", max_inflight=1)

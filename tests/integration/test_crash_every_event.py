@@ -164,7 +164,7 @@ class Rig:
 
     def committed(self, node: int) -> list[int]:
         """Committed steps of node's root, oldest commit first."""
-        return Storage(self.root(node)).commit_order(JOB)
+        return Storage(self.root(node)).catalog.commit_order(JOB)
 
     def shape(self) -> list[tuple[int, int, int]]:
         """What decides the events of the next save: per node, committed steps, recycled files

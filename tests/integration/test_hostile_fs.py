@@ -345,7 +345,7 @@ def act(case: Case, ckpt: CheckpointClient, daemon, job: str, state: dict, index
             reader.close()
         return result if isinstance(result, BaseException) else None
     if case.when == "list":
-        assert 99 not in Storage(root).committed_steps(job)
+        assert 99 not in Storage(root).catalog.committed_steps(job)
         assert [c.step for c in ckpt.list()] == [1]
         result = call_with_timeout(lambda: ckpt.load(empty_like(state), step=99))
         assert isinstance(result, CheckpointError) and "99" in str(result), result

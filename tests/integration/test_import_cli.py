@@ -137,7 +137,7 @@ def test_an_import_killed_at_any_point_leaves_no_step_or_a_whole_one(daemons, tm
     for step, kill_at in zip((10, 11, 12, 13), (1, commit // 2, commit, commit + 1)):
         out = killed_import(tmp_path / "w.pt", root, "crash", step, CKPTD_FAULT_KILL_AT=str(kill_at))
         assert out.returncode == -9, out.stderr
-        committed = Storage(root).committed_steps("crash")
+        committed = Storage(root).catalog.committed_steps("crash")
         assert committed == ([1, step] if kill_at > commit else [1]), (kill_at, committed)
     assert ckptd("verify", str(root / "crash" / "step-00000013")).returncode == 0
 

@@ -1,5 +1,5 @@
 """Operating a real daemon: ckptd status during a slow save, verify, gc, ls, retention across 30
-saves with metrics, and the Prometheus endpoint scraped over HTTP."""
+saves with metrics, the Prometheus endpoint scraped over HTTP, and health while it drains."""
 
 from __future__ import annotations
 
@@ -321,6 +321,35 @@ def test_metrics_endpoint_serves_the_expected_series(daemons) -> None:
     assert [(r["job"], r["step"], r["node"]) for r in commits] == [("scraped", 1, 0), ("scraped", 2, 0)]
     failure = next(r for r in logs if r.get("cause") == "rank_aborted")
     assert (failure["job"], failure["step"], failure["level"]) == ("scraped", 3, "warning")
+
+
+def test_a_draining_daemon_is_not_ready_but_alive(daemons) -> None:
+    """SIGTERM with a snapshot open: while the daemon drains, readiness ("" and the Checkpoint
+    service) is NOT_SERVING on the socket and on --health-port, `liveness` stays SERVING (a
+    probe must not kill a daemon that is committing), and it exits 0 once the save is decided."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health_port = free_port()
+    daemon = daemons.start("--metrics-host", "127.0.0.1", "--health-port", str(health_port))
+    who = pb.RankId(job="drained", rank=0, world_size=1)
+    meta = pb.TensorMeta(name="model/w", kind="model", dtype="F32", shape=[4], box=pb.Box(offsets=[0], lengths=[4]))
+    with grpc.insecure_channel(daemon.address) as channel, grpc.insecure_channel(f"127.0.0.1:{health_port}") as probe:
+        stub = pb_grpc.CheckpointStub(channel)
+        stub.BeginSave(pb.BeginSaveRequest(who=who, step=1, fingerprint="f-drain", tensors=[meta], timeout_s=4), timeout=30)  # never handed over
+        daemon.popen.send_signal(signal.SIGTERM)
+        socket_health, tcp_health = health_pb2_grpc.HealthStub(channel), health_pb2_grpc.HealthStub(probe)
+
+        def status(health: health_pb2_grpc.HealthStub, service: str) -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+        deadline = time.monotonic() + 10
+        while status(socket_health, "") != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for health in (socket_health, tcp_health):
+            assert [status(health, s) for s in ("", "ckptd.v1.Checkpoint", "liveness")] == [
+                health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING,
+            ]
+    assert daemon.stop(timeout_s=60) == 0
 
 
 def test_a_busy_metrics_port_is_a_clear_start_error(daemons, tmp_path: Path) -> None:

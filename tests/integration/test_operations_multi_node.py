@@ -1,5 +1,6 @@
 """Operations with several nodes on loopback: retention by metric applied on every node's own
-root after each commit, and status and metrics on each node."""
+root after each commit, status and metrics on each node, and a member's peer-port health while
+it drains."""
 
 from __future__ import annotations
 
@@ -61,3 +62,40 @@ def test_retention_by_metric_on_node_local_roots_and_status_per_node(node_sets) 
         assert 'ckptd_retention_deleted_steps_total{job="mnk"} 3.0' in text
         # each node wrote about half of the data (replicas are spread over the nodes)
         assert 'ckptd_written_bytes_total{job="mnk"}' in text
+
+
+def test_a_draining_member_is_not_ready_on_its_peer_port(node_sets) -> None:
+    """SIGTERM on node 1 with a save open: its peer port's health ("" and ckptd.v1.Peer) is
+    NOT_SERVING while it drains (HealthServicer.enter_graceful_shutdown), and it exits 0 once
+    the save is decided."""
+    import signal
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ckptd.wire.v1 import checkpoint_pb2 as pb
+    from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
+
+    cluster = node_sets(2, shared_root=False)
+    cluster.start_all()
+    member = cluster.running[1]
+    who = pb.RankId(job="drained", rank=1, world_size=2, local_world_size=1)
+    meta = pb.TensorMeta(name="model/w", kind="model", dtype="F32", shape=[4], box=pb.Box(offsets=[0], lengths=[4]))
+    with grpc.insecure_channel(member.address) as channel, grpc.insecure_channel(cluster.peers[1]) as peer:
+        stub = pb_grpc.CheckpointStub(channel)
+        begun = stub.BeginSave.future(pb.BeginSaveRequest(who=who, step=1, fingerprint="f-drain", tensors=[meta], timeout_s=4), timeout=30)
+        deadline = time.monotonic() + 10
+        while not stub.Status(pb.StatusRequest(), timeout=10).in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 1 joined; rank 0 never does
+        member.popen.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(peer)
+
+        def status(service: str) -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+        while status("") != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [status(""), status("ckptd.v1.Peer")] == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+        assert begun.exception(timeout=30) is not None  # the save never completed
+    assert member.stop(timeout_s=60) == 0

@@ -18,7 +18,7 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
-from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location
+from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location, parse_step_location
 from ckptd.daemon.remote.objects import file_signature, small_files, uploads_of
 from ckptd.daemon.remote.store import Stopped
 from ckptd.daemon.remote.upload import VerifyingBody
@@ -66,6 +66,27 @@ def test_bad_locations_say_what_is_wrong(text: str, message: str) -> None:
         parse_location(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("s3://bkt/ckpt/a/run-1/step-00000042", (RemoteLocation("bkt", "ckpt/a"), "run-1", 42)),
+        ("s3://bkt/run-1/step-00000042/", (RemoteLocation("bkt", ""), "run-1", 42)),
+        ("s3://bkt/ckpt/run-1", None),  # a job, not a step
+        ("s3://bkt/step-00000042", None),  # no job
+        ("s3://bkt/ckpt/-bad/step-00000042", None),  # not a job id
+        ("s3://Bkt/run-1/step-00000042", None),  # not a bucket
+        ("/root/run-1/step-00000042", None),  # a path
+    ],
+)
+def test_a_step_location_is_the_url_ckptd_ls_shows(text: str, parsed: tuple[RemoteLocation, str, int] | None) -> None:
+    if parsed is None:
+        with pytest.raises(LocationError):
+            parse_step_location(text)
+    else:
+        location, job, step = parse_step_location(text)
+        assert (location, job, step) == parsed and location.url_of(job, step) == text.rstrip("/")
+
+
 def test_keys_follow_the_on_disk_layout_and_parse_back() -> None:
     location = RemoteLocation("bkt", "ckpt/a")
     key = location.key("run-1", 42, "model-00001-of-00002.safetensors")
@@ -96,7 +117,7 @@ def step(tmp_path: Path) -> Iterator[tuple[Storage, CheckpointIndex]]:
     ]
     plan = make_save_plan(ranks)
     storage = Storage(tmp_path / "root")
-    storage.clean_uncommitted()  # makes the root
+    storage.janitor.clean_uncommitted()  # makes the root
     with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as shm:
         pool = ArenaPool(Path(shm), "job", max_inflight=1)
         arenas = take_arenas(pool, plan.arena_bytes)
@@ -107,7 +128,7 @@ def step(tmp_path: Path) -> Iterator[tuple[Storage, CheckpointIndex]]:
             view.release()
         persist(storage, PersistRequest("job", 7, plan, arenas, {0: {"lr": 0.1}}, {"config.json": b"{}"}, None, 2**30, 2), Progress(plan.total_bytes))
         pool.close()
-    yield storage, storage.read_index("job", 7)
+    yield storage, storage.files.read_index("job", 7)
 
 
 def test_units_tile_every_data_file_and_match_its_bytes(step: tuple[Storage, CheckpointIndex]) -> None:
@@ -118,7 +139,7 @@ def test_units_tile_every_data_file_and_match_its_bytes(step: tuple[Storage, Che
     import xxhash
 
     for record in data_files:
-        body = storage.read_small("job", 7, record.name)
+        body = storage.files.read_small("job", 7, record.name)
         assert units[record.name][0].offset == 0 and units[record.name][-1].end == record.size == len(body)
         for unit in units[record.name]:
             assert xxhash.xxh3_64_intdigest(body[unit.offset : unit.end]) == unit.xxh3
@@ -133,7 +154,7 @@ def test_large_pieces_are_verified_by_their_chunks(step: tuple[Storage, Checkpoi
     assert [u.nbytes for u in units[optimizer][1:]] == [64 << 10] * 4  # 256 KiB by its four 64 KiB chunks, still tiling
     import xxhash
 
-    body = storage.read_small("job", 7, optimizer)
+    body = storage.files.read_small("job", 7, optimizer)
     assert all(xxhash.xxh3_64_intdigest(body[u.offset : u.end]) == u.xxh3 for u in units[optimizer])
 
 
@@ -207,7 +228,7 @@ def test_an_upload_checks_every_byte_it_reads(step: tuple[Storage, CheckpointInd
     storage, index = step
     units = file_units(index)
     model = next(f for f in index.files if f.name.startswith("model-"))
-    good = storage.read_small("job", 7, model.name)
+    good = storage.files.read_small("job", 7, model.name)
     stop = threading.Event()
 
     def read_all(data: bytes, part: int = 1000) -> VerifyingBody:

@@ -105,7 +105,7 @@ class DaemonConfig:
     quant_max_generations: lossy save/restore cycles allowed in a lineage: once a trainer resumed
         from a checkpoint with this many behind its values, its saves are lossless (no
         quantization, master weights kept); 0 = no limit.
-    replicas, replica_*: tier 0b (docs/operations.md): node i's newest committed part is held in the memory
+    replicas, replica_*: the replica tiers (docs/operations.md): node i's newest committed part is held in the memory
         of nodes i+1..i+replicas (0 = off), sent at most at replica_bandwidth bytes/s (0 = unlimited),
         within replica_memory bytes per holder, over the bulk port replica_port (0 = a free port).
     remote, remote_*: the object-store tier "s3://BUCKET/PREFIX" ("" = none), requests in flight,

@@ -116,8 +116,8 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("ckptd_shm_budget_bytes", "--shm-budget in bytes (0: none, the shared-memory directory's size).", value=state.shm_budget)
         yield GaugeMetricFamily("ckptd_loads_active", "Loads in progress (their steps are kept by retention).", value=state.loads_active)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is shutting down and takes no new saves.", value=int(state.draining))
-        yield GaugeMetricFamily("ckptd_replica_bytes", "Memory held for other nodes' replicas (tier 0b), received and being received, in bytes.", value=state.replica_bytes)
-        yield GaugeMetricFamily("ckptd_replicas", "Other nodes' parts of committed steps held in this daemon's memory (tier 0b).", value=state.replicas)
+        yield GaugeMetricFamily("ckptd_replica_bytes", "Memory held for other nodes' replicas (the replica tiers), received and being received, in bytes.", value=state.replica_bytes)
+        yield GaugeMetricFamily("ckptd_replicas", "Other nodes' parts of committed steps held in this daemon's memory (the replica tiers).", value=state.replicas)
 
 
 class Metrics:
@@ -167,7 +167,7 @@ class Metrics:
             self.arena_released.labels(reason)
         self.loads = Counter("ckptd_loads", "Load plans served, by tier: memory (the daemon's arenas), disk or mixed.", ["tier"], registry=r)
         self.info = Gauge("ckptd_info", "Constant 1; labels: the daemon's version and node rank.", ["version", "node"], registry=r)
-        # tier 0b: replicas of nodes' parts in other daemons' memory (tiers/replicas.py)
+        # the replica tiers: replicas of nodes' parts in other daemons' memory (tiers/replicas.py)
         self.replica_pushes = Counter("ckptd_replica_pushes", "Pushes of this node's part of a committed step to its buddies, by outcome: ok, failed (some buddy does not hold it), cancelled (a newer commit).", ["outcome"], registry=r)
         self.replica_pushed_bytes = Counter("ckptd_replica_pushed_bytes", "Bytes of this node's parts sent to buddies' memory.", registry=r)
         self.replica_received_bytes = Counter("ckptd_replica_received_bytes", "Bytes of other nodes' parts received, checked and held.", registry=r)

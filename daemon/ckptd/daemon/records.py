@@ -4,8 +4,7 @@ step, and the daemon's status snapshot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, NamedTuple
+from dataclasses import dataclass, field, replace
 
 from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.plan.compression import Compression
@@ -42,15 +41,15 @@ class Outcome:
     index: CheckpointIndex | None = field(default=None, compare=False)  # in process only (node 0): the committed index
 
 
-class PeerInventory(NamedTuple):
-    """What a peer daemon holds of one step (its Inventory answer). A named tuple so that the
-    engine's positional reads (`answer[0]`, `answer[1]`, `answer[3]`) keep working."""
+@dataclass(frozen=True)
+class PeerInventory:
+    """What a peer daemon holds of one step (its Inventory answer)."""
 
     root_id: str  # the peer's storage root id: equal to ours when the root is shared
     committed: bool  # the step's index is on the peer's root
     sizes: dict[str, int]  # data file name -> bytes (empty unless committed)
     in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
-    replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (tier 0b)
+    replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (the replica tiers)
     newest: int | None = None  # when asked: the peer's newest committed step of the job (None: none)
 
 
@@ -127,7 +126,7 @@ class RemoteStatus:
 
 @dataclass(frozen=True)
 class JobReplicas:
-    """Tier 0b of one job in `ckptd status`: where this node's newest part is held; node 0: what is recoverable."""
+    """The replica tiers of one job in `ckptd status`: where this node's newest part is held; node 0: what is recoverable."""
 
     job: str
     pushed_step: int  # this node's newest part offered to its buddies; -1: none
@@ -140,7 +139,7 @@ class JobReplicas:
 
 @dataclass(frozen=True)
 class BulkPortStatus:
-    """The bulk port (tier 0b's bytes, tiers/bulk.py) in `ckptd status`."""
+    """The bulk port (the replica tiers' bytes, tiers/bulk.py) in `ckptd status`."""
 
     port: int
     healthy: bool
@@ -152,7 +151,7 @@ class BulkPortStatus:
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """Tier 0b in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
+    """The replica tiers in `ckptd status`: other nodes' parts held here, and this node's parts' holders."""
 
     held_bytes: int  # memory held and being received into for other nodes' parts
     memory_limit: int  # --replica-memory
@@ -183,29 +182,11 @@ class StatusSnapshot:
     uptime_s: float
     loads_active: int  # loads being read (their steps are kept by retention)
     remote: "RemoteStatus | None" = None  # the object-store tier (--remote); None without one
-    replicas: "ReplicaStatus | None" = None  # tier 0b; None on a single node
+    replicas: "ReplicaStatus | None" = None  # the replica tiers; None on a single node
     link_mismatches_total: int = 0  # linked files incremental saves found damaged and wrote again
     arena_holders: tuple[ArenaHolder, ...] = ()  # the jobs with arena sets
     shm_budget: int = 0  # --shm-budget in bytes; 0: none (the shared-memory directory's size)
     shm_free: int = 0  # bytes free in the shared-memory directory
-
-    @classmethod
-    def from_dict(cls, status: Mapping[str, Any]) -> "StatusSnapshot":
-        """From the dict CheckpointService.status() returns today (a KeyError names a missing
-        field); `last_commit` may be any object with LastCommit's attributes."""
-        last = status["last_commit"]
-        special = ("in_flight", "last_commit", "remote", "replicas", "arena_holders", "shm_budget", "shm_free")
-        values = {f.name: status[f.name] for f in fields(cls) if f.name not in special}
-        return cls(
-            in_flight=tuple(InFlightSave(**f) for f in status["in_flight"]),
-            arena_holders=tuple(status.get("arena_holders", ())),
-            shm_budget=status.get("shm_budget", 0),
-            shm_free=status.get("shm_free", 0),
-            last_commit=None if last is None else LastCommit(**{f.name: getattr(last, f.name) for f in fields(LastCommit)}),
-            remote=status.get("remote"),
-            replicas=status.get("replicas"),
-            **values,
-        )
 
     def of_job(self, job: str) -> "StatusSnapshot":
         """The same snapshot with only `job`'s saves in flight and arena sets."""

@@ -7,8 +7,8 @@ The engine's parts, each a module of `ckptd.daemon.engine`:
     compression   the one compression decision of a save (pure)
     saves         BeginSave, CommitSnapshot, AbortSave, WaitDurable's progress
     commit        writing a complete snapshot; the coordinator commits it (one protocol for one node or many)
-    load_plan     where each requested box's bytes are (pure, tiered)
-    loads         PlanLoad and LoadDone: staging and leases
+    loads         PlanLoad and LoadDone: the step from the tiers, staging through them, leases
+    tiers, root   the tiers' protocol (implemented in tiers/, remote/ and engine/root.py)
     housekeeping  retention, gc, status
     context       what they share (settings, storage, metrics, the jobs) and a save's outcomes
 
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -32,24 +32,32 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
+from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
+from ckptd.daemon.engine.tiers import Tier, Tiers
 from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
-from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
-from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
 from ckptd.daemon.storage import Storage, StorageBackend
+from ckptd.daemon.tiers.held import HeldSnapshots
+from ckptd.daemon.tiers.peer_disks import PeerDisks
 from ckptd.daemon.tiers.replica_links import ReplicaLinks
 from ckptd.daemon.tiers.replica_store import ReplicaStore
+from ckptd.daemon.tiers.replica_tiers import ReplicasHere, ReplicasOnPeers
 from ckptd.daemon.tiers.replicas import Replication
+
+if TYPE_CHECKING:
+    from ckptd.daemon.remote.tier import RemoteTier
 
 __all__ = ["CheckpointService"]
 
@@ -78,19 +86,31 @@ class CheckpointService:
         )
         coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs, self._job_policy)
         self.engine = Engine(config, storage, cluster, coordination, runs)
-        if config.remote:  # the object-store tier; obstore is imported only when it starts
-            from ckptd.daemon.remote.tier import RemoteTier
-
-            self.engine.remote = RemoteTier(config, self.engine)
         self._writer = ThreadPool()
-        # tier 0b (several nodes): replicas of nodes' parts in other daemons' memory
+        # the tiers (engine/tiers.py), in TierName's order: the arenas, replicas of nodes' parts in
+        # the daemons' memory and the peers' roots (several nodes), this root, the object store
         self.replication = (
             Replication(self.engine, ReplicaStore(config.shm_dir, config.replica_memory, self.engine.metrics), ReplicaLinks(cluster))
             if cluster is not None else None
         )
-        self.loads = Loads(self.engine, self._abort_left_behind, self.replication)
-        self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases))
-        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.replication.committed if self.replication is not None else None)
+        self.remote: RemoteTier | None = None
+        if config.remote:  # the object-store tier; obstore is imported only when it starts
+            from ckptd.daemon.remote.tier import RemoteTier
+
+            self.remote = RemoteTier(config, self.engine)
+        root = Root(self.engine)
+        tiers: list[Tier] = [HeldSnapshots(self.engine)]
+        if self.replication is not None:
+            tiers += [ReplicasHere(self.replication), ReplicasOnPeers(self.replication)]
+        tiers.append(root)
+        if cluster is not None:
+            tiers.append(PeerDisks(self.engine))
+        if self.remote is not None:
+            tiers.append(self.remote)
+        self.tiers = Tiers(tiers)
+        self.loads = Loads(self.engine, self._abort_left_behind, self.tiers, root)
+        self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases), self.tiers)
+        self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.tiers)
         self.saves = Saves(self.engine, self.commit.write)
 
     # What the servicers and the server read.
@@ -134,8 +154,8 @@ class CheckpointService:
         of the root stops here (RootInUse), before anything is removed."""
         config = self.engine.config
         self.engine.storage.claim(config.node_rank, str(config.socket))
-        for path in self.engine.storage.clean_uncommitted(config.save_timeout_s):  # a shared root: only what gc would remove
-            log.warning("removed uncommitted leftover %s", path)
+        for left in self.engine.storage.janitor.clean_uncommitted(config.save_timeout_s):  # a shared root: only what gc would remove
+            log.warning("removed uncommitted leftover %s", left.where)
         config.shm_dir.mkdir(parents=True, exist_ok=True)
         for path in remove_stale_arenas(config.shm_dir, os.getpid()):
             log.warning("removed stale shared-memory arena %s", path)
@@ -152,8 +172,8 @@ class CheckpointService:
         fixed = [n for n in RESTART_SETTINGS if getattr(new, n) != getattr(old, n)]
         self.engine.config = replace(new, **{n: getattr(old, n) for n in RESTART_SETTINGS})
         self.engine.retention = new.retention_policy()
-        if self.engine.remote is not None:
-            self.engine.remote.reconfigure(new)
+        if self.remote is not None:
+            self.remote.reconfigure(new)
         return fixed
 
     async def drain(self, grace_s: float) -> None:
@@ -178,12 +198,12 @@ class CheckpointService:
     async def start_remote(self) -> None:
         """Start the object-store tier (--remote), once serving: RemoteStartError (a RuntimeError)
         when its credentials are refused or its bucket does not exist."""
-        if self.engine.remote is not None:
-            await self.engine.remote.start()
+        if self.remote is not None:
+            await self.remote.start()
 
     async def close_remote(self) -> None:
-        if self.engine.remote is not None:
-            await self.engine.remote.close()
+        if self.remote is not None:
+            await self.remote.close()
 
     def close(self) -> None:
         self._writer.shutdown()
@@ -198,31 +218,9 @@ class CheckpointService:
 
     # Saves.
 
-    async def begin_save(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int,
-        fingerprint: str,
-        specs: Sequence[TensorSpec] | None,
-        metric: float | None,
-        timeout_s: float,
-        local_world_size: int = 0,
-        quantize: str | None = None,
-        master_weights: str | None = None,
-        lineage: int = 0,
-        no_quantize: bool = False,
-        run: str = "",
-        resumed_from: int | None = None,
-        client_id: str = "",
-        retention: JobRetention | None = None,
-    ) -> SaveSession:
-        """Saves.begin; the compression options and the job's retention as the wire carries them."""
-        options = SaveOptions(quantize, master_weights, no_quantize, retention)
-        return await self.saves.begin(
-            job, rank, world_size, step, fingerprint, specs, metric, timeout_s, local_world_size, options, lineage, run, resumed_from, client_id
-        )
+    async def begin_save(self, request: BeginSave) -> SaveSession:
+        """Saves.begin."""
+        return await self.saves.begin(request)
 
     # Runs (engine/runs.py).
 
@@ -244,18 +242,9 @@ class CheckpointService:
         if self.engine.runs.detach(job, client_id, only) is not None:
             self.engine.spawn(self.saves.client_gone(job, client_id))
 
-    async def commit_snapshot(
-        self,
-        job: str,
-        rank: int,
-        save_id: str,
-        extras_json: str,
-        model_files: dict[str, bytes] | None = None,
-        staged: StagedHandOver | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
+    async def commit_snapshot(self, request: CommitSnapshot) -> None:
         """Saves.hand_over."""
-        await self.saves.hand_over(job, rank, save_id, extras_json, model_files, staged, stall_s)
+        await self.saves.hand_over(request)
 
     async def abort_save(self, job: str, rank: int, save_id: str, reason: str) -> None:
         await self.saves.abort(job, rank, save_id, reason)
@@ -285,22 +274,9 @@ class CheckpointService:
 
     # Loads.
 
-    async def plan_load(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int | None,
-        wanted: Sequence[TensorSpec],
-        kinds: Sequence[str],
-        strict: bool,
-        direct_read: bool = True,
-        decodes: bool = True,
-        decodes_frames: bool = True,
-        run: str = "",
-    ) -> LoadPlan:
+    async def plan_load(self, request: PlanLoad) -> LoadPlan:
         """Loads.plan."""
-        return await self.loads.plan(job, rank, world_size, step, wanted, kinds, strict, direct_read, decodes, decodes_frames, run)
+        return await self.loads.plan(request)
 
     def load_done(self, load_id: str) -> None:
         self.loads.done(load_id)
@@ -327,12 +303,7 @@ class CheckpointService:
         return await self.housekeeping.list_checkpoints(job)
 
     def live_state(self) -> LiveState:
-        state = self.housekeeping.live_state()
-        if self.replication is None:
-            return state
-        return replace(state, replica_bytes=self.replication.store.nbytes, replicas=len(self.replication.store.held))
+        return self.housekeeping.live_state()
 
-    def status(self) -> dict[str, Any]:
-        status = self.housekeeping.status()
-        status["replicas"] = self.replication.status() if self.replication is not None else None
-        return status
+    def status(self) -> StatusSnapshot:
+        return self.housekeeping.status()

@@ -68,7 +68,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.format == "dcp":
         return _export_dcp(args)
     try:
-        files = export_model(Path(args.step_dir), Path(args.out))
+        files = export_model(args.step_dir, Path(args.out))
     except (ExportError, OSError) as exc:
         print(f"ckptd export: {exc}", file=sys.stderr)
         return 1
@@ -82,7 +82,7 @@ def _export_dcp(args: argparse.Namespace) -> int:
     from ckptd.integrations.dcp import export_dcp
 
     try:
-        keys = export_dcp(Path(args.step_dir), Path(args.out))
+        keys = export_dcp(args.step_dir, Path(args.out))
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"ckptd export: {exc}", file=sys.stderr)
         return 1
@@ -94,7 +94,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from ckptd.daemon.tools.inspect import InspectError, run
 
     try:
-        print(run(Path(args.step_dir), args.json))
+        print(run(args.step_dir, args.json))
     except InspectError as exc:
         print(f"ckptd inspect: {exc}", file=sys.stderr)
         return 2
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         command_parser.set_defaults(func=command)
 
     export = sub.add_parser("export", help="write a consolidated Hugging Face-loadable copy of a step's model weights")
-    export.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    export.add_argument("step_dir", metavar="LOCATION", help="a committed step directory, e.g. ROOT/JOB/step-00001000, or s3://BUCKET/PREFIX/JOB/step-00001000 (--format safetensors)")
     export.add_argument("out", help="a new directory to write")
     export.add_argument(
         "--format", choices=("hf", "dcp"), default="hf",
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     inspect = sub.add_parser("inspect", help="show a committed step: tensors, fragments, quantization, sizes")
-    inspect.add_argument("step_dir", help="a committed step directory, e.g. ROOT/JOB/step-00001000")
+    inspect.add_argument("step_dir", metavar="LOCATION", help="a committed step directory, e.g. ROOT/JOB/step-00001000, or s3://BUCKET/PREFIX/JOB/step-00001000")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(func=_inspect)
 

@@ -4,8 +4,9 @@ Both gRPC servers (Checkpoint on the socket, Peer on TCP) map domain errors to s
 one interceptor (rpc_errors.ErrorStatusInterceptor); the Peer server also checks the peer token
 in one (rpc_auth.PeerTokenInterceptor).
 
-SIGTERM/SIGINT: stop taking new saves (health NOT_SERVING on every server, BeginSave UNAVAILABLE), let open
-snapshots complete and everything handed over be committed, then exit 0.
+SIGTERM/SIGINT: stop taking new saves (readiness health NOT_SERVING on every server, `liveness`
+SERVING until the process exits; BeginSave UNAVAILABLE), let open snapshots complete and
+everything handed over be committed, then exit 0.
 SIGHUP: read the configuration again (same flags, environment and file) and apply what can
 change while serving (CheckpointService.reconfigure); a bad file keeps the old settings.
 """
@@ -139,7 +140,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
             ) from None
 
     server = grpc.aio.server(options=list(MESSAGE_SIZE_OPTIONS), interceptors=[ErrorStatusInterceptor()])
-    pb_grpc.add_CheckpointServicer_to_server(CheckpointServicer(service), server)
+    pb_grpc.add_CheckpointServicer_to_server(CheckpointServicer(service, service.gpu), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"unix://{config.socket}"
@@ -174,11 +175,12 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     await stop.wait()
 
     log.info("shutting down: no new saves; committing what is in flight")
+    # Not enter_graceful_shutdown() here: it would take LIVENESS down too, and a probe would then
+    # kill a daemon that is still committing (LIVENESS stays SERVING until the process exits).
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if peer_health is not None:
-        for name in ("", PEER_SERVICE_NAME):
-            await peer_health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await peer_health.enter_graceful_shutdown()  # every name it serves, for good
     for task in background:
         task.cancel()
     started = time.monotonic()

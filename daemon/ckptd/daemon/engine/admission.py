@@ -55,10 +55,10 @@ class Admission:
         """Log a save below the job's newest committed step, with the steps it passes over. The
         job's `latest` (one small read) rules out the usual case, a save above it, without
         listing every committed step on each save; only a save below it lists them."""
-        hint = await asyncio.to_thread(self._storage.latest_named, job)
+        hint = await asyncio.to_thread(self._storage.catalog.latest_named, job)
         if hint is not None and step >= hint:
             return
-        order = await asyncio.to_thread(self._storage.commit_order, job)
+        order = await asyncio.to_thread(self._storage.catalog.commit_order, job)
         above = passed_over(order, step)
         if above:
             shown = ", ".join(map(str, above[:16])) + (", ..." if len(above) > 16 else "")

@@ -18,12 +18,15 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.memory import trim_heap
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.sessions import JobState, SaveSession
+from ckptd.daemon.engine.tiers import Committed, Tiers
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
-from ckptd.daemon.write.writer import PersistRequest, write_latest_newest, write_node_files, write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.write.writer import PersistRequest, write_node_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,13 +37,11 @@ Retention = Callable[[str, int], Awaitable[object]]  # (job, the step just commi
 class Commit:
     """Writes complete snapshots and commits them (one writer thread: saves are written in order)."""
 
-    def __init__(
-        self, engine: Engine, retention: Retention, executor: "ThreadPool", on_committed: Callable[[str, int, CheckpointIndex], None] | None = None
-    ) -> None:
+    def __init__(self, engine: Engine, retention: Retention, executor: "ThreadPool", tiers: Tiers) -> None:
         self.engine = engine
         self._retention = retention
         self._executor = executor
-        self._on_committed = on_committed  # (job, step, index) after a commit recorded here: Replication.committed pushes this node's part
+        self._tiers = tiers  # told of each commit recorded here (Tier.after_commit): replicas pushed, uploads queued
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
 
     async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
@@ -52,7 +53,7 @@ class Commit:
         if not engine.config.link_unchanged or not any(t.frozen for t in session.plan.tensors):
             return None
         last = state.last_committed()
-        step = last.step if last is not None else await asyncio.to_thread(engine.storage.latest_step, session.job)
+        step = last.step if last is not None else await asyncio.to_thread(engine.storage.catalog.latest_step, session.job)
         if step is None or step == session.step:
             return None
         try:
@@ -93,7 +94,7 @@ class Commit:
         assert session.arenas is not None and session.plan is not None
         engine = self.engine
         engine.indexes.put((session.job, session.step), index)
-        session.commit(engine.storage.step_location(session.job, session.step))
+        session.commit(engine.storage.catalog.step_location(session.job, session.step))
         engine.counters.committed += 1
         state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
         latency = time.monotonic() - session.snapshot_done
@@ -102,10 +103,11 @@ class Commit:
         engine.metrics.commit_latency.labels(session.job).observe(latency)
         engine.metrics.last_commit.labels(session.job).set(engine.last_commit.committed_at)
         engine.metrics.last_step.labels(session.job).set(session.step)
-        if self._on_committed is not None:
-            self._on_committed(session.job, session.step, index)
-        if engine.remote is not None:  # the object-store tier uploads it in the background
-            engine.remote.committed(session.job, session.step, session.shared_root, index.created_at)
+        self._after_commit(Committed(session.job, session.step, index, session.shared_root))
+
+    def _after_commit(self, commit: Committed) -> None:
+        for tier in self._tiers:
+            tier.after_commit(commit)
 
     def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
         """Count the data bytes this node wrote for a step (metrics: bytes, throughput), the
@@ -155,13 +157,13 @@ class Commit:
             error = f"writing failed on node {node}: {exc}" if engine.cluster is not None else f"writing failed: {exc}"
         if manifest is not None and not session.shared_root and node != 0:
             try:  # kept at a restart until node 0 says whether the step was committed
-                await asyncio.to_thread(storage.mark_prepared, session.job, session.step, session.global_id, node)
+                await asyncio.to_thread(storage.janitor.mark_prepared, session.job, session.step, session.global_id, node)
             except OSError as exc:
                 manifest, error = None, f"node {node} could not mark its part written: {exc}"
         written = time.monotonic()
         session.reported = True
         outcome = await engine.coordination.report(
-            session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files
+            ReportManifest(session.job, session.step, session.global_id, manifest, error, dict(session.committed), session.model_files)
         )
         if outcome.committed:
             try:
@@ -169,7 +171,7 @@ class Commit:
                     await asyncio.to_thread(self._write_commit_here, session.job, session.step, outcome.step_files)
                 index = outcome.index  # the coordinator's, when it is in this process
                 if index is None:
-                    index = await asyncio.to_thread(storage.read_index, session.job, session.step)
+                    index = await asyncio.to_thread(storage.files.read_index, session.job, session.step)
             except (OSError, FormatError) as exc:
                 log.exception("step %s of job %s is committed but node %s could not record it", session.step, session.job, node)
                 await engine.fail(state, session, f"committed elsewhere, but node {node} could not write its index: {exc}", "write_error")
@@ -198,7 +200,7 @@ class Commit:
         # own writer may have started after that (another node refused the step at once: NoSpace).
         names = [f.name for f in manifest.files] if manifest is not None else []
         try:
-            await asyncio.to_thread(storage.discard_part, session.job, session.step, names, session.shared_root)
+            await asyncio.to_thread(storage.janitor.discard_part, session.job, session.step, names, session.shared_root)
         except OSError as exc:  # left for start-up recovery or `ckptd gc`; the save fails either way
             log.warning("could not remove node %s's part of the aborted step %s of job %s: %s", node, session.step, session.job, exc)
         # the coordinator's reason (the node that failed first, for every node); a single node's own
@@ -209,9 +211,8 @@ class Commit:
         """Record node 0's commit in this node's own root (unmark_prepared also removes the
         temporaries of a daemon that died writing this commit before)."""
         storage = self.engine.storage
-        write_step_files(storage, job, step, files)
-        storage.unmark_prepared(job, step)
-        write_latest_newest(storage, job, step)  # by node 0's created_at
+        StepCommit(storage.writing, storage.catalog, job, step).commit(files, latest="newest")  # by node 0's created_at
+        storage.janitor.unmark_prepared(job, step)
 
     async def resolve_prepared(self, retry_s: float = 10.0) -> None:
         """Several nodes with their own roots: finish or discard the parts this node wrote before
@@ -223,7 +224,7 @@ class Commit:
         assert engine.cluster is not None
 
         async def pending_now() -> list[tuple[str, int]]:
-            return [(job, step) for job, step in await asyncio.to_thread(engine.storage.prepared_steps) if not engine.saving(job, step)]
+            return [(job, step) for job, step in await asyncio.to_thread(engine.storage.janitor.prepared_steps) if not engine.saving(job, step)]
 
         pending = await pending_now()
         while pending:
@@ -244,15 +245,15 @@ class Commit:
         engine = self.engine
         assert engine.cluster is not None
         answer = await engine.cluster.inventory(0, job, step)
-        if isinstance(answer, str) or (answer[3] and not answer[1]):  # unreachable, or still deciding
+        if isinstance(answer, str) or (answer.in_flight and not answer.committed):  # unreachable, or still deciding
             return False
         try:
-            if answer[1]:
+            if answer.committed:
                 await self._adopt_commit(job, step)
                 await self._retention(job, step)  # as after a commit it heard of (_write_node)
             else:
                 log.warning("removing node %s's part of step %s of job %s: node 0 did not commit it", engine.node, step, job)
-                await asyncio.to_thread(engine.storage.remove_step, job, step)
+                await asyncio.to_thread(engine.storage.janitor.remove_step, job, step)
         except (CkptdError, FormatError, OSError) as exc:
             log.warning("could not resolve step %s of job %s with node 0 yet: %s", step, job, exc)
             return False
@@ -272,8 +273,7 @@ class Commit:
                 check_small_file(record, files[record.name])  # FormatError: not written, resolved later
         files[INDEX_NAME] = data
         await asyncio.to_thread(self._write_commit_here, job, step, files)
-        if self.engine.remote is not None:  # a node-local root's part, committed by node 0 before this restart
-            self.engine.remote.committed(job, step, False, index.created_at)
+        self._after_commit(Committed(job, step, index, False, adopted=True))  # a node-local root's part, committed by node 0 before this restart
         log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.engine.node)
 
 

@@ -12,11 +12,12 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import Any, Coroutine
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.memory import ArenaMemory
 from ckptd.daemon.engine.peers import Coordination, Peers
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.errors import Precondition
@@ -28,9 +29,6 @@ from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compr
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage import StorageBackend
-
-if TYPE_CHECKING:
-    from ckptd.daemon.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +106,6 @@ class Engine:
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
         self.last_commit: LastCommit | None = None
-        self.remote: "RemoteTier | None" = None  # the object-store tier (--remote), set by the service
         self.started_at = time.time()
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -141,7 +138,7 @@ class Engine:
         return decided
 
     async def committed(self, job: str, step: int) -> bool:
-        return await asyncio.to_thread(self.storage.is_committed, job, step)
+        return await asyncio.to_thread(self.storage.catalog.is_committed, job, step)
 
     async def index(self, job: str, step: int) -> CheckpointIndex:
         """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
@@ -149,7 +146,7 @@ class Engine:
         index = self.indexes.get(key)
         if index is None:
             try:
-                index = await asyncio.to_thread(self.storage.read_index, job, step)
+                index = await asyncio.to_thread(self.storage.files.read_index, job, step)
             except FormatError as exc:
                 raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
             self.indexes.put(key, index)
@@ -183,7 +180,7 @@ class Engine:
 
     async def _report_failure(self, session: SaveSession) -> None:
         """Tell the coordinator this node's part of the save failed, so every node aborts it."""
-        outcome = await self.coordination.report(session.job, session.step, session.global_id, None, session.error, {}, {})
+        outcome = await self.coordination.report(ReportManifest(session.job, session.step, session.global_id, None, session.error))
         log.info("step %s of job %s: reported node %s's failure; outcome: %s", session.step, session.job, self.node, outcome.error)
 
     def saving(self, job: str, step: int) -> bool:

@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from ckptd.daemon.engine.admission import Admission
 from ckptd.daemon.engine.peers import NoPeers, PeerProbe
 from ckptd.daemon.engine.plan_inputs import JobPlans, plan_key
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused
 from ckptd.format.index import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord
@@ -42,7 +43,7 @@ from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy, policy_re
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult, Outcome
 from ckptd.daemon.storage import StorageBackend
-from ckptd.daemon.write.writer import write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -128,41 +129,29 @@ class Coordinator:
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def join(
-        self,
-        job: str,
-        step: int,
-        node: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        node_root_id: str,
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = NO_OPTIONS,
-        lineage: int = 0,
-        claim: RunClaim = NO_CLAIM,
-    ) -> JoinResult:
-        """Add `node`'s ranks to the save of `step`; returns when every rank has joined.
+    async def join(self, request: JoinSave, node: int, node_root_id: str) -> JoinResult:
+        """Add `node`'s ranks (its root's id `node_root_id`) to the save of `request.step`;
+        returns when every rank has joined.
 
-        fingerprints: each of the node's ranks' metadata digest (plan.spec_digest); specs: the
-        metadata of the ranks whose digest this job's cache may lack (UnknownFingerprint when
-        it does). options: the compression its ranks ask for (every node must ask for the same); lineage:
-        the quantization generation of what they last loaded. The coordinator decides the
-        save's compression from these when it plans the save (JoinResult.compression). claim: the
-        ranks' run, which may be refused (RunRefused) once all have joined (Admission.admit)."""
-        for rank in fingerprints:
+        request.fingerprints: each of the node's ranks' metadata digest (plan.spec_digest);
+        request.specs: the metadata of the ranks whose digest this job's cache may lack
+        (UnknownFingerprint when it does). request.options: the compression its ranks ask for
+        (every node must ask for the same); request.lineage: the quantization generation of
+        what they last loaded. The coordinator decides the save's compression from these when
+        it plans the save (JoinResult.compression). request.claim: the ranks' run, which may be
+        refused (RunRefused) once all have joined (Admission.admit)."""
+        job, step, world_size = request.job, request.step, request.world_size
+        for rank in request.fingerprints:
             if not 0 <= rank < world_size:
                 raise InvalidRequest(f"rank {rank} is not in [0, world_size={world_size})")
         cache = self._job_cache(job, world_size)
-        rank_specs = cache.take(fingerprints, specs)
+        rank_specs = cache.take(request.fingerprints, request.specs)
         save = self._saves.get((job, step))
-        if save is not None and not save.decided.is_set() and save.claim.run and claim.run and save.claim.run != claim.run:
-            await self._abort(save, await self.admission.replace(job, step, save.claim, claim))  # another run's: refused, or ended
+        if save is not None and not save.decided.is_set() and save.claim.run and request.claim.run and save.claim.run != request.claim.run:
+            await self._abort(save, await self.admission.replace(job, step, save.claim, request.claim))  # another run's: refused, or ended
             save.planned.set()  # its ranks waiting to be planned learn it now
         if save is None or save.decided.is_set():
-            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, timeout_s, metric, cache=cache, claim=claim)
+            save = _GlobalSave(job, step, world_size, uuid.uuid4().hex, request.timeout_s, request.metric, cache=cache, claim=request.claim)
             self._saves.pop((job, step), None)  # re-inserted: `_saves` is in the order saves began
             self._saves[(job, step)] = save
             self._forget_old(job)
@@ -171,17 +160,17 @@ class Coordinator:
             raise InvalidRequest(f"node {node} says job {job!r} has {world_size} ranks, other nodes say {save.world_size}")
         if node in save.root_ids:
             raise Precondition(f"node {node} joined the save of step {step} twice (its daemon restarted?): save again")
-        for rank in fingerprints:
+        for rank in request.fingerprints:
             if rank in save.fingerprints:
                 raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
-        if save.root_ids and options != save.options:
+        if save.root_ids and request.options != save.options:
             raise InvalidRequest(
-                f"node {node}'s ranks ask for {options.describe()} in step {step} but other nodes' ranks asked for {save.options.describe()}; "
+                f"node {node}'s ranks ask for {request.options.describe()} in step {step} but other nodes' ranks asked for {save.options.describe()}; "
                 "every rank must pass the same")
-        save.options = options
-        save.lineage = max(save.lineage, lineage)
+        save.options = request.options
+        save.lineage = max(save.lineage, request.lineage)
         save.root_ids[node] = node_root_id
-        for rank, digest in fingerprints.items():
+        for rank, digest in request.fingerprints.items():
             save.fingerprints[rank] = digest
             save.rank_specs[rank] = rank_specs[rank]
             save.node_of_rank[rank] = node
@@ -191,7 +180,7 @@ class Coordinator:
         if save.error:
             raise (InvalidRequest if save.refused else RunRefused if save.run_refused else Aborted)(save.error)
         assert save.plan is not None
-        known = save.key in known_plans
+        known = save.key in request.known_plans
         return JoinResult(
             save_id=save.save_id,
             plan_key=save.key,
@@ -260,18 +249,9 @@ class Coordinator:
             )
             save.planned.set()
 
-    async def report(
-        self,
-        job: str,
-        step: int,
-        save_id: str,
-        node: int,
-        manifest: NodeManifest | None,
-        error: str,
-        extras: dict[int, Any],
-        model_files: dict[str, bytes],
-    ) -> Outcome:
-        """Take node's manifest (or its failure); returns the step's outcome once it is decided."""
+    async def report(self, request: ReportManifest, node: int) -> Outcome:
+        """Take `node`'s manifest (or its failure); returns the step's outcome once it is decided."""
+        job, step, save_id, manifest = request.job, request.step, request.save_id, request.manifest
         save = self._saves.get((job, step))
         if save is None or save.save_id != save_id:
             return Outcome(False, f"the coordinator knows no save {save_id} of step {step} (it restarted or the save was aborted)", decided=False)
@@ -279,11 +259,11 @@ class Coordinator:
             raise InvalidRequest(f"node {node} did not join the save of step {step}")
         if not save.decided.is_set():
             if manifest is None:
-                await self._abort(save, f"node {node} failed: {error or 'no reason given'}")
+                await self._abort(save, f"node {node} failed: {request.error or 'no reason given'}")
             else:
                 save.manifests[node] = manifest
-                save.extras.update(extras)
-                save.model_files.update(model_files)
+                save.extras.update(request.extras)
+                save.model_files.update(request.model_files)
                 if len(save.manifests) == len(save.root_ids):  # manifests come from joined nodes only: all have reported
                     await self._commit(save)
         await save.decided.wait()
@@ -314,7 +294,7 @@ class Coordinator:
         if source is None:
             return None
         try:
-            return source, self.storage.read_range(save.job, save.step, source.name, 0, source.size)
+            return source, self.storage.files.read_range(save.job, save.step, source.name, 0, source.size)
         except OSError as exc:
             log.warning("step %s of job %s: no %s beside adapter_config.json (%s); `ckptd export` writes one", save.step, save.job, ADAPTER_WEIGHTS, exc)
             return None
@@ -332,12 +312,11 @@ class Coordinator:
             retention=None if asked is None else policy_record(self.job_policy(asked), asked),
         )
         if shared:
-            present = self.storage.step_file_sizes(save.job, save.step)
+            present = self.storage.files.step_file_sizes(save.job, save.step)
             for manifest in manifests:
                 for record in manifest.files:
                     _check_file(present, record, manifest.node)
-        write_step_files(self.storage, save.job, save.step, files)
-        self.storage.write_latest(save.job, save.step)
+        StepCommit(self.storage.writing, self.storage.catalog, save.job, save.step).commit(files)
         return index, files
 
     async def _abort(self, save: _GlobalSave, reason: str) -> None:
@@ -350,7 +329,7 @@ class Coordinator:
             save.cache.forget(save.key, save.plan)  # a plan is kept once a save made with it got past its refusals
         log.warning("save of step %s of job %s aborted on every node: %s", save.step, save.job, reason)
         try:
-            await asyncio.to_thread(self.storage.remove_step, save.job, save.step)
+            await asyncio.to_thread(self.storage.janitor.remove_step, save.job, save.step)
         except OSError as exc:
             log.error("could not remove the aborted step %s of job %s: %s", save.step, save.job, exc)
 
@@ -415,23 +394,8 @@ class SingleNode:
                  runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY) -> None:
         self.coordinator = Coordinator(storage, NoPeers(), "", on_commit, decide, runs, job_policy)
 
-    async def join_save(
-        self,
-        job: str,
-        step: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = NO_OPTIONS,
-        lineage: int = 0,
-        claim: RunClaim = NO_CLAIM,
-    ) -> JoinResult:
-        return await self.coordinator.join(job, step, 0, world_size, fingerprints, specs, known_plans, "", timeout_s, metric, options, lineage, claim)
+    async def join_save(self, request: JoinSave) -> JoinResult:
+        return await self.coordinator.join(request, 0, "")
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
-        return await self.coordinator.report(job, step, save_id, 0, manifest, error, extras, model_files)
+    async def report(self, request: ReportManifest) -> Outcome:
+        return await self.coordinator.report(request, 0)

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
+from ckptd.daemon.engine.tiers import Tiers
 from ckptd.daemon.errors import Precondition
 from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.files import VERSION
 from ckptd.daemon.plan.retention import RetentionPolicy, policy_of_record
+from ckptd.daemon.records import InFlightSave, StatusSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,9 @@ class Collected:
 class Housekeeping:
     """Retention, garbage collection and the daemon's reports."""
 
-    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int]) -> None:
+    def __init__(self, engine: Engine, leased_steps: Callable[[str], set[int]], loads_active: Callable[[], int], tiers: Tiers) -> None:
         self.engine = engine
+        self._tiers = tiers  # what they keep from retention, add to listings and report
         self._leased_steps = leased_steps  # Loads.leased_steps: steps being read are kept
         self._loads_active = loads_active
 
@@ -46,7 +49,7 @@ class Housekeeping:
         other nodes have already deleted (and so no longer loads)."""
         if self.engine.cluster is not None and self.engine.node != 0:
             return
-        for job in await asyncio.to_thread(self.engine.storage.jobs):
+        for job in await asyncio.to_thread(self.engine.storage.catalog.jobs):
             await self.apply_retention(job)
 
     async def member_retention_at_start(self) -> None:
@@ -55,12 +58,12 @@ class Housekeeping:
         id; when node 0 does not answer, the next commit applies it."""
         cluster = self.engine.cluster
         assert cluster is not None and self.engine.node != 0
-        for job in await asyncio.to_thread(self.engine.storage.jobs):
+        for job in await asyncio.to_thread(self.engine.storage.catalog.jobs):
             answer = await cluster.inventory(0, job, 0)
             if isinstance(answer, str):
                 log.info("retention at start-up left to the next commit: node 0 did not answer (%s)", answer)
                 return
-            if answer[0] == cluster.root_id:
+            if answer.root_id == cluster.root_id:
                 return  # a root shared with node 0: its retention is node 0's
             await self.apply_retention(job)
 
@@ -76,22 +79,22 @@ class Housekeeping:
         this), the step `latest` names (written before this runs), steps being loaded."""
         engine = self.engine
         storage = engine.storage
-        steps = await asyncio.to_thread(storage.commit_order, job)
+        steps = await asyncio.to_thread(storage.catalog.commit_order, job)
         protected: set[int | None] = set(self._leased_steps(job))
-        if engine.remote is not None:
-            protected |= engine.remote.protected(job)  # kept until uploaded to the object store
-        protected.add(await asyncio.to_thread(storage.latest_named, job))
+        for tier in self._tiers:
+            protected |= tier.protected(job)  # e.g. kept until uploaded to the object store
+        protected.add(await asyncio.to_thread(storage.catalog.latest_named, job))
         protected.add(committed)
         protected.discard(None)
         policy = await self.policy(job, steps)
         metrics = await self._step_metrics(job, steps) if policy.keep_best else {}
         removed = []
         for step in policy.to_delete(steps, {s for s in protected if s is not None}, metrics):
-            where = storage.step_location(job, step)
-            size = await asyncio.to_thread(storage.step_bytes, job, step)
+            where = storage.catalog.step_location(job, step)
+            size = await asyncio.to_thread(storage.catalog.step_bytes, job, step)
             if not dry_run:
                 try:
-                    await asyncio.to_thread(storage.remove_step, job, step, True)
+                    await asyncio.to_thread(storage.janitor.remove_step, job, step, True)
                 except OSError as exc:
                     log.error("retention could not remove step %s of job %s: %s", step, job, exc, extra={"job": job, "step": step})
                     continue
@@ -143,14 +146,14 @@ class Housekeeping:
         (another node may be writing them)."""
         engine = self.engine
         released = await engine.memory.collect(job, dry_run)
-        jobs = [job] if job else await asyncio.to_thread(engine.storage.jobs)
+        jobs = [job] if job else await asyncio.to_thread(engine.storage.catalog.jobs)
         removed: list[Collected] = []
         min_age = engine.config.save_timeout_s if engine.cluster is not None else 0.0
         for name in jobs:
             state = engine.jobs.get(name)
             busy = set(state.sessions) if state is not None else set()
-            leftovers = await asyncio.to_thread(engine.storage.leftovers, name, busy, min_age, dry_run)
-            removed += [Collected(name, step, str(path), reason, size) for path, step, reason, size in leftovers]
+            leftovers = await asyncio.to_thread(engine.storage.janitor.leftovers, name, busy, min_age, dry_run)
+            removed += [Collected(name, left.step, left.where, left.reason, left.nbytes) for left in leftovers]
             if self._applies_retention(name):
                 removed += await self.apply_retention(name, dry_run)
         return removed + [Collected(name, step, files, "memory", nbytes) for name, step, files, nbytes in released]
@@ -169,8 +172,7 @@ class Housekeeping:
         """The job's committed steps in commit order, oldest first: the last is the newest (what
         load() without a step restores), whatever its number."""
         engine = self.engine
-        steps = await asyncio.to_thread(engine.storage.commit_order, job)
-        state = engine.jobs.get(job)
+        steps = await asyncio.to_thread(engine.storage.catalog.commit_order, job)
         out = []
         for step in steps:
             try:
@@ -178,17 +180,17 @@ class Housekeeping:
             except Precondition as exc:
                 log.warning("%s", exc)
                 continue
-            in_memory = state is not None and state.pool.held(step) is not None
-            out.append((index, engine.storage.step_location(job, step), in_memory))
-        if engine.remote is not None:  # and the object store's steps that are not here
-            out = await engine.remote.listing(job, out)
+            in_memory = any(tier.snapshot(job, step) is not None for tier in self._tiers)
+            out.append((index, engine.storage.catalog.step_location(job, step), in_memory))
+        for tier in self._tiers:  # and the steps the tiers hold that are not here (the bucket's)
+            out = await tier.listing(job, out)
         return out
 
     def live_state(self) -> LiveState:
         """The gauges of the metrics endpoint (read on the event loop)."""
         jobs = self.engine.jobs
         holders = self.engine.memory.holders()
-        return LiveState(
+        state = LiveState(
             queue_depth={job: len(state.writing()) for job, state in jobs.items()},
             open_saves={job: sum(1 for s in state.sessions.values() if s.open) for job, state in jobs.items()},
             arena_bytes=sum(s.pool.nbytes for s in jobs.values()),
@@ -199,50 +201,54 @@ class Housekeeping:
             job_idle_s={h.job: h.idle_s for h in holders},
             shm_budget=self.engine.memory.budget or 0,
         )
+        for tier in self._tiers:
+            state = tier.live(state)
+        return state
 
-    def status(self) -> dict[str, Any]:
-        """`ckptd status`: saves in flight, arenas, counters, the newest commit."""
+    def status(self) -> StatusSnapshot:
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit, the tiers'."""
         engine = self.engine
-        in_flight = []
         now = time.monotonic()
-        for job, state in engine.jobs.items():
-            for session in state.sessions.values():
-                in_flight.append(
-                    {
-                        "job": job,
-                        "step": session.step,
-                        "state": session.state,
-                        "bytes_total": session.bytes_total,
-                        "bytes_written": session.progress.written if session.progress else 0,
-                        "bytes_linked": session.progress.linked if session.progress else 0,
-                        "age_s": now - session.created,
-                        "ranks_arrived": len(session.committed) if session.state is SaveState.SNAPSHOTTING else len(session.arrived),
-                        "ranks_expected": session.local_ranks,
-                        "write_s": now - session.write_started if session.write_started else 0.0,
-                    }
-                )
+        in_flight = tuple(
+            InFlightSave(
+                job=job,
+                step=session.step,
+                state=session.state,
+                bytes_total=session.bytes_total,
+                bytes_written=session.progress.written if session.progress else 0,
+                bytes_linked=session.progress.linked if session.progress else 0,
+                age_s=now - session.created,
+                ranks_arrived=len(session.committed) if session.state is SaveState.SNAPSHOTTING else len(session.arrived),
+                ranks_expected=session.local_ranks,
+                write_s=now - session.write_started if session.write_started else 0.0,
+            )
+            for job, state in engine.jobs.items()
+            for session in state.sessions.values()
+        )
         counters = engine.counters
-        return {
-            "version": VERSION,
-            "root": engine.storage.location,
-            "in_flight": in_flight,
-            "arena_bytes": sum(s.pool.nbytes for s in engine.jobs.values()),
-            "arena_count": sum(s.pool.count for s in engine.jobs.values()),
-            "committed_total": counters.committed,
-            "failed_total": counters.failed,
-            "skipped_total": counters.skipped,
-            "last_error": counters.last_error,
-            "draining": engine.draining,
-            "queue_depth": engine.writing_count(),
-            "last_commit": engine.last_commit,
-            "node_rank": engine.node,
-            "nodes": engine.cluster.nodes if engine.cluster is not None else 1,
-            "bytes_written_total": counters.bytes_written,
-            "link_mismatches_total": counters.link_mismatches,
-            "uptime_s": time.time() - engine.started_at,
-            "loads_active": self._loads_active(),
-            "remote": engine.remote.status() if engine.remote is not None else None,
-            "arena_holders": engine.memory.holders(),
-            "shm_budget": engine.memory.budget or 0,
-            "shm_free": engine.memory.free(),
-        }
+        status = StatusSnapshot(
+            version=VERSION,
+            root=engine.storage.location,
+            in_flight=in_flight,
+            arena_bytes=sum(s.pool.nbytes for s in engine.jobs.values()),
+            arena_count=sum(s.pool.count for s in engine.jobs.values()),
+            committed_total=counters.committed,
+            failed_total=counters.failed,
+            skipped_total=counters.skipped,
+            last_error=counters.last_error,
+            draining=engine.draining,
+            queue_depth=engine.writing_count(),
+            last_commit=engine.last_commit,
+            node_rank=engine.node,
+            nodes=engine.cluster.nodes if engine.cluster is not None else 1,
+            bytes_written_total=counters.bytes_written,
+            link_mismatches_total=counters.link_mismatches,
+            uptime_s=time.time() - engine.started_at,
+            loads_active=self._loads_active(),
+            arena_holders=tuple(engine.memory.holders()),
+            shm_budget=engine.memory.budget or 0,
+            shm_free=engine.memory.free(),
+        )
+        for tier in self._tiers:
+            status = replace(status, **tier.status_fields())  # remote, replicas: None without the tier
+        return status

@@ -7,12 +7,9 @@ peers' inventories and files (`Peers`), and what node 0's coordinator probes whi
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Protocol
 
-from ckptd.daemon.engine.runs import RunClaim
-from ckptd.daemon.plan.compression import SaveOptions
-from ckptd.daemon.plan.files import NodeManifest
-from ckptd.daemon.plan.save_plan import TensorSpec
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 
 
@@ -20,26 +17,11 @@ class Coordination(Protocol):
     """Where a save's nodes meet and its commit is decided: the cluster (several nodes) or an
     in-process coordinator of one node (engine/coordinator.py SingleNode); the same protocol either way."""
 
-    async def join_save(
-        self,
-        job: str,
-        step: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = ...,
-        lineage: int = ...,
-        claim: RunClaim = ...,
-    ) -> JoinResult:
+    async def join_save(self, request: JoinSave) -> JoinResult:
         """Join the save; returns once every rank of the job has (the plan's input, the compression).
         Raises RunRefused when the run may not save into the job (engine/runs.py)."""
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
+    async def report(self, request: ReportManifest) -> Outcome:
         """Report this node's written part (or its failure, manifest None); returns once decided."""
 
 
@@ -50,7 +32,7 @@ class Peers(Coordination, Protocol):
     coordinator."""
 
     node: int
-    root_id: str  # this node's root id (storage.root_id): equal ids mean one shared root
+    root_id: str  # this node's root id (storage.catalog.root_id): equal ids mean one shared root
 
     @property
     def nodes(self) -> int:

@@ -15,6 +15,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from ckptd.daemon.errors import Aborted, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, spec_digest
@@ -42,7 +43,7 @@ class JobPlans:
     specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
     plans: OrderedDict[str, SavePlan] = field(default_factory=OrderedDict)  # plan key -> plan, least recently used first
 
-    def take(self, digests: dict[int, str], specs: dict[int, tuple[TensorSpec, ...]]) -> dict[int, tuple[TensorSpec, ...]]:
+    def take(self, digests: Mapping[int, str], specs: Mapping[int, tuple[TensorSpec, ...]]) -> dict[int, tuple[TensorSpec, ...]]:
         """Each joining rank's metadata: what it sent now (`specs`, kept), else what its digest
         named before. Raises UnknownFingerprint when a rank sent none and its digest is unknown."""
         taken = {}

@@ -15,17 +15,16 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 from ckptd.common.names import MAX_EXTRAS_DEPTH, MAX_EXTRAS_JSON_DEPTH, json_depth
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave
 from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint
 from ckptd.daemon.handoff.arena import ArenaSet
-from ckptd.daemon.handoff.transports import StagedHandOver
-from ckptd.daemon.plan.compression import SaveOptions
-from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.plan.save_plan import PlanError, SavePlan, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
 
 log = logging.getLogger(__name__)
@@ -42,51 +41,32 @@ class Saves:
         self.engine = engine
         self._write = write  # writes and commits a complete snapshot (Commit.write)
 
-    async def begin(
-        self,
-        job: str,
-        rank: int,
-        world_size: int,
-        step: int,
-        fingerprint: str,
-        specs: Sequence[TensorSpec] | None,
-        metric: float | None,
-        timeout_s: float,
-        local_world_size: int = 0,
-        options: SaveOptions | None = None,
-        lineage: int = 0,
-        run: str = "",
-        resumed_from: int | None = None,
-        client_id: str = "",
-    ) -> SaveSession:
-        """Join the save of `step`; returns once the plan and arenas are decided (all ranks arrived).
+    async def begin(self, request: BeginSave) -> SaveSession:
+        """Join the save of `request.step`; returns once the plan and arenas are decided (all ranks arrived).
 
-        local_world_size: the job's ranks this daemon serves (0: all, on a single node).
-        options: this rank's compression options (every rank must give the same); lineage: the
-        quantization generation of the step the rank last loaded. run: the rank's run ("": a
-        client older than run ids); resumed_from: the step the run loaded before its first save
-        (a resume), else None; client_id: the rank's client ("": unknown). Raises RunRefused
-        when the run may not save into the job (engine/runs.py). A resumed run's save of a step
-        committed at or after the step it resumed from is kept: the session returned is
-        committed (`kept` says why)."""
+        Raises RunRefused when the request's run may not save into the job (engine/runs.py). A
+        resumed run's save of a step committed at or after the step it resumed from is kept:
+        the session returned is committed (`kept` says why)."""
+        job, rank, step, run = request.job, request.rank, request.step, request.run
+        resumed_from = request.resumed_from
         engine = self.engine
-        options = options or SaveOptions()
         if engine.draining:
             raise Unavailable("the daemon is shutting down and takes no new saves; retry once it is back")
-        local_ranks = self._local_ranks(world_size, local_world_size)
+        local_ranks = self._local_ranks(request.world_size, request.local_world_size)
         for transport in engine.transports.values():
             await transport.before_save()
         if run:
             engine.runs.check(job, run, resumed_from is not None)
             await self._end_other_runs(job, run, resumed_from is not None)
-        state = engine.job(job, world_size)
-        digest = self._describe(state, job, rank, fingerprint, specs)
+        state = engine.job(job, request.world_size)
+        digest = self._describe(state, request)
         if resumed_from is not None:
             await self._outcome_of_writing(state, step)
         if state.committed_recently(step) or await engine.committed(job, step):
-            return await self._already_committed(job, step, world_size, metric, local_ranks, resumed_from)
+            return await self._already_committed(request, local_ranks)
         await self.abort_left_behind(state, rank, step, run)
         session = state.sessions.get(step)
+        client_id = request.client_id
         if session is not None and session.open and client_id and rank in session.arrived and session.clients.get(rank) != client_id:
             # another client of this rank began the step: the rank restarted (a retry of one client is refused by arrive)
             await engine.fail(state, session, f"rank {rank} began step {step} again (it restarted)", "rank_restarted")
@@ -94,12 +74,12 @@ class Saves:
         if session is None or not session.open:
             if session is not None:
                 raise AlreadyExists(f"step {step} of job {job!r} is already being written; save under a new step")
-            timeout = min(timeout_s, engine.config.save_timeout_s) if timeout_s else engine.config.save_timeout_s
-            session = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, timeout, local_ranks, run=run)
+            timeout_s = min(request.timeout_s, engine.config.save_timeout_s) if request.timeout_s else engine.config.save_timeout_s
+            session = SaveSession(job, step, request.world_size, uuid.uuid4().hex, request.metric, timeout_s, local_ranks, run=run)
             session.resumed = resumed_from is not None
             state.sessions[step] = session
             engine.spawn(self._watchdog(state, session))
-        if session.arrive(rank, digest, options, lineage, local_ranks):
+        if session.arrive(rank, digest, request.options, request.lineage, local_ranks):
             engine.spawn(self._prepare(state, session))
         if client_id:
             session.clients[rank] = client_id
@@ -113,9 +93,10 @@ class Saves:
         return session
 
     @staticmethod
-    def _describe(state: JobState, job: str, rank: int, fingerprint: str, specs: Sequence[TensorSpec] | None) -> str:
-        """The digest of the rank's metadata (plan.spec_digest): of `specs` when sent, else of
-        what it sent under `fingerprint` before (UnknownFingerprint when nothing)."""
+    def _describe(state: JobState, request: BeginSave) -> str:
+        """The digest of the rank's metadata (plan.spec_digest): of its specs when sent, else of
+        what it sent under its fingerprint before (UnknownFingerprint when nothing)."""
+        rank, fingerprint, specs = request.rank, request.fingerprint, request.specs
         if specs is None:
             digest = state.names.get((rank, fingerprint))
             if digest is None:
@@ -125,7 +106,7 @@ class Saves:
         if state.describe(rank, fingerprint, tuple(specs), digest):
             log.warning(
                 "rank %s of job %s sent other tensor metadata under fingerprint %s than before; its saves are planned from the new metadata",
-                rank, job, fingerprint[:16],
+                rank, request.job, fingerprint[:16],
             )
         return digest
 
@@ -165,20 +146,19 @@ class Saves:
             except asyncio.TimeoutError:
                 pass  # still writing: refused below as "being written"
 
-    async def _already_committed(
-        self, job: str, step: int, world_size: int, metric: float | None, local_ranks: int, resumed_from: int | None
-    ) -> SaveSession:
+    async def _already_committed(self, request: BeginSave, local_ranks: int) -> SaveSession:
         """`step` of the job is committed. A run that resumed from it, or from a step committed
         before it, redid that interval: the committed step is kept and the save counts as
         committed (a session that says so). Any other save is refused (AlreadyExists): ckptd
         never overwrites a step."""
-        order = await asyncio.to_thread(self.engine.storage.commit_order, job)
+        job, step, resumed_from = request.job, request.step, request.resumed_from
+        order = await asyncio.to_thread(self.engine.storage.catalog.commit_order, job)
         if resumed_from is not None and resumed_from in order and step in order and order.index(step) >= order.index(resumed_from):
-            kept = SaveSession(job, step, world_size, uuid.uuid4().hex, metric, 0.0, local_ranks)
+            kept = SaveSession(job, step, request.world_size, uuid.uuid4().hex, request.metric, 0.0, local_ranks)
             kept.state = SaveState.COMMITTED
             since = "it" if resumed_from == step else f"step {resumed_from}, committed before it (it redid that interval)"
             kept.kept = f"step {step} of job {job!r} is committed already and this run resumed from {since}: the committed step is kept, this save is not written again"
-            kept.step_dir = self.engine.storage.step_location(job, step)
+            kept.step_dir = self.engine.storage.catalog.step_location(job, step)
             log.info("%s", kept.kept)
             return kept
         if resumed_from is not None and resumed_from in order:
@@ -247,10 +227,10 @@ class Saves:
 
         async def join(resend: bool) -> JoinResult:
             specs = {r: state.specs[(r, d)] for r, d in digests.items() if resend or (r, d) not in state.announced}
-            return await coordination.join_save(
-                session.job, session.step, session.world_size, digests, specs, list(state.plans),
+            return await coordination.join_save(JoinSave(
+                session.job, session.step, session.world_size, digests, specs, tuple(state.plans),
                 session.timeout_s, session.metric, session.options, lineage, RunClaim(session.run, session.resumed),
-            )
+            ))
 
         lineage = max(session.lineage, state.lineage)
 
@@ -303,24 +283,15 @@ class Saves:
         except Exhausted as exc:
             log.warning("could not prepare a second arena set for job %s (saves will wait for the first): %s", state.pool.job, exc)
 
-    async def hand_over(
-        self,
-        job: str,
-        rank: int,
-        save_id: str,
-        extras_json: str,
-        model_files: dict[str, bytes] | None = None,
-        staged: StagedHandOver | None = None,
-        stall_s: float = 0.0,
-    ) -> None:
-        """The rank's part of the snapshot is complete. staged: (staging id, ranges) of a rank in
-        mode "ipc", copied from its staging buffer into its arena first; if that fails the save
-        fails (nothing of it is persisted); see handoff/transports.py. stall_s: seconds its save() blocked training so far
-        (0: not reported)."""
+    async def hand_over(self, request: CommitSnapshot) -> None:
+        """The rank's part of the snapshot is complete. A rank in mode "ipc" hands its part over
+        staged (`request.staged`): copied from its staging buffer into its arena first; if that
+        fails the save fails (nothing of it is persisted); see handoff/transports.py."""
+        job, rank, staged = request.job, request.rank, request.staged
         engine = self.engine
-        state, session = self.find(job, save_id)
+        state, session = self.find(job, request.save_id)
         session.check_hand_over(rank)
-        extras = parse_extras(rank, extras_json)
+        extras = parse_extras(rank, request.extras_json)
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
@@ -334,9 +305,9 @@ class Saves:
                 raise
             if session.state is not SaveState.SNAPSHOTTING:  # failed or timed out while copying
                 raise Aborted(f"save of step {session.step} is {session.state}: {session.error}")
-        if stall_s > 0:
-            engine.metrics.stall.labels(job).observe(stall_s)
-        if session.hand_over(rank, extras, model_files):
+        if request.stall_s > 0:
+            engine.metrics.stall.labels(job).observe(request.stall_s)
+        if session.hand_over(rank, extras, request.model_files):
             engine.spawn(self._write(state, session))
 
     async def abort(self, job: str, rank: int, save_id: str, reason: str) -> None:

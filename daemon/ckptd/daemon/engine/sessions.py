@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ckptd.daemon.engine.plan_inputs import JobPlans
 from ckptd.daemon.errors import InvalidRequest, Precondition
@@ -156,7 +156,7 @@ class SaveSession:
         if rank in self.committed:
             raise InvalidRequest(f"rank {rank} handed its snapshot of step {self.step} over twice")
 
-    def hand_over(self, rank: int, extras: Any, model_files: dict[str, bytes] | None = None) -> bool:
+    def hand_over(self, rank: int, extras: Any, model_files: Mapping[str, bytes] | None = None) -> bool:
         """Rank `rank`'s part is in its arena; True when the snapshot is complete (now "writing")."""
         self.check_hand_over(rank)
         self.committed[rank] = extras

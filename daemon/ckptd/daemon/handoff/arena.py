@@ -139,7 +139,7 @@ class SetState(enum.Enum):
     FREE = "free"  # nothing of value inside
     FILLING = "filling"  # ranks are copying a snapshot in
     PERSISTING = "persisting"  # a complete snapshot is being written to disk
-    HELD = "held"  # a committed snapshot kept in memory for fast restore (tier 0)
+    HELD = "held"  # a committed snapshot kept in memory for fast restore (the HELD tier)
 
 
 @dataclass

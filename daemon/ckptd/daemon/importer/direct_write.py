@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import stat
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,10 +23,10 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.daemon.config import DaemonConfig
-from ckptd.format.index import LATEST, CheckpointIndex, parse_step_dir_name
+from ckptd.format.index import LATEST, CheckpointIndex
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
-from ckptd.daemon.storage import ROOT_ID_FILE, Storage
+from ckptd.daemon.storage import Storage, is_storage_root
 from ckptd.daemon.write.writer import PersistRequest, Progress, persist
 
 
@@ -115,7 +114,7 @@ def write_step(
     storage = check_target(root, job, step)
     plan = _plan(tensors)
     if not storage.root.is_dir():
-        storage.ensure_step(job, step)  # a new root: the writer measures its free space first
+        storage.writing.ensure_step(job, step)  # a new root: the writer measures its free space first
     by_name = {t.name: t for t in tensors}
     arena = TensorArena([(slot.offset, by_name[slot.name].data) for slot in plan.slots], plan.arena_bytes[0])
     request = PersistRequest(
@@ -130,7 +129,7 @@ def write_step(
         write_threads=write_threads if write_threads is not None else _serve_default("write_threads"),
     )
     index = persist(storage, request, Progress(plan.total_bytes))
-    return index, storage.step_dir(job, step)
+    return index, storage.tree.step_dir(job, step)
 
 
 def check_target(root: Path, job: str, step: int) -> Storage:
@@ -171,12 +170,12 @@ def _plan(tensors: Sequence[DirectTensor]) -> SavePlan:
 def _check_new_step(storage: Storage, job: str, step: int) -> None:
     """ImportRefused unless nothing is at the step's directory, and the job's directory and
     its `latest` are not links (nothing under the root is followed)."""
-    job_dir = storage.job_dir(job)
+    job_dir = storage.tree.job_dir(job)
     for path in (job_dir, job_dir / LATEST):
         if os.path.islink(path):
             raise ImportRefused(f"{path} is a symbolic link; ckptd follows no link under its root: remove it or choose another --job")
-    path = storage.step_dir(job, step)
-    if storage.is_committed(job, step):
+    path = storage.tree.step_dir(job, step)
+    if storage.catalog.is_committed(job, step):
         raise ImportRefused(
             f"step {step} of job {job!r} already exists ({path}); a committed step is never overwritten: "
             "choose another --step or --job (or remove that step first)"
@@ -198,26 +197,15 @@ def check_root(root: Path) -> None:
         return
     if not root.is_dir():
         raise ImportRefused(f"--root {root} exists and is not a directory; give a new or empty directory, or the --root of `ckptd serve`")
-    entries = list(os.scandir(root))
-    if any(e.name == ROOT_ID_FILE for e in entries) or any(_is_job_dir(e) for e in entries):
+    if is_storage_root(root):
         return
     # what a new volume or a file server puts in an empty directory does not make it someone's
-    entries = [e for e in entries if not e.name.startswith(".") and e.name != "lost+found"]
+    entries = [e for e in os.listdir(root) if not e.startswith(".") and e != "lost+found"]
     if not entries:
         return
-    shown = ", ".join(sorted(e.name for e in entries)[:5]) + (", ..." if len(entries) > 5 else "")
+    shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
     raise ImportRefused(
         f"--root {root} is not empty ({shown}) and holds no ckptd checkpoint; give a new or empty directory, "
         "or the --root of `ckptd serve`"
     )
 
-
-def _is_job_dir(entry: os.DirEntry[str]) -> bool:
-    """A real directory (not a link) holding a `latest` file or a step directory."""
-    if entry.name.startswith(".") or not stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
-        return False
-    try:
-        names = os.listdir(entry.path)
-    except OSError:
-        return False
-    return any(name == LATEST or parse_step_dir_name(name) is not None for name in names)

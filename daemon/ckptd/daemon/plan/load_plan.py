@@ -1,18 +1,23 @@
 """Where each requested tensor box's bytes come from: the load planner. Pure: no I/O, no awaits.
 
-Tiers, tried in this order for each tensor:
+The tiers (`TierName`, the one vocabulary of code, metrics, logs and docs), tried in this order
+for each tensor:
 
-    memory here   a snapshot this daemon still holds in shared memory (the newest committed step);
-                  for files: a replica of another node's part that this daemon holds (tier 0b)
-    memory, peer  a replica of the file's node's part in a peer daemon's memory (tier 0b)
-    disk here     the step's files in this node's root, read by the rank itself
-    disk on peer  a file another node wrote (own roots): fetched into shared memory first
-    (staged)      a file here that the rank cannot read (no access to the root, or a backend
-                  without local files): copied into shared memory first
+    held          the snapshot this daemon still holds in shared memory (the newest committed
+                  step), seen through `HeldSnapshot` (tiers/held.py); lossless tensors only
+    replica-here  a replica of another node's part that this daemon holds in memory
+    replica-peer  a replica of the file's node's part in a peer daemon's memory
+    root          the step's files in this node's root, read by the rank itself, or staged: copied
+                  into shared memory first when the rank cannot read them (no access to the root,
+                  a backend without local files)
+    peer-disk     a file another node wrote (own roots): fetched into shared memory first
+    bucket        the object store: never a file's source; a step only it holds is restored into
+                  the root before the load is planned
 
-`file_sources` picks each file's tier and node, `file_locations` where the rank reads it,
-`plan_pieces` the pieces per tensor; the engine (engine/loads.py) asks the peers what they hold
-before, and performs the staged reads after. `extras_source` / `rank_extras`: whose extras (JSON
+The file part (`file_sources` picks each file's tier and node, `file_locations` where the rank
+reads it, `plan_pieces` with no held snapshot the pieces per tensor) needs nothing of the daemon
+but the index; the memory part is `HeldSnapshot` and `MemoryPlans`. The engine (engine/loads.py)
+asks the tiers what they hold before, and has them perform the staged reads after. `extras_source` / `rank_extras`: whose extras (JSON
 and per-rank tensors) a rank gets. Replicas (memory tiers of files) are always staged
 into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
 scales), from any tier but the held snapshot.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
@@ -31,8 +36,7 @@ from ckptd.common.names import per_rank_name, shared_name
 from ckptd.common.quant_options import CAST
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.format.index import CheckpointIndex, FileRecord, TensorRecord
-from ckptd.daemon.handoff.arena import ArenaSet, SetState
-from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
+from ckptd.daemon.plan.save_plan import TensorSpec
 
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
 RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state.RNG_KEY)
@@ -55,11 +59,21 @@ def rank_extras(extras_by_rank: Mapping[int, Any], rank: int, world_size: int) -
     return extras
 
 
-class Tier(StrEnum):
-    MEMORY_LOCAL = "memory-local"
-    MEMORY_PEER = "memory-peer"  # a replica in a peer daemon's memory (tier 0b)
-    DISK_LOCAL = "disk-local"
-    DISK_PEER = "disk-peer"
+class TierName(StrEnum):
+    """Where a step's bytes are held. The values are the `tier` label of
+    ckptd_load_staged_bytes_total (a contract for dashboards); the wire names a piece's source
+    "shm" (HELD) or "file" (every other tier), and a load "memory", "disk" or "mixed" (load_tier).
+    docs/architecture.md §9 names them the same way."""
+
+    HELD = "held"  # this daemon's arenas: the newest committed snapshot (tier 0)
+    REPLICA_HERE = "memory-local"  # a replica of another node's part in this daemon's memory (tier 0b)
+    REPLICA_PEER = "memory-peer"  # a replica in a peer daemon's memory (tier 0b)
+    ROOT = "disk-local"  # this node's root (tier 1)
+    PEER_DISK = "disk-peer"  # another node's root
+    BUCKET = "object-store"  # the object store, --remote (tier 2)
+
+
+SHM_SOURCE, FILE_SOURCE = "shm", "file"  # the wire's Piece.source: a held snapshot's arena, or any file
 
 
 class PieceInfo(NamedTuple):
@@ -67,7 +81,7 @@ class PieceInfo(NamedTuple):
     per tensor, and a tuple is made in C)."""
 
     name: str  # the requested name
-    source: str  # "shm" | "file" (the wire's Piece.source)
+    source: str  # SHM_SOURCE | FILE_SOURCE (the wire's Piece.source)
     path: str
     offset: int
     nbytes: int
@@ -107,8 +121,8 @@ class LoadPlan:
 class Location:
     """Where the rank reads one data file of the step."""
 
-    tier: Tier
-    node: int  # the node whose root has the file
+    tier: TierName
+    node: int  # the node whose root (or memory, for a replica) has the file
     path: str  # what the rank opens: the file itself, or its staging copy in shared memory
     staged: bool  # the daemon copies the needed ranges to `path` first
 
@@ -131,23 +145,49 @@ class PlannedPieces:
     reads: tuple[StagedRead, ...]  # to perform before the rank reads (in the order found)
 
 
-TIER_ORDER = (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER, Tier.DISK_LOCAL, Tier.DISK_PEER)
+class HeldSnapshot(Protocol):
+    """A committed step still held in this daemon's shared memory, as the planner and MemoryPlans
+    read it (tiers/held.py implements it over an arena set)."""
+
+    @property
+    def key(self) -> int:
+        """Equal for views of the same held snapshot."""
+
+    @property
+    def layout(self) -> object:
+        """The save plan that laid it out (MemoryPlans reuses pieces while it is the same)."""
+
+    @property
+    def extras(self) -> Mapping[int, Any] | None:
+        """The extras of this node's ranks, by rank (None: not kept)."""
+
+    def current(self, step: int) -> bool:
+        """Whether it still holds `step`."""
+
+    def pieces(self, spec: TensorSpec, record: TensorRecord) -> list[PieceInfo] | None:
+        """The pieces of `spec`'s box (SHM_SOURCE), or None when some overlapping fragment is not
+        in this node's arenas (a rank of another node copied it)."""
+
+
+FILE_TIER_ORDER = (TierName.REPLICA_HERE, TierName.REPLICA_PEER, TierName.ROOT, TierName.PEER_DISK)
 
 
 def file_sources(
     files: Sequence[FileRecord], node: int, disk: Mapping[int, Mapping[str, int]], memory: Mapping[int, Mapping[str, int]]
-) -> tuple[dict[str, tuple[Tier, int]], list[FileRecord]]:
-    """Where to read each data file from: (tier, node) by TIER_ORDER (this node's memory, a
+) -> tuple[dict[str, tuple[TierName, int]], list[FileRecord]]:
+    """Where to read each data file from: (tier, node) by FILE_TIER_ORDER (this node's memory, a
     peer's memory, this node's disk, a peer's disk), the lowest node first among peers of one
     tier. disk / memory: node -> file name -> size it holds (memory: replicas of other nodes'
     parts); a holder counts only with the size the index gives. Returns the choice per file and
     the files that no node holds."""
-    chosen: dict[str, tuple[Tier, int]] = {}
+    chosen: dict[str, tuple[TierName, int]] = {}
     missing = []
     peers = sorted((set(disk) | set(memory)) - {node})
-    holders = {Tier.MEMORY_LOCAL: ([node], memory), Tier.MEMORY_PEER: (peers, memory), Tier.DISK_LOCAL: ([node], disk), Tier.DISK_PEER: (peers, disk)}
+    holders = {
+        TierName.REPLICA_HERE: ([node], memory), TierName.REPLICA_PEER: (peers, memory), TierName.ROOT: ([node], disk), TierName.PEER_DISK: (peers, disk)
+    }
     for f in files:
-        found = next(((tier, n) for tier in TIER_ORDER for n in holders[tier][0] if holders[tier][1].get(n, {}).get(f.name) == f.size), None)
+        found = next(((tier, n) for tier in FILE_TIER_ORDER for n in holders[tier][0] if holders[tier][1].get(n, {}).get(f.name) == f.size), None)
         if found is None:
             missing.append(f)
         else:
@@ -161,7 +201,7 @@ def file_locations(
     where: Mapping[str, int],
     local_path: Callable[[str], str | None],
     staging_path: Callable[[str], str],
-    tiers: Mapping[str, Tier] | None = None,
+    tiers: Mapping[str, TierName] | None = None,
 ) -> dict[str, Location]:
     """Each data file's location. where: file -> the node that has it (absent: this one);
     tiers: file -> its tier when it is a replica in memory (file_sources; absent: on disk), read
@@ -173,14 +213,14 @@ def file_locations(
         holder = where.get(f.name, node)
         tier = (tiers or {}).get(f.name)
         path = local_path(f.name) if holder == node and tier is None else None
-        if tier in (Tier.MEMORY_LOCAL, Tier.MEMORY_PEER):
+        if tier in (TierName.REPLICA_HERE, TierName.REPLICA_PEER):
             out[f.name] = Location(tier, holder, staging_path(f.name), True)
         elif holder != node:
-            out[f.name] = Location(Tier.DISK_PEER, holder, staging_path(f.name), True)
+            out[f.name] = Location(TierName.PEER_DISK, holder, staging_path(f.name), True)
         elif path is None:
-            out[f.name] = Location(Tier.DISK_LOCAL, node, staging_path(f.name), True)
+            out[f.name] = Location(TierName.ROOT, node, staging_path(f.name), True)
         else:
-            out[f.name] = Location(Tier.DISK_LOCAL, node, path, False)
+            out[f.name] = Location(TierName.ROOT, node, path, False)
     return out
 
 
@@ -189,7 +229,7 @@ def plan_pieces(
     wanted: Sequence[TensorSpec],
     kinds: Sequence[str],
     strict: bool,
-    held: ArenaSet | None,
+    held: HeldSnapshot | None,
     locations: Mapping[str, Location],
     rank: int = 0,
 ) -> PlannedPieces:
@@ -219,7 +259,7 @@ def plan_pieces(
                 f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
                 f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
             )
-        in_memory = _memory_pieces(spec, record, held) if held is not None and not record.lossy else None
+        in_memory = held.pieces(spec, record) if held is not None and not record.lossy else None
         pieces += in_memory if in_memory is not None else _file_pieces(spec, record, locations, reads)
     requested_kinds = set(kinds)
     unexpected = sorted(
@@ -262,20 +302,6 @@ def _record_of(table: Mapping[str, TensorRecord], spec: TensorSpec, rank: int, s
     return shared if shared is not None and shared.rank is None else None
 
 
-def _memory_pieces(spec: TensorSpec, record: TensorRecord, held: ArenaSet) -> list[PieceInfo] | None:
-    """The pieces of `spec`'s box in the held snapshot; None when some overlapping fragment was
-    copied by a rank of another node (not all of it is here)."""
-    out = []
-    for slot in held.plan.slots_named(record.name):
-        if intersect(slot.box, spec.box) is None:
-            continue
-        arena = held.arenas[slot.rank]
-        if arena is None:
-            return None
-        out.append(PieceInfo(spec.name, "shm", arena.path_text, slot.offset, slot.nbytes, slot.box, record.dtype, ""))
-    return out
-
-
 def _file_pieces(
     spec: TensorSpec, record: TensorRecord, locations: Mapping[str, Location], reads: dict[tuple[str, int], StagedRead]
 ) -> list[PieceInfo]:
@@ -300,26 +326,27 @@ def _file_pieces(
                 side_path = path_of(side.file, side.offset, side.nbytes)
                 sides.append(
                     PieceInfo(
-                        spec.name, "file", side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum,
+                        spec.name, FILE_SOURCE, side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum,
                         chunk_bytes=side.chunk_bytes, chunk_xxh3=side.chunk_xxh3,
                     )
                 )
             decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1], frag.quant.frames)
         out.append(
             PieceInfo(
-                spec.name, "file", path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
+                spec.name, FILE_SOURCE, path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
                 chunk_bytes=frag.chunk_bytes, chunk_xxh3=frag.chunk_xxh3, decode=decode,
             )
         )
     return out
 
 
-def load_tier(pieces: Sequence[PieceInfo], held: ArenaSet | None) -> str:
-    """The load's label: "memory" (all from the held snapshot), "disk" (none) or "mixed"."""
+def load_tier(pieces: Sequence[PieceInfo], held: HeldSnapshot | None) -> str:
+    """The load's label (the wire's LoadPlan.tier and the metrics' ckptd_loads_total{tier}, a
+    contract): "memory" (all from the HELD tier), "disk" (none) or "mixed"."""
     sources = {p.source for p in pieces}
-    if sources == {"shm"} or (held is not None and not pieces):
+    if sources == {SHM_SOURCE} or (held is not None and not pieces):
         return "memory"
-    return "disk" if "shm" not in sources else "mixed"
+    return "disk" if SHM_SOURCE not in sources else "mixed"
 
 
 def needs_decoding(index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tuple[bool, bool]:
@@ -366,8 +393,8 @@ def plan_digest(pieces: Sequence[PieceInfo]) -> str:
 class MemoryPlan:
     """Pieces of a load served wholly from a held snapshot, for the same request again."""
 
-    held: ArenaSet
-    layout: SavePlan  # the held snapshot's plan when these pieces were derived
+    held: HeldSnapshot
+    layout: object  # the held snapshot's layout (HeldSnapshot.layout) when these pieces were derived
     wanted: Sequence[TensorSpec]
     pieces: tuple[PieceInfo, ...]
     missing: tuple[str, ...]
@@ -376,7 +403,7 @@ class MemoryPlan:
 
 
 class MemoryPlans:
-    """Memory-tier load plans by (job, rank, options, held arena set): a rank that loads the same
+    """HELD-tier load plans by (job, rank, options, held snapshot key): a rank that loads the same
     tensors (the very specs object its fingerprint resolved to) from an arena set laid out by the
     same save plan again gets the same pieces (they name arena paths and offsets, not steps)
     without their per-tensor derivation. Keeps the last `keep` plans."""
@@ -385,13 +412,11 @@ class MemoryPlans:
         self._keep = keep
         self._plans: dict[tuple[Any, ...], MemoryPlan] = {}
 
-    def get(self, key: tuple[Any, ...], held: ArenaSet | None, wanted: Sequence[TensorSpec], step: int) -> MemoryPlan | None:
+    def get(self, key: tuple[Any, ...], held: HeldSnapshot | None, wanted: Sequence[TensorSpec], step: int) -> MemoryPlan | None:
         plan = self._plans.get(key)
-        if plan is None or held is None or plan.held is not held or plan.wanted is not wanted or plan.layout is not held.plan:
+        if plan is None or held is None or plan.held.key != held.key or plan.wanted is not wanted or plan.layout is not held.layout:
             return None
-        if held.state is not SetState.HELD or held.step != step:
-            return None
-        return plan
+        return plan if held.current(step) else None
 
     def put(self, key: tuple[Any, ...], plan: MemoryPlan) -> None:
         self._plans.pop(key, None)

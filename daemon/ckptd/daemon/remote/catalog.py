@@ -2,9 +2,9 @@
 their indexes, deleting a step (never half visible), retention on the bucket by its own
 settings, and the sweep of what interrupted uploads left. Blocking: call from worker threads.
 
-A step in the bucket is committed when `PREFIX/JOB/step-NNNNNNNN/ckptd.index.json` exists; the
-uploader writes it last and only after every file it lists is there. Deleting goes the other
-way: the index first (the step is invisible from then on), then the files.
+A step in the bucket is committed when `PREFIX/JOB/step-NNNNNNNN/ckptd.index.json` exists: the
+commit rule of storage/step_commit.py, kept on objects. The uploader writes the index last and
+only after every file it lists is there; deleting goes the other way: the index first (the step is invisible from then on), then the files.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class BucketCatalog:
         files `old` (its index, when known) lists last, so that a node waiting for them to be gone
         knows the deletion is over."""
         prefix = self.location.step_prefix(job, step)
-        index_key = prefix + INDEX_NAME
+        index_key = prefix + INDEX_NAME  # first: the commit rule (storage/step_commit.py) undone
         self.store.delete([index_key])
         self.forget(job, step)
         listed = set(self.store.list_objects(prefix)) - {index_key}

@@ -102,6 +102,21 @@ def parse_location(text: str) -> RemoteLocation:
     return RemoteLocation(bucket, prefix)
 
 
+def parse_step_location(text: str) -> tuple[RemoteLocation, str, int]:
+    """`s3://BUCKET/PREFIX/JOB/step-NNNNNNNN` (what `ckptd ls s3://BUCKET/PREFIX` shows) ->
+    (the location s3://BUCKET/PREFIX, JOB, the step); LocationError says what is wrong."""
+    head, _, step_name = text.strip().rstrip("/").rpartition("/")
+    head, _, job = head.rpartition("/")
+    step = parse_step_dir_name(step_name)
+    if step is None or not job or not head.startswith(SCHEME):
+        raise LocationError(f"{text!r} is not a step in an object store: give s3://BUCKET/PREFIX/JOB/step-NNNNNNNN (`ckptd ls s3://BUCKET/PREFIX` lists them)")
+    try:
+        check_job_id(job)
+    except ValueError as exc:
+        raise LocationError(f"{text!r}: {exc}") from None
+    return parse_location(head), job, step
+
+
 def location_setting(raw: object) -> str:
     """The `remote` setting (config.py): "" (no tier) or the normalized s3://BUCKET/PREFIX; LocationError otherwise."""
     if isinstance(raw, str) and not raw.strip():

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord
 from ckptd.format.units import Unit, is_data_file
+from ckptd.daemon.storage.step_commit import publish_rank
 
 
 def file_signature(record: FileRecord, units: Sequence[Unit]) -> str:
@@ -30,12 +31,14 @@ def file_signature(record: FileRecord, units: Sequence[Unit]) -> str:
 
 def uploads_of(index: CheckpointIndex, node: int, shared_root: bool) -> list[FileRecord]:
     """The files of the step that `node` uploads (the index itself not included; node 0 writes
-    it last, see the module docstring). Data files first, in the index's order."""
+    it last, see the module docstring). In the order of the commit rule
+    (storage.step_commit.publish_rank): data files first, then small files, each in the index's
+    order."""
     if shared_root:
         mine = list(index.files) if node == 0 else []
     else:
         mine = [f for f in index.files if (f.node == node if is_data_file(f.name) else node == 0)]
-    return sorted(mine, key=lambda f: not is_data_file(f.name))
+    return sorted(mine, key=lambda f: publish_rank(f.name))
 
 
 def writes_index(node: int) -> bool:

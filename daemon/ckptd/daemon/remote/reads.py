@@ -126,7 +126,7 @@ class BucketReads:
         if not remote:
             return None
         newest = remote[-1]
-        local = await asyncio.to_thread(self.engine.storage.latest_step, job)
+        local = await asyncio.to_thread(self.engine.storage.catalog.latest_step, job)
         if local is not None:
             if local == newest.step or (await self.engine.index(job, local)).created_at >= newest.created_at:
                 return None
@@ -170,11 +170,11 @@ class BucketReads:
         if not lacking:
             return
         candidates = [(i.created_at, i.step, self.location.url_of(job, i.step)) for i in before if i.step not in gaps]
-        local = await asyncio.to_thread(self.engine.storage.latest_step, job)
+        local = await asyncio.to_thread(self.engine.storage.catalog.latest_step, job)
         if local is not None and local != step:
             created = (await self.engine.index(job, local)).created_at
             if created < index.created_at:
-                candidates.append((created, local, self.engine.storage.step_location(job, local)))
+                candidates.append((created, local, self.engine.storage.catalog.step_location(job, local)))
         shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
         if candidates:
             _, instead, where = max(candidates)

@@ -1,9 +1,9 @@
 """Restoring a step from the bucket into the local root (blocking: runs on the tier's threads).
 
-The step is written the way the POSIX writer writes a save, through the storage backend only:
-data files as parts (`open_part`, written at their offsets from parallel ranged GETs, synced,
-published), the directory synced, the small files, the directory synced, then the index, last
-(its presence commits the step), then `latest`. Every byte is checked against the step's own
+The step is written the way the writer writes a save, through the storage backend only: data
+files as parts (`open_part`, written at their offsets from parallel ranged GETs, synced,
+published), then committed by storage.step_commit.StepCommit (small files, the index last,
+`latest`). Every byte is checked against the step's own
 index before it is written: each data file unit by unit (header, tensors, chunks:
 ckptd.format.units), each small file whole. A failure removes what was written (the step
 directory holds no index until the end, so it is never served, and start-up recovery or
@@ -26,7 +26,7 @@ from ckptd.daemon.remote.objects import small_files
 from ckptd.daemon.remote.store import ObjectStore, RemoteNotFound, Stopped, gather
 from ckptd.daemon.storage import PartWriter, StorageBackend
 from ckptd.daemon.storage.space import space_problem
-from ckptd.daemon.write.writer import write_latest_newest, write_step_files
+from ckptd.daemon.storage.step_commit import StepCommit
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +66,23 @@ class StepRestorer:
         except FormatError as exc:
             raise DownloadDamaged(f"{where}: {exc}") from None
         self._check_space(job, index)
-        self.storage.prepare_step(job, step)
+        self.storage.writing.prepare_step(job, step)
+        commit = StepCommit(self.storage.writing, self.storage.catalog, job, step)
         try:
             nbytes, small = self._download(job, step, index, units)
-            write_step_files(self.storage, job, step, {**small, INDEX_NAME: index_bytes})  # the small files, then the index: the commit
+            commit.publish({**small, INDEX_NAME: index_bytes})
         except BaseException:
             try:
-                self.storage.remove_step(job, step)
+                self.storage.janitor.remove_step(job, step)
             except OSError as exc:  # left for start-up recovery or `ckptd gc` (no index: never served)
                 log.warning("could not remove the interrupted restore of step %s of job %s: %s", step, job, exc)
             raise
-        write_latest_newest(self.storage, job, step)
-        return Restored(job, step, nbytes + len(index_bytes), self.storage.step_location(job, step))
+        commit.point_latest("newest")
+        return Restored(job, step, nbytes + len(index_bytes), self.storage.catalog.step_location(job, step))
 
     def _check_space(self, job: str, index: CheckpointIndex) -> None:
-        free = self.storage.free_bytes(job)
-        problem = space_problem(index.size_bytes, 0, self.disk_reserve, *free) if free is not None else None
+        free = self.storage.writing.free_bytes(job)
+        problem = space_problem(index.size_bytes, 0, self.disk_reserve, free.nbytes, free.where) if free is not None else None
         if problem is not None:
             raise NoSpace(f"step {index.step} of job {job!r} is not restored: {problem}")
 
@@ -94,7 +95,7 @@ class StepRestorer:
             for record in index.files:
                 if record.name not in units:
                     continue
-                part = self.storage.open_part(job, step, record.name, record.size)
+                part = self.storage.writing.open_part(job, step, record.name, record.size)
                 parts[record.name] = part
                 key = self.location.key(job, step, record.name)
                 for start, end, group in read_ranges(units[record.name], RANGE_BYTES):

@@ -9,13 +9,15 @@
   multipart uploads of this node are aborted, committed steps of the local root not in the
   bucket yet are queued (the index in the bucket is the proof of an upload), and node 0 removes
   step directories an interrupted upload left without an index.
-- Upload (`committed`, from engine/commit.py once a step is committed and durable here): the
+The BUCKET tier of engine/tiers.py: the engine's parts reach it only through that protocol.
+
+- Upload (`after_commit`, from engine/commit.py once a step is committed and durable here): the
   step is queued; one step at a time, in commit order, uploaded on worker threads (upload.py),
   never on the event loop and never in the save's path. A failed attempt is retried with
   exponential backoff, as long as the step is in the local root; local retention keeps a step
   until its upload is done. After node 0 uploads a step, retention applies to the bucket with
   its own settings (--remote-keep-last, --remote-keep-every).
-- Restore and listing (`restore_step`, `restore_newest` from engine/loads.py, `listing` from
+- Restore and listing (`locate`, `newest` from engine/loads.py, `listing` from
   engine/housekeeping.py): reads.py.
 """
 
@@ -29,9 +31,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from ckptd.daemon.engine.tiers import Committed, Listing, Located, Tier
 from ckptd.daemon.errors import Unavailable
 from ckptd.daemon.faults import objects as faults
-from ckptd.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import FormatError
+from ckptd.daemon.plan.load_plan import TierName
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import RemoteStatus
 from ckptd.daemon.remote.catalog import BucketCatalog
@@ -66,9 +70,11 @@ class RemoteStartError(RuntimeError):
     """The tier cannot work as configured (credentials, bucket, client): the daemon does not start."""
 
 
-class RemoteTier:
+class RemoteTier(Tier):
     """See the module docstring. Built by the service when `config.remote` is set; `start` once
     serving. Everything public runs on the event loop."""
+
+    name = TierName.BUCKET
 
     def __init__(self, config: "DaemonConfig", engine: "Engine") -> None:
         self.location = parse_location(config.remote)
@@ -175,18 +181,18 @@ class RemoteTier:
 
     # ------------------------------------------------------------ uploads
 
-    def committed(self, job: str, step: int, shared_root: bool, created_at: float) -> None:
+    def after_commit(self, commit: Committed) -> None:
         """A step was committed and is durable here: queue its upload (see the module docstring)."""
-        if self.engine.cluster is not None and self.engine.node != 0 and shared_root:
+        if self.engine.cluster is not None and self.engine.node != 0 and commit.shared_root:
             return  # node 0 uploads everything of a shared root
-        self._queue[(job, step)] = (shared_root, created_at)
+        self._queue[(commit.job, commit.step)] = (commit.shared_root, commit.index.created_at)
         self._wake.set()
 
     def protected(self, job: str) -> set[int]:
         """Steps of the job local retention must keep: queued or being uploaded; before the
         start-up catch-up knows which steps the bucket lacks, every committed step."""
         if not self._caught_up and not self._stop.is_set():
-            return set(self.engine.storage.committed_steps(job))
+            return set(self.engine.storage.catalog.committed_steps(job))
         return {step for j, step in self._queue if j == job}
 
     def lag(self) -> float:
@@ -282,7 +288,7 @@ class RemoteTier:
         if engine.node == 0:
             assert self.uploader is not None
             index, _ = await self._run(self.uploader.local_index, job, step)
-            sizes = await self._run(engine.storage.step_file_sizes, job, step)
+            sizes = await self._run(engine.storage.files.step_file_sizes, job, step)
             return all(f.name in sizes for f in index.files)
         try:
             return await self.shares_node0_root(job)
@@ -312,8 +318,8 @@ class RemoteTier:
         assert self.uploader is not None and self.catalog is not None
         storage, uploader, catalog = self.engine.storage, self.uploader, self.catalog
         found: dict[tuple[str, int], tuple[bool | None, float]] = {}
-        for job in await self._run(storage.jobs):
-            steps = await self._run(storage.commit_order, job)
+        for job in await self._run(storage.catalog.jobs):
+            steps = await self._run(storage.catalog.commit_order, job)
             try:  # a member on node 0's root sweeps nothing: node 0 uploads that root's files, and may be uploading now
                 member_of_shared = self.engine.cluster is not None and self.engine.node != 0 and await self.shares_node0_root(job)
             except Unavailable:
@@ -331,7 +337,7 @@ class RemoteTier:
                 except StepGone:
                     continue
             if self.engine.node == 0:
-                keep = set(await self._run(storage.committed_steps, job))
+                keep = set(await self._run(storage.catalog.committed_steps, job))
                 await self._run(catalog.sweep_leftovers, job, keep)
                 await self._bucket_retention(job)  # as after an upload (a daemon may have died in between)
         self._queue = {**found, **self._queue}
@@ -354,7 +360,7 @@ class RemoteTier:
             index, _ = self.uploader.local_index(job, step)
         except (StepGone, FormatError):
             return False
-        sizes = self.engine.storage.step_file_sizes(job, step)
+        sizes = self.engine.storage.files.step_file_sizes(job, step)
         shared = self.engine.node == 0 and all(f.name in sizes for f in index.files)
         return any(f.name == name for f in uploads_of(index, self.engine.node, shared))
 
@@ -366,17 +372,25 @@ class RemoteTier:
 
     # ------------------------------------------------------------ restores and listings
 
-    async def listing(self, job: str, local: list[tuple[CheckpointIndex, str, bool]]) -> list[tuple[CheckpointIndex, str, bool]]:
+    async def listing(self, job: str, rows: Listing) -> Listing:
         """BucketReads.listing (before the tier started: the root's steps alone)."""
-        return local if self.reads is None else await self.reads.listing(job, local)
+        return rows if self.reads is None else await self.reads.listing(job, rows)
 
-    async def restore_step(self, job: str, step: int) -> bool:
-        """BucketReads.restore_step (False before the tier started)."""
-        return self.reads is not None and await self.reads.restore_step(job, step)
+    async def locate(self, job: str, step: int) -> Located | None:
+        """A step neither the root nor the peers hold: restored into the root when the bucket
+        has it (BucketReads.restore_step; not before the tier started)."""
+        restored = self.reads is not None and await self.reads.restore_step(job, step)
+        return Located(step) if restored else None
 
-    async def restore_newest(self, job: str) -> bool:
-        """BucketReads.restore_newest (False before the tier started)."""
-        return self.reads is not None and await self.reads.restore_newest(job)
+    async def newest(self, job: str, found: Located | None) -> Located | None:
+        """Unless the step comes from the peers: the bucket's newest step, restored into the root
+        when it was committed after the root's newest (BucketReads.restore_newest)."""
+        if found is not None and found.copy is not None:
+            return None
+        if self.reads is None or not await self.reads.restore_newest(job):
+            return None
+        step = await asyncio.to_thread(self.engine.storage.catalog.latest_step, job)
+        return None if step is None else Located(step)
 
     async def shares_node0_root(self, job: str) -> bool:
         """A member (node != 0): whether its root is node 0's (asked once, then known).
@@ -387,10 +401,13 @@ class RemoteTier:
             answer = await cluster.inventory(0, job, 0)
             if isinstance(answer, str):
                 raise Unavailable(f"node 0 does not answer ({answer}): whether this node's root is node 0's is not known yet")
-            self._shares_root = answer[0] == cluster.root_id
+            self._shares_root = answer.root_id == cluster.root_id
         return self._shares_root
 
     # ------------------------------------------------------------ status
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"remote": self.status()}
 
     def status(self) -> RemoteStatus:
         c = self.counters

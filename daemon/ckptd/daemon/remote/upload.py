@@ -1,6 +1,7 @@
 """Uploading one committed step to the bucket (blocking: runs on the tier's worker threads).
 
-Order, so that a step is visible in the bucket only when complete (its index is there):
+Order, so that a step is visible in the bucket only when complete (its index is there): the
+commit rule of storage/step_commit.py, kept on objects:
 
 1. the step's index is read from the local root; if the bucket holds the same index, the step
    is already uploaded; if it holds another commit under the same step number (a job that
@@ -159,10 +160,10 @@ class StepUploader:
     def local_index(self, job: str, step: int) -> tuple[CheckpointIndex, bytes]:
         """The step's index in the local root (StepGone when it is not there)."""
         try:
-            data = self.storage.read_small(job, step, INDEX_NAME)
+            data = self.storage.files.read_small(job, step, INDEX_NAME)
         except FileNotFoundError:
             raise StepGone(f"step {step} of job {job!r} is no longer in {self.storage.location}") from None
-        return CheckpointIndex.from_json_bytes(data, where=f"{self.storage.step_location(job, step)}/{INDEX_NAME}"), data
+        return CheckpointIndex.from_json_bytes(data, where=f"{self.storage.catalog.step_location(job, step)}/{INDEX_NAME}"), data
 
     def uploaded(self, job: str, step: int) -> bool:
         """Whether the bucket holds this very commit of the step (its index, byte for byte);
@@ -288,7 +289,7 @@ class StepUploader:
         if self._stop.is_set():
             raise Stopped("stopped")
         key = self.location.key(job, step, record.name)
-        reader = self.storage.step_reader(job, step)
+        reader = self.storage.files.step_reader(job, step)
         if units is None:
             try:
                 payload = reader.read_small(record.name, limit=record.size)

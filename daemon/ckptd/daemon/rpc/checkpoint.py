@@ -16,11 +16,11 @@ import grpc
 
 from ckptd.common.names import check_job_id
 from ckptd.daemon import errors
+from ckptd.daemon.engine.requests import CommitSnapshot
 from ckptd.daemon.engine.runs import Client
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
 from ckptd.daemon.handoff.transports import StagedHandOver
 from ckptd.daemon.plan.save_plan import TensorSpec
-from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc import validate as checks
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -58,29 +58,18 @@ class _LoadSpecs:
 
 
 class CheckpointServicer(pb_grpc.CheckpointServicer):
-    def __init__(self, service: "CheckpointService") -> None:
+    def __init__(self, service: "CheckpointService", staging: GpuStaging) -> None:
+        """staging: mode "ipc"'s staging buffers, which OpenStaging and CloseStaging open and close."""
         self.service = service
+        self._staging = staging
         self._slot_messages = rpc_convert.SlotMessages()
         self._load_specs = _LoadSpecs()
         self._shm_pieces = rpc_convert.ShmPieces()
 
     async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
-        job, rank, world_size = checks.check_who(request.who)
-        step = checks.check_step(request.step)
-        local_world_size = checks.check_local_world_size(request.who.local_world_size, world_size)
-        quantize, master_weights = checks.check_compression(request.quantize, request.master_weights, request.no_quantize, request.lineage_generation)
-        fingerprint = checks.check_fingerprint(request.fingerprint)
-        specs = checks.tensor_specs(request.tensors) if request.tensors else None
-        metric = checks.check_metric(request.metric, request.has_metric)
-        run = checks.check_run(request.who)
-        resumed_from = checks.check_step(request.resumed_from) if request.resumed else None
-        retention = checks.check_retention(request.retention, request.HasField("retention"))
-        session = await self.service.begin_save(
-            job, rank, world_size, step, fingerprint, specs, metric, checks.check_timeout(request.timeout_s), local_world_size,
-            quantize, master_weights, request.lineage_generation, request.no_quantize, run, resumed_from, checks.check_client_id(request.who),
-            retention,
-        )
-        return rpc_convert.begin_response(session, rank, request.known_layout, self._slot_messages)
+        begin = checks.begin_save_of(request)
+        session = await self.service.begin_save(begin)
+        return rpc_convert.begin_response(session, begin.rank, request.known_layout, self._slot_messages)
 
     async def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.aio.ServicerContext) -> pb.CommitSnapshotResponse:
         job, rank, _ = checks.check_who(request.who)
@@ -89,7 +78,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         staged = None
         if checks.check_staged(request.staging_id, len(request.staged)):
             staged = StagedHandOver(GpuStaging.name, request.staging_id, rpc_convert.staged_ranges(request.staged))
-        await self.service.commit_snapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s)
+        await self.service.commit_snapshot(CommitSnapshot(job, rank, request.save_id, request.extras_json, model_files, staged, stall_s))
         return pb.CommitSnapshotResponse()
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AttachEvent]:
@@ -115,14 +104,14 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     async def OpenStaging(self, request: pb.OpenStagingRequest, context: grpc.aio.ServicerContext) -> pb.OpenStagingResponse:
         job, rank, _ = checks.check_who(request.who)
-        staging_id, reason = await self.service.gpu.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
+        staging_id, reason = await self._staging.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
         if reason:
             log.warning("rank %s of job %s cannot use mode 'ipc' (it falls back to 'overlap'): %s", rank, job, reason)
         return pb.OpenStagingResponse(staging_id=staging_id, reason=reason)
 
     async def CloseStaging(self, request: pb.CloseStagingRequest, context: grpc.aio.ServicerContext) -> pb.CloseStagingResponse:
         job, rank, _ = checks.check_who(request.who)
-        await self.service.gpu.close(job, rank, request.staging_id)
+        await self._staging.close(job, rank, request.staging_id)
         return pb.CloseStagingResponse()
 
     async def AbortSave(self, request: pb.AbortSaveRequest, context: grpc.aio.ServicerContext) -> pb.AbortSaveResponse:
@@ -135,19 +124,13 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         step = checks.check_step(request.step)
         async for item in self.service.progress(job, step, checks.check_timeout(request.timeout_s)):
             if isinstance(item, str):  # the step is committed
-                yield rpc_convert.committed_pb(self.service.storage.step_location(job, step))
+                yield rpc_convert.committed_pb(self.service.storage.catalog.step_location(job, step))
                 return
             yield rpc_convert.progress_pb(item)
 
     async def PlanLoad(self, request: pb.PlanLoadRequest, context: grpc.aio.ServicerContext) -> pb.PlanLoadResponse:
-        job, rank, world_size = checks.check_who(request.who)
-        step = None if request.latest else checks.check_step(request.step)
-        wanted = self._load_specs.resolve(job, rank, request.fingerprint, request.tensors)
-        kinds = checks.check_kinds(request.kinds)
-        plan = await self.service.plan_load(
-            job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
-            checks.check_run(request.who),
-        )
+        load = checks.plan_load_of(request, lambda job, rank: self._load_specs.resolve(job, rank, request.fingerprint, request.tensors))
+        plan = await self.service.plan_load(load)
         # checked after planning, as always: a rank with too many known plans is told so only then
         known_plans = checks.check_known_plans(request.known_plans)
         if plan.plan_id and plan.plan_id in known_plans:
@@ -167,7 +150,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         return pb.ListResponse(checkpoints=[rpc_convert.checkpoint_info_pb(index, path, in_memory) for index, path, in_memory in listed])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        status = StatusSnapshot.from_dict(self.service.status())
+        status = self.service.status()
         if request.job:
             status = status.of_job(check_job_id(request.job))
         return rpc_convert.status_pb(status)

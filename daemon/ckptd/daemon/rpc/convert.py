@@ -12,19 +12,18 @@ from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from ckptd.common.boxes import Box
-from ckptd.common.names import check_run_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
-from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
 from ckptd.format.units import Unit
 from ckptd.daemon.handoff.gpu_ipc import StagedRange
-from ckptd.daemon.plan.compression import Compression, SaveOptions
+from ckptd.daemon.plan.compression import Compression
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
 from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
-from ckptd.daemon.rpc.validate import check_retention, tensor_specs
+from ckptd.daemon.rpc.validate import tensor_specs
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 
@@ -228,17 +227,15 @@ def meta_of(spec: TensorSpec) -> pb.TensorMeta:
     )
 
 
-def join_request(
-    job: str, step: int, node: int, world_size: int, fingerprints: dict[int, str], specs: dict[int, tuple[TensorSpec, ...]],
-    known_plans: Sequence[str], timeout_s: float, metric: float | None, root_id: str, options: SaveOptions, lineage: int,
-    claim: RunClaim = NO_CLAIM,
-) -> ppb.JoinSaveRequest:
+def join_request(request: JoinSave, node: int, root_id: str) -> ppb.JoinSaveRequest:
+    """A node's JoinSave message (`root_id`: its storage root's id)."""
+    specs, options, claim = request.specs, request.options, request.claim
     return ppb.JoinSaveRequest(
-        job=job, step=step, node=node, world_size=world_size, fingerprints=fingerprints,
-        tensors=[ppb.RankTensors(rank=r, fingerprint=fingerprints[r], tensors=[meta_of(s) for s in specs[r]]) for r in sorted(specs)],
-        known_plans=list(known_plans), timeout_s=timeout_s, metric=metric or 0.0, has_metric=metric is not None,
+        job=request.job, step=request.step, node=node, world_size=request.world_size, fingerprints=request.fingerprints,
+        tensors=[ppb.RankTensors(rank=r, fingerprint=request.fingerprints[r], tensors=[meta_of(s) for s in specs[r]]) for r in sorted(specs)],
+        known_plans=list(request.known_plans), timeout_s=request.timeout_s, metric=request.metric or 0.0, has_metric=request.metric is not None,
         root_id=root_id, quantize=options.quantize or "", master_weights=options.master_weights or "",
-        no_quantize=options.no_quantize, lineage=lineage, run_id=claim.run, resumed=claim.resumed,
+        no_quantize=options.no_quantize, lineage=request.lineage, run_id=claim.run, resumed=claim.resumed,
         retention=retention_message(options.retention),
     )
 
@@ -248,22 +245,6 @@ def retention_message(retention: JobRetention | None) -> pb.Retention | None:
     if retention is None:
         return None
     return pb.Retention(keep_last=retention.keep_last, keep_best=retention.keep_best, best_mode=retention.best_mode or "")
-
-
-def join_options_of(request: ppb.JoinSaveRequest) -> SaveOptions:
-    """A joining node's compression options (validated like a rank's: InvalidRequest)."""
-    try:
-        quantize = check_scheme(request.quantize or None)
-        master = check_master_mode(request.master_weights or None)
-    except ValueError as exc:
-        raise InvalidRequest(f"node {request.node}: {exc}") from None
-    retention = check_retention(request.retention, request.HasField("retention"))
-    return SaveOptions(quantize, master, request.no_quantize, retention)
-
-
-def join_claim_of(request: ppb.JoinSaveRequest) -> RunClaim:
-    """A joining node's run (validated like a rank's: InvalidRequest)."""
-    return RunClaim(check_run_id(request.run_id), request.resumed) if request.run_id else NO_CLAIM
 
 
 def compression_pb(compression: Compression | None) -> ppb.Compression | None:
@@ -367,15 +348,14 @@ def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Seq
     return NodeManifest(node, tuple(FileRecord(f.name, f.size, f.checksum, node) for f in files), records)
 
 
-def report_request(
-    job: str, step: int, save_id: str, node: int, manifest: NodeManifest | None, error: str, extras: dict[int, str], model_files: dict[str, bytes]
-) -> ppb.ReportManifestRequest:
-    """extras: rank -> JSON text; model files as bytes (UTF-8 JSON)."""
+def report_request(request: ReportManifest, node: int) -> ppb.ReportManifestRequest:
+    """A node's ReportManifest message: extras as JSON text, model files as UTF-8 text."""
+    manifest = request.manifest
     files, fragments = manifest_to_wire(manifest) if manifest is not None else ([], [])
     return ppb.ReportManifestRequest(
-        job=job, step=step, save_id=save_id, node=node, ok=manifest is not None, error=error,
-        files=files, fragments=fragments, extras_json=extras,
-        model_files={k: v.decode() for k, v in model_files.items()},
+        job=request.job, step=request.step, save_id=request.save_id, node=node, ok=manifest is not None, error=request.error,
+        files=files, fragments=fragments, extras_json={r: json.dumps(e) for r, e in request.extras.items()},
+        model_files={k: v.decode() for k, v in request.model_files.items()},
     )
 
 
@@ -399,7 +379,7 @@ def inventory_response(inventory: PeerInventory) -> ppb.InventoryResponse:
 def inventory_of(reply: ppb.InventoryResponse) -> PeerInventory:
     replicas = tuple((r.node, r.name, r.size) for r in reply.replicas)
     newest = reply.newest_step if reply.newest_step >= 0 else None
-    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas, newest)
+    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas=replicas, newest=newest)
 
 
 def bulk_ticket(answer: BulkAnswer) -> ppb.BulkTicket:

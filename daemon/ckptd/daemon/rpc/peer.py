@@ -15,6 +15,7 @@ import grpc
 from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import errors
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.format.index import INDEX_NAME, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
@@ -50,26 +51,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
 
     async def JoinSave(self, request: ppb.JoinSaveRequest, context: grpc.aio.ServicerContext) -> ppb.JoinSaveResponse:
         coordinator = self._coordinator()
-        job = check_job_id(request.job)
-        step = checks.check_step(request.step)
-        node = checks.check_node(request.node, self.cluster.nodes)
-        world_size = checks.check_world_size(request.world_size)
-        if not request.fingerprints:
-            raise errors.InvalidRequest(f"node {node} joined the save of step {step} without ranks")
-        specs = {}
-        for entry in request.tensors:
-            if request.fingerprints.get(entry.rank) != entry.fingerprint:
-                raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
-            specs[entry.rank] = tuple(checks.tensor_specs(entry.tensors))
-            checks.check_digest(node, entry.rank, entry.fingerprint, specs[entry.rank])
-        timeout_s = checks.check_timeout(request.timeout_s) or self.service.config.save_timeout_s
-        metric = request.metric if request.has_metric else None
-        options = rpc_convert.join_options_of(request)
-        lineage = max(0, request.lineage)
-        result = await coordinator.join(
-            job, step, node, world_size, dict(request.fingerprints), specs, list(request.known_plans), request.root_id, timeout_s, metric,
-            options, lineage, rpc_convert.join_claim_of(request),
-        )
+        node, joining = checks.join_save_of(request, self.cluster.nodes, self.service.config.save_timeout_s)
+        result = await coordinator.join(joining, node, request.root_id)
         key = (result.save_id, result.specs is None)
         answer = self._answers.get(key)
         if answer is None:
@@ -91,24 +74,24 @@ class PeerServicer(ppb_grpc.PeerServicer):
             manifest = rpc_convert.manifest_from_wire(node, request.files, request.fragments)
             for record in manifest.files:
                 checks.check_file_name(record.name)
-        outcome = await coordinator.report(job, step, request.save_id, node, manifest, request.error[:2000], extras, model_files)
+        outcome = await coordinator.report(ReportManifest(job, step, request.save_id, manifest, request.error[:2000], extras, model_files), node)
         return rpc_convert.report_response(outcome)
 
     async def Inventory(self, request: ppb.InventoryRequest, context: grpc.aio.ServicerContext) -> ppb.InventoryResponse:
         job = check_job_id(request.job)
         step = checks.check_step(request.step)
         storage = self.service.storage
-        committed = await asyncio.to_thread(storage.is_committed, job, step)  # links not followed
+        committed = await asyncio.to_thread(storage.catalog.is_committed, job, step)  # links not followed
         sizes = {}
         if committed:
-            files = await asyncio.to_thread(storage.step_file_sizes, job, step)
+            files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
             sizes = {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
         coordinator = self.cluster.coordinator
         in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
         replication = self.service.replication
         replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
-        newest = await asyncio.to_thread(storage.latest_step, job) if request.newest else None
-        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas, newest))
+        newest = await asyncio.to_thread(storage.catalog.latest_step, job) if request.newest else None
+        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas=replicas, newest=newest))
         if request.run_id:
             reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
         return reply
@@ -153,7 +136,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         storage = self.service.storage
         sizes = {f.name: f.size for f in index.files}
         if name == INDEX_NAME:
-            sizes[name] = (await asyncio.to_thread(storage.step_file_sizes, job, step)).get(name, 0)
+            sizes[name] = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
         if name not in sizes:
             raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
         nbytes = checks.check_byte_range(name, sizes[name], request.offset, request.nbytes)
@@ -161,7 +144,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         while done < nbytes:
             n = min(FETCH_CHUNK, nbytes - done)
             try:  # no link followed, no FIFO waited on; a short file is an error, not a short answer
-                data = await asyncio.to_thread(storage.read_range, job, step, name, request.offset + done, n)
+                data = await asyncio.to_thread(storage.files.read_range, job, step, name, request.offset + done, n)
             except ForeignEntry as exc:
                 raise errors.Precondition(f"{name} on node {self.cluster.node} is not served: {exc}") from None
             except FormatError as exc:

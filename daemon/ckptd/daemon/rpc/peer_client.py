@@ -10,7 +10,6 @@ rpc/errors.py coordinator_error.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from typing import Any, Awaitable, Callable, Sequence
@@ -19,13 +18,12 @@ import grpc
 
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input
-from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs
+from ckptd.daemon.engine.requests import JoinSave, ReportManifest
+from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.errors import Unavailable
 from ckptd.format.index import step_dir_name
-from ckptd.daemon.plan.compression import NO_OPTIONS, Decide, SaveOptions, lossless_by_default
-from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.plan.compression import Decide, lossless_by_default
 from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy
-from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc.errors import coordinator_error, coordinator_unreachable
@@ -67,7 +65,7 @@ class PeerClient:
 
     def start(self) -> None:
         """Read (or create) the root's id; node 0 becomes the coordinator."""
-        self.root_id = self.storage.root_id()
+        self.root_id = self.storage.catalog.root_id()
         if self.node == 0:
             self.coordinator = Coordinator(self.storage, self.links, self.root_id, self._on_commit, self._decide, self.runs, self._job_policy)
 
@@ -86,54 +84,35 @@ class PeerClient:
             return None
         return coordinator_unreachable(self.describe(0), f"no connection to it within {waited_s:.0f} s")
 
-    async def join_save(
-        self,
-        job: str,
-        step: int,
-        world_size: int,
-        fingerprints: dict[int, str],
-        specs: dict[int, tuple[TensorSpec, ...]],
-        known_plans: Sequence[str],
-        timeout_s: float,
-        metric: float | None,
-        options: SaveOptions = NO_OPTIONS,
-        lineage: int = 0,
-        claim: RunClaim = NO_CLAIM,
-    ) -> JoinResult:
+    async def join_save(self, request: JoinSave) -> JoinResult:
         """Join the save at the coordinator (Coordinator.join); returns once every rank has."""
         if self.coordinator is not None:
-            return await self.coordinator.join(
-                job, step, self.node, world_size, fingerprints, specs, known_plans, self.root_id, timeout_s, metric, options, lineage, claim
-            )
-        request = rpc_convert.join_request(
-            job, step, self.node, world_size, fingerprints, specs, known_plans, timeout_s, metric, self.root_id, options, lineage, claim
-        )
+            return await self.coordinator.join(request, self.node, self.root_id)
+        message = rpc_convert.join_request(request, self.node, self.root_id)
         # A coordinator that is restarting joins late rather than failing this node's ranks (the
         # log says at once that it waits); one that stays away past the join window fails the
         # save (the watchdog says why the same way).
+        timeout_s = request.timeout_s
         notice_s = min(timeout_s, COORDINATOR_NOTICE_S)
         if not await self.links.ready(0, notice_s):
             log.warning(
-                "step %s of job %s waits up to %.0f s for node 0: %s", step, job, timeout_s,
+                "step %s of job %s waits up to %.0f s for node 0: %s", request.step, request.job, timeout_s,
                 coordinator_unreachable(self.describe(0), f"no connection to it within {notice_s:.0f} s"),
             )
             if not await self.links.ready(0, timeout_s - notice_s):
                 raise Unavailable(coordinator_unreachable(self.describe(0), f"no connection to it within {timeout_s:.0f} s"))
-        reply = await self._call_coordinator(self.links.stub(0).JoinSave, request, timeout_s + 30)
-        result = rpc_convert.join_result_of(reply, world_size)
+        reply = await self._call_coordinator(self.links.stub(0).JoinSave, message, timeout_s + 30)
+        result = rpc_convert.join_result_of(reply, request.world_size)
         check_plan_input(result, self.describe(0))
         return result
 
-    async def report(
-        self, job: str, step: int, save_id: str, manifest: NodeManifest | None, error: str, extras: dict[int, Any], model_files: dict[str, bytes]
-    ) -> Outcome:
-        """Report this node's part; returns the outcome. extras: rank -> its extras tree."""
+    async def report(self, request: ReportManifest) -> Outcome:
+        """Report this node's part; returns the outcome."""
         if self.coordinator is not None:
-            return await self.coordinator.report(job, step, save_id, self.node, manifest, error, extras, model_files)
-        texts = {r: json.dumps(e) for r, e in extras.items()}
-        request = rpc_convert.report_request(job, step, save_id, self.node, manifest, error, texts, model_files)
+            return await self.coordinator.report(request, self.node)
+        message = rpc_convert.report_request(request, self.node)
         try:
-            reply = await self.links.stub(0).ReportManifest(request, metadata=self.links.metadata)
+            reply = await self.links.stub(0).ReportManifest(message, metadata=self.links.metadata)
         except grpc.RpcError as exc:
             details = exc.details() or exc.code().name
             why = coordinator_unreachable(self.describe(0), details) if exc.code() == grpc.StatusCode.UNAVAILABLE else f"the coordinator {self.describe(0)} did not answer: {details}"

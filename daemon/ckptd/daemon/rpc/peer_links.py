@@ -1,7 +1,7 @@
 """gRPC channels from this daemon to the other nodes' daemons (the Peer service), with the peer
 token on every call (rpc_auth.PEER_TOKEN_KEY) and mutual TLS when configured (rpc/tls.py).
 The peer client (peer_client.py), node 0's coordinator and run admission (as their
-engine/peers.py `PeerProbe`) and tier 0b (tiers/replica_links.py) call the other nodes through them.
+engine/peers.py `PeerProbe`) and the replica tiers (tiers/replica_links.py) call the other nodes through them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Validation of what arrives over the wire, the one validator of both servicers: each function
 returns the checked value or raises errors.InvalidRequest with a message that says what to fix.
-A servicer method checks its request here, calls the engine, and converts (rpc_convert)."""
+A servicer method checks its request here, calls the engine, and converts (rpc_convert). The
+requests the engine takes whole (engine/requests.py) are built here, once: `begin_save_of`,
+`plan_load_of`, `join_save_of`."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
@@ -14,11 +16,15 @@ from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, che
 from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
+from ckptd.daemon.engine.requests import BeginSave, JoinSave, PlanLoad
+from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
 from ckptd.format.index import MODEL_FILES, FileRecord
 from ckptd.format.units import Unit, tiling_problem
+from ckptd.daemon.plan.compression import SaveOptions
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.plan.save_plan import TensorSpec, spec_digest
 from ckptd.wire.v1 import checkpoint_pb2 as pb
+from ckptd.wire.v1 import peer_pb2 as ppb
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_NDIM = 16
@@ -312,3 +318,69 @@ def check_replica_ranges(ranges: Sequence[Any]) -> list[tuple[str, int, int]]:
     if any(offset < 0 or nbytes <= 0 for _, offset, nbytes in out):
         raise errors.InvalidRequest("a replica read asks for a negative offset or an empty range")
     return out
+
+
+# ------------------------------------------------------------------ whole requests (engine/requests.py)
+
+
+def begin_save_of(request: pb.BeginSaveRequest) -> BeginSave:
+    """A rank's BeginSave, every field checked."""
+    job, rank, world_size = check_who(request.who)
+    step = check_step(request.step)
+    local_world_size = check_local_world_size(request.who.local_world_size, world_size)
+    quantize, master_weights = check_compression(request.quantize, request.master_weights, request.no_quantize, request.lineage_generation)
+    fingerprint = check_fingerprint(request.fingerprint)
+    specs = tensor_specs(request.tensors) if request.tensors else None
+    metric = check_metric(request.metric, request.has_metric)
+    run = check_run(request.who)
+    resumed_from = check_step(request.resumed_from) if request.resumed else None
+    retention = check_retention(request.retention, request.HasField("retention"))
+    return BeginSave(
+        job, rank, world_size, step, fingerprint, specs, metric, check_timeout(request.timeout_s), local_world_size,
+        SaveOptions(quantize, master_weights, request.no_quantize, retention), request.lineage_generation, run, resumed_from,
+        check_client_id(request.who),
+    )
+
+
+def plan_load_of(request: pb.PlanLoadRequest, wanted_of: Callable[[str, int], Sequence[TensorSpec]]) -> PlanLoad:
+    """A rank's PlanLoad, every field checked. wanted_of(job, rank): the tensors it wants (sent,
+    or named by a fingerprint it sent before: rpc/checkpoint.py)."""
+    job, rank, world_size = check_who(request.who)
+    step = None if request.latest else check_step(request.step)
+    wanted = wanted_of(job, rank)
+    kinds = check_kinds(request.kinds)
+    return PlanLoad(
+        job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
+        check_run(request.who),
+    )
+
+
+def join_save_of(request: ppb.JoinSaveRequest, nodes: int, default_timeout_s: float) -> tuple[int, JoinSave]:
+    """A node's JoinSave, every field checked (its rank metadata against the digests it names,
+    its options like a rank's): (the joining node, its request). default_timeout_s: the join
+    window of a request without one."""
+    job = check_job_id(request.job)
+    step = check_step(request.step)
+    node = check_node(request.node, nodes)
+    world_size = check_world_size(request.world_size)
+    if not request.fingerprints:
+        raise errors.InvalidRequest(f"node {node} joined the save of step {step} without ranks")
+    specs = {}
+    for entry in request.tensors:
+        if request.fingerprints.get(entry.rank) != entry.fingerprint:
+            raise errors.InvalidRequest(f"metadata of rank {entry.rank} does not match its fingerprint")
+        specs[entry.rank] = tuple(tensor_specs(entry.tensors))
+        check_digest(node, entry.rank, entry.fingerprint, specs[entry.rank])
+    timeout_s = check_timeout(request.timeout_s) or default_timeout_s
+    metric = request.metric if request.has_metric else None
+    try:
+        quantize = check_scheme(request.quantize or None)
+        master = check_master_mode(request.master_weights or None)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"node {request.node}: {exc}") from None
+    options = SaveOptions(quantize, master, request.no_quantize, check_retention(request.retention, request.HasField("retention")))
+    claim = RunClaim(check_run_id(request.run_id), request.resumed) if request.run_id else NO_CLAIM
+    joined = JoinSave(
+        job, step, world_size, dict(request.fingerprints), specs, tuple(request.known_plans), timeout_s, metric, options, max(0, request.lineage), claim
+    )
+    return node, joined

@@ -1,25 +1,28 @@
 """The storage seam: what the daemon needs of the place its checkpoints live.
 
-`StorageBackend` owns every byte of I/O on the storage root: the writer (parts and small
-files), commit (the index, `latest`, prepared markers), loads and the peer Fetch (ranges,
-indexes), retention and recycling, start-up recovery and gc, and the operator tools (a
-`StepReader` of one step). Nothing outside the storage package opens, writes, renames or
-deletes under the root (tests/test_hygiene.py checks it, statically and at run time).
+A `StorageBackend` owns every byte of I/O on the storage root, through four roles, each the
+slice one kind of consumer uses: `StepCatalog` (which jobs and steps there are: listing,
+retention, admission), `StepFiles` (reading a step: loads, the peer Fetch, uploads, the
+tools), `StepWriting` (writing a step: the writer, the restore from an object store) and
+`StepJanitor` (removing: retention, aborts, prepared markers, gc, start-up recovery). Nothing
+outside the storage package opens, writes, renames or deletes under the root
+(tests/test_hygiene.py checks it, statically and at run time). The contract speaks in plain
+values and the frozen records below (`RecycledFile`, `FreeSpace`, `Leftover`), never in a
+backend's own types (a `Path`).
 
 Implementations: `Storage` (posix.py: a directory tree on a POSIX file system) and, as a test
 double only, tests/memory_backend.py (in memory, with the same rules). Steps are named by a
 validated job id and an integer step; files of a step by a plain name (no '/'), so no request
 can name anything outside the root.
 
-A step becomes visible (committed) only when its index (format.INDEX_NAME) is published, last:
-data parts (`open_part` … `PartWriter.publish`) → `sync_step` → small files (`write_small`,
-not atomic) → `sync_step` → the index (`write_small`, atomic) → `write_latest`.
+A step becomes visible (committed) only when its index (format.INDEX_NAME) is published, last;
+the order is stated and kept in one place, step_commit.StepCommit.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 from ckptd.format.index import CheckpointIndex
 
@@ -55,7 +58,7 @@ class PartWriter(Protocol):
 
     def publish(self) -> None:
         """Make the synced, closed part visible under its final name (a rename or the multipart
-        completion). Durable once `StorageBackend.sync_step` returns."""
+        completion). Durable once `StepWriting.sync_step` returns."""
 
 
 class ReadHandle(Protocol):
@@ -92,15 +95,37 @@ class StepReader(Protocol):
     def open(self, name: str) -> ReadHandle: ...
 
 
-class StorageBackend(Protocol):
-    """Where jobs and their steps live (see the module docstring). Four groups of methods:
-    listing, reading, writing a step, and housekeeping. Blocking: call from worker threads."""
+@dataclass(frozen=True)
+class RecycledFile:
+    """A data file of a deleted step kept for reuse (StepWriting.take_recycled): `key` is the
+    backend's own name for it (opaque to callers: a path on POSIX), `size` its bytes."""
 
-    # ---------------------------------------------------------------- listing
+    key: str
+    size: int
 
-    @property
-    def location(self) -> str:
-        """Where the storage is, for messages and `ckptd status` (a directory, or a URL)."""
+
+@dataclass(frozen=True)
+class FreeSpace:
+    """Bytes free for a job's steps (`nbytes`), and `where` they were measured (for messages)."""
+
+    nbytes: int
+    where: str
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a crash or a failed save left, found (and removed) by the janitor: `where` (for
+    messages: a path or a URL), the step it belongs to (-1: none, a temporary of the job),
+    `reason` ("uncommitted" or "temporary") and its bytes (0 when not measured)."""
+
+    where: str
+    step: int
+    reason: str
+    nbytes: int
+
+
+class StepCatalog(Protocol):
+    """Which jobs and committed steps there are (listing: retention, admission, the tools)."""
 
     def step_location(self, job: str, step: int) -> str:
         """Where a step is, for messages and what a commit reports (DurableInfo.step_dir):
@@ -126,7 +151,12 @@ class StorageBackend(Protocol):
     def latest_named(self, job: str) -> int | None:
         """The step the job's `latest` names (a hint for other tools), or None."""
 
-    # ---------------------------------------------------------------- reading
+    def step_bytes(self, job: str, step: int) -> int:
+        """Bytes the step's files take (retention's report); 0 when it is gone."""
+
+
+class StepFiles(Protocol):
+    """Reading a step's files (loads, the peer Fetch, uploads, the operator tools)."""
 
     def read_index(self, job: str, step: int) -> CheckpointIndex: ...
 
@@ -144,16 +174,17 @@ class StorageBackend(Protocol):
     def step_file_sizes(self, job: str, step: int) -> dict[str, int]:
         """The published files of a step (no temporaries) with their sizes; {} for none."""
 
-    def local_path(self, job: str, step: int, name: str) -> Path | None:
-        """A path ranks may read the file at directly (pread, mmap), or None when the backend
-        has no local files: the engine then stages the bytes into shared memory (copy_range)."""
+    def local_path(self, job: str, step: int, name: str) -> str | None:
+        """A file system path ranks may read the file at directly (pread, mmap), or None when
+        the backend has no local files: the engine then stages the bytes into shared memory
+        (copy_range)."""
 
     def step_reader(self, job: str, step: int) -> StepReader: ...
 
-    def step_bytes(self, job: str, step: int) -> int:
-        """Bytes the step's files take (retention's report); 0 when it is gone."""
 
-    # ---------------------------------------------------------------- writing a step
+class StepWriting(Protocol):
+    """Writing a step (the writer, the restore from an object store); the order of the calls
+    that commit it is step_commit.StepCommit's."""
 
     def prepare_step(self, job: str, step: int, fresh: bool = True) -> None:
         """Make room for a new step. `fresh`: an earlier failed attempt's files go; else (nodes
@@ -163,11 +194,11 @@ class StorageBackend(Protocol):
     def ensure_step(self, job: str, step: int) -> None:
         """The step exists (for the commit of a step other nodes wrote)."""
 
-    def take_recycled(self, job: str) -> list[tuple[Any, int]]:
-        """(handle, size) of deleted steps' data files kept for reuse, largest first; a handle
-        goes to open_part, which may still find it gone."""
+    def take_recycled(self, job: str) -> list[RecycledFile]:
+        """Deleted steps' data files kept for reuse, largest first; one goes to open_part,
+        which may still find it gone."""
 
-    def open_part(self, job: str, step: int, name: str, size: int, recycled: Any = None) -> PartWriter:
+    def open_part(self, job: str, step: int, name: str, size: int, recycled: RecycledFile | None = None) -> PartWriter:
         """A new data file `name` of `size` bytes (see PartWriter), made from `recycled` (from
         take_recycled) when it is still there. Not visible until PartWriter.publish."""
 
@@ -191,18 +222,21 @@ class StorageBackend(Protocol):
     def write_latest(self, job: str, step: int) -> None:
         """Point the job's `latest` at `step` (atomically)."""
 
-    def free_bytes(self, job: str) -> tuple[int, str | Path] | None:
-        """(bytes free for the job's steps, where measured), or None when unknown."""
+    def free_bytes(self, job: str) -> FreeSpace | None:
+        """The space free for the job's steps, or None when unknown."""
 
     def allocated_in_step(self, job: str, step: int) -> dict[str, int]:
         """Bytes already taken by each data file of a step being written (temporaries count
         for their file): what other nodes sharing the storage have written so far."""
 
-    # ---------------------------------------------------------------- housekeeping
+
+class StepJanitor(Protocol):
+    """Removing what must go: deleted steps, aborted parts, prepared markers, leftovers."""
 
     def remove_step(self, job: str, step: int, recycle: bool = False) -> None:
-        """Delete a step, atomically invisible first; `recycle` keeps its data files for
-        take_recycled. Never deletes what the daemon did not write (ForeignEntry)."""
+        """Delete a step, atomically invisible first (its index goes with the rename, before
+        any data file); `recycle` keeps its data files for take_recycled. Never deletes what
+        the daemon did not write (ForeignEntry)."""
 
     def discard_part(self, job: str, step: int, names: Sequence[str], shared: bool) -> None:
         """Remove what this node wrote of an aborted step (`shared`: only `names`)."""
@@ -216,8 +250,35 @@ class StorageBackend(Protocol):
     def prepared_steps(self) -> list[tuple[str, int]]:
         """(job, step) holding a node's prepared part but no index."""
 
-    def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[tuple[Path, int, str, int]]:
-        """Remove (unless `dry_run`) what a failed save left; (where, step or -1, reason, bytes)."""
+    def leftovers(self, job: str, busy: set[int], min_age_s: float = 0.0, dry_run: bool = False) -> list[Leftover]:
+        """Remove (unless `dry_run`) what a failed save left of a job (not the steps in `busy`)."""
+
+    def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Leftover]:
+        """Start-up recovery: remove what a crash left, fix each job's `latest`. While other
+        nodes' daemons serve the storage (a shared root), only leftovers unchanged for
+        `min_age_s` seconds (the save timeout): younger ones may be their saves in flight."""
+
+
+class StorageBackend(Protocol):
+    """Where jobs and their steps live (see the module docstring): the four roles, and the
+    claim that makes this daemon the one serving its node of the storage. Blocking: call from
+    worker threads."""
+
+    @property
+    def location(self) -> str:
+        """Where the storage is, for messages and `ckptd status` (a directory, or a URL)."""
+
+    @property
+    def catalog(self) -> StepCatalog: ...
+
+    @property
+    def files(self) -> StepFiles: ...
+
+    @property
+    def writing(self) -> StepWriting: ...
+
+    @property
+    def janitor(self) -> StepJanitor: ...
 
     def claim(self, node: int, socket: str) -> None:
         """Make this daemon the one that serves node `node` of the storage, before any recovery
@@ -225,8 +286,3 @@ class StorageBackend(Protocol):
 
     def release(self) -> None:
         """Give up what `claim` took (idempotent)."""
-
-    def clean_uncommitted(self, min_age_s: float = 0.0) -> list[Path]:
-        """Start-up recovery: remove what a crash left, fix each job's `latest`. While other
-        nodes' daemons serve the storage (a shared root), only leftovers unchanged for
-        `min_age_s` seconds (the save timeout): younger ones may be their saves in flight."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ckptd.daemon.storage.fs import (
     ForeignEntry,
@@ -22,9 +21,7 @@ from ckptd.daemon.storage.fs import (
     tmp_name,
     unlink_own,
 )
-
-if TYPE_CHECKING:
-    from ckptd.daemon.storage.posix import Storage
+from ckptd.daemon.storage.posix_tree import PosixTree
 
 
 class PosixPartWriter:
@@ -32,7 +29,7 @@ class PosixPartWriter:
     through a link), made from a recycled file when one is given and still the daemon's own
     (fs.open_recycled: its blocks are overwritten in place, no new allocation; any excess is cut
     off at open). `publish` renames it to its final name; the step directory's fsync
-    (Storage.sync_step) makes the name durable. See base.PartWriter."""
+    (PosixWriting.sync_step) makes the name durable. See base.PartWriter."""
 
     def __init__(self, path: Path, size: int, recycled: Path | None) -> None:
         self.name = path.name
@@ -133,25 +130,25 @@ def step_at(step_dir: Path) -> PosixStepReader:
     return PosixStepReader(step_dir)
 
 
-def link_committed_file(storage: "Storage", job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
-    """Storage.link_file (see StorageBackend.link_file): a hard link, made only while `from_step`
+def link_committed_file(tree: PosixTree, job: str, from_step: int, name: str, to_step: int, to_name: str, size: int) -> bool:
+    """PosixWriting.link_file (see StepWriting.link_file): a hard link, made only while `from_step`
     is committed and `name` still names the linked file (re-checked by path after the link: a
     step being deleted is renamed away first, so its files are never linked on their way to the
     recycle bin, and the bin never reuses a file with a second link)."""
     for n in (name, to_name):
         if not n or "/" in n or n.startswith("."):
             raise ValueError(f"{n!r} is not a data file name of a step")
-    src = storage.step_dir(job, from_step)
-    if not storage.is_committed(job, from_step):
+    src = tree.step_dir(job, from_step)
+    if not tree.is_committed(job, from_step):
         return False
-    st = link_own_file(src, name, storage.step_dir(job, to_step), to_name, size)
+    st = link_own_file(src, name, tree.step_dir(job, to_step), to_name, size)
     if st is None:
         return False
     try:
         now = os.lstat(src / name)
-        still = storage.is_committed(job, from_step) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+        still = tree.is_committed(job, from_step) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
     except FileNotFoundError:
         still = False
     if not still:
-        unlink_own(storage.step_dir(job, to_step) / to_name)
+        unlink_own(tree.step_dir(job, to_step) / to_name)
     return still

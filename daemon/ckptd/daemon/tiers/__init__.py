@@ -1,1 +1,1 @@
-"""Where a step is held besides the root: replicas in peers' memory (tier 0b), peers' disks, the bulk channel."""
+"""Where a step is held besides the root: replicas in peers' memory (the replica tiers), peers' disks, the bulk channel."""

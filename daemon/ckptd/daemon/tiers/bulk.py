@@ -1,6 +1,6 @@
 """The bulk channel: replica bytes between daemons on a TCP port of their own, beside gRPC.
 
-Replicas of a node's part in a peer's memory (tier 0b, docs/architecture.md §9) move bytes by
+Replicas of a node's part in a peer's memory (the replica tiers REPLICA_HERE and REPLICA_PEER, docs/architecture.md §9) move bytes by
 the gigabyte: a push after each commit, and a restore of a lost node. gRPC in Python moved at
 most about 0.9 GB/s per daemon on the test VM (by-hand measurements, docs/architecture.md §9),
 whatever the message size or the number of streams (its per-message work runs on the event

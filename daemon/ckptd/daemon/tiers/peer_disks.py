@@ -1,4 +1,6 @@
-"""Committed steps that this node's root does not have, read from the peers that recorded them.
+"""The PEER_DISK tier (engine/tiers.py): the peers' roots. Their data files are staged for this
+node's loads (Peers.fetch), and committed steps that this node's root does not have are read
+from the peers that recorded them.
 
 A replaced node (its memory and disk lost, its daemon started on an empty root) still serves the
 loads of its ranks: with node-local roots every node records the index and the small files of
@@ -12,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from typing import Any, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.tiers import Located, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import CkptdError, NotFound, Precondition, Unavailable
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json
+from ckptd.daemon.plan.load_plan import StagedRead, TierName
 from ckptd.daemon.records import PeerInventory
 
 log = logging.getLogger(__name__)
@@ -23,8 +29,11 @@ log = logging.getLogger(__name__)
 HOLDERS_KEPT = 64
 
 
-class PeerSteps:
-    """The peers' committed steps, for a node whose root lacks them (several nodes only)."""
+class PeerDisks(Tier):
+    """The peers' roots (several nodes only): their files, and their committed steps for a node
+    whose root lacks them."""
+
+    name = TierName.PEER_DISK
 
     def __init__(self, engine: Engine) -> None:
         assert engine.cluster is not None
@@ -38,15 +47,37 @@ class PeerSteps:
         replies = await asyncio.gather(*(self.cluster.inventory(n, job, step, newest=newest) for n in others))
         return {n: r for n, r in zip(others, replies) if not isinstance(r, str)}
 
-    async def newest(self, job: str) -> int | None:
-        """The job's newest committed step as node 0 records it (the node that commits), else as
-        the first other node that answers records it; None when none has one."""
+    async def newest(self, job: str, found: Located | None) -> Located | None:
+        """When no tier before found a step (a replaced node, on an empty root): the job's newest
+        committed step as node 0 records it (the node that commits), else as the first other
+        node that answers records it; None when none has one."""
+        if found is not None:
+            return None
         answers = await self._answers(job, 0, newest=True)
         for node in sorted(answers):
-            if answers[node].newest is not None:
-                log.info("job %s has no step in this root; node %s's newest committed step is %s", job, node, answers[node].newest)
-                return answers[node].newest
+            step = answers[node].newest
+            if step is not None:
+                log.info("job %s has no step in this root; node %s's newest committed step is %s", job, node, step)
+                return Located(step, self)
         return None
+
+    async def locate(self, job: str, step: int) -> Located | None:
+        """A step this root lacks that a peer committed: read from there (nothing is written here)."""
+        return Located(step, self) if await self.holder(job, step) is not None else None
+
+    async def files(self, index: CheckpointIndex, inventories: Mapping[int, PeerInventory]) -> Mapping[int, Mapping[str, int]]:
+        return {node: answer.sizes for node, answer in inventories.items()}
+
+    async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
+        """Fetch each range of a peer's file (read.node) into its staging file."""
+        for read in reads:
+            fd = await asyncio.to_thread(target.open, target.paths[read.file])
+            try:
+                await self.cluster.fetch(read.node, index.job, index.step, read.file, read.offset, read.nbytes, fd)
+            finally:
+                os.close(fd)
+            self.engine.metrics.load_staged_bytes.labels(self.name.value).inc(read.nbytes)
+        return ()
 
     async def holder(self, job: str, step: int, fresh: bool = False) -> int | None:
         """A node (the lowest) whose root has the step committed, remembered for the next calls
@@ -93,12 +124,16 @@ class PeerSteps:
         self.engine.indexes.put((job, step), index)
         return index
 
-    async def small_file(self, job: str, step: int, record: FileRecord) -> bytes:
-        """A small file of the step (extra.json) from a peer that committed it, checked against its index record."""
+    async def extras(self, job: str, step: int, record: FileRecord) -> dict[int, Any]:
+        """Every rank's extras from the extra.json of a peer that committed the step, checked
+        against its index record."""
         node = -1
         try:
             node, data = await self._fetch(job, step, record.name)
             check_small_file(record, data)
         except (Unavailable, FormatError) as exc:
             raise Precondition(f"step {step} of job {job!r}: {record.name} could not be read from {self.cluster.describe(node)}: {exc}") from None
-        return data
+        try:
+            return parse_extra_json(data, record)
+        except FormatError as exc:
+            raise Precondition(f"step {step} of job {job!r}: a peer's {record.name}: {exc}") from None

@@ -1,4 +1,4 @@
-"""The Peer calls of tier 0b (docs/architecture.md §9): offer a replica, ask for a read, report
+"""The Peer calls of the replica tiers (docs/architecture.md §9): offer a replica, ask for a read, report
 where a part is held. Only tickets and decisions travel here (authenticated by the peer token,
 TLS when configured); the bytes travel on the holder's bulk port (tiers/bulk.py)."""
 

@@ -1,4 +1,4 @@
-"""Replicas this daemon holds in memory for other nodes (tier 0b, docs/architecture.md §9).
+"""Replicas this daemon holds in memory for other nodes (the replica tiers REPLICA_HERE and REPLICA_PEER, docs/architecture.md §9).
 
 A buddy keeps, per (job, node), the data files of the newest committed step that node pushed
 (tiers/replicas.py), byte for byte as the node wrote them, as files in --shm-dir (a tmpfs:

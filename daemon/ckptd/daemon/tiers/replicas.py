@@ -1,4 +1,4 @@
-"""Tier 0b: each node's part of its newest committed step, held in the memory of buddy daemons
+"""The replica tiers (REPLICA_HERE, REPLICA_PEER): each node's part of its newest committed step, held in the memory of buddy daemons
 (docs/architecture.md §9), and when a step is *recoverable*.
 
 After a commit, each node offers its data files of the step (the bytes as written) to its
@@ -41,6 +41,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
 from ckptd.format.index import CheckpointIndex, FileRecord, FormatError
 from ckptd.format.units import Unit, UnitCheck, file_units
+from ckptd.daemon.plan.load_plan import TierName
 from ckptd.daemon.records import BulkAnswer, JobReplicas, ReplicaStatus
 from ckptd.daemon.tiers.bulk import (
     BUFFER_BYTES,
@@ -70,7 +71,7 @@ STEPS_TRACKED = 4  # node 0: recent steps per job whose parts it tracks
 HOLDERS_CHECK_S = 5.0  # node 0: how often the holders of a recoverable step are asked whether they still keep it
 
 class ReplicaCalls(Protocol):
-    """The Peer calls of tier 0b (replica_links.ReplicaLinks; the engine speaks no gRPC)."""
+    """The Peer calls of the replica tiers (replica_links.ReplicaLinks; the engine speaks no gRPC)."""
 
     def host_of(self, node: int) -> str:
         """The host of a node's --peers entry (its bulk port listens there too)."""
@@ -171,7 +172,7 @@ class Recoverability:
 
 
 class Replication:
-    """Tier 0b on this daemon: pushing its parts, holding and serving others', fetching for loads."""
+    """The replica tiers on this daemon: pushing its parts, holding and serving others', fetching for loads."""
 
     def __init__(self, engine: Engine, store: ReplicaStore, calls: ReplicaCalls) -> None:
         self.engine = engine
@@ -202,7 +203,7 @@ class Replication:
         self.store.close()
 
     def status(self) -> ReplicaStatus:
-        """What `ckptd status` shows of tier 0b."""
+        """What `ckptd status` shows of the replica tiers."""
         recoverability = self.recoverability
         jobs = []
         for job in sorted(set(self.pushes) | set(recoverability.recoverable) | set(recoverability.problems)):
@@ -301,7 +302,7 @@ class Replication:
                 while offset < record.size:
                     n = min(pacer.slice_bytes(PUSH_SLICE_BYTES), record.size - offset)
                     try:
-                        yield storage.read_range(job, step, record.name, offset, n)
+                        yield storage.files.read_range(job, step, record.name, offset, n)
                     except (OSError, FormatError) as exc:
                         raise BulkError(f"cannot read {record.name} of step {step}: {exc}") from None
                     offset += n
@@ -489,7 +490,7 @@ class Replication:
                 f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of {cluster.describe(holder)} is damaged: {problem}"
             )
         seconds = time.monotonic() - started
-        self.engine.metrics.load_staged_bytes.labels("memory-peer").inc(total)
+        self.engine.metrics.load_staged_bytes.labels(TierName.REPLICA_PEER.value).inc(total)
         log.info(
             "staged %s of node %s's part of step %s of job %s from the memory of %s in %.3f s (%.2f GB/s, %s ranges in %s connections)",
             human_bytes(total), source, step, job, cluster.describe(holder), seconds, total / max(seconds, 1e-9) / 1e9, len(merged), len(groups),
@@ -540,4 +541,4 @@ class Replication:
             raise Unavailable(
                 f"the copy of node {source}'s part of step {step} of job {job!r} held in the memory of this node (node {self.engine.node}) is damaged: {file}: {problem}"
             )
-        self.engine.metrics.load_staged_bytes.labels("memory-local").inc(nbytes)
+        self.engine.metrics.load_staged_bytes.labels(TierName.REPLICA_HERE.value).inc(nbytes)

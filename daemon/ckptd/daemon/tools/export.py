@@ -37,16 +37,23 @@ from ckptd.format.index import (
     safetensors_header,
 )
 from ckptd.format.units import checksum_name
-from ckptd.daemon.storage import StepReader, fsync_dir, step_at
+from ckptd.daemon.remote.bucket_step import BucketStepError
+from ckptd.daemon.storage import StepReader, fsync_dir
+from ckptd.daemon.tools.locate import open_step_reader
 
 
 class ExportError(RuntimeError):
     """The step cannot be exported; the message says why."""
 
 
-def export_model(step_dir: Path, out: Path, max_file_bytes: int = 4 * 2**30) -> list[Path]:
-    """Write the consolidated model of `step_dir` to the new directory `out`; returns its files."""
-    return export_files(step_at(step_dir), out, max_file_bytes)
+def export_model(location: str | os.PathLike[str], out: Path, max_file_bytes: int = 4 * 2**30) -> list[Path]:
+    """Write the consolidated model of the step at `location` (a step directory, or
+    s3://BUCKET/PREFIX/JOB/step-N) to the new directory `out`; returns its files."""
+    try:
+        step = open_step_reader(location)
+    except BucketStepError as exc:
+        raise ExportError(str(exc)) from None
+    return export_files(step, out, max_file_bytes)
 
 
 def export_files(step: StepReader, out: Path, max_file_bytes: int = 4 * 2**30) -> list[Path]:

@@ -9,22 +9,24 @@ is compressed (codec, block size, scale tensor, residual base), the step's quant
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 from typing import Any
 
 from ckptd.common import dtypes
 from ckptd.common.sizes import human_bytes
 from ckptd.format.index import ENVIRONMENT_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, check_small_file
-from ckptd.daemon.storage import StepReader, step_at
+from ckptd.daemon.remote.bucket_step import BucketStepError
+from ckptd.daemon.storage import StepReader
+from ckptd.daemon.tools.locate import open_step_reader
 
 
 class InspectError(ValueError):
     """The directory is not a committed step (or its index is damaged); the message says which."""
 
 
-def read_step(step_dir: Path) -> CheckpointIndex:
-    """The index of the step in directory `step_dir`."""
-    return read_index_of(step_at(step_dir))
+def read_step(location: str | os.PathLike[str]) -> CheckpointIndex:
+    """The index of the step at `location` (a step directory, or s3://.../JOB/step-N)."""
+    return read_index_of(_open(location))
 
 
 def read_index_of(step: StepReader) -> CheckpointIndex:
@@ -152,8 +154,16 @@ def _environment_lines(env: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def run(step_dir: Path, as_json: bool) -> str:
-    step = step_at(step_dir)
+def run(location: str | os.PathLike[str], as_json: bool) -> str:
+    """`ckptd inspect LOCATION`: a step directory, or s3://BUCKET/PREFIX/JOB/step-N."""
+    step = _open(location)
     index = read_index_of(step)
     report = summary(index, read_environment(step, index))
     return json.dumps(report, indent=1) if as_json else render(report)
+
+
+def _open(location: str | os.PathLike[str]) -> StepReader:
+    try:
+        return open_step_reader(location)
+    except BucketStepError as exc:
+        raise InspectError(str(exc)) from None

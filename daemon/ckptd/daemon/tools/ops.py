@@ -15,15 +15,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 
 import grpc
 
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
+from ckptd.format.index import CheckpointIndex, FormatError
 from ckptd.daemon.plan.rollback import rollbacks
-from ckptd.daemon.storage import Storage
+from ckptd.daemon.storage import Storage, is_job_dir, is_storage_root
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 
@@ -81,7 +81,7 @@ def _call(address: str, what: str, fn: Callable[[pb_grpc.CheckpointStub], T]) ->
     raise AssertionError("unreachable")
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _fail(message: str, code: int = 1) -> NoReturn:
     print(message, file=sys.stderr)
     raise SystemExit(code)
 
@@ -151,7 +151,7 @@ def _replicas_doc(r: pb.ReplicaStatus) -> dict[str, Any]:
 
 
 def _replica_lines(replicas: dict[str, Any]) -> list[str]:
-    """`ckptd status` lines of tier 0b: what this node holds for others, where its parts are held,
+    """`ckptd status` lines of the replica tiers: what this node holds for others, where its parts are held,
     and (node 0) which step each job can recover from memory."""
     held = ", ".join(f"node {h['node']}'s step {h['step']} of {h['job']} ({human_bytes(h['bytes'])})" for h in replicas["held"])
     lines = [f"replicas held for other nodes: {human_bytes(replicas['held_bytes'])} of {human_bytes(replicas['memory_limit'])}" + (f": {held}" if held else "")]
@@ -281,26 +281,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """`ckptd verify PATH`: a step directory, or a job directory (each of its committed steps,
-    newest last); exit 1 when any checked step has a problem."""
+    """`ckptd verify LOCATION`: a step directory, a job directory (each of its committed steps,
+    newest last) or a step in an object store (s3://BUCKET/PREFIX/JOB/step-N, as `ckptd ls`
+    shows it); exit 1 when any checked step has a problem."""
+    from ckptd.daemon.remote.bucket_step import BucketStepError
     from ckptd.daemon.tools.verify import verify_step
 
-    path = Path(args.step_dir)
-    if not path.is_dir():
-        _fail(f"ckptd verify: {path} is not a directory; give a step directory such as ROOT/JOB/step-00001000, or a job directory ROOT/JOB (`ckptd ls ROOT` lists them)", 2)
-    if not (path / INDEX_NAME).exists() and any(_is_job_dir(p) for p in path.iterdir() if p.is_dir() and not p.is_symlink()):
-        _fail(f"ckptd verify: {path} is a storage root; give one of its jobs (ROOT/JOB) or a step directory (ROOT/JOB/step-00001000)", 2)
-    if _is_job_dir(path):
-        steps, interrupted = _steps_of_job(path)
-    else:  # a step directory, whatever its name (a copy set aside for inspection, say)
-        steps, interrupted = [path], []
-    reports = [verify_step(step_dir, node=args.node) for step_dir in steps]
+    location: str = args.step_dir
+    job_dir = not location.startswith("s3://") and _is_local_job(location)
+    if job_dir:
+        steps, interrupted = _steps_of_job(Path(location))
+    else:  # a step directory, whatever its name (a copy set aside for inspection, say), or a step in a bucket
+        steps, interrupted = [location], []
+    try:
+        reports = [verify_step(step, node=args.node) for step in steps]
+    except BucketStepError as exc:
+        _fail(f"ckptd verify: {exc}", 2)
     if args.json:
         docs = [_report_doc(r) for r in reports]
-        if not _is_job_dir(path):
+        if not job_dir:
             print(json.dumps(docs[0], indent=1))
         else:
-            print(json.dumps({"job_dir": str(path), "ok": all(r.ok for r in reports), "steps": docs, "interrupted": [str(p) for p in interrupted]}, indent=1))
+            print(json.dumps({"job_dir": location, "ok": all(r.ok for r in reports), "steps": docs, "interrupted": interrupted}, indent=1))
         return 0 if all(r.ok for r in reports) else 1
     for report in reports:
         _print_report(report)
@@ -308,28 +310,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"note: {leftover} has no index: an interrupted save, not a checkpoint (`ckptd gc` removes it)")
     if len(reports) > 1 or interrupted:
         failed = [r for r in reports if not r.ok]
-        print(f"{'FAILED' if failed else 'OK'}: {len(reports) - len(failed)} of {len(reports)} committed step(s) of {path} verified")
+        print(f"{'FAILED' if failed else 'OK'}: {len(reports) - len(failed)} of {len(reports)} committed step(s) of {location} verified")
     return 0 if all(r.ok for r in reports) else 1
 
 
-def _is_job_dir(path: Path) -> bool:
-    """A job directory holds step directories and no index of its own."""
-    if (path / INDEX_NAME).exists() or parse_step_dir_name(path.name) is not None:
-        return False
-    return any(parse_step_dir_name(p.name) is not None for p in path.iterdir())
+def _is_local_job(location: str) -> bool:
+    """Whether `location` is a job directory (storage.is_job_dir); exits 2 when it is no
+    directory at all, or a whole storage root."""
+    path = Path(location)
+    if not path.is_dir():
+        _fail(f"ckptd verify: {path} is not a directory; give a step directory such as ROOT/JOB/step-00001000, a job directory ROOT/JOB "
+              "(`ckptd ls ROOT` lists them) or s3://BUCKET/PREFIX/JOB/step-00001000", 2)
+    if is_storage_root(path):
+        _fail(f"ckptd verify: {path} is a storage root; give one of its jobs (ROOT/JOB) or a step directory (ROOT/JOB/step-00001000)", 2)
+    return is_job_dir(path)
 
 
-def _steps_of_job(job_dir: Path) -> tuple[list[Path], list[Path]]:
-    """A job directory's committed step directories (in commit order) and its uncommitted
-    ones; exits 2 when `job_dir` holds no step directory at all."""
-    storage = Storage(job_dir.parent)
+def _steps_of_job(job_dir: Path) -> tuple[list[str], list[str]]:
+    """A job directory's committed steps (in commit order) and its uncommitted ones, where they
+    are; exits 2 when `job_dir` holds no step directory at all."""
+    catalog = Storage(job_dir.parent).catalog
     try:
-        committed = [storage.step_dir(job_dir.name, step) for step in storage.commit_order(job_dir.name)]
+        committed = [catalog.step_location(job_dir.name, step) for step in catalog.commit_order(job_dir.name)]
+        interrupted = [str(s.path) for s in catalog.uncommitted_steps(job_dir.name)]  # links not followed
     except ValueError as exc:  # not a valid job id
         _fail(f"ckptd verify: {job_dir} is neither a step directory nor a job directory ({exc})", 2)
-    step_dirs = sorted(p for p in job_dir.iterdir() if parse_step_dir_name(p.name) is not None and p.is_dir() and not p.is_symlink())
-    interrupted = [p for p in step_dirs if p not in committed]
-    if not step_dirs:
+    if not committed and not interrupted:
         _fail(f"ckptd verify: {job_dir} holds no step directory; give a step directory ROOT/JOB/step-00001000 or a job directory ROOT/JOB", 2)
     return committed, interrupted
 
@@ -418,19 +424,19 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
     if not storage.root.is_dir():
         _fail(f"ckptd ls: {storage.root} is not a directory", 2)
     rows = []
-    for name in [job] if job else storage.jobs():
+    for name in [job] if job else storage.catalog.jobs():
         try:
-            steps = storage.commit_order(name)  # the newest is the most recently committed, not the highest step
+            steps = storage.catalog.commit_order(name)  # the newest is the most recently committed, not the highest step
         except ValueError as exc:
             _fail(f"ckptd ls: {exc}", 2)
         marked = rollbacks(steps)
         for step in steps:
             try:
-                index = storage.read_index(name, step)
+                index = storage.files.read_index(name, step)
             except (OSError, FormatError) as exc:
                 print(f"ckptd ls: skipping step {step} of {name}: {exc}", file=sys.stderr)
                 continue
-            rows.append(_committed_row(name, index, step == steps[-1], str(storage.step_dir(name, step)), marked.get(step, [])))
+            rows.append(_committed_row(name, index, step == steps[-1], storage.catalog.step_location(name, step), marked.get(step, [])))
         if uncommitted:
             rows += _uncommitted_rows(storage, name)
     return str(storage.root), rows
@@ -470,7 +476,7 @@ def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
     """Step directories without an index (interrupted or in-flight saves), for `ls --all`."""
     return [
         _uncommitted_row(job, s.step, str(s.path), s.mtime, s.nbytes, s.files)
-        for s in storage.uncommitted_steps(job)  # links not followed
+        for s in storage.catalog.uncommitted_steps(job)  # links not followed
     ]
 
 
@@ -492,7 +498,8 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("step_dir", metavar="PATH", help="a committed step directory, e.g. ROOT/JOB/step-00001000, or a job directory ROOT/JOB (all its committed steps)")
+    parser.add_argument("step_dir", metavar="LOCATION", help="a committed step directory, e.g. ROOT/JOB/step-00001000, a job directory ROOT/JOB (all its committed steps), "
+                        "or a step in an object store, s3://BUCKET/PREFIX/JOB/step-00001000 (as `ckptd ls` shows it; credentials as for `ckptd serve --remote`)")
     parser.add_argument("--node", type=int, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

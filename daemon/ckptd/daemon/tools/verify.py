@@ -16,8 +16,8 @@ can be left out with `node` (check them on that node).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import xxhash
@@ -26,7 +26,8 @@ from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header, read_header
 from ckptd.format.units import checksum_name
-from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader, step_at
+from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader
+from ckptd.daemon.tools.locate import open_step_reader
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,14 @@ def _hash_range(f: ReadHandle, offset: int, nbytes: int, on_bytes: Callable[[int
     return checksum_name(hasher.intdigest()), done, chunks.hexdigests() if chunks is not None else ""
 
 
-def verify_step(step_dir: Path, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
-    """Verify the committed step in directory `step_dir` (see the module docstring).
+def verify_step(location: str | os.PathLike[str], node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:
+    """Verify the committed step at `location` (a step directory, or s3://BUCKET/PREFIX/JOB/step-N;
+    BucketStepError when that cannot be opened); see the module docstring.
 
     node: check only the data files written by this node (and the small files every node has);
         None checks every file. on_bytes: called with each chunk's size as data is read (progress).
     """
-    return verify_files(step_at(step_dir), node, on_bytes)
+    return verify_files(open_step_reader(location), node, on_bytes)
 
 
 def verify_files(files: StepReader, node: int | None = None, on_bytes: Callable[[int], None] = lambda n: None) -> VerifyReport:

@@ -115,7 +115,7 @@ def check_linked(
     previous file's name; it has every data file of that step), with `check_files`. Returns
     {the new step's file name: what is wrong} for each file that does not match, or cannot be
     read."""
-    return check_files(storage.step_reader(job, step).open, {r.layout.name: units[r.source.name] for r in linked}, threads)
+    return check_files(storage.files.step_reader(job, step).open, {r.layout.name: units[r.source.name] for r in linked}, threads)
 
 
 def check_files(open_file: Callable[[str], ReadHandle], files: Mapping[str, Sequence[Unit]], threads: int) -> dict[str, str]:

@@ -28,7 +28,6 @@ from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
 from ckptd.format.index import (
-    INDEX_NAME,
     CheckpointIndex,
     FileLayout,
     FileRecord,
@@ -57,6 +56,7 @@ from ckptd.daemon.plan.files import (
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan
 from ckptd.daemon.storage.base import PartWriter, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
+from ckptd.daemon.storage.step_commit import StepCommit
 from ckptd.daemon.write.reuse import Reuse, check_linked, frozen_names, reusable_files
 from ckptd.daemon.write.source import Piece, ScratchPool, Source, compress, flat_bytes
 
@@ -149,11 +149,10 @@ def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, cl
         index, files = step_files(
             req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
         )
-        write_step_files(storage, req.job, req.step, files)
-        storage.write_latest(req.job, req.step)
+        StepCommit(storage.writing, storage.catalog, req.job, req.step).commit(files)
         return index
     except BaseException:
-        storage.remove_step(req.job, req.step)
+        storage.janitor.remove_step(req.job, req.step)
         raise
 
 
@@ -195,9 +194,9 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
             except FormatError as exc:  # its files cannot be checked: none is linked
                 log.warning("step %s of job %s writes every file: the files of step %s cannot be checked (%s)", req.step, req.job, previous.step, exc)
                 reusable = {}
-    recycled = storage.take_recycled(req.job)
-    check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [size for _, size in recycled])
-    storage.prepare_step(req.job, req.step, fresh=not req.shared_dir)
+    recycled = storage.writing.take_recycled(req.job)
+    check_space(storage, req, [f for f in (every_node if req.shared_dir else layouts) if f.name not in reusable], tensors, [r.size for r in recycled])
+    storage.writing.prepare_step(req.job, req.step, fresh=not req.shared_dir)
     # A linked file found damaged is written after all: bytes check_space did not count (rare;
     # a disk that is full then fails the save as any write does).
     linked, damaged = _link_checked(storage, req, reusable, previous_units)
@@ -226,7 +225,7 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
                 late = [t for t in layout.tensors if placed_when_coded(t, codings) and t.role == "data"]
                 header, entries = safetensors_header((t.key, t.dtype, t.shape) for t in fixed)
                 header_size = header_room(fixed, late, tensors, scales_shapes(layout)) if late else len(header)
-                part = storage.open_part(req.job, req.step, layout.name, header_size + layout.nbytes, recycled.pop(0)[0] if recycled else None)
+                part = storage.writing.open_part(req.job, req.step, layout.name, header_size + layout.nbytes, recycled.pop(0) if recycled else None)
                 opened.append(part)
                 file_writes = []
                 for tensor, entry in zip(fixed, entries):
@@ -273,7 +272,7 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
                 part.close()
     for part in opened:
         part.publish()
-    storage.sync_step(req.job, req.step)
+    StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
     outcomes = {(w.tensor.name, w.tensor.box): w for w in (f.result() for f in coded)}
     return NodeManifest(req.node, tuple(files), fragment_records(placed, codings, outcomes, cast), tuple(r.layout.name for r in linked), tuple(damaged))
 
@@ -288,7 +287,7 @@ def _link_checked(
     previous = req.previous
     if previous is None or not reusable:
         return [], []
-    linked = [r for r in reusable.values() if storage.link_file(req.job, previous.step, r.source.name, req.step, r.layout.name, r.record.size)]
+    linked = [r for r in reusable.values() if storage.writing.link_file(req.job, previous.step, r.source.name, req.step, r.layout.name, r.record.size)]
     problems = check_linked(storage, req.job, req.step, linked, units, req.write_threads) if linked else {}
     for name, problem in problems.items():
         reuse = reusable[name]
@@ -296,7 +295,7 @@ def _link_checked(
             "step %s of job %s: %s, linked from step %s (%s), does not match the snapshot: %s. Step %s's copy of it is damaged on disk "
             "(check it: `ckptd verify %s`); step %s writes the file again from the snapshot",
             req.step, req.job, name, previous.step, reuse.source.name, problem, previous.step,
-            storage.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
+            storage.catalog.step_location(req.job, previous.step), req.step, extra={"job": req.job, "step": req.step},
         )
     return [r for r in linked if r.layout.name not in problems], sorted(problems)
 
@@ -319,12 +318,12 @@ def check_space(
     take the recycled files. With several nodes writing at once this is an estimate (the nodes
     race for the recycled files); with a root of its own it is a bound. A file system that
     reports no size is not checked."""
-    measured = storage.free_bytes(req.job)
+    measured = storage.writing.free_bytes(req.job)
     if measured is None:
         log.debug("the storage of job %s reports no size: step %s is written without a free-space check", req.job, req.step)
         return
-    free, where = measured
-    present = storage.allocated_in_step(req.job, req.step) if req.shared_dir else {}
+    free, where = measured.nbytes, measured.where
+    present = storage.writing.allocated_in_step(req.job, req.step) if req.shared_dir else {}
     started = [f for f in layouts if f.name in present]
     fresh = [f for f in layouts if f.name not in present]
     fresh.sort(key=lambda f: -f.nbytes)
@@ -425,25 +424,6 @@ def _write_residual(
         digest = _write_bytes(part, memoryview(flat_bytes(residual)), offset, throttle)
     progress.add(source.nbytes(t))
     return digest
-
-
-def write_step_files(storage: StorageBackend, job: str, step: int, files: dict[str, bytes]) -> None:
-    """Write a step's small files (each fsynced), fsync the directory, then the index: the commit.
-
-    `files` comes from step_files(); its ckptd.index.json is written last, atomically."""
-    storage.ensure_step(job, step)
-    for name, data in files.items():
-        if name != INDEX_NAME:
-            storage.write_small(job, step, name, data, atomic=False)
-    storage.sync_step(job, step)
-    storage.write_small(job, step, INDEX_NAME, files[INDEX_NAME])
-
-
-def write_latest_newest(storage: StorageBackend, job: str, step: int) -> None:
-    """Point the job's `latest` at its newest committed step (the most recently committed, by the
-    indexes: normally `step`, the one just recorded; `step` when none is found)."""
-    newest = storage.latest_step(job)
-    storage.write_latest(job, step if newest is None else newest)
 
 
 def _write_tensor(part: PartWriter, arenas: ArenaSet, pieces: list[Piece], progress: Progress, throttle: Throttle) -> tuple[int, str]:
