@@ -8,24 +8,8 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.format.file_plan import FileInPlace, LoadMismatch, PieceInfo, StagedRead, Wanted, extras_source, plan_pieces, rank_extras
-from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord, TensorRecord
-
-F1, F2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
-
-
-def _index(tensors: tuple[TensorRecord, ...] = ()) -> CheckpointIndex:
-    files = (FileRecord(F1, 100, "xxh3:1", node=0), FileRecord(F2, 100, "xxh3:2", node=1))
-    return CheckpointIndex(job="job", step=7, created_at=0.0, world_size=2, tensors=tensors, files=files)
-
-
-def _frag(file: str, offset: int, box: Box, quant: QuantRecord | None = None) -> FragmentRecord:
-    return FragmentRecord(file=file, key=f"k{offset}", box=box, dtype="F32", offset=offset, nbytes=box.numel * 4, checksum="xxh3:0", quant=quant)
-
-
-# model/w (4, 2): rows 0-1 in F1, rows 2-3 in F2; model/b (2,) whole in F1.
-W = TensorRecord("model/w", "model", "F32", (4, 2), (_frag(F1, 0, Box((0, 0), (2, 2))), _frag(F2, 0, Box((2, 0), (2, 2)))))
-B = TensorRecord("model/b", "model", "F32", (2,), (_frag(F1, 16, Box((0,), (2,))),))
-OPT = TensorRecord("optim/m", "optimizer", "F32", (2,), (_frag(F1, 24, Box((0,), (2,))),))
+from ckptd.format.index import QuantRecord, SideRecord, TensorRecord
+from index_rig import B, F1, F2, OPT, W, fragment, index_of  # tests/index_rig.py
 
 
 def _want(name: str, shape: tuple[int, ...], box: Box | None = None) -> Wanted:
@@ -49,7 +33,7 @@ def _local(files: tuple[str, ...] = (F1, F2)) -> dict[str, FileInPlace]:
     ],
 )
 def test_the_pieces_of_each_wanted_box_are_the_stored_fragments_that_overlap_it(wanted: list[Wanted], pieces: list[Any]) -> None:
-    planned = plan_pieces(_index((B, W)), wanted, ["model"], False, _local())
+    planned = plan_pieces(index_of((B, W)), wanted, ["model"], False, _local())
     assert [(p.name, p.path.rsplit("/", 1)[1], p.offset, p.fragment) for p in planned.pieces] == pieces
     assert all(p.source == "file" for p in planned.pieces) and planned.reads == ()
 
@@ -65,16 +49,16 @@ def test_the_pieces_of_each_wanted_box_are_the_stored_fragments_that_overlap_it(
     ],
 )
 def test_missing_and_unexpected_names(wanted: list[Wanted], kinds: list[str], missing: tuple[str, ...], unexpected: tuple[str, ...]) -> None:
-    planned = plan_pieces(_index((B, W, OPT)), wanted, kinds, False, _local())
+    planned = plan_pieces(index_of((B, W, OPT)), wanted, kinds, False, _local())
     assert (planned.missing, planned.unexpected) == (missing, unexpected)
     if missing or unexpected:
         with pytest.raises(LoadMismatch, match=r"pass strict=False to load the rest"):
-            plan_pieces(_index((B, W, OPT)), wanted, kinds, True, _local())
+            plan_pieces(index_of((B, W, OPT)), wanted, kinds, True, _local())
 
 
 def test_a_shape_that_differs_from_the_steps_is_refused_with_both_shapes() -> None:
     with pytest.raises(LoadMismatch, match=r"'model/w' has shape \[4, 2\] in step 7 but the state being loaded has \[4, 3\]"):
-        plan_pieces(_index((W,)), [_want("model/w", (4, 3))], ["model"], False, _local())
+        plan_pieces(index_of((W,)), [_want("model/w", (4, 3))], ["model"], False, _local())
 
 
 def test_staged_files_give_one_read_per_range_however_many_tensors_share_it() -> None:
@@ -83,15 +67,15 @@ def test_staged_files_give_one_read_per_range_however_many_tensors_share_it() ->
         F2: FileInPlace("/dev/shm/s2", 1, True),
     }
     wanted = [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("model/w", (4, 2), Box((0, 0), (1, 2)))]
-    planned = plan_pieces(_index((B, W)), wanted, ["model"], False, locations)
+    planned = plan_pieces(index_of((B, W)), wanted, ["model"], False, locations)
     assert [p.path for p in planned.pieces] == ["/dev/shm/s1", "/dev/shm/s2", "/dev/shm/s1", "/dev/shm/s1"]
     assert planned.reads == (StagedRead(F1, 0, 0, 16), StagedRead(F2, 1, 0, 16), StagedRead(F1, 0, 16, 8))
 
 
 def test_a_quantized_fragment_loads_as_codes_with_its_scales_from_the_files() -> None:
     scales = SideRecord(file=F2, key="s", dtype="F32", shape=(2,), offset=40, nbytes=8, checksum="xxh3:9")
-    coded = TensorRecord("optim/m", "optimizer", "F32", (2,), (_frag(F1, 24, Box((0,), (2,)), QuantRecord("lin-i8", 2, scales=scales)),))
-    planned = plan_pieces(_index((coded,)), [_want("optim/m", (2,))], ["optim"], False, _local())
+    coded = TensorRecord("optim/m", "optimizer", "F32", (2,), (fragment(F1, 24, Box((0,), (2,)), QuantRecord("lin-i8", 2, scales=scales)),))
+    planned = plan_pieces(index_of((coded,)), [_want("optim/m", (2,))], ["optim"], False, _local())
     (piece,) = planned.pieces
     assert piece.decode is not None and piece.decode.codec == "lin-i8" and piece.decode.block == 2
     assert piece.decode.scales is not None and piece.decode.scales.path.endswith(F2) and piece.decode.scales.offset == 40
@@ -102,9 +86,9 @@ def test_a_quantized_fragment_loads_as_codes_with_its_scales_from_the_files() ->
 # A step of 2 ranks: each rank's own "extra/t" (rank 0's in F1, rank 1's in F2), a tensor
 # "extra/shared" of every rank (saved with a layout rule, or before extras were per rank).
 OWN = tuple(
-    TensorRecord(f"extra/rank{r}/t", "extra", "F32", (2,), (_frag(file, 32, Box((0,), (2,))),), rank=r) for r, file in ((0, F1), (1, F2))
+    TensorRecord(f"extra/rank{r}/t", "extra", "F32", (2,), (fragment(file, 32, Box((0,), (2,))),), rank=r) for r, file in ((0, F1), (1, F2))
 )
-SHARED = TensorRecord("extra/shared", "extra", "F32", (2,), (_frag(F1, 48, Box((0,), (2,))),))
+SHARED = TensorRecord("extra/shared", "extra", "F32", (2,), (fragment(F1, 48, Box((0,), (2,))),))
 
 
 def _own(name: str, rank: int) -> Wanted:
@@ -123,13 +107,13 @@ def _own(name: str, rank: int) -> Wanted:
     ],
 )
 def test_issue30_finding3_a_ranks_own_extras_tensor_comes_from_its_extras_source(rank: int, file: str) -> None:
-    planned = plan_pieces(_index((W, *OWN)), [_own("extra/t", rank)], ["extra"], True, _local(), rank)
+    planned = plan_pieces(index_of((W, *OWN)), [_own("extra/t", rank)], ["extra"], True, _local(), rank)
     assert [(p.name, p.path.rsplit("/", 1)[1]) for p in planned.pieces] == [(f"extra/rank{rank}/t", file)]
     assert planned.unexpected == () and planned.missing == ()  # the other rank's copy is neither
 
 
 def test_issue30_finding3_a_shared_extras_tensor_of_an_older_step_serves_every_rank() -> None:
-    index = _index((W, SHARED))
+    index = index_of((W, SHARED))
     for rank in (0, 1, 3):
         planned = plan_pieces(index, [_own("extra/shared", rank)], ["extra"], True, _local(), rank)
         assert [p.name for p in planned.pieces] == [f"extra/rank{rank}/shared"] and planned.pieces[0].offset == 48
@@ -138,12 +122,12 @@ def test_issue30_finding3_a_shared_extras_tensor_of_an_older_step_serves_every_r
 def test_issue30_finding3_a_plain_request_of_a_per_rank_tensor_takes_the_sources_copy() -> None:
     """Loaded with a layout rule (or as a DTensor) now: the copy of the rank whose extras it gets."""
     want = Wanted("extra/t", "extra", (2,), Box.full((2,)))
-    planned = plan_pieces(_index((W, *OWN)), [want], ["extra"], True, _local(), 1)
+    planned = plan_pieces(index_of((W, *OWN)), [want], ["extra"], True, _local(), 1)
     assert [(p.name, p.path.rsplit("/", 1)[1]) for p in planned.pieces] == [("extra/t", F2)]
 
 
 def test_issue30_finding3_only_the_source_ranks_own_tensors_can_be_unexpected_or_missing() -> None:
-    index = _index((W, *OWN))
+    index = index_of((W, *OWN))
     planned = plan_pieces(index, [], ["extra"], False, _local(), 1)
     assert planned.unexpected == ("extra/rank1/t",)
     planned = plan_pieces(index, [_own("extra/u", 1)], ["extra"], False, _local(), 1)
@@ -155,7 +139,7 @@ def test_issue30_finding3_only_the_source_ranks_own_tensors_can_be_unexpected_or
 
 def test_issue30_finding3_a_per_rank_request_must_carry_the_ranks_own_name() -> None:
     with pytest.raises(LoadMismatch, match=r"rank 1 asks for 'extra/rank0/t' as its own tensor.*rank1"):
-        plan_pieces(_index((W, *OWN)), [_own("extra/t", 0)], ["extra"], True, _local(), 1)
+        plan_pieces(index_of((W, *OWN)), [_own("extra/t", 0)], ["extra"], True, _local(), 1)
 
 
 def test_issue30_finding3_whose_extras_a_rank_loads() -> None:
@@ -166,17 +150,16 @@ def test_issue30_finding3_whose_extras_a_rank_loads() -> None:
     assert rank_extras({}, 0, 1) == {}
 
 
-
 def test_a_held_snapshot_serves_the_lossless_tensors_it_has_and_files_the_rest() -> None:
     """`in_memory` (the daemon's held snapshot) gives a box's pieces, or None for a tensor not wholly
     held here; a lossy (quantized) tensor always loads from the files."""
-    lossy = TensorRecord("model/b", "model", "F32", (2,), (_frag(F1, 16, Box((0,), (2,)), QuantRecord("lin-i8", 2)),))
+    lossy = TensorRecord("model/b", "model", "F32", (2,), (fragment(F1, 16, Box((0,), (2,)), QuantRecord("lin-i8", 2)),))
     asked: list[str] = []
 
     def in_memory(spec: Wanted, record: TensorRecord) -> list[PieceInfo] | None:
         asked.append(spec.name)
         return [PieceInfo(spec.name, "shm", "/dev/shm/arena", 0, 32, Box((0, 0), (4, 2)), "F32", "")] if spec.name == "model/w" else None
 
-    planned = plan_pieces(_index((W, lossy, OPT)), [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("optim/m", (2,))], ["model"], False, _local(), 0, in_memory)
+    planned = plan_pieces(index_of((W, lossy, OPT)), [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("optim/m", (2,))], ["model"], False, _local(), 0, in_memory)
     assert [(p.name, p.source) for p in planned.pieces] == [("model/w", "shm"), ("model/b", "file"), ("optim/m", "file")]
     assert asked == ["model/w", "optim/m"]

@@ -30,7 +30,8 @@ from ckptd.wire.v1 import peer_pb2 as ppb
 if TYPE_CHECKING:
     from ckptd.daemon.engine.sessions import SaveSession
     from ckptd.format.index import CheckpointIndex
-    from ckptd.daemon.plan.load_plan import LoadPlan, PieceInfo
+    from ckptd.daemon.plan.load_plan import LoadPlan
+    from ckptd.format.file_plan import PieceInfo
 
 # ------------------------------------------------------------------ Checkpoint service
 

@@ -12,7 +12,8 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.tiers import Tier
 from ckptd.format.index import TensorRecord
 from ckptd.daemon.handoff.arena import ArenaSet, SetState
-from ckptd.daemon.plan.load_plan import SHM_SOURCE, PieceInfo, TierName
+from ckptd.daemon.plan.load_plan import TierName
+from ckptd.format.file_plan import SHM_SOURCE, PieceInfo
 from ckptd.daemon.plan.save_plan import TensorSpec
 
 
