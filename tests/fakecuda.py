@@ -1,7 +1,7 @@
 """A strict CPU stand-in for CUDA: the rules ckptd depends on, enforced, so tests catch on CPU
 what would fail on a GPU. Test code. The tests run with --import-mode=importlib, so test files
 import it by path, once per process, under the name "fakecuda" (see `_fakecuda()` in
-tests/client/test_cuda_mocked.py).
+tests/client/test_cuda_copier_mocked.py).
 
 Two layers over one state:
 
@@ -9,7 +9,7 @@ Two layers over one state:
   through ctypes: the same function names and arguments, cudaError_t codes for answers,
   out-parameters filled through ctypes. The REAL wrapper runs on it (`FakeCuda.runtime`, or
   `CudaRuntime.load()` once installed), the copying out of IPC handles included.
-- `FakeCuda`: torch.cuda as ckptd.client.cuda and ckptd.client.ipc use it: streams, events, the
+- `FakeCuda`: torch.cuda as ckptd.client.cuda_copier and ckptd.client.staging_buffer use it: streams, events, the
   current stream, `Tensor.copy_` and `torch._foreach_copy_` between "device" and host tensors,
   `Tensor.is_cuda`, `Tensor.is_pinned`, `torch.as_tensor` of raw device memory, and
   `torch.cuda.cudart()`. `FakeCuda.install(monkeypatch)` puts all of it in place for one test.
@@ -587,7 +587,7 @@ class FakeCuda:
 
     def install(self, monkeypatch: pytest.MonkeyPatch, available: bool = True) -> "FakeCuda":
         """Put the stand-in in place of torch.cuda and libcudart for one test (undone after it).
-        available: torch.cuda.is_available() answers True (for ckptd.client.cuda.cuda_problem)."""
+        available: torch.cuda.is_available() answers True (for ckptd.client.cuda_copier.cuda_problem)."""
         fake = self
 
         class Props:

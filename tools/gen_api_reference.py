@@ -57,7 +57,7 @@ class Section:
 MODULES: tuple[Section, ...] = (
     Section(
         "ckptd.client",
-        ("CheckpointClient", "SaveHandle", "DurableInfo", "CheckpointInfo",
+        ("CheckpointClient", "ClientOptions", "SaveHandle", "DurableInfo", "CheckpointInfo",
          "CheckpointError", "CheckpointNotFound", "DaemonUnavailable", "InvalidState"),
         required=True,
     ),

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.common import frames, quant
+from ckptd.common import codecs, frames, quant
 from ckptd.common.boxes import Box
 from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.demo.process import start_daemon
@@ -152,7 +152,7 @@ def save_variants(daemon: Any, setting: str, params: float) -> list[dict[str, An
             for t in index.tensors:
                 for f in t.fragments:
                     if f.quant is not None and f.quant.frames is not None:
-                        codec = quant.Codec(f.quant.codec, f.quant.block)
+                        codec = codecs.codec(f.quant.codec, f.quant.block)
                         raw_codes += math.prod(codec.codes_shape(f.box.lengths)) - f.nbytes
             compressible = [step_dir / f.name for f in index.files if f.name.startswith(("optimizer-", "master_weights-"))]
             before = after = 0
@@ -185,16 +185,16 @@ def codec_throughput(reps: int) -> list[dict[str, Any]]:
     box = Box.full(tuple(m.shape))
     out = []
     for name, block in (("lin-i8", 256), ("log-u8", 256), ("lin-i4", 128), ("log-u4", 128)):
-        codec = quant.Codec(name, block)
+        codec = codecs.codec(name, block)
         x = v if codec.is_log else m
-        enc = time_it(lambda: quant.encode(codec, x, box), reps)
-        codes, scales = quant.encode(codec, x, box)
+        enc = time_it(lambda: codec.encode(x, box), reps)
+        codes, scales = codec.encode(x, box)
         flat = codes.reshape(-1).view(torch.uint8).numpy()
         row_bytes = len(flat) // codes.shape[0]
         pack = time_it(lambda: frames.compress(flat, row_bytes), reps)
         stored, table = frames.compress(flat, row_bytes)
         unpack = time_it(lambda: frames.decompress(stored, table, 0, len(table.ends), row_bytes, codes.shape[0]), reps)
-        dec = time_it(lambda: quant.decode(codec, codes, scales, box, box), reps)
+        dec = time_it(lambda: codec.decode(codes, scales, box, box), reps)
         nbytes = x.numel() * 4
         out.append({
             "codec": name, "encode_gbps": nbytes / statistics.median(enc) / 1e9, "decode_gbps": nbytes / statistics.median(dec) / 1e9,
@@ -311,11 +311,11 @@ def per_core_cost(out_dir: Path, params: float, reps: int) -> dict[str, list[flo
     def save(scheme: str | None) -> None:
         offset = 0
         for name, t in moments:
-            codec = quant.codec_for(scheme, name, "optimizer", "F32", tuple(t.shape))
+            codec = codecs.codec_for(scheme, name, "optimizer", "F32", tuple(t.shape))
             if codec is None:
                 offset = write(t.view(-1).view(torch.uint8).numpy(), offset)
                 continue
-            codes, scales = quant.encode(codec, t, Box.full(tuple(t.shape)), scratch)
+            codes, scales = codec.encode(t, Box.full(tuple(t.shape)), scratch)
             flat = codes.view(-1).view(torch.uint8).numpy()
             if codec.framed:
                 flat, _ = frames.compress(flat, flat.size // codes.shape[0])

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckptd.common.boxes import Box
-from ckptd.common.chunks import chunk_bytes_for, chunk_count
+from ckptd.common.chunks import checksum_name, chunk_bytes_for, chunk_count
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
@@ -63,7 +63,6 @@ from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
 from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult
-from ckptd.format.units import checksum_name
 from ckptd.daemon.plan.files import NodeManifest, stored_tensors
 from ckptd.daemon.storage.posix import Storage
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, ClientOptions
 from ckptd.client.layout import LayoutRules
 
 
@@ -22,6 +22,16 @@ from ckptd.client.layout import LayoutRules
 def test_bad_arguments_are_refused_with_what_to_pass(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CheckpointClient("job", address="unix:///nonexistent.sock", **{"rank": 0, "world_size": 1, **kwargs})
+
+
+def test_options_made_up_front_are_taken_and_not_mixed_with_keywords() -> None:
+    options = ClientOptions(address="unix:///nonexistent.sock", rank=1, world_size=2, on_error="raise", timeout_s=5)
+    with CheckpointClient("job", options=options) as ckpt:
+        assert (ckpt.options, ckpt.rank, ckpt.world_size, ckpt.on_error, ckpt.timeout_s) == (options, 1, 2, "raise", 5.0)
+    with pytest.raises(TypeError, match="either as keywords or as options=ClientOptions"):
+        CheckpointClient("job", options=options, mode="copy")
+    with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):  # what depends on the process: checked by the client
+        CheckpointClient("job", options=ClientOptions(address="unix:///nonexistent.sock", rank=2, world_size=2))
 
 
 def test_a_bad_job_id_is_refused() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptd.client.devcopy import CopyPlan, Gather, Item, Run, coalesced_ranges, item_of, plan_copies, run_copies
+from ckptd.client.devcopy import DeviceCopyPlan, Gather, Item, Run, coalesced_ranges, item_of, plan_copies, run_copies
 
 D = "cuda:0"
 MB = 1 << 20
@@ -13,7 +13,7 @@ MB = 1 << 20
 
 def test_large_tensors_are_one_copy_each() -> None:
     items = [Item(0, 4 * MB, D, (1, 0)), Item(8 * MB, 2 * MB, D, (2, 0))]
-    assert plan_copies(items) == CopyPlan((Run(0, 4 * MB, (0,)), Run(8 * MB, 2 * MB, (1,))), ())
+    assert plan_copies(items) == DeviceCopyPlan((Run(0, 4 * MB, (0,)), Run(8 * MB, 2 * MB, (1,))), ())
 
 
 def test_back_to_back_in_storage_and_destination_are_merged() -> None:
@@ -110,7 +110,7 @@ def test_run_copies_places_every_byte() -> None:
 
 
 def test_a_gather_into_another_device_needs_a_bounce_buffer() -> None:
-    plan = CopyPlan((), (Gather(0, 8, ((0, 0), (1, 4))),))
+    plan = DeviceCopyPlan((), (Gather(0, 8, ((0, 0), (1, 4))),))
     dst = torch.empty(8, dtype=torch.uint8, device="meta")
     with pytest.raises(ValueError, match="bounce buffer"):
         run_copies(plan, [torch.zeros(1), torch.zeros(1)], dst)

@@ -349,13 +349,13 @@ def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExec
     """Codes stored as frames of 3 rows (chunk checksums of 64 bytes): every box reads only the
     frames holding its rows and decodes as the whole tensor does; a damaged frame is an error
     naming the tensor."""
-    from ckptd.common import frames, quant
+    from ckptd.common import codecs, frames
 
-    codec = quant.Codec(codec_name, 16)
+    codec = codecs.codec(codec_name, 16)
     shape = (20, 40)
     values = torch.randn(shape, generator=torch.Generator().manual_seed(1)).abs() * 1e-3
     full = Box.full(shape)
-    codes, scales = quant.encode(codec, values, full)
+    codes, scales = codec.encode(values, full)
     flat = codes.reshape(-1).view(torch.uint8).numpy()
     stored, table = frames.compress(flat, codes.shape[1], 3 * codes.shape[1])
     path = tmp_path / "codes.safetensors"
@@ -370,7 +370,7 @@ def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExec
     src = source(stored.tobytes(), HEADER, "U8")._replace(
         decode=Decoding(codec.name, codec.block, source(scale_bytes, HEADER + len(stored), "F32"), None, table),
     )
-    whole = quant.decode(codec, codes, scales, full, full)
+    whole = codec.decode(codes, scales, full, full)
     for want in (full, Box((0, 0), (1, 40)), Box((2, 5), (4, 7)), Box((3, 0), (3, 40)), Box((19, 39), (1, 1)), Box((5, 17), (11, 20))):
         target = torch.full(want.lengths, -99.0)
         fill_all(pool, maps, [Fill(target, want, [src])])

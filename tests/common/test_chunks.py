@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import xxhash
 
-from ckptd.common.chunks import MAX_CHUNKS, MIN_CHUNK_BYTES, ChunkCheck, ChunkHasher, chunk_bytes_for, chunk_count
+from ckptd.common.chunks import CHECKSUM_PREFIX, MAX_CHUNKS, MIN_CHUNK_BYTES, ChunkCheck, ChunkHasher, checksum_name, chunk_bytes_for, chunk_count
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -61,3 +61,12 @@ def test_a_range_splits_into_chunks_inside_and_chunks_cut(lo: int, n: int, inner
 def test_digests_that_do_not_fit_the_fragment_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit 520 bytes in chunks of 64"):
         ChunkCheck(520, 64, "0" * 16 * 8)
+
+
+@pytest.mark.parametrize(
+    "digest, name",
+    [(0, "xxh3-64:0000000000000000"), (1, "xxh3-64:0000000000000001"), (0xFF, "xxh3-64:00000000000000ff"), (2**64 - 1, "xxh3-64:ffffffffffffffff")],
+)
+def test_checksum_name_is_the_prefix_and_16_hex_digits(digest: int, name: str) -> None:
+    """The one spelling of an index's checksum (the daemon writes it, the client's reader compares it)."""
+    assert checksum_name(digest) == name and name.startswith(CHECKSUM_PREFIX)

@@ -14,7 +14,8 @@ import torch
 
 from ckptd.common import codecs, quant, quant_options
 from ckptd.common.boxes import Box, relative
-from ckptd.common.codecs import Codec, Linear, Log, QuantError, Registry, Scheme, codec, codec_names
+from ckptd.common.blocks import QuantError
+from ckptd.common.codecs import Codec, Linear, Log, Registry, Scheme, codec, codec_names
 
 # name -> (bits, codes dtype, framed, default block): what the index and the writer rely on.
 # Changing a row changes the on-disk format.
@@ -37,7 +38,7 @@ def test_the_registry_holds_exactly_the_codecs_of_the_format() -> None:
 def test_the_schemes_are_built_from_the_registry() -> None:
     assert quant_options.SCHEMES == ("O1", "O2")
     for scheme, (first, second) in {"O1": ("lin-i8", "log-u8"), "O2": ("lin-i4", "log-u4")}.items():
-        got = [quant.codec_for(scheme, f"optimizer/state/w/{f}", "optimizer", "F32", (64, 128)) for f in ("exp_avg", "exp_avg_sq")]
+        got = [codecs.codec_for(scheme, f"optimizer/state/w/{f}", "optimizer", "F32", (64, 128)) for f in ("exp_avg", "exp_avg_sq")]
         assert got == [codec(first), codec(second)]
     with pytest.raises(QuantError, match="use None \\(lossless\\), 'O1' \\(int8\\) or 'O2' \\(int4\\)"):
         quant_options.check_scheme("O3")
@@ -48,7 +49,7 @@ def test_unknown_codec_names_are_refused_naming_the_known_ones(name: str) -> Non
     with pytest.raises(ValueError, match="unknown codec .*lin-i4, lin-i8, log-u4, log-u8"):
         codec(name)
     with pytest.raises(QuantError, match="unknown codec"):
-        quant.Codec(name, 128)
+        codecs.codec(name, 128)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -64,7 +65,7 @@ def test_a_scheme_must_name_registered_codecs_and_a_name_is_registered_once() ->
     with pytest.raises(QuantError, match="twice"):
         codecs.builtin().with_codec(codecs.LogU8)
     with pytest.raises(QuantError, match="unknown scheme 'O9'"):
-        quant.codec_for("O9", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128))
+        codecs.codec_for("O9", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128))
 
 
 def bound_holds(c: Codec, box: Box, x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -114,7 +115,7 @@ def test_every_registered_codec_round_trips_within_its_bound(name: str, box: Box
     assert y.dtype == torch.float32 and y.shape == x.shape
     assert bound_holds(c, box, x, y)
     # the module functions are the codec's methods
-    assert torch.equal(quant.decode(c, *quant.encode(c, x, box), box, box), y)
+    assert torch.equal(c.decode(*c.encode(x, box), box, box), y)
 
 
 @dataclass(frozen=True)
@@ -161,26 +162,26 @@ def test_a_new_codec_class_is_usable_by_name_once_registered(cls: codecs.CodecCl
     assert c.block == cls.default_block and not c.framed
     box = Box((4, 0), (6, 100))
     x = torch.randn(box.lengths)
-    codes, scales = quant.encode(c, x, box)
+    codes, scales = c.encode(x, box)
     assert tuple(codes.shape) == c.codes_shape(box.lengths) and tuple(scales.shape) == c.scales_shape(box)
     want = Box((5, 10), (3, 50))
-    y = quant.decode(c, codes, scales, box, want)
+    y = c.decode(codes, scales, box, want)
     tolerance = 1e-3 if cls is Float16 else float(x.abs().max()) / (2 * 63) * 1.0001
     assert float((y - x[1:4, 10:60]).abs().max()) <= tolerance
     schemes = registry.with_scheme(Scheme("T1", cls.name, "log-u8", "toy"))
-    assert quant.codec_for("T1", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128), schemes) == c
+    assert codecs.codec_for("T1", "optimizer/state/w/exp_avg", "optimizer", "F32", (64, 128), schemes) == c
 
 
 def test_a_client_that_only_decodes_never_loads_the_native_encoder() -> None:
     program = (
         "import sys, torch\n"
-        "from ckptd.common import quant\n"
+        "from ckptd.common import codecs\n"
         "from ckptd.common.boxes import Box\n"
-        "c = quant.Codec('lin-i4', 128)\n"
+        "c = codecs.codec('lin-i4', 128)\n"
         "box = Box.full((2, 300))\n"
-        "quant.decode(c, torch.zeros(c.codes_shape(box.lengths), dtype=torch.uint8), torch.ones(c.scales_shape(box)), box, box)\n"
+        "c.decode(torch.zeros(c.codes_shape(box.lengths), dtype=torch.uint8), torch.ones(c.scales_shape(box)), box, box)\n"
         "assert 'ckptd.common._codec' not in sys.modules\n"
-        "quant.encode(c, torch.ones(2, 300), box)\n"
+        "c.encode(torch.ones(2, 300), box)\n"
         "assert 'ckptd.common._codec' in sys.modules\n"
         "import ckptd.common.quant_options\n"
     )

@@ -8,11 +8,13 @@ import itertools
 import pytest
 import torch
 
-from ckptd.common import quant
+from ckptd.common import codecs, quant, quant_options
+from ckptd.common.blocks import QuantError, nblocks
 from ckptd.common.boxes import Box
-from ckptd.common.quant import Codec, QuantError, codec_for, decode, encode, nblocks, unpack4
+from ckptd.common.codecs import Codec, codec_for
+from ckptd.common.quant import unpack4
 
-CODECS = [Codec("lin-i8", 256), Codec("lin-i4", 128), Codec("log-u8", 256), Codec("log-u4", 128), Codec("lin-i4", 4), Codec("log-u4", 4)]
+CODECS = [codecs.codec("lin-i8", 256), codecs.codec("lin-i4", 128), codecs.codec("log-u8", 256), codecs.codec("log-u4", 128), codecs.codec("lin-i4", 4), codecs.codec("log-u4", 4)]
 
 
 def moments(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +60,10 @@ def test_which_tensors_are_quantized(scheme, name, kind, dtype, shape, expected)
 def test_round_trip_error_bounds(codec: Codec, shape: tuple[int, ...]) -> None:
     x = values_for(codec, shape)
     box = Box.full(shape)
-    codes, scales = encode(codec, x, box)
+    codes, scales = codec.encode(x, box)
     assert codes.dtype == (torch.int8 if codec.codes_dtype == "I8" else torch.uint8)
     assert tuple(codes.shape) == codec.codes_shape(shape) and tuple(scales.shape) == codec.scales_shape(box)
-    y = decode(codec, codes, scales, box, box)
+    y = codec.decode(codes, scales, box, box)
     assert y.dtype == torch.float32 and y.shape == x.shape
     blocks = x.view(-1, shape[-1])
     if not codec.is_log:
@@ -84,7 +86,7 @@ def test_round_trip_error_bounds(codec: Codec, shape: tuple[int, ...]) -> None:
         assert bool((err <= bound[nz] + 1e-4).all())
 
 
-@pytest.mark.parametrize("codec", [Codec("log-u8", 256), Codec("log-u4", 128)], ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [codecs.codec("log-u8", 256), codecs.codec("log-u4", 128)], ids=lambda c: c.name)
 def test_no_nonzero_second_moment_decodes_to_zero(codec: Codec) -> None:
     # one huge value per block and many tiny ones: linear codes would round the tiny ones to zero
     x = torch.full((4, 512), 1e-30)
@@ -93,7 +95,7 @@ def test_no_nonzero_second_moment_decodes_to_zero(codec: Codec) -> None:
     x[1, 2] = 1e-45  # a subnormal
     x[2, 3] = 0.0
     box = Box.full(x.shape)
-    y = decode(codec, *encode(codec, x, box), box, box)
+    y = codec.decode(*codec.encode(x, box), box, box)
     assert bool(((y > 0) == (x > 0)).all())
     assert y[2, 3] == 0.0
 
@@ -102,7 +104,7 @@ def test_all_zero_and_constant_blocks() -> None:
     for codec in CODECS:
         box = Box.full((3, 300))
         for x in (torch.zeros(3, 300), torch.full((3, 300), 0.25)):
-            y = decode(codec, *encode(codec, x, box), box, box)
+            y = codec.decode(*codec.encode(x, box), box, box)
             assert torch.allclose(y, x, rtol=1e-5, atol=0), codec
 
 
@@ -114,7 +116,7 @@ def test_a_block_of_subnormal_values_codes_without_overflow(codec: Codec) -> Non
     x[0, : codec.block] = torch.linspace(-3e-39, 3e-39, codec.block)  # the first block: subnormal values only
     x[1] = torch.randn(2 * codec.block)  # other rows take the usual path
     box = Box.full(tuple(x.shape))
-    y = decode(codec, *encode(codec, x, box), box, box)
+    y = codec.decode(*codec.encode(x, box), box, box)
     assert not torch.isnan(y).any()
     assert torch.equal(y[0, codec.block :], x[0, codec.block :])  # a zero block
     assert float((y[0, : codec.block] - x[0, : codec.block]).abs().max()) <= 3e-39 / (2 * codec.levels) * 1.01
@@ -127,14 +129,14 @@ def test_non_finite_values_are_refused(bad: float) -> None:
     x = torch.ones(4, 5000)
     x[1, 2] = bad
     with pytest.raises(QuantError, match="non-finite"):
-        encode(Codec("lin-i8", 256), x, Box.full(x.shape))
+        codecs.codec("lin-i8", 256).encode(x, Box.full(x.shape))
 
 
 def test_negative_second_moment_is_refused() -> None:
     x = torch.ones(4, 5000)
     x[0, 0] = -1.0
     with pytest.raises(QuantError, match="negative"):
-        encode(Codec("log-u8", 256), x, Box.full(x.shape))
+        codecs.codec("log-u8", 256).encode(x, Box.full(x.shape))
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ def test_the_encoder_packs_int4_codes_low_nibble_first(n: int) -> None:
     # one block; absmax 7 (element 0 is -7), so q = x exactly and the stored code is x + 8
     x = (torch.arange(n, dtype=torch.float32) % 15 - 7).view(1, n)
     codes = (torch.arange(n) % 15 + 1).to(torch.uint8)
-    packed, _ = encode(Codec("lin-i4", 256), x, Box.full(x.shape))
+    packed, _ = codecs.codec("lin-i4", 256).encode(x, Box.full(x.shape))
     assert packed.shape == (1, (n + 1) // 2)
     assert int(packed[0, 0]) & 0x0F == 1  # element 0 in the low nibble
     if n > 1:
@@ -167,18 +169,18 @@ def test_any_slice_decodes_as_the_whole_sliced(codec: Codec) -> None:
     shape = (6, 2, 301)
     x = values_for(codec, shape)
     box = Box.full(shape)
-    codes, scales = encode(codec, x, box)
-    whole = decode(codec, codes, scales, box, box)
+    codes, scales = codec.encode(x, box)
+    whole = codec.decode(codes, scales, box, box)
     # odd column offsets and lengths: int4 reads start and end inside bytes
     for r0, c0, c1 in [(0, 0, 301), (1, 1, 2), (2, 3, 130), (5, 127, 301), (0, 255, 257), (3, 128, 129)]:
         want = Box((r0, 1, c0), (6 - r0, 1, c1 - c0))
-        part = decode(codec, codes, scales, box, want)
+        part = codec.decode(codes, scales, box, want)
         assert torch.equal(part, whole[r0:, 1:2, c0:c1])
     # a region of only some rows (what the client reads), sliced again
     rows = Box((2, 0, 0), (3, 2, 301))
     sl = (slice(2, 5),)
     want = Box((3, 0, 77), (2, 2, 101))
-    part = decode(codec, codes[sl], scales[sl], rows, want)
+    part = codec.decode(codes[sl], scales[sl], rows, want)
     assert torch.equal(part, whole[3:5, :, 77:178])
 
 
@@ -195,14 +197,14 @@ def test_fragments_cutting_blocks_decode_each_element_from_its_own_piece(codec: 
         if frag.lengths[-1] == 0:
             continue
         vals = x[:, frag.offsets[1] : frag.end[1]]
-        codes, scales = encode(codec, vals, frag)
+        codes, scales = codec.encode(vals, frag)
         assert scales.shape[-2] == nblocks(frag.offsets[1], frag.lengths[1], codec.block)
-        whole_frag = decode(codec, codes, scales, frag, frag)
+        whole_frag = codec.decode(codes, scales, frag, frag)
         decoded.append(whole_frag)
         # any slice of the fragment equals that fragment's whole decode, sliced
         for c0 in range(frag.offsets[1], frag.end[1], 37):
             want = Box((1, c0), (3, min(frag.end[1], c0 + 51) - c0))
-            part = decode(codec, codes, scales, frag, want)
+            part = codec.decode(codes, scales, frag, want)
             rel = c0 - frag.offsets[1]
             assert torch.equal(part, whole_frag[1:4, rel : rel + want.lengths[1]])
     joined = torch.cat(decoded, dim=1)
@@ -213,22 +215,22 @@ def test_fragments_cutting_blocks_decode_each_element_from_its_own_piece(codec: 
 def test_fragment_without_a_cut_block_decodes_as_the_whole_tensor() -> None:
     """Row shards (the usual case) and column shards on block boundaries store exactly what the
     whole tensor stores."""
-    codec = Codec("lin-i4", 128)
+    codec = codecs.codec("lin-i4", 128)
     x, _ = moments((8, 512))
     box = Box.full(x.shape)
-    whole = decode(codec, *encode(codec, x, box), box, box)
+    whole = codec.decode(*codec.encode(x, box), box, box)
     for frag in (Box((0, 0), (3, 512)), Box((3, 256), (5, 256)), Box((2, 128), (4, 128))):
         sl = (slice(frag.offsets[0], frag.end[0]), slice(frag.offsets[1], frag.end[1]))
-        got = decode(codec, *encode(codec, x[sl], frag), frag, frag)
+        got = codec.decode(*codec.encode(x[sl], frag), frag, frag)
         assert torch.equal(got, whole[sl])
 
 
 def test_decode_checks_shapes() -> None:
-    codec = Codec("lin-i8", 256)
+    codec = codecs.codec("lin-i8", 256)
     box = Box.full((4, 300))
-    codes, scales = encode(codec, torch.randn(4, 300), box)
+    codes, scales = codec.encode(torch.randn(4, 300), box)
     with pytest.raises(QuantError, match="do not match"):
-        decode(codec, codes[:3], scales, box, box)
+        codec.decode(codes[:3], scales, box, box)
 
 
 def test_residual_is_near_exact() -> None:
@@ -255,10 +257,10 @@ def test_a_reused_scratch_codes_exactly_as_fresh_buffers(codec: Codec) -> None:
         x = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
         x = x * x if codec.is_log else x
         box = Box((0, offset), shape)
-        codes, scales = encode(codec, x, box, scratch)
-        fresh_codes, fresh_scales = encode(codec, x, box)
+        codes, scales = codec.encode(x, box, scratch)
+        fresh_codes, fresh_scales = codec.encode(x, box)
         assert torch.equal(codes, fresh_codes) and torch.equal(scales, fresh_scales)
-    again, _ = encode(codec, x, box, scratch)
+    again, _ = codec.encode(x, box, scratch)
     assert again.data_ptr() == codes.data_ptr()  # the same buffer, not a new allocation
 
 
@@ -274,10 +276,10 @@ def test_residual_with_a_scratch_equals_without() -> None:
 @pytest.mark.parametrize("bad", ["O3", "int8", "o1"])
 def test_scheme_names_are_checked(bad: str) -> None:
     with pytest.raises(QuantError, match="use None"):
-        quant.check_scheme(bad)
-    assert quant.check_scheme("") is None and quant.check_scheme("O2") == "O2"
+        quant_options.check_scheme(bad)
+    assert quant_options.check_scheme("") is None and quant_options.check_scheme("O2") == "O2"
     with pytest.raises(QuantError, match="keep"):
-        quant.check_master_mode("fp16")
+        quant_options.check_master_mode("fp16")
 
 
 @pytest.mark.parametrize("offset, length, block, expected", [(0, 0, 4, 0), (0, 4, 4, 1), (3, 2, 4, 2), (4, 4, 4, 1), (1, 9, 4, 3)])
@@ -290,7 +292,7 @@ def test_codes_use_the_whole_range() -> None:
     for codec, x in itertools.product(CODECS[:4], [torch.linspace(-1, 1, 4096).view(2, 2048)]):
         if codec.is_log:
             x = x.abs()
-        codes, _ = encode(codec, x, Box.full(x.shape))
+        codes, _ = codec.encode(x, Box.full(x.shape))
         flat = unpack4(codes) if codec.bits == 4 else codes
         assert int(flat.max()) == (codec.levels if codec.is_log else (codec.levels if codec.bits == 8 else codec.levels + 8))
 
@@ -347,11 +349,11 @@ GOLDEN = [
 
 @pytest.mark.parametrize("name, block, dtype, offset, digest", GOLDEN, ids=lambda v: str(v))
 def test_codes_and_decoded_values_match_the_golden_hashes(name: str, block: int, dtype: str, offset: int, digest: str) -> None:
-    codec = Codec(name, block)
+    codec = codecs.codec(name, block)
     x = golden_input(codec.is_log, getattr(torch, dtype))
     box = Box((0, offset), tuple(x.shape))  # offset 100: a fragment whose first block is cut
-    codes, scales = encode(codec, x, box)
-    decoded = decode(codec, codes, scales, box, box)
+    codes, scales = codec.encode(x, box)
+    decoded = codec.decode(codes, scales, box, box)
     data = b"".join(t.contiguous().numpy().tobytes() for t in (codes, scales, decoded))
     assert hashlib.sha256(data).hexdigest()[:16] == digest
 
@@ -400,10 +402,10 @@ GOLDEN_DECODE = [
 
 @pytest.mark.parametrize("name, block, offset, digest", GOLDEN_DECODE, ids=lambda v: str(v))
 def test_stored_codes_decode_to_the_golden_values(name: str, block: int, offset: int, digest: str) -> None:
-    codec = Codec(name, block)
+    codec = codecs.codec(name, block)
     box = Box((0, offset), (5, 777))
     codes, scales = stored_piece(codec, box)
-    decoded = decode(codec, codes, scales, box, box)
+    decoded = codec.decode(codes, scales, box, box)
     assert hashlib.sha256(decoded.numpy().tobytes()).hexdigest()[:16] == digest
 
 
@@ -411,7 +413,7 @@ def test_stored_codes_decode_to_the_golden_values(name: str, block: int, offset:
 def test_linear_codes_are_the_float32_formula_exactly(codec: Codec) -> None:
     # q = round(x * (1 / absmax * Q)), every product rounded to float32, ties to even
     x = golden_input(False, torch.float32)[:, :256]
-    codes, scales = encode(codec, x, Box.full(x.shape))
+    codes, scales = codec.encode(x, Box.full(x.shape))
     absmax = x.view(6, -1, codec.block).abs().amax(-1, keepdim=True)
     inv = torch.where(absmax > 0, absmax.reciprocal() * codec.levels, 0.0)
     expected = torch.round(x.view(6, -1, codec.block) * inv).view(6, 256).to(torch.int64)
@@ -426,7 +428,7 @@ def test_log_codes_round_the_exact_log(codec: Codec) -> None:
     # largest v; each code the rounding of (0.5 log2 v - lo) (Q - 1) / (hi - lo), plus 1, except
     # within 1e-4 of a tie, where the neighbour is allowed
     _, v = moments((64, 1024), seed=3)
-    codes, scales = encode(codec, v, Box.full(v.shape))
+    codes, scales = codec.encode(v, Box.full(v.shape))
     blocks = v.double().view(64, -1, codec.block)
     nonzero = torch.where(blocks > 0, blocks, torch.inf)
     lo64, hi64 = 0.5 * torch.log2(nonzero.amin(-1)), 0.5 * torch.log2(blocks.amax(-1))

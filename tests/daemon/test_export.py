@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from ckptd.common.boxes import Box
 from ckptd.daemon.tools.export import ExportError, export_model
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, TensorRecord, safetensors_header
-from ckptd.format.units import checksum_name
+from ckptd.common.chunks import checksum_name
 
 
 def _write_fragments(step_dir: Path, name: str, full: np.ndarray, boxes: list[Box]) -> TensorRecord:

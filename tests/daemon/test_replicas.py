@@ -22,7 +22,7 @@ from ckptd.daemon.tiers.replicas import buddies
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
 from ckptd.format.index import FileRecord
-from ckptd.format.units import checksum_name
+from ckptd.common.chunks import checksum_name
 from ckptd.format.units import Unit, UnitCheck
 from ckptd.wire.v1 import peer_pb2 as ppb
 

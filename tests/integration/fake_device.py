@@ -10,7 +10,7 @@ arena mapping is page-locked once, whole, when `host_view` first maps it (`regis
 counts the calls; a second registration of it would fail with 712), and every copy of the plan
 into an arena must lie inside one registration, else `copy` raises CUDA's "invalid argument"
 as torch would when the copy is issued. Staging buffers have 64-byte handles with zero bytes.
-(tests/client/test_cuda_mocked.py runs the real CudaBackend on fakecuda; this fake is for the
+(tests/client/test_cuda_copier_mocked.py runs the real CudaBackend on fakecuda; this fake is for the
 hand-off's bookkeeping with a real daemon.) Also runnable as a script for crash tests:
 
     python fake_device.py die-mid-overlap ADDRESS JOB STEP   # overlap save whose copy never ends, then SIGKILL
@@ -28,8 +28,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptd.client.devcopy import CopyPlan, item_of, plan_copies, run_copies
-from ckptd.client.ipc import IpcUnavailable
+from ckptd.client import CheckpointClient
+from ckptd.client.devcopy import DeviceCopyPlan, item_of, plan_copies, run_copies
+from ckptd.client.staging_buffer import IpcUnavailable
 
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script (crash tests): tests/ for fakecuda
@@ -117,7 +118,7 @@ class FakeBackend:
         return tensor.numel() > 0 and tensor.data_ptr() in self.ptrs
 
     def host_view(self, path: str, size: int) -> torch.Tensor:
-        """The arena mapped once and page-locked once, whole (as ckptd.client.cuda does)."""
+        """The arena mapped once and page-locked once, whole (as ckptd.client.cuda_copier does)."""
         if path not in self._maps:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -131,7 +132,7 @@ class FakeBackend:
             self._maps[path] = (mapped, host)
         return self._maps[path][1]
 
-    def _check(self, plan: CopyPlan, dst: torch.Tensor) -> None:
+    def _check(self, plan: DeviceCopyPlan, dst: torch.Tensor) -> None:
         """Every copy of `plan` into host memory lies inside one registration, or CUDA's error."""
         if any(dst is host for _, host in self._maps.values()):
             spans = [(r.offset, r.nbytes) for r in plan.runs] + [(g.offset, g.span) for g in plan.gathers]
@@ -170,15 +171,18 @@ class FakeBackend:
         self.closed = True
 
 
+def client_on(backend: FakeBackend, job: str, **keywords: Any) -> CheckpointClient:
+    """A CheckpointClient whose CUDA hand-off runs on `backend` (the CheckpointClient._device_backend seam)."""
+    return type("FakeDeviceClient", (CheckpointClient,), {"_device_backend": backend})(job, **keywords)
+
+
 def die_mid_overlap(address: str, job: str, step: int) -> None:
     """An overlap-mode save whose device copy never completes; then the process is killed."""
-    from ckptd.client import CheckpointClient
-
     weights = torch.arange(4096, dtype=torch.float32)
     backend = FakeBackend([weights])
     backend.gate.clear()  # the copy stays in flight
     backend.stream_fences_wait = False  # the GPU-side fence of the model's copy does not block the host
-    ckpt = CheckpointClient(job, address=address, rank=0, world_size=1, on_error="raise", timeout_s=5, _device_backend=backend)
+    ckpt = client_on(backend, job, address=address, rank=0, world_size=1, on_error="raise", timeout_s=5)
     handle = ckpt.save(step, {"model": {"w": weights}})
     assert not handle.snapshot_done
     print("saved-not-committed", flush=True)

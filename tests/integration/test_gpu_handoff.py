@@ -4,7 +4,7 @@ What is tested here without a GPU: mode selection and fallbacks, the fences (opt
 installed once, handle.wait_snapshot, ckpt.fence), that overlap and ipc saves return before the
 copy is done and commit only after it, that a snapshot whose copy never completes is never
 persisted, the daemon's OpenStaging/CloseStaging validation, and restores through the device
-path. tests/client/test_cuda.py runs the real CUDA paths (marked gpu).
+path. tests/client/test_cuda_copier.py runs the real CUDA paths (marked gpu).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ assert _spec is not None and _spec.loader is not None
 fake_device = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_device)
 FakeBackend = fake_device.FakeBackend
+client_on = fake_device.client_on
 
 
 class Net(nn.Module):
@@ -105,7 +106,7 @@ def test_the_cuda_modules_are_not_imported_by_a_cpu_client(daemon) -> None:
         "import sys, torch; from ckptd.client import CheckpointClient\n"
         f"c = CheckpointClient('lazy', address={daemon.address!r}, rank=0, world_size=1, on_error='raise')\n"
         "c.save(1, {'model': {'w': torch.ones(4)}}).wait_durable(); c.fence(); c.close()\n"
-        "assert not {'ckptd.client.cuda', 'ckptd.client.ipc', 'ckptd.common.cudart'} & set(sys.modules), sys.modules.keys()\n"
+        "assert not {'ckptd.client.cuda_copier', 'ckptd.client.staging_buffer', 'ckptd.common.cudart'} & set(sys.modules), sys.modules.keys()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -152,7 +153,7 @@ def test_overlap_returns_before_the_copy_and_the_optimizer_step_waits_for_it(dae
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
     expected = snapshot(model, opt)
-    with CheckpointClient("ovl", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "ovl", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         backend.gate.clear()  # the copy of parameters and optimizer state is "in flight" until the gate opens
         backend.hold = {"copy2"}
         handle = ckpt.save(5, {"model": model, "optimizer": opt})
@@ -174,7 +175,7 @@ def test_overlap_returns_before_the_copy_and_the_optimizer_step_waits_for_it(dae
 def test_wait_snapshot_and_fence_context_manager(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
-    with CheckpointClient("fnc", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "fnc", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         backend.gate.clear()
         backend.hold = {"copy2"}
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
@@ -192,7 +193,7 @@ def test_wait_snapshot_and_fence_context_manager(daemon) -> None:
 def test_the_next_save_waits_for_the_previous_commit(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
-    with CheckpointClient("nxt", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "nxt", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         backend.gate.clear()
         backend.hold = {"copy2"}
         first = ckpt.save(1, {"model": model, "optimizer": opt})
@@ -206,7 +207,7 @@ def test_the_next_save_waits_for_the_previous_commit(daemon) -> None:
 def test_copy_mode_waits_for_the_copy(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
-    with CheckpointClient("cm", address=daemon.address, rank=0, world_size=1, mode="copy", on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "cm", address=daemon.address, rank=0, world_size=1, mode="copy", on_error="raise") as ckpt:
         backend.gate.clear()
         threading.Timer(0.3, backend.gate.set).start()
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
@@ -220,7 +221,7 @@ def test_a_failed_device_copy_is_aborted_and_never_persisted(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
     backend.fail_copies = True
-    with CheckpointClient("bad", address=daemon.address, rank=0, world_size=1, on_error="warn", _device_backend=backend) as ckpt:
+    with client_on(backend, "bad", address=daemon.address, rank=0, world_size=1, on_error="warn") as ckpt:
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         assert handle.wait_durable(timeout=60) is None
         assert not handle.ok and "simulated device error" in (handle.error or "")
@@ -251,7 +252,7 @@ def test_a_trainer_killed_before_its_overlap_copy_completed_leaves_nothing(daemo
 def test_each_arena_is_page_locked_once_however_many_saves(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
-    with CheckpointClient("pin", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "pin", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         for s in range(1, 7):
             handle = ckpt.save(s, {"model": model, "optimizer": opt})
             step(model, opt)
@@ -268,7 +269,7 @@ def test_restore_goes_through_the_device_path(daemon) -> None:
         ckpt.save(3, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
     fresh, fresh_opt = training()
     backend = FakeBackend(device_tensors(fresh, fresh_opt))
-    with CheckpointClient("rst", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "rst", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         assert ckpt.load({"model": fresh, "optimizer": fresh_opt}) == 3
     assert ("to_devices", len(device_tensors(fresh, fresh_opt))) in backend.events
     assert_restored(fresh, fresh_opt, expected)
@@ -281,7 +282,7 @@ def test_ipc_falls_back_to_overlap_once_with_the_reason(daemon, caplog: pytest.L
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt), staging_error="no GPU memory left for a 1.00 GiB staging buffer on cuda:0")
     caplog.set_level(logging.WARNING, logger="ckptd.client")
-    with CheckpointClient("ipcf", address=daemon.address, rank=0, world_size=1, mode="ipc", on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "ipcf", address=daemon.address, rank=0, world_size=1, mode="ipc", on_error="raise") as ckpt:
         first = ckpt.save(1, {"model": model, "optimizer": opt})
         ckpt.save(2, {"model": model, "optimizer": opt})
         assert ckpt.mode_in_use == "overlap" and "no GPU memory left" in (ckpt.mode_reason or "")
@@ -294,7 +295,7 @@ def test_ipc_falls_back_when_the_daemon_cannot_open_the_buffer(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
     expected = snapshot(model, opt)
-    with CheckpointClient("ipcd", address=daemon.address, rank=0, world_size=1, mode="ipc", on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "ipcd", address=daemon.address, rank=0, world_size=1, mode="ipc", on_error="raise") as ckpt:
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         assert ckpt.mode_in_use == "overlap"
         reason = ckpt.mode_reason or ""
@@ -355,7 +356,7 @@ def test_handle_errors_surface_with_on_error_raise(daemon) -> None:
     model, opt = training()
     backend = FakeBackend(device_tensors(model, opt))
     backend.fail_copies = True
-    with CheckpointClient("raise", address=daemon.address, rank=0, world_size=1, on_error="raise", _device_backend=backend) as ckpt:
+    with client_on(backend, "raise", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         with pytest.raises(CheckpointError, match="simulated device error"):
             handle.wait_durable(timeout=60)

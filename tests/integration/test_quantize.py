@@ -15,7 +15,7 @@ from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
-from ckptd.common import frames, quant
+from ckptd.common import codecs, frames
 from ckptd.common.boxes import Box
 from ckptd.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
 
@@ -69,7 +69,7 @@ def test_quantized_save_loads_within_the_error_bounds(daemon, scheme: str) -> No
     for (n, a), (_, b) in zip(model.state_dict().items(), m2.state_dict().items()):
         assert torch.equal(a, b), n  # model weights are never quantized
     saved, loaded = opt_state(model, opt), opt_state(m2, o2)
-    first, second = quant.codec_for(scheme, "x/exp_avg", "optimizer", "F32", (300, 96)), quant.codec_for(scheme, "x/exp_avg_sq", "optimizer", "F32", (300, 96))
+    first, second = codecs.codec_for(scheme, "x/exp_avg", "optimizer", "F32", (300, 96)), codecs.codec_for(scheme, "x/exp_avg_sq", "optimizer", "F32", (300, 96))
     for name in saved:
         a, b = saved[name], loaded[name]
         assert torch.equal(a["step"], b["step"])

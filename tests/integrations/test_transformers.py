@@ -14,7 +14,7 @@ import pytest
 from worker_process import load_worker, run_torchrun_like, run_worker  # tests/worker_process.py
 import torch
 
-from ckptd.client import CheckpointClient, DaemonUnavailable
+from ckptd.client import CheckpointClient, ClientOptions, DaemonUnavailable
 
 transformers = pytest.importorskip("transformers")
 
@@ -325,6 +325,8 @@ def test_a_daemon_that_is_down_does_not_stop_training(tmp_path: Path, one_thread
         ({"job": "j", "wait_at_end_s": -1}, ValueError, "wait_at_end_s=-1"),
         ({"job": "j", "address": ""}, TypeError, "address=''"),
         ({"job": "j", "timeout": 5}, TypeError, "unknown keyword arguments ['timeout']"),
+        ({"job": "j", "rank": 1}, TypeError, "unknown keyword arguments ['rank']"),  # set from the TrainingArguments
+        ({"job": "j", "timeout_s": 0}, ValueError, "timeout_s=0"),
     ],
 )
 def test_bad_arguments_are_refused_at_once(kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
@@ -335,7 +337,7 @@ def test_bad_arguments_are_refused_at_once(kwargs: dict[str, Any], error: type[E
 
 def test_client_options_pass_through() -> None:
     ckpt = CkptdCallback(job="j", quantize="O1", master_weights="drop", timeout_s=5.0, read_files=False)
-    assert ckpt.client_options == {"timeout_s": 5.0, "read_files": False}
+    assert ckpt.client_options == ClientOptions(timeout_s=5.0, read_files=False)
     assert (ckpt.quantize, ckpt.master_weights, ckpt.on_error) == ("O1", "drop", "warn")
 
 

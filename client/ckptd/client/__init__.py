@@ -5,7 +5,10 @@
 
 from ckptd.client.client import CheckpointClient, CheckpointInfo
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
-from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client._rpc import DurableInfo
+from ckptd.client.handle import SaveHandle
+from ckptd.client.options import ClientOptions
+from ckptd.client.ranks import rank_and_world
 from ckptd.client.shards import LocalShard, LocalShards
 from ckptd.common.retention import JobRetention
 
@@ -13,6 +16,7 @@ __all__ = [
     "CheckpointClient",
     "CheckpointError",
     "CheckpointInfo",
+    "ClientOptions",
     "CheckpointNotFound",
     "DaemonUnavailable",
     "DurableInfo",
@@ -21,4 +25,5 @@ __all__ = [
     "LocalShard",
     "LocalShards",
     "SaveHandle",
+    "rank_and_world",
 ]

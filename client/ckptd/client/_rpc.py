@@ -20,7 +20,6 @@ import grpc
 
 from ckptd.client.reader.pieces import Decoding, Source
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
-from ckptd.client.handle import DurableInfo
 from ckptd.client.layout import Fragment
 from ckptd.client.slots import SlotLike
 from ckptd.client.state import TensorEntry
@@ -49,6 +48,22 @@ class CheckpointInfo:
     path: str
     in_memory: bool  # the snapshot is still in the daemon's memory (fast restore)
     metric: float | None
+
+
+@dataclass(frozen=True)
+class DurableInfo:
+    """A committed checkpoint: on disk, fsynced, visible to loads.
+
+    `bytes_written`: the bytes of stored tensors that this rank's node daemon wrote for the step
+    (its part of it). `bytes_linked`: those it did not write because an incremental save linked
+    them, unchanged and read back against their checksums, from the previous step (files of
+    frozen tensors). Both are 0 when the daemon no longer knows the save (a step committed
+    before it restarted)."""
+
+    step: int
+    step_dir: str
+    bytes_written: int
+    bytes_linked: int = 0
 
 
 @dataclass(frozen=True)

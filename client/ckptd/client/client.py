@@ -20,14 +20,16 @@ import torch
 from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
-from ckptd.client._handoff.modes import AUTO, resolve_mode
+from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
 from ckptd.client.reader.fill import Fill, MemoryCopies, device_fills, fill_all
-from ckptd.client._rpc import CheckpointInfo, DaemonRpc, LoadPlan, SaveGrant, SaveOptions, StatusResponse
-from ckptd.client.environment import check_run_config, meshes_of, trainer_environment
+from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, SaveGrant, SaveOptions, StatusResponse
+from ckptd.client.environment import meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
-from ckptd.client.handle import DurableInfo, SaveHandle
+from ckptd.client.handle import SaveHandle
 from ckptd.client.layout import LayoutRules, RankCoords
+from ckptd.client.options import ClientOptions
+from ckptd.client.ranks import rank_and_world
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
 from ckptd.client.state import FlatState, flatten_state, restore_state
@@ -35,13 +37,12 @@ from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
-from ckptd.common.retention import JobRetention, check_job_retention
+from ckptd.common.retention import JobRetention
 
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
 
-ON_ERROR = ("warn", "raise")
 KNOWN_PLANS = 4  # load plans kept per structure: the daemon alternates between its arena sets
 
 
@@ -67,49 +68,17 @@ def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
     return files
 
 
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return (torch.distributed.get_rank() if rank is None else rank,
-                torch.distributed.get_world_size() if world_size is None else world_size)
-    env_rank = int(os.environ.get("RANK", "0"))
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (env_rank if rank is None else rank, env_world if world_size is None else world_size)
-
-
 class CheckpointClient:
     """A training rank's connection to its node's ckptd.
 
-    job: the training run's id. address: the daemon's socket (its `--socket`), "unix:///path.sock"
-    or the bare path (default: $CKPTD_ADDRESS, else the default socket; anything but a Unix
-    socket raises ValueError saying what to write). rank/world_size: default from torch.distributed, else $RANK/$WORLD_SIZE.
-    on_error: "warn" (default: a failed save is logged and returned as a failed handle, training
-    goes on) or "raise". It covers what can pass (a daemon that is down, a full disk, a timeout,
-    an aborted save); a state that can never be saved (an optimizer without its model, a value
-    of an unsupported type, a bad tensor name, a meta or sparse tensor) raises on the first save
-    whatever it says: ValueError or TypeError, or InvalidState when the daemon refuses the
-    state's metadata, with the message that says how to fix it. timeout_s: how long a save or
-    load may wait for the other ranks.
-    layout, coords: rules for manually sharded (Megatron-style) tensors and this rank's place in
-    tensor parallelism (ckptd.client.layout); DTensors need none. retention: the job's JobRetention (docs/operations.md, "Retention").
-    local_world_size: how many of the job's ranks use this node's daemon; needed when the job
-    spans several nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets, else all ranks).
-    read_files: how loads get bytes from disk: True, read the committed files directly (the
-    storage root must be visible here); False, the daemon copies what is needed into shared
-    memory first (a trainer container without the storage volume); None (default), read
-    directly when this process can open the files, else go through the daemon.
-    run_config: the run's settings (a JSON-able dict: hyperparameters, data, launcher), kept in
-    each checkpoint's environment record (environment.json, shown by `ckptd inspect`) beside
-    the versions of Python, torch and ckptd and the layout that wrote it.
-    mode: how CUDA tensors are handed over (ckptd.client._handoff): "auto" (= "overlap"), "copy",
-    "overlap" or "ipc"; CPU tensors always take the plain shared-memory copy. `mode_in_use` and
-    `mode_reason` say what is used now and why it differs from the request (a fallback).
-    run_id: this run's id, the same on every rank and new at every start of the program (default:
-    $CKPTD_RUN_ID, else derived: ckptd.client.run_id). The daemon refuses the saves of a second
-    run of the job while the first is live, unless it resumed: loaded a step of the job before
-    its first save (docs/usage.md, "Job identity").
+    job: the training run's id. Every other keyword is a setting, a field of ClientOptions
+    (ckptd.client.options), which says what each does: address, rank, world_size, mode, on_error,
+    timeout_s, copy_threads, layout, coords, local_world_size, read_files, run_config, run_id,
+    retention. Pass them as keywords or made up front as options=ClientOptions(...), not both;
+    either way they are checked here, with a message that says how to fix them.
     """
+
+    _device_backend: DeviceBackend | None = None  # a stand-in for CUDA: tests set it on a subclass (tests/integration/fake_device.py)
 
     def __init__(
         self,
@@ -128,43 +97,49 @@ class CheckpointClient:
         read_files: bool | None = None,
         run_config: dict[str, Any] | None = None,
         run_id: str | None = None, retention: JobRetention | None = None,
-        _device_backend: DeviceBackend | None = None,
+        options: ClientOptions | None = None,
     ) -> None:
         self.job = check_job_id(job)
-        resolve_mode(mode)  # checked first
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        given = ClientOptions(
+            address=address, rank=rank, world_size=world_size, mode=mode, on_error=on_error, timeout_s=timeout_s, copy_threads=copy_threads,
+            layout=layout, coords=coords, local_world_size=local_world_size, read_files=read_files, run_config=run_config, run_id=run_id,
+            retention=retention,
+        )
+        if options is None:
+            options = given
+        elif given != ClientOptions():
+            raise TypeError("pass CheckpointClient's settings either as keywords or as options=ClientOptions(...), not both")
+        self.options = options
+        self.rank, self.world_size = rank_and_world(options.rank, options.world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
-        if local_world_size is None:
-            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        if not 0 <= local_world_size <= self.world_size:
-            raise ValueError(f"local_world_size={local_world_size} must be between 1 and world_size={self.world_size}")
-        self.local_world_size = local_world_size
-        if read_files not in (None, True, False):
-            raise ValueError(f"read_files={read_files!r}: use None (read committed files when this process can), True or False")
-        self.read_files = read_files
-        self.run_config = check_run_config(run_config)
-        self._run = RunIdentity(self.rank, self.world_size, run_id)  # settled at the first save or load (run_id.py)
-        self.address = daemon_address(address) if address else default_address()
-        self.mode = mode
-        self.on_error = on_error
-        self.timeout_s = float(timeout_s)
-        if layout is not None and coords is None:
-            raise ValueError("layout rules need coords=RankCoords(tp_rank, tp_size): where this rank sits in tensor parallelism")
-        self.layout = layout
-        self.coords = coords
+        local = options.local_world_size
+        if local is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if not 0 <= local <= self.world_size:
+            raise ValueError(f"local_world_size={local} must be between 1 and world_size={self.world_size}")
+        self.local_world_size = local
+        self.read_files = options.read_files
+        self.run_config = options.run_config
+        self._run = RunIdentity(self.rank, self.world_size, options.run_id)  # settled at the first save or load (run_id.py)
+        self.address = daemon_address(options.address) if options.address else default_address()
+        self.mode = options.mode
+        self.on_error = options.on_error
+        self.timeout_s = float(options.timeout_s)
+        self.layout = options.layout
+        self.coords = options.coords
         self._rules_reported = False
-        self._rpc = DaemonRpc(self.address, self.job, self.rank, self.world_size, self.local_world_size, self.timeout_s, check_job_retention(retention))
-        self._pool = ThreadPoolExecutor(copy_threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
+        self._rpc = DaemonRpc(self.address, self.job, self.rank, self.world_size, self.local_world_size, self.timeout_s, options.retention)
+        threads = options.copy_threads
+        self._pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
         self._maps = ArenaMaps()
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1
-        copy_workers = max(1, min((copy_threads or 4) + 1, os.cpu_count() or 1))
-        # the hand-off of CUDA tensors by mode; _device_backend: a stand-in for CUDA (tests)
-        backend_factory = (lambda: _device_backend) if _device_backend is not None else CudaBackend
-        owns = _device_backend.owns if _device_backend is not None else CudaBackend.owns
-        self._handoff = Handoff(mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
+        copy_workers = max(1, min((threads or 4) + 1, os.cpu_count() or 1))
+        # the hand-off of CUDA tensors by mode
+        device = self._device_backend
+        backend_factory = (lambda: device) if device is not None else CudaBackend
+        owns = device.owns if device is not None else CudaBackend.owns
+        self._handoff = Handoff(self.mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
         # what stays the same from save to save (and load to load): see ckptd.client.structure
         self._save_structures = StructureCache()
         self._load_structures = StructureCache()
@@ -282,10 +257,10 @@ class CheckpointClient:
         self._last_step = step
         if grant.committed:  # a resumed run redid this step: the daemon keeps the committed one
             log.warning("checkpoint of step %s: %s", step, grant.skip_reason)
-            return SaveHandle(self, step, time.perf_counter() - started, kept=grant.skip_reason)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, kept=grant.skip_reason)
         if grant.skipped:
             log.warning("checkpoint of step %s skipped: %s", step, grant.skip_reason)
-            return SaveHandle(self, step, time.perf_counter() - started, skipped=True, error=grant.skip_reason)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, skipped=True, error=grant.skip_reason)
         try:
             placed = self._placed_for(structure, placed, grant)
             transport = self._handoff.transport_for(placed)
@@ -305,7 +280,7 @@ class CheckpointClient:
             copies.wait()
             copy_s = time.perf_counter() - copies.queued
             self._rpc.commit(commit)
-            return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=placed.nbytes, mode=copies.mode, copy_s=copy_s)
+            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, mode=copies.mode, copy_s=copy_s)
 
         # The trainer goes on while a helper thread tells the daemon, once the copies (if any)
         # are done. The next save, load or close waits for that commit first; a failed one
@@ -319,7 +294,7 @@ class CheckpointClient:
 
         pending = self._handoff.commits.start_commit(step, copies.copies, send, lambda reason: self._rpc.abort(grant.save_id, reason))
         pending.future.add_done_callback(lambda done: self._late_failure(step, done))
-        return SaveHandle(self, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
+        return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
 
     def _step_files(self, state: Mapping[str, Any], structure: Structure) -> dict[str, str]:
         """Rank 0's small files of a step: the model's (config.json ...) and environment.json."""
@@ -360,7 +335,7 @@ class CheckpointClient:
         if self.on_error == "raise":
             raise exc
         log.warning("checkpoint of step %s failed, training goes on: %s", step, exc)
-        return SaveHandle(self, step, time.perf_counter() - started, error=str(exc))
+        return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, error=str(exc))
 
     def _wait_durable(self, step: int, timeout: float | None) -> DurableInfo:
         return self._rpc.wait_durable(step, timeout)

@@ -19,10 +19,10 @@ so no run ever crosses one; should a destination ever be registered in pieces, p
 boundaries to `plan_copies` and no run or gather crosses them (a run that would is split).
 
 `plan_copies` is pure (tested with tables). `bind_copies` makes the views each copy reads and
-writes, once (ckptd.client.cuda caches them from save to save); `issue_copies` queues the torch
+writes, once (ckptd.client.cuda_copier caches them from save to save); `issue_copies` queues the torch
 operations on whatever stream is current, one per run and one pack per gather, never one per
 tensor. Both are device-agnostic, so they run on CPU tensors in the tests too. Nothing here
-waits for a copy: the caller records an event (see ckptd.client.cuda).
+waits for a copy: the caller records an event (see ckptd.client.cuda_copier).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Gather:
 
 
 @dataclass(frozen=True)
-class CopyPlan:
+class DeviceCopyPlan:
     runs: tuple[Run, ...]
     gathers: tuple[Gather, ...]
 
@@ -98,7 +98,7 @@ def plan_copies(
     small_bytes: int = SMALL_BYTES,
     max_gather_bytes: int = MAX_GATHER_BYTES,
     boundaries: Sequence[int] = (),
-) -> CopyPlan:
+) -> DeviceCopyPlan:
     """Plan the copies of every item whose `device` is not None (see the module docstring).
 
     boundaries: destination offsets that no copy may cross (where one host registration ends
@@ -162,7 +162,7 @@ def plan_copies(
     close_run()
     close_gather()
     pieces = [piece for r in runs for piece in _split(r, cuts)] if cuts else runs
-    return CopyPlan(tuple(sorted(pieces, key=lambda r: r.offset)), tuple(gathers))
+    return DeviceCopyPlan(tuple(sorted(pieces, key=lambda r: r.offset)), tuple(gathers))
 
 
 def _split(run: Run, cuts: list[int]) -> list[Run]:
@@ -215,7 +215,7 @@ class Pack:
 
 @dataclass
 class BoundCopies:
-    """A CopyPlan bound to its tensors: the views each copy reads and writes. Made once by
+    """A DeviceCopyPlan bound to its tensors: the views each copy reads and writes. Made once by
     `bind_copies` (per-tensor work) and reused by `issue_copies` while the tensors stay the same.
 
     runs: (destination bytes, source bytes), one copy each.
@@ -230,7 +230,7 @@ class BoundCopies:
 
 
 def bind_copies(
-    plan: CopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
+    plan: DeviceCopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
 ) -> BoundCopies:
     """Bind `plan` to `sources` (the plan's items, in the same order) and `dst` (a flat uint8
     tensor, host or device). Queues nothing.
@@ -284,7 +284,7 @@ def issue_copies(bound: BoundCopies) -> list[torch.Tensor]:
 
 
 def run_copies(
-    plan: CopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
+    plan: DeviceCopyPlan, sources: Sequence[torch.Tensor], dst: torch.Tensor, bounce: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Bind and issue in one go (`bind_copies`, then `issue_copies`): queue the plan's copies
     from `sources` into `dst` on the current stream; returns the temporaries to keep alive."""

@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ckptd.client._handoff.modes import CPU
+from ckptd.client._rpc import DurableInfo
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client.client import CheckpointClient
     from ckptd.client._handoff.base import Pending
 
+WaitDurable = Callable[[int, "float | None"], DurableInfo]  # (step, timeout s) -> where the committed step is; raises CheckpointError
+
 log = logging.getLogger("ckptd.client")
-
-
-@dataclass(frozen=True)
-class DurableInfo:
-    """A committed checkpoint: on disk, fsynced, visible to loads.
-
-    `bytes_written`: the bytes of stored tensors that this rank's node daemon wrote for the step
-    (its part of it). `bytes_linked`: those it did not write because an incremental save linked
-    them, unchanged and read back against their checksums, from the previous step (files of
-    frozen tensors). Both are 0 when the daemon no longer knows the save (a step committed
-    before it restarted)."""
-
-    step: int
-    step_dir: str
-    bytes_written: int
-    bytes_linked: int = 0
 
 
 class SaveHandle:
@@ -44,11 +29,15 @@ class SaveHandle:
     committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both. In the
     CPU path the bytes are copied when `save` returns and only the commit may still be on its
     way (a helper thread sends it).
+
+    wait_durable: the client's wait for a committed step (ckptd.client._rpc.DaemonRpc.wait_durable);
+    on_error: the client's ("warn" or "raise"), for `wait_durable()`.
     """
 
     def __init__(
         self,
-        client: "CheckpointClient",
+        wait_durable: WaitDurable,
+        on_error: str,
         step: int,
         stall_s: float,
         *,
@@ -60,7 +49,8 @@ class SaveHandle:
         copy_s: float | None = None,
         kept: str | None = None,
     ) -> None:
-        self._client = client
+        self._wait_durable = wait_durable
+        self._on_error = on_error
         self.step = step
         self.stall_s = stall_s  # seconds save() blocked the caller
         self.bytes_copied = bytes_copied  # bytes this rank copied into shared memory
@@ -118,9 +108,9 @@ class SaveHandle:
                 self._pending.future.exception()  # the hand-off first
             if self.error is not None:
                 raise CheckpointError(f"step {self.step} was not handed over: {self.error}")
-            return self._client._wait_durable(self.step, timeout)
+            return self._wait_durable(self.step, timeout)
         except CheckpointError as exc:
-            if self._client.on_error == "raise":
+            if self._on_error == "raise":
                 raise
             log.warning("checkpoint of step %s is not durable: %s", self.step, exc)
             return None

@@ -36,7 +36,7 @@ import torch
 
 from ckptd.client.collectives import collective_device
 from ckptd.client.errors import CheckpointError
-from ckptd.client.handle import DurableInfo
+from ckptd.client._rpc import DurableInfo
 
 if TYPE_CHECKING:
     from ckptd.client.client import CheckpointClient

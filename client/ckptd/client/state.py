@@ -44,7 +44,6 @@ import hashlib
 import json
 import logging
 import random
-import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
@@ -53,13 +52,14 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch import nn
-from torch.distributed.checkpoint import state_dict as _dcp_state_dict
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
 from ckptd.client.shards import LocalShard, LocalShards
-from ckptd.client.subclasses import check_wrapper, inner_tensor
+from ckptd.client.fqns import module_fqns
+from ckptd.client.subclasses import check_wrapper
+from ckptd.client.ties import memory_key, shared_names
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 
@@ -298,12 +298,10 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
 def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
     """Add the module's state_dict tensors (tied ones once, with aliases); return its other items encoded, or None."""
     kind = kind_of(key)
-    names: dict[str, list[str]] = {}  # first name -> [aliases]
     tensor_of: dict[str, torch.Tensor] = {}
-    first_name_of: dict[tuple, str] = {}
     others: dict[str, Any] = {}
     canonical_of: dict[str, str] = {}  # canonical FQN -> state_dict key
-    canonical = _canonical_names(module)
+    canonical = module_fqns(module)
     frozen_of = _frozen_names(module) if kind == "model" else {}
     frozen_by_name: dict[str, str] = {}
     for wrapped_fqn, value in module.state_dict().items():
@@ -318,16 +316,9 @@ def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
             # Extra state is produced on demand, not a view of the module: restored by load_state_dict.
             others[fqn] = value
             continue
-        ident = _memory_identity(value)
-        if ident is not None and ident in first_name_of:
-            names[first_name_of[ident]].append(name)
-            continue
-        if ident is not None:
-            first_name_of[ident] = name
-        names[name] = []
         tensor_of[name] = value
         frozen_by_name[name] = frozen_of.get(wrapped_fqn, "")
-    for name, aliases in names.items():
+    for name, aliases in shared_names(tensor_of.items(), memory_key).items():
         entries.add(TensorEntry(name, kind, tensor_of[name], tuple(aliases), frozen=frozen_by_name[name]))
     return tree.encode(others, key, entries.adder(kind)) if others else None
 
@@ -339,51 +330,6 @@ def _frozen_names(module: nn.Module) -> dict[str, str]:
     frozen = {name: "buffer" for name, _ in module.named_buffers(remove_duplicate=False)}
     frozen.update((name, "param") for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad)
     return frozen
-
-
-# a wrapper's attribute as a whole component of an FQN below the top: only such names need the walk
-_INNER_WRAPPER = re.compile(r"(?:^|\.)(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
-
-
-def _canonical_names(model: nn.Module) -> Callable[[str], str]:
-    """`_canonical_fqn` for the keys of `model`, fast: the wrappers at the top (DDP's "module.",
-    torch.compile's "_orig_mod.") are one known prefix, cut off as a string; only a name with a
-    wrapper further down (a compiled submodule, FSDP, activation checkpointing) takes torch's
-    walk of the module tree, which costs hundreds of µs per name."""
-    prefix, obj = "", model
-    while True:
-        if isinstance(obj, DistributedDataParallel):
-            prefix, obj = prefix + "module.", obj.module
-        elif isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
-            prefix, obj = prefix + "_orig_mod.", obj._orig_mod
-        else:
-            break
-
-    def canonical(fqn: str) -> str:
-        if prefix:
-            if not fqn.startswith(prefix):
-                return _canonical_fqn(model, fqn)
-            fqn = fqn[len(prefix):]
-        return _canonical_fqn(obj, fqn) if _INNER_WRAPPER.search(fqn) else fqn
-
-    return canonical
-
-
-def _canonical_fqn(model: nn.Module, fqn: str) -> str:
-    """`fqn` (a key of model.state_dict() or a name from named_parameters) without the wrappers' prefixes.
-
-    torch.distributed.checkpoint.state_dict's own helper, which walks the module tree (a prefix is
-    taken out only where the module there is such a wrapper, never a user's own "module"
-    submodule) and names the optimizer state the same way. A name the walk cannot follow (a
-    state_dict hook that renames keys) stays as it is.
-    """
-    try:
-        fqns = _dcp_state_dict._get_fqns(model, fqn)
-    except (AttributeError, AssertionError, RuntimeError):
-        return fqn
-    if len(fqns) != 1:  # an FSDP flat parameter: state_dict() never yields one
-        return fqn
-    return next(iter(fqns))
 
 
 def _wrapped_key(model: nn.Module, fqn: str) -> str:
@@ -410,19 +356,6 @@ def _wrapped_key(model: nn.Module, fqn: str) -> str:
         out.append(part)
         obj = nxt
     return ".".join(out)
-
-
-def _memory_identity(t: torch.Tensor) -> tuple | None:
-    """What makes two tensors the same data: equal storage, offset, shape, stride and dtype (None if empty)."""
-    if t.numel() == 0:
-        return None
-    if isinstance(t, DTensor):  # its own storage is not real memory: identify it by its local shard
-        local = t.to_local()
-        if local.numel() == 0:
-            return ("dtensor", id(t))
-        return ("dtensor", *(_memory_identity(local) or ()), tuple(t.shape), tuple(t.placements))
-    t = inner_tensor(t)  # a subclass's own storage is not its data either (ckptd.client.subclasses)
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _model_of(state: Mapping[str, Any], key: str) -> nn.Module:
@@ -465,11 +398,9 @@ def _optimizer_adder(key: str, model: nn.Module, entries: _Entries) -> Callable[
 
 def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
     """{first FQN: [other FQNs]} of every parameter that the model holds under several names."""
-    names: dict[int, list[str]] = {}
-    canonical = _canonical_names(model)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(canonical(name))  # as the optimizer state names it
-    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+    canonical = module_fqns(model)
+    named = [(canonical(name), param) for name, param in model.named_parameters(remove_duplicate=False)]  # as the optimizer state names them
+    return {first: others for first, others in shared_names(named, id).items() if others}
 
 
 def _is_stateful(value: Any) -> bool:

@@ -1,1 +1,8 @@
-"""Pure types shared by the client and the daemon: no torch, no grpc, no file system."""
+"""What the client and the daemon share. Nothing here imports grpc or does work at import.
+
+Pure (no torch, no file system, no environment): boxes, tiling, reshard, chunks, blocks, codecs,
+quant_options, frames, dtypes, names, retention, sizes. Not pure, and imported only where
+needed: quant (the codecs' torch math; the native encoder at the first encode), cudart (the CUDA
+runtime through ctypes, loaded at first use) and paths (the daemon's address and directories,
+from the environment).
+"""

@@ -25,6 +25,12 @@ MIN_CHUNK_BYTES = 64 * 2**10
 HASH_SLICE = 2**20
 MAX_CHUNKS = 64
 DIGEST_HEX = 16  # hex characters of one xxh3-64 digest
+CHECKSUM_PREFIX = "xxh3-64:"  # an index's checksum of a whole fragment or file: this prefix, then DIGEST_HEX hex digits
+
+
+def checksum_name(digest: int) -> str:
+    """The index's name of an xxh3-64 digest: CHECKSUM_PREFIX and 16 hex digits."""
+    return f"{CHECKSUM_PREFIX}{digest:0{DIGEST_HEX}x}"
 
 
 def chunk_bytes_for(nbytes: int) -> int:

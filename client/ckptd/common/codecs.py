@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Final, Iterable, Protocol, Sequence
 
+from ckptd.common.blocks import QuantError, nblocks
 from ckptd.common.boxes import Box
 
 if TYPE_CHECKING:
@@ -34,18 +35,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Codec", "CodecClass", "Blockwise", "Linear", "Log", "LinearInt8", "LinearInt4", "LogU8", "LogU4", "Scheme", "Registry",
-    "QuantError", "builtin", "codec", "codec_names", "codec_for", "nblocks",
+    "builtin", "codec", "codec_names", "codec_for",
 ]
 
 LOSSLESS_MAX_ELEMENTS: Final = 4096  # tensors this small stay lossless (so do 1-D tensors)
 FIRST_MOMENT_FIELDS: Final = ("exp_avg",)  # optimizer/state/<param>/<field>
 SECOND_MOMENT_FIELDS: Final = ("exp_avg_sq",)
 FLOAT_DTYPES: Final = ("F32", "BF16", "F16")
-
-
-class QuantError(ValueError):
-    """Input that cannot be quantized (non-finite values, a negative second moment, a bad
-    option or codec name); the message says what and what to do."""
 
 
 class Codec(Protocol):
@@ -97,13 +93,6 @@ class CodecClass(Protocol):
     default_block: int
 
     def __call__(self, block: int) -> Codec: ...
-
-
-def nblocks(offset: int, length: int, block: int) -> int:
-    """How many logical blocks the columns [offset, offset + length) meet."""
-    if length == 0:
-        return 0
-    return (offset + length - 1) // block - offset // block + 1
 
 
 @dataclass(frozen=True)

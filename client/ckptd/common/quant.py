@@ -35,25 +35,11 @@ import torch
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
-from ckptd.common.codecs import (
-    FIRST_MOMENT_FIELDS, FLOAT_DTYPES, LOSSLESS_MAX_ELEMENTS, SECOND_MOMENT_FIELDS, Blockwise, codec, codec_for, nblocks,
-)
-from ckptd.common.codecs import Codec as CodecProtocol
-from ckptd.common.quant_options import CAST, MASTER_MODES, RESIDUAL, SCHEMES, QuantError, check_master_mode, check_scheme
+from ckptd.common.blocks import BlockCoding, QuantError, nblocks
 
-__all__ = [
-    "CAST", "MASTER_MODES", "RESIDUAL", "SCHEMES", "QuantError", "check_master_mode", "check_scheme", "Codec", "Scratch", "codec_for", "encode", "decode",
-    "unpack4", "nblocks", "residual_encode", "residual_decode", "encode_blockwise", "decode_blockwise",
-    "LOSSLESS_MAX_ELEMENTS", "FIRST_MOMENT_FIELDS", "SECOND_MOMENT_FIELDS", "FLOAT_DTYPES",
-]
+__all__ = ["Scratch", "unpack4", "residual_encode", "residual_decode", "encode_blockwise", "decode_blockwise"]
 
 _TINY: Final = torch.finfo(torch.float32).tiny
-
-
-def Codec(name: str, block: int) -> CodecProtocol:  # noqa: N802 (was a class; kept callable by its old name)
-    """The codec the index calls `name`, with `block` elements per block (ckptd.common.codecs.codec).
-    Raises QuantError for an unknown name or a bad block size."""
-    return codec(name, block)
 
 
 def _needs_padding(rows: torch.Tensor, offset: int, block: int) -> bool:
@@ -102,19 +88,7 @@ class Scratch:
         return buffer[:nbytes].view(dtype).view(shape)
 
 
-def encode(codec: CodecProtocol, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """codec.encode(x, box, scratch): the codes and scales of the values `x` of the piece with
-    box `box` (encode_blockwise states the contract of the built-in codecs)."""
-    return codec.encode(x, box, scratch)
-
-
-def decode(codec: CodecProtocol, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
-    """codec.decode(codes, scales, region, want): the float32 values of box `want` (decode_blockwise
-    states the contract of the built-in codecs)."""
-    return codec.decode(codes, scales, region, want)
-
-
-def encode_blockwise(codec: Blockwise, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_blockwise(codec: BlockCoding, x: torch.Tensor, box: Box, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the values `x` (shape box.lengths, any float dtype) of the piece with box `box`.
 
     Returns (codes, scales): codes of shape codec.codes_shape(box.lengths) and dtype int8/uint8,
@@ -157,7 +131,7 @@ def encode_blockwise(codec: Blockwise, x: torch.Tensor, box: Box, scratch: Scrat
     return codes.view(codec.codes_shape(box.lengths)), scales.view(codec.scales_shape(box))
 
 
-def decode_blockwise(codec: Blockwise, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
+def decode_blockwise(codec: BlockCoding, codes: torch.Tensor, scales: torch.Tensor, region: Box, want: Box) -> torch.Tensor:
     """The float32 values of box `want` from the codes and scales of `region`.
 
     `region` is a stored piece, or the rows of it that were read: any sub-box with the piece's
@@ -189,7 +163,7 @@ def decode_blockwise(codec: Blockwise, codes: torch.Tensor, scales: torch.Tensor
     return out.view(*outer, n)
 
 
-def _decode_rows(codec: Blockwise, rows: torch.Tensor, per_block: torch.Tensor, c0: int, first_col: int, out: torch.Tensor) -> None:
+def _decode_rows(codec: BlockCoding, rows: torch.Tensor, per_block: torch.Tensor, c0: int, first_col: int, out: torch.Tensor) -> None:
     """Decode columns c0.. of stored code rows `rows` (c0: logical column first_col) into out (r, n)."""
     r, n = out.shape
     block = codec.block
@@ -218,7 +192,7 @@ def _decode_rows(codec: Blockwise, rows: torch.Tensor, per_block: torch.Tensor, 
         out.copy_(values.view(r, -1)[:, left : left + n])
 
 
-def _log_table(codec: Blockwise, bounds: torch.Tensor) -> torch.Tensor:
+def _log_table(codec: BlockCoding, bounds: torch.Tensor) -> torch.Tensor:
     """(r, nb, Q + 1) float32: the decoded v of each code of each block (code 0: 0).
 
     Computed in float64 and rounded once, with exp2 on a buffer padded to a multiple of 64

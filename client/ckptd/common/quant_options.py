@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Final
 
-from ckptd.common.codecs import QuantError, builtin
+from ckptd.common.blocks import QuantError
+from ckptd.common.codecs import builtin
 
-__all__ = ["SCHEMES", "MASTER_MODES", "CAST", "RESIDUAL", "QuantError", "check_scheme", "check_master_mode"]
+__all__ = ["SCHEMES", "MASTER_MODES", "CAST", "RESIDUAL", "check_scheme", "check_master_mode"]
 
 SCHEMES: Final = builtin().scheme_names()  # ("O1", "O2"); O1: int8 optimizer moments, O2: int4
 MASTER_MODES: Final = ("keep", "drop", "residual")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common import dtypes
+from ckptd.common import chunks, dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST
@@ -482,7 +482,7 @@ def extra_json(step: int, ranks: dict[int, Any]) -> bytes:
 
 def small_file_checksum(data: bytes) -> str:
     """The checksum an index records for a whole small file (extra.json, config.json, ...)."""
-    return f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
+    return chunks.checksum_name(xxhash.xxh3_64_intdigest(data))
 
 
 def check_small_file(record: FileRecord, data: bytes) -> None:

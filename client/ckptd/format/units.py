@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkCheck, chunk_count
+from ckptd.common.chunks import CHECKSUM_PREFIX, HASH_SLICE, ChunkCheck, chunk_count
 from ckptd.format.index import CheckpointIndex, FormatError
 
 # A stored piece larger than this is verified by its chunks, so that no unit (and no ranged GET)
@@ -27,14 +27,6 @@ from ckptd.format.index import CheckpointIndex, FormatError
 SPLIT_PIECES_ABOVE = 8 << 20
 
 Pread = Callable[[int, int], bytes]  # (nbytes, offset) -> the bytes there (fewer at the end of the file)
-
-
-CHECKSUM_PREFIX = "xxh3-64:"
-
-
-def checksum_name(digest: int) -> str:
-    """The index's name of an xxh3-64 digest."""
-    return f"{CHECKSUM_PREFIX}{digest:016x}"
 
 
 def checksum_digest(name: str, what: str) -> int:

@@ -14,11 +14,12 @@ import os
 import re
 from typing import Any
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+
+from ckptd.client import rank_and_world
 
 
 def is_last_checkpoint(path: Any, strategy: Strategy | None) -> bool:
@@ -50,14 +51,6 @@ def resuming_fit(caller: Strategy | _MultiProcessingLauncher | None) -> bool:
         return module is not None and module.trainer.state.fn == TrainerFn.FITTING
     except RuntimeError:  # the module is not attached to a trainer
         return False
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the number of training processes: torch.distributed's
-    when it is initialized (Lightning's DDP does so before any save or load), else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 # Strategies that shard the model: they save without the CheckpointIO or load the checkpoint

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ckptd.client import CheckpointClient, LocalShard, LocalShards, SaveHandle
+from ckptd.client import CheckpointClient, ClientOptions, LocalShard, LocalShards, SaveHandle
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.integrations._dcp_plan import CkptdSavePlanner
@@ -137,8 +137,9 @@ class CkptdStorageWriter(StorageWriter):
     """A DCP StorageWriter that hands the state to the node's ckptd daemon (see the module).
 
     job: the run's ckptd job id. step: the step to save (else dcp.save's checkpoint_id).
-    client: a CheckpointClient to use (else one is made at the first save, from `client_args`:
-    address, on_error, quantize is a save option instead). durable: dcp.save returns once the
+    client: a CheckpointClient to use (else one is made at the first save, from `options`, a
+    ckptd.client.ClientOptions, or from `client_args`, its fields as keywords: address, on_error
+    (default "raise"), ...; checked here; quantize is a save option instead). durable: dcp.save returns once the
     step is committed on every node, instead of after the hand-off. Reuse one writer for every
     save of a run: the client's plans and shared memory are reused from save to save.
     """
@@ -151,6 +152,7 @@ class CkptdStorageWriter(StorageWriter):
         client: CheckpointClient | None = None,
         durable: bool = False,
         quantize: str | None = None,
+        options: ClientOptions | None = None,
         **client_args: Any,
     ) -> None:
         super().__init__()
@@ -160,7 +162,9 @@ class CkptdStorageWriter(StorageWriter):
         self.quantize = quantize
         self._client = client
         self._owns_client = client is None
-        self._client_args = {"on_error": "raise", **client_args}
+        if options is not None and client_args:
+            raise TypeError(f"pass the client's settings either as options=ClientOptions(...) or as keywords {sorted(client_args)}, not both")
+        self.options = options if options is not None else ClientOptions(**{"on_error": "raise", **client_args})
         self.handle: SaveHandle | None = None
         self._planner: CkptdSavePlanner | None = None
         self._plan_layout: _PlanLayout | None = None  # of the last plan (_layout)
@@ -178,7 +182,7 @@ class CkptdStorageWriter(StorageWriter):
     @property
     def client(self) -> CheckpointClient:
         if self._client is None:
-            self._client = CheckpointClient(self.job, **self._client_args)
+            self._client = CheckpointClient(self.job, options=self.options)
         return self._client
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:

@@ -36,6 +36,7 @@ Needs the `lightning` package (`pip install 'ckptd[lightning]'`); the rest of ck
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -48,13 +49,13 @@ from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
-from ckptd.client import CheckpointClient
+from ckptd.client import CheckpointClient, ClientOptions, rank_and_world
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.handle import SaveHandle
 from ckptd.client.run_id import new_run_id
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_scheme
-from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, rank_and_world, resuming_fit
+from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, resuming_fit
 from ckptd.integrations._lightning_deepspeed import CkptdDeepSpeedStrategy
 from ckptd.integrations._lightning_handback import read_weights, write_weights
 from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
@@ -122,12 +123,12 @@ class CkptdCheckpointIO(CheckpointIO):
     ) -> None:
         super().__init__()
         self.job = check_job_id(job)
-        if on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error={on_error!r}: use 'warn' or 'raise'")
         if quantize != "none":
             check_scheme(quantize)
         if not durable_timeout_s > 0 or not timeout_s > 0:
             raise ValueError(f"durable_timeout_s={durable_timeout_s!r} and timeout_s={timeout_s!r} must be > 0 seconds")
+        # every client of the plugin: CUDA tensors in mode "copy" (see above); rank and world size per client
+        self._options = ClientOptions(address=address, mode="copy", on_error=on_error, timeout_s=float(timeout_s))
         self.address = address
         self.on_error = on_error
         self.quantize = quantize
@@ -410,9 +411,7 @@ class CkptdCheckpointIO(CheckpointIO):
             self._client.close()
             self._client = None
         if self._client is None:
-            self._client = CheckpointClient(
-                self.job, address=self.address, rank=rank, world_size=world_size, mode="copy", on_error=self.on_error, timeout_s=self.timeout_s,
-            )
+            self._client = CheckpointClient(self.job, options=dataclasses.replace(self._options, rank=rank, world_size=world_size))
         return self._client
 
     def _load_client(self, rank: int, world_size: int) -> CheckpointClient:
@@ -431,10 +430,10 @@ class CkptdCheckpointIO(CheckpointIO):
         # Lightning saves the whole state from one process (global rank 0): a job of one rank.
         # Other ranks only load, each as itself in the run's world (ckptd's loads are per rank),
         # under a run id of their own: they never save, and no collective may settle one.
-        return CheckpointClient(
-            job, address=self.address, rank=rank, world_size=world_size, local_world_size=1 if world_size == 1 else None,
-            mode="copy", on_error=on_error, timeout_s=self.timeout_s, run_id=new_run_id(),
+        options = dataclasses.replace(
+            self._options, on_error=on_error, rank=rank, world_size=world_size, local_world_size=1 if world_size == 1 else None, run_id=new_run_id()
         )
+        return CheckpointClient(job, options=options)
 
     def _not_saved(self, step: int, path: str, error: str) -> str:
         return f"checkpoint {path} (step {step} of job {self.job!r}) was not saved to ckptd and no pointer is written: {error}"

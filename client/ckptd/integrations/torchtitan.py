@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-from ckptd.client import CheckpointClient, JobRetention
+from ckptd.client import CheckpointClient, ClientOptions, JobRetention
 from ckptd.common.names import check_job_id
 from ckptd.format.index import parse_step_dir_name, step_dir_name
 from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
@@ -119,7 +119,8 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self.job = config.job
         self.wait_s = config.wait_s
         retention = JobRetention(keep_last=config.keep_latest_k) if config.keep_latest_k else None
-        self.writer = CkptdStorageWriter(config.job, address=config.address, durable=config.durable, retention=retention)
+        options = ClientOptions(address=config.address, on_error="raise", retention=retention)
+        self.writer = CkptdStorageWriter(config.job, durable=config.durable, options=options)
         self.folder = os.path.join(self.client.status().root, config.job)
         if not os.path.isdir(self.folder) and self.client.list():
             # torchtitan would start afresh where it sees no folder: the steps exist, this process cannot read them

@@ -87,7 +87,6 @@ the Trainer's save does not run.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 import shutil
@@ -100,8 +99,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import SaveStrategy
 
-from ckptd.client import CheckpointClient, CheckpointError, CheckpointInfo, DaemonUnavailable, JobRetention, SaveHandle
-from ckptd.client.client import ON_ERROR
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointInfo, ClientOptions, DaemonUnavailable, JobRetention, SaveHandle
+from ckptd.client.options import options_from_keywords
 from ckptd.common.names import check_job_id
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.integrations import _hf_pointers as pointers
@@ -126,8 +125,8 @@ AT_END = "end"  # on_train_end
 DATA_ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "seed", "data_seed",
              "dataloader_drop_last", "train_sampling_strategy", "ignore_data_skip")
 
-# CheckpointClient keywords that the callback sets itself.
-_OWN_CLIENT_ARGS = frozenset({"self", "job", "address", "rank", "world_size", "on_error", "retention", "_device_backend"})
+# CheckpointClient keywords that the callback sets itself (from the TrainingArguments).
+_OWN_CLIENT_ARGS = ("rank", "world_size", "retention")
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,8 @@ class CkptdCallback(TrainerCallback):
     (no weights) for every committed step the daemon keeps, so that
     `trainer.train(resume_from_checkpoint=True)` resumes the newest (ckptd.integrations._hf_pointers).
     client_options: other `CheckpointClient` keywords (mode, timeout_s,
-    read_files, local_world_size, ...). Rank and world size come from the TrainingArguments.
+    read_files, local_world_size, ...), kept with address and on_error as `client_options`, a
+    ckptd.client.ClientOptions checked here. Rank, world size and retention come from the TrainingArguments.
     Raises ValueError/TypeError at once for arguments that cannot work.
     """
 
@@ -174,8 +174,7 @@ class CkptdCallback(TrainerCallback):
         self.job = check_job_id(job)
         if address is not None and (not isinstance(address, str) or not address):
             raise TypeError(f"address={address!r}: pass the daemon's address as a string, e.g. 'unix:///run/ckptd/ckptd.sock', or None for $CKPTD_ADDRESS")
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error={on_error!r}: use 'warn' (a failed save is logged, training goes on) or 'raise'")
+        options = options_from_keywords("CkptdCallback", client_options, _OWN_CLIENT_ARGS, address=address, on_error=on_error)
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise TypeError(f"metric={metric!r}: name an evaluation metric such as 'eval_loss', or None for the Trainer's metric_for_best_model")
         if quantize != "none":
@@ -185,7 +184,6 @@ class CkptdCallback(TrainerCallback):
             raise ValueError(f"wait_at_end_s={wait_at_end_s!r}: seconds >= 0, or None not to wait for the last checkpoint")
         if not isinstance(pointer_dirs, bool):
             raise TypeError(f"pointer_dirs={pointer_dirs!r}: True (checkpoint-<step> pointers in output_dir, for resume_from_checkpoint=True) or False")
-        _check_client_options(client_options)
         self.address = address
         self.on_error = on_error
         self.metric = metric
@@ -193,7 +191,7 @@ class CkptdCallback(TrainerCallback):
         self.master_weights = master_weights
         self.wait_at_end_s = wait_at_end_s
         self.pointer_dirs = pointer_dirs
-        self.client_options = dict(client_options)
+        self.client_options: ClientOptions = options  # rank, world_size and retention are set from the TrainingArguments
         self._ckpt: CheckpointClient | None = None
         self._trainer: Trainer | None = None
         self._metric_key: str | None = None
@@ -517,10 +515,8 @@ class CkptdCallback(TrainerCallback):
 
     def _client(self, args: TrainingArguments) -> CheckpointClient:
         if self._ckpt is None:
-            self._ckpt = CheckpointClient(
-                self.job, address=self.address, rank=args.process_index, world_size=args.world_size,
-                on_error=self.on_error, retention=job_retention(args), **self.client_options,
-            )
+            options = dataclasses.replace(self.client_options, rank=args.process_index, world_size=args.world_size, retention=job_retention(args))
+            self._ckpt = CheckpointClient(self.job, options=options)
         return self._ckpt
 
 
@@ -537,13 +533,6 @@ def job_retention(args: TrainingArguments) -> JobRetention | None:
         keep_best=1 if best else None,
         best_mode=("max" if args.greater_is_better else "min") if best else None,
     )
-
-
-def _check_client_options(options: Mapping[str, Any]) -> None:
-    allowed = set(inspect.signature(CheckpointClient.__init__).parameters) - _OWN_CLIENT_ARGS
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"CkptdCallback got unknown keyword arguments {unknown}; CheckpointClient options are {sorted(allowed)}")
 
 
 def _check_training_args(args: TrainingArguments) -> None:

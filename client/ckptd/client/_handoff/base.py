@@ -7,7 +7,8 @@ and "overlap", ckptd.client._handoff.cuda) or into a device staging buffer the d
 them as `Started`; the client commits the snapshot once they are done: at once when the
 transport waits (mode "copy"), else from `SnapshotCommitter`'s helper thread, whose fence keeps
 the state from changing under copies still in flight. A new transport is one module with one
-class, registered by its mode name in ckptd.client._handoff.select.
+class, registered by its mode name in ckptd.client._handoff.select and made from the
+`TransportHost` that chose it (select.Handoff), which it uses without knowing the registry.
 
 `DeviceBackend` is the seam to CUDA: ckptd.client._handoff.cuda.CudaBackend, a CPU fake in the
 tests.
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, 
 import torch
 from torch import nn
 
+from ckptd.client._handoff.modes import ModeState
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client._rpc import SaveGrant
+    from ckptd.client._rpc import DaemonRpc, SaveGrant
     from ckptd.client.slots import Placed
 
 LAZY_KINDS = ("optimizer", "master")  # changed only by the optimizer step
@@ -55,7 +57,7 @@ class DeviceBackend(Protocol):
         """Queue the copies of placements[i] for i in `only` into `dst`; returns without waiting."""
 
     def staging(self, device: torch.device, nbytes: int) -> Any:
-        """A device staging buffer (ckptd.client.ipc.DeviceStaging); raises IpcUnavailable."""
+        """A device staging buffer (ckptd.client.staging_buffer.DeviceStaging); raises IpcUnavailable."""
 
     def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each (host, device target) pair and wait."""
@@ -103,6 +105,33 @@ class HandoffTransport(Protocol):
 
     def close(self) -> None:
         """Release what the transport holds (after the last commit)."""
+
+
+class HostCopier(Protocol):
+    """The shared-memory copy of a placement's CPU tensors (ckptd.client._handoff.shm.ShmTransport)."""
+
+    def copy_host(self, placed: "Placed", arena_path: str, arena_size: int) -> None: ...
+
+
+class TransportHost(Protocol):
+    """What a transport uses of the hand-off that made it (ckptd.client._handoff.select.Handoff):
+    the mode state (to fall back), the device backend, the shared-memory copy, the daemon calls
+    (mode "ipc"'s staging buffer) and the transport of another mode (the fallback's)."""
+
+    @property
+    def mode(self) -> ModeState: ...
+
+    @property
+    def backend(self) -> DeviceBackend: ...
+
+    @property
+    def shm(self) -> HostCopier: ...
+
+    @property
+    def rpc(self) -> "DaemonRpc": ...
+
+    def transport(self, mode: str) -> HandoffTransport:
+        """The transport of CUDA tensors in `mode`, made on first use."""
 
 
 class Fenced:

@@ -9,7 +9,7 @@
   (ckptd.client._handoff.base.SnapshotCommitter).
 
 The state's CPU tensors take the shared-memory copy meanwhile (ckptd.client._handoff.shm).
-`CudaBackend` is the DeviceBackend for CUDA; it imports ckptd.client.cuda only when made, so a
+`CudaBackend` is the DeviceBackend for CUDA; it imports ckptd.client.cuda_copier only when made, so a
 CPU-only client never touches CUDA.
 """
 
@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from ckptd.client._handoff.base import Copy, Started, lazy_placements
+from ckptd.client._handoff.base import Copy, Started, TransportHost, lazy_placements
 from ckptd.client._handoff.modes import COPY
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client._handoff.select import Handoff
     from ckptd.client._rpc import SaveGrant
     from ckptd.client.slots import Placed
 
@@ -35,11 +34,11 @@ class CudaBackend:
 
     Each arena mapping is page-locked once, in one cudaHostRegister call, the first time
     `host_view` returns it; `copy` reuses its plan while it gets the same placements object
-    (ckptd.client.cuda.CudaCopier.copy). tests/fakecuda.py runs it on CPU, strictly.
+    (ckptd.client.cuda_copier.CudaCopier.copy). tests/fakecuda.py runs it on CPU, strictly.
     """
 
     def __init__(self) -> None:
-        from ckptd.client.cuda import CudaCopier, PinnedArenas, cuda_problem
+        from ckptd.client.cuda_copier import CudaCopier, PinnedArenas, cuda_problem
 
         problem = cuda_problem()
         if problem is not None:
@@ -60,12 +59,12 @@ class CudaBackend:
         return self.copier.copy(placements, dst, only)
 
     def staging(self, device: torch.device, nbytes: int) -> Any:
-        from ckptd.client.ipc import DeviceStaging
+        from ckptd.client.staging_buffer import DeviceStaging
 
         return DeviceStaging.allocate(device, nbytes)
 
     def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        from ckptd.client.cuda import copy_to_devices
+        from ckptd.client.cuda_copier import copy_to_devices
 
         copy_to_devices(pairs)
 
@@ -80,7 +79,7 @@ class CudaBackend:
 class DeviceCopyTransport:
     """HandoffTransport of modes "copy" and "overlap" (`mode`): device copies into the arena."""
 
-    def __init__(self, handoff: "Handoff", mode: str) -> None:
+    def __init__(self, handoff: TransportHost, mode: str) -> None:
         self.handoff = handoff
         self.mode = mode
 

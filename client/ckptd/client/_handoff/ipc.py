@@ -1,6 +1,6 @@
 """Mode "ipc": a save's CUDA tensors copied device-to-device into the rank's staging buffer.
 
-The buffer (ckptd.client.ipc.DeviceStaging) mirrors the arena's layout and is opened by the
+The buffer (ckptd.client.staging_buffer.DeviceStaging) mirrors the arena's layout and is opened by the
 daemon once (OpenStaging); a save queues the copies into it and returns like "overlap"; the
 commit names the ranges the daemon drains from the buffer into the arena. When the buffer
 cannot be set up (several devices, no GPU memory, the daemon refuses it) or the daemon cannot
@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ckptd.client._handoff.base import Started
+from ckptd.client._handoff.base import Started, TransportHost
 from ckptd.client._handoff.cuda import DeviceCopyTransport
 from ckptd.client._handoff.modes import FALLBACK, IPC
 from ckptd.client.devcopy import coalesced_ranges, item_of
 from ckptd.client.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ckptd.client._handoff.select import Handoff
     from ckptd.client._rpc import DaemonRpc, SaveGrant
     from ckptd.client.slots import Placed
 
@@ -28,10 +27,10 @@ if TYPE_CHECKING:
 class IpcTransport(DeviceCopyTransport):
     """HandoffTransport of mode "ipc"; delegates to FALLBACK's transport once it has fallen back."""
 
-    def __init__(self, handoff: "Handoff") -> None:
+    def __init__(self, handoff: TransportHost) -> None:
         super().__init__(handoff, IPC)
         self.rpc: "DaemonRpc" = handoff.rpc
-        self.staging: Any = None  # ckptd.client.ipc.DeviceStaging, opened by the daemon
+        self.staging: Any = None  # ckptd.client.staging_buffer.DeviceStaging, opened by the daemon
 
     def start(self, state: Mapping[str, Any], placed: "Placed", grant: "SaveGrant") -> Started:
         staging = self._staging_for(placed, grant.arena_size)
@@ -48,7 +47,7 @@ class IpcTransport(DeviceCopyTransport):
     def _staging_for(self, placed: "Placed", arena_size: int) -> Any:
         """The rank's device staging buffer, opened by the daemon (at least `arena_size` bytes:
         it mirrors the arena's layout); None after falling back (reason logged)."""
-        from ckptd.client.ipc import IpcUnavailable
+        from ckptd.client.staging_buffer import IpcUnavailable
 
         handoff = self.handoff
         devices = {placed.for_device[i][0].device for i in placed.device}

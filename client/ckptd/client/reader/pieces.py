@@ -23,7 +23,7 @@ import xxhash
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.chunks import HASH_SLICE, ChunkCheck, digest_of
+from ckptd.common.chunks import CHECKSUM_PREFIX, HASH_SLICE, ChunkCheck, checksum_name, digest_of
 from ckptd.common.frames import Frames, FrameError, decompress
 from ckptd.common.reshard import CopyRun
 
@@ -132,7 +132,7 @@ def pread_exact(fd: int, out: np.ndarray, offset: int, path: str, hasher: "xxhas
 
 def check_hash(src: Source, hasher: "xxhash.xxh3_64") -> None:
     """Raise CheckpointError naming the tensor and file if the hash differs from the index's checksum."""
-    actual = f"xxh3-64:{hasher.intdigest():016x}"
+    actual = checksum_name(hasher.intdigest())
     if src.checksum and actual != src.checksum:
         raise CheckpointError(
             f"checksum mismatch for tensor {src.name!r} in {Path(src.path).name} at byte {src.offset} ({src.nbytes} bytes): expected "
@@ -203,7 +203,7 @@ class _PartialCheck:
             raise CheckpointError(
                 f"checksum mismatch for tensor {self.src.name!r} in {Path(self.src.path).name} at bytes "
                 f"[{self.src.offset + begin}, {self.src.offset + end}) (chunk {chunk} of the fragment): expected "
-                f"xxh3-64:{self.chunks.expected(chunk)}, read xxh3-64:{actual}; the file is damaged — load an older step"
+                f"{CHECKSUM_PREFIX}{self.chunks.expected(chunk)}, read {CHECKSUM_PREFIX}{actual}; the file is damaged — load an older step"
             )
 
 

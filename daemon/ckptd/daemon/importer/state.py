@@ -5,28 +5,29 @@ The state is what torch.load (weights_only) or a DCP directory gives: dicts of t
 plain values. ckptd's names (client/ckptd/client/state.py):
 - model weights: "model/<fqn>", kind "model". They are the entry "model", "state_dict" or
   "module" when it holds tensors, else the state's own top-level tensors (a bare state_dict).
-  Wrapper prefixes are removed from the FQNs as the client removes them (DDP's "module." when
-  every name has it; "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.").
-  Tensors that share memory (tied weights) become one tensor with the other names as aliases.
+  Wrapper prefixes are removed from the FQNs by the client's rule (ckptd.client.fqns.canonical_fqns:
+  DDP's "module." when every name has it; "_orig_mod.", "_fsdp_wrapped_module.",
+  "_checkpoint_wrapped_module."). Tensors that share memory (tied weights) become one tensor with
+  the other names as aliases, by the client's rule too (ckptd.client.ties), for plain tensors only.
 - optimizer state keyed by parameter name (torch.distributed.checkpoint.state_dict's
   get_optimizer_state_dict, as the client saves it): tensors "optimizer/state/<fqn>/<field>",
   kind "optimizer", and the whole state (param_groups, non-tensor fields) in the extras under
   "optimizer". State keyed by parameter index (Optimizer.state_dict()) is not imported: which
   parameter an index is cannot be known without the model.
 - any other top-level key: its tensors "<key>/<path>" (kind by ckptd.common.names.kind_of) and
-  its value in the extras, encoded exactly as ckptd.client.tree encodes extras (the daemon does
-  not import the client; tests/daemon/test_importing.py checks the two agree).
+  its value in the extras, encoded by ckptd.client.tree, as the client encodes extras.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ckptd.client import tree
+from ckptd.client.fqns import canonical_fqns
+from ckptd.client.ties import memory_key, shared_names
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 from ckptd.daemon.importer.direct_write import DirectTensor, ImportRefused
@@ -36,8 +37,6 @@ OPTIMIZER_KEY = "optimizer"
 
 # The tags of ckptd.client.tree's encoding (its module docstring is the format's definition).
 
-_INNER_WRAPPER = re.compile(r"(?:^|\.)(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
-_DDP_PREFIX = "module."
 _SHOWN = 5  # names listed in one note
 
 
@@ -100,19 +99,9 @@ def add_model(model: dict[Any, Any], out: Mapped) -> None:
     if others:
         out.skipped.append(f"model entries that are not tensors (extra state, metadata), not imported: {_names(others)}")
     canonical = _canonical_names(list(tensors), out.notes, "model weights")
-    first_of: dict[tuple[Any, ...], str] = {}  # storage identity -> first name
-    aliases: dict[str, list[str]] = {}
-    for key, tensor in tensors.items():
-        name = "model/" + canonical[key]
-        tie = _tie_key(tensor)
-        if tie is not None and tie in first_of:
-            aliases[first_of[tie]].append(name)
-            continue
-        if tie is not None:
-            first_of[tie] = name
-        aliases[name] = []
-    for key, tensor in tensors.items():
-        name = "model/" + canonical[key]
+    named = {"model/" + canonical[key]: tensor for key, tensor in tensors.items()}
+    aliases = shared_names(named.items(), _tie_key)
+    for name, tensor in named.items():
         if name in aliases:
             out.tensors.append(direct_tensor(name, "model", tensor, tuple(aliases[name])))
     tied = sum(len(a) for a in aliases.values())
@@ -198,26 +187,15 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _tie_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same memory (tied weights); None for an empty tensor, whose
-    storage address means nothing."""
-    if tensor.numel() == 0 or tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return None
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+    """The client's memory_key, for plain tensors only: a subclass read from a file is stored as it
+    is, never tied."""
+    return memory_key(tensor) if type(tensor) in (torch.Tensor, torch.nn.Parameter) else None
 
 
 def _canonical_names(names: list[str], notes: list[str], what: str) -> dict[str, str]:
     """Each FQN without wrapper prefixes (see the module docstring); ImportRefused when two
     names become one."""
-    ddp = bool(names) and all(n.startswith(_DDP_PREFIX) for n in names)
-    out: dict[str, str] = {}
-    for name in names:
-        short = name[len(_DDP_PREFIX) :] if ddp else name
-        while True:
-            inner = _INNER_WRAPPER.sub(lambda m: "." if m.group(0).startswith(".") else "", short)
-            if inner == short:
-                break
-            short = inner
-        out[name] = short
+    out = canonical_fqns(names)
     clash = len(set(out.values())) != len(out)
     if clash:
         raise ImportRefused(f"the {what} hold names that differ only by wrapper prefixes (module., _orig_mod. ...); remove the wrappers' duplicates before importing")

@@ -17,7 +17,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
-from ckptd.common.chunks import chunk_bytes_for
+from ckptd.common.chunks import checksum_name, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
 from ckptd.format.index import (
@@ -42,7 +42,6 @@ from ckptd.format.index import (
     safetensors_header,
     scales_key,
 )
-from ckptd.format.units import checksum_name
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"

@@ -11,9 +11,10 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from ckptd.common import dtypes
+from ckptd.common.blocks import QuantError
 from ckptd.common.boxes import Box
 from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_run_id, check_tensor_name, json_depth
-from ckptd.common.quant_options import QuantError, check_master_mode, check_scheme
+from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.engine.requests import BeginSave, JoinSave, PlanLoad

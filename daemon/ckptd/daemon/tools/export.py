@@ -23,6 +23,7 @@ import xxhash
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
+from ckptd.common.chunks import checksum_name
 from ckptd.format.index import (
     INDEX_NAME,
     MODEL_FILES,
@@ -36,7 +37,6 @@ from ckptd.format.index import (
     layout_files,
     safetensors_header,
 )
-from ckptd.format.units import checksum_name
 from ckptd.daemon.remote.bucket_step import BucketStepError
 from ckptd.daemon.storage import StepReader, fsync_dir
 from ckptd.daemon.tools.locate import open_step_reader

@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.format.index import CheckpointIndex, FileLayout, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header
-from ckptd.format.units import Unit, checksum_digest, checksum_name, first_mismatch, read_ranges
+from ckptd.format.units import Unit, checksum_digest, first_mismatch, read_ranges
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.files import Placed
 from ckptd.daemon.plan.save_plan import LogicalTensor

@@ -120,7 +120,7 @@ class ScratchPool:
 
     @contextlib.contextmanager
     def take(self) -> Iterator[Any]:
-        from ckptd.common import quant  # imported by compress already: a lookup
+        from ckptd.common import quant  # the torch math (compress imported torch already)
 
         with self._ready:
             self._ready.wait_for(lambda: self._free or self._made < self._size)
@@ -153,7 +153,7 @@ def compress(
     first_import = "torch" not in sys.modules
     import torch
 
-    from ckptd.common import quant  # torch: imported by the writer thread, only when compressing
+    from ckptd.common import codecs  # torch: imported by the writer thread, only when compressing
 
     # One intra-op thread: coding runs in parallel over tensors (on the writer threads) instead
     # of inside each op; on a busy machine OpenMP's spinning threads cost several times the work.
@@ -172,7 +172,7 @@ def compress(
     cast: dict[str, StoredTensor] = {}
     for t in stored:
         logical = source.tensors[t.name]
-        codec = quant.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
+        codec = codecs.codec_for(req.quantize, t.name, logical.kind, logical.dtype, logical.shape)
         model = model_twin(t, logical, source, whole_model) if logical.kind == "master" and mode != "keep" else None
         if codec is not None:
             out.append(StoredTensor(t.name, t.key, codec.codes_dtype, codec.codes_shape(t.box.lengths), t.box, t.node))

@@ -24,19 +24,10 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.format.index import (
-    CheckpointIndex,
-    FileLayout,
-    FileRecord,
-    FormatError,
-    StoredTensor,
-    layout_files,
-    safetensors_header,
-    scales_key,
-)
+from ckptd.format.index import CheckpointIndex, FileLayout, FileRecord, FormatError, StoredTensor, layout_files, safetensors_header, scales_key
 from ckptd.format.units import Unit, file_units
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.files import (
@@ -44,7 +35,6 @@ from ckptd.daemon.plan.files import (
     Coding,
     NodeManifest,
     Placed,
-    checksum_name,
     file_bytes_bound,
     fragment_records,
     header_room,
@@ -378,14 +368,14 @@ def _write_coded(
     """Code one tensor (int4 codes: in zstd frames) and write its codes and scales side by side
     at the end of `file`. Values that cannot be quantized are logged and written as they are
     instead."""
-    from ckptd.common import quant  # imported by compress already: a lookup
+    from ckptd.common.blocks import QuantError
 
     with scratch.take() as space:
         problem = ""
         with source.values(t) as values:
             try:
-                codes, scale_values = quant.encode(coding.codec, values, t.box, space)
-            except quant.QuantError as exc:
+                codes, scale_values = coding.codec.encode(values, t.box, space)
+            except QuantError as exc:
                 problem = str(exc)
             del values  # no export of an arena view may outlive the block
         if problem:

@@ -1,6 +1,6 @@
-"""ckptd.client.cuda and ckptd.client.ipc on a strict CPU stand-in for CUDA (tests/fakecuda.py).
+"""ckptd.client.cuda_copier and ckptd.client.staging_buffer on a strict CPU stand-in for CUDA (tests/fakecuda.py).
 
-The real thing is tested in test_cuda.py (marked gpu). Here the REAL registration, copy, fence
+The real thing is tested in test_cuda_copier.py (marked gpu). Here the REAL registration, copy, fence
 and export code runs against fakecuda, which enforces the CUDA rules that code depends on: an
 asynchronous copy stays inside one host registration, a mapping is registered once, IPC handles
 are 64 raw bytes with zero bytes in them, streams and events order work as on a GPU. The tests
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fakecuda  # tests/fakecuda.py (tests/conftest.py puts tests/ on the import path)
-from ckptd.client import cuda as cuda_module
+from ckptd.client import cuda_copier as cuda_module
 
 GIB = 1 << 30
 MB = 1 << 20
@@ -308,7 +308,7 @@ def test_cuda_problem_on_a_cpu_build() -> None:
 
 def test_a_staging_buffer_exports_the_whole_64_byte_handle(cuda) -> None:  # noqa: ANN001
     """(H100) The handle was cut at its first zero byte, so "ipc" never worked."""
-    from ckptd.client.ipc import DeviceStaging
+    from ckptd.client.staging_buffer import DeviceStaging
 
     staging = DeviceStaging.allocate(torch.device("cuda", 0), 4096)
     assert len(staging.handle) == 64 and staging.handle in cuda.lib.handles
@@ -323,7 +323,7 @@ def test_a_staging_buffer_exports_the_whole_64_byte_handle(cuda) -> None:  # noq
 
 
 def test_a_handle_that_is_not_64_bytes_is_never_sent(cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+    from ckptd.client.staging_buffer import DeviceStaging, IpcUnavailable
     from ckptd.common.cudart import CudaRuntime
 
     monkeypatch.setattr(CudaRuntime, "ipc_get_mem_handle", lambda self, ptr: b"\x07" * 4)
@@ -333,7 +333,7 @@ def test_a_handle_that_is_not_64_bytes_is_never_sent(cuda, monkeypatch: pytest.M
 
 
 def test_no_gpu_memory_for_the_staging_buffer_is_a_fallback_reason(cuda) -> None:  # noqa: ANN001
-    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+    from ckptd.client.staging_buffer import DeviceStaging, IpcUnavailable
 
     with pytest.raises(IpcUnavailable, match=r"no GPU memory left for a 2.00 GiB staging buffer on cuda:0 \(1.00 GiB free of 1.00 GiB\)"):
         DeviceStaging.allocate(torch.device("cuda", 0), 2 * GIB)
@@ -342,7 +342,7 @@ def test_no_gpu_memory_for_the_staging_buffer_is_a_fallback_reason(cuda) -> None
 
 
 def test_without_a_usable_cuda_runtime_ipc_is_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptd.client.ipc import DeviceStaging, IpcUnavailable
+    from ckptd.client.staging_buffer import DeviceStaging, IpcUnavailable
     from ckptd.common.cudart import CudaRuntime
 
     if torch.cuda.is_available():

@@ -37,7 +37,7 @@ def _sized(path: str, nbytes: int) -> None:
 
 
 def test_an_arena_is_page_locked_once_in_one_call_and_unlocked_on_close(arena_file: str) -> None:
-    from ckptd.client.cuda import PinnedArenas
+    from ckptd.client.cuda_copier import PinnedArenas
 
     _sized(arena_file, 3 * MB)
     arenas = PinnedArenas()
@@ -53,7 +53,7 @@ def test_an_arena_is_page_locked_once_in_one_call_and_unlocked_on_close(arena_fi
 def test_a_copy_run_across_the_first_gib_of_an_arena_succeeds(arena_file: str) -> None:
     """Two tensors back to back in one storage, on either side of the arena's first GiB: one
     coalesced copy (it failed with "invalid argument" when arenas were registered per GiB)."""
-    from ckptd.client.cuda import CudaCopier, PinnedArenas
+    from ckptd.client.cuda_copier import CudaCopier, PinnedArenas
 
     gib = 1 << 30
     _sized(arena_file, gib + 4 * MB)
@@ -93,7 +93,7 @@ def _layout(tensors: list[torch.Tensor], merge_first: bool = True) -> tuple[list
 
 @pytest.mark.parametrize("into", ["pinned host", "device staging"])
 def test_cuda_copier_places_every_byte(arena_file: str, into: str) -> None:
-    from ckptd.client.cuda import CudaCopier, PinnedArenas
+    from ckptd.client.cuda_copier import CudaCopier, PinnedArenas
 
     tensors = _mixed_tensors("cuda")
     offsets, size = _layout(tensors)
@@ -115,7 +115,7 @@ def test_cuda_copier_places_every_byte(arena_file: str, into: str) -> None:
 
 
 def test_the_fence_keeps_later_kernels_from_changing_what_is_being_copied(arena_file: str) -> None:
-    from ckptd.client.cuda import CudaCopier, PinnedArenas
+    from ckptd.client.cuda_copier import CudaCopier, PinnedArenas
 
     big = torch.full((512 * MB // 4,), 1.0, device="cuda")  # 512 MiB: the copy takes a while
     _sized(arena_file, 512 * MB)
@@ -132,7 +132,7 @@ def test_the_fence_keeps_later_kernels_from_changing_what_is_being_copied(arena_
 
 
 def test_gpu_uuid_is_what_the_daemon_runtime_reports() -> None:
-    from ckptd.client.ipc import gpu_uuid
+    from ckptd.client.staging_buffer import gpu_uuid
     from ckptd.common.cudart import CudaRuntime
 
     runtime = CudaRuntime.load()
@@ -142,7 +142,7 @@ def test_gpu_uuid_is_what_the_daemon_runtime_reports() -> None:
 
 
 def test_staging_buffer_allocates_outside_the_caching_allocator_and_exports() -> None:
-    from ckptd.client.ipc import DeviceStaging
+    from ckptd.client.staging_buffer import DeviceStaging
 
     before = torch.cuda.memory_allocated()
     staging = DeviceStaging.allocate(torch.device("cuda", 0), 64 * MB)

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptd.client.devcopy import MAX_GATHER_BYTES, SMALL_BYTES, BoundCopies, CopyPlan, bind_copies, issue_copies, item_of, plan_copies
+from ckptd.client.devcopy import MAX_GATHER_BYTES, SMALL_BYTES, BoundCopies, DeviceCopyPlan, bind_copies, issue_copies, item_of, plan_copies
 from ckptd.client.errors import CheckpointError
 from ckptd.common.cudart import CudaRuntime, CudaRuntimeError, HostRegistration, register_host
 
@@ -288,7 +288,7 @@ class CudaCopier:
         for device in devices:
             runs = tuple(r for r in plan.runs if items[r.items[0]].device == device)
             gathers = tuple(g for g in plan.gathers if items[g.members[0][0]].device == device)
-            sub = CopyPlan(runs, gathers)
+            sub = DeviceCopyPlan(runs, gathers)
             bounce = self._bounce_for(device, sub.max_span) if dst.device != device and gathers else None
             work.append(_DeviceWork(device, bind_copies(sub, tensors, dst, bounce), [bounce] if bounce is not None else []))
         sources = [tensors[i] for i in copied]

@@ -1,0 +1,22 @@
+"""This process's rank and world size, resolved one way for the client and the integrations."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+
+
+def rank_and_world(rank: int | None = None, world_size: int | None = None, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size): each as given, else torch.distributed's when it is initialized, else
+    $RANK / $WORLD_SIZE, else 0 / 1. Not checked against each other (the caller does)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return (torch.distributed.get_rank() if rank is None else rank,
+                torch.distributed.get_world_size() if world_size is None else world_size)
+    environ = os.environ if env is None else env
+    env_rank = int(environ.get("RANK", "0"))
+    env_world = int(environ.get("WORLD_SIZE", "1"))
+    return (env_rank if rank is None else rank, env_world if world_size is None else world_size)
