@@ -12,6 +12,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the client root: integrations and the offline reader use the client, never the daemon
     ("ckptd.integrations", "ckptd.offline", "ckptd.demo"),
     ("ckptd.client",),
+    ("ckptd.format",),  # the on-disk format, pure: the daemon writes it, the client and the tools read it
     ("ckptd.common", "ckptd.wire"),
 ]
 
@@ -28,6 +29,6 @@ DAEMON_LAYERS: list[tuple[str, ...]] = [
     ("ckptd.daemon.handoff",),
     ("ckptd.daemon.plan",),
     ("ckptd.daemon.storage", "ckptd.daemon.private_dirs"),
-    ("ckptd.daemon.format", "ckptd.daemon.remote.location"),
+    ("ckptd.daemon.remote.location",),
     ("ckptd.daemon.errors", "ckptd.daemon.faults"),
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError, step_dir_name
+from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError, step_dir_name
 from ckptd.daemon.storage.base import FreeSpace, Leftover, RecycledFile
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 
 
 def committed(root: Path, job: str) -> list[int]:

@@ -19,7 +19,7 @@ import boto3
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.tools.verify import verify_step
 from ckptd.demo.process import DaemonProcess, start_daemon
 from s3_server import S3Server, _pick_ports, _remove_grpc_sockets, _SERVICES, _start, _stop_group

@@ -115,7 +115,7 @@ def test_a_step_reached_through_a_link_is_not_read(saved, tmp_path: Path) -> Non
 
 def test_targets_off_the_cpu_are_filled_through_host_tensors() -> None:
     """The reader writes host memory only: a GPU target gets a CPU tensor to fill, then a copy."""
-    from ckptd.client._restore import Fill
+    from ckptd.client.reader.fill import Fill
     from ckptd.common.boxes import Box
     from ckptd.offline.reader import host_fills
 

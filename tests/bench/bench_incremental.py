@@ -52,10 +52,10 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.write import reuse
 from ckptd.daemon.storage import step_at
-from ckptd.daemon.format.units import file_units
+from ckptd.format.units import file_units
 from ckptd.demo.process import DaemonProcess, start_daemon
 
 WAYS = ("incremental", "full")

@@ -53,7 +53,7 @@ import torch
 from ckptd.client import CheckpointClient
 from ckptd.common import codecs, frames, quant
 from ckptd.common.boxes import Box
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.demo.process import start_daemon
 
 

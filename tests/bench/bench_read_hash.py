@@ -1,5 +1,5 @@
 """Reading and checking bytes from the page cache, one core: the client's checked read
-(`_reader.read_verified`: pread into the target + xxh3) and `ckptd verify`'s
+(`pieces.read_verified`: pread into the target + xxh3) and `ckptd verify`'s
 (`verify._hash_range`: pread + xxh3 + chunk digests), with the bytes read HASH_SLICE at a time
 (the hashes find them in the CPU cache) against the larger reads each used before (64 MiB and
 16 MiB: the hashes read them from memory again). Warm: the file is read once before timing, so
@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from ckptd.client import _reader
+from ckptd.client.reader import pieces
 from ckptd.common.boxes import Box
 from ckptd.common.chunks import HASH_SLICE, chunk_bytes_for
 from ckptd.daemon.tools import verify
@@ -50,12 +50,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         path = Path(tmp) / "data.bin"
         path.write_bytes(data.tobytes())
-        src = _reader.Source("t", "file", str(path), 0, nbytes, Box((0,), (nbytes,)), "U8", f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}")
+        src = pieces.Source("t", "file", str(path), 0, nbytes, Box((0,), (nbytes,)), "U8", f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}")
         out = np.empty(nbytes, dtype=np.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
             runs = {
-                "checked load": (_reader, lambda: _reader.read_verified(src, out)),
+                "checked load": (pieces, lambda: pieces.read_verified(src, out)),
                 "verify": (verify, lambda: verify._hash_range(fd, 0, nbytes, lambda n: None, chunk_bytes_for(nbytes))),
             }
             for name, (module, run) in runs.items():

@@ -60,7 +60,7 @@ from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.rpc.peer_links import PeerLinks
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
+from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.plan.files import NodeManifest, stored_tensors

@@ -55,7 +55,7 @@ def test_each_cuda_mode_has_one_transport_and_cpu_states_take_the_shared_memory_
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from ckptd.client._arenas import ArenaMaps
+    from ckptd.client.arenas import ArenaMaps
     from ckptd.client._handoff.modes import AUTO, CPU, FALLBACK, MODES
     from ckptd.client._handoff.select import TRANSPORTS, Handoff
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptd.daemon.format.index import CheckpointIndex, TensorRecord
+from ckptd.format.index import CheckpointIndex, TensorRecord
 from ckptd.daemon.engine.context import IndexCache
 
 

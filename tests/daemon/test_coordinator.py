@@ -14,7 +14,7 @@ from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input, plan_key
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
-from ckptd.daemon.format.index import FileRecord, FragmentRecord
+from ckptd.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest

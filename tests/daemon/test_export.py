@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.tools.export import ExportError, export_model
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, TensorRecord, safetensors_header
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, TensorRecord, safetensors_header
 from ckptd.common.chunks import checksum_name
 
 
@@ -47,7 +47,7 @@ def test_fragments_over_files_become_whole_tensors(tmp_path: Path) -> None:
 
 def test_config_json_is_checked_against_the_index_and_links_are_not_followed(tmp_path: Path) -> None:
     """Issue 20: export copied config.json without checking it against the index checksum."""
-    from ckptd.daemon.format.index import small_file_checksum
+    from ckptd.format.index import small_file_checksum
 
     step_dir = tmp_path / "step-00000001"
     step_dir.mkdir()

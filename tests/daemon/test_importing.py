@@ -21,7 +21,7 @@ from ckptd.client.state import flatten_state
 from ckptd.daemon.app import cli
 from ckptd.daemon.importer import direct_write
 from ckptd.daemon.importer import importing
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.importer.dcp import SAFE_GLOBALS, as_protocol_2, read_metadata
 from ckptd.daemon.importer.state import direct_tensor, encode, map_state
 from ckptd.daemon.importer.importing import ImportRefused, import_checkpoint

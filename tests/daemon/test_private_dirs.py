@@ -15,8 +15,8 @@ from ckptd.common.paths import default_socket
 from ckptd.daemon.tiers.replica_store import Receipt, ReplicaStore
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format.index import FileRecord
-from ckptd.daemon.format.units import Unit
+from ckptd.format.index import FileRecord
+from ckptd.format.units import Unit
 from ckptd.daemon.private_dirs import ShmDirUnsafe, SocketDirUnsafe, create_file, dir_problem, files_dir, prepare_socket_dir
 
 OTHER_UID = 65533  # a user that is neither root nor the daemon (no account needed: chown takes a number)

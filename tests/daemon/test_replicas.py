@@ -21,9 +21,9 @@ from ckptd.daemon.tiers.replica_ranges import cut_ranges, merge_ranges, units_in
 from ckptd.daemon.tiers.replicas import buddies
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
-from ckptd.daemon.format.index import FileRecord
+from ckptd.format.index import FileRecord
 from ckptd.common.chunks import checksum_name
-from ckptd.daemon.format.units import Unit, UnitCheck
+from ckptd.format.units import Unit, UnitCheck
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 # ------------------------------------------------------------------ placement

@@ -17,12 +17,12 @@ from safetensors.torch import load as load_bytes
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet
-from ckptd.daemon.format.index import INDEX_NAME, StoredTensor, layout_files
+from ckptd.format.index import INDEX_NAME, StoredTensor, layout_files
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.plan.files import NodeManifest, step_files
 from ckptd.daemon.write.reuse import check_files
 from ckptd.daemon.storage import ReadHandle, Storage, StorageBackend
-from ckptd.daemon.format.units import file_units
+from ckptd.format.units import file_units
 from ckptd.daemon.tools.verify import verify_files
 from ckptd.daemon.storage.step_commit import StepCommit
 from ckptd.daemon.write.request import PersistRequest, Progress

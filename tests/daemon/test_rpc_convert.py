@@ -16,11 +16,11 @@ from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc import validate
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
-from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
+from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import InFlightSave, JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
-from ckptd.daemon.plan.load_plan import DecodeInfo, PieceInfo
+from ckptd.format.file_plan import DecodeInfo, PieceInfo
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 

@@ -13,7 +13,7 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import FileRecord, FragmentRecord
+from ckptd.format.index import FileRecord, FragmentRecord
 from ckptd.daemon.plan.files import NodeManifest, environment_json
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.rpc.peer_links import PeerLinks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.daemon.storage.base import FreeSpace, PartWriter, RecycledFile
 from ckptd.daemon.storage.step_commit import DATA, INDEX, SMALL, Latest, StepCommit, publish_rank
 

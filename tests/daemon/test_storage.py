@@ -13,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from ckptd.daemon.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
 from ckptd.daemon.storage import ROOT_ID_FILE, ForeignEntry, RecycledFile, Storage, is_job_dir, is_storage_root, open_for_reading, read_file, start_writeback, write_small_file
 from ckptd.daemon.storage.fs import new_file
@@ -429,7 +429,7 @@ def test_peer_fetch_does_not_follow_a_link_in_a_step(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from ckptd.daemon.errors import Precondition
-    from ckptd.daemon.format.index import CheckpointIndex, FileRecord
+    from ckptd.format.index import CheckpointIndex, FileRecord
     from ckptd.daemon.rpc.peer import PeerServicer
     from ckptd.wire.v1 import peer_pb2 as ppb
 

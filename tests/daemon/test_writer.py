@@ -19,7 +19,7 @@ from safetensors.torch import load as load_bytes
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, StorageBackend
 from ckptd.daemon.tools.verify import verify_files

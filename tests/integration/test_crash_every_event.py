@@ -42,7 +42,7 @@ from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.daemon.handoff.arena import ARENA_PREFIX
 from ckptd.daemon.faults.files import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
-from ckptd.daemon.format.index import INDEX_NAME, LATEST, PREPARED_NAME
+from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME
 from ckptd.demo.process import DaemonProcess, start_daemon
 from ckptd.daemon.storage import DELETING_PREFIX, RECYCLE_DIR, TMP_MARK, Storage
 

@@ -14,7 +14,7 @@ import torch
 from worker_process import run_ranks  # tests/worker_process.py
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.importer.importing import import_checkpoint
 
 RANK = Path(__file__).with_name("extras_rank.py")

@@ -35,7 +35,7 @@ import small_fs  # tests/small_fs.py
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.daemon.tools.export import ExportError, export_model
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.daemon.storage import Storage
 from ckptd.daemon.tools.verify import verify_step
 from ckptd.wire.v1 import checkpoint_pb2 as pb

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from metrics_scrape import scrape
 from daemon_rig import free_port
 

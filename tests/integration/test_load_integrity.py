@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 
 JOB = "integrity"
 

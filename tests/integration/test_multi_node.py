@@ -16,7 +16,7 @@ import torch
 
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from pki import make_pki, tls_args  # tests/pki.py (shared with test_peer_security.py)
 
 
@@ -277,7 +277,7 @@ def test_a_node_restarted_before_it_recorded_the_commit_adopts_node_0s_decision(
     committed gets its index on the restarted node; a step it never committed is removed."""
     import time
 
-    from ckptd.daemon.format.index import PREPARED_NAME
+    from ckptd.format.index import PREPARED_NAME
 
     cluster = node_sets(2, shared_root=False)
     cluster.start_all()

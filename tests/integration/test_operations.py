@@ -19,7 +19,7 @@ import torch
 from metrics_scrape import scrape  # tests/metrics_scrape.py
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 

@@ -26,7 +26,7 @@ from ckptd.client._rpc import tensor_metas
 from ckptd.client.errors import CheckpointError
 from ckptd.client.state import flatten_state
 from ckptd.client.structure import StructureCache
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.rpc.auth import PEER_TOKEN_KEY
 from ckptd.demo.process import DaemonProcess
 from ckptd.wire.v1 import checkpoint_pb2 as pb

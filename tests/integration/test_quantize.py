@@ -17,7 +17,7 @@ from ckptd.client import CheckpointClient, CheckpointError
 from ckptd.client.layout import LayoutRules, RankCoords, Rule, Split
 from ckptd.common import codecs, frames
 from ckptd.common.boxes import Box
-from ckptd.daemon.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, INDEX_FORMAT_QUANT, CheckpointIndex
 from ckptd.demo.process import DaemonProcess
 
 
@@ -167,9 +167,9 @@ def test_damaged_scales_are_found_by_verify_and_by_a_resharded_load(daemon) -> N
 def test_client_reads_any_slice_like_the_whole(daemon) -> None:
     """The client's decode path directly: a PlanLoad piece read for sub-boxes (odd column
     offsets, row ranges) equals the whole decoded tensor sliced."""
-    from ckptd.client._arenas import ArenaMaps
-    from ckptd.client._reader import Decoding, Source
-    from ckptd.client._restore import Fill, fill_all
+    from ckptd.client.arenas import ArenaMaps
+    from ckptd.client.reader.pieces import Decoding, Source
+    from ckptd.client.reader.fill import Fill, fill_all
     from concurrent.futures import ThreadPoolExecutor
 
     model, opt = trained()

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ import torch
 
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 
 RETENTION = ("--keep-last", "2", "--keep-every", "10")
 

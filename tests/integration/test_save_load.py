@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.demo.process import DaemonProcess
 
 

@@ -16,15 +16,15 @@ import torch
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.remote.location import LocationError, RemoteLocation, location_setting, parse_location, parse_step_location
 from ckptd.daemon.remote.objects import file_signature, small_files, uploads_of
 from ckptd.daemon.remote.store import Stopped
 from ckptd.daemon.remote.upload import VerifyingBody
-from ckptd.daemon.format import units as units_module
+from ckptd.format import units as units_module
 from ckptd.daemon.storage import Storage
-from ckptd.daemon.format.units import Unit, file_units, read_ranges
+from ckptd.format.units import Unit, file_units, read_ranges
 from ckptd.daemon.write.request import PersistRequest, Progress
 from ckptd.daemon.write.writer import persist
 from arena_rig import take_arenas  # tests/arena_rig.py

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from ckptd.client.errors import CheckpointError
-from ckptd.daemon.format.index import INDEX_NAME
+from ckptd.format.index import INDEX_NAME
 from ckptd.daemon.tools.verify import verify_step
 from metrics_scrape import scrape
 from s3_rig import Bucket, Node, daemon_env, equal_states, remote_status, state_of, uploads_settled, wait_for, zeros_like

@@ -1,7 +1,7 @@
 """The client's wire edge: the only module of ckptd.client that imports grpc and the stubs.
 
 `DaemonRpc` holds the channel and the stub, builds every request, turns the answers into the
-client's records (`SaveGrant`, `LoadPlan`, `CheckpointInfo`, ckptd.client._reader.Source) and
+client's records (`SaveGrant`, `LoadPlan`, `CheckpointInfo`, ckptd.client.reader.pieces.Source) and
 every failed call into an error with `status_error`. The rest of the client never sees a
 protocol message, except as an opaque value it keeps and hands back (cached tensor metadata,
 staged ranges, a commit request).
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Sequence
 
 import grpc
 
-from ckptd.client._reader import Decoding, Source
+from ckptd.client.reader.pieces import Decoding, Source
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.layout import Fragment
 from ckptd.client.slots import SlotLike

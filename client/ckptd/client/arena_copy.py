@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ckptd.client._arenas import MADV_POPULATE_WRITE, SPLIT_BYTES  # tensors from SPLIT_BYTES up go in chunks
+from ckptd.client.arenas import MADV_POPULATE_WRITE, SPLIT_BYTES  # tensors from SPLIT_BYTES up go in chunks
 from ckptd.common._copy import copy_many, stream_copy
 
 CHUNK_BYTES = 16 * 2**20  # largest chunk

@@ -3,7 +3,7 @@
 `save` and `load` are collective: every rank of the job calls them for the same step. This
 module checks the caller's arguments and runs the flow of a save and of a load; the calls to
 the daemon are ckptd.client._rpc, the hand-off of a save's tensors ckptd.client._handoff, and
-filling a load's targets ckptd.client._restore.
+filling a load's targets ckptd.client.reader.fill.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from ckptd.client._arenas import ArenaMaps
+from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
-from ckptd.client._restore import Fill, MemoryCopies, device_fills, fill_all
+from ckptd.client.reader.fill import Fill, MemoryCopies, device_fills, fill_all
 from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, SaveGrant, SaveOptions, StatusResponse
 from ckptd.client.environment import meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState

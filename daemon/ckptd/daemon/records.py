@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.plan.compression import Compression
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
 

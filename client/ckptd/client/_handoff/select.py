@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ckptd.client._arenas import ArenaMaps
+from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, HandoffTransport, SnapshotCommitter
 from ckptd.client._handoff.cuda import DeviceCopyTransport
 from ckptd.client._handoff.ipc import IpcTransport

@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ckptd.client._arenas import ArenaMaps
+from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import Started
 from ckptd.client._handoff.modes import CPU
 from ckptd.client.arena_copy import CopyPlan

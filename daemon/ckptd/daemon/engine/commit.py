@@ -22,7 +22,7 @@ from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.engine.tiers import Committed, Tiers
 from ckptd.daemon.errors import CkptdError, NoSpace
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage.step_commit import StepCommit

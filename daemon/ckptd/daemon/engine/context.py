@@ -21,7 +21,7 @@ from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
 from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import CheckpointIndex, FormatError
 from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.daemon.handoff.transports import DaemonTransport, daemon_transports
 from ckptd.daemon.metrics import Metrics

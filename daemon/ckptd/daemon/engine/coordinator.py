@@ -36,7 +36,7 @@ from ckptd.daemon.engine.plan_inputs import JobPlans, plan_key
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused
-from ckptd.daemon.format.index import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord
+from ckptd.format.index import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord
 from ckptd.daemon.plan.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.plan.files import IncompleteStep, NodeManifest, adapter_source, step_files
 from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy, policy_record

@@ -13,7 +13,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.engine.tiers import Tiers
 from ckptd.daemon.errors import Precondition
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.files import VERSION
 from ckptd.daemon.plan.retention import RetentionPolicy, policy_of_record

@@ -24,17 +24,14 @@ from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
-from ckptd.daemon.format.index import EXTRA_JSON, CheckpointIndex
+from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
+from ckptd.format.index import EXTRA_JSON, CheckpointIndex
 from ckptd.daemon.plan.load_plan import (
-    SHM_SOURCE,
     LoadPlan,
     Location,
     MemoryPlan,
     MemoryPlans,
-    PlannedPieces,
-    StagedRead,
     TierName,
-    extras_source,
     file_locations,
     file_sources,
     incomplete_message,
@@ -42,7 +39,6 @@ from ckptd.daemon.plan.load_plan import (
     needs_decoding,
     plan_digest,
     plan_pieces,
-    rank_extras,
 )
 from ckptd.daemon.records import PeerInventory
 
@@ -146,7 +142,7 @@ class Loads:
     async def _lease(
         self, request: PlanLoad, step: int, held: Snapshot | None, index: CheckpointIndex, found: PlannedPieces | MemoryPlan, plan_id: str
     ) -> LoadPlan:
-        """The plan of a load with this rank's extras (load_plan.rank_extras), leased (the held
+        """The plan of a load with this rank's extras (file_plan.rank_extras), leased (the held
         snapshot stays until LoadDone). found: its pieces and the tensors missing and unexpected."""
         job, rank = request.job, request.rank
         # the held snapshot has the extras of this node's ranks; others (more ranks than at save

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from ckptd.daemon.errors import NotFound, Unavailable
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord
+from ckptd.format.index import CheckpointIndex, FileRecord
 from ckptd.daemon.metrics import LiveState
-from ckptd.daemon.plan.load_plan import HeldSnapshot, StagedRead, TierName
+from ckptd.daemon.plan.load_plan import HeldSnapshot, TierName
+from ckptd.format.file_plan import StagedRead
 from ckptd.daemon.records import PeerInventory
 
 Listing = list[tuple[CheckpointIndex, str, bool]]  # (index, where, held in memory), commit order

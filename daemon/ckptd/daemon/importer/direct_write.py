@@ -23,7 +23,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.names import InvalidNameError, check_job_id
 from ckptd.daemon.config import DaemonConfig
-from ckptd.daemon.format.index import LATEST, CheckpointIndex
+from ckptd.format.index import LATEST, CheckpointIndex
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, is_storage_root

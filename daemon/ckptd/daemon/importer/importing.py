@@ -44,7 +44,7 @@ from torch._weights_only_unpickler import UnpicklingError  # type: ignore[attr-d
 
 from ckptd.common import dtypes
 from ckptd.daemon import errors
-from ckptd.daemon.format.index import MAX_HEADER_BYTES, MODEL_FILES, FormatError, parse_safetensors_header
+from ckptd.format.index import MAX_HEADER_BYTES, MODEL_FILES, FormatError, parse_safetensors_header
 from ckptd.daemon.importer.direct_write import DirectTensor, ImportRefused, check_target, write_step
 from ckptd.daemon.importer.refusals import refused_global, short_reason, weights_only_refusal
 from ckptd.daemon.importer.source import check_source, has_entry, open_source, read_source, source_file

@@ -19,7 +19,7 @@ from ckptd.common.boxes import Box, coverage_problems
 from ckptd.common.chunks import checksum_name, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     ADAPTER_WEIGHTS,
     ENVIRONMENT_JSON,
     EXTRA_JSON,

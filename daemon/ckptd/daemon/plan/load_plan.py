@@ -14,12 +14,13 @@ for each tensor:
     bucket        the object store: never a file's source; a step only it holds is restored into
                   the root before the load is planned
 
-The file part (`file_sources` picks each file's tier and node, `file_locations` where the rank
-reads it, `plan_pieces` with no held snapshot the pieces per tensor) needs nothing of the daemon
-but the index; the memory part is `HeldSnapshot` and `MemoryPlans`. The engine (engine/loads.py)
-asks the tiers what they hold before, and has them perform the staged reads after. `extras_source` / `rank_extras`: whose extras (JSON
-and per-rank tensors) a rank gets. Replicas (memory tiers of files) are always staged
-into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
+`file_sources` picks each file's tier and node, `file_locations` where the rank reads it;
+`plan_pieces` lists the pieces per tensor: the held snapshot's (`HeldSnapshot`; `MemoryPlans`
+keeps them for a repeated request), else the files' through the load planner's file part, which
+needs nothing of the daemon but the index and is shared with the offline reader
+(ckptd.format.file_plan: the pieces, the staged reads, whose extras a rank gets). The engine
+(engine/loads.py) asks the tiers what they hold before, and has them perform the staged reads
+after. Replicas (memory tiers of files) are always staged into shared memory by the loading daemon. Quantized tensors always load as stored (codes and
 scales), from any tier but the held snapshot.
 """
 
@@ -28,36 +29,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from ckptd.common.boxes import Box, intersect
-from ckptd.common.frames import Frames
-from ckptd.common.names import per_rank_name, shared_name
+from ckptd.common.boxes import intersect
 from ckptd.common.quant_options import CAST
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, TensorRecord
 from ckptd.daemon.plan.save_plan import TensorSpec
-
-OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
-RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state.RNG_KEY)
-
-
-def extras_source(rank: int, world_size: int) -> int:
-    """The rank whose extras (its JSON extras and its own extras tensors) `rank` loads from a step
-    saved by `world_size` ranks: its own when the step has its rank, else rank 0's (more ranks
-    than at save time). The extras of ranks beyond the loading world are not loaded."""
-    return rank if rank < world_size else 0
-
-
-def rank_extras(extras_by_rank: Mapping[int, Any], rank: int, world_size: int) -> Any:
-    """`rank`'s extras tree from every saved rank's: `extras_source`'s, without its RNG state
-    when it is another rank's (each rank's generators are its own)."""
-    source = extras_source(rank, world_size)
-    extras = extras_by_rank.get(source, {})
-    if source != rank and isinstance(extras, dict):
-        extras = {k: v for k, v in extras.items() if k != RNG_KEY}
-    return extras
-
+from ckptd.format import file_plan
+from ckptd.format.file_plan import SHM_SOURCE, LoadMismatch, PieceInfo, PlannedPieces, names_text
+from ckptd.format.index import CheckpointIndex, FileRecord, TensorRecord
 
 class TierName(StrEnum):
     """Where a step's bytes are held. The values are the `tier` label of
@@ -71,37 +51,6 @@ class TierName(StrEnum):
     ROOT = "disk-local"  # this node's root (tier 1)
     PEER_DISK = "disk-peer"  # another node's root
     BUCKET = "object-store"  # the object store, --remote (tier 2)
-
-
-SHM_SOURCE, FILE_SOURCE = "shm", "file"  # the wire's Piece.source: a held snapshot's arena, or any file
-
-
-class PieceInfo(NamedTuple):
-    """One source of bytes for (part of) a requested tensor (a named tuple: a load makes one
-    per tensor, and a tuple is made in C)."""
-
-    name: str  # the requested name
-    source: str  # SHM_SOURCE | FILE_SOURCE (the wire's Piece.source)
-    path: str
-    offset: int
-    nbytes: int
-    fragment: Box
-    dtype: str
-    checksum: str
-    chunk_bytes: int = 0  # file pieces: the fragment's chunk checksums (FragmentRecord)
-    chunk_xxh3: str = ""
-    decode: "DecodeInfo | None" = None  # the bytes are codes or a residual, not values
-
-
-@dataclass(frozen=True)
-class DecodeInfo:
-    """How the client turns a piece's bytes into values (ckptd.common.quant)."""
-
-    codec: str
-    block: int
-    scales: PieceInfo | None
-    base: PieceInfo | None
-    frames: Frames | None = None  # the codes are stored in zstd frames
 
 
 @dataclass(frozen=True)
@@ -125,24 +74,6 @@ class Location:
     node: int  # the node whose root (or memory, for a replica) has the file
     path: str  # what the rank opens: the file itself, or its staging copy in shared memory
     staged: bool  # the daemon copies the needed ranges to `path` first
-
-
-@dataclass(frozen=True)
-class StagedRead:
-    """Bytes [offset, offset + nbytes) of `file` (on `node`) to copy to the same offset of its staging file."""
-
-    file: str
-    node: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PlannedPieces:
-    pieces: tuple[PieceInfo, ...]
-    missing: tuple[str, ...]
-    unexpected: tuple[str, ...]
-    reads: tuple[StagedRead, ...]  # to perform before the rank reads (in the order found)
 
 
 class HeldSnapshot(Protocol):
@@ -233,111 +164,13 @@ def plan_pieces(
     locations: Mapping[str, Location],
     rank: int = 0,
 ) -> PlannedPieces:
-    """The pieces of every wanted tensor box of rank `rank`, the names missing from the step and
-    those in it (of the requested kinds) not asked for. Raises InvalidRequest for a shape that
-    differs from the step's, and (strict) for missing or unexpected names.
-
-    A rank's own extras tensor (`TensorSpec.per_rank`, named for `rank`) comes from the copy of
-    `extras_source`'s rank, or from the one tensor of that name a step saved before extras were
-    per rank; other ranks' own tensors are neither expected nor unexpected."""
-    table = index.by_name()
-    step = index.step
-    source = extras_source(rank, index.world_size)
-    missing = []
-    pieces: list[PieceInfo] = []
-    reads: dict[tuple[str, int], StagedRead] = {}
-    found: set[str] = set()
-    for spec in wanted:
-        record = _record_of(table, spec, rank, source)
-        if record is None:
-            if not spec.name.startswith(OPTIONAL_PREFIXES):
-                missing.append(spec.name)
-            continue
-        found.add(record.name)
-        if tuple(record.shape) != tuple(spec.shape):
-            raise InvalidRequest(
-                f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
-                f"loaded has {list(spec.shape)}; build the model with the configuration it was saved with"
-            )
-        in_memory = held.pieces(spec, record) if held is not None and not record.lossy else None
-        pieces += in_memory if in_memory is not None else _file_pieces(spec, record, locations, reads)
-    requested_kinds = set(kinds)
-    unexpected = sorted(
-        t.name
-        for t in index.tensors
-        if t.name not in found and t.name.split("/", 1)[0] in requested_kinds and not t.name.startswith(OPTIONAL_PREFIXES)
-        and t.rank in (None, source)
-    )
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from step {step}: {names_text(missing)}")
-        if unexpected:
-            parts.append(f"in step {step} but not in the state being loaded: {names_text(unexpected)}")
-        raise InvalidRequest("; ".join(parts) + " (pass strict=False to load the rest)")
-    return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()))
-
-
-def _record_of(table: Mapping[str, TensorRecord], spec: TensorSpec, rank: int, source: int) -> TensorRecord | None:
-    """The step's tensor that `spec` of rank `rank` loads (source: `extras_source`), or None.
-
-    A per-rank request ("extra/rank<rank>/t") takes the source rank's own copy
-    ("extra/rank<source>/t"), else a tensor "extra/t" shared by every rank (saved with a layout
-    rule, imported, or saved before extras were per rank). A plain request of a tensor that the
-    step holds per rank (now loaded with a layout rule, or as a DTensor) takes the source rank's copy.
-    """
-    if not spec.per_rank:
-        record = table.get(spec.name)
-        if record is None and spec.kind == "extra":
-            own = table.get(per_rank_name(spec.name, source))
-            return own if own is not None and own.rank == source else None
-        return record
-    base = shared_name(spec.name, rank)
-    if base is None:
-        raise InvalidRequest(f"rank {rank} asks for {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
-    own = table.get(per_rank_name(base, source))
-    if own is not None and own.rank == source:
-        return own
-    shared = table.get(base)
-    return shared if shared is not None and shared.rank is None else None
-
-
-def _file_pieces(
-    spec: TensorSpec, record: TensorRecord, locations: Mapping[str, Location], reads: dict[tuple[str, int], StagedRead]
-) -> list[PieceInfo]:
-    def path_of(file: str, offset: int, nbytes: int) -> str:
-        location = locations[file]
-        if location.staged and (file, offset) not in reads:
-            reads[(file, offset)] = StagedRead(file, location.node, offset, nbytes)
-        return location.path
-
-    out = []
-    for frag in record.fragments:
-        if intersect(frag.box, spec.box) is None:
-            continue
-        path = path_of(frag.file, frag.offset, frag.nbytes)
-        decode = None
-        if frag.quant is not None and frag.quant.codec != CAST:  # "cast": the model weight's bytes, converted as any dtype
-            sides: list[PieceInfo | None] = []
-            for side in (frag.quant.scales, frag.quant.base):
-                if side is None:
-                    sides.append(None)
-                    continue
-                side_path = path_of(side.file, side.offset, side.nbytes)
-                sides.append(
-                    PieceInfo(
-                        spec.name, FILE_SOURCE, side_path, side.offset, side.nbytes, frag.box, side.dtype, side.checksum,
-                        chunk_bytes=side.chunk_bytes, chunk_xxh3=side.chunk_xxh3,
-                    )
-                )
-            decode = DecodeInfo(frag.quant.codec, frag.quant.block, sides[0], sides[1], frag.quant.frames)
-        out.append(
-            PieceInfo(
-                spec.name, FILE_SOURCE, path, frag.offset, frag.nbytes, frag.box, frag.dtype, frag.checksum,
-                chunk_bytes=frag.chunk_bytes, chunk_xxh3=frag.chunk_xxh3, decode=decode,
-            )
-        )
-    return out
+    """file_plan.plan_pieces, with the held snapshot's pieces for each lossless tensor it holds
+    wholly on this node. Raises InvalidRequest where the state being loaded does not match the
+    step (file_plan.LoadMismatch: a shape, or under `strict` missing or unexpected names)."""
+    try:
+        return file_plan.plan_pieces(index, wanted, kinds, strict, locations, rank, held.pieces if held is not None else None)
+    except LoadMismatch as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def load_tier(pieces: Sequence[PieceInfo], held: HeldSnapshot | None) -> str:
@@ -375,11 +208,6 @@ def incomplete_message(index: CheckpointIndex, missing: Sequence[FileRecord], un
         parts.append(f"{describe(node)} did not answer ({why})")
     parts.append("start the missing nodes' daemons on their storage, or load an older step")
     return "; ".join(parts)
-
-
-def names_text(names: Sequence[str], limit: int = 20) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def plan_digest(pieces: Sequence[PieceInfo]) -> str:

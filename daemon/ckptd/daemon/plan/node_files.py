@@ -20,7 +20,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
 from ckptd.common.chunks import checksum_name
 from ckptd.common.codecs import codec_for
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     HEADER_ALIGN,
     CheckpointIndex,
     FileLayout,

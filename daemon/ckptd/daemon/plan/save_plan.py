@@ -33,7 +33,7 @@ from typing import Sequence
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
 from ckptd.common.names import KINDS, RESERVED_FILE_KEY, check_tensor_name, shared_name
-from ckptd.daemon.format.index import GROUP_OF_KIND, SCALES_SUFFIX, file_key
+from ckptd.format.index import GROUP_OF_KIND, SCALES_SUFFIX, file_key
 
 PAGE = 4096
 SMALL_ALIGN = 64

@@ -14,7 +14,7 @@ import threading
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable, Sequence
 
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.remote.store import ObjectStore
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex
+from ckptd.format.index import INDEX_NAME, CheckpointIndex
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.credentials import CredentialsError, resolve
 from ckptd.daemon.remote.location import LocationError, RemoteLocation, parse_location

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ckptd.common.names import JOB_ID_PATTERN, check_job_id
-from ckptd.daemon.format.index import parse_step_dir_name, step_dir_name
+from ckptd.format.index import parse_step_dir_name, step_dir_name
 
 SCHEME = "s3://"
 # S3's rules for bucket names: 3-63 characters of lowercase letters, digits, '.' and '-',

@@ -3,7 +3,7 @@
 - Which node uploads which file (`uploads_of`): the node that wrote a data file uploads it
   (node-local roots); node 0 uploads the small files and, last, the index; with a root shared
   by every node, node 0 uploads everything.
-- How each file is verified: a data file (safetensors) by its *units* (ckptd.daemon.format.units:
+- How each file is verified: a data file (safetensors) by its *units* (ckptd.format.units:
   byte ranges whose xxh3-64 the index records, tiling the file); the bytes read for an upload
   and the bytes downloaded for a restore are checked unit by unit against the index. A small
   file (JSON) is checked whole (format.check_small_file).
@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord
-from ckptd.daemon.format.units import Unit, is_data_file
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord
+from ckptd.format.units import Unit, is_data_file
 from ckptd.daemon.storage.step_commit import publish_rank
 
 

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from ckptd.daemon.errors import Precondition, Unavailable
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.location import RemoteLocation
 from ckptd.daemon.remote.restore import DownloadDamaged, StepRestorer

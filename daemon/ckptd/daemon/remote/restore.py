@@ -5,7 +5,7 @@ files as parts (`open_part`, written at their offsets from parallel ranged GETs,
 published), then committed by storage.step_commit.StepCommit (small files, the index last,
 `latest`). Every byte is checked against the step's own
 index before it is written: each data file unit by unit (header, tensors, chunks:
-ckptd.daemon.format.units), each small file whole. A failure removes what was written (the step
+ckptd.format.units), each small file whole. A failure removes what was written (the step
 directory holds no index until the end, so it is never served, and start-up recovery or
 `ckptd gc` would remove it too).
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import xxhash
 
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
-from ckptd.daemon.format.units import Unit, file_units, read_ranges
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
+from ckptd.format.units import Unit, file_units, read_ranges
 from ckptd.daemon.remote.objects import small_files
 from ckptd.daemon.remote.store import ObjectStore, RemoteNotFound, Stopped, gather
 from ckptd.daemon.storage import PartWriter, StorageBackend

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from ckptd.daemon.engine.tiers import Committed, Listing, Located, Tier
 from ckptd.daemon.errors import Unavailable
 from ckptd.daemon.faults import objects as faults
-from ckptd.daemon.format.index import FormatError
+from ckptd.format.index import FormatError
 from ckptd.daemon.plan.load_plan import TierName
 from ckptd.daemon.plan.retention import RetentionPolicy
 from ckptd.daemon.records import RemoteStatus

@@ -34,8 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
-from ckptd.daemon.format.units import Unit, UnitCheck, file_units
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file
+from ckptd.format.units import Unit, UnitCheck, file_units
 from ckptd.daemon.remote.catalog import BucketCatalog
 from ckptd.daemon.remote.location import RemoteLocation
 from ckptd.daemon.remote.objects import file_signature, uploads_of, writes_index

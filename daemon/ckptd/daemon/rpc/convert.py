@@ -15,8 +15,8 @@ from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest
-from ckptd.daemon.format.index import FileRecord, FragmentRecord, QuantRecord
-from ckptd.daemon.format.units import Unit
+from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
+from ckptd.format.units import Unit
 from ckptd.daemon.handoff.gpu_ipc import StagedRange
 from ckptd.daemon.plan.compression import Compression
 from ckptd.daemon.plan.files import NodeManifest
@@ -29,8 +29,9 @@ from ckptd.wire.v1 import peer_pb2 as ppb
 
 if TYPE_CHECKING:
     from ckptd.daemon.engine.sessions import SaveSession
-    from ckptd.daemon.format.index import CheckpointIndex
-    from ckptd.daemon.plan.load_plan import LoadPlan, PieceInfo
+    from ckptd.format.index import CheckpointIndex
+    from ckptd.daemon.plan.load_plan import LoadPlan
+    from ckptd.format.file_plan import PieceInfo
 
 # ------------------------------------------------------------------ Checkpoint service
 

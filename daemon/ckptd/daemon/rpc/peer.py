@@ -16,7 +16,7 @@ from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import errors
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import ReportManifest
-from ckptd.daemon.format.index import INDEX_NAME, FormatError
+from ckptd.format.index import INDEX_NAME, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc import validate as checks

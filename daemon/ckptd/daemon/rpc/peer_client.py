@@ -21,7 +21,7 @@ from ckptd.daemon.engine.plan_inputs import check_plan_input
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.errors import Unavailable
-from ckptd.daemon.format.index import step_dir_name
+from ckptd.format.index import step_dir_name
 from ckptd.daemon.plan.compression import Decide, lossless_by_default
 from ckptd.daemon.plan.retention import DEFAULT_JOB_POLICY, JobPolicy
 from ckptd.daemon.records import JoinResult, Outcome, PeerInventory

@@ -19,8 +19,8 @@ from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
 from ckptd.daemon.engine.requests import BeginSave, JoinSave, PlanLoad
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim
-from ckptd.daemon.format.index import MODEL_FILES, FileRecord
-from ckptd.daemon.format.units import Unit, tiling_problem
+from ckptd.format.index import MODEL_FILES, FileRecord
+from ckptd.format.units import Unit, tiling_problem
 from ckptd.daemon.plan.compression import SaveOptions
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.plan.save_plan import TensorSpec, spec_digest

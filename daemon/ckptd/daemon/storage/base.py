@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from ckptd.daemon.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex
 
 
 class PartWriter(Protocol):

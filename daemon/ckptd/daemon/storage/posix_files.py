@@ -8,7 +8,7 @@ import errno
 import os
 import stat
 
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.storage.fs import TMP_MARK, ForeignEntry, lkind, read_file, real_dir_at
 from ckptd.daemon.storage.posix_parts import PosixStepReader
 from ckptd.daemon.storage.posix_tree import PosixTree

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ckptd.daemon.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
+from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
 from ckptd.daemon.storage.base import Leftover
 from ckptd.daemon.storage.fs import (
     DELETING_PREFIX,

@@ -9,7 +9,7 @@ import logging
 import os
 from pathlib import Path
 
-from ckptd.daemon.format.index import INDEX_NAME, LATEST, step_dir_name
+from ckptd.format.index import INDEX_NAME, LATEST, step_dir_name
 from ckptd.daemon.storage.base import FreeSpace, RecycledFile
 from ckptd.daemon.storage.fs import (
     TMP_MARK,

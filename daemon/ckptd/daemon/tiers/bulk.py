@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from ckptd.daemon.format.units import UnitCheck
+from ckptd.format.units import UnitCheck
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import BulkPortStatus
 from ckptd.daemon.tiers.bulk_gate import Gate, PortHealth

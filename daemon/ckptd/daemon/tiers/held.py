@@ -10,9 +10,10 @@ from typing import Any, Mapping
 from ckptd.common.boxes import intersect
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.tiers import Tier
-from ckptd.daemon.format.index import TensorRecord
+from ckptd.format.index import TensorRecord
 from ckptd.daemon.handoff.arena import ArenaSet, SetState
-from ckptd.daemon.plan.load_plan import SHM_SOURCE, PieceInfo, TierName
+from ckptd.daemon.plan.load_plan import TierName
+from ckptd.format.file_plan import SHM_SOURCE, PieceInfo
 from ckptd.daemon.plan.save_plan import TensorSpec
 
 

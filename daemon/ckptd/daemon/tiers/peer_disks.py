@@ -20,8 +20,9 @@ from typing import Any, Mapping, Sequence
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.tiers import Located, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import CkptdError, NotFound, Precondition, Unavailable
-from ckptd.daemon.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json
-from ckptd.daemon.plan.load_plan import StagedRead, TierName
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json
+from ckptd.daemon.plan.load_plan import TierName
+from ckptd.format.file_plan import StagedRead
 from ckptd.daemon.records import PeerInventory
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Mapping, Sequence
 import grpc
 
 from ckptd.daemon.errors import Unavailable
-from ckptd.daemon.format.index import FileRecord, step_dir_name
-from ckptd.daemon.format.units import Unit
+from ckptd.format.index import FileRecord, step_dir_name
+from ckptd.format.units import Unit
 from ckptd.daemon.records import BulkAnswer
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc.peer_client import PeerClient

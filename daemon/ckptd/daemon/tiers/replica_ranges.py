@@ -9,7 +9,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import Mapping, Sequence
 
-from ckptd.daemon.format.units import Unit
+from ckptd.format.units import Unit
 
 MERGE_GAP_BYTES = 64 * 1024  # ranges of a file closer than this are fetched as one
 

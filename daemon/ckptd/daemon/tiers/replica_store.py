@@ -37,8 +37,8 @@ from typing import Iterable, Mapping, Sequence
 
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.errors import NotFound
-from ckptd.daemon.format.index import FileRecord
-from ckptd.daemon.format.units import Unit, UnitCheck
+from ckptd.format.index import FileRecord
+from ckptd.format.units import Unit, UnitCheck
 from ckptd.daemon.handoff.arena import ARENA_PREFIX
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.private_dirs import create_file

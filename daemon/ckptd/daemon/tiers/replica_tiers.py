@@ -14,10 +14,11 @@ from typing import Any, Mapping, Sequence
 
 from ckptd.daemon.engine.tiers import Committed, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import NotFound, Unavailable
-from ckptd.daemon.format.index import CheckpointIndex, FormatError
-from ckptd.daemon.format.units import Unit, file_units
+from ckptd.format.index import CheckpointIndex, FormatError
+from ckptd.format.units import Unit, file_units
 from ckptd.daemon.metrics import LiveState
-from ckptd.daemon.plan.load_plan import StagedRead, TierName
+from ckptd.daemon.plan.load_plan import TierName
+from ckptd.format.file_plan import StagedRead
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.tiers.replicas import Replication
 

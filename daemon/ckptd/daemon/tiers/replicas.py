@@ -39,8 +39,8 @@ from typing import Awaitable, Callable, Iterator, Mapping, Protocol, Sequence
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.errors import InvalidRequest, Precondition, Unavailable
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FormatError
-from ckptd.daemon.format.units import Unit, UnitCheck, file_units
+from ckptd.format.index import CheckpointIndex, FileRecord, FormatError
+from ckptd.format.units import Unit, UnitCheck, file_units
 from ckptd.daemon.plan.load_plan import TierName
 from ckptd.daemon.records import BulkAnswer, JobReplicas, ReplicaStatus
 from ckptd.daemon.tiers.bulk import (

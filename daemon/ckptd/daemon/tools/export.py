@@ -24,7 +24,7 @@ import xxhash
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
 from ckptd.common.chunks import checksum_name
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     INDEX_NAME,
     MODEL_FILES,
     CheckpointIndex,

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptd.common import dtypes
 from ckptd.common.sizes import human_bytes
-from ckptd.daemon.format.index import ENVIRONMENT_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, check_small_file
+from ckptd.format.index import ENVIRONMENT_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, check_small_file
 from ckptd.daemon.remote.bucket_step import BucketStepError
 from ckptd.daemon.storage import StepReader
 from ckptd.daemon.tools.locate import open_step_reader

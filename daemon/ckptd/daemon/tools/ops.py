@@ -21,7 +21,7 @@ import grpc
 
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
-from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import CheckpointIndex, FormatError
 from ckptd.daemon.plan.rollback import rollbacks
 from ckptd.daemon.storage import Storage, is_job_dir, is_storage_root
 from ckptd.wire.v1 import checkpoint_pb2 as pb

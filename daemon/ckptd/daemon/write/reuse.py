@@ -24,8 +24,8 @@ from typing import Callable, Iterator, Mapping, Sequence
 import xxhash
 
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
-from ckptd.daemon.format.index import FileRecord, FormatError, FragmentRecord
-from ckptd.daemon.format.units import Unit, checksum_digest, first_mismatch, read_ranges
+from ckptd.format.index import FileRecord, FormatError, FragmentRecord
+from ckptd.format.units import Unit, checksum_digest, first_mismatch, read_ranges
 from ckptd.daemon.plan.files import PlacedTensor
 from ckptd.daemon.plan.node_files import ArenaRun, FileItem, LinkCandidate
 from ckptd.daemon.storage.base import ReadHandle, StorageBackend

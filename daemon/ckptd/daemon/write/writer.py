@@ -28,8 +28,8 @@ import xxhash
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.daemon.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
-from ckptd.daemon.format.units import Unit, file_units
+from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
+from ckptd.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
 from ckptd.daemon.plan.node_files import AppendedItem, ArenaRun, FileItem, FilePlan, FileSpace, plan_node_files
 from ckptd.daemon.storage.base import PartWriter, RecycledFile, StorageBackend

@@ -1,4 +1,4 @@
-"""Filling trainer tensors from stored fragments (ckptd.client._restore, _reader, _decode): whole and
+"""Filling trainer tensors from stored fragments (ckptd.client.reader: fill, pieces, decode): whole and
 partial (resharded), from files and arenas.
 
 Fragments are written as raw bytes at offsets of a real file (after a fake header, as in a
@@ -17,10 +17,10 @@ import pytest
 import torch
 import xxhash
 
-from ckptd.client import _reader
-from ckptd.client._arenas import ArenaMaps
-from ckptd.client._reader import Decoding, Source
-from ckptd.client._restore import Fill, fill_all
+from ckptd.client.reader import pieces
+from ckptd.client.arenas import ArenaMaps
+from ckptd.client.reader.pieces import Decoding, Source
+from ckptd.client.reader.fill import Fill, fill_all
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
@@ -175,7 +175,7 @@ def test_a_partial_read_reads_only_the_needed_bytes(
         reads.append((offset, got))
         return got
 
-    monkeypatch.setattr(_reader.os, "preadv", preadv)
+    monkeypatch.setattr(pieces.os, "preadv", preadv)
 
     rows = Box((3, 0), (9, shape[1]))  # rows 3..11: the end of fragment 0 and the start of fragment 1
     out = torch.empty(rows.lengths)
@@ -211,7 +211,7 @@ def test_reads_hashed_a_slice_at_a_time_check_every_byte(
     """A checked read hashes each slice as it is read (HASH_SLICE, here 64 bytes: 520 bytes are
     9 slices, the last one short): the digest is the whole fragment's, and a damaged byte in any
     slice is found, whether the fragment is read straight into the target or through runs."""
-    monkeypatch.setattr(_reader, "HASH_SLICE", 64)
+    monkeypatch.setattr(pieces, "HASH_SLICE", 64)
     whole = ramp(SHAPE)
     (source,) = store.put("file", "w", whole, [Box.full(SHAPE)])
     fragments = store.put("file", "v", whole, shard_boxes(SHAPE, 1, 2))  # column halves: read through runs

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.format.index import (
+from ckptd.format.index import (
     INDEX_HEAD_BYTES,
     CheckpointIndex,
     FileRecord,

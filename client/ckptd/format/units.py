@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import xxhash
 
 from ckptd.common.chunks import CHECKSUM_PREFIX, HASH_SLICE, ChunkCheck, chunk_count
-from ckptd.daemon.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import CheckpointIndex, FormatError
 
 # A stored piece larger than this is verified by its chunks, so that no unit (and no ranged GET)
 # has to hold a whole multi-GiB tensor; smaller pieces are one unit each.

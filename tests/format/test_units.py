@@ -8,7 +8,7 @@ import random
 import pytest
 import xxhash
 
-from ckptd.daemon.format.units import Unit, UnitCheck, first_mismatch
+from ckptd.format.units import Unit, UnitCheck, first_mismatch
 
 DATA = random.Random(7).randbytes(10_000)
 

@@ -4,10 +4,10 @@ resharding, dtype conversion and decoding.
 Copies are split into chunks and run on a few threads (numpy releases the GIL while it
 copies), so a restore runs at memory bandwidth. Reads of committed files go straight into the
 target tensors with pread and are checked against the index's xxh3 checksums
-(ckptd.client._reader). A target that wants only part of a fragment (resharding) gets only the
+(ckptd.client.reader.pieces). A target that wants only part of a fragment (resharding) gets only the
 byte ranges it needs (see ckptd.common.reshard), checked against the checksums of the
 fragment's chunks they touch (see ckptd.common.chunks). Quantized pieces go through
-ckptd.client._decode.
+ckptd.client.reader.decode.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from ckptd.client._arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
-from ckptd.client._decode import fill_decoded
-from ckptd.client._reader import READ_CHUNK, Source, open_piece, pread_exact, read_runs, read_verified, verify_span
+from ckptd.client.arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
+from ckptd.client.reader.decode import fill_decoded
+from ckptd.client.reader.pieces import READ_CHUNK, Source, open_piece, pread_exact, read_runs, read_verified, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect, relative

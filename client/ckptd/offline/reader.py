@@ -27,9 +27,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ckptd.client._arenas import ArenaMaps
-from ckptd.client._reader import Decoding, Source
-from ckptd.client._restore import Fill, fill_all
+from ckptd.client.arenas import ArenaMaps
+from ckptd.client.reader.pieces import Decoding, Source
+from ckptd.client.reader.fill import Fill, fill_all
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.layout import LayoutRules, RankCoords
 from ckptd.client.state import flatten_state, restore_state
@@ -38,12 +38,10 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
-from ckptd.daemon.plan.load_plan import Location, PieceInfo, TierName, plan_pieces, rank_extras
-from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
-from ckptd.daemon.format.index import check_small_file as _check_small_file
-from ckptd.daemon.plan.save_plan import TensorSpec
-from ckptd.daemon.storage import Storage
+from ckptd.format.file_plan import FileInPlace, LoadMismatch, PieceInfo, Wanted, plan_pieces, rank_extras
+from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
+from ckptd.format.index import check_small_file as _check_small_file
+from ckptd.offline.root import StepRoot
 
 __all__ = ["Step", "StepInfo", "TensorInfo", "list_steps", "open_step"]
 
@@ -80,15 +78,15 @@ def list_steps(root: str | os.PathLike[str], job: str) -> list[StepInfo]:
 
     Raises CheckpointError when `root` is not a directory or the job id is invalid; a step
     whose index cannot be read is left out (`ckptd verify` says why)."""
-    storage = _storage(root)
+    steps = _step_root(root)
     check_job_id(job)
     out = []
-    for step in storage.catalog.commit_order(job):
+    for step in steps.commit_order(job):
         try:
-            index = storage.files.read_index(job, step)
+            index = steps.read_index(job, step)
         except (OSError, FormatError):
             continue
-        out.append(StepInfo(job, step, storage.tree.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
+        out.append(StepInfo(job, step, steps.step_dir(job, step), index.created_at, index.metric, index.size_bytes, index.world_size))
     return out
 
 
@@ -103,31 +101,31 @@ def open_step(where: str | os.PathLike[str], job: str | None = None, step: int |
             raise ValueError("open_step(STEP_DIR) takes no step; use open_step(ROOT, JOB, STEP)")
         step_dir = Path(where)
         return open_step(step_dir.parent.parent, step_dir.parent.name, _step_number(step_dir))
-    storage = _storage(where)
+    steps = _step_root(where)
     check_job_id(job)
     if step is None:
-        order = storage.catalog.commit_order(job)
+        order = steps.commit_order(job)
         if not order:
-            raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {storage.root}")
+            raise CheckpointNotFound(f"job {job!r} has no committed checkpoint under {steps.root}")
         step = order[-1]
-    if not storage.catalog.is_committed(job, step):
-        raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {storage.root} (`ckptd ls {storage.root}` lists them)")
+    if not steps.is_committed(job, step):
+        raise CheckpointNotFound(f"step {step} of job {job!r} is not a committed checkpoint under {steps.root} (`ckptd ls {steps.root}` lists them)")
     try:
-        index = storage.files.read_index(job, step)
+        index = steps.read_index(job, step)
     except (OSError, FormatError) as exc:
-        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {storage.tree.step_dir(job, step)}` says more") from None
-    return Step(storage, job, step, index)
+        raise CheckpointError(f"cannot read the index of step {step} of job {job!r}: {exc}; `ckptd verify {steps.step_dir(job, step)}` says more") from None
+    return Step(steps, job, step, index)
 
 
 class Step:
     """One committed step, read from its files. Cheap to make: only the index is read."""
 
-    def __init__(self, storage: Storage, job: str, step: int, index: CheckpointIndex) -> None:
-        self._storage = storage
+    def __init__(self, root: StepRoot, job: str, step: int, index: CheckpointIndex) -> None:
+        self._root = root
         self.job = job
         self.step = step
         self.index = index
-        self.path = storage.tree.step_dir(job, step)
+        self.path = root.step_dir(job, step)
         self._extras: dict[int, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
@@ -206,7 +204,7 @@ class Step:
                 out = torch.empty(box.lengths, dtype=getattr(torch, dtypes.torch_name(record.dtype)))
             elif tuple(out.shape) != box.lengths:
                 raise ValueError(f"out has shape {list(out.shape)}, the box {list(box.lengths)}")
-            specs.append(TensorSpec(name, record.kind, dtypes.from_torch_name(str(out.dtype)), tuple(record.shape), box))
+            specs.append(Wanted(name, record.kind, tuple(record.shape), box))
             targets.append(out)
         self._read(specs, targets, sorted({s.kind for s in specs}), strict=False)
         return targets
@@ -230,9 +228,7 @@ class Step:
         fragments = fragments_of_state(flat, layout, coords)
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
         specs = [
-            TensorSpec(
-                f.name, entry.kind, dtypes.from_torch_name(str(f.local.dtype)), f.global_shape, f.box, entry.aliases, per_rank=f.per_rank
-            )
+            Wanted(f.name, entry.kind, f.global_shape, f.box, per_rank=f.per_rank)
             for entry, f in fragments
         ]
         self._read(specs, [f.local for _, f in fragments], kinds, strict, rank)
@@ -251,11 +247,11 @@ class Step:
             raise KeyError(f"step {self.step} of job {self.job!r} has no tensor {name!r}; Step.tensors() lists them")
         return record
 
-    def _read(self, specs: Sequence[TensorSpec], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool, rank: int = 0) -> None:
-        """Fill each target with its spec's box (the engine's load planner, then the client's fills)."""
+    def _read(self, specs: Sequence[Wanted], targets: Sequence[torch.Tensor], kinds: Sequence[str], strict: bool, rank: int = 0) -> None:
+        """Fill each target with its spec's box (the load planner's file part, then the client's fills)."""
         try:
-            planned = plan_pieces(self.index, specs, kinds, strict, None, self._locations(), rank)
-        except InvalidRequest as exc:
+            planned = plan_pieces(self.index, specs, kinds, strict, self._locations(), rank)
+        except LoadMismatch as exc:
             raise CheckpointError(str(exc)) from None
         # each fragment once per name (several boxes of one tensor plan the same fragments)
         by_name: dict[str, dict[Box, Source]] = {}
@@ -281,17 +277,15 @@ class Step:
         finally:
             maps.close()
 
-    def _locations(self) -> dict[str, Location]:
+    def _locations(self) -> dict[str, FileInPlace]:
         """Every data file of the step, read here, each checked to be a regular file (not a
         link) in a step directory that is not one either."""
         _check_directory(self.path)
         out = {}
         for f in self.index.files:
             if f.name.endswith(".safetensors"):
-                path = self._storage.files.local_path(self.job, self.step, f.name)
-                if path is None:
-                    raise CheckpointError(f"{self.path}/{f.name} cannot be read from here")
-                out[f.name] = Location(TierName.ROOT, 0, str(path), False)
+                path = self._root.file_path(self.job, self.step, f.name)
+                out[f.name] = FileInPlace(str(path))
         return out
 
     def _small_file(self, name: str) -> bytes | None:
@@ -300,7 +294,7 @@ class Step:
         if record is None:
             return None
         try:
-            data = self._storage.files.read_small(self.job, self.step, name, max(record.size, 1))
+            data = self._root.read_small(self.job, self.step, name, max(record.size, 1))
             _check_small_file(record, data)
         except (OSError, FormatError) as exc:
             raise CheckpointError(f"{self.path}/{name} cannot be read: {exc}; `ckptd verify {self.path}` says what else is damaged") from None
@@ -322,13 +316,13 @@ def host_fills(fills: Sequence[Fill]) -> tuple[list[Fill], list[tuple[torch.Tens
     return on_host, to_device
 
 
-def _storage(root: str | os.PathLike[str]) -> Storage:
+def _step_root(root: str | os.PathLike[str]) -> StepRoot:
     path = Path(root)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory: give the storage root that `ckptd serve --root` used")
     if (path / INDEX_NAME).exists():
         raise CheckpointError(f"{path} is a step directory, not a storage root: use open_step({str(path)!r})")
-    return Storage(path)
+    return StepRoot(path.resolve())
 
 
 def _step_number(step_dir: Path) -> int:

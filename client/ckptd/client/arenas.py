@@ -1,7 +1,7 @@
 """The daemon's shared-memory arenas as this process maps them, and chunked copies through them.
 
 A save copies a rank's CPU tensors into an arena (ckptd.client.arena_copy); a load from the
-daemon's memory copies out of one (ckptd.client._restore). Both map each arena once
+daemon's memory copies out of one (ckptd.client.reader.fill). Both map each arena once
 (`ArenaMaps`) and reuse the mapping.
 """
 

@@ -50,7 +50,7 @@ from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManag
 
 from ckptd.client import CheckpointClient, ClientOptions, JobRetention
 from ckptd.common.names import check_job_id
-from ckptd.daemon.format.index import parse_step_dir_name, step_dir_name
+from ckptd.format.index import parse_step_dir_name, step_dir_name
 from ckptd.integrations.dcp import CkptdStorageReader, CkptdStorageWriter
 
 __all__ = ["CkptdCheckpointManager"]

@@ -1,7 +1,7 @@
 """Decoding quantized or residual pieces into a load's targets (ckptd.common.codecs, ckptd.common.quant).
 
 What a codec needs on the client side: the rows of codes (plain or zstd frames) and of scales,
-or of a residual and the model weight it adds to, read through ckptd.client._reader, decoded
+or of a residual and the model weight it adds to, read through ckptd.client.reader.pieces, decoded
 into the target's wanted box.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ckptd.client._reader import Source, read_framed_rows, read_rows
+from ckptd.client.reader.pieces import Source, read_framed_rows, read_rows
 from ckptd.client.errors import CheckpointError
 from ckptd.common.blocks import QuantError
 from ckptd.common.boxes import Box, relative

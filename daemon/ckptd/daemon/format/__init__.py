@@ -1,1 +1,0 @@
-"""The on-disk format: safetensors headers, the step index and its records, checksum units."""
