@@ -300,10 +300,6 @@ def _graph():  # type: ignore[no-untyped-def]
     return arch_metrics, arch_metrics.module_graph(REPO)
 
 
-# Imports that still point up, each to be cut by the refinement named (issue 32); must end empty.
-UPWARD_TODO: set[str] = set()
-
-
 def test_every_import_points_down_the_layers() -> None:
     """tests/layers.py declares the layers top to bottom, the daemon's above the client root's; a
     module imports only its own layer or those below (imports under TYPE_CHECKING count: a reader
@@ -314,8 +310,7 @@ def test_every_import_points_down_the_layers() -> None:
     unplaced = sorted(m for m in graph.paths if metrics.layer_of(m, DAEMON_LAYERS + LAYERS) is None and m != "ckptd.daemon")
     assert unplaced == [], "modules in no layer: add them to tests/layers.py"
     upward = set(metrics.upward_imports(graph, [*DAEMON_LAYERS, *LAYERS]))  # the daemon stands on the client root
-    assert sorted(upward - UPWARD_TODO) == [], "imports that point up the layers (tests/layers.py): invert the dependency or move the module"
-    assert sorted(UPWARD_TODO - upward) == [], "UPWARD_TODO entries that are fixed: remove them"
+    assert sorted(upward) == [], "imports that point up the layers (tests/layers.py): invert the dependency or move the module"
 
 
 def test_no_import_circles_counting_type_checking() -> None:
@@ -335,10 +330,7 @@ def test_no_module_imports_another_packages_private_module() -> None:
             owner = ".".join(parts[:private])  # the package whose private module it is: it and its modules may import it
             if private is not None and module != owner and not module.startswith(owner + "."):
                 offenders.append(f"{module} -> {target}")
-    assert sorted(offenders) == sorted(PRIVATE_TODO), "a private module imported from another package: make what it needs public"
-
-
-PRIVATE_TODO: set[str] = set()
+    assert sorted(offenders) == [], "a private module imported from another package: make what it needs public"
 
 
 def test_the_engine_is_wire_free_through_everything_it_imports() -> None:
