@@ -7,7 +7,8 @@ Each checkout runs its own copy of the benchmark script with its own code on the
 (PYTHONPATH=<checkout>/client:<checkout>/daemon, the working directory its root); the two
 alternate, and which goes first alternates too (A B, B A, A B ...), so a drift in the machine's
 speed during the call falls on both. Each run writes `--json` (the schema of
-tests/bench/bench_handoff.py: `series` -> {label, unit, per_round}); for every series both
+tests/bench/bench_handoff.py: `series` -> {label, unit, per_round}, `targets` -> the ratios it
+judges, taken within each round); for every series and target both
 checkouts measured, the median of a run's rounds is taken, then the ratio this / base within
 each pair, and the ratios' median [min - max] over the pairs is printed. Ratios near 1 whose
 range straddles 1 are noise on a shared machine; quote the median with its range.
@@ -37,8 +38,12 @@ def run_once(checkout: Path, script: str, args: list[str], out: Path) -> dict[st
     done = subprocess.run(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"{checkout}: {' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    series = json.loads(out.read_text())["series"]
-    return {f"{k} ({v['unit']})": statistics.median(v["per_round"]) for k, v in series.items() if v["per_round"]}
+    doc = json.loads(out.read_text())
+    got = {f"{k} ({v['unit']})": statistics.median(v["per_round"]) for k, v in doc["series"].items() if v["per_round"]}
+    # the benchmark's own targets are ratios taken within each round (against DCP or a floor
+    # measured in the same round): the machine's load cancels out of them
+    got |= {f"target: {v['target']}": v["median"] for v in doc.get("targets", []) if v.get("median")}
+    return got
 
 
 def main() -> int:
