@@ -123,11 +123,12 @@ def test_an_import_killed_at_any_point_leaves_no_step_or_a_whole_one(daemons, tm
     place no step is visible; after it, the step is whole; the daemon removes the leftovers."""
     import shutil
 
+    from ckptd.daemon.importer.importing import import_checkpoint
     from ckptd.daemon.storage import Storage
 
     torch.save({f"w{i}": torch.full((128, 128), float(i)) for i in range(4)}, tmp_path / "w.pt")
     root = daemons.root
-    import_and_verify(tmp_path / "w.pt", root, "crash", 1)
+    import_checkpoint(tmp_path / "w.pt", root, "crash", 1)  # the step before the kills; the command line is test_a_torch_save_file's
     shutil.copytree(root, tmp_path / "probe")
     events = tmp_path / "events.jsonl"
     assert killed_import(tmp_path / "w.pt", tmp_path / "probe", "crash", 10, CKPTD_FAULT_LOG=str(events)).returncode == 0

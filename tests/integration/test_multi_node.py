@@ -233,9 +233,8 @@ def save_from_threads(cluster, node_of_rank: list[int], step: int, state: dict, 
         return list(pool.map(rank_saves, range(world)))
 
 
-def test_a_replicated_save_spreads_the_writing_evenly_over_nodes(node_sets) -> None:
-    cluster = node_sets(2, shared_root=True)
-    cluster.start_all()
+def test_a_replicated_save_spreads_the_writing_evenly_over_nodes(shared_cluster) -> None:
+    cluster, _, _ = shared_cluster  # a job of its own on the module's two nodes
     results = save_from_threads(cluster, [0, 0, 1, 1], 1, replicated_state(), "ddp")
     assert all(not isinstance(r, Exception) for r in results), results
     index = index_of(cluster.root(0), "ddp", 1)

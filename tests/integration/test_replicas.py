@@ -66,13 +66,13 @@ def shard_state(
     return {"model": model, "extra": dict(EXTRA)}
 
 
-def run_ranks(cluster: NodeSet, node_of_rank: list[int], action: Callable[[CheckpointClient, int, int], Any]) -> list[Any]:
+def run_ranks(cluster: NodeSet, node_of_rank: list[int], action: Callable[[CheckpointClient, int, int], Any], job: str = JOB) -> list[Any]:
     """action(client, rank, world) on every rank at once, each rank a thread with its node's daemon."""
     world = len(node_of_rank)
 
     def one(rank: int) -> Any:
         node = node_of_rank[rank]
-        with CheckpointClient(JOB, address=cluster.address(node), rank=rank, world_size=world,
+        with CheckpointClient(job, address=cluster.address(node), rank=rank, world_size=world,
                               local_world_size=node_of_rank.count(node), on_error="raise", timeout_s=60) as ckpt:
             return action(ckpt, rank, world)
 
@@ -80,16 +80,17 @@ def run_ranks(cluster: NodeSet, node_of_rank: list[int], action: Callable[[Check
         return list(pool.map(one, range(world)))
 
 
-def save(cluster: NodeSet, node_of_rank: list[int], step: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> None:
+def save(cluster: NodeSet, node_of_rank: list[int], step: int, shapes: dict[str, tuple[int, ...]] = SHAPES, job: str = JOB) -> None:
     """Every rank saves its share of the rows, durable when this returns."""
     def act(ckpt: CheckpointClient, rank: int, world: int) -> None:
         ckpt.save(step, shard_state(rank, even(world), 0, value, shapes)).wait_durable(timeout=60)
 
-    run_ranks(cluster, node_of_rank, act)
+    run_ranks(cluster, node_of_rank, act, job)
 
 
 def load_exact(
-    cluster: NodeSet, node_of_rank: list[int], bounds: tuple[Fraction, ...], dim: int, step: int | None = None, shapes: dict[str, tuple[int, ...]] = SHAPES
+    cluster: NodeSet, node_of_rank: list[int], bounds: tuple[Fraction, ...], dim: int, step: int | None = None,
+    shapes: dict[str, tuple[int, ...]] = SHAPES, job: str = JOB,
 ) -> list[int]:
     """Every rank loads its shard (`bounds` along `dim`); asserts each is bit-exact; returns the steps loaded."""
     def act(ckpt: CheckpointClient, rank: int, world: int) -> int:
@@ -103,7 +104,7 @@ def load_exact(
         assert state["extra"] == EXTRA, state["extra"]
         return loaded
 
-    return run_ranks(cluster, node_of_rank, act)
+    return run_ranks(cluster, node_of_rank, act, job)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
@@ -138,8 +139,8 @@ class Cluster:
             path.unlink()
         self.start(node)
 
-    def recoverable(self, step: int) -> bool:
-        return metric(self.ports[0], f'ckptd_recoverable_step{{job="{JOB}"}}') == step
+    def recoverable(self, step: int, job: str = JOB) -> bool:
+        return metric(self.ports[0], f'ckptd_recoverable_step{{job="{job}"}}') == step
 
     def status(self, node: int) -> dict[str, Any]:
         """`ckptd status --json` of the node's daemon, and its text as `status["text"]`."""
@@ -149,13 +150,27 @@ class Cluster:
         doc = status_doc(reply, address)
         return {**doc, "text": render_status(doc, time.time())}
 
-    def replica_files(self, node: int) -> list[str]:
-        return sorted(p.name for p in self.nodes.nodes[node].shm_dir.iterdir() if "-replica-" in p.name)
+    def replica_files(self, node: int, job: str = "") -> list[Path]:
+        """The node's replica files in its shared memory (of `job` only, when given)."""
+        marker = f"-replica-{job}-n" if job else "-replica-"
+        return sorted(p for p in self.nodes.nodes[node].shm_dir.iterdir() if marker in p.name)
+
+    def log_after(self, node: int, mark: int) -> str:
+        """The node's daemon log from character `mark` on (a shared cluster's log holds earlier tests' lines)."""
+        return self.nodes.running[node].log_text()[mark:]
 
 
 @pytest.fixture
 def cluster(node_sets: Callable[..., NodeSet]) -> Cluster:
+    """A fresh cluster, for tests that kill, replace or reconfigure daemons or count from zero."""
     return Cluster(node_sets)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(module_node_sets: Callable[..., NodeSet]) -> Cluster:
+    """One cluster for the tests that only save, damage or drop their own job's replicas and
+    compare counters and logs with what they were before: each test uses a job of its own."""
+    return Cluster(module_node_sets)
 
 
 def staged(cluster: Cluster, node: int, tier: str) -> float:
@@ -205,18 +220,19 @@ def test_a_buddy_that_is_down_leaves_the_step_durable_and_says_it_is_not_recover
     assert load_exact(cluster.nodes, [0, 1], even(2), dim=0) == [1, 1]  # durable: it loads from disk
 
 
-def test_a_replica_lost_after_the_load_was_planned_is_read_from_the_writers_disk(cluster: Cluster) -> None:
+def test_a_replica_lost_after_the_load_was_planned_is_read_from_the_writers_disk(shared_cluster: Cluster) -> None:
     """The holder lost the replica it listed (here its files are removed from its shared memory,
     as a newer step's push or a restart would): the load reads those slices from the disk of
     the node that wrote them instead of failing."""
-    save(cluster.nodes, [0, 1, 2], step=1)
-    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
-    for path in cluster.nodes.nodes[2].shm_dir.iterdir():  # node 2 holds node 1's part
-        if "-replica-" in path.name:
-            path.unlink()
-    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1) == [1]  # one rank on node 0 reads every node's part
-    assert staged(cluster, 0, "disk-peer") > 0  # node 1's part (node 0's own comes from node 1's memory, tiers' order)
-    assert "reading node 1's part from its disk instead" in cluster.nodes.running[0].log_text()
+    cluster, job = shared_cluster, "lost"
+    save(cluster.nodes, [0, 1, 2], step=1, job=job)
+    wait_for(lambda: cluster.recoverable(1, job), what="step 1 recoverable")
+    for path in cluster.replica_files(2, job):  # node 2 holds node 1's part
+        path.unlink()
+    staged_before, mark = staged(cluster, 0, "disk-peer"), len(cluster.nodes.running[0].log_text())
+    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1, job=job) == [1]  # one rank on node 0 reads every node's part
+    assert staged(cluster, 0, "disk-peer") > staged_before  # node 1's part (node 0's own comes from node 1's memory, tiers' order)
+    assert "reading node 1's part from its disk instead" in cluster.log_after(0, mark)
 
 
 def test_a_buddy_lost_after_the_push_makes_the_step_no_longer_recoverable(cluster: Cluster) -> None:
@@ -329,18 +345,21 @@ def test_a_replica_that_arrives_damaged_is_not_kept_and_the_step_is_not_recovera
 
 # issue 30 finding 11: a copy damaged in its holder's memory is named as the holder's, and the load
 # reads those bytes from the disk of the node that wrote them instead.
-def test_a_replica_damaged_in_memory_is_named_as_its_holders_and_the_load_reads_the_disk_instead(cluster: Cluster) -> None:
-    save(cluster.nodes, [0, 1, 2], step=1)
-    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+def test_a_replica_damaged_in_memory_is_named_as_its_holders_and_the_load_reads_the_disk_instead(shared_cluster: Cluster) -> None:
+    cluster, job = shared_cluster, "damaged"
+    save(cluster.nodes, [0, 1, 2], step=1, job=job)
+    wait_for(lambda: cluster.recoverable(1, job), what="step 1 recoverable")
     for node in range(3):  # every replica: node 1's part held by node 2, node 2's by node 0, node 0's by node 1
-        (held,) = [p for p in cluster.nodes.nodes[node].shm_dir.iterdir() if "-replica-" in p.name]
+        (held,) = cluster.replica_files(node, job)
         flip_last_byte(held)
+    damaged_before = metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}')
+    staged_before, mark = staged(cluster, 0, "disk-peer"), len(cluster.nodes.running[0].log_text())
     # one rank on node 0 reads every node's part: its own from node 1's memory, node 1's from node
     # 2's memory, node 2's from its own memory (the tiers' order); each copy is damaged
-    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1) == [1]
-    log = cluster.nodes.running[0].log_text()
+    assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1, job=job) == [1]
+    log = cluster.log_after(0, mark)
     for holder, source in (("node 1 (", 0), ("node 2 (", 1), ("this node (node 0)", 2)):
-        assert re.search(rf"the copy of node {source}'s part of step 1 of job '{JOB}' held in the memory of {re.escape(holder)}.* is damaged: "
+        assert re.search(rf"the copy of node {source}'s part of step 1 of job '{job}' held in the memory of {re.escape(holder)}.* is damaged: "
                          rf"[\w.-]+\.safetensors: bytes \[\d+, \d+\) do not match", log), (holder, log[-3000:])
-    assert metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}') == 3
-    assert staged(cluster, 0, "disk-peer") > 0 and "reading node 1's part from its disk instead" in log
+    assert metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}') == damaged_before + 3
+    assert staged(cluster, 0, "disk-peer") > staged_before and "reading node 1's part from its disk instead" in log

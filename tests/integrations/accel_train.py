@@ -259,6 +259,9 @@ if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     if job.get("deepspeed"):
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if os.environ.get("CKPTD_TEST_DEVICE") == "cuda" else "cpu")
+        from deepspeed_cpu import without_shm_kernel
+
+        without_shm_kernel()
     if "rank" in job:  # what torchrun (or `accelerate launch`) sets for each process
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]),

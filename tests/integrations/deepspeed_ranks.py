@@ -107,9 +107,11 @@ def body(spec: dict[str, Any]) -> None:
 
     from ckptd.client import CheckpointClient
     from ckptd.integrations.deepspeed import load, save
+    from deepspeed_cpu import without_shm_kernel
 
     rank, world = spec["rank"], spec["world_size"]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    without_shm_kernel()
     deepspeed.init_distributed(dist_backend="gloo")  # joins the group run_rank made
     torch.manual_seed(0 if spec.get("resume") is None else 7)  # a resumed run starts from other weights
     model = Net()

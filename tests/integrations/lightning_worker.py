@@ -415,6 +415,9 @@ if __name__ == "__main__":
     run = json.loads(sys.argv[1])
     if run.get("deepspeed"):  # DeepSpeed reads it when first imported (by the strategy)
         os.environ.setdefault("DS_ACCELERATOR", "cpu" if run.get("accelerator", "cpu") == "cpu" else "cuda")
+        from deepspeed_cpu import without_shm_kernel
+
+        without_shm_kernel()
     train(run)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # gloo's threads end before the interpreter does: one CI run saw a rank abort at exit

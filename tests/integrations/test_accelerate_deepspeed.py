@@ -5,8 +5,9 @@ the same world size, the losses equal an uninterrupted run's; saved by 2 process
 1, the fp32 master weights, Adam moments and the scheduler Accelerate steps are bit-exact.
 
 Accelerate needs one setting of its own to run DeepSpeed without a GPU (InitProcessGroupKwargs
-with backend="gloo": tests/integrations/accel_train.py, deepspeed_accelerator). The first
-DeepSpeed run on a machine JIT-builds its CPU shared-memory op (cached in ~/.cache/torch_extensions)."""
+with backend="gloo": tests/integrations/accel_train.py, deepspeed_accelerator). The workers skip
+DeepSpeed's JIT build of its CPU shared-memory op, which ZeRO training does not use
+(tests/integrations/deepspeed_cpu.py)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ the master weights and optimizer state bit-exact, and read into a plain PyTorch 
 
 The run that saves is the uninterrupted one: it saves at step 2, trains on to step 4 and is
 SIGKILLed there (what it trained after the save is lost); the resumed run must repeat its
-steps 3 and 4. The first DeepSpeed run on a machine JIT-builds its CPU shared-memory op
-(deepspeed_shm_comm, cached in ~/.cache/torch_extensions)."""
+steps 3 and 4. The workers skip DeepSpeed's JIT build of its CPU shared-memory op
+(deepspeed_shm_comm), which ZeRO training does not use (tests/integrations/deepspeed_cpu.py)."""
 
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E40
 
 from ckptd.client import CheckpointClient  # noqa: E402
 from ckptd.client.errors import CheckpointError  # noqa: E402
+from ckptd.demo.process import DaemonProcess  # noqa: E402
 from ckptd.integrations.lightning import CkptdCheckpointIO  # noqa: E402
 from worker_process import load_worker  # noqa: E402  (tests/worker_process.py)
 
@@ -49,6 +50,13 @@ start_ranks = _worker.start_ranks
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 RETENTION = ("--keep-last", "1", "--keep-best", "2", "--best-mode", "min")
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The tests that take `daemon` share one (conftest.shared_daemon), each with jobs of its own;
+    those that need their own flags or a fresh one start theirs from `daemons`."""
+    return shared_daemon
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ Lightning refuses DeepSpeed on anything but CUDA (lightning/pytorch/strategies/d
 setup_environment) and needs device indices that its CPU devices lack (fabric/strategies/deepspeed.py:877-885,
 pytorch/strategies/deepspeed.py:447-448); the workers give them and skip that check
 (lightning_worker.CpuDeepSpeedStrategy).
-The first DeepSpeed run on a machine JIT-builds its CPU shared-memory op (~/.cache/torch_extensions).
+The workers skip DeepSpeed's JIT build of its CPU shared-memory op, which ZeRO training does not use
+(tests/integrations/deepspeed_cpu.py).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ckptd.client import CheckpointClient
+from ckptd.demo.process import DaemonProcess
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -30,6 +31,12 @@ WORKER = Path(__file__).with_name("peft_train.py")
 
 
 train = load_worker(WORKER)
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's tests share one daemon (conftest.shared_daemon): each saves under its own job."""
+    return shared_daemon
 
 
 def _trained(steps: int = 3, **lora: Any) -> tuple[Any, torch.optim.Optimizer, Any]:
@@ -106,7 +113,7 @@ def test_a_step_holds_only_the_adapter_and_loads_in_place(daemon, lora: dict[str
     model, optimizer, scheduler = _trained(**lora)
     state = adapter_state(model, optimizer, scheduler)
     keys = state["model"].adapter_keys
-    with CheckpointClient("adapter", address=daemon.address, on_error="raise") as ckpt:
+    with CheckpointClient("-".join(["adapter", *lora]), address=daemon.address, on_error="raise") as ckpt:
         info = ckpt.save(3, state).wait_durable(timeout=60)
         assert info is not None
 
@@ -142,7 +149,7 @@ def test_a_step_holds_only_the_adapter_and_loads_in_place(daemon, lora: dict[str
 )
 def test_the_step_directory_loads_with_peft_from_pretrained(daemon, lora: dict[str, Any]) -> None:
     model, optimizer, scheduler = _trained(**lora)
-    with CheckpointClient("from-pretrained", address=daemon.address, on_error="raise") as ckpt:
+    with CheckpointClient("-".join(["from-pretrained", *lora]), address=daemon.address, on_error="raise") as ckpt:
         info = ckpt.save(3, adapter_state(model, optimizer, scheduler)).wait_durable(timeout=60)
     assert info is not None
     loaded = peft.PeftModel.from_pretrained(train.tiny_llama(), info.step_dir).eval()
