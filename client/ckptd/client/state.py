@@ -62,10 +62,10 @@ from ckptd.client.subclasses import check_wrapper
 from ckptd.client.ties import memory_key, shared_names
 from ckptd.common import dtypes
 from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
+from ckptd.format.file_plan import RNG_KEY
 
 log = logging.getLogger("ckptd.client")
 
-RNG_KEY = "rng"
 # Marks, in the saved optimizer's extras, an optimizer that had taken no step when it was saved.
 FRESH_OPTIMIZER = "ckptd_fresh"
 MODEL_KEY = "model"

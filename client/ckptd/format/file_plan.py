@@ -21,7 +21,7 @@ from ckptd.common.quant_options import CAST
 from ckptd.format.index import CheckpointIndex, TensorRecord
 
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
-RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state.RNG_KEY)
+RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state saves them under it)
 SHM_SOURCE, FILE_SOURCE = "shm", "file"  # the wire's Piece.source: a held snapshot's arena, or any file
 
 

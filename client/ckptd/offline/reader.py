@@ -28,10 +28,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ckptd.client.arenas import ArenaMaps
-from ckptd.client.reader.pieces import Decoding, Source
-from ckptd.client.reader.fill import Fill, fill_all
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.layout import LayoutRules, RankCoords
+from ckptd.client.reader.fill import Fill, fill_all
+from ckptd.client.reader.pieces import Decoding, Source
 from ckptd.client.state import flatten_state, restore_state
 from ckptd.client.structure import fragments_of_state
 from ckptd.common import dtypes

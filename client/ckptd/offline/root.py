@@ -13,10 +13,10 @@ import errno
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.common.files import read_regular, real_dir_at, real_file_at
 from ckptd.common.names import check_job_id
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, CheckpointIndex, parse_step_dir_name, step_dir_name
 
@@ -37,19 +37,19 @@ class StepRoot:
 
     def is_committed(self, job: str, step: int) -> bool:
         """Whether the step's directory holds its index, neither of them nor the job directory a link."""
-        return _is_dir(self.job_dir(job)) and _committed_at(self.step_dir(job, step))
+        return real_dir_at(self.job_dir(job)) and _committed(self.step_dir(job, step))
 
     def commit_order(self, job: str) -> list[int]:
         """The committed steps, oldest commit first: by the `created_at` their index records (the
         file's modification time when it cannot be read), ties by step number. The last is the
         newest step, whatever its number (a rolled-back job commits a lower step after higher ones)."""
         job_dir = self.job_dir(job)
-        if not _is_dir(job_dir):
+        if not real_dir_at(job_dir):
             return []
         times = {}
         for entry in os.scandir(job_dir):
             step = parse_step_dir_name(entry.name)
-            if step is not None and _committed_at(Path(entry.path)):
+            if step is not None and _committed(Path(entry.path)):
                 times[step] = _commit_time(Path(entry.path) / INDEX_NAME)
         return sorted(times, key=lambda step: (times[step], step))
 
@@ -63,9 +63,9 @@ class StepRoot:
         is a link or not what it should be, or (EFBIG) when it is larger than `limit` bytes."""
         path = self.file_path(job, step, name)
         for directory in (path.parent.parent, path.parent):
-            if not _is_dir(directory):
+            if not real_dir_at(directory):
                 raise OSError(errno.ENOTDIR, f"{directory} is not a directory (a link or other entry is never followed)", str(directory))
-        data = _read_regular(path, limit + 1)
+        data = read_regular(path, limit + 1)
         if len(data) > limit:
             raise OSError(errno.EFBIG, f"{path} is larger than the {limit} bytes expected of it", str(path))
         return data
@@ -77,33 +77,8 @@ class StepRoot:
         return self.step_dir(job, step) / name
 
 
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _committed_at(step_dir: Path) -> bool:
-    try:
-        return _is_dir(step_dir) and stat.S_ISREG(os.lstat(step_dir / INDEX_NAME).st_mode)
-    except OSError:
-        return False
-
-
-def _read_regular(path: Path, limit: int) -> bytes:
-    """Up to `limit` bytes of the regular file at `path`, never through a link nor waiting on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, f"{path} is a symbolic link, which is never followed", str(path)) from None
-        raise
-    with open(fd, "rb", closefd=True) as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return f.read(limit)
+def _committed(step_dir: Path) -> bool:
+    return real_dir_at(step_dir) and real_file_at(step_dir / INDEX_NAME)
 
 
 def _commit_time(index: Path) -> float:
@@ -114,9 +89,9 @@ def _commit_time(index: Path) -> float:
     except OSError:
         return float("-inf")
     try:
-        created = CheckpointIndex.created_at_of(_read_regular(index, INDEX_HEAD_BYTES))
+        created = CheckpointIndex.created_at_of(read_regular(index, INDEX_HEAD_BYTES))
         if created is None:
-            created = float(json.loads(_read_regular(index, 1 << 30))["created_at"])
+            created = float(json.loads(read_regular(index, 1 << 30))["created_at"])
     except (OSError, ValueError, KeyError, TypeError):
         created = float("nan")
     return created if math.isfinite(created) else mtime

@@ -274,22 +274,6 @@ def unlink_own(path: Path) -> None:
         log.warning("leaving %s alone: it is %s, which the daemon did not make", path, describe(st))
 
 
-def real_dir_at(path: Path) -> bool:
-    """Whether `path` is a directory itself (lstat: a link to one is not)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def real_file_at(path: Path) -> bool:
-    """Whether `path` is a regular file itself (lstat: a link to one is not)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
 def open_recycled(recycled: Path, dest: Path) -> int | None:
     """Take recycled file `recycled` (from Storage.take_recycled) as the new file `dest`: opened
     for writing in place (not truncated, never through a link, relative to its directory's

@@ -10,9 +10,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
-from ckptd.daemon.storage.fs import FILE_MODE, open_for_reading, read_file, real_dir_at, tree_bytes
+from ckptd.common.files import real_dir_at
+from ckptd.daemon.storage.fs import FILE_MODE, open_for_reading, read_file, tree_bytes
 from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
+from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
 
 
 @dataclass(frozen=True)

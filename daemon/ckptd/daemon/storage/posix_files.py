@@ -8,10 +8,11 @@ import errno
 import os
 import stat
 
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
-from ckptd.daemon.storage.fs import TMP_MARK, ForeignEntry, lkind, read_file, real_dir_at
+from ckptd.common.files import real_dir_at
+from ckptd.daemon.storage.fs import TMP_MARK, ForeignEntry, lkind, read_file
 from ckptd.daemon.storage.posix_parts import PosixStepReader
 from ckptd.daemon.storage.posix_tree import PosixTree
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
 
 
 class PosixFiles:

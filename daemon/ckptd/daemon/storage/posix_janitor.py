@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
+from ckptd.common.files import real_dir_at, real_file_at
 from ckptd.daemon.storage.base import Leftover
 from ckptd.daemon.storage.fs import (
     DELETING_PREFIX,
@@ -25,8 +25,6 @@ from ckptd.daemon.storage.fs import (
     make_dirs,
     open_dir,
     own_entry,
-    real_dir_at,
-    real_file_at,
     remove_own_tree,
     tmp_name,
     tree_bytes,
@@ -37,6 +35,7 @@ from ckptd.daemon.storage.posix_catalog import PosixCatalog
 from ckptd.daemon.storage.posix_tree import PosixTree, is_real_dir
 from ckptd.daemon.storage.posix_writing import PosixWriting
 from ckptd.daemon.storage.root_lock import NodeClaim
+from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
 
 log = logging.getLogger(__name__)
 

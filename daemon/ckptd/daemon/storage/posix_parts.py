@@ -8,6 +8,7 @@ import errno
 import os
 from pathlib import Path
 
+from ckptd.common.files import real_dir_at
 from ckptd.daemon.storage.fs import (
     ForeignEntry,
     create_file,
@@ -16,7 +17,6 @@ from ckptd.daemon.storage.fs import (
     open_recycled,
     pwrite_all,
     read_file,
-    real_dir_at,
     start_writeback,
     tmp_name,
     unlink_own,

@@ -10,9 +10,10 @@ import os
 import stat
 from pathlib import Path
 
+from ckptd.common.files import real_dir_at, real_file_at
 from ckptd.common.names import check_job_id
+from ckptd.daemon.storage.fs import RECYCLE_DIR, ForeignEntry, lkind, open_for_reading
 from ckptd.format.index import INDEX_NAME, LATEST, parse_step_dir_name, step_dir_name
-from ckptd.daemon.storage.fs import RECYCLE_DIR, ForeignEntry, lkind, open_for_reading, real_dir_at, real_file_at
 
 ROOT_ID_FILE = ".ckptd-root-id"  # the root's id (PosixCatalog.root_id): a directory holding one is a storage root
 

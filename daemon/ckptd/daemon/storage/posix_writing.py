@@ -9,7 +9,6 @@ import logging
 import os
 from pathlib import Path
 
-from ckptd.format.index import INDEX_NAME, LATEST, step_dir_name
 from ckptd.daemon.storage.base import FreeSpace, RecycledFile
 from ckptd.daemon.storage.fs import (
     TMP_MARK,
@@ -26,6 +25,7 @@ from ckptd.daemon.storage.fs import (
 )
 from ckptd.daemon.storage.posix_parts import PosixPartWriter, link_committed_file
 from ckptd.daemon.storage.posix_tree import PosixTree, is_real_dir
+from ckptd.format.index import INDEX_NAME, LATEST, step_dir_name
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
+from ckptd.daemon.storage.base import StepCatalog, StepWriting
 from ckptd.format.index import INDEX_NAME
 from ckptd.format.units import is_data_file
-from ckptd.daemon.storage.base import StepCatalog, StepWriting
 
 DATA, SMALL, INDEX = 0, 1, 2  # the publishing stages of a step's files, in order
 
