@@ -984,7 +984,10 @@ def run_size(run: Run, size: float, reps: int, prev: SizeCost | None) -> tuple[S
             print(f"[{size:g} GiB] round {i + 1}/{reps} done in {round_times[-1]:.0f} s ({', '.join(order)})", flush=True)
         if round_times:
             cost = SizeCost(size, setup_s, statistics.median(round_times))
-        if run.args.profile == "all" or (run.args.profile == "first" and size == run.args.sizes[0]):
+        wanted = run.args.profile == "all" or (run.args.profile == "first" and size == run.args.sizes[0])
+        if wanted and run.deadline is not None and run.deadline - time.monotonic() < reserve + 2 * round_est:
+            r.profile = [f"profile at {size:g} GiB not run: the time budget ran out (run it alone: --sizes {size:g} --reps 1)"]
+        elif wanted:
             try:
                 r.profile = profile_size(run, r, w, savers, daemon)
             except Exception as exc:  # the profile informs; it decides no target
