@@ -793,10 +793,21 @@ def profile_size(run: "Run", r: SizeResults, w: Workload, savers: dict[str, Any]
         found += gpu_profile.capture([(label, fn)], daemon.pid if daemon is not None else None, trace)
         while settle:
             settle.pop()()
+    restore = None
+    if modes:  # the restore of the last profiled save, from the daemon's memory: copies against host time
+        last = savers[modes[-1]]
+        trace = run.workdir / f"profile-{r.size_gib:g}-restore.json"
+        restore = gpu_profile.capture([("restore", lambda: last.client.load(w.state, step=last.steps[0]))],
+                                      daemon.pid if daemon is not None else None, trace)[0]
     extra = {m: savers[m].registrations() - registered[m] for m in modes}
     title = (f"profile at {r.size_gib:g} GiB ({r.tensors} tensors): one training step without a save, and with a save in "
              f"flight per mode" + (f"; save copies cut every {run.args.chunk_mib} MiB" if run.args.chunk_mib else ""))
     lines = gpu_profile.table(found, title)
+    if restore is not None:
+        gbps = r.nbytes / (restore.save_copy_ms / 1e3) / 1e9 if restore.save_copy_ms else math.nan
+        lines.append(f"restore ({modes[-1]}, from the daemon's memory): load() {restore.wall_ms:.2f} ms, its host->device copies "
+                     f"{restore.save_copy_ms:.2f} ms ({gbps:.1f} GB/s), the rest (host work, RPCs) "
+                     f"{restore.wall_ms - restore.save_copy_ms:.2f} ms; {sum(restore.register_calls.values())} page-locking calls")
     lines.append("arena registrations by the clients during the profiled saves: "
                  + ", ".join(f"{m} {n}" for m, n in extra.items()) + f"; traces: profile-{r.size_gib:g}-*.json (kept with --keep)")
     return lines
