@@ -619,13 +619,13 @@ class FakeCuda:
 
 class InFlightCuda(FakeCuda):
     """FakeCuda with two rules more, on memory that copies in flight use (the restore tests'
-    stand-in, tests/client/test_cuda_restore.py):
+    stand-in, tests/client/test_cuda_restore.py; numbered apart from the module's rules):
 
-    5. An asynchronous copy out of host memory reads it when it runs, not when it is issued:
+    In-flight A. An asynchronous copy out of host memory reads it when it runs, not when it is issued:
        host bytes changed in between (a staging buffer refilled while its copy waits) are a
        device fault, `RuntimeError("fakecuda: host memory ... changed ...")`, raised by the next
        wait, where CUDA would silently copy the new bytes.
-    6. Device memory that a copy still queued on a stream will write must not be read before that
+    In-flight B. Device memory that a copy still queued on a stream will write must not be read before that
        copy ran: a copy out of it, or a kernel `use(tensor)`, that runs first (on the host's
        stream: one issued first) raises `RuntimeError("fakecuda: ... read before ...")` (the stream
        order that makes targets safe to use is missing).
@@ -652,7 +652,7 @@ class InFlightCuda(FakeCuda):
                 "ran: the reading stream is not ordered after the copy (wait_event / wait_stream, or synchronize)")
 
     def use(self, tensor: torch.Tensor, what: str = "a kernel") -> None:
-        """A kernel on the current stream reads `tensor` (device memory): rule 6."""
+        """A kernel on the current stream reads `tensor` (device memory): in-flight rule B."""
         storage = tensor.untyped_storage()
         before = self._writes_over(storage.data_ptr(), storage.nbytes())
 
