@@ -332,3 +332,41 @@ def test_finish_blocks_the_host_until_the_copies_are_done_even_under_a_side_comp
     arena.fill_(9)  # the daemon's next save into the arena
     torch.cuda.synchronize()
     assert torch.equal(target, torch.full((64,), 3, dtype=torch.uint8))
+
+
+def test_a_client_restores_onto_devices_from_the_daemons_memory_and_from_files(daemons, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """End to end on the stand-in: a real daemon, the real CudaBackend; the first load copies from
+    the arenas, the one after a daemon restart reads the files through the staging pool."""
+    from torch import nn
+
+    from ckptd.client import CheckpointClient, cuda_restore
+
+    cuda = fakecuda.InFlightCuda().install(monkeypatch)
+    monkeypatch.setattr(cuda_restore, "pinned_buffer", Pinned(cuda))
+
+    def model() -> nn.Module:
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+        for p in m.parameters():
+            cuda.to_device(p)
+        return m
+
+    saved = model()
+    daemon = daemons.start()
+    with CheckpointClient("rst", address=daemon.address, rank=0, world_size=1, mode="copy", on_error="raise") as ckpt:
+        ckpt.save(3, {"model": saved}).wait_durable(timeout=60)
+        for source in ("memory", "files"):
+            if source == "files":
+                daemon.stop()
+                daemon = daemons.start()
+            fresh = model()
+            before = len(cuda.copies)
+            with CheckpointClient("rst", address=daemon.address, rank=0, world_size=1, on_error="raise") as reader:
+                assert {c.step: c.in_memory for c in reader.list()}[3] == (source == "memory")
+                assert reader.load({"model": fresh}) == 3
+                restorer = reader._handoff.backend.restorer
+                assert restorer.pool.allocations == (0 if source == "memory" else 1)  # files: one wave, one slot
+            for a, b in zip(saved.parameters(), fresh.parameters()):
+                cuda.use(b)
+                assert torch.equal(a, b)
+            uploads = [c for c in cuda.copies[before:] if c.kind == "H2D"]
+            assert uploads and all(c.non_blocking for c in uploads), (source, uploads)

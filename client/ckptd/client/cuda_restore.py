@@ -103,9 +103,9 @@ class StagingPool:
     read it are done. allocate: makes a pinned flat uint8 buffer (default `pinned_buffer`)."""
 
     def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES,
-                 allocate: Callable[[int], torch.Tensor] = pinned_buffer) -> None:
+                 allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self.slot_bytes = slot_bytes
-        self._allocate = allocate
+        self._allocate = allocate if allocate is not None else pinned_buffer
         self._slots: list[_Slot | None] = [None] * slots
         self._next = 0
         self.allocations = 0  # pinned buffers made (cudaHostAlloc calls)
