@@ -615,3 +615,90 @@ class FakeCuda:
         monkeypatch.setattr(torch, "_foreach_copy_", self.foreach_copy)
         monkeypatch.setattr(torch, "as_tensor", self.as_tensor)
         return self
+
+
+class InFlightCuda(FakeCuda):
+    """FakeCuda with two rules more, on memory that copies in flight use (the restore tests'
+    stand-in, tests/client/test_cuda_restore.py; numbered apart from the module's rules):
+
+    In-flight A. An asynchronous copy out of host memory reads it when it runs, not when it is issued:
+       host bytes changed in between (a staging buffer refilled while its copy waits) are a
+       device fault, `RuntimeError("fakecuda: host memory ... changed ...")`, raised by the next
+       wait, where CUDA would silently copy the new bytes.
+    In-flight B. Device memory that a copy still queued on a stream will write must not be read before that
+       copy ran: a copy out of it, or a kernel `use(tensor)`, that runs first (on the host's
+       stream: one issued first) raises `RuntimeError("fakecuda: ... read before ...")` (the stream
+       order that makes targets safe to use is missing).
+
+    pending_writes: op id -> (address, bytes, stream name) of copies into device memory not yet run.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.pending_writes: dict[int, tuple[int, int, str]] = {}
+        self._ids = 0
+
+    def _writes_over(self, ptr: int, nbytes: int) -> list[int]:
+        return [k for k, (p, n, _) in self.pending_writes.items() if p < ptr + nbytes and ptr < p + n]
+
+    def _read_problem(self, tensor: torch.Tensor, before: list[int], what: str) -> str | None:
+        """Why a read of `tensor` that ran now came too early: writes pending before it still are."""
+        storage = tensor.untyped_storage()
+        early = [k for k in self._writes_over(storage.data_ptr(), storage.nbytes()) if k in before]
+        if not early:
+            return None
+        p, n, stream = self.pending_writes[early[0]]
+        return (f"fakecuda: {what} of device memory [{p:#x}, +{n}) read before the copy on stream {stream} that writes it "
+                "ran: the reading stream is not ordered after the copy (wait_event / wait_stream, or synchronize)")
+
+    def use(self, tensor: torch.Tensor, what: str = "a kernel") -> None:
+        """A kernel on the current stream reads `tensor` (device memory): in-flight rule B."""
+        storage = tensor.untyped_storage()
+        before = self._writes_over(storage.data_ptr(), storage.nbytes())
+
+        def run() -> None:
+            problem = self._read_problem(tensor, before, what)
+            if problem is not None:
+                raise RuntimeError(problem)
+
+        stream = self.current_stream()
+        if stream.host:  # the host's own stream runs it now: fail here, as the wrong values would be used here
+            run()
+        else:
+            self.launch(stream, run, what)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False, via: str = "copy_") -> torch.Tensor:
+        to_device, from_device = self.is_device(dst), self.is_device(src)
+        if not (to_device or from_device):
+            return super().copy(dst, src, non_blocking, via)
+        nbytes = src.numel() * src.element_size()
+        snapshot = ctypes.string_at(src.data_ptr(), nbytes) if non_blocking and not from_device and nbytes else None
+        before = self._writes_over(src.untyped_storage().data_ptr(), src.untyped_storage().nbytes()) if from_device else []
+        stream = self.current_stream()
+        with self.cond:
+            queued = len(stream.ops)
+            out = super().copy(dst, src, non_blocking, via)
+            op = stream.ops[-1] if len(stream.ops) > queued and stream.ops[-1].kind == "run" else None
+            if op is None:  # it ran already
+                problem = self._read_problem(src, before, "a copy") if from_device else None
+                if problem is not None:
+                    raise RuntimeError(problem)
+                return out
+            self._ids += 1
+            key, inner = self._ids, op.fn
+            if to_device:
+                self.pending_writes[key] = (dst.data_ptr(), dst.numel() * dst.element_size(), stream.name)
+
+            def run() -> None:
+                self.pending_writes.pop(key, None)
+                problem = self._read_problem(src, before, "a copy") if from_device else None
+                if problem is not None:
+                    raise RuntimeError(problem)
+                if snapshot is not None and ctypes.string_at(src.data_ptr(), nbytes) != snapshot:
+                    raise RuntimeError(f"fakecuda: host memory [{src.data_ptr():#x}, +{nbytes}) changed after an asynchronous "
+                                       "copy out of it was issued and before it ran (a buffer reused while a copy still reads it)")
+                if inner is not None:
+                    inner()
+
+            op.fn = run
+        return out

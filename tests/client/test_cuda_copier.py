@@ -235,3 +235,33 @@ def test_overlap_save_returns_before_the_copy_and_stalls_less_than_copy(daemon) 
     copy_s = min(c for _, c in copies if c is not None)
     stall = max(s for s, _ in overlaps)
     assert stall < copy_s / 2, (overlaps, copies)  # returns well before the copy could be done
+
+
+def test_a_restore_merges_stages_in_waves_and_is_bit_exact(arena_file: str) -> None:
+    """ckptd.client.cuda_restore on the GPU: adjacent pieces of an arena into a flat parameter
+    buffer in one copy, converted pieces through the double-buffered staging pool, every byte
+    exact once `finish` returns, and the compute stream ordered after the copies."""
+    from ckptd.client.cuda_copier import PinnedArenas
+    from ckptd.client.cuda_restore import CudaRestorer, StagingPool
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    _sized(arena_file, 16 * MB)
+    arenas = PinnedArenas()
+    arena = arenas.get(arena_file, 16 * MB).host
+    arena.copy_(torch.randint(0, 255, (16 * MB,), dtype=torch.uint8))
+    flat = torch.zeros(4 * MB, device=device)  # 16 MiB of fp32: two 8 MiB parameters
+    pairs = [(arena[: 8 * MB].view(torch.float32), flat[: 2 * MB]), (arena[8 * MB :].view(torch.float32), flat[2 * MB :])]
+    restorer = CudaRestorer(StagingPool(slot_bytes=4 * MB))
+    restore = restorer.begin()
+    restore.upload(pairs)
+    targets = [torch.empty(4 * MB, dtype=torch.uint8, device=device) for _ in range(4)]
+    for i, target in enumerate(targets):  # four waves through two slots: the third waits for the first's copy
+        staged = restore.staging(4 * MB)
+        staged.fill_(i + 1)
+        restore.upload([(staged[: 4 * MB], target)])
+    restore.finish()
+    assert restore.uploads == 5 and restore.pairs == 6
+    assert torch.equal(flat.view(torch.uint8).cpu(), arena)
+    assert [bool((t == i + 1).all().item()) for i, t in enumerate(targets)] == [True] * 4
+    restorer.close()
+    arenas.close()

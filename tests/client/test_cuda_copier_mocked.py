@@ -289,14 +289,6 @@ def test_the_copy_plan_is_built_once_for_the_same_placements_and_rebuilt_when_th
     arenas.close()
 
 
-def test_restores_wait_for_their_side_stream(cuda) -> None:  # noqa: ANN001
-    host = torch.arange(6.0)
-    target = cuda.to_device(torch.zeros(6))
-    cuda_module.copy_to_devices([(host, target)])
-    assert torch.equal(target, host)
-    assert [c.non_blocking for c in cuda.copies] == [False]  # pageable source: a synchronous copy
-
-
 def test_cuda_problem_on_a_cpu_build() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")

@@ -85,6 +85,26 @@ class FakeStaging:
         self.freed = True
 
 
+class FakeRestore:
+    """A load's host-to-device copies (ckptd.client._handoff.base.DeviceRestore), done at once;
+    each call is recorded in `events` ("staging", bytes), ("upload", pairs), ("finish",)."""
+
+    def __init__(self, events: list[tuple]) -> None:
+        self.events = events
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        self.events.append(("staging", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.events.append(("upload", len(pairs)))
+        for host, target in pairs:
+            target.copy_(host)
+
+    def finish(self) -> None:
+        self.events.append(("finish",))
+
+
 class FakeBackend:
     """owns(): the tensors passed in (by their memory); everything else is a CPU tensor.
 
@@ -157,13 +177,8 @@ class FakeBackend:
         self.stagings.append(staging)
         return staging
 
-    def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.events.append(("to_devices", len(pairs)))
-        for host, target in pairs:
-            target.copy_(host)
-
-    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype)
+    def restore(self) -> "FakeRestore":
+        return FakeRestore(self.events)
 
     def close(self) -> None:
         for _, host in self._maps.values():

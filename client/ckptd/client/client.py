@@ -22,7 +22,7 @@ from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
-from ckptd.client.reader.fill import Fill, MemoryCopies, device_fills, fill_all
+from ckptd.client.reader.fill import Fill, MemoryCopies, fill_all, fill_onto_devices
 from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, SaveGrant, SaveOptions, StatusResponse
 from ckptd.client.environment import meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
@@ -418,13 +418,11 @@ class CheckpointClient:
                 del known[next(iter(known))]
         if moves is not None and moves.run(self._pool, self._maps):
             return
-        to_device: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if any(owns(fill.target) for fill in fills):
-            fills, to_device = device_fills(fills, self._handoff.backend, owns)
         with torch.no_grad():
-            fill_all(self._pool, self._maps, fills)
-            if to_device:
-                self._handoff.backend.to_devices(to_device)
+            if any(owns(fill.target) for fill in fills):
+                fill_onto_devices(self._pool, self._maps, fills, self._handoff.backend, owns)
+            else:
+                fill_all(self._pool, self._maps, fills)
 
     # ------------------------------------------------------------ queries
 

@@ -313,23 +313,6 @@ class CudaCopier:
         self._streams.clear()
 
 
-def copy_to_devices(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Restore: copy each (host tensor, CUDA target) pair host-to-device on a side stream per
-    device and wait until done; the targets' current streams then see the values (they wait
-    on the side streams too, so later kernels cannot read them early)."""
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-    for host, target in pairs:
-        stream = streams.get(target.device)
-        if stream is None:
-            stream = streams[target.device] = torch.cuda.Stream(device=target.device)
-            stream.wait_stream(torch.cuda.current_stream(target.device))
-        with torch.cuda.stream(stream):
-            target.copy_(host, non_blocking=host.is_pinned())
-    for device, stream in streams.items():
-        stream.synchronize()
-        torch.cuda.current_stream(device).wait_stream(stream)
-
-
 def cuda_problem() -> str | None:
     """Why CUDA cannot be used in this process, or None when it can."""
     if not torch.cuda.is_available():

@@ -44,6 +44,20 @@ class Copy(Protocol):
     def fence(self, host: bool = False) -> None: ...
 
 
+class DeviceRestore(Protocol):
+    """One load's host-to-device copies (see ckptd.client.cuda_restore.CudaRestore)."""
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer of at least `nbytes` bytes that copies read at full speed;
+        valid until the next `staging` call of this load."""
+
+    def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue the copies of (host, device target) pairs; returns without waiting."""
+
+    def finish(self) -> None:
+        """Block until every copy is done; the targets' streams see the values."""
+
+
 class DeviceBackend(Protocol):
     """What the hand-off needs from a device (see ckptd.client._handoff.cuda.CudaBackend)."""
 
@@ -59,11 +73,8 @@ class DeviceBackend(Protocol):
     def staging(self, device: torch.device, nbytes: int) -> Any:
         """A device staging buffer (ckptd.client.staging_buffer.DeviceStaging); raises IpcUnavailable."""
 
-    def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each (host, device target) pair and wait."""
-
-    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor from which host-to-device copies run at full speed."""
+    def restore(self) -> "DeviceRestore":
+        """The host-to-device copies of one load (ckptd.client.reader.fill.fill_onto_devices)."""
 
     def close(self) -> None: ...
 

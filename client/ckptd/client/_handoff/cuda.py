@@ -45,6 +45,7 @@ class CudaBackend:
             raise RuntimeError(problem)
         self.pinned = PinnedArenas()
         self.copier = CudaCopier()
+        self.restorer: Any = None  # ckptd.client.cuda_restore.CudaRestorer, made by the first restore
 
     @staticmethod
     def owns(tensor: torch.Tensor) -> bool:
@@ -63,17 +64,20 @@ class CudaBackend:
 
         return DeviceStaging.allocate(device, nbytes)
 
-    def to_devices(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        from ckptd.client.cuda_copier import copy_to_devices
+    def restore(self) -> Any:
+        """A load's host-to-device copies (ckptd.client.cuda_restore.CudaRestore): its pinned
+        staging pool and copy streams are made on the first load and reused."""
+        if self.restorer is None:
+            from ckptd.client.cuda_restore import CudaRestorer
 
-        copy_to_devices(pairs)
-
-    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+            self.restorer = CudaRestorer()
+        return self.restorer.begin()
 
     def close(self) -> None:
         self.copier.close()
         self.pinned.close()
+        if self.restorer is not None:
+            self.restorer.close()
 
 
 class DeviceCopyTransport:

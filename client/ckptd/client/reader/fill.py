@@ -35,6 +35,7 @@ from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
 BATCHES = max(2, os.cpu_count() or 1)  # batches of small pieces per fill
 MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
+WAVE_BYTES = 64 * 2**20  # device restores: bytes read into pinned staging before their copies are queued
 T = TypeVar("T")
 
 
@@ -326,29 +327,65 @@ def _fill_strided(maps: ArenaMaps, part: _Part) -> None:
     fill.target[relative(part.common, fill.want)].copy_(rows[(slice(None), *inside[1:])])
 
 
-def device_fills(
-    fills: Sequence[Fill], backend: Any, owns: Callable[[torch.Tensor], bool]
-) -> tuple[list[Fill], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Restore onto GPUs (`owns(target)`; backend: ckptd.client._handoff.base.DeviceBackend): a
-    fragment that is whole in the daemon's memory goes host-to-device straight from the pinned
-    arena; anything else is assembled in a pinned host tensor first (read, resharded, converted
-    by the CPU path), which then goes over. Returns the fills to run on the CPU and the (host,
-    device target) pairs to copy after them."""
-    host_fills: list[Fill] = []
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+def fill_onto_devices(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill], backend: Any,
+                      owns: Callable[[torch.Tensor], bool], wave_bytes: int = WAVE_BYTES) -> None:
+    """Fill `fills` where some targets are on GPUs (`owns(target)`; backend:
+    ckptd.client._handoff.base.DeviceBackend), and block until every byte is in place.
+
+    A fragment that is whole in the daemon's memory goes host-to-device straight from the pinned
+    arena, queued first, so the copy engine works while the CPU does the rest. CPU targets are
+    filled meanwhile. Anything else is assembled in the restore's pinned staging buffers (read,
+    resharded, converted by the CPU path) in waves of about `wave_bytes`: each wave's copies are
+    queued as soon as its reads are done, while the next wave is read into the other buffer."""
+    restore = backend.restore()
+    try:
+        host_fills: list[Fill] = []
+        direct: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: list[Fill] = []
+        for fill in fills:
+            target = fill.target
+            if not owns(target):
+                host_fills.append(fill)
+                continue
+            src = fill.sources[0] if len(fill.sources) == 1 else None
+            if (src is not None and src.box == fill.want and src.kind == "shm"
+                    and src.dtype == _dtype_name(target.dtype) and target.numel()):
+                arena = backend.host_view(src.path, src.offset + src.nbytes)
+                direct.append((arena[src.offset : src.offset + src.nbytes].view(target.dtype).view(target.shape), target))
+            else:
+                staged.append(fill)
+        if direct:
+            restore.upload(direct)
+        if host_fills:
+            fill_all(pool, maps, host_fills)
+        for wave, total in _waves(staged, wave_bytes):
+            buffer = restore.staging(total)
+            pairs = [(buffer[off : off + _nbytes(f.target)].view(f.target.dtype).view(f.target.shape), f.target) for f, off in wave]
+            fill_all(pool, maps, [Fill(host, f.want, f.sources) for (f, _), (host, _) in zip(wave, pairs)])
+            restore.upload(pairs)
+    finally:
+        restore.finish()  # also on an error: nothing may still read an arena or a staging buffer
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _waves(fills: Sequence[Fill], wave_bytes: int) -> list[tuple[list[tuple[Fill, int]], int]]:
+    """`fills` packed in order into waves of at most `wave_bytes` (a larger fill: a wave alone):
+    per wave, each fill with its offset (aligned to its element size, so that equal dtypes pack
+    without gaps), and the wave's bytes."""
+    waves: list[tuple[list[tuple[Fill, int]], int]] = []
+    wave: list[tuple[Fill, int]] = []
+    used = 0
     for fill in fills:
-        target = fill.target
-        if not owns(target):
-            host_fills.append(fill)
-            continue
-        whole = [s for s in fill.sources if s.box == fill.want]
-        if (len(fill.sources) == 1 and whole and whole[0].kind == "shm"
-                and whole[0].dtype == _dtype_name(target.dtype) and target.numel()):
-            src = whole[0]
-            arena = backend.host_view(src.path, src.offset + src.nbytes)
-            pairs.append((arena[src.offset : src.offset + src.nbytes].view(target.dtype).view(target.shape), target))
-            continue
-        host = backend.pinned_empty(target.shape, target.dtype)
-        host_fills.append(Fill(host, fill.want, fill.sources))
-        pairs.append((host, target))
-    return host_fills, pairs
+        n, align = _nbytes(fill.target), fill.target.element_size()
+        off = -(-used // align) * align
+        if wave and off + n > wave_bytes:
+            waves.append((wave, used))
+            wave, off = [], 0
+        wave.append((fill, off))
+        used = off + n
+    if wave:
+        waves.append((wave, used))
+    return waves
