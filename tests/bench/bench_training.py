@@ -13,6 +13,9 @@ rotates from round to round:
    training goes on until the save is durable;
 3. training time lost = the sum over the steps of that window of (step time - baseline).
 
+Beside it: the CPU seconds the system's own process (the daemon, DCP's process) and the
+trainer's process used in the window.
+
 Systems: `ckptd` (a daemon with its default background priority: nice +10, lowest best-effort IO
 priority; `client.save`, then `handle.wait_durable()` in a side thread), `ckptd-off` (a second
 daemon with `--background-nice 0 --background-ionice off`, as before issue 33; set through the
@@ -188,6 +191,9 @@ class Ckptd:
 
         return Pending(durable)
 
+    def pid(self) -> int:
+        return int(self.rig.daemon.pid) if self.rig.daemon is not None else 0
+
     def warm_up(self, state: State, saves: int) -> None:
         for _ in range(saves):
             self.step += 1
@@ -224,6 +230,9 @@ class Dcp:
         return Pending(durable, before_update=lambda: response.staging_completion.result(),
                        cleanup=lambda: shutil.rmtree(path, ignore_errors=True))
 
+    def pid(self) -> int:
+        return self.session.child_pid() or 0
+
     def warm_up(self, state: State, saves: int) -> None:
         for _ in range(saves):
             self.session.save(state)
@@ -257,6 +266,8 @@ class Window:
     steps: list[float] = field(default_factory=list)
     call_s: float = 0.0  # the save call's own time, inside the first step
     durable_s: float = 0.0  # from the save call until durable was seen (at the end of a step)
+    helper_cpu_s: float = 0.0  # CPU seconds of the system's own process (daemon, DCP's process) in the window
+    trainer_cpu_s: float = 0.0  # CPU seconds of this process (the trainer and, for DCP, its staging) in the window
 
     @property
     def base(self) -> float:
@@ -272,6 +283,8 @@ def measure(trainer: Trainer, system: Ckptd | Dcp, state: State, baseline_steps:
     gc.collect()
     bh.QUIET.settle()
     window = Window([trainer.timed_step() for _ in range(baseline_steps)])
+    helper = system.pid()
+    helper_cpu, trainer_cpu = bh.total_cpu([helper]) if helper else 0.0, time.process_time()
     start = time.perf_counter()
     pending = system.save(state)
     window.call_s = time.perf_counter() - start
@@ -283,6 +296,9 @@ def measure(trainer: Trainer, system: Ckptd | Dcp, state: State, baseline_steps:
                 raise RuntimeError(f"{system.name}: the save was not durable after {WINDOW_LIMIT_S:.0f} s")
             window.steps.append(trainer.timed_step(pending.before_update))
         window.durable_s = time.perf_counter() - start
+        window.trainer_cpu_s = time.process_time() - trainer_cpu
+        helper = helper or system.pid()
+        window.helper_cpu_s = bh.total_cpu([helper]) - helper_cpu if helper else 0.0
     finally:
         pending.cleanup()
     return window
@@ -293,6 +309,8 @@ def record(run: bh.Run, name: str, w: Window) -> None:
     run.add(f"{name}.durable", f"{name}: save until durable (the window)", "s", w.durable_s)
     run.add(f"{name}.call", f"{name}: the save call (in the first step)", "s", w.call_s)
     run.add(f"{name}.base", f"{name}: baseline step (median, no save)", "s", w.base)
+    run.add(f"{name}.helper_cpu", f"{name}: CPU of its process ({'daemon' if name != 'dcp' else 'DCP process'}) in the window", "s", w.helper_cpu_s)
+    run.add(f"{name}.trainer_cpu", f"{name}: CPU of the trainer's process in the window", "s", w.trainer_cpu_s)
     run.add(f"{name}.steps", f"{name}: steps in the window", "", float(len(w.steps)))
     run.add(f"{name}.slowdown", f"{name}: mean step in the window / baseline", "", statistics.mean(w.steps) / w.base)
 
@@ -370,16 +388,6 @@ def start_systems(args: argparse.Namespace, workdir: Path, stack: contextlib.Exi
     return systems
 
 
-def watched_pids(systems: dict[str, Ckptd | Dcp]) -> list[int]:
-    pids = []
-    for s in systems.values():
-        if isinstance(s, Ckptd):
-            pids.append(s.rig.daemon.pid if s.rig.daemon is not None else 0)
-        else:
-            pids.append(s.session.child_pid() or 0)
-    return pids
-
-
 def report(run: bh.Run, header: list[str], started: float, systems: list[str]) -> list[bh.Verdict]:
     verdicts = [bh.Verdict(t, t.per_round(run)) for t in targets(systems)]
     print()
@@ -437,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"padding in {PAD_BYTES >> 20} MiB tensors")
             print("\n".join(header[-2:]), flush=True)
             systems = start_systems(args, workdir, stack)
-            bh.QUIET.pids = lambda: watched_pids(systems)
+            bh.QUIET.pids = lambda: [s.pid() for s in systems.values()]
             bh.run_part("warm-up", run, lambda: [s.warm_up(state, args.warmup_saves or 0) for s in systems.values()])
             if "warm-up" not in run.errors:
                 bh.run_part("rounds", run, lambda: rounds(trainer, systems, state, args, run))
