@@ -11,7 +11,9 @@ rotates from round to round:
    steps without a save: their median is the round's baseline step time;
 2. the save starts inside a step (its call's own time, the stall, counts in that step) and
    training goes on until the save is durable;
-3. training time lost = the sum over the steps of that window of (step time - baseline).
+3. `--baseline-steps` steps more without a save; the baseline is the median of these and the
+   first ones (both sides of the window: the load of the machine drifts);
+4. training time lost = the sum over the steps of that window of (step time - baseline).
 
 Beside it: the CPU seconds the system's own process (the daemon, DCP's process) and the
 trainer's process used in the window.
@@ -99,17 +101,20 @@ class Trainer:
         return time.perf_counter() - start
 
     def calibrate(self, target_s: float) -> float:
-        """Set the batch so that a step takes about target_s; returns the step's seconds then (the
-        best of three: other work on the machine only ever adds)."""
-        took = target_s
-        for _ in range(10):
+        """Set the batch so that a step takes about target_s: the median of 5 steps within 20% of
+        it twice in a row (a burst of other work on the machine misleads one probe); returns the
+        last probe's seconds."""
+        took, hits = target_s, 0
+        for _ in range(12):
             self.x = torch.randn(self.batch, HIDDEN)
             self.timed_step()  # warm-up at this size
-            took = min(self.timed_step() for _ in range(3))
-            if 0.85 * target_s <= took <= 1.15 * target_s:
+            took = statistics.median(self.timed_step() for _ in range(5))
+            hits = hits + 1 if 0.8 * target_s <= took <= 1.2 * target_s else 0
+            if hits == 2:
                 break
-            factor = min(4.0, max(0.25, target_s / took))
-            self.batch = max(8, min(1 << 16, round(self.batch * factor)))
+            if hits == 0:
+                factor = min(4.0, max(0.25, target_s / took))
+                self.batch = max(8, min(1 << 16, round(self.batch * factor)))
         return took
 
     def state(self, total_bytes: int) -> State:
@@ -262,7 +267,7 @@ def environ(values: dict[str, str]) -> Iterator[None]:
 class Window:
     """One save measured: baseline step times, then the step times from the save's start until durable."""
 
-    baseline: list[float]
+    baseline: list[float]  # before and after the window
     steps: list[float] = field(default_factory=list)
     call_s: float = 0.0  # the save call's own time, inside the first step
     durable_s: float = 0.0  # from the save call until durable was seen (at the end of a step)
@@ -301,6 +306,7 @@ def measure(trainer: Trainer, system: Ckptd | Dcp, state: State, baseline_steps:
         window.helper_cpu_s = bh.total_cpu([helper]) - helper_cpu if helper else 0.0
     finally:
         pending.cleanup()
+    window.baseline += [trainer.timed_step() for _ in range(baseline_steps)]
     return window
 
 
@@ -308,7 +314,7 @@ def record(run: bh.Run, name: str, w: Window) -> None:
     run.add(f"{name}.lost", f"{name}: training time lost per save", "s", w.lost_s)
     run.add(f"{name}.durable", f"{name}: save until durable (the window)", "s", w.durable_s)
     run.add(f"{name}.call", f"{name}: the save call (in the first step)", "s", w.call_s)
-    run.add(f"{name}.base", f"{name}: baseline step (median, no save)", "s", w.base)
+    run.add(f"{name}.base", f"{name}: baseline step (median, no save, before and after)", "s", w.base)
     run.add(f"{name}.helper_cpu", f"{name}: CPU of its process ({'daemon' if name != 'dcp' else 'DCP process'}) in the window", "s", w.helper_cpu_s)
     run.add(f"{name}.trainer_cpu", f"{name}: CPU of the trainer's process in the window", "s", w.trainer_cpu_s)
     run.add(f"{name}.steps", f"{name}: steps in the window", "", float(len(w.steps)))
@@ -349,7 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size-gib", type=float, default=None, help="state saved, GiB (default: 1; --quick: 1/16)")
     p.add_argument("--step-ms", type=float, default=None, help="target step time, ms (default: 100; --quick: 50)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads of the trainer (default: every core)")
-    p.add_argument("--baseline-steps", type=int, default=None, help="steps without a save before each (default: 10; --quick: 5)")
+    p.add_argument("--baseline-steps", type=int, default=None, help="steps without a save before and after each (default: 10; --quick: 5)")
+    p.add_argument("--batch", type=int, default=None, help="the trainer's batch (default: calibrated to --step-ms)")
     p.add_argument("--warmup-saves", type=int, default=None, help="untimed saves per system before the rounds (default: 3; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 64 MiB, 2 rounds, 50 ms steps (under a minute)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="scratch directory on the disk under test (default: ./bench-out)")
@@ -365,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.step_ms = args.step_ms if args.step_ms is not None else (50.0 if quick else 100.0)
     args.baseline_steps = args.baseline_steps if args.baseline_steps is not None else (5 if quick else 10)
     args.warmup_saves = args.warmup_saves if args.warmup_saves is not None else (1 if quick else 3)
-    if min(args.rounds, args.threads, args.baseline_steps) < 1 or args.size_gib <= 0 or args.step_ms <= 0 or args.warmup_saves < 0:
+    if min(args.rounds, args.threads, args.baseline_steps, args.batch or 1) < 1 or args.size_gib <= 0 or args.step_ms <= 0 or args.warmup_saves < 0:
         p.error("--rounds, --threads, --baseline-steps must be >= 1, --size-gib and --step-ms > 0, --warmup-saves >= 0")
     return args
 
@@ -436,11 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             stack.callback(gc.collect)
             trainer = Trainer()
-            step_s = trainer.calibrate(args.step_ms / 1e3)
+            if args.batch is None:
+                step_s = trainer.calibrate(args.step_ms / 1e3)
+            else:
+                trainer.batch = args.batch
+                trainer.x = torch.randn(trainer.batch, HIDDEN)
+                step_s = statistics.median(trainer.timed_step() for _ in range(5))
             state = trainer.state(int(args.size_gib * bs.GIB))
             every = [t for group in state.values() for t in group.values()]
             nbytes, ntensors = sum(t.nbytes for t in every), len(every)
-            header.append(f"trainer: MLP {LAYERS} x {HIDDEN}, batch {trainer.batch}, AdamW; step {step_s * 1e3:.0f} ms at calibration")
+            header.append(f"trainer: MLP {LAYERS} x {HIDDEN}, batch {trainer.batch}, AdamW; step {step_s * 1e3:.0f} ms at the start")
             header.append(f"state: {ntensors} fp32 tensors, {nbytes:,} bytes ({nbytes / bs.GIB:.2f} GiB): parameters, AdamW moments, "
                           f"padding in {PAD_BYTES >> 20} MiB tensors")
             print("\n".join(header[-2:]), flush=True)

@@ -22,7 +22,7 @@ import os
 import platform
 import threading
 from dataclasses import dataclass
-from typing import Final
+from typing import Callable, Final
 
 __all__ = [
     "IONICE_CLASSES", "BackgroundPriority", "PriorityError", "cpus_setting", "ionice_setting", "nice_setting", "parse_cpus", "thread_ionice",
@@ -73,6 +73,10 @@ class BackgroundPriority:
     @property
     def off(self) -> bool:
         return self.nice == 0 and self.ionice == "off" and not self.cpus
+
+    def initializer(self) -> Callable[[], None] | None:
+        """A thread pool's `initializer` that applies these values; None when they are all off."""
+        return None if self.off else self.apply
 
     def check(self) -> None:
         """Raise PriorityError when these values cannot be applied on this machine (an IO

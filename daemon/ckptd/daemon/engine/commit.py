@@ -286,7 +286,7 @@ class ThreadPool:
     created from it, inherit it."""
 
     def __init__(self, priority: BackgroundPriority | None = None) -> None:
-        initializer = priority.apply if priority is not None and not priority.off else None
+        initializer = priority.initializer() if priority is not None else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist", initializer=initializer)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -90,8 +90,7 @@ class RemoteTier(Tier):
         self._retrying = False  # the last attempt (start, catch-up or upload) failed
         self._max_backoff_s = FIX_BACKOFF_S[1]  # lowered by the test-only CKPTD_FAULT_S3_RETRY_S
         self._stop = threading.Event()
-        background = config.background_priority  # uploads run below the trainer (thread_priority.py)
-        initializer = None if background.off else background.apply
+        initializer = config.background_priority.initializer()  # uploads run below the trainer (thread_priority.py)
         self._transfers = ThreadPoolExecutor(self.streams, thread_name_prefix="ckptd-remote", initializer=initializer)
         self._control = ThreadPoolExecutor(4, thread_name_prefix="ckptd-remote-ctl", initializer=initializer)  # step drivers: never wait on themselves
         self._queue: dict[tuple[str, int], tuple[bool | None, float]] = {}  # (job, step) -> (shared root, committed at), commit order

@@ -90,7 +90,7 @@ class BulkServer:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
-        initializer = priority.apply if priority is not None and not priority.off else None
+        initializer = priority.initializer() if priority is not None else None
         self._pool = ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="ckptd-bulk", initializer=initializer)
         self._gate: Gate | None = None
         self.port = 0
