@@ -461,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             bh.run_part("warm-up", run, lambda: [s.warm_up(state, args.warmup_saves or 0) for s in systems.values()])
             if "warm-up" not in run.errors:
                 bh.run_part("rounds", run, lambda: rounds(trainer, systems, state, args, run))
+            bases = [b for k, v in run.series.items() if k.endswith(".base") for b in v]
+            if bases and not 0.5 <= statistics.median(bases) / step_s <= 2.0:
+                run.notes.append(
+                    f"the baseline steps ({statistics.median(bases) * 1e3:.0f} ms, median) are far from the step at the start "
+                    f"({step_s * 1e3:.0f} ms): the machine's load changed a lot; a 2-thread step is slowed most when another "
+                    "process takes a core (both threads wait at each operation's end), so only ratios within a round compare")
             if run.errors:
                 for name, s in systems.items():
                     log = s.rig.daemon.log_text() if isinstance(s, Ckptd) and s.rig.daemon is not None else (
