@@ -24,11 +24,11 @@ DAEMON_LAYERS: list[tuple[str, ...]] = [
     ("ckptd.daemon.tiers", "ckptd.daemon.remote"),
     ("ckptd.daemon.rpc",),  # conversion, validation, errors, auth, TLS, peer links and client
     ("ckptd.daemon.engine",),
-    ("ckptd.daemon.config", "ckptd.daemon.records", "ckptd.daemon.metrics"),  # settings, the engine's typed results
+    ("ckptd.daemon.config", "ckptd.daemon.records", "ckptd.daemon.metrics", "ckptd.daemon.peer_settings"),  # settings, the engine's typed results
     ("ckptd.daemon.write",),
     ("ckptd.daemon.handoff",),
     ("ckptd.daemon.plan",),
-    ("ckptd.daemon.storage", "ckptd.daemon.private_dirs"),
+    ("ckptd.daemon.storage", "ckptd.daemon.private_dirs", "ckptd.daemon.thread_priority"),
     ("ckptd.daemon.remote.location",),
     ("ckptd.daemon.errors", "ckptd.daemon.faults"),
 ]

@@ -131,6 +131,13 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("write_throttle", "0", "0", 0),
     ("disk_reserve", "10GiB", '"10GiB"', 10 << 30),
     ("disk_reserve", "0", "0", 0),
+    ("background_nice", "19", "19", 19),
+    ("background_nice", "0", "0", 0),
+    ("background_ionice", "Idle", '"idle"', "idle"),
+    ("background_ionice", "off", '"off"', "off"),
+    ("background_cpus", "0", "[0]", (0,)),
+    ("background_cpus", "0,0", '"0"', (0,)),
+    ("background_cpus", "", '""', ()),
     ("log_level", "WARNING", '"warning"', "warning"),
     ("log_json", "true", "true", True),
     ("log_json", "0", "false", False),
@@ -271,6 +278,14 @@ def test_sizes(text: str, expected: int) -> None:
         ("shm_budget", "half%", f"{BUDGET_EXPECTED}; 'half%' is not a percentage above 0 and at most 100"),
         ("idle_release_s", "-1", "a number of seconds > 0, or 0 (off)"),
         ("idle_release_s", "an hour", "a number of seconds > 0, or 0 (off)"),
+        # issue 33: the background threads' priority
+        ("background_nice", "20", "an integer from 0 (off) to 19"),
+        ("background_nice", "-5", "an integer from 0 (off) to 19"),
+        ("background_nice", "low", "an integer from 0 (off) to 19"),
+        ("background_ionice", "realtime", "one of 'best-effort', 'idle', 'off'"),
+        ("background_cpus", "two", "a CPU list such as '2-3' or '0,2,4' (empty: unset); CPU list 'two': 'two' is not a CPU number or range"),
+        ("background_cpus", "3-1", "a CPU list such as '2-3' or '0,2,4' (empty: unset); CPU list '3-1': '3-1' is not a CPU number or an ascending range"),
+        ("background_cpus", "100000", "a CPU list such as '2-3' or '0,2,4' (empty: unset); --background-cpus: CPU(s) 100000 are not among the CPUs this daemon may use"),
     ],
 )
 def test_bad_values_name_the_source(field: str, text: str, expected: str) -> None:

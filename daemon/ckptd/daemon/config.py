@@ -28,7 +28,9 @@ from ckptd.common.codecs import builtin as builtin_codecs
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
 from ckptd.daemon.handoff.shm_dir import ShmBudget
+from ckptd.daemon.peer_settings import peer_problems
 from ckptd.daemon.plan.retention import BEST_MODES, RetentionPolicy
+from ckptd.daemon.thread_priority import BackgroundPriority, PriorityError, cpus_setting, ionice_setting, nice_setting
 
 GiB: Final = 1 << 30
 ENV_PREFIX: Final = "CKPTD_"
@@ -84,6 +86,8 @@ class DaemonConfig:
         100 TB file system would hold back 1 TB; of a 50 GB disk, 500 MB): it covers what the
         check leaves out (the step's small files: indexes, extra.json), file system overhead, and
         leaves the node room to run (logs) when checkpoints fill its disk.
+    background_nice, background_ionice, background_cpus: what the threads that persist, write,
+        hash, replicate and upload run at (thread_priority.BackgroundPriority), below the trainer.
     log_level: one of debug, info, warning, error, critical.
     log_json: one JSON object per log line instead of plain text.
     node_rank: this daemon's place in `peers` (several nodes); node 0 coordinates.
@@ -129,6 +133,9 @@ class DaemonConfig:
     save_timeout_s: float = 600.0
     write_throttle: int = 0
     disk_reserve: int = GiB
+    background_nice: int = 10
+    background_ionice: str = "best-effort"
+    background_cpus: tuple[int, ...] = ()
     log_level: str = "info"
     log_json: bool = False
     node_rank: int = 0
@@ -166,7 +173,7 @@ class DaemonConfig:
                 continue
             if parsed != value or type(parsed) is not type(value):
                 object.__setattr__(self, name, parsed)  # normalize, e.g. "INFO" -> "info", str -> Path
-        errors += _peer_problems(self)
+        errors += peer_problems(self.node_rank, self.peers, self.peer_token, (self.peer_tls_cert, self.peer_tls_key, self.peer_tls_ca))
         if errors:
             raise ConfigError("\n".join(errors))
 
@@ -186,37 +193,13 @@ class DaemonConfig:
         return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every, keep_best=self.keep_best, best_mode=self.best_mode)
 
     @property
+    def background_priority(self) -> BackgroundPriority:
+        return BackgroundPriority(self.background_nice, self.background_ionice, self.background_cpus)
+
+    @property
     def peer_address(self) -> str:
         """This daemon's own daemon-to-daemon address (its entry in `peers`)."""
         return self.peers[self.node_rank]
-
-
-MIN_TOKEN_CHARS: Final = 16
-
-
-def _peer_problems(config: "DaemonConfig") -> list[str]:
-    tls = {"--peer-tls-cert": config.peer_tls_cert, "--peer-tls-key": config.peer_tls_key, "--peer-tls-ca": config.peer_tls_ca}
-    given = [flag for flag, value in tls.items() if value is not None]
-    if given and len(given) < len(tls):
-        missing = [flag for flag in tls if flag not in given]
-        return [f"{', '.join(given)} without {', '.join(missing)}: TLS on the peer port needs this daemon's certificate, its key and the CA, all three"]
-    if not config.peers:
-        if config.node_rank != 0:
-            return [f"--node-rank {config.node_rank} needs --peers: the daemon-to-daemon address of every node, in node-rank order"]
-        return []
-    problems = []
-    if config.node_rank >= len(config.peers):
-        problems.append(
-            f"--node-rank {config.node_rank} is not a position in --peers, which lists {len(config.peers)} nodes (0..{len(config.peers) - 1})"
-        )
-    if len(set(config.peers)) != len(config.peers):
-        problems.append(f"--peers lists an address twice: {','.join(config.peers)}; give each node its own host:port")
-    if len(config.peers) > 1 and len(config.peer_token) < MIN_TOKEN_CHARS:
-        problems.append(
-            f"several nodes need a shared secret of at least {MIN_TOKEN_CHARS} characters in --peer-token or "
-            f"{ENV_PREFIX}PEER_TOKEN (e.g. `openssl rand -hex 32`), the same on every node"
-        )
-    return problems
 
 
 # ------------------------------------------------------------------ parsers
@@ -374,6 +357,16 @@ def _peers(raw: Any, text: bool) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def _priority(parse: Callable[[Any], Any]) -> Parser:
+    """A parser of thread_priority's, whose PriorityError says what was expected."""
+    def wrapped(raw: Any, text: bool) -> Any:
+        try:
+            return parse(raw)
+        except PriorityError as exc:
+            raise _Expected(str(exc)) from None
+    return wrapped
+
+
 def _token(raw: Any, text: bool) -> str:
     if isinstance(raw, str):
         return raw.strip()
@@ -442,6 +435,9 @@ _SPECS: Final[dict[str, _Spec]] = {
     "link_unchanged": _Spec(_boolean, "--link-unchanged", "", "link files of frozen tensors that did not change since the previous step instead of writing them again (default: on)"),
     "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
     "disk_reserve": _Spec(_size_or_off, "--disk-reserve", "SIZE", "keep SIZE free on the storage root's file system: a save that would leave less is refused before writing, e.g. 10GiB; 0 = the files only have to fit (default: 1GiB)"),
+    "background_nice": _Spec(_priority(nice_setting), "--background-nice", "N", "run the threads that persist, write, hash, replicate and upload N nice levels below the daemon (at most 19), so a save yields the trainer's cores; 0 = off (default: 10)"),
+    "background_ionice": _Spec(_priority(ionice_setting), "--background-ionice", "{best-effort,idle,off}", "IO priority class of those threads: best-effort (its lowest level), idle (disk time only when no one else wants it) or off (default: best-effort)"),
+    "background_cpus": _Spec(_priority(cpus_setting), "--background-cpus", "LIST", "run those threads only on these CPUs, e.g. 6-7 or 0,2 (default: unset, any CPU)"),
     "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
     "log_json": _Spec(_boolean, "--log-json", "", "log one JSON object per line (default: off)"),
     "node_rank": _Spec(_integer(0), "--node-rank", "N", "this node's place in --peers; node 0 coordinates (default: 0)"),

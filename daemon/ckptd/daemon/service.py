@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 RESTART_SETTINGS = (
     "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
     "metrics_port", "metrics_host", "health_port", "log_json", "remote", "remote_streams", "remote_part_bytes",
-    "replicas", "replica_memory", "replica_port",
+    "replicas", "replica_memory", "replica_port", "background_nice", "background_ionice", "background_cpus",
 )
 
 
@@ -86,7 +86,7 @@ class CheckpointService:
         )
         coordination = cluster if cluster is not None else SingleNode(storage, self._retention_after_coordinator_commit, self._decide, runs, self._job_policy)
         self.engine = Engine(config, storage, cluster, coordination, runs)
-        self._writer = ThreadPool()
+        self._writer = ThreadPool(config.background_priority)
         # the tiers (engine/tiers.py), in TierName's order: the arenas, replicas of nodes' parts in
         # the daemons' memory and the peers' roots (several nodes), this root, the object store
         self.replication = (

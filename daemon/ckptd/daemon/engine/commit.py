@@ -26,6 +26,7 @@ from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_s
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.thread_priority import BackgroundPriority
 from ckptd.daemon.write.request import PersistRequest
 from ckptd.daemon.write.writer import write_node_files
 
@@ -279,10 +280,14 @@ class Commit:
 
 
 class ThreadPool:
-    """The writer's thread: one, so a job's snapshots are written in the order they completed."""
+    """The writer's thread: one, so a job's snapshots are written in the order they completed.
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist")
+    priority: what it runs at (`--background-nice` and friends); the writer's own pool threads,
+    created from it, inherit it."""
+
+    def __init__(self, priority: BackgroundPriority | None = None) -> None:
+        initializer = priority.initializer() if priority is not None else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptd-persist", initializer=initializer)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -90,8 +90,9 @@ class RemoteTier(Tier):
         self._retrying = False  # the last attempt (start, catch-up or upload) failed
         self._max_backoff_s = FIX_BACKOFF_S[1]  # lowered by the test-only CKPTD_FAULT_S3_RETRY_S
         self._stop = threading.Event()
-        self._transfers = ThreadPoolExecutor(self.streams, thread_name_prefix="ckptd-remote")
-        self._control = ThreadPoolExecutor(4, thread_name_prefix="ckptd-remote-ctl")  # step drivers: never wait on themselves
+        initializer = config.background_priority.initializer()  # uploads run below the trainer (thread_priority.py)
+        self._transfers = ThreadPoolExecutor(self.streams, thread_name_prefix="ckptd-remote", initializer=initializer)
+        self._control = ThreadPoolExecutor(4, thread_name_prefix="ckptd-remote-ctl", initializer=initializer)  # step drivers: never wait on themselves
         self._queue: dict[tuple[str, int], tuple[bool | None, float]] = {}  # (job, step) -> (shared root, committed at), commit order
         self._current: tuple[str, int] | None = None
         self._wake = asyncio.Event()

@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Sequence
 from ckptd.format.units import UnitCheck
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import BulkPortStatus
+from ckptd.daemon.thread_priority import BackgroundPriority
 from ckptd.daemon.tiers.bulk_gate import Gate, PortHealth
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class BulkServer:
     issued from any thread (the event loop issues them while answering Peer calls); each is used
     once."""
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None = None, metrics: Metrics | None = None,
+                 priority: BackgroundPriority | None = None) -> None:
+        """priority: what the transfer threads run at (`--background-nice` and friends; None: unchanged)."""
         self.host = host
         self._requested_port = port
         self._tls = tls
@@ -87,7 +90,8 @@ class BulkServer:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
-        self._pool = ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="ckptd-bulk")
+        initializer = priority.initializer() if priority is not None else None
+        self._pool = ThreadPoolExecutor(CONNECTIONS, thread_name_prefix="ckptd-bulk", initializer=initializer)
         self._gate: Gate | None = None
         self.port = 0
 

@@ -183,7 +183,8 @@ class Replication:
         self._client_tls: ssl.SSLContext | None = tls[1] if tls is not None else None
         self.bulk: BulkServer | None = None
         if engine.cluster is not None and config.replicas > 0:
-            self.bulk = BulkServer(config.peers[config.node_rank].rpartition(":")[0], config.replica_port, tls[0] if tls is not None else None, engine.metrics)
+            self.bulk = BulkServer(config.peers[config.node_rank].rpartition(":")[0], config.replica_port, tls[0] if tls is not None else None, engine.metrics,
+                                   config.background_priority)
         self.pushes: dict[str, PushState] = {}
         self._cancels: dict[str, threading.Event] = {}
         self.recoverability = Recoverability(engine)
