@@ -100,9 +100,16 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     it is not emptied first. Raises NoSpace when the files would not fit (check_space), before
     the step directory or any file of it is created.
     """
-    files = plan_node_files(
-        req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
-        shared_dir=req.shared_dir, previous=req.previous,
+    files = (
+        req.file_plans.plan(
+            req.job, req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+            shared_dir=req.shared_dir, previous=req.previous,
+        )
+        if req.file_plans is not None
+        else plan_node_files(
+            req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+            shared_dir=req.shared_dir, previous=req.previous,
+        )
     )
     if req.quantize is not None or req.master_weights != "keep":
         load_torch()
