@@ -294,3 +294,28 @@ def test_the_plans_of_the_jobs_planned_last_are_kept() -> None:
     plans.plan("c", plan, 0, 1 << 30)
     assert plans.plan("a", plan, 0, 1 << 30).files is kept["a"]
     assert plans.plan("b", plan, 0, 1 << 30).files is not kept["b"]
+
+
+@pytest.mark.parametrize(
+    ("boxes", "problem"),
+    [
+        ([Box((0, 0), (4, 6))], ""),  # whole, once
+        ([Box((0, 0), (2, 6)), Box((2, 0), (2, 6))], ""),  # two fragments that tile it
+        ([Box((1, 0), (4, 6))], "outside"),  # the tensor's lengths, but not at its origin
+        ([Box((0, 0), (2, 6))], "cover"),
+        ([Box((0, 0), (4, 6)), Box((0, 0), (2, 6))], "overlap"),
+        ([], "cover"),
+    ],
+)
+def test_the_commit_takes_only_fragments_that_tile_each_tensor_exactly(boxes: list[Box], problem: str) -> None:
+    from ckptd.daemon.plan.files import IncompleteStep
+
+    plan = _plan([_full("model/w", "model", "F32", (4, 6))])
+    fragments = tuple(("model/w", FragmentRecord("m.safetensors", f"w{i}", b, "F32", 0, b.numel * 4, "xxh3-64:0")) for i, b in enumerate(boxes))
+    manifest = NodeManifest(0, (), fragments)
+    if not problem:
+        index, _ = step_files("job", 1, plan, [manifest], {}, {}, None, lambda: 0.0)
+        assert [f.box for f in index.tensors[0].fragments] == sorted(boxes)
+        return
+    with pytest.raises(IncompleteStep, match=f"model/w: .*{problem}"):
+        step_files("job", 1, plan, [manifest], {}, {}, None, lambda: 0.0)

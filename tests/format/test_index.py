@@ -91,6 +91,25 @@ def test_index_round_trip() -> None:
     assert doc["format"] == "ckptd/1" and doc["tensors"]["model/w"]["fragments"][0]["offset"] == 128
 
 
+def test_an_index_of_many_tensors_is_encoded_as_one_record_at_a_time_would_be() -> None:
+    """The tensors are encoded ENCODED_TOGETHER at a time: the bytes are those of encoding each
+    record on its own (names that need escaping included), and read back the same."""
+    from ckptd.format.index import ENCODED_TOGETHER
+
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    tensors = tuple(
+        TensorRecord(f'model/t{i}"\\é', "model", "F32", (4,), (FragmentRecord("m.safetensors", f"t{i}", Box((0,), (4,)), "F32", 16 * i, 16, "xxh3-64:00ff", 65536, "00ff"),))
+        for i in range(2 * ENCODED_TOGETHER + 3)
+    )
+    index = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=tensors, files=(FileRecord("m.safetensors", 9, "xxh3-64:1"),))
+    data = index.to_json_bytes()
+    one_at_a_time = ",".join(f"{encode(t.name)}:{encode(t.to_json())}" for t in tensors)
+    assert f',"tensors":{{{one_at_a_time}}}}}\n'.encode() in data
+    assert CheckpointIndex.from_json_bytes(data) == index
+    empty = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=(), files=())
+    assert json.loads(empty.to_json_bytes())["tensors"] == {}
+
+
 def test_compressed_index_round_trip_and_golden_records() -> None:
     """A quantized fragment, a residual and a dropped master weight: `ckptd/2`, the records as
     they appear in the JSON, and the same index back."""

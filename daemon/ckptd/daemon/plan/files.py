@@ -155,9 +155,9 @@ def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
     that wrote the step (from the plan) and the daemon that committed it."""
     ranks_of_node = Counter(plan.node_of_rank or (0,) * plan.world_size)
     ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
-    boxes: dict[str, set[Box]] = {}
+    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}  # (offsets, lengths): tuples hash in C, a Box does not
     for slot in plan.slots:
-        boxes.setdefault(slot.name, set()).add(slot.box)
+        boxes.setdefault(slot.name, set()).add((slot.box.offsets, slot.box.lengths))
     kinds: dict[str, dict[str, int]] = {}
     for t in plan.tensors:
         counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
@@ -223,7 +223,10 @@ def step_files(
             by_name.setdefault(name, []).append(fragment)
     problems = []
     for t in plan.tensors:
-        found = coverage_problems(t.shape, [f.box for f in by_name.get(t.name, [])])
+        fragments = by_name.get(t.name, [])
+        if len(fragments) == 1 and fragments[0].box.lengths == t.shape and not any(fragments[0].box.offsets):
+            continue  # stored whole, once (most tensors): covered exactly
+        found = coverage_problems(t.shape, [f.box for f in fragments])
         if found:
             problems.append(f"{t.name}: {found[0]}")
     if problems:
@@ -252,7 +255,8 @@ def step_files(
         records.append(FileRecord(ADAPTER_WEIGHTS, source.size, source.checksum))
 
     def record(t: LogicalTensor) -> TensorRecord:
-        fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
+        found = by_name[t.name]
+        fragments = tuple(found) if len(found) == 1 else tuple(sorted(found, key=lambda f: f.box))
         return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases, t.rank)
 
     index = CheckpointIndex(
