@@ -123,6 +123,14 @@ def test_an_index_is_its_records_encoded_one_at_a_time() -> None:
     assert json.loads(empty.to_json_bytes())["tensors"] == {}
 
 
+@pytest.mark.parametrize("weight_map", [{}, {"b": "m-2.safetensors", "a": "m-1.safetensors"}, {'k"\\é\n': "ü.safetensors"}])
+def test_the_hf_index_is_what_json_writes_with_an_indent_of_two(weight_map: dict[str, str]) -> None:
+    from ckptd.format.index import hf_index_json
+
+    doc = {"metadata": {"total_size": 1234}, "weight_map": dict(sorted(weight_map.items()))}
+    assert hf_index_json(1234, weight_map) == json.dumps(doc, indent=2).encode() + b"\n"
+
+
 def test_compressed_index_round_trip_and_golden_records() -> None:
     """A quantized fragment, a residual and a dropped master weight: `ckptd/2`, the records as
     they appear in the JSON, and the same index back."""

@@ -503,8 +503,11 @@ _CREATED_AT = re.compile(rb'\{"format":"ckptd/[0-9]+","job":"[A-Za-z0-9._-]*","s
 
 def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
     """A Hugging Face `*.safetensors.index.json`: which file holds each key."""
-    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    return json.dumps(doc, indent=2).encode() + b"\n"
+    # json.dumps(doc, indent=2) of {"metadata": {"total_size": ...}, "weight_map": {...}}, made
+    # directly: json's indenting encoder is pure Python (9 ms for 4,000 keys at each commit)
+    entries = ",\n".join(f"    {_json_str(key)}: {_json_str(weight_map[key])}" for key in sorted(weight_map))
+    weights = f"{{\n{entries}\n  }}" if entries else "{}"
+    return f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {weights}\n}}\n'.encode()
 
 
 def extra_json(step: int, ranks: dict[int, Any]) -> bytes:

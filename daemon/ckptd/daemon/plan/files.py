@@ -234,12 +234,17 @@ def step_files(
     data_files = [f for manifest in sorted(manifests, key=lambda m: m.node) for f in manifest.files]
     kinds = {t.name: t.kind for t in plan.tensors}
     small: dict[str, bytes] = {}
+    in_group: dict[str, list[FragmentRecord]] = {}  # group -> its fragments, by tensor name
+    split: set[str] = set()  # the groups with a tensor stored in fragments
+    for name, fs in sorted(by_name.items()):
+        group = GROUP_OF_KIND[kinds[name]]
+        in_group.setdefault(group, []).extend(fs)
+        if len(fs) > 1:
+            split.add(group)
     for group in ("model", "master_weights", "optimizer"):
-        in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
-        split = any(len(by_name[name]) > 1 for name, _ in in_group)
         # a dropped master weight is the model weight's bytes: not in the master files
-        pieces = [piece for _, f in in_group for piece in f.stored_pieces()]
-        if pieces and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
+        pieces = [piece for f in in_group.get(group, ()) for piece in f.stored_pieces()]
+        if pieces and not (group == "model" and group in split):  # fragments: `ckptd export` makes the HF form
             weight_map = {piece.key: piece.file for piece in pieces}
             small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
