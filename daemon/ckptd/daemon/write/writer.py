@@ -21,14 +21,14 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import xxhash
 
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
+from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header, scales_key
 from ckptd.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
 from ckptd.daemon.plan.node_files import AppendedItem, FileItem, FilePlan, FileSpace, TensorBytes, plan_node_files
@@ -41,6 +41,7 @@ from ckptd.daemon.write.reuse import Reuse, check_linked, unchanged_files
 from ckptd.daemon.write.source import ArenaSource, ScratchPool, flat_bytes, load_torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WRITE_CHUNK = 64 * 2**20
 # Tensors written by one writer job: about this many bytes of consecutive small tensors of a file
@@ -134,20 +135,24 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     for reuse in linked:
         progress.link(reuse.candidate.file.snapshot_bytes)
     linked_names = {reuse.name for reuse in linked}
-    written, written_placed, coded = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress)
+
+    def describe(written_placed: list[PlacedTensor], coded: list[CodedWrite]) -> tuple[tuple[str, FragmentRecord], ...]:
+        outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
+        return fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
+
+    written, fragments = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress, describe)
     StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
-    outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
-    fragments = fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
     return NodeManifest(req.node, tuple(records + written), fragments, tuple(r.name for r in linked), tuple(damaged))
 
 
 def _write_files(
     storage: StorageBackend, req: PersistRequest, files: Sequence[FilePlan], recycled: list[RecycledFile], source: ArenaSource,
-    progress: Progress,
-) -> tuple[list[FileRecord], list[PlacedTensor], list[CodedWrite]]:
+    progress: Progress, describe: Callable[[list[PlacedTensor], list[CodedWrite]], T],
+) -> tuple[list[FileRecord], T]:
     """Write `files` over the recycled files (`recycled`: taken from the front), sync and
-    publish each. Returns their records, the places of their tensors and the coding jobs'
-    outcomes."""
+    publish each. Returns their records and what `describe` makes of the places of their
+    tensors and the coding jobs' outcomes (the index records: made while the files' fsyncs
+    run, once every tensor is written)."""
     throttle = Throttle(req.throttle_bytes_per_s)
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     records: list[FileRecord] = []
@@ -202,6 +207,7 @@ def _write_files(
                 record, late_placed = finish.result()
                 records.append(record)
                 placed += late_placed
+            described = describe(placed, [job.result() for job in coded])
             for sync in syncs:
                 sync.result()
         finally:
@@ -211,7 +217,7 @@ def _write_files(
                 part.close()
     for part in opened:
         part.publish()
-    return records, placed, [job.result() for job in coded]
+    return records, described
 
 
 def _link_checked(
