@@ -107,8 +107,10 @@ def _records_of_every_shape() -> list[TensorRecord]:
 @pytest.mark.parametrize("record", _records_of_every_shape(), ids=["aliases", "rank-quant-chunks", "empty"])
 def test_a_records_json_text_is_what_jsons_encoder_makes_of_it(record: TensorRecord) -> None:
     encode = json.JSONEncoder(separators=(",", ":")).encode
-    assert record.to_json_text() == encode(record.to_json())
-    assert all(f.to_json_text() == encode(f.to_json()) for f in record.fragments)
+    from ckptd.format.json_text import fragment_json, tensor_json
+
+    assert tensor_json(record) == encode(record.to_json())
+    assert all(fragment_json(f) == encode(f.to_json()) for f in record.fragments)
 
 
 def test_an_index_is_its_records_encoded_one_at_a_time() -> None:
@@ -125,7 +127,7 @@ def test_an_index_is_its_records_encoded_one_at_a_time() -> None:
 
 @pytest.mark.parametrize("weight_map", [{}, {"b": "m-2.safetensors", "a": "m-1.safetensors"}, {'k"\\é\n': "ü.safetensors"}])
 def test_the_hf_index_is_what_json_writes_with_an_indent_of_two(weight_map: dict[str, str]) -> None:
-    from ckptd.format.index import hf_index_json
+    from ckptd.format.json_text import hf_index_json
 
     doc = {"metadata": {"total_size": 1234}, "weight_map": dict(sorted(weight_map.items()))}
     assert hf_index_json(1234, weight_map) == json.dumps(doc, indent=2).encode() + b"\n"

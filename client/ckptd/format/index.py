@@ -22,6 +22,7 @@ from ckptd.common import chunks, dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST
+from ckptd.format.json_text import json_str, tensor_json
 
 INDEX_NAME = "ckptd.index.json"
 # A node's part of a step across nodes is written and fsynced (node-local roots): kept at
@@ -159,15 +160,6 @@ def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tup
 
 # ------------------------------------------------------------------ index
 
-_json_str = json.encoder.encode_basestring_ascii  # a str as json's compact encoder writes it (ensure_ascii)
-_compact = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def _json_ints(values: Iterable[int]) -> str:
-    """A sequence of ints as json's compact encoder writes it."""
-    return f"[{','.join(map(str, values))}]"
-
-
 
 @dataclass(frozen=True, slots=True)
 class SideRecord:
@@ -285,19 +277,6 @@ class FragmentRecord:
             doc["quant"] = self.quant.to_json()
         return doc
 
-    def to_json_text(self) -> str:
-        """to_json() as compact JSON, made directly: the text json's encoder makes of it."""
-        text = (
-            f'{{"file":{_json_str(self.file)},"key":{_json_str(self.key)},"offsets":{_json_ints(self.box.offsets)},'
-            f'"lengths":{_json_ints(self.box.lengths)},"dtype":{_json_str(self.dtype)},"offset":{self.offset},'
-            f'"nbytes":{self.nbytes},"checksum":{_json_str(self.checksum)}'
-        )
-        if self.chunk_bytes:
-            text += f',"chunks":{{"bytes":{self.chunk_bytes},"xxh3":{_json_str(self.chunk_xxh3)}}}'
-        if self.quant is not None:
-            text += f',"quant":{_compact(self.quant.to_json())}'
-        return text + "}"
-
     @staticmethod
     def from_json(d: dict[str, Any]) -> "FragmentRecord":
         return FragmentRecord(
@@ -343,17 +322,6 @@ class TensorRecord:
         if self.rank is not None:
             doc["rank"] = self.rank
         return doc
-
-    def to_json_text(self) -> str:
-        """to_json() as compact JSON, made directly: the text json's encoder makes of it (an
-        encoder call per record took half of the index's 38 ms at 4,000 tensors; issue 33)."""
-        text = (
-            f'{{"kind":{_json_str(self.kind)},"dtype":{_json_str(self.dtype)},"shape":{_json_ints(self.shape)},'
-            f'"aliases":[{",".join(map(_json_str, self.aliases))}],"fragments":[{",".join(f.to_json_text() for f in self.fragments)}]'
-        )
-        if self.rank is not None:
-            text += f',"rank":{self.rank}'
-        return text + "}"
 
     @staticmethod
     def from_json(name: str, d: dict[str, Any]) -> "TensorRecord":
@@ -440,7 +408,7 @@ class CheckpointIndex:
         metric, writer, files, tensors[, quantization][, retention]}.
 
         Compact, by json's C encoder (an indent takes its pure-Python one), and the tensors
-        as text made one at a time (TensorRecord.to_json_text) instead of as one document of
+        as text made one at a time (json_text.tensor_json) instead of as one document of
         dicts: for 1,000 tensors the indented document took 54 ms and a 4.7 MiB peak of objects
         (issue 30 finding 5). The index is read by programs; `ckptd inspect` shows it to people."""
         encode = json.JSONEncoder(separators=(",", ":")).encode
@@ -454,7 +422,7 @@ class CheckpointIndex:
             "writer": self.writer,
             "files": {f.name: f.to_json() for f in self.files},
         }
-        tensors = ",".join(f"{_json_str(t.name)}:{t.to_json_text()}" for t in self.tensors)
+        tensors = ",".join(f"{json_str(t.name)}:{tensor_json(t)}" for t in self.tensors)
         tail = f',"quantization":{encode(self.quantization)}' if self.quantization is not None else ""
         tail += f',"retention":{encode(self.retention)}' if self.retention is not None else ""
         return f'{encode(head)[:-1]},"tensors":{{{tensors}}}{tail}}}\n'.encode()
@@ -499,15 +467,6 @@ class CheckpointIndex:
 
 INDEX_HEAD_BYTES = 512
 _CREATED_AT = re.compile(rb'\{"format":"ckptd/[0-9]+","job":"[A-Za-z0-9._-]*","step":-?[0-9]+,"created_at":(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?),')
-
-
-def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
-    """A Hugging Face `*.safetensors.index.json`: which file holds each key."""
-    # json.dumps(doc, indent=2) of {"metadata": {"total_size": ...}, "weight_map": {...}}, made
-    # directly: json's indenting encoder is pure Python (9 ms for 4,000 keys at each commit)
-    entries = ",\n".join(f"    {_json_str(key)}: {_json_str(weight_map[key])}" for key in sorted(weight_map))
-    weights = f"{{\n{entries}\n  }}" if entries else "{}"
-    return f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {weights}\n}}\n'.encode()
 
 
 def extra_json(step: int, ranks: dict[int, Any]) -> bytes:

@@ -35,8 +35,8 @@ from ckptd.format.index import (
     extra_json,
     file_key,
     fragment_key,
-    hf_index_json,
 )
+from ckptd.format.json_text import hf_index_json
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"
