@@ -39,6 +39,14 @@ class MemoryPart:
         self.writeback: list[tuple[int, int]] = []
 
     def pwrite(self, offset: int, view: memoryview) -> None:
+        self._put(offset, view)
+
+    def pwritev(self, offset: int, views: Sequence[memoryview]) -> None:
+        for view in views:
+            self._put(offset, view)
+            offset += len(view)
+
+    def _put(self, offset: int, view: memoryview) -> None:
         if self._final is not None or self._closed:
             raise ValueError(f"{self.name}: a write after it was synced or closed")
         if offset < 0:

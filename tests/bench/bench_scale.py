@@ -205,7 +205,7 @@ class AnsweringLinks(PeerLinks):
         return True
 
 
-async def _no_retention(job: str) -> None:
+async def _no_retention(index: CheckpointIndex) -> None:
     return None
 
 

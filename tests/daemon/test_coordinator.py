@@ -14,7 +14,7 @@ from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input, plan_key
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
-from ckptd.format.index import FileRecord, FragmentRecord
+from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord
 from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
@@ -36,7 +36,7 @@ def manifest(node: int, box: Box) -> NodeManifest:
     return NodeManifest(node, (FileRecord(name, 100, "xxh3-64:0", node),), (("model/w", FragmentRecord(name, f"w@{box.offsets[0]},0", box, "F32", 84, 16, "xxh3-64:1")),))
 
 
-async def no_retention(job: str) -> None:
+async def no_retention(index: CheckpointIndex) -> None:
     return None
 
 

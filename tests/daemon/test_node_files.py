@@ -15,6 +15,7 @@ from ckptd.daemon.plan.files import NodeManifest, PlacedTensor, fragment_records
 from ckptd.daemon.plan.node_files import (
     ArenaRun,
     NodeFilePlan,
+    NodeFilePlans,
     TensorBytes,
     compressed_tensors,
     file_bytes_bound,
@@ -255,3 +256,66 @@ def test_a_fragment_record_kept_as_it_was_written_matches() -> None:
     recorded = {(f.file, f.key): f for t in previous.tensors for f in t.fragments}
     for c in files.candidates:
         assert all(isinstance(e, FragmentRecord) and recorded[(c.previous.name, e.key)] == e for e in c.expected)
+
+
+# ------------------------------------------------------------------ the files of a job's last save, reused
+
+
+def test_a_jobs_files_are_planned_once_per_save_plan_and_inputs() -> None:
+    plan = _plan([_full("model/a", "model", "F32", (8, 8)), _full("optimizer/state/a/exp_avg", "optimizer", "F32", (8, 8))])
+    plans = NodeFilePlans()
+    first = plans.plan("job", plan, 0, 1 << 30)
+    assert first == plan_node_files(plan, 0, 1 << 30)
+    assert plans.plan("job", plan, 0, 1 << 30).files is first.files  # the same plan again: not planned again
+    assert plans.plan("other", plan, 0, 1 << 30).files is not first.files  # each job its own
+    again = make_save_plan([[_full("model/a", "model", "F32", (8, 8)), _full("optimizer/state/a/exp_avg", "optimizer", "F32", (8, 8))]])
+    assert plans.plan("job", again, 0, 1 << 30).files is not first.files  # another plan object (the cache only keeps what it planned)
+    for inputs in ({"quantize": "O1"}, {"shared_dir": True}):
+        assert plans.plan("job", again, 0, 1 << 30, **inputs) == plan_node_files(again, 0, 1 << 30, **inputs)  # type: ignore[arg-type]
+    assert plans.plan("job", again, 0, 1 << 20) == plan_node_files(again, 0, 1 << 20)
+
+
+def test_reused_files_find_their_link_candidates_in_each_previous_step() -> None:
+    plan = _plan(_frozen_specs())
+    plans = NodeFilePlans()
+    assert plans.plan("job", plan, 0, 1 << 30).candidates == ()
+    previous = _committed(plan, plan_node_files(plan, 0, 1 << 30))
+    assert plans.plan("job", plan, 0, 1 << 30, previous=previous) == plan_node_files(plan, 0, 1 << 30, previous=previous)
+    assert sorted(c.file.name for c in plans.plan("job", plan, 0, 1 << 30, previous=previous).candidates) == FROZEN_FILES
+    changed = _edit(previous, "base", offset=9)
+    assert plans.plan("job", plan, 0, 1 << 30, previous=changed).candidates == plan_node_files(plan, 0, 1 << 30, previous=changed).candidates
+
+
+def test_the_plans_of_the_jobs_planned_last_are_kept() -> None:
+    plan = _plan([_full("model/a", "model", "F32", (4,))])
+    plans = NodeFilePlans(jobs=2)
+    kept = {job: plans.plan(job, plan, 0, 1 << 30).files for job in ("a", "b")}
+    plans.plan("a", plan, 0, 1 << 30)  # a used last: b is the oldest
+    plans.plan("c", plan, 0, 1 << 30)
+    assert plans.plan("a", plan, 0, 1 << 30).files is kept["a"]
+    assert plans.plan("b", plan, 0, 1 << 30).files is not kept["b"]
+
+
+@pytest.mark.parametrize(
+    ("boxes", "problem"),
+    [
+        ([Box((0, 0), (4, 6))], ""),  # whole, once
+        ([Box((0, 0), (2, 6)), Box((2, 0), (2, 6))], ""),  # two fragments that tile it
+        ([Box((1, 0), (4, 6))], "outside"),  # the tensor's lengths, but not at its origin
+        ([Box((0, 0), (2, 6))], "cover"),
+        ([Box((0, 0), (4, 6)), Box((0, 0), (2, 6))], "overlap"),
+        ([], "cover"),
+    ],
+)
+def test_the_commit_takes_only_fragments_that_tile_each_tensor_exactly(boxes: list[Box], problem: str) -> None:
+    from ckptd.daemon.plan.files import IncompleteStep
+
+    plan = _plan([_full("model/w", "model", "F32", (4, 6))])
+    fragments = tuple(("model/w", FragmentRecord("m.safetensors", f"w{i}", b, "F32", 0, b.numel * 4, "xxh3-64:0")) for i, b in enumerate(boxes))
+    manifest = NodeManifest(0, (), fragments)
+    if not problem:
+        index, _ = step_files("job", 1, plan, [manifest], {}, {}, None, lambda: 0.0)
+        assert [f.box for f in index.tensors[0].fragments] == sorted(boxes)
+        return
+    with pytest.raises(IncompleteStep, match=f"model/w: .*{problem}"):
+        step_files("job", 1, plan, [manifest], {}, {}, None, lambda: 0.0)

@@ -28,6 +28,7 @@ from ckptd.daemon.plan.rollback import passed_over, rollbacks
 from ckptd.daemon.engine.sessions import SaveSession
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.storage import Storage
+from ckptd.format.index import CheckpointIndex
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 
@@ -296,7 +297,7 @@ class Peers(PeerLinks):
         return Stub()
 
 
-async def _no_retention(job: str) -> None:
+async def _no_retention(index: CheckpointIndex) -> None:
     return None
 
 

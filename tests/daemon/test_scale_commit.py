@@ -13,7 +13,7 @@ from ckptd.common.boxes import Box
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.format.index import FileRecord, FragmentRecord
+from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord
 from ckptd.daemon.plan.files import NodeManifest, environment_json
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.rpc.peer_links import PeerLinks
@@ -55,7 +55,7 @@ def manifest(node: int) -> NodeManifest:
     return NodeManifest(node, (FileRecord(name, 100, "xxh3-64:0", node),), (("model/w", fragment),))
 
 
-async def no_retention(job: str) -> None:
+async def no_retention(index: CheckpointIndex) -> None:
     return None
 
 

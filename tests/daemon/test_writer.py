@@ -316,3 +316,111 @@ def _open_files_under(root: Path) -> list[str]:
         if target.startswith(str(root)):
             found.append(target)
     return found
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, 65535, 65536, 65537, 3 * 65536 + 5, 5 << 20])
+def test_tensor_digests_are_those_of_a_whole_hash_and_a_chunk_hasher(nbytes: int) -> None:
+    """A tensor of one chunk is hashed once: its digests are still exactly what the index format
+    says (xxh3-64 of the bytes, and of each chunk)."""
+    import xxhash
+
+    from ckptd.common.chunks import ChunkHasher, chunk_bytes_for
+    from ckptd.daemon.write.digests import TensorDigests
+
+    data = memoryview(np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    digest = TensorDigests(nbytes)
+    chunks = ChunkHasher(chunk_bytes_for(nbytes))
+    for begin in range(0, nbytes, 40_000):  # pieces that do not fall on chunk boundaries
+        digest.update(data[begin : begin + 40_000])
+        chunks.update(data[begin : begin + 40_000])
+    assert digest.result() == (xxhash.xxh3_64_intdigest(data), chunks.hexdigests())
+
+
+def _item(nbytes: int, residual: bool = False) -> object:
+    from ckptd.daemon.plan.files import Coding
+    from ckptd.daemon.plan.node_files import FileItem, TensorBytes
+    from ckptd.format.index import StoredTensor
+
+    t = StoredTensor("model/w", "w", "U8", (nbytes,), Box.full((nbytes,)), 0)
+    return FileItem(t, 0, TensorBytes("U8", (nbytes,), ()), Coding(model=t) if residual else None)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ([], []),
+        ([1, 2, 3], [[1, 2, 3]]),  # small tensors: one job
+        ([5 << 20, 5 << 20, 1], [[5 << 20], [5 << 20, 1]]),  # a batch closes before it passes BATCH_BYTES
+        ([1, 8 << 20, 1], [[1], [8 << 20], [1]]),  # a tensor of BATCH_BYTES alone
+        ([20 << 20], [[20 << 20]]),
+        ([1, "r", 2, 3], [[1], ["r"], [2, 3]]),  # a residual alone, where it is; the batch before it closed
+    ],
+)
+def test_write_batches_group_consecutive_small_tensors(sizes: list, expected: list) -> None:
+    from ckptd.daemon.write.writer import BATCH_BYTES, write_batches
+
+    assert BATCH_BYTES == 8 << 20
+    items = [_item(8, residual=True) if s == "r" else _item(s) for s in sizes]
+    batches = write_batches(items)  # type: ignore[arg-type]
+    assert [[("r" if i.coding is not None else i.tensor.nbytes) for i in b] for b in batches] == expected
+    assert [i for b in batches for i in b] == items  # every tensor once, in file order
+
+
+def test_pwritev_all_writes_every_byte_after_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.pwritev may write less than asked (here 5 bytes at a time): the rest is written again."""
+    from ckptd.daemon.storage import fs
+
+    real = os.pwritev
+    monkeypatch.setattr(fs.os, "pwritev", lambda fd, views, offset: real(fd, [bytes(b"".join(bytes(v) for v in views)[:5])], offset))
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fs.pwritev_all(fd, [memoryview(b"abc"), memoryview(b""), memoryview(b"defghij"), memoryview(b"k")], 2)
+        assert os.pread(fd, 100, 0) == b"\0\0abcdefghijk"
+    finally:
+        os.close(fd)
+
+
+def test_many_small_tensors_are_written_in_few_writes_and_writeback_starts(
+    backend: StorageBackend, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,000 tensors of 4 KiB in one file (arena order is not file order: keys sort as text):
+    a handful of writes and writeback starts, every byte's writeback started once, the
+    tensors' bytes and checksums those of the snapshot (verify_files reads every byte)."""
+    calls: dict[str, int] = {"pwrite": 0, "pwritev": 0}
+    started: list[tuple[int, int]] = []
+    real_open = backend.writing.open_part
+
+    def open_part(*args: object, **kwargs: object) -> object:
+        part = real_open(*args, **kwargs)  # type: ignore[arg-type]
+        real_pwrite, real_pwritev, real_hint = part.pwrite, part.pwritev, part.start_writeback
+
+        def pwrite(offset: int, view: memoryview) -> None:
+            calls["pwrite"] += 1
+            real_pwrite(offset, view)
+
+        def pwritev(offset: int, views: list[memoryview]) -> None:
+            calls["pwritev"] += 1
+            real_pwritev(offset, views)
+
+        def hint(offset: int, nbytes: int) -> bool:
+            started.append((offset, nbytes))
+            return real_hint(offset, nbytes)
+
+        part.pwrite, part.pwritev, part.start_writeback = pwrite, pwritev, hint  # type: ignore[method-assign]
+        return part
+
+    monkeypatch.setattr(backend.writing, "open_part", open_part)
+    tensors = {f"model/t{i}": torch.randn(1024) for i in range(1000)}
+    plan = make_save_plan([[TensorSpec(name, "model", "F32", (1024,), Box.full((1024,))) for name in tensors]])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = take_arenas(pool, plan.arena_bytes)
+    _fill(arenas, plan, tensors)
+    index = persist(backend, PersistRequest("job", 1, plan, arenas, {}, {}, None, 2**30, 3), Progress(plan.total_bytes))
+    pool.close()
+    assert calls["pwrite"] + calls["pwritev"] <= 8  # the header, then 4 MiB in slices of 1 MiB
+    assert len(started) == 1 and sum(n for _, n in started) == plan.total_bytes
+    loaded = _load(backend, "job", 1, "model-00001-of-00001.safetensors")
+    assert all(torch.equal(loaded[name.split("/", 1)[1]], t) for name, t in tensors.items())
+    report = verify_files(backend.files.step_reader("job", 1))
+    assert report.ok, report.problems
+    assert len(index.tensors) == 1000

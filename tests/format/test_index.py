@@ -91,6 +91,48 @@ def test_index_round_trip() -> None:
     assert doc["format"] == "ckptd/1" and doc["tensors"]["model/w"]["fragments"][0]["offset"] == 128
 
 
+def _records_of_every_shape() -> list[TensorRecord]:
+    """Tensor records with every optional field set and unset, names that need escaping."""
+    scales = SideRecord("o.safetensors", "w@scales", "F32", (4, 1), 208, 16, "xxh3-64:02", 65536, "ab" * 8)
+    plain = FragmentRecord("m.safetensors", 'w"\\é\n', Box((0, 0), (4, 6)), "F32", 128, 96, "xxh3-64:00ff")
+    chunked = FragmentRecord("m.safetensors", "w", Box((2, 0), (2, 6)), "F32", 0, 48, "xxh3-64:01", 65536, "cd" * 8)
+    coded = FragmentRecord("o.safetensors", "w", Box((0,), (0,)), "U8", 192, 12, "xxh3-64:03", quant=QuantRecord("lin-i4", 128, scales=scales))
+    return [
+        TensorRecord('model/w"\\é', "model", "F32", (4, 6), (plain,), ("model/v", "ü")),
+        TensorRecord("model/s", "model", "F32", (), (chunked, coded), (), rank=3),
+        TensorRecord("model/e", "model", "F32", (0,), ()),
+    ]
+
+
+@pytest.mark.parametrize("record", _records_of_every_shape(), ids=["aliases", "rank-quant-chunks", "empty"])
+def test_a_records_json_text_is_what_jsons_encoder_makes_of_it(record: TensorRecord) -> None:
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    from ckptd.format.json_text import fragment_json, tensor_json
+
+    assert tensor_json(record) == encode(record.to_json())
+    assert all(fragment_json(f) == encode(f.to_json()) for f in record.fragments)
+
+
+def test_an_index_is_its_records_encoded_one_at_a_time() -> None:
+    encode = json.JSONEncoder(separators=(",", ":")).encode
+    tensors = tuple(_records_of_every_shape())
+    index = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=tensors, files=(FileRecord("m.safetensors", 9, "xxh3-64:1"),))
+    data = index.to_json_bytes()
+    one_at_a_time = ",".join(f"{encode(t.name)}:{encode(t.to_json())}" for t in tensors)
+    assert data.endswith(f',"tensors":{{{one_at_a_time}}}}}\n'.encode())
+    assert CheckpointIndex.from_json_bytes(data) == index
+    empty = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=(), files=())
+    assert json.loads(empty.to_json_bytes())["tensors"] == {}
+
+
+@pytest.mark.parametrize("weight_map", [{}, {"b": "m-2.safetensors", "a": "m-1.safetensors"}, {'k"\\é\n': "ü.safetensors"}])
+def test_the_hf_index_is_what_json_writes_with_an_indent_of_two(weight_map: dict[str, str]) -> None:
+    from ckptd.format.json_text import hf_index_json
+
+    doc = {"metadata": {"total_size": 1234}, "weight_map": dict(sorted(weight_map.items()))}
+    assert hf_index_json(1234, weight_map) == json.dumps(doc, indent=2).encode() + b"\n"
+
+
 def test_compressed_index_round_trip_and_golden_records() -> None:
     """A quantized fragment, a residual and a dropped master weight: `ckptd/2`, the records as
     they appear in the JSON, and the same index back."""

@@ -269,8 +269,9 @@ class CheckpointService:
         """Node 0: a save's compression for every node, under this daemon's settings."""
         return self.engine.compression(options, lineage)
 
-    async def _retention_after_coordinator_commit(self, job: str) -> None:
-        await self.housekeeping.apply_retention(job)
+    async def _retention_after_coordinator_commit(self, index: CheckpointIndex) -> None:
+        self.engine.indexes.put((index.job, index.step), index)  # retention reads the newest step's policy: from memory, not the disk
+        await self.housekeeping.apply_retention(index.job)
 
     # Loads.
 

@@ -24,6 +24,7 @@ from ckptd.daemon.engine.tiers import Committed, Tiers
 from ckptd.daemon.errors import CkptdError, NoSpace
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, check_small_file
 from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.plan.node_files import NodeFilePlans
 from ckptd.daemon.records import LastCommit
 from ckptd.daemon.storage.step_commit import StepCommit
 from ckptd.daemon.thread_priority import BackgroundPriority
@@ -45,6 +46,7 @@ class Commit:
         self._executor = executor
         self._tiers = tiers  # told of each commit recorded here (Tier.after_commit): replicas pushed, uploads queued
         self._resolving = asyncio.Lock()  # resolve_prepared: one step at a time
+        self._file_plans = NodeFilePlans()  # each job's files, planned again only when its save plan changes
 
     async def _previous(self, state: JobState, session: SaveSession) -> CheckpointIndex | None:
         """The job's newest committed step, whose unchanged files of frozen tensors the writer
@@ -89,6 +91,7 @@ class Commit:
             quantization=compression.record,
             disk_reserve=config.disk_reserve,
             previous=previous,
+            file_plans=self._file_plans,
         )
 
     def _committed_here(self, state: JobState, session: SaveSession, index: CheckpointIndex) -> None:

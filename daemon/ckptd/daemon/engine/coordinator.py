@@ -51,6 +51,10 @@ LIVENESS_PERIOD_S = 1.0
 LIVENESS_FAILURES = 3  # consecutive failed checks before a writing node counts as gone
 RECENT_SAVES = 16
 
+# Told of each commit, with the step's index once it is written (node 0 applies the job's
+# retention then; the index is handed over so that nothing reads it back from disk).
+OnCommit = Callable[[CheckpointIndex], Awaitable[None]]
+
 
 @dataclass
 class _GlobalSave:
@@ -114,7 +118,7 @@ class Coordinator:
         storage: StorageBackend,
         peers: PeerProbe,
         own_root_id: str,
-        on_commit: Callable[[str], Awaitable[None]],
+        on_commit: OnCommit,
         decide: Decide = lossless_by_default,
         runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY,
     ) -> None:
@@ -123,7 +127,7 @@ class Coordinator:
         self.job_policy = job_policy  # a job's retention request -> the policy the index records (node 0's flags)
         self.admission = Admission(runs if runs is not None else Runs(), peers, storage)  # which run may save (engine/runs.py)
         self.root_id = own_root_id
-        self.on_commit = on_commit  # retention for the job, after each commit
+        self.on_commit = on_commit  # retention for the job, after each commit (OnCommit)
         self.decide = decide  # each save's compression, from its options and lineage (node 0's settings)
         self._jobs: dict[str, JobPlans] = {}
         self._saves: dict[tuple[str, int], _GlobalSave] = {}
@@ -284,7 +288,7 @@ class Coordinator:
         save.decided.set()
         if len(save.nodes) > 1:
             log.info("committed step %s of job %s across nodes %s", save.step, save.job, sorted(save.nodes))
-        await self.on_commit(save.job)
+        await self.on_commit(index)
 
     def _adapter_copy(self, save: _GlobalSave, manifests: list[NodeManifest]) -> tuple[FileRecord, bytes] | None:
         """The PEFT adapter file to publish with the step (step_build.adapter_source), read back
@@ -390,7 +394,7 @@ class SingleNode:
 
     node = 0
 
-    def __init__(self, storage: StorageBackend, on_commit: Callable[[str], Awaitable[None]], decide: Decide = lossless_by_default,
+    def __init__(self, storage: StorageBackend, on_commit: OnCommit, decide: Decide = lossless_by_default,
                  runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY) -> None:
         self.coordinator = Coordinator(storage, NoPeers(), "", on_commit, decide, runs, job_policy)
 

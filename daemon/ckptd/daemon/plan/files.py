@@ -35,8 +35,8 @@ from ckptd.format.index import (
     extra_json,
     file_key,
     fragment_key,
-    hf_index_json,
 )
+from ckptd.format.json_text import hf_index_json
 from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
 
 VERSION = "0.1.0"
@@ -155,9 +155,9 @@ def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
     that wrote the step (from the plan) and the daemon that committed it."""
     ranks_of_node = Counter(plan.node_of_rank or (0,) * plan.world_size)
     ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
-    boxes: dict[str, set[Box]] = {}
+    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}  # (offsets, lengths): tuples hash in C, a Box does not
     for slot in plan.slots:
-        boxes.setdefault(slot.name, set()).add(slot.box)
+        boxes.setdefault(slot.name, set()).add((slot.box.offsets, slot.box.lengths))
     kinds: dict[str, dict[str, int]] = {}
     for t in plan.tensors:
         counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
@@ -223,7 +223,10 @@ def step_files(
             by_name.setdefault(name, []).append(fragment)
     problems = []
     for t in plan.tensors:
-        found = coverage_problems(t.shape, [f.box for f in by_name.get(t.name, [])])
+        fragments = by_name.get(t.name, [])
+        if len(fragments) == 1 and fragments[0].box.lengths == t.shape and not any(fragments[0].box.offsets):
+            continue  # stored whole, once (most tensors): covered exactly
+        found = coverage_problems(t.shape, [f.box for f in fragments])
         if found:
             problems.append(f"{t.name}: {found[0]}")
     if problems:
@@ -231,12 +234,17 @@ def step_files(
     data_files = [f for manifest in sorted(manifests, key=lambda m: m.node) for f in manifest.files]
     kinds = {t.name: t.kind for t in plan.tensors}
     small: dict[str, bytes] = {}
+    in_group: dict[str, list[FragmentRecord]] = {}  # group -> its fragments, by tensor name
+    split: set[str] = set()  # the groups with a tensor stored in fragments
+    for name, fs in sorted(by_name.items()):
+        group = GROUP_OF_KIND[kinds[name]]
+        in_group.setdefault(group, []).extend(fs)
+        if len(fs) > 1:
+            split.add(group)
     for group in ("model", "master_weights", "optimizer"):
-        in_group = [(name, f) for name, fs in sorted(by_name.items()) for f in fs if GROUP_OF_KIND[kinds[name]] == group]
-        split = any(len(by_name[name]) > 1 for name, _ in in_group)
         # a dropped master weight is the model weight's bytes: not in the master files
-        pieces = [piece for _, f in in_group for piece in f.stored_pieces()]
-        if pieces and not (group == "model" and split):  # fragments: `ckptd export` makes the HF form
+        pieces = [piece for f in in_group.get(group, ()) for piece in f.stored_pieces()]
+        if pieces and not (group == "model" and group in split):  # fragments: `ckptd export` makes the HF form
             weight_map = {piece.key: piece.file for piece in pieces}
             small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
     small[EXTRA_JSON] = extra_json(step, extras)
@@ -252,7 +260,8 @@ def step_files(
         records.append(FileRecord(ADAPTER_WEIGHTS, source.size, source.checksum))
 
     def record(t: LogicalTensor) -> TensorRecord:
-        fragments = tuple(sorted(by_name[t.name], key=lambda f: f.box))
+        found = by_name[t.name]
+        fragments = tuple(found) if len(found) == 1 else tuple(sorted(found, key=lambda f: f.box))
         return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases, t.rank)
 
     index = CheckpointIndex(

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 import grpc
 
-from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.coordinator import Coordinator, OnCommit
 from ckptd.daemon.engine.plan_inputs import check_plan_input
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import Runs
@@ -48,7 +48,7 @@ class PeerClient:
         peers: Sequence[str],
         token: str,
         storage: StorageBackend,
-        on_commit: Callable[[str], Awaitable[None]],
+        on_commit: OnCommit,
         tls: PeerTls | None = None,
         decide: Decide = lossless_by_default,
         runs: Runs | None = None, job_policy: JobPolicy = DEFAULT_JOB_POLICY,

@@ -44,6 +44,9 @@ class PartWriter(Protocol):
     def pwrite(self, offset: int, view: memoryview) -> None:
         """Write all of `view` at byte `offset`."""
 
+    def pwritev(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Write all of `views`, back to back, from byte `offset` (one call for many small tensors)."""
+
     def start_writeback(self, offset: int, nbytes: int) -> bool:
         """A hint: start making [offset, offset + nbytes) durable now (sync_step/sync still
         decide durability). Returns whether the hint was taken."""

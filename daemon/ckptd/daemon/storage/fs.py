@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -480,6 +480,20 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+
+
+def pwritev_all(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Write all of `views`, back to back, from `offset` of `fd` (os.pwritev may write less than
+    asked: what is left is written again)."""
+    left, first = list(views), 0
+    while first < len(left):
+        n = os.pwritev(fd, left[first:], offset)
+        offset += n
+        while first < len(left) and n >= len(left[first]):
+            n -= len(left[first])
+            first += 1
+        if n:
+            left[first] = left[first][n:]
 
 
 def write_synced(path: Path, data: bytes) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Sequence
 
 from ckptd.common.files import real_dir_at
 from ckptd.daemon.storage.fs import (
@@ -16,6 +17,7 @@ from ckptd.daemon.storage.fs import (
     open_for_reading,
     open_recycled,
     pwrite_all,
+    pwritev_all,
     read_file,
     start_writeback,
     tmp_name,
@@ -52,6 +54,11 @@ class PosixPartWriter:
         if offset < 0:
             raise ValueError(f"a write of {self.name} at offset {offset}")
         pwrite_all(self.fd, view, offset)
+
+    def pwritev(self, offset: int, views: Sequence[memoryview]) -> None:
+        if offset < 0:
+            raise ValueError(f"a write of {self.name} at offset {offset}")
+        pwritev_all(self.fd, views, offset)
 
     def start_writeback(self, offset: int, nbytes: int) -> bool:
         return start_writeback(self.fd, offset, nbytes)

@@ -33,10 +33,10 @@ from ckptd.format.index import (
     TensorRecord,
     check_small_file,
     file_key,
-    hf_index_json,
     layout_files,
     safetensors_header,
 )
+from ckptd.format.json_text import hf_index_json
 from ckptd.daemon.remote.bucket_step import BucketStepError
 from ckptd.daemon.storage import StepReader, fsync_dir
 from ckptd.daemon.tools.locate import open_step_reader

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import ArenaSet
+from ckptd.daemon.plan.node_files import NodeFilePlans
 from ckptd.daemon.plan.save_plan import SavePlan
 
 
@@ -31,6 +32,7 @@ class PersistRequest:
     quantization: dict[str, Any] | None = None  # the index's record (generation ...); None: lossless lineage
     disk_reserve: int = 0  # bytes to leave free on the root's file system (check_space); 0: the files only have to fit
     previous: CheckpointIndex | None = None  # the job's newest committed step: its unchanged files of frozen tensors are linked (write/reuse.py)
+    file_plans: NodeFilePlans | None = None  # the files planned for the job's last save, reused while the plan is the same; None: planned anew
 
 
 class Progress:

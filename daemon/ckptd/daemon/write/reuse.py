@@ -21,14 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Sequence
 
-import xxhash
-
-from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
+from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name
 from ckptd.format.index import FileRecord, FormatError, FragmentRecord
 from ckptd.format.units import Unit, checksum_digest, first_mismatch, read_ranges
 from ckptd.daemon.plan.files import PlacedTensor
 from ckptd.daemon.plan.node_files import ArenaRun, FileItem, LinkCandidate
 from ckptd.daemon.storage.base import ReadHandle, StorageBackend
+from ckptd.daemon.write.digests import TensorDigests
 from ckptd.daemon.write.source import ArenaSource
 
 CHECK_RANGE_BYTES = 64 << 20  # bytes of a linked file one task reads back and checks (consecutive units)
@@ -135,13 +134,11 @@ def check_files(open_file: Callable[[str], ReadHandle], files: Mapping[str, Sequ
 
 def digests(source: ArenaSource, runs: Sequence[ArenaRun]) -> tuple[int, str]:
     """The xxh3-64 of a stored tensor's bytes (its arena runs in order) and the digests of its
-    chunks, as the writer computes them while writing (writer._write_tensor)."""
-    hasher = xxhash.xxh3_64()
-    chunks = ChunkHasher(chunk_bytes_for(sum(r.nbytes for r in runs)))
+    chunks, as the writer computes them while writing (writer._write_tensors)."""
+    digest = TensorDigests(sum(r.nbytes for r in runs))
     for view in _views(source, runs):
-        hasher.update(view)
-        chunks.update(view)
-    return hasher.intdigest(), chunks.hexdigests()
+        digest.update(view)
+    return digest.result()
 
 
 def chunk_digests(source: ArenaSource, runs: Sequence[ArenaRun], chunk_bytes: int) -> str:

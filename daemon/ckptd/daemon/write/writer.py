@@ -21,27 +21,35 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import xxhash
 
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, StoredTensor, safetensors_header, scales_key
+from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header, scales_key
 from ckptd.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
-from ckptd.daemon.plan.node_files import AppendedItem, ArenaRun, FileItem, FilePlan, FileSpace, plan_node_files
+from ckptd.daemon.plan.node_files import AppendedItem, FileItem, FilePlan, FileSpace, TensorBytes, plan_node_files
 from ckptd.daemon.storage.base import PartWriter, RecycledFile, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
 from ckptd.daemon.storage.step_commit import StepCommit
+from ckptd.daemon.write.digests import TensorDigests
 from ckptd.daemon.write.request import PersistRequest, Progress
 from ckptd.daemon.write.reuse import Reuse, check_linked, unchanged_files
 from ckptd.daemon.write.source import ArenaSource, ScratchPool, flat_bytes, load_torch
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WRITE_CHUNK = 64 * 2**20
+# Tensors written by one writer job: about this many bytes of consecutive small tensors of a file
+# (write_batches). At 4,000 tensors of 64 KiB a job, a pwrite and a writeback start per tensor
+# were most of the daemon's CPU time of a save (issue 33).
+BATCH_BYTES = 8 * 2**20
+WRITEBACK_BYTES = 8 * 2**20  # bytes written between two writeback starts (_Extent)
+IOV_SLICES = 512  # slices per pwritev, below the kernel's IOV_MAX (1024)
 
 
 class Throttle:
@@ -93,9 +101,16 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     it is not emptied first. Raises NoSpace when the files would not fit (check_space), before
     the step directory or any file of it is created.
     """
-    files = plan_node_files(
-        req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
-        shared_dir=req.shared_dir, previous=req.previous,
+    files = (
+        req.file_plans.plan(
+            req.job, req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+            shared_dir=req.shared_dir, previous=req.previous,
+        )
+        if req.file_plans is not None
+        else plan_node_files(
+            req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+            shared_dir=req.shared_dir, previous=req.previous,
+        )
     )
     if req.quantize is not None or req.master_weights != "keep":
         load_torch()
@@ -120,20 +135,24 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     for reuse in linked:
         progress.link(reuse.candidate.file.snapshot_bytes)
     linked_names = {reuse.name for reuse in linked}
-    written, written_placed, coded = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress)
+
+    def describe(written_placed: list[PlacedTensor], coded: list[CodedWrite]) -> tuple[tuple[str, FragmentRecord], ...]:
+        outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
+        return fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
+
+    written, fragments = _write_files(storage, req, [f for f in files.files if f.name not in linked_names], recycled, source, progress, describe)
     StepCommit(storage.writing, storage.catalog, req.job, req.step).parts_published()
-    outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
-    fragments = fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
     return NodeManifest(req.node, tuple(records + written), fragments, tuple(r.name for r in linked), tuple(damaged))
 
 
 def _write_files(
     storage: StorageBackend, req: PersistRequest, files: Sequence[FilePlan], recycled: list[RecycledFile], source: ArenaSource,
-    progress: Progress,
-) -> tuple[list[FileRecord], list[PlacedTensor], list[CodedWrite]]:
+    progress: Progress, describe: Callable[[list[PlacedTensor], list[CodedWrite]], T],
+) -> tuple[list[FileRecord], T]:
     """Write `files` over the recycled files (`recycled`: taken from the front), sync and
-    publish each. Returns their records, the places of their tensors and the coding jobs'
-    outcomes."""
+    publish each. Returns their records and what `describe` makes of the places of their
+    tensors and the coding jobs' outcomes (the index records: made while the files' fsyncs
+    run, once every tensor is written)."""
     throttle = Throttle(req.throttle_bytes_per_s)
     scratch = ScratchPool(min(req.write_threads, os.cpu_count() or 1))
     records: list[FileRecord] = []
@@ -143,7 +162,7 @@ def _write_files(
         # written by one writer job each, placed after the file's fixed tensors in the order
         # they finish (their size depends on the values), and such a file's header is written
         # last, into room reserved for it.
-        writes: list[tuple[FileItem, str, Future[tuple[int, str]]]] = []
+        writes: list[tuple[list[FileItem], str, Future[list[tuple[int, str]]]]] = []  # (tensors, their file, their digests)
         jobs: list[tuple[int, Callable[[], CodedWrite], list[Future[CodedWrite]]]] = []  # (bytes to code, job, its file's jobs)
         plain: list[tuple[PartWriter, list[Future[Any]]]] = []  # files without coded tensors, and their writes
         finishes: list[tuple[_AppendedFile, FilePlan, list[Future[Any]], list[Future[CodedWrite]]]] = []
@@ -153,12 +172,12 @@ def _write_files(
                 part = storage.writing.open_part(req.job, req.step, file.name, file.room + file.nbytes, recycled.pop(0) if recycled else None)
                 opened.append(part)
                 file_writes: list[Future[Any]] = []
-                for item in file.fixed:
-                    if item.coding is not None:  # a residual: its size is known
-                        write = functools.partial(_write_residual, part, item, source, progress, throttle, scratch)
+                for batch in write_batches(file.fixed):
+                    if batch[0].coding is not None:  # a residual: its size is known
+                        write: Callable[[], list[tuple[int, str]]] = functools.partial(_write_residual, part, batch[0], source, progress, throttle, scratch)
                     else:
-                        write = functools.partial(_write_tensor, part, source, item.values.runs, item.offset, progress, throttle)
-                    writes.append((item, file.name, pool.submit(write)))
+                        write = functools.partial(_write_tensors, part, source, [(item.offset, item.values) for item in batch], progress, throttle)
+                    writes.append((batch, file.name, pool.submit(write)))
                     file_writes.append(writes[-1][2])
                 if file.record is not None:  # nothing appended: the header is known
                     part.pwrite(0, memoryview(file.header))
@@ -181,11 +200,14 @@ def _write_files(
                 coded.append(file_jobs[-1])
             syncs = [pool.submit(_sync_when_written, part, file_writes) for part, file_writes in plain]
             finished = [pool.submit(_finish_file, *finish, req.node) for finish in finishes]
-            placed = [PlacedTensor(item.tensor, name, item.offset, *digest.result()) for item, name, digest in writes]
+            placed = [
+                PlacedTensor(item.tensor, name, item.offset, *digest) for batch, name, job in writes for item, digest in zip(batch, job.result(), strict=True)
+            ]
             for finish in finished:
                 record, late_placed = finish.result()
                 records.append(record)
                 placed += late_placed
+            described = describe(placed, [job.result() for job in coded])
             for sync in syncs:
                 sync.result()
         finally:
@@ -195,7 +217,7 @@ def _write_files(
                 part.close()
     for part in opened:
         part.publish()
-    return records, placed, [job.result() for job in coded]
+    return records, described
 
 
 def _link_checked(
@@ -311,7 +333,7 @@ def _write_coded(
             log.warning("tensor %s of step %s stays lossless: %s", t.name, step, problem)
             raw = StoredTensor(t.name, t.key, item.values.dtype, t.box.lengths, t.box, t.node)
             offset = file.take(raw.nbytes)
-            digest, chunks = _write_tensor(file.part, source, item.values.runs, offset, progress, throttle)
+            ((digest, chunks),) = _write_tensors(file.part, source, [(offset, item.values)], progress, throttle)
             return CodedWrite(t, (PlacedTensor(raw, file.name, offset, digest, chunks),), None, False)  # progress counted as written
         data, frames = flat_bytes(codes), None
         if item.coding.codec.framed:
@@ -330,9 +352,9 @@ def _write_coded(
 
 def _write_residual(
     part: PartWriter, item: FileItem, source: ArenaSource, progress: Progress, throttle: Throttle, scratch: ScratchPool
-) -> tuple[int, str]:
+) -> list[tuple[int, str]]:
     """Write the bf16 residual of master weight `item` to its model weight (`item.twin`) at
-    `item.offset`; returns its xxh3-64 and chunk digests."""
+    `item.offset`; returns [its xxh3-64 and chunk digests]."""
     from ckptd.common import quant
 
     assert item.twin is not None
@@ -342,29 +364,121 @@ def _write_residual(
             del master, weights  # no export of an arena view may outlive the block
         digest = _write_bytes(part, memoryview(flat_bytes(residual)), item.offset, throttle)
     progress.add(item.values.nbytes)
-    return digest
+    return [digest]
 
 
-def _write_tensor(
-    part: PartWriter, source: ArenaSource, runs: Sequence[ArenaRun], offset: int, progress: Progress, throttle: Throttle
-) -> tuple[int, str]:
-    """Write one tensor's arena runs (in order, contiguous) from byte `offset` of the file;
-    return the xxh3-64 of its bytes and the digests of its chunks (ckptd.common.chunks)."""
-    hasher = xxhash.xxh3_64()
-    chunks = ChunkHasher(chunk_bytes_for(sum(r.nbytes for r in runs)))
-    for run in runs:
-        done = 0
-        while done < run.nbytes:
-            n = min(throttle.chunk, run.nbytes - done)
-            throttle.wait(n)
-            view = source.view(run, done, n)
-            try:
-                _write_hashed(part, view, offset + run.dst + done, hasher, chunks)
-            finally:
-                view.release()
-            done += n
-            progress.add(n)
-    return hasher.intdigest(), chunks.hexdigests()
+def write_batches(fixed: Sequence[FileItem]) -> list[list[FileItem]]:
+    """A file's tensors of known place (`fixed`, in file order) in writer jobs: each residual
+    alone (it is coded first); the rest in runs of consecutive tensors (back to back in the
+    file) of at most BATCH_BYTES, a tensor of BATCH_BYTES or more alone. Thousands of small tensors then cost tens of jobs,
+    pwrites and writeback starts instead of one of each per tensor."""
+    batches: list[list[FileItem]] = []
+    open_batch: list[FileItem] = []
+    nbytes = 0
+    for item in fixed:
+        if open_batch and (item.coding is not None or nbytes + item.tensor.nbytes > BATCH_BYTES):
+            batches.append(open_batch)
+            open_batch, nbytes = [], 0
+        if item.coding is not None:
+            batches.append([item])
+            continue
+        open_batch.append(item)
+        nbytes += item.tensor.nbytes
+    if open_batch:
+        batches.append(open_batch)
+    return batches
+
+
+def _write_tensors(
+    part: PartWriter, source: ArenaSource, tensors: Sequence[tuple[int, TensorBytes]], progress: Progress, throttle: Throttle
+) -> list[tuple[int, str]]:
+    """Write stored tensors as they are, each (file offset, its arena runs) from its offset on;
+    return each one's xxh3-64 and chunk digests (ckptd.common.chunks), in order.
+
+    Each tensor is hashed on its own bytes, HASH_SLICE at a time, and those slices are written
+    as they are hashed (while they are in the CPU cache): slices that follow each other in the
+    file (tensors back to back, wherever they are in the arenas) go to the file together, one
+    pwritev per HASH_SLICE (_Extent)."""
+    out = _Extent(part, progress, throttle)
+    results = []
+    try:
+        for offset, values in tensors:
+            digest = TensorDigests(sum(run.nbytes for run in values.runs))
+            for run in values.runs:
+                for begin in range(0, run.nbytes, HASH_SLICE):
+                    view = source.view(run, begin, min(HASH_SLICE, run.nbytes - begin))
+                    digest.update(view)
+                    out.add(offset + run.dst + begin, view)
+            results.append(digest.result())
+        out.finish()
+    finally:
+        out.release()
+    return results
+
+
+class _Extent:
+    """Slices written to one part in file order: gathered while they follow each other in the
+    file, then written with one pwritev once they reach HASH_SLICE bytes (or IOV_SLICES
+    slices); the writeback of what was written (PartWriter.start_writeback) started once per
+    WRITEBACK_BYTES and at the end, so that the disk writes while the rest of the step is
+    copied and coded, and the final fsync waits only for the tail. Every byte written has its
+    writeback started exactly once. One thread's; the views it holds are released once written."""
+
+    def __init__(self, part: PartWriter, progress: Progress, throttle: Throttle) -> None:
+        self.part = part
+        self.progress = progress
+        self.throttle = throttle
+        self._views: list[memoryview] = []
+        self._begin = 0  # file offset of the gathered views
+        self._nbytes = 0
+        self._written_from = 0  # the written range whose writeback is not started yet
+        self._written = 0
+
+    def add(self, offset: int, view: memoryview) -> None:
+        """Write `view` at byte `offset` (now or with the next views); the caller gives up `view`."""
+        if self._views and offset != self._begin + self._nbytes:
+            self._write()
+        if not self._views:
+            self._begin = offset
+        self._views.append(view)
+        self._nbytes += len(view)
+        if self._nbytes >= HASH_SLICE or len(self._views) >= IOV_SLICES:
+            self._write()
+
+    def finish(self) -> None:
+        """Write what is gathered and start the writeback of what is not started yet."""
+        self._write()
+        self._start_writeback()
+
+    def release(self) -> None:
+        """Release the views not written (after an error)."""
+        for view in self._views:
+            view.release()
+        self._views, self._nbytes = [], 0
+
+    def _write(self) -> None:
+        if not self._views:
+            return
+        begin, nbytes = self._begin, self._nbytes
+        self.throttle.wait(nbytes)
+        if len(self._views) == 1:
+            self.part.pwrite(begin, self._views[0])
+        else:
+            self.part.pwritev(begin, self._views)
+        self.release()
+        self.progress.add(nbytes)
+        if self._written and self._written_from + self._written != begin:
+            self._start_writeback()
+        if not self._written:
+            self._written_from = begin
+        self._written += nbytes
+        if self._written >= WRITEBACK_BYTES:
+            self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        if self._written:
+            self.part.start_writeback(self._written_from, self._written)
+            self._written = 0
 
 
 def _write_bytes(part: PartWriter, data: memoryview, offset: int, throttle: Throttle) -> tuple[int, str]:
