@@ -135,6 +135,7 @@ class CheckpointClient:
         self._maps = ArenaMaps()
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1
         copy_workers = max(1, min((threads or 4) + 1, os.cpu_count() or 1))
+        self._load_threads = copy_workers  # the threads of a restore from the daemon's memory (MemoryCopies.run)
         # the hand-off of CUDA tensors by mode
         device = self._device_backend
         backend_factory = (lambda: device) if device is not None else CudaBackend
@@ -416,7 +417,7 @@ class CheckpointClient:
             known[plan.plan_id] = (fills, moves)
             while len(known) > KNOWN_PLANS:
                 del known[next(iter(known))]
-        if moves is not None and moves.run(self._pool, self._maps):
+        if moves is not None and moves.run(self._maps, self._load_threads):
             return
         to_device: list[tuple[torch.Tensor, torch.Tensor]] = []
         if any(owns(fill.target) for fill in fills):
