@@ -362,7 +362,10 @@ class CheckpointClient:
         if previous is not None:
             log.warning("the previous checkpoint was not handed over: %s", previous)
         structure = self._load_structures.for_state(flat, self.layout, self.coords)
-        kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
+        tensor_kinds = structure.cache.get("kinds")  # the same names while the structure is the same
+        if tensor_kinds is None:
+            tensor_kinds = structure.cache["kinds"] = frozenset(e.name.split("/", 1)[0] for e in flat.tensors)
+        kinds = sorted(tensor_kinds | set(flat.extras))
         known_plans = list(structure.cache.get("load_plans", ()))
         try:
             self._in_run()
