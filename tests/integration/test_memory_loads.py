@@ -156,3 +156,38 @@ def test_a_new_client_restores_exactly(client: CheckpointClient, daemon: DaemonP
                 assert fresh.load(other) == 1
                 _assert_same(other, expected)
                 _zeroed(other)
+
+
+def _described(ckpt: CheckpointClient) -> list[int]:
+    """Wrap the client's PlanLoad to record how many tensors each request described."""
+    counts: list[int] = []
+    plan = ckpt._rpc.stub.PlanLoad
+
+    def counted(request: Any, **kw: Any) -> Any:
+        counts.append(len(request.tensors))
+        return plan(request, **kw)
+
+    ckpt._rpc.stub.PlanLoad = counted
+    return counts
+
+
+def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_daemon_knows_it(
+    client: CheckpointClient, daemon: DaemonProcess
+) -> None:
+    state = _state(7)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    first = _described(client)
+    client.load(state)
+    client.load(state)
+    assert first == [0, COUNT, 0]  # unknown: asked once with the fingerprint, then described; then named
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        later = _described(fresh)
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        fresh.load(other)
+        _assert_same(other, expected)
+        assert later == [0]  # a new process of the rank: named by its fingerprint alone
+        other["model"]["t0"] = torch.zeros(2, 3)  # another structure: unknown, described
+        with pytest.raises(Exception, match="t0"):
+            fresh.load(other)
+        assert later == [0, 0, COUNT]
