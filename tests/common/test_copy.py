@@ -69,3 +69,37 @@ def test_copy_many_refuses_a_range_outside_the_destination_before_copying_anythi
         _copy.copy_many(dst, [-1], [src.ctypes.data], [1], True)
     with pytest.raises(TypeError, match="read-write"):
         _copy.copy_many(b"abcd", [0], [src.ctypes.data], [1], False)
+
+
+# issue 33 item 5: a restore from the daemon's memory in one call, split over threads
+def _pieces(lengths: list[int], seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(0, 256, n + 16, dtype=np.uint8) for n in lengths]
+    targets = [np.full(n + 16, 0xAB, dtype=np.uint8) for n in lengths]
+    return sources, targets
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("lengths", [[], [0], [5], [0, 1, 63, 64, 65, 4096 + 17], [3 * 2**20 + 5, 1, 2**20, 0, 7], [2**20 // 3] * 40])
+def test_copy_pieces_moves_every_byte_of_every_piece_and_nothing_else(threads: int, lengths: list[int]) -> None:
+    sources, targets = _pieces(lengths, len(lengths) + threads)
+    shift = 3  # unaligned starts
+    _copy.copy_pieces(
+        np.array([t.ctypes.data + shift for t in targets], dtype=np.uint64),
+        np.array([s.ctypes.data + 1 for s in sources], dtype=np.uint64),
+        np.array(lengths, dtype=np.uint64),
+        threads,
+    )
+    for n, s, t in zip(lengths, sources, targets):
+        assert np.array_equal(t[shift : shift + n], s[1 : 1 + n])
+        assert (t[:shift] == 0xAB).all() and (t[shift + n :] == 0xAB).all()
+
+
+def test_copy_pieces_refuses_arrays_of_other_lengths_or_itemsizes_and_no_threads() -> None:
+    one = np.zeros(1, np.uint64)
+    with pytest.raises(ValueError, match="uint64 arrays of one length"):
+        _copy.copy_pieces(one, one, np.zeros(2, np.uint64), 1)
+    with pytest.raises(ValueError, match="uint64 arrays of one length"):
+        _copy.copy_pieces(np.zeros(3, np.uint8), np.zeros(3, np.uint8), np.zeros(3, np.uint8), 1)
+    with pytest.raises(ValueError, match="threads=0 must be at least 1"):
+        _copy.copy_pieces(one, one, one, 0)

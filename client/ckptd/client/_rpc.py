@@ -182,7 +182,6 @@ class DaemonRpc:
         self.channel = grpc.insecure_channel(address, options=[*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS])
         self.stub = pb_grpc.CheckpointStub(self.channel)  # type: ignore[no-untyped-call]
         self._known_fingerprints: set[str] = set()  # the daemon has their tensor metadata (BeginSave)
-        self._known_load_fingerprints: set[str] = set()  # the same for PlanLoad
         self._attachment: Any = None  # the open Attach call (grpc's call object), None before the first
         self._attach_unsupported = False  # the daemon predates Attach
 
@@ -339,7 +338,7 @@ class DaemonRpc:
         self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
     ) -> LoadPlan:
         """PlanLoad with only the fingerprint when the daemon has this structure's metadata
-        from an earlier load; with the metadata when it has not (or forgot it: restarted)."""
+        from an earlier load; with the metadata when it has not (or forgot it: restarted): `_plan_load`."""
         request = pb.PlanLoadRequest(
             who=self.who,
             step=step or 0,
@@ -356,18 +355,19 @@ class DaemonRpc:
         return LoadPlan(reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces])
 
     def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure) -> Any:
+        """The fingerprint alone first: the daemon keeps the metadata by job, rank and fingerprint,
+        so it knows it from any earlier load of this rank, this process's or a previous one's (a
+        restarted trainer describes thousands of tensors no more). Refused as unknown (never
+        sent, or the daemon restarted): sent again with the metadata."""
         if not request.fingerprint:
             return self.call(self.stub.PlanLoad, request)
-        if request.fingerprint in self._known_load_fingerprints:
-            try:
-                return self.call(self.stub.PlanLoad, request)
-            except CheckpointError as exc:
-                if not _unknown_fingerprint(exc):
-                    raise
+        try:
+            return self.call(self.stub.PlanLoad, request)
+        except CheckpointError as exc:
+            if not _unknown_fingerprint(exc):
+                raise
         request.tensors.extend(tensor_metas(structure))
-        plan = self.call(self.stub.PlanLoad, request)
-        self._known_load_fingerprints.add(structure.fingerprint)
-        return plan
+        return self.call(self.stub.PlanLoad, request)
 
     def load_done(self, load_id: str) -> None:
         """Best effort: a failure is logged (the daemon releases the step later by itself)."""

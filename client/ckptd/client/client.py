@@ -135,6 +135,7 @@ class CheckpointClient:
         self._maps = ArenaMaps()
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1
         copy_workers = max(1, min((threads or 4) + 1, os.cpu_count() or 1))
+        self._load_threads = copy_workers  # the threads of a restore from the daemon's memory (MemoryCopies.run)
         # the hand-off of CUDA tensors by mode
         device = self._device_backend
         backend_factory = (lambda: device) if device is not None else CudaBackend
@@ -361,7 +362,10 @@ class CheckpointClient:
         if previous is not None:
             log.warning("the previous checkpoint was not handed over: %s", previous)
         structure = self._load_structures.for_state(flat, self.layout, self.coords)
-        kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
+        tensor_kinds = structure.cache.get("kinds")  # the same names while the structure is the same
+        if tensor_kinds is None:
+            tensor_kinds = structure.cache["kinds"] = frozenset(e.name.split("/", 1)[0] for e in flat.tensors)
+        kinds = sorted(tensor_kinds | set(flat.extras))
         known_plans = list(structure.cache.get("load_plans", ()))
         try:
             self._in_run()
@@ -416,7 +420,7 @@ class CheckpointClient:
             known[plan.plan_id] = (fills, moves)
             while len(known) > KNOWN_PLANS:
                 del known[next(iter(known))]
-        if moves is not None and moves.run(self._pool, self._maps):
+        if moves is not None and moves.run(self._maps, self._load_threads):
             return
         with torch.no_grad():
             if any(owns(fill.target) for fill in fills):

@@ -12,7 +12,6 @@ ckptd.client.reader.decode.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import mmap
 import os
@@ -30,6 +29,7 @@ from ckptd.client.reader.decode import fill_decoded
 from ckptd.client.reader.pieces import READ_CHUNK, Source, open_piece, pread_exact, read_runs, read_verified, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
+from ckptd.common._copy import copy_pieces
 from ckptd.common.boxes import Box, intersect, relative
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
 
@@ -114,7 +114,9 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
             jobs.append(pool.submit(read_verified, src, dst_bytes))
     # small pieces in a few batches of about equal bytes, not one task each (a task costs more
     # than copying a small tensor)
-    jobs += [pool.submit(_copy_batch, batch) for batch in _batches(small_shm, lambda p: p[2], BATCHES)]
+    if small_shm:  # one call into C, which splits them over threads
+        moves = np.array(small_shm, dtype=np.uint64).T.copy()
+        jobs.append(pool.submit(copy_pieces, moves[0], moves[1], moves[2], BATCHES))
     jobs += [pool.submit(_read_batch, batch) for batch in _batches(small_files, lambda p: p[0].nbytes, BATCHES)]
     jobs += [pool.submit(_fill_part, maps, part) for part in parts]
     jobs += [pool.submit(fill_decoded, src, fill.target, fill.want, common) for src, fill, common in decoded]
@@ -126,21 +128,32 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
                 maps.mark_warm(src.path)  # only arenas this process mapped (parts) become warm
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MemoryCopies:
-    """A load from the daemon's memory reduced to memmoves: every fill is a whole fragment of
-    under SPLIT_BYTES from an arena into a contiguous CPU target of its dtype. Made once for a
-    plan that repeats (ckptd.client.client keeps it with the plan's fills); `run` checks first
-    that every arena is still mapped where it was."""
+    """A load from the daemon's memory reduced to one batch of memcpys: every fill is a whole
+    fragment of under SPLIT_BYTES from an arena into a contiguous CPU target of its dtype.
+
+    Made once for a plan that repeats: ckptd.client.client keeps it with the plan's fills in
+    the cache of the state's Structure, whose identity guarantees that every target still has
+    the dtype, shape, strides and data address it had here (ckptd.client.structure: a tensor
+    reallocated, resized or of another dtype gives another Structure, hence a new plan). `run`
+    checks first that every arena is still mapped where it was, then copies everything in one
+    call into C (ckptd.common._copy.copy_pieces): no Python per tensor.
+    """
 
     bases: tuple[tuple[str, int, int], ...]  # (arena path, bytes it must have, address when prepared)
-    batches: tuple[tuple[tuple[int, int, int], ...], ...]  # (target address, arena address, bytes)
+    destinations: np.ndarray  # uint64 target addresses, one per piece
+    sources: np.ndarray  # uint64 arena addresses
+    sizes: np.ndarray  # uint64 bytes
     keep: tuple[torch.Tensor, ...]  # the targets: their memory must stay while the addresses are used
 
     @staticmethod
     def prepare(maps: ArenaMaps, fills: Sequence[Fill]) -> "MemoryCopies | None":
-        """The memmoves of `fills`, or None when any of them needs more than a memmove."""
-        moves: list[tuple[int, int, int]] = []
+        """The copies of `fills`, or None when any of them needs more than a memcpy."""
+        paths: list[str] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        targets: list[int] = []
         need: dict[str, int] = {}
         for fill in fills:
             if len(fill.sources) != 1:
@@ -152,21 +165,26 @@ class MemoryCopies:
                 or src.nbytes != target.numel() * target.element_size()
             ):
                 return None
-            need[src.path] = max(need.get(src.path, 0), src.offset + src.nbytes)
+            end = src.offset + src.nbytes
+            if need.get(src.path, -1) < end:
+                need[src.path] = end
             if src.nbytes:
-                moves.append((target.data_ptr(), src.offset, src.nbytes, src.path))  # type: ignore[arg-type]
+                paths.append(src.path)
+                offsets.append(src.offset)
+                sizes.append(src.nbytes)
+                targets.append(target.data_ptr())
         bases = tuple((path, size, maps.address(path, size)) for path, size in need.items())
         where = {path: base for path, _, base in bases}
-        resolved = [(dst, where[path] + offset, n) for dst, offset, n, path in moves]  # type: ignore[misc]
-        batches = tuple(tuple(b) for b in _batches(resolved, lambda m: m[2], BATCHES))
-        return MemoryCopies(bases, batches, tuple(f.target for f in fills))
+        sources = np.array(offsets, dtype=np.uint64) + np.array([where[p] for p in paths], dtype=np.uint64)
+        return MemoryCopies(
+            bases, np.array(targets, dtype=np.uint64), sources, np.array(sizes, dtype=np.uint64), tuple(f.target for f in fills)
+        )
 
-    def run(self, pool: ThreadPoolExecutor, maps: ArenaMaps) -> bool:
-        """Copy; False (nothing copied) when an arena is no longer mapped where it was."""
+    def run(self, maps: ArenaMaps, threads: int) -> bool:
+        """Copy on `threads` threads; False (nothing copied) when an arena is no longer mapped where it was."""
         if any(maps.address(path, size) != base for path, size, base in self.bases):
             return False
-        for job in [pool.submit(_copy_batch, batch) for batch in self.batches]:
-            job.result()
+        copy_pieces(self.destinations, self.sources, self.sizes, threads)
         return True
 
 
@@ -184,12 +202,6 @@ def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[l
         out[-1].append(item)
         filled += size(item)
     return out
-
-
-def _copy_batch(moves: Sequence[tuple[int, int, int]]) -> None:
-    """memmove each (destination address, source address, bytes); ctypes releases the GIL."""
-    for dst, src, n in moves:
-        ctypes.memmove(dst, src, n)
 
 
 def _read_batch(pieces: Sequence[tuple[Source, np.ndarray]]) -> None:

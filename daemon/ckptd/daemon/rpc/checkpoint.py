@@ -34,24 +34,32 @@ log = logging.getLogger(__name__)
 
 class _LoadSpecs:
     """Validated tensor specs of PlanLoad requests by (job, rank, fingerprint): a rank that
-    loads the same structure again sends only the fingerprint. Holds the last `keep`."""
+    loads the same structure again sends only the fingerprint. Holds the last `keep`.
+
+    A new process of the rank (a restarted trainer) sends the metadata again: when it is equal,
+    message for message, to the metadata these specs were validated from, the same specs object
+    is returned (no validation again, and the daemon's memory plans, which key on that object,
+    are found: engine/loads.py)."""
 
     def __init__(self, keep: int = 64) -> None:
         self._keep = keep
-        self._specs: dict[tuple[str, int, str], list[TensorSpec]] = {}
+        self._specs: dict[tuple[str, int, str], tuple[list[TensorSpec], Any]] = {}  # -> (specs, the metadata they came from)
 
     def resolve(self, job: str, rank: int, fingerprint: str, metas: Any) -> list[TensorSpec]:
         key = (job, rank, checks.check_fingerprint(fingerprint, required=False))
+        known = self._specs.get(key)
         if not metas and fingerprint:
-            specs = self._specs.get(key)
-            if specs is None:
+            if known is None:
                 raise errors.UnknownFingerprint()
             self._specs[key] = self._specs.pop(key)  # most recently used last
-            return specs
+            return known[0]
+        if known is not None and metas == known[1]:  # compared in C, field by field
+            self._specs[key] = self._specs.pop(key)
+            return known[0]
         specs = checks.tensor_specs(metas)
         if fingerprint:
             self._specs.pop(key, None)
-            self._specs[key] = specs
+            self._specs[key] = (specs, metas)
             while len(self._specs) > self._keep:
                 del self._specs[next(iter(self._specs))]
         return specs

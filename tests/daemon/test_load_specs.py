@@ -1,0 +1,72 @@
+"""PlanLoad's tensor specs by (job, rank, fingerprint) (rpc/checkpoint.py _LoadSpecs): metadata
+sent again equal to what was validated gives the very same specs without validating again
+(the daemon's memory plans key on that object); anything else is validated as it is now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckptd.daemon import errors
+from ckptd.daemon.rpc import checkpoint
+from ckptd.daemon.rpc import validate as checks
+from ckptd.wire.v1 import checkpoint_pb2 as pb
+
+FP = "ab" * 32
+
+
+def _metas(dtype: str = "F32", count: int = 3) -> Any:
+    request = pb.PlanLoadRequest()
+    for i in range(count):
+        request.tensors.add(name=f"model/t{i}", kind="model", dtype=dtype, shape=[4, i + 1])
+    return request.tensors
+
+
+@pytest.fixture
+def validated(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    counts: list[int] = []
+    real = checks.tensor_specs
+
+    def counted(metas: Any) -> Any:
+        counts.append(len(metas))
+        return real(metas)
+
+    monkeypatch.setattr(checks, "tensor_specs", counted)
+    return counts
+
+
+def test_equal_metadata_sent_again_resolves_to_the_same_specs_unvalidated(validated: list[int]) -> None:
+    specs = checkpoint._LoadSpecs()
+    first = specs.resolve("job", 0, FP, _metas())
+    assert specs.resolve("job", 0, FP, _metas()) is first  # a new process of the rank, same metadata
+    assert specs.resolve("job", 0, FP, []) is first  # the fingerprint alone
+    assert validated == [3]
+
+
+@pytest.mark.parametrize("other", [_metas(dtype="BF16"), _metas(count=2), _metas(count=4)])
+def test_other_metadata_under_a_known_fingerprint_is_validated_and_replaces_it(validated: list[int], other: Any) -> None:
+    specs = checkpoint._LoadSpecs()
+    first = specs.resolve("job", 0, FP, _metas())
+    second = specs.resolve("job", 0, FP, other)
+    assert second is not first and len(second) == len(other) and second[0].dtype == other[0].dtype
+    assert specs.resolve("job", 0, FP, []) is second
+    assert validated == [3, len(other)]
+
+
+def test_invalid_metadata_is_refused_even_under_a_known_fingerprint() -> None:
+    specs = checkpoint._LoadSpecs()
+    specs.resolve("job", 0, FP, _metas())
+    bad = _metas()
+    bad[1].dtype = "NOPE"
+    with pytest.raises(errors.InvalidRequest, match="NOPE"):
+        specs.resolve("job", 0, FP, bad)
+
+
+def test_specs_are_per_job_and_rank_and_unknown_fingerprints_are_asked_for() -> None:
+    specs = checkpoint._LoadSpecs()
+    first = specs.resolve("job", 0, FP, _metas())
+    assert specs.resolve("job", 1, FP, _metas()) is not first
+    assert specs.resolve("other", 0, FP, _metas()) is not first
+    with pytest.raises(errors.UnknownFingerprint):
+        specs.resolve("job", 2, FP, [])

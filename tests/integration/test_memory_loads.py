@@ -1,0 +1,193 @@
+"""Restores from the daemon's memory through cached copy plans (ckptd.client.reader.fill.MemoryCopies,
+issue 33 item 5) against a real daemon: a plan is made once and run again while nothing changed,
+every change (a tensor reallocated or moved, another dtype or shape, a new arena, an arena
+mapped elsewhere) gives a new one, and every load restores bit for bit, in the client that
+saved and in a new one."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from ckptd.client import CheckpointClient
+from ckptd.client.arenas import ArenaMaps
+from ckptd.client.reader import fill
+from ckptd.demo.process import DaemonProcess
+
+COUNT = 40
+
+
+@pytest.fixture
+def daemon(module_daemons: Any) -> DaemonProcess:
+    return module_daemons.running("--keep-last", "10")
+
+
+@pytest.fixture
+def prepared(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many copies each MemoryCopies.prepare planned (one entry per plan made)."""
+    made: list[int] = []
+    prepare = fill.MemoryCopies.prepare
+
+    def counted(maps: ArenaMaps, fills: Any) -> fill.MemoryCopies | None:
+        plan = prepare(maps, fills)
+        made.append(-1 if plan is None else len(plan.sizes))
+        return plan
+
+    monkeypatch.setattr(fill.MemoryCopies, "prepare", staticmethod(counted))
+    return made
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"t{i}": torch.randn(3 + i % 5, 7, generator=g) for i in range(COUNT)}}
+
+
+def _zeroed(state: dict[str, Any]) -> None:
+    for t in state["model"].values():
+        t.zero_()
+
+
+def _assert_same(state: dict[str, Any], expected: dict[str, Any]) -> None:
+    for name, want in expected["model"].items():
+        got = state["model"][name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[CheckpointClient]:
+    with CheckpointClient(job=request.node.name.replace("_", "-")[:60], address=str(daemon.address), rank=0, world_size=1, on_error="raise") as c:
+        yield c
+
+
+def test_repeated_loads_run_one_plan_and_restore_exactly(client: CheckpointClient, prepared: list[int]) -> None:
+    state = _state(1)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    for _ in range(3):
+        _zeroed(state)
+        assert client.load(state) == 1
+        _assert_same(state, expected)
+    assert prepared == [COUNT]  # planned once, run three times
+
+
+def test_a_reallocated_or_moved_tensor_gets_a_new_plan_and_its_new_memory_is_filled(client: CheckpointClient, prepared: list[int]) -> None:
+    state = _state(2)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    client.load(state)
+    old = state["model"]["t3"]
+    state["model"]["t3"] = torch.zeros_like(old)  # a new tensor under the same name
+    old.fill_(7.0)
+    client.load(state)
+    _assert_same(state, expected)
+    assert (old == 7.0).all()  # the replaced tensor's memory was not written
+    moved = state["model"]["t5"]
+    with torch.no_grad():
+        moved.set_(torch.zeros(moved.shape))  # the same tensor object, its data elsewhere now
+    client.load(state)
+    _assert_same(state, expected)
+    assert prepared == [COUNT, COUNT, COUNT]
+
+
+def test_another_dtype_or_shape_is_a_new_plan(client: CheckpointClient, prepared: list[int]) -> None:
+    state = _state(3)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    client.load(state)
+    state["model"]["t1"] = torch.zeros(expected["model"]["t1"].shape, dtype=torch.float64)
+    client.load(state)
+    assert state["model"]["t1"].dtype == torch.float64
+    assert torch.equal(state["model"]["t1"], expected["model"]["t1"].double())  # converted, exactly
+    assert prepared[-1] == -1  # a conversion is not a plain copy: the general path
+    state["model"]["t1"] = torch.zeros(expected["model"]["t1"].shape)
+    client.load(state)
+    _assert_same(state, expected)
+    state["model"]["t2"] = torch.zeros(2, 2)
+    with pytest.raises(Exception, match="t2"):
+        client.load(state)
+
+
+def test_loads_between_saves_and_of_older_steps_restore_each_step_exactly(client: CheckpointClient, prepared: list[int]) -> None:
+    state = _state(4)
+    steps = {}
+    for step in range(1, 4):
+        for t in state["model"].values():
+            t.add_(1.0)
+        client.save(step, state).wait_durable()
+        steps[step] = {"model": {k: v.clone() for k, v in state["model"].items()}}
+        _zeroed(state)
+        client.load(state)
+        _assert_same(state, steps[step])
+    for step in (3, 1, 3, 2, 3):  # older steps may come from files: plans of both kinds in turn
+        _zeroed(state)
+        client.load(state, step=step)
+        _assert_same(state, steps[step])
+    assert prepared and all(n == COUNT for n in prepared)
+
+
+def test_a_plan_whose_arena_is_mapped_elsewhere_copies_nothing_and_the_load_still_restores(client: CheckpointClient) -> None:
+    state = _state(5)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    client.load(state)
+    known = client._load_structures._last.cache["load_plans"]  # type: ignore[union-attr]
+    (fills, moves), = known.values()
+    held = [memoryview(client._maps.get(path)) for path, _, _ in moves.bases]  # the old mappings stay where they are
+    client._maps.close()  # forgotten: the next use maps each arena anew, elsewhere
+    _zeroed(state)
+    assert not moves.run(client._maps, 2)
+    for view in held:
+        view.release()
+    assert all((t == 0).all() for t in state["model"].values())  # nothing was copied
+    client.load(state)
+    _assert_same(state, expected)
+
+
+def test_a_new_client_restores_exactly(client: CheckpointClient, daemon: DaemonProcess) -> None:
+    state = _state(6)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    for _ in range(2):
+        with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+            other = {"model": {k: torch.full_like(v, 3.0) for k, v in expected["model"].items()}}
+            for _ in range(2):
+                assert fresh.load(other) == 1
+                _assert_same(other, expected)
+                _zeroed(other)
+
+
+def _described(ckpt: CheckpointClient) -> list[int]:
+    """Wrap the client's PlanLoad to record how many tensors each request described."""
+    counts: list[int] = []
+    plan = ckpt._rpc.stub.PlanLoad
+
+    def counted(request: Any, **kw: Any) -> Any:
+        counts.append(len(request.tensors))
+        return plan(request, **kw)
+
+    ckpt._rpc.stub.PlanLoad = counted
+    return counts
+
+
+def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_daemon_knows_it(
+    client: CheckpointClient, daemon: DaemonProcess
+) -> None:
+    state = _state(7)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    first = _described(client)
+    client.load(state)
+    client.load(state)
+    assert first == [0, COUNT, 0]  # unknown: asked once with the fingerprint, then described; then named
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        later = _described(fresh)
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        fresh.load(other)
+        _assert_same(other, expected)
+        assert later == [0]  # a new process of the rank: named by its fingerprint alone
+        other["model"]["t0"] = torch.zeros(2, 3)  # another structure: unknown, described
+        with pytest.raises(Exception, match="t0"):
+            fresh.load(other)
+        assert later == [0, 0, COUNT]
