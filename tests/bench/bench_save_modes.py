@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import cProfile
 import gc
+import json
 import os
 import pstats
 import resource
@@ -283,6 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup-saves", type=int, default=3, help="untimed saves per client first (every arena of the set mapped and registered)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write every series, per round, to FILE (tests/bench/pair_commits.py reads it)")
     p.add_argument("--profile", default=None, metavar="MODE", help="cProfile the timed saves of MODE and print the top functions")
     args = p.parse_args(argv)
     args.counts = [int(x) for x in args.tensors.split(",") if x.strip()]
@@ -340,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                 check_restore(case, daemon.address)
         loads.append(" ".join(f"{x:.2f}" for x in os.getloadavg()))
         report(cases, args.counts, loads)
+        if args.json is not None:
+            series = {f"{c.mode}.{c.n}.{key}": {"unit": "µs/tensor", "per_round": values}
+                      for c in cases for key, values in c.series.items() if key in ("thread_cpu", "host", "stall")}
+            args.json.write_text(json.dumps({"series": series, "loadavg": loads}, indent=1))
         print("every mode's last save restored bit-exact")
         if profile is not None:
             print(f"\ncProfile of the timed saves of mode {args.profile} (cumulative):")
