@@ -1,4 +1,5 @@
-"""Mode "ipc" end to end on CPU: a real daemon opens the rank's staging buffer and drains it.
+"""The GPU modes end to end on CPU against a real daemon: "ipc" (the daemon opens the rank's
+staging buffer and drains it) and the save path's work per save in "overlap".
 
 The client runs under the strict CUDA stand-in (tests/fakecuda.py) with SharedDeviceLib, whose
 device memory lives in files; the daemon (tests/fake_gpu_daemon.py) loads the same library as its
@@ -65,3 +66,52 @@ def test_ipc_saves_through_the_staging_buffer_the_daemon_opened(gpu_daemon, monk
             assert reader.load(target, step=step) == step
         assert all(torch.equal(target["model"][k], v) for k, v in saved[step].items())
         assert torch.equal(target["extra"]["cpu"], torch.arange(10.0))
+
+
+def _counted(cuda: "fakecuda.FakeCuda", counts: dict[str, int]) -> None:
+    """Count the torch-level device operations the client issues (before cuda.install); the
+    pairs of a foreach copy, which the stand-in copies one by one, are not counted again."""
+    inside: list[bool] = []
+    for name in ("copy", "foreach_copy", "new_event"):
+        fn = getattr(cuda, name)
+
+        def counting(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            if inside:
+                return _fn(*args, **kwargs)
+            counts[_name] = counts.get(_name, 0) + 1
+            inside.append(True)
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        setattr(cuda, name, counting)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ipc"])
+def test_a_save_issues_the_same_few_operations_whatever_the_number_of_tensors(gpu_daemon, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:  # noqa: ANN001
+    daemon, device_dir = gpu_daemon
+    cuda = fakecuda.FakeCuda(lib=fakecuda.SharedDeviceLib(str(device_dir)))
+    counts: dict[str, int] = {}
+    _counted(cuda, counts)
+    cuda.install(monkeypatch)
+    per_save = {}
+    for n in (40, 400):
+        state = {"model": {f"w{i}": cuda.to_device(torch.full((64,), float(i))) for i in range(n)}}
+        with CheckpointClient(f"ops-{mode}-{n}", address=daemon.address, rank=0, world_size=1, mode=mode, on_error="raise") as ckpt:
+            for step in (1, 2, 3):  # the first save of each of the daemon's two arena sets maps (and page-locks) it
+                assert ckpt.save(step, state).wait_durable(timeout=60) is not None
+            registered = len(cuda.lib.register_calls)
+            seen = []
+            for step in (4, 5, 6):
+                counts.clear()
+                handle = ckpt.save(step, state)
+                handle.wait_snapshot(host=True)
+                seen.append(dict(counts))
+                assert handle.mode == mode and handle.wait_durable(timeout=60) is not None
+            assert len(cuda.lib.register_calls) == registered  # nothing page-locked on the save path after the first saves
+        assert seen[0] == seen[1] == seen[2]  # the plan is reused: every save issues the same operations
+        per_save[n] = seen[0]
+    # one foreach pack per group of small tensors, one event per copy group: not one operation per tensor
+    assert per_save[40] == per_save[400], per_save
+    assert per_save[400].get("foreach_copy", 0) <= 2 and per_save[400].get("new_event", 0) <= 6, per_save
