@@ -13,6 +13,9 @@ Two layers over one state:
   current stream, `Tensor.copy_` and `torch._foreach_copy_` between "device" and host tensors,
   `Tensor.is_cuda`, `Tensor.is_pinned`, `torch.as_tensor` of raw device memory, and
   `torch.cuda.cudart()`. `FakeCuda.install(monkeypatch)` puts all of it in place for one test.
+- `SharedDeviceLib`: FakeCudaLib with its device memory in files, so that a real daemon in
+  another process (tests/fake_gpu_daemon.py) opens a staging buffer's IPC handle, whole or not
+  at all, and drains it: mode "ipc" end to end on CPU.
 
 Rules enforced, with the error CUDA gives:
 
