@@ -297,8 +297,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def start_daemon(workdir: Path, device_dir: Path) -> Any:
     """A real daemon whose CUDA runtime is the stand-in's shared device memory (for mode ipc)."""
-    socket = Path(tempfile.mkdtemp(prefix="ckptd-m-")) / "d.sock"
-    return fake_gpu_daemon.start(workdir / "root", socket, workdir / "shm", device_dir, workdir / "daemon.log")
+    return fake_gpu_daemon.start(workdir / "root", workdir / "d.sock", workdir / "shm", device_dir, workdir / "daemon.log")
 
 
 def main(argv: list[str] | None = None) -> int:
