@@ -13,6 +13,9 @@ Two layers over one state:
   current stream, `Tensor.copy_` and `torch._foreach_copy_` between "device" and host tensors,
   `Tensor.is_cuda`, `Tensor.is_pinned`, `torch.as_tensor` of raw device memory, and
   `torch.cuda.cudart()`. `FakeCuda.install(monkeypatch)` puts all of it in place for one test.
+- `SharedDeviceLib`: FakeCudaLib with its device memory in files, so that a real daemon in
+  another process (tests/fake_gpu_daemon.py) opens a staging buffer's IPC handle, whole or not
+  at all, and drains it: mode "ipc" end to end on CPU.
 
 Rules enforced, with the error CUDA gives:
 
@@ -284,6 +287,94 @@ class FakeCudaLib:
         if not self.opened.get(p):
             return self._fail(INVALID_VALUE)
         self.opened[p] -= 1
+        return SUCCESS
+
+
+class SharedDeviceLib(FakeCudaLib):
+    """FakeCudaLib whose device memory lives in files of `directory`, so that ANOTHER process
+    (a real daemon started with it: tests/bench/fake_gpu_daemon.py) opens an IPC handle exported
+    here and reads the exporter's memory, as CUDA IPC does across processes. The rules stay:
+    handles are 64 bytes with zero bytes first, last and inside; a handle that is not byte for
+    byte one this library exported (cut at a zero byte, stripped) answers 400; cudaMemcpy checks
+    the device range and the host registration as FakeCudaLib does."""
+
+    def __init__(self, directory: str, devices: int = 1, memory_bytes: int = 1 << 30) -> None:
+        super().__init__(devices, memory_bytes)
+        self.directory = directory
+        self._maps: dict[int, Any] = {}  # address -> the mmap behind it
+        self._files: dict[int, int] = {}  # address of an allocation made here -> its file's number
+        self._seq = 0
+
+    def _map(self, name: str, nbytes: int | None) -> int:
+        import mmap
+        import os
+
+        path = os.path.join(self.directory, name)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if nbytes is not None else 0), 0o600)
+        try:
+            if nbytes is not None:
+                os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        buf = (ctypes.c_ubyte * len(mm)).from_buffer(mm)
+        ptr = ctypes.addressof(buf)
+        self.allocations[ptr] = buf
+        self._maps[ptr] = mm
+        return ptr
+
+    def _cudaMalloc(self, out: Any, nbytes: Any) -> int:  # noqa: N802
+        n = _int(nbytes)
+        used = sum(len(b) for b in self.allocations.values())
+        if n <= 0 or used + n > self.memory_bytes:
+            return self._fail(MEMORY_ALLOCATION if n > 0 else INVALID_VALUE)
+        with self._lock:
+            self._seq += 1
+            ptr = self._map(f"dev-{self._seq}", n)
+            self._files[ptr] = self._seq
+        _target(out).value = ptr
+        return SUCCESS
+
+    def _cudaFree(self, ptr: Any) -> int:  # noqa: N802
+        import os
+
+        p = _int(ptr)
+        code = super()._cudaFree(ptr)
+        seq = self._files.pop(p, None)
+        if code == SUCCESS and seq is not None:
+            self._maps.pop(p, None)
+            os.unlink(os.path.join(self.directory, f"dev-{seq}"))
+        return code
+
+    def _cudaIpcGetMemHandle(self, out: Any, ptr: Any) -> int:  # noqa: N802
+        p = _int(ptr)
+        seq = self._files.get(p)
+        if seq is None:
+            return self._fail(INVALID_VALUE)
+        raw = ipc_handle(seq, p)
+        self.handles[raw] = p
+        ctypes.memmove(ctypes.addressof(_target(out)), raw, IPC_HANDLE_BYTES)
+        return SUCCESS
+
+    def _cudaIpcOpenMemHandle(self, out: Any, handle: Any, flags: Any) -> int:  # noqa: N802
+        import os
+
+        raw = ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_BYTES)
+        seq, exported = int.from_bytes(raw[10:18], "little"), int.from_bytes(raw[18:26], "little")
+        if raw != ipc_handle(seq, exported) or not os.path.exists(os.path.join(self.directory, f"dev-{seq}")):
+            return self._fail(INVALID_RESOURCE_HANDLE)
+        with self._lock:
+            p = self._map(f"dev-{seq}", None)
+        self.opened[p] = 1
+        _target(out).value = p
+        return SUCCESS
+
+    def _cudaIpcCloseMemHandle(self, ptr: Any) -> int:  # noqa: N802
+        p = _int(ptr)
+        if not self.opened.pop(p, 0):
+            return self._fail(INVALID_VALUE)
+        del self.allocations[p]  # the mapping itself goes with the last view of it
+        self._maps.pop(p, None)
         return SUCCESS
 
 

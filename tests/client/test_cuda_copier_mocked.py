@@ -346,3 +346,32 @@ def test_without_a_usable_cuda_runtime_ipc_is_unavailable_with_the_reason(monkey
         DeviceStaging.allocate(torch.device("cuda", 0), 4096)
     with pytest.raises(Exception, match="tried"):
         CudaRuntime.load(lambda: ["/nonexistent/libcudart.so.12"])
+
+
+# ------------------------------------------------------------------ device memory another process opens
+
+
+def test_shared_device_memory_opens_in_another_library_only_by_the_whole_handle(tmp_path: Path) -> None:
+    from ckptd.common.cudart import CudaRuntimeError
+
+    exporter = fakecuda.FakeCuda(lib=fakecuda.SharedDeviceLib(str(tmp_path))).runtime  # the trainer
+    importer = fakecuda.FakeCuda(lib=fakecuda.SharedDeviceLib(str(tmp_path))).runtime  # the daemon: another process
+    ptr = exporter.malloc(8192)
+    ctypes.memmove(ptr, bytes(range(256)) * 32, 8192)
+    handle = exporter.ipc_get_mem_handle(ptr)
+    assert len(handle) == 64 and handle[0] == 0 and handle[-1] == 0 and 0 in handle[1:-1]
+    opened = importer.ipc_open_mem_handle(handle)
+    assert opened != ptr and ctypes.string_at(opened, 8192) == bytes(range(256)) * 32  # the exporter's bytes
+    ctypes.memmove(ptr, b"\x07" * 16, 16)
+    assert ctypes.string_at(opened, 16) == b"\x07" * 16  # the same memory, not a copy
+    host = torch.zeros(8192, dtype=torch.uint8)
+    importer.memcpy_d2h(host.data_ptr(), opened, 8192)
+    assert bytes(host[:16].tolist()) == b"\x07" * 16
+    for cut in (handle.split(b"\x00")[0].ljust(64, b"\x00"), handle[:-1] + b"\x01", bytes(64)):  # a C-string copy, a changed byte, zeros
+        with pytest.raises(CudaRuntimeError, match="error 400"):
+            importer.ipc_open_mem_handle(cut)
+    importer.ipc_close_mem_handle(opened)
+    exporter.free(ptr)
+    with pytest.raises(CudaRuntimeError, match="error 400"):  # freed by the exporter: its handle is dead
+        importer.ipc_open_mem_handle(handle)
+    assert list(tmp_path.iterdir()) == []

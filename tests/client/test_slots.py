@@ -55,6 +55,9 @@ def test_slots_that_describe_the_ranks_tensors_are_placed() -> None:
     placed = place(structure, _slots(structure), "layout", lambda t: False)
     assert [structure.fragments[k][0].name for k in placed.fragment_of] == ["model/embed.weight", "step"]
     assert structure.fragments[0][0].aliases == ("model/head.weight",)
+    assert placed.nbytes == 16 + 8 and placed.devices == frozenset() and placed.host == (0, 1)
+    on_device = place(structure, _slots(structure), "layout", lambda t: t.dtype == torch.bfloat16)  # the embedding plays a device tensor
+    assert on_device.device == frozenset({0}) and on_device.devices == frozenset({torch.device("cpu")}) and on_device.host == (1,)
 
 
 @pytest.mark.parametrize(

@@ -218,8 +218,9 @@ def test_copy_mode_waits_for_the_copy(daemon) -> None:
         backend.gate.clear()
         threading.Timer(0.3, backend.gate.set).start()
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
-        assert handle.mode == "copy" and handle.snapshot_done and handle.stall_s >= 0.25
+        assert handle.mode == "copy" and handle.stall_s >= 0.25
         assert handle.copy_s is not None and 0.25 <= handle.copy_s <= handle.stall_s
+        handle.wait_snapshot()  # the copies are done: nothing to fence, only the commit may be on its way
         assert not any(e[0] == "fence" for e in backend.events)
         assert handle.wait_durable(timeout=60) is not None
 
@@ -368,3 +369,34 @@ def test_handle_errors_surface_with_on_error_raise(daemon) -> None:
         handle = ckpt.save(1, {"model": model, "optimizer": opt})
         with pytest.raises(CheckpointError, match="simulated device error"):
             handle.wait_durable(timeout=60)
+
+
+def test_copy_mode_returns_before_the_daemon_answers_the_commit(daemon) -> None:
+    # the bytes are in the arena when save() returns; the commit goes from the helper thread
+    model, opt = training()
+    backend = FakeBackend(device_tensors(model, opt))
+    expected = snapshot(model, opt)
+    with client_on(backend, "cmc", address=daemon.address, rank=0, world_size=1, mode="copy", on_error="raise") as ckpt:
+        commit = ckpt._rpc.commit
+        ckpt._rpc.commit = lambda request: (time.sleep(0.5), commit(request))[1]  # a daemon slow to answer
+        handle = ckpt.save(1, {"model": model, "optimizer": opt})
+        assert handle.mode == "copy" and handle.stall_s < 0.4 and handle.copy_s is not None
+        step(model, opt)  # the state may change at once: its bytes are in the arena already
+        assert handle.wait_durable(timeout=60) is not None and handle.snapshot_done
+    fresh, fresh_opt = training()
+    with CheckpointClient("cmc", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load({"model": fresh, "optimizer": fresh_opt}) == 1
+    assert_restored(fresh, fresh_opt, expected)
+
+
+def test_a_failed_copy_in_copy_mode_aborts_the_save_at_once(daemon) -> None:
+    model, opt = training()
+    backend = FakeBackend(device_tensors(model, opt))
+    backend.fail_copies = True
+    with client_on(backend, "cmf", address=daemon.address, rank=0, world_size=1, mode="copy", on_error="warn") as ckpt:
+        handle = ckpt.save(1, {"model": model, "optimizer": opt})
+        assert not handle.ok and "simulated device error" in (handle.error or "")
+        assert not ckpt.status().in_flight  # aborted by save() itself, not left to the daemon's watchdog
+        backend.fail_copies = False
+        assert ckpt.save(2, {"model": model, "optimizer": opt}).wait_durable(timeout=60) is not None
+        assert [c.step for c in ckpt.list()] == [2]

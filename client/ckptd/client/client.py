@@ -277,11 +277,14 @@ class CheckpointClient:
         except BaseException as exc:
             self._rpc.abort(grant.save_id, f"{type(exc).__name__}: {exc}")
             raise
-        if copies.waits:  # mode "copy": the copies are done when save() returns, and committed
-            copies.wait()
-            copy_s = time.perf_counter() - copies.queued
-            self._rpc.commit(commit)
-            return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, mode=copies.mode, copy_s=copy_s)
+        in_flight, copy_s = copies.copies, None
+        if copies.waits:  # mode "copy": the copies are done when save() returns; the commit goes as for CPU tensors
+            try:
+                copies.wait()
+            except BaseException as exc:
+                self._rpc.abort(grant.save_id, f"the device copy failed: {type(exc).__name__}: {exc}")
+                raise
+            in_flight, copy_s = (), time.perf_counter() - copies.queued
 
         # The trainer goes on while a helper thread tells the daemon, once the copies (if any)
         # are done. The next save, load or close waits for that commit first; a failed one
@@ -293,9 +296,12 @@ class CheckpointClient:
                 transport.on_commit_error(exc)
                 raise
 
-        pending = self._handoff.commits.start_commit(step, copies.copies, send, lambda reason: self._rpc.abort(grant.save_id, reason))
+        pending = self._handoff.commits.start_commit(step, in_flight, send, lambda reason: self._rpc.abort(grant.save_id, reason))
         pending.future.add_done_callback(lambda done: self._late_failure(step, done))
-        return SaveHandle(self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode)
+        return SaveHandle(
+            self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode,
+            copy_s=copy_s,
+        )
 
     def _step_files(self, state: Mapping[str, Any], structure: Structure) -> dict[str, str]:
         """Rank 0's small files of a step: the model's (config.json ...) and environment.json."""

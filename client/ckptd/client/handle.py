@@ -27,8 +27,8 @@ class SaveHandle:
     In modes "overlap" and "ipc" (CUDA tensors) the device copies may still be running when
     `save` returns: `snapshot_done` says whether the snapshot is handed over (copied and
     committed to the daemon); `wait_snapshot()` fences; `wait_durable()` waits for both. In the
-    CPU path the bytes are copied when `save` returns and only the commit may still be on its
-    way (a helper thread sends it).
+    CPU path and in mode "copy" the bytes are copied when `save` returns and only the commit
+    may still be on its way (a helper thread sends it: the caller never waits for the daemon).
 
     wait_durable: the client's wait for a committed step (ckptd.client._rpc.DaemonRpc.wait_durable);
     on_error: the client's ("warn" or "raise"), for `wait_durable()`.
@@ -76,8 +76,8 @@ class SaveHandle:
 
     @property
     def snapshot_done(self) -> bool:
-        """The snapshot is copied and committed to the daemon (always true in mode "copy"; in the
-        CPU path once the helper thread's commit is through)."""
+        """The snapshot is copied and committed to the daemon (in the CPU path and mode "copy",
+        whose bytes are copied when save() returns, once the helper thread's commit is through)."""
         return self._pending is None or self._pending.future.done()
 
     def wait_snapshot(self, host: bool = False) -> None:

@@ -68,9 +68,15 @@ class Placed:
     for_device: tuple[Placement, ...]
     cache: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The bytes of every slot (fixed for a placement: counted once, not per save)."""
         return sum(n for _, _, n in self.placements)
+
+    @functools.cached_property
+    def devices(self) -> frozenset[torch.device]:
+        """The devices of the `device` slots' tensors."""
+        return frozenset(self.for_device[i][0].device for i in self.device)
 
     @functools.cached_property
     def host_sources(self) -> tuple[torch.Tensor, ...]:

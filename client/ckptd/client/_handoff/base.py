@@ -4,9 +4,10 @@ A `HandoffTransport` moves a save's tensors to where the daemon takes them: the 
 the shared arena (ckptd.client._handoff.shm), device copies into the pinned arena (modes "copy"
 and "overlap", ckptd.client._handoff.cuda) or into a device staging buffer the daemon drains
 (mode "ipc", ckptd.client._handoff.ipc). `start` prepares and queues the copies and returns
-them as `Started`; the client commits the snapshot once they are done: at once when the
-transport waits (mode "copy"), else from `SnapshotCommitter`'s helper thread, whose fence keeps
-the state from changing under copies still in flight. A new transport is one module with one
+them as `Started`; the client commits the snapshot from `SnapshotCommitter`'s helper thread
+once they are done, whose fence keeps the state from changing under copies still in flight.
+When the transport waits (mode "copy"), `save` waits for the copies first and the commit has
+nothing left to wait for, as in the CPU path. A new transport is one module with one
 class, registered by its mode name in ckptd.client._handoff.select and made from the
 `TransportHost` that chose it (select.Handoff), which it uses without knowing the registry.
 
@@ -83,8 +84,8 @@ class Started(NamedTuple):
     """A save's copies as a transport left them (a tuple: made once per save, in C).
 
     copies: device copies still in flight (none: every byte is in the arena already).
-    mode: the mode that ran (SaveHandle.mode). waits: save() waits for the copies and commits
-    itself. queued: time.perf_counter() when the copies were queued. staging_id, staged: mode
+    mode: the mode that ran (SaveHandle.mode). waits: save() waits for the copies (the commit
+    still goes from the helper thread). queued: time.perf_counter() when the copies were queued. staging_id, staged: mode
     "ipc": the fields the commit carries (ckptd.client._rpc.DaemonRpc.add_staged).
     """
 

@@ -50,7 +50,7 @@ class IpcTransport(DeviceCopyTransport):
         from ckptd.client.staging_buffer import IpcUnavailable
 
         handoff = self.handoff
-        devices = {placed.for_device[i][0].device for i in placed.device}
+        devices = placed.devices
         if len(devices) != 1:
             handoff.mode.fall_back(f"this rank's CUDA tensors are on {len(devices)} devices; one staging buffer serves one")
             return None
