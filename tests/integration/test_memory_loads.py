@@ -191,3 +191,24 @@ def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_da
         with pytest.raises(Exception, match="t0"):
             fresh.load(other)
         assert later == [0, 0, COUNT]
+
+
+def test_a_large_tensor_in_a_warm_arena_takes_the_one_call_copy_and_a_fresh_mapping_is_pread(
+    daemon: DaemonProcess, client: CheckpointClient, prepared: list[int]
+) -> None:
+    """A piece of SPLIT_BYTES or more: the client that saved (its arenas mapped and copied
+    through) copies it with the rest in one call; a new client, whose mapping is fresh, reads it
+    with pread (fill_all) and makes no one-call plan. Both restore exactly."""
+    state = _state(5)
+    state["model"]["big"] = torch.randn((fill.SPLIT_BYTES // 4) * 3)  # 3x SPLIT_BYTES of fp32
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    _zeroed(state)
+    assert client.load(state) == 1
+    _assert_same(state, expected)
+    assert prepared == [COUNT + 1]
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        _zeroed(state)
+        assert fresh.load(state) == 1
+        _assert_same(state, expected)
+    assert prepared == [COUNT + 1, -1]

@@ -131,7 +131,9 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
 @dataclass(frozen=True, eq=False)
 class MemoryCopies:
     """A load from the daemon's memory reduced to one batch of memcpys: every fill is a whole
-    fragment of under SPLIT_BYTES from an arena into a contiguous CPU target of its dtype.
+    fragment from an arena into a contiguous CPU target of its dtype, and every fragment of
+    SPLIT_BYTES or more lies in an arena this process has copied through before (a warm
+    mapping: for a cold one, pread costs less than populating its page tables, see fill_all).
 
     Made once for a plan that repeats: ckptd.client.client keeps it with the plan's fills in
     the cache of the state's Structure, whose identity guarantees that every target still has
@@ -160,7 +162,8 @@ class MemoryCopies:
                 return None
             src, target = fill.sources[0], fill.target
             if (
-                src.kind != "shm" or src.decode is not None or src.box != fill.want or src.nbytes >= SPLIT_BYTES
+                src.kind != "shm" or src.decode is not None or src.box != fill.want
+                or (src.nbytes >= SPLIT_BYTES and maps.is_cold(src.path))  # a fresh mapping: pread it (fill_all)
                 or target.device.type != "cpu" or not target.is_contiguous() or src.dtype != _dtype_name(target.dtype)
                 or src.nbytes != target.numel() * target.element_size()
             ):
