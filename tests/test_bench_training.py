@@ -64,7 +64,7 @@ def test_the_quick_run_measures_every_system_and_cleans_up(tmp_path: Path, shm: 
     output, _ = bench.communicate(timeout=180)
     assert bench.returncode == 0, output
     assert "training time lost: ckptd / DCP async_save" in output and "target <= 0.5" in output, output
-    for system in ("ckptd", "ckptd-off", "dcp"):
+    for system in ("ckptd", "ckptd-nice", "dcp"):
         assert f"{system}: training time lost per save" in output, output
     assert "summary: " in output and "ERROR" not in output, output
     assert not (tmp_path / "out").exists()  # made by the run, removed with the scratch directory

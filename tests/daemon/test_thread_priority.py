@@ -55,7 +55,7 @@ def observed(priority: BackgroundPriority) -> tuple[int, tuple[int, int], set[in
 @pytest.mark.parametrize(
     ("priority", "nice", "ioprio"),
     [
-        (BackgroundPriority(), min(19, BASE_NICE + 10), BEST_EFFORT_LOWEST),  # the defaults
+        (BackgroundPriority(), BASE_NICE, None),  # the defaults: unchanged
         (BackgroundPriority(nice=3, ionice="idle"), min(19, BASE_NICE + 3), IDLE),
         (BackgroundPriority(nice=19, ionice="best-effort"), 19, BEST_EFFORT_LOWEST),  # capped at 19
         (BackgroundPriority(nice=0, ionice="off"), BASE_NICE, None),  # off: as the creating thread
@@ -163,7 +163,7 @@ def daemon_threads(daemon: DaemonProcess) -> dict[int, tuple[int, tuple[int, int
 
 @pytest.mark.parametrize(
     ("args", "nice", "ioprio"),
-    [((), 10, BEST_EFFORT_LOWEST), (("--background-nice", "7", "--background-ionice", "idle"), 7, IDLE), (("--background-nice", "0", "--background-ionice", "off"), 0, None)],
+    [((), 0, None), (("--background-nice", "10", "--background-ionice", "best-effort"), 10, BEST_EFFORT_LOWEST), (("--background-nice", "7", "--background-ionice", "idle"), 7, IDLE), (("--background-nice", "0", "--background-ionice", "off"), 0, None)],
 )
 def test_a_daemons_persist_thread_runs_at_the_configured_priority(daemons: DaemonFactory, args: tuple[str, ...], nice: int, ioprio: tuple[int, int] | None) -> None:
     daemon = daemons.start(*args)

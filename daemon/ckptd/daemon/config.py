@@ -87,7 +87,9 @@ class DaemonConfig:
         check leaves out (the step's small files: indexes, extra.json), file system overhead, and
         leaves the node room to run (logs) when checkpoints fill its disk.
     background_nice, background_ionice, background_cpus: what the threads that persist, write,
-        hash, replicate and upload run at (thread_priority.BackgroundPriority), below the trainer.
+        hash, replicate and upload run at (thread_priority.BackgroundPriority); off by default: on
+        a trainer using every core, nice 10 lengthened the save's window more than it spared the
+        steps (docs/benchmarks.md, training time lost per save).
     log_level: one of debug, info, warning, error, critical.
     log_json: one JSON object per log line instead of plain text.
     node_rank: this daemon's place in `peers` (several nodes); node 0 coordinates.
@@ -133,8 +135,8 @@ class DaemonConfig:
     save_timeout_s: float = 600.0
     write_throttle: int = 0
     disk_reserve: int = GiB
-    background_nice: int = 10
-    background_ionice: str = "best-effort"
+    background_nice: int = 0
+    background_ionice: str = "off"
     background_cpus: tuple[int, ...] = ()
     log_level: str = "info"
     log_json: bool = False
@@ -435,8 +437,8 @@ _SPECS: Final[dict[str, _Spec]] = {
     "link_unchanged": _Spec(_boolean, "--link-unchanged", "", "link files of frozen tensors that did not change since the previous step instead of writing them again (default: on)"),
     "write_throttle": _Spec(_size_or_off, "--write-throttle", "SIZE", "limit writing to SIZE bytes per second, e.g. 50MiB, to simulate a slow disk; 0 = off (default: 0)"),
     "disk_reserve": _Spec(_size_or_off, "--disk-reserve", "SIZE", "keep SIZE free on the storage root's file system: a save that would leave less is refused before writing, e.g. 10GiB; 0 = the files only have to fit (default: 1GiB)"),
-    "background_nice": _Spec(_priority(nice_setting), "--background-nice", "N", "run the threads that persist, write, hash, replicate and upload N nice levels below the daemon (at most 19), so a save yields the trainer's cores; 0 = off (default: 10)"),
-    "background_ionice": _Spec(_priority(ionice_setting), "--background-ionice", "{best-effort,idle,off}", "IO priority class of those threads: best-effort (its lowest level), idle (disk time only when no one else wants it) or off (default: best-effort)"),
+    "background_nice": _Spec(_priority(nice_setting), "--background-nice", "N", "run the threads that persist, write, hash, replicate and upload N nice levels below the daemon (at most 19), so a save yields the trainer's cores; 0 = off (default: 0)"),
+    "background_ionice": _Spec(_priority(ionice_setting), "--background-ionice", "{best-effort,idle,off}", "IO priority class of those threads: best-effort (its lowest level), idle (disk time only when no one else wants it) or off (default: off)"),
     "background_cpus": _Spec(_priority(cpus_setting), "--background-cpus", "LIST", "run those threads only on these CPUs, e.g. 6-7 or 0,2 (default: unset, any CPU)"),
     "log_level": _Spec(_choice(LOG_LEVELS), "--log-level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
     "log_json": _Spec(_boolean, "--log-json", "", "log one JSON object per line (default: off)"),

@@ -58,8 +58,8 @@ class BackgroundPriority:
         unchanged.
     """
 
-    nice: int = 10
-    ionice: str = "best-effort"
+    nice: int = 0
+    ionice: str = "off"
     cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
