@@ -40,12 +40,13 @@ No I/O and no gRPC here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import random
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -103,11 +104,18 @@ class FlatState:
     # finds nothing to load makes them fresh again: `unfresh`)
     fresh: tuple[str, ...] = ()
     rank: int = 0  # the rank this state is of: names its per-rank tensors (ckptd.client.layout)
+    extras_text: str | None = field(default=None, repr=False, compare=False)  # extras_json when known (StateWalk)
 
     def unfresh(self, state: Mapping[str, Any]) -> None:
         """Take back the state this flattening initialized in fresh optimizers of `state`."""
         for key in self.fresh:
             state[key].state.clear()
+
+    @functools.cached_property
+    def extras_json(self) -> str:
+        """The extras as the strict JSON text a save sends (made once per flat state: a state
+        walked again unchanged is the same FlatState, ckptd.client.state.StateWalk)."""
+        return self.extras_text if self.extras_text is not None else json.dumps(self.extras, allow_nan=False)
 
     def fingerprint(self) -> str:
         """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen, per_rank), in order.
@@ -137,31 +145,114 @@ def flatten_state(
     extras: dict[str, Any] = {}
     fresh_keys: list[str] = []
     for key in sorted(state):
-        value = state[key]
-        kind = kind_of(key)
-        add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
-        if isinstance(value, nn.Module):
-            encoded = _flatten_module(key, value, entries)
-        elif isinstance(value, torch.optim.Optimizer):
-            model = _model_of(state, key)
-            fresh = not value.state
-            optimizer_state = _optimizer_state(model, key, value)
-            if fresh and for_save:
-                value.state.clear()  # the tensors stay referenced by this flat state until copied
-                optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
-            elif fresh:
-                fresh_keys.append(key)
-            encoded = tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
-        elif _is_stateful(value):
-            encoded = tree.encode(value.state_dict(), key, add)
-        else:
-            encoded = tree.encode(value, key, add)
+        encoded = _flatten_value(state, key, entries, for_save, fresh_keys)
         if encoded is not None:
             extras[key] = encoded
     if rng:
-        # named by rank already (and optional on load: the daemon's load planner)
-        extras[RNG_KEY] = tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
+        extras[RNG_KEY] = _flatten_rng(rank, entries)
     return FlatState(tuple(entries.entries), extras, tuple(fresh_keys), rank)
+
+
+class _Part:
+    """What one top-level key of a state flattens to, with what tells that it is still valid."""
+
+    __slots__ = ("entries", "encoded", "identity", "_text")
+
+    def __init__(self, entries: tuple[TensorEntry, ...], encoded: Any, identity: "tree.TreeIdentity | None") -> None:
+        self.entries = entries
+        self.encoded = encoded  # its extras tree, None for none
+        self.identity = identity  # a plain tree's: the part is valid while it holds
+        self._text: str | None = None
+
+    def text(self) -> str:
+        """The extras tree as strict JSON text, made once."""
+        if self._text is None:
+            self._text = json.dumps(self.encoded, allow_nan=False)
+        return self._text
+
+
+class StateWalk:
+    """`flatten_state(..., validate=False)` kept from one call to the next (one client's saves and
+    loads share one): what a top-level key of plain values (dicts, lists, tuples, tensors,
+    scalars: not a module, an optimizer or a stateful object, whose state_dict() is asked anew
+    every time) flattened to is taken over while its tree is the very same (tree.TreeIdentity:
+    the same containers holding the same objects). When every key is taken over, and no RNG
+    state is asked for, the FlatState of the last call is returned itself, with its extras JSON.
+
+    A tensor is taken over for being the same object: its dtype, shape, strides, device and
+    memory are the structure's to check (ckptd.client.structure.StructureCache.for_state), as for
+    any flat state.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, _Part] = {}
+        self._last: FlatState | None = None
+        self.reused = 0  # parts taken over (tests)
+
+    def flatten(self, state: Mapping[str, Any], *, rank: int, rng: bool = False, for_save: bool = False) -> FlatState:
+        """As flatten_state(state, rank=rank, rng=rng, for_save=for_save, validate=False)."""
+        _check_state(state, rng)
+        parts: dict[str, _Part] = {}
+        fresh_keys: list[str] = []
+        same = self._last is not None and self._last.rank == rank and not rng
+        for key in sorted(state):
+            part = self._parts.get(key)
+            if part is not None and part.identity is not None and part.identity.holds(state[key]):
+                self.reused += 1
+            else:
+                part = _flatten_part(state, key, for_save, fresh_keys)
+                same = False
+            parts[key] = part
+        same = same and len(parts) == len(self._parts)
+        self._parts = parts
+        if same and self._last is not None:
+            return self._last
+        listed = list(parts.items())
+        if rng:
+            own = _Entries(validate=False)
+            encoded = _flatten_rng(rank, own)
+            listed.append((RNG_KEY, _Part(tuple(own.entries), encoded, None)))
+        extras = {key: part.encoded for key, part in listed if part.encoded is not None}
+        entries = tuple(entry for _, part in listed for entry in part.entries)
+        # json.dumps(extras, allow_nan=False), made of the parts' texts (of the unchanged ones kept)
+        text = "{" + ", ".join(f"{json.dumps(key)}: {part.text()}" for key, part in listed if part.encoded is not None) + "}"
+        self._last = FlatState(entries, extras, tuple(fresh_keys), rank, text)
+        return self._last
+
+
+def _flatten_part(state: Mapping[str, Any], key: str, for_save: bool, fresh_keys: list[str]) -> _Part:
+    entries = _Entries(validate=False)  # names of two keys never collide: each begins with its key and "/"
+    encoded = _flatten_value(state, key, entries, for_save, fresh_keys)
+    value = state[key]
+    plain = not isinstance(value, (nn.Module, torch.optim.Optimizer)) and not _is_stateful(value)
+    return _Part(tuple(entries.entries), encoded, tree.TreeIdentity.of(value) if plain else None)
+
+
+def _flatten_value(state: Mapping[str, Any], key: str, entries: "_Entries", for_save: bool, fresh_keys: list[str]) -> Any:
+    """Add the tensors of state[key] to `entries`; return its extras tree (None: none)."""
+    value = state[key]
+    kind = kind_of(key)
+    if isinstance(value, nn.Module):
+        return _flatten_module(key, value, entries)
+    if isinstance(value, torch.optim.Optimizer):
+        model = _model_of(state, key)
+        fresh = not value.state
+        optimizer_state = _optimizer_state(model, key, value)
+        if fresh and for_save:
+            value.state.clear()  # the tensors stay referenced by this flat state until copied
+            optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
+        elif fresh:
+            fresh_keys.append(key)
+        return tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
+    add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
+    if _is_stateful(value):
+        return tree.encode(value.state_dict(), key, add)
+    return tree.encode(value, key, add)
+
+
+def _flatten_rng(rank: int, entries: "_Entries") -> Any:
+    # named by rank already (and optional on load: the daemon's load planner)
+    return tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
 
 
 def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
@@ -182,8 +273,14 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
     - "rng" (when targets has it): every generator is set back.
     A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
     as it is with a warning.
+
+    A key of plain values whose extras are the very object `targets.extras` holds for it (the
+    caller found the checkpoint's extras JSON equal to the targets' own, `FlatState.extras_json`,
+    and passes `targets.extras`) needs nothing put back: its values equal the checkpoint's and
+    the fill put the tensors' values in place. Modules, optimizers, stateful objects and the RNG
+    state are restored as always.
     """
-    tensors = _tensor_lookup(targets)
+    tensors = _TensorLookup(targets)
     for key in sorted(state):
         value = state[key]
         if isinstance(value, nn.Module) and key not in targets.extras:
@@ -192,10 +289,13 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             _missing(key, strict)
             continue
         if isinstance(value, torch.optim.Optimizer):
-            live = tree.decode(targets.extras[key], _getter(tensors, key))
+            live = tree.decode(targets.extras[key], tensors.getter(key))
             _restore_optimizer(state, key, value, live, extras[key])
             continue
-        loaded = tree.decode(extras[key], _getter(tensors, key))
+        plain = not isinstance(value, nn.Module) and not _is_stateful(value)
+        if plain and extras[key] is targets.extras.get(key):
+            continue  # the checkpoint's own values: nothing to put back
+        loaded = tree.decode(extras[key], tensors.getter(key))
         if isinstance(value, nn.Module):
             _restore_module_items(key, value, loaded)
         elif _is_stateful(value):
@@ -207,7 +307,7 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
             log.warning("the checkpoint has no RNG state for this rank: the generators are left as they are")
         else:
-            _set_rng_state(tree.decode(extras[RNG_KEY], _getter(tensors, RNG_KEY)))
+            _set_rng_state(tree.decode(extras[RNG_KEY], tensors.getter(RNG_KEY)))
 
 
 # ------------------------------------------------------------------ flatten
@@ -421,25 +521,26 @@ def _rng_state() -> dict[str, Any]:
 # ------------------------------------------------------------------ restore
 
 
-def _tensor_lookup(targets: FlatState) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for entry in targets.tensors:
-        for name in (entry.name, *entry.aliases):
-            found[name] = entry.tensor
-    return found
+class _TensorLookup:
+    """The targets' tensors by every name and alias, gathered at the first key that asks."""
 
+    def __init__(self, targets: FlatState) -> None:
+        self._targets = targets
+        self._found: dict[str, torch.Tensor] | None = None
 
-def _getter(tensors: Mapping[str, torch.Tensor], key: str) -> Callable[[str], torch.Tensor]:
-    def get(name: str) -> torch.Tensor:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise ValueError(
-                f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
-                f"no place for; give state[{key!r}] the structure it had when it was saved"
-            ) from None
+    def getter(self, key: str) -> Callable[[str], torch.Tensor]:
+        def get(name: str) -> torch.Tensor:
+            if self._found is None:
+                self._found = {n: e.tensor for e in self._targets.tensors for n in (e.name, *e.aliases)}
+            try:
+                return self._found[name]
+            except KeyError:
+                raise ValueError(
+                    f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
+                    f"no place for; give state[{key!r}] the structure it had when it was saved"
+                ) from None
 
-    return get
+        return get
 
 
 def _missing(key: str, strict: bool) -> None:
