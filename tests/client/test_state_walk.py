@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from ckptd.client.state import StateWalk, flatten_state, restore_state
+from ckptd.client.state import flatten_state, restore_state
 from ckptd.client.structure import StructureCache, fingerprint_of, fragments_of_state
 from ckptd.client.tree import TreeIdentity
+from ckptd.client.walk import StateWalk
 
 State = dict[str, Any]
 

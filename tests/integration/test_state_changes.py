@@ -1,5 +1,5 @@
 """Every change of a state between saves and loads of one client is seen (issue 33 item 5: a state
-walked again unchanged is taken over whole, ckptd.client.state.StateWalk, and checked by
+walked again unchanged is taken over whole, ckptd.client.walk.StateWalk, and checked by
 vectorised comparisons, ckptd.client.structure): against a real daemon, a save after each change
 and a load into the zeroed state restore every tensor bit for bit and every other value exactly,
 and so does a load after a change made since the save."""

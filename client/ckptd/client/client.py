@@ -32,7 +32,8 @@ from ckptd.client.options import ClientOptions
 from ckptd.client.ranks import rank_and_world
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
-from ckptd.client.state import FlatState, StateWalk, restore_state
+from ckptd.client.state import FlatState, restore_state
+from ckptd.client.walk import StateWalk
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import daemon_address, default_address
@@ -141,7 +142,7 @@ class CheckpointClient:
         backend_factory = (lambda: device) if device is not None else CudaBackend
         owns = device.owns if device is not None else CudaBackend.owns
         self._handoff = Handoff(self.mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
-        # what stays the same from save to save (and load to load): see ckptd.client.state.StateWalk and ckptd.client.structure
+        # what stays the same from save to save (and load to load): see ckptd.client.walk.StateWalk and ckptd.client.structure
         self._walk = StateWalk()
         self._save_structures = StructureCache()
         self._load_structures = StructureCache()

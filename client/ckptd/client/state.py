@@ -114,7 +114,7 @@ class FlatState:
     @functools.cached_property
     def extras_json(self) -> str:
         """The extras as the strict JSON text a save sends (made once per flat state: a state
-        walked again unchanged is the same FlatState, ckptd.client.state.StateWalk)."""
+        walked again unchanged is the same FlatState, ckptd.client.walk.StateWalk)."""
         return self.extras_text if self.extras_text is not None else json.dumps(self.extras, allow_nan=False)
 
     def fingerprint(self) -> str:
@@ -140,95 +140,20 @@ def flatten_state(
     CUDA) generators as tensors named "rng/rank<rank>/...", Python's and NumPy's as JSON.
     Raises TypeError/ValueError naming the key for values that cannot be checkpointed.
     """
-    _check_state(state, rng)
-    entries = _Entries(validate)
+    check_state(state, rng)
+    entries = Entries(validate)
     extras: dict[str, Any] = {}
     fresh_keys: list[str] = []
     for key in sorted(state):
-        encoded = _flatten_value(state, key, entries, for_save, fresh_keys)
+        encoded = flatten_value(state, key, entries, for_save, fresh_keys)
         if encoded is not None:
             extras[key] = encoded
     if rng:
-        extras[RNG_KEY] = _flatten_rng(rank, entries)
+        extras[RNG_KEY] = flatten_rng(rank, entries)
     return FlatState(tuple(entries.entries), extras, tuple(fresh_keys), rank)
 
 
-class _Part:
-    """What one top-level key of a state flattens to, with what tells that it is still valid."""
-
-    __slots__ = ("entries", "encoded", "identity", "_text")
-
-    def __init__(self, entries: tuple[TensorEntry, ...], encoded: Any, identity: "tree.TreeIdentity | None") -> None:
-        self.entries = entries
-        self.encoded = encoded  # its extras tree, None for none
-        self.identity = identity  # a plain tree's: the part is valid while it holds
-        self._text: str | None = None
-
-    def text(self) -> str:
-        """The extras tree as strict JSON text, made once."""
-        if self._text is None:
-            self._text = json.dumps(self.encoded, allow_nan=False)
-        return self._text
-
-
-class StateWalk:
-    """`flatten_state(..., validate=False)` kept from one call to the next (one client's saves and
-    loads share one): what a top-level key of plain values (dicts, lists, tuples, tensors,
-    scalars: not a module, an optimizer or a stateful object, whose state_dict() is asked anew
-    every time) flattened to is taken over while its tree is the very same (tree.TreeIdentity:
-    the same containers holding the same objects). When every key is taken over, and no RNG
-    state is asked for, the FlatState of the last call is returned itself, with its extras JSON.
-
-    A tensor is taken over for being the same object: its dtype, shape, strides, device and
-    memory are the structure's to check (ckptd.client.structure.StructureCache.for_state), as for
-    any flat state.
-    """
-
-    def __init__(self) -> None:
-        self._parts: dict[str, _Part] = {}
-        self._last: FlatState | None = None
-        self.reused = 0  # parts taken over (tests)
-
-    def flatten(self, state: Mapping[str, Any], *, rank: int, rng: bool = False, for_save: bool = False) -> FlatState:
-        """As flatten_state(state, rank=rank, rng=rng, for_save=for_save, validate=False)."""
-        _check_state(state, rng)
-        parts: dict[str, _Part] = {}
-        fresh_keys: list[str] = []
-        same = self._last is not None and self._last.rank == rank and not rng
-        for key in sorted(state):
-            part = self._parts.get(key)
-            if part is not None and part.identity is not None and part.identity.holds(state[key]):
-                self.reused += 1
-            else:
-                part = _flatten_part(state, key, for_save, fresh_keys)
-                same = False
-            parts[key] = part
-        same = same and len(parts) == len(self._parts)
-        self._parts = parts
-        if same and self._last is not None:
-            return self._last
-        listed = list(parts.items())
-        if rng:
-            own = _Entries(validate=False)
-            encoded = _flatten_rng(rank, own)
-            listed.append((RNG_KEY, _Part(tuple(own.entries), encoded, None)))
-        extras = {key: part.encoded for key, part in listed if part.encoded is not None}
-        entries = tuple(entry for _, part in listed for entry in part.entries)
-        # json.dumps(extras, allow_nan=False), made of the parts' texts (of the unchanged ones kept)
-        text = "{" + ", ".join(f"{json.dumps(key)}: {part.text()}" for key, part in listed if part.encoded is not None) + "}"
-        self._last = FlatState(entries, extras, tuple(fresh_keys), rank, text)
-        return self._last
-
-
-def _flatten_part(state: Mapping[str, Any], key: str, for_save: bool, fresh_keys: list[str]) -> _Part:
-    entries = _Entries(validate=False)  # names of two keys never collide: each begins with its key and "/"
-    encoded = _flatten_value(state, key, entries, for_save, fresh_keys)
-    value = state[key]
-    plain = not isinstance(value, (nn.Module, torch.optim.Optimizer)) and not _is_stateful(value)
-    return _Part(tuple(entries.entries), encoded, tree.TreeIdentity.of(value) if plain else None)
-
-
-def _flatten_value(state: Mapping[str, Any], key: str, entries: "_Entries", for_save: bool, fresh_keys: list[str]) -> Any:
+def flatten_value(state: Mapping[str, Any], key: str, entries: Entries, for_save: bool, fresh_keys: list[str]) -> Any:
     """Add the tensors of state[key] to `entries`; return its extras tree (None: none)."""
     value = state[key]
     kind = kind_of(key)
@@ -245,13 +170,14 @@ def _flatten_value(state: Mapping[str, Any], key: str, entries: "_Entries", for_
             fresh_keys.append(key)
         return tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
     add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
-    if _is_stateful(value):
+    if is_stateful(value):
         return tree.encode(value.state_dict(), key, add)
     return tree.encode(value, key, add)
 
 
-def _flatten_rng(rank: int, entries: "_Entries") -> Any:
-    # named by rank already (and optional on load: the daemon's load planner)
+def flatten_rng(rank: int, entries: Entries) -> Any:
+    """Add the random generators' tensors to `entries`, named by rank already (and optional on
+    load: the daemon's load planner); return their extras tree."""
     return tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
 
 
@@ -292,13 +218,13 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             live = tree.decode(targets.extras[key], tensors.getter(key))
             _restore_optimizer(state, key, value, live, extras[key])
             continue
-        plain = not isinstance(value, nn.Module) and not _is_stateful(value)
+        plain = not isinstance(value, nn.Module) and not is_stateful(value)
         if plain and extras[key] is targets.extras.get(key):
             continue  # the checkpoint's own values: nothing to put back
         loaded = tree.decode(extras[key], tensors.getter(key))
         if isinstance(value, nn.Module):
             _restore_module_items(key, value, loaded)
-        elif _is_stateful(value):
+        elif is_stateful(value):
             value.load_state_dict(loaded)
         else:
             _put_back(state, key, value, loaded)
@@ -322,7 +248,7 @@ def validate_entries(flat: FlatState) -> None:
             _check_tensor(name, entry.tensor)
 
 
-class _Entries:
+class Entries:
     """Collects entries in order; refuses duplicate names and (when validating) tensors without storable data."""
 
     def __init__(self, validate: bool = True) -> None:
@@ -362,7 +288,7 @@ class _Entries:
         self.entries.append(entry)
 
 
-def _check_state(state: Mapping[str, Any], rng: bool) -> None:
+def check_state(state: Mapping[str, Any], rng: bool) -> None:
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping such as {{'model': model, 'optimizer': optimizer}}, got {type(state).__name__}")
     if not state:
@@ -395,7 +321,7 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"cannot checkpoint {name!r}: {exc}") from None
 
 
-def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
+def _flatten_module(key: str, module: nn.Module, entries: Entries) -> Any:
     """Add the module's state_dict tensors (tied ones once, with aliases); return its other items encoded, or None."""
     kind = kind_of(key)
     tensor_of: dict[str, torch.Tensor] = {}
@@ -478,7 +404,7 @@ def _optimizer_state(model: nn.Module, key: str, optimizer: torch.optim.Optimize
         ) from exc
 
 
-def _optimizer_adder(key: str, model: nn.Module, entries: _Entries) -> Callable[[str, torch.Tensor], None]:
+def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[str, torch.Tensor], None]:
     """Adds optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
 
     As aliases, these names let a checkpoint of a tied model load into an untied one.
@@ -503,7 +429,7 @@ def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
     return {first: others for first, others in shared_names(named, id).items() if others}
 
 
-def _is_stateful(value: Any) -> bool:
+def is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 

@@ -17,7 +17,7 @@ Two checks decide what can be reused, both cheap and exact:
   new structure: everything is validated and derived again. For plain tensors it is made of lists
   (the entries' fields, dtypes, shapes, strides, devices) by C-level maps, so checking an
   unchanged state runs no Python per tensor; the entries' fields are taken over when the flat
-  state holds the very same entries (a state walked again unchanged: ckptd.client.state.StateWalk).
+  state holds the very same entries (a state walked again unchanged: ckptd.client.walk.StateWalk).
 - the *pointers*: per entry the address of its (local) data. Equal signature and pointer mean
   the same memory, so the fragments' views taken earlier still show it (they hold its storage,
   so the address cannot have been reused by another tensor). An entry whose memory moved (a

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from itertools import chain, compress, repeat
-from typing import Final
+from typing import Final, cast
 
 JOB_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TENSOR_NAME: Final = 1024
@@ -80,8 +80,8 @@ def json_depth(value: object) -> int:
     depth = 0
     level: list[object] = [value]
     while True:
-        dicts = list(compress(level, map(isinstance, level, repeat(dict))))
-        lists = list(compress(level, map(isinstance, level, repeat(list))))
+        dicts = cast("list[dict[object, object]]", list(compress(level, map(isinstance, level, repeat(dict)))))
+        lists = cast("list[list[object]]", list(compress(level, map(isinstance, level, repeat(list)))))
         if not dicts and not lists:
             return depth
         depth += 1
