@@ -81,13 +81,14 @@ class StructureCache:
         validated: raises ValueError/TypeError/LayoutError naming the tensor) from scratch."""
         last = self._last
         same_entries = last is not None and flat.tensors is self._entries and len(last.signature) > _ENTRIES_AT
-        signature = _signature(flat, rules, coords, last.signature[_ENTRIES_AT] if same_entries and last is not None else None)
+        tensors = list(map(_TENSOR, flat.tensors))
+        signature = _signature(flat, rules, coords, tensors, last.signature[_ENTRIES_AT] if same_entries and last is not None else None)
         if signature is None or last is None or signature != last.signature:
             self._last = self._build(flat, rules, coords, signature)
             self._entries = flat.tensors
             return self._last
         self._entries = flat.tensors
-        pointers = _pointers(flat)
+        pointers = _pointers(tensors)
         if pointers == last.pointers:
             return last
         self._last = _rebind(last, flat, rules, coords, pointers)
@@ -100,7 +101,7 @@ class StructureCache:
         self.builds += 1
         if signature is None:  # cannot happen for a state that validates; never reused
             signature = (object(),)
-        return Structure(signature, _pointers(flat), fragments, fingerprint_of(flat, fragments))
+        return Structure(signature, _pointers(list(map(_TENSOR, flat.tensors))), fragments, fingerprint_of(flat, fragments))
 
 
 def fragments_of_state(
@@ -132,11 +133,11 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _ENTRIES_AT = 3  # where the entries' fields are in a signature
 
 
-def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, known: Any = None) -> Signature | None:
+def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, tensors: list[Any], known: Any = None) -> Signature | None:
     """Everything the structure depends on (see above); None when a tensor has no strides (a
-    sparse tensor: validation names it). `known`: the entries' fields of a signature made of the
-    very same entries (the same tuple: a StateWalk's unchanged state), taken over."""
-    tensors = list(map(_TENSOR, flat.tensors))
+    sparse tensor: validation names it). tensors: the entries' tensors; `known`: the entries'
+    fields of a signature made of the very same entries (the same tuple: a StateWalk's unchanged
+    state), taken over."""
     try:
         if not _PLAIN.issuperset(map(type, tensors)):
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
@@ -156,8 +157,8 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
     return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank)
 
 
-def _pointers(flat: FlatState) -> list[int]:
-    tensors = list(map(_TENSOR, flat.tensors))
+def _pointers(tensors: list[Any]) -> list[int]:
+    """The address of each tensor's (local) data."""
     if _PLAIN.issuperset(map(type, tensors)):
         return list(map(torch.Tensor.data_ptr, tensors))
     return [_data_ptr(t) for t in tensors]
