@@ -1,10 +1,10 @@
-"""ckptd.common.names: the per-rank names of a rank's own extras tensors (issue 30 finding 3)."""
+"""ckptd.common.names: the per-rank names of a rank's own extras tensors (issue 30 finding 3); json_depth."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptd.common.names import per_rank_name, shared_name
+from ckptd.common.names import json_depth, per_rank_name, shared_name
 
 
 @pytest.mark.parametrize(
@@ -24,3 +24,23 @@ def test_issue30_finding3_per_rank_names_round_trip(name: str, rank: int, own: s
 @pytest.mark.parametrize(("name", "rank"), [("extra/rank1/t", 0), ("extra/t", 1), ("extra/rank10/t", 1), ("t", 0), ("extra/rank1x", 1)])
 def test_issue30_finding3_a_name_without_the_rank_after_its_key_is_no_per_rank_name(name: str, rank: int) -> None:
     assert shared_name(name, rank) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "depth"),
+    [
+        (1, 0), ("x", 0), (None, 0), ([], 1), ({}, 1), ([[1]], 2), ({"a": [1, {"b": []}]}, 4),
+        ([1, [2, [3]], {}], 3), ({"a": {"b": {}}, "c": []}, 3), ([{"__tensor__": "m/w"}] * 4, 2),
+    ],
+)
+def test_json_depth_counts_the_deepest_nesting(value: object, depth: int) -> None:
+    assert json_depth(value) == depth
+
+
+def test_json_depth_of_a_value_deeper_than_python_recurses() -> None:
+    deep: list[object] = []
+    inner = deep
+    for _ in range(50_000):
+        inner.append([])
+        inner = inner[0]  # type: ignore[assignment]
+    assert json_depth({"k": deep}) == 50_002

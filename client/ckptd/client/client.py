@@ -32,7 +32,8 @@ from ckptd.client.options import ClientOptions
 from ckptd.client.ranks import rank_and_world
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
-from ckptd.client.state import FlatState, flatten_state, restore_state
+from ckptd.client.state import FlatState, restore_state
+from ckptd.client.walk import StateWalk
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id
 from ckptd.common.paths import daemon_address, default_address
@@ -141,7 +142,8 @@ class CheckpointClient:
         backend_factory = (lambda: device) if device is not None else CudaBackend
         owns = device.owns if device is not None else CudaBackend.owns
         self._handoff = Handoff(self.mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
-        # what stays the same from save to save (and load to load): see ckptd.client.structure
+        # what stays the same from save to save (and load to load): see ckptd.client.walk.StateWalk and ckptd.client.structure
+        self._walk = StateWalk()
         self._save_structures = StructureCache()
         self._load_structures = StructureCache()
         self._placed: Placed | None = None
@@ -221,7 +223,7 @@ class CheckpointClient:
             no_quantize = quantize == "none"
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
-            flat = flatten_state(state, rank=self.rank, rng=rng, for_save=True, validate=False)
+            flat = self._walk.flatten(state, rank=self.rank, rng=rng, for_save=True)
             structure = self._save_structures.for_state(flat, self.layout, self.coords)  # validates the state
         except (ValueError, TypeError):  # LayoutError, QuantError included
             # What the caller passed can never be saved: raised now, whatever on_error says, with
@@ -267,8 +269,7 @@ class CheckpointClient:
             transport = self._handoff.transport_for(placed)
             copies = transport.start(state, placed, grant)  # CPU tensors: in the arena when it returns
             try:
-                extras = json.dumps(flat.extras, allow_nan=False)
-                commit = self._rpc.commit_request(grant.save_id, extras, self._step_files(state, structure) if self.rank == 0 else {}, time.perf_counter() - started)
+                commit = self._rpc.commit_request(grant.save_id, flat.extras_json, self._step_files(state, structure) if self.rank == 0 else {}, time.perf_counter() - started)
                 if copies.staging_id:
                     self._rpc.add_staged(commit, copies.staging_id, copies.staged)
             except BaseException:
@@ -363,7 +364,7 @@ class CheckpointClient:
         """
         if strict not in (True, False, "missing"):
             raise ValueError(f"strict={strict!r}: pass True, False or 'missing'")
-        flat = flatten_state(state, rank=self.rank, rng=rng, validate=False)
+        flat = self._walk.flatten(state, rank=self.rank, rng=rng)
         previous = self._handoff.commits.settle()  # a snapshot still being handed over would be abandoned by the load
         if previous is not None:
             log.warning("the previous checkpoint was not handed over: %s", previous)
@@ -395,8 +396,7 @@ class CheckpointClient:
         self._lineage = plan.generation
         try:
             self._fill(structure, plan)
-            extras = json.loads(plan.extras_json) if plan.extras_json else {}
-            restore_state(state, flat, extras, strict=strict)
+            restore_state(state, flat, _checkpoint_extras(plan.extras_json, flat), strict=strict)
         finally:
             self._rpc.load_done(plan.load_id)
         for name in plan.missing:
@@ -461,6 +461,15 @@ class CheckpointClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:
+    """The checkpoint's extras {top key: tree} of this rank from their JSON `text`: the targets'
+    own extras object when the text is theirs to the byte (the state holds the checkpoint's
+    values already: restore_state puts back none of its plain trees), else the parsed text."""
+    if text and text == targets.extras_json:
+        return targets.extras
+    return json.loads(text) if text else {}
 
 
 def _unreadable_file(plan: LoadPlan) -> str | None:

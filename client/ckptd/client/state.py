@@ -40,12 +40,13 @@ No I/O and no gRPC here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import random
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -103,11 +104,18 @@ class FlatState:
     # finds nothing to load makes them fresh again: `unfresh`)
     fresh: tuple[str, ...] = ()
     rank: int = 0  # the rank this state is of: names its per-rank tensors (ckptd.client.layout)
+    extras_text: str | None = field(default=None, repr=False, compare=False)  # extras_json when known (StateWalk)
 
     def unfresh(self, state: Mapping[str, Any]) -> None:
         """Take back the state this flattening initialized in fresh optimizers of `state`."""
         for key in self.fresh:
             state[key].state.clear()
+
+    @functools.cached_property
+    def extras_json(self) -> str:
+        """The extras as the strict JSON text a save sends (made once per flat state: a state
+        walked again unchanged is the same FlatState, ckptd.client.walk.StateWalk)."""
+        return self.extras_text if self.extras_text is not None else json.dumps(self.extras, allow_nan=False)
 
     def fingerprint(self) -> str:
         """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen, per_rank), in order.
@@ -132,36 +140,45 @@ def flatten_state(
     CUDA) generators as tensors named "rng/rank<rank>/...", Python's and NumPy's as JSON.
     Raises TypeError/ValueError naming the key for values that cannot be checkpointed.
     """
-    _check_state(state, rng)
-    entries = _Entries(validate)
+    check_state(state, rng)
+    entries = Entries(validate)
     extras: dict[str, Any] = {}
     fresh_keys: list[str] = []
     for key in sorted(state):
-        value = state[key]
-        kind = kind_of(key)
-        add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
-        if isinstance(value, nn.Module):
-            encoded = _flatten_module(key, value, entries)
-        elif isinstance(value, torch.optim.Optimizer):
-            model = _model_of(state, key)
-            fresh = not value.state
-            optimizer_state = _optimizer_state(model, key, value)
-            if fresh and for_save:
-                value.state.clear()  # the tensors stay referenced by this flat state until copied
-                optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
-            elif fresh:
-                fresh_keys.append(key)
-            encoded = tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
-        elif _is_stateful(value):
-            encoded = tree.encode(value.state_dict(), key, add)
-        else:
-            encoded = tree.encode(value, key, add)
+        encoded = flatten_value(state, key, entries, for_save, fresh_keys)
         if encoded is not None:
             extras[key] = encoded
     if rng:
-        # named by rank already (and optional on load: the daemon's load planner)
-        extras[RNG_KEY] = tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
+        extras[RNG_KEY] = flatten_rng(rank, entries)
     return FlatState(tuple(entries.entries), extras, tuple(fresh_keys), rank)
+
+
+def flatten_value(state: Mapping[str, Any], key: str, entries: Entries, for_save: bool, fresh_keys: list[str]) -> Any:
+    """Add the tensors of state[key] to `entries`; return its extras tree (None: none)."""
+    value = state[key]
+    kind = kind_of(key)
+    if isinstance(value, nn.Module):
+        return _flatten_module(key, value, entries)
+    if isinstance(value, torch.optim.Optimizer):
+        model = _model_of(state, key)
+        fresh = not value.state
+        optimizer_state = _optimizer_state(model, key, value)
+        if fresh and for_save:
+            value.state.clear()  # the tensors stay referenced by this flat state until copied
+            optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
+        elif fresh:
+            fresh_keys.append(key)
+        return tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
+    add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
+    if is_stateful(value):
+        return tree.encode(value.state_dict(), key, add)
+    return tree.encode(value, key, add)
+
+
+def flatten_rng(rank: int, entries: Entries) -> Any:
+    """Add the random generators' tensors to `entries`, named by rank already (and optional on
+    load: the daemon's load planner); return their extras tree."""
+    return tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
 
 
 def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
@@ -182,8 +199,14 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
     - "rng" (when targets has it): every generator is set back.
     A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
     as it is with a warning.
+
+    A key of plain values whose extras are the very object `targets.extras` holds for it (the
+    caller found the checkpoint's extras JSON equal to the targets' own, `FlatState.extras_json`,
+    and passes `targets.extras`) needs nothing put back: its values equal the checkpoint's and
+    the fill put the tensors' values in place. Modules, optimizers, stateful objects and the RNG
+    state are restored as always.
     """
-    tensors = _tensor_lookup(targets)
+    tensors = _TensorLookup(targets)
     for key in sorted(state):
         value = state[key]
         if isinstance(value, nn.Module) and key not in targets.extras:
@@ -192,13 +215,16 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             _missing(key, strict)
             continue
         if isinstance(value, torch.optim.Optimizer):
-            live = tree.decode(targets.extras[key], _getter(tensors, key))
+            live = tree.decode(targets.extras[key], tensors.getter(key))
             _restore_optimizer(state, key, value, live, extras[key])
             continue
-        loaded = tree.decode(extras[key], _getter(tensors, key))
+        plain = not isinstance(value, nn.Module) and not is_stateful(value)
+        if plain and extras[key] is targets.extras.get(key):
+            continue  # the checkpoint's own values: nothing to put back
+        loaded = tree.decode(extras[key], tensors.getter(key))
         if isinstance(value, nn.Module):
             _restore_module_items(key, value, loaded)
-        elif _is_stateful(value):
+        elif is_stateful(value):
             value.load_state_dict(loaded)
         else:
             _put_back(state, key, value, loaded)
@@ -207,7 +233,7 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
             log.warning("the checkpoint has no RNG state for this rank: the generators are left as they are")
         else:
-            _set_rng_state(tree.decode(extras[RNG_KEY], _getter(tensors, RNG_KEY)))
+            _set_rng_state(tree.decode(extras[RNG_KEY], tensors.getter(RNG_KEY)))
 
 
 # ------------------------------------------------------------------ flatten
@@ -222,7 +248,7 @@ def validate_entries(flat: FlatState) -> None:
             _check_tensor(name, entry.tensor)
 
 
-class _Entries:
+class Entries:
     """Collects entries in order; refuses duplicate names and (when validating) tensors without storable data."""
 
     def __init__(self, validate: bool = True) -> None:
@@ -262,7 +288,7 @@ class _Entries:
         self.entries.append(entry)
 
 
-def _check_state(state: Mapping[str, Any], rng: bool) -> None:
+def check_state(state: Mapping[str, Any], rng: bool) -> None:
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping such as {{'model': model, 'optimizer': optimizer}}, got {type(state).__name__}")
     if not state:
@@ -295,7 +321,7 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"cannot checkpoint {name!r}: {exc}") from None
 
 
-def _flatten_module(key: str, module: nn.Module, entries: _Entries) -> Any:
+def _flatten_module(key: str, module: nn.Module, entries: Entries) -> Any:
     """Add the module's state_dict tensors (tied ones once, with aliases); return its other items encoded, or None."""
     kind = kind_of(key)
     tensor_of: dict[str, torch.Tensor] = {}
@@ -378,7 +404,7 @@ def _optimizer_state(model: nn.Module, key: str, optimizer: torch.optim.Optimize
         ) from exc
 
 
-def _optimizer_adder(key: str, model: nn.Module, entries: _Entries) -> Callable[[str, torch.Tensor], None]:
+def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[str, torch.Tensor], None]:
     """Adds optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
 
     As aliases, these names let a checkpoint of a tied model load into an untied one.
@@ -403,7 +429,7 @@ def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
     return {first: others for first, others in shared_names(named, id).items() if others}
 
 
-def _is_stateful(value: Any) -> bool:
+def is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
@@ -421,25 +447,26 @@ def _rng_state() -> dict[str, Any]:
 # ------------------------------------------------------------------ restore
 
 
-def _tensor_lookup(targets: FlatState) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for entry in targets.tensors:
-        for name in (entry.name, *entry.aliases):
-            found[name] = entry.tensor
-    return found
+class _TensorLookup:
+    """The targets' tensors by every name and alias, gathered at the first key that asks."""
 
+    def __init__(self, targets: FlatState) -> None:
+        self._targets = targets
+        self._found: dict[str, torch.Tensor] | None = None
 
-def _getter(tensors: Mapping[str, torch.Tensor], key: str) -> Callable[[str], torch.Tensor]:
-    def get(name: str) -> torch.Tensor:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise ValueError(
-                f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
-                f"no place for; give state[{key!r}] the structure it had when it was saved"
-            ) from None
+    def getter(self, key: str) -> Callable[[str], torch.Tensor]:
+        def get(name: str) -> torch.Tensor:
+            if self._found is None:
+                self._found = {n: e.tensor for e in self._targets.tensors for n in (e.name, *e.aliases)}
+            try:
+                return self._found[name]
+            except KeyError:
+                raise ValueError(
+                    f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
+                    f"no place for; give state[{key!r}] the structure it had when it was saved"
+                ) from None
 
-    return get
+        return get
 
 
 def _missing(key: str, strict: bool) -> None:

@@ -14,7 +14,10 @@ Two checks decide what can be reused, both cheap and exact:
   whether it is the rank's own (for a DTensor also its placements, its mesh and its local shape
   and strides), plus the layout rules, this rank's coordinates and its rank. Any difference — a new parameter, a resized tensor, optimizer
   state that appears after the first step, a dtype change, other placements or rules — means a
-  new structure: everything is validated and derived again.
+  new structure: everything is validated and derived again. For plain tensors it is made of lists
+  (the entries' fields, dtypes, shapes, strides, devices) by C-level maps, so checking an
+  unchanged state runs no Python per tensor; the entries' fields are taken over when the flat
+  state holds the very same entries (a state walked again unchanged: ckptd.client.walk.StateWalk).
 - the *pointers*: per entry the address of its (local) data. Equal signature and pointer mean
   the same memory, so the fragments' views taken earlier still show it (they hold its storage,
   so the address cannot have been reused by another tensor). An entry whose memory moved (a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any, Sequence
 
 import torch
@@ -52,7 +56,7 @@ class Structure:
     """
 
     signature: Signature
-    pointers: tuple[int, ...]
+    pointers: Sequence[int]
     fragments: tuple[tuple[TensorEntry, Fragment], ...]
     fingerprint: str
     cache: dict[str, Any] = field(default_factory=dict)
@@ -67,6 +71,7 @@ class StructureCache:
 
     def __init__(self) -> None:
         self._last: Structure | None = None
+        self._entries: tuple[TensorEntry, ...] = ()  # the entries whose fields _last's signature holds
         self.builds = 0  # how many times a structure was derived from scratch (tests, metrics)
         self.rebinds = 0  # how many times some entries' memory moved and was taken again
 
@@ -74,12 +79,16 @@ class StructureCache:
         """The Structure of `flat` (flattened with validate=False): the cached one when nothing
         changed; one with some fragments taken anew when only memory moved; else built (and
         validated: raises ValueError/TypeError/LayoutError naming the tensor) from scratch."""
-        signature = _signature(flat, rules, coords)
         last = self._last
+        same_entries = last is not None and flat.tensors is self._entries and len(last.signature) > _ENTRIES_AT
+        tensors = list(map(_TENSOR, flat.tensors))
+        signature = _signature(flat, rules, coords, tensors, last.signature[_ENTRIES_AT] if same_entries and last is not None else None)
         if signature is None or last is None or signature != last.signature:
             self._last = self._build(flat, rules, coords, signature)
+            self._entries = flat.tensors
             return self._last
-        pointers = _pointers(flat)
+        self._entries = flat.tensors
+        pointers = _pointers(tensors)
         if pointers == last.pointers:
             return last
         self._last = _rebind(last, flat, rules, coords, pointers)
@@ -92,7 +101,7 @@ class StructureCache:
         self.builds += 1
         if signature is None:  # cannot happen for a state that validates; never reused
             signature = (object(),)
-        return Structure(signature, _pointers(flat), fragments, fingerprint_of(flat, fragments))
+        return Structure(signature, _pointers(list(map(_TENSOR, flat.tensors))), fragments, fingerprint_of(flat, fragments))
 
 
 def fragments_of_state(
@@ -114,11 +123,27 @@ def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragm
     return h.hexdigest()
 
 
-def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None) -> Signature | None:
-    """Everything the structure depends on, per entry; None when a tensor has no strides (a
-    sparse tensor: validation names it)."""
+# A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
+# shapes, strides and devices, in four lists, or per entry one tuple when some tensor is not plain).
+# Made by C-level maps over the entries: no Python runs per tensor while the state is plain.
+_ENTRY_FIELDS = itemgetter(0, 1, 3, 4, 5, 6)  # TensorEntry: name, kind, aliases, placement, frozen, per_rank
+_TENSOR = itemgetter(2)
+_DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_ENTRIES_AT = 3  # where the entries' fields are in a signature
+
+
+def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, tensors: list[Any], known: Any = None) -> Signature | None:
+    """Everything the structure depends on (see above); None when a tensor has no strides (a
+    sparse tensor: validation names it). tensors: the entries' tensors; `known`: the entries'
+    fields of a signature made of the very same entries (the same tuple: a StateWalk's unchanged
+    state), taken over."""
     try:
-        return (id(rules), coords, flat.rank, *[_entry_signature(e) for e in flat.tensors])
+        if not _PLAIN.issuperset(map(type, tensors)):
+            return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
+        fields = known if known is not None else list(map(_ENTRY_FIELDS, flat.tensors))
+        return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
+                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -132,8 +157,11 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
     return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank)
 
 
-def _pointers(flat: FlatState) -> tuple[int, ...]:
-    return tuple(_data_ptr(e.tensor) for e in flat.tensors)
+def _pointers(tensors: list[Any]) -> list[int]:
+    """The address of each tensor's (local) data."""
+    if _PLAIN.issuperset(map(type, tensors)):
+        return list(map(torch.Tensor.data_ptr, tensors))
+    return [_data_ptr(t) for t in tensors]
 
 
 def _data_ptr(t: Any) -> int:
@@ -142,7 +170,7 @@ def _data_ptr(t: Any) -> int:
     return int(inner_tensor(t._local_tensor if isinstance(t, DTensor) else t).data_ptr())
 
 
-def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: tuple[int, ...]) -> Structure:
+def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, pointers: list[int]) -> Structure:
     """`last` with the fragments of the entries whose memory moved taken from `flat` again."""
     moved = {i for i, (a, b) in enumerate(zip(last.pointers, pointers)) if a != b}
     by_entry: list[list[tuple[TensorEntry, Fragment]]] = [[] for _ in flat.tensors]

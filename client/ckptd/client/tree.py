@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import math
+from itertools import chain
 from typing import Any, Callable
 
 import numpy as np
@@ -154,6 +155,76 @@ class _Encoder:
             )
         data = np.ascontiguousarray(array).tobytes()
         return {"dtype": array.dtype.str, "shape": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+# Leaves that `TreeIdentity` takes as unchanged while they are the same object: immutable values,
+# and plain tensors (their metadata is checked apart: ckptd.client.structure).
+_SAME_WHILE_SAME_OBJECT = frozenset({type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter})
+
+
+class TreeIdentity:
+    """Every container, key and value of a tree of plain values, held, so that `holds` can tell at
+    C speed (a few list comparisons per nesting level, none per value in Python) whether a tree
+    is still the very same: the same dict, list and tuple objects with the same keys and values,
+    in the same order. Such a tree encodes exactly as it did (tensors' metadata aside: a tensor is
+    checked only for being the same object).
+
+    Only trees of exact dicts, lists and tuples with immutable leaves (None, bool, int, float, str,
+    bytes, NumPy scalars) and plain tensors (torch.Tensor, nn.Parameter) can be taken: `of`
+    returns None for any other (a NumPy array, whose values change in place, a subclass such as
+    an OrderedDict, a LocalShard, a DTensor). Holding the objects keeps their ids theirs, so equal
+    ids mean the same objects.
+    """
+
+    def __init__(self, root: Any, levels: list[tuple[list[Any], ...]]) -> None:
+        self._root = root
+        # per nesting level: (dicts, their lengths, their keys, the keys' ids, their values, the
+        # values' ids, lists, their lengths, their items, the items' ids); tuples cannot change
+        self._levels = levels
+
+    @classmethod
+    def of(cls, value: Any) -> "TreeIdentity | None":
+        """The identity of tree `value`, or None when it holds what `holds` cannot vouch for."""
+        levels: list[tuple[list[Any], ...]] = []
+        level = [value]
+        while level:
+            dicts: list[dict[Any, Any]] = []
+            lists: list[list[Any]] = []
+            tuples: list[tuple[Any, ...]] = []
+            for item in level:
+                kind = type(item)
+                if kind is dict:
+                    dicts.append(item)
+                elif kind is list:
+                    lists.append(item)
+                elif kind is tuple:
+                    tuples.append(item)
+                elif kind not in _SAME_WHILE_SAME_OBJECT and not isinstance(item, np.generic):
+                    return None
+            keys = list(chain.from_iterable(dicts))
+            values = list(chain.from_iterable(map(dict.values, dicts)))
+            items = list(chain.from_iterable(lists))
+            levels.append((
+                dicts, list(map(len, dicts)), keys, list(map(id, keys)), values, list(map(id, values)),
+                lists, list(map(len, lists)), items, list(map(id, items)),
+            ))
+            level = [*values, *items, *chain.from_iterable(tuples)]
+        return cls(value, levels)
+
+    def holds(self, value: Any) -> bool:
+        """Whether `value` is the recorded tree, unchanged (see the class docstring)."""
+        if value is not self._root:
+            return False
+        for dicts, dict_lens, _, key_ids, _, value_ids, lists, list_lens, _, item_ids in self._levels:
+            if dicts and (
+                list(map(len, dicts)) != dict_lens
+                or list(map(id, chain.from_iterable(dicts))) != key_ids
+                or list(map(id, chain.from_iterable(map(dict.values, dicts)))) != value_ids
+            ):
+                return False
+            if lists and (list(map(len, lists)) != list_lens or list(map(id, chain.from_iterable(lists))) != item_ids):
+                return False
+        return True
 
 
 def _decode_tag(tag: str, payload: Any, get_tensor: GetTensor) -> Any:
