@@ -239,15 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header))
     print(f"load average at start: {run.loadavg['start']}   at end: {run.loadavg['end']}   run took {time.perf_counter() - started:.0f} s")
     print()
-    print("\n".join(bh.format_table(run)))
-    print()
-    print("targets: median of the per-round ratios [min - max]:")
-    print("\n".join(bh.format_verdicts(verdicts)))
-    for note in run.notes + bh.quiet_notes():
-        print(f"note: {note}")
-    for part, error in run.errors.items():
-        print(f"ERROR in {part}: {error}")
-    print(bh.summary_line(verdicts, run.errors))
+    bh.print_results(run, verdicts)
     return 1 if run.errors else 0
 
 

@@ -653,6 +653,19 @@ def quiet_notes() -> list[str]:
     return [text]
 
 
+def print_results(run: Run, verdicts: list[Verdict]) -> None:
+    """Print the table of every measurement, the targets, the notes, the errors and the summary line."""
+    print("\n".join(format_table(run)))
+    print()
+    print("targets: median of the per-round ratios [min - max]:")
+    print("\n".join(format_verdicts(verdicts)))
+    for note in run.notes + quiet_notes():
+        print(f"note: {note}")
+    for part, error in run.errors.items():
+        print(f"ERROR in {part}: {error}")
+    print(summary_line(verdicts, run.errors))
+
+
 def summary_line(verdicts: list[Verdict], errors: dict[str, str]) -> str:
     judged = [v for v in verdicts if v.target.limit is not None]
     passed = [v for v in judged if v.passed]

@@ -403,15 +403,7 @@ def report(run: bh.Run, header: list[str], started: float, systems: list[str]) -
     print(f"run took {time.perf_counter() - started:.0f} s")
     print("each row: median [min - max] of the rounds; lost = sum over the window's steps of (step - baseline median)")
     print()
-    print("\n".join(bh.format_table(run)))
-    print()
-    print("targets: median of the per-round ratios [min - max]:")
-    print("\n".join(bh.format_verdicts(verdicts)))
-    for note in run.notes + bh.quiet_notes():
-        print(f"note: {note}")
-    for part, error in run.errors.items():
-        print(f"ERROR in {part}: {error}")
-    print(bh.summary_line(verdicts, run.errors))
+    bh.print_results(run, verdicts)
     return verdicts
 
 
