@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
 import pytest
 
 from ckptd.daemon import errors
@@ -70,3 +71,18 @@ def test_specs_are_per_job_and_rank_and_unknown_fingerprints_are_asked_for() -> 
     assert specs.resolve("other", 0, FP, _metas()) is not first
     with pytest.raises(errors.UnknownFingerprint):
         specs.resolve("job", 2, FP, [])
+
+
+def test_extras_text_is_encoded_once_per_object_and_again_for_another() -> None:
+    from ckptd.daemon.engine.loads import ExtrasTexts
+
+    texts = ExtrasTexts(size=2)
+    extras = {"step": 3, "names": ["a", "b"]}
+    first = texts.text(("job", 3, 0), extras)
+    assert first == json.dumps(extras)
+    assert texts.text(("job", 3, 0), extras) is first  # the same object: the text kept
+    other = {"step": 3, "names": ["a", "c"]}  # equal key, another object (e.g. read from extra.json again)
+    assert texts.text(("job", 3, 0), other) == json.dumps(other)
+    texts.text(("job", 4, 0), extras)
+    texts.text(("job", 5, 0), extras)  # beyond `size`: the oldest goes
+    assert texts.text(("job", 3, 0), other) == json.dumps(other)

@@ -11,6 +11,7 @@ reads it; leases expire after LOAD_LEASE_S (a rank that died mid-load).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -55,6 +56,28 @@ class LoadLease:
     expires: float  # monotonic seconds
 
 
+class ExtrasTexts:
+    """The JSON text of the extras a load sends, kept per (job, step, rank) while the extras are
+    the very same object: a held snapshot's, parsed once at its save. Encoding a rank's extras
+    again on every load cost ~4 ms at 4,000 tensors. Extras are never changed in place."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._texts: dict[tuple[str, int, int], tuple[Any, str]] = {}
+
+    def text(self, key: tuple[str, int, int], extras: Any) -> str:
+        """`extras` as JSON text (json.dumps), encoded once while `key` names the same object."""
+        known = self._texts.get(key)
+        if known is not None and known[0] is extras:
+            return known[1]
+        text = json.dumps(extras)
+        self._texts.pop(key, None)
+        self._texts[key] = (extras, text)
+        while len(self._texts) > self._size:
+            del self._texts[next(iter(self._texts))]
+        return text
+
+
 class Loads:
     """PlanLoad and LoadDone; the leases of loads in progress (retention keeps their steps)."""
 
@@ -68,6 +91,7 @@ class Loads:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
+        self._extras_texts = ExtrasTexts()
         self.staging = StagingFiles(engine.config.shm_dir)
 
     async def plan(self, request: PlanLoad) -> LoadPlan:
@@ -161,7 +185,8 @@ class Loads:
         self.expire_leases()
         tier = load_tier(found.pieces, held)
         self.engine.metrics.loads.labels(tier).inc()
-        return LoadPlan(load_id, step, found.pieces, extras, found.missing, found.unexpected, tier, index.generation, plan_id)
+        extras_json = self._extras_texts.text((job, step, rank), extras)
+        return LoadPlan(load_id, step, found.pieces, extras, found.missing, found.unexpected, tier, index.generation, plan_id, extras_json)
 
     async def _wait_for_writes(self, state: JobState) -> None:
         """A restarted trainer asking for the newest step gets the one every rank already handed

@@ -64,6 +64,7 @@ class LoadPlan:
     tier: str  # "memory" | "disk" | "mixed" (the wire's and the metrics' label)
     generation: int = 0
     plan_id: str = ""  # memory tier: a digest of `pieces` (see MemoryPlans)
+    extras_json: str = ""  # `extras` as JSON text, when the engine has it already ("": encode `extras`)
 
 
 @dataclass(frozen=True)

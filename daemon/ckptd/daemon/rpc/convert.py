@@ -147,7 +147,7 @@ def committed_pb(step_dir: str) -> pb.SaveProgress:
 
 def plan_load_response(plan: "LoadPlan", pieces: Sequence[pb.Piece]) -> pb.PlanLoadResponse:
     return pb.PlanLoadResponse(
-        load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=json.dumps(plan.extras),
+        load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=plan.extras_json or json.dumps(plan.extras),
         missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation, plan_id=plan.plan_id,
     )
 
