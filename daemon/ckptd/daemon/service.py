@@ -161,6 +161,10 @@ class CheckpointService:
             log.warning("removed stale shared-memory arena %s", path)
         if self.engine.cluster is not None:
             self.engine.cluster.start()
+
+    def start_replication(self) -> None:
+        """Open the replicas' bulk port (several nodes with --replicas > 0), after `start` and
+        after the --peers port is bound (app/server.py)."""
         if self.replication is not None:
             self.replication.start()
 

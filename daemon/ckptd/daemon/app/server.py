@@ -125,9 +125,6 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         faults = install_from_env(os.environ, config.root)
         log.warning("fault injection is on (%s): this daemon is for tests only", ", ".join(k for k in os.environ if k.startswith("CKPTD_FAULT_")))
     service = CheckpointService(config)
-    # The configured peer port first: the service's start binds ports the kernel picks (the
-    # replicas' bulk port, --replica-port 0), which could otherwise take the one --peers names.
-    peer_server, peer_health = _peer_server(config, service) if service.cluster is not None else (None, None)
     await asyncio.to_thread(service.start)
     await service.start_remote()  # before retention: steps not uploaded yet are kept
     await service.retention_at_start()
@@ -148,6 +145,10 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"unix://{config.socket}"
     server.add_insecure_port(address)
+    peer_server, peer_health = _peer_server(config, service) if service.cluster is not None else (None, None)
+    # The bulk port after the --peers port is bound: with --replica-port 0 the kernel picks its
+    # port, and could otherwise pick the one --peers names for this node.
+    service.start_replication()
     probe_server = _probe_server(config, health_servicer) if config.health_port else None
     await server.start()
     if probe_server is not None:
