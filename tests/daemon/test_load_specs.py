@@ -83,6 +83,9 @@ def test_extras_text_is_encoded_once_per_object_and_again_for_another() -> None:
     assert texts.text(("job", 3, 0), extras) is first  # the same object: the text kept
     other = {"step": 3, "names": ["a", "c"]}  # equal key, another object (e.g. read from extra.json again)
     assert texts.text(("job", 3, 0), other) == json.dumps(other)
+    kept = texts.text(("job", 3, 0), other)
+    assert texts.text(("job", 3, 0), other) is kept
     texts.text(("job", 4, 0), extras)
-    texts.text(("job", 5, 0), extras)  # beyond `size`: the oldest goes
-    assert texts.text(("job", 3, 0), other) == json.dumps(other)
+    texts.text(("job", 5, 0), extras)  # beyond `size`: the oldest, (job, 3, 0), goes
+    again = texts.text(("job", 3, 0), other)
+    assert again == kept and again is not kept  # encoded anew

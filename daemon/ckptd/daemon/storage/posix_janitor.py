@@ -32,7 +32,7 @@ from ckptd.daemon.storage.fs import (
     write_small_file,
 )
 from ckptd.daemon.storage.posix_catalog import PosixCatalog
-from ckptd.daemon.storage.posix_tree import PosixTree, is_real_dir
+from ckptd.daemon.storage.posix_tree import PosixTree
 from ckptd.daemon.storage.posix_writing import PosixWriting
 from ckptd.daemon.storage.root_lock import NodeClaim
 from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME, parse_step_dir_name
@@ -108,7 +108,7 @@ class PosixJanitor:
         path = self.tree.step_dir(job, step)
         if not os.path.lexists(path):
             return
-        if not real_dir_at(path.parent) or not is_real_dir(path):
+        if not real_dir_at(path.parent) or not real_dir_at(path):
             where = path if real_dir_at(path.parent) else path.parent
             log.warning("leaving %s alone: it is %s, not a directory the daemon made", where, lkind(where))
             return
@@ -139,7 +139,7 @@ class PosixJanitor:
             self.remove_step(job, step)
             return
         path = self.tree.step_dir(job, step)
-        if not is_real_dir(path) or os.path.lexists(path / INDEX_NAME):
+        if not real_dir_at(path) or os.path.lexists(path / INDEX_NAME):
             return  # committed after all (a newer attempt), or a link: nothing of it is ours to remove
         for name in names:
             unlink_own(path / name)
@@ -158,7 +158,7 @@ class PosixJanitor:
         """The step is committed on this node: its prepared marker and any temporary file of an
         earlier, interrupted write of the commit go (only the daemon's own files; a link is left)."""
         path = self.tree.step_dir(job, step)
-        if is_real_dir(path):
+        if real_dir_at(path):
             tidy_committed(path)
 
     def prepared_steps(self) -> list[tuple[str, int]]:

@@ -7,7 +7,6 @@ path outside the root; nothing is followed through a link (fs.ForeignEntry)."""
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from ckptd.common.files import real_dir_at, real_file_at
@@ -63,14 +62,6 @@ class PosixTree:
 def committed_at(path: Path) -> bool:
     """Whether `path` is a real step directory holding a real index file."""
     return real_dir_at(path) and real_file_at(path / INDEX_NAME)
-
-
-def is_real_dir(path: Path) -> bool:
-    """Whether `path` is a directory itself (lstat: a link to one is not)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return False
 
 
 def is_job_dir(path: Path) -> bool:

@@ -24,7 +24,8 @@ from ckptd.daemon.storage.fs import (
     write_synced,
 )
 from ckptd.daemon.storage.posix_parts import PosixPartWriter, link_committed_file
-from ckptd.daemon.storage.posix_tree import PosixTree, is_real_dir
+from ckptd.common.files import real_dir_at
+from ckptd.daemon.storage.posix_tree import PosixTree
 from ckptd.format.index import INDEX_NAME, LATEST, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class PosixWriting:
         """The directory for a new step. `fresh`: empty, leftovers of an earlier failed attempt
         removed; else (several nodes writing into one shared root) created if missing."""
         path = self.tree.step_dir(job, step)
-        if os.path.lexists(path) and not is_real_dir(path):
+        if os.path.lexists(path) and not real_dir_at(path):
             raise ForeignEntry(f"{path} is {lkind(path)}, not a step directory the daemon made: remove it or move it away")
         if os.path.lexists(path / INDEX_NAME):
             raise FileExistsError(f"{path} is already committed")

@@ -31,7 +31,7 @@ from ckptd.daemon.errors import NoSpace
 from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header, scales_key
 from ckptd.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
-from ckptd.daemon.plan.node_files import AppendedItem, FileItem, FilePlan, FileSpace, TensorBytes, plan_node_files
+from ckptd.daemon.plan.node_files import AppendedItem, FileItem, FilePlan, FileSpace, NodeFilePlans, TensorBytes
 from ckptd.daemon.storage.base import PartWriter, RecycledFile, StorageBackend
 from ckptd.daemon.storage.space import reused_bytes, space_problem
 from ckptd.daemon.storage.step_commit import StepCommit
@@ -101,16 +101,10 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     it is not emptied first. Raises NoSpace when the files would not fit (check_space), before
     the step directory or any file of it is created.
     """
-    files = (
-        req.file_plans.plan(
-            req.job, req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
-            shared_dir=req.shared_dir, previous=req.previous,
-        )
-        if req.file_plans is not None
-        else plan_node_files(
-            req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
-            shared_dir=req.shared_dir, previous=req.previous,
-        )
+    planner = req.file_plans or NodeFilePlans()  # a fresh one plans anew
+    files = planner.plan(
+        req.job, req.plan, req.node, req.max_file_bytes, quantize=req.quantize, master_weights=req.master_weights,
+        shared_dir=req.shared_dir, previous=req.previous,
     )
     if req.quantize is not None or req.master_weights != "keep":
         load_torch()
