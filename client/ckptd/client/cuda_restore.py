@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ckptd.client.devcopy import storage_bytes
+
 MIB = 2**20
 SLOT_BYTES = 64 * MIB  # a staging slot: what one wave of reads fills while the previous wave is copied
 SLOTS = 2  # double buffering: the reads of one slot overlap the copies out of the other
@@ -58,7 +60,7 @@ def merge_uploads(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Up
             continue
         key = (target.device, host.untyped_storage().data_ptr(), target.untyped_storage().data_ptr())
         mergeable.setdefault(key, []).append((host.data_ptr(), target.data_ptr(), host, target))
-    for (device, _, _), group in mergeable.items():
+    for group in mergeable.values():
         group.sort(key=lambda g: g[0])
         start = 0
         for i in range(1, len(group) + 1):
@@ -72,15 +74,9 @@ def merge_uploads(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Up
                 out.append(Upload(run[0][2], run[0][3], 1))
             else:
                 nbytes = sum(h.numel() * h.element_size() for _, _, h, _ in run)
-                out.append(Upload(_span(run[0][2], nbytes), _span(run[0][3], nbytes, device), len(run)))
+                out.append(Upload(storage_bytes(run[0][2], nbytes), storage_bytes(run[0][3], nbytes), len(run)))
             start = i
     return out
-
-
-def _span(first: torch.Tensor, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
-    """`nbytes` bytes of `first`'s storage from `first`'s first byte, as a flat uint8 tensor."""
-    out = torch.empty(0, dtype=torch.uint8, device=device if device is not None else first.device)
-    return out.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (nbytes,))
 
 
 @dataclass
