@@ -257,9 +257,14 @@ def run(settings: Settings, out: Path) -> bool:
             print(f"  fetch {fetch_s:.3f} s = {fetch_s / floor_s:.2f}x the floor; rank {slowest}'s load {own:.3f} s = {own / floor_s:.2f}x; "
                   f"the total {total:.1f} s = {total / floor_s:.0f}x")
         print(f"  node {LOST} staged {staged_memory:.0f} bytes of its {nbytes} from a peer's memory, {staged_disk:.0f} from a peer's disk")
+        saved = [e for e in events if e["event"] == "saved_again"]
+        went_on = len(saved) == len(ranks)
+        if went_on:
+            print(f"the job went on: its next save (step {step + 1}) durable {last(events, 'saved_again') - stepped:.2f} s after the first step")
         print(f"restored bit-exact on all {len(checked)} ranks: {'PASS' if exact else 'FAIL'}" + ("" if exact else f" (checks {checked}, exit codes {codes})"))
         print(f"node {LOST}'s part read from the buddy's memory only: {'PASS' if from_memory else 'FAIL'}")
-        return exact and from_memory
+        print(f"the job saved again after the recovery: {'PASS' if went_on else 'FAIL'}")
+        return exact and from_memory and went_on
     finally:
         for job in jobs:
             job.close()

@@ -11,7 +11,8 @@ Modes (spec["mode"]):
   on training (a step per 0.1 s) until a peer is lost: the failing collective is logged as
   "lost" and the rank exits 1.
 - "resume": loads the newest step (the client's "planned in / filled in" timing line is
-  recorded), trains one step, then checks the restored state bit-exact.
+  recorded), trains one step, checks the restored state bit-exact, then saves the step it
+  trained and waits until it is durable.
 
 Every event is one JSON line {"event": ..., "time": epoch seconds, ...} in OUT/rank<R>.jsonl.
 """
@@ -119,6 +120,9 @@ def main(spec: dict[str, Any]) -> int:
     events.write("first_step", step=(step or 0) + 1)
     wrong = [i for i, t in enumerate(tensors) if step is None or not torch.equal(t, base(i, rank, part, cols).add_(step + 1))]
     events.write("checked", exact=not wrong, wrong=wrong[:10], bytes=sum(t.numel() * 4 for t in tensors))
+    if step is not None:  # the job goes on: its next checkpoint, the replacement node's part included
+        ckpt.save(step + 1, state).wait_durable(timeout=600)
+        events.write("saved_again", step=step + 1)
     ckpt.close()
     dist.destroy_process_group()
     return 0 if not wrong else 3
