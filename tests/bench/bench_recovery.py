@@ -12,7 +12,8 @@ its daemon, its agent and its ranks SIGKILLed at once. Then, as a scheduler woul
   (wipe)      node 1's root and shared memory are emptied (a new machine)
   restart     a replacement daemon on node 1, from its start until it answers health checks
   launch      the job relaunched with its launcher (3 agents), until every rank calls load
-  load        until every rank's load returned; the slowest rank's load broken down into
+  load        until every rank's load returned; the load of node 1's rank that ended last
+              (the node restored from its buddy) broken down into
               planning (its PlanLoad less the fetch), fetch (bytes from the buddy's memory,
               the daemon's "staged ... in S s" line) and fill (its tensors filled), as the
               client's "planned in / filled in" line and node 1's daemon log say
@@ -36,6 +37,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,8 +182,53 @@ def part_bytes(cluster: Cluster, node: int) -> int:
     return sum(p.stat().st_size for p in (cluster.root(node) / JOB).rglob("*.safetensors"))
 
 
-def run(settings: Settings, out: Path) -> bool:
-    """One loss and recovery; prints the breakdown; True when every check passed."""
+@dataclass
+class Recovery:
+    """One loss and recovery: phases as (name, start, end) epoch seconds (contiguous at the top
+    level; an indented name is a part of the phase above it, `start` 0 for a bare duration), and
+    what it restored against its floor."""
+
+    killed: float
+    rows: list[tuple[str, float, float]]
+    nbytes: int
+    loopback: float  # the bulk channel's raw throughput, GB/s
+    cold: float  # a cold read of the same files, GB/s
+    fetch_s: float
+    load_s: float  # the load of the lost node's rank that finished last
+    notes: list[str]
+    checks: dict[str, bool]
+
+    @property
+    def total(self) -> float:
+        return self.rows[-1][2] - self.killed
+
+    @property
+    def floor_s(self) -> float:
+        return self.nbytes / (self.loopback * 1e9)
+
+    def seconds(self) -> dict[str, float]:
+        return {name.strip(): end - start for name, start, end in self.rows} | {"total": self.total}
+
+    def print(self) -> None:
+        print(f"\nnode {LOST} lost and replaced — breakdown (seconds; 'at' = since the kill):")
+        for name, start, end in self.rows:
+            at = f"{end - self.killed:8.3f}" if start else "        "
+            print(f"  {name:<48} {end - start:8.3f}   at {at}")
+        print(f"  {'total: loss to the first step trained':<48} {self.total:8.3f}")
+        print(f"  the phases add up to {sum(end - start for name, start, end in self.rows if not name.startswith(' ')):.3f} s")
+        print(f"floor: node {LOST}'s {self.nbytes / 2**20:.1f} MiB / the bulk channel's {self.loopback:.2f} GB/s = {self.floor_s:.3f} s"
+              f" (a cold disk read of them: {self.cold:.2f} GB/s)")
+        if self.fetch_s:
+            print(f"  fetch {self.fetch_s:.3f} s = {self.fetch_s / self.floor_s:.2f}x the floor; node {LOST}'s slowest rank's load {self.load_s:.3f} s = "
+                  f"{self.load_s / self.floor_s:.2f}x; the total {self.total:.1f} s = {self.total / self.floor_s:.0f}x")
+        for note in self.notes:
+            print(f"  {note}")
+        for check, ok in self.checks.items():
+            print(f"{check}: {'PASS' if ok else 'FAIL'}")
+
+
+def measure(settings: Settings, out: Path) -> Recovery:
+    """Train, lose node LOST, replace it, relaunch and resume once; the timestamps and checks."""
     cluster = Cluster(out / f"recovery-{os.getpid()}", replicas=1)
     jobs: list[Job] = []
     try:
@@ -194,15 +241,12 @@ def run(settings: Settings, out: Path) -> bool:
         wait_recoverable(cluster, step)
         nbytes = part_bytes(cluster, LOST)
         cold, loopback = ceilings(cluster)  # node 1's files: the floors, measured now (the replacement's root is empty)
-        floor_s = nbytes / (loopback * 1e9)
-        print(f"step {step} durable and recoverable; node {LOST}'s part {nbytes / 2**20:.1f} MiB; bulk channel {loopback:.2f} GB/s "
-              f"(cold disk read {cold:.2f} GB/s); load {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"step {step} durable and recoverable; node {LOST}'s part {nbytes / 2**20:.1f} MiB; load {os.getloadavg()[0]:.2f}", flush=True)
 
         killed = time.time()
         train.kill(LOST)
         cluster.kill(LOST)
-        survivors = [n for n in range(NODES) if n != LOST]
-        detected = max(train.wait(survivors, timeout_s=120).values())
+        detected = max(train.wait([n for n in range(NODES) if n != LOST], timeout_s=120).values())
         shutil.rmtree(cluster.root(LOST))
         for path in cluster.shm(LOST).iterdir():
             path.unlink()
@@ -212,63 +256,65 @@ def run(settings: Settings, out: Path) -> bool:
         jobs.append(resume := Job(cluster, out, settings, "resume"))
         resume.wait(list(range(NODES)), timeout_s=600)
         events = resume.events()
-        codes = [a.returncode for a in resume.agents]
 
         ranks = sorted({e["rank"] for e in events})
-        lost_ranks = [r for r in ranks if any(e["event"] == "started" and e["node"] == LOST for e in events if e["rank"] == r)]
+        lost_ranks = {e["rank"] for e in events if e["event"] == "started" and e["node"] == LOST}
         begun, loaded, stepped = last(events, "load_begin"), last(events, "loaded"), last(events, "first_step")
-        slowest = max(ranks, key=lambda r: last(events, "loaded", rank=r))
-        own = last(events, "loaded", rank=slowest) - last(events, "load_begin", rank=slowest)
-        timing = [e for e in events if e["event"] == "client_load" and e["rank"] == slowest][-1]
+        restorer = max(lost_ranks, key=lambda r: last(events, "loaded", rank=r))  # the lost node's rank whose load ended last
+        own = last(events, "loaded", rank=restorer) - last(events, "load_begin", rank=restorer)
+        timing = [e for e in events if e["event"] == "client_load" and e["rank"] == restorer][-1]
         fetched = fetches(cluster, spawned)
-        fetch_s = sum(s for _, s in fetched) if slowest in lost_ranks else 0.0
-        first_lost = min((e["time"] for e in train.events() if e["event"] == "lost"), default=float("nan"))
-
+        fetch_s = sum(s for _, s in fetched)
         rows = [
             ("detection (the survivors' launchers exited)", killed, detected),
-            ("  the first rank's collective failed", killed, first_lost),
-            ("(node 1 wiped: a new machine)", detected, spawned),
+            ("  the first rank's collective failed", killed, min(e["time"] for e in train.events() if e["event"] == "lost")),
+            (f"(node {LOST} wiped: a new machine)", detected, spawned),
             ("restart (replacement daemon healthy)", spawned, ready),
             ("launch (agents, rendezvous, ranks at load)", ready, begun),
             ("  ranks' processes started", ready, max(e["process_start"] for e in events if e["event"] == "started")),
             ("  torch and the client imported", ready, last(events, "started")),
             ("  process groups formed", ready, last(events, "group")),
             ("load (every rank's load returned)", begun, loaded),
-            (f"  rank {slowest}'s load (node {LOST if slowest in lost_ranks else 'other'})", loaded - own, loaded),
+            (f"  node {LOST}'s slowest rank's load", last(events, "loaded", rank=restorer) - own, last(events, "loaded", rank=restorer)),
             ("    planning (PlanLoad less the fetch)", 0.0, timing["plan_s"] - fetch_s),
             ("    fetch (from the buddy's memory)", 0.0, fetch_s),
             ("    fill (the rank's tensors filled)", 0.0, timing["fill_s"]),
             ("first step (every rank trained one step)", loaded, stepped),
         ]
-        total = stepped - killed
-        print(f"\nnode {LOST} lost and replaced; training resumed at step {step + 1} — breakdown (seconds; 'at' = since the kill):")
-        for name, start, end in rows:
-            at = f"{end - killed:8.3f}" if start else "        "
-            print(f"  {name:<48} {end - start:8.3f}   at {at}")
-        print(f"  {'total: loss to the first step trained':<48} {total:8.3f}")
-        print(f"  the phases add up to {sum(end - start for name, start, end in rows if not name.startswith(' ')):.3f} s")
-
         checked = [e for e in events if e["event"] == "checked"]
-        exact = len(checked) == len(ranks) == NODES * settings.nproc and all(e["exact"] for e in checked) and codes == [0] * NODES
+        codes = [a.returncode for a in resume.agents]
         staged_memory, staged_disk = (staged(cluster, tier) for tier in ("memory-peer", "disk-peer"))
-        from_memory = staged_memory >= 0.99 * nbytes and staged_disk == 0 and bool(fetched)  # the tensors' bytes, not every header byte
-        print(f"\nfloor: node {LOST}'s {nbytes / 2**20:.1f} MiB / the bulk channel's {loopback:.2f} GB/s = {floor_s:.3f} s")
-        if fetch_s:
-            print(f"  fetch {fetch_s:.3f} s = {fetch_s / floor_s:.2f}x the floor; rank {slowest}'s load {own:.3f} s = {own / floor_s:.2f}x; "
-                  f"the total {total:.1f} s = {total / floor_s:.0f}x")
-        print(f"  node {LOST} staged {staged_memory:.0f} bytes of its {nbytes} from a peer's memory, {staged_disk:.0f} from a peer's disk")
         saved = [e for e in events if e["event"] == "saved_again"]
-        went_on = len(saved) == len(ranks)
-        if went_on:
-            print(f"the job went on: its next save (step {step + 1}) durable {last(events, 'saved_again') - stepped:.2f} s after the first step")
-        print(f"restored bit-exact on all {len(checked)} ranks: {'PASS' if exact else 'FAIL'}" + ("" if exact else f" (checks {checked}, exit codes {codes})"))
-        print(f"node {LOST}'s part read from the buddy's memory only: {'PASS' if from_memory else 'FAIL'}")
-        print(f"the job saved again after the recovery: {'PASS' if went_on else 'FAIL'}")
-        return exact and from_memory and went_on
+        notes = [f"node {LOST} staged {staged_memory:.0f} bytes of its {nbytes} from a peer's memory, {staged_disk:.0f} from a peer's disk"]
+        if len(saved) == len(ranks):
+            notes.append(f"the job went on: its next save (step {step + 1}) durable {last(events, 'saved_again') - stepped:.2f} s after the first step")
+        checks = {
+            f"restored bit-exact on all {NODES * settings.nproc} ranks": len(checked) == len(ranks) == NODES * settings.nproc and all(e["exact"] for e in checked) and codes == [0] * NODES,
+            f"node {LOST}'s part read from the buddy's memory only": staged_memory >= 0.99 * nbytes and staged_disk == 0 and bool(fetched),  # its tensors' bytes, not every header byte
+            "the job saved again after the recovery": len(saved) == len(ranks),
+        }
+        return Recovery(killed, rows, nbytes, loopback, cold, fetch_s, own, notes, checks)
     finally:
         for job in jobs:
             job.close()
         cluster.close()
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):8.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def summary(recoveries: list[Recovery]) -> None:
+    """Per phase, median (min-max) over the rounds; each check's verdict over all of them."""
+    print(f"\nsummary over {len(recoveries)} rounds, seconds: median (min-max)")
+    for name in recoveries[0].seconds():
+        print(f"  {name:<48} {spread([r.seconds()[name] for r in recoveries])}")
+    print(f"  {'floor (node bytes / bulk channel)':<48} {spread([r.floor_s for r in recoveries])}")
+    if all(r.fetch_s for r in recoveries):
+        for name, values in (("fetch / floor", [r.fetch_s / r.floor_s for r in recoveries]), (f"node {LOST}'s slowest rank's load / floor", [r.load_s / r.floor_s for r in recoveries])):
+            print(f"  {name:<48} {spread(values)}")
+    for check in recoveries[0].checks:
+        print(f"{check}, every round: {'PASS' if all(r.checks[check] for r in recoveries) else 'FAIL'}")
 
 
 def main() -> int:
@@ -277,20 +323,28 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=None, help=f"tensors of the state (default {FULL.tensors})")
     parser.add_argument("--node-mib", type=int, default=None, help=f"MiB of state per node (default {FULL.node_mib})")
     parser.add_argument("--nproc", type=int, default=None, help=f"ranks per node (default {FULL.nproc})")
+    parser.add_argument("--rounds", type=int, default=None, help="losses and recoveries, each on a fresh cluster and job (default 2; --quick 1)")
     parser.add_argument("--out", type=Path, default=None, help="where the roots and logs go (a real disk; default: a temporary directory under /var/tmp, removed)")
     args = parser.parse_args()
     base = QUICK if args.quick else FULL
     settings = Settings(args.tensors or base.tensors, args.node_mib or base.node_mib, args.nproc or base.nproc, base.saves, base.every)
+    rounds = args.rounds or (1 if args.quick else 2)
     out = args.out or Path(tempfile.mkdtemp(prefix="ckptd-bench-recovery-", dir="/var/tmp"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {settings}; out {out}", flush=True)
+    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {settings}, {rounds} rounds; out {out}", flush=True)
+    recoveries = []
     try:
-        ok = run(settings, out)
+        for r in range(rounds):
+            print(f"\n== round {r + 1}", flush=True)
+            recoveries.append(measure(settings, out / f"round{r + 1}"))
+            recoveries[-1].print()
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
+    if rounds > 1:
+        summary(recoveries)
     print(f"load at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    return 0 if ok else 1
+    return 0 if all(all(r.checks.values()) for r in recoveries) else 1
 
 
 if __name__ == "__main__":
