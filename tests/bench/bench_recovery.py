@@ -267,7 +267,7 @@ def measure(settings: Settings, out: Path) -> Recovery:
         fetch_s = sum(s for _, s in fetched)
         rows = [
             ("detection (the survivors' launchers exited)", killed, detected),
-            ("  the first rank's collective failed", killed, min(e["time"] for e in train.events() if e["event"] == "lost")),
+            ("  the first rank's collective failed", killed, min((e["time"] for e in train.events() if e["event"] == "lost"), default=float("nan"))),
             (f"(node {LOST} wiped: a new machine)", detected, spawned),
             ("restart (replacement daemon healthy)", spawned, ready),
             ("launch (agents, rendezvous, ranks at load)", ready, begun),
