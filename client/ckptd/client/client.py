@@ -374,6 +374,7 @@ class CheckpointClient:
             tensor_kinds = structure.cache["kinds"] = frozenset(e.name.split("/", 1)[0] for e in flat.tensors)
         kinds = sorted(tensor_kinds | set(flat.extras))
         known_plans = list(structure.cache.get("load_plans", ()))
+        asked = time.perf_counter()
         try:
             self._in_run()
             plan = self._rpc.plan_load(structure, step, kinds, strict is True, self.read_files is not False, known_plans)
@@ -394,9 +395,12 @@ class CheckpointClient:
             flat.unfresh(state)
             raise
         self._lineage = plan.generation
+        planned = time.perf_counter()
         try:
             self._fill(structure, plan)
             restore_state(state, flat, _checkpoint_extras(plan.extras_json, flat), strict=strict)
+            plan_s, fill_s = planned - asked, time.perf_counter() - planned  # tests/bench/bench_recovery.py reads them
+            log.debug("step %s loaded: planned in %.3f s, filled in %.3f s", plan.step, plan_s, fill_s, extra={"plan_s": plan_s, "fill_s": fill_s})
         finally:
             self._rpc.load_done(plan.load_id)
         for name in plan.missing:
