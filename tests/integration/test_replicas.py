@@ -26,9 +26,11 @@ import torch
 import grpc
 
 from ckptd.client import CheckpointClient
+from ckptd.client import client as client_module
 from ckptd.client.errors import CheckpointError
 from ckptd.client.shards import LocalShard
 from ckptd.daemon.tools.ops import render_status, status_doc
+from ckptd.format.file_plan import CHECKED_SOURCE
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from daemon_rig import NodeSet, free_port
@@ -178,7 +180,18 @@ def staged(cluster: Cluster, node: int, tier: str) -> float:
     return metric(cluster.ports[node], f'ckptd_load_staged_bytes_total{{tier="{tier}"}}')
 
 
-def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster) -> None:
+def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds: dict[str, set[str]] = {}  # the kinds of the pieces the ranks read, by the directory they are in
+    real_fill_all = client_module.fill_all
+
+    def fill_all(pool: Any, maps: Any, fills: Any) -> None:
+        for fill in fills:
+            for src in fill.sources:
+                kinds.setdefault(str(Path(src.path).parent), set()).add(src.kind)
+        real_fill_all(pool, maps, fills)
+
+    monkeypatch.setattr(client_module, "fill_all", fill_all)
+    shm1 = str(cluster.nodes.nodes[1].shm_dir)
     save(cluster.nodes, [0, 1, 2], step=1)
     save(cluster.nodes, [0, 1, 2], step=2)
     wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
@@ -197,12 +210,15 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
     assert staged(cluster, 1, "memory-peer") > 0 and staged(cluster, 1, "disk-peer") == 0
     assert metric(cluster.ports[2], "ckptd_replica_served_bytes_total") > 0
     assert not list(cluster.nodes.root(1).glob(f"{JOB}/step-*"))  # nothing of the step was written to node 1's root
+    assert kinds[shm1] == {CHECKED_SOURCE}  # node 1's daemon checked every byte as it arrived: its ranks copy them unchecked
+    kinds.clear()
 
     # columns on every node: each rank needs every node's part, from every tier there is
     assert load_exact(cluster.nodes, [0, 0, 1, 1, 2, 2], even(6), dim=1) == [2] * 6
     assert staged(cluster, 0, "memory-local") > 0  # node 2's part, held by node 0
     assert staged(cluster, 1, "disk-peer") > 0  # node 0's part: its replica was on node 1, which was replaced
     assert staged(cluster, 2, "memory-local") > 0  # node 1's part, held by node 2
+    assert kinds[shm1] == {CHECKED_SOURCE, "file"}  # what node 1 staged from node 0's disk its ranks check
 
     # the job goes on: the replaced node saves its part again, and the next step is recoverable
     save(cluster.nodes, [0, 1, 2], step=3)
