@@ -91,9 +91,13 @@ class StagingFiles:
         (the rank copies it unchecked). A decoded piece keeps its kind (its scales and base are
         pieces of their own)."""
         with self._lock:
-            checked = {path: set(offsets) for path, offsets in self._checked.items()}
+            checked = {path: set(offsets) for path, offsets in self._checked.items() if offsets}
+        if not checked:
+            return tuple(pieces)
+        none: set[int] = set()
         return tuple(
-            p._replace(source=CHECKED_SOURCE) if p.source == FILE_SOURCE and p.decode is None and p.offset in checked.get(p.path, ()) else p
+            PieceInfo(p.name, CHECKED_SOURCE, *p[2:])  # a tuple made in C (_replace costs ~10x more, per piece of a load)
+            if p.source == FILE_SOURCE and p.decode is None and p.offset in checked.get(p.path, none) else p
             for p in pieces
         )
 
