@@ -1,39 +1,58 @@
-"""Tier 0b benchmark: a lost node's slices restored from a peer's memory, against the same slices
-restored from that node's disk (issue 23 target: at least 5x faster, bit-exact, another layout).
+"""Bench: a lost node's slices restored from a peer's memory, against the bulk channel's floor
+and against a cold restore from its disk, at a fast and at a cluster's storage-to-network ratio
+(issues 23 and 34).
 
-Two clusters of 3 daemons on loopback, each with node-local roots under `--out`, save the same
-state (step 1) by 3 ranks, one per node, each holding a third of every tensor's rows:
+Per "TENSORS:MiB" of `--sweep` (tensors of the state, MiB of node 1's part), two clusters of 3
+daemons on loopback, each with node-local roots, save the same state (step 1) by 3 ranks, one
+per node, each holding a third of every tensor's rows. Then, in each round, interleaved (the
+order rotates round by round):
 
-- **memory** (`--replicas 1`): once the step is recoverable (node 0's metric), node 1 is
-  *replaced*: its daemon SIGKILLed, its root and shared memory wiped, a new daemon started on the
-  empty root. Its slices come from node 2's memory (tier memory-peer).
+- **floor**: the bulk channel alone, node 1's part's bytes from a holder *process* (a replica file
+  in /dev/shm, `sendfile`) to this one (`recv_into` + `pwrite` into a fresh file in /dev/shm), over
+  one connection and over as many as a restore uses (tiers/replicas.FETCH_STREAMS, no more than
+  the cores); the floor is the faster of the two. Nothing is checked: raw bytes.
+- **memory** (`--replicas 1`): node 1 is *replaced*: its daemon SIGKILLed, its root and shared
+  memory wiped, a new daemon started on the empty root. Its slices come from node 2's memory
+  (tier memory-peer), checked on arrival by node 1's daemon.
 - **disk** (`--replicas 0`): node 1's daemon is SIGKILLed (its memory is gone: arenas die with
   it), its step files evicted from the page cache (posix_fadvise DONTNEED after a sync, so the
-  restore reads the disk), and a new daemon started on the intact root: its slices come from
-  its own disk (tier disk-local, read by the ranks themselves).
+  restore reads the device), and a new daemon started on the intact root: its slices come from
+  its own disk (tier disk-local, read and checked by the ranks themselves).
 
-Then node 1's ranks load, in another layout: two ranks (threads of this process with their own
+Node 1's ranks load, in another layout: two ranks (threads of this process with their own
 clients) each take half of node 1's rows. Timed: from a barrier just before both `load` calls
 to the end of the slower one (the clients are made and connected before; the daemon restart is
-not timed). Every loaded tensor is compared with what was saved. Memory and disk rounds are
-interleaved (the order alternates), `--rounds` each; ratios are disk / memory per round, shown
-as median (min-max). The sweep runs each "TENSORS:MiB" of `--sweep` (tensors of the state,
-MiB of node 1's part).
+not). Every loaded tensor is compared with what was saved.
 
-The memory path's own figures: the daemon logs how long staging took and at what rate
-("staged ... in S s"), parsed from node 1's log; `bulk` is that rate.
+Storage: the roots live on an ext4 file system on a loop device (`losetup --direct-io=on`, an
+image under --out), and this process and every daemon it starts run in a cgroup v1 blkio group
+of their own. Phase 1 reads the device unlimited; phase 2 limits reads from it
+(`blkio.throttle.read_bps_device`) to 1/10 of the floor measured in phase 1, a cluster's ratio
+of shared storage to network. Without root, cgroup v1 blkio, losetup or mkfs.ext4 the roots go
+on a plain directory and phase 2 is skipped, saying why.
 
-    python tests/bench/bench_replica.py --sweep 100:256,1000:256,100:1024 --rounds 3
+Targets (issue 34), PASS/FAIL each, ratios taken per round (median of the rounds):
+memory restore >= 0.8x the floor (phase 1, bytes per second); with reads limited: disk
+time / memory time >= 5.
+
+    python tests/bench/bench_replica.py                     # the full sweep, about 5-10 minutes on 2 idle cores
+    python tests/bench/bench_replica.py --quick             # a small sample (CI: tests/test_bench_replica.py)
+
+The daemon's own figure for the memory path (how long staging took, "staged ... in S s") is
+parsed from node 1's log and shown beside each round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shutil
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -42,23 +61,36 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 import torch
 
 from ckptd.client import CheckpointClient
 from ckptd.client.shards import LocalShard
+from ckptd.daemon.tiers.bulk import BUFFER_BYTES, BulkServer, connect, recv_into_file, send_file_ranges
+from ckptd.daemon.tiers.replicas import FETCH_STREAMS, STREAM_MIN_BYTES
 from ckptd.demo.process import DaemonProcess, start_daemon
 
 JOB = "bench-replica"
 TOKEN = "bench-replica-token-0123456789"
-TARGET = 5.0
+FLOOR_TARGET = 0.8  # memory restore / floor, phase 1
+DISK_TARGET = 5.0  # disk restore time / memory restore time, reads limited
+SLOW_RATIO = 10  # phase 2: storage reads limited to floor / SLOW_RATIO
+BLKIO = Path("/sys/fs/cgroup/blkio")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a restarted daemon binds its port again,
+    and a port from that range may meanwhile be any outgoing connection's local port."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def scrape(port: int, name: str) -> float:
@@ -91,7 +123,7 @@ class Cluster:
         return self.base / f"root{node}"
 
     def shm(self, node: int) -> Path:
-        return Path("/dev/shm") / f"ckptd-bench-{self.base.name}-{node}"
+        return Path("/dev/shm") / f"ckptd-bench-replica-{os.getpid()}-{self.base.name}-{node}"
 
     def log(self, node: int) -> Path:
         return self.base / f"node{node}.log"
@@ -220,121 +252,267 @@ def wait_recoverable(cluster: Cluster, timeout_s: float = 600.0) -> float:
     return time.monotonic() - start
 
 
-def ceilings(cluster: Cluster) -> tuple[float, float]:
-    """(cold read, loopback) GB/s of node 1's data files on this machine: a sequential read of
-    them after posix_fadvise(DONTNEED), and the same bytes sent over loopback TCP by the bulk
-    channel (sendfile) into a fresh file in /dev/shm (recv_into + pwrite): the two floors the
-    disk and the memory path stand on."""
-    from ckptd.daemon.tiers.bulk import BulkServer, connect, recv_into_file, send_file_ranges
+class Storage:
+    """Where the roots live: an ext4 file system on a loop device in a blkio cgroup of this
+    process (and so of every daemon it starts) whose reads from the device can be limited
+    (`limit`); or a plain directory when that cannot be had here (`why_not` says why)."""
 
-    files = sorted((cluster.root(1) / JOB).rglob("*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
-    os.sync()
-    buffer = bytearray(8 * 2**20)
-    start = time.perf_counter()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, out: Path, image_gib: int) -> None:
+        self.out = out
+        self.why_not = self._missing()
+        self.device = ""
+        self.cgroup: Path | None = None
+        self.mount = out / "roots"
+        self.image = out / "roots.img"
+        self.mount.mkdir(parents=True, exist_ok=True)
+        if self.why_not:
+            return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            offset = 0
-            while (n := os.preadv(fd, [buffer], offset)) > 0:
-                offset += n
+            subprocess.run(["truncate", "-s", f"{image_gib}G", str(self.image)], check=True)
+            self.device = _run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)])
+            _run(["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", self.device])
+            _run(["mount", self.device, str(self.mount)])
+            self.major_minor = _run(["lsblk", "-dno", "MAJ:MIN", self.device]).strip()
+            self.cgroup = BLKIO / f"ckptd-bench-replica-{os.getpid()}"
+            self.cgroup.mkdir()
+            (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            self.why_not = f"setting up the loop device and its blkio group failed: {exc}"
+            self.close()
+            self.mount.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _missing() -> str:
+        if os.geteuid() != 0:
+            return "not root (a loop device, a mount and a blkio cgroup need it)"
+        if not (BLKIO / "blkio.throttle.read_bps_device").exists():
+            return f"no cgroup v1 blkio hierarchy with throttling at {BLKIO}"
+        for tool in ("losetup", "mkfs.ext4", "mount", "umount", "lsblk", "truncate"):
+            if shutil.which(tool) is None:
+                return f"{tool} is not installed"
+        return ""
+
+    def limit(self, read_bps: int) -> None:
+        """Limit this group's reads from the roots' device to read_bps bytes per second (0: none)."""
+        assert self.cgroup is not None
+        (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{self.major_minor} {read_bps}")
+
+    def describe(self) -> str:
+        if self.why_not:
+            return f"roots in {self.mount} (a plain directory: {self.why_not})"
+        return f"roots on {self.device} (ext4, loop --direct-io=on, image {self.image}) in blkio group {self.cgroup}"
+
+    def close(self) -> None:
+        """Leave the group, unmount, detach, remove the group and the image (each step tried)."""
+        if self.cgroup is not None:
+            try:
+                (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+                self.cgroup.rmdir()
+            except OSError as exc:
+                print(f"could not remove {self.cgroup}: {exc}", file=sys.stderr)
+            self.cgroup = None
+        if self.device:
+            subprocess.run(["umount", str(self.mount)], check=False)
+            subprocess.run(["losetup", "-d", self.device], check=False)
+            self.device = ""
+        self.image.unlink(missing_ok=True)
+        shutil.rmtree(self.mount, ignore_errors=True)
+
+
+def _run(cmd: list[str]) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+class Holder:
+    """The floor's sending side: another process holding a file in /dev/shm of node 1's part's
+    size (as a buddy holds a replica) behind a bulk port (tiers/bulk.BulkServer), handing out
+    tickets that send it in `streams` contiguous pieces (`--holder`, below)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.proc = subprocess.Popen([sys.executable, __file__, "--holder", str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def floor(self, streams: int) -> float:
+        """GB/s of the part sent over `streams` connections into a fresh file in /dev/shm."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{streams}\n")
+        self.proc.stdin.flush()
+        tickets = [bytes.fromhex(t) for t in self.proc.stdout.readline().split()]
+        pieces = floor_pieces(self.nbytes, streams)
+        fd, sink = tempfile.mkstemp(prefix="ckptd-bench-replica-floor-", dir="/dev/shm")
+        try:
+            def receive(i: int) -> None:
+                offset, nbytes = pieces[i]
+                with connect("127.0.0.1", self.port, tickets[i], None) as sock:
+                    recv_into_file(sock, fd, offset, nbytes, memoryview(bytearray(min(BUFFER_BYTES, nbytes))))
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(streams) as pool:
+                list(pool.map(receive, range(streams)))
+            return self.nbytes / (time.perf_counter() - start) / 1e9
         finally:
             os.close(fd)
-    cold = total / (time.perf_counter() - start) / 1e9
+            os.unlink(sink)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def floor_pieces(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    """(offset, nbytes) of `streams` contiguous pieces of about equal size, cut at 1 MiB."""
+    step = -(-nbytes // streams // 2**20) * 2**20 or nbytes
+    return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)][:streams]
+
+
+def serve_holder(nbytes: int) -> None:
+    """`--holder NBYTES`: hold NBYTES of random bytes in /dev/shm behind a bulk port; print the
+    port, then for each line "STREAMS" read from stdin, print a ticket per piece (hex)."""
+    fd, path = tempfile.mkstemp(prefix="ckptd-bench-replica-held-", dir="/dev/shm")
+    os.unlink(path)  # gone with this process
+    block = os.urandom(2**20)
+    for offset in range(0, nbytes, len(block)):
+        os.pwrite(fd, block[: nbytes - offset], offset)
     server = BulkServer("127.0.0.1", 0)
     server.start()
-    sinks = [Path(tempfile.mkstemp(prefix="ckptd-bench-sink-", dir="/dev/shm")[1]) for _ in files]
-    try:
-        start = time.perf_counter()
-        for path, sink in zip(files, sinks):  # the files stay in the page cache from the read above
-            fd = os.open(path, os.O_RDONLY)
-            size = path.stat().st_size
-            ticket = server.issue(lambda sock, fd=fd, size=size: send_file_ranges(sock, [(fd, 0, size)]))
-            out = os.open(sink, os.O_WRONLY)
-            with connect("127.0.0.1", server.port, ticket, None) as sock:
-                recv_into_file(sock, out, 0, size, memoryview(bytearray(8 * 2**20)))
-            os.close(out)
-            os.close(fd)
-        loopback = total / (time.perf_counter() - start) / 1e9
-    finally:
-        server.close()
-        for sink in sinks:
-            sink.unlink()
-    return cold, loopback
+    print(server.port, flush=True)
+    for line in sys.stdin:
+        pieces = floor_pieces(nbytes, int(line))
+        tickets = [server.issue(lambda sock, o=o, n=n: send_file_ranges(sock, [(fd, o, n)])) for o, n in pieces]
+        print(" ".join(t.hex() for t in tickets), flush=True)
+    server.close()
+
+
+def restore_streams(nbytes: int) -> int:
+    """The connections a restore of nbytes from one holder uses (Replication.fetch)."""
+    return max(1, min(FETCH_STREAMS, os.cpu_count() or 1, nbytes // STREAM_MIN_BYTES))
 
 
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def run(tensors: int, node_mib: int, rounds: int, out: Path) -> dict[str, Any]:
+def rounds_of(
+    memory_cluster: Cluster, disk_cluster: Cluster, holder: Holder, state: dict[str, torch.Tensor], part: int, rounds: int, label: str
+) -> dict[str, list[float]]:
+    """`rounds` rounds of floor, memory and disk, the order rotated each round; seconds (floor: GB/s)."""
+    kinds = ("floor", "memory", "disk")
+    got: dict[str, list[float]] = {k: [] for k in (*kinds, "floor1", "floorN")}
+    streams = restore_streams(part)
+    for r in range(rounds):
+        order = kinds[r % 3:] + kinds[: r % 3]
+        staging = "-"
+        for kind in order:
+            if kind == "floor":
+                one, many = holder.floor(1), holder.floor(streams)
+                got["floor1"].append(one)
+                got["floorN"].append(many)
+                got["floor"].append(max(one, many))
+            elif kind == "memory":
+                replace_node(memory_cluster)
+                got["memory"].append(timed_load(memory_cluster, state))
+                staging = last_staging(memory_cluster)
+            else:
+                restart_cold(disk_cluster)
+                got["disk"].append(timed_load(disk_cluster, state))
+        floor, mem, disk = got["floor"][-1], got["memory"][-1], got["disk"][-1]
+        print(
+            f"  {label} round {r + 1} ({', '.join(order)}): floor {floor:.2f} GB/s (1 conn {got['floor1'][-1]:.2f}, {streams} conns {got['floorN'][-1]:.2f}); "
+            f"memory {mem:.3f} s ({part / mem / 1e9:.2f} GB/s = {part / mem / 1e9 / floor:.2f}x the floor; staging {staging}); "
+            f"disk {disk:.3f} s ({part / disk / 1e9:.2f} GB/s); disk/memory {disk / mem:.2f}x; load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    return got
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def run(tensors: int, node_mib: int, rounds: int, storage: Storage) -> list[str]:
+    """One sweep item, both phases; its PASS/FAIL lines."""
     state = make_state(tensors, node_mib)
     part = sum(t.numel() * 4 for t in state.values()) // 3
     print(f"\n== {tensors} tensors, node 1's part {part / 2**20:.0f} MiB", flush=True)
-    memory_cluster = Cluster(out / f"mem-{tensors}-{node_mib}", replicas=1)
-    disk_cluster = Cluster(out / f"disk-{tensors}-{node_mib}", replicas=0)
+    base = storage.mount / f"{tensors}-{node_mib}"
+    memory_cluster = Cluster(base / "mem", replicas=1)
+    disk_cluster = Cluster(base / "disk", replicas=0)
+    holder = Holder(part)
+    name = f"{tensors} tensors, {part / 2**20:.0f} MiB"
     try:
         for cluster in (memory_cluster, disk_cluster):
             started = time.perf_counter()
             save(cluster, state)
             print(f"  saved ({'replicas 1' if cluster.replicas else 'replicas 0'}) in {time.perf_counter() - started:.1f} s", flush=True)
         print(f"  recoverable {wait_recoverable(memory_cluster):.2f} s after the save returned", flush=True)
-        mem, disk, ratios = [], [], []
-        for r in range(rounds):
-            order = ("memory", "disk") if r % 2 == 0 else ("disk", "memory")
-            got: dict[str, float] = {}
-            for kind in order:
-                if kind == "memory":
-                    replace_node(memory_cluster)
-                    got[kind] = timed_load(memory_cluster, state)
-                    staging = last_staging(memory_cluster)
-                else:
-                    restart_cold(disk_cluster)
-                    got[kind] = timed_load(disk_cluster, state)
-            mem.append(got["memory"])
-            disk.append(got["disk"])
-            ratios.append(got["disk"] / got["memory"])
-            print(
-                f"  round {r + 1}: memory {got['memory']:.3f} s ({part / got['memory'] / 1e9:.2f} GB/s; staging {staging}), "
-                f"disk {got['disk']:.3f} s ({part / got['disk'] / 1e9:.2f} GB/s), disk/memory {ratios[-1]:.2f}x; load {os.getloadavg()[0]:.2f}",
-                flush=True,
-            )
-        served = scrape(memory_cluster.metrics[2], "ckptd_replica_served_bytes_total")
-        print(f"  memory: {summary(mem)} s   disk: {summary(disk)} s   disk/memory: {summary(ratios)}x (target >= {TARGET})   node 2 served {served / 2**20:.0f} MiB")
-        cold, loopback = ceilings(disk_cluster)
-        print(f"  floors of this machine for node 1's files: cold read {cold:.2f} GB/s, loopback TCP into fresh /dev/shm {loopback:.2f} GB/s (ratio {loopback / cold:.2f})")
-        return {"tensors": tensors, "part_mib": part / 2**20, "memory_s": mem, "disk_s": disk, "ratio": ratios, "floors": (cold, loopback)}
+        fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited")
+        of_floor = [part / m / 1e9 / f for m, f in zip(fast["memory"], fast["floor"])]
+        lines = [
+            f"{name}: memory restore / floor = {summary(of_floor)} (floor {summary(fast['floor'])} GB/s, memory "
+            f"{summary([part / m / 1e9 for m in fast['memory']])} GB/s, disk/memory {summary([d / m for d, m in zip(fast['disk'], fast['memory'])])}x), "
+            f"target >= {FLOOR_TARGET}: {verdict(statistics.median(of_floor) >= FLOOR_TARGET)}"
+        ]
+        if storage.why_not:
+            lines.append(f"{name}: reads limited to floor/{SLOW_RATIO}: NOT MEASURED: {storage.why_not}")
+            return lines
+        rate = int(statistics.median(fast["floor"]) * 1e9 / SLOW_RATIO)
+        storage.limit(rate)
+        try:
+            print(f"  the roots' reads limited to {rate / 1e6:.0f} MB/s (floor/{SLOW_RATIO})", flush=True)
+            slow = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads limited")
+        finally:
+            storage.limit(0)
+        ratios = [d / m for d, m in zip(slow["disk"], slow["memory"])]
+        lines.append(
+            f"{name}: reads limited to {rate / 1e6:.0f} MB/s: disk/memory = {summary(ratios)}x (memory {summary(slow['memory'])} s, disk "
+            f"{summary(slow['disk'])} s), target >= {DISK_TARGET}: {verdict(statistics.median(ratios) >= DISK_TARGET)}"
+        )
+        return lines
     finally:
+        holder.close()
         memory_cluster.close()
         disk_cluster.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", default="100:256,1000:256,100:1024", help="TENSORS:MiB of node 1's part, comma-separated")
+    parser.add_argument("--sweep", default="100:256,1000:256,100:1024,1000:1024", help="TENSORS:MiB of node 1's part, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="where the roots go (a real disk; default: a temporary directory under /var/tmp)")
+    parser.add_argument("--quick", action="store_true", help="a small sample: 20 tensors, 16 MiB, one round")
+    parser.add_argument("--out", type=Path, default=None, help="where the roots' image goes (a real disk; default: a temporary directory under /var/tmp)")
+    parser.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)  # the floor's holder process (serve_holder)
     args = parser.parse_args()
+    if args.holder:
+        serve_holder(args.holder)
+        return 0
+    if args.quick:
+        args.sweep, args.rounds = "20:16", 1
+    sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep.split(",")]
+    signal.signal(signal.SIGTERM, _interrupted)
     out = args.out or Path(tempfile.mkdtemp(prefix="ckptd-bench-replica-", dir="/var/tmp"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in os.getloadavg())}, roots in {out}, torch threads {torch.get_num_threads()}")
-    results = []
+    image_gib = max(2, -(-6 * max(mib for _, mib in sweep) // 1024) + 1)  # two clusters of 3 nodes, step 1 kept
+    storage = Storage(out, image_gib)
+    started = os.getloadavg()
+    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in started)}, torch threads {torch.get_num_threads()}; {storage.describe()}", flush=True)
+    lines: list[str] = []
     try:
-        for item in args.sweep.split(","):
-            tensors, mib = (int(x) for x in item.split(":"))
-            results.append(run(tensors, mib, args.rounds, out))
+        for tensors, mib in sweep:
+            lines += run(tensors, mib, args.rounds, storage)
     finally:
+        storage.close()
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
-    print("\nsummary (disk / memory, median (min-max) of the rounds):")
-    for r in results:
-        verdict = "meets" if statistics.median(r["ratio"]) >= TARGET else "misses"
-        cold, loopback = r["floors"]
-        print(
-            f"  {r['tensors']:>5} tensors, {r['part_mib']:>6.0f} MiB: {summary(r['ratio'])}x -> {verdict} the {TARGET}x target "
-            f"(machine floors: loopback / cold read = {loopback / cold:.2f})"
-        )
+    print(f"\nsummary (median (min-max) of {args.rounds} rounds; load at start {started[0]:.2f}, at end {os.getloadavg()[0]:.2f}):")
+    for line in lines:
+        print(f"  {line}")
     return 0
 
 

@@ -26,6 +26,7 @@ from ckptd.common import dtypes
 from ckptd.common.boxes import Box, relative
 from ckptd.common.chunks import ChunkHasher
 from ckptd.common.reshard import shard_boxes
+from ckptd.format.file_plan import CHECKED_SOURCE
 
 HEADER = 136  # bytes before the first fragment, like a safetensors header
 
@@ -127,7 +128,7 @@ def narrowed(want: Box, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
 TARGETS = {"contiguous": contiguous, "transposed": transposed, "narrowed": narrowed}
 
 
-@pytest.mark.parametrize("kind", ["file", "shm"])
+@pytest.mark.parametrize("kind", ["file", "shm", CHECKED_SOURCE])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("target_kind", TARGETS)
 @pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
@@ -147,7 +148,7 @@ def test_fills_every_wanted_box_exactly(
         assert int((base == -99).sum()) == base.numel() - target.numel()  # nothing written outside the target
 
 
-@pytest.mark.parametrize("kind", ["file", "shm"])
+@pytest.mark.parametrize("kind", ["file", "shm", CHECKED_SOURCE])
 def test_0_dim_and_3_dim_tensors(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str) -> None:
     scalar = torch.tensor(7, dtype=torch.int64)
     cube = ramp((5, 11, 3))
@@ -202,6 +203,47 @@ def test_whole_read_with_bad_checksum_names_the_tensor(pool: ThreadPoolExecutor,
     for target in [torch.empty(SHAPE), transposed(Box.full(SHAPE), torch.float32)[0], torch.empty(SHAPE, dtype=torch.bfloat16)]:
         with pytest.raises(CheckpointError, match=r"checksum mismatch for tensor 'model/layer.0.weight'"):
             fill_all(pool, maps, [Fill(target, Box.full(SHAPE), [source])])
+
+
+# issue 34: a piece the daemon checked as it arrived (a replica staged in shared memory) is
+# copied as it is, whole, in parts or strided, small or large: the rank does not hash it again.
+@pytest.mark.parametrize("shape", [SHAPE, (9 * 2**20 // 4 // 1024, 1024)], ids=["small", "over SPLIT_BYTES"])
+@pytest.mark.parametrize("want", ["whole", "rows", "columns"])
+def test_a_piece_the_daemon_checked_is_copied_without_hashing_it_again(
+    pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], want: str
+) -> None:
+    whole = ramp(shape)
+    box = {"whole": Box.full(shape), "rows": Box((1, 0), (shape[0] - 2, shape[1])), "columns": Box((0, 3), (shape[0], 4))}[want]
+    (source,) = store.put(CHECKED_SOURCE, "model/w", whole, [Box.full(shape)], chunk_bytes=4096)
+
+    def no_hashing(*args: object) -> None:
+        raise AssertionError("a piece the daemon checked was hashed again")
+
+    monkeypatch.setattr(pieces.xxhash, "xxh3_64", no_hashing)
+    monkeypatch.setattr(pieces, "digest_of", no_hashing)
+    out = torch.full(box.lengths, -99.0)
+    fill_all(pool, maps, [Fill(out, box, [source])])
+    assert torch.equal(out, whole[relative(box, Box.full(shape))])
+
+
+def test_the_same_damaged_bytes_fail_a_file_piece_and_pass_as_a_checked_one(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    """The contract of CHECKED_SOURCE: the daemon vouches for the bytes (it never marks a range it
+    did not check before writing it: tests/daemon/test_staging_checks.py), so the rank's check is skipped."""
+    whole = ramp(SHAPE)
+    (source,) = store.put("file", "model/w", whole, [Box.full(SHAPE)])
+    with open(source.path, "r+b") as f:
+        f.seek(source.offset + 17)
+        f.write(b"\x5a")
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        fill_all(pool, maps, [Fill(torch.empty(SHAPE), Box.full(SHAPE), [source])])
+    fill_all(pool, maps, [Fill(torch.empty(SHAPE), Box.full(SHAPE), [source._replace(kind=CHECKED_SOURCE)])])
+
+
+def test_a_checked_piece_of_another_size_than_its_target_is_an_error(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    shape = (5 * 2**20 // 4 // 256, 256)
+    (source,) = store.put(CHECKED_SOURCE, "model/w", ramp(shape), [Box.full(shape)])
+    with pytest.raises(CheckpointError, match="has .* bytes for a target of"):
+        fill_all(pool, maps, [Fill(torch.empty(shape), Box.full(shape), [source._replace(nbytes=source.nbytes - 4)])])
 
 
 @pytest.mark.parametrize("damage_at", [None, 3, 200, 519])

@@ -17,7 +17,7 @@ from ckptd.daemon.tiers.bulk import MAGIC, BulkError, BulkServer, Pacer, connect
 from ckptd.daemon.tiers.bulk import send_status, split_evenly
 from ckptd.daemon.tiers.replica_store import Damaged, Refused, ReplicaStore, open_ranges
 from ckptd.daemon.rpc.validate import check_replica_units
-from ckptd.daemon.tiers.replica_ranges import cut_ranges, merge_ranges, units_in, widen_to_units
+from ckptd.daemon.tiers.replica_ranges import cut_ranges, merge_ranges, units_in, units_within, widen_to_units
 from ckptd.daemon.tiers.replicas import buddies
 from ckptd.daemon.errors import InvalidRequest
 from ckptd.daemon.errors import NotFound
@@ -270,6 +270,27 @@ def test_ranges_are_cut_between_units_and_each_unit_is_checked_in_the_range_that
                    ("g", 0, MiB, 8), ("g", MiB, MiB, 8), ("g", 2 * MiB, MiB, 8)]
     _, checks = widen_to_units([("f", 5, 20, 7), ("f", 4 * MiB + 11, 1, 7)], units)  # units 0, 1 and 3 are staged
     assert units_in(cut, checks) == [units["f"][:2], (), (units["f"][3],), (), (), ()]
+
+
+# issue 34: the ranks copy what a replica tier staged without checking it again, so every byte a
+# fetch writes is checked, the units that merging brings in between the reads included
+@pytest.mark.parametrize(
+    ("reads", "expected"),
+    [
+        ([("f", 0, 10, 7)], [0]),
+        ([("f", 0, 10, 7), ("f", 110, 100, 7)], [0, 1, 2]),  # merged over unit 1 (100 bytes apart): it is checked too
+        ([("f", 10, 100, 7), ("f", 210, 5, 7)], [1, 2, 3]),
+        ([("f", 0, 10, 7), ("f", 210, 5, 9)], [0, 3]),  # other staging fds: not merged
+    ],
+)
+def test_a_fetch_checks_every_unit_inside_its_merged_ranges(reads: list[tuple[str, int, int, int]], expected: list[int]) -> None:
+    units = {"f": (Unit(0, 10, 1), Unit(10, 100, 2), Unit(110, 100, 3), Unit(210, 5, 4))}
+    widened, _ = widen_to_units(reads, units)
+    merged = merge_ranges(widened)
+    checks = units_within(merged, units)
+    assert [units["f"].index(unit) for _, _, unit in checks] == expected
+    covered = sum(unit.nbytes for _, _, unit in checks)
+    assert covered == sum(n for _, _, n, _ in merged)  # nothing written unchecked
 
 
 # issue 30 review: the bytes a connection brings are checked before they are written, never read back

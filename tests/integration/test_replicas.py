@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import ssl
+import threading
 import time
 from fractions import Fraction
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,11 @@ import torch
 import grpc
 
 from ckptd.client import CheckpointClient
+from ckptd.client import client as client_module
 from ckptd.client.errors import CheckpointError
 from ckptd.client.shards import LocalShard
 from ckptd.daemon.tools.ops import render_status, status_doc
+from ckptd.format.file_plan import CHECKED_SOURCE
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
 from daemon_rig import NodeSet, free_port
@@ -177,7 +180,18 @@ def staged(cluster: Cluster, node: int, tier: str) -> float:
     return metric(cluster.ports[node], f'ckptd_load_staged_bytes_total{{tier="{tier}"}}')
 
 
-def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster) -> None:
+def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds: dict[str, set[str]] = {}  # the kinds of the pieces the ranks read, by the directory they are in
+    real_fill_all = client_module.fill_all
+
+    def fill_all(pool: Any, maps: Any, fills: Any) -> None:
+        for fill in fills:
+            for src in fill.sources:
+                kinds.setdefault(str(Path(src.path).parent), set()).add(src.kind)
+        real_fill_all(pool, maps, fills)
+
+    monkeypatch.setattr(client_module, "fill_all", fill_all)
+    shm1 = str(cluster.nodes.nodes[1].shm_dir)
     save(cluster.nodes, [0, 1, 2], step=1)
     save(cluster.nodes, [0, 1, 2], step=2)
     wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
@@ -196,12 +210,15 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
     assert staged(cluster, 1, "memory-peer") > 0 and staged(cluster, 1, "disk-peer") == 0
     assert metric(cluster.ports[2], "ckptd_replica_served_bytes_total") > 0
     assert not list(cluster.nodes.root(1).glob(f"{JOB}/step-*"))  # nothing of the step was written to node 1's root
+    assert kinds[shm1] == {CHECKED_SOURCE}  # node 1's daemon checked every byte as it arrived: its ranks copy them unchecked
+    kinds.clear()
 
     # columns on every node: each rank needs every node's part, from every tier there is
     assert load_exact(cluster.nodes, [0, 0, 1, 1, 2, 2], even(6), dim=1) == [2] * 6
     assert staged(cluster, 0, "memory-local") > 0  # node 2's part, held by node 0
     assert staged(cluster, 1, "disk-peer") > 0  # node 0's part: its replica was on node 1, which was replaced
     assert staged(cluster, 2, "memory-local") > 0  # node 1's part, held by node 2
+    assert kinds[shm1] == {CHECKED_SOURCE, "file"}  # what node 1 staged from node 0's disk its ranks check
 
     # the job goes on: the replaced node saves its part again, and the next step is recoverable
     save(cluster.nodes, [0, 1, 2], step=3)
@@ -363,3 +380,91 @@ def test_a_replica_damaged_in_memory_is_named_as_its_holders_and_the_load_reads_
                          rf"[\w.-]+\.safetensors: bytes \[\d+, \d+\) do not match", log), (holder, log[-3000:])
     assert metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}') == damaged_before + 3
     assert staged(cluster, 0, "disk-peer") > staged_before and "reading node 1's part from its disk instead" in log
+
+
+class Forwarder:
+    """A TCP relay: connections to (host, port) are passed on to (to_host, port), byte for byte,
+    except that with `flip_at` the byte at that position of what comes back on each connection
+    is inverted (a copy damaged in transit)."""
+
+    def __init__(self, host: str, port: int, to_host: str, flip_at: int | None = None) -> None:
+        self.to = (to_host, port)
+        self.flip_at = flip_at
+        self.flipped = 0
+        self.listener = socket.create_server((host, port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self.to)
+            threading.Thread(target=self._pump, args=(conn, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, conn, self.flip_at), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                if flip_at is not None and seen <= flip_at < seen + len(data):
+                    damaged = bytearray(data)
+                    damaged[flip_at - seen] ^= 0xFF
+                    data, self.flipped = bytes(damaged), self.flipped + 1
+                seen += len(data)
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            src.close()
+            dst.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+# issue 34: bytes of a replica damaged on their way from the holder (here by a relay between node 0
+# and node 2 that inverts one byte of every bulk transfer) are refused on arrival, named as the
+# holder's copy, and the load reads those bytes from the writer's disk instead; the copy in the
+# holder's memory is intact.
+def test_a_replica_damaged_in_transit_is_refused_on_arrival_and_the_load_reads_the_disk_instead(node_sets: Callable[..., NodeSet]) -> None:
+    nodes = node_sets(3, shared_root=False)
+    bulk_port = free_port()
+    peer_port = int(nodes.peers[2].rpartition(":")[2])
+    relays = [Forwarder("127.0.0.2", peer_port, "127.0.0.1"), Forwarder("127.0.0.2", bulk_port, "127.0.0.1", flip_at=100)]
+    try:
+        # node 0 reaches node 2 (its peer port and its bulk port) through the relays only
+        seen_by_0 = ",".join([*nodes.peers[:2], f"127.0.0.2:{peer_port}"])
+        cluster = Cluster(lambda *args, **kwargs: nodes, {0: ("--peers", seen_by_0), 2: ("--replica-port", str(bulk_port))})
+        save(cluster.nodes, [0, 1, 2], step=1)
+        wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+        damaged_before, mark = metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}'), len(cluster.nodes.running[0].log_text())
+        # one rank on node 0 reads every node's part: node 1's from node 2's memory, through the relay
+        assert load_exact(cluster.nodes, [0], even(1), dim=1, step=1) == [1]
+        log = cluster.log_after(0, mark)
+        assert relays[1].flipped >= 1
+        assert re.search(rf"the copy of node 1's part of step 1 of job '{JOB}' held in the memory of node 2 \(.* is damaged: "
+                         rf"[\w.-]+\.safetensors: bytes \[\d+, \d+\) do not match", log), log[-3000:]
+        assert "reading node 1's part from its disk instead" in log and staged(cluster, 0, "disk-peer") > 0
+        assert metric(cluster.ports[0], 'ckptd_replica_damaged_total{where="load"}') == damaged_before + 1
+        (held,) = cluster.replica_files(2)
+        (written,) = cluster.nodes.root(1).glob(f"{JOB}/step-00000001/*.safetensors")
+        assert held.read_bytes() == written.read_bytes()  # the holder's copy was never damaged
+    finally:
+        for relay in relays:
+            relay.close()
+
+
+# issue 34: only bytes a replica tier checked as they arrived are handed to the ranks unchecked; the
+# bytes a load stages from disk instead (a damaged replica's) are checked by the ranks, so a disk
+# copy damaged too fails the load rather than being loaded.
+def test_when_the_replica_and_the_writers_disk_are_both_damaged_the_load_fails(shared_cluster: Cluster) -> None:
+    cluster, job = shared_cluster, "damaged-twice"
+    save(cluster.nodes, [0, 1, 2], step=1, job=job)
+    wait_for(lambda: cluster.recoverable(1, job), what="step 1 recoverable")
+    (held,) = cluster.replica_files(2, job)  # node 1's part in node 2's memory
+    (written,) = cluster.nodes.root(1).glob(f"{job}/step-00000001/*.safetensors")
+    flip_last_byte(held)
+    flip_last_byte(written)
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch .* in {re.escape(written.name)}|{re.escape(written.name)}.* damaged"):
+        load_exact(cluster.nodes, [0], even(1), dim=1, step=1, job=job)

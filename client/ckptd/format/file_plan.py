@@ -23,6 +23,10 @@ from ckptd.format.index import CheckpointIndex, TensorRecord
 OPTIONAL_PREFIXES = ("rng/",)  # per-rank RNG states: never "missing" nor "unexpected"
 RNG_KEY = "rng"  # the extras key of the RNG states (ckptd.client.state saves them under it)
 SHM_SOURCE, FILE_SOURCE = "shm", "file"  # the wire's Piece.source: a held snapshot's arena, or any file
+# ... or a staging file whose bytes of the piece the daemon checked against the step's checksums
+# as they arrived (a replica): the rank copies them unchecked. A client that does not know the
+# name reads the piece as a FILE_SOURCE, checked again.
+CHECKED_SOURCE = "checked"
 
 
 class LoadMismatch(ValueError):
@@ -52,7 +56,7 @@ class PieceInfo(NamedTuple):
     per tensor, and a tuple is made in C)."""
 
     name: str  # the requested name
-    source: str  # SHM_SOURCE | FILE_SOURCE (the wire's Piece.source)
+    source: str  # SHM_SOURCE | FILE_SOURCE | CHECKED_SOURCE (the wire's Piece.source)
     path: str
     offset: int
     nbytes: int

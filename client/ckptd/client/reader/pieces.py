@@ -4,7 +4,10 @@ A piece (`Source`) is a fragment's bytes in a committed file or, when the daemon
 holds them, in a shared-memory arena file; both are read the same way here: pread by path
 (never through a link, never a FIFO), checked against the index's xxh3-64 checksum of the whole
 fragment when all of it is read, else against the checksums of the chunks the read touches
-(ckptd.common.chunks). Every function raises CheckpointError naming the tensor and the file.
+(ckptd.common.chunks). A piece of kind CHECKED_SOURCE (a staging file whose bytes the daemon
+checked as they arrived, before they were written) is read the same way, unchecked: it never
+holds a byte the daemon did not check. Every function raises CheckpointError naming the tensor
+and the file.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from ckptd.common.boxes import Box
 from ckptd.common.chunks import CHECKSUM_PREFIX, HASH_SLICE, ChunkCheck, checksum_name, digest_of
 from ckptd.common.frames import Frames, FrameError, decompress
 from ckptd.common.reshard import CopyRun
+from ckptd.format.file_plan import CHECKED_SOURCE
 
 READ_CHUNK = 64 * 2**20
 
 
 class Source(NamedTuple):
-    """Where a fragment's bytes are: an arena ("shm") or a committed file ("file").
+    """Where a fragment's bytes are: an arena ("shm"), a committed file ("file"), or a staging file
+    the daemon checked ("checked": CHECKED_SOURCE).
 
     A named tuple, not a dataclass: a load makes one per tensor, and a tuple is made in C."""
 
@@ -62,17 +67,24 @@ class Decoding:
 
 
 
+def checked_by_daemon(src: Source) -> bool:
+    """The daemon checked every byte of the piece against the step's checksums before it wrote
+    them where the rank reads them (file_plan.CHECKED_SOURCE): hashing them again finds nothing."""
+    return src.kind == CHECKED_SOURCE
+
+
 def read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, int]], dest: np.ndarray) -> None:
     """pread the fragment's `ranges` (read_ranges of `runs`) and place each run into `dest`.
 
     A range that is exactly one run is read straight into `dest`; others go through one
     temporary buffer. The fragment's checksum is checked when the ranges happen to cover all of
-    it, else the checksums of the chunks they touch.
+    it, else the checksums of the chunks they touch (neither when the daemon checked them).
     """
     whole = bool(ranges) and ranges[0][0] == 0 and sum(n for _, n in ranges) == src.nbytes
     whole = whole and all(lo == plo + pn for (plo, pn), (lo, _) in zip(ranges, ranges[1:]))
-    hasher = xxhash.xxh3_64() if whole and src.checksum else None
-    partial = None if whole else _PartialCheck(src)
+    trusted = checked_by_daemon(src)
+    hasher = xxhash.xxh3_64() if whole and src.checksum and not trusted else None
+    partial = None if whole or trusted else _PartialCheck(src)
     buf = np.empty(0, dtype=np.uint8)  # grown to the longest range of several runs (<= READ_CHUNK)
     fd = open_piece(src)
     try:
@@ -143,7 +155,9 @@ def check_hash(src: Source, hasher: "xxhash.xxh3_64") -> None:
 def verify_span(src: Source, lo: int, data: np.ndarray) -> None:
     """Check the fragment's bytes [lo, lo + len(data)) as read: against the fragment's checksum
     when they are all of it (and the index has that checksum), else against the checksums of
-    the chunks they touch."""
+    the chunks they touch. Nothing for bytes the daemon checked."""
+    if checked_by_daemon(src):
+        return
     if src.checksum and lo == 0 and len(data) == src.nbytes:
         hasher = xxhash.xxh3_64()
         hasher.update(memoryview(data))
@@ -208,14 +222,16 @@ class _PartialCheck:
 
 
 def read_verified(src: Source, out: np.ndarray) -> None:
-    """pread `src` into `out` and check its checksum; raise CheckpointError naming the file on a mismatch."""
-    hasher = xxhash.xxh3_64()
+    """pread `src` into `out` and check its checksum (unless the daemon did); raise CheckpointError
+    naming the file on a mismatch."""
+    hasher = None if checked_by_daemon(src) else xxhash.xxh3_64()
     fd = open_piece(src)
     try:
         pread_exact(fd, out[: src.nbytes], src.offset, src.path, hasher)
     finally:
         os.close(fd)
-    check_hash(src, hasher)
+    if hasher is not None:
+        check_hash(src, hasher)
 
 
 def read_framed_rows(src: Source, frames: Frames, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
@@ -259,7 +275,7 @@ def read_span(src: Source, lo: int, nbytes: int) -> np.ndarray:
     """Bytes [lo, lo + nbytes) of the stored piece, read and checked: all of it against its
     checksum, hashed as it is read; a part by the chunks it touches (verify_span)."""
     out = np.empty(nbytes, dtype=np.uint8)
-    hasher = xxhash.xxh3_64() if src.checksum and lo == 0 and nbytes == src.nbytes else None
+    hasher = xxhash.xxh3_64() if src.checksum and lo == 0 and nbytes == src.nbytes and not checked_by_daemon(src) else None
     fd = open_piece(src)
     try:
         pread_exact(fd, out, src.offset + lo, src.path, hasher)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
@@ -157,6 +157,7 @@ class Loads:
         locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
         planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
         await self._stage_all(index, planned.reads, locations)
+        planned = replace(planned, pieces=self.staging.checked_pieces(planned.pieces))
         plan_id = ""
         if held is not None and planned.pieces and all(p.source == SHM_SOURCE for p in planned.pieces):
             plan_id = plan_digest(planned.pieces)
@@ -235,12 +236,14 @@ class Loads:
         """Perform a load's staged reads, each tier's at once (tiers[location.tier].stage); made
         once however many local ranks ask (the reads already under way are waited for), removed
         once no load of the step uses them (_release_staging)."""
-        target = StagingTarget({name: location.path for name, location in locations.items()}, self.staging.open)
+        paths = {name: location.path for name, location in locations.items()}
+        target = StagingTarget(paths, self.staging.open, lambda file, offset: self.staging.mark_checked(paths[file], offset))
         by_tier: dict[TierName, list[StagedRead]] = {}
         waits: list[asyncio.Task[None]] = []
         for read in reads:
             task = self._fetches.get((index.job, index.step, read.file, read.offset))
             if task is None or (task.done() and task.exception() is not None):
+                self.staging.unmark(paths[read.file], read.offset)
                 by_tier.setdefault(locations[read.file].tier, []).append(read)
             elif task not in waits:
                 waits.append(task)

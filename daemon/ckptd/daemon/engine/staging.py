@@ -9,6 +9,12 @@ if it is still that very file (device and inode). Anything else at the path fail
 (Precondition) and nothing is written into it: the ranks read the file by its path. Each range
 gets an open file of its own, not an os.dup of the first (which would share one file position:
 Storage.copy_range seeks and sendfiles into it while other ranges are staged at once).
+
+A range that a tier staged checked (a replica: every byte checked against the step's
+checksums as it arrived, before it was written) is marked, and its pieces are handed to the
+ranks as CHECKED_SOURCE, which they copy without hashing again (`checked_pieces`). A range is
+unmarked before it is staged again and when its file is removed, so a mark never outlives the
+bytes it vouches for; anything unmarked the rank checks.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import os
 import stat
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from ckptd.daemon.errors import Precondition
 from ckptd.daemon.handoff.arena import ARENA_PREFIX
 from ckptd.daemon.private_dirs import create_file
+from ckptd.format.file_plan import CHECKED_SOURCE, FILE_SOURCE, PieceInfo
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,7 @@ class StagingFiles:
     def __init__(self, shm_dir: Path) -> None:
         self.shm_dir = shm_dir
         self._made: dict[str, tuple[int, int]] = {}  # path -> (device, inode) of the files created here
+        self._checked: dict[str, set[int]] = {}  # path -> offsets of the ranges staged checked there
         self._lock = threading.Lock()
 
     def path(self, job: str, step: int, file: str) -> Path:
@@ -65,10 +74,38 @@ class StagingFiles:
         os.set_blocking(fd, True)
         return fd
 
+    def mark_checked(self, path: str, offset: int) -> None:
+        """The range at `offset` of the staging file `path` was staged whole, each byte checked
+        against the step's checksums before it was written (StagingTarget.checked)."""
+        with self._lock:
+            if path in self._made:
+                self._checked.setdefault(path, set()).add(offset)
+
+    def unmark(self, path: str, offset: int) -> None:
+        """The range at `offset` is about to be staged (again): not checked until a tier says so."""
+        with self._lock:
+            self._checked.get(path, set()).discard(offset)
+
+    def checked_pieces(self, pieces: Sequence[PieceInfo]) -> tuple[PieceInfo, ...]:
+        """`pieces` with each file piece whose staged range is marked checked as CHECKED_SOURCE
+        (the rank copies it unchecked). A decoded piece keeps its kind (its scales and base are
+        pieces of their own)."""
+        with self._lock:
+            checked = {path: set(offsets) for path, offsets in self._checked.items() if offsets}
+        if not checked:
+            return tuple(pieces)
+        none: set[int] = set()
+        return tuple(
+            PieceInfo(p.name, CHECKED_SOURCE, *p[2:])  # a tuple made in C (_replace costs ~10x more, per piece of a load)
+            if p.source == FILE_SOURCE and p.decode is None and p.offset in checked.get(p.path, none) else p
+            for p in pieces
+        )
+
     def remove(self, path: Path) -> None:
         """Remove a staging file this daemon created; anything else now at the path stays."""
         with self._lock:
             made = self._made.pop(str(path), None)
+            self._checked.pop(str(path), None)
         if made is not None:
             _unlink_if(path, made)
 
@@ -76,6 +113,7 @@ class StagingFiles:
         """Remove every staging file of this daemon (shutdown)."""
         with self._lock:
             made, self._made = self._made, {}
+            self._checked.clear()
         for path, identity in made.items():
             _unlink_if(Path(path), identity)
 

@@ -68,6 +68,10 @@ class StagingTarget:
 
     paths: Mapping[str, str]  # data file -> its staging file in shared memory
     open: Callable[[str], int]  # (thread) a staging file opened for writing one range (StagingFiles.open)
+    # (on the loop) a tier says that a read (its file, its offset) reached the staging file whole,
+    # every byte checked against the step's checksums before it was written: the rank copies it
+    # unchecked (StagingFiles.mark_checked). A tier that does not call it leaves the check to the rank.
+    checked: Callable[[str, int], None] = lambda file, offset: None
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,23 @@ def widen_to_units(reads: Sequence[Range], units: Mapping[str, Sequence[Unit]]) 
     return widened, [(file, fd, unit) for (file, fd, _), unit in sorted(touched.items())]
 
 
+def units_within(ranges: Sequence[Range], units: Mapping[str, Sequence[Unit]]) -> list[Check]:
+    """Every unit of `units` (by file, in offset order) that lies wholly inside one of the
+    ranges, each once, in file order: what a fetch of merged ranges checks, so that the bytes
+    between the reads that merging brings along (whole units, since the reads were widened to
+    units) are checked like the rest: every byte staged from a replica is checked before it is
+    written, whichever read it belongs to."""
+    out: dict[tuple[str, int, int], Unit] = {}
+    for file, offset, nbytes, fd in ranges:
+        known = units.get(file) or ()
+        first = bisect_left(known, offset, key=lambda u: u.offset)
+        for unit in known[first:]:
+            if unit.end > offset + nbytes:
+                break
+            out[(file, fd, unit.offset)] = unit
+    return [(file, fd, unit) for (file, fd, _), unit in sorted(out.items())]
+
+
 def cut_ranges(ranges: Sequence[Range], most: int, align: int = 2**20, units: Mapping[str, Sequence[Unit]] | None = None) -> list[Range]:
     """The ranges cut into pieces of about `most` bytes (rounded up to `align`), so that one large
     range can travel over several connections. A cut inside one of a file's `units` (tiling it)

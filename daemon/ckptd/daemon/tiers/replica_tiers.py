@@ -2,7 +2,10 @@
 REPLICA_HERE, the other nodes' parts this daemon holds in memory (copied into staging files
 here), and REPLICA_PEER, the parts the peers hold (received from them over the bulk port). A
 replica lost or damaged since the load was planned is handed back as `Unstaged`: the engine
-stages those ranges from the disk of the node that wrote them."""
+stages those ranges from the disk of the node that wrote them. A range staged whole, each byte
+checked against the step's checksums as it arrived, is marked checked (StagingTarget.checked):
+the ranks copy it without hashing it again; ranges of a step whose index has no units, and
+anything staged from disk instead, the ranks check."""
 
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ class ReplicasHere(Tier):
         return {self.replication.engine.node: _replicas(index, self.replication.store.files_of(index.job, index.step))}
 
     async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
-        """Copy each range from the replica held here, checked as it passes (Replication.copy_local)."""
+        """Copy each range from the replica held here, checked as it passes (Replication.copy_local);
+        each range copied whole and checked is marked so (target.checked)."""
         units = step_units(index)
         writer = {f.name: f.node for f in index.files}
         unstaged = []
@@ -67,8 +71,11 @@ class ReplicasHere(Tier):
                 )
             except (Unavailable, NotFound) as exc:  # damaged, or replaced by a newer step's since the load was planned
                 unstaged.append(Unstaged(writer[read.file], (read,), exc))
+                continue
             finally:
                 os.close(fd)
+            if units.get(read.file):
+                target.checked(read.file, read.offset)
         return unstaged
 
     def after_commit(self, commit: Committed) -> None:
@@ -96,7 +103,8 @@ class ReplicasOnPeers(Tier):
 
     async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
         """Receive the ranges from each holder (read.node) at once, one batch per holder and
-        writer (merged ranges, parallel connections: Replication.fetch)."""
+        writer (merged ranges, parallel connections: Replication.fetch); a batch that arrived
+        whole and checked has its ranges marked so (target.checked)."""
         units = step_units(index)
         by_holder: dict[int, list[StagedRead]] = {}
         for read in reads:
@@ -123,6 +131,10 @@ class ReplicasOnPeers(Tier):
                     await self.replication.fetch(holder, index.job, index.step, source, ranges, units)
                 except Unavailable as exc:  # the holder lost the replica since the load was planned, or its copy is damaged
                     unstaged.append(Unstaged(source, tuple(mine), exc))
+                    continue
+                for read in mine:  # every byte arrived and matched its unit before it was written
+                    if units.get(read.file):
+                        target.checked(read.file, read.offset)
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -58,7 +58,7 @@ from ckptd.daemon.tiers.bulk import (
     split_evenly,
     tls_contexts,
 )
-from ckptd.daemon.tiers.replica_ranges import Range, cut_ranges, merge_ranges, units_in, widen_to_units
+from ckptd.daemon.tiers.replica_ranges import Range, cut_ranges, merge_ranges, units_in, units_within, widen_to_units
 from ckptd.daemon.tiers.replica_store import Damaged, Receipt, Refused, ReplicaStore, close_fds, open_ranges
 
 log = logging.getLogger(__name__)
@@ -460,12 +460,13 @@ class Replication:
         """Receive ranges of the replica of `source`'s part that `holder` holds into staging
         files (same offsets): widened to whole checksum units (`units`: the step's, by file),
         merged, in up to FETCH_STREAMS connections of their own, every staged unit checked as it
-        arrives. Unavailable when the holder does not serve them, or they do not match (the
+        arrives (those between merged reads too: units_within). Unavailable when the holder does not serve them, or they do not match (the
         message names the holder's copy as damaged)."""
         cluster = self.engine.cluster
         assert cluster is not None
-        reads, checks = widen_to_units(reads, units)
+        reads, _ = widen_to_units(reads, units)
         whole = merge_ranges(reads)
+        checks = units_within(whole, units)  # the units between merged reads too: every byte written is checked
         total = sum(r[2] for r in whole)
         streams = max(1, min(FETCH_STREAMS, os.cpu_count() or 1, total // STREAM_MIN_BYTES))  # a receiving thread per stream
         merged = cut_ranges(whole, -(-total // streams), units=units)
