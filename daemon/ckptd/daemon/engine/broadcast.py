@@ -100,7 +100,7 @@ class Broadcast:
         for read in reads:
             fd = await asyncio.to_thread(target.open, target.paths[read.file])
             try:
-                await self.read_once.stage(index.job, index.step, records[read.file], read.offset, read.nbytes, fd)
+                await self.read_once.stage(index, records[read.file], read.offset, read.nbytes, fd)
             finally:
                 os.close(fd)
             self.engine.metrics.load_staged_bytes.labels(TierName.ROOT.value).inc(read.nbytes)
@@ -112,7 +112,7 @@ class Broadcast:
         record = next((f for f in index.files if f.name == name), None) if self.enabled and name.endswith(".safetensors") else None
         if record is None:
             return None
-        data = await self.read_once.read(index.job, index.step, record, offset, nbytes)
+        data = await self.read_once.read(index, record, offset, nbytes)
         self.engine.metrics.load_broadcast_bytes.labels("served").inc(len(data))
         return data
 

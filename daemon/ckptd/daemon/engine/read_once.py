@@ -20,13 +20,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
-from ckptd.format.index import FileRecord
+from ckptd.format.index import CheckpointIndex, FileRecord
 
 BLOCK = 1 << 20  # bytes per block (aligned to file offsets)
 BUDGET = 1 << 30  # bytes of blocks kept at most
 LINGER_S = 60.0  # seconds a block stays after its last use
 
-_Key = tuple[str, int, str, str, int]  # job, step, file, its checksum (a step saved again under its number is other bytes), block number
+# job, step, the index's created_at and the file's checksum (a step saved again under its number
+# is other bytes), file, block number
+_Key = tuple[str, int, float, str, str, int]
 ReadRange = Callable[[str, int, str, int, int], bytes]  # (thread) job, step, file, offset, nbytes -> the bytes; raises when short
 
 
@@ -62,8 +64,8 @@ class ReadOnce:
         self._tasks: set[asyncio.Task[None]] = set()  # reads under way (kept referenced until done)
         self.counts = ReadCounts()
 
-    async def read(self, job: str, step: int, file: FileRecord, offset: int, nbytes: int) -> bytes:
-        """Bytes [offset, offset + nbytes) of the step's `file` (its index record), from blocks
+    async def read(self, index: CheckpointIndex, file: FileRecord, offset: int, nbytes: int) -> bytes:
+        """Bytes [offset, offset + nbytes) of the step's `file` (its record in `index`), from blocks
         held or read now (the missing blocks of the range in one read per run of them). Raises
         what the storage raises (a short file: FormatError)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > file.size:
@@ -72,7 +74,7 @@ class ReadOnce:
             return b""
         self._expire()
         first, last = offset // BLOCK, (offset + nbytes - 1) // BLOCK
-        missing = {b for b in range(first, last + 1) if self._key(job, step, file, b) not in self._blocks}
+        missing = {b for b in range(first, last + 1) if self._key(index, file, b) not in self._blocks}
         runs: list[list[int]] = []
         for b in missing:
             if runs and runs[-1][-1] == b - 1:
@@ -82,15 +84,15 @@ class ReadOnce:
         loop = asyncio.get_running_loop()
         for run in runs:
             for b in run:
-                self._blocks[self._key(job, step, file, b)] = _Block(loop.create_future(), self._clock())
-            self._spawn(self._fill(job, step, file, run))
+                self._blocks[self._key(index, file, b)] = _Block(loop.create_future(), self._clock())
+            self._spawn(self._fill(index, file, run))
         parts = []
         for b in range(first, last + 1):
-            key = self._key(job, step, file, b)
+            key = self._key(index, file, b)
             block = self._blocks.get(key)
             if block is None:  # evicted by a concurrent read while this one waited: read it alone
                 block = self._blocks[key] = _Block(loop.create_future(), self._clock())
-                self._spawn(self._fill(job, step, file, [b]))
+                self._spawn(self._fill(index, file, [b]))
             data = await asyncio.shield(block.ready)
             if b not in missing:
                 self.counts.reused += len(data)
@@ -102,13 +104,13 @@ class ReadOnce:
         start = offset - first * BLOCK
         return joined[start : start + nbytes]
 
-    async def stage(self, job: str, step: int, file: FileRecord, offset: int, nbytes: int, out_fd: int) -> None:
+    async def stage(self, index: CheckpointIndex, file: FileRecord, offset: int, nbytes: int, out_fd: int) -> None:
         """Bytes [offset, offset + nbytes) of `file` written at the same offset of `out_fd` (a
         staging file), a block at a time."""
         done = 0
         while done < nbytes:
             n = min(BLOCK - (offset + done) % BLOCK, nbytes - done)
-            data = await self.read(job, step, file, offset + done, n)
+            data = await self.read(index, file, offset + done, n)
             await asyncio.to_thread(os.pwrite, out_fd, data, offset + done)
             done += n
 
@@ -118,15 +120,15 @@ class ReadOnce:
         task.add_done_callback(self._tasks.discard)
 
     @staticmethod
-    def _key(job: str, step: int, file: FileRecord, block: int) -> _Key:
-        return (job, step, file.name, file.checksum, block)
+    def _key(index: CheckpointIndex, file: FileRecord, block: int) -> _Key:
+        return (index.job, index.step, index.created_at, file.checksum, file.name, block)
 
-    async def _fill(self, job: str, step: int, file: FileRecord, run: list[int]) -> None:
+    async def _fill(self, index: CheckpointIndex, file: FileRecord, run: list[int]) -> None:
         """Read the consecutive blocks `run` in one storage read and hand each to its waiters."""
         begin, end = run[0] * BLOCK, min((run[-1] + 1) * BLOCK, file.size)
-        keys = [self._key(job, step, file, b) for b in run]
+        keys = [self._key(index, file, b) for b in run]
         try:
-            data = await asyncio.to_thread(self._read_range, job, step, file.name, begin, end - begin)
+            data = await asyncio.to_thread(self._read_range, index.job, index.step, file.name, begin, end - begin)
         except Exception as exc:
             for key in keys:
                 block = self._blocks.pop(key, None)
