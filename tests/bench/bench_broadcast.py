@@ -119,7 +119,7 @@ def rank_host(args: argparse.Namespace) -> int:
     every loaded tensor equals what was saved."""
     import torch
 
-    from ckptd.client import CheckpointClient
+    from ckptd.client import CheckpointClient, DaemonUnavailable
     from ckptd.client.shards import LocalShard
 
     state = make_state(args.tensors, args.mib)
@@ -134,8 +134,16 @@ def rank_host(args: argparse.Namespace) -> int:
             return {}
         targets = {n: torch.empty_like(t) for n, t in state.items()}
         model = {n: LocalShard(t, (0,) * t.dim(), tuple(t.shape)) for n, t in targets.items()}
-        t0 = time.time()
-        ckpt.load({"model": model}, step=1)
+        for attempt in range(3):  # a daemon restarted a moment ago may not take a connection at once on a busy machine
+            t0 = time.time()
+            try:
+                ckpt.load({"model": model}, step=1)
+                break
+            except DaemonUnavailable as exc:
+                print(f"rank {ckpt.rank}: {exc}; trying again", file=sys.stderr, flush=True)
+                if attempt == 2:
+                    raise
+                time.sleep(2.0)
         t1 = time.time()
         return {"t0": t0, "t1": t1, "exact": all(torch.equal(targets[n], state[n]) for n in state)}
 
