@@ -30,10 +30,10 @@ from typing import Callable, Collection, Mapping, Sequence
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.read_once import ReadOnce
 from ckptd.daemon.engine.tiers import StagingTarget
-from ckptd.daemon.errors import CkptdError
+from ckptd.daemon.errors import CkptdError, Unavailable
 from ckptd.daemon.plan.load_plan import NO_ROUTES, BroadcastRoutes, TierName, broadcast_routes
 from ckptd.format.file_plan import StagedRead
-from ckptd.format.index import CheckpointIndex
+from ckptd.format.index import CheckpointIndex, FormatError
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,11 @@ class Broadcast:
                         log.warning("step %s of job %s: fetching %s from its writer, %s, failed (%s); reading it from the shared root instead "
                                     "(and not asking that node for %.0f s)", index.step, index.job, read.file, cluster.describe(writer), why, AVOID_S,
                                     extra={"job": index.job, "step": index.step})
-                await asyncio.to_thread(self.engine.storage.files.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
+                try:
+                    await asyncio.to_thread(self.engine.storage.files.copy_range, index.job, index.step, read.file, fd, read.offset, read.nbytes)
+                except (FormatError, OSError) as exc:
+                    raise Unavailable(f"{read.file} of step {index.step} of job {index.job!r} could be read neither from its writer, "
+                                      f"{cluster.describe(writer)}, nor from this node's root ({exc})") from None
                 metrics.load_broadcast_bytes.labels("fallback").inc(read.nbytes)
                 metrics.load_staged_bytes.labels(TierName.ROOT.value).inc(read.nbytes)
             finally:

@@ -164,7 +164,7 @@ class Loads:
 
         locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
         planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
-        routes = self.broadcast.routes(index, {n: w for n, w in where.items() if n not in tiers}, self._files_read(planned, locations)) if where else NO_ROUTES
+        routes = self.broadcast.routes(index, where, self._files_read(planned, locations) - set(tiers)) if where else NO_ROUTES  # replicas in memory stay
         if routes.fetch or routes.read_once:  # load broadcast: the same pieces, read from other places
             where = {**where, **routes.fetch}
             locations = file_locations(data_files, self.engine.node, where, lambda f: None if f in routes.read_once else local_path(f), staging_path, tiers)
