@@ -108,6 +108,7 @@ ALLOWED = {
     ("tools/export.py", "export_files", "os.replace"): "OUT, the operator's export directory, not the root",
     ("faults/files.py", "*", "*"): "test-only fault injection: wraps the os functions themselves",
     ("faults/objects.py", "*", "*"): "test-only fault injection of object-store requests: its event log, outside the root",
+    ("engine/read_once.py", "ReadOnce.stage", "os.pwrite"): "a staging file in /dev/shm (load broadcast: blocks read once), not the root",
     ("rpc/peer_client.py", "PeerClient.fetch", "os.pwrite"): "a staging file in /dev/shm (a peer's Fetch into it), not the root",
     ("service.py", "CheckpointService.start", ".mkdir"): "the shm directory, not the root (Storage.clean_uncommitted makes the root)",
     ("tiers/bulk.py", "move_into_file", "os.pwrite"): "replica bytes into a file in /dev/shm (a replica or a staging file), not the root",

@@ -8,10 +8,10 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.errors import InvalidRequest
-from ckptd.daemon.plan.load_plan import Location, TierName, file_locations, file_sources, incomplete_message, load_tier, needs_decoding, plan_pieces
+from ckptd.daemon.plan.load_plan import Location, TierName, broadcast_routes, file_locations, file_sources, incomplete_message, load_tier, needs_decoding, plan_pieces
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.format.file_plan import SHM_SOURCE, PieceInfo, StagedRead
-from ckptd.format.index import QuantRecord, SideRecord, TensorRecord
+from ckptd.format.index import FileRecord, QuantRecord, SideRecord, TensorRecord
 from index_rig import B, F1, F2, W, fragment, index_of  # tests/index_rig.py
 
 
@@ -124,3 +124,30 @@ def test_the_held_snapshot_serves_what_it_holds_and_the_files_the_rest() -> None
 def test_a_state_that_does_not_match_the_step_is_an_invalid_request(wanted: list[TensorSpec], words: str) -> None:
     with pytest.raises(InvalidRequest, match=words):
         plan_pieces(index_of((B, W)), wanted, ["model"], True, _Held(), _local())
+
+
+def _files(*writers: int) -> list[FileRecord]:
+    return [FileRecord(f"f{i}.safetensors", 100, f"xxh3:{i}", node=w) for i, w in enumerate(writers)]
+
+
+@pytest.mark.parametrize(
+    "writers, node, nodes, where, needed, avoid, fetch, read_once",
+    [
+        # a shared root, data-parallel replicas: other writers' files fetched, this node's read once
+        ((0, 1, 2, 3), 1, 4, {}, {"f0.safetensors", "f1.safetensors", "f2.safetensors", "f3.safetensors"}, (),
+         {"f0.safetensors": 0, "f2.safetensors": 2, "f3.safetensors": 3}, {"f1.safetensors"}),
+        # each node reads only its own files (tensor or pipeline parallel): nothing changes
+        ((0, 1, 2, 3), 1, 4, {}, {"f1.safetensors"}, (), {}, set()),
+        # a writer that failed lately, or that is not a node of this job (saved by more nodes): read here
+        ((0, 1, 7), 0, 4, {}, {"f1.safetensors", "f2.safetensors"}, (1,), {}, set()),
+        ((0, 1, 7), 0, 4, {}, {"f0.safetensors", "f1.safetensors", "f2.safetensors"}, (1,), {}, set()),
+        ((0, 1), 0, 4, {}, {"f0.safetensors", "f1.safetensors"}, (1,), {}, set()),
+        # node-local roots: another node's file already comes from it; this node's own is read once for all
+        ((0, 1), 0, 2, {"f1.safetensors": 1}, {"f0.safetensors", "f1.safetensors"}, (), {}, {"f0.safetensors"}),
+        # a file not needed is never routed
+        ((0, 1, 2), 0, 3, {}, {"f1.safetensors"}, (), {"f1.safetensors": 1}, set()),
+    ],
+)
+def test_broadcast_routes(writers, node, nodes, where, needed, avoid, fetch, read_once) -> None:
+    routes = broadcast_routes(_files(*writers), node, nodes, where, needed, avoid)
+    assert dict(routes.fetch) == fetch and set(routes.read_once) == read_once

@@ -181,6 +181,10 @@ class Metrics:
             self.replica_damaged.labels(where)
         self.replica_served_bytes = Counter("ckptd_replica_served_bytes", "Bytes of held replicas sent to loading nodes.", registry=r)
         self.load_staged_bytes = Counter("ckptd_load_staged_bytes", "Bytes copied into staging files for loads, by tier: memory-local (a replica held here), memory-peer, disk-local, disk-peer.", ["tier"], registry=r)
+        self.load_broadcast_bytes = Counter(
+            "ckptd_load_broadcast_bytes", "Load broadcast: bytes of data files read from this root once for this node's ranks and the peers (read), "
+            "sent to peers from those reads (served), read from the shared root because their writer did not send them (fallback).", ["kind"], registry=r,
+        )
         self.bulk_port_healthy = Gauge("ckptd_bulk_port_healthy", "1 while the bulk port (replica bytes) accepts connections; 0 for a minute after accepting failed (no file descriptors).", registry=r)
         self.bulk_accept_errors = Counter("ckptd_bulk_accept_errors", "Connections the bulk port failed to accept (out of file descriptors or kernel memory); it keeps retrying.", registry=r)
         self.bulk_refused = Counter(

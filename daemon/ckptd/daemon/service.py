@@ -289,6 +289,15 @@ class CheckpointService:
     async def index(self, job: str, step: int) -> CheckpointIndex:
         return await self.engine.index(job, step)
 
+    async def fetched_range(self, index: CheckpointIndex, name: str, offset: int, nbytes: int) -> bytes:
+        """Bytes of a step's file a peer fetches: a data file from the load broadcast's blocks
+        (read once for every node that fetches it, engine/broadcast.py), else from the root (no
+        link followed, no FIFO waited on; a short file is FormatError, not a short answer)."""
+        served = await self.loads.broadcast.serve(index, name, offset, nbytes)
+        if served is not None:
+            return served
+        return await asyncio.to_thread(self.storage.files.read_range, index.job, index.step, name, offset, nbytes)
+
     # Housekeeping and reports.
 
     async def retention_at_start(self) -> None:

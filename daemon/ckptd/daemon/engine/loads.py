@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from ckptd.daemon.engine.broadcast import Broadcast
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.requests import PlanLoad
 from ckptd.daemon.engine.root import Root
@@ -26,8 +27,10 @@ from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
-from ckptd.format.index import EXTRA_JSON, CheckpointIndex
+from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FormatError
 from ckptd.daemon.plan.load_plan import (
+    NO_ROUTES,
+    BroadcastRoutes,
     LoadPlan,
     Location,
     MemoryPlan,
@@ -46,6 +49,7 @@ from ckptd.daemon.records import PeerInventory
 log = logging.getLogger(__name__)
 
 LOAD_LEASE_S = 3600.0
+FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Loads:
         self._memory_plans = MemoryPlans()
         self._extras_texts = ExtrasTexts()
         self.staging = StagingFiles(engine.config.shm_dir)
+        self.broadcast = Broadcast(engine)
 
     async def plan(self, request: PlanLoad) -> LoadPlan:
         """Where the bytes of each wanted tensor box are (for the request's rank of its run: its
@@ -154,9 +159,17 @@ class Loads:
             path = storage.files.local_path(job, step, file) if direct_read else None
             return None if path is None else str(path)
 
-        locations = file_locations(data_files, self.engine.node, where, local_path, lambda f: str(self.staging.path(job, step, f)), tiers)
+        def staging_path(file: str) -> str:
+            return str(self.staging.path(job, step, file))
+
+        locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
         planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
-        await self._stage_all(index, planned.reads, locations)
+        routes = self.broadcast.routes(index, where, self._files_read(planned, locations) - set(tiers)) if where else NO_ROUTES  # replicas in memory stay
+        if routes.fetch or routes.read_once:  # load broadcast: the same pieces, read from other places
+            where = {**where, **routes.fetch}
+            locations = file_locations(data_files, self.engine.node, where, lambda f: None if f in routes.read_once else local_path(f), staging_path, tiers)
+            planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
+        await self._stage_all(index, planned.reads, locations, routes)
         planned = replace(planned, pieces=self.staging.checked_pieces(planned.pieces))
         plan_id = ""
         if held is not None and planned.pieces and all(p.source == SHM_SOURCE for p in planned.pieces):
@@ -232,23 +245,35 @@ class Loads:
         in_memory = (TierName.REPLICA_HERE, TierName.REPLICA_PEER)
         return {name: n for name, (_, n) in chosen.items()}, {name: t for name, (t, _) in chosen.items() if t in in_memory}
 
-    async def _stage_all(self, index: CheckpointIndex, reads: Sequence[StagedRead], locations: dict[str, Location]) -> None:
-        """Perform a load's staged reads, each tier's at once (tiers[location.tier].stage); made
-        once however many local ranks ask (the reads already under way are waited for), removed
-        once no load of the step uses them (_release_staging)."""
+    @staticmethod
+    def _files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set[str]:
+        """The data files a planned load reads (its pieces' and staged reads' files)."""
+        by_path = {location.path: name for name, location in locations.items()}
+        return {by_path[p.path] for p in planned.pieces if p.path in by_path} | {r.file for r in planned.reads}
+
+    async def _stage_all(self, index: CheckpointIndex, reads: Sequence[StagedRead], locations: dict[str, Location], routes: BroadcastRoutes = NO_ROUTES) -> None:
+        """Perform a load's staged reads, each tier's at once (tiers[location.tier].stage, or the
+        load broadcast's `routes`); made once however many local ranks ask (the reads already
+        under way are waited for), removed once no load of the step uses them (_release_staging)."""
         paths = {name: location.path for name, location in locations.items()}
         target = StagingTarget(paths, self.staging.open, lambda file, offset: self.staging.mark_checked(paths[file], offset))
-        by_tier: dict[TierName, list[StagedRead]] = {}
+        by_tier: dict[TierName | str, list[StagedRead]] = {}
         waits: list[asyncio.Task[None]] = []
         for read in reads:
             task = self._fetches.get((index.job, index.step, read.file, read.offset))
             if task is None or (task.done() and task.exception() is not None):
                 self.staging.unmark(paths[read.file], read.offset)
-                by_tier.setdefault(locations[read.file].tier, []).append(read)
+                route = FETCH if read.file in routes.fetch else READ_ONCE if read.file in routes.read_once else locations[read.file].tier
+                by_tier.setdefault(route, []).append(read)
             elif task not in waits:
                 waits.append(task)
         for name, todo in by_tier.items():
-            task = asyncio.get_running_loop().create_task(self._stage(self._tiers[name], index, todo, target))
+            staging = (
+                self.broadcast.fetch(index, todo, target, routes) if name == FETCH
+                else self._stage_own(index, todo, target) if name == READ_ONCE
+                else self._stage(self._tiers[TierName(name)], index, todo, target)
+            )
+            task = asyncio.get_running_loop().create_task(staging)
             for read in todo:
                 self._fetches[(index.job, index.step, read.file, read.offset)] = task
             await asyncio.shield(task)
@@ -268,6 +293,15 @@ class Loads:
                 await disk.stage(index, [StagedRead(r.file, source, r.offset, r.nbytes) for r in missed.reads], target)
             except (Unavailable, Precondition) as exc:
                 raise Unavailable(f"{missed.cause}; and reading node {source}'s part from its disk failed too: {exc}") from None
+
+    async def _stage_own(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> None:
+        """Stage this root's own `reads` through the broadcast's blocks (read once, shared with
+        the peers' fetches); a file missing, unreadable or short is the root's Precondition."""
+        try:
+            await self.broadcast.stage_own(index, reads, target)
+        except (FormatError, OSError) as exc:
+            problem = f"{reads[0].file if reads else ''}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+            raise Precondition(await self._root.damaged(index.job, index.step, problem)) from None
 
     def _copy(self, job: str, step: int) -> StepCopy:
         """Where the step's index and extras are read: this root, or the copy of the tier that

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Mapping, Protocol, Sequence
 
 from ckptd.common.boxes import intersect
 from ckptd.common.quant_options import CAST
@@ -154,6 +154,40 @@ def file_locations(
         else:
             out[f.name] = Location(TierName.ROOT, node, path, False)
     return out
+
+
+@dataclass(frozen=True)
+class BroadcastRoutes:
+    """Load broadcast (docs/architecture.md §13): how a load reads each needed data file once per
+    job. fetch: file -> its writer, from which this node fetches it (a shared root: the file is
+    here too, so a failed fetch reads it here); read_once: this node's own files, read once into
+    memory for its ranks and the peers that fetch them."""
+
+    fetch: Mapping[str, int]
+    read_once: frozenset[str]
+
+
+NO_ROUTES = BroadcastRoutes({}, frozenset())
+
+
+def broadcast_routes(
+    files: Sequence[FileRecord], node: int, nodes: int, where: Mapping[str, int], needed: Collection[str], avoid: Collection[int] = ()
+) -> BroadcastRoutes:
+    """The broadcast routes of a load that needs the data files `needed`, read from the nodes in
+    `where` (file -> node; absent: this one; replicas in memory excluded by the caller). A file
+    of this root written by another node of the job (0 <= writer < nodes, not in `avoid`: a
+    writer that failed a fetch lately) is fetched from its writer. Sharing is in play when the
+    load reads some file from another node (the data-parallel replicas of a layout need one
+    another's files); then this node's own needed files are read once for all, else nothing
+    changes (each node reads only its own files: a relay would add a hop and save no read)."""
+    fetch = {
+        f.name: f.node for f in files
+        if f.name in needed and where.get(f.name, node) == node and f.node != node and 0 <= f.node < nodes and f.node not in avoid
+    }
+    shared = bool(fetch) or any(where.get(name, node) != node for name in needed)
+    if not shared:
+        return NO_ROUTES
+    return BroadcastRoutes(fetch, frozenset(f.name for f in files if f.name in needed and f.node == node and where.get(f.name, node) == node))
 
 
 def plan_pieces(

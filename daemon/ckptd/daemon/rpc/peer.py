@@ -144,7 +144,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         while done < nbytes:
             n = min(FETCH_CHUNK, nbytes - done)
             try:  # no link followed, no FIFO waited on; a short file is an error, not a short answer
-                data = await asyncio.to_thread(storage.files.read_range, job, step, name, request.offset + done, n)
+                data = await self.service.fetched_range(index, name, request.offset + done, n)
             except ForeignEntry as exc:
                 raise errors.Precondition(f"{name} on node {self.cluster.node} is not served: {exc}") from None
             except FormatError as exc:
