@@ -3,7 +3,7 @@ time, with and without broadcast, on 4+ daemons with a shared root and with node
 
 A job of data-parallel replicas (one rank per node, each holding every tensor whole) saves one
 step; then every rank loads it. Four clusters of `--nodes` daemons on loopback run side by side,
-{shared root, node-local roots} x {--load-broadcast auto, off}, each with its own saved step, and
+{shared root, node-local roots} x {--load-broadcast on, off}, each with its own saved step, and
 their loads are interleaved round by round (the order alternates).
 
 Measured, not assumed: every daemon and the rank host (the job's ranks, one per node, threads of
@@ -292,7 +292,7 @@ def summary(values: list[float]) -> str:
 
 
 def run(nodes: int, tensors: int, mib: int, rounds: int, out: Path) -> dict[str, Any]:
-    clusters = [Cluster(out / f"{root}-{mode}", nodes, root == "shared", mode, tensors, mib) for root in ("shared", "local") for mode in ("auto", "off")]
+    clusters = [Cluster(out / f"{root}-{mode}", nodes, root == "shared", mode, tensors, mib) for root in ("shared", "local") for mode in ("on", "off")]
     results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in clusters}
     try:
         for c in clusters:
@@ -331,9 +331,9 @@ def report(nodes: int, mib: int, found: dict[str, Any], load: tuple[float, float
               f"{' '.join(f'{b / 2**20:.0f}' for b in mid['daemons']):>40} {sum(mid['ranks']) / 2**20:>10.0f}")
         ok &= all(r["exact"] for r in rounds)
     for root in ("shared", "local"):
-        on, off = f"{root}-auto", f"{root}-off"
+        on, off = f"{root}-on", f"{root}-off"
         speed = [b / a for a, b in zip(seconds[on], seconds[off])]
-        print(f"{root:<7} off/auto load time per round: {summary(speed)}; bytes read: {ratio[off] / max(ratio[on], 1e-9):.2f}x fewer with broadcast")
+        print(f"{root:<7} off/on load time per round: {summary(speed)}; bytes read: {ratio[off] / max(ratio[on], 1e-9):.2f}x fewer with broadcast")
         verdict = ratio[on] <= TARGET
         ok &= verdict
         print(f"{'PASS' if verdict else 'FAIL'}: {root} root(s), broadcast: each byte read from storage once per job load (read/unique {ratio[on]:.2f} <= {TARGET})")

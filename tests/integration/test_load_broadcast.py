@@ -86,7 +86,8 @@ class Cluster:
         self.nodes = make(NODES, shared_root=shared)
         self.ports = [free_port() for _ in range(NODES)]
         for node in range(NODES):
-            self.nodes.start(node, "--metrics-port", str(self.ports[node]), "--metrics-host", "127.0.0.1", "--replicas", "0", *args)
+            self.nodes.start(node, "--metrics-port", str(self.ports[node]), "--metrics-host", "127.0.0.1", "--replicas", "0",
+                             *(args or (("--load-broadcast", "on") if shared else ())))
 
     def run(self, job: str, ranks: list[Rank], action: Callable[[CheckpointClient, Rank], Any]) -> list[Any]:
         def one(r: int) -> Any:
@@ -159,8 +160,11 @@ def test_a_writer_gone_or_stopped_is_not_waited_for(node_sets: Callable[..., Nod
     assert took < 60, f"the load waited {took:.0f} s for nodes that do not answer"
 
 
-def test_off_reads_every_file_where_it_is_needed(node_sets: Callable[..., NodeSet], tmp_path: Path) -> None:
-    cluster = Cluster(node_sets, True, "--load-broadcast", "off")
-    cluster.save("off", dp([0, 1, 2, 3]))
-    cluster.load_exact("off", dp([0, 1, 2, 3]))
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_a_shared_root_is_read_where_needed_unless_on(node_sets: Callable[..., NodeSet], tmp_path: Path, mode: str) -> None:
+    """off, and auto (the default) with a shared root: every node reads its ranks' files from the
+    root itself; no relay, no blocks read once."""
+    cluster = Cluster(node_sets, True, "--load-broadcast", mode)
+    cluster.save(mode, dp([0, 1, 2, 3]))
+    cluster.load_exact(mode, dp([0, 1, 2, 3]))
     assert cluster.broadcast_bytes("served") == cluster.broadcast_bytes("read") == 0

@@ -38,7 +38,7 @@ CONFIG_ENV: Final = "CKPTD_CONFIG"
 RETENTION_TABLE: Final = "retention"
 RETENTION_KEYS: Final = ("keep_last", "keep_every", "keep_best", "best_mode")
 ARENA_POLICIES: Final = ("wait", "skip")
-LOAD_BROADCAST: Final = ("auto", "off")
+LOAD_BROADCAST: Final = ("auto", "on", "off")
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 
 _TRUE: Final = ("1", "true", "yes", "on")
@@ -115,7 +115,8 @@ class DaemonConfig:
     replicas, replica_*: the replica tiers (docs/operations.md): node i's newest committed part is held in the memory
         of nodes i+1..i+replicas (0 = off), sent at most at replica_bandwidth bytes/s (0 = unlimited),
         within replica_memory bytes per holder, over the bulk port replica_port (0 = a free port).
-    load_broadcast: "auto" (a load that reads other nodes' files fetches each from its writer, which reads it once for all) or "off".
+    load_broadcast: "auto" (node-local roots: a file other nodes need is read once by its writer for all of them), "on"
+        (also a shared root: a file another node wrote is fetched from its writer instead of read from storage) or "off".
     remote, remote_*: the object-store tier "s3://BUCKET/PREFIX" ("" = none), requests in flight,
         multipart part size (>= 5 MiB), and the bucket's retention (keep_last 0 = keep all;
         keep_every 0 = off): docs/operations.md, Object store.
@@ -467,7 +468,7 @@ _SPECS: Final[dict[str, _Spec]] = {
     "replica_bandwidth": _Spec(_size_or_off, "--replica-bandwidth", "SIZE", "send replicas at most at SIZE bytes per second, e.g. 500MiB; 0 = unlimited (default: 0)"),
     "replica_memory": _Spec(_size, "--replica-memory", "SIZE", "memory (in --shm-dir) for other nodes' replicas; one that does not fit is refused (default: 16GiB)"),
     "replica_port": _Spec(_port_or_any, "--replica-port", "PORT", "TCP port of the bulk channel for replica bytes, on this node's --peers host; 0 = a free port (default: 0)"),
-    "load_broadcast": _Spec(_choice(LOAD_BROADCAST), "--load-broadcast", "{auto,off}", "several nodes: auto = a load that needs other nodes' files fetches each from the node that wrote it, which reads it from storage once for all (a shared root: read here when that node fails); off = every node reads what it needs (default: auto)"),
+    "load_broadcast": _Spec(_choice(LOAD_BROADCAST), "--load-broadcast", "{auto,on,off}", "several nodes: auto = node-local roots: a file several nodes need is read from storage once by its writer, which serves them all; on = also a shared root: a file another node wrote is fetched from that node instead of read from storage (read here when it fails); off = every node reads what it needs (default: auto)"),
     "remote": _Spec(_remote, "--remote", "s3://BUCKET/PREFIX", "upload each committed step to this object store location and restore from it; endpoint and credentials from the AWS environment variables and config files (default: none)"),
     "remote_streams": _Spec(_integer(1), "--remote-streams", "N", "requests in flight to the object store (default: 16)"),
     "remote_part_bytes": _Spec(_size, "--remote-part-bytes", "SIZE", "part size of multipart uploads, at least 5MiB (default: 16MiB)"),

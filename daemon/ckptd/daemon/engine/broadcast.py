@@ -3,8 +3,11 @@ on load, not once per node that needs it.
 
 Data-parallel replicas on several nodes need the same files. Without broadcast every node reads
 them from a shared root (the job reads each byte once per replica), and with node-local roots
-the writer reads its file once for every node that fetches it. With broadcast (`--load-broadcast
-auto`, the default with several nodes):
+the writer reads its file once for every node that fetches it. `--load-broadcast auto` (the
+default) shares the writer's reads among the nodes that fetch from it anyway (node-local roots:
+the second item below); `on` also relays a shared root's files (all items), for storage slower
+than the network between the nodes: through the peer service, the relay is slower than a fast
+shared file system (tests/bench/bench_broadcast.py: 4x the load time on one VM):
 
 - a file of a shared root that another node of the job wrote is fetched from its writer
   (the Peer service's Fetch) instead of read from storage here; no new round trip: the writer
@@ -48,7 +51,8 @@ class Broadcast:
 
     def __init__(self, engine: Engine, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
-        self.enabled = engine.config.load_broadcast == "auto" and engine.cluster is not None
+        self.enabled = engine.config.load_broadcast != "off" and engine.cluster is not None
+        self.relay_shared = engine.config.load_broadcast == "on"  # a shared root: fetch other nodes' files from them
         self.read_once = ReadOnce(engine.storage.files.read_range, on_read=engine.metrics.load_broadcast_bytes.labels("read").inc)
         self._clock = clock
         self._avoid: dict[int, float] = {}  # writer -> until when (clock seconds) it is not asked
@@ -62,7 +66,8 @@ class Broadcast:
         for node in [n for n, until in self._avoid.items() if until <= now]:
             del self._avoid[node]
         files = [f for f in index.files if f.name.endswith(".safetensors")]
-        return broadcast_routes(files, self.engine.node, cluster.nodes, where, needed, self._avoid)
+        avoid = self._avoid if self.relay_shared else range(cluster.nodes)  # auto: files in this root are read here
+        return broadcast_routes(files, self.engine.node, cluster.nodes, where, needed, avoid)
 
     async def fetch(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget, routes: BroadcastRoutes) -> None:
         """Stage `reads` (of files routes.fetch names) from their writers, each range under a
