@@ -282,3 +282,23 @@ def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> No
         check_plan_input(replace(good, plan_key="k"), "node 0")
     with pytest.raises(Aborted, match="without their digests"):
         check_plan_input(replace(good, fingerprints=()), "node 0")
+
+
+def test_replicas_metadata_is_held_once_and_planned_once(tmp_path: Path) -> None:
+    """Data-parallel replicas on different nodes send equal metadata under one digest, each as
+    its own parsed object: the coordinator keeps one object per digest (memory O(distinct
+    layouts + ranks), issue 34) and plans from it (the planner describes it once)."""
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        halves = [spec(HALVES[0]), spec(HALVES[1])]
+        digests = [spec_digest(h) for h in halves]
+        joins = [
+            coord.join(JoinSave("job", 1, 4, {2 * n: digests[0], 2 * n + 1: digests[1]}, {2 * n: spec(HALVES[0]), 2 * n + 1: spec(HALVES[1])}, [], 30.0, None),
+                       n, coord.root_id)
+            for n in range(2)
+        ]
+        first, _ = await asyncio.gather(*joins)
+        assert first.specs is not None and first.specs[0] is first.specs[2] and first.specs[1] is first.specs[3]
+        assert first.plan == make_save_plan([halves[0], halves[1]] * 2, [0, 0, 1, 1])
+
+    asyncio.run(scenario())
