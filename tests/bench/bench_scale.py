@@ -49,7 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,20 +57,25 @@ from ckptd.common.boxes import Box
 from ckptd.common.chunks import checksum_name, chunk_bytes_for, chunk_count
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.plan_inputs import check_plan_input
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.rpc.peer_links import PeerLinks
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
 from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
-from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
+from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.plan.files import NodeManifest, stored_tensors
 from ckptd.daemon.storage.posix import Storage
+from ckptd.wire.v1 import peer_pb2 as ppb
 
 LAYERS, HIDDEN, FFN, VOCAB, KV_DIM = 80, 8192, 28672, 128256, 8 * 128  # Llama-3-70B: 64 heads, 8 KV heads of 128
 TP, PP = 8, 10
 MAX_FILE_BYTES = 4 * 2**30  # `ckptd serve` default
 JOB = "sim"
 COMMIT_TARGET_S = 1.0
+PLAN_TARGET_S = 2.0
+SLOPE_TARGET = 1.1
+QUICK_NODES, QUICK_DAEMONS = "10,100", "2"
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,10 @@ def tp_box(shape: tuple[int, ...], dim: int | None, tp: int) -> Box:
     return Box(offsets, lengths)
 
 
-def rank_specs(layout: Layout, rank: int) -> tuple[TensorSpec, ...]:
-    """What `rank` holds, as new objects (the coordinator holds each rank's own copy, parsed
-    from its node's message)."""
-    node, tp = divmod(rank, TP)
+def layout_specs(layout: Layout, stage: int, tp: int) -> tuple[TensorSpec, ...]:
+    """What the ranks of pipeline stage `stage` at tensor-parallel index `tp` hold."""
     out = []
-    for fqn, shape, dim in stage_params(layout.stage(node)):
+    for fqn, shape, dim in stage_params(stage):
         box = tp_box(shape, dim, tp)
         out += [
             TensorSpec(f"model/{fqn}", "model", "BF16", shape, box),
@@ -154,14 +157,29 @@ def rank_specs(layout: Layout, rank: int) -> tuple[TensorSpec, ...]:
     return tuple(out)
 
 
-def fingerprint(layout: Layout, rank: int) -> str:
-    """Equal for ranks holding equal metadata (the DP replicas), as the client's digest is."""
-    node, tp = divmod(rank, TP)
-    return f"stage{layout.stage(node)}-tp{tp}"
+@dataclass(frozen=True)
+class RankInputs:
+    """Every rank's metadata and its digest (plan.spec_digest), one object per distinct layout:
+    the DP replicas of a (stage, tp) share it, as the coordinator keeps metadata interned by
+    digest (engine/plan_inputs.JobPlans) and a member's parse of the join answer shares it
+    (rpc/convert.join_result_of)."""
+
+    specs: tuple[tuple[TensorSpec, ...], ...]
+    digests: tuple[str, ...]
 
 
-def all_specs(layout: Layout) -> list[tuple[TensorSpec, ...]]:
-    return [rank_specs(layout, r) for r in range(layout.world)]
+def rank_inputs(layout: Layout) -> RankInputs:
+    distinct: dict[tuple[int, int], tuple[tuple[TensorSpec, ...], str]] = {}
+    specs, digests = [], []
+    for rank in range(layout.world):
+        node, tp = divmod(rank, TP)
+        key = (layout.stage(node), tp)
+        if key not in distinct:
+            held = layout_specs(layout, *key)
+            distinct[key] = (held, spec_digest(held))
+        specs.append(distinct[key][0])
+        digests.append(distinct[key][1])
+    return RankInputs(tuple(specs), tuple(digests))
 
 
 # ---------------------------------------------------------------- manifests
@@ -218,19 +236,18 @@ class SaveTimes:
 
 
 async def simulate_save(
-    coord: Coordinator, storage: Storage, layout: Layout, step: int, specs: list[tuple[TensorSpec, ...]] | None,
+    coord: Coordinator, storage: Storage, layout: Layout, step: int, inputs: RankInputs, send_specs: bool,
     manifests: Callable[[SavePlan], list[NodeManifest]], known_plans: tuple[str, ...],
 ) -> tuple[SaveTimes, JoinResult]:
     """One save of `step` through `coord`: every node joins (with its ranks' metadata when
-    `specs` is given), then reports; returns the times and node 0's join answer."""
-    fps = [fingerprint(layout, r) for r in range(layout.world)]
+    `send_specs`), then reports; returns the times and node 0's join answer."""
     root_id = storage.catalog.root_id()
     started = time.perf_counter()
     joins = [
         coord.join(
             JoinSave(
-                JOB, step, layout.world, {r: fps[r] for r in range(n * TP, (n + 1) * TP)},
-                {r: specs[r] for r in range(n * TP, (n + 1) * TP)} if specs is not None else {},
+                JOB, step, layout.world, {r: inputs.digests[r] for r in range(n * TP, (n + 1) * TP)},
+                {r: inputs.specs[r] for r in range(n * TP, (n + 1) * TP)} if send_specs else {},
                 known_plans, 3600.0, None,
             ),
             n, root_id,
@@ -276,11 +293,17 @@ class Point:
     nodes: int
     ranks: int
     specs: int
+    layouts: int
     tensors: int
-    plan_s: float
+    plan_s: float  # the coordinator's first plan (make_save_plan), best of PLAN_ROUNDS
+    plan_cpu_s: float
+    member_s: float  # a member's first plan: the join answer parsed, checked against its digests, planned
     slots: int
     parts: int
-    wire_bytes: int
+    wire_bytes: int  # the join answer with the metadata (a node's first save of the layout)
+    known_bytes: int  # the join answer of a known plan
+    request_bytes: int  # the largest node's JoinSaveRequest with its ranks' metadata
+    report_bytes: int  # the largest node's ReportManifestRequest
     wire_s: float
     join_first_s: float
     join_cached_s: float
@@ -294,22 +317,59 @@ class Point:
     mem_peak: int = 0
 
 
-def join_answer(result: JoinResult) -> tuple[int, float]:
+PLAN_ROUNDS = 3
+
+
+def best_of(rounds: int, work: Callable[[], object]) -> tuple[float, float]:
+    """(wall s, CPU s of this thread) of the fastest of `rounds` runs of `work`."""
+    best = (math.inf, math.inf)
+    for _ in range(rounds):
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        work()
+        best = min(best, (time.perf_counter() - wall, time.thread_time() - cpu))
+    return best
+
+
+def join_answer(result: JoinResult) -> tuple[bytes, float]:
     """The JoinSaveResponse that carries every rank's metadata to a node that has not planned
     from it (each distinct layout once: a replica's as its fingerprint; peer_servicer.JoinSave
-    builds it once per save): (bytes, seconds to build and serialize it)."""
+    builds it once per save): (its bytes, seconds to build and serialize it)."""
     started = time.perf_counter()
     data = rpc_convert.join_response(result).SerializeToString()
-    return len(data), time.perf_counter() - started
+    return data, time.perf_counter() - started
+
+
+def member_plan(answer: bytes, world: int) -> SavePlan:
+    """What a member node does with the answer of its first save of a layout (rpc/peer_client,
+    engine/saves): parse it, check the metadata against its digests, plan."""
+    reply = ppb.JoinSaveResponse()
+    reply.ParseFromString(answer)
+    result = rpc_convert.join_result_of(reply, world)
+    check_plan_input(result, "node 0")
+    assert result.specs is not None
+    return make_save_plan(result.specs, result.node_of_rank)
+
+
+def largest_messages(layout: Layout, inputs: RankInputs, manifests: list[NodeManifest]) -> tuple[int, int]:
+    """Bytes of the largest node's JoinSaveRequest (with its ranks' metadata) and ReportManifestRequest."""
+    requests = [
+        rpc_convert.join_request(
+            JoinSave(JOB, 1, layout.world, {r: inputs.digests[r] for r in range(n * TP, (n + 1) * TP)},
+                     {r: inputs.specs[r] for r in range(n * TP, (n + 1) * TP)}, (), 3600.0, None), n, "root",
+        ).ByteSize()
+        for n in (0, layout.nodes - 1)  # the first and the last stage hold the most (embeddings, lm_head)
+    ]
+    reports = [rpc_convert.report_request(ReportManifest(JOB, 1, "save", m), m.node).ByteSize() for m in manifests]
+    return max(requests), max(reports)
 
 
 def measure(nodes: int, saves: int, tmp: Path) -> Point:
     layout = Layout(nodes)
-    specs = all_specs(layout)
-    gc.collect()
-    started = time.perf_counter()
-    plan = make_save_plan(specs, [r // TP for r in range(layout.world)])
-    plan_s = time.perf_counter() - started
+    inputs = rank_inputs(layout)
+    node_of_rank = [r // TP for r in range(layout.world)]
+    plan = make_save_plan(inputs.specs, node_of_rank)
+    plan_s, plan_cpu_s = best_of(PLAN_ROUNDS, lambda: make_save_plan(inputs.specs, node_of_rank))
 
     def manifests(plan: SavePlan) -> list[NodeManifest]:
         return node_manifests(plan, nodes)
@@ -317,18 +377,24 @@ def measure(nodes: int, saves: int, tmp: Path) -> Point:
     root = Path(tempfile.mkdtemp(prefix=f"n{nodes}-", dir=tmp))
     coord, storage = new_coordinator(root, nodes)
 
-    async def run() -> tuple[list[SaveTimes], JoinResult]:
+    async def run() -> tuple[list[SaveTimes], JoinResult, JoinResult]:
         times = []
-        first, result = await simulate_save(coord, storage, layout, 1, specs, manifests, ())
+        first, result = await simulate_save(coord, storage, layout, 1, inputs, True, manifests, ())
         times.append(first)
+        known = result
         for step in range(2, saves + 2):  # plan cached: the nodes send fingerprints only
-            later, _ = await simulate_save(coord, storage, layout, step, None, manifests, (result.plan_key,))
+            later, known = await simulate_save(coord, storage, layout, step, inputs, False, manifests, (result.plan_key,))
             times.append(later)
             await asyncio.to_thread(storage.janitor.remove_step, JOB, step - 1)  # keep the disk small
-        return times, result
+        return times, result, known
 
-    times, result = asyncio.run(run())
-    wire, wire_s = join_answer(result)
+    times, result, known = asyncio.run(run())
+    answer, wire_s = join_answer(result)
+    known_answer = rpc_convert.join_response(replace(known, specs=None)).ByteSize()
+    member_s, _ = best_of(PLAN_ROUNDS, lambda: member_plan(answer, layout.world))
+    if member_plan(answer, layout.world) != plan:
+        raise RuntimeError("a member's plan from the join answer differs from the coordinator's")
+    request_bytes, report_bytes = largest_messages(layout, inputs, manifests(plan))
     index_path = storage.tree.step_dir(JOB, saves + 1) / "ckptd.index.json"
     raw = index_path.read_bytes()
     started = time.perf_counter()
@@ -337,10 +403,11 @@ def measure(nodes: int, saves: int, tmp: Path) -> Point:
     rank = layout.world - 1  # the last stage: embeddings of nothing, lm_head and the final norm
     locations = file_locations(index.files, nodes - 1, {}, lambda f: str(root / f), lambda f: f"/dev/shm/{f}")
     started = time.perf_counter()
-    planned = plan_pieces(index, specs[rank], ["model", "master", "optimizer"], False, None, locations)
+    planned = plan_pieces(index, inputs.specs[rank], ["model", "master", "optimizer"], False, None, locations)
     load_s = time.perf_counter() - started
     return Point(
-        nodes, layout.world, sum(map(len, specs)), len(plan.tensors), plan_s, len(plan.slots), len(plan.parts), wire, wire_s,
+        nodes, layout.world, sum(map(len, inputs.specs)), len(set(inputs.digests)), len(plan.tensors), plan_s, plan_cpu_s, member_s,
+        len(plan.slots), len(plan.parts), len(answer), known_answer, request_bytes, report_bytes, wire_s,
         times[0].join_s, statistics.median(t.join_s for t in times[1:]), [t.commit_s for t in times],
         times[-1].index_bytes, times[-1].files, load_s, len(planned.pieces), parse_s,
     )
@@ -348,7 +415,8 @@ def measure(nodes: int, saves: int, tmp: Path) -> Point:
 
 def memory_child(nodes: int, tmp: Path) -> None:
     """--memory-child: one save at `nodes`, then "RSS_DELTA PEAK_DELTA" in bytes on stdout
-    (a fresh process, so the peak is this save's)."""
+    (a fresh process, so the peak is this save's; the ranks' metadata, one object per distinct
+    layout as the coordinator interns it, is counted)."""
     import resource
 
     def rss() -> int:
@@ -360,9 +428,7 @@ def memory_child(nodes: int, tmp: Path) -> None:
     layout = Layout(nodes)
     root = Path(tempfile.mkdtemp(prefix=f"mem{nodes}-", dir=tmp))
     coord, storage = new_coordinator(root, nodes)
-    specs = all_specs(layout)
-    asyncio.run(simulate_save(coord, storage, layout, 1, specs, lambda p: node_manifests(p, nodes), ()))
-    del specs
+    asyncio.run(simulate_save(coord, storage, layout, 1, rank_inputs(layout), True, lambda p: node_manifests(p, nodes), ()))
     gc.collect()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(rss() - base, peak - base)
@@ -454,70 +520,87 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def seconds(digits: int) -> Callable[[float], str]:
+    return lambda v: f"{v:.{digits}f}"
+
+
+def kib(n: float) -> str:
+    return f"{n / 2**10:.1f}"
+
+
+Row = tuple[str, Callable[[Point], object], Callable[..., str], bool]  # label, value, format, held to the growth target
+
+ROWS: list[Row] = [
+    ("ranks (8 per node) / distinct layouts", lambda p: f"{p.ranks} / {p.layouts}", str, False),
+    ("rank fragments (TensorSpecs)", lambda p: p.specs, str, False),
+    ("logical tensors / plan slots / parts", lambda p: f"{p.tensors} / {p.slots} / {p.parts}", str, False),
+    ("first plan: the coordinator's make_save_plan, s", lambda p: p.plan_s, seconds(2), True),
+    ("  the same, CPU s", lambda p: p.plan_cpu_s, seconds(2), True),
+    ("first plan: a member's (answer parsed, checked, planned), s", lambda p: p.member_s, seconds(2), True),
+    ("join answer with the metadata (a node's first save of the layout), MiB", lambda p: p.wire_bytes, mib, True),
+    ("join answer of a known plan, bytes", lambda p: p.known_bytes, str, True),
+    ("build + serialize the first answer (once per save), s", lambda p: p.wire_s, seconds(3), True),
+    ("largest JoinSaveRequest (with its metadata), KiB", lambda p: p.request_bytes, kib, True),
+    ("largest ReportManifestRequest, KiB", lambda p: p.report_bytes, kib, True),
+    ("first-answer egress to all N-1 nodes (once per layout; every node gets every rank's node), GiB",
+     lambda p: (p.nodes - 1) * p.wire_bytes / 2**30, seconds(2), False),
+    ("all nodes join, first save (plans), s", lambda p: p.join_first_s, seconds(2), True),
+    ("all nodes join, plan cached, s", lambda p: p.join_cached_s, seconds(3), True),
+    ("last manifest -> commit, median s", lambda p: statistics.median(p.commit_s), seconds(3), True),
+    ("last manifest -> commit, max s", lambda p: max(p.commit_s), seconds(3), False),
+    ("data files / index, MiB", lambda p: f"{p.files} / {mib(p.index_bytes)}", str, False),
+    ("coordinator memory, one save: retained MiB (RSS)", lambda p: p.mem_retained, mib, True),
+    ("coordinator memory, one save: peak MiB (RSS)", lambda p: p.mem_peak, mib, True),
+    ("index parse (from_json_bytes), s", lambda p: p.index_parse_s, seconds(3), False),
+    ("plan_pieces, one rank (pieces), ms", lambda p: f"{p.load_plan_s * 1e3:.1f} ({p.load_pieces})", str, False),
+]
+
+
+def verdict(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
 def report(points: list[Point]) -> bool:
-    rows = [
-        ("ranks (8 per node)", lambda p: p.ranks, str),
-        ("rank fragments (TensorSpecs)", lambda p: p.specs, str),
-        ("logical tensors / plan slots / parts", lambda p: f"{p.tensors} / {p.slots} / {p.parts}", str),
-        ("make_save_plan, s", lambda p: p.plan_s, lambda v: f"{v:.2f}"),
-        ("plan input on the wire per node (JoinSaveResponse), MiB", lambda p: p.wire_bytes, mib),
-        ("the same for all N-1 other nodes (coordinator egress), GiB", lambda p: (p.nodes - 1) * p.wire_bytes / 2**30, lambda v: f"{v:.2f}"),
-        ("build + serialize that answer (once per save: peer_servicer keeps it), s", lambda p: p.wire_s, lambda v: f"{v:.3f}"),
-        ("all nodes join, first save (plans), s", lambda p: p.join_first_s, lambda v: f"{v:.2f}"),
-        ("all nodes join, plan cached, s", lambda p: p.join_cached_s, lambda v: f"{v:.3f}"),
-        ("last manifest -> commit, median s", lambda p: statistics.median(p.commit_s), lambda v: f"{v:.3f}"),
-        ("last manifest -> commit, max s", lambda p: max(p.commit_s), lambda v: f"{v:.3f}"),
-        ("data files / index, MiB", lambda p: f"{p.files} / {mib(p.index_bytes)}", str),
-        ("coordinator memory, one save: retained MiB (RSS)", lambda p: p.mem_retained, mib),
-        ("coordinator memory, one save: peak MiB (RSS)", lambda p: p.mem_peak, mib),
-        ("index parse (from_json_bytes), s", lambda p: p.index_parse_s, lambda v: f"{v:.3f}"),
-        ("plan_pieces, one rank (pieces), ms", lambda p: f"{p.load_plan_s * 1e3:.1f} ({p.load_pieces})", str),
-    ]
-    slope_of = {
-        "make_save_plan, s": lambda p: p.plan_s,
-        "plan input on the wire per node (JoinSaveResponse), MiB": lambda p: p.wire_bytes,
-        "the same for all N-1 other nodes (coordinator egress), GiB": lambda p: (p.nodes - 1) * p.wire_bytes,
-        "build + serialize that answer (once per save: peer_servicer keeps it), s": lambda p: p.wire_s,
-        "all nodes join, first save (plans), s": lambda p: p.join_first_s,
-        "all nodes join, plan cached, s": lambda p: p.join_cached_s,
-        "last manifest -> commit, median s": lambda p: statistics.median(p.commit_s),
-        "coordinator memory, one save: retained MiB (RSS)": lambda p: p.mem_retained,
-        "coordinator memory, one save: peak MiB (RSS)": lambda p: p.mem_peak,
-        "plan_pieces, one rank (pieces), ms": lambda p: p.load_plan_s,
-    }
-    head = "| measure | " + " | ".join(f"{p.nodes} nodes" for p in points) + " | slope |"
-    print(head)
-    print("|---" * (len(points) + 2) + "|")
+    """The table, then one PASS/FAIL line per target of issue 34 item 5; True when all pass."""
     xs = [float(p.specs + p.nodes) for p in points]
-    for label, get, fmt in rows:
-        cells = [fmt(get(p)) for p in points]
-        grow = f"{slope(xs, [float(slope_of[label](p)) for p in points]):.2f}" if label in slope_of and len(points) > 1 else ""
-        print(f"| {label} | " + " | ".join(cells) + f" | {grow} |")
+    slopes: dict[str, float] = {}
+    print("| measure | " + " | ".join(f"{p.nodes} nodes" for p in points) + " | slope |")
+    print("|---" * (len(points) + 2) + "|")
+    for label, get, fmt, held in ROWS:
+        grow = ""
+        if held and len(points) > 1:
+            slopes[label] = slope(xs, [float(get(p)) for p in points])  # type: ignore[arg-type]
+            grow = f"{slopes[label]:.2f}"
+        print(f"| {label} | " + " | ".join(fmt(get(p)) for p in points) + f" | {grow} |")
     print("\nslope: log-log slope between the two largest points against tensor fragments + nodes (1 = linear).")
-    ok = True
-    largest = points[-1]
-    commit = max(largest.commit_s)
-    passed = commit <= COMMIT_TARGET_S
-    ok &= passed
-    print(f"target: commit at {largest.nodes} nodes <= {COMMIT_TARGET_S:.0f} s after the last manifest: worst of "
-          f"{len(largest.commit_s)} saves {commit:.3f} s: {'PASS' if passed else 'FAIL'}")
-    if len(points) > 1:
-        worst = max(slope(xs, [float(slope_of[k](p)) for p in points]) for k in slope_of)
-        passed = worst <= 1.1  # 10% for timing noise on a shared machine
+    plan_worst = max(max(p.plan_s, p.member_s) for p in points)
+    commit_worst = max(max(p.commit_s) for p in points)
+    ok = plan_worst <= PLAN_TARGET_S and commit_worst <= COMMIT_TARGET_S
+    print(f"target: first plan <= {PLAN_TARGET_S:.0f} s (the coordinator's and a member's, every point): worst {plan_worst:.2f} s: "
+          f"{verdict(plan_worst <= PLAN_TARGET_S)}")
+    print(f"target: commit <= {COMMIT_TARGET_S:.0f} s after the last manifest (every save, every point): worst {commit_worst:.3f} s: "
+          f"{verdict(commit_worst <= COMMIT_TARGET_S)}")
+    if slopes:
+        label, worst = max(slopes.items(), key=lambda kv: kv[1] if not math.isnan(kv[1]) else -math.inf)
+        passed = worst <= SLOPE_TARGET  # 10% for timing noise on a shared machine
         ok &= passed
-        print(f"target: plan and coordinator work grow no faster than linearly: steepest slope {worst:.2f} (<= 1.1): {'PASS' if passed else 'FAIL'}")
+        print(f"target: time, memory and every message grow linearly or flatter: steepest slope {worst:.2f} ({label}) "
+              f"(<= {SLOPE_TARGET}): {verdict(passed)}")
     return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", default="10,30,100,300,1000", help="simulated node counts, multiples of 10")
+    parser.add_argument("--nodes", default="1000,3000,10000", help="simulated node counts, multiples of 10")
     parser.add_argument("--saves", type=int, default=3, help="saves with the plan cached after the first, per point")
-    parser.add_argument("--daemons", default="16", help="real daemons on loopback, e.g. 16 or 16,32; 0: skip")
+    parser.add_argument("--daemons", default="32", help="real daemons on loopback, e.g. 16 or 16,32; 0: skip")
     parser.add_argument("--daemon-steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help=f"a small sample for tests: --nodes {QUICK_NODES} --saves 1 --daemons {QUICK_DAEMONS} --daemon-steps 2")
     parser.add_argument("--tmp", type=Path, default=None, help="where the roots go (default: a new temporary directory)")
     parser.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.nodes, args.saves, args.daemons, args.daemon_steps = QUICK_NODES, 1, QUICK_DAEMONS, 2
     tmp = args.tmp or Path(tempfile.mkdtemp(prefix="ckptd-scale-"))
     if args.memory_child:
         memory_child(args.memory_child, tmp)

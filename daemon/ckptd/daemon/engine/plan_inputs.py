@@ -28,10 +28,8 @@ PLANS_KEPT = 8  # plans node 0 keeps per job, the ones used last
 
 def plan_key(digests: dict[int, str], node_of_rank: dict[int, int]) -> str:
     """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, in rank order."""
-    h = hashlib.sha256()
-    for rank in sorted(digests):
-        h.update(f"{rank}|{digests[rank]}|{node_of_rank[rank]}\n".encode())
-    return h.hexdigest()
+    text = "".join(f"{rank}|{digests[rank]}|{node_of_rank[rank]}\n" for rank in sorted(digests))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass

@@ -223,29 +223,26 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
     if world_size == 0:
         raise PlanError("a save needs at least one rank")
     nodes = tuple(node_of_rank) if node_of_rank is not None else (0,) * world_size
-    if len(nodes) != world_size or any(n < 0 for n in nodes):
+    if len(nodes) != world_size or min(nodes, default=0) < 0:
         raise PlanError(f"node_of_rank {list(nodes)} does not give a node >= 0 for each of the {world_size} ranks")
     layouts = _layouts(specs_by_rank)
     logical: dict[str, LogicalTensor] = {}
     holders: dict[tuple[str, Box], list[int]] = defaultdict(list)  # a fragment -> the layouts holding it
-    for rank, layout in enumerate(layouts.of_rank):
-        specs, first = specs_by_rank[rank], layouts.ranks[layout][0]
-        if rank != first:  # described at its first rank; only the rank's own tensors depend on the rank
-            for spec in layouts.own[layout]:
-                _describe_spec(logical, spec, rank)
+    for rank in _describing_ranks(specs_by_rank, layouts):
+        layout = layouts.of_first.get(rank)
+        if layout is None:  # a later rank of a layout with ranks' own tensors: only those depend on the rank
+            for spec in specs_by_rank[rank]:
+                if spec.per_rank:
+                    _describe_spec(logical, spec, rank)
             continue
         seen: set[tuple[str, Box]] = set()
-        own = []
-        for spec in specs:
+        for spec in specs_by_rank[rank]:
             validate_spec(spec)
             if (spec.name, spec.box) in seen:
                 raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
             seen.add((spec.name, spec.box))
             _describe_spec(logical, spec, rank)
             holders[(spec.name, spec.box)].append(layout)
-            if spec.per_rank:
-                own.append(spec)
-        layouts.own[layout] = tuple(own)
     _check_aliases(logical)
     _check_file_keys(logical)
     _check_coverage(logical, holders)
@@ -256,22 +253,29 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
 class _Layouts:
     """The distinct metadata sequences of a save (by identity), in the order of their first rank."""
 
-    of_rank: list[int]  # rank -> its layout
     ranks: list[list[int]]  # layout -> its ranks, ascending
-    own: list[tuple[TensorSpec, ...]]  # layout -> its per_rank specs (filled while describing)
+    of_first: dict[int, int]  # a layout's first rank -> the layout
 
 
 def _layouts(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> _Layouts:
     index: dict[int, int] = {}  # id of a rank's sequence -> its layout (the sequences outlive the call)
-    of_rank: list[int] = []
     ranks: list[list[int]] = []
     for rank, specs in enumerate(specs_by_rank):
         layout = index.setdefault(id(specs), len(ranks))
         if layout == len(ranks):
-            ranks.append([])
-        ranks[layout].append(rank)
-        of_rank.append(layout)
-    return _Layouts(of_rank, ranks, [()] * len(ranks))
+            ranks.append([rank])
+        else:
+            ranks[layout].append(rank)
+    return _Layouts(ranks, {r[0]: layout for layout, r in enumerate(ranks)})
+
+
+def _describing_ranks(specs_by_rank: Sequence[Sequence[TensorSpec]], layouts: _Layouts) -> list[int]:
+    """The ranks whose metadata is read, ascending (the order of the checks, so that the first
+    problem found is the lowest rank's): each layout's first rank, and every rank of a layout
+    that holds ranks' own tensors (`per_rank`: named for one rank, so such a layout shared by
+    several ranks is refused at its second)."""
+    owning = [ranks for ranks in layouts.ranks if len(ranks) > 1 and any(s.per_rank for s in specs_by_rank[ranks[0]])]
+    return sorted(set(layouts.of_first).union(*owning))
 
 
 def _describe_spec(logical: dict[str, LogicalTensor], spec: TensorSpec, rank: int) -> None:
@@ -362,6 +366,17 @@ class _LeastLoaded:
             heapq.heapreplace(self._heap, (load[node], node))
 
 
+def _ranks_by_node(ranks: list[int], nodes: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """A layout's ranks (ascending) by node."""
+    at = list(map(nodes.__getitem__, ranks))
+    if len(set(at)) == len(at):  # one rank of the layout per node (data parallelism across nodes)
+        return dict(zip(at, zip(ranks)))
+    by_node: dict[int, list[int]] = defaultdict(list)
+    for node, rank in zip(at, ranks):
+        by_node[node].append(rank)
+    return {node: tuple(held) for node, held in by_node.items()}
+
+
 def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]], layouts: _Layouts, nodes: tuple[int, ...]) -> SavePlan:
     """Greedy balance, largest first: tensors (or fragments) to the least loaded node that holds
     them, then each fragment to the least loaded of that node's ranks that hold it.
@@ -373,13 +388,8 @@ def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], li
     boxes: dict[str, list[Box]] = defaultdict(list)
     for name, box in holders:
         boxes[name].append(box)
-    nodes_of: list[frozenset[int]] = [frozenset(nodes[r] for r in ranks) for ranks in layouts.ranks]
-    ranks_on: list[dict[int, list[int]]] = []  # layout -> node -> its ranks there, ascending
-    for ranks in layouts.ranks:
-        on: dict[int, list[int]] = defaultdict(list)
-        for r in ranks:
-            on[nodes[r]].append(r)
-        ranks_on.append(on)
+    ranks_on = [_ranks_by_node(ranks, nodes) for ranks in layouts.ranks]  # layout -> node -> its ranks there
+    nodes_of = [frozenset(on) for on in ranks_on]
 
     holding: dict[tuple[int, ...], frozenset[int]] = {}  # layouts -> the nodes holding a fragment they hold
     everywhere: dict[tuple[tuple[int, ...], ...], frozenset[int]] = {}  # each box's layouts -> the nodes holding every box

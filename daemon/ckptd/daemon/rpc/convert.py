@@ -317,9 +317,11 @@ def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
             raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
         specs_out = tuple(by_rank[r] for r in range(world_size))
         digests = tuple(digest_of[r] for r in range(world_size))
-        if len(reply.node_of_rank) != world_size or any(r not in reply.node_of_rank for r in range(world_size)):
-            raise Aborted(f"the coordinator sent the nodes of {len(reply.node_of_rank)} ranks, expected every rank of 0..{world_size - 1}")
-        node_of_rank = tuple(reply.node_of_rank[r] for r in range(world_size))
+        nodes = dict(reply.node_of_rank)
+        found = tuple(map(nodes.get, range(world_size)))
+        if len(nodes) != world_size or None in found:
+            raise Aborted(f"the coordinator sent the nodes of {len(nodes)} ranks, expected every rank of 0..{world_size - 1}")
+        node_of_rank = tuple(n for n in found if n is not None)
     compression = compression_of(reply.compression) if reply.HasField("compression") else None
     return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression, fingerprints=digests)
 
