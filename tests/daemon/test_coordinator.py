@@ -77,8 +77,9 @@ def test_root_ids_are_shared_by_a_root_and_differ_between_roots(tmp_path: Path) 
 
 
 def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
-    assert plan_key({0: "a", 1: "b"}, {0: 0, 1: 1}) != plan_key({0: "a", 1: "b"}, {0: 0, 1: 0})
-    assert plan_key({0: "a", 1: "b"}, {0: 0, 1: 1}) != plan_key({0: "a", 1: "c"}, {0: 0, 1: 1})
+    assert plan_key(("a", "b"), (0, 1)) != plan_key(("a", "b"), (0, 0))
+    assert plan_key(("a", "b"), (0, 1)) != plan_key(("a", "c"), (0, 1))
+    assert plan_key(("a", "b"), (0, 1)) == plan_key(["a", "b"], [0, 1])
 
 
 def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp_path: Path, storage: StorageBackend) -> None:
@@ -266,7 +267,7 @@ def test_a_jobs_cache_starts_anew_when_its_world_size_changes(tmp_path: Path) ->
 
 def _answer(specs: tuple[tuple[TensorSpec, ...], ...], nodes: tuple[int, ...]) -> JoinResult:
     digests = tuple(spec_digest(s) for s in specs)
-    return JoinResult("s", plan_key(dict(enumerate(digests)), dict(enumerate(nodes))), nodes, specs, True, fingerprints=digests)
+    return JoinResult("s", plan_key(digests, nodes), nodes, specs, True, fingerprints=digests)
 
 
 def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> None:

@@ -221,10 +221,10 @@ class Coordinator:
             other.planned.set()
         try:
             assert save.cache is not None
-            save.key = plan_key(save.fingerprints, save.node_of_rank)
             save.all_specs = tuple(save.rank_specs[r] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
+            save.key = plan_key(save.rank_fingerprints, save.rank_nodes)
             save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
             plan = save.cache.plan(save.key)
             if plan is None:

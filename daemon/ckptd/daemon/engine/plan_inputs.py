@@ -15,7 +15,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ckptd.daemon.errors import Aborted, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, spec_digest
@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 PLANS_KEPT = 8  # plans node 0 keeps per job, the ones used last
 
 
-def plan_key(digests: dict[int, str], node_of_rank: dict[int, int]) -> str:
-    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, in rank order."""
-    text = "".join(f"{rank}|{digests[rank]}|{node_of_rank[rank]}\n" for rank in sorted(digests))
+def plan_key(digests: Sequence[str], node_of_rank: Sequence[int]) -> str:
+    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, both in
+    rank order."""
+    if len(digests) != len(node_of_rank):
+        raise ValueError(f"plan_key: {len(digests)} digests but {len(node_of_rank)} nodes")
+    text = "".join(map("{}|{}|{}\n".format, range(len(digests)), digests, node_of_rank))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -105,5 +108,5 @@ def check_plan_input(result: JoinResult, coordinator: str) -> None:
             matches[digest] = spec_digest(specs) == digest
         if not matches[digest]:
             raise Aborted(f"the coordinator {coordinator} sent metadata of rank {rank} that does not match its digest; every node must run the same ckptd version")
-    if plan_key(dict(enumerate(result.fingerprints)), dict(enumerate(result.node_of_rank))) != result.plan_key:
+    if plan_key(result.fingerprints, result.node_of_rank) != result.plan_key:
         raise Aborted(f"the coordinator {coordinator} sent plan key {result.plan_key[:16]}, which is not the key of the ranks' digests")

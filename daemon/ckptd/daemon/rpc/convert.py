@@ -306,22 +306,23 @@ def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
         digest_of: dict[int, str] = {}
         by_fingerprint: dict[str, tuple[TensorSpec, ...]] = {}
         for t in reply.tensors:  # a rank sent as a digest alone has the metadata of the first rank with it
-            digest_of[t.rank] = t.fingerprint
-            if t.fingerprint and not t.tensors and t.fingerprint in by_fingerprint:
-                by_rank[t.rank] = by_fingerprint[t.fingerprint]
+            rank, fingerprint = t.rank, t.fingerprint
+            digest_of[rank] = fingerprint
+            shared = by_fingerprint.get(fingerprint) if fingerprint else None
+            if shared is not None and not t.tensors:
+                by_rank[rank] = shared
                 continue
-            by_rank[t.rank] = tuple(tensor_specs(t.tensors))
-            if t.fingerprint:
-                by_fingerprint.setdefault(t.fingerprint, by_rank[t.rank])
-        if sorted(by_rank) != list(range(world_size)):
+            by_rank[rank] = tuple(tensor_specs(t.tensors))
+            if fingerprint:
+                by_fingerprint.setdefault(fingerprint, by_rank[rank])
+        if len(by_rank) != world_size or not all(map(by_rank.__contains__, range(world_size))):
             raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
-        specs_out = tuple(by_rank[r] for r in range(world_size))
-        digests = tuple(digest_of[r] for r in range(world_size))
+        specs_out = tuple(map(by_rank.__getitem__, range(world_size)))
+        digests = tuple(map(digest_of.__getitem__, range(world_size)))
         nodes = dict(reply.node_of_rank)
-        found = tuple(map(nodes.get, range(world_size)))
-        if len(nodes) != world_size or None in found:
+        if len(nodes) != world_size or not all(map(nodes.__contains__, range(world_size))):
             raise Aborted(f"the coordinator sent the nodes of {len(nodes)} ranks, expected every rank of 0..{world_size - 1}")
-        node_of_rank = tuple(n for n in found if n is not None)
+        node_of_rank = tuple(map(nodes.__getitem__, range(world_size)))
     compression = compression_of(reply.compression) if reply.HasField("compression") else None
     return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression, fingerprints=digests)
 
