@@ -135,3 +135,23 @@ def random_layout(rng: random.Random) -> tuple[list[tuple[TensorSpec, ...]], lis
 def test_random_layouts_plan_as_rank_by_rank(seed: int) -> None:
     specs_by_rank, nodes = random_layout(random.Random(seed))
     assert outcome(lambda: make_save_plan(specs_by_rank, nodes)) == outcome(lambda: reference_plan(specs_by_rank, nodes))
+
+
+def test_replicas_are_described_once_not_once_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work of a plan grows with the distinct layouts, not with the DP replicas: 2 layouts
+    held by 500 ranks each on 500 nodes are checked spec by spec twice, not 1,000 times."""
+    from ckptd.daemon.plan import save_plan
+
+    checked: list[TensorSpec] = []
+    real = save_plan.validate_spec
+
+    def counted(spec: TensorSpec) -> None:
+        checked.append(spec)
+        real(spec)
+
+    monkeypatch.setattr(save_plan, "validate_spec", counted)
+    specs_by_rank, nodes = tp_pp_dp(2, 1, 500)
+    plan = make_save_plan(specs_by_rank, nodes)
+    assert len(checked) == sum(len(specs) for specs in set(specs_by_rank)) == 2 * 3 * 4
+    assert {p.node for p in plan.parts} <= set(nodes) and len(plan.slots) == len(plan.parts)
+    assert plan == reference_plan(specs_by_rank, nodes)
