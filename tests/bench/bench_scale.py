@@ -396,6 +396,7 @@ def measure(nodes: int, saves: int, tmp: Path, rounds: int = PLAN_ROUNDS) -> Poi
 
     async def run() -> None:  # returns nothing: Python 3.11's asyncio.run formats its main task's result (reprlib), MBs here
         for step in range(1, saves + 2):  # after the first, the plan is cached: the nodes send fingerprints only
+            gc.collect()  # each save starts without the last one's garbage
             done, answer = await simulate_save(coord, storage, layout, step, inputs, step == 1, manifests, tuple(a.plan_key for a in answers[:1]))
             times.append(done)
             answers.append(answer)
@@ -619,7 +620,7 @@ def report(points: list[Point]) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="1000,3000,10000", help="simulated node counts, multiples of 10")
-    parser.add_argument("--saves", type=int, default=3, help="saves with the plan cached after the first, per point")
+    parser.add_argument("--saves", type=int, default=5, help="saves with the plan cached after the first, per point")
     parser.add_argument("--daemons", default="32", help="real daemons on loopback, e.g. 16 or 16,32; 0: skip")
     parser.add_argument("--daemon-steps", type=int, default=5)
     parser.add_argument("--plan-rounds", type=int, default=PLAN_ROUNDS, help="first plans timed per point; the fastest counts")

@@ -97,6 +97,11 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
             *[coord.join(JoinSave("job", 2, 2, {n: f"fp{n}"}, {}, [results[0].plan_key], 30.0, None), n, coord.root_id) for n in (0, 1)]
         )
         assert again[0].specs is None
+        # a decided save kept for late reports holds nothing per rank (issue 34) and still answers them
+        late = await coord.report(ReportManifest("job", 1, save_id, manifest(1, HALVES[1])), 1)
+        assert late.committed
+        kept = coord._saves[("job", 1)]
+        assert not (kept.fingerprints or kept.rank_specs or kept.node_of_rank or kept.rank_nodes or kept.all_specs)
 
     for n in (0, 1):
         written_part(storage, 1, f"model-{n + 1:05d}-of-00002.safetensors", b"x" * 100)

@@ -100,11 +100,15 @@ class _GlobalSave:
 
 def _slim(save: _GlobalSave) -> None:
     """A decided save only answers late reports: keep its outcome, not what the commit was made
-    of (manifests, extras, metadata, the index: ~2 KiB per tensor; issue 30 finding 5)."""
+    of (manifests, extras, metadata, the index: ~2 KiB per tensor; issue 30 finding 5), nor what
+    it knew of each rank (O(ranks) per save kept: issue 34)."""
     save.manifests.clear()
     save.extras.clear()
     save.model_files.clear()
-    save.all_specs = ()
+    save.all_specs = save.rank_nodes = save.rank_fingerprints = ()
+    save.fingerprints.clear()
+    save.rank_specs.clear()
+    save.node_of_rank.clear()
     if save.outcome is not None:
         files = save.outcome.step_files if save.nodes - {0} else {}
         save.outcome = replace(save.outcome, index=None, step_files=files)
