@@ -255,19 +255,16 @@ async def simulate_save(
     """One save of `step` through `coord`: every node joins (with its ranks' metadata when
     `send_specs`), then reports; returns the times and node 0's join answer."""
     root_id = storage.catalog.root_id()
-    started, cpu = time.perf_counter(), time.process_time()
-    joins = [
-        coord.join(
-            JoinSave(
-                JOB, step, layout.world, {r: inputs.digests[r] for r in range(n * TP, (n + 1) * TP)},
-                {r: inputs.specs[r] for r in range(n * TP, (n + 1) * TP)} if send_specs else {},
-                known_plans, 3600.0, None,
-            ),
-            n, root_id,
+    requests = [  # what each node's message turns into (rpc/validate.join_save_of), made before the clock starts
+        JoinSave(
+            JOB, step, layout.world, {r: inputs.digests[r] for r in range(n * TP, (n + 1) * TP)},
+            {r: inputs.specs[r] for r in range(n * TP, (n + 1) * TP)} if send_specs else {},
+            known_plans, 3600.0, None,
         )
         for n in range(layout.nodes)
     ]
-    results = await asyncio.gather(*joins)
+    started, cpu = time.perf_counter(), time.process_time()
+    results = await asyncio.gather(*[coord.join(request, n, root_id) for n, request in enumerate(requests)])
     join_s, join_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     plan = results[0].plan
     assert plan is not None
