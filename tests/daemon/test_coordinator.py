@@ -77,8 +77,9 @@ def test_root_ids_are_shared_by_a_root_and_differ_between_roots(tmp_path: Path) 
 
 
 def test_plan_key_depends_on_fingerprints_and_nodes() -> None:
-    assert plan_key({0: "a", 1: "b"}, {0: 0, 1: 1}) != plan_key({0: "a", 1: "b"}, {0: 0, 1: 0})
-    assert plan_key({0: "a", 1: "b"}, {0: 0, 1: 1}) != plan_key({0: "a", 1: "c"}, {0: 0, 1: 1})
+    assert plan_key(("a", "b"), (0, 1)) != plan_key(("a", "b"), (0, 0))
+    assert plan_key(("a", "b"), (0, 1)) != plan_key(("a", "c"), (0, 1))
+    assert plan_key(("a", "b"), (0, 1)) == plan_key(["a", "b"], [0, 1])
 
 
 def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp_path: Path, storage: StorageBackend) -> None:
@@ -96,6 +97,11 @@ def test_every_node_gets_the_same_plan_input_and_the_commit_writes_the_index(tmp
             *[coord.join(JoinSave("job", 2, 2, {n: f"fp{n}"}, {}, [results[0].plan_key], 30.0, None), n, coord.root_id) for n in (0, 1)]
         )
         assert again[0].specs is None
+        # a decided save kept for late reports holds nothing per rank (issue 34) and still answers them
+        late = await coord.report(ReportManifest("job", 1, save_id, manifest(1, HALVES[1])), 1)
+        assert late.committed
+        kept = coord._saves[("job", 1)]
+        assert not (kept.fingerprints or kept.rank_specs or kept.node_of_rank or kept.rank_nodes or kept.all_specs)
 
     for n in (0, 1):
         written_part(storage, 1, f"model-{n + 1:05d}-of-00002.safetensors", b"x" * 100)
@@ -266,7 +272,7 @@ def test_a_jobs_cache_starts_anew_when_its_world_size_changes(tmp_path: Path) ->
 
 def _answer(specs: tuple[tuple[TensorSpec, ...], ...], nodes: tuple[int, ...]) -> JoinResult:
     digests = tuple(spec_digest(s) for s in specs)
-    return JoinResult("s", plan_key(dict(enumerate(digests)), dict(enumerate(nodes))), nodes, specs, True, fingerprints=digests)
+    return JoinResult("s", plan_key(digests, nodes), nodes, specs, True, fingerprints=digests)
 
 
 def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> None:
@@ -282,3 +288,23 @@ def test_a_member_checks_the_coordinators_plan_input_against_its_digests() -> No
         check_plan_input(replace(good, plan_key="k"), "node 0")
     with pytest.raises(Aborted, match="without their digests"):
         check_plan_input(replace(good, fingerprints=()), "node 0")
+
+
+def test_replicas_metadata_is_held_once_and_planned_once(tmp_path: Path) -> None:
+    """Data-parallel replicas on different nodes send equal metadata under one digest, each as
+    its own parsed object: the coordinator keeps one object per digest (memory O(distinct
+    layouts + ranks), issue 34) and plans from it (the planner describes it once)."""
+    async def scenario() -> None:
+        coord = coordinator(tmp_path)
+        halves = [spec(HALVES[0]), spec(HALVES[1])]
+        digests = [spec_digest(h) for h in halves]
+        joins = [
+            coord.join(JoinSave("job", 1, 4, {2 * n: digests[0], 2 * n + 1: digests[1]}, {2 * n: spec(HALVES[0]), 2 * n + 1: spec(HALVES[1])}, [], 30.0, None),
+                       n, coord.root_id)
+            for n in range(2)
+        ]
+        first, _ = await asyncio.gather(*joins)
+        assert first.specs is not None and first.specs[0] is first.specs[2] and first.specs[1] is first.specs[3]
+        assert first.plan == make_save_plan([halves[0], halves[1]] * 2, [0, 0, 1, 1])
+
+    asyncio.run(scenario())

@@ -34,8 +34,9 @@ def specs(box: Box) -> tuple[TensorSpec, ...]:
 def test_a_join_crosses_the_wire_unchanged_both_ways() -> None:
     result = JoinResult("save-1", "key", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True, fingerprints=("fa", "fb"))
     assert rpc_convert.join_result_of(rpc_convert.join_response(result), 2) == result
-    known = JoinResult("save-2", "key", (0, 0), None, False)
-    assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == known
+    known = JoinResult("save-2", "key", (0, 0), None, False)  # a known plan: its key covers the metadata and the nodes, neither travels
+    assert rpc_convert.join_result_of(rpc_convert.join_response(known), 2) == replace(known, node_of_rank=())
+    assert not rpc_convert.join_response(known).node_of_rank
     request = rpc_convert.join_request(JoinSave("job", 3, 2, {1: "fp"}, {1: specs(HALVES[1])}, ("k",), 9.5, None), 1, "root")
     assert (request.node, dict(request.fingerprints), request.has_metric, request.root_id) == (1, {1: "fp"}, False, "root")
     assert [m.name for m in request.tensors[0].tensors] == ["model/w", "optimizer/step"] and list(request.tensors[0].tensors[0].aliases) == ["model/tied"]
@@ -64,7 +65,9 @@ def test_replicas_metadata_crosses_once_and_arrives_for_every_rank() -> None:
     reply = rpc_convert.join_response(result)
     assert [len(t.tensors) for t in reply.tensors] == [2, 2, 0, 0, 0, 0]
     assert [t.fingerprint for t in reply.tensors] == ["fa", "fb"] * 3
-    assert rpc_convert.join_result_of(reply, 6).specs == world
+    back = rpc_convert.join_result_of(reply, 6)
+    assert back.specs == world and back.node_of_rank == (0, 0, 1, 1, 2, 2)
+    assert back.specs is not None and back.specs[0] is back.specs[2] is back.specs[4]  # one object per layout: planned once (issue 34)
     empty = JoinResult("s", "k", (0, 0), ((), ()), True, fingerprints=("f0", "f0"))  # ranks without tensors stay empty
     assert rpc_convert.join_result_of(rpc_convert.join_response(empty), 2).specs == ((), ())
 
@@ -74,6 +77,10 @@ def test_the_coordinators_metadata_is_validated_and_must_cover_every_rank() -> N
     del short.tensors[1]
     with pytest.raises(Aborted, match=r"metadata for ranks \[0\], expected 0..1"):
         rpc_convert.join_result_of(short, 2)
+    nodes_short = rpc_convert.join_response(JoinResult("s", "k", (0, 1), (specs(HALVES[0]), specs(HALVES[1])), True))
+    del nodes_short.node_of_rank[1]
+    with pytest.raises(Aborted, match="the nodes of 1 ranks"):
+        rpc_convert.join_result_of(nodes_short, 2)
     bad = rpc_convert.join_response(JoinResult("s", "k", (0,), (specs(HALVES[0]),), True))
     bad.tensors[0].tensors[0].dtype = "F99"
     with pytest.raises(InvalidRequest, match="dtype 'F99'"):
@@ -105,7 +112,7 @@ def test_a_malformed_quantization_record_is_invalid(quant_json: str, message: st
     "compression", [None, Compression(None, "keep", 0, False), Compression("O2", "drop", 3, True), Compression(None, "keep", 1, True)]
 )
 def test_the_coordinators_compression_crosses_the_wire_unchanged(compression: Compression | None) -> None:
-    result = JoinResult("s", "k", (0,), None, True, compression)
+    result = JoinResult("s", "k", (), None, True, compression)
     assert rpc_convert.join_result_of(rpc_convert.join_response(result), 1) == result
 
 

@@ -17,7 +17,7 @@ class JoinResult:
 
     save_id: str
     plan_key: str
-    node_of_rank: tuple[int, ...]
+    node_of_rank: tuple[int, ...]  # every rank's; on the wire, empty when the plan key was known (it covers the nodes)
     specs: tuple[tuple[TensorSpec, ...], ...] | None  # every rank's, None when the plan key was known
     shared_root: bool
     compression: Compression | None = None  # the save's, decided by the coordinator (None: an older coordinator)

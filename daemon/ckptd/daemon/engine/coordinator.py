@@ -92,19 +92,37 @@ class _GlobalSave:
     all_specs: tuple[tuple[TensorSpec, ...], ...] = ()
     rank_fingerprints: tuple[str, ...] = ()
     shared_root: bool = False  # every node writes into one root (decided when planned: all have joined)
+    _answers: dict[bool, JoinResult] = field(default_factory=dict, init=False)  # `answer`'s, by whether the node knows the plan
 
     @property
     def nodes(self) -> set[int]:
         return set(self.root_ids)
 
+    def answer(self, known: bool) -> JoinResult:
+        """The answer to every joining node once planned, with every rank's metadata unless
+        the node `known`s the plan: two records per save, not one per node."""
+        found = self._answers.get(known)
+        if found is None:
+            assert self.plan is not None
+            found = self._answers[known] = JoinResult(
+                save_id=self.save_id, plan_key=self.key, node_of_rank=self.rank_nodes, specs=None if known else self.all_specs,
+                shared_root=self.shared_root, compression=self.compression, plan=self.plan, fingerprints=self.rank_fingerprints,
+            )
+        return found
+
 
 def _slim(save: _GlobalSave) -> None:
     """A decided save only answers late reports: keep its outcome, not what the commit was made
-    of (manifests, extras, metadata, the index: ~2 KiB per tensor; issue 30 finding 5)."""
+    of (manifests, extras, metadata, the index: ~2 KiB per tensor; issue 30 finding 5), nor what
+    it knew of each rank (O(ranks) per save kept: issue 34)."""
     save.manifests.clear()
     save.extras.clear()
     save.model_files.clear()
-    save.all_specs = ()
+    save.all_specs = save.rank_nodes = save.rank_fingerprints = ()
+    save.fingerprints.clear()
+    save.rank_specs.clear()
+    save.node_of_rank.clear()
+    save._answers.clear()
     if save.outcome is not None:
         files = save.outcome.step_files if save.nodes - {0} else {}
         save.outcome = replace(save.outcome, index=None, step_files=files)
@@ -164,9 +182,9 @@ class Coordinator:
             raise InvalidRequest(f"node {node} says job {job!r} has {world_size} ranks, other nodes say {save.world_size}")
         if node in save.root_ids:
             raise Precondition(f"node {node} joined the save of step {step} twice (its daemon restarted?): save again")
-        for rank in request.fingerprints:
-            if rank in save.fingerprints:
-                raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
+        if not save.fingerprints.keys().isdisjoint(request.fingerprints):
+            rank = min(save.fingerprints.keys() & request.fingerprints.keys())
+            raise InvalidRequest(f"rank {rank} is served by node {save.node_of_rank[rank]} and by node {node}; each rank talks to its own node's daemon")
         if save.root_ids and request.options != save.options:
             raise InvalidRequest(
                 f"node {node}'s ranks ask for {request.options.describe()} in step {step} but other nodes' ranks asked for {save.options.describe()}; "
@@ -174,27 +192,16 @@ class Coordinator:
         save.options = request.options
         save.lineage = max(save.lineage, request.lineage)
         save.root_ids[node] = node_root_id
-        for rank, digest in request.fingerprints.items():
-            save.fingerprints[rank] = digest
-            save.rank_specs[rank] = rank_specs[rank]
-            save.node_of_rank[rank] = node
+        save.fingerprints.update(request.fingerprints)
+        save.rank_specs.update(rank_specs)
+        save.node_of_rank.update(dict.fromkeys(request.fingerprints, node))
         if len(save.fingerprints) == world_size:
             self._spawn(self._plan(save))
         await save.planned.wait()
         if save.error:
             raise (InvalidRequest if save.refused else RunRefused if save.run_refused else Aborted)(save.error)
         assert save.plan is not None
-        known = save.key in request.known_plans
-        return JoinResult(
-            save_id=save.save_id,
-            plan_key=save.key,
-            node_of_rank=save.rank_nodes,
-            specs=None if known else save.all_specs,
-            shared_root=save.shared_root,
-            compression=save.compression,
-            plan=save.plan,
-            fingerprints=save.rank_fingerprints,
-        )
+        return save.answer(save.key in request.known_plans)
 
     def _job_cache(self, job: str, world_size: int) -> JobPlans:
         """The job's cache; a new one when the job's world size changed (an elastic restart:
@@ -221,10 +228,10 @@ class Coordinator:
             other.planned.set()
         try:
             assert save.cache is not None
-            save.key = plan_key(save.fingerprints, save.node_of_rank)
             save.all_specs = tuple(save.rank_specs[r] for r in range(save.world_size))
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
+            save.key = plan_key(save.rank_fingerprints, save.rank_nodes)
             save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
             plan = save.cache.plan(save.key)
             if plan is None:

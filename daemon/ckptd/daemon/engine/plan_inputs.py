@@ -15,7 +15,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ckptd.daemon.errors import Aborted, UnknownFingerprint
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, spec_digest
@@ -26,22 +26,30 @@ log = logging.getLogger(__name__)
 PLANS_KEPT = 8  # plans node 0 keeps per job, the ones used last
 
 
-def plan_key(digests: dict[int, str], node_of_rank: dict[int, int]) -> str:
-    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, in rank order."""
-    h = hashlib.sha256()
-    for rank in sorted(digests):
-        h.update(f"{rank}|{digests[rank]}|{node_of_rank[rank]}\n".encode())
-    return h.hexdigest()
+def plan_key(digests: Sequence[str], node_of_rank: Sequence[int]) -> str:
+    """What a plan depends on: every rank's metadata digest (plan.spec_digest) and node, both in
+    rank order."""
+    if len(digests) != len(node_of_rank):
+        raise ValueError(f"plan_key: {len(digests)} digests but {len(node_of_rank)} nodes")
+    text = "".join(map("{}|{}|{}\n".format, range(len(digests)), digests, node_of_rank))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
 class JobPlans:
     """What the coordinator keeps of one job between its saves: each rank's metadata under its
-    digest, and the plans made from it under their plan_key (at most PLANS_KEPT)."""
+    digest, and the plans made from it under their plan_key (at most PLANS_KEPT).
+
+    Metadata is interned by digest: ranks with one digest (data-parallel replicas) share one
+    object, so the coordinator holds each distinct layout once (memory O(distinct layouts +
+    ranks)) and the planner describes it once (plan.make_save_plan groups ranks by that object).
+    The digest is the daemon's own (checked against the metadata at the wire edge:
+    rpc/validate.check_digest), so equal digests are equal metadata."""
 
     world_size: int
     specs: dict[tuple[int, str], tuple[TensorSpec, ...]] = field(default_factory=dict)  # (rank, digest) -> metadata
     plans: OrderedDict[str, SavePlan] = field(default_factory=OrderedDict)  # plan key -> plan, least recently used first
+    interned: dict[str, tuple[TensorSpec, ...]] = field(default_factory=dict)  # digest -> the one object of its metadata
 
     def take(self, digests: Mapping[int, str], specs: Mapping[int, tuple[TensorSpec, ...]]) -> dict[int, tuple[TensorSpec, ...]]:
         """Each joining rank's metadata: what it sent now (`specs`, kept), else what its digest
@@ -57,13 +65,16 @@ class JobPlans:
         return taken
 
     def _describe(self, rank: int, digest: str, specs: tuple[TensorSpec, ...]) -> None:
-        """Other metadata under a digest already known (a caller that did not derive it)
-        replaces it, and no plan made before is used again."""
+        """Other metadata under a digest this rank named before (a caller that did not derive
+        it) replaces it for every rank with that digest, and no plan made before is used again."""
         known = self.specs.get((rank, digest))
-        if known is not None and known != specs:
+        if known is not None and known is not specs and known != specs:
             log.warning("rank %s sent other tensor metadata under digest %s than before; the job's cached plans are dropped", rank, digest[:16])
             self.plans.clear()
-        self.specs[(rank, digest)] = specs
+            self.interned[digest] = specs
+            for key in [k for k in self.specs if k[1] == digest]:
+                self.specs[key] = specs
+        self.specs[(rank, digest)] = self.interned.setdefault(digest, specs)
 
     def plan(self, key: str) -> SavePlan | None:
         plan = self.plans.get(key)
@@ -97,5 +108,5 @@ def check_plan_input(result: JoinResult, coordinator: str) -> None:
             matches[digest] = spec_digest(specs) == digest
         if not matches[digest]:
             raise Aborted(f"the coordinator {coordinator} sent metadata of rank {rank} that does not match its digest; every node must run the same ckptd version")
-    if plan_key(dict(enumerate(result.fingerprints)), dict(enumerate(result.node_of_rank))) != result.plan_key:
+    if plan_key(result.fingerprints, result.node_of_rank) != result.plan_key:
         raise Aborted(f"the coordinator {coordinator} sent plan key {result.plan_key[:16]}, which is not the key of the ranks' digests")

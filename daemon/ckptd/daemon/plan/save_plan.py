@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import re
 from collections import defaultdict
 from dataclasses import dataclass, fields, replace
@@ -211,39 +212,87 @@ def make_save_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
     """Plan a save of the fragments every rank holds (index = rank). Raises PlanError.
 
     `node_of_rank[r]`: the node of rank r (default: every rank on node 0).
+
+    Ranks given the same sequence object (data-parallel replicas: the coordinator keeps one
+    object per metadata digest) are one layout: their metadata is checked and described once,
+    and each fragment's holders are layouts, not ranks, so the work grows with the distinct
+    layouts and the nodes, not with nodes x ranks. Equal but separate sequences give the same
+    plan, only planned rank by rank.
     """
     world_size = len(specs_by_rank)
     if world_size == 0:
         raise PlanError("a save needs at least one rank")
     nodes = tuple(node_of_rank) if node_of_rank is not None else (0,) * world_size
-    if len(nodes) != world_size or any(n < 0 for n in nodes):
+    if len(nodes) != world_size or min(nodes, default=0) < 0:
         raise PlanError(f"node_of_rank {list(nodes)} does not give a node >= 0 for each of the {world_size} ranks")
+    layouts = _layouts(specs_by_rank)
     logical: dict[str, LogicalTensor] = {}
-    holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
-    for rank, specs in enumerate(specs_by_rank):
+    holders: dict[tuple[str, Box], list[int]] = defaultdict(list)  # a fragment -> the layouts holding it
+    for rank in _describing_ranks(specs_by_rank, layouts):
+        layout = layouts.of_first.get(rank)
+        if layout is None:  # a later rank of a layout with ranks' own tensors: only those depend on the rank
+            for spec in specs_by_rank[rank]:
+                if spec.per_rank:
+                    _describe_spec(logical, spec, rank)
+            continue
         seen: set[tuple[str, Box]] = set()
-        for spec in specs:
+        for spec in specs_by_rank[rank]:
             validate_spec(spec)
             if (spec.name, spec.box) in seen:
                 raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
             seen.add((spec.name, spec.box))
-            if spec.per_rank and shared_name(spec.name, rank) is None:
-                raise PlanError(f"rank {rank} sends {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
-            owner = rank if spec.per_rank else None
-            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen, owner)
-            known = logical.setdefault(spec.name, described)
-            if known != described and replace(known, frozen=described.frozen) == described:
-                logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
-            elif known != described:
-                raise PlanError(
-                    f"ranks disagree on tensor {spec.name!r}: {_describe(known)} vs {_describe(described)} "
-                    f"(rank {rank}); every rank must describe the same global tensor"
-                )
-            holders[(spec.name, spec.box)].append(rank)
+            _describe_spec(logical, spec, rank)
+            holders[(spec.name, spec.box)].append(layout)
     _check_aliases(logical)
     _check_file_keys(logical)
     _check_coverage(logical, holders)
-    return _assign(logical, holders, nodes)
+    return _assign(logical, holders, layouts, nodes)
+
+
+@dataclass
+class _Layouts:
+    """The distinct metadata sequences of a save (by identity), in the order of their first rank."""
+
+    ranks: list[list[int]]  # layout -> its ranks, ascending
+    of_first: dict[int, int]  # a layout's first rank -> the layout
+
+
+def _layouts(specs_by_rank: Sequence[Sequence[TensorSpec]]) -> _Layouts:
+    index: dict[int, int] = {}  # id of a rank's sequence -> its layout (the sequences outlive the call)
+    ranks: list[list[int]] = []
+    for rank, specs in enumerate(specs_by_rank):
+        layout = index.setdefault(id(specs), len(ranks))
+        if layout == len(ranks):
+            ranks.append([rank])
+        else:
+            ranks[layout].append(rank)
+    return _Layouts(ranks, {r[0]: layout for layout, r in enumerate(ranks)})
+
+
+def _describing_ranks(specs_by_rank: Sequence[Sequence[TensorSpec]], layouts: _Layouts) -> list[int]:
+    """The ranks whose metadata is read, ascending (the order of the checks, so that the first
+    problem found is the lowest rank's): each layout's first rank, and every rank of a layout
+    that holds ranks' own tensors (`per_rank`: named for one rank, so such a layout shared by
+    several ranks is refused at its second)."""
+    owning = [ranks for ranks in layouts.ranks if len(ranks) > 1 and any(s.per_rank for s in specs_by_rank[ranks[0]])]
+    return sorted(set(layouts.of_first).union(*owning))
+
+
+def _describe_spec(logical: dict[str, LogicalTensor], spec: TensorSpec, rank: int) -> None:
+    """Add what `rank` says of `spec`'s logical tensor to `logical`; PlanError when it is not
+    the rank's own tensor that it says it is, or when ranks disagree on the tensor."""
+    if spec.per_rank and shared_name(spec.name, rank) is None:
+        raise PlanError(f"rank {rank} sends {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
+    owner = rank if spec.per_rank else None
+    described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen, owner)
+    known = logical.setdefault(spec.name, described)
+    if known != described and replace(known, frozen=described.frozen) == described:
+        logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
+    elif known != described:
+        raise PlanError(
+            f"ranks disagree on tensor {spec.name!r}: {_describe(known)} vs {_describe(described)} "
+            f"(rank {rank}); every rank must describe the same global tensor"
+        )
 
 
 def _describe(t: LogicalTensor) -> str:
@@ -299,36 +348,87 @@ def _check_coverage(logical: dict[str, LogicalTensor], holders: dict[tuple[str, 
                             + "; ".join(problems[:3]))
 
 
-def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]], nodes: tuple[int, ...]) -> SavePlan:
+class _LeastLoaded:
+    """The least loaded of a fixed set of nodes, by (load, node), under loads that only grow: a
+    heap of one (load, node) entry per node whose load may be stale (lower than the node's),
+    refreshed when it reaches the top. A top entry that is current is the minimum: every other
+    entry is at most its node's load."""
+
+    def __init__(self, candidates: frozenset[int], load: dict[int, int]) -> None:
+        self._heap = [(load[n], n) for n in candidates]
+        heapq.heapify(self._heap)
+
+    def pick(self, load: dict[int, int]) -> int:
+        while True:
+            known, node = self._heap[0]
+            if known == load[node]:
+                return node
+            heapq.heapreplace(self._heap, (load[node], node))
+
+
+def _ranks_by_node(ranks: list[int], nodes: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """A layout's ranks (ascending) by node."""
+    at = list(map(nodes.__getitem__, ranks))
+    if len(set(at)) == len(at):  # one rank of the layout per node (data parallelism across nodes)
+        return dict(zip(at, zip(ranks)))
+    by_node: dict[int, list[int]] = defaultdict(list)
+    for node, rank in zip(at, ranks):
+        by_node[node].append(rank)
+    return {node: tuple(held) for node, held in by_node.items()}
+
+
+def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], list[int]], layouts: _Layouts, nodes: tuple[int, ...]) -> SavePlan:
     """Greedy balance, largest first: tensors (or fragments) to the least loaded node that holds
-    them, then each fragment to the least loaded of that node's ranks that hold it."""
+    them, then each fragment to the least loaded of that node's ranks that hold it.
+
+    `holders`: each fragment's layouts. The nodes that may write a tensor depend only on which
+    layouts hold its fragments, so each distinct set of candidates is made once and keeps a heap
+    of its nodes (`_LeastLoaded`): a pick costs O(log nodes), not a scan of the nodes."""
     itemsizes = {name: dtypes.itemsize(t.dtype) for name, t in logical.items()}
     boxes: dict[str, list[Box]] = defaultdict(list)
     for name, box in holders:
         boxes[name].append(box)
+    ranks_on = [_ranks_by_node(ranks, nodes) for ranks in layouts.ranks]  # layout -> node -> its ranks there
+    nodes_of = [frozenset(on) for on in ranks_on]
 
-    def nodes_holding(name: str, box: Box) -> set[int]:
-        return {nodes[r] for r in holders[(name, box)]}
-
+    holding: dict[tuple[int, ...], frozenset[int]] = {}  # layouts -> the nodes holding a fragment they hold
+    everywhere: dict[tuple[tuple[int, ...], ...], frozenset[int]] = {}  # each box's layouts -> the nodes holding every box
+    pickers: dict[frozenset[int], _LeastLoaded] = {}
     node_load: dict[int, int] = defaultdict(int)
+
+    def nodes_holding(layouts_holding: tuple[int, ...]) -> frozenset[int]:
+        found = holding.get(layouts_holding)
+        if found is None:
+            found = holding[layouts_holding] = frozenset().union(*(nodes_of[g] for g in layouts_holding))
+        return found
+
+    def least_loaded(candidates: frozenset[int]) -> int:
+        picker = pickers.get(candidates)
+        if picker is None:
+            picker = pickers[candidates] = _LeastLoaded(candidates, node_load)
+        return picker.pick(node_load)
+
     parts: list[StoredPart] = []
     for name in sorted(logical, key=lambda n: (-logical[n].nbytes, n)):
         tensor_boxes = sorted(boxes[name])
-        everywhere = set.intersection(*(nodes_holding(name, b) for b in tensor_boxes))
-        if everywhere:
-            node = min(everywhere, key=lambda n: (node_load[n], n))
+        key = tuple(tuple(holders[(name, b)]) for b in tensor_boxes)
+        common = everywhere.get(key)
+        if common is None:
+            common = everywhere[key] = frozenset.intersection(*(nodes_holding(k) for k in key))
+        if common:
+            node = least_loaded(common)
             parts += [StoredPart(name, b, node, True) for b in tensor_boxes]
             node_load[node] += logical[name].nbytes
             continue
         for box in sorted(tensor_boxes, key=lambda b: (-b.numel, b)):
-            node = min(nodes_holding(name, box), key=lambda n: (node_load[n], n))
+            node = least_loaded(nodes_holding(tuple(holders[(name, box)])))
             parts.append(StoredPart(name, box, node, False))
             node_load[node] += box.numel * itemsizes[name]
 
     rank_load = [0] * len(nodes)
     chosen: dict[tuple[str, Box], int] = {}
     for part in sorted(parts, key=lambda p: (-p.box.numel * itemsizes[p.name], p.name, p.box)):
-        candidates = [r for r in holders[(part.name, part.box)] if nodes[r] == part.node]
+        candidates = [r for g in holders[(part.name, part.box)] for r in ranks_on[g].get(part.node, ())]
         rank = min(candidates, key=lambda r: (rank_load[r], r))
         chosen[(part.name, part.box)] = rank
         rank_load[rank] += part.box.numel * itemsizes[part.name]

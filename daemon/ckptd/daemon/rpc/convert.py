@@ -268,11 +268,15 @@ def compression_of(message: ppb.Compression) -> Compression:
 
 
 def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
-    """The answer to a joining node. Every rank's metadata, unless the node knows the plan; a
+    """The answer to a joining node. Every rank's metadata and node, unless the node knows the
+    plan (the plan key covers both: the answer is then the same few fields at any scale); a
     rank whose fingerprint an earlier rank has (a data-parallel replica) is sent as that
-    fingerprint alone, so the answer grows with the distinct layouts, not with the ranks."""
+    fingerprint alone, so the answer grows with the distinct layouts and the ranks, not with
+    their product."""
     tensors = []
+    node_of_rank: dict[int, int] = {}
     if result.specs is not None:
+        node_of_rank = dict(enumerate(result.node_of_rank))
         sent: set[str] = set()
         for rank, rank_specs in enumerate(result.specs):
             fingerprint = result.fingerprints[rank] if result.fingerprints else ""
@@ -283,34 +287,42 @@ def join_response(result: JoinResult) -> ppb.JoinSaveResponse:
                 sent.add(fingerprint)
             tensors.append(ppb.RankTensors(rank=rank, fingerprint=fingerprint, tensors=[meta_of(s) for s in rank_specs]))
     return ppb.JoinSaveResponse(
-        save_id=result.save_id, plan_key=result.plan_key, node_of_rank=dict(enumerate(result.node_of_rank)),
+        save_id=result.save_id, plan_key=result.plan_key, node_of_rank=node_of_rank,
         tensors=tensors, shared_root=result.shared_root, compression=compression_pb(result.compression),
     )
 
 
 def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
     """The coordinator's answer as a record; its metadata is validated like a rank's (InvalidRequest),
-    and Aborted when it does not cover every rank. The caller checks the metadata against its
-    digests (plan_input.check_plan_input)."""
+    and Aborted when it does not cover every rank or their nodes. The caller checks the metadata
+    against its digests (plan_input.check_plan_input). Ranks of one fingerprint get one object
+    of metadata (the planner describes it once: plan.make_save_plan). An answer without
+    metadata (the plan was known) has no nodes either (JoinResult.node_of_rank empty)."""
     specs_out = None
     digests: tuple[str, ...] = ()
+    node_of_rank: tuple[int, ...] = ()
     if reply.tensors:
         by_rank: dict[int, tuple[TensorSpec, ...]] = {}
         digest_of: dict[int, str] = {}
         by_fingerprint: dict[str, tuple[TensorSpec, ...]] = {}
         for t in reply.tensors:  # a rank sent as a digest alone has the metadata of the first rank with it
-            digest_of[t.rank] = t.fingerprint
-            if t.fingerprint and not t.tensors and t.fingerprint in by_fingerprint:
-                by_rank[t.rank] = by_fingerprint[t.fingerprint]
+            rank, fingerprint = t.rank, t.fingerprint
+            digest_of[rank] = fingerprint
+            shared = by_fingerprint.get(fingerprint) if fingerprint else None
+            if shared is not None and not t.tensors:
+                by_rank[rank] = shared
                 continue
-            by_rank[t.rank] = tuple(tensor_specs(t.tensors))
-            if t.fingerprint:
-                by_fingerprint.setdefault(t.fingerprint, by_rank[t.rank])
-        if sorted(by_rank) != list(range(world_size)):
+            by_rank[rank] = tuple(tensor_specs(t.tensors))
+            if fingerprint:
+                by_fingerprint.setdefault(fingerprint, by_rank[rank])
+        if len(by_rank) != world_size or not all(map(by_rank.__contains__, range(world_size))):
             raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
-        specs_out = tuple(by_rank[r] for r in range(world_size))
-        digests = tuple(digest_of[r] for r in range(world_size))
-    node_of_rank = tuple(reply.node_of_rank[r] for r in range(world_size))
+        specs_out = tuple(map(by_rank.__getitem__, range(world_size)))
+        digests = tuple(map(digest_of.__getitem__, range(world_size)))
+        nodes = dict(reply.node_of_rank)
+        if len(nodes) != world_size or not all(map(nodes.__contains__, range(world_size))):
+            raise Aborted(f"the coordinator sent the nodes of {len(nodes)} ranks, expected every rank of 0..{world_size - 1}")
+        node_of_rank = tuple(map(nodes.__getitem__, range(world_size)))
     compression = compression_of(reply.compression) if reply.HasField("compression") else None
     return JoinResult(reply.save_id, reply.plan_key, node_of_rank, specs_out, reply.shared_root, compression, fingerprints=digests)
 
