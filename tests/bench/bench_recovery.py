@@ -23,7 +23,9 @@ Every phase is a difference of timestamps written by the ranks (JSON lines), the
 lines) or this script at the moment it acts; the phases are contiguous and add up to the total.
 The restored state is checked bit-exact by every rank (after its first step). The floor: node
 1's bytes divided by the bulk channel's raw throughput measured in the same run, on the same
-files, before the loss (bench_replica.ceilings: sendfile over loopback TCP into /dev/shm).
+files, before the loss (bench_replica.Holder: another process sends that many bytes from /dev/shm
+over the bulk port into a fresh file in /dev/shm, over 1 connection and as many as a restore uses;
+the faster counts).
 
     python tests/bench/bench_recovery.py                # 256 MiB per node, 300 tensors, 2 ranks per node
     python tests/bench/bench_recovery.py --quick        # a small sample (tests/test_bench_recovery.py)
@@ -47,7 +49,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench_replica import JOB, STAGED, Cluster, ceilings, free_port, scrape  # tests/bench/bench_replica.py
+from bench_replica import JOB, STAGED, Cluster, Holder, free_port, restore_streams, scrape  # tests/bench/bench_replica.py
 
 RANK_SCRIPT = Path(__file__).with_name("recovery_rank.py")
 LOST = 1  # the node that is lost; node 2 holds its part in memory
@@ -227,6 +229,32 @@ class Recovery:
             print(f"{check}: {'PASS' if ok else 'FAIL'}")
 
 
+def ceilings(cluster: Cluster, nbytes: int) -> tuple[float, float]:
+    """(cold read, bulk channel) GB/s for node LOST's part of `nbytes`: a sequential read of its
+    data files after posix_fadvise(DONTNEED), and bench_replica's floor (Holder: the same bytes
+    sent over the bulk port into fresh shared memory, 1 connection or as many as a restore uses)."""
+    files = sorted((cluster.root(LOST) / JOB).rglob("*.safetensors"))
+    os.sync()
+    buffer = bytearray(8 * 2**20)
+    start = time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            offset = 0
+            while (n := os.preadv(fd, [buffer], offset)) > 0:
+                offset += n
+        finally:
+            os.close(fd)
+    cold = sum(f.stat().st_size for f in files) / (time.perf_counter() - start) / 1e9
+    holder = Holder(nbytes)
+    try:
+        loopback = max(holder.floor(streams) for streams in sorted({1, restore_streams(nbytes)}))
+    finally:
+        holder.close()
+    return cold, loopback
+
+
 def measure(settings: Settings, out: Path) -> Recovery:
     """Train, lose node LOST, replace it, relaunch and resume once; the timestamps and checks."""
     cluster = Cluster(out / f"recovery-{os.getpid()}", replicas=1)
@@ -240,7 +268,7 @@ def measure(settings: Settings, out: Path) -> Recovery:
             time.sleep(0.1)
         wait_recoverable(cluster, step)
         nbytes = part_bytes(cluster, LOST)
-        cold, loopback = ceilings(cluster)  # node 1's files: the floors, measured now (the replacement's root is empty)
+        cold, loopback = ceilings(cluster, nbytes)  # node 1's files: the floors, measured now (the replacement's root is empty)
         print(f"step {step} durable and recoverable; node {LOST}'s part {nbytes / 2**20:.1f} MiB; load {os.getloadavg()[0]:.2f}", flush=True)
 
         killed = time.time()
