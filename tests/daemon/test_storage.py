@@ -442,7 +442,11 @@ def test_peer_fetch_does_not_follow_a_link_in_a_step(tmp_path: Path) -> None:
     async def index_of(job: str, step: int) -> CheckpointIndex:
         return index
 
-    service = SimpleNamespace(cluster=SimpleNamespace(node=0, nodes=2), storage=storage, index=index_of)
+    async def fetched_range(index: CheckpointIndex, name: str, offset: int, nbytes: int) -> bytes:
+        # CheckpointService.fetched_range without load broadcast (whose blocks are read by the same call)
+        return await asyncio.to_thread(storage.files.read_range, index.job, index.step, name, offset, nbytes)
+
+    service = SimpleNamespace(cluster=SimpleNamespace(node=0, nodes=2), storage=storage, index=index_of, fetched_range=fetched_range)
     servicer = PeerServicer(service)  # type: ignore[arg-type]
 
     async def fetch() -> bytes:
