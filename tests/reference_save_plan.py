@@ -1,18 +1,17 @@
 """The save planner as it was before issue 34 (every rank's specs walked, a min over every holding
 node per tensor): the oracle that tests/daemon/test_save_plan_layouts.py checks the planner over
-distinct layouts against. Test code only."""
+distinct layouts against. Test code only. What issue 34 did not change (a spec's description,
+the checks, the arena layout) it calls in the planner; only the walk and the choices are the old ones."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 from typing import Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import shared_name
 from ckptd.daemon.plan import save_plan
-from ckptd.daemon.plan.save_plan import PAGE, FragmentSlot, LogicalTensor, PlanError, SavePlan, StoredPart, TensorSpec
+from ckptd.daemon.plan.save_plan import LogicalTensor, PlanError, SavePlan, StoredPart, TensorSpec
 
 
 def reference_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: Sequence[int] | None = None) -> SavePlan:
@@ -35,18 +34,7 @@ def reference_plan(specs_by_rank: Sequence[Sequence[TensorSpec]], node_of_rank: 
             if (spec.name, spec.box) in seen:
                 raise PlanError(f"rank {rank} sends fragment {spec.box} of tensor {spec.name!r} twice")
             seen.add((spec.name, spec.box))
-            if spec.per_rank and shared_name(spec.name, rank) is None:
-                raise PlanError(f"rank {rank} sends {spec.name!r} as its own tensor, but the name does not carry rank{rank} after its state key")
-            owner = rank if spec.per_rank else None
-            described = LogicalTensor(spec.name, spec.kind, spec.dtype, tuple(spec.shape), tuple(spec.aliases), spec.frozen, owner)
-            known = logical.setdefault(spec.name, described)
-            if known != described and replace(known, frozen=described.frozen) == described:
-                logical[spec.name] = replace(known, frozen="")  # ranks disagree whether it trains: stored as trained
-            elif known != described:
-                raise PlanError(
-                    f"ranks disagree on tensor {spec.name!r}: {save_plan._describe(known)} vs {save_plan._describe(described)} "
-                    f"(rank {rank}); every rank must describe the same global tensor"
-                )
+            save_plan._describe_spec(logical, spec, rank)  # unchanged by issue 34: shared, not copied
             holders[(spec.name, spec.box)].append(rank)
     save_plan._check_aliases(logical)
     save_plan._check_file_keys(logical)
@@ -88,20 +76,4 @@ def _reference_assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str
         rank = min(candidates, key=lambda r: (rank_load[r], r))
         chosen[(part.name, part.box)] = rank
         rank_load[rank] += part.box.numel * itemsizes[part.name]
-    cursor = [0] * len(nodes)
-    slots = []
-    for name, box in sorted(chosen):
-        rank = chosen[(name, box)]
-        nbytes = box.numel * itemsizes[name]
-        offset = save_plan.align(cursor[rank], nbytes)
-        slots.append(FragmentSlot(name, box, rank, offset, nbytes))
-        cursor[rank] = offset + nbytes
-    arena_bytes = tuple(-(-c // PAGE) * PAGE for c in cursor)
-    return SavePlan(
-        world_size=len(nodes),
-        tensors=tuple(logical[n] for n in sorted(logical)),
-        slots=tuple(slots),
-        arena_bytes=arena_bytes,
-        parts=tuple(sorted(parts, key=lambda p: (p.name, p.box))),
-        node_of_rank=nodes,
-    )
+    return save_plan._laid_out(logical, parts, chosen, itemsizes, nodes)  # the arena layout: unchanged, shared

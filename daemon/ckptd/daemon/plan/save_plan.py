@@ -432,6 +432,14 @@ def _assign(logical: dict[str, LogicalTensor], holders: dict[tuple[str, Box], li
         rank = min(candidates, key=lambda r: (rank_load[r], r))
         chosen[(part.name, part.box)] = rank
         rank_load[rank] += part.box.numel * itemsizes[part.name]
+    return _laid_out(logical, parts, chosen, itemsizes, nodes)
+
+
+def _laid_out(
+    logical: dict[str, LogicalTensor], parts: list[StoredPart], chosen: dict[tuple[str, Box], int], itemsizes: dict[str, int], nodes: tuple[int, ...],
+) -> SavePlan:
+    """The plan of fragments given to ranks (`chosen`): each rank's slots laid out in its arena
+    in (name, box) order, aligned (`align`), each arena rounded up to a page."""
     cursor = [0] * len(nodes)
     slots = []
     for name, box in sorted(chosen):
