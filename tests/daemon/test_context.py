@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from ckptd.format.index import CheckpointIndex, TensorRecord
 from ckptd.daemon.engine.context import IndexCache
 
@@ -33,3 +35,22 @@ def test_the_parsed_indexes_kept_are_bounded_by_their_tensors_too() -> None:
     cache.put(("j", 4), _index(4, 10))  # replaced: counted once
     cache.put(("j", 5), _index(5, 900))
     assert cache.get(("j", 4)) is not None and cache.get(("j", 5)) is not None
+
+
+def test_an_index_is_read_once_for_all_who_ask_while_it_is_read_then_served_from_the_cache() -> None:
+    async def main() -> None:
+        cache = IndexCache(4)
+        reads = 0
+
+        async def read() -> CheckpointIndex:
+            nonlocal reads
+            reads += 1
+            await asyncio.sleep(0.01)
+            return _index(7)
+
+        got = await asyncio.gather(*(cache.read(("j", 7), read) for _ in range(4)))
+        assert reads == 1 and all(g is got[0] for g in got)
+        assert await cache.read(("j", 7), read) is got[0] and reads == 1
+        assert cache.get(("j", 7)) is got[0]
+
+    asyncio.run(main())

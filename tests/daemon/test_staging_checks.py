@@ -64,3 +64,28 @@ def test_a_file_this_daemon_did_not_make_is_never_marked(staging: StagingFiles) 
     other = str(staging.path("job", 2, FILE))
     staging.mark_checked(other, 0)
     assert staging.checked_pieces([piece(other, 0)])[0].source == FILE_SOURCE
+
+
+def test_a_detached_staging_file_frees_its_name_at_once_and_is_unlinked_later(staging: StagingFiles, tmp_path: Path) -> None:
+    path = staging.path("job", 1, FILE)
+    staging.mark_checked(str(path), 100)
+    detached = staging.detach(path)
+    assert detached is not None and detached.exists() and not path.exists()
+    assert detached.name.startswith(path.name.split("-fetch-")[0])  # the daemon's pid: removed after a crash
+    os.close(staging.open(str(path)))  # a next load makes the name again, unmarked
+    assert staging.checked_pieces([piece(str(path), 100)])[0].source == FILE_SOURCE
+    staging.unlink(detached)  # (off the event loop: freeing the pages takes time)
+    assert not detached.exists() and path.exists()
+    again = staging.detach(path)
+    assert again is not None and again != detached
+    staging.close()  # shutdown: detached files not yet unlinked go too
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_detach_leaves_alone_what_this_daemon_did_not_make(staging: StagingFiles, tmp_path: Path) -> None:
+    path = staging.path("job", 1, FILE)
+    planted = tmp_path / "planted"
+    planted.write_text("planted")
+    planted.rename(path)  # swapped after it was made
+    assert staging.detach(path) is None and path.read_text() == "planted"
+    assert staging.detach(tmp_path / "never-made") is None

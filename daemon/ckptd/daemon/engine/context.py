@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.memory import ArenaMemory
@@ -20,6 +20,7 @@ from ckptd.daemon.engine.peers import Coordination, Peers
 from ckptd.daemon.engine.requests import ReportManifest
 from ckptd.daemon.engine.runs import Runs
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
+from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.errors import Precondition
 from ckptd.format.index import CheckpointIndex, FormatError
 from ckptd.daemon.handoff.arena import ArenaPool
@@ -43,13 +44,26 @@ class IndexCache:
     Bounded: a job that keeps every 50th step for months has thousands of committed steps, and
     an index of every one of them in memory grew the daemon by about 190 KiB per step (200
     tensors) in the soak benchmark (tests/bench/soak.py); 16 indexes of a 1,000-tensor job took
-    20 MiB, 8% of its 256 MiB state (issue 30 finding 5). An index not cached is read again."""
+    20 MiB, 8% of its 256 MiB state (issue 30 finding 5). An index not cached is read again.
+
+    An index being read is read once however many ask for it at once (`read`): the local ranks of
+    a restarted daemon all plan their loads together, and parsing a 1,000-tensor index costs
+    ~50 ms of the event loop each time."""
 
     def __init__(self, entries: int, tensors: int = INDEX_CACHE_TENSORS) -> None:
         self.entries = entries
         self.tensors = tensors
         self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
         self._records = 0
+        self._reading: SingleFlight[tuple[str, int], CheckpointIndex] = SingleFlight()
+
+    async def read(self, key: tuple[str, int], read: Callable[[], Coroutine[Any, Any, CheckpointIndex]]) -> CheckpointIndex:
+        """The cached index of `key`, else the one `read()` returns (then cached), read once for
+        all who ask meanwhile (SingleFlight)."""
+        index = self.get(key)
+        if index is not None:
+            return index
+        return await self._reading.run(key, read, lambda index: self.put(key, index))
 
     def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
         index = self._items.get(key)
@@ -142,15 +156,14 @@ class Engine:
 
     async def index(self, job: str, step: int) -> CheckpointIndex:
         """The committed step's index (cached). Raises Precondition if it is damaged, OSError if absent."""
-        key = (job, step)
-        index = self.indexes.get(key)
-        if index is None:
+
+        async def read() -> CheckpointIndex:
             try:
-                index = await asyncio.to_thread(self.storage.files.read_index, job, step)
+                return await asyncio.to_thread(self.storage.files.read_index, job, step)
             except FormatError as exc:
                 raise Precondition(f"step {step} of job {job!r} has a damaged index: {exc}") from None
-            self.indexes.put(key, index)
-        return index
+
+        return await self.indexes.read((job, step), read)
 
     async def fail(self, state: JobState, session: SaveSession, reason: str, cause: str = "internal") -> None:
         """Fail the save (no-op once it ended). cause: the label of ckptd_save_failures_total

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
@@ -23,6 +24,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.requests import PlanLoad
 from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.sessions import JobState
+from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
@@ -49,6 +51,7 @@ from ckptd.daemon.records import PeerInventory
 log = logging.getLogger(__name__)
 
 LOAD_LEASE_S = 3600.0
+EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
 
@@ -96,6 +99,8 @@ class Loads:
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
         self._extras_texts = ExtrasTexts()
+        self._extras_read: OrderedDict[tuple[str, int, str], dict[int, Any]] = OrderedDict()  # (job, step, checksum) -> every rank's extras
+        self._extras_reading: SingleFlight[tuple[str, int, str], dict[int, Any]] = SingleFlight()
         self.staging = StagingFiles(engine.config.shm_dir)
         self.broadcast = Broadcast(engine)
 
@@ -313,11 +318,23 @@ class Loads:
 
     async def _extras(self, job: str, step: int) -> dict[int, Any]:
         """Every rank's extras from the step's extra.json, its bytes checked against the index
-        first (a file the index does not list is not part of the step: no extras)."""
+        first (a file the index does not list is not part of the step: no extras). Read once for
+        the ranks that load the step together and kept for the next loads (EXTRAS_KEPT steps),
+        by the file's checksum in the index: never another file's. Extras are never changed in place."""
         record = next((f for f in (await self._index(job, step)).files if f.name == EXTRA_JSON), None)
         if record is None:
             return {}
-        return await self._copy(job, step).extras(job, step, record)
+        key = (job, step, record.checksum)
+        known = self._extras_read.get(key)
+        if known is not None:
+            self._extras_read.move_to_end(key)
+            return known
+        return await self._extras_reading.run(key, lambda: self._copy(job, step).extras(job, step, record), lambda extras: self._keep_extras(key, extras))
+
+    def _keep_extras(self, key: tuple[str, int, str], extras: dict[int, Any]) -> None:
+        self._extras_read[key] = extras
+        while len(self._extras_read) > EXTRAS_KEPT:
+            del self._extras_read[next(iter(self._extras_read))]
 
     def done(self, load_id: str) -> None:
         """LoadDone: the rank has read what it needed."""
@@ -339,7 +356,10 @@ class Loads:
             return
         for key in keys:
             del self._fetches[key]
-            self.staging.remove(self.staging.path(job, step, key[2]))
+        for file in {key[2] for key in keys}:  # a fetch per range, many ranges per file
+            detached = self.staging.detach(self.staging.path(job, step, file))
+            if detached is not None:  # its pages freed off the loop: LoadDone answers at once
+                self.engine.spawn(asyncio.to_thread(self.staging.unlink, detached))
 
     def expire_leases(self) -> None:
         now = time.monotonic()

@@ -43,6 +43,8 @@ class StagingFiles:
         self.shm_dir = shm_dir
         self._made: dict[str, tuple[int, int]] = {}  # path -> (device, inode) of the files created here
         self._checked: dict[str, set[int]] = {}  # path -> offsets of the ranges staged checked there
+        self._detached = 0  # files detached so far (their new names)
+        self._detached_files: dict[Path, tuple[int, int]] = {}  # detached, not yet unlinked: new name -> (device, inode)
         self._lock = threading.Lock()
 
     def path(self, job: str, step: int, file: str) -> Path:
@@ -103,31 +105,68 @@ class StagingFiles:
 
     def remove(self, path: Path) -> None:
         """Remove a staging file this daemon created; anything else now at the path stays."""
+        detached = self.detach(path)
+        if detached is not None:
+            self.unlink(detached)
+
+    def detach(self, path: Path) -> Path | None:
+        """Take the staging file this daemon created at `path` out of use at once: renamed to a
+        name of its own (still under this daemon's pid: remove_stale_arenas removes it after a
+        crash), so a next load can create `path` again. Returns the new name for `unlink`,
+        which may run off the event loop: unlinking frees the file's pages,
+        ~14 ms per 128 MiB. None when nothing of this daemon's is at `path` (anything else
+        there stays)."""
         with self._lock:
             made = self._made.pop(str(path), None)
             self._checked.pop(str(path), None)
+            self._detached += 1
+            name = self.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-removed-{self._detached}"
+        if made is None or not _is_file(path, made):
+            return None
+        try:
+            os.rename(path, name)
+        except OSError as exc:
+            log.warning("could not remove the staging file %s: %s", path, exc.strerror or exc)
+            return None
+        with self._lock:
+            self._detached_files[name] = made
+        return name
+
+    def unlink(self, detached: Path) -> None:
+        """(thread) Unlink a file `detach` renamed, if it is still that file."""
+        with self._lock:
+            made = self._detached_files.pop(detached, None)
         if made is not None:
-            _unlink_if(path, made)
+            _unlink_if(detached, made)
 
     def close(self) -> None:
         """Remove every staging file of this daemon (shutdown)."""
         with self._lock:
             made, self._made = self._made, {}
+            detached, self._detached_files = self._detached_files, {}
             self._checked.clear()
         for path, identity in made.items():
             _unlink_if(Path(path), identity)
+        for name, identity in detached.items():
+            _unlink_if(name, identity)
+
+
+def _is_file(path: Path, identity: tuple[int, int]) -> bool:
+    """Whether `path` is (not through a link) the regular file of (device, inode) `identity`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+        return True
+    log.warning("leaving %s alone: it is not the staging file this daemon created there", path)
+    return False
 
 
 def _unlink_if(path: Path, identity: tuple[int, int]) -> None:
     """Unlink `path` if it is still the regular file of (device, inode) `identity`."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == identity:
+    if _is_file(path, identity):
         path.unlink(missing_ok=True)
-    else:
-        log.warning("leaving %s alone: it is not the staging file this daemon created there", path)
 
 
 def _planted(path: str, exc: OSError | None) -> str:

@@ -113,17 +113,18 @@ class PeerDisks(Tier):
     async def index(self, job: str, step: int) -> CheckpointIndex:
         """The step's index from a peer that committed it (cached like a local index); NotFound
         when no node that answers has it."""
-        cached = self.engine.indexes.get((job, step))
-        if cached is not None:
-            return cached
-        node = -1
-        try:
-            node, data = await self._fetch(job, step, INDEX_NAME)
-            index = CheckpointIndex.of_step(data, job, step, f"{self.cluster.describe(node)}'s {INDEX_NAME}")
-        except (Unavailable, FormatError) as exc:
-            raise Precondition(f"step {step} of job {job!r} is not in this node's root, and its index could not be read from {self.cluster.describe(node)}: {exc}") from None
-        self.engine.indexes.put((job, step), index)
-        return index
+
+        async def read() -> CheckpointIndex:
+            node = -1
+            try:
+                node, data = await self._fetch(job, step, INDEX_NAME)
+                return CheckpointIndex.of_step(data, job, step, f"{self.cluster.describe(node)}'s {INDEX_NAME}")
+            except (Unavailable, FormatError) as exc:
+                raise Precondition(
+                    f"step {step} of job {job!r} is not in this node's root, and its index could not be read from {self.cluster.describe(node)}: {exc}"
+                ) from None
+
+        return await self.engine.indexes.read((job, step), read)
 
     async def extras(self, job: str, step: int, record: FileRecord) -> dict[int, Any]:
         """Every rank's extras from the extra.json of a peer that committed the step, checked
