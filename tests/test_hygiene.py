@@ -98,6 +98,7 @@ ALLOWED = {
     ("app/cli.py", "main", "os.open"): "/dev/null for stdout at exit",
     ("engine/staging.py", "StagingFiles.open", "os.open"): "reopening a staging file in /dev/shm it created, not the root",
     ("engine/staging.py", "_unlink_if", ".unlink"): "staging files in /dev/shm, not the root",
+    ("engine/staging.py", "StagingFiles.detach", "os.rename"): "a staging file in /dev/shm renamed before it is unlinked off the loop, not the root",
     ("app/server.py", "_prepare_socket", ".unlink"): "a stale socket, not the root",
     ("app/server.py", "serve", ".unlink"): "the socket, not the root",
     ("tools/export.py", "export_files", "shutil.rmtree"): "OUT, the operator's export directory, not the root",

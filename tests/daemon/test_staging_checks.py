@@ -74,11 +74,11 @@ def test_a_detached_staging_file_frees_its_name_at_once_and_is_unlinked_later(st
     assert detached.name.startswith(path.name.split("-fetch-")[0])  # the daemon's pid: removed after a crash
     os.close(staging.open(str(path)))  # a next load makes the name again, unmarked
     assert staging.checked_pieces([piece(str(path), 100)])[0].source == FILE_SOURCE
-    staging.unlink(detached)  # (off the event loop: freeing the pages takes time)
+    staging.free(detached)  # (off the event loop: freeing the pages takes time)
     assert not detached.exists() and path.exists()
     again = staging.detach(path)
     assert again is not None and again != detached
-    staging.close()  # shutdown: detached files not yet unlinked go too
+    staging.close()  # shutdown: detached files not yet freed go too
     assert sorted(tmp_path.iterdir()) == []
 
 

@@ -9,8 +9,10 @@ layout can check what it loaded.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import threading
@@ -468,3 +470,34 @@ def test_when_the_replica_and_the_writers_disk_are_both_damaged_the_load_fails(s
     flip_last_byte(written)
     with pytest.raises(CheckpointError, match=rf"checksum mismatch .* in {re.escape(written.name)}|{re.escape(written.name)}.* damaged"):
         load_exact(cluster.nodes, [0], even(1), dim=1, step=1, job=job)
+
+
+# issue 34: a replaced node of a large job asks the peers that can hold what its ranks read (the
+# lowest other node for the step, the writer's buddies for the files), not every node: here two
+# nodes it does not need are stopped (SIGSTOP: every call to them waits out its deadline,
+# INVENTORY_TIMEOUT_S = 3 s), and its load does not wait for them
+def test_a_replaced_node_asks_only_the_peers_that_can_hold_what_it_reads(node_sets: Callable[..., NodeSet]) -> None:
+    nodes = node_sets(5, shared_root=False)
+    ports = [free_port() for _ in range(5)]
+    for n in range(5):
+        nodes.start(n, "--metrics-port", str(ports[n]), "--metrics-host", "127.0.0.1")
+    save(nodes, [0, 1, 2, 3, 4], step=1)
+    wait_for(lambda: metric(ports[0], f'ckptd_recoverable_step{{job="{JOB}"}}') == 1, what="step 1 recoverable")
+    nodes.running[1].kill()
+    shutil.rmtree(nodes.root(1))
+    for path in nodes.nodes[1].shm_dir.iterdir():
+        path.unlink()
+    nodes.start(1, "--metrics-port", str(ports[1]), "--metrics-host", "127.0.0.1")
+    stopped = [nodes.running[n] for n in (3, 4)]
+    for daemon in stopped:
+        os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        # node 1's rank loads its own rows, whose file only node 2 holds now (in memory)
+        assert load_exact(nodes, [1], (Fraction(1, 5), Fraction(2, 5)), dim=0, step=None) == [1]
+        seconds = time.monotonic() - started
+    finally:
+        for daemon in stopped:
+            os.kill(daemon.pid, signal.SIGCONT)
+    assert metric(ports[1], 'ckptd_load_staged_bytes_total{tier="memory-peer"}') > 0
+    assert seconds < 3.0, f"the load took {seconds:.1f} s: it waited for a peer it does not need"

@@ -29,7 +29,7 @@ from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
-from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FormatError
+from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan.load_plan import (
     NO_ROUTES,
     BroadcastRoutes,
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LOAD_LEASE_S = 3600.0
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
+ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
 
@@ -157,7 +158,6 @@ class Loads:
         if memo is not None:
             return await self._lease(request, step, held, index, memo, memo.plan_id)
         data_files = [f for f in index.files if f.name.endswith(".safetensors")]
-        where, tiers = await self._file_sources(index) if self.engine.cluster is not None else ({}, {})
         storage = self.engine.storage
 
         def local_path(file: str) -> str | None:
@@ -167,8 +167,23 @@ class Loads:
         def staging_path(file: str) -> str:
             return str(self.staging.path(job, step, file))
 
-        locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
-        planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
+        where: dict[str, int] = {}
+        tiers: dict[str, TierName] = {}
+        if self.engine.cluster is None:
+            locations = file_locations(data_files, self.engine.node, where, local_path, staging_path)
+            planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
+        else:  # first planned with the files this root lacks staged from nodes not known yet: which files the load reads
+            sizes = (await self._root.files(index, {})).get(self.engine.node, {})
+            lacking = {f.name: ELSEWHERE for f in data_files if sizes.get(f.name) != f.size}
+            first = file_locations(data_files, self.engine.node, lacking, local_path, staging_path)
+            planned = plan_pieces(index, wanted, request.kinds, request.strict, held, first, rank)
+            needed = [f for f in data_files if f.name in self._files_read(planned, first)]
+            where, tiers = await self._file_sources(index, needed, sizes)
+            locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
+            if all((locations[f.name].path, locations[f.name].staged) == (first[f.name].path, first[f.name].staged) for f in needed):  # the same paths: only the nodes staged from differ
+                planned = replace(planned, reads=tuple(StagedRead(r.file, locations[r.file].node, r.offset, r.nbytes) for r in planned.reads))
+            else:
+                planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
         routes = self.broadcast.routes(index, where, self._files_read(planned, locations) - set(tiers)) if where else NO_ROUTES  # replicas in memory stay
         if routes.fetch or routes.read_once:  # load broadcast: the same pieces, read from other places
             where = {**where, **routes.fetch}
@@ -216,39 +231,56 @@ class Loads:
             except asyncio.TimeoutError:
                 log.warning("step %s of job %s still not written after %s s; loading an older step", session.step, session.job, session.timeout_s)
 
-    async def _file_sources(self, index: CheckpointIndex) -> tuple[dict[str, int], dict[str, TierName]]:
-        """Several nodes: which node to read each data file of the step from, and the tier of
-        those read from a replica in memory (load_plan.file_sources over what each tier holds:
-        memory here, memory on a peer, disk here, disk on a peer). Checked before any byte is
-        served, so a load either finds one complete copy on the nodes present or fails with
-        every missing tensor and the node that wrote it. The peers are asked on every load that
-        lacks a file here (nodes come and go between loads), and only then: a node with every
-        file reads its root without waiting for a peer that may be down."""
+    async def _file_sources(
+        self, index: CheckpointIndex, needed: Sequence[FileRecord], sizes: Mapping[str, int]
+    ) -> tuple[dict[str, int], dict[str, TierName]]:
+        """Several nodes: which node to read each `needed` data file of the step from, and the
+        tier of those read from a replica in memory (load_plan.file_sources over what each tier
+        holds: memory here, memory on a peer, disk here, disk on a peer; `sizes`: this root's
+        files). Checked before any byte is served, so a load either finds one complete copy of
+        what it reads on the nodes present or fails with every missing tensor and the node that
+        wrote it. Peers are asked only when this root lacks a needed file (nodes come and go
+        between loads; a node with every file reads its root without waiting for a peer that
+        may be down), first those the tiers expect to hold the lacking files (their writers and
+        the writers' buddies: a few nodes, not every node of a large job), then, only if those
+        lack some, all the others."""
         cluster, node = self.engine.cluster, self.engine.node
         assert cluster is not None
-        data_files = [f for f in index.files if f.name.endswith(".safetensors")]
-        sizes = (await self._root.files(index, {})).get(node, {})
         inventories: dict[int, PeerInventory] = {}
         unreachable: dict[int, str] = {}
-        if any(sizes.get(f.name) != f.size for f in data_files):
+        chosen, missing = await self._choose(index, needed, sizes, inventories)
+        if any(sizes.get(f.name) != f.size for f in needed):
+            writers = {f.node for f in needed if sizes.get(f.name) != f.size}
+            first = set().union(*(tier.peers_holding(writers) for tier in self._tiers))
             others = [n for n in range(cluster.nodes) if n != node]
-            answers = await asyncio.gather(*(cluster.inventory(n, index.job, index.step) for n in others))
-            for other, answer in zip(others, answers):
-                if isinstance(answer, str):
-                    unreachable[other] = answer
-                else:
-                    inventories[other] = answer
+            for ask in ([n for n in others if n in first], [n for n in others if n not in first]):
+                answers = await asyncio.gather(*(cluster.inventory(n, index.job, index.step) for n in ask))
+                for other, answer in zip(ask, answers):
+                    if isinstance(answer, str):
+                        unreachable[other] = answer
+                    else:
+                        inventories[other] = answer
+                chosen, missing = await self._choose(index, needed, sizes, inventories)
+                if not missing:
+                    break
+        if missing:
+            raise Precondition(incomplete_message(index, missing, unreachable, cluster.describe))
+        in_memory = (TierName.REPLICA_HERE, TierName.REPLICA_PEER)
+        return {name: n for name, (_, n) in chosen.items()}, {name: t for name, (t, _) in chosen.items() if t in in_memory}
+
+    async def _choose(
+        self, index: CheckpointIndex, needed: Sequence[FileRecord], sizes: Mapping[str, int], inventories: Mapping[int, PeerInventory]
+    ) -> tuple[dict[str, tuple[TierName, int]], list[FileRecord]]:
+        """load_plan.file_sources of the `needed` files over what each tier holds, the peers'
+        `inventories` given: (tier, node) per file, and the files nobody holds."""
+        node = self.engine.node
         held: dict[TierName, Mapping[int, Mapping[str, int]]] = {TierName.ROOT: {node: sizes}}
         for tier in self._tiers:
             if tier is not self._root:
                 held[tier.name] = await tier.files(index, inventories)
         disk = {**held.get(TierName.ROOT, {}), **held.get(TierName.PEER_DISK, {})}
         memory = {**held.get(TierName.REPLICA_HERE, {}), **held.get(TierName.REPLICA_PEER, {})}
-        chosen, missing = file_sources(data_files, node, disk, memory)
-        if missing:
-            raise Precondition(incomplete_message(index, missing, unreachable, cluster.describe))
-        in_memory = (TierName.REPLICA_HERE, TierName.REPLICA_PEER)
-        return {name: n for name, (_, n) in chosen.items()}, {name: t for name, (t, _) in chosen.items() if t in in_memory}
+        return file_sources(needed, node, disk, memory)
 
     @staticmethod
     def _files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set[str]:
@@ -359,7 +391,7 @@ class Loads:
         for file in {key[2] for key in keys}:  # a fetch per range, many ranges per file
             detached = self.staging.detach(self.staging.path(job, step, file))
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once
-                self.engine.spawn(asyncio.to_thread(self.staging.unlink, detached))
+                self.engine.spawn(asyncio.to_thread(self.staging.free, detached))
 
     def expire_leases(self) -> None:
         now = time.monotonic()

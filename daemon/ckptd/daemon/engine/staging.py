@@ -107,12 +107,12 @@ class StagingFiles:
         """Remove a staging file this daemon created; anything else now at the path stays."""
         detached = self.detach(path)
         if detached is not None:
-            self.unlink(detached)
+            self.free(detached)
 
     def detach(self, path: Path) -> Path | None:
         """Take the staging file this daemon created at `path` out of use at once: renamed to a
         name of its own (still under this daemon's pid: remove_stale_arenas removes it after a
-        crash), so a next load can create `path` again. Returns the new name for `unlink`,
+        crash), so a next load can create `path` again. Returns the new name for `free`,
         which may run off the event loop: unlinking frees the file's pages,
         ~14 ms per 128 MiB. None when nothing of this daemon's is at `path` (anything else
         there stays)."""
@@ -132,7 +132,7 @@ class StagingFiles:
             self._detached_files[name] = made
         return name
 
-    def unlink(self, detached: Path) -> None:
+    def free(self, detached: Path) -> None:
         """(thread) Unlink a file `detach` renamed, if it is still that file."""
         with self._lock:
             made = self._detached_files.pop(detached, None)

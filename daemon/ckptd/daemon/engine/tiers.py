@@ -20,7 +20,7 @@ The engine never imports a tier's module (tests/layers.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Protocol, Sequence
 
 from ckptd.daemon.errors import NotFound, Unavailable
 from ckptd.format.index import CheckpointIndex, FileRecord
@@ -117,6 +117,12 @@ class Tier:
         """The step's data files this tier can stage, by node: file name -> size (a holder counts
         only with the index's size). `inventories`: the peers' answers (empty when not asked)."""
         return {}
+
+    def peers_holding(self, writers: Collection[int]) -> set[int]:
+        """The other nodes this tier expects to hold files written by `writers` (their roots,
+        their buddies' memory): the peers a load asks first, so that a replaced node of a large
+        job does not ask every node (the engine asks the rest only when these lack a file)."""
+        return set()
 
     async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
         """Copy each read's bytes to the same offset of its staging file; returns what it could

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.tiers import Located, StagingTarget, Tier, Unstaged
@@ -42,11 +42,19 @@ class PeerDisks(Tier):
         self.cluster = engine.cluster
         self._holders: dict[tuple[str, int], int] = {}  # a node found to have the step committed (asked again when it fails)
 
-    async def _answers(self, job: str, step: int, newest: bool) -> dict[int, PeerInventory]:
-        """Every other node's inventory of the step, by node (those that answered)."""
+    async def _answers(self, job: str, step: int, newest: bool, wanted: Callable[[PeerInventory], bool]) -> dict[int, PeerInventory]:
+        """The other nodes' inventories of the step, by node (those that answered): the lowest
+        other node's first (node 0, which commits, records every step), and every other node's
+        only when that one does not answer or its answer is not `wanted`: a replaced node of a
+        10,000-node job asks one peer, not all of them, on each load."""
         others = [n for n in range(self.cluster.nodes) if n != self.cluster.node]
-        replies = await asyncio.gather(*(self.cluster.inventory(n, job, step, newest=newest) for n in others))
-        return {n: r for n, r in zip(others, replies) if not isinstance(r, str)}
+        answers: dict[int, PeerInventory] = {}
+        for ask in (others[:1], others[1:]):
+            replies = await asyncio.gather(*(self.cluster.inventory(n, job, step, newest=newest) for n in ask))
+            answers.update({n: r for n, r in zip(ask, replies) if not isinstance(r, str)})
+            if any(wanted(a) for a in answers.values()):
+                break
+        return answers
 
     async def newest(self, job: str, found: Located | None) -> Located | None:
         """When no tier before found a step (a replaced node, on an empty root): the job's newest
@@ -54,7 +62,7 @@ class PeerDisks(Tier):
         node that answers records it; None when none has one."""
         if found is not None:
             return None
-        answers = await self._answers(job, 0, newest=True)
+        answers = await self._answers(job, 0, newest=True, wanted=lambda a: a.newest is not None)
         for node in sorted(answers):
             step = answers[node].newest
             if step is not None:
@@ -68,6 +76,10 @@ class PeerDisks(Tier):
 
     async def files(self, index: CheckpointIndex, inventories: Mapping[int, PeerInventory]) -> Mapping[int, Mapping[str, int]]:
         return {node: answer.sizes for node, answer in inventories.items()}
+
+    def peers_holding(self, writers: Collection[int]) -> set[int]:
+        """A file is in the root of the node that wrote it (node-local roots)."""
+        return {w for w in writers if 0 <= w < self.cluster.nodes and w != self.cluster.node}
 
     async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
         """Fetch each range of a peer's file (read.node) into its staging file."""
@@ -86,7 +98,7 @@ class PeerDisks(Tier):
         known = self._holders.get((job, step))
         if known is not None and not fresh:
             return known
-        answers = await self._answers(job, step, newest=False)
+        answers = await self._answers(job, step, newest=False, wanted=lambda a: a.committed)
         found = next((n for n in sorted(answers) if answers[n].committed), None)
         if found is None:
             self._holders.pop((job, step), None)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from ckptd.daemon.engine.tiers import Committed, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import NotFound, Unavailable
@@ -23,7 +23,7 @@ from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.load_plan import TierName
 from ckptd.format.file_plan import StagedRead
 from ckptd.daemon.records import PeerInventory
-from ckptd.daemon.tiers.replicas import Replication
+from ckptd.daemon.tiers.replicas import Replication, buddies
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,13 @@ class ReplicasOnPeers(Tier):
 
     async def files(self, index: CheckpointIndex, inventories: Mapping[int, PeerInventory]) -> Mapping[int, Mapping[str, int]]:
         return {node: _replicas(index, answer.replicas) for node, answer in inventories.items()}
+
+    def peers_holding(self, writers: Collection[int]) -> set[int]:
+        """A node's part is held by its buddies (tiers/replicas.buddies, under this daemon's --replicas)."""
+        engine = self.replication.engine
+        assert engine.cluster is not None
+        nodes, here = engine.cluster.nodes, engine.node
+        return {b for w in writers if 0 <= w < nodes for b in buddies(w, nodes, engine.config.replicas) if b != here}
 
     async def stage(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> Sequence[Unstaged]:
         """Receive the ranges from each holder (read.node) at once, one batch per holder and
