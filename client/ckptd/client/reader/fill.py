@@ -18,7 +18,7 @@ import functools
 import mmap
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
@@ -28,7 +28,7 @@ import torch
 
 from ckptd.client.arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
 from ckptd.client.reader.decode import fill_decoded
-from ckptd.client.reader.pieces import READ_CHUNK, Source, checked_by_daemon, open_piece, pread_exact, read_runs, read_verified, verify_span
+from ckptd.client.reader.pieces import READ_CHUNK, Source, checked_by_daemon, open_piece, pread_exact, read_range, read_runs, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common._copy import copy_pieces
@@ -117,10 +117,18 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     jobs = []
     big: list[_Span] = []  # split into CHUNKs over the threads
     small_shm: list[tuple[int, int, int]] = []  # (target address, arena address, bytes)
+    # An export of every mapping copied from by address: ArenaMaps cannot unmap one (it keeps
+    # at most 8) until the copies are done; `fills` keeps the targets alive.
+    held: dict[int, memoryview] = {}
     for span in arena_spans:
         src = span.src
-        if span.nbytes < SPLIT_BYTES:  # a memmove by address (the maps and `fills` keep both alive)
-            small_shm.append((span.address, maps.address(src.path, src.offset + src.nbytes) + src.offset + span.lo, span.nbytes))
+        if span.nbytes < SPLIT_BYTES:  # a memmove by address
+            end = src.offset + src.nbytes
+            base = maps.address(src.path, end)
+            mm = maps.get(src.path, end)
+            if id(mm) not in held:
+                held[id(mm)] = memoryview(mm)
+            small_shm.append((span.address, base + src.offset + span.lo, span.nbytes))
         else:
             big.append(span)
     reads: list[_Span] = []  # read in batches
@@ -145,8 +153,10 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     jobs += [pool.submit(_read_spans, batch) for batch in _batches(reads, _span_bytes, BATCHES)]
     jobs += [pool.submit(_fill_part, maps, part) for part in parts]
     jobs += [pool.submit(fill_decoded, src, fill.target, fill.want, common) for src, fill, common in decoded]
+    wait(jobs)  # all of them, also when one failed: none may still copy once this returns
     for job in jobs:
         job.result()
+    held.clear()
     for path in arenas:
         maps.mark_warm(path)  # only arenas this process mapped become warm
 
@@ -193,22 +203,15 @@ def _bytes_at(address: int, nbytes: int) -> np.ndarray:
 
 
 def _read_spans(spans: Sequence[_Span]) -> None:
-    """Read each span into its target, checked as before: a piece the daemon checked by plain
-    preads (each file opened once per batch), all of a fragment against its checksum
-    (read_verified), part of one against the chunks it touches (read_runs)."""
+    """Read each span into its target, checked as pieces.read_range checks it (as a whole piece
+    or a part of one is checked everywhere); each file is opened once per batch."""
     fds: dict[str, int] = {}
     try:
         for src, lo, nbytes, address in spans:
-            dst = _bytes_at(address, nbytes)
-            if checked_by_daemon(src):
-                fd = fds.get(src.path)
-                if fd is None:
-                    fd = fds[src.path] = open_piece(src)
-                pread_exact(fd, dst, src.offset + lo, src.path)
-            elif lo == 0 and nbytes == src.nbytes:
-                read_verified(src, dst)
-            else:
-                read_runs(src, [CopyRun(lo, 0, nbytes)], [(lo, nbytes)], dst)
+            fd = fds.get(src.path)
+            if fd is None:
+                fd = fds[src.path] = open_piece(src)
+            read_range(fd, src, lo, _bytes_at(address, nbytes))
     finally:
         for fd in fds.values():
             os.close(fd)
