@@ -239,6 +239,42 @@ def test_the_same_damaged_bytes_fail_a_file_piece_and_pass_as_a_checked_one(pool
     fill_all(pool, maps, [Fill(torch.empty(SHAPE), Box.full(SHAPE), [source._replace(kind=CHECKED_SOURCE)])])
 
 
+@pytest.mark.parametrize("kind", ["file", "shm", CHECKED_SOURCE])
+def test_many_row_slices_small_and_large_fill_exactly(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str) -> None:
+    """The fast path of row slices: many small ones (batched), and large ones (split over the
+    threads; from an arena first cold, by pread, then warm, through the mapping)."""
+    wholes = [ramp((31 + i, 6)) + i for i in range(40)] + [ramp((5 * 2**20 // 4 // 256 + 4, 256))]
+    sources = [store.put(kind, f"t{i}", w, shard_boxes(tuple(w.shape), 0, 2)) for i, w in enumerate(wholes)]
+    wants = [Box((w.shape[0] // 4, 0), (w.shape[0] // 2 + 1, w.shape[1])) for w in wholes]  # across the two fragments
+    for _ in range(2):
+        outs = [torch.full(want.lengths, -99.0) for want in wants]
+        fill_all(pool, maps, [Fill(out, want, src) for out, want, src in zip(outs, wants, sources)])
+        for out, want, w in zip(outs, wants, wholes):
+            assert torch.equal(out, w[relative(want, Box.full(tuple(w.shape)))])
+
+
+def test_small_pieces_from_more_arenas_than_are_kept_mapped_copy_exactly(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
+    """ArenaMaps keeps 8 arenas mapped; pieces copied by address from 20 arenas must still come
+    from their own arena (every mapping used stays mapped until the copies are done)."""
+    wholes = [ramp((16, 8)) + i for i in range(20)]
+    sources = [store.put("shm", f"t{i}", w, [Box.full((16, 8))]) for i, w in enumerate(wholes)]
+    for want in (Box.full((16, 8)), Box((3, 0), (9, 8))):
+        outs = [torch.full(want.lengths, -99.0) for _ in wholes]
+        fill_all(pool, maps, [Fill(out, want, src) for out, src in zip(outs, sources)])
+        for out, w in zip(outs, wholes):
+            assert torch.equal(out, w[relative(want, Box.full((16, 8)))])
+
+
+@pytest.mark.parametrize("kind", ["file", "shm", CHECKED_SOURCE])
+def test_a_row_slice_of_a_piece_of_another_size_than_its_box_is_an_error(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str) -> None:
+    (source,) = store.put(kind, "model/w", ramp(SHAPE), [Box.full(SHAPE)])
+    with pytest.raises(CheckpointError, match="has 516 bytes for a target of 520"):
+        fill_all(pool, maps, [Fill(torch.empty(ROWS_2_TO_7.lengths), ROWS_2_TO_7, [source._replace(nbytes=source.nbytes - 4)])])
+
+
+ROWS_2_TO_7 = Box((2, 0), (5, 10))
+
+
 def test_a_checked_piece_of_another_size_than_its_target_is_an_error(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:
     shape = (5 * 2**20 // 4 // 256, 256)
     (source,) = store.put(CHECKED_SOURCE, "model/w", ramp(shape), [Box.full(shape)])
@@ -364,6 +400,44 @@ def test_a_partial_read_checks_every_chunk_it_touches(pool: ThreadPoolExecutor, 
     else:
         fill_all(pool, maps, [Fill(out, ROWS_3_TO_9, [source])])
         assert torch.equal(out, whole[3:9])
+
+
+@pytest.mark.parametrize(
+    "kind, lo, nbytes, damage_at, damaged",
+    [
+        ("file", 0, 520, None, False),  # all of the fragment: its checksum
+        ("file", 0, 520, 517, True),
+        ("file", 120, 240, None, False),  # part of it: chunks 1 and 5 cut, 2-4 inside
+        ("file", 120, 240, 200, True),  # inside
+        ("file", 120, 240, 70, True),  # in the chunk cut at the start, before the range
+        ("file", 120, 240, 370, True),  # in the chunk cut at the end, after the range
+        ("file", 120, 240, 10, False),  # in a chunk the range does not touch
+        (CHECKED_SOURCE, 120, 240, 200, False),  # the daemon checked it: read as it is
+        (CHECKED_SOURCE, 0, 520, 3, False),
+    ],
+)
+def test_read_range_checks_as_read_runs_does_through_the_callers_descriptor(
+    store: Store, kind: str, lo: int, nbytes: int, damage_at: int | None, damaged: bool
+) -> None:
+    whole = ramp(SHAPE)
+    (source,) = store.put(kind, "model/w", whole, [Box.full(SHAPE)], chunk_bytes=64)
+    if damage_at is not None:
+        flip_byte(source, damage_at)
+    expected = whole.reshape(-1).view(torch.uint8).numpy()[lo : lo + nbytes].copy()
+    if damage_at is not None and lo <= damage_at < lo + nbytes:
+        expected[damage_at - lo] ^= 0x5A
+    out = torch.zeros(nbytes, dtype=torch.uint8).numpy()
+    fd = pieces.open_piece(source)
+    try:
+        if damaged:
+            with pytest.raises(CheckpointError, match="checksum mismatch for tensor 'model/w'"):
+                pieces.read_range(fd, source, lo, out)
+        else:
+            pieces.read_range(fd, source, lo, out)
+            assert (out == expected).all()
+        os.fstat(fd)  # still open: the caller's to close
+    finally:
+        os.close(fd)
 
 
 def test_a_column_slice_mapped_from_the_file_is_checked_by_chunks(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store) -> None:

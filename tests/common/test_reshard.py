@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ckptd.common.boxes import Box, coverage_problems, relative
-from ckptd.common.reshard import CopyRun, copy_runs, even_shards, read_ranges, run_count, shard_boxes
+from ckptd.common.reshard import CopyRun, copy_runs, even_shards, read_ranges, row_block, run_count, shard_boxes
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,63 @@ from ckptd.common.reshard import CopyRun, copy_runs, even_shards, read_ranges, r
 )
 def test_copy_runs(fragment: Box, want: Box, itemsize: int, runs: list[tuple[int, int, int]]) -> None:
     assert copy_runs(fragment, want, itemsize) == [CopyRun(*r) for r in runs]
+
+
+@pytest.mark.parametrize(
+    "fragment, want, block",
+    [
+        # 1-D: the overlap of [2:7] and [0:4] is [2:4]
+        (Box((2,), (5,)), Box((0,), (4,)), (0, 2, 2)),
+        # a row slice of a fragment of whole rows: rows 2..3 of the fragment, all of the wanted box
+        (Box((0, 0), (4, 3)), Box((2, 0), (2, 3)), (6, 0, 6)),
+        # a fragment that covers the second half of the wanted rows
+        (Box((4, 0), (4, 3)), Box((2, 0), (4, 3)), (0, 6, 6)),
+        # the same box: all of it
+        (Box((0, 0), (3, 4)), Box((0, 0), (3, 4)), (0, 0, 12)),
+        # 3-D, later dims equal but not starting at 0 (a column block of rows)
+        (Box((2, 1, 0), (4, 2, 3)), Box((3, 1, 0), (5, 2, 3)), (6, 0, 18)),
+        # no overlap: rows that only touch, rows of no length, rows of nothing
+        (Box((0, 0), (2, 3)), Box((2, 0), (2, 3)), (0, 0, 0)),
+        (Box((0, 0), (0, 3)), Box((0, 0), (2, 3)), (0, 0, 0)),
+        (Box((0, 0), (4, 0)), Box((1, 0), (2, 0)), (0, 0, 0)),
+        # not row slices of each other: the general path
+        (Box((0, 0), (2, 4)), Box((0, 1), (2, 2)), None),
+        (Box((0, 0), (2, 4)), Box((0, 2), (2, 4)), None),
+        (Box((0, 0, 0), (2, 2, 3)), Box((0, 1, 0), (2, 1, 3)), None),
+        (Box((), ()), Box((), ()), None),
+        (Box((0,), (4,)), Box((0, 0), (4, 1)), None),
+    ],
+)
+def test_row_block(fragment: Box, want: Box, block: tuple[int, int, int] | None) -> None:
+    assert row_block(fragment, want) == block
+
+
+def test_row_block_agrees_with_copy_runs() -> None:
+    """Wherever row_block answers, its run is copy_runs' only run (scaled by the itemsize), and
+    no run at all when it says (0, 0, 0)."""
+    rng = random.Random(7)
+    answered = 0
+    for _ in range(3000):
+        ndim = rng.randint(1, 3)
+        tail_off = tuple(rng.randint(0, 2) for _ in range(ndim - 1))
+        tail_len = tuple(rng.randint(0, 3) for _ in range(ndim - 1))
+        boxes = []
+        for _ in range(2):
+            other = rng.random() < 0.2  # sometimes a later dim differs
+            offsets = (rng.randint(0, 6), *(o + (rng.randint(0, 1) if other else 0) for o in tail_off))
+            boxes.append(Box(offsets, (rng.randint(0, 6), *tail_len)))
+        fragment, want = boxes
+        itemsize = rng.choice([1, 2, 4])
+        block = row_block(fragment, want)
+        if block is None:
+            continue
+        answered += 1
+        runs = copy_runs(fragment, want, itemsize)
+        if block[2] == 0:
+            assert runs == [], (fragment, want)
+        else:
+            assert runs == [CopyRun(block[0] * itemsize, block[1] * itemsize, block[2] * itemsize)], (fragment, want)
+    assert answered > 1000
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,25 @@ def run_count(fragment: Box, want: Box) -> int:
     return math.prod(common.lengths[:split])
 
 
+def row_block(fragment: Box, want: Box) -> tuple[int, int, int] | None:
+    """The overlap of two boxes that span the same range of every dim but the first (row slices
+    of the same tensor) as one run, in elements: (offset in the fragment's row-major data, offset
+    in the wanted box's, length); (0, 0, 0) when they do not overlap. None for any other pair
+    (0-dim boxes, or boxes that differ in a later dim), which copy_runs handles.
+
+    Equals copy_runs(fragment, want, 1) wherever it is not None, without building a Box or a
+    CopyRun: a load of many row slices asks once per piece.
+    """
+    fo, fl, wo, wl = fragment.offsets, fragment.lengths, want.offsets, want.lengths
+    if not fl or fl[1:] != wl[1:] or fo[1:] != wo[1:]:
+        return None
+    row = math.prod(fl[1:])
+    lo, hi = max(fo[0], wo[0]), min(fo[0] + fl[0], wo[0] + wl[0])
+    if hi <= lo or row == 0:
+        return (0, 0, 0)
+    return ((lo - fo[0]) * row, (lo - wo[0]) * row, (hi - lo) * row)
+
+
 def read_ranges(runs: Sequence[CopyRun], max_gap: int = 64 * 1024, max_len: int | None = None) -> list[tuple[int, int]]:
     """The byte ranges (offset, nbytes) of the fragment to read so that every run's source is read.
 

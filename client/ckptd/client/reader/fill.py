@@ -13,26 +13,27 @@ ckptd.client.reader.decode.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from ckptd.client.arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
 from ckptd.client.reader.decode import fill_decoded
-from ckptd.client.reader.pieces import READ_CHUNK, Source, checked_by_daemon, open_piece, pread_exact, read_runs, read_verified, verify_span
+from ckptd.client.reader.pieces import READ_CHUNK, Source, checked_by_daemon, open_piece, pread_exact, read_range, read_runs, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common._copy import copy_pieces
 from ckptd.common.boxes import Box, intersect, relative
-from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, run_count
+from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, row_block, run_count
 
 BATCHES = max(2, os.cpu_count() or 1)  # batches of small pieces per fill
 MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
@@ -57,88 +58,163 @@ class Fill:
 
 
 def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -> None:
-    """Run every fill's copies and reads on the pool at once, then wait for all of them."""
-    wholes: list[tuple[Source, torch.Tensor]] = []  # a whole fragment into a plain (contiguous CPU) target
-    ranges: list[tuple[Source, torch.Tensor, int]] = []  # one byte range the daemon checked into a plain target, at this byte
+    """Run every fill's copies and reads on the pool at once, then wait for all of them.
+
+    A piece that goes into a plain target (contiguous, on the CPU, of the stored dtype) as one
+    byte range (all of its fragment, or a block of its rows when the later dims match: a row
+    slice) is found with integer arithmetic (reshard.row_block) and copied or read by address:
+    a load of thousands of such pieces costs a few microseconds of Python each. Other shapes go
+    through copy runs (_Part) or decoding.
+    """
+    spans: list[_Span] = []  # one byte range each, from a file (checked by the rank or by the daemon)
+    arena_spans: list[_Span] = []  # one byte range each, from an arena
     parts: list[_Part] = []
     decoded: list[tuple[Source, Fill, Box]] = []
+    arenas: set[str] = set()
     for fill in fills:
-        if fill.sources and tuple(fill.target.shape) != fill.want.lengths:
+        target, want = fill.target, fill.want
+        if fill.sources and tuple(target.shape) != want.lengths:
             raise CheckpointError(
-                f"the target for tensor {fill.sources[0].name!r} has shape {list(fill.target.shape)} but the wanted box "
-                f"{fill.want} has lengths {list(fill.want.lengths)}; pass a target of the wanted box's shape"
+                f"the target for tensor {fill.sources[0].name!r} has shape {list(target.shape)} but the wanted box "
+                f"{want} has lengths {list(want.lengths)}; pass a target of the wanted box's shape"
             )
-        target = fill.target
         plain = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0  # byte_view would work
+        stored = _dtype_name(target.dtype) if plain else None  # pieces of this dtype go straight into the target's bytes
         for src in fill.sources:
-            common = intersect(src.box, fill.want)
+            if src.kind == "shm":
+                arenas.add(src.path)
+            direct = src.dtype == stored
+            if direct and src.decode is None and (block := row_block(src.box, want)) is not None:
+                if block[2]:
+                    size = _itemsize(src.dtype)
+                    _check_size(src)
+                    span = _Span(src, block[0] * size, block[2] * size, target.data_ptr() + block[1] * size)
+                    (arena_spans if src.kind == "shm" else spans).append(span)
+                continue
+            common = intersect(src.box, want)
             if common is None:
                 continue
             if src.decode is not None:
                 decoded.append((src, fill, common))
                 continue
-            direct = plain and src.dtype == _dtype_name(target.dtype)
-            if direct and src.box == fill.want:
-                wholes.append((src, target))
-            elif run_count(src.box, fill.want if direct else common) > MANY_RUNS:
+            if direct and src.box == want:  # a 0-dim tensor: row_block leaves it here
+                _check_size(src)
+                (arena_spans if src.kind == "shm" else spans).append(_Span(src, 0, src.nbytes, target.data_ptr()))
+            elif run_count(src.box, want if direct else common) > MANY_RUNS:
                 parts.append(_Part(src, common, fill, [], direct, strided=True))
             else:
-                runs = copy_runs(src.box, fill.want if direct else common, dtypes.itemsize(src.dtype))
-                if direct and len(runs) == 1 and checked_by_daemon(src):  # one unchecked range (a row slice): read in batches
-                    ranges.append((src._replace(offset=src.offset + runs[0].src, nbytes=runs[0].nbytes), target, runs[0].dst))
+                runs = copy_runs(src.box, want if direct else common, dtypes.itemsize(src.dtype))
+                if direct and len(runs) == 1 and checked_by_daemon(src):  # one unchecked range: read in batches
+                    _check_size(src)
+                    spans.append(_Span(src, runs[0].src, runs[0].nbytes, target.data_ptr() + runs[0].dst))
                 else:
                     parts.append(_Part(src, common, fill, runs, direct))
-    # Only the scattered ranges of parts: whole fragments are read front to back, which the
-    # kernel's readahead follows. Advising them too made a cold 1 GiB restore slower (0.38-0.46 s
+    # Only scattered ranges: all of a fragment is read front to back, which the kernel's
+    # readahead follows. Advising those too made a cold 1 GiB restore slower (0.38-0.46 s
     # against 0.35-0.42 s): the advice allocates and submits every page up front, on this thread.
-    _prefetch([(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()])
+    _prefetch([(p.src.path, p.src.offset + lo, n) for p in parts if p.src.kind == "file" for lo, n in p.ranges()]
+              + [(s.src.path, s.src.offset + s.lo, s.nbytes) for s in spans if s.src.kind == "file" and s.nbytes != s.src.nbytes])
     jobs = []
-    small_files: list[tuple[Source, np.ndarray]] = []
+    big: list[_Span] = []  # split into CHUNKs over the threads
     small_shm: list[tuple[int, int, int]] = []  # (target address, arena address, bytes)
-    # files in file order: each front to back, as its readahead goes
-    wholes = [w for w in wholes if w[0].kind == "shm"] + sorted((w for w in wholes if w[0].kind != "shm"), key=lambda w: (w[0].path, w[0].offset))
-    for src, target in wholes:
-        if src.kind == "shm" and src.nbytes < SPLIT_BYTES:
-            if src.nbytes != target.numel() * target.element_size():
-                raise CheckpointError(f"piece of tensor {src.name!r} has {src.nbytes} bytes for a target of {target.numel() * target.element_size()}")
-            # a memmove by address: no view objects per tensor (the maps and `fills` keep both alive)
-            small_shm.append((target.data_ptr(), maps.address(src.path, src.offset + src.nbytes) + src.offset, src.nbytes))
-            continue
-        dst_bytes = byte_view(target)
-        assert dst_bytes is not None  # wholes are plain targets
-        if src.kind == "shm" and maps.is_cold(src.path):
-            # pread from the arena file: no page-table entries to create in this process, which
-            # on a new mapping cost more than the copy itself (about 3x a memcpy against 1.5x)
-            jobs += [pool.submit(_pread_chunk, src, dst_bytes, i) for i in range(0, src.nbytes, CHUNK)]
-        elif src.kind == "shm":
-            raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=src.nbytes, offset=src.offset)
-            jobs += [pool.submit(t.run) for t in chunk_tasks(dst_bytes, raw)]
-        elif src.nbytes < SPLIT_BYTES:
-            small_files.append((src, dst_bytes))
-        elif checked_by_daemon(src):  # nothing to hash in order: read in chunks on every thread
-            if src.nbytes != len(dst_bytes):
-                raise CheckpointError(f"piece of tensor {src.name!r} has {src.nbytes} bytes for a target of {len(dst_bytes)}")
-            jobs += [pool.submit(_pread_chunk, src, dst_bytes, i) for i in range(0, src.nbytes, CHUNK)]
+    # An export of every mapping copied from by address: ArenaMaps cannot unmap one (it keeps
+    # at most 8) until the copies are done; `fills` keeps the targets alive.
+    held: dict[int, memoryview] = {}
+    for span in arena_spans:
+        src = span.src
+        if span.nbytes < SPLIT_BYTES:  # a memmove by address
+            end = src.offset + src.nbytes
+            base = maps.address(src.path, end)
+            mm = maps.get(src.path, end)
+            if id(mm) not in held:
+                held[id(mm)] = memoryview(mm)
+            small_shm.append((span.address, base + src.offset + span.lo, span.nbytes))
         else:
-            jobs.append(pool.submit(read_verified, src, dst_bytes))
-    for src, target, at in ranges:
-        dst_bytes = byte_view(target)
-        assert dst_bytes is not None  # ranges go only to plain targets
-        small_files.append((src, dst_bytes[at : at + src.nbytes]))
+            big.append(span)
+    reads: list[_Span] = []  # read in batches
+    for span in spans:
+        (big if span.nbytes >= SPLIT_BYTES and checked_by_daemon(span.src) else reads).append(span)
+    for span in big:
+        src, dst = span.src, _bytes_at(span.address, span.nbytes)
+        if src.kind == "shm" and not maps.is_cold(src.path):
+            raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=span.nbytes, offset=src.offset + span.lo)
+            jobs += [pool.submit(t.run) for t in chunk_tasks(dst, raw)]
+        else:
+            # a piece the daemon checked (nothing to hash in order), or a cold arena: pread from the
+            # arena file, no page-table entries to create in this process, which on a new mapping
+            # cost more than the copy itself (about 3x a memcpy against 1.5x)
+            jobs += [pool.submit(_pread_chunk, span, dst, i) for i in range(0, span.nbytes, CHUNK)]
     # small pieces in a few batches of about equal bytes, not one task each (a task costs more
-    # than copying a small tensor)
+    # than copying a small tensor); files in file order, each front to back, as its readahead goes
     if small_shm:  # one call into C, which splits them over threads
         moves = np.array(small_shm, dtype=np.uint64).T.copy()
         jobs.append(pool.submit(copy_pieces, moves[0], moves[1], moves[2], BATCHES))
-    jobs += [pool.submit(_read_batch, batch) for batch in _batches(small_files, lambda p: p[0].nbytes, BATCHES)]
+    reads = [s for s in reads if s.src.kind != "file"] + sorted((s for s in reads if s.src.kind == "file"), key=_file_order)
+    jobs += [pool.submit(_read_spans, batch) for batch in _batches(reads, _span_bytes, BATCHES)]
     jobs += [pool.submit(_fill_part, maps, part) for part in parts]
     jobs += [pool.submit(fill_decoded, src, fill.target, fill.want, common) for src, fill, common in decoded]
+    wait(jobs)  # all of them, also when one failed: none may still copy once this returns
     for job in jobs:
         job.result()
-    for fill in fills:
-        for src in fill.sources:
-            if src.kind == "shm":
-                maps.mark_warm(src.path)  # only arenas this process mapped (parts) become warm
+    held.clear()
+    for path in arenas:
+        maps.mark_warm(path)  # only arenas this process mapped become warm
+
+
+class _Span(NamedTuple):
+    """Bytes [lo, lo + nbytes) of fragment `src`'s data, for the memory at `address`: inside a
+    plain target, which the fill keeps alive until the copy is done."""
+
+    src: Source
+    lo: int
+    nbytes: int
+    address: int
+
+
+def _span_bytes(span: _Span) -> int:
+    return span.nbytes
+
+
+def _file_order(span: _Span) -> tuple[str, int]:
+    return span.src.path, span.src.offset + span.lo
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    """dtypes.itemsize, memoized: a load asks once per piece."""
+    return dtypes.itemsize(dtype)
+
+
+def _check_size(src: Source) -> None:
+    """Raise CheckpointError unless the piece has the bytes its box needs: a copy by address
+    must never run past its fragment's data or its target."""
+    expected = dtypes.nbytes(src.dtype, src.box.lengths)
+    if src.nbytes != expected:
+        raise CheckpointError(
+            f"piece of tensor {src.name!r} in {Path(src.path).name} has {src.nbytes} bytes for a target of {expected} "
+            f"(box {src.box} of {src.dtype}); the index and the data disagree — load an older step"
+        )
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray:
+    """A writable flat uint8 array over `nbytes` of this process's memory at `address` (cheaper
+    than byte_view; whoever passes the address keeps its owner alive)."""
+    return np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(address)), dtype=np.uint8)
+
+
+def _read_spans(spans: Sequence[_Span]) -> None:
+    """Read each span into its target, checked as pieces.read_range checks it (as a whole piece
+    or a part of one is checked everywhere); each file is opened once per batch."""
+    fds: dict[str, int] = {}
+    try:
+        for src, lo, nbytes, address in spans:
+            fd = fds.get(src.path)
+            if fd is None:
+                fd = fds[src.path] = open_piece(src)
+            read_range(fd, src, lo, _bytes_at(address, nbytes))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,17 +296,12 @@ def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[l
     return out
 
 
-def _read_batch(pieces: Sequence[tuple[Source, np.ndarray]]) -> None:
-    for src, dst in pieces:
-        read_verified(src, dst)
-
-
-def _pread_chunk(src: Source, dst: np.ndarray, start: int) -> None:
-    """Copy bytes [start, start + CHUNK) of `src` (an arena's fragment, or a piece the daemon
-    checked) into `dst` by pread, unchecked."""
-    fd = open_piece(src)
+def _pread_chunk(span: _Span, dst: np.ndarray, start: int) -> None:
+    """Copy bytes [start, start + CHUNK) of `span` (of an arena's fragment, or of a piece the
+    daemon checked) into `dst` (the span's memory) by pread, unchecked."""
+    fd = open_piece(span.src)
     try:
-        pread_exact(fd, dst[start : start + CHUNK], src.offset + start, src.path)
+        pread_exact(fd, dst[start : start + CHUNK], span.src.offset + span.lo + start, span.src.path)
     finally:
         os.close(fd)
 

@@ -114,6 +114,26 @@ def read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, 
         partial.finish()
 
 
+def read_range(fd: int, src: Source, lo: int, out: np.ndarray) -> None:
+    """pread the fragment's bytes [lo, lo + len(out)) from `fd` (open_piece of `src`) into
+    `out`, checked as read_runs checks a single range: against the fragment's checksum when the
+    range is all of it, else against the checksums of the chunks it touches (the chunks cut at
+    its edges are read whole, through `fd`); unchecked when the daemon checked them.
+
+    One call per piece and no descriptor of its own: a load of many row slices of a file reads
+    each with a single pread (plus its edge chunks)."""
+    whole = lo == 0 and len(out) == src.nbytes
+    trusted = checked_by_daemon(src)
+    hasher = xxhash.xxh3_64() if whole and src.checksum and not trusted else None
+    pread_exact(fd, out, src.offset + lo, src.path, hasher)
+    if hasher is not None:
+        check_hash(src, hasher)
+    elif not whole and not trusted:
+        partial = _PartialCheck(src)
+        partial.saw(lo, out)
+        partial.finish(fd)
+
+
 def open_piece(src: Source) -> int:
     try:
         fd = os.open(src.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # never through a link, never waiting on a FIFO
@@ -194,13 +214,16 @@ class _PartialCheck:
         self.checked.update(inner)
         self.edges.update(edges)
 
-    def finish(self) -> None:
-        """Read and check the chunks cut by the ranges seen."""
+    def finish(self, fd: int | None = None) -> None:
+        """Read and check the chunks cut by the ranges seen (through `fd`, open_piece of the
+        piece, when given; else through a descriptor of its own)."""
         todo = sorted(self.edges - self.checked) if self.chunks is not None else []
         if not todo:
             return
         assert self.chunks is not None
-        fd = open_piece(self.src)
+        own = fd is None
+        if fd is None:
+            fd = open_piece(self.src)
         try:
             for chunk in todo:
                 begin, end = self.chunks.span(chunk)
@@ -208,7 +231,8 @@ class _PartialCheck:
                 pread_exact(fd, buf, self.src.offset + begin, self.src.path)
                 self._compare(chunk, digest_of(memoryview(buf)))
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
 
     def _compare(self, chunk: int, actual: str) -> None:
         assert self.chunks is not None
