@@ -231,3 +231,10 @@ def test_names() -> None:
     assert step_dir_name(42) == "step-00000042"
     assert parse_step_dir_name("step-00000042") == 42
     assert parse_step_dir_name("step-42") is None and parse_step_dir_name("latest") is None
+
+
+def test_a_file_record_is_found_by_name_and_an_unknown_name_is_none() -> None:
+    files = tuple(FileRecord(f"model-{i:05d}-of-10000.safetensors", i, "xxh3-64:0", i) for i in range(10000))
+    index = CheckpointIndex("j", 1, 0.0, 1, (), files)
+    assert index.file("model-04321-of-10000.safetensors") is files[4321]
+    assert index.file("extra.json") is None and index.file("") is None

@@ -105,11 +105,12 @@ class Broadcast:
     async def stage_own(self, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> None:
         """Stage this node's own `reads` through the blocks read once (which the peers' fetches
         share). Raises FormatError / OSError as the storage does."""
-        records = {f.name: f for f in index.files}
         for read in reads:
+            record = index.file(read.file)
+            assert record is not None  # planned from this index
             fd = await asyncio.to_thread(target.open, target.paths[read.file])
             try:
-                await self.read_once.stage(index, records[read.file], read.offset, read.nbytes, fd)
+                await self.read_once.stage(index, record, read.offset, read.nbytes, fd)
             finally:
                 os.close(fd)
             self.engine.metrics.load_staged_bytes.labels(TierName.ROOT.value).inc(read.nbytes)
@@ -118,7 +119,7 @@ class Broadcast:
         """A peer's Fetch of bytes [offset, offset + nbytes) of `name`: from the blocks read once
         when broadcast is on and `name` is a data file of the step, else None (the caller reads
         the root). Raises FormatError (a short file) or OSError as the storage does."""
-        record = next((f for f in index.files if f.name == name), None) if self.enabled and name.endswith(".safetensors") else None
+        record = index.file(name) if self.enabled and name.endswith(".safetensors") else None
         if record is None:
             return None
         data = await self.read_once.read(index, record, offset, nbytes)

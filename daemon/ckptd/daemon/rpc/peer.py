@@ -134,12 +134,14 @@ class PeerServicer(ppb_grpc.PeerServicer):
         except (errors.Precondition, OSError):
             raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}") from None
         storage = self.service.storage
-        sizes = {f.name: f.size for f in index.files}
+        record = index.file(name)
         if name == INDEX_NAME:
-            sizes[name] = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
-        if name not in sizes:
+            size: int | None = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
+        else:
+            size = record.size if record is not None else None
+        if size is None:
             raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
-        nbytes = checks.check_byte_range(name, sizes[name], request.offset, request.nbytes)
+        nbytes = checks.check_byte_range(name, size, request.offset, request.nbytes)
         done = 0
         while done < nbytes:
             n = min(FETCH_CHUNK, nbytes - done)
