@@ -1,5 +1,5 @@
 """Reading and checking bytes from the page cache, one core: the client's checked read
-(`pieces.read_verified`: pread into the target + xxh3) and `ckptd verify`'s
+(`pieces.read_range` of a whole piece: pread into the target + xxh3) and `ckptd verify`'s
 (`verify._hash_range`: pread + xxh3 + chunk digests), with the bytes read HASH_SLICE at a time
 (the hashes find them in the CPU cache) against the larger reads each used before (64 MiB and
 16 MiB: the hashes read them from memory again). Warm: the file is read once before timing, so
@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -53,10 +54,11 @@ def main() -> None:
         src = pieces.Source("t", "file", str(path), 0, nbytes, Box((0,), (nbytes,)), "U8", f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}")
         out = np.empty(nbytes, dtype=np.uint8)
         fd = os.open(path, os.O_RDONLY)
+        handle = SimpleNamespace(pread=lambda n, at: os.pread(fd, n, at))  # verify's ReadHandle over the same descriptor
         try:
             runs = {
-                "checked load": (pieces, lambda: pieces.read_verified(src, out)),
-                "verify": (verify, lambda: verify._hash_range(fd, 0, nbytes, lambda n: None, chunk_bytes_for(nbytes))),
+                "checked load": (pieces, lambda: pieces.read_range(fd, src, 0, out)),
+                "verify": (verify, lambda: verify._hash_range(handle, 0, nbytes, lambda n: None, chunk_bytes_for(nbytes))),
             }
             for name, (module, run) in runs.items():
                 run()  # into the page cache

@@ -168,7 +168,7 @@ def test_a_planted_staging_file_fails_the_load_and_receives_nothing(tmp_path: Pa
     path.symlink_to(victim)  # swapped after it was made
     with pytest.raises(Precondition, match="not the one this daemon created"):
         staging.open(str(path))
-    staging.remove(path)  # not its file any more: left as it is
+    assert staging.detach(path) is None  # not its file any more: left as it is
     assert os.path.islink(path) and victim.read_text() == "precious"
 
 

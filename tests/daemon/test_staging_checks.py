@@ -55,7 +55,9 @@ def test_a_mark_ends_when_the_range_is_staged_again_or_the_file_is_removed(stagi
     staging.unmark(path, 100)  # staged again (a disk fallback writes it unchecked)
     assert staging.checked_pieces([piece(path, 100)])[0].source == FILE_SOURCE
     staging.mark_checked(path, 100)
-    staging.remove(Path(path))
+    detached = staging.detach(Path(path))  # released: renamed at once, freed later
+    assert detached is not None
+    staging.free(detached)
     os.close(staging.open(path))  # the same name made again: its ranges are new
     assert staging.checked_pieces([piece(path, 100)])[0].source == FILE_SOURCE
 

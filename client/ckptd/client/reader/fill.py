@@ -86,7 +86,7 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
             direct = src.dtype == stored
             if direct and src.decode is None and (block := row_block(src.box, want)) is not None:
                 if block[2]:
-                    size = _itemsize(src.dtype)
+                    size = dtypes.itemsize(src.dtype)
                     _check_size(src)
                     span = _Span(src, block[0] * size, block[2] * size, target.data_ptr() + block[1] * size)
                     (arena_spans if src.kind == "shm" else spans).append(span)
@@ -177,12 +177,6 @@ def _span_bytes(span: _Span) -> int:
 
 def _file_order(span: _Span) -> tuple[str, int]:
     return span.src.path, span.src.offset + span.lo
-
-
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    """dtypes.itemsize, memoized: a load asks once per piece."""
-    return dtypes.itemsize(dtype)
 
 
 def _check_size(src: Source) -> None:

@@ -116,22 +116,18 @@ def read_runs(src: Source, runs: Sequence[CopyRun], ranges: Sequence[tuple[int, 
 
 def read_range(fd: int, src: Source, lo: int, out: np.ndarray) -> None:
     """pread the fragment's bytes [lo, lo + len(out)) from `fd` (open_piece of `src`) into
-    `out`, checked as read_runs checks a single range: against the fragment's checksum when the
-    range is all of it, else against the checksums of the chunks it touches (the chunks cut at
-    its edges are read whole, through `fd`); unchecked when the daemon checked them.
+    `out`, checked as verify_span checks them (all of the fragment: hashed as it is read; a part:
+    the chunks it touches, the edge chunks read through `fd`); unchecked when the daemon checked them.
 
     One call per piece and no descriptor of its own: a load of many row slices of a file reads
     each with a single pread (plus its edge chunks)."""
     whole = lo == 0 and len(out) == src.nbytes
-    trusted = checked_by_daemon(src)
-    hasher = xxhash.xxh3_64() if whole and src.checksum and not trusted else None
+    hasher = xxhash.xxh3_64() if whole and src.checksum and not checked_by_daemon(src) else None
     pread_exact(fd, out, src.offset + lo, src.path, hasher)
     if hasher is not None:
         check_hash(src, hasher)
-    elif not whole and not trusted:
-        partial = _PartialCheck(src)
-        partial.saw(lo, out)
-        partial.finish(fd)
+    else:
+        verify_span(src, lo, out, fd)
 
 
 def open_piece(src: Source) -> int:
@@ -172,10 +168,11 @@ def check_hash(src: Source, hasher: "xxhash.xxh3_64") -> None:
         )
 
 
-def verify_span(src: Source, lo: int, data: np.ndarray) -> None:
+def verify_span(src: Source, lo: int, data: np.ndarray, fd: int | None = None) -> None:
     """Check the fragment's bytes [lo, lo + len(data)) as read: against the fragment's checksum
     when they are all of it (and the index has that checksum), else against the checksums of
-    the chunks they touch. Nothing for bytes the daemon checked."""
+    the chunks they touch (the chunks cut at the edges read whole, through `fd` when given).
+    Nothing for bytes the daemon checked."""
     if checked_by_daemon(src):
         return
     if src.checksum and lo == 0 and len(data) == src.nbytes:
@@ -185,7 +182,7 @@ def verify_span(src: Source, lo: int, data: np.ndarray) -> None:
         return
     check = _PartialCheck(src)
     check.saw(lo, data)
-    check.finish()
+    check.finish(fd)
 
 
 class _PartialCheck:
@@ -245,19 +242,6 @@ class _PartialCheck:
             )
 
 
-def read_verified(src: Source, out: np.ndarray) -> None:
-    """pread `src` into `out` and check its checksum (unless the daemon did); raise CheckpointError
-    naming the file on a mismatch."""
-    hasher = None if checked_by_daemon(src) else xxhash.xxh3_64()
-    fd = open_piece(src)
-    try:
-        pread_exact(fd, out[: src.nbytes], src.offset, src.path, hasher)
-    finally:
-        os.close(fd)
-    if hasher is not None:
-        check_hash(src, hasher)
-
-
 def read_framed_rows(src: Source, frames: Frames, dtype: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
     """Rows [r0, r1) (along dim 0) of codes of this dtype and shape stored as zstd frames of
     whole rows: reads and checks the frames that hold them, decompresses those frames."""
@@ -296,17 +280,11 @@ def read_rows(src: Source, dtype: str, shape: tuple[int, ...], r0: int, r1: int)
 
 
 def read_span(src: Source, lo: int, nbytes: int) -> np.ndarray:
-    """Bytes [lo, lo + nbytes) of the stored piece, read and checked: all of it against its
-    checksum, hashed as it is read; a part by the chunks it touches (verify_span)."""
+    """Bytes [lo, lo + nbytes) of the stored piece, read and checked (read_range)."""
     out = np.empty(nbytes, dtype=np.uint8)
-    hasher = xxhash.xxh3_64() if src.checksum and lo == 0 and nbytes == src.nbytes and not checked_by_daemon(src) else None
     fd = open_piece(src)
     try:
-        pread_exact(fd, out, src.offset + lo, src.path, hasher)
+        read_range(fd, src, lo, out)
     finally:
         os.close(fd)
-    if hasher is not None:
-        check_hash(src, hasher)
-    else:
-        verify_span(src, lo, out)
     return out

@@ -239,9 +239,9 @@ class Loads:
         holds: memory here, memory on a peer, disk here, disk on a peer; `sizes`: this root's
         files). Checked before any byte is served, so a load either finds one complete copy of
         what it reads on the nodes present or fails with every missing tensor and the node that
-        wrote it. Peers are asked only when this root lacks a needed file (nodes come and go
-        between loads; a node with every file reads its root without waiting for a peer that
-        may be down), first those the tiers expect to hold the lacking files (their writers and
+        wrote it. Peers are asked only when neither this root nor this daemon's memory holds a
+        needed file (nodes come and go between loads; a node with every file reads without
+        waiting for a peer that may be down), first those the tiers expect to hold the lacking files (their writers and
         the writers' buddies: a few nodes, not every node of a large job), then, only if those
         lack some, all the others."""
         cluster, node = self.engine.cluster, self.engine.node
@@ -249,9 +249,8 @@ class Loads:
         inventories: dict[int, PeerInventory] = {}
         unreachable: dict[int, str] = {}
         chosen, missing = await self._choose(index, needed, sizes, inventories)
-        if any(sizes.get(f.name) != f.size for f in needed):
-            writers = {f.node for f in needed if sizes.get(f.name) != f.size}
-            first = set().union(*(tier.peers_holding(writers) for tier in self._tiers))
+        if missing:  # neither this root nor this daemon's memory holds them
+            first = set().union(*(tier.peers_holding({f.node for f in missing}) for tier in self._tiers))
             others = [n for n in range(cluster.nodes) if n != node]
             for ask in ([n for n in others if n in first], [n for n in others if n not in first]):
                 answers = await asyncio.gather(*(cluster.inventory(n, index.job, index.step) for n in ask))
@@ -353,7 +352,7 @@ class Loads:
         first (a file the index does not list is not part of the step: no extras). Read once for
         the ranks that load the step together and kept for the next loads (EXTRAS_KEPT steps),
         by the file's checksum in the index: never another file's. Extras are never changed in place."""
-        record = next((f for f in (await self._index(job, step)).files if f.name == EXTRA_JSON), None)
+        record = (await self._index(job, step)).file(EXTRA_JSON)
         if record is None:
             return {}
         key = (job, step, record.checksum)

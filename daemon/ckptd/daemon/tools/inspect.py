@@ -47,7 +47,7 @@ def read_index_of(step: StepReader) -> CheckpointIndex:
 def read_environment(step: StepReader, index: CheckpointIndex) -> dict[str, Any] | None:
     """The step's environment record, checked against its index entry; None for a step written
     before ckptd kept one. InspectError when it is listed but damaged."""
-    record = next((f for f in index.files if f.name == ENVIRONMENT_JSON), None)
+    record = index.file(ENVIRONMENT_JSON)
     if record is None:
         return None
     try:
