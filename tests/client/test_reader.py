@@ -497,3 +497,24 @@ def test_codes_in_zstd_frames_decode_any_box_like_the_whole(pool: ThreadPoolExec
     fill_all(pool, maps, [Fill(torch.empty(2, 40), Box((0, 0), (2, 40)), [src])])  # frame 0 only: fine
     with pytest.raises(CheckpointError, match="tensor 'm'.*checksum mismatch|checksum mismatch for tensor 'm'"):
         fill_all(pool, maps, [Fill(torch.empty(2, 40), Box((4, 0), (2, 40)), [src])])
+
+
+@pytest.mark.parametrize(
+    "paths, files, offsets, nbytes",
+    [
+        (["/a"], [0, 0], [0], [4, 4]),  # columns of other lengths
+        (["/a"], [1], [0], [4]),  # no such arena
+        (["/a"], [-1], [0], [4]),
+        (["/a"], [0], [-8], [4]),  # a negative offset or size
+        (["/a"], [0], [0], [-4]),
+        ([], [0], [0], [4]),  # bytes in no arena
+    ],
+)
+def test_malformed_memory_columns_are_refused_with_what_to_do(paths: list[str], files: list[int], offsets: list[int], nbytes: list[int]) -> None:
+    with pytest.raises(CheckpointError, match="malformed.*upgrade the client and the daemon to the same release"):
+        pieces.ArenaColumns.of(paths, files, offsets, nbytes)
+
+
+def test_memory_columns_may_place_an_empty_fragment_in_no_arena() -> None:
+    columns = pieces.ArenaColumns.of([], [0], [0], [0])
+    assert columns.nbytes.tolist() == [0] and columns.paths == ()

@@ -4,6 +4,7 @@ messages, and what a peer sends is validated where it becomes a record."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import pytest
 
@@ -18,6 +19,7 @@ from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.errors import Aborted, InvalidRequest
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import NodeManifest
+from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import InFlightSave, JoinResult, LastCommit, Outcome, PeerInventory, StatusSnapshot
 from ckptd.format.file_plan import DecodeInfo, PieceInfo
@@ -184,3 +186,58 @@ def test_committed_progress_and_staged_ranges() -> None:
     assert rpc_convert.committed_pb("/r/j/step-1") == pb.SaveProgress(state="committed", done=True, step_dir="/r/j/step-1")
     ranges = rpc_convert.staged_ranges([pb.StagedRange(staging_offset=1, arena_offset=2, nbytes=3)])
     assert [(r.staging_offset, r.arena_offset, r.nbytes) for r in ranges] == [(1, 2, 3)]
+
+
+# issue 33 item 5: a restore from memory in the layout that saved it travels as columns
+def _arena_piece(spec: TensorSpec, path: str, offset: int, **changed: object) -> PieceInfo:
+    piece = PieceInfo(spec.name, "shm", path, offset, spec.nbytes, spec.box, spec.dtype, "")
+    return piece._replace(**changed)  # type: ignore[arg-type]
+
+
+WANTED = (
+    TensorSpec("model/w", "model", "F32", (4, 2), Box.full((4, 2))),
+    TensorSpec("model/b", "model", "BF16", (3,), Box.full((3,))),
+    TensorSpec("optimizer/step", "optimizer", "I64", (), Box.full(())),
+)
+
+
+def test_memory_columns_lists_each_wanted_tensor_in_the_request_order_whatever_the_pieces_order() -> None:
+    pieces = [_arena_piece(WANTED[2], "/shm/b", 0), _arena_piece(WANTED[0], "/shm/a", 64), _arena_piece(WANTED[1], "/shm/b", 8)]
+    columns = rpc_convert.memory_columns(pieces, WANTED)
+    assert columns is not None
+    assert list(columns.paths) == ["/shm/a", "/shm/b"]
+    assert (list(columns.file), list(columns.offset), list(columns.nbytes)) == ([0, 1, 1], [64, 8, 0], [32, 6, 8])
+
+
+@pytest.mark.parametrize(
+    "why, pieces",
+    [
+        ("a tensor missing (strict=False)", lambda: [_arena_piece(WANTED[0], "/a", 0), _arena_piece(WANTED[1], "/a", 32)]),
+        ("a piece from a file", lambda: [_arena_piece(WANTED[0], "/a", 0, source="file"), *(_arena_piece(s, "/a", 64) for s in WANTED[1:])]),
+        ("part of a fragment (resharded)", lambda: [_arena_piece(WANTED[0], "/a", 0, fragment=Box((0, 0), (2, 2)), nbytes=16), *(_arena_piece(s, "/a", 64) for s in WANTED[1:])]),
+        ("another dtype", lambda: [_arena_piece(WANTED[0], "/a", 0), _arena_piece(WANTED[1], "/a", 32, dtype="F16"), _arena_piece(WANTED[2], "/a", 40)]),
+        ("other bytes", lambda: [_arena_piece(WANTED[0], "/a", 0, nbytes=31), *(_arena_piece(s, "/a", 64) for s in WANTED[1:])]),
+        ("codes to decode", lambda: [_arena_piece(WANTED[0], "/a", 0, decode=DecodeInfo("lin-i8", 32, None, None)), *(_arena_piece(s, "/a", 64) for s in WANTED[1:])]),
+        ("two pieces of one tensor", lambda: [_arena_piece(WANTED[0], "/a", 0), _arena_piece(WANTED[0], "/a", 0), _arena_piece(WANTED[1], "/a", 32)]),
+    ],
+)
+def test_memory_columns_are_none_unless_every_tensor_is_one_whole_arena_fragment(why: str, pieces: Callable[[], list[PieceInfo]]) -> None:
+    assert rpc_convert.memory_columns(pieces(), WANTED) is None, why
+
+
+def test_memory_columns_messages_are_built_once_per_plan_and_specs() -> None:
+    pieces = tuple(_arena_piece(s, "/shm/a", 64 * i) for i, s in enumerate(WANTED))
+    plan = LoadPlan("load-1", 5, pieces, {}, (), (), "memory", plan_id="p1")
+    messages = rpc_convert.MemoryColumnsMessages(keep=2)
+    first = messages.get(plan, WANTED)
+    assert first is not None and messages.get(replace(plan, load_id="load-2"), WANTED) is first
+    assert messages.get(plan, list(WANTED)) is not first  # other specs (another fingerprint): built for them
+    assert rpc_convert.plan_load_response(plan, [], first).columns == first
+
+
+def test_memory_columns_give_an_empty_tensor_without_a_piece_no_bytes_in_no_arena() -> None:
+    empty = TensorSpec("model/empty", "model", "F32", (0, 3), Box.full((0, 3)))
+    columns = rpc_convert.memory_columns([_arena_piece(WANTED[0], "/shm/a", 0)], (empty, WANTED[0]))
+    assert columns is not None
+    assert (list(columns.paths), list(columns.file), list(columns.offset), list(columns.nbytes)) == (["/shm/a"], [0, 0], [0, 0], [0, 32])
+    assert rpc_convert.memory_columns([], (empty,)) == pb.MemoryColumns(file=[0], offset=[0], nbytes=[0])

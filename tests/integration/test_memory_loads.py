@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient
-from ckptd.client.arenas import ArenaMaps
 from ckptd.client.reader import fill
 from ckptd.demo.process import DaemonProcess
 
@@ -26,16 +25,17 @@ def daemon(module_daemons: Any) -> DaemonProcess:
 
 @pytest.fixture
 def prepared(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many copies each MemoryCopies.prepare planned (one entry per plan made)."""
+    """How many copies each one-call plan planned (one entry per plan made, -1 for none), from
+    pieces (MemoryCopies.prepare) or from columns (MemoryCopies.of_columns)."""
     made: list[int] = []
-    prepare = fill.MemoryCopies.prepare
+    prepare, of_columns = fill.MemoryCopies.prepare, fill.MemoryCopies.of_columns
 
-    def counted(maps: ArenaMaps, fills: Any) -> fill.MemoryCopies | None:
-        plan = prepare(maps, fills)
+    def counted(plan: fill.MemoryCopies | None) -> fill.MemoryCopies | None:
         made.append(-1 if plan is None else len(plan.sizes))
         return plan
 
-    monkeypatch.setattr(fill.MemoryCopies, "prepare", staticmethod(counted))
+    monkeypatch.setattr(fill.MemoryCopies, "prepare", staticmethod(lambda maps, fills: counted(prepare(maps, fills))))
+    monkeypatch.setattr(fill.MemoryCopies, "of_columns", staticmethod(lambda maps, targets, columns: counted(of_columns(maps, targets, columns))))
     return made
 
 
@@ -133,7 +133,8 @@ def test_a_plan_whose_arena_is_mapped_elsewhere_copies_nothing_and_the_load_stil
     client.save(1, state).wait_durable()
     client.load(state)
     known = client._load_structures._last.cache["load_plans"]  # type: ignore[union-attr]
-    (fills, moves), = known.values()
+    (known_plan,) = known.values()
+    moves = known_plan.moves
     held = [memoryview(client._maps.get(path)) for path, _, _ in moves.bases]  # the old mappings stay where they are
     client._maps.close()  # forgotten: the next use maps each arena anew, elsewhere
     _zeroed(state)
@@ -194,11 +195,20 @@ def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_da
 
 
 def test_a_large_tensor_in_a_warm_arena_takes_the_one_call_copy_and_a_fresh_mapping_is_pread(
-    daemon: DaemonProcess, client: CheckpointClient, prepared: list[int]
+    daemon: DaemonProcess, client: CheckpointClient, prepared: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A piece of SPLIT_BYTES or more: the client that saved (its arenas mapped and copied
-    through) copies it with the rest in one call; a new client, whose mapping is fresh, reads it
-    with pread (fill_all) and makes no one-call plan. Both restore exactly."""
+    through) copies it with the rest in one call; a new client, whose mapping is fresh, gets the
+    plan as columns and reads every piece from the arena files by pread in one call (populating a
+    fresh mapping's page tables costs more). Both restore exactly."""
+    reads: list[int] = []
+    read_pieces = fill.read_pieces
+
+    def counted(fds: Any, destinations: Any, offsets: Any, sizes: Any, threads: int) -> None:
+        reads.append(len(sizes))
+        read_pieces(fds, destinations, offsets, sizes, threads)
+
+    monkeypatch.setattr(fill, "read_pieces", counted)
     state = _state(5)
     state["model"]["big"] = torch.randn((fill.SPLIT_BYTES // 4) * 3)  # 3x SPLIT_BYTES of fp32
     expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
@@ -206,9 +216,71 @@ def test_a_large_tensor_in_a_warm_arena_takes_the_one_call_copy_and_a_fresh_mapp
     _zeroed(state)
     assert client.load(state) == 1
     _assert_same(state, expected)
-    assert prepared == [COUNT + 1]
+    assert prepared == [COUNT + 1] and reads == []
     with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
-        _zeroed(state)
-        assert fresh.load(state) == 1
-        _assert_same(state, expected)
-    assert prepared == [COUNT + 1, -1]
+        for _ in range(2):
+            _zeroed(state)
+            assert fresh.load(state) == 1
+            _assert_same(state, expected)
+    assert prepared == [COUNT + 1, COUNT + 1]  # the new client's: from columns
+    assert reads == [COUNT + 1]  # read once; the second load copied through the mapping, warm since
+
+
+def _plans(ckpt: CheckpointClient) -> list[Any]:
+    """Wrap the client's plan_load to record each plan it got."""
+    plans: list[Any] = []
+    plan_load = ckpt._rpc.plan_load
+
+    def recorded(*args: Any, **kw: Any) -> Any:
+        plans.append(plan_load(*args, **kw))
+        return plans[-1]
+
+    ckpt._rpc.plan_load = recorded  # type: ignore[method-assign]
+    return plans
+
+
+def test_a_new_client_gets_its_plan_as_columns_and_fills_targets_a_memcpy_cannot_take_from_them(
+    client: CheckpointClient, daemon: DaemonProcess
+) -> None:
+    """Columns, not one message per tensor (issue 33): for a new client of the layout that saved.
+    Targets a memcpy cannot take (not contiguous, a 0-dim, an empty one) are filled from the
+    same columns by the general fill, exactly."""
+    state = _state(8)
+    state["model"]["scalar"] = torch.tensor(2.5)
+    state["model"]["empty"] = torch.zeros(0, 3)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        plans = _plans(fresh)
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        assert fresh.load(other) == 1
+        _assert_same(other, expected)
+        assert plans[0].columns is not None and not plans[0].pieces
+        strided = torch.zeros(7, 7).t()  # t4's shape (7, 7), not contiguous: no memcpy
+        other["model"]["t4"] = strided
+        assert fresh.load(other) == 1
+        _assert_same(other, expected)
+        assert plans[1].columns is not None and strided.data_ptr() == other["model"]["t4"].data_ptr()
+
+
+def test_columns_from_a_daemon_that_sends_pieces_and_a_plan_of_another_layout_still_restore(
+    client: CheckpointClient, daemon: DaemonProcess
+) -> None:
+    """A daemon that predates columns ignores the request's flag and sends pieces: the client
+    reads those. A load in another layout (part of each tensor) is sent as pieces too."""
+    state = _state(9)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        plan = fresh._rpc.stub.PlanLoad
+
+        def old_daemon(request: Any, **kw: Any) -> Any:
+            request.memory_columns = False
+            return plan(request, **kw)
+
+        fresh._rpc.stub.PlanLoad = old_daemon
+        plans = _plans(fresh)
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        assert fresh.load(other) == 1
+        _assert_same(other, expected)
+        assert plans[0].columns is None and len(plans[0].pieces) == COUNT

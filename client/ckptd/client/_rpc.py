@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Sequence
 
 import grpc
 
-from ckptd.client.reader.pieces import Decoding, Source
+from ckptd.client.reader.pieces import ArenaColumns, Decoding, Source
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.layout import Fragment
 from ckptd.client.slots import SlotLike
@@ -95,7 +95,8 @@ class SaveGrant(NamedTuple):
 @dataclass(frozen=True)
 class LoadPlan:
     """The daemon's answer to PlanLoad. plan_id: set when the plan reads the daemon's memory
-    (then `pieces` is empty when the rank named it as known); generation: the quantization
+    (then `pieces` is empty when the rank named it as known, or when `columns` says the same
+    in one entry per fragment of the rank's structure); generation: the quantization
     generation of the step (compounding guard for the next save)."""
 
     load_id: str
@@ -105,6 +106,7 @@ class LoadPlan:
     extras_json: str
     missing: Sequence[str]
     pieces: list[Source]
+    columns: ArenaColumns | None = None
 
 
 def status_error(exc: grpc.RpcError, address: str, refusal: bool = False) -> CheckpointError:
@@ -184,6 +186,7 @@ class DaemonRpc:
         self._known_fingerprints: set[str] = set()  # the daemon has their tensor metadata (BeginSave)
         self._attachment: Any = None  # the open Attach call (grpc's call object), None before the first
         self._attach_unsupported = False  # the daemon predates Attach
+        self._load_done: Any = None  # the LoadDone call in flight (grpc's future), None when none is
 
     # ------------------------------------------------------------ run
 
@@ -219,6 +222,7 @@ class DaemonRpc:
 
     def call(self, method: Any, request: Any, refusal: bool = False) -> Any:
         """`method(request)` with the save/load timeout (timeout_s + 30 s); raises status_error's error."""
+        self.settle_load_done()
         try:
             return method(request, timeout=self.timeout_s + 30)
         except grpc.RpcError as exc:
@@ -294,6 +298,7 @@ class DaemonRpc:
 
     def abort(self, save_id: str, reason: str) -> None:
         """Best effort: a failure is logged (the daemon's watchdog ends the save anyway)."""
+        self.settle_load_done()
         try:
             self.stub.AbortSave(pb.AbortSaveRequest(who=self.who, save_id=save_id, reason=reason), timeout=10)
         except grpc.RpcError as exc:
@@ -301,6 +306,7 @@ class DaemonRpc:
 
     def wait_durable(self, step: int, timeout: float | None) -> DurableInfo:
         """Block until `step` is committed; raises CheckpointError (ABORTED) when it is not."""
+        self.settle_load_done()
         request = pb.WaitDurableRequest(job=self.job, step=step, timeout_s=timeout or 0.0)
         last = None
         try:
@@ -350,9 +356,16 @@ class DaemonRpc:
             decodes_frames=True,
             fingerprint=structure.fingerprint if structure.fragments else "",
             known_plans=known_plans,
+            memory_columns=True,
         )
         reply = self._plan_load(request, structure)
-        return LoadPlan(reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces])
+        columns = None
+        if reply.HasField("columns"):
+            c = reply.columns
+            columns = ArenaColumns.of(c.paths, c.file, c.offset, c.nbytes)
+        return LoadPlan(
+            reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces], columns
+        )
 
     def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure) -> Any:
         """The fingerprint alone first: the daemon keeps the metadata by job, rank and fingerprint,
@@ -370,11 +383,25 @@ class DaemonRpc:
         return self.call(self.stub.PlanLoad, request)
 
     def load_done(self, load_id: str) -> None:
-        """Best effort: a failure is logged (the daemon releases the step later by itself)."""
+        """Tell the daemon the load is done, without waiting for its answer: the trainer goes on
+        while the message travels (about 1.5 ms of a load from memory). The next call of this
+        client waits for it first (`settle_load_done`), so the daemon has released the load
+        before it sees what follows (a save reusing the arena). Best effort: a failure is logged
+        (the daemon releases the step later by itself)."""
+        self.settle_load_done()
+        self._load_done = self.stub.LoadDone.future(pb.LoadDoneRequest(who=self.who, load_id=load_id), timeout=10)
+
+    def settle_load_done(self) -> None:
+        """Wait for the LoadDone call in flight, if any (at most its 10 s timeout); log its failure."""
+        call, self._load_done = self._load_done, None
+        if call is None:
+            return
         try:
-            self.stub.LoadDone(pb.LoadDoneRequest(who=self.who, load_id=load_id), timeout=10)
+            call.result()
         except grpc.RpcError as exc:
             log.warning("LoadDone failed (the daemon releases the step later by itself): %s", exc.details())
+        except grpc.FutureCancelledError:
+            log.debug("LoadDone was cancelled (the channel closed): the daemon releases the step later by itself")
 
     # ------------------------------------------------------------ queries
 
@@ -390,6 +417,7 @@ class DaemonRpc:
         return reply
 
     def close(self) -> None:
+        self.settle_load_done()
         self.detach()
         self.channel.close()
 

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 import torch
@@ -22,7 +23,8 @@ from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
-from ckptd.client.reader.fill import Fill, MemoryCopies, fill_all, fill_onto_devices
+from ckptd.client.reader.fill import Fill, MemoryCopies, column_fills, fill_all, fill_onto_devices
+from ckptd.client.reader.pieces import ArenaColumns
 from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, SaveGrant, SaveOptions, StatusResponse
 from ckptd.client.environment import meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
@@ -410,28 +412,33 @@ class CheckpointClient:
         return plan.step
 
     def _fill(self, structure: Structure, plan: LoadPlan) -> None:
-        """Fill the structure's tensors from the plan's pieces. A plan from the daemon's memory
-        has an id; when the daemon left its pieces out (the rank had them: known_plan), the
-        fills made from the earlier answer are used again."""
-        known: dict[str, tuple[list[Fill], MemoryCopies | None]] = structure.cache.setdefault("load_plans", {})  # plan id -> ..., newest last
-        reused = known.get(plan.plan_id) if plan.plan_id and not plan.pieces else None
+        """Fill the structure's tensors from the plan's pieces or columns. A plan from the
+        daemon's memory has an id; when the daemon left its pieces out (the rank had them:
+        known_plan), what was made from the earlier answer is used again."""
+        known: dict[str, _KnownPlan] = structure.cache.setdefault("load_plans", {})  # plan id -> ..., newest last
+        reused = known.get(plan.plan_id) if plan.plan_id and not plan.pieces and plan.columns is None else None
         owns = self._handoff.owns
         if reused is not None:
-            fills, moves = reused
+            made = reused
+        elif plan.columns is not None:
+            targets = [f.local for _, f in structure.fragments]
+            on_device = any(map(owns, targets))  # they go through pinned host memory
+            made = _KnownPlan(None, plan.columns, None if on_device else MemoryCopies.of_columns(self._maps, targets, plan.columns))
         else:
             sources: dict[str, list[Any]] = {}
             for source in plan.pieces:
                 sources.setdefault(source.name, []).append(source)
             fills = [Fill(f.local, f.box, sources[f.name]) for _, f in structure.fragments if f.name in sources]
             on_device = any(owns(fill.target) for fill in fills)  # they go through pinned host memory
-            moves = MemoryCopies.prepare(self._maps, fills) if plan.plan_id and not on_device else None
+            made = _KnownPlan(fills, None, MemoryCopies.prepare(self._maps, fills) if plan.plan_id and not on_device else None)
         if plan.plan_id:
             known.pop(plan.plan_id, None)
-            known[plan.plan_id] = (fills, moves)
+            known[plan.plan_id] = made
             while len(known) > KNOWN_PLANS:
                 del known[next(iter(known))]
-        if moves is not None and moves.run(self._maps, self._load_threads):
+        if made.moves is not None and made.moves.run(self._maps, self._load_threads):
             return
+        fills = made.fills_of(structure)
         with torch.no_grad():
             if any(owns(fill.target) for fill in fills):
                 fill_onto_devices(self._pool, self._maps, fills, self._handoff.backend, owns)
@@ -465,6 +472,23 @@ class CheckpointClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class _KnownPlan:
+    """What a load made of a plan from the daemon's memory, kept for its next load of the same
+    plan: the fills (made from the pieces, or from the columns when first needed) and the
+    memcpys (None when some target needs more than a memcpy)."""
+
+    fills: list[Fill] | None
+    columns: ArenaColumns | None
+    moves: MemoryCopies | None
+
+    def fills_of(self, structure: Structure) -> list[Fill]:
+        if self.fills is None:
+            assert self.columns is not None  # made with one or the other
+            self.fills = column_fills([(f.name, f.box, f.local) for _, f in structure.fragments], self.columns)
+        return self.fills
 
 
 def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
@@ -28,10 +29,10 @@ import torch
 
 from ckptd.client.arenas import CHUNK, SPLIT_BYTES, ArenaMaps, MADV_POPULATE_READ, byte_view, chunk_tasks
 from ckptd.client.reader.decode import fill_decoded
-from ckptd.client.reader.pieces import READ_CHUNK, Source, checked_by_daemon, open_piece, pread_exact, read_range, read_runs, verify_span
+from ckptd.client.reader.pieces import READ_CHUNK, ArenaColumns, Source, checked_by_daemon, open_piece, pread_exact, read_range, read_runs, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
-from ckptd.common._copy import copy_pieces
+from ckptd.common._copy import copy_pieces, read_pieces
 from ckptd.common.boxes import Box, intersect, relative
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, row_block, run_count
 
@@ -39,6 +40,7 @@ BATCHES = max(2, os.cpu_count() or 1)  # batches of small pieces per fill
 MANY_RUNS = 32  # above this, runs are placed by one strided torch copy, not one by one
 WAVE_BYTES = 64 * 2**20  # device restores: bytes read into pinned staging before their copies are queued
 T = TypeVar("T")
+_IS_CPU, _NBYTES = attrgetter("is_cpu"), attrgetter("nbytes")
 
 
 @functools.cache
@@ -213,22 +215,24 @@ def _read_spans(spans: Sequence[_Span]) -> None:
 
 @dataclass(frozen=True, eq=False)
 class MemoryCopies:
-    """A load from the daemon's memory reduced to one batch of memcpys: every fill is a whole
-    fragment from an arena into a contiguous CPU target of its dtype, and every fragment of
-    SPLIT_BYTES or more lies in an arena this process has copied through before (a warm
-    mapping: for a cold one, pread costs less than populating its page tables, see fill_all).
+    """A load from the daemon's memory reduced to one call into C: every fill is a whole
+    fragment from an arena into a contiguous CPU target of its dtype.
 
     Made once for a plan that repeats: ckptd.client.client keeps it with the plan's fills in
     the cache of the state's Structure, whose identity guarantees that every target still has
     the dtype, shape, strides and data address it had here (ckptd.client.structure: a tensor
     reallocated, resized or of another dtype gives another Structure, hence a new plan). `run`
-    checks first that every arena is still mapped where it was, then copies everything in one
-    call into C (ckptd.common._copy.copy_pieces): no Python per tensor.
+    checks first that every arena is still mapped where it was, then moves everything in one
+    call (ckptd.common._copy): memcpys through the mappings when this process has copied through
+    them before, else preads of the arena files (a restarted trainer: populating a fresh
+    mapping's page tables costs more than the kernel's copy, see fill_all). No Python per tensor.
     """
 
     bases: tuple[tuple[str, int, int], ...]  # (arena path, bytes it must have, address when prepared)
     destinations: np.ndarray  # uint64 target addresses, one per piece
     sources: np.ndarray  # uint64 arena addresses
+    offsets: np.ndarray  # uint64 offsets in the arena files
+    arenas: np.ndarray  # intp: which of `bases` each piece is in
     sizes: np.ndarray  # uint64 bytes
     keep: tuple[torch.Tensor, ...]  # the targets: their memory must stay while the addresses are used
 
@@ -246,7 +250,6 @@ class MemoryCopies:
             src, target = fill.sources[0], fill.target
             if (
                 src.kind != "shm" or src.decode is not None or src.box != fill.want
-                or (src.nbytes >= SPLIT_BYTES and maps.is_cold(src.path))  # a fresh mapping: pread it (fill_all)
                 or target.device.type != "cpu" or not target.is_contiguous() or src.dtype != _dtype_name(target.dtype)
                 or src.nbytes != target.numel() * target.element_size()
             ):
@@ -259,19 +262,93 @@ class MemoryCopies:
                 offsets.append(src.offset)
                 sizes.append(src.nbytes)
                 targets.append(target.data_ptr())
-        bases = tuple((path, size, maps.address(path, size)) for path, size in need.items())
-        where = {path: base for path, _, base in bases}
-        sources = np.array(offsets, dtype=np.uint64) + np.array([where[p] for p in paths], dtype=np.uint64)
+        bases = tuple((path, size, _mapped(maps, path, size)) for path, size in need.items())
+        which = {path: i for i, (path, _, _) in enumerate(bases)}
+        arenas = np.array([which[p] for p in paths], dtype=np.intp)
+        at = np.array(offsets, dtype=np.uint64)
+        sources = at + np.array([base for _, _, base in bases], dtype=np.uint64)[arenas] if bases else at
         return MemoryCopies(
-            bases, np.array(targets, dtype=np.uint64), sources, np.array(sizes, dtype=np.uint64), tuple(f.target for f in fills)
+            bases, np.array(targets, dtype=np.uint64), sources, at, arenas, np.array(sizes, dtype=np.uint64), tuple(f.target for f in fills)
         )
+
+    @staticmethod
+    def of_columns(maps: ArenaMaps, targets: Sequence[torch.Tensor], columns: ArenaColumns) -> "MemoryCopies | None":
+        """The copies of a plan the daemon sent as columns into `targets` (the local tensors of
+        the structure's fragments, in order), or None when a target needs more than a memcpy (not
+        a contiguous CPU tensor of the fragment's bytes): the caller fills it from Sources
+        (`column_fills`), which name what is wrong. Maps run per tensor, no Python loop."""
+        _check_count(len(targets), columns)
+        if not all(map(_IS_CPU, targets)) or not all(map(torch.Tensor.is_contiguous, targets)):
+            return None
+        sizes = np.fromiter(map(_NBYTES, targets), dtype=np.uint64, count=len(targets))
+        if not np.array_equal(sizes, columns.nbytes):
+            return None
+        used = sizes > 0
+        addresses = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.uint64, count=len(targets))[used]
+        arenas, offsets, sizes = columns.files[used], columns.offsets[used], sizes[used]
+        ends = offsets + sizes
+        needs = [int(ends[arenas == k].max(initial=0)) for k in range(len(columns.paths))]
+        bases = tuple((path, need, _mapped(maps, path, need)) for path, need in zip(columns.paths, needs))
+        sources = offsets + np.array([base for _, _, base in bases], dtype=np.uint64)[arenas]
+        return MemoryCopies(bases, addresses, sources, offsets, arenas, sizes, tuple(targets))
 
     def run(self, maps: ArenaMaps, threads: int) -> bool:
         """Copy on `threads` threads; False (nothing copied) when an arena is no longer mapped where it was."""
         if any(maps.address(path, size) != base for path, size, base in self.bases):
             return False
-        copy_pieces(self.destinations, self.sources, self.sizes, threads)
+        if not any(maps.is_cold(path) for path, _, _ in self.bases):
+            copy_pieces(self.destinations, self.sources, self.sizes, threads)
+            return True
+        fds: list[int] = []
+        try:
+            for path, _, _ in self.bases:
+                fds.append(_open_arena(path))
+            read_pieces(np.array(fds, dtype=np.uint64)[self.arenas], self.destinations, self.offsets, self.sizes, threads)
+        except (OSError, EOFError) as exc:
+            raise CheckpointError(f"cannot read the daemon's shared memory ({exc}); the daemon may have restarted: load again") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for path, _, _ in self.bases:
+            maps.mark_warm(path)
         return True
+
+
+def column_fills(fragments: Sequence[tuple[str, Box, torch.Tensor]], columns: ArenaColumns) -> list[Fill]:
+    """The fills of a plan sent as columns, for the general fill (a target MemoryCopies cannot
+    take): fragments are the structure's (name, box, local tensor), in order. The dtype is the
+    target's own: the daemon sends columns only for fragments stored in the dtype it was told."""
+    _check_count(len(fragments), columns)
+    return [
+        Fill(target, box, [Source(name, "shm", columns.paths[k], int(at), int(n), box, _dtype_name(target.dtype), "")])
+        for (name, box, target), k, at, n in zip(fragments, columns.files.tolist(), columns.offsets.tolist(), columns.nbytes.tolist())
+        if n  # an empty fragment: nothing to fill
+    ]
+
+
+def _check_count(fragments: int, columns: ArenaColumns) -> None:
+    if fragments != len(columns.offsets):
+        raise CheckpointError(
+            f"the daemon's plan has {len(columns.offsets)} tensors for the {fragments} fragments of this rank; "
+            "upgrade the client and the daemon to the same release"
+        )
+
+
+def _mapped(maps: ArenaMaps, path: str, need: int) -> int:
+    """The address of the mapping of arena `path`, which must hold `need` bytes (CheckpointError
+    otherwise: a copy by address must never run past it)."""
+    if len(maps.get(path, need)) < need:
+        raise CheckpointError(f"the daemon's arena {path} is shorter than its plan says ({need} bytes); the daemon may have restarted: load again")
+    return maps.address(path, need)
+
+
+def _open_arena(path: str) -> int:
+    """A descriptor to pread an arena file: never through a link, never waiting on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
 
 
 def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[list[T]]:

@@ -53,6 +53,34 @@ class Source(NamedTuple):
     decode: "Decoding | None" = None  # the bytes are codes or a residual (ckptd.common.quant)
 
 
+@dataclass(frozen=True, eq=False)
+class ArenaColumns:
+    """A load from the daemon's memory as columns (the wire's MemoryColumns): entry i is the i-th
+    fragment of the rank's structure, whole, of the stored dtype, `nbytes[i]` bytes at
+    `offsets[i]` of arena file `paths[files[i]]` (an empty fragment: 0 bytes, in no arena).
+    Checked when made (`of`): equal lengths, arena indices of non-empty fragments in range, no
+    negative offset or size."""
+
+    paths: tuple[str, ...]
+    files: np.ndarray  # intp, one per fragment: an index into paths
+    offsets: np.ndarray  # uint64
+    nbytes: np.ndarray  # uint64
+
+    @staticmethod
+    def of(paths: Sequence[str], files: Sequence[int], offsets: Sequence[int], nbytes: Sequence[int]) -> "ArenaColumns":
+        """Raises CheckpointError when the columns do not describe fragments in `paths`."""
+        n = len(files)
+        file_of = np.array(files, dtype=np.intp)
+        at, size = np.array(offsets, dtype=np.int64), np.array(nbytes, dtype=np.int64)
+        held = file_of[size > 0] if len(size) == n else file_of
+        if len(at) != n or len(size) != n or (n and (at.min() < 0 or size.min() < 0)) or (len(held) and (held.min() < 0 or held.max() >= len(paths))):
+            raise CheckpointError(
+                f"the daemon's plan of {n} tensors in {len(paths)} arenas is malformed (columns of {len(at)} offsets and {len(size)} "
+                "sizes, or an arena index, offset or size out of range); upgrade the client and the daemon to the same release"
+            )
+        return ArenaColumns(tuple(paths), file_of, at.astype(np.uint64), size.astype(np.uint64))
+
+
 @dataclass(frozen=True)
 class Decoding:
     """How a quantized or residual fragment becomes values: the codec, its block size, and the

@@ -276,7 +276,7 @@ class DetachResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PlanLoadRequest(_message.Message):
-    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames", "fingerprint", "known_plans")
+    __slots__ = ("who", "step", "latest", "tensors", "kinds", "strict", "direct_read", "decodes", "decodes_frames", "fingerprint", "known_plans", "memory_columns")
     WHO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class PlanLoadRequest(_message.Message):
     DECODES_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PLANS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     who: RankId
     step: int
     latest: bool
@@ -299,7 +300,8 @@ class PlanLoadRequest(_message.Message):
     decodes_frames: bool
     fingerprint: str
     known_plans: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ..., decodes_frames: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., known_plans: _Optional[_Iterable[str]] = ...) -> None: ...
+    memory_columns: bool
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., kinds: _Optional[_Iterable[str]] = ..., strict: _Optional[bool] = ..., direct_read: _Optional[bool] = ..., decodes: _Optional[bool] = ..., decodes_frames: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., known_plans: _Optional[_Iterable[str]] = ..., memory_columns: _Optional[bool] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("name", "source", "path", "offset", "nbytes", "fragment", "dtype", "checksum", "chunk_bytes", "chunk_xxh3", "decode")
@@ -344,7 +346,7 @@ class Decode(_message.Message):
     def __init__(self, codec: _Optional[str] = ..., block: _Optional[int] = ..., scales: _Optional[_Union[Piece, _Mapping]] = ..., base: _Optional[_Union[Piece, _Mapping]] = ..., frame_rows: _Optional[int] = ..., frame_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlanLoadResponse(_message.Message):
-    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation", "plan_id")
+    __slots__ = ("load_id", "step", "pieces", "extras_json", "missing", "unexpected", "tier", "generation", "plan_id", "columns")
     LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +356,7 @@ class PlanLoadResponse(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     load_id: str
     step: int
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
@@ -363,7 +366,20 @@ class PlanLoadResponse(_message.Message):
     tier: str
     generation: int
     plan_id: str
-    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ..., plan_id: _Optional[str] = ...) -> None: ...
+    columns: MemoryColumns
+    def __init__(self, load_id: _Optional[str] = ..., step: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., extras_json: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., unexpected: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., generation: _Optional[int] = ..., plan_id: _Optional[str] = ..., columns: _Optional[_Union[MemoryColumns, _Mapping]] = ...) -> None: ...
+
+class MemoryColumns(_message.Message):
+    __slots__ = ("paths", "file", "offset", "nbytes")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    file: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., file: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadDoneRequest(_message.Message):
     __slots__ = ("who", "load_id")

@@ -73,6 +73,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         self._slot_messages = rpc_convert.SlotMessages()
         self._load_specs = _LoadSpecs()
         self._shm_pieces = rpc_convert.ShmPieces()
+        self._memory_columns = rpc_convert.MemoryColumnsMessages()
 
     async def BeginSave(self, request: pb.BeginSaveRequest, context: grpc.aio.ServicerContext) -> pb.BeginSaveResponse:
         begin = checks.begin_save_of(request)
@@ -142,9 +143,10 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         # checked after planning, as always: a rank with too many known plans is told so only then
         known_plans = checks.check_known_plans(request.known_plans)
         if plan.plan_id and plan.plan_id in known_plans:
-            pieces = []  # the rank has them from an earlier answer of this plan
-        else:
-            pieces = [self._shm_pieces.get(p) if p.source == "shm" else rpc_convert.piece_pb(p) for p in plan.pieces]
+            return rpc_convert.plan_load_response(plan, [])  # the rank has the pieces from an earlier answer of this plan
+        if plan.plan_id and request.memory_columns and (columns := self._memory_columns.get(plan, load.wanted)) is not None:
+            return rpc_convert.plan_load_response(plan, [], columns)
+        pieces = [self._shm_pieces.get(p) if p.source == "shm" else rpc_convert.piece_pb(p) for p in plan.pieces]
         return rpc_convert.plan_load_response(plan, pieces)
 
     async def LoadDone(self, request: pb.LoadDoneRequest, context: grpc.aio.ServicerContext) -> pb.LoadDoneResponse:

@@ -15,6 +15,7 @@ from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest
+from ckptd.format.file_plan import SHM_SOURCE
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
 from ckptd.format.units import Unit
 from ckptd.daemon.handoff.gpu_ipc import StagedRange
@@ -104,6 +105,57 @@ class ShmPieces:
         return piece
 
 
+def memory_columns(pieces: Sequence["PieceInfo"], wanted: Sequence[TensorSpec]) -> pb.MemoryColumns | None:
+    """The plan as MemoryColumns, one entry per wanted spec in its order, when every spec is one
+    whole fragment in an arena of its dtype (or has no bytes: an empty tensor has no piece) and
+    every piece is one spec's; else None (the pieces are sent). A pure function:
+    tests/daemon/test_rpc_convert.py."""
+    by_name: dict[str, "PieceInfo"] = {}
+    for p in pieces:
+        if p.source != SHM_SOURCE or p.decode is not None or p.name in by_name:
+            return None
+        by_name[p.name] = p
+    paths: dict[str, int] = {}
+    files, offsets, sizes = [], [], []
+    used = 0
+    for spec in wanted:
+        p = by_name.get(spec.name)
+        if p is None and spec.nbytes == 0:
+            files.append(0)
+            offsets.append(0)
+            sizes.append(0)
+            continue
+        if p is None or p.fragment != spec.box or p.dtype != spec.dtype or p.nbytes != spec.nbytes:
+            return None
+        used += 1
+        files.append(paths.setdefault(p.path, len(paths)))
+        offsets.append(p.offset)
+        sizes.append(p.nbytes)
+    if used != len(by_name):
+        return None
+    return pb.MemoryColumns(paths=list(paths), file=files, offset=offsets, nbytes=sizes)
+
+
+class MemoryColumnsMessages:
+    """MemoryColumns of the plans served from memory, built once per (plan, wanted specs): a
+    rank's every load of the same snapshot in the same layout gets the same answer. The specs
+    are the rank's resolved ones (the same object while its fingerprint is known), held with
+    the message so that their identity can be compared. Holds the last `keep`."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self._keep = keep
+        self._by_plan: dict[tuple[str, int], tuple[Sequence[TensorSpec], pb.MemoryColumns | None]] = {}
+
+    def get(self, plan: "LoadPlan", wanted: Sequence[TensorSpec]) -> pb.MemoryColumns | None:
+        key = (plan.plan_id, id(wanted))
+        found = self._by_plan.get(key)
+        if found is None or found[0] is not wanted:
+            found = self._by_plan[key] = (wanted, memory_columns(plan.pieces, wanted))
+            while len(self._by_plan) > self._keep:
+                del self._by_plan[next(iter(self._by_plan))]
+        return found[1]
+
+
 def begin_response(session: "SaveSession", rank: int, known_layout: str, slots: SlotMessages) -> pb.BeginSaveResponse:
     """The answer to BeginSave: committed already (kept), skipped, or the rank's arena and (unless
     it knows the layout) slots."""
@@ -145,10 +197,11 @@ def committed_pb(step_dir: str) -> pb.SaveProgress:
     return pb.SaveProgress(state="committed", done=True, step_dir=step_dir)
 
 
-def plan_load_response(plan: "LoadPlan", pieces: Sequence[pb.Piece]) -> pb.PlanLoadResponse:
+def plan_load_response(plan: "LoadPlan", pieces: Sequence[pb.Piece], columns: pb.MemoryColumns | None = None) -> pb.PlanLoadResponse:
     return pb.PlanLoadResponse(
         load_id=plan.load_id, step=plan.step, pieces=pieces, extras_json=plan.extras_json or json.dumps(plan.extras),
         missing=plan.missing, unexpected=plan.unexpected, tier=plan.tier, generation=plan.generation, plan_id=plan.plan_id,
+        columns=columns,
     )
 
 
