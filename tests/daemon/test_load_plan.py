@@ -151,3 +151,20 @@ def _files(*writers: int) -> list[FileRecord]:
 def test_broadcast_routes(writers, node, nodes, where, needed, avoid, fetch, read_once) -> None:
     routes = broadcast_routes(_files(*writers), node, nodes, where, needed, avoid)
     assert dict(routes.fetch) == fetch and set(routes.read_once) == read_once
+
+
+def test_decoding_needs_are_worked_out_once_per_index_and_wanted_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptd.daemon.engine import loads
+
+    calls: list[int] = []
+    monkeypatch.setattr(loads, "needs_decoding", lambda index, wanted: calls.append(len(wanted)) or (False, False))
+    needs = loads.DecodingNeeds(size=2)
+    scales = SideRecord(file=F2, key="s", dtype="F32", shape=(2,), offset=40, nbytes=8, checksum="xxh3:9")
+    index = index_of((TensorRecord("optim/m", "optimizer", "F32", (2,), (fragment(F1, 24, Box((0,), (2,)), QuantRecord("lin-i8", 2, scales=scales)),)),))
+    wanted = [_want("optim/m", (2,))]
+    assert needs.of(index, wanted) == needs.of(index, wanted) == (False, False)
+    assert calls == [1]  # the same objects: asked once
+    needs.of(index, list(wanted))  # other specs (equal, not the same object): asked again
+    needs.of(index_of(()), wanted)
+    needs.of(index, wanted)  # forgotten: only the last two are kept
+    assert calls == [1, 1, 1, 1]
