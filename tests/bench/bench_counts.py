@@ -7,7 +7,10 @@ model's embeddings, projections, norms and biases are). Per count, after warm-up
 round measures back to back, on the same state, every value changed first (an optimizer step):
 
 - floor: write + fsync of the state's bytes to one new file (64 MiB `os.write` calls, one
-  stream), and memcpy of them into a warm buffer (best of numpy and torch `copy_`);
+  stream), and memcpy of them into a warm buffer (best of numpy and torch `copy_`); shown
+  beside them, what a new process pays at least to get bytes another process holds in shared
+  memory: pread of them from a tmpfs file (`--shm-dir`) into the warm buffer, 32 MiB calls on
+  two threads (best of three; copying through a fresh mapping costs more: its page tables);
 - peer: `torch.save` of the state to one new file, then fsync (what a trainer that saves
   with torch alone waits for);
 - ckptd: `save()` until `wait_durable()` returns (time to durable), then `load` from the
@@ -31,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +77,7 @@ class CountCase:
     src: torch.Tensor  # the state's bytes back to back (the floors' source)
     dst: torch.Tensor  # a warm buffer of the same size
     job: str
+    shm_copy: Path  # the state's bytes in a tmpfs file (floor.pread)
     step: int = 0
 
 
@@ -116,6 +121,41 @@ def timed_load(client: Any, case: CountCase) -> float:
     return seconds
 
 
+PREAD_CALL = 32 * MIB
+
+
+def floor_pread(case: CountCase, threads: int = 2) -> float:
+    """Seconds of reading case.shm_copy into the warm buffer by pread (PREAD_CALL bytes a call,
+    the calls dealt round robin to `threads` threads): best of three."""
+    dst = memoryview(case.dst.numpy()).cast("B")
+    fd = os.open(case.shm_copy, os.O_RDONLY)
+
+    def read(first: int) -> None:
+        for at in range(first * PREAD_CALL, len(dst), threads * PREAD_CALL):
+            view = dst[at : at + PREAD_CALL]
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], at + got)
+                if n <= 0:
+                    raise RuntimeError(f"{case.shm_copy} ended early")
+                got += n
+
+    times = []
+    try:
+        for _ in range(3):
+            bh.QUIET.settle()
+            start = time.perf_counter()
+            workers = [threading.Thread(target=read, args=(i,)) for i in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            times.append(time.perf_counter() - start)
+    finally:
+        os.close(fd)
+    return min(times)
+
+
 def one_round(case: CountCase, address: str, run: bh.Run, scratch: Path) -> None:
     p, n = f"n{case.n}", f"{case.n:,} tensors"
     with torch.no_grad():  # untimed: change every value, as an optimizer step would
@@ -125,6 +165,7 @@ def one_round(case: CountCase, address: str, run: bh.Run, scratch: Path) -> None
     run.add(f"{p}.floor.write_fsync", f"{n}: floor, write + fsync one file", "s", write_fsync(case, scratch / "floor.bin"))
     bh.QUIET.settle()
     run.add(f"{p}.floor.memcpy", f"{n}: floor, memcpy into a warm buffer", "s", bh.floor_memcpy(case))  # type: ignore[arg-type]
+    run.add(f"{p}.floor.pread", f"{n}: pread from tmpfs into a warm buffer, 2 threads", "s", floor_pread(case))
     run.add(f"{p}.peer.torch_save", f"{n}: torch.save + fsync", "s", torch_save_fsync(case.state, scratch / "torch.pt"))
     case.step += 1
     stall, _, durable = bh.ckptd_save(case.client, case.step, case.state)
@@ -145,6 +186,7 @@ def targets_for(counts: list[int]) -> list[bh.Target]:
             bh.Target(f"{n}: ckptd durable / write+fsync", f"{p}.ckptd.durable", f"{p}.floor.write_fsync", 1.0),
             bh.Target(f"{n}: restore from memory (saving client) / memcpy", f"{p}.ckptd.load", f"{p}.floor.memcpy", 1.2),
             bh.Target(f"{n}: restore from memory (new client) / memcpy", f"{p}.ckptd.load_new", f"{p}.floor.memcpy", 1.2),
+            bh.Target(f"{n}: restore from memory (new client) / pread from tmpfs", f"{p}.ckptd.load_new", f"{p}.floor.pread", None),
             bh.Target(f"{n}: ckptd durable / torch.save+fsync", f"{p}.ckptd.durable", f"{p}.peer.torch_save", None),
         ]
     return out
@@ -212,8 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                     state = counts_state(n, args.size_mib * MIB, seed=i)
                     src = bs.flat_copy(state)
                     job = f"counts-{n}"
+                    handle, name = tempfile.mkstemp(prefix="ckptd-counts-floor-", dir=args.shm_dir)  # beside the daemon's, not in its directory
+                    os.close(handle)
+                    shm_copy = Path(name)
+                    shm_copy.write_bytes(memoryview(src.numpy()).cast("B"))
+                    stack.callback(shm_copy.unlink, missing_ok=True)
                     with bh.client_for(rig.address, job) as client:
-                        case = CountCase(n, state, client, src, torch.empty_like(src), job)
+                        case = CountCase(n, state, client, src, torch.empty_like(src), job, shm_copy)
                         case.dst.copy_(case.src)  # faulted in
                         for _ in range(args.warmup_saves):
                             case.step += 1
@@ -222,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                         for r in range(args.rounds):
                             one_round(case, rig.address, run, workdir)
                             last = {k: run.series[f"n{n}.{k}"][-1] for k in
-                                    ("floor.write_fsync", "ckptd.durable", "floor.memcpy", "ckptd.load", "ckptd.load_new", "peer.torch_save")}
+                                    ("floor.write_fsync", "ckptd.durable", "floor.memcpy", "floor.pread", "ckptd.load", "ckptd.load_new", "peer.torch_save")}
                             print(f"  {n:,} tensors, round {r + 1}/{args.rounds}: write+fsync {last['floor.write_fsync']:.3f} "
                                   f"durable {last['ckptd.durable']:.3f} torch.save {last['peer.torch_save']:.3f} | memcpy "
-                                  f"{last['floor.memcpy']:.4f} load {last['ckptd.load']:.4f} new client {last['ckptd.load_new']:.4f} s"
+                                  f"{last['floor.memcpy']:.4f} pread {last['floor.pread']:.4f} load {last['ckptd.load']:.4f} new client {last['ckptd.load_new']:.4f} s"
                                   f"   load {bs.load_average()}", flush=True)
                 bh.run_part(f"{n:,} tensors", run, count)
             if run.errors and rig.daemon is not None:
