@@ -159,17 +159,28 @@ def test_a_new_client_restores_exactly(client: CheckpointClient, daemon: DaemonP
                 _zeroed(other)
 
 
+class _Counted:
+    """The stub's PlanLoad (called, or sent ahead as a future), recording how many tensors each
+    request described."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+        self.counts: list[int] = []
+
+    def __call__(self, request: Any, **kw: Any) -> Any:
+        self.counts.append(len(request.tensors))
+        return self.plan(request, **kw)
+
+    def future(self, request: Any, **kw: Any) -> Any:
+        self.counts.append(len(request.tensors))
+        return self.plan.future(request, **kw)
+
+
 def _described(ckpt: CheckpointClient) -> list[int]:
     """Wrap the client's PlanLoad to record how many tensors each request described."""
-    counts: list[int] = []
-    plan = ckpt._rpc.stub.PlanLoad
-
-    def counted(request: Any, **kw: Any) -> Any:
-        counts.append(len(request.tensors))
-        return plan(request, **kw)
-
+    counted = _Counted(ckpt._rpc.stub.PlanLoad)
     ckpt._rpc.stub.PlanLoad = counted
-    return counts
+    return counted.counts
 
 
 def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_daemon_knows_it(
@@ -191,7 +202,7 @@ def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_da
         other["model"]["t0"] = torch.zeros(2, 3)  # another structure: unknown, described
         with pytest.raises(Exception, match="t0"):
             fresh.load(other)
-        assert later == [0, 0, COUNT]
+        assert later == [0, 0, 0, COUNT]  # sent ahead for the last structure (released), then unknown, then described
 
 
 def test_a_large_tensor_in_a_warm_arena_takes_the_one_call_copy_and_a_fresh_mapping_is_pread(
@@ -284,3 +295,31 @@ def test_columns_from_a_daemon_that_sends_pieces_and_a_plan_of_another_layout_st
         assert fresh.load(other) == 1
         _assert_same(other, expected)
         assert plans[0].columns is None and len(plans[0].pieces) == COUNT
+
+
+def test_a_load_of_an_unchanged_state_overlaps_its_plan_load_with_the_structure_check_and_releases_one_it_cannot_use(
+    client: CheckpointClient,
+) -> None:
+    """The PlanLoad of the last load's structure goes out before the state's structure is
+    checked; its answer is used when the request turns out the same, else released (no load
+    is left leased in the daemon), also when the structure check fails."""
+    state = _state(10)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    calls = _Counted(client._rpc.stub.PlanLoad)
+    client._rpc.stub.PlanLoad = calls
+    client.load(state)
+    client.load(state)
+    _assert_same(state, expected)
+    assert calls.counts == [0, COUNT, 0]  # first: unknown, then described; second: sent ahead, used
+    state["model"]["t0"] = torch.zeros(2, 3)  # another structure: the one sent ahead is released
+    with pytest.raises(Exception, match="t0"):
+        client.load(state)
+    state["model"]["t0"] = expected["model"]["t0"].clone()
+    client.load(state)  # the structure of the failed load is the last: nothing is sent ahead
+    state["model"]["bad name\n"] = torch.zeros(1)  # the structure check itself fails
+    with pytest.raises(ValueError, match="bad name"):
+        client.load(state)
+    del state["model"]["bad name\n"]
+    client._rpc.settle_load_done()
+    assert client.status().loads_active == 0

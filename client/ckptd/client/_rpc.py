@@ -109,6 +109,15 @@ class LoadPlan:
     columns: ArenaColumns | None = None
 
 
+@dataclass(frozen=True)
+class PlanAhead:
+    """A PlanLoad in flight, sent before the client knew its state's structure (for the one of its
+    last load: ckptd.client.client.CheckpointClient.load); `call` is grpc's future."""
+
+    request: pb.PlanLoadRequest
+    call: Any
+
+
 def status_error(exc: grpc.RpcError, address: str, refusal: bool = False) -> CheckpointError:
     """The client's error for a failed call: DaemonUnavailable, CheckpointNotFound, else
     CheckpointError with the status name as `code`. refusal: the call was BeginSave, whose
@@ -341,11 +350,57 @@ class DaemonRpc:
     # ------------------------------------------------------------ load
 
     def plan_load(
-        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str],
+        ahead: "PlanAhead | None" = None,
     ) -> LoadPlan:
         """PlanLoad with only the fingerprint when the daemon has this structure's metadata
-        from an earlier load; with the metadata when it has not (or forgot it: restarted): `_plan_load`."""
-        request = pb.PlanLoadRequest(
+        from an earlier load; with the metadata when it has not (or forgot it: restarted): `_plan_load`.
+        ahead: a PlanLoad sent before (`plan_load_ahead`), whose answer is taken when its request
+        is this one, field for field; else it is released."""
+        request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
+        if ahead is not None and ahead.request == request:
+            try:
+                reply = ahead.call.result()
+            except grpc.RpcError as exc:
+                error = status_error(exc, self.address)
+                if not _unknown_fingerprint(error):
+                    raise error from None
+                reply = self._plan_load(request, structure)
+        else:
+            self.drop_ahead(ahead)
+            reply = self._plan_load(request, structure)
+        columns = None
+        if reply.HasField("columns"):
+            c = reply.columns
+            columns = ArenaColumns.of(c.paths, c.file, c.offset, c.nbytes)
+        return LoadPlan(
+            reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces], columns
+        )
+
+    def plan_load_ahead(
+        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+    ) -> "PlanAhead":
+        """Send PlanLoad (the fingerprint alone) without waiting for the answer: `plan_load` takes
+        it, or releases it, later."""
+        self.settle_load_done()
+        request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
+        return PlanAhead(request, self.stub.PlanLoad.future(request, timeout=self.timeout_s + 30))
+
+    def drop_ahead(self, ahead: "PlanAhead | None") -> None:
+        """Release the load a PlanLoad sent ahead was granted, if any (its answer is waited for)."""
+        if ahead is None:
+            return
+        try:
+            reply = ahead.call.result()
+        except grpc.RpcError as exc:
+            log.debug("a PlanLoad sent ahead failed, which nothing waited for: %s", exc.details())
+            return
+        self.load_done(reply.load_id)
+
+    def _plan_load_request(
+        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+    ) -> pb.PlanLoadRequest:
+        return pb.PlanLoadRequest(
             who=self.who,
             step=step or 0,
             latest=step is None,
@@ -357,14 +412,6 @@ class DaemonRpc:
             fingerprint=structure.fingerprint if structure.fragments else "",
             known_plans=known_plans,
             memory_columns=True,
-        )
-        reply = self._plan_load(request, structure)
-        columns = None
-        if reply.HasField("columns"):
-            c = reply.columns
-            columns = ArenaColumns.of(c.paths, c.file, c.offset, c.nbytes)
-        return LoadPlan(
-            reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces], columns
         )
 
     def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure) -> Any:
