@@ -35,7 +35,8 @@ class _Part:
     def text(self) -> str:
         """The extras tree as strict JSON text, made once."""
         if self._text is None:
-            self._text = json.dumps(self.encoded, allow_nan=False)
+            # no cycle check: encode made the tree anew and refuses a value that contains itself
+            self._text = json.dumps(self.encoded, allow_nan=False, check_circular=False)
         return self._text
 
 
