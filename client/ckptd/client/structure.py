@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
+from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state, whole_fragments
 from ckptd.client.state import FlatState, TensorEntry, validate_entries
 from ckptd.client.subclasses import inner_tensor
 
@@ -109,6 +109,8 @@ def fragments_of_state(
 ) -> tuple[tuple[TensorEntry, Fragment], ...]:
     """Where each of this rank's tensors sits in its logical tensor: DTensor placements, the
     layout rules (manual tensor parallelism), else a whole replica."""
+    if rules is None and (whole := whole_fragments(flat)) is not None:  # plain tensors, no rules: the common case
+        return tuple(whole)
     return tuple((layout.entry, f) for layout in layout_state(flat, rules, coords) for f in layout.fragments)
 
 
@@ -118,9 +120,19 @@ def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragm
     too: rank 0's half of a tensor split over two ranks has the box and local shape of a whole
     tensor of half the size)."""
     h = hashlib.sha256(flat.fingerprint().encode())
-    for _, f in fragments:
-        h.update(f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n".encode())
+    # A fragment's line is f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n". Tuples'
+    # repr is slow, and fragments of one shape share the part after the name: made once per
+    # distinct (global shape, offsets, lengths), and the lines hashed as one text (the same digest).
+    fragments_only = list(map(_FRAGMENT, fragments))
+    keys = list(map(_PLACE, fragments_only))
+    tails = {key: "|{}|{}|{}\n".format(*key) for key in set(keys)}
+    h.update("".join(map(str.__add__, map(_FRAGMENT_NAME, fragments_only), map(tails.__getitem__, keys))).encode())
     return h.hexdigest()
+
+
+_FRAGMENT = itemgetter(1)
+_FRAGMENT_NAME = attrgetter("name")
+_PLACE = attrgetter("global_shape", "box.offsets", "box.lengths")  # a fragment's place in its logical tensor
 
 
 # A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
