@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Sequence
 
 import torch
@@ -494,19 +494,18 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
     return out
 
 
-def whole_fragments(flat: FlatState) -> list[tuple[TensorEntry, Fragment]] | None:
+def whole_fragments(flat: FlatState, tensors: list[torch.Tensor], shapes: list[torch.Size]) -> tuple[tuple[TensorEntry, Fragment], ...] | None:
     """What `layout_state(flat)` without rules gives, as (entry, fragment) pairs in entry order,
-    for a state of plain tensors (torch.Tensor, nn.Parameter) without LocalShards: each tensor one
-    fragment of all of it, under its name (a per-rank entry's: `per_rank_name`). None for any
-    other state: layout_state describes it.
+    for entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) without
+    LocalShards: each tensor one fragment of all of it, under its name (a per-rank entry's:
+    `per_rank_name`). None when an entry is a LocalShard's: layout_state describes it.
+    tensors, shapes: the entries' tensors and their shapes, in order.
 
     Made by C-level maps over the entries; fragments of one shape share their global shape and
     Box (immutable both), made once per distinct shape."""
     entries = flat.tensors
-    tensors = list(map(_TENSOR, entries))
-    if not _PLAIN_TENSORS.issuperset(map(type, tensors)) or not {None}.issuperset(map(_PLACEMENT, entries)):
+    if not {None}.issuperset(map(_PLACEMENT, entries)):
         return None
-    shapes = list(map(_SHAPE, tensors))
     whole = {shape: (tuple(shape), Box.full(shape)) for shape in set(shapes)}
     made = list(map(whole.__getitem__, shapes))
     fragments = list(map(Fragment, map(_NAME, entries), map(_GLOBAL_SHAPE, made), map(_BOX, made), tensors))
@@ -515,13 +514,11 @@ def whole_fragments(flat: FlatState) -> list[tuple[TensorEntry, Fragment]] | Non
         for i, entry in enumerate(entries):
             if entry.per_rank:
                 fragments[i] = _own_fragment(entry, flat.rank, taken)
-    return list(zip(entries, fragments))
+    return tuple(zip(entries, fragments))
 
 
-_NAME, _TENSOR, _PLACEMENT, _PER_RANK = itemgetter(0), itemgetter(2), itemgetter(4), itemgetter(6)  # TensorEntry's fields
-_SHAPE = attrgetter("shape")
+_NAME, _PLACEMENT, _PER_RANK = itemgetter(0), itemgetter(4), itemgetter(6)  # TensorEntry's fields
 _GLOBAL_SHAPE, _BOX = itemgetter(0), itemgetter(1)
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def _own_fragment(entry: TensorEntry, rank: int, taken: set[str]) -> Fragment:

@@ -98,7 +98,7 @@ class TensorEntry(NamedTuple):
 
 # TensorEntry's fields and tensors' attributes, read by C-level maps over whole lists
 _NAME, _KIND, _TENSOR, _ALIASES, _FROZEN, _PER_RANK = (itemgetter(i) for i in (0, 1, 2, 3, 5, 6))
-_DTYPE, _SHAPE, _LAYOUT, _IS_META = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout"), attrgetter("is_meta")
+_DTYPE, _SHAPE, _LAYOUT, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout"), attrgetter("device")
 _PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
 
 
@@ -130,15 +130,20 @@ class FlatState:
 
         Equal across processes and runs for equal metadata; tensor values do not enter it.
         """
-        # One row per entry, made by C-level maps: json writes tuples (torch.Size too) as the lists
-        # [name, kind, dtype, shape, aliases, frozen, per_rank] they always were, byte for byte.
-        entries = self.tensors
-        tensors = list(map(_TENSOR, entries))
-        meta = list(zip(
-            map(_NAME, entries), map(_KIND, entries), map(str, map(_DTYPE, tensors)), map(_SHAPE, tensors),
-            map(_ALIASES, entries), map(_FROZEN, entries), map(_PER_RANK, entries),
-        ))
-        return hashlib.sha256(json.dumps(meta, separators=(",", ":"), check_circular=False).encode()).hexdigest()
+        tensors = list(map(_TENSOR, self.tensors))
+        return entries_fingerprint(self.tensors, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)))
+
+
+def entries_fingerprint(entries: tuple[TensorEntry, ...], dtypes: list[torch.dtype], shapes: list[torch.Size]) -> str:
+    """`FlatState.fingerprint` of `entries`, given their tensors' dtypes and shapes (in order)."""
+    # One row per entry, made by C-level maps: json writes tuples (torch.Size too) as the lists
+    # [name, kind, dtype, shape, aliases, frozen, per_rank] they always were, byte for byte.
+    names = {dtype: str(dtype) for dtype in set(dtypes)}
+    meta = list(zip(
+        map(_NAME, entries), map(_KIND, entries), map(names.__getitem__, dtypes), shapes,
+        map(_ALIASES, entries), map(_FROZEN, entries), map(_PER_RANK, entries),
+    ))
+    return hashlib.sha256(json.dumps(meta, separators=(",", ":"), check_circular=False).encode()).hexdigest()
 
 
 def flatten_state(
@@ -259,26 +264,25 @@ def validate_entries(flat: FlatState) -> None:
     """The checks `flatten_state(validate=False)` skipped: every name and alias is a valid
     tensor name, every tensor is strided, materialized and of a dtype ckptd stores. Raises
     ValueError/TypeError naming the tensor and how to fix it."""
-    if _plain_entries_valid(flat.tensors):
+    tensors = list(map(_TENSOR, flat.tensors))
+    if _PLAIN_TENSORS.issuperset(map(type, tensors)) and plain_entries_valid(flat.tensors, tensors, list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors))):
         return
     for entry in flat.tensors:
         for name in (entry.name, *entry.aliases):
             _check_tensor(name, entry.tensor)
 
 
-def _plain_entries_valid(entries: tuple[TensorEntry, ...]) -> bool:
-    """Whether every entry holds a plain tensor (torch.Tensor, nn.Parameter) that `_check_tensor`
-    passes under its name and every alias, told by checks over whole lists at C speed (no Python
-    per tensor). False means "check one by one": the general check then raises the first error
-    in entry order, as it always did, so this never changes which error is raised."""
-    tensors = list(map(_TENSOR, entries))
-    if not _PLAIN_TENSORS.issuperset(map(type, tensors)):
-        return False  # DTensors and wrappers have checks of their own
+def plain_entries_valid(entries: tuple[TensorEntry, ...], tensors: list[torch.Tensor], dtypes: list[torch.dtype], devices: list[torch.device]) -> bool:
+    """Whether entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) all
+    pass `_check_tensor` under their names and aliases, told by checks over whole lists at C
+    speed (no Python per tensor). tensors, dtypes, devices: the entries' tensors and theirs, in
+    order. False means "check one by one": the general check then raises the first error in
+    entry order, as it always did, so this never changes which error is raised."""
     if not tensor_names_valid([*map(_NAME, entries), *chain.from_iterable(map(_ALIASES, entries))]):
         return False
-    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(map(_IS_META, tensors)):
+    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(devices)):
         return False
-    return all(map(_storable, set(map(_DTYPE, tensors))))  # per distinct dtype: a few
+    return all(map(_storable, set(dtypes)))  # per distinct dtype: a few
 
 
 def _storable(dtype: torch.dtype) -> bool:

@@ -151,40 +151,43 @@ class _Encoder:
 
     def mapping(self, value: dict, path: tuple[str, ...]) -> Any:
         plain = _plain_keys(value)
-        if plain and self.add_plain_tensors is not None and value:
-            encoded = self.plain_tensors(value, path)
+        add_plain_tensors = self.add_plain_tensors
+        if plain and add_plain_tensors is not None and value:
+            encoded = self.plain_tensors(value, path, add_plain_tensors)
             if encoded is not None:
                 return encoded
         if plain:
             return {k: self.value(v, (*path, k)) for k, v in value.items()}
         return {MAPPING: [[self.value(k, (*path, str(k)), in_key=True), self.value(v, (*path, str(k)))] for k, v in value.items()]}
 
-    def plain_tensors(self, value: dict, path: tuple[str, ...]) -> Any:
+    def plain_tensors(self, value: dict[Any, Any], path: tuple[str, ...], add_plain_tensors: AddPlainTensors) -> Any:
         """What `mapping` makes of `value` (non-empty, of string keys), made for all its tensors at
         once (add_plain_tensors) when its values are plain tensors alone, or dicts of string keys
         and plain tensors alone (an optimizer's state: {param: {field: tensor}}); None otherwise.
 
         The names and the order are value()'s: where((*path, k)) is where(path) + "/" + k. An inner
         dict holds only tensors, so it cannot hold `value` (no cycle); it is one level deeper, so
-        the depth is checked as container() would."""
+        the depth is checked as container() would. Checked and named by C-level maps over all
+        keys and values: no Python per tensor but the leaf {TENSOR: name} itself."""
         items = list(value.values())
-        if _PLAIN_TENSORS.issuperset(map(type, items)):
-            names = list(map((self.where(path) + "/").__add__, value))
-            assert self.add_plain_tensors is not None
-            self.add_plain_tensors(names, items)
-            return {k: {TENSOR: name} for k, name in zip(value, names)}
-        if not {dict}.issuperset(map(type, items)) or len(self.open) >= MAX_EXTRAS_DEPTH or not all(map(_tensor_dict, items)):
-            return None
         base = self.where(path) + "/"
-        names, tensors, encoded = [], [], {}
-        for key, inner in value.items():
-            inner_names = list(map(f"{base}{key}/".__add__, inner))
-            names += inner_names
-            tensors += inner.values()
-            encoded[key] = {k: {TENSOR: name} for k, name in zip(inner, inner_names)}
-        assert self.add_plain_tensors is not None
-        self.add_plain_tensors(names, tensors)
-        return encoded
+        if _PLAIN_TENSORS.issuperset(map(type, items)):
+            names = list(map(base.__add__, value))
+            add_plain_tensors(names, items)
+            return {k: {TENSOR: name} for k, name in zip(value, names)}
+        if not {dict}.issuperset(map(type, items)) or len(self.open) >= MAX_EXTRAS_DEPTH:
+            return None
+        fields = list(chain.from_iterable(items))  # the inner dicts' keys, in order
+        tensors = list(chain.from_iterable(map(dict.values, items)))
+        # an inner key in TAGS might be a tag-like dict's (encoded in the MAPPING form): left to mapping()
+        if not all(map(isinstance, fields, repeat(str))) or not TAGS.isdisjoint(fields) or not _PLAIN_TENSORS.issuperset(map(type, tensors)):
+            return None
+        outer = chain.from_iterable(map(repeat, value, map(len, items)))  # each outer key once per field of its dict
+        names = list(map("{}{}/{}".format, repeat(base), outer, fields))
+        add_plain_tensors(names, tensors)
+        leaves = iter([{TENSOR: name} for name in names])
+        # zip stops at the end of `inner` before taking from `leaves`: each inner dict takes its own
+        return {key: dict(zip(inner, leaves)) for key, inner in value.items()}
 
     def array(self, array: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
         if array.dtype.kind not in _NUMPY_KINDS:
@@ -196,14 +199,9 @@ class _Encoder:
         return {"dtype": array.dtype.str, "shape": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
 
 
-def _plain_keys(value: dict) -> bool:
+def _plain_keys(value: dict[Any, Any]) -> bool:
     """Whether a dict is encoded as a JSON object of its own keys (else the MAPPING form)."""
     return all(map(isinstance, value, repeat(str))) and not (len(value) == 1 and next(iter(value)) in TAGS)
-
-
-def _tensor_dict(value: dict) -> bool:
-    """Whether a dict is encoded as a JSON object of its own keys holding plain tensors alone."""
-    return _plain_keys(value) and _PLAIN_TENSORS.issuperset(map(type, value.values()))
 
 
 # Leaves that `TreeIdentity` takes as unchanged while they are the same object: immutable values,
