@@ -172,7 +172,9 @@ _PLACE = attrgetter("global_shape", "box.offsets", "box.lengths")  # a fragment'
 # A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
 # shapes, strides and devices, in four lists, or per entry one tuple when some tensor is not plain).
 # Made by C-level maps over the entries: no Python runs per tensor while the state is plain.
-_ENTRY_FIELDS = itemgetter(0, 1, 3, 4, 5, 6)  # TensorEntry: name, kind, aliases, placement, frozen, per_rank
+# TensorEntry's name, kind, aliases, placement, frozen and per_rank: a plain signature holds one
+# list of each (no tuple per entry: a first build makes thousands of objects as it is)
+_ENTRY_FIELDS = tuple(map(itemgetter, (0, 1, 3, 4, 5, 6)))
 _TENSOR = itemgetter(2)
 _DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -188,7 +190,7 @@ def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
     try:
         if not _PLAIN.issuperset(map(type, tensors)):
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
-        fields = known if known is not None else list(map(_ENTRY_FIELDS, flat.tensors))
+        fields = known if known is not None else tuple([list(map(field, flat.tensors)) for field in _ENTRY_FIELDS])
         return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
     except (RuntimeError, NotImplementedError):
