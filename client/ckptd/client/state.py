@@ -134,13 +134,13 @@ class FlatState:
         return entries_fingerprint(self.tensors, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)))
 
 
-def entries_fingerprint(entries: tuple[TensorEntry, ...], dtypes: list[torch.dtype], shapes: list[torch.Size]) -> str:
+def entries_fingerprint(entries: tuple[TensorEntry, ...], tensor_dtypes: list[torch.dtype], tensor_shapes: list[torch.Size]) -> str:
     """`FlatState.fingerprint` of `entries`, given their tensors' dtypes and shapes (in order)."""
     # One row per entry, made by C-level maps: json writes tuples (torch.Size too) as the lists
     # [name, kind, dtype, shape, aliases, frozen, per_rank] they always were, byte for byte.
-    names = {dtype: str(dtype) for dtype in set(dtypes)}
+    dtype_names = {dtype: str(dtype) for dtype in set(tensor_dtypes)}
     meta = list(zip(
-        map(_NAME, entries), map(_KIND, entries), map(names.__getitem__, dtypes), shapes,
+        map(_NAME, entries), map(_KIND, entries), map(dtype_names.__getitem__, tensor_dtypes), tensor_shapes,
         map(_ALIASES, entries), map(_FROZEN, entries), map(_PER_RANK, entries),
     ))
     return hashlib.sha256(json.dumps(meta, separators=(",", ":"), check_circular=False).encode()).hexdigest()
@@ -272,17 +272,19 @@ def validate_entries(flat: FlatState) -> None:
             _check_tensor(name, entry.tensor)
 
 
-def plain_entries_valid(entries: tuple[TensorEntry, ...], tensors: list[torch.Tensor], dtypes: list[torch.dtype], devices: list[torch.device]) -> bool:
+def plain_entries_valid(
+    entries: tuple[TensorEntry, ...], tensors: list[torch.Tensor], tensor_dtypes: list[torch.dtype], tensor_devices: list[torch.device]
+) -> bool:
     """Whether entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) all
     pass `_check_tensor` under their names and aliases, told by checks over whole lists at C
-    speed (no Python per tensor). tensors, dtypes, devices: the entries' tensors and theirs, in
-    order. False means "check one by one": the general check then raises the first error in
-    entry order, as it always did, so this never changes which error is raised."""
+    speed (no Python per tensor). tensors, tensor_dtypes, tensor_devices: the entries' tensors
+    and theirs, in order. False means "check one by one": the general check then raises the
+    first error in entry order, as it always did, so this never changes which error is raised."""
     if not tensor_names_valid([*map(_NAME, entries), *chain.from_iterable(map(_ALIASES, entries))]):
         return False
-    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(devices)):
+    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
         return False
-    return all(map(_storable, set(dtypes)))  # per distinct dtype: a few
+    return all(map(_storable, set(tensor_dtypes)))  # per distinct dtype: a few
 
 
 def _storable(dtype: torch.dtype) -> bool:

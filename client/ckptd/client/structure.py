@@ -190,7 +190,7 @@ def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
     try:
         if not _PLAIN.issuperset(map(type, tensors)):
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
-        fields = known if known is not None else tuple([list(map(field, flat.tensors)) for field in _ENTRY_FIELDS])
+        fields = known if known is not None else tuple([list(map(getter, flat.tensors)) for getter in _ENTRY_FIELDS])
         return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
     except (RuntimeError, NotImplementedError):
