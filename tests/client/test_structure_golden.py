@@ -256,3 +256,34 @@ def test_a_plain_state_takes_the_fast_paths(kind: str, monkeypatch: pytest.Monke
     monkeypatch.setattr(state_module, "_check_tensor", refuse)
     monkeypatch.setattr(structure_module, "layout_state", refuse)
     assert StructureCache().for_state(StateWalk().flatten(state, rank=0), None, None).fingerprint == reference.fingerprint
+
+
+class _TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_optimizers_tensors_are_added_as_one_at_a_time(tied: bool) -> None:
+    """A module and its optimizer (torch's state_dict APIs): the batch adds, and the tied model's
+    aliases, give the entries the one-by-one adds (flatten_state(validate=True)) give."""
+    torch.manual_seed(0)
+    model: nn.Module = _TiedHead() if tied else nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(2, dtype=torch.long) if tied else torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    reference = flatten_state(state, rank=0, validate=True)
+    assert any(e.aliases for e in reference.tensors) == tied
+    for flat in (StateWalk().flatten(state, rank=0), flatten_state(state, rank=0, validate=False)):
+        assert [_entry_fields(e) for e in flat.tensors] == [_entry_fields(e) for e in reference.tensors]
+        assert flat.extras_json == reference.extras_json
+        fragments, fingerprint = _reference(flat, None, None)
+        assert StructureCache().for_state(flat, None, None).fingerprint == fingerprint

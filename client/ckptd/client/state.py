@@ -188,7 +188,7 @@ def flatten_value(state: Mapping[str, Any], key: str, entries: Entries, for_save
             optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
         elif fresh:
             fresh_keys.append(key)
-        return tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
+        return tree.encode(optimizer_state, key, *_optimizer_adders(key, model, entries))
     per_rank = kind == "extra"  # a tree's tensors under an extras key: the rank's own
     add, add_plain = entries.adder(kind, per_rank), entries.plain_adder(kind, per_rank)
     if is_stateful(value):
@@ -474,8 +474,10 @@ def _optimizer_state(model: nn.Module, key: str, optimizer: torch.optim.Optimize
         ) from exc
 
 
-def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[str, torch.Tensor], None]:
-    """Adds optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
+def _optimizer_adders(key: str, model: nn.Module, entries: Entries) -> tuple[Callable[[str, torch.Tensor], None], tree.AddPlainTensors | None]:
+    """The adder of optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
+    With it, for a model without tied parameters (no aliases to give), the adder of a dict's
+    plain tensors at once (tree.encode's add_plain_tensors; None for a tied model).
 
     As aliases, these names let a checkpoint of a tied model load into an untied one.
     """
@@ -489,7 +491,7 @@ def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[
             aliases = tuple(f"{key}/state/{other}/{parts[3]}" for other in tied[parts[2]])
         entries.add(TensorEntry(name, kind, tensor, aliases))
 
-    return add
+    return add, None if tied else entries.plain_adder(kind)
 
 
 def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:
