@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Sequence
 
 import torch
@@ -60,6 +61,11 @@ class Fragment:
     box: Box
     local: torch.Tensor
     per_rank: bool = False
+
+    def __init__(self, name: str, global_shape: tuple[int, ...], box: Box, local: torch.Tensor, per_rank: bool = False) -> None:
+        # The fields, set once through the instance's dict: a frozen dataclass's own __init__ sets
+        # each through object.__setattr__, twice the cost of the rest of a fragment (a state has thousands).
+        vars(self).update(name=name, global_shape=global_shape, box=box, local=local, per_rank=per_rank)
 
 
 @dataclass(frozen=True)
@@ -486,6 +492,33 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
         check = rule is not None and isinstance(rule.layout, Replicated) and rule.layout.check_equal
         out.append(EntryLayout(entry, fragments[0].global_shape, tuple(fragments), check))
     return out
+
+
+def whole_fragments(flat: FlatState, tensors: list[torch.Tensor], shapes: list[torch.Size]) -> tuple[tuple[TensorEntry, Fragment], ...] | None:
+    """What `layout_state(flat)` without rules gives, as (entry, fragment) pairs in entry order,
+    for entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) without
+    LocalShards: each tensor one fragment of all of it, under its name (a per-rank entry's:
+    `per_rank_name`). None when an entry is a LocalShard's: layout_state describes it.
+    tensors, shapes: the entries' tensors and their shapes, in order.
+
+    Made by C-level maps over the entries; fragments of one shape share their global shape and
+    Box (immutable both), made once per distinct shape."""
+    entries = flat.tensors
+    if not {None}.issuperset(map(_PLACEMENT, entries)):
+        return None
+    whole = {shape: (tuple(shape), Box.full(shape)) for shape in set(shapes)}
+    made = list(map(whole.__getitem__, shapes))
+    fragments = list(map(Fragment, map(_NAME, entries), map(_GLOBAL_SHAPE, made), map(_BOX, made), tensors))
+    if any(map(_PER_RANK, entries)):
+        taken = {n for e in entries for n in (e.name, *e.aliases)}
+        for i, entry in enumerate(entries):
+            if entry.per_rank:
+                fragments[i] = _own_fragment(entry, flat.rank, taken)
+    return tuple(zip(entries, fragments))
+
+
+_NAME, _PLACEMENT, _PER_RANK = itemgetter(0), itemgetter(4), itemgetter(6)  # TensorEntry's fields
+_GLOBAL_SHAPE, _BOX = itemgetter(0), itemgetter(1)
 
 
 def _own_fragment(entry: TensorEntry, rank: int, taken: set[str]) -> Fragment:

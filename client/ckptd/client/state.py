@@ -47,6 +47,8 @@ import logging
 import random
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -62,7 +64,7 @@ from ckptd.client.fqns import module_fqns
 from ckptd.client.subclasses import check_wrapper
 from ckptd.client.ties import memory_key, shared_names
 from ckptd.common import dtypes
-from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
+from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of, tensor_names_valid
 from ckptd.format.file_plan import RNG_KEY
 
 log = logging.getLogger("ckptd.client")
@@ -94,6 +96,12 @@ class TensorEntry(NamedTuple):
     per_rank: bool = False
 
 
+# TensorEntry's fields and tensors' attributes, read by C-level maps over whole lists
+_NAME, _KIND, _TENSOR, _ALIASES, _FROZEN, _PER_RANK = (itemgetter(i) for i in (0, 1, 2, 3, 5, 6))
+_DTYPE, _SHAPE, _LAYOUT, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout"), attrgetter("device")
+_PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
+
+
 @dataclass(frozen=True)
 class FlatState:
     """A rank's state as tensors in a deterministic order plus JSON-able extras {top key: tree}."""
@@ -122,8 +130,20 @@ class FlatState:
 
         Equal across processes and runs for equal metadata; tensor values do not enter it.
         """
-        meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases), e.frozen, e.per_rank] for e in self.tensors]
-        return hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
+        tensors = list(map(_TENSOR, self.tensors))
+        return entries_fingerprint(self.tensors, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)))
+
+
+def entries_fingerprint(entries: tuple[TensorEntry, ...], tensor_dtypes: list[torch.dtype], tensor_shapes: list[torch.Size]) -> str:
+    """`FlatState.fingerprint` of `entries`, given their tensors' dtypes and shapes (in order)."""
+    # One row per entry, made by C-level maps: json writes tuples (torch.Size too) as the lists
+    # [name, kind, dtype, shape, aliases, frozen, per_rank] they always were, byte for byte.
+    dtype_names = {dtype: str(dtype) for dtype in set(tensor_dtypes)}
+    meta = list(zip(
+        map(_NAME, entries), map(_KIND, entries), map(dtype_names.__getitem__, tensor_dtypes), tensor_shapes,
+        map(_ALIASES, entries), map(_FROZEN, entries), map(_PER_RANK, entries),
+    ))
+    return hashlib.sha256(json.dumps(meta, separators=(",", ":"), check_circular=False).encode()).hexdigest()
 
 
 def flatten_state(
@@ -168,11 +188,12 @@ def flatten_value(state: Mapping[str, Any], key: str, entries: Entries, for_save
             optimizer_state = {**optimizer_state, FRESH_OPTIMIZER: True}
         elif fresh:
             fresh_keys.append(key)
-        return tree.encode(optimizer_state, key, _optimizer_adder(key, model, entries))
-    add = entries.adder(kind, per_rank=kind == "extra")  # a tree's tensors under an extras key: the rank's own
+        return tree.encode(optimizer_state, key, *_optimizer_adders(key, model, entries))
+    per_rank = kind == "extra"  # a tree's tensors under an extras key: the rank's own
+    add, add_plain = entries.adder(kind, per_rank), entries.plain_adder(kind, per_rank)
     if is_stateful(value):
-        return tree.encode(value.state_dict(), key, add)
-    return tree.encode(value, key, add)
+        return tree.encode(value.state_dict(), key, add, add_plain)
+    return tree.encode(value, key, add, add_plain)
 
 
 def flatten_rng(rank: int, entries: Entries) -> Any:
@@ -243,9 +264,35 @@ def validate_entries(flat: FlatState) -> None:
     """The checks `flatten_state(validate=False)` skipped: every name and alias is a valid
     tensor name, every tensor is strided, materialized and of a dtype ckptd stores. Raises
     ValueError/TypeError naming the tensor and how to fix it."""
+    tensors = list(map(_TENSOR, flat.tensors))
+    if _PLAIN_TENSORS.issuperset(map(type, tensors)) and plain_entries_valid(flat.tensors, tensors, list(map(_DTYPE, tensors)), list(map(_DEVICE, tensors))):
+        return
     for entry in flat.tensors:
         for name in (entry.name, *entry.aliases):
             _check_tensor(name, entry.tensor)
+
+
+def plain_entries_valid(
+    entries: tuple[TensorEntry, ...], tensors: list[torch.Tensor], tensor_dtypes: list[torch.dtype], tensor_devices: list[torch.device]
+) -> bool:
+    """Whether entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) all
+    pass `_check_tensor` under their names and aliases, told by checks over whole lists at C
+    speed (no Python per tensor). tensors, tensor_dtypes, tensor_devices: the entries' tensors
+    and theirs, in order. False means "check one by one": the general check then raises the
+    first error in entry order, as it always did, so this never changes which error is raised."""
+    if not tensor_names_valid([*map(_NAME, entries), *chain.from_iterable(map(_ALIASES, entries))]):
+        return False
+    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
+        return False
+    return all(map(_storable, set(tensor_dtypes)))  # per distinct dtype: a few
+
+
+def _storable(dtype: torch.dtype) -> bool:
+    try:
+        dtypes.from_torch_name(str(dtype))
+    except dtypes.UnknownDtypeError:
+        return False
+    return True
 
 
 class Entries:
@@ -272,6 +319,29 @@ class Entries:
                 self.add(TensorEntry(name, kind, value, per_rank=per_rank and not isinstance(value, DTensor)))
 
         return add
+
+    def plain_adder(self, kind: str, per_rank: bool = False) -> tree.AddPlainTensors:
+        """Adds plain tensors (torch.Tensor, nn.Parameter) of a tree several at once, exactly as
+        `adder(kind, per_rank)` adds them one by one (tree.encode's add_plain_tensors)."""
+
+        def add_plain(names: list[str], tensors: list[torch.Tensor]) -> None:
+            self.add_plain(kind, per_rank, names, tensors)
+
+        return add_plain
+
+    def add_plain(self, kind: str, per_rank: bool, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """Add entries (name, kind, tensor) of plain tensors, the rank's own when per_rank: as
+        `add` one by one, at C speed when there is nothing to check (not validating, no name
+        taken twice)."""
+        new = set(names)
+        if self.validate or len(new) != len(names) or not self.names.isdisjoint(new):
+            for name, tensor in zip(names, tensors):  # one by one: the checks, the error for a duplicate
+                self.add(TensorEntry(name, kind, tensor, per_rank=per_rank))
+            return
+        self.names |= new
+        # TensorEntry's fields in order, made into entries by tuple.__new__ in C (what TensorEntry(...) makes)
+        fields = zip(names, repeat(kind), tensors, repeat(()), repeat(None), repeat(""), repeat(per_rank))
+        self.entries.extend(map(tuple.__new__, repeat(TensorEntry), fields))
 
     def add(self, entry: TensorEntry, chunk: bool = False) -> None:  # chunk: a box of a LocalShards (they share a name)
         for name in (entry.name, *entry.aliases):
@@ -404,8 +474,10 @@ def _optimizer_state(model: nn.Module, key: str, optimizer: torch.optim.Optimize
         ) from exc
 
 
-def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[str, torch.Tensor], None]:
-    """Adds optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
+def _optimizer_adders(key: str, model: nn.Module, entries: Entries) -> tuple[Callable[[str, torch.Tensor], None], tree.AddPlainTensors | None]:
+    """The adder of optimizer tensors; the state of a tied parameter also gets the names under its other FQNs.
+    With it, for a model without tied parameters (no aliases to give), the adder of a dict's
+    plain tensors at once (tree.encode's add_plain_tensors; None for a tied model).
 
     As aliases, these names let a checkpoint of a tied model load into an untied one.
     """
@@ -419,7 +491,7 @@ def _optimizer_adder(key: str, model: nn.Module, entries: Entries) -> Callable[[
             aliases = tuple(f"{key}/state/{other}/{parts[3]}" for other in tied[parts[2]])
         entries.add(TensorEntry(name, kind, tensor, aliases))
 
-    return add
+    return add, None if tied else entries.plain_adder(kind)
 
 
 def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:

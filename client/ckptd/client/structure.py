@@ -23,6 +23,13 @@ Two checks decide what can be reused, both cheap and exact:
   so the address cannot have been reused by another tensor). An entry whose memory moved (a
   parameter replaced, a tensor made anew on each call such as torch's RNG state) gets its
   fragments taken again; its structure, and so the fingerprint and metadata, stay valid.
+
+A structure built from scratch (a new client's first save or load, or a changed state) of the
+common kind, plain tensors without layout rules or LocalShards, is derived from the lists the
+signature read (`_plain_structure`): checks, whole fragments and fingerprint by C-level maps over
+them, a few µs per tensor (tests/bench/bench_structure.py). Any other state, or one that fails a
+check, takes the general path, which raises the error; both give the same Structure
+(tests/client/test_structure_golden.py).
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state
-from ckptd.client.state import FlatState, TensorEntry, validate_entries
+from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state, whole_fragments
+from ckptd.client.state import FlatState, TensorEntry, entries_fingerprint, plain_entries_valid, validate_entries
 from ckptd.client.subclasses import inner_tensor
 
 Signature = tuple[Any, ...]
@@ -84,7 +91,7 @@ class StructureCache:
         tensors = list(map(_TENSOR, flat.tensors))
         signature = _signature(flat, rules, coords, tensors, last.signature[_ENTRIES_AT] if same_entries and last is not None else None)
         if signature is None or last is None or signature != last.signature:
-            self._last = self._build(flat, rules, coords, signature)
+            self._last = self._build(flat, rules, coords, signature, tensors)
             self._entries = flat.tensors
             return self._last
         self._entries = flat.tensors
@@ -95,13 +102,37 @@ class StructureCache:
         self.rebinds += 1
         return self._last
 
-    def _build(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, signature: Signature | None) -> Structure:
-        validate_entries(flat)
-        fragments = fragments_of_state(flat, rules, coords)
+    def _build(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, signature: Signature | None, tensors: list[Any]) -> Structure:
+        built = _plain_structure(flat, rules, signature, tensors) if signature is not None else None
+        if built is None:
+            validate_entries(flat)
+            fragments = fragments_of_state(flat, rules, coords)
+            if signature is None:  # cannot happen for a state that validates; never reused
+                signature = (object(),)
+            built = Structure(signature, _pointers(tensors), fragments, fingerprint_of(flat, fragments))
         self.builds += 1
-        if signature is None:  # cannot happen for a state that validates; never reused
-            signature = (object(),)
-        return Structure(signature, _pointers(list(map(_TENSOR, flat.tensors))), fragments, fingerprint_of(flat, fragments))
+        return built
+
+
+def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Signature, tensors: list[Any]) -> Structure | None:
+    """What `StructureCache._build` derives, for the common state: plain tensors (the signature's
+    plain form) without layout rules or LocalShards, whose checks all pass; None for any other
+    (the general path then checks, and raises the error). One pass over the tensors' metadata:
+    the dtypes and shapes the signature read serve the checks, the fragments and the fingerprint
+    (a new client's first build costs a few µs per tensor: bench_structure.py)."""
+    if rules is not None or len(signature) <= _DEVICES_AT:
+        return None
+    dtypes, shapes, devices = signature[_DTYPES_AT], signature[_SHAPES_AT], signature[_DEVICES_AT]
+    if not plain_entries_valid(flat.tensors, tensors, dtypes, devices):
+        return None
+    fragments = whole_fragments(flat, tensors, shapes)
+    if fragments is None:
+        return None
+    # every fragment is all of its tensor: its place (global shape, offsets, lengths) is its shape's
+    place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
+    names = map(_FRAGMENT_NAME, map(_FRAGMENT, fragments))
+    fingerprint = _fingerprint(entries_fingerprint(flat.tensors, dtypes, shapes), names, list(map(place_of.__getitem__, shapes)))
+    return Structure(signature, _pointers(tensors), fragments, fingerprint)
 
 
 def fragments_of_state(
@@ -117,20 +148,38 @@ def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragm
     sent to the daemon says, so that equal fingerprints name equal metadata (the global shape
     too: rank 0's half of a tensor split over two ranks has the box and local shape of a whole
     tensor of half the size)."""
-    h = hashlib.sha256(flat.fingerprint().encode())
-    for _, f in fragments:
-        h.update(f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n".encode())
+    fragments_only = list(map(_FRAGMENT, fragments))
+    return _fingerprint(flat.fingerprint(), map(_FRAGMENT_NAME, fragments_only), list(map(_PLACE, fragments_only)))
+
+
+def _fingerprint(entries_fingerprint: str, names: Iterable[str], places: list[tuple[tuple[int, ...], ...]]) -> str:
+    """`fingerprint_of` a flat state whose own fingerprint (FlatState.fingerprint) is given, of
+    fragments given by their names and places (global shape, box offsets, box lengths), in order."""
+    h = hashlib.sha256(entries_fingerprint.encode())
+    # A fragment's line is f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n". Tuples'
+    # repr is slow, and fragments of one shape share the part after the name: made once per
+    # distinct place, and the lines hashed as one text (the same digest as one update per line).
+    tails = {place: "|{}|{}|{}\n".format(*place) for place in set(places)}
+    h.update("".join(map(str.__add__, names, map(tails.__getitem__, places))).encode())
     return h.hexdigest()
+
+
+_FRAGMENT = itemgetter(1)
+_FRAGMENT_NAME = attrgetter("name")
+_PLACE = attrgetter("global_shape", "box.offsets", "box.lengths")  # a fragment's place in its logical tensor
 
 
 # A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
 # shapes, strides and devices, in four lists, or per entry one tuple when some tensor is not plain).
 # Made by C-level maps over the entries: no Python runs per tensor while the state is plain.
-_ENTRY_FIELDS = itemgetter(0, 1, 3, 4, 5, 6)  # TensorEntry: name, kind, aliases, placement, frozen, per_rank
+# TensorEntry's name, kind, aliases, placement, frozen and per_rank: a plain signature holds one
+# list of each (no tuple per entry: a first build makes thousands of objects as it is)
+_ENTRY_FIELDS = tuple(map(itemgetter, (0, 1, 3, 4, 5, 6)))
 _TENSOR = itemgetter(2)
 _DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _ENTRIES_AT = 3  # where the entries' fields are in a signature
+_DTYPES_AT, _SHAPES_AT, _DEVICES_AT = 4, 5, 7  # where a plain signature's lists of dtypes, shapes and devices are
 
 
 def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, tensors: list[Any], known: Any = None) -> Signature | None:
@@ -141,7 +190,7 @@ def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
     try:
         if not _PLAIN.issuperset(map(type, tensors)):
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
-        fields = known if known is not None else list(map(_ENTRY_FIELDS, flat.tensors))
+        fields = known if known is not None else tuple([list(map(getter, flat.tensors)) for getter in _ENTRY_FIELDS])
         return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
     except (RuntimeError, NotImplementedError):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import math
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Callable
 
 import numpy as np
@@ -57,16 +57,23 @@ _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 AddTensor = Callable[[str, "torch.Tensor | LocalShard | LocalShards"], None]  # LocalShard(s): boxes of the logical tensor
 GetTensor = Callable[[str], torch.Tensor]
+AddPlainTensors = Callable[[list[str], list[torch.Tensor]], None]  # names, plain tensors (torch.Tensor, nn.Parameter)
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def encode(value: Any, tensor_name_prefix: str, add_tensor: AddTensor) -> Any:
+def encode(value: Any, tensor_name_prefix: str, add_tensor: AddTensor, add_plain_tensors: AddPlainTensors | None = None) -> Any:
     """The strict-JSON form of `value`; every tensor in it is passed to add_tensor(name, tensor).
+
+    add_plain_tensors, when given, takes the tensors of a dict of plain tensors alone (every
+    value a torch.Tensor or nn.Parameter: a model's or an optimizer field's) in one call,
+    add_plain_tensors(names, tensors) in the dict's order, instead of add_tensor one by one; it
+    must do what those add_tensor calls would (a state of thousands of tensors is mostly such dicts).
 
     Raises TypeError naming the path of the first value that cannot be encoded (an unsupported
     type, a tensor used as a dict key, an object dtype array, a container that contains itself),
     ValueError naming the path of a container nested more than MAX_EXTRAS_DEPTH deep.
     """
-    return _Encoder(tensor_name_prefix, add_tensor).value(value, ())
+    return _Encoder(tensor_name_prefix, add_tensor, add_plain_tensors).value(value, ())
 
 
 def decode(json_value: Any, get_tensor: GetTensor) -> Any:
@@ -88,9 +95,10 @@ def decode(json_value: Any, get_tensor: GetTensor) -> Any:
 
 
 class _Encoder:
-    def __init__(self, prefix: str, add_tensor: AddTensor) -> None:
+    def __init__(self, prefix: str, add_tensor: AddTensor, add_plain_tensors: AddPlainTensors | None) -> None:
         self.prefix = prefix
         self.add_tensor = add_tensor
+        self.add_plain_tensors = add_plain_tensors
         self.open: set[int] = set()  # ids of the containers on the current path (cycle check)
 
     def where(self, path: tuple[str, ...]) -> str:
@@ -142,10 +150,44 @@ class _Encoder:
             self.open.discard(id(value))
 
     def mapping(self, value: dict, path: tuple[str, ...]) -> Any:
-        plain = all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in TAGS)
+        plain = _plain_keys(value)
+        add_plain_tensors = self.add_plain_tensors
+        if plain and add_plain_tensors is not None and value:
+            encoded = self.plain_tensors(value, path, add_plain_tensors)
+            if encoded is not None:
+                return encoded
         if plain:
             return {k: self.value(v, (*path, k)) for k, v in value.items()}
         return {MAPPING: [[self.value(k, (*path, str(k)), in_key=True), self.value(v, (*path, str(k)))] for k, v in value.items()]}
+
+    def plain_tensors(self, value: dict[Any, Any], path: tuple[str, ...], add_plain_tensors: AddPlainTensors) -> Any:
+        """What `mapping` makes of `value` (non-empty, of string keys), made for all its tensors at
+        once (add_plain_tensors) when its values are plain tensors alone, or dicts of string keys
+        and plain tensors alone (an optimizer's state: {param: {field: tensor}}); None otherwise.
+
+        The names and the order are value()'s: where((*path, k)) is where(path) + "/" + k. An inner
+        dict holds only tensors, so it cannot hold `value` (no cycle); it is one level deeper, so
+        the depth is checked as container() would. Checked and named by C-level maps over all
+        keys and values: no Python per tensor but the leaf {TENSOR: name} itself."""
+        items = list(value.values())
+        base = self.where(path) + "/"
+        if _PLAIN_TENSORS.issuperset(map(type, items)):
+            names = list(map(base.__add__, value))
+            add_plain_tensors(names, items)
+            return {k: {TENSOR: name} for k, name in zip(value, names)}
+        if not {dict}.issuperset(map(type, items)) or len(self.open) >= MAX_EXTRAS_DEPTH:
+            return None
+        fields = list(chain.from_iterable(items))  # the inner dicts' keys, in order
+        tensors = list(chain.from_iterable(map(dict.values, items)))
+        # an inner key in TAGS might be a tag-like dict's (encoded in the MAPPING form): left to mapping()
+        if not all(map(isinstance, fields, repeat(str))) or not TAGS.isdisjoint(fields) or not _PLAIN_TENSORS.issuperset(map(type, tensors)):
+            return None
+        outer = chain.from_iterable(map(repeat, value, map(len, items)))  # each outer key once per field of its dict
+        names = list(map("{}{}/{}".format, repeat(base), outer, fields))
+        add_plain_tensors(names, tensors)
+        leaves = iter([{TENSOR: name} for name in names])
+        # zip stops at the end of `inner` before taking from `leaves`: each inner dict takes its own
+        return {key: dict(zip(inner, leaves)) for key, inner in value.items()}
 
     def array(self, array: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
         if array.dtype.kind not in _NUMPY_KINDS:
@@ -155,6 +197,11 @@ class _Encoder:
             )
         data = np.ascontiguousarray(array).tobytes()
         return {"dtype": array.dtype.str, "shape": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def _plain_keys(value: dict[Any, Any]) -> bool:
+    """Whether a dict is encoded as a JSON object of its own keys (else the MAPPING form)."""
+    return all(map(isinstance, value, repeat(str))) and not (len(value) == 1 and next(iter(value)) in TAGS)
 
 
 # Leaves that `TreeIdentity` takes as unchanged while they are the same object: immutable values,

@@ -11,6 +11,7 @@ extras JSON is made once. Tensors' metadata and memory are the structure's to ch
 from __future__ import annotations
 
 import json
+from itertools import chain
 from typing import Any, Mapping
 
 import torch
@@ -35,7 +36,8 @@ class _Part:
     def text(self) -> str:
         """The extras tree as strict JSON text, made once."""
         if self._text is None:
-            self._text = json.dumps(self.encoded, allow_nan=False)
+            # no cycle check: encode made the tree anew and refuses a value that contains itself
+            self._text = json.dumps(self.encoded, allow_nan=False, check_circular=False)
         return self._text
 
 
@@ -81,7 +83,7 @@ class StateWalk:
             encoded = flatten_rng(rank, own)
             listed.append((RNG_KEY, _Part(tuple(own.entries), encoded, None)))
         extras = {key: part.encoded for key, part in listed if part.encoded is not None}
-        entries = tuple(entry for _, part in listed for entry in part.entries)
+        entries = tuple(chain.from_iterable(part.entries for _, part in listed))
         # json.dumps(extras, allow_nan=False), made of the parts' texts (of the unchanged ones kept)
         text = "{" + ", ".join(f"{json.dumps(key)}: {part.text()}" for key, part in listed if part.encoded is not None) + "}"
         self._last = FlatState(entries, extras, tuple(fresh_keys), rank, text)

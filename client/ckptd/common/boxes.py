@@ -31,7 +31,8 @@ class Box:
     @staticmethod
     def full(shape: Sequence[int]) -> "Box":
         """The box covering a whole tensor of this shape."""
-        return Box(tuple(0 for _ in shape), tuple(int(n) for n in shape))
+        lengths = tuple(map(int, shape))
+        return Box((0,) * len(lengths), lengths)
 
     @property
     def ndim(self) -> int:
