@@ -3,10 +3,6 @@ refuses buffers it cannot write or whose lengths differ."""
 
 from __future__ import annotations
 
-import errno
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -107,51 +103,3 @@ def test_copy_pieces_refuses_arrays_of_other_lengths_or_itemsizes_and_no_threads
         _copy.copy_pieces(np.zeros(3, np.uint8), np.zeros(3, np.uint8), np.zeros(3, np.uint8), 1)
     with pytest.raises(ValueError, match="threads=0 must be at least 1"):
         _copy.copy_pieces(one, one, one, 0)
-
-
-# issue 33 item 5: a restarted trainer's restore from arenas it has not mapped before, by pread
-@pytest.mark.parametrize("threads", [1, 2, 5])
-@pytest.mark.parametrize("lengths", [[], [0], [7], [0, 1, 63, 4096 + 17], [3 * 2**20 + 5, 1, 2**20, 0, 7]])
-def test_read_pieces_reads_every_byte_of_every_piece_from_its_file_and_nothing_else(tmp_path: Path, threads: int, lengths: list[int]) -> None:
-    rng = np.random.default_rng(len(lengths))
-    files = [rng.integers(0, 256, sum(lengths) + 64, dtype=np.uint8) for _ in range(2)]
-    fds = []
-    for i, data in enumerate(files):
-        (tmp_path / f"arena-{i}").write_bytes(data.tobytes())
-        fds.append(os.open(tmp_path / f"arena-{i}", os.O_RDONLY))
-    try:
-        offsets = [3 + sum(lengths[:i]) for i in range(len(lengths))]  # unaligned
-        which = [i % 2 for i in range(len(lengths))]
-        targets = [np.full(n + 8, 0xAB, dtype=np.uint8) for n in lengths]
-        _copy.read_pieces(
-            np.array([fds[w] for w in which], dtype=np.uint64),
-            np.array([t.ctypes.data + 4 for t in targets], dtype=np.uint64),
-            np.array(offsets, dtype=np.uint64),
-            np.array(lengths, dtype=np.uint64),
-            threads,
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
-    for n, at, w, t in zip(lengths, offsets, which, targets):
-        assert np.array_equal(t[4 : 4 + n], files[w][at : at + n])
-        assert (t[:4] == 0xAB).all() and (t[4 + n :] == 0xAB).all()
-
-
-def test_read_pieces_says_when_a_file_ends_early_or_cannot_be_read(tmp_path: Path) -> None:
-    path = tmp_path / "arena"
-    path.write_bytes(b"x" * 100)
-    target = np.zeros(64, np.uint8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with pytest.raises(EOFError, match="piece 0 .64 bytes at offset 50. runs past the end of its file"):
-            _copy.read_pieces(np.array([fd], np.uint64), np.array([target.ctypes.data], np.uint64), np.array([50], np.uint64), np.array([64], np.uint64), 1)
-        assert bytes(target[:50]) == b"x" * 50  # what was there is read
-    finally:
-        os.close(fd)
-    with pytest.raises(OSError) as caught:  # a closed descriptor
-        _copy.read_pieces(np.array([fd], np.uint64), np.array([target.ctypes.data], np.uint64), np.array([0], np.uint64), np.array([8], np.uint64), 1)
-    assert caught.value.errno == errno.EBADF
-    one = np.zeros(1, np.uint64)
-    with pytest.raises(ValueError, match="fds, destinations, offsets and sizes must be uint64 arrays of one length"):
-        _copy.read_pieces(np.zeros(2, np.uint64), one, one, one, 1)

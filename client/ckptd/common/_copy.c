@@ -29,21 +29,12 @@
  * taking the first, all with the GIL released: one call whatever the number of tensors
  * (thousands of ctypes.memmove calls cost about 1 us each, the whole budget of a restore
  * beyond the copy). memcpy, not streaming stores: the trainer reads what it restored next.
- *
- * read_pieces(fds, destinations, offsets, sizes, threads): the same restore from arenas this
- * process has not copied from before (a restarted trainer): sizes[i] bytes at offset offsets[i]
- * of file descriptor fds[i] to address destinations[i], by pread, shared out as copy_pieces
- * does. Copying through a fresh mapping first creates its page-table entries, a fault per
- * 64 KiB: on the 2-core test VM 256 MiB took 33-36 ms that way, 27-28 ms by pread on two
- * threads, against 22 ms for a memcpy between warm buffers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -197,31 +188,12 @@ done:
 
 struct share {
     const uint64_t *dst, *src, *len;
-    const uint64_t *fds; /* NULL: src are addresses (memcpy); else src are offsets in fds (pread) */
     Py_ssize_t n;
     uint64_t lo, hi; /* bytes [lo, hi) of the pieces laid end to end */
-    int error;       /* read_pieces: errno of the first failed read, -1 for an early end of file */
-    Py_ssize_t failed; /* the piece it failed on */
 };
 
-/* pread exactly n bytes at `offset` of fd into dst; 0, or the errno (-1: the file ended first). */
-static int pread_exact(int fd, char *dst, size_t n, uint64_t offset) {
-    while (n) {
-        ssize_t got = pread(fd, dst, n, (off_t)offset);
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            return errno;
-        }
-        if (got == 0)
-            return -1;
-        dst += got, n -= (size_t)got, offset += (uint64_t)got;
-    }
-    return 0;
-}
-
 static void *copy_share(void *arg) {
-    struct share *s = arg;
+    const struct share *s = arg;
     uint64_t at = 0; /* where piece i starts among the pieces laid end to end */
     for (Py_ssize_t i = 0; i < s->n && at < s->hi; i++) {
         uint64_t start = at, stop = at + s->len[i];
@@ -229,34 +201,25 @@ static void *copy_share(void *arg) {
         if (stop <= s->lo)
             continue;
         uint64_t from = (start < s->lo ? s->lo : start) - start, to = (stop > s->hi ? s->hi : stop) - start;
-        char *dst = (char *)(uintptr_t)s->dst[i] + from;
-        if (!s->fds) {
-            memcpy(dst, (const char *)(uintptr_t)s->src[i] + from, (size_t)(to - from));
-        } else if ((s->error = pread_exact((int)s->fds[i], dst, (size_t)(to - from), s->src[i] + from))) {
-            s->failed = i;
-            break;
-        }
+        memcpy((char *)(uintptr_t)s->dst[i] + from, (const char *)(uintptr_t)s->src[i] + from, (size_t)(to - from));
     }
     return NULL;
 }
 
-/* Parses (fds,)? destinations, sources, sizes, threads and runs copy_share over `threads` shares. */
-static PyObject *run_pieces(PyObject *args, int reads) {
-    const char *name = reads ? "read_pieces" : "copy_pieces";
-    Py_buffer fds = {0}, dst = {0}, src = {0}, len = {0};
+static PyObject *copy_pieces(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer dst = {0}, src = {0}, len = {0};
     int threads;
-    int parsed = reads ? PyArg_ParseTuple(args, "y*y*y*y*i", &fds, &dst, &src, &len, &threads)
-                       : PyArg_ParseTuple(args, "y*y*y*i", &dst, &src, &len, &threads);
-    if (!parsed)
+    if (!PyArg_ParseTuple(args, "y*y*y*i", &dst, &src, &len, &threads))
         return NULL;
     PyObject *result = NULL;
-    if (dst.len != src.len || dst.len != len.len || (reads && fds.len != dst.len) || dst.len % (Py_ssize_t)sizeof(uint64_t)) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be uint64 arrays of one length (%zd, %zd, %zd bytes)", name,
-                     reads ? "fds, destinations, offsets and sizes" : "destinations, sources and sizes", dst.len, src.len, len.len);
+    if (dst.len != src.len || dst.len != len.len || dst.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_Format(PyExc_ValueError, "copy_pieces: destinations, sources and sizes must be uint64 arrays of one length (%zd, %zd, %zd bytes)",
+                     dst.len, src.len, len.len);
         goto done;
     }
     if (threads < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: threads=%d must be at least 1", name, threads);
+        PyErr_Format(PyExc_ValueError, "copy_pieces: threads=%d must be at least 1", threads);
         goto done;
     }
     if (threads > MAX_THREADS)
@@ -266,7 +229,7 @@ static PyObject *run_pieces(PyObject *args, int reads) {
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] > (uint64_t)PY_SSIZE_T_MAX - total) {
-            PyErr_Format(PyExc_ValueError, "%s: the sizes add up to more than the address space", name);
+            PyErr_SetString(PyExc_ValueError, "copy_pieces: the sizes add up to more than the address space");
             goto done;
         }
         total += sizes[i];
@@ -278,8 +241,8 @@ static PyObject *run_pieces(PyObject *args, int reads) {
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (int k = 0; k < threads; k++)
-        shares[k] = (struct share){dst.buf, src.buf, sizes, reads ? fds.buf : NULL, n, total / (uint64_t)threads * (uint64_t)k,
-                                   k + 1 == threads ? total : total / (uint64_t)threads * (uint64_t)(k + 1), 0, 0};
+        shares[k] = (struct share){dst.buf, src.buf, sizes, n, total / (uint64_t)threads * (uint64_t)k,
+                                   k + 1 == threads ? total : total / (uint64_t)threads * (uint64_t)(k + 1)};
     Py_BEGIN_ALLOW_THREADS
     for (int k = 1; k < threads; k++)
         started[k] = pthread_create(&ids[k], NULL, copy_share, &shares[k]) == 0;
@@ -291,37 +254,13 @@ static PyObject *run_pieces(PyObject *args, int reads) {
             copy_share(&shares[k]); /* no thread to be had: this one copies that share too */
     }
     Py_END_ALLOW_THREADS
-    for (int k = 0; k < threads; k++) {
-        const struct share *s = &shares[k];
-        if (s->error == -1) {
-            PyErr_Format(PyExc_EOFError, "read_pieces: piece %zd (%llu bytes at offset %llu) runs past the end of its file",
-                         s->failed, (unsigned long long)sizes[s->failed], (unsigned long long)((const uint64_t *)src.buf)[s->failed]);
-            goto done;
-        }
-        if (s->error) {
-            errno = s->error;
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-    }
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&fds);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&len);
     return result;
-}
-
-static PyObject *copy_pieces(PyObject *self, PyObject *args) {
-    (void)self;
-    return run_pieces(args, 0);
-}
-
-static PyObject *read_pieces(PyObject *self, PyObject *args) {
-    (void)self;
-    return run_pieces(args, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -345,13 +284,6 @@ static PyMethodDef methods[] = {
      "own thread with the GIL released. Raw addresses: the caller guarantees that every range is\n"
      "readable (source) or writable (destination), that no destination overlaps another range, and\n"
      "that all stay alive until the call returns."},
-    {"read_pieces", read_pieces, METH_VARARGS,
-     "read_pieces(fds, destinations, offsets, sizes, threads) -> None\n\n"
-     "Read sizes[i] bytes at offset offsets[i] of open file descriptor fds[i] into address\n"
-     "destinations[i] for every i, by pread; the four are buffers of native uint64 of one length,\n"
-     "shared out over threads as copy_pieces does. Raises OSError for a failed read and EOFError\n"
-     "when a file ends before a piece does (the destinations then hold part of the bytes). The\n"
-     "caller keeps the descriptors open and every destination writable until the call returns."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,7 +32,7 @@ from ckptd.client.reader.decode import fill_decoded
 from ckptd.client.reader.pieces import READ_CHUNK, ArenaColumns, Source, checked_by_daemon, open_piece, pread_exact, read_range, read_runs, verify_span
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
-from ckptd.common._copy import copy_pieces, read_pieces
+from ckptd.common._copy import copy_pieces
 from ckptd.common.boxes import Box, intersect, relative
 from ckptd.common.reshard import CopyRun, copy_runs, read_ranges, row_block, run_count
 
@@ -222,17 +222,16 @@ class MemoryCopies:
     the cache of the state's Structure, whose identity guarantees that every target still has
     the dtype, shape, strides and data address it had here (ckptd.client.structure: a tensor
     reallocated, resized or of another dtype gives another Structure, hence a new plan). `run`
-    checks first that every arena is still mapped where it was, then moves everything in one
-    call (ckptd.common._copy): memcpys through the mappings when this process has copied through
-    them before, else preads of the arena files (a restarted trainer: populating a fresh
-    mapping's page tables costs more than the kernel's copy, see fill_all). No Python per tensor.
+    checks first that every arena is still mapped where it was, then copies everything in one
+    call into C (ckptd.common._copy.copy_pieces): no Python per tensor. Also through a mapping
+    this process has not copied through before (a restarted trainer): its page faults cost less
+    than pread of the arena files (256 MiB from a new client: 37-69 ms against 42-77 ms at 100
+    to 4,000 tensors, measured side by side on the 2-core test VM).
     """
 
     bases: tuple[tuple[str, int, int], ...]  # (arena path, bytes it must have, address when prepared)
     destinations: np.ndarray  # uint64 target addresses, one per piece
     sources: np.ndarray  # uint64 arena addresses
-    offsets: np.ndarray  # uint64 offsets in the arena files
-    arenas: np.ndarray  # intp: which of `bases` each piece is in
     sizes: np.ndarray  # uint64 bytes
     keep: tuple[torch.Tensor, ...]  # the targets: their memory must stay while the addresses are used
 
@@ -263,13 +262,9 @@ class MemoryCopies:
                 sizes.append(src.nbytes)
                 targets.append(target.data_ptr())
         bases = tuple((path, size, _mapped(maps, path, size)) for path, size in need.items())
-        which = {path: i for i, (path, _, _) in enumerate(bases)}
-        arenas = np.array([which[p] for p in paths], dtype=np.intp)
-        at = np.array(offsets, dtype=np.uint64)
-        sources = at + np.array([base for _, _, base in bases], dtype=np.uint64)[arenas] if bases else at
-        return MemoryCopies(
-            bases, np.array(targets, dtype=np.uint64), sources, at, arenas, np.array(sizes, dtype=np.uint64), tuple(f.target for f in fills)
-        )
+        where = {path: base for path, _, base in bases}
+        sources = np.array(offsets, dtype=np.uint64) + np.array([where[p] for p in paths], dtype=np.uint64)
+        return MemoryCopies(bases, np.array(targets, dtype=np.uint64), sources, np.array(sizes, dtype=np.uint64), tuple(f.target for f in fills))
 
     @staticmethod
     def of_columns(maps: ArenaMaps, targets: Sequence[torch.Tensor], columns: ArenaColumns) -> "MemoryCopies | None":
@@ -290,25 +285,13 @@ class MemoryCopies:
         needs = [int(ends[arenas == k].max(initial=0)) for k in range(len(columns.paths))]
         bases = tuple((path, need, _mapped(maps, path, need)) for path, need in zip(columns.paths, needs))
         sources = offsets + np.array([base for _, _, base in bases], dtype=np.uint64)[arenas]
-        return MemoryCopies(bases, addresses, sources, offsets, arenas, sizes, tuple(targets))
+        return MemoryCopies(bases, addresses, sources, sizes, tuple(targets))
 
     def run(self, maps: ArenaMaps, threads: int) -> bool:
         """Copy on `threads` threads; False (nothing copied) when an arena is no longer mapped where it was."""
         if any(maps.address(path, size) != base for path, size, base in self.bases):
             return False
-        if not any(maps.is_cold(path) for path, _, _ in self.bases):
-            copy_pieces(self.destinations, self.sources, self.sizes, threads)
-            return True
-        fds: list[int] = []
-        try:
-            for path, _, _ in self.bases:
-                fds.append(_open_arena(path))
-            read_pieces(np.array(fds, dtype=np.uint64)[self.arenas], self.destinations, self.offsets, self.sizes, threads)
-        except (OSError, EOFError) as exc:
-            raise CheckpointError(f"cannot read the daemon's shared memory ({exc}); the daemon may have restarted: load again") from None
-        finally:
-            for fd in fds:
-                os.close(fd)
+        copy_pieces(self.destinations, self.sources, self.sizes, threads)
         for path, _, _ in self.bases:
             maps.mark_warm(path)
         return True
@@ -340,15 +323,6 @@ def _mapped(maps: ArenaMaps, path: str, need: int) -> int:
     if len(maps.get(path, need)) < need:
         raise CheckpointError(f"the daemon's arena {path} is shorter than its plan says ({need} bytes); the daemon may have restarted: load again")
     return maps.address(path, need)
-
-
-def _open_arena(path: str) -> int:
-    """A descriptor to pread an arena file: never through a link, never waiting on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    return fd
 
 
 def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[list[T]]:
