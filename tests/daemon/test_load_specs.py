@@ -74,7 +74,7 @@ def test_specs_are_per_job_and_rank_and_unknown_fingerprints_are_asked_for() -> 
 
 
 def test_extras_text_is_encoded_once_per_object_and_again_for_another() -> None:
-    from ckptd.daemon.engine.loads import ExtrasTexts
+    from ckptd.daemon.engine.context import ExtrasTexts
 
     texts = ExtrasTexts(size=2)
     extras = {"step": 3, "names": ["a", "b"]}
@@ -89,3 +89,14 @@ def test_extras_text_is_encoded_once_per_object_and_again_for_another() -> None:
     texts.text(("job", 5, 0), extras)  # beyond `size`: the oldest, (job, 3, 0), goes
     again = texts.text(("job", 3, 0), other)
     assert again == kept and again is not kept  # encoded anew
+
+
+def test_extras_text_remembered_from_the_save_is_sent_as_it_came_for_the_same_object() -> None:
+    from ckptd.daemon.engine.context import ExtrasTexts
+
+    texts = ExtrasTexts(size=2)
+    text = '{"step": 3, "names": ["a", "b"]}'
+    extras = json.loads(text)
+    texts.remember(("job", 3, 0), extras, text)
+    assert texts.text(("job", 3, 0), extras) is text  # not encoded again
+    assert texts.text(("job", 3, 0), dict(extras)) == text  # another object: encoded (the same here)

@@ -8,6 +8,7 @@ another's private methods. Runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -86,6 +87,34 @@ class IndexCache:
         return index
 
 
+class ExtrasTexts:
+    """The JSON text of the extras a load sends, kept per (job, step, rank) while the extras are
+    the very same object: a held snapshot's, parsed once at its save from the text the rank
+    sent (`remember`, so the first load of a step encodes nothing either). Encoding a rank's
+    extras on a load cost 4-7 ms of the event loop at 4,000 tensors. Extras are never changed
+    in place."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._texts: dict[tuple[str, int, int], tuple[Any, str]] = {}
+
+    def remember(self, key: tuple[str, int, int], extras: Any, text: str) -> None:
+        """`text` is the JSON text `extras` was parsed from (json.loads(text) gave `extras`)."""
+        self._texts.pop(key, None)
+        self._texts[key] = (extras, text)
+        while len(self._texts) > self._size:
+            del self._texts[next(iter(self._texts))]
+
+    def text(self, key: tuple[str, int, int], extras: Any) -> str:
+        """`extras` as JSON text (json.dumps), encoded once while `key` names the same object."""
+        known = self._texts.get(key)
+        if known is not None and known[0] is extras:
+            return known[1]
+        text = json.dumps(extras)
+        self.remember(key, extras, text)
+        return text
+
+
 @dataclass
 class Counters:
     committed: int = 0
@@ -119,6 +148,7 @@ class Engine:
         self.memory = ArenaMemory(lambda: self.config, self.jobs, self.metrics, self.spawn)  # the arenas of all jobs, one budget
         self.counters = Counters()
         self.indexes = IndexCache(INDEX_CACHE_ENTRIES)
+        self.extras_texts = ExtrasTexts()  # the JSON texts of held snapshots' extras, for loads
         self.last_commit: LastCommit | None = None
         self.started_at = time.time()
         self.draining = False

@@ -11,7 +11,6 @@ reads it; leases expire after LOAD_LEASE_S (a rank that died mid-load).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -65,28 +64,6 @@ class LoadLease:
     expires: float  # monotonic seconds
 
 
-class ExtrasTexts:
-    """The JSON text of the extras a load sends, kept per (job, step, rank) while the extras are
-    the very same object: a held snapshot's, parsed once at its save. Encoding a rank's extras
-    again on every load cost ~4 ms at 4,000 tensors. Extras are never changed in place."""
-
-    def __init__(self, size: int = 64) -> None:
-        self._size = size
-        self._texts: dict[tuple[str, int, int], tuple[Any, str]] = {}
-
-    def text(self, key: tuple[str, int, int], extras: Any) -> str:
-        """`extras` as JSON text (json.dumps), encoded once while `key` names the same object."""
-        known = self._texts.get(key)
-        if known is not None and known[0] is extras:
-            return known[1]
-        text = json.dumps(extras)
-        self._texts.pop(key, None)
-        self._texts[key] = (extras, text)
-        while len(self._texts) > self._size:
-            del self._texts[next(iter(self._texts))]
-        return text
-
-
 class DecodingNeeds:
     """needs_decoding of (index, wanted), kept while both are the very same objects: a rank's
     every load of a step asks it again, and it walks every wanted tensor (about 1.5 ms of the
@@ -119,7 +96,6 @@ class Loads:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
-        self._extras_texts = ExtrasTexts()
         self._decoding = DecodingNeeds()
         self._extras_read: OrderedDict[tuple[str, int, str], dict[int, Any]] = OrderedDict()  # (job, step, checksum) -> every rank's extras
         self._extras_reading: SingleFlight[tuple[str, int, str], dict[int, Any]] = SingleFlight()
@@ -238,9 +214,9 @@ class Loads:
             held.lease()
         self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
         self.expire_leases()
-        tier = load_tier(found.pieces, held)
+        tier = "memory" if plan_id else load_tier(found.pieces, held)  # a plan id: every piece is from memory
         self.engine.metrics.loads.labels(tier).inc()
-        extras_json = self._extras_texts.text((job, step, rank), extras)
+        extras_json = self.engine.extras_texts.text((job, step, rank), extras)
         return LoadPlan(load_id, step, found.pieces, extras, found.missing, found.unexpected, tier, index.generation, plan_id, extras_json)
 
     async def _wait_for_writes(self, state: JobState) -> None:

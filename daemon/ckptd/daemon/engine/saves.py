@@ -292,6 +292,8 @@ class Saves:
         state, session = self.find(job, request.save_id)
         session.check_hand_over(rank)
         extras = parse_extras(rank, request.extras_json)
+        if request.extras_json:
+            engine.extras_texts.remember((job, session.step, rank), extras, request.extras_json)
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
