@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -50,7 +51,7 @@ class Box:
         """True if the box lies inside a tensor of this shape."""
         if len(shape) != self.ndim:
             return False
-        return all(o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape))
+        return all(map(operator.le, map(operator.add, self.offsets, self.lengths), shape))  # C-level: planners call it per tensor
 
     def is_full(self, shape: Sequence[int]) -> bool:
         return self == Box.full(shape)
