@@ -9,7 +9,6 @@ import json
 import platform
 import socket
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -153,21 +152,9 @@ def environment_json(plan: SavePlan, trainer: bytes | None, host: str) -> bytes:
     """environment.json: the trainer's record as rank 0 sent it (versions of Python, torch and
     ckptd, device meshes, the user's run config; {} from a client that sends none), the layout
     that wrote the step (from the plan) and the daemon that committed it."""
-    ranks_of_node = Counter(plan.node_of_rank or (0,) * plan.world_size)
-    ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
-    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}  # (offsets, lengths): tuples hash in C, a Box does not
-    for slot in plan.slots:
-        boxes.setdefault(slot.name, set()).add((slot.box.offsets, slot.box.lengths))
-    kinds: dict[str, dict[str, int]] = {}
-    for t in plan.tensors:
-        counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
-        counts["tensors"] += 1
-        counts["sharded"] += len(boxes.get(t.name, ())) > 1
-        counts["fragments"] += len(boxes.get(t.name, ()))
-        counts["bytes"] += t.nbytes
     doc = {
         "trainer": json.loads(trainer) if trainer else {},
-        "layout": {"world_size": plan.world_size, "nodes": len(ranks_per_node), "ranks_per_node": ranks_per_node, "kinds": kinds},
+        "layout": plan.layout_summary,
         "daemon": {"ckptd": VERSION, "python": platform.python_version(), "host": host},
     }
     return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"

@@ -27,9 +27,9 @@ import functools
 import hashlib
 import heapq
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, fields, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, coverage_problems
@@ -132,6 +132,25 @@ class SavePlan:
                 h.update(repr((s.name, s.box.offsets, s.box.lengths, s.offset, s.nbytes, t.kind, t.dtype, t.shape, t.aliases)).encode())
             found = self._layout_ids[rank] = h.hexdigest()[:32]
         return found
+
+    @functools.cached_property
+    def layout_summary(self) -> dict[str, Any]:
+        """What environment.json says of the layout: world size, ranks per node and, per kind, the
+        tensors, the sharded ones, fragments and bytes. Worked out once per plan (a walk of every
+        slot and tensor, about 5 ms at 4,000 tensors, at every commit before); read-only."""
+        ranks_of_node = Counter(self.node_of_rank or (0,) * self.world_size)
+        ranks_per_node = [ranks_of_node[n] for n in sorted(ranks_of_node)]
+        boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}  # (offsets, lengths): tuples hash in C, a Box does not
+        for slot in self.slots:
+            boxes.setdefault(slot.name, set()).add((slot.box.offsets, slot.box.lengths))
+        kinds: dict[str, dict[str, int]] = {}
+        for t in self.tensors:
+            counts = kinds.setdefault(t.kind, {"tensors": 0, "sharded": 0, "fragments": 0, "bytes": 0})
+            counts["tensors"] += 1
+            counts["sharded"] += len(boxes.get(t.name, ())) > 1
+            counts["fragments"] += len(boxes.get(t.name, ()))
+            counts["bytes"] += t.nbytes
+        return {"world_size": self.world_size, "nodes": len(ranks_per_node), "ranks_per_node": ranks_per_node, "kinds": kinds}
 
     @functools.cached_property
     def _slots_by_rank(self) -> dict[int, tuple[FragmentSlot, ...]]:
