@@ -13,18 +13,15 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-import torch
 
 from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
-from ckptd.client.reader.fill import Fill, MemoryCopies, column_fills, fill_all, fill_onto_devices
-from ckptd.client.reader.pieces import ArenaColumns
+from ckptd.client.reader.plan_fill import fill_plan
 from ckptd.client._rpc import CheckpointInfo, DaemonRpc, DurableInfo, LoadPlan, PlanAhead, SaveGrant, SaveOptions, StatusResponse
 from ckptd.client.environment import meshes_of, trainer_environment
 from ckptd.client.errors import CheckpointError, CheckpointNotFound, InvalidState
@@ -46,7 +43,6 @@ __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
 
-KNOWN_PLANS = 4  # load plans kept per structure: the daemon alternates between its arena sets
 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
@@ -402,7 +398,7 @@ class CheckpointClient:
         self._lineage = plan.generation
         planned = time.perf_counter()
         try:
-            self._fill(structure, plan)
+            fill_plan(plan, structure, self._maps, self._pool, self._load_threads, self._handoff)
             restore_state(state, flat, _checkpoint_extras(plan.extras_json, flat), strict=strict)
             plan_s, fill_s = planned - asked, time.perf_counter() - planned  # tests/bench/bench_recovery.py reads them
             log.debug("step %s loaded: planned in %.3f s, filled in %.3f s", plan.step, plan_s, fill_s, extra={"plan_s": plan_s, "fill_s": fill_s})
@@ -425,40 +421,6 @@ class CheckpointClient:
         kinds, known_plans = _load_request_of(last, flat)
         self._in_run()
         return self._rpc.plan_load_ahead(last, step, kinds, strict is True, self.read_files is not False, known_plans)
-
-    def _fill(self, structure: Structure, plan: LoadPlan) -> None:
-        """Fill the structure's tensors from the plan's pieces or columns. A plan from the
-        daemon's memory has an id; when the daemon left its pieces out (the rank had them:
-        known_plan), what was made from the earlier answer is used again."""
-        known: dict[str, _KnownPlan] = structure.cache.setdefault("load_plans", {})  # plan id -> ..., newest last
-        reused = known.get(plan.plan_id) if plan.plan_id and not plan.pieces and plan.columns is None else None
-        owns = self._handoff.owns
-        if reused is not None:
-            made = reused
-        elif plan.columns is not None:
-            targets = [f.local for _, f in structure.fragments]
-            on_device = any(map(owns, targets))  # they go through pinned host memory
-            made = _KnownPlan(None, plan.columns, None if on_device else MemoryCopies.of_columns(self._maps, targets, plan.columns))
-        else:
-            sources: dict[str, list[Any]] = {}
-            for source in plan.pieces:
-                sources.setdefault(source.name, []).append(source)
-            fills = [Fill(f.local, f.box, sources[f.name]) for _, f in structure.fragments if f.name in sources]
-            on_device = any(owns(fill.target) for fill in fills)  # they go through pinned host memory
-            made = _KnownPlan(fills, None, MemoryCopies.prepare(self._maps, fills) if plan.plan_id and not on_device else None)
-        if plan.plan_id:
-            known.pop(plan.plan_id, None)
-            known[plan.plan_id] = made
-            while len(known) > KNOWN_PLANS:
-                del known[next(iter(known))]
-        if made.moves is not None and made.moves.run(self._maps, self._load_threads):
-            return
-        fills = made.fills_of(structure)
-        with torch.no_grad():
-            if any(owns(fill.target) for fill in fills):
-                fill_onto_devices(self._pool, self._maps, fills, self._handoff.backend, owns)
-            else:
-                fill_all(self._pool, self._maps, fills)
 
     # ------------------------------------------------------------ queries
 
@@ -495,23 +457,6 @@ def _load_request_of(structure: Structure, flat: FlatState) -> tuple[list[str], 
     if tensor_kinds is None:
         tensor_kinds = structure.cache["kinds"] = frozenset(e.name.split("/", 1)[0] for e in flat.tensors)
     return sorted(tensor_kinds | set(flat.extras)), list(structure.cache.get("load_plans", ()))
-
-
-@dataclass
-class _KnownPlan:
-    """What a load made of a plan from the daemon's memory, kept for its next load of the same
-    plan: the fills (made from the pieces, or from the columns when first needed) and the
-    memcpys (None when some target needs more than a memcpy)."""
-
-    fills: list[Fill] | None
-    columns: ArenaColumns | None
-    moves: MemoryCopies | None
-
-    def fills_of(self, structure: Structure) -> list[Fill]:
-        if self.fills is None:
-            assert self.columns is not None  # made with one or the other
-            self.fills = column_fills([(f.name, f.box, f.local) for _, f in structure.fragments], self.columns)
-        return self.fills
 
 
 def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:

@@ -41,13 +41,12 @@ No I/O and no gRPC here.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import random
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -61,10 +60,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ckptd.client import tree
 from ckptd.client.shards import LocalShard, LocalShards
 from ckptd.client.fqns import module_fqns
+from ckptd.client.plain_entries import entries_fingerprint, plain_entries_valid
 from ckptd.client.subclasses import check_wrapper
 from ckptd.client.ties import memory_key, shared_names
 from ckptd.common import dtypes
-from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of, tensor_names_valid
+from ckptd.common.names import InvalidNameError, check_tensor_name, kind_of
 from ckptd.format.file_plan import RNG_KEY
 
 log = logging.getLogger("ckptd.client")
@@ -97,8 +97,8 @@ class TensorEntry(NamedTuple):
 
 
 # TensorEntry's fields and tensors' attributes, read by C-level maps over whole lists
-_NAME, _KIND, _TENSOR, _ALIASES, _FROZEN, _PER_RANK = (itemgetter(i) for i in (0, 1, 2, 3, 5, 6))
-_DTYPE, _SHAPE, _LAYOUT, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("layout"), attrgetter("device")
+_TENSOR = itemgetter(2)
+_DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
 _PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
 
 
@@ -132,18 +132,6 @@ class FlatState:
         """
         tensors = list(map(_TENSOR, self.tensors))
         return entries_fingerprint(self.tensors, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)))
-
-
-def entries_fingerprint(entries: tuple[TensorEntry, ...], tensor_dtypes: list[torch.dtype], tensor_shapes: list[torch.Size]) -> str:
-    """`FlatState.fingerprint` of `entries`, given their tensors' dtypes and shapes (in order)."""
-    # One row per entry, made by C-level maps: json writes tuples (torch.Size too) as the lists
-    # [name, kind, dtype, shape, aliases, frozen, per_rank] they always were, byte for byte.
-    dtype_names = {dtype: str(dtype) for dtype in set(tensor_dtypes)}
-    meta = list(zip(
-        map(_NAME, entries), map(_KIND, entries), map(dtype_names.__getitem__, tensor_dtypes), tensor_shapes,
-        map(_ALIASES, entries), map(_FROZEN, entries), map(_PER_RANK, entries),
-    ))
-    return hashlib.sha256(json.dumps(meta, separators=(",", ":"), check_circular=False).encode()).hexdigest()
 
 
 def flatten_state(
@@ -270,29 +258,6 @@ def validate_entries(flat: FlatState) -> None:
     for entry in flat.tensors:
         for name in (entry.name, *entry.aliases):
             _check_tensor(name, entry.tensor)
-
-
-def plain_entries_valid(
-    entries: tuple[TensorEntry, ...], tensors: list[torch.Tensor], tensor_dtypes: list[torch.dtype], tensor_devices: list[torch.device]
-) -> bool:
-    """Whether entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) all
-    pass `_check_tensor` under their names and aliases, told by checks over whole lists at C
-    speed (no Python per tensor). tensors, tensor_dtypes, tensor_devices: the entries' tensors
-    and theirs, in order. False means "check one by one": the general check then raises the
-    first error in entry order, as it always did, so this never changes which error is raised."""
-    if not tensor_names_valid([*map(_NAME, entries), *chain.from_iterable(map(_ALIASES, entries))]):
-        return False
-    if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
-        return False
-    return all(map(_storable, set(tensor_dtypes)))  # per distinct dtype: a few
-
-
-def _storable(dtype: torch.dtype) -> bool:
-    try:
-        dtypes.from_torch_name(str(dtype))
-    except dtypes.UnknownDtypeError:
-        return False
-    return True
 
 
 class Entries:

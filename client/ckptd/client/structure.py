@@ -43,7 +43,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state, whole_fragments
-from ckptd.client.state import FlatState, TensorEntry, entries_fingerprint, plain_entries_valid, validate_entries
+from ckptd.client.plain_entries import entries_fingerprint, plain_entries_valid
+from ckptd.client.state import FlatState, TensorEntry, validate_entries
 from ckptd.client.subclasses import inner_tensor
 
 Signature = tuple[Any, ...]
