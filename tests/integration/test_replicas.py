@@ -28,7 +28,7 @@ import torch
 import grpc
 
 from ckptd.client import CheckpointClient
-from ckptd.client import client as client_module
+from ckptd.client.reader import plan_fill
 from ckptd.client.errors import CheckpointError
 from ckptd.client.shards import LocalShard
 from ckptd.daemon.tools.ops import render_status, status_doc
@@ -184,7 +184,7 @@ def staged(cluster: Cluster, node: int, tier: str) -> float:
 
 def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     kinds: dict[str, set[str]] = {}  # the kinds of the pieces the ranks read, by the directory they are in
-    real_fill_all = client_module.fill_all
+    real_fill_all = plan_fill.fill_all
 
     def fill_all(pool: Any, maps: Any, fills: Any) -> None:
         for fill in fills:
@@ -192,7 +192,7 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
                 kinds.setdefault(str(Path(src.path).parent), set()).add(src.kind)
         real_fill_all(pool, maps, fills)
 
-    monkeypatch.setattr(client_module, "fill_all", fill_all)
+    monkeypatch.setattr(plan_fill, "fill_all", fill_all)
     shm1 = str(cluster.nodes.nodes[1].shm_dir)
     save(cluster.nodes, [0, 1, 2], step=1)
     save(cluster.nodes, [0, 1, 2], step=2)

@@ -261,13 +261,13 @@ def test_a_trainer_that_cannot_read_the_root_loads_through_the_daemon(daemons, r
         root = str(daemons.root)
         monkeypatch.setattr(client_module.os, "access", lambda path, mode: not str(path).startswith(root) and real_access(path, mode))
     read_from: list[str] = []
-    real_fill = CheckpointClient._fill
+    real_fill = client_module.fill_plan
 
-    def fill(self, fragments, plan):
+    def fill(plan, *args):
         read_from.extend(piece.path for piece in plan.pieces)
-        return real_fill(self, fragments, plan)
+        return real_fill(plan, *args)
 
-    monkeypatch.setattr(CheckpointClient, "_fill", fill)
+    monkeypatch.setattr(client_module, "fill_plan", fill)
     restored, extra = make_training(4), {}
     with CheckpointClient("staged", address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
         assert ckpt.load(state_of(*restored, extra)) == 1
