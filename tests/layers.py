@@ -30,5 +30,5 @@ DAEMON_LAYERS: list[tuple[str, ...]] = [
     ("ckptd.daemon.plan",),
     ("ckptd.daemon.storage", "ckptd.daemon.private_dirs", "ckptd.daemon.thread_priority"),
     ("ckptd.daemon.remote.location",),
-    ("ckptd.daemon.errors", "ckptd.daemon.faults"),
+    ("ckptd.daemon.errors", "ckptd.daemon.faults", "ckptd.daemon.memo"),  # memo: a cache of values derived from objects, by identity
 ]

@@ -242,7 +242,7 @@ def test_the_same_damaged_bytes_fail_a_file_piece_and_pass_as_a_checked_one(pool
 @pytest.mark.parametrize("kind", ["file", "shm", CHECKED_SOURCE])
 def test_many_row_slices_small_and_large_fill_exactly(pool: ThreadPoolExecutor, maps: ArenaMaps, store: Store, kind: str) -> None:
     """The fast path of row slices: many small ones (batched), and large ones (split over the
-    threads; from an arena first cold, by pread, then warm, through the mapping)."""
+    threads; from an arena through its mapping, first fresh, then again)."""
     wholes = [ramp((31 + i, 6)) + i for i in range(40)] + [ramp((5 * 2**20 // 4 // 256 + 4, 256))]
     sources = [store.put(kind, f"t{i}", w, shard_boxes(tuple(w.shape), 0, 2)) for i, w in enumerate(wholes)]
     wants = [Box((w.shape[0] // 4, 0), (w.shape[0] // 2 + 1, w.shape[1])) for w in wholes]  # across the two fragments

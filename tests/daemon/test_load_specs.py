@@ -99,4 +99,6 @@ def test_extras_text_remembered_from_the_save_is_sent_as_it_came_for_the_same_ob
     extras = json.loads(text)
     texts.remember(("job", 3, 0), extras, text)
     assert texts.text(("job", 3, 0), extras) is text  # not encoded again
-    assert texts.text(("job", 3, 0), dict(extras)) == text  # another object: encoded (the same here)
+    again = texts.text(("job", 3, 0), dict(extras))
+    assert again == text  # another object: encoded (the same here)
+    assert again is not text  # encoded anew, not the remembered text of another object

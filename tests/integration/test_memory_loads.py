@@ -263,6 +263,9 @@ def test_a_new_client_gets_its_plan_as_columns_and_fills_targets_a_memcpy_cannot
         assert fresh.load(other) == 1
         _assert_same(other, expected)
         assert plans[1].columns is not None and strided.data_ptr() == other["model"]["t4"].data_ptr()
+        assert torch.equal(strided, expected["model"]["t4"])  # filled in place, through the general fill:
+        (known,) = fresh._load_structures.for_state(fresh._walk.flatten(other, rank=0), None, None).cache["load_plans"].values()
+        assert known.moves is None and known.fills is not None  # no memcpy batch for a strided target; fills made from the columns
 
 
 def test_columns_from_a_daemon_that_sends_pieces_and_a_plan_of_another_layout_still_restore(

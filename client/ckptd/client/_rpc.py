@@ -342,6 +342,7 @@ class DaemonRpc:
 
     def close_staging(self, staging_id: str) -> None:
         """Best effort: a failure is logged."""
+        self.settle_load_done()
         try:
             self.stub.CloseStaging(pb.CloseStagingRequest(who=self.who, staging_id=staging_id), timeout=30)
         except grpc.RpcError as exc:
@@ -358,17 +359,10 @@ class DaemonRpc:
         ahead: a PlanLoad sent before (`plan_load_ahead`), whose answer is taken when its request
         is this one, field for field; else it is released."""
         request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
-        if ahead is not None and ahead.request == request:
-            try:
-                reply = ahead.call.result()
-            except grpc.RpcError as exc:
-                error = status_error(exc, self.address)
-                if not _unknown_fingerprint(error):
-                    raise error from None
-                reply = self._plan_load(request, structure)
-        else:
+        if ahead is not None and ahead.request != request:
             self.drop_ahead(ahead)
-            reply = self._plan_load(request, structure)
+            ahead = None
+        reply = self._plan_load(request, structure, ahead)
         columns = None
         if reply.HasField("columns"):
             c = reply.columns
@@ -414,20 +408,26 @@ class DaemonRpc:
             memory_columns=True,
         )
 
-    def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure) -> Any:
-        """The fingerprint alone first: the daemon keeps the metadata by job, rank and fingerprint,
-        so it knows it from any earlier load of this rank, this process's or a previous one's (a
-        restarted trainer describes thousands of tensors no more). Refused as unknown (never
-        sent, or the daemon restarted): sent again with the metadata."""
-        if not request.fingerprint:
-            return self.call(self.stub.PlanLoad, request)
+    def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure, ahead: "PlanAhead | None" = None) -> Any:
+        """The fingerprint alone first (or its answer when `ahead` sent this request already): the
+        daemon keeps the metadata by job, rank and fingerprint, so it knows it from any earlier
+        load of this rank, this process's or a previous one's (a restarted trainer describes
+        thousands of tensors no more). Refused as unknown (never sent, or the daemon restarted):
+        sent again with the metadata."""
         try:
-            return self.call(self.stub.PlanLoad, request)
+            return self._answer(ahead) if ahead is not None else self.call(self.stub.PlanLoad, request)
         except CheckpointError as exc:
-            if not _unknown_fingerprint(exc):
+            if not request.fingerprint or not _unknown_fingerprint(exc):
                 raise
         request.tensors.extend(tensor_metas(structure))
         return self.call(self.stub.PlanLoad, request)
+
+    def _answer(self, ahead: "PlanAhead") -> Any:
+        """The answer to a PlanLoad sent ahead; raises status_error's error."""
+        try:
+            return ahead.call.result()
+        except grpc.RpcError as exc:
+            raise status_error(exc, self.address) from None
 
     def load_done(self, load_id: str) -> None:
         """Tell the daemon the load is done, without waiting for its answer: the trainer goes on

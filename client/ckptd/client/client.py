@@ -15,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Mapping
 
-
 from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
@@ -42,7 +41,6 @@ from ckptd.common.retention import JobRetention
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
-
 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:

@@ -138,13 +138,13 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
         (big if span.nbytes >= SPLIT_BYTES and checked_by_daemon(span.src) else reads).append(span)
     for span in big:
         src, dst = span.src, _bytes_at(span.address, span.nbytes)
-        if src.kind == "shm" and not maps.is_cold(src.path):
+        if src.kind == "shm":
+            # through the mapping, also a fresh one: its page faults cost less than pread of the
+            # arena file (row halves of 16 fragments of 16 MiB, a new mapping each round, 2-core
+            # VM: 16-19 ms against 18-27 ms, 49 in a first round; MemoryCopies measured the same)
             raw = np.frombuffer(maps.get(src.path, src.offset + src.nbytes), dtype=np.uint8, count=span.nbytes, offset=src.offset + span.lo)
             jobs += [pool.submit(t.run) for t in chunk_tasks(dst, raw)]
-        else:
-            # a piece the daemon checked (nothing to hash in order), or a cold arena: pread from the
-            # arena file, no page-table entries to create in this process, which on a new mapping
-            # cost more than the copy itself (about 3x a memcpy against 1.5x)
+        else:  # a piece the daemon checked (nothing to hash in order): pread of its staging file
             jobs += [pool.submit(_pread_chunk, span, dst, i) for i in range(0, span.nbytes, CHUNK)]
     # small pieces in a few batches of about equal bytes, not one task each (a task costs more
     # than copying a small tensor); files in file order, each front to back, as its readahead goes
@@ -218,14 +218,14 @@ class MemoryCopies:
     """A load from the daemon's memory reduced to one call into C: every fill is a whole
     fragment from an arena into a contiguous CPU target of its dtype.
 
-    Made once for a plan that repeats: ckptd.client.client keeps it with the plan's fills in
+    Made once for a plan that repeats: ckptd.client.reader.plan_fill keeps it with the plan's fills in
     the cache of the state's Structure, whose identity guarantees that every target still has
     the dtype, shape, strides and data address it had here (ckptd.client.structure: a tensor
     reallocated, resized or of another dtype gives another Structure, hence a new plan). `run`
     checks first that every arena is still mapped where it was, then copies everything in one
     call into C (ckptd.common._copy.copy_pieces): no Python per tensor. Also through a mapping
     this process has not copied through before (a restarted trainer): its page faults cost less
-    than pread of the arena files (256 MiB from a new client: 37-69 ms against 42-77 ms at 100
+    than pread of the arena files (256 MiB from a new client: 37-70 ms against 42-77 ms at 100
     to 4,000 tensors, measured side by side on the 2-core test VM).
     """
 
@@ -342,8 +342,8 @@ def _batches(items: Sequence[T], size: Callable[[T], int], count: int) -> list[l
 
 
 def _pread_chunk(span: _Span, dst: np.ndarray, start: int) -> None:
-    """Copy bytes [start, start + CHUNK) of `span` (of an arena's fragment, or of a piece the
-    daemon checked) into `dst` (the span's memory) by pread, unchecked."""
+    """Copy bytes [start, start + CHUNK) of `span` (of a piece the daemon checked) into `dst`
+    (the span's memory) by pread, unchecked."""
     fd = open_piece(span.src)
     try:
         pread_exact(fd, dst[start : start + CHUNK], span.src.offset + span.lo + start, span.src.path)

@@ -69,16 +69,17 @@ class ArenaColumns:
     @staticmethod
     def of(paths: Sequence[str], files: Sequence[int], offsets: Sequence[int], nbytes: Sequence[int]) -> "ArenaColumns":
         """Raises CheckpointError when the columns do not describe fragments in `paths`."""
-        n = len(files)
         file_of = np.array(files, dtype=np.intp)
         at, size = np.array(offsets, dtype=np.int64), np.array(nbytes, dtype=np.int64)
-        held = file_of[size > 0] if len(size) == n else file_of
-        if len(at) != n or len(size) != n or (n and (at.min() < 0 or size.min() < 0)) or (len(held) and (held.min() < 0 or held.max() >= len(paths))):
-            raise CheckpointError(
-                f"the daemon's plan of {n} tensors in {len(paths)} arenas is malformed (columns of {len(at)} offsets and {len(size)} "
-                "sizes, or an arena index, offset or size out of range); upgrade the client and the daemon to the same release"
-            )
-        return ArenaColumns(tuple(paths), file_of, at.astype(np.uint64), size.astype(np.uint64))
+        if not len(file_of) == len(at) == len(size):
+            malformed = f"columns of {len(file_of)} arenas, {len(at)} offsets and {len(size)} sizes"
+        elif len(at) and (at.min() < 0 or size.min() < 0):
+            malformed = "a negative offset or size"
+        elif not all(0 <= k < len(paths) for k in set(file_of[size > 0].tolist())):
+            malformed = f"an arena index outside the {len(paths)} arenas"
+        else:
+            return ArenaColumns(tuple(paths), file_of, at.astype(np.uint64), size.astype(np.uint64))
+        raise CheckpointError(f"the daemon's plan from memory is malformed ({malformed}); upgrade the client and the daemon to the same release")
 
 
 @dataclass(frozen=True)

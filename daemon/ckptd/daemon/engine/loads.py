@@ -26,6 +26,7 @@ from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
+from ckptd.daemon.memo import IdentityMemo
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
 from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError
@@ -70,17 +71,10 @@ class DecodingNeeds:
     event loop at 4,000 tensors, per rank and load). Holds the last `size`."""
 
     def __init__(self, size: int = 16) -> None:
-        self._size = size
-        self._known: dict[tuple[int, int], tuple[CheckpointIndex, Sequence[TensorSpec], tuple[bool, bool]]] = {}
+        self._memo: IdentityMemo[tuple[bool, bool]] = IdentityMemo(size)
 
     def of(self, index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tuple[bool, bool]:
-        key = (id(index), id(wanted))
-        known = self._known.get(key)
-        if known is None or known[0] is not index or known[1] is not wanted:
-            known = self._known[key] = (index, wanted, needs_decoding(index, wanted))
-            while len(self._known) > self._size:
-                del self._known[next(iter(self._known))]
-        return known[2]
+        return self._memo.get((index, wanted), lambda: needs_decoding(index, wanted))
 
 
 class Loads:

@@ -15,6 +15,7 @@ from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest
+from ckptd.daemon.memo import IdentityMemo
 from ckptd.format.file_plan import SHM_SOURCE
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
 from ckptd.format.units import Unit
@@ -65,16 +66,10 @@ class SlotMessages:
     known layout then costs no per-tensor work here. Holds the last few plans only."""
 
     def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
-        self._by_plan: dict[int, tuple[SavePlan, dict[int, list[pb.Slot]]]] = {}
+        self._by_plan: IdentityMemo[dict[int, list[pb.Slot]]] = IdentityMemo(keep)
 
     def get(self, plan: SavePlan, rank: int) -> list[pb.Slot]:
-        entry = self._by_plan.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            entry = self._by_plan[id(plan)] = (plan, {})
-            while len(self._by_plan) > self._keep:
-                del self._by_plan[next(iter(self._by_plan))]
-        by_rank = entry[1]
+        by_rank = self._by_plan.get((plan,), dict)
         if rank not in by_rank:
             by_rank[rank] = [slot_pb(s, plan.tensor(s.name)) for s in plan.slots_of(rank)]
         return by_rank[rank]
@@ -137,23 +132,15 @@ def memory_columns(pieces: Sequence["PieceInfo"], wanted: Sequence[TensorSpec]) 
 
 
 class MemoryColumnsMessages:
-    """MemoryColumns of the plans served from memory, built once per (plan, wanted specs): a
-    rank's every load of the same snapshot in the same layout gets the same answer. The specs
-    are the rank's resolved ones (the same object while its fingerprint is known), held with
-    the message so that their identity can be compared. Holds the last `keep`."""
+    """MemoryColumns of the plans served from memory, built once per (pieces, wanted specs): a
+    rank's every load of the same snapshot in the same layout gets the same answer (the daemon
+    keeps both objects while they hold: MemoryPlans, the rank's resolved specs). Holds the last `keep`."""
 
     def __init__(self, keep: int = 16) -> None:
-        self._keep = keep
-        self._by_plan: dict[tuple[str, int], tuple[Sequence[TensorSpec], pb.MemoryColumns | None]] = {}
+        self._memo: IdentityMemo[pb.MemoryColumns | None] = IdentityMemo(keep)
 
     def get(self, plan: "LoadPlan", wanted: Sequence[TensorSpec]) -> pb.MemoryColumns | None:
-        key = (plan.plan_id, id(wanted))
-        found = self._by_plan.get(key)
-        if found is None or found[0] is not wanted:
-            found = self._by_plan[key] = (wanted, memory_columns(plan.pieces, wanted))
-            while len(self._by_plan) > self._keep:
-                del self._by_plan[next(iter(self._by_plan))]
-        return found[1]
+        return self._memo.get((plan.pieces, wanted), lambda: memory_columns(plan.pieces, wanted))
 
 
 def begin_response(session: "SaveSession", rank: int, known_layout: str, slots: SlotMessages) -> pb.BeginSaveResponse:
