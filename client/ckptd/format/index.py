@@ -409,14 +409,13 @@ class CheckpointIndex:
                 table[alias] = t
         return table
 
-    def to_json_bytes(self) -> bytes:
+    def to_json_bytes(self, tensors_json: str | None = None) -> bytes:
         """The index as compact JSON, one line: {format, job, step, created_at, world_size,
-        metric, writer, files, tensors[, quantization][, retention]}.
-
-        Compact, by json's C encoder (an indent takes its pure-Python one), and the tensors
+        metric, writer, files, tensors[, quantization][, retention]}. Compact, by json's C encoder (an indent takes its pure-Python one), and the tensors
         as text made one at a time (json_text.tensor_json) instead of as one document of
         dicts: for 1,000 tensors the indented document took 54 ms and a 4.7 MiB peak of objects
-        (issue 30 finding 5). The index is read by programs; `ckptd inspect` shows it to people."""
+        (issue 30 finding 5); tensors_json: that text, when the caller has it (plan/index_layout.py).
+        The index is read by programs; `ckptd inspect` shows it to people."""
         encode = json.JSONEncoder(separators=(",", ":")).encode
         head = {
             "format": INDEX_FORMAT_QUANT if self.compressed else INDEX_FORMAT,
@@ -428,7 +427,7 @@ class CheckpointIndex:
             "writer": self.writer,
             "files": {f.name: f.to_json() for f in self.files},
         }
-        tensors = ",".join(f"{json_str(t.name)}:{tensor_json(t)}" for t in self.tensors)
+        tensors = ",".join(f"{json_str(t.name)}:{tensor_json(t)}" for t in self.tensors) if tensors_json is None else tensors_json
         tail = f',"quantization":{encode(self.quantization)}' if self.quantization is not None else ""
         tail += f',"retention":{encode(self.retention)}' if self.retention is not None else ""
         return f'{encode(head)[:-1]},"tensors":{{{tensors}}}{tail}}}\n'.encode()

@@ -19,29 +19,64 @@ def json_ints(values: Iterable[int]) -> str:
     return f"[{','.join(map(str, values))}]"
 
 
-def fragment_json(f: Any) -> str:
-    """The compact JSON of f.to_json() (f: a FragmentRecord)."""
-    text = (
+def fragment_sums(f: Any) -> tuple[str, str]:
+    """The text of f's checksum and of its chunks' digests ("" when it records no chunks): what
+    goes into the holes fragment_pieces leaves (f: a FragmentRecord)."""
+    return json_str(f.checksum), json_str(f.chunk_xxh3) if f.chunk_bytes else ""
+
+
+def fragment_pieces(f: Any) -> tuple[str, str, str]:
+    """The compact JSON of f.to_json() cut at its two fragment_sums: (before the checksum,
+    between it and the chunks' digests, after them). A layout of the index repeats these from
+    save to save (daemon/plan/index_layout.py); only the sums change."""
+    head = (
         f'{{"file":{json_str(f.file)},"key":{json_str(f.key)},"offsets":{json_ints(f.box.offsets)},'
         f'"lengths":{json_ints(f.box.lengths)},"dtype":{json_str(f.dtype)},"offset":{f.offset},'
-        f'"nbytes":{f.nbytes},"checksum":{json_str(f.checksum)}'
+        f'"nbytes":{f.nbytes},"checksum":'
     )
-    if f.chunk_bytes:
-        text += f',"chunks":{{"bytes":{f.chunk_bytes},"xxh3":{json_str(f.chunk_xxh3)}}}'
+    middle = f',"chunks":{{"bytes":{f.chunk_bytes},"xxh3":' if f.chunk_bytes else ""
+    tail = "}" if f.chunk_bytes else ""
     if f.quant is not None:
-        text += f',"quant":{_compact(f.quant.to_json())}'
-    return text + "}"
+        tail += f',"quant":{_compact(f.quant.to_json())}'
+    return head, middle, tail + "}"
+
+
+def fragment_json(f: Any) -> str:
+    """The compact JSON of f.to_json() (f: a FragmentRecord)."""
+    head, middle, tail = fragment_pieces(f)
+    checksum, chunks = fragment_sums(f)
+    return f"{head}{checksum}{middle}{chunks}{tail}"
+
+
+def tensor_pieces(t: Any) -> list[str]:
+    """The compact JSON of t.to_json() cut at each fragment's two fragment_sums, in order:
+    2 * len(t.fragments) + 1 pieces (t: a TensorRecord)."""
+    pieces = [
+        f'{{"kind":{json_str(t.kind)},"dtype":{json_str(t.dtype)},"shape":{json_ints(t.shape)},'
+        f'"aliases":[{",".join(map(json_str, t.aliases))}],"fragments":['
+    ]
+    for i, f in enumerate(t.fragments):
+        head, middle, tail = fragment_pieces(f)
+        pieces[-1] += head if i == 0 else f",{head}"
+        pieces += [middle, tail]
+    end = f',"rank":{t.rank}' if t.rank is not None else ""
+    pieces[-1] += f"]{end}}}"
+    return pieces
 
 
 def tensor_json(t: Any) -> str:
     """The compact JSON of t.to_json() (t: a TensorRecord)."""
-    text = (
-        f'{{"kind":{json_str(t.kind)},"dtype":{json_str(t.dtype)},"shape":{json_ints(t.shape)},'
-        f'"aliases":[{",".join(map(json_str, t.aliases))}],"fragments":[{",".join(map(fragment_json, t.fragments))}]'
-    )
-    if t.rank is not None:
-        text += f',"rank":{t.rank}'
-    return text + "}"
+    return interleave(tensor_pieces(t), [text for f in t.fragments for text in fragment_sums(f)])
+
+
+def interleave(pieces: list[str], holes: list[str]) -> str:
+    """pieces[0] + holes[0] + pieces[1] + ... + pieces[-1]; len(pieces) == len(holes) + 1."""
+    if len(pieces) != len(holes) + 1:
+        raise ValueError(f"{len(pieces)} pieces of text around {len(holes)} holes")
+    parts = [""] * (len(pieces) + len(holes))
+    parts[0::2] = pieces
+    parts[1::2] = holes
+    return "".join(parts)
 
 
 def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:

@@ -321,6 +321,7 @@ class Coordinator:
             save.job, save.step, save.plan, manifests, save.extras, save.model_files, save.metric,
             quantization=save.compression.record, adapter=self._adapter_copy(save, manifests),
             retention=None if asked is None else policy_record(self.job_policy(asked), asked),
+            layouts=save.cache.index_layouts if save.cache is not None else None,
         )
         if shared:
             present = self.storage.files.step_file_sizes(save.job, save.step)

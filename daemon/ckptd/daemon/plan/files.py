@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common.boxes import Box, coverage_problems
+from ckptd.common.boxes import Box
 from ckptd.common.chunks import checksum_name, chunk_bytes_for
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST, RESIDUAL
@@ -22,7 +22,6 @@ from ckptd.format.index import (
     ADAPTER_WEIGHTS,
     ENVIRONMENT_JSON,
     EXTRA_JSON,
-    GROUP_OF_KIND,
     INDEX_NAME,
     CheckpointIndex,
     FileRecord,
@@ -30,13 +29,14 @@ from ckptd.format.index import (
     QuantRecord,
     SideRecord,
     StoredTensor,
-    TensorRecord,
     extra_json,
     file_key,
     fragment_key,
 )
-from ckptd.format.json_text import hf_index_json
-from ckptd.daemon.plan.save_plan import LogicalTensor, SavePlan, StoredPart
+from ckptd.daemon.plan.index_layout import IncompleteStep, IndexLayouts
+from ckptd.daemon.plan.save_plan import SavePlan, StoredPart
+
+__all__ = ["IncompleteStep", "NodeManifest", "PlacedTensor", "step_files"]  # IncompleteStep: where callers have always found it
 
 VERSION = "0.1.0"
 
@@ -51,10 +51,6 @@ class NodeManifest:
     fragments: tuple[tuple[str, FragmentRecord], ...]  # (logical tensor, where its bytes are)
     linked: tuple[str, ...] = ()  # files linked from the previous step, not written (this node's own count; not sent)
     rewritten: tuple[str, ...] = ()  # files whose linked copy did not match the snapshot: written again (this node's own count; not sent)
-
-
-class IncompleteStep(ValueError):
-    """The nodes' manifests do not cover every tensor exactly once; the message names them."""
 
 
 @dataclass(frozen=True)
@@ -195,45 +191,22 @@ def step_files(
     quantization: dict[str, Any] | None = None,
     adapter: tuple[FileRecord, bytes] | None = None,
     retention: dict[str, Any] | None = None,
+    layouts: IndexLayouts | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
     adapter: (the record of adapter_source's file, its bytes): written as ADAPTER_WEIGHTS,
     recorded with that file's size and header checksum (a safetensors file, as `ckptd verify`
     checks them). retention: the job's own policy (retention.policy_record), recorded in the
-    index. Returns (index, {file name: bytes}) with ckptd.index.json last. Pure. Raises
-    IncompleteStep when the manifests do not hold every tensor's bytes exactly once.
+    index. layouts: the job's index layouts (plan/index_layout.py), which make the index of a
+    save that repeats the last one's layout without its per-tensor work. Returns (index, {file
+    name: bytes}) with ckptd.index.json last. Pure. Raises IncompleteStep when the manifests do
+    not hold every tensor's bytes exactly once.
     """
-    by_name: dict[str, list[FragmentRecord]] = {}
-    for manifest in manifests:
-        for name, fragment in manifest.fragments:
-            by_name.setdefault(name, []).append(fragment)
-    problems = []
-    for t in plan.tensors:
-        fragments = by_name.get(t.name, [])
-        if len(fragments) == 1 and fragments[0].box.lengths == t.shape and not any(fragments[0].box.offsets):
-            continue  # stored whole, once (most tensors): covered exactly
-        found = coverage_problems(t.shape, [f.box for f in fragments])
-        if found:
-            problems.append(f"{t.name}: {found[0]}")
-    if problems:
-        raise IncompleteStep(f"{len(problems)} tensors are not written exactly once: " + "; ".join(problems[:5]))
+    fragments = [named for manifest in manifests for named in manifest.fragments]
+    layout = (layouts or IndexLayouts()).of(plan, fragments)
     data_files = [f for manifest in sorted(manifests, key=lambda m: m.node) for f in manifest.files]
-    kinds = {t.name: t.kind for t in plan.tensors}
-    small: dict[str, bytes] = {}
-    in_group: dict[str, list[FragmentRecord]] = {}  # group -> its fragments, by tensor name
-    split: set[str] = set()  # the groups with a tensor stored in fragments
-    for name, fs in sorted(by_name.items()):
-        group = GROUP_OF_KIND[kinds[name]]
-        in_group.setdefault(group, []).extend(fs)
-        if len(fs) > 1:
-            split.add(group)
-    for group in ("model", "master_weights", "optimizer"):
-        # a dropped master weight is the model weight's bytes: not in the master files
-        pieces = [piece for f in in_group.get(group, ()) for piece in f.stored_pieces()]
-        if pieces and not (group == "model" and group in split):  # fragments: `ckptd export` makes the HF form
-            weight_map = {piece.key: piece.file for piece in pieces}
-            small[f"{group}.safetensors.index.json"] = hf_index_json(sum(piece.nbytes for piece in pieces), weight_map)
+    small: dict[str, bytes] = dict(layout.hf_indexes)
     small[EXTRA_JSON] = extra_json(step, extras)
     small.update(model_files)
     host = socket.gethostname()
@@ -246,22 +219,17 @@ def step_files(
         small[ADAPTER_WEIGHTS] = data
         records.append(FileRecord(ADAPTER_WEIGHTS, source.size, source.checksum))
 
-    def record(t: LogicalTensor) -> TensorRecord:
-        found = by_name[t.name]
-        fragments = tuple(found) if len(found) == 1 else tuple(sorted(found, key=lambda f: f.box))
-        return TensorRecord(t.name, t.kind, t.dtype, t.shape, fragments, t.aliases, t.rank)
-
     index = CheckpointIndex(
         job=job,
         step=step,
         created_at=clock(),
         world_size=plan.world_size,
-        tensors=tuple(record(t) for t in plan.tensors),
+        tensors=layout.tensors(fragments),
         files=tuple(data_files + records),
         metric=metric,
         writer={"host": host, "ckptd": VERSION, "nodes": len(manifests)},
         quantization=quantization,
         retention=retention,
     )
-    small[INDEX_NAME] = index.to_json_bytes()
+    small[INDEX_NAME] = index.to_json_bytes(layout.tensors_json(fragments))
     return index, small
