@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from ckptd.format.index import CheckpointIndex, TensorRecord
 from ckptd.daemon.engine.context import IndexCache
@@ -35,6 +36,19 @@ def test_the_parsed_indexes_kept_are_bounded_by_their_tensors_too() -> None:
     cache.put(("j", 4), _index(4, 10))  # replaced: counted once
     cache.put(("j", 5), _index(5, 900))
     assert cache.get(("j", 4)) is not None and cache.get(("j", 5)) is not None
+
+
+def test_a_steps_summary_outlives_its_parsed_index_and_goes_when_the_step_is_popped() -> None:
+    from ckptd.daemon.records import StepSummary
+
+    cache = IndexCache(16, tensors=1000)
+    big = replace(_index(1, 4000), metric=0.5, created_at=7.0)
+    cache.put(("j", 1), big)
+    cache.put(("j", 2), _index(2, 4000))  # the first index is dropped: over the tensor bound
+    assert cache.get(("j", 1)) is None
+    assert cache.summary(("j", 1)) == StepSummary(1, 7.0, big.size_bytes, 1, 0.5)  # what a listing needs, kept
+    cache.pop(("j", 1))  # retention removed the step
+    assert cache.summary(("j", 1)) is None and cache.summary(("j", 2)) is not None
 
 
 def test_an_index_is_read_once_for_all_who_ask_while_it_is_read_then_served_from_the_cache() -> None:

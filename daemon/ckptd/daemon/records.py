@@ -28,6 +28,22 @@ class JoinResult:
 
 
 @dataclass(frozen=True)
+class StepSummary:
+    """What a listing (List, `ckptd ls`, keep-best retention) shows of a committed step: its
+    index less the tensor records and the files, a few hundred bytes however large the step."""
+
+    step: int
+    created_at: float  # unix seconds: the commit
+    size_bytes: int
+    file_count: int  # the step's files, its index included
+    metric: float | None
+
+    @classmethod
+    def of(cls, index: CheckpointIndex) -> "StepSummary":
+        return cls(index.step, index.created_at, index.size_bytes, len(index.files) + 1, index.metric)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a save across nodes ended, as the coordinator answers a node's report."""
 

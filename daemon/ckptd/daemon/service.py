@@ -37,7 +37,7 @@ from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.runs import Client, Runs
 from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
-from ckptd.daemon.engine.tiers import Tier, Tiers
+from ckptd.daemon.engine.tiers import Listing, Tier, Tiers
 from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.handoff.arena import remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
@@ -313,7 +313,7 @@ class CheckpointService:
     async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
         return await self.housekeeping.collect(job, dry_run)
 
-    async def list_checkpoints(self, job: str) -> list[tuple[CheckpointIndex, str, bool]]:
+    async def list_checkpoints(self, job: str) -> Listing:
         return await self.housekeeping.list_checkpoints(job)
 
     def live_state(self) -> LiveState:

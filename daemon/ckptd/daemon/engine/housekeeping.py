@@ -11,9 +11,8 @@ from typing import Callable, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.sessions import SaveState
-from ckptd.daemon.engine.tiers import Tiers
+from ckptd.daemon.engine.tiers import Listing, Tiers
 from ckptd.daemon.errors import Precondition
-from ckptd.format.index import CheckpointIndex
 from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.files import VERSION
 from ckptd.daemon.plan.retention import RetentionPolicy, policy_of_record
@@ -128,12 +127,12 @@ class Housekeeping:
         out = {}
         for step in steps:
             try:
-                index = await self.engine.index(job, step)
+                summary = await self.engine.summary(job, step)
             except (Precondition, OSError) as exc:
                 log.warning("retention: cannot read the metric of step %s of job %s: %s", step, job, exc)
                 continue
-            if index.metric is not None:
-                out[step] = index.metric
+            if summary.metric is not None:
+                out[step] = summary.metric
         return out
 
     async def collect(self, job: str | None, dry_run: bool) -> list[Collected]:
@@ -168,7 +167,7 @@ class Housekeeping:
         last = state.last_committed() if state is not None else None
         return last is not None and not last.shared_root
 
-    async def list_checkpoints(self, job: str) -> list[tuple[CheckpointIndex, str, bool]]:
+    async def list_checkpoints(self, job: str) -> Listing:
         """The job's committed steps in commit order, oldest first: the last is the newest (what
         load() without a step restores), whatever its number."""
         engine = self.engine
@@ -176,12 +175,12 @@ class Housekeeping:
         out = []
         for step in steps:
             try:
-                index = await engine.index(job, step)
+                summary = await engine.summary(job, step)
             except Precondition as exc:
                 log.warning("%s", exc)
                 continue
             in_memory = any(tier.snapshot(job, step) is not None for tier in self._tiers)
-            out.append((index, engine.storage.catalog.step_location(job, step), in_memory))
+            out.append((summary, engine.storage.catalog.step_location(job, step), in_memory))
         for tier in self._tiers:  # and the steps the tiers hold that are not here (the bucket's)
             out = await tier.listing(job, out)
         return out

@@ -27,9 +27,9 @@ from ckptd.format.index import CheckpointIndex, FileRecord
 from ckptd.daemon.metrics import LiveState
 from ckptd.daemon.plan.load_plan import HeldSnapshot, TierName
 from ckptd.format.file_plan import StagedRead
-from ckptd.daemon.records import PeerInventory
+from ckptd.daemon.records import PeerInventory, StepSummary
 
-Listing = list[tuple[CheckpointIndex, str, bool]]  # (index, where, held in memory), commit order
+Listing = list[tuple[StepSummary, str, bool]]  # (the step's summary, where, held in memory), commit order
 
 
 class StepCopy(Protocol):

@@ -30,6 +30,8 @@ from ckptd.daemon.remote.location import RemoteLocation
 from ckptd.daemon.remote.restore import DownloadDamaged, StepRestorer
 from ckptd.daemon.remote.status import TierCounters, TierMetrics
 from ckptd.daemon.remote.store import RemoteError
+from ckptd.daemon.engine.tiers import Listing
+from ckptd.daemon.records import StepSummary
 
 if TYPE_CHECKING:
     from ckptd.daemon.engine.context import Engine
@@ -73,16 +75,16 @@ class BucketReads:
         self._listings[job] = (time.monotonic(), indexes)
         return indexes
 
-    async def listing(self, job: str, local: list[tuple[CheckpointIndex, str, bool]]) -> list[tuple[CheckpointIndex, str, bool]]:
-        """`local` (the root's steps: index, where, in memory) and the bucket's steps not in the
+    async def listing(self, job: str, local: Listing) -> Listing:
+        """`local` (the root's steps: summary, where, in memory) and the bucket's steps not in the
         root (where: their s3:// URL), in commit order."""
         try:
             remote = await self.committed_in_bucket(job)
         except RemoteError as exc:
             log.warning("listing %s failed, listing the local root only: %s", self.location.url, exc)
             return local
-        here = {index.step for index, _, _ in local}
-        extra = [(index, self.location.url_of(job, index.step), False) for index in remote if index.step not in here]
+        here = {summary.step for summary, _, _ in local}
+        extra = [(StepSummary.of(index), self.location.url_of(job, index.step), False) for index in remote if index.step not in here]
         return sorted(local + extra, key=lambda item: (item[0].created_at, item[0].step))
 
     async def restore_step(self, job: str, step: int) -> bool:

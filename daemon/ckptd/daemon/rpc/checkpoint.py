@@ -157,7 +157,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
     async def List(self, request: pb.ListRequest, context: grpc.aio.ServicerContext) -> pb.ListResponse:
         job = check_job_id(request.job)
         listed = await self.service.list_checkpoints(job)
-        return pb.ListResponse(checkpoints=[rpc_convert.checkpoint_info_pb(index, path, in_memory) for index, path, in_memory in listed])
+        return pb.ListResponse(checkpoints=[rpc_convert.checkpoint_info_pb(summary, path, in_memory) for summary, path, in_memory in listed])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         status = self.service.status()

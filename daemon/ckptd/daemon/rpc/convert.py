@@ -24,14 +24,15 @@ from ckptd.daemon.plan.compression import Compression
 from ckptd.daemon.plan.files import NodeManifest
 from ckptd.daemon.plan.retention import JobRetention
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan, TensorSpec
-from ckptd.daemon.records import BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot
+from ckptd.daemon.records import (
+    BulkAnswer, JoinResult, LastCommit, Outcome, PeerInventory, RemoteStatus, ReplicaStatus, StatusSnapshot, StepSummary,
+)
 from ckptd.daemon.rpc.validate import tensor_specs
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import peer_pb2 as ppb
 
 if TYPE_CHECKING:
     from ckptd.daemon.engine.sessions import SaveSession
-    from ckptd.format.index import CheckpointIndex
     from ckptd.daemon.plan.load_plan import LoadPlan
     from ckptd.format.file_plan import PieceInfo
 
@@ -192,11 +193,11 @@ def plan_load_response(plan: "LoadPlan", pieces: Sequence[pb.Piece], columns: pb
     )
 
 
-def checkpoint_info_pb(index: "CheckpointIndex", path: str, in_memory: bool) -> pb.CheckpointInfo:
+def checkpoint_info_pb(summary: StepSummary, path: str, in_memory: bool) -> pb.CheckpointInfo:
     return pb.CheckpointInfo(
-        step=index.step, created_at=index.created_at, size_bytes=index.size_bytes,
-        file_count=len(index.files) + 1, path=path, in_memory=in_memory,
-        metric=index.metric or 0.0, has_metric=index.metric is not None,
+        step=summary.step, created_at=summary.created_at, size_bytes=summary.size_bytes,
+        file_count=summary.file_count, path=path, in_memory=in_memory,
+        metric=summary.metric or 0.0, has_metric=summary.metric is not None,
     )
 
 
