@@ -33,10 +33,9 @@ from ckptd.format.index import (
     file_key,
     fragment_key,
 )
-from ckptd.daemon.plan.index_layout import IncompleteStep, IndexLayouts
+from ckptd.daemon.plan.index_layout import IncompleteStep as IncompleteStep  # raised by step_files; callers import it from here
+from ckptd.daemon.plan.index_layout import IndexLayouts
 from ckptd.daemon.plan.save_plan import SavePlan, StoredPart
-
-__all__ = ["IncompleteStep", "NodeManifest", "PlacedTensor", "step_files"]  # IncompleteStep: where callers have always found it
 
 VERSION = "0.1.0"
 

@@ -135,14 +135,17 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     # ~14 ms, which the fsyncs no longer hide (their writeback starts early: _Extent).
     lossless = not files.codings and not files.cast
     early: list[tuple[str, FragmentRecord]] = []
+    seen: list[PlacedTensor] = []  # the places on_written described, in the order _write_files lists them
 
     def on_written(batch: list[PlacedTensor]) -> None:
         if lossless:
             early.extend(fragment_records(batch, {}, {}, {}))
+            seen.extend(batch)
 
     def describe(written_placed: list[PlacedTensor], coded: list[CodedWrite]) -> tuple[tuple[str, FragmentRecord], ...]:
-        if lossless:
-            return fragment_records(placed, {}, {}, {}) + tuple(early)
+        if lossless:  # what on_written did not see (none today: files are appended to only when coded) described now
+            rest = written_placed[len(seen):]
+            return fragment_records(placed, {}, {}, {}) + tuple(early) + fragment_records(rest, {}, {}, {})
         outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
         return fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
 
