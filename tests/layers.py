@@ -28,7 +28,7 @@ DAEMON_LAYERS: list[tuple[str, ...]] = [
     ("ckptd.daemon.write",),
     ("ckptd.daemon.handoff",),
     ("ckptd.daemon.plan",),
-    ("ckptd.daemon.storage", "ckptd.daemon.private_dirs", "ckptd.daemon.thread_priority"),
+    ("ckptd.daemon.storage", "ckptd.daemon.private_dirs", "ckptd.daemon.thread_priority", "ckptd.daemon.heap"),  # heap: the process's malloc and garbage collector
     ("ckptd.daemon.remote.location",),
     ("ckptd.daemon.errors", "ckptd.daemon.faults", "ckptd.daemon.memo"),  # memo: a cache of values derived from objects, by identity
 ]

@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.handoff.shm_dir import check_shm
+from ckptd.daemon.heap import quiet_collector
 from ckptd.daemon.metrics import read_on_loop
 from ckptd.daemon.plan.files import VERSION
 from ckptd.daemon.private_dirs import files_dir, prepare_socket_dir
@@ -277,7 +278,9 @@ def _peer_server(config: DaemonConfig, service: CheckpointService) -> tuple[grpc
 
 
 def run(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
-    """Run `serve` on uvloop when available. reload: re-reads the configuration on SIGHUP."""
+    """Run `serve` on uvloop when available, in this process, with its garbage collector made
+    quiet (heap.quiet_collector). reload: re-reads the configuration on SIGHUP."""
+    quiet_collector()
     try:
         import uvloop
     except ImportError:  # uvloop is not available on every platform; asyncio's loop works too

@@ -20,7 +20,6 @@ Runs on the event loop; arenas are made and closed in threads.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import time
 from pathlib import Path
@@ -36,18 +35,6 @@ from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import ArenaHolder
 
 log = logging.getLogger(__name__)
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
-
-    Planning, writing and committing a step allocate and free a few KiB per tensor; glibc keeps
-    freed pages for later, so after the first save of a job of 1,000 tensors the daemon held
-    about 3 MiB more than it uses between saves. Blocking (it walks the heap): run in a thread."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the allocator keeps what it keeps
 
 
 def _close_all(sets: list[ArenaSet]) -> None:
