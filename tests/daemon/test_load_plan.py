@@ -168,3 +168,19 @@ def test_decoding_needs_are_worked_out_once_per_index_and_wanted_specs(monkeypat
     needs.of(index_of(()), wanted)
     needs.of(index, wanted)  # forgotten: only the last two are kept
     assert calls == [1, 1, 1, 1]
+
+
+def test_decoding_needs_do_not_keep_an_index_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import weakref
+
+    from ckptd.daemon.engine import loads
+
+    monkeypatch.setattr(loads, "needs_decoding", lambda index, wanted: (False, False))
+    needs = loads.DecodingNeeds()
+    index, wanted = index_of(()), [_want("optim/m", (2,))]
+    needs.of(index, wanted)
+    gone = weakref.ref(index)
+    del index
+    gc.collect()
+    assert gone() is None  # the engine's index cache bounds how many parsed indexes live, not this
