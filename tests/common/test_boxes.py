@@ -55,6 +55,9 @@ def test_contiguous_runs(box: Box, shape: tuple[int, ...], runs: list[tuple[int,
         ((4,), [Box((0,), (5,))], "outside"),
         ((2, 2), [Box((0, 0), (2, 1)), Box((0, 1), (2, 1))], None),
         ((), [Box((), ())], None),
+        ((4, 2), [Box((0, 0), (4, 2))], None),  # one box of all of it: the quick answer
+        ((4, 2), [Box((1, 0), (4, 2))], "outside"),  # one box of its shape, not at the origin
+        ((4, 2), [Box((0, 0), (4, 2)), Box((0, 0), (4, 2))], None),  # replicas count once
     ],
 )
 def test_coverage_problems(shape: tuple[int, ...], boxes: list[Box], problem: str | None) -> None:

@@ -49,8 +49,12 @@ def _manifests(plan: SavePlan, salt: str = "0", offset: int = 0) -> list[NodeMan
 
 
 def _general_index_bytes(index: CheckpointIndex) -> bytes:
-    """The index's bytes as CheckpointIndex makes them from its records alone."""
-    return index.to_json_bytes()
+    """The index's bytes as CheckpointIndex makes them from its records alone, whose tensors
+    are also what json's encoder makes of each record's to_json (the layout's text shares
+    json_text with to_json_bytes; this side does not)."""
+    data = index.to_json_bytes()
+    assert json.loads(data)["tensors"] == {t.name: t.to_json() for t in index.tensors}
+    return data
 
 
 def test_the_index_made_from_a_layout_is_the_one_its_records_encode_to() -> None:
@@ -66,7 +70,7 @@ def test_the_index_made_from_a_layout_is_the_one_its_records_encode_to() -> None
 
 def test_a_repeated_layout_is_reused_and_gives_the_new_checksums() -> None:
     plan, layouts = _plan(), IndexLayouts()
-    first, _ = step_files("job", 1, plan, _manifests(plan, "a"), {0: {}}, {}, None, lambda: 1.0, layouts=layouts)
+    step_files("job", 1, plan, _manifests(plan, "a"), {0: {}}, {}, None, lambda: 1.0, layouts=layouts)
     kept = layouts.of(plan, [n for m in _manifests(plan, "a") for n in m.fragments])
     second, files = step_files("job", 2, plan, _manifests(plan, "b"), {0: {}}, {}, None, lambda: 2.0, layouts=layouts)
     assert layouts.of(plan, [n for m in _manifests(plan, "c") for n in m.fragments]) is kept  # reused

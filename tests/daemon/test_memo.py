@@ -28,3 +28,20 @@ def test_the_oldest_value_goes_beyond_the_size() -> None:
     memo.get((third,), lambda: "third")
     assert memo.get((first,), lambda: "again") == "again"
     assert memo.get((third,), lambda: "not made") == "third"
+
+
+def test_an_object_that_takes_a_weak_reference_is_not_kept_alive_and_one_that_does_not_is() -> None:
+    import gc
+    import weakref
+
+    class Index:  # like a CheckpointIndex or a SavePlan: its own cache decides how long it lives
+        pass
+
+    memo: IdentityMemo[int] = IdentityMemo(size=4)
+    index, specs = Index(), (1, 2)
+    assert memo.get((index, specs), lambda: 1) == 1
+    gone = weakref.ref(index)
+    del index
+    gc.collect()
+    assert gone() is None
+    assert memo.get((Index(), specs), lambda: 2) == 2  # whatever id the new object got: made anew

@@ -4,7 +4,7 @@ garbage collector makes its full collections.
 A full collection scans every object the collector tracks. With a job of 4,000 tensors the
 daemon holds ~120,000 of them (plans, layouts, held snapshots' structures) and a full collection
 takes ~30 ms; Python started one about every third save, inside whatever was allocating most
-at that moment, the commit's index (bench_counts: the commit took 17 ms, or 49 ms). It found
+at that moment, the commit's index (`step_files` timed in the daemon: 17 ms, or 49 ms). It found
 nothing to free nearly every time. So the daemon process (`app/server.run`, not a process that
 merely imports the daemon) freezes what it holds once started, makes automatic full
 collections ten times rarer (`quiet_collector`), and after each commit, off the path to durable,

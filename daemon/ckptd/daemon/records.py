@@ -29,8 +29,8 @@ class JoinResult:
 
 @dataclass(frozen=True)
 class StepSummary:
-    """What a listing (List, `ckptd ls`, keep-best retention) shows of a committed step: its
-    index less the tensor records and the files, a few hundred bytes however large the step."""
+    """What a listing (List, the bucket tier's listing, keep-best retention) shows of a committed
+    step: its index less the tensor records and the files, small however large the step."""
 
     step: int
     created_at: float  # unix seconds: the commit

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 INDEX_CACHE_ENTRIES = 16  # parsed indexes kept: the steps loaded or committed last
 INDEX_CACHE_TENSORS = 1024  # and at most this many tensor records in all (about 1.3 KiB each)
-SUMMARIES_KEPT = 16384  # StepSummary of the steps whose index was read or committed (~300 B each)
+SUMMARIES_KEPT = 16384  # StepSummary of the steps whose index was read or committed (five numbers each)
 
 
 class IndexCache:

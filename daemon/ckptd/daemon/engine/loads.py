@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 import uuid
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -27,6 +26,7 @@ from ckptd.daemon.engine.sessions import JobState
 from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
+from ckptd.daemon.memo import IdentityMemo
 from ckptd.daemon.errors import NotFound, Precondition, Unavailable
 from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
 from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError
@@ -68,25 +68,15 @@ class LoadLease:
 class DecodingNeeds:
     """needs_decoding of (index, wanted), kept while both are the very same objects: a rank's
     every load of a step asks it again, and it walks every wanted tensor (about 1.5 ms of the
-    event loop at 4,000 tensors, per rank and load). Holds the last `size` answers, and the
-    indexes only weakly: an index the engine's cache dropped is not kept alive here (16 parsed
-    indexes of 2,000 tensors each were ~10 MB the daemon grew by in tests/bench/soak.py)."""
+    event loop at 4,000 tensors, per rank and load). Holds the last `size`; the indexes only
+    weakly (IdentityMemo): an index the engine's cache dropped is not kept alive here (16
+    parsed indexes of 2,000 tensors each grew the daemon by ~10 MB in tests/bench/soak.py)."""
 
     def __init__(self, size: int = 16) -> None:
-        self._size = size
-        self._known: OrderedDict[tuple[int, int], tuple[weakref.ref[CheckpointIndex], Sequence[TensorSpec], tuple[bool, bool]]] = OrderedDict()
+        self._memo: IdentityMemo[tuple[bool, bool]] = IdentityMemo(size)
 
     def of(self, index: CheckpointIndex, wanted: Sequence[TensorSpec]) -> tuple[bool, bool]:
-        key = (id(index), id(wanted))
-        found = self._known.get(key)
-        if found is not None and found[0]() is index and found[1] is wanted:
-            return found[2]
-        needs = needs_decoding(index, wanted)
-        self._known[key] = (weakref.ref(index), wanted, needs)
-        self._known.move_to_end(key)
-        while len(self._known) > self._size:
-            self._known.popitem(last=False)
-        return needs
+        return self._memo.get((index, wanted), lambda: needs_decoding(index, wanted))
 
 
 class Loads:

@@ -361,10 +361,7 @@ def _check_coverage(logical: dict[str, LogicalTensor], holders: dict[tuple[str, 
     for name, box in holders:
         boxes[name].append(box)
     for name, tensor in logical.items():
-        held = boxes[name]
-        if len(held) == 1 and held[0].lengths == tensor.shape and not any(held[0].offsets):
-            continue  # one box of all of it (most tensors): covered exactly
-        problems = coverage_problems(tensor.shape, held)
+        problems = coverage_problems(tensor.shape, boxes[name])
         if problems:
             raise PlanError(f"the ranks' fragments of {name!r} do not tile its shape {list(tensor.shape)} exactly: "
                             + "; ".join(problems[:3]))

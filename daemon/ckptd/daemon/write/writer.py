@@ -135,16 +135,17 @@ def write_node_files(storage: StorageBackend, req: PersistRequest, progress: Pro
     # ~14 ms, which the fsyncs no longer hide (their writeback starts early: _Extent).
     lossless = not files.codings and not files.cast
     early: list[tuple[str, FragmentRecord]] = []
-    seen: list[PlacedTensor] = []  # the places on_written described, in the order _write_files lists them
+    described = 0  # the places on_written described: the first of those _write_files lists
 
     def on_written(batch: list[PlacedTensor]) -> None:
+        nonlocal described
         if lossless:
             early.extend(fragment_records(batch, {}, {}, {}))
-            seen.extend(batch)
+            described += len(batch)
 
     def describe(written_placed: list[PlacedTensor], coded: list[CodedWrite]) -> tuple[tuple[str, FragmentRecord], ...]:
         if lossless:  # what on_written did not see (none today: files are appended to only when coded) described now
-            rest = written_placed[len(seen):]
+            rest = written_placed[described:]
             return fragment_records(placed, {}, {}, {}) + tuple(early) + fragment_records(rest, {}, {}, {})
         outcomes = {(w.tensor.name, w.tensor.box): w for w in coded}
         return fragment_records(placed + written_placed, files.codings, outcomes, files.cast)
