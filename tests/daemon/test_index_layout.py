@@ -134,3 +134,32 @@ def test_the_hugging_face_index_files_come_from_the_layout() -> None:
     assert "model.safetensors.index.json" not in files  # model tensors in fragments: `ckptd export` makes it
     optimizer = json.loads(files["optimizer.safetensors.index.json"])
     assert set(optimizer["weight_map"].values()) == {"optimizer-0.safetensors", "optimizer-1.safetensors"}
+
+
+def test_the_extras_text_of_an_unchanged_ranks_extras_is_not_encoded_again() -> None:
+    from ckptd.daemon.plan.files import CompactExtras
+    from ckptd.format.json_text import compact_json
+
+    texts = CompactExtras(max_bytes=40)
+    same, changed = {"names": ["a", "b"]}, {"names": ["a"]}
+    first = texts.texts({0: same, 1: changed})
+    assert first == {0: compact_json(same), 1: compact_json(changed)}
+    other = {"names": ["a"]}  # equal to rank 1's, another object: encoded anew
+    second = texts.texts({0: same, 1: other})
+    assert second[0] is first[0] and second[1] == first[1] and second[1] is not first[1]
+    assert texts.texts({1: other})[1] is second[1]  # rank 0 left: forgotten
+    assert texts.texts({0: same, 1: other})[0] is not first[0]
+    big = {"names": ["x" * 50]}  # over max_bytes: encoded each time, never kept
+    assert texts.texts({0: big})[0] is not texts.texts({0: big})[0]
+
+
+def test_step_files_with_the_extras_texts_writes_the_extra_json_it_writes_without() -> None:
+    from ckptd.daemon.plan.files import CompactExtras
+    from ckptd.format.index import EXTRA_JSON
+
+    plan, texts = _plan(), CompactExtras()
+    extras = {0: {"sched": {"lr": 0.1}}, 2: {"rng": [1, 2]}}
+    _, plain = step_files("job", 3, plan, _manifests(plan), extras, {}, None, lambda: 1.5)
+    for _ in range(2):
+        _, files = step_files("job", 3, plan, _manifests(plan), extras, {}, None, lambda: 1.5, extras_texts=texts)
+        assert files[EXTRA_JSON] == plain[EXTRA_JSON]

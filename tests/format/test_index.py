@@ -1,6 +1,7 @@
 """The on-disk format: golden bytes of the safetensors header, index round trip, file layout."""
 
 import json
+from typing import Any
 import struct
 
 import pytest
@@ -131,6 +132,19 @@ def test_the_hf_index_is_what_json_writes_with_an_indent_of_two(weight_map: dict
 
     doc = {"metadata": {"total_size": 1234}, "weight_map": dict(sorted(weight_map.items()))}
     assert hf_index_json(1234, weight_map) == json.dumps(doc, indent=2).encode() + b"\n"
+
+
+@pytest.mark.parametrize("ranks", [{}, {0: {}}, {3: {"a": [1, 2.5, None, 'k"\\é\u2028'], "b": {"x": float("inf")}}, 0: {"s": 1}, 12: {"__tensor__": "m/x"}}])
+def test_extra_json_is_what_jsons_compact_encoder_writes_with_or_without_the_ranks_texts(ranks: dict[int, Any]) -> None:
+    from ckptd.format.index import EXTRA_FORMAT, extra_json
+    from ckptd.format.json_text import compact_json
+
+    doc = {"format": EXTRA_FORMAT, "step": 7, "ranks": {str(r): ranks[r] for r in sorted(ranks)}}
+    expected = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    assert extra_json(7, ranks) == expected
+    assert extra_json(7, ranks, {r: compact_json(v) for r, v in ranks.items()}) == expected
+    some = dict(list(ranks.items())[:1])  # some ranks' texts known, the others encoded
+    assert extra_json(7, ranks, {r: compact_json(v) for r, v in some.items()}) == expected
 
 
 def test_compressed_index_round_trip_and_golden_records() -> None:

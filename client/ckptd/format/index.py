@@ -22,7 +22,7 @@ from ckptd.common import chunks, dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
 from ckptd.common.quant_options import CAST
-from ckptd.format.json_text import json_str, tensor_json
+from ckptd.format.json_text import compact_json, extra_json_text, json_str, tensor_json
 
 INDEX_NAME = "ckptd.index.json"
 # A node's part of a step across nodes is written and fsynced (node-local roots): kept at
@@ -474,10 +474,11 @@ INDEX_HEAD_BYTES = 512
 _CREATED_AT = re.compile(rb'\{"format":"ckptd/[0-9]+","job":"[A-Za-z0-9._-]*","step":-?[0-9]+,"created_at":(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?),')
 
 
-def extra_json(step: int, ranks: dict[int, Any]) -> bytes:
-    """extra.json: the step and every rank's JSON-able extras (scheduler, RNG, user values)."""
-    doc = {"format": EXTRA_FORMAT, "step": step, "ranks": {str(r): ranks[r] for r in sorted(ranks)}}
-    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+def extra_json(step: int, ranks: dict[int, Any], texts: Mapping[int, str] | None = None) -> bytes:
+    """extra.json: the step and every rank's JSON-able extras (scheduler, RNG, user values);
+    `texts`: ranks' extras already as json_text.compact_json text, used instead of encoding them."""
+    known = texts or {}
+    return extra_json_text(EXTRA_FORMAT, step, {r: known.get(r) or compact_json(ranks[r]) for r in sorted(ranks)})
 
 
 def small_file_checksum(data: bytes) -> str:

@@ -79,6 +79,19 @@ def interleave(pieces: list[str], holes: list[str]) -> str:
     return "".join(parts)
 
 
+def compact_json(value: Any) -> str:
+    """`value` as json.dumps(value, separators=(",", ":")) writes it (the step's small files)."""
+    return _compact(value)
+
+
+def extra_json_text(format_name: str, step: int, ranks: dict[int, str]) -> bytes:
+    """extra.json from each rank's extras as compact_json text: the bytes of json.dumps({"format":
+    format_name, "step": step, "ranks": {"<rank>": extras, ...}}, separators=(",", ":")), ranks in
+    the order given, and a newline."""
+    members = ",".join(f'"{int(rank)}":{text}' for rank, text in ranks.items())
+    return f'{{"format":{json_str(format_name)},"step":{int(step)},"ranks":{{{members}}}}}\n'.encode()
+
+
 def hf_index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
     """A Hugging Face `*.safetensors.index.json`: which file holds each key; the bytes of
     json.dumps({"metadata": {"total_size": ...}, "weight_map": <sorted>}, indent=2) and a newline."""

@@ -301,7 +301,7 @@ class Coordinator:
         """The PEFT adapter file to publish with the step (step_build.adapter_source), read back
         from this root; None when the step is no adapter or its file is not here."""
         assert save.plan is not None
-        source = adapter_source(manifests, {t.name: t.kind for t in save.plan.tensors}, save.model_files)
+        source = adapter_source(manifests, save.plan, save.model_files)
         if source is None:
             return None
         try:
@@ -322,6 +322,7 @@ class Coordinator:
             quantization=save.compression.record, adapter=self._adapter_copy(save, manifests),
             retention=None if asked is None else policy_record(self.job_policy(asked), asked),
             layouts=save.cache.index_layouts if save.cache is not None else None,
+            extras_texts=save.cache.extras_texts if save.cache is not None else None,
         )
         if shared:
             present = self.storage.files.step_file_sizes(save.job, save.step)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ckptd.daemon.errors import Aborted, UnknownFingerprint
+from ckptd.daemon.plan.files import CompactExtras
 from ckptd.daemon.plan.index_layout import IndexLayouts
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, spec_digest
 from ckptd.daemon.records import JoinResult
@@ -39,8 +40,8 @@ def plan_key(digests: Sequence[str], node_of_rank: Sequence[int]) -> str:
 @dataclass
 class JobPlans:
     """What the coordinator keeps of one job between its saves: each rank's metadata under its
-    digest, the plans made from it under their plan_key (at most PLANS_KEPT), and the layout
-    of the last index it committed.
+    digest, the plans made from it under their plan_key (at most PLANS_KEPT), the layout
+    of the last index it committed and the text of its extras.
 
     Metadata is interned by digest: ranks with one digest (data-parallel replicas) share one
     object, so the coordinator holds each distinct layout once (memory O(distinct layouts +
@@ -53,6 +54,7 @@ class JobPlans:
     plans: OrderedDict[str, SavePlan] = field(default_factory=OrderedDict)  # plan key -> plan, least recently used first
     interned: dict[str, tuple[TensorSpec, ...]] = field(default_factory=dict)  # digest -> the one object of its metadata
     index_layouts: IndexLayouts = field(default_factory=IndexLayouts)  # the last commit's index, less its checksums
+    extras_texts: CompactExtras = field(default_factory=CompactExtras)  # the last commit's extras as text
 
     def take(self, digests: Mapping[int, str], specs: Mapping[int, tuple[TensorSpec, ...]]) -> dict[int, tuple[TensorSpec, ...]]:
         """Each joining rank's metadata: what it sent now (`specs`, kept), else what its digest
