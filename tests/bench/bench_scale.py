@@ -70,6 +70,7 @@ from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.plan_inputs import check_plan_input
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.rpc.peer_links import PeerLinks
+from ckptd.daemon.heap import quiet_collector
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
 from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan, spec_digest
@@ -395,17 +396,23 @@ def measure(nodes: int, saves: int, tmp: Path, rounds: int = PLAN_ROUNDS) -> Poi
         for step in range(1, saves + 2):  # after the first, the plan is cached: the nodes send fingerprints only
             gc.collect()  # each save starts without the last one's garbage
             if step == 2:
-                gc.freeze()  # what the job keeps (its cache, plan) and the harness's inputs: old objects, as in a daemon that has run a while
+                # what the job keeps (its cache, plan) and the harness's inputs: old objects, as in a
+                # daemon that has run a while; full collections as rare as the daemon makes them
+                # (daemon/heap.py: Python's default schedule scanned a 10,000-node save's objects
+                # once or more per save, which made the cached joins' CPU grow faster than the nodes)
+                quiet_collector()
             done, answer = await simulate_save(coord, storage, layout, step, inputs, step == 1, manifests, tuple(a.plan_key for a in answers[:1]))
             times.append(done)
             answers.append(answer)
             if step > 1:
                 await asyncio.to_thread(storage.janitor.remove_step, JOB, step - 1)  # keep the disk small
 
+    thresholds = gc.get_threshold()
     try:
         asyncio.run(run())
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     result, known = answers[0], answers[-1]
     answer, wire_s = join_answer(result)
     known_answer = rpc_convert.join_response(replace(known, specs=None)).ByteSize()
