@@ -373,7 +373,7 @@ class ParsedExtras:
     by that object (plan/files.CompactExtras). Extras are never changed in place. Keeps at most
     `max_bytes` of text, the least recently used (job, rank) forgotten first."""
 
-    def __init__(self, max_bytes: int = 64 * 2**20) -> None:
+    def __init__(self, max_bytes: int = 16 * 2**20) -> None:
         self.max_bytes = max_bytes
         self._last: dict[tuple[str, int], tuple[str, Any]] = {}  # (job, rank) -> (text, extras), least recent first
         self._held = 0  # bytes of the texts kept
