@@ -14,7 +14,8 @@ other files under the root (recycle bin, `latest`, temporaries).
 
 Judged: after WARMUP saves, each series' last sample minus its first; memory may wander by
 RSS_SLACK_MIB, counts must come back to their first value (fds, threads, arenas may be busy at
-a sample: the maximum of the last quarter is compared with the maximum of the first); step
+a sample: the maximum of the last quarter is compared with the maximum of the first; threads
+with THREAD_SLACK, for pool threads started late); step
 directories grow by policy (keep_every) and are only shown. Prints
 the samples, the verdict per series, and exits 1 when a series grew. Not part of CI (it takes
 minutes); run it on a quiet machine.
@@ -36,6 +37,10 @@ from pathlib import Path
 ROLLBACK_EVERY = 40  # saves between rollbacks
 WARMUP = 50  # saves before the first judged sample (arenas, caches and pools grow to their size)
 RSS_SLACK_MIB = 4.0  # an index kept per retained step grew it by 11 MiB over 450 saves (fixed): this catches that
+# Threads the daemon's pools may still start after the warm-up: asyncio's default executor starts
+# a thread only when calls overlap, up to min(32, cores + 4), and one more came late in some runs
+# (12 -> 13). A leak grows with the saves (hundreds over a soak), far past this.
+THREAD_SLACK = 2
 KEEP = ["--keep-last", "3", "--keep-every", "50"]
 
 
@@ -150,7 +155,8 @@ def verdicts(samples: list[Sample]) -> list[tuple[str, str, bool]]:
     for name in ("fds", "threads", "arenas", "shm_mib", "other_files"):
         before = max(getattr(s, name) for s in first)
         after = max(getattr(s, name) for s in last)
-        out.append((name, f"max of first quarter {before:g}, of last quarter {after:g}", after <= before))
+        slack = THREAD_SLACK if name == "threads" else 0
+        out.append((name, f"max of first quarter {before:g}, of last quarter {after:g}" + (f" (slack {slack})" if slack else ""), after <= before + slack))
     return out
 
 
