@@ -207,6 +207,26 @@ def test_retention_keeps_the_last_three(daemon) -> None:
     assert (job_dir / "latest").read_text().strip() == "step-00000006"
 
 
+def test_each_step_keeps_its_own_extras_whether_they_changed_since_the_last_save_or_not(daemon) -> None:
+    """The daemon reuses a rank's extras, parsed and encoded, while their text does not change
+    (engine/saves.ParsedExtras, plan/files.CompactExtras): steps with the same extras and steps
+    with new ones must each write and load back their own."""
+    model, _, _ = make_training(0)
+    saved = {1: {"epoch": 0, "tags": ["a"]}, 2: {"epoch": 0, "tags": ["a"]}, 3: {"epoch": 5, "tags": ["a", "é"]}, 4: {"epoch": 0, "tags": ["a"]}}
+    with CheckpointClient("extras-steps", address=daemon.address, on_error="raise") as ckpt:
+        for step, extra in saved.items():
+            ckpt.save(step, {"model": model, "extra": dict(extra)}).wait_durable(timeout=60)
+        kept = [i.step for i in ckpt.list()]
+        assert kept == [2, 3, 4]  # the daemon keeps the last three
+        for step in kept:
+            extra = saved[step]
+            on_disk = json.loads((daemon.root / "extras-steps" / f"step-{step:08d}" / "extra.json").read_text())
+            assert on_disk["step"] == step and on_disk["ranks"]["0"]["extra"] == extra
+            got: dict = {}
+            assert ckpt.load({"model": make_training(1)[0], "extra": got}, step=step) == step
+            assert got == extra
+
+
 def test_a_missing_daemon_does_not_stop_training(tmp_path: Path) -> None:
     model, _, _ = make_training(0)
     ckpt = CheckpointClient("nodaemon", address=f"unix://{tmp_path}/none.sock", timeout_s=2)
