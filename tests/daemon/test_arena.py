@@ -1,0 +1,66 @@
+"""Arena sets (daemon/ckptd/daemon/handoff/arena.py), in process on a real tmpfs directory: a
+set's arenas are made several at once, and when one cannot be made none is left behind."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ckptd.daemon.errors import Exhausted
+from ckptd.daemon.handoff import arena as arena_module
+from ckptd.daemon.handoff.arena import ARENA_PREFIX, Arena, ArenaPool
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="ckptd-test-", dir="/dev/shm") as d:
+        yield Path(d)
+
+
+def _files(shm_dir: Path) -> list[str]:
+    return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith(ARENA_PREFIX))
+
+
+def test_a_sets_arenas_are_made_at_once_one_per_rank_with_bytes(shm_dir: Path) -> None:
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    taken = pool.reserve_new()
+    sizes = (2 * MiB, 0, 1 * MiB, 3 * MiB, 4096)
+    pool.allocate(taken.arena_set, sizes)
+    arenas = taken.arena_set.arenas
+    assert [a.size if a is not None else 0 for a in arenas] == list(sizes)
+    assert arenas[1] is None  # a rank with nothing to hand over has no arena
+    assert [a.path.name.rsplit("-", 1)[-1] for a in arenas if a is not None] == ["r0", "r2", "r3", "r4"]
+    for a in arenas:
+        if a is not None:
+            a.view(a.size - 1, 1)[0] = 7  # mapped and writable to its last byte
+    assert len(_files(shm_dir)) == 4
+    pool.allocate(taken.arena_set, (MiB,))  # replaced: the old files go
+    assert len(_files(shm_dir)) == 1
+    pool.close()
+    assert _files(shm_dir) == []
+
+
+@pytest.mark.parametrize("failing_rank", [0, 2, 3])
+def test_when_one_ranks_arena_cannot_be_made_none_of_the_set_is_kept(shm_dir: Path, monkeypatch: pytest.MonkeyPatch, failing_rank: int) -> None:
+    made = Arena.__init__
+
+    def init(self: Arena, path: Path, size: int) -> None:
+        if path.name.endswith(f"-r{failing_rank}"):
+            raise Exhausted(f"cannot reserve {size} bytes of shared memory in {path.parent}: No space left on device")
+        made(self, path, size)
+
+    monkeypatch.setattr(Arena, "__init__", init)
+    monkeypatch.setattr(arena_module, "ALLOCATE_THREADS", 4)
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    taken = pool.reserve_new()
+    with pytest.raises(Exhausted, match="No space left"):
+        pool.allocate(taken.arena_set, (MiB, MiB, MiB, MiB))
+    assert _files(shm_dir) == []
+    assert taken.arena_set.arenas == []
+    pool.undo(taken)
+    pool.close()
