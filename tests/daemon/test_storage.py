@@ -421,6 +421,52 @@ def test_the_root_id_file_is_0640_and_never_followed(tmp_path: Path, umask_007: 
     assert victim.read_bytes() == b"not an id\n" and os.readlink(other / ROOT_ID_FILE) == str(victim)
 
 
+def test_daemons_starting_at_once_on_a_new_shared_root_read_one_root_id(tmp_path: Path) -> None:
+    """The id was made with O_EXCL and then written in place: a daemon starting at the same
+    moment could read it empty, take the shared root for a root of its own and empty the step
+    directory the other node was writing (a 2-daemon save failed: "No such file or directory:
+    .../.tmp-model-00001-of-00002.safetensors.<pid>"). Six at once, twenty times."""
+    import threading
+
+    for trial in range(20):
+        root = tmp_path / f"root{trial}"
+        root.mkdir()
+        barrier = threading.Barrier(6)
+        ids: list[str] = []
+
+        def start() -> None:
+            barrier.wait()
+            ids.append(Storage(root).catalog.root_id())
+
+        threads = [threading.Thread(target=start) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(ids) == 6 and len(set(ids)) == 1 and len(ids[0]) == 32, ids
+        assert sorted(p.name for p in root.iterdir()) == [ROOT_ID_FILE]  # no temporary left
+
+
+def test_an_empty_root_id_is_waited_for_then_refused_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty id file: an older daemon writing it in place (read again until it is written), or
+    one that died before writing it (refused: no id is made up, which would split the nodes)."""
+    import threading
+
+    from ckptd.daemon.storage import posix_catalog
+
+    monkeypatch.setattr(posix_catalog, "ROOT_ID_WAIT_S", 0.5)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ROOT_ID_FILE).write_bytes(b"")
+    writer = threading.Timer(0.1, lambda: (root / ROOT_ID_FILE).write_text("a" * 32 + "\n"))
+    writer.start()
+    assert Storage(root).catalog.root_id() == "a" * 32
+    writer.join()
+    (root / ROOT_ID_FILE).write_bytes(b"")
+    with pytest.raises(OSError, match="is empty: with no daemon running on this root, remove it and start again"):
+        Storage(root).catalog.root_id()
+
+
 def test_peer_fetch_does_not_follow_a_link_in_a_step(tmp_path: Path) -> None:
     """Issue 20: peer_servicer.Fetch opened a step's file with a plain os.open: a shard replaced
     by a link to a host file of the same size was served to the peer. Now it is refused

@@ -3,15 +3,17 @@ the order they were committed in, `latest`, the root's id."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.common.files import real_dir_at
-from ckptd.daemon.storage.fs import FILE_MODE, open_for_reading, read_file, tree_bytes
+from ckptd.daemon.storage.fs import FILE_MODE, TMP_MARK, fsync_dir, open_for_reading, read_file, tree_bytes
 from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
 
@@ -46,19 +48,25 @@ class PosixCatalog:
         return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
     def root_id(self) -> str:
-        """The root's id (ROOT_ID_FILE), made on first use (O_EXCL | O_NOFOLLOW, FILE_MODE):
-        daemons that share the root read the same one."""
+        """The root's id (ROOT_ID_FILE, FILE_MODE, never followed as a link), made on first use:
+        daemons that share the root read the same one. It is written whole under a temporary
+        name and linked into place (link(2) refuses a name that exists), so a daemon starting at
+        the same moment reads it complete: one that read it while another was still writing it
+        in place got "" and took the shared root for a root of its own (the nodes then emptied
+        each other's step directory). An empty file (an older daemon writing it now) is read
+        again for up to ROOT_ID_WAIT_S."""
         path = self.tree.root / ROOT_ID_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-            os.fchmod(fd, FILE_MODE)
-        except FileExistsError:
-            return read_file(path, 4096).decode("ascii", "replace").strip()
-        with os.fdopen(fd, "w") as f:
-            f.write(uuid.uuid4().hex + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return read_file(path, 4096).decode("ascii", "replace").strip()
+        if not os.path.lexists(path):
+            _link_new_id(path)
+        deadline = time.monotonic() + ROOT_ID_WAIT_S
+        while True:
+            found = read_file(path, 4096).decode("ascii", "replace").strip()
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if not found:
+            raise OSError(errno.EINVAL, f"{path} is empty: with no daemon running on this root, remove it and start again", str(path))
+        return found
 
     def is_committed(self, job: str, step: int) -> bool:
         return self.tree.is_committed(job, step)
@@ -150,3 +158,26 @@ def _created_at(path: Path) -> float:
         os.close(fd)
     created = CheckpointIndex.created_at_of(head)
     return created if created is not None else float(json.loads(read_file(path))["created_at"])
+
+
+ROOT_ID_WAIT_S = 2.0
+
+
+def _link_new_id(path: Path) -> None:
+    """Put a new id at `path` unless something is there already (then leave it)."""
+    temporary = path.with_name(f"{TMP_MARK}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        try:
+            os.fchmod(fd, FILE_MODE)
+            os.write(fd, (uuid.uuid4().hex + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, path, follow_symlinks=False)
+        except FileExistsError:
+            return  # another daemon's id is there: it is the root's
+        fsync_dir(path.parent)
+    finally:
+        os.unlink(temporary)
