@@ -380,4 +380,3 @@ class ArenaPool:
         for s in self.sets:
             s.close()
         self.sets = []
-
