@@ -4,6 +4,7 @@ set's arenas are made several at once, and when one cannot be made none is left 
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -26,11 +27,21 @@ def _files(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.iterdir() if p.name.startswith(ARENA_PREFIX))
 
 
-def test_a_sets_arenas_are_made_at_once_one_per_rank_with_bytes(shm_dir: Path) -> None:
+def test_a_sets_arenas_are_made_at_once_one_per_rank_with_bytes(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = Arena.__init__
+    threads: set[str] = set()
+
+    def init(self: Arena, path: Path, size: int) -> None:
+        threads.add(threading.current_thread().name)
+        made(self, path, size)
+
+    monkeypatch.setattr(Arena, "__init__", init)
+    monkeypatch.setattr(arena_module.os, "cpu_count", lambda: 4)
     pool = ArenaPool(shm_dir, "job", max_inflight=1)
     taken = pool.reserve_new()
     sizes = (2 * MiB, 0, 1 * MiB, 3 * MiB, 4096)
     pool.allocate(taken.arena_set, sizes)
+    assert threads and all(name.startswith("ckptd-arena") for name in threads)  # on the pool's threads, not the caller's
     arenas = taken.arena_set.arenas
     assert [a.size if a is not None else 0 for a in arenas] == list(sizes)
     assert arenas[1] is None  # a rank with nothing to hand over has no arena

@@ -1,6 +1,8 @@
 """PlanLoad's tensor specs by (job, rank, fingerprint) (rpc/checkpoint.py _LoadSpecs): metadata
 sent again equal to what was validated gives the very same specs without validating again
-(the daemon's memory plans key on that object); anything else is validated as it is now."""
+(the daemon's memory plans key on that object); anything else is validated as it is now. And
+the ranks' extras texts (engine/context.ExtrasTexts), parsed once at a hand-over and encoded
+once for a load while they do not change."""
 
 from __future__ import annotations
 
@@ -102,3 +104,51 @@ def test_extras_text_remembered_from_the_save_is_sent_as_it_came_for_the_same_ob
     again = texts.text(("job", 3, 0), dict(extras))
     assert again == text  # another object: encoded (the same here)
     assert again is not text  # encoded anew, not the remembered text of another object
+
+
+def _parse(text: str) -> Any:
+    from ckptd.daemon.engine.saves import parse_extras
+
+    return parse_extras(0, text)
+
+
+def test_an_unchanged_extras_text_gives_the_same_object_without_parsing_it_again() -> None:
+    from ckptd.daemon.engine.context import ExtrasTexts
+
+    texts = ExtrasTexts()
+    text = json.dumps({"model": {"w": {"__tensor__": "model/w"}}, "step": 3})
+    extras = texts.parse(("job", 3, 0), text, _parse)
+    assert extras == json.loads(text) and texts.text(("job", 3, 0), extras) is text  # remembered for loads as it came
+    again = texts.parse(("job", 4, 0), "".join(text), _parse)  # an equal text, another str: as from the next request
+    assert again is extras and texts.text(("job", 4, 0), again) is text  # the first text kept, not a second copy
+    assert texts.parse(("job", 4, 1), text, _parse) is not extras  # another rank: its own
+    assert texts.parse(("other", 4, 0), text, _parse) is not extras  # another job: its own
+    changed = texts.parse(("job", 5, 0), json.dumps({"step": 4}), _parse)
+    assert changed == {"step": 4}
+    assert texts.parse(("job", 6, 0), text, _parse) is not extras  # changed in between: parsed anew
+
+
+def test_bad_extras_are_refused_every_time_and_forget_the_last_good_ones() -> None:
+    from ckptd.daemon.engine.context import ExtrasTexts
+
+    texts = ExtrasTexts()
+    good = texts.parse(("job", 1, 0), '{"a": 1}', _parse)
+    for step in (2, 3):
+        with pytest.raises(errors.InvalidRequest, match="not valid JSON"):
+            texts.parse(("job", step, 0), '{"a": ', _parse)
+    assert texts.parse(("job", 4, 0), '{"a": 1}', _parse) is not good
+    assert texts.parse(("job", 5, 0), "", _parse) == {}
+
+
+def test_the_handed_over_texts_kept_stay_within_max_bytes_least_recent_first() -> None:
+    from ckptd.daemon.engine.context import ExtrasTexts
+
+    texts = ExtrasTexts(max_bytes=20)
+    a = texts.parse(("job", 1, 0), '{"a": 1}', _parse)  # 8 bytes
+    b = texts.parse(("job", 1, 1), '{"b": 2}', _parse)
+    assert texts.parse(("job", 2, 0), '{"a": 1}', _parse) is a  # now the most recent
+    texts.parse(("job", 1, 2), '{"c": 3}', _parse)  # 24 bytes: rank 1's goes
+    assert texts.parse(("job", 3, 0), '{"a": 1}', _parse) is a
+    assert texts.parse(("job", 2, 1), '{"b": 2}', _parse) is not b
+    big = json.dumps({"x": "y" * 30})
+    assert texts.parse(("job", 1, 3), big, _parse) is not texts.parse(("job", 2, 3), big, _parse)  # over max_bytes: never kept

@@ -209,7 +209,7 @@ def test_retention_keeps_the_last_three(daemon) -> None:
 
 def test_each_step_keeps_its_own_extras_whether_they_changed_since_the_last_save_or_not(daemon) -> None:
     """The daemon reuses a rank's extras, parsed and encoded, while their text does not change
-    (engine/saves.ParsedExtras, plan/files.CompactExtras): steps with the same extras and steps
+    (engine/context.ExtrasTexts.parse, plan/files.CompactExtras): steps with the same extras and steps
     with new ones must each write and load back their own."""
     model, _, _ = make_training(0)
     saved = {1: {"epoch": 0, "tags": ["a"]}, 2: {"epoch": 0, "tags": ["a"]}, 3: {"epoch": 5, "tags": ["a", "é"]}, 4: {"epoch": 0, "tags": ["a"]}}

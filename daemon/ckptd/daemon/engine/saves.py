@@ -40,7 +40,6 @@ class Saves:
     def __init__(self, engine: Engine, write: Writer) -> None:
         self.engine = engine
         self._write = write  # writes and commits a complete snapshot (Commit.write)
-        self._extras = ParsedExtras()
 
     async def begin(self, request: BeginSave) -> SaveSession:
         """Join the save of `request.step`; returns once the plan and arenas are decided (all ranks arrived).
@@ -292,9 +291,7 @@ class Saves:
         engine = self.engine
         state, session = self.find(job, request.save_id)
         session.check_hand_over(rank)
-        extras, text = self._extras.parse(job, rank, request.extras_json)
-        if text:
-            engine.extras_texts.remember((job, session.step, rank), extras, text)
+        extras = engine.extras_texts.parse((job, session.step, rank), request.extras_json, lambda text: parse_extras(rank, text))
         if staged is not None:
             assert session.arenas is not None
             arena = session.arenas.arenas[rank] if rank < len(session.arenas.arenas) else None
@@ -363,34 +360,6 @@ class Saves:
                 await asyncio.wait_for(session.finished.wait(), min(0.5, remaining) if remaining is not None else 0.5)
             except asyncio.TimeoutError:
                 pass  # not finished yet: yield the session's state again
-
-
-class ParsedExtras:
-    """Each rank's last extras with the JSON text they were parsed from: a save that sends a
-    rank's text unchanged (nearly every save: a state's extras are its structure with a
-    placeholder per tensor, ~300 KB at 4,000 tensors) gets the same object back without parsing
-    it again (2.5 ms of the event loop a save at 4,000 tensors), and the commit finds their text
-    by that object (plan/files.CompactExtras). Extras are never changed in place. Keeps at most
-    `max_bytes` of text, the least recently used (job, rank) forgotten first."""
-
-    def __init__(self, max_bytes: int = 16 * 2**20) -> None:
-        self.max_bytes = max_bytes
-        self._last: dict[tuple[str, int], tuple[str, Any]] = {}  # (job, rank) -> (text, extras), least recent first
-        self._held = 0  # bytes of the texts kept
-
-    def parse(self, job: str, rank: int, text: str) -> tuple[Any, str]:
-        """(the extras of `text`, the equal text kept); raises InvalidRequest as parse_extras."""
-        known = self._last.pop((job, rank), None)
-        if known is not None:
-            self._held -= len(known[0])
-        if known is None or known[0] != text:
-            known = (text, parse_extras(rank, text))
-        if len(text) <= self.max_bytes:
-            self._last[job, rank] = known
-            self._held += len(text)
-        while self._held > self.max_bytes:
-            self._held -= len(self._last.pop(next(iter(self._last)))[0])
-        return known[1], known[0]
 
 
 def parse_extras(rank: int, extras_json: str) -> Any:

@@ -305,8 +305,8 @@ class ArenaPool:
     def allocate(self, arena_set: ArenaSet, sizes: tuple[int, ...]) -> None:
         """Replace the set's arenas by new ones of `sizes` (blocking: run in a thread), several
         ranks' at once: the kernel zeroes a tmpfs file's pages under that file's lock, so one
-        arena per thread (4 of 128 MiB: 240 -> 190 ms on 2 cores; a node of 8 ranks allocates
-        its first set up to 8x faster). If one cannot be made, none is kept."""
+        arena per thread (4 of 128 MiB: 240 -> 190 ms on this project's 2-core VM, timed by
+        hand; not measured on more cores). If one cannot be made, none is kept."""
         arena_set.close()
         self._generation += 1
         names = {rank: f"{ARENA_PREFIX}{os.getpid()}-{self.job}-s{arena_set.index}-g{self._generation}-r{rank}" for rank, size in enumerate(sizes) if size}

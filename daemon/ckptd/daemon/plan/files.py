@@ -186,7 +186,7 @@ def adapter_source(manifests: Sequence[NodeManifest], plan: SavePlan, model_file
 class CompactExtras:
     """Each rank's extras as the compact text extra.json holds (json_text.compact_json), encoded
     once while the rank's extras are the same object from save to save: a daemon parses a
-    rank's unchanged extras text into the same object (engine/saves.ParsedExtras), and a state's
+    rank's unchanged extras text into the same object (engine/context.ExtrasTexts.parse), and a state's
     extras are its structure with a placeholder per tensor (~75 bytes a tensor: encoding them
     took 3.7 ms of each commit at 4,000 tensors). Other nodes' ranks' extras arrive parsed anew
     at every save and are encoded every time. Keeps the ranks of the last commit only, and at

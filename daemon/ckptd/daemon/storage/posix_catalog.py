@@ -17,6 +17,8 @@ from ckptd.daemon.storage.fs import FILE_MODE, TMP_MARK, fsync_dir, open_for_rea
 from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
 
+ROOT_ID_WAIT_S = 2.0  # how long an empty root id is read again (PosixCatalog.root_id)
+
 
 @dataclass(frozen=True)
 class UncommittedStep:
@@ -159,8 +161,6 @@ def _created_at(path: Path) -> float:
     created = CheckpointIndex.created_at_of(head)
     return created if created is not None else float(json.loads(read_file(path))["created_at"])
 
-
-ROOT_ID_WAIT_S = 2.0
 
 
 def _link_new_id(path: Path) -> None:
