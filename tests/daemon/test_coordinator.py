@@ -10,14 +10,14 @@ import pytest
 from memory_backend import MemoryStorage
 
 from ckptd.common.boxes import Box
-from ckptd.daemon.engine.coordinator import Coordinator
+from ckptd.daemon.engine.coordinator import Coordinator, root_sharing
 from ckptd.daemon.engine.plan_inputs import check_plan_input, plan_key
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition
 from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord
 from ckptd.daemon.plan.compression import Compression, SaveOptions, decide_compression
 from ckptd.daemon.plan.files import NodeManifest
-from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan, spec_digest
+from ckptd.daemon.plan.save_plan import PlanError, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.rpc.convert import manifest_from_wire, manifest_to_wire
 from ckptd.daemon.rpc.peer_links import PeerLinks
@@ -308,3 +308,52 @@ def test_replicas_metadata_is_held_once_and_planned_once(tmp_path: Path) -> None
         assert first.plan == make_save_plan([halves[0], halves[1]] * 2, [0, 0, 1, 1])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("root_ids", "shared"),
+    [
+        ({0: "a"}, False),  # one node
+        ({1: "a"}, False),  # one node, not the coordinator, on the coordinator's root
+        ({0: "a", 1: "a", 2: "a"}, True),
+        ({0: "a", 1: "b", 2: "c"}, False),  # each its own
+        ({1: "b", 2: "c"}, False),
+    ],
+)
+def test_root_sharing_is_all_or_none(root_ids: dict[int, str], shared: bool) -> None:
+    assert root_sharing(root_ids, "a") is shared
+
+
+@pytest.mark.parametrize(
+    ("root_ids", "said"),
+    [
+        ({0: "a", 1: "a", 2: "c"}, "nodes 0 and 1 write into one storage root (id a) but node 2 writes into another"),
+        ({0: "a", 1: "b", 2: "b"}, "nodes 1 and 2 write into one storage root (id b) but node 0 writes into another"),
+        ({1: "b", 2: "b"}, "but the coordinator (node 0) writes into another"),
+        ({0: "a", 1: "c", 2: "b", 3: "b", 4: "d", 5: "e"}, "nodes 2 and 3 write into one storage root (id b) but nodes 0, 1, 4 and more write into another"),
+    ],
+)
+def test_a_root_shared_by_some_nodes_only_is_refused(root_ids: dict[int, str], said: str) -> None:
+    """A node that believes its root is its own empties the step directory before writing: with
+    the root half shared, nodes would delete each other's files."""
+    with pytest.raises(PlanError, match="every node of a job must write into one shared root, or each into a root of its own") as caught:
+        root_sharing(root_ids, "a")
+    assert said in str(caught.value)
+
+
+def test_a_save_on_a_half_shared_root_is_refused_for_every_node(tmp_path: Path) -> None:
+    """Nodes 1 and 2 share a root that the coordinator does not: every node's join is refused
+    with the fix, and nothing is written."""
+    async def scenario() -> list:
+        storage = Storage(tmp_path / "0")
+        coord = Coordinator(storage, PeerLinks(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], "t" * 16), storage.catalog.root_id(), no_retention)
+        thirds = [Box((0, 0), (1, 2)), Box((1, 0), (1, 2)), Box((2, 0), (2, 2))]
+        roots = {0: coord.root_id, 1: "shared-root-id", 2: "shared-root-id"}
+        return await asyncio.gather(
+            *[coord.join(JoinSave("job", 1, 3, {n: f"fp{n}"}, {n: spec(thirds[n])}, [], 30.0, None), n, roots[n]) for n in (0, 1, 2)],
+            return_exceptions=True,
+        )
+
+    (tmp_path / "0").mkdir()
+    results = asyncio.run(scenario())
+    assert all(isinstance(r, InvalidRequest) and "nodes 1 and 2 write into one storage root" in str(r) for r in results), results

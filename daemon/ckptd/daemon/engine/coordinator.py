@@ -128,6 +128,32 @@ def _slim(save: _GlobalSave) -> None:
         save.outcome = replace(save.outcome, index=None, step_files=files)
 
 
+def root_sharing(root_ids: dict[int, str], coordinator_root_id: str) -> bool:
+    """Whether the nodes of a save (`root_ids`: node -> its root's id) all write into the
+    coordinator's (node 0's) root: True when several do and every id is the coordinator's;
+    False when each node has a root of its own. PlanError when some nodes share a root and
+    others, or the coordinator, do not: a node that believes its root is its own empties the
+    step's directory before writing, which would delete the files of the nodes sharing it."""
+    if len(root_ids) > 1 and all(rid == coordinator_root_id for rid in root_ids.values()):
+        return True
+    first: dict[str, int] = {}
+    for node in sorted(root_ids):
+        seen = first.setdefault(root_ids[node], node)
+        if seen == node:
+            continue
+        apart = sorted(n for n, rid in root_ids.items() if rid != root_ids[node])
+        if apart:
+            shown = ", ".join(map(str, apart[:3])) + (" and more" if len(apart) > 3 else "")
+            other = f"node{'s' if len(apart) > 1 else ''} {shown} write{'' if len(apart) > 1 else 's'} into another"
+        else:
+            other = "the coordinator (node 0) writes into another"
+        raise PlanError(
+            f"nodes {seen} and {node} write into one storage root (id {root_ids[node][:12]}) but {other}: every node of a job "
+            "must write into one shared root, or each into a root of its own; give the daemons the same --root on shared "
+            "storage, or each a local one, and save again")
+    return False
+
+
 class Coordinator:
     """Node 0's part: one barrier and one commit per save of a job's step across nodes."""
 
@@ -213,7 +239,7 @@ class Coordinator:
 
     def _shared(self, save: _GlobalSave) -> bool:
         """Whether several nodes write the save into one storage root (equal root ids)."""
-        return len(save.root_ids) > 1 and all(rid == self.root_id for rid in save.root_ids.values())
+        return root_sharing(save.root_ids, self.root_id)
 
     async def _plan(self, save: _GlobalSave) -> None:
         try:
@@ -232,7 +258,7 @@ class Coordinator:
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
             save.key = plan_key(save.rank_fingerprints, save.rank_nodes)
-            save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each)
+            save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each); PlanError on a root half shared
             plan = save.cache.plan(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
