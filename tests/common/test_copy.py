@@ -80,7 +80,12 @@ def _pieces(lengths: list[int], seed: int) -> tuple[list[np.ndarray], list[np.nd
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("lengths", [[], [0], [5], [0, 1, 63, 64, 65, 4096 + 17], [3 * 2**20 + 5, 1, 2**20, 0, 7], [2**20 // 3] * 40])
+# the last two add up to STREAM_PIECES_ABOVE or more: copied by streaming stores
+@pytest.mark.parametrize(
+    "lengths",
+    [[], [0], [5], [0, 1, 63, 64, 65, 4096 + 17], [3 * 2**20 + 5, 1, 2**20, 0, 7], [2**20 // 3] * 40,
+     [9 * 2**20 + 3, 1, 7 * 2**20 + 61, 0, 5, 63], [2**24 // 7 + 3] * 8],
+)
 def test_copy_pieces_moves_every_byte_of_every_piece_and_nothing_else(threads: int, lengths: list[int]) -> None:
     sources, targets = _pieces(lengths, len(lengths) + threads)
     shift = 3  # unaligned starts
@@ -93,6 +98,12 @@ def test_copy_pieces_moves_every_byte_of_every_piece_and_nothing_else(threads: i
     for n, s, t in zip(lengths, sources, targets):
         assert np.array_equal(t[shift : shift + n], s[1 : 1 + n])
         assert (t[:shift] == 0xAB).all() and (t[shift + n :] == 0xAB).all()
+
+
+def test_copy_pieces_streams_only_large_copies() -> None:
+    """Below a few MiB the trainer reads the restored bytes from the cache: memcpy keeps them there."""
+    assert 4 * 2**20 < _copy.STREAM_PIECES_ABOVE <= 64 * 2**20
+    assert sum([9 * 2**20 + 3, 1, 7 * 2**20 + 61, 0, 5, 63]) >= _copy.STREAM_PIECES_ABOVE
 
 
 def test_copy_pieces_refuses_arrays_of_other_lengths_or_itemsizes_and_no_threads() -> None:
