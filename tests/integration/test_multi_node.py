@@ -449,3 +449,29 @@ def test_issue30_finding11_with_node_0_down_node_1_says_the_coordinator_is_not_r
     log = cluster.running[1].log_text()
     assert f"step 2 of job down waits up to 6 s for node 0: the coordinator {coordinator} is not reachable" in log
     assert f"save of step 2 of job down failed: {unreachable}" in log
+
+
+def test_a_root_shared_by_two_of_three_nodes_is_refused_before_anything_is_written(node_sets) -> None:
+    """Nodes 1 and 2 write into one root, node 0 into its own: each node would take its root for
+    its own and empty the step's directory before writing (deleting the other's files). Every
+    rank is refused with the fix, and no step directory is made."""
+    cluster = node_sets(3, shared_root=False)
+    cluster.nodes[2].root = cluster.root(1)
+    cluster.start_all()
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rank_saves(rank: int) -> object:
+        with CheckpointClient("half-shared", address=cluster.address(rank), rank=rank, world_size=3, local_world_size=1, on_error="raise", timeout_s=60) as ckpt:
+            try:
+                return ckpt.save(1, replicated_state(4)).wait_durable(timeout=60)
+            except CheckpointError as exc:
+                return exc
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(rank_saves, range(3)))
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    for r in results:
+        assert "write into one storage root" in str(r) and "every node of a job must write into one shared root" in str(r), r
+    for node in (0, 1):
+        job_dir = cluster.root(node) / "half-shared"
+        assert not job_dir.exists() or not any(p.name.startswith("step-") for p in job_dir.iterdir()), sorted(job_dir.iterdir())
