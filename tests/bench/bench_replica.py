@@ -19,10 +19,12 @@ order rotates round by round):
   restore reads the device), and a new daemon started on the intact root: its slices come from
   its own disk (tier disk-local, read and checked by the ranks themselves).
 
-Node 1's ranks load, in another layout: two ranks (threads of this process with their own
-clients) each take half of node 1's rows. Timed: from a barrier just before both `load` calls
-to the end of the slower one (the clients are made and connected before; the daemon restart is
-not). Every loaded tensor is compared with what was saved.
+Node 1's ranks load, in another layout: two ranks, each a process of its own as on a real node
+(`--ranks-as threads`: two threads of this process, the way before 2026-11-30, whose Python
+waits for each other's), each take half of node 1's rows. Timed: from the moment both are told
+to go to the end of the slower one (the processes started, their clients made and their
+targets allocated before; the daemon restart is not). Every loaded tensor is compared with
+what was saved (by xxh3 digest, for the processes).
 
 Storage: the roots live on an ext4 file system on a loop device (`losetup --direct-io=on`, an
 image under --out), and this process and every daemon it starts run in a cgroup v1 blkio group
@@ -45,6 +47,7 @@ parsed from node 1's log and shown beside each round.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -64,6 +67,7 @@ from pathlib import Path
 from types import FrameType
 
 import torch
+import xxhash
 
 from ckptd.client import CheckpointClient
 from ckptd.client.shards import LocalShard
@@ -151,11 +155,16 @@ class Cluster:
         shutil.rmtree(self.sock, ignore_errors=True)
 
 
-def make_state(tensors: int, node_mib: int) -> dict[str, torch.Tensor]:
-    """`tensors` fp32 tensors of 3 * node_mib MiB in all, rows divisible by 6, random values."""
+def tensor_shape(tensors: int, node_mib: int) -> tuple[int, int]:
+    """(rows, cols) of every tensor of make_state(tensors, node_mib)."""
     each = 3 * node_mib * 2**20 // tensors // 4  # elements per tensor
     cols = 256 if each >= 6 * 256 else 6
-    rows = max(6, each // cols // 6 * 6)
+    return max(6, each // cols // 6 * 6), cols
+
+
+def make_state(tensors: int, node_mib: int) -> dict[str, torch.Tensor]:
+    """`tensors` fp32 tensors of 3 * node_mib MiB in all, rows divisible by 6, random values."""
+    rows, cols = tensor_shape(tensors, node_mib)
     g = torch.Generator().manual_seed(0)
     return {f"t{i:04d}": torch.randn(rows, cols, generator=g) for i in range(tensors)}
 
@@ -178,10 +187,18 @@ def save(cluster: Cluster, state: dict[str, torch.Tensor]) -> None:
         list(pool.map(rank, range(3)))
 
 
-def timed_load(cluster: Cluster, state: dict[str, torch.Tensor]) -> float:
+HALVES = [((2, 6), (3, 6)), ((3, 6), (4, 6))]  # node 1's ranks 1 and 2: each half of node 1's third of the rows
+
+
+def timed_load(cluster: Cluster, state: dict[str, torch.Tensor], ranks_as: str = "processes") -> float:
     """Node 1's two ranks (a world of 4: one rank on node 0, two on node 1, one on node 2) load
-    halves of node 1's rows; returns the slower rank's seconds; checks every value."""
-    halves = [((2, 6), (3, 6)), ((3, 6), (4, 6))]
+    halves of node 1's rows; returns the seconds from both ranks' start to the slower one's end;
+    checks every value. ranks_as "processes": each rank a process of its own, as on a real
+    node (rank_worker); "threads": two threads of this process, which share its interpreter
+    lock (the benchmark's way before 2026-11-30: one rank's Python waits for the other's)."""
+    if ranks_as == "processes":
+        return _timed_load_processes(cluster, state)
+    halves = HALVES
     clients = [
         CheckpointClient(JOB, address=cluster.address(1), rank=1 + i, world_size=4, local_world_size=2, on_error="raise", timeout_s=600)
         for i in range(2)
@@ -208,6 +225,62 @@ def timed_load(cluster: Cluster, state: dict[str, torch.Tensor]) -> float:
         if bad:
             raise SystemExit(f"restore came back wrong: {bad[:5]}")
     return max(seconds)
+
+
+def _timed_load_processes(cluster: Cluster, state: dict[str, torch.Tensor]) -> float:
+    """timed_load with each rank a process (rank_worker): both are started, their clients made
+    and their targets allocated, then told to go at once; timed from that moment (the
+    monotonic clock is the machine's) to the later one's end. Each returns an xxh3 digest of
+    every tensor it loaded, compared here with the saved values."""
+    rows, cols = next(iter(state.values())).shape
+    command = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", cluster.address(1), str(len(state)), str(rows), str(cols)]
+    workers = [subprocess.Popen([*command, str(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for rank in (1, 2)]
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            if worker.stdout.readline().strip() != "ready":
+                raise SystemExit(f"a rank process did not start (exit status {worker.wait(60)})")
+        go = time.monotonic()
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        answers = []
+        for worker in workers:
+            assert worker.stdout is not None
+            line = worker.stdout.readline()
+            if not line:
+                raise SystemExit(f"a rank process failed to load (exit status {worker.wait(60)})")
+            answers.append(json.loads(line))
+        for worker in workers:
+            worker.wait(60)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    for (lo, hi), answer in zip(HALVES, answers):
+        expected = shards(state, lo, hi, True)
+        bad = [n for n in state if answer["digests"][n] != xxhash.xxh3_64_hexdigest(expected[n].tensor.numpy())]
+        if bad:
+            raise SystemExit(f"restore came back wrong: {bad[:5]}")
+    return max(answer["ended"] for answer in answers) - go
+
+
+def rank_worker(address: str, tensors: int, rows: int, cols: int, rank: int) -> None:
+    """One of node 1's ranks (1 or 2) in a process of its own (_timed_load_processes): its client
+    made and its half of node 1's rows allocated, prints "ready", loads step 1 once a line comes
+    on stdin, then prints {"ended": time.monotonic() at the end of the load, "digests": {tensor:
+    xxh3 of its bytes}} as one JSON line."""
+    (lo_n, lo_d), (hi_n, hi_d) = HALVES[rank - 1]
+    lo, hi = rows * lo_n // lo_d, rows * hi_n // hi_d
+    targets = {f"t{i:04d}": LocalShard(torch.empty(hi - lo, cols), (lo, 0), (rows, cols)) for i in range(tensors)}
+    with CheckpointClient(JOB, address=address, rank=rank, world_size=4, local_world_size=2, on_error="raise", timeout_s=600) as client:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        client.load({"model": dict(targets)}, step=1)
+        ended = time.monotonic()
+    digests = {name: xxhash.xxh3_64_hexdigest(shard.tensor.numpy()) for name, shard in targets.items()}
+    print(json.dumps({"ended": ended, "digests": digests}), flush=True)
 
 
 def replace_node(cluster: Cluster) -> None:
@@ -395,7 +468,8 @@ def summary(values: list[float]) -> str:
 
 
 def rounds_of(
-    memory_cluster: Cluster, disk_cluster: Cluster, holder: Holder, state: dict[str, torch.Tensor], part: int, rounds: int, label: str
+    memory_cluster: Cluster, disk_cluster: Cluster, holder: Holder, state: dict[str, torch.Tensor], part: int, rounds: int, label: str,
+    ranks_as: str = "processes",
 ) -> dict[str, list[float]]:
     """`rounds` rounds of floor, memory and disk, the order rotated each round; seconds (floor: GB/s)."""
     kinds = ("floor", "memory", "disk")
@@ -412,11 +486,11 @@ def rounds_of(
                 got["floor"].append(max(one, many))
             elif kind == "memory":
                 replace_node(memory_cluster)
-                got["memory"].append(timed_load(memory_cluster, state))
+                got["memory"].append(timed_load(memory_cluster, state, ranks_as))
                 staging = last_staging(memory_cluster)
             else:
                 restart_cold(disk_cluster)
-                got["disk"].append(timed_load(disk_cluster, state))
+                got["disk"].append(timed_load(disk_cluster, state, ranks_as))
         floor, mem, disk = got["floor"][-1], got["memory"][-1], got["disk"][-1]
         print(
             f"  {label} round {r + 1} ({', '.join(order)}): floor {floor:.2f} GB/s (1 conn {got['floor1'][-1]:.2f}, {streams} conns {got['floorN'][-1]:.2f}); "
@@ -431,7 +505,7 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def run(tensors: int, node_mib: int, rounds: int, storage: Storage) -> list[str]:
+def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: str = "processes") -> list[str]:
     """One sweep item, both phases; its PASS/FAIL lines."""
     state = make_state(tensors, node_mib)
     part = sum(t.numel() * 4 for t in state.values()) // 3
@@ -447,7 +521,7 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage) -> list[str]
             save(cluster, state)
             print(f"  saved ({'replicas 1' if cluster.replicas else 'replicas 0'}) in {time.perf_counter() - started:.1f} s", flush=True)
         print(f"  recoverable {wait_recoverable(memory_cluster):.2f} s after the save returned", flush=True)
-        fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited")
+        fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited", ranks_as)
         of_floor = [part / m / 1e9 / f for m, f in zip(fast["memory"], fast["floor"])]
         lines = [
             f"{name}: memory restore / floor = {summary(of_floor)} (floor {summary(fast['floor'])} GB/s, memory "
@@ -461,7 +535,7 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage) -> list[str]
         storage.limit(rate)
         try:
             print(f"  the roots' reads limited to {rate / 1e6:.0f} MB/s (floor/{SLOW_RATIO})", flush=True)
-            slow = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads limited")
+            slow = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads limited", ranks_as)
         finally:
             storage.limit(0)
         ratios = [d / m for d, m in zip(slow["disk"], slow["memory"])]
@@ -487,8 +561,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a small sample: 20 tensors, 16 MiB, one round")
     parser.add_argument("--out", type=Path, default=None, help="where the roots' image goes (a real disk; default: a temporary directory under /var/tmp)")
+    parser.add_argument(
+        "--ranks-as", choices=("processes", "threads"), default="processes",
+        help="node 1's two loading ranks as processes of their own (default, as on a real node) or as threads of this process (the way before 2026-11-30)",
+    )
     parser.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)  # the floor's holder process (serve_holder)
+    parser.add_argument("--rank-worker", nargs=5, default=None, help=argparse.SUPPRESS)  # ADDRESS TENSORS ROWS COLS RANK: rank_worker
     args = parser.parse_args()
+    if args.rank_worker:
+        address, *numbers = args.rank_worker
+        rank_worker(address, *(int(x) for x in numbers))
+        return 0
     if args.holder:
         serve_holder(args.holder)
         return 0
@@ -501,11 +584,11 @@ def main() -> int:
     image_gib = max(2, -(-6 * max(mib for _, mib in sweep) // 1024) + 1)  # two clusters of 3 nodes, step 1 kept
     storage = Storage(out, image_gib)
     started = os.getloadavg()
-    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in started)}, torch threads {torch.get_num_threads()}; {storage.describe()}", flush=True)
+    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in started)}, torch threads {torch.get_num_threads()}; node 1's ranks as {args.ranks_as}; {storage.describe()}", flush=True)
     lines: list[str] = []
     try:
         for tensors, mib in sweep:
-            lines += run(tensors, mib, args.rounds, storage)
+            lines += run(tensors, mib, args.rounds, storage, args.ranks_as)
     finally:
         storage.close()
         if args.out is None:
