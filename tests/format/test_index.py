@@ -252,3 +252,19 @@ def test_a_file_record_is_found_by_name_and_an_unknown_name_is_none() -> None:
     index = CheckpointIndex("j", 1, 0.0, 1, (), files)
     assert index.file("model-04321-of-10000.safetensors") is files[4321]
     assert index.file("extra.json") is None and index.file("") is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"chunks": None}, {"chunks": {"bytes": 64}}, {"offsets": ["x"]}, {"offsets": None}, {"lengths": [-1]},
+        {"offsets": [0, 0]}, {"nbytes": "many"}, {"quant": None}, {"lengths": [4, 4]},
+    ],
+)
+def test_a_malformed_fragment_record_is_a_format_error(change: dict[str, Any]) -> None:
+    """Every field of a fragment is read as the type it must have; a wrong one names the index."""
+    frag = FragmentRecord("model-00001-of-00001.safetensors", "w", Box((0,), (4,)), "F32", 128, 16, "xxh3-64:00ff", 16, "00ff")
+    doc = json.loads(CheckpointIndex("j", 1, 1.5, 1, (TensorRecord("model/w", "model", "F32", (4,), (frag,)),), ()).to_json_bytes())
+    doc["tensors"]["model/w"]["fragments"][0].update(change)
+    with pytest.raises(FormatError, match="ckptd.index.json is malformed"):
+        CheckpointIndex.from_json_bytes(json.dumps(doc).encode())

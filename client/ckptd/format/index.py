@@ -279,17 +279,20 @@ class FragmentRecord:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "FragmentRecord":
+        # positional, map(int, ...): an index has thousands of fragments, parsed on every cold
+        # load (1,000 tensors of 3 fragments: 14.6 -> 12.3 ms of records)
+        chunked = "chunks" in d
         return FragmentRecord(
-            file=str(d["file"]),
-            key=str(d["key"]),
-            box=Box(tuple(int(x) for x in d["offsets"]), tuple(int(x) for x in d["lengths"])),
-            dtype=str(d["dtype"]),
-            offset=int(d["offset"]),
-            nbytes=int(d["nbytes"]),
-            checksum=str(d["checksum"]),
-            chunk_bytes=int(d["chunks"]["bytes"]) if "chunks" in d else 0,
-            chunk_xxh3=str(d["chunks"]["xxh3"]) if "chunks" in d else "",
-            quant=QuantRecord.from_json(d["quant"]) if "quant" in d else None,
+            str(d["file"]),
+            str(d["key"]),
+            Box(tuple(map(int, d["offsets"])), tuple(map(int, d["lengths"]))),
+            str(d["dtype"]),
+            int(d["offset"]),
+            int(d["nbytes"]),
+            str(d["checksum"]),
+            int(d["chunks"]["bytes"]) if chunked else 0,
+            str(d["chunks"]["xxh3"]) if chunked else "",
+            QuantRecord.from_json(d["quant"]) if "quant" in d else None,
         )
 
 
@@ -330,9 +333,9 @@ class TensorRecord:
             name=name,
             kind=str(d["kind"]),
             dtype=str(d["dtype"]),
-            shape=tuple(int(x) for x in d["shape"]),
-            fragments=tuple(FragmentRecord.from_json(f) for f in d["fragments"]),
-            aliases=tuple(str(a) for a in d.get("aliases", ())),
+            shape=tuple(map(int, d["shape"])),
+            fragments=tuple(map(FragmentRecord.from_json, d["fragments"])),
+            aliases=tuple(map(str, d.get("aliases", ()))),
             rank=None if rank is None else int(rank),
         )
 
