@@ -75,6 +75,27 @@ def test_specs_are_per_job_and_rank_and_unknown_fingerprints_are_asked_for() -> 
         specs.resolve("job", 2, FP, [])
 
 
+def test_a_fingerprint_a_save_named_resolves_to_that_saves_specs_without_metadata(validated: list[int]) -> None:
+    """A restarted trainer's first load of the structure it saved sends the fingerprint alone:
+    the specs its save's BeginSave validated under that fingerprint, for that job and rank only."""
+    saved = tuple(checks.tensor_specs(_metas()))
+    asked: list[tuple[str, int, str]] = []
+
+    def saved_specs(job: str, rank: int, fingerprint: str) -> Any:
+        asked.append((job, rank, fingerprint))
+        return saved if (job, rank, fingerprint) == ("job", 0, FP) else None
+
+    specs = checkpoint._LoadSpecs(saved_specs)
+    first = specs.resolve("job", 0, FP, [])
+    assert first == list(saved) and specs.resolve("job", 0, FP, []) is first  # kept: the same object next time
+    assert asked == [("job", 0, FP)]
+    for job, rank in (("job", 1), ("other", 0)):
+        with pytest.raises(errors.UnknownFingerprint):
+            specs.resolve(job, rank, FP, [])
+    again = specs.resolve("job", 0, FP, _metas())  # metadata sent anyway: validated, as any
+    assert again == first and validated == [3, 3]
+
+
 def test_extras_text_is_encoded_once_per_object_and_again_for_another() -> None:
     from ckptd.daemon.engine.context import ExtrasTexts
 

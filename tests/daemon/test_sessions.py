@@ -240,3 +240,18 @@ def test_a_fingerprint_names_the_metadata_its_rank_sent_last_and_a_change_drops_
     assert not state.describe(1, "fp", b, "db")  # another rank's name is its own
     assert state.describe(0, "fp", b, "db") and state.plans == {}
     assert state.names == {(0, "fp"): "db", (1, "fp"): "db"} and state.specs[(0, "db")] == b and state.specs[(0, "da")] == a
+
+
+def test_a_save_keeps_the_metadata_a_load_finds_by_fingerprint(tmp_path: Path) -> None:
+    """JobState.saved_specs: what a rank sent with a fingerprint to a save, for that rank only
+    (rpc/checkpoint._LoadSpecs takes it for a load that names the fingerprint alone)."""
+    from ckptd.common.boxes import Box
+    from ckptd.daemon.plan.save_plan import TensorSpec
+
+    state = JobState(world_size=2, pool=ArenaPool(tmp_path, "job", 2))
+    specs = (TensorSpec("model/w", "model", "F32", (4,), Box((0,), (4,))),)
+    assert state.saved_specs(0, "fp") is None
+    state.describe(0, "fp", specs, "digest-a")
+    assert state.saved_specs(0, "fp") is specs and state.saved_specs(1, "fp") is None and state.saved_specs(0, "other") is None
+    state.resize(3, "job")  # an elastic restart forgets it
+    assert state.saved_specs(0, "fp") is None

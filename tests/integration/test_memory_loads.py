@@ -186,13 +186,16 @@ def _described(ckpt: CheckpointClient) -> list[int]:
 def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_daemon_knows_it(
     client: CheckpointClient, daemon: DaemonProcess
 ) -> None:
+    """Known from the rank's save (the metadata its BeginSave sent under the same fingerprint) or
+    from an earlier load: a load names the structure by its fingerprint alone, in this process
+    or a new one; another structure is described."""
     state = _state(7)
     expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
     client.save(1, state).wait_durable()
     first = _described(client)
     client.load(state)
     client.load(state)
-    assert first == [0, COUNT, 0]  # unknown: asked once with the fingerprint, then described; then named
+    assert first == [0, 0]  # known from the save: named by its fingerprint alone, twice
     with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
         later = _described(fresh)
         other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
@@ -305,7 +308,7 @@ def test_a_load_of_an_unchanged_state_overlaps_its_plan_load_with_the_structure_
     client.load(state)
     client.load(state)
     _assert_same(state, expected)
-    assert calls.counts == [0, COUNT, 0]  # first: unknown, then described; second: sent ahead, used
+    assert calls.counts == [0, 0]  # first: named by the fingerprint its save sent; second: sent ahead, used
     state["model"]["t0"] = torch.zeros(2, 3)  # another structure: the one sent ahead is released
     with pytest.raises(Exception, match="t0"):
         client.load(state)

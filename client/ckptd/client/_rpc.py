@@ -355,7 +355,7 @@ class DaemonRpc:
         ahead: "PlanAhead | None" = None,
     ) -> LoadPlan:
         """PlanLoad with only the fingerprint when the daemon has this structure's metadata
-        from an earlier load; with the metadata when it has not (or forgot it: restarted): `_plan_load`.
+        from an earlier load or save; with the metadata when it has not (or forgot it: restarted): `_plan_load`.
         ahead: a PlanLoad sent before (`plan_load_ahead`), whose answer is taken when its request
         is this one, field for field; else it is released."""
         request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
@@ -411,7 +411,7 @@ class DaemonRpc:
     def _plan_load(self, request: pb.PlanLoadRequest, structure: Structure, ahead: "PlanAhead | None" = None) -> Any:
         """The fingerprint alone first (or its answer when `ahead` sent this request already): the
         daemon keeps the metadata by job, rank and fingerprint, so it knows it from any earlier
-        load of this rank, this process's or a previous one's (a restarted trainer describes
+        load or save of this rank, this process's or a previous one's (a restarted trainer describes
         thousands of tensors no more). Refused as unknown (never sent, or the daemon restarted):
         sent again with the metadata."""
         try:

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.engine.commit import Commit, ThreadPool
@@ -45,6 +45,7 @@ from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.load_plan import LoadPlan
 from ckptd.daemon.plan.retention import JobRetention, RetentionPolicy, merge
+from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import StatusSnapshot
 from ckptd.daemon.rpc.peer_client import PeerClient
 from ckptd.daemon.rpc.tls import PeerTls
@@ -141,6 +142,12 @@ class CheckpointService:
     @property
     def jobs(self) -> dict[str, JobState]:
         return self.engine.jobs
+
+    def saved_specs(self, job: str, rank: int, fingerprint: str) -> Sequence[TensorSpec] | None:
+        """The metadata that `rank` of `job` sent with `fingerprint` to a save, validated then
+        (JobState.saved_specs), or None: a load names the same structure by that fingerprint."""
+        state = self.engine.jobs.get(job)
+        return None if state is None else state.saved_specs(rank, fingerprint)
 
     @property
     def draining(self) -> bool:

@@ -258,6 +258,11 @@ class JobState:
             self.plans.clear()
         return changed
 
+    def saved_specs(self, rank: int, fingerprint: str) -> tuple[TensorSpec, ...] | None:
+        """The metadata `rank` last sent with `fingerprint` to a save (validated then), or None."""
+        digest = self.names.get((rank, fingerprint))
+        return None if digest is None else self.specs.get((rank, digest))
+
     def committed_recently(self, step: int) -> bool:
         return step in self.recent and self.recent[step].state is SaveState.COMMITTED
 
