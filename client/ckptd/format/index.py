@@ -279,8 +279,7 @@ class FragmentRecord:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> "FragmentRecord":
-        chunked = "chunks" in d  # positional, map(int, ...): an index has thousands of fragments
-        return FragmentRecord(
+        return FragmentRecord(  # positional, map(int, ...): an index has thousands of fragments
             str(d["file"]),
             str(d["key"]),
             Box(tuple(map(int, d["offsets"])), tuple(map(int, d["lengths"]))),
@@ -288,8 +287,8 @@ class FragmentRecord:
             int(d["offset"]),
             int(d["nbytes"]),
             str(d["checksum"]),
-            int(d["chunks"]["bytes"]) if chunked else 0,
-            str(d["chunks"]["xxh3"]) if chunked else "",
+            int(d["chunks"]["bytes"]) if "chunks" in d else 0,
+            str(d["chunks"]["xxh3"]) if "chunks" in d else "",
             QuantRecord.from_json(d["quant"]) if "quant" in d else None,
         )
 
