@@ -237,10 +237,6 @@ class Coordinator:
             cache = self._jobs[job] = JobPlans(world_size)
         return cache
 
-    def _shared(self, save: _GlobalSave) -> bool:
-        """Whether several nodes write the save into one storage root (equal root ids)."""
-        return root_sharing(save.root_ids, self.root_id)
-
     async def _plan(self, save: _GlobalSave) -> None:
         try:
             displaced = await self.admission.admit(save.job, save.step, save.claim)
@@ -258,7 +254,7 @@ class Coordinator:
             save.rank_nodes = tuple(save.node_of_rank[r] for r in range(save.world_size))
             save.rank_fingerprints = tuple(save.fingerprints[r] for r in range(save.world_size))
             save.key = plan_key(save.rank_fingerprints, save.rank_nodes)
-            save.shared_root = self._shared(save)  # once, not per joining node (O(nodes) each); PlanError on a root half shared
+            save.shared_root = root_sharing(save.root_ids, self.root_id)  # once, not per joining node (O(nodes) each); PlanError on a root half shared
             plan = save.cache.plan(save.key)
             if plan is None:
                 plan = await asyncio.to_thread(make_save_plan, save.all_specs, save.rank_nodes)
@@ -309,7 +305,7 @@ class Coordinator:
 
     async def _commit(self, save: _GlobalSave) -> None:
         assert save.plan is not None
-        shared = self._shared(save)
+        shared = save.shared_root  # decided when planned: PlanError there, never at the commit
         try:
             index, files = await asyncio.to_thread(self._write_commit, save, shared)
         except (IncompleteStep, OSError) as exc:

@@ -59,21 +59,20 @@ class _LoadSpecs:
                 if saved is None:
                     raise errors.UnknownFingerprint()
                 known = (list(saved), None)  # kept: the same object each load (memory plans key on it)
-            self._specs.pop(key, None)
-            self._specs[key] = known  # most recently used last
-            while len(self._specs) > self._keep:
-                del self._specs[next(iter(self._specs))]
-            return known[0]
+            return self._use(key, known)
         if known is not None and metas == known[1]:  # compared in C, field by field
-            self._specs[key] = self._specs.pop(key)
-            return known[0]
+            return self._use(key, known)
         specs = checks.tensor_specs(metas)
-        if fingerprint:
-            self._specs.pop(key, None)
-            self._specs[key] = (specs, metas)
-            while len(self._specs) > self._keep:
-                del self._specs[next(iter(self._specs))]
-        return specs
+        return self._use(key, (specs, metas)) if fingerprint else specs
+
+    def _use(self, key: tuple[str, int, str], entry: tuple[list[TensorSpec], Any]) -> list[TensorSpec]:
+        """`entry` kept for `key` as the most recently used (the least recent past `keep`
+        forgotten); its specs."""
+        self._specs.pop(key, None)
+        self._specs[key] = entry
+        while len(self._specs) > self._keep:
+            del self._specs[next(iter(self._specs))]
+        return entry[0]
 
 
 class CheckpointServicer(pb_grpc.CheckpointServicer):

@@ -162,7 +162,6 @@ def _created_at(path: Path) -> float:
     return created if created is not None else float(json.loads(read_file(path))["created_at"])
 
 
-
 def _link_new_id(path: Path) -> None:
     """Put a new id at `path` unless something is there already (then leave it)."""
     temporary = path.with_name(f"{TMP_MARK}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
