@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.demo.process import DaemonProcess, start_daemon
-from daemon_rig import free_port  # tests/daemon_rig.py
+from daemon_rig import free_port, free_ports  # tests/daemon_rig.py
 
 RANK_SCRIPT = Path(__file__).with_name("chaos_rank.py")
 PEER_TOKEN = "chaos-peer-token-0123456789"
@@ -206,7 +206,7 @@ class Chaos:
         self.rng = random.Random(seed)
         self.keep_last = keep_last
         self.pause = pause
-        peers = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        peers = [f"127.0.0.1:{port}" for port in free_ports(nodes)]
         self.nodes = [Node(base, n, peers, keep_last) for n in range(nodes)]
         self.jobs = [Job(name, base, self.nodes) for name in jobs]
         self.report = ChaosReport()

@@ -62,11 +62,21 @@ def metadata_digest(metas: Sequence[Any]) -> str:
 
 
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports on 127.0.0.1: each held bound until all are chosen (ports
+    chosen one after the other could repeat: a port is free again once its socket closes, and a
+    daemon refuses a --peers list that names one twice)."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class NodeSet:
@@ -77,7 +87,7 @@ class NodeSet:
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
         self.shared_root = shared_root
-        self.peers = [f"127.0.0.1:{free_port()}" for _ in range(nodes)]
+        self.peers = [f"127.0.0.1:{port}" for port in free_ports(nodes)]
         self.nodes = [DaemonFactory(base / ("root" if shared_root else f"root-{n}")) for n in range(nodes)]
         self.running: dict[int, DaemonProcess] = {}
 

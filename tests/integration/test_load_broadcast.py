@@ -24,7 +24,7 @@ import torch
 from ckptd.client import CheckpointClient
 from ckptd.client.shards import LocalShard
 from ckptd.format.index import CheckpointIndex, step_dir_name
-from daemon_rig import NodeSet, free_port
+from daemon_rig import NodeSet, free_ports
 from metrics_scrape import scrape
 
 NODES = 4
@@ -84,7 +84,7 @@ class Cluster:
 
     def __init__(self, make: Callable[..., NodeSet], shared: bool, *args: str) -> None:
         self.nodes = make(NODES, shared_root=shared)
-        self.ports = [free_port() for _ in range(NODES)]
+        self.ports = free_ports(NODES)
         for node in range(NODES):
             self.nodes.start(node, "--metrics-port", str(self.ports[node]), "--metrics-host", "127.0.0.1", "--replicas", "0",
                              *(args or (("--load-broadcast", "on") if shared else ())))

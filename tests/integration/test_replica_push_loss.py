@@ -31,7 +31,7 @@ from ckptd.client.errors import CheckpointError
 from ckptd.client.shards import LocalShard
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
-from daemon_rig import NodeSet, free_port
+from daemon_rig import NodeSet, free_ports
 from metrics_scrape import scrape
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ class Cluster:
 
     def __init__(self, make: Callable[..., NodeSet]) -> None:
         self.nodes = make(3, shared_root=False)
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = free_ports(3)
         self.pids: dict[int, list[int]] = {n: [] for n in range(3)}  # every daemon each node ran
         for node in range(3):
             self.start(node)

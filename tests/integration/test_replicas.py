@@ -35,7 +35,7 @@ from ckptd.daemon.tools.ops import render_status, status_doc
 from ckptd.format.file_plan import CHECKED_SOURCE
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
-from daemon_rig import NodeSet, free_port
+from daemon_rig import NodeSet, free_port, free_ports
 from metrics_scrape import scrape
 from pki import make_pki, tls_args
 
@@ -128,7 +128,7 @@ class Cluster:
 
     def __init__(self, make: Callable[..., NodeSet], args: dict[int, tuple[str, ...]] | None = None) -> None:
         self.nodes = make(3, shared_root=False)
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = free_ports(3)
         self.args = args or {}
         for node in range(3):
             self.start(node)
@@ -478,7 +478,7 @@ def test_when_the_replica_and_the_writers_disk_are_both_damaged_the_load_fails(s
 # INVENTORY_TIMEOUT_S = 3 s), and its load does not wait for them
 def test_a_replaced_node_asks_only_the_peers_that_can_hold_what_it_reads(node_sets: Callable[..., NodeSet]) -> None:
     nodes = node_sets(5, shared_root=False)
-    ports = [free_port() for _ in range(5)]
+    ports = free_ports(5)
     for n in range(5):
         nodes.start(n, "--metrics-port", str(ports[n]), "--metrics-host", "127.0.0.1")
     save(nodes, [0, 1, 2, 3, 4], step=1)
