@@ -4,6 +4,7 @@ test modules import them from here (`from daemon_rig import NodeSet`), not from 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -66,17 +67,42 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports on 127.0.0.1: each held bound until all are chosen (ports
-    chosen one after the other could repeat: a port is free again once its socket closes, and a
-    daemon refuses a --peers list that names one twice)."""
+    """`count` distinct free ports on 127.0.0.1, below the kernel's ephemeral range.
+
+    Not port 0's pick: that comes from the ephemeral range, which every outgoing connection
+    (a daemon calling a peer, a test scraping metrics) also draws its local port from, so a port
+    chosen there and bound a moment later by a daemon can be taken in between ("Address already
+    in use"). Each port is held bound until all are chosen (ports chosen one after the other
+    could repeat, and a daemon refuses a --peers list that names one twice)."""
     import contextlib
+    import random
     import socket
 
+    low = _ephemeral_low()
+    draw = random.Random(os.urandom(8))
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports: list[int] = []
+        while len(ports) < count:
+            port = draw.randrange(_PORTS_FROM, low)
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+        return ports
+
+
+_PORTS_FROM = 20000  # above the ports services commonly listen on
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's /proc setting; 32768 when unread)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _PORTS_FROM + 1000 else 32768
 
 
 class NodeSet:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from daemon_rig import free_port
 
 
 def load_worker(path: Path) -> ModuleType:
@@ -36,9 +36,7 @@ def run_worker(path: Path, spec: dict[str, Any], killed: bool = False) -> dict[s
 def start_ranks(script: Path, world: int, **spec: Any) -> list[subprocess.Popen[bytes]]:
     """Start `world` processes of rank script `script`, one gloo group on a free port of
     127.0.0.1, each with `spec` plus its rank, world_size and the port (JSON in argv[1])."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return [
         subprocess.Popen([sys.executable, str(script), json.dumps({**spec, "rank": rank, "world_size": world, "port": port})])
         for rank in range(world)
@@ -74,9 +72,7 @@ def run_torchrun_like(script: Path, spec: dict[str, Any], world_size: int, kille
     """The worker script as `world_size` ranks of one gloo job, torch.distributed from the
     environment as torchrun sets it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), `spec` as
     JSON in argv[1]; fails unless every rank exits 0 (-9 when `killed`); returns what it wrote to spec["out"]."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     procs = [subprocess.Popen([sys.executable, str(script), json.dumps(spec)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world_size)]

@@ -45,6 +45,7 @@ from ckptd.daemon.faults.files import ARM_FILE_ENV, KILL_AT_ENV, LOG_ENV
 from ckptd.format.index import INDEX_NAME, LATEST, PREPARED_NAME
 from ckptd.demo.process import DaemonProcess, start_daemon
 from ckptd.daemon.storage import DELETING_PREFIX, RECYCLE_DIR, TMP_MARK, Storage
+from daemon_rig import free_port
 
 JOB = "crash"
 KEEP_LAST = 3  # the default retention: each save in the steady state deletes a step and recycles its files
@@ -80,14 +81,6 @@ def zeros_like_state() -> dict:
         for t in model.state_dict().values():
             t.zero_()
     return {"model": model}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -22,16 +22,9 @@ from metrics_scrape import scrape  # tests/metrics_scrape.py
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
+from daemon_rig import free_port
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(address: str) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,14 +28,9 @@ from typing import Any
 import torch
 
 from ckptd.client import CheckpointClient
+from daemon_rig import free_port
 
 WORKER = Path(__file__).with_name("identity_rank.py")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Run:
@@ -44,7 +38,7 @@ class Run:
 
     def __init__(self, tmp: Path, name: str, address: str, job: str, value: float, ops: list[dict[str, Any]], world: int = 2) -> None:
         self.out = tmp / f"{name}.jsonl"
-        port = _port()
+        port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
         self.procs = [
             subprocess.Popen(

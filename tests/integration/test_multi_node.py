@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,11 @@ from ckptd.client import CheckpointClient
 from ckptd.client.errors import CheckpointError
 from ckptd.format.index import CheckpointIndex
 from pki import make_pki, tls_args  # tests/pki.py (shared with test_peer_security.py)
+from daemon_rig import free_port
 
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 RANKS_SCRIPT = Path(__file__).with_name("ranks.py")
 S0, S1, R = ["S", 0], ["S", 1], ["R"]

@@ -22,14 +22,7 @@ from ckptd.client import CheckpointClient
 from ckptd.format.index import INDEX_NAME
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from daemon_rig import free_port
 
 
 def ckptd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -14,14 +14,7 @@ import torch
 
 from on_disk import committed  # tests/on_disk.py
 from ckptd.client import CheckpointClient
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from daemon_rig import free_port
 
 
 def save_on_two_nodes(cluster, step: int, state: dict, metric: float) -> None:

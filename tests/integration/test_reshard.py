@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
 from worker_process import run_ranks  # tests/worker_process.py
+from daemon_rig import free_port
 
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(daemon, tmp: Path, mode: str, mesh: list[int], placements: dict, step: int, job: str = "reshard") -> list[dict]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -333,9 +332,9 @@ def start_ranks(spec: dict[str, Any], world_size: int = 2) -> list[subprocess.Po
     """The processes of one multi-process run of this script (DDP, or the model-parallel
     strategy when spec has "tp"), started with the variables Lightning reads when processes are
     created outside it; global rank 0's stdout is piped."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from daemon_rig import free_port  # the test process has tests/ on sys.path
+
+    port = str(free_port())
     procs: list[subprocess.Popen[str]] = []
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
     for rank in range(world_size):

@@ -4,7 +4,6 @@ size, and back (a ckptd step exported as a DCP directory that DCP loads in anoth
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 sys.path.insert(0, str(SCRIPT.parents[1]))
 from dcp_rank import reference  # noqa: E402
 from worker_process import run_ranks  # noqa: E402
+from daemon_rig import free_port  # noqa: E402
 
 
 @pytest.fixture
@@ -34,9 +34,7 @@ def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
 
 
 def _launch(world: int, **spec: object) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [
         subprocess.Popen([sys.executable, str(SCRIPT), json.dumps({**spec, "rank": r, "world_size": world, "port": port})], stderr=subprocess.PIPE, text=True)
         for r in range(world)
