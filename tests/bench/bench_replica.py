@@ -13,7 +13,12 @@ order rotates round by round):
   the cores); the floor is the faster of the two. Nothing is checked: raw bytes.
 - **memory** (`--replicas 1`): node 1 is *replaced*: its daemon SIGKILLed, its root and shared
   memory wiped, a new daemon started on the empty root. Its slices come from node 2's memory
-  (tier memory-peer), checked on arrival by node 1's daemon.
+  (tier memory-peer), checked on arrival by node 1's daemon, which starts fetching them as it
+  starts (--replica-prefetch, on by default: node 0 tells it where its part is held), while
+  its ranks' processes start, as a relaunched job's do (on a real cluster the relaunch takes
+  seconds longer than here: 10.5 s in bench_recovery.py). Timed as the ranks see it.
+- **on demand**: the same, node 1's new daemon started with --no-replica-prefetch: the fetch
+  starts when the ranks ask, so this row times the fetch itself against the floor.
 - **disk** (`--replicas 0`): node 1's daemon is SIGKILLed (its memory is gone: arenas die with
   it), its step files evicted from the page cache (posix_fadvise DONTNEED after a sync, so the
   restore reads the device), and a new daemon started on the intact root: its slices come from
@@ -35,7 +40,8 @@ on a plain directory and phase 2 is skipped, saying why.
 
 Targets (issue 34), PASS/FAIL each, ratios taken per round (median of the rounds):
 memory restore >= 0.8x the floor (phase 1, bytes per second); with reads limited: disk
-time / memory time >= 5.
+time / memory time >= 5. Both are judged on the restore as the ranks see it (memory), and
+shown for the fetch on demand beside it.
 
     python tests/bench/bench_replica.py                     # the full sweep, about 5-10 minutes on 2 idle cores
     python tests/bench/bench_replica.py --quick             # a small sample (CI: tests/test_bench_replica.py)
@@ -132,12 +138,12 @@ class Cluster:
     def log(self, node: int) -> Path:
         return self.base / f"node{node}.log"
 
-    def start(self, node: int) -> None:
+    def start(self, node: int, *extra: str) -> None:
         self.starts += 1
         self.running[node] = start_daemon(
             self.root(node), self.sock / f"n{node}.sock",
             ["--shm-dir", str(self.shm(node)), "--node-rank", str(node), "--peers", ",".join(self.peers), "--replicas", str(self.replicas),
-             "--metrics-port", str(self.metrics[node]), "--metrics-host", "127.0.0.1", "--keep-last", "1"],
+             "--metrics-port", str(self.metrics[node]), "--metrics-host", "127.0.0.1", "--keep-last", "1", *extra],
             env={**os.environ, "CKPTD_PEER_TOKEN": TOKEN}, log_path=self.log(node), timeout_s=60,
         )
 
@@ -283,12 +289,12 @@ def rank_worker(address: str, tensors: int, rows: int, cols: int, rank: int) -> 
     print(json.dumps({"ended": ended, "digests": digests}), flush=True)
 
 
-def replace_node(cluster: Cluster) -> None:
+def replace_node(cluster: Cluster, prefetch: bool) -> None:
     cluster.kill(1)
     shutil.rmtree(cluster.root(1))
     for p in cluster.shm(1).iterdir():
         p.unlink()
-    cluster.start(1)
+    cluster.start(1, *(() if prefetch else ("--no-replica-prefetch",)))
 
 
 def restart_cold(cluster: Cluster) -> int:
@@ -311,9 +317,15 @@ def restart_cold(cluster: Cluster) -> int:
 STAGED = re.compile(r"staged ([\d.]+ \w+) of node 1's part .* in ([\d.]+) s \(([\d.]+) GB/s, (\d+) ranges in (\d+) connections\)")
 
 
+PREFETCHED = re.compile(r"staged this node's part \(([\d.]+ \w+), held by nodes \[[\d, ]*\]\) for its ranks' load in ([\d.]+) s")
+
+
 def last_staging(cluster: Cluster) -> str:
-    found = STAGED.findall(cluster.log(1).read_text(errors="replace"))
-    return "-" if not found else f"{found[-1][2]} GB/s ({found[-1][0]}, {found[-1][3]} ranges, {found[-1][4]} conns)"
+    text = cluster.log(1).read_text(errors="replace")
+    found = STAGED.findall(text)
+    staging = "-" if not found else f"{found[-1][2]} GB/s ({found[-1][0]}, {found[-1][3]} ranges, {found[-1][4]} conns)"
+    prefetched = PREFETCHED.findall(text)
+    return staging if not prefetched else f"{staging}, prefetched in {prefetched[-1][1]} s"
 
 
 def wait_recoverable(cluster: Cluster, timeout_s: float = 600.0) -> float:
@@ -471,30 +483,35 @@ def rounds_of(
     memory_cluster: Cluster, disk_cluster: Cluster, holder: Holder, state: dict[str, torch.Tensor], part: int, rounds: int, label: str,
     ranks_as: str = "processes",
 ) -> dict[str, list[float]]:
-    """`rounds` rounds of floor, memory and disk, the order rotated each round; seconds (floor: GB/s)."""
-    kinds = ("floor", "memory", "disk")
+    """`rounds` rounds of floor, memory (prefetched), on demand and disk, the order rotated each
+    round; seconds (floor: GB/s)."""
+    kinds = ("floor", "memory", "on-demand", "disk")
     got: dict[str, list[float]] = {k: [] for k in (*kinds, "floor1", "floorN")}
     streams = restore_streams(part)
     for r in range(rounds):
-        order = kinds[r % 3:] + kinds[: r % 3]
-        staging = "-"
+        order = kinds[r % 4:] + kinds[: r % 4]
+        staging = demand_staging = "-"
         for kind in order:
             if kind == "floor":
                 one, many = holder.floor(1), holder.floor(streams)
                 got["floor1"].append(one)
                 got["floorN"].append(many)
                 got["floor"].append(max(one, many))
-            elif kind == "memory":
-                replace_node(memory_cluster)
-                got["memory"].append(timed_load(memory_cluster, state, ranks_as))
-                staging = last_staging(memory_cluster)
+            elif kind in ("memory", "on-demand"):
+                replace_node(memory_cluster, prefetch=kind == "memory")
+                got[kind].append(timed_load(memory_cluster, state, ranks_as))
+                if kind == "memory":
+                    staging = last_staging(memory_cluster)
+                else:
+                    demand_staging = last_staging(memory_cluster)
             else:
                 restart_cold(disk_cluster)
                 got["disk"].append(timed_load(disk_cluster, state, ranks_as))
-        floor, mem, disk = got["floor"][-1], got["memory"][-1], got["disk"][-1]
+        floor, mem, demand, disk = got["floor"][-1], got["memory"][-1], got["on-demand"][-1], got["disk"][-1]
         print(
             f"  {label} round {r + 1} ({', '.join(order)}): floor {floor:.2f} GB/s (1 conn {got['floor1'][-1]:.2f}, {streams} conns {got['floorN'][-1]:.2f}); "
             f"memory {mem:.3f} s ({part / mem / 1e9:.2f} GB/s = {part / mem / 1e9 / floor:.2f}x the floor; staging {staging}); "
+            f"on demand {demand:.3f} s ({part / demand / 1e9 / floor:.2f}x the floor; staging {demand_staging}); "
             f"disk {disk:.3f} s ({part / disk / 1e9:.2f} GB/s); disk/memory {disk / mem:.2f}x; load {os.getloadavg()[0]:.2f}",
             flush=True,
         )
@@ -523,10 +540,11 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: st
         print(f"  recoverable {wait_recoverable(memory_cluster):.2f} s after the save returned", flush=True)
         fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited", ranks_as)
         of_floor = [part / m / 1e9 / f for m, f in zip(fast["memory"], fast["floor"])]
+        demand_of_floor = [part / m / 1e9 / f for m, f in zip(fast["on-demand"], fast["floor"])]
         lines = [
-            f"{name}: memory restore / floor = {summary(of_floor)} (floor {summary(fast['floor'])} GB/s, memory "
+            f"{name}: memory restore / floor = {summary(of_floor)} as the ranks see it, prefetched (floor {summary(fast['floor'])} GB/s, memory "
             f"{summary([part / m / 1e9 for m in fast['memory']])} GB/s, disk/memory {summary([d / m for d, m in zip(fast['disk'], fast['memory'])])}x), "
-            f"target >= {FLOOR_TARGET}: {verdict(statistics.median(of_floor) >= FLOOR_TARGET)}"
+            f"target >= {FLOOR_TARGET}: {verdict(statistics.median(of_floor) >= FLOOR_TARGET)}; on demand {summary(demand_of_floor)}"
         ]
         if storage.why_not:
             lines.append(f"{name}: reads limited to floor/{SLOW_RATIO}: NOT MEASURED: {storage.why_not}")
@@ -539,9 +557,10 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: st
         finally:
             storage.limit(0)
         ratios = [d / m for d, m in zip(slow["disk"], slow["memory"])]
+        demand_ratios = [d / m for d, m in zip(slow["disk"], slow["on-demand"])]
         lines.append(
-            f"{name}: reads limited to {rate / 1e6:.0f} MB/s: disk/memory = {summary(ratios)}x (memory {summary(slow['memory'])} s, disk "
-            f"{summary(slow['disk'])} s), target >= {DISK_TARGET}: {verdict(statistics.median(ratios) >= DISK_TARGET)}"
+            f"{name}: reads limited to {rate / 1e6:.0f} MB/s: disk/memory = {summary(ratios)}x as the ranks see it (memory {summary(slow['memory'])} s, disk "
+            f"{summary(slow['disk'])} s), target >= {DISK_TARGET}: {verdict(statistics.median(ratios) >= DISK_TARGET)}; on demand {summary(demand_ratios)}x"
         )
         return lines
     finally:

@@ -157,6 +157,7 @@ SETTINGS: list[tuple[str, str, str, Any]] = [
     ("replica_bandwidth", "100MiB", '"100MiB"', 100 * 2**20),
     ("replica_memory", "1GiB", '"1GiB"', 2**30),
     ("replica_port", "7071", "7071", 7071),
+    ("replica_prefetch", "no", "false", False),
     ("load_broadcast", "OFF", '"off"', "off"),
     ("remote", "s3://bkt/ckpt/run/", '"s3://bkt/ckpt/run"', "s3://bkt/ckpt/run"),
     ("remote_streams", "32", "32", 32),

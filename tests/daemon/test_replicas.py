@@ -419,3 +419,20 @@ def test_a_part_no_holder_keeps_makes_the_step_not_recoverable(answers: dict[int
     assert gauge == (7 if still else -1)
     if not still:
         assert recoverability.problems["j"].startswith("step 7: node 1's part is no longer held by another node (node 2 ")
+
+
+def test_node_0_names_where_a_nodes_parts_of_recoverable_steps_are_held() -> None:
+    from types import SimpleNamespace
+
+    from ckptd.daemon.metrics import Metrics
+    from ckptd.daemon.tiers.replicas import Recoverability
+
+    recoverability = Recoverability(SimpleNamespace(metrics=Metrics()))  # type: ignore[arg-type]
+    for job in ("b", "a"):
+        recoverability.report(job, 3, frozenset({0, 1}), 0, [1], "")
+        recoverability.report(job, 3, frozenset({0, 1}), 1, [0], "")
+    recoverability.report("a", 4, frozenset({0, 1}), 1, [0], "")  # step 4: node 0's part not held yet, not recoverable
+    recoverability.report("c", 5, frozenset({0}), 0, [1], "")  # node 1 wrote no data files of job c
+    assert recoverability.parts_of(1) == [("a", 3, (0,)), ("b", 3, (0,))]  # the recoverable step, by job
+    assert recoverability.parts_of(0) == [("a", 3, (1,)), ("b", 3, (1,)), ("c", 5, (1,))]
+    assert recoverability.parts_of(2) == []

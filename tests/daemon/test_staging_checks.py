@@ -62,6 +62,21 @@ def test_a_mark_ends_when_the_range_is_staged_again_or_the_file_is_removed(stagi
     assert staging.checked_pieces([piece(path, 100)])[0].source == FILE_SOURCE
 
 
+def test_a_file_staged_whole_hands_every_range_checked_until_a_range_is_staged_again(staging: StagingFiles) -> None:
+    path = str(staging.path("job", 1, FILE))
+    staging.mark_whole(path)  # a prefetch staged the file whole, every byte checked (engine/loads.py)
+    assert [p.source for p in staging.checked_pieces([piece(path, 0), piece(path, 4096)])] == [CHECKED_SOURCE, CHECKED_SOURCE]
+    staging.unmark(path, 4096)  # a load stages a range again (the prefetch failed): the rank checks the file
+    assert [p.source for p in staging.checked_pieces([piece(path, 0), piece(path, 4096)])] == [FILE_SOURCE, FILE_SOURCE]
+    staging.mark_whole(path)
+    staging.detach(Path(path))
+    os.close(staging.open(path))
+    assert staging.checked_pieces([piece(path, 0)])[0].source == FILE_SOURCE
+    other = str(staging.path("job", 2, FILE))  # never made here: never whole
+    staging.mark_whole(other)
+    assert staging.checked_pieces([piece(other, 0)])[0].source == FILE_SOURCE
+
+
 def test_a_file_this_daemon_did_not_make_is_never_marked(staging: StagingFiles) -> None:
     other = str(staging.path("job", 2, FILE))
     staging.mark_checked(other, 0)

@@ -751,9 +751,10 @@ def test_fuzz_peer_fetch(cluster: tuple[list[str], list[Place]], peer_stubs: lis
 
 
 def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_stubs: list[ppb_grpc.PeerStub], counts: collections.Counter[str], fuzz: settings) -> None:
-    """Tier 0b's calls: offers, reads of replicas and holder reports with hostile names, sizes,
-    nodes and ranges are refused with a reason (never INTERNAL); a ticket is given only for a
-    replica that is held, or an offer of plain file names that fits the budget."""
+    """Tier 0b's calls: offers, reads of replicas, holder reports and questions for held parts
+    with hostile names, sizes, nodes and ranges are refused with a reason (never INTERNAL); a
+    ticket is given only for a replica that is held, or an offer of plain file names that fits
+    the budget."""
     _, places = cluster
     place = places[0]
 
@@ -765,7 +766,7 @@ def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_st
         job = data.draw(st.one_of(st.just("real"), jobs(place)))
         step = data.draw(st.one_of(st.just(1), int64s()))
         source = data.draw(st.one_of(st.sampled_from([0, 1, 2]), int32s()))
-        call = data.draw(st.sampled_from(["offer", "read", "held"]))
+        call = data.draw(st.sampled_from(["offer", "read", "held", "parts"]))
         caller = _peer_caller(counts, metadata)
         if call == "offer":
             files = data.draw(st.lists(st.builds(ppb.FileEntry, name=hostile_names(place), size=st.one_of(st.integers(0, 4096), int64s()),
@@ -781,10 +782,13 @@ def test_fuzz_peer_replica_calls(cluster: tuple[list[str], list[Place]], peer_st
             request = ppb.ReadReplicaRequest(job=job, step=step, node=source, ranges=ranges)
             code, reply = caller.unary("Peer.ReadReplica", peer_stubs[node].ReadReplica, request)
             assert reply is None or not reply.accepted or (job == "real" and step == 1), request  # nothing is held but the real step
-        else:
+        elif call == "held":
             holders = data.draw(st.lists(st.one_of(st.sampled_from([0, 1, 2]), int32s()), max_size=4))
             request = ppb.ReplicaHeldRequest(job=job, step=step, node=source, holders=holders, error=data.draw(st.text(max_size=64)))
             code, _ = caller.unary("Peer.ReplicaHeld", peer_stubs[node].ReplicaHeld, request)
+        else:
+            code, parts = caller.unary("Peer.HeldParts", peer_stubs[node].HeldParts, ppb.HeldPartsRequest(node=source))
+            assert parts is None or all(p.holders for p in parts.parts), parts
         _check_refused(metadata, code)
 
     run()

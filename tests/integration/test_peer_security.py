@@ -3,7 +3,7 @@
 Mutual TLS (a two-node cluster started with --peer-tls-*): a client certificate signed by
 another CA, no client certificate, an expired one, one not valid yet, and plain text all fail the
 handshake (UNAVAILABLE) for each peer RPC (JoinSave, ReportManifest, Inventory, Fetch and tier 0b's
-OfferReplica, ReadReplica, ReplicaHeld). The peer
+OfferReplica, ReadReplica, ReplicaHeld, HeldParts). The peer
 token (with TLS and without): a missing, empty, wrong, truncated, extended, re-cased token, one
 under another metadata key, and two conflicting tokens are refused with UNAUTHENTICATED for each
 RPC, before any work: no save is registered, no byte served. The right certificate and token
@@ -144,9 +144,13 @@ def _held(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:
     return stub.ReplicaHeld(ppb.ReplicaHeldRequest(job=JOB, step=1, node=1, holders=[0]), metadata=metadata, timeout=10)
 
 
+def _held_parts(stub: ppb_grpc.PeerStub, metadata: Any) -> Any:
+    return stub.HeldParts(ppb.HeldPartsRequest(node=1), metadata=metadata, timeout=10)
+
+
 RPCS: dict[str, Callable[[ppb_grpc.PeerStub, Any], Any]] = {
     "JoinSave": _join, "ReportManifest": _report, "Inventory": _inventory_call, "Fetch": _fetch,
-    "OfferReplica": _offer, "ReadReplica": _read, "ReplicaHeld": _held,
+    "OfferReplica": _offer, "ReadReplica": _read, "ReplicaHeld": _held, "HeldParts": _held_parts,
 }
 
 
@@ -215,6 +219,7 @@ def test_a_trusted_client_with_the_token_reaches_every_rpc(tls_cluster: Cluster)
             _read(stub, GOOD)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "holds no replica" in info.value.details()
         _held(stub, GOOD)
+        assert list(_held_parts(stub, GOOD).parts) == []  # nothing recoverable here
 
 
 def test_the_server_certificate_is_checked_by_its_callers(tls_cluster: Cluster, tmp_path: Path) -> None:

@@ -227,6 +227,62 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
     wait_for(lambda: cluster.recoverable(3), what="step 3 recoverable")
 
 
+# issue 34: a replaced node's daemon stages its part from the holder's memory as soon as it
+# starts (node 0 says where it is held), before its ranks ask; their load fetches nothing again
+# and copies what was checked on arrival unchecked. With --no-replica-prefetch the load fetches.
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_replaced_node_stages_its_part_before_its_ranks_ask(node_sets: Callable[..., NodeSet], monkeypatch: pytest.MonkeyPatch, prefetch: bool) -> None:
+    cluster = Cluster(node_sets, {} if prefetch else {1: ("--no-replica-prefetch",)})
+    kinds: dict[str, set[str]] = {}
+    real_fill_all = plan_fill.fill_all
+
+    def fill_all(pool: Any, maps: Any, fills: Any) -> None:
+        for fill in fills:
+            for src in fill.sources:
+                kinds.setdefault(str(Path(src.path).parent), set()).add(src.kind)
+        real_fill_all(pool, maps, fills)
+
+    monkeypatch.setattr(plan_fill, "fill_all", fill_all)
+    save(cluster.nodes, [0, 1, 2], step=1, shapes={**SHAPES, **BIG})
+    save(cluster.nodes, [0, 1, 2], step=2, shapes={**SHAPES, **BIG})
+    wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
+    part = sum(path.stat().st_size for path in cluster.replica_files(2, JOB))  # node 1's part, held by node 2
+    cluster.replaced(1)
+    if prefetch:
+        wait_for(lambda: staged(cluster, 1, "memory-peer") > 0, what="node 1's part staged ahead of its ranks")
+        assert staged(cluster, 1, "memory-peer") == part
+        wait_for(lambda: "staged this node's part" in cluster.nodes.running[1].log_text(), what="the prefetch logged")
+    else:
+        time.sleep(1.0)
+        assert staged(cluster, 1, "memory-peer") == 0
+    layout = (Fraction(0), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(1))
+    assert load_exact(cluster.nodes, [0, 1, 1, 2], layout, dim=0, shapes={**SHAPES, **BIG}) == [2, 2, 2, 2]
+    if prefetch:
+        assert staged(cluster, 1, "memory-peer") == part  # the load found its bytes staged: nothing fetched twice
+    else:
+        assert 0 < staged(cluster, 1, "memory-peer") <= part
+    assert kinds[str(cluster.nodes.nodes[1].shm_dir)] == {CHECKED_SOURCE}
+    # the staging files go once the load is done (LoadDone ended the hold)
+    wait_for(lambda: not [p for p in cluster.nodes.nodes[1].shm_dir.iterdir() if "-fetch-" in p.name], what="staging files removed")
+
+
+# issue 34: a prefetch that finds the holder's copy damaged (and the writer's disk gone: the node
+# was replaced) keeps nothing staged and says why; the ranks' load then fails naming the damaged
+# copy, as it does without a prefetch, and nothing damaged is ever handed to them.
+def test_a_prefetch_of_a_damaged_replica_keeps_nothing_and_the_load_says_why(cluster: Cluster) -> None:
+    save(cluster.nodes, [0, 1, 2], step=1)
+    wait_for(lambda: cluster.recoverable(1), what="step 1 recoverable")
+    (held,) = cluster.replica_files(2)  # node 1's part, in node 2's memory
+    flip_last_byte(held)
+    cluster.replaced(1)
+    wait_for(lambda: "was not staged ahead of its ranks' load" in cluster.nodes.running[1].log_text(), what="the prefetch's failure logged")
+    log = cluster.nodes.running[1].log_text()
+    assert re.search(rf"the copy of node 1's part of step 1 of job '{JOB}' held in the memory of node 2 \(.* is damaged", log), log[-3000:]
+    assert not [p for p in cluster.nodes.nodes[1].shm_dir.iterdir() if "-fetch-" in p.name]  # nothing kept
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_exact(cluster.nodes, [0, 1, 2], even(3), dim=0, step=1)
+
+
 def test_a_buddy_that_is_down_leaves_the_step_durable_and_says_it_is_not_recoverable(cluster: Cluster) -> None:
     cluster.nodes.running[2].kill()  # node 1's buddy; the job runs on nodes 0 and 1 only
     save(cluster.nodes, [0, 1], step=1)

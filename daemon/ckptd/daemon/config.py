@@ -115,6 +115,7 @@ class DaemonConfig:
     replicas, replica_*: the replica tiers (docs/operations.md): node i's newest committed part is held in the memory
         of nodes i+1..i+replicas (0 = off), sent at most at replica_bandwidth bytes/s (0 = unlimited),
         within replica_memory bytes per holder, over the bulk port replica_port (0 = a free port).
+        replica_prefetch: a replaced node stages its part from the replicas before its ranks ask (engine/prefetch.py).
     load_broadcast: "auto" (node-local roots: a file other nodes need is read once by its writer for all of them), "on"
         (also a shared root: a file another node wrote is fetched from its writer instead of read from storage) or "off".
     remote, remote_*: the object-store tier "s3://BUCKET/PREFIX" ("" = none), requests in flight,
@@ -161,6 +162,7 @@ class DaemonConfig:
     replica_bandwidth: int = 0
     replica_memory: int = 16 * GiB
     replica_port: int = 0
+    replica_prefetch: bool = True
     load_broadcast: str = "auto"
     remote: str = ""
     remote_streams: int = 16
@@ -468,6 +470,7 @@ _SPECS: Final[dict[str, _Spec]] = {
     "replica_bandwidth": _Spec(_size_or_off, "--replica-bandwidth", "SIZE", "send replicas at most at SIZE bytes per second, e.g. 500MiB; 0 = unlimited (default: 0)"),
     "replica_memory": _Spec(_size, "--replica-memory", "SIZE", "memory (in --shm-dir) for other nodes' replicas; one that does not fit is refused (default: 16GiB)"),
     "replica_port": _Spec(_port_or_any, "--replica-port", "PORT", "TCP port of the bulk channel for replica bytes, on this node's --peers host; 0 = a free port (default: 0)"),
+    "replica_prefetch": _Spec(_boolean, "--replica-prefetch", "", "a daemon started on a root that lacks this node's part of a job's newest recoverable step (a replaced machine) stages it from the replicas at once, before its ranks ask, held for their load (default: on)"),
     "load_broadcast": _Spec(_choice(LOAD_BROADCAST), "--load-broadcast", "{auto,on,off}", "several nodes: auto = node-local roots: a file several nodes need is read from storage once by its writer, which serves them all; on = also a shared root: a file another node wrote is fetched from that node instead of read from storage (read here when it fails); off = every node reads what it needs (default: auto)"),
     "remote": _Spec(_remote, "--remote", "s3://BUCKET/PREFIX", "upload each committed step to this object store location and restore from it; endpoint and credentials from the AWS environment variables and config files (default: none)"),
     "remote_streams": _Spec(_integer(1), "--remote-streams", "N", "requests in flight to the object store (default: 16)"),

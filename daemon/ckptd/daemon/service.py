@@ -32,6 +32,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.coordinator import SingleNode
 from ckptd.daemon.engine.housekeeping import Collected, Housekeeping
 from ckptd.daemon.engine.loads import Loads
+from ckptd.daemon.engine.prefetch import prefetch_parts
 from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, PlanLoad
 from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.runs import Client, Runs
@@ -68,7 +69,7 @@ log = logging.getLogger(__name__)
 RESTART_SETTINGS = (
     "root", "socket", "shm_dir", "max_inflight", "node_rank", "peers", "peer_token", "peer_tls_cert", "peer_tls_key", "peer_tls_ca",
     "metrics_port", "metrics_host", "health_port", "log_json", "remote", "remote_streams", "remote_part_bytes",
-    "replicas", "replica_memory", "replica_port", "background_nice", "background_ionice", "background_cpus",
+    "replicas", "replica_memory", "replica_port", "replica_prefetch", "background_nice", "background_ionice", "background_cpus",
 )
 
 
@@ -309,6 +310,12 @@ class CheckpointService:
 
     async def retention_at_start(self) -> None:
         await self.housekeeping.retention_at_start()
+
+    async def prefetch_parts(self) -> None:
+        """A member on a root that lacks its part of a job's recoverable step (a replaced node):
+        stage it from the replicas before its ranks ask (--replica-prefetch; engine/prefetch.py)."""
+        if self.replication is not None and self.engine.config.replica_prefetch and self.engine.config.replicas > 0:
+            await prefetch_parts(self.replication.calls.held_parts, self.loads.prefetch)
 
     async def member_retention_at_start(self) -> None:
         await self.housekeeping.member_retention_at_start()

@@ -335,3 +335,25 @@ class ReplicaHeldRequest(_message.Message):
 class ReplicaHeldResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HeldPartsRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    def __init__(self, node: _Optional[int] = ...) -> None: ...
+
+class HeldPart(_message.Message):
+    __slots__ = ("job", "step", "holders")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeldPartsResponse(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[HeldPart]
+    def __init__(self, parts: _Optional[_Iterable[_Union[HeldPart, _Mapping]]] = ...) -> None: ...

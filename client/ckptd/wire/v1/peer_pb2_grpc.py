@@ -69,6 +69,11 @@ class PeerStub:
                 request_serializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.FromString,
                 _registered_method=True)
+        self.HeldParts = channel.unary_unary(
+                '/ckptd.v1.Peer/HeldParts',
+                request_serializer=ckptd_dot_v1_dot_peer__pb2.HeldPartsRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_peer__pb2.HeldPartsResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -123,6 +128,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeldParts(self, request, context):
+        """Node 0: where the asking node's parts of the jobs' recoverable steps are held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +172,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReplicaHeld,
                     request_deserializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.SerializeToString,
+            ),
+            'HeldParts': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldParts,
+                    request_deserializer=ckptd_dot_v1_dot_peer__pb2.HeldPartsRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_peer__pb2.HeldPartsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +368,33 @@ class Peer:
             '/ckptd.v1.Peer/ReplicaHeld',
             ckptd_dot_v1_dot_peer__pb2.ReplicaHeldRequest.SerializeToString,
             ckptd_dot_v1_dot_peer__pb2.ReplicaHeldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldParts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/HeldParts',
+            ckptd_dot_v1_dot_peer__pb2.HeldPartsRequest.SerializeToString,
+            ckptd_dot_v1_dot_peer__pb2.HeldPartsResponse.FromString,
             options,
             channel_credentials,
             insecure,

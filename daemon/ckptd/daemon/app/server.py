@@ -161,6 +161,7 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
         if config.node_rank != 0:  # parts written before a restart: committed by node 0 or not?
             background.append(asyncio.get_running_loop().create_task(service.resolve_prepared()))
             background.append(asyncio.get_running_loop().create_task(service.member_retention_at_start()))
+            background.append(asyncio.get_running_loop().create_task(service.prefetch_parts()))
     os.chmod(config.socket, 0o660)
     for name in ("", SERVICE_NAME, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

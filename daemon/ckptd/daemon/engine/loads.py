@@ -6,6 +6,11 @@ memory (HELD), and which files each holds; a file is staged by the tier its loca
 
 A lease keeps a held snapshot (and staging files) from being reused or removed while a rank
 reads it; leases expire after LOAD_LEASE_S (a rank that died mid-load).
+
+A replaced node's daemon stages its own part of a step before its ranks ask (`prefetch`, started
+by engine/prefetch.py): whole files, by the same tiers and checks as a load's reads, which a load
+of the step then waits for instead of staging them again. They are held for PREFETCH_HOLD_S or
+until a load of the step is done, whichever comes first.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 LOAD_LEASE_S = 3600.0
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
+PREFETCH_HOLD_S = 600.0  # seconds a prefetched part stays staged for loads that have not come
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
 
@@ -90,6 +96,8 @@ class Loads:
         self._copies: dict[tuple[str, int], StepCopy] = {}  # steps being loaded that this root lacks (a replaced node): their copy
         self.leases: dict[str, LoadLease] = {}
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
+        self._whole: dict[tuple[str, int, str], asyncio.Task[None]] = {}  # (job, step, file) -> its prefetch (the whole file)
+        self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> until when (monotonic s) its prefetched files stay
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
         self._decoding = DecodingNeeds()
@@ -289,7 +297,9 @@ class Loads:
         by_tier: dict[TierName | str, list[StagedRead]] = {}
         waits: list[asyncio.Task[None]] = []
         for read in reads:
-            task = self._fetches.get((index.job, index.step, read.file, read.offset))
+            task = self._whole.get((index.job, index.step, read.file))
+            if task is None or (task.done() and task.exception() is not None):  # no prefetch of the whole file, or it failed
+                task = self._fetches.get((index.job, index.step, read.file, read.offset))
             if task is None or (task.done() and task.exception() is not None):
                 self.staging.unmark(paths[read.file], read.offset)
                 route = FETCH if read.file in routes.fetch else READ_ONCE if read.file in routes.read_once else locations[read.file].tier
@@ -308,6 +318,66 @@ class Loads:
             await asyncio.shield(task)
         for task in waits:
             await asyncio.shield(task)
+
+    async def prefetch(self, job: str, step: int) -> int:
+        """Stage this node's own data files of `step` whole, before its ranks ask, when this root
+        lacks them (a replaced node): from where a load would read them (a replica in a peer's
+        memory first, checked as it arrives), into the staging files a load of the step uses.
+        Returns the bytes staged (0: the root has them, or they are being prefetched already).
+        Raises what a load would (NotFound, Precondition, Unavailable)."""
+        key = (job, step)
+        located = await locate(self._tiers.all, job, step)
+        if located is None or located.step != step:
+            raise NotFound(f"step {step} of job {job!r} is not committed on any node reached")
+        if located.copy is not None:
+            self._copies[key] = located.copy
+        index = await self._index(job, step)
+        node = self.engine.node
+        data_files = [f for f in index.files if f.name.endswith(".safetensors")]
+        sizes = (await self._root.files(index, {})).get(node, {})
+        lacking = [f for f in data_files if f.node == node and sizes.get(f.name) != f.size]
+        if not lacking or key in self._holds or self._loading(key):
+            return 0
+        self._holds[key] = float("inf")  # kept while staging; PREFETCH_HOLD_S after
+        staged = False
+        try:
+            where, tiers = await self._file_sources(index, lacking, sizes)
+            if self._loading(key):  # a load came meanwhile: it stages what it reads
+                return 0
+            locations = file_locations(data_files, node, where, lambda file: None, lambda file: str(self.staging.path(job, step, file)), tiers)
+            paths = {name: location.path for name, location in locations.items()}
+            target = StagingTarget(paths, self.staging.open, lambda file, offset: self.staging.mark_whole(paths[file]))
+            by_tier: dict[TierName, list[StagedRead]] = {}
+            for f in lacking:
+                by_tier.setdefault(locations[f.name].tier, []).append(StagedRead(f.name, locations[f.name].node, 0, f.size))
+            tasks = []
+            for name, reads in by_tier.items():
+                task = asyncio.get_running_loop().create_task(self._stage(self._tiers[name], index, reads, target))
+                tasks.append(task)
+                for read in reads:
+                    self.staging.unmark(paths[read.file], 0)
+                    self._whole[(job, step, read.file)] = task
+            for task in tasks:
+                await asyncio.shield(task)
+            staged = True
+        finally:
+            if staged:
+                until = self._holds[key] = time.monotonic() + PREFETCH_HOLD_S
+                self.engine.spawn(self._end_hold(key, until))
+            else:  # what did arrive is not kept: a load stages what it reads
+                del self._holds[key]
+                self._release_staging(job, step)
+        return sum(f.size for f in lacking)
+
+    def _loading(self, key: tuple[str, int]) -> bool:
+        """Whether a load of (job, step) is being planned or staged here."""
+        return key in self._planning or any(k[:2] == key for k in self._fetches)
+
+    async def _end_hold(self, key: tuple[str, int], until: float) -> None:
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        if self._holds.get(key) == until:
+            del self._holds[key]
+            self._release_staging(*key)
 
     async def _stage(self, tier: Tier, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> None:
         """Stage `reads` through `tier`; what it could not (a replica lost or damaged since the
@@ -367,20 +437,25 @@ class Loads:
             return
         if lease.held is not None:
             lease.held.release()  # the snapshot may be idle now: reusable, or given back
+        if self._holds.get((lease.job, lease.step), 0.0) < float("inf"):  # a prefetch done: it served this load
+            self._holds.pop((lease.job, lease.step), None)
         self._release_staging(lease.job, lease.step)
 
     def _release_staging(self, job: str, step: int) -> None:
         """Remove the step's staging files (shared memory) once no load of the step is being
         planned or reading: they would otherwise hold host memory until shutdown. A later load
         of the step fetches again."""
-        if (job, step) in self._planning or any(lease.job == job and lease.step == step for lease in self.leases.values()):
+        if (job, step) in self._planning or (job, step) in self._holds or any(lease.job == job and lease.step == step for lease in self.leases.values()):
             return
         keys = [k for k in self._fetches if k[:2] == (job, step)]
-        if any(not self._fetches[k].done() for k in keys):  # fetches run inside plan(): not expected
+        whole = [k for k in self._whole if k[:2] == (job, step)]
+        if any(not self._fetches[k].done() for k in keys) or any(not self._whole[k].done() for k in whole):  # fetches run inside plan() or a hold: not expected
             return
         for key in keys:
             del self._fetches[key]
-        for file in {key[2] for key in keys}:  # a fetch per range, many ranges per file
+        for file_key in whole:
+            del self._whole[file_key]
+        for file in {key[2] for key in keys} | {key[2] for key in whole}:  # a fetch per range, many ranges per file
             detached = self.staging.detach(self.staging.path(job, step, file))
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once
                 self.engine.spawn(asyncio.to_thread(self.staging.free, detached))

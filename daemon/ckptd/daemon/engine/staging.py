@@ -14,7 +14,8 @@ A range that a tier staged checked (a replica: every byte checked against the st
 checksums as it arrived, before it was written) is marked, and its pieces are handed to the
 ranks as CHECKED_SOURCE, which they copy without hashing again (`checked_pieces`). A range is
 unmarked before it is staged again and when its file is removed, so a mark never outlives the
-bytes it vouches for; anything unmarked the rank checks.
+bytes it vouches for; anything unmarked the rank checks. A file a prefetch staged whole and
+checked (engine/loads.py) is marked whole: every range of it is checked.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class StagingFiles:
         self.shm_dir = shm_dir
         self._made: dict[str, tuple[int, int]] = {}  # path -> (device, inode) of the files created here
         self._checked: dict[str, set[int]] = {}  # path -> offsets of the ranges staged checked there
+        self._whole: set[str] = set()  # paths of the files staged whole, every byte checked
         self._detached = 0  # files detached so far (their new names)
         self._detached_files: dict[Path, tuple[int, int]] = {}  # detached, not yet unlinked: new name -> (device, inode)
         self._lock = threading.Lock()
@@ -83,10 +85,18 @@ class StagingFiles:
             if path in self._made:
                 self._checked.setdefault(path, set()).add(offset)
 
+    def mark_whole(self, path: str) -> None:
+        """The staging file `path` was staged whole, every byte checked as mark_checked says."""
+        with self._lock:
+            if path in self._made:
+                self._whole.add(path)
+
     def unmark(self, path: str, offset: int) -> None:
-        """The range at `offset` is about to be staged (again): not checked until a tier says so."""
+        """The range at `offset` is about to be staged (again): not checked until a tier says
+        so, nor is the file whole any more."""
         with self._lock:
             self._checked.get(path, set()).discard(offset)
+            self._whole.discard(path)
 
     def checked_pieces(self, pieces: Sequence[PieceInfo]) -> tuple[PieceInfo, ...]:
         """`pieces` with each file piece whose staged range is marked checked as CHECKED_SOURCE
@@ -94,12 +104,13 @@ class StagingFiles:
         pieces of their own)."""
         with self._lock:
             checked = {path: set(offsets) for path, offsets in self._checked.items() if offsets}
-        if not checked:
+            whole = set(self._whole)
+        if not checked and not whole:
             return tuple(pieces)
         none: set[int] = set()
         return tuple(
             PieceInfo(p.name, CHECKED_SOURCE, *p[2:])  # a tuple made in C (_replace costs ~10x more, per piece of a load)
-            if p.source == FILE_SOURCE and p.decode is None and p.offset in checked.get(p.path, none) else p
+            if p.source == FILE_SOURCE and p.decode is None and (p.path in whole or p.offset in checked.get(p.path, none)) else p
             for p in pieces
         )
 
@@ -113,6 +124,7 @@ class StagingFiles:
         with self._lock:
             made = self._made.pop(str(path), None)
             self._checked.pop(str(path), None)
+            self._whole.discard(str(path))
             self._detached += 1
             name = self.shm_dir / f"{ARENA_PREFIX}{os.getpid()}-removed-{self._detached}"
         if made is None or not _is_file(path, made):
@@ -139,6 +151,7 @@ class StagingFiles:
             made, self._made = self._made, {}
             detached, self._detached_files = self._detached_files, {}
             self._checked.clear()
+            self._whole.clear()
         for path, identity in made.items():
             _unlink_if(Path(path), identity)
         for name, identity in detached.items():

@@ -125,6 +125,12 @@ class PeerServicer(ppb_grpc.PeerServicer):
         await self._replication().held_report(job, step, node, holders, request.error[:2000])
         return ppb.ReplicaHeldResponse()
 
+    async def HeldParts(self, request: ppb.HeldPartsRequest, context: grpc.aio.ServicerContext) -> ppb.HeldPartsResponse:
+        self._coordinator()
+        node = checks.check_node(request.node, self.cluster.nodes)
+        parts = self._replication().recoverability.parts_of(node)
+        return ppb.HeldPartsResponse(parts=[ppb.HeldPart(job=job, step=step, holders=list(holders)) for job, step, holders in parts])
+
     async def Fetch(self, request: ppb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.Chunk]:
         job = check_job_id(request.job)
         step = checks.check_step(request.step)

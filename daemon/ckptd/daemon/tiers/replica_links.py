@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 
 import grpc
 
+from ckptd.common.names import check_job_id
 from ckptd.daemon.errors import Unavailable
 from ckptd.format.index import FileRecord, step_dir_name
 from ckptd.format.units import Unit
@@ -67,3 +68,24 @@ class ReplicaLinks:
         except grpc.RpcError as exc:
             return str(exc.details() or exc.code().name)
         return ""
+
+    async def held_parts(self) -> list[tuple[str, int, tuple[int, ...]]] | str:
+        """Ask node 0 where this node's parts of the jobs' recoverable steps are held: (job, step,
+        holders) each, or why it did not answer. Node 0's answer is checked like any peer input."""
+        links = self.cluster.links
+        await links.ready(0, CALL_TIMEOUT_S)
+        try:
+            reply = await links.stub(0).HeldParts(ppb.HeldPartsRequest(node=self.node), timeout=CALL_TIMEOUT_S, metadata=links.metadata)
+        except grpc.RpcError as exc:
+            return str(exc.details() or exc.code().name)
+        nodes = len(links.peers)
+        parts = []
+        for part in reply.parts:
+            try:
+                job = check_job_id(part.job)
+            except ValueError as exc:
+                return f"node 0 named a job that is not a job name: {exc}"
+            holders = tuple(h for h in part.holders if 0 <= h < nodes and h != self.node)
+            if part.step >= 0 and holders:
+                parts.append((job, int(part.step), holders))
+        return parts

@@ -86,6 +86,10 @@ class ReplicaCalls(Protocol):
     async def held(self, job: str, step: int, holders: Sequence[int], error: str) -> str:
         """Tell node 0 which nodes hold this node's part of a committed step; "" or why it did not answer."""
 
+    async def held_parts(self) -> list[tuple[str, int, tuple[int, ...]]] | str:
+        """Ask node 0 where this node's parts of the jobs' recoverable steps are held: (job, step,
+        holders) each, or why it did not answer."""
+
 
 def buddies(node: int, nodes: int, replicas: int) -> tuple[int, ...]:
     """The nodes that hold `node`'s part in memory: the next `replicas` nodes, wrapping around
@@ -142,6 +146,17 @@ class Recoverability:
         elif not holders:
             self.problems[job] = f"step {step}: node {node}'s part is held by no other node ({error or 'no buddy'})"
             log.warning("step %s of job %s is not recoverable from memory: %s; it is durable on disk", step, job, self.problems[job], extra={"job": job, "step": step})
+
+    def parts_of(self, node: int) -> list[tuple[str, int, tuple[int, ...]]]:
+        """(job, step, holders) of `node`'s part of each job's recoverable step, for the jobs
+        whose recoverable step `node` wrote data files of, by job name."""
+        parts = []
+        for job, step in sorted(self.recoverable.items()):
+            tracked = self._steps.get(job)
+            held = tracked.get(step) if tracked is not None else None
+            if held is not None and node in held.needed and held.holders.get(node):
+                parts.append((job, step, held.holders[node]))
+        return parts
 
     async def recheck(self, holds: Callable[[int, str, int, int], Awaitable[str]], newest: Callable[[str], int | None]) -> None:
         """Ask the holders of each job's recoverable step whether they still keep the parts (a
