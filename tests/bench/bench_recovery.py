@@ -11,12 +11,15 @@ its daemon, its agent and its ranks SIGKILLed at once. Then, as a scheduler woul
   detection   the survivors' ranks fail their next collective and their agents exit
   (wipe)      node 1's root and shared memory are emptied (a new machine)
   restart     a replacement daemon on node 1, from its start until it answers health checks
-  launch      the job relaunched with its launcher (3 agents), until every rank calls load
+  launch      the job relaunched with its launcher (3 agents), until every rank calls load;
+              meanwhile node 1's new daemon stages its part from the buddy's memory
+              (--replica-prefetch: "staged this node's part ... in S s, before they asked")
   load        until every rank's load returned; the load of node 1's rank that ended last
               (the node restored from its buddy) broken down into
-              planning (its PlanLoad less the fetch), fetch (bytes from the buddy's memory,
-              the daemon's "staged ... in S s" line) and fill (its tensors filled), as the
-              client's "planned in / filled in" line and node 1's daemon log say
+              planning (its PlanLoad less a fetch in it), fetch (bytes from the buddy's memory
+              fetched during the load, the daemon's "staged ... in S s" line: none when the
+              prefetch was done before) and fill (its tensors filled), as the client's
+              "planned in / filled in" line and node 1's daemon log say
   first step  until every rank has trained one step after the restore
 
 Every phase is a difference of timestamps written by the ranks (JSON lines), the daemons (log
@@ -34,6 +37,7 @@ the faster counts).
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import math
 import os
@@ -49,7 +53,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench_replica import JOB, STAGED, Cluster, Holder, free_port, restore_streams, scrape  # tests/bench/bench_replica.py
+from bench_replica import JOB, PREFETCHED, STAGED, Cluster, Holder, free_port, restore_streams, scrape  # tests/bench/bench_replica.py
 
 RANK_SCRIPT = Path(__file__).with_name("recovery_rank.py")
 LOST = 1  # the node that is lost; node 2 holds its part in memory
@@ -156,11 +160,12 @@ def log_time(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def fetches(cluster: Cluster, since: float) -> list[tuple[float, float]]:
-    """(logged at, seconds) of node LOST's "staged ... from the memory of" lines after `since`."""
+def fetches(cluster: Cluster, since: float, pattern: "re.Pattern[str]" = STAGED) -> list[tuple[float, float]]:
+    """(logged at, seconds) of node LOST's "staged ... from the memory of" lines after `since`
+    (`pattern` PREFETCHED: its "staged this node's part ... before they asked" lines)."""
     found = []
     for line in cluster.log(LOST).read_text(errors="replace").splitlines():
-        hit = STAGED.search(line)
+        hit = pattern.search(line)
         if hit is not None and line[:4].isdigit() and log_time(line) >= since:
             found.append((log_time(line), float(hit.group(2))))
     return found
@@ -292,7 +297,10 @@ def measure(settings: Settings, out: Path) -> Recovery:
         own = last(events, "loaded", rank=restorer) - last(events, "load_begin", rank=restorer)
         timing = [e for e in events if e["event"] == "client_load" and e["rank"] == restorer][-1]
         fetched = fetches(cluster, spawned)
-        fetch_s = sum(s for _, s in fetched)
+        prefetched = fetches(cluster, spawned, PREFETCHED)
+        fetch_s = sum(s for _, s in fetched)  # every fetch of node LOST's part, before the load or in it
+        ahead = prefetched[0][0] if prefetched else spawned  # the prefetch's own fetch is logged just before it
+        in_load = sum(s for at, s in fetched if at > ahead)
         rows = [
             ("detection (the survivors' launchers exited)", killed, detected),
             ("  the first rank's collective failed", killed, min((e["time"] for e in train.events() if e["event"] == "lost"), default=float("nan"))),
@@ -302,10 +310,11 @@ def measure(settings: Settings, out: Path) -> Recovery:
             ("  ranks' processes started", ready, max(e["process_start"] for e in events if e["event"] == "started")),
             ("  torch and the client imported", ready, last(events, "started")),
             ("  process groups formed", ready, last(events, "group")),
+            *((f"  node {LOST}'s part prefetched by its daemon (from the buddy's memory)", at - seconds, at) for at, seconds in prefetched),
             ("load (every rank's load returned)", begun, loaded),
             (f"  node {LOST}'s slowest rank's load", last(events, "loaded", rank=restorer) - own, last(events, "loaded", rank=restorer)),
-            ("    planning (PlanLoad less the fetch)", 0.0, timing["plan_s"] - fetch_s),
-            ("    fetch (from the buddy's memory)", 0.0, fetch_s),
+            ("    planning (PlanLoad less a fetch in it)", 0.0, timing["plan_s"] - in_load),
+            ("    fetch in the load (from the buddy's memory)", 0.0, in_load),
             ("    fill (the rank's tensors filled)", 0.0, timing["fill_s"]),
             ("first step (every rank trained one step)", loaded, stepped),
         ]

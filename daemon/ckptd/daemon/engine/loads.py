@@ -357,8 +357,10 @@ class Loads:
                 for read in reads:
                     self.staging.unmark(paths[read.file], 0)
                     self._whole[(job, step, read.file)] = task
-            for task in tasks:
-                await asyncio.shield(task)
+            outcomes = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))  # all ended before anything is released
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                raise failed
             staged = True
         finally:
             if staged:
