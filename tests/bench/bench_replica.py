@@ -119,6 +119,7 @@ class Cluster:
     metrics: list[int] = field(default_factory=list)
     running: dict[int, DaemonProcess] = field(default_factory=dict)
     starts: int = 0
+    log_marks: dict[int, int] = field(default_factory=dict)  # node -> where its running daemon's lines begin in its log
 
     def __post_init__(self) -> None:
         self.peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
@@ -140,6 +141,7 @@ class Cluster:
 
     def start(self, node: int, *extra: str) -> None:
         self.starts += 1
+        self.log_marks[node] = self.log(node).stat().st_size if self.log(node).exists() else 0
         self.running[node] = start_daemon(
             self.root(node), self.sock / f"n{node}.sock",
             ["--shm-dir", str(self.shm(node)), "--node-rank", str(node), "--peers", ",".join(self.peers), "--replicas", str(self.replicas),
@@ -321,7 +323,9 @@ PREFETCHED = re.compile(r"staged this node's part \(([\d.]+ \w+), held by nodes 
 
 
 def last_staging(cluster: Cluster) -> str:
-    text = cluster.log(1).read_text(errors="replace")
+    with open(cluster.log(1), "rb") as log:  # the running daemon's lines only
+        log.seek(cluster.log_marks.get(1, 0))
+        text = log.read().decode(errors="replace")
     found = STAGED.findall(text)
     staging = "-" if not found else f"{found[-1][2]} GB/s ({found[-1][0]}, {found[-1][3]} ranges, {found[-1][4]} conns)"
     prefetched = PREFETCHED.findall(text)

@@ -421,7 +421,7 @@ def test_a_part_no_holder_keeps_makes_the_step_not_recoverable(answers: dict[int
         assert recoverability.problems["j"].startswith("step 7: node 1's part is no longer held by another node (node 2 ")
 
 
-def test_node_0_names_where_a_nodes_parts_of_recoverable_steps_are_held() -> None:
+def test_node_0_names_where_a_nodes_part_of_each_jobs_newest_step_is_held() -> None:
     from types import SimpleNamespace
 
     from ckptd.daemon.metrics import Metrics
@@ -431,8 +431,9 @@ def test_node_0_names_where_a_nodes_parts_of_recoverable_steps_are_held() -> Non
     for job in ("b", "a"):
         recoverability.report(job, 3, frozenset({0, 1}), 0, [1], "")
         recoverability.report(job, 3, frozenset({0, 1}), 1, [0], "")
-    recoverability.report("a", 4, frozenset({0, 1}), 1, [0], "")  # step 4: node 0's part not held yet, not recoverable
-    recoverability.report("c", 5, frozenset({0}), 0, [1], "")  # node 1 wrote no data files of job c
-    assert recoverability.parts_of(1) == [("a", 3, (0,)), ("b", 3, (0,))]  # the recoverable step, by job
-    assert recoverability.parts_of(0) == [("a", 3, (1,)), ("b", 3, (1,)), ("c", 5, (1,))]
+    recoverability.report("a", 4, frozenset({0, 1}), 1, [2], "")  # step 4: node 0's part not held (yet), node 1's is
+    recoverability.report("c", 5, frozenset({0}), 0, [1], "")  # node 1 wrote no data files of job c's step
+    recoverability.report("d", 6, frozenset({0, 1}), 1, [], "no buddy")  # held by no other node
+    assert recoverability.parts_of(1) == [("a", 4, (2,)), ("b", 3, (0,))]  # each job's newest step, recoverable or not
+    assert recoverability.parts_of(0) == [("b", 3, (1,)), ("c", 5, (1,))]  # job a's step 4: node 0's part is not held
     assert recoverability.parts_of(2) == []

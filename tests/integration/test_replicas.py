@@ -264,6 +264,12 @@ def test_a_replaced_node_stages_its_part_before_its_ranks_ask(node_sets: Callabl
     assert kinds[str(cluster.nodes.nodes[1].shm_dir)] == {CHECKED_SOURCE}
     # the staging files go once the load is done (LoadDone ended the hold)
     wait_for(lambda: not [p for p in cluster.nodes.nodes[1].shm_dir.iterdir() if "-fetch-" in p.name], what="staging files removed")
+    if prefetch:
+        # node 0's part went with node 1's old machine: step 2 is no longer recoverable, yet node
+        # 1's own part is still in node 2's memory, and the next replacement stages it again
+        wait_for(lambda: not cluster.recoverable(2), timeout_s=30, what="step 2 no longer recoverable")
+        cluster.replaced(1)
+        wait_for(lambda: staged(cluster, 1, "memory-peer") == part, what="node 1's part staged ahead again")
 
 
 # issue 34: a prefetch that finds the holder's copy damaged (and the writer's disk gone: the node

@@ -312,7 +312,7 @@ class CheckpointService:
         await self.housekeeping.retention_at_start()
 
     async def prefetch_parts(self) -> None:
-        """A member on a root that lacks its part of a job's recoverable step (a replaced node):
+        """A member on a root that lacks its part of a job's newest step (a replaced node):
         stage it from the replicas before its ranks ask (--replica-prefetch; engine/prefetch.py)."""
         if self.replication is not None and self.engine.config.replica_prefetch and self.engine.config.replicas > 0:
             await prefetch_parts(self.replication.calls.held_parts, self.loads.prefetch)

@@ -129,7 +129,7 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def HeldParts(self, request, context):
-        """Node 0: where the asking node's parts of the jobs' recoverable steps are held.
+        """Node 0: where the asking node's parts of the jobs' newest steps are held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,9 +1,9 @@
 """A replaced node's parts staged before its ranks ask (--replica-prefetch; docs/architecture.md
 §9, "Prefetch on a replaced node").
 
-A daemon that starts on a root without its node's part of a job's newest recoverable step (its
+A daemon that starts on a root without its node's part of a job's newest step (its
 machine was replaced: an empty disk, empty shared memory) asks node 0 where that part is held
-(one call: node 0 tracks every recoverable step's holders) and stages it from there at once,
+(one call: node 0 tracks where each node's part of the jobs' newest steps is held) and stages it from there at once,
 through Loads.prefetch: the same tiers, checks and fallbacks as a load's reads, into the
 staging files a load of the step uses. A relaunched job's ranks come seconds after their daemon
 (relaunching 9 processes that import torch took 10.5 s in tests/bench/bench_recovery.py); their
@@ -29,7 +29,7 @@ Prefetch = Callable[[str, int], Awaitable[int]]  # Loads.prefetch: stage this no
 
 
 async def prefetch_parts(held_parts: HeldParts, prefetch: Prefetch) -> int:
-    """Stage this node's part of each job's recoverable step that this root lacks (see the
+    """Stage this node's part of each job's newest step that this root lacks (see the
     module docstring); returns the bytes staged. Never raises for a part it could not stage."""
     answer = await held_parts()
     if isinstance(answer, str):

@@ -70,7 +70,7 @@ class ReplicaLinks:
         return ""
 
     async def held_parts(self) -> list[tuple[str, int, tuple[int, ...]]] | str:
-        """Ask node 0 where this node's parts of the jobs' recoverable steps are held: (job, step,
+        """Ask node 0 where this node's parts of the jobs' newest steps are held: (job, step,
         holders) each, or why it did not answer. Node 0's answer is checked like any peer input."""
         links = self.cluster.links
         await links.ready(0, CALL_TIMEOUT_S)

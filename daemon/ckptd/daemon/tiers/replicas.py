@@ -87,7 +87,7 @@ class ReplicaCalls(Protocol):
         """Tell node 0 which nodes hold this node's part of a committed step; "" or why it did not answer."""
 
     async def held_parts(self) -> list[tuple[str, int, tuple[int, ...]]] | str:
-        """Ask node 0 where this node's parts of the jobs' recoverable steps are held: (job, step,
+        """Ask node 0 where this node's parts of the jobs' newest steps are held: (job, step,
         holders) each, or why it did not answer."""
 
 
@@ -148,13 +148,15 @@ class Recoverability:
             log.warning("step %s of job %s is not recoverable from memory: %s; it is durable on disk", step, job, self.problems[job], extra={"job": job, "step": step})
 
     def parts_of(self, node: int) -> list[tuple[str, int, tuple[int, ...]]]:
-        """(job, step, holders) of `node`'s part of each job's recoverable step, for the jobs
-        whose recoverable step `node` wrote data files of, by job name."""
+        """(job, step, holders) of `node`'s part of each job's newest reported step, for the jobs
+        that `node` wrote data files of that step of and whose part other nodes hold, by job
+        name. Not only recoverable steps: a replaced node's own part is still held when the part
+        it held for another node went with it (which makes the step not recoverable)."""
         parts = []
-        for job, step in sorted(self.recoverable.items()):
-            tracked = self._steps.get(job)
-            held = tracked.get(step) if tracked is not None else None
-            if held is not None and node in held.needed and held.holders.get(node):
+        for job, steps in sorted(self._steps.items()):
+            step = max(steps)
+            held = steps[step]
+            if node in held.needed and held.holders.get(node):
                 parts.append((job, step, held.holders[node]))
         return parts
 
