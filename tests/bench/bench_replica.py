@@ -53,6 +53,7 @@ parsed from node 1's log and shown beside each round.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -283,6 +284,10 @@ def rank_worker(address: str, tensors: int, rows: int, cols: int, rank: int) -> 
     lo, hi = rows * lo_n // lo_d, rows * hi_n // hi_d
     targets = {f"t{i:04d}": LocalShard(torch.empty(hi - lo, cols), (lo, 0), (rows, cols)) for i in range(tensors)}
     with CheckpointClient(JOB, address=address, rank=rank, world_size=4, local_world_size=2, on_error="raise", timeout_s=600) as client:
+        # The full garbage collection that importing torch leaves due in a fresh process (~0.1 s
+        # here, over its ~10^5 objects) otherwise falls inside whichever call comes next: paid
+        # before the go, as a relaunched trainer pays it while it builds its model.
+        gc.collect()
         print("ready", flush=True)
         sys.stdin.readline()
         client.load({"model": dict(targets)}, step=1)

@@ -357,6 +357,7 @@ class Loads:
                 for read in reads:
                     self.staging.unmark(paths[read.file], 0)
                     self._whole[(job, step, read.file)] = task
+            await self._extras(job, step)  # read from a peer meanwhile, kept for the ranks' loads
             outcomes = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))  # all ended before anything is released
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if failed is not None:
