@@ -44,6 +44,7 @@ def test_every_part_node_0_names_is_staged_and_one_that_fails_is_skipped(caplog:
     assert "step 7 of job b: this node's part was not staged ahead of its ranks' load (node 2 does not answer); the load stages it" in text
     assert "job c" not in text  # its root had the part: nothing to say
     assert "step 9 is gone" in text
+    assert "other nodes hold this node's part of 4 job(s)' newest step; 100 B of it staged ahead of the ranks" in text
 
 
 def test_nothing_is_staged_when_node_0_does_not_answer(caplog: pytest.LogCaptureFixture) -> None:

@@ -270,6 +270,11 @@ def test_a_replaced_node_stages_its_part_before_its_ranks_ask(node_sets: Callabl
         wait_for(lambda: not cluster.recoverable(2), timeout_s=30, what="step 2 no longer recoverable")
         cluster.replaced(1)
         wait_for(lambda: staged(cluster, 1, "memory-peer") == part, what="node 1's part staged ahead again")
+        # a daemon restarted on its intact root (node 2, whose part node 0 holds) stages nothing
+        cluster.nodes.running[2].kill()
+        cluster.start(2)
+        wait_for(lambda: "part of 1 job(s)' newest step; 0 B of it staged" in cluster.nodes.running[2].log_text(), what="node 2's prefetch done")
+        assert staged(cluster, 2, "memory-peer") == 0 and not [p for p in cluster.nodes.nodes[2].shm_dir.iterdir() if "-fetch-" in p.name]
 
 
 # issue 34: a prefetch that finds the holder's copy damaged (and the writer's disk gone: the node

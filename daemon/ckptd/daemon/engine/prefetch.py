@@ -48,4 +48,7 @@ async def prefetch_parts(held_parts: HeldParts, prefetch: Prefetch) -> int:
             log.info("step %s of job %s: staged this node's part (%s, held by nodes %s) for its ranks' load in %.3f s, before they asked",
                      step, job, human_bytes(nbytes), list(holders), time.monotonic() - started, extra={"job": job, "step": step})
         total += nbytes
+    if answer:
+        log.info("node 0 says other nodes hold this node's part of %d job(s)' newest step; %s of it staged ahead of the ranks (what was not is in this root, or a load stages it)",
+                 len(answer), human_bytes(total))
     return total
