@@ -98,6 +98,7 @@ class Loads:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._whole: dict[tuple[str, int, str], asyncio.Task[None]] = {}  # (job, step, file) -> its prefetch (the whole file)
         self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> until when (monotonic s) its prefetched files stay
+        self._prefetched: dict[tuple[str, int], tuple[dict[str, int], dict[str, TierName]]] = {}  # (job, step) -> where its prefetch staged each file from
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
         self._decoding = DecodingNeeds()
@@ -179,7 +180,7 @@ class Loads:
             first = file_locations(data_files, self.engine.node, lacking, local_path, staging_path)
             planned = plan_pieces(index, wanted, request.kinds, request.strict, held, first, rank)
             needed = [f for f in data_files if f.name in self._files_read(planned, first)]
-            where, tiers = await self._file_sources(index, needed, sizes)
+            where, tiers = self._prefetched_sources(job, step, needed) or await self._file_sources(index, needed, sizes)
             locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
             if all((locations[f.name].path, locations[f.name].staged) == (first[f.name].path, first[f.name].staged) for f in needed):  # the same paths: only the nodes staged from differ
                 planned = replace(planned, reads=tuple(StagedRead(r.file, locations[r.file].node, r.offset, r.nbytes) for r in planned.reads))
@@ -363,6 +364,7 @@ class Loads:
             if failed is not None:
                 raise failed
             staged = True
+            self._prefetched[key] = (where, tiers)
         finally:
             if staged:
                 until = self._holds[key] = time.monotonic() + PREFETCH_HOLD_S
@@ -371,6 +373,18 @@ class Loads:
                 del self._holds[key]
                 self._release_staging(job, step)
         return sum(f.size for f in lacking)
+
+    def _prefetched_sources(self, job: str, step: int, needed: Sequence[FileRecord]) -> tuple[dict[str, int], dict[str, TierName]] | None:
+        """Where a prefetch staged each `needed` file from (what _file_sources answered it), when
+        it staged every one of them and none failed: a load of the step then asks no peer."""
+        known = self._prefetched.get((job, step))
+        if known is None:
+            return None
+        for f in needed:
+            task = self._whole.get((job, step, f.name))
+            if f.name not in known[0] or task is None or (task.done() and task.exception() is not None):
+                return None
+        return {f.name: known[0][f.name] for f in needed}, {f.name: known[1][f.name] for f in needed if f.name in known[1]}
 
     def _loading(self, key: tuple[str, int]) -> bool:
         """Whether a load of (job, step) is being planned or staged here."""
@@ -458,6 +472,7 @@ class Loads:
             del self._fetches[key]
         for file_key in whole:
             del self._whole[file_key]
+        self._prefetched.pop((job, step), None)
         for file in {key[2] for key in keys} | {key[2] for key in whole}:  # a fetch per range, many ranges per file
             detached = self.staging.detach(self.staging.path(job, step, file))
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once
