@@ -358,8 +358,9 @@ class Loads:
                 for read in reads:
                     self.staging.unmark(paths[read.file], 0)
                     self._whole[(job, step, read.file)] = task
-            await self._extras(job, step)  # read from a peer meanwhile, kept for the ranks' loads
-            outcomes = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))  # all ended before anything is released
+            # the step's extras read from a peer meanwhile (kept for the ranks' loads); every task
+            # ended, whatever failed, before anything is released
+            outcomes = await asyncio.shield(asyncio.gather(*tasks, self._extras(job, step), return_exceptions=True))
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             if failed is not None:
                 raise failed
