@@ -60,6 +60,7 @@ LOAD_LEASE_S = 3600.0
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
 PREFETCH_HOLD_S = 600.0  # seconds a prefetched part stays staged for loads that have not come
+Sources = tuple[dict[str, int], dict[str, TierName]]  # Loads._file_sources' answer: file -> node, file -> replica tier
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
 
@@ -98,7 +99,7 @@ class Loads:
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._whole: dict[tuple[str, int, str], asyncio.Task[None]] = {}  # (job, step, file) -> its prefetch (the whole file)
         self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> until when (monotonic s) its prefetched files stay
-        self._prefetched: dict[tuple[str, int], tuple[dict[str, int], dict[str, TierName]]] = {}  # (job, step) -> where its prefetch staged each file from
+        self._prefetched: dict[tuple[str, int], Sources] = {}  # (job, step) -> where its prefetch staged each file from
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
         self._decoding = DecodingNeeds()
@@ -179,14 +180,14 @@ class Loads:
             lacking = {f.name: ELSEWHERE for f in data_files if sizes.get(f.name) != f.size}
             first = file_locations(data_files, self.engine.node, lacking, local_path, staging_path)
             planned = plan_pieces(index, wanted, request.kinds, request.strict, held, first, rank)
-            needed = [f for f in data_files if f.name in self._files_read(planned, first)]
-            where, tiers = self._prefetched_sources(job, step, needed) or await self._file_sources(index, needed, sizes)
+            needed = [f for f in data_files if f.name in files_read(planned, first)]
+            where, tiers = prefetched_sources(self._prefetched.get((job, step)), lambda file: self._whole.get((job, step, file)), needed) or await self._file_sources(index, needed, sizes)
             locations = file_locations(data_files, self.engine.node, where, local_path, staging_path, tiers)
             if all((locations[f.name].path, locations[f.name].staged) == (first[f.name].path, first[f.name].staged) for f in needed):  # the same paths: only the nodes staged from differ
                 planned = replace(planned, reads=tuple(StagedRead(r.file, locations[r.file].node, r.offset, r.nbytes) for r in planned.reads))
             else:
                 planned = plan_pieces(index, wanted, request.kinds, request.strict, held, locations, rank)
-        routes = self.broadcast.routes(index, where, self._files_read(planned, locations) - set(tiers)) if where else NO_ROUTES  # replicas in memory stay
+        routes = self.broadcast.routes(index, where, files_read(planned, locations) - set(tiers)) if where else NO_ROUTES  # replicas in memory stay
         if routes.fetch or routes.read_once:  # load broadcast: the same pieces, read from other places
             where = {**where, **routes.fetch}
             locations = file_locations(data_files, self.engine.node, where, lambda f: None if f in routes.read_once else local_path(f), staging_path, tiers)
@@ -283,12 +284,6 @@ class Loads:
         memory = {**held.get(TierName.REPLICA_HERE, {}), **held.get(TierName.REPLICA_PEER, {})}
         return file_sources(needed, node, disk, memory)
 
-    @staticmethod
-    def _files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set[str]:
-        """The data files a planned load reads (its pieces' and staged reads' files)."""
-        by_path = {location.path: name for name, location in locations.items()}
-        return {by_path[p.path] for p in planned.pieces if p.path in by_path} | {r.file for r in planned.reads}
-
     async def _stage_all(self, index: CheckpointIndex, reads: Sequence[StagedRead], locations: dict[str, Location], routes: BroadcastRoutes = NO_ROUTES) -> None:
         """Perform a load's staged reads, each tier's at once (tiers[location.tier].stage, or the
         load broadcast's `routes`); made once however many local ranks ask (the reads already
@@ -374,18 +369,6 @@ class Loads:
                 del self._holds[key]
                 self._release_staging(job, step)
         return sum(f.size for f in lacking)
-
-    def _prefetched_sources(self, job: str, step: int, needed: Sequence[FileRecord]) -> tuple[dict[str, int], dict[str, TierName]] | None:
-        """Where a prefetch staged each `needed` file from (what _file_sources answered it), when
-        it staged every one of them and none failed: a load of the step then asks no peer."""
-        known = self._prefetched.get((job, step))
-        if known is None:
-            return None
-        for f in needed:
-            task = self._whole.get((job, step, f.name))
-            if f.name not in known[0] or task is None or (task.done() and task.exception() is not None):
-                return None
-        return {f.name: known[0][f.name] for f in needed}, {f.name: known[1][f.name] for f in needed if f.name in known[1]}
 
     def _loading(self, key: tuple[str, int]) -> bool:
         """Whether a load of (job, step) is being planned or staged here."""
@@ -493,3 +476,22 @@ class Loads:
     def close(self) -> None:
         self.staging.close()
 
+
+def files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set[str]:
+    """The data files a planned load reads (its pieces' and staged reads' files)."""
+    by_path = {location.path: name for name, location in locations.items()}
+    return {by_path[p.path] for p in planned.pieces if p.path in by_path} | {r.file for r in planned.reads}
+
+
+
+def prefetched_sources(known: Sources | None, prefetch_of: Callable[[str], "asyncio.Task[None] | None"], needed: Sequence[FileRecord]) -> Sources | None:
+    """Where a prefetch staged each `needed` file from (`known`: what _file_sources answered it;
+    `prefetch_of(file)`: its staging task), when it staged every one of them and none failed: a
+    load of the step then asks no peer. None otherwise."""
+    if known is None:
+        return None
+    for f in needed:
+        task = prefetch_of(f.name)
+        if f.name not in known[0] or task is None or (task.done() and task.exception() is not None):
+            return None
+    return {f.name: known[0][f.name] for f in needed}, {f.name: known[1][f.name] for f in needed if f.name in known[1]}
