@@ -56,11 +56,9 @@ import argparse
 import gc
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,26 +80,15 @@ from ckptd.daemon.tiers.bulk import BUFFER_BYTES, BulkServer, connect, recv_into
 from ckptd.daemon.tiers.replicas import FETCH_STREAMS, STREAM_MIN_BYTES
 from ckptd.demo.process import DaemonProcess, start_daemon
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the test rig's port allocator
+from daemon_rig import free_port  # noqa: E402  (below the ephemeral range: a restarted daemon binds its port again)
+
 JOB = "bench-replica"
 TOKEN = "bench-replica-token-0123456789"
 FLOOR_TARGET = 0.8  # memory restore / floor, phase 1
 DISK_TARGET = 5.0  # disk restore time / memory restore time, reads limited
 SLOW_RATIO = 10  # phase 2: storage reads limited to floor / SLOW_RATIO
 BLKIO = Path("/sys/fs/cgroup/blkio")
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a restarted daemon binds its port again,
-    and a port from that range may meanwhile be any outgoing connection's local port."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def scrape(port: int, name: str) -> float:

@@ -182,8 +182,10 @@ def staged(cluster: Cluster, node: int, tier: str) -> float:
     return metric(cluster.ports[node], f'ckptd_load_staged_bytes_total{{tier="{tier}"}}')
 
 
-def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    kinds: dict[str, set[str]] = {}  # the kinds of the pieces the ranks read, by the directory they are in
+def piece_kinds(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[str]]:
+    """The kinds of the pieces this process's ranks fill from (file, checked, shm), by the
+    directory of their files, as loads fill them from now on (plan_fill.fill_all recorded)."""
+    kinds: dict[str, set[str]] = {}
     real_fill_all = plan_fill.fill_all
 
     def fill_all(pool: Any, maps: Any, fills: Any) -> None:
@@ -193,6 +195,11 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
         real_fill_all(pool, maps, fills)
 
     monkeypatch.setattr(plan_fill, "fill_all", fill_all)
+    return kinds
+
+
+def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_layout(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds = piece_kinds(monkeypatch)  # the kinds of the pieces the ranks read, by the directory they are in
     shm1 = str(cluster.nodes.nodes[1].shm_dir)
     save(cluster.nodes, [0, 1, 2], step=1)
     save(cluster.nodes, [0, 1, 2], step=2)
@@ -233,16 +240,7 @@ def test_a_replaced_node_restores_its_slices_from_the_buddys_memory_in_another_l
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_a_replaced_node_stages_its_part_before_its_ranks_ask(node_sets: Callable[..., NodeSet], monkeypatch: pytest.MonkeyPatch, prefetch: bool) -> None:
     cluster = Cluster(node_sets, {} if prefetch else {1: ("--no-replica-prefetch",)})
-    kinds: dict[str, set[str]] = {}
-    real_fill_all = plan_fill.fill_all
-
-    def fill_all(pool: Any, maps: Any, fills: Any) -> None:
-        for fill in fills:
-            for src in fill.sources:
-                kinds.setdefault(str(Path(src.path).parent), set()).add(src.kind)
-        real_fill_all(pool, maps, fills)
-
-    monkeypatch.setattr(plan_fill, "fill_all", fill_all)
+    kinds = piece_kinds(monkeypatch)
     save(cluster.nodes, [0, 1, 2], step=1, shapes={**SHAPES, **BIG})
     save(cluster.nodes, [0, 1, 2], step=2, shapes={**SHAPES, **BIG})
     wait_for(lambda: cluster.recoverable(2), what="step 2 recoverable")
