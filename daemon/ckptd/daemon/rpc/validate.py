@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import Any, Callable, Mapping, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.blocks import QuantError
 from ckptd.common.boxes import Box
-from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_run_id, check_tensor_name, json_depth
+from ckptd.common.names import FROZEN_CLASSES, KINDS, MAX_EXTRAS_JSON_DEPTH, check_job_id, check_run_id, check_tensor_name, json_depth, tensor_names_valid
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon import errors
@@ -36,6 +38,7 @@ MAX_MODEL_FILE_BYTES = 1 << 20
 MAX_STAGED_RANGES = 1 << 20
 MAX_FINGERPRINT = 256  # characters
 MAX_KNOWN_PLANS = 8
+KINDS_SET, FROZEN_SET = frozenset(KINDS), frozenset(FROZEN_CLASSES)
 
 
 
@@ -79,39 +82,81 @@ def tensor_specs(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec]:
     """Validated TensorSpecs from the wire; raises InvalidRequest naming the tensor."""
     if len(metas) > MAX_TENSORS:
         raise errors.InvalidRequest(f"{len(metas)} tensors in one request; the limit is {MAX_TENSORS}")
-    specs = []
-    for meta in metas:
-        name = check_tensor_name(meta.name)
-        if meta.kind not in KINDS:
-            raise errors.InvalidRequest(f"tensor {name!r}: kind {meta.kind!r} is not one of {', '.join(KINDS)}")
-        if meta.dtype not in dtypes.DTYPE_NAMES:
-            raise errors.InvalidRequest(f"tensor {name!r}: dtype {meta.dtype!r} is not one of {', '.join(sorted(dtypes.DTYPE_NAMES))}")
-        shape = tuple(meta.shape)
-        if len(shape) > MAX_NDIM or any(not 0 <= d <= MAX_DIM for d in shape):
-            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} has a negative, huge or too many dimensions")
-        nbytes = math.prod(shape) * dtypes.itemsize(meta.dtype)
-        if nbytes > MAX_DIM:
-            raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} ({human_bytes(nbytes)}) is larger than the {human_bytes(MAX_DIM)} ckptd accepts")
-        if meta.HasField("box"):
-            if len(meta.box.offsets) != len(shape) or len(meta.box.lengths) != len(shape):
-                raise errors.InvalidRequest(f"tensor {name!r}: box has {len(meta.box.offsets)} offsets and {len(meta.box.lengths)} lengths for a {len(shape)}-dim shape")
-            try:
-                box = Box(tuple(meta.box.offsets), tuple(meta.box.lengths))
-            except ValueError as exc:
-                raise errors.InvalidRequest(f"tensor {name!r}: {exc}") from None
-            if not box.fits_in(shape):
-                raise errors.InvalidRequest(f"tensor {name!r}: box {box} does not lie inside shape {list(shape)}")
-        else:
-            box = Box.full(shape)
-        aliases = tuple(check_tensor_name(a) for a in meta.aliases)
-        if meta.frozen not in FROZEN_CLASSES:
-            raise errors.InvalidRequest(f"tensor {name!r}: frozen {meta.frozen!r} is not one of {', '.join(map(repr, FROZEN_CLASSES))}")
-        if meta.frozen and meta.kind != "model":
-            raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
-        if meta.per_rank and (meta.kind != "extra" or aliases or box != Box.full(shape)):
-            raise errors.InvalidRequest(f"tensor {name!r}: only a whole extra tensor without aliases can be a rank's own (per_rank)")
-        specs.append(TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen, meta.per_rank))
-    return specs
+    specs = _specs_by_columns(metas)
+    return specs if specs is not None else [_tensor_spec(meta) for meta in metas]
+
+
+def _tensor_spec(meta: pb.TensorMeta) -> TensorSpec:
+    """One TensorSpec, every field checked; raises InvalidRequest naming the tensor."""
+    name = check_tensor_name(meta.name)
+    if meta.kind not in KINDS:
+        raise errors.InvalidRequest(f"tensor {name!r}: kind {meta.kind!r} is not one of {', '.join(KINDS)}")
+    shape = tuple(meta.shape)
+    box = _geometry(name, meta.dtype, shape, (tuple(meta.box.offsets), tuple(meta.box.lengths)) if meta.HasField("box") else None)
+    aliases = tuple(check_tensor_name(a) for a in meta.aliases)
+    if meta.frozen not in FROZEN_CLASSES:
+        raise errors.InvalidRequest(f"tensor {name!r}: frozen {meta.frozen!r} is not one of {', '.join(map(repr, FROZEN_CLASSES))}")
+    if meta.frozen and meta.kind != "model":
+        raise errors.InvalidRequest(f"tensor {name!r}: only model tensors can be frozen, not {meta.kind} tensors")
+    if meta.per_rank and (meta.kind != "extra" or aliases or box != Box.full(shape)):
+        raise errors.InvalidRequest(f"tensor {name!r}: only a whole extra tensor without aliases can be a rank's own (per_rank)")
+    return TensorSpec(name, meta.kind, meta.dtype, shape, box, aliases, meta.frozen, meta.per_rank)
+
+
+def _geometry(name: str, dtype: str, shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]] | None) -> Box:
+    """The Box of a tensor's `box` (offsets, lengths; None: the whole tensor) once its dtype,
+    shape and box are checked; raises InvalidRequest naming the tensor."""
+    if dtype not in dtypes.DTYPE_NAMES:
+        raise errors.InvalidRequest(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(sorted(dtypes.DTYPE_NAMES))}")
+    if len(shape) > MAX_NDIM or any(not 0 <= d <= MAX_DIM for d in shape):
+        raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} has a negative, huge or too many dimensions")
+    nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+    if nbytes > MAX_DIM:
+        raise errors.InvalidRequest(f"tensor {name!r}: shape {list(shape)} ({human_bytes(nbytes)}) is larger than the {human_bytes(MAX_DIM)} ckptd accepts")
+    if box is None:
+        return Box.full(shape)
+    offsets, lengths = box
+    if len(offsets) != len(shape) or len(lengths) != len(shape):
+        raise errors.InvalidRequest(f"tensor {name!r}: box has {len(offsets)} offsets and {len(lengths)} lengths for a {len(shape)}-dim shape")
+    try:
+        checked = Box(offsets, lengths)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"tensor {name!r}: {exc}") from None
+    if not checked.fits_in(shape):
+        raise errors.InvalidRequest(f"tensor {name!r}: box {checked} does not lie inside shape {list(shape)}")
+    return checked
+
+
+_NAME, _KIND, _DTYPE, _SHAPE = attrgetter("name"), attrgetter("kind"), attrgetter("dtype"), attrgetter("shape")
+_OFFSETS, _LENGTHS, _ALIASES = attrgetter("box.offsets"), attrgetter("box.lengths"), attrgetter("aliases")
+_FROZEN, _PER_RANK = attrgetter("frozen"), attrgetter("per_rank")
+
+
+def _specs_by_columns(metas: Sequence[pb.TensorMeta]) -> list[TensorSpec] | None:
+    """`tensor_specs` of the common request, checked column by column with C-level maps, and each
+    distinct (dtype, shape, box) once (a rank's thousands of tensors have a few dozen shapes:
+    one by one, about 15 µs per tensor of the event loop, paid by every rank of a restarted
+    node). None when some field needs a look one by one (a per-rank tensor, a frozen one that is
+    not a model tensor) or fails a check: `_tensor_spec` then names the tensor."""
+    names, kinds, frozen = list(map(_NAME, metas)), list(map(_KIND, metas)), list(map(_FROZEN, metas))
+    aliases = list(map(tuple, map(_ALIASES, metas)))
+    if (
+        not tensor_names_valid(names) or not tensor_names_valid(list(chain.from_iterable(aliases)))
+        or not KINDS_SET.issuperset(kinds) or not FROZEN_SET.issuperset(frozen)
+        or any(map(_PER_RANK, metas)) or any(k != "model" for k, f in zip(kinds, frozen) if f)
+    ):
+        return None
+    dtype_of, shapes = list(map(_DTYPE, metas)), list(map(tuple, map(_SHAPE, metas)))
+    boxed = list(map(pb.TensorMeta.HasField, metas, repeat("box")))
+    places = list(zip(dtype_of, shapes, boxed, map(tuple, map(_OFFSETS, metas)), map(tuple, map(_LENGTHS, metas))))
+    boxes: dict[tuple[Any, ...], Box] = {}
+    for place in set(places):
+        dtype, shape, has_box, offsets, lengths = place
+        try:
+            boxes[place] = _geometry("", dtype, shape, (offsets, lengths) if has_box else None)
+        except errors.InvalidRequest:
+            return None
+    return list(map(TensorSpec, names, kinds, dtype_of, shapes, map(boxes.__getitem__, places), aliases, frozen, repeat(False)))
 
 
 def check_digest(node: int, rank: int, digest: str, specs: Sequence[TensorSpec]) -> None:
