@@ -7,7 +7,7 @@ import pytest
 
 from ckptd.common import tiling
 from ckptd.common import boxes as boxes_module
-from ckptd.common.boxes import Box, contiguous_runs, coverage_problems, intersect, relative
+from ckptd.common.boxes import Box, contiguous_runs, coverage_problems, intersect, overlaps, relative
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,16 @@ from ckptd.common.boxes import Box, contiguous_runs, coverage_problems, intersec
 def test_intersect(a: Box, b: Box, expected: Box | None) -> None:
     assert intersect(a, b) == expected
     assert intersect(b, a) == expected
+    assert overlaps(a, b) is overlaps(b, a) is (expected is not None)
+
+
+def test_overlaps_answers_as_intersect_does_for_every_pair_of_small_boxes() -> None:
+    spans = [(o, n) for o in range(4) for n in range(4) if o + n <= 4]
+    grid = [Box((o0, o1), (n0, n1)) for (o0, n0) in spans for (o1, n1) in spans]
+    for a, b in itertools.product(grid, grid):
+        assert overlaps(a, b) is (intersect(a, b) is not None), (a, b)
+    with pytest.raises(ValueError, match="different rank"):
+        overlaps(Box((0,), (1,)), Box((0, 0), (1, 1)))
 
 
 def test_relative_selects_inner_box() -> None:

@@ -82,6 +82,20 @@ def intersect(a: Box, b: Box) -> Box | None:
     return Box(offsets, lengths)
 
 
+def overlaps(a: Box, b: Box) -> bool:
+    """Whether `intersect(a, b)` is not None, without making the common box (a load's planner
+    asks it of every stored fragment of every wanted tensor)."""
+    if a == b:
+        return 0 not in a.lengths
+    if len(a.lengths) != len(b.lengths):
+        raise ValueError(f"boxes of different rank: {a} and {b}")
+    if 0 in a.lengths or 0 in b.lengths:
+        return False
+    return all(map(operator.lt, a.offsets, map(operator.add, b.offsets, b.lengths))) and all(
+        map(operator.lt, b.offsets, map(operator.add, a.offsets, a.lengths))
+    )
+
+
 def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     """Slices that select `inner` within a tensor holding the data of `outer`.
 

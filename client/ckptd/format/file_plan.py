@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
-from ckptd.common.boxes import Box, intersect
+from ckptd.common.boxes import Box, overlaps
 from ckptd.common.frames import Frames
 from ckptd.common.names import per_rank_name, shared_name
 from ckptd.common.quant_options import CAST
@@ -250,7 +250,7 @@ def _file_pieces(
 
     out = []
     for frag in record.fragments:
-        if intersect(frag.box, spec.box) is None:
+        if not overlaps(frag.box, spec.box):
             continue
         path = path_of(frag.file, frag.offset, frag.nbytes)
         decode = None
