@@ -205,3 +205,30 @@ def test_issue30_finding3_a_ranks_own_tensor_made_anew_each_save_keeps_its_per_r
     assert (cache.builds, cache.rebinds) == (1, 1)
     other_rank = StructureCache().for_state(flatten_state({"sampler": position}, rank=0, for_save=True, validate=False), None, None)
     assert other_rank.fingerprint != structure.fingerprint  # the rank's names are in the plan the daemon caches
+
+
+def _shards_state() -> dict[str, Any]:
+    """A rank's state of row blocks (LocalShards) beside whole tensors and its own extras tensor."""
+    from ckptd.client.shards import LocalShard
+
+    return {
+        "model": {f"w{i}": LocalShard(torch.zeros(2, 3), (2 * (i % 3), 0), (6, 3)) for i in range(5)} | {"bias": torch.zeros(3)},
+        "optimizer": {"exp_avg": LocalShard(torch.zeros(4), (4,), (8,)), "step": torch.tensor(3.0)},
+        "extra": {"noise": torch.zeros(2)},
+    }
+
+
+def test_a_state_of_local_shards_is_built_as_layout_state_describes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-pass build (plain tensors, LocalShards' boxes) equals the general path's."""
+    from ckptd.client import structure
+
+    flat = flatten_state(_shards_state(), rank=1, validate=False)
+    with monkeypatch.context() as patched:
+        patched.setattr(structure, "fragments_of_state", lambda *a: pytest.fail("the general path was taken"))
+        built = StructureCache().for_state(flat, None, None)
+    general = fragments_of_state(flat)
+    assert [(e.name, f.name, f.global_shape, f.box, f.local.data_ptr()) for e, f in built.fragments] == [
+        (e.name, f.name, f.global_shape, f.box, f.local.data_ptr()) for e, f in general
+    ]
+    assert built.fingerprint == fingerprint_of(flat, general)
+    assert {f.name for _, f in built.fragments} >= {"extra/rank1/noise", "model/w4"}

@@ -494,27 +494,36 @@ def layout_state(flat: FlatState, rules: LayoutRules | None = None, coords: Rank
     return out
 
 
-def whole_fragments(flat: FlatState, tensors: list[torch.Tensor], shapes: list[torch.Size]) -> tuple[tuple[TensorEntry, Fragment], ...] | None:
+def whole_fragments(flat: FlatState, tensors: list[torch.Tensor], shapes: list[torch.Size]) -> tuple[tuple[TensorEntry, Fragment], ...]:
     """What `layout_state(flat)` without rules gives, as (entry, fragment) pairs in entry order,
-    for entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know) without
-    LocalShards: each tensor one fragment of all of it, under its name (a per-rank entry's:
-    `per_rank_name`). None when an entry is a LocalShard's: layout_state describes it.
-    tensors, shapes: the entries' tensors and their shapes, in order.
+    for entries of plain tensors (torch.Tensor, nn.Parameter: the caller's to know): each tensor
+    one fragment, of all of it under its name (a per-rank entry's: `per_rank_name`), or for a
+    LocalShard's entry the box its placement gives (its offsets, the tensor's shape) in the
+    global shape it gives. tensors, shapes: the entries' tensors and their shapes, in order.
 
-    Made by C-level maps over the entries; fragments of one shape share their global shape and
-    Box (immutable both), made once per distinct shape."""
+    Made by C-level maps over the entries; fragments of one place (shape, or a LocalShard's
+    offsets, global shape and shape) share their global shape and Box (immutable both), made
+    once per distinct place."""
     entries = flat.tensors
-    if not {None}.issuperset(map(_PLACEMENT, entries)):
-        return None
-    whole = {shape: (tuple(shape), Box.full(shape)) for shape in set(shapes)}
-    made = list(map(whole.__getitem__, shapes))
+    placements = list(map(_PLACEMENT, entries))
+    places = {key: _fragment_place(*key) for key in set(zip(placements, shapes))}
+    made = list(map(places.__getitem__, zip(placements, shapes)))
     fragments = list(map(Fragment, map(_NAME, entries), map(_GLOBAL_SHAPE, made), map(_BOX, made), tensors))
     if any(map(_PER_RANK, entries)):
         taken = {n for e in entries for n in (e.name, *e.aliases)}
         for i, entry in enumerate(entries):
-            if entry.per_rank:
+            if entry.per_rank and entry.placement is None:  # a LocalShard's box is given: never the rank's own
                 fragments[i] = _own_fragment(entry, flat.rank, taken)
     return tuple(zip(entries, fragments))
+
+
+def _fragment_place(placement: tuple[tuple[int, ...], tuple[int, ...]] | None, shape: torch.Size) -> tuple[tuple[int, ...], Box]:
+    """(global shape, box) of a fragment of a tensor of `shape`: all of it, or where a LocalShard's
+    placement (offsets, global shape) puts it (layout_state's rule, which this must equal)."""
+    if placement is None:
+        return tuple(shape), Box.full(shape)
+    offsets, global_shape = placement
+    return global_shape, Box(offsets, tuple(shape))
 
 
 _NAME, _PLACEMENT, _PER_RANK = itemgetter(0), itemgetter(4), itemgetter(6)  # TensorEntry's fields

@@ -117,7 +117,7 @@ class StructureCache:
 
 def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Signature, tensors: list[Any]) -> Structure | None:
     """What `StructureCache._build` derives, for the common state: plain tensors (the signature's
-    plain form) without layout rules or LocalShards, whose checks all pass; None for any other
+    plain form, also LocalShards' tensors) without layout rules, whose checks all pass; None for any other
     (the general path then checks, and raises the error). One pass over the tensors' metadata:
     the dtypes and shapes the signature read serve the checks, the fragments and the fingerprint
     (a new client's first build costs a few µs per tensor: bench_structure.py)."""
@@ -127,12 +127,13 @@ def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Sign
     if not plain_entries_valid(flat.tensors, tensors, dtypes, devices):
         return None
     fragments = whole_fragments(flat, tensors, shapes)
-    if fragments is None:
-        return None
-    # every fragment is all of its tensor: its place (global shape, offsets, lengths) is its shape's
-    place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
     names = map(_FRAGMENT_NAME, map(_FRAGMENT, fragments))
-    fingerprint = _fingerprint(entries_fingerprint(flat.tensors, dtypes, shapes), names, list(map(place_of.__getitem__, shapes)))
+    if any(map(_PLACED, flat.tensors)):  # LocalShards': each fragment's place is its own
+        places = list(map(_PLACE, map(_FRAGMENT, fragments)))
+    else:  # every fragment is all of its tensor: its place (global shape, offsets, lengths) is its shape's
+        place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
+        places = list(map(place_of.__getitem__, shapes))
+    fingerprint = _fingerprint(entries_fingerprint(flat.tensors, dtypes, shapes), names, places)
     return Structure(signature, _pointers(tensors), fragments, fingerprint)
 
 
@@ -168,6 +169,7 @@ def _fingerprint(entries_fingerprint: str, names: Iterable[str], places: list[tu
 _FRAGMENT = itemgetter(1)
 _FRAGMENT_NAME = attrgetter("name")
 _PLACE = attrgetter("global_shape", "box.offsets", "box.lengths")  # a fragment's place in its logical tensor
+_PLACED = itemgetter(4)  # a TensorEntry's placement: a LocalShard's (offsets, global shape), else None
 
 
 # A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
