@@ -28,8 +28,11 @@ Node 1's ranks load, in another layout: two ranks, each a process of its own as 
 (`--ranks-as threads`: two threads of this process, the way before 2026-11-30, whose Python
 waits for each other's), each take half of node 1's rows. Timed: from the moment both are told
 to go to the end of the slower one (the processes started, their clients made and their
-targets allocated before; the daemon restart is not). Every loaded tensor is compared with
-what was saved (by xxh3 digest, for the processes).
+targets made before; the daemon restart is not). The targets are written before the go
+(zeros), as a relaunched trainer's model is initialized and its optimizer state made before it
+loads into them (`--untouched-targets`: torch.empty, memory the load itself faults in: the
+benchmark's way before 2026-11-30's afternoon). Every loaded tensor is compared with what was
+saved (by xxh3 digest, for the processes).
 
 Storage: the roots live on an ext4 file system on a loop device (`losetup --direct-io=on`, an
 image under --out), and this process and every daemon it starts run in a cgroup v1 blkio group
@@ -165,13 +168,19 @@ def make_state(tensors: int, node_mib: int) -> dict[str, torch.Tensor]:
     return {f"t{i:04d}": torch.randn(rows, cols, generator=g) for i in range(tensors)}
 
 
-def shards(state: dict[str, torch.Tensor], lo_frac: tuple[int, int], hi_frac: tuple[int, int], fill: bool) -> dict[str, LocalShard]:
+def shards(state: dict[str, torch.Tensor], lo_frac: tuple[int, int], hi_frac: tuple[int, int], fill: bool, touched: bool = True) -> dict[str, LocalShard]:
+    """Each tensor's rows [lo_frac, hi_frac) as a LocalShard: the saved values (fill), else a
+    target of zeros (touched: its memory written, as a trainer's model is) or torch.empty."""
     out = {}
     for name, full in state.items():
         lo, hi = full.shape[0] * lo_frac[0] // lo_frac[1], full.shape[0] * hi_frac[0] // hi_frac[1]
-        part = full[lo:hi].clone() if fill else torch.empty(hi - lo, full.shape[1])
+        part = full[lo:hi].clone() if fill else _target(hi - lo, full.shape[1], touched)
         out[name] = LocalShard(part, (lo, 0), tuple(full.shape))
     return out
+
+
+def _target(rows: int, cols: int, touched: bool) -> torch.Tensor:
+    return torch.zeros(rows, cols) if touched else torch.empty(rows, cols)
 
 
 def save(cluster: Cluster, state: dict[str, torch.Tensor]) -> None:
@@ -186,20 +195,21 @@ def save(cluster: Cluster, state: dict[str, torch.Tensor]) -> None:
 HALVES = [((2, 6), (3, 6)), ((3, 6), (4, 6))]  # node 1's ranks 1 and 2: each half of node 1's third of the rows
 
 
-def timed_load(cluster: Cluster, state: dict[str, torch.Tensor], ranks_as: str = "processes") -> float:
+def timed_load(cluster: Cluster, state: dict[str, torch.Tensor], ranks_as: str = "processes", touched: bool = True) -> float:
     """Node 1's two ranks (a world of 4: one rank on node 0, two on node 1, one on node 2) load
     halves of node 1's rows; returns the seconds from both ranks' start to the slower one's end;
     checks every value. ranks_as "processes": each rank a process of its own, as on a real
     node (rank_worker); "threads": two threads of this process, which share its interpreter
-    lock (the benchmark's way before 2026-11-30: one rank's Python waits for the other's)."""
+    lock (the benchmark's way before 2026-11-30: one rank's Python waits for the other's).
+    touched: the targets written before the go (`shards`)."""
     if ranks_as == "processes":
-        return _timed_load_processes(cluster, state)
+        return _timed_load_processes(cluster, state, touched)
     halves = HALVES
     clients = [
         CheckpointClient(JOB, address=cluster.address(1), rank=1 + i, world_size=4, local_world_size=2, on_error="raise", timeout_s=600)
         for i in range(2)
     ]
-    targets = [shards(state, lo, hi, False) for lo, hi in halves]
+    targets = [shards(state, lo, hi, False, touched) for lo, hi in halves]
     barrier = threading.Barrier(2)
     seconds = [0.0, 0.0]
 
@@ -223,13 +233,13 @@ def timed_load(cluster: Cluster, state: dict[str, torch.Tensor], ranks_as: str =
     return max(seconds)
 
 
-def _timed_load_processes(cluster: Cluster, state: dict[str, torch.Tensor]) -> float:
+def _timed_load_processes(cluster: Cluster, state: dict[str, torch.Tensor], touched: bool) -> float:
     """timed_load with each rank a process (rank_worker): both are started, their clients made
     and their targets allocated, then told to go at once; timed from that moment (the
     monotonic clock is the machine's) to the later one's end. Each returns an xxh3 digest of
     every tensor it loaded, compared here with the saved values."""
     rows, cols = next(iter(state.values())).shape
-    command = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", cluster.address(1), str(len(state)), str(rows), str(cols)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", cluster.address(1), str(len(state)), str(rows), str(cols), str(int(touched))]
     workers = [subprocess.Popen([*command, str(rank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for rank in (1, 2)]
     try:
         for worker in workers:
@@ -262,14 +272,14 @@ def _timed_load_processes(cluster: Cluster, state: dict[str, torch.Tensor]) -> f
     return max(answer["ended"] for answer in answers) - go
 
 
-def rank_worker(address: str, tensors: int, rows: int, cols: int, rank: int) -> None:
+def rank_worker(address: str, tensors: int, rows: int, cols: int, touched: int, rank: int) -> None:
     """One of node 1's ranks (1 or 2) in a process of its own (_timed_load_processes): its client
-    made and its half of node 1's rows allocated, prints "ready", loads step 1 once a line comes
+    made and its half of node 1's rows made (`_target`), prints "ready", loads step 1 once a line comes
     on stdin, then prints {"ended": time.monotonic() at the end of the load, "digests": {tensor:
     xxh3 of its bytes}} as one JSON line."""
     (lo_n, lo_d), (hi_n, hi_d) = HALVES[rank - 1]
     lo, hi = rows * lo_n // lo_d, rows * hi_n // hi_d
-    targets = {f"t{i:04d}": LocalShard(torch.empty(hi - lo, cols), (lo, 0), (rows, cols)) for i in range(tensors)}
+    targets = {f"t{i:04d}": LocalShard(_target(hi - lo, cols, bool(touched)), (lo, 0), (rows, cols)) for i in range(tensors)}
     with CheckpointClient(JOB, address=address, rank=rank, world_size=4, local_world_size=2, on_error="raise", timeout_s=600) as client:
         # The full garbage collection that importing torch leaves due in a fresh process (~0.1 s
         # here, over its ~10^5 objects) otherwise falls inside whichever call comes next: paid
@@ -477,7 +487,7 @@ def summary(values: list[float]) -> str:
 
 def rounds_of(
     memory_cluster: Cluster, disk_cluster: Cluster, holder: Holder, state: dict[str, torch.Tensor], part: int, rounds: int, label: str,
-    ranks_as: str = "processes",
+    ranks_as: str = "processes", touched: bool = True,
 ) -> dict[str, list[float]]:
     """`rounds` rounds of floor, memory (prefetched), on demand and disk, the order rotated each
     round; seconds (floor: GB/s)."""
@@ -495,14 +505,14 @@ def rounds_of(
                 got["floor"].append(max(one, many))
             elif kind in ("memory", "on-demand"):
                 replace_node(memory_cluster, prefetch=kind == "memory")
-                got[kind].append(timed_load(memory_cluster, state, ranks_as))
+                got[kind].append(timed_load(memory_cluster, state, ranks_as, touched))
                 if kind == "memory":
                     staging = last_staging(memory_cluster)
                 else:
                     demand_staging = last_staging(memory_cluster)
             else:
                 restart_cold(disk_cluster)
-                got["disk"].append(timed_load(disk_cluster, state, ranks_as))
+                got["disk"].append(timed_load(disk_cluster, state, ranks_as, touched))
         floor, mem, demand, disk = got["floor"][-1], got["memory"][-1], got["on-demand"][-1], got["disk"][-1]
         print(
             f"  {label} round {r + 1} ({', '.join(order)}): floor {floor:.2f} GB/s (1 conn {got['floor1'][-1]:.2f}, {streams} conns {got['floorN'][-1]:.2f}); "
@@ -518,7 +528,7 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: str = "processes") -> list[str]:
+def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: str = "processes", touched: bool = True) -> list[str]:
     """One sweep item, both phases; its PASS/FAIL lines."""
     state = make_state(tensors, node_mib)
     part = sum(t.numel() * 4 for t in state.values()) // 3
@@ -534,7 +544,7 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: st
             save(cluster, state)
             print(f"  saved ({'replicas 1' if cluster.replicas else 'replicas 0'}) in {time.perf_counter() - started:.1f} s", flush=True)
         print(f"  recoverable {wait_recoverable(memory_cluster):.2f} s after the save returned", flush=True)
-        fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited", ranks_as)
+        fast = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads unlimited", ranks_as, touched)
         of_floor = [part / m / 1e9 / f for m, f in zip(fast["memory"], fast["floor"])]
         demand_of_floor = [part / m / 1e9 / f for m, f in zip(fast["on-demand"], fast["floor"])]
         lines = [
@@ -549,7 +559,7 @@ def run(tensors: int, node_mib: int, rounds: int, storage: Storage, ranks_as: st
         storage.limit(rate)
         try:
             print(f"  the roots' reads limited to {rate / 1e6:.0f} MB/s (floor/{SLOW_RATIO})", flush=True)
-            slow = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads limited", ranks_as)
+            slow = rounds_of(memory_cluster, disk_cluster, holder, state, part, rounds, "reads limited", ranks_as, touched)
         finally:
             storage.limit(0)
         ratios = [d / m for d, m in zip(slow["disk"], slow["memory"])]
@@ -580,8 +590,12 @@ def main() -> int:
         "--ranks-as", choices=("processes", "threads"), default="processes",
         help="node 1's two loading ranks as processes of their own (default, as on a real node) or as threads of this process (the way before 2026-11-30)",
     )
+    parser.add_argument(
+        "--untouched-targets", action="store_true",
+        help="the ranks load into torch.empty tensors, whose memory the load faults in (default: zeros, written before the go, as a trainer's model is)",
+    )
     parser.add_argument("--holder", type=int, default=0, help=argparse.SUPPRESS)  # the floor's holder process (serve_holder)
-    parser.add_argument("--rank-worker", nargs=5, default=None, help=argparse.SUPPRESS)  # ADDRESS TENSORS ROWS COLS RANK: rank_worker
+    parser.add_argument("--rank-worker", nargs=6, default=None, help=argparse.SUPPRESS)  # ADDRESS TENSORS ROWS COLS TOUCHED RANK: rank_worker
     args = parser.parse_args()
     if args.rank_worker:
         address, *numbers = args.rank_worker
@@ -599,11 +613,16 @@ def main() -> int:
     image_gib = max(2, -(-6 * max(mib for _, mib in sweep) // 1024) + 1)  # two clusters of 3 nodes, step 1 kept
     storage = Storage(out, image_gib)
     started = os.getloadavg()
-    print(f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in started)}, torch threads {torch.get_num_threads()}; node 1's ranks as {args.ranks_as}; {storage.describe()}", flush=True)
+    targets = "torch.empty (untouched)" if args.untouched_targets else "zeros (written before the go)"
+    print(
+        f"cores {os.cpu_count()}, load {' '.join(f'{x:.2f}' for x in started)}, torch threads {torch.get_num_threads()}; node 1's ranks as {args.ranks_as}, "
+        f"their targets {targets}; {storage.describe()}",
+        flush=True,
+    )
     lines: list[str] = []
     try:
         for tensors, mib in sweep:
-            lines += run(tensors, mib, args.rounds, storage, args.ranks_as)
+            lines += run(tensors, mib, args.rounds, storage, args.ranks_as, not args.untouched_targets)
     finally:
         storage.close()
         if args.out is None:
