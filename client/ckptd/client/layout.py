@@ -506,8 +506,12 @@ def whole_fragments(flat: FlatState, tensors: list[torch.Tensor], shapes: list[t
     once per distinct place."""
     entries = flat.tensors
     placements = list(map(_PLACEMENT, entries))
-    places = {key: _fragment_place(*key) for key in set(zip(placements, shapes))}
-    made = list(map(places.__getitem__, zip(placements, shapes)))
+    if {None}.issuperset(placements):  # the common state: every fragment all of its tensor
+        whole = {shape: _fragment_place(None, shape) for shape in set(shapes)}
+        made = list(map(whole.__getitem__, shapes))
+    else:
+        places = {key: _fragment_place(*key) for key in set(zip(placements, shapes))}
+        made = list(map(places.__getitem__, zip(placements, shapes)))
     fragments = list(map(Fragment, map(_NAME, entries), map(_GLOBAL_SHAPE, made), map(_BOX, made), tensors))
     if any(map(_PER_RANK, entries)):
         taken = {n for e in entries for n in (e.name, *e.aliases)}
