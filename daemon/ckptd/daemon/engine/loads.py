@@ -483,7 +483,6 @@ def files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set
     return {by_path[p.path] for p in planned.pieces if p.path in by_path} | {r.file for r in planned.reads}
 
 
-
 def prefetched_sources(known: Sources | None, prefetch_of: Callable[[str], "asyncio.Task[None] | None"], needed: Sequence[FileRecord]) -> Sources | None:
     """Where a prefetch staged each `needed` file from (`known`: what _file_sources answered it;
     `prefetch_of(file)`: its staging task), when it staged every one of them and none failed: a
