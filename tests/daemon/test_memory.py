@@ -24,6 +24,7 @@ from ckptd.daemon.engine.sessions import SaveState
 from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
 from ckptd.daemon.engine.sessions import SaveSession
+from ckptd.daemon.errors import Exhausted
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.handoff.shm_dir import ShmBudget
 
@@ -280,6 +281,119 @@ def test_gc_gives_back_idle_arenas_but_not_a_snapshot_being_written(tmp_path: Pa
         assert not service.jobs["a"].pool.sets and len(service.jobs["b"].pool.sets) == 1
         assert await _durable(service, "b", 2) is SaveState.COMMITTED
         assert (await _load(service, "b", 2))[0] == "memory" and (await _load(service, "a", 1))[0] == "disk"
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
+# ------------------------------------------------------------------ loads' staging files
+
+
+async def _staged_load(service: CheckpointService, job: str, step: int, nbytes: int = MiB) -> tuple[str, str]:
+    """A load by a rank that cannot read the root: the daemon stages what it reads (checked as _load)."""
+    plan = await service.plan_load(PlanLoad(job, 0, 1, step, [_spec(nbytes)], ["model"], True, direct_read=False))
+    assert plan.pieces and all("-fetch-" in p.path for p in plan.pieces)
+    for piece in plan.pieces:
+        fd = os.open(piece.path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, piece.nbytes, piece.offset) == bytes([step % 256]) * piece.nbytes
+        finally:
+            os.close(fd)
+    return plan.tier, plan.load_id
+
+
+async def _on_disk_only(service: CheckpointService, job: str, step: int) -> None:
+    """Save the step, then give its snapshot back: it loads from the root only."""
+    await _saved(service, job, step)
+    await service.collect(job, dry_run=False)
+    assert not service.jobs[job].pool.sets
+
+
+def _staging_files(service: CheckpointService) -> list[str]:
+    return sorted(p.name for p in service.config.shm_dir.iterdir() if "-fetch-" in p.name)
+
+
+# a load's staging files count against --shm-budget: idle snapshots go back to make room, as for a save
+def test_a_loads_staging_counts_against_the_budget_and_takes_idle_snapshots_first(tmp_path: Path) -> None:
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=2 * MiB + MiB // 2))
+    memory = service.engine.memory
+
+    async def run() -> None:
+        await _on_disk_only(service, "a", 1)
+        await _saved(service, "b", 1)
+        await _saved(service, "c", 1)
+        _, load_id = await _staged_load(service, "a", 1)  # 1 MiB staged: b's snapshot, idle longest, goes back
+        assert memory.staging_bytes() == MiB and _staging_files(service)
+        assert [len(service.jobs[j].pool.sets) for j in "bc"] == [0, 1] and _released(service, "pressure") == MiB
+        assert memory.in_use() == 2 * MiB <= memory.budget
+        assert service.live_state().staging_bytes == MiB
+        await _saved(service, "b", 2)  # a save sees the staging as in use: c's snapshot goes back, never the load's files
+        assert [len(service.jobs[j].pool.sets) for j in "bc"] == [1, 0] and memory.in_use() == 2 * MiB
+        service.load_done(load_id)
+        assert memory.staging_bytes() == 0 and not _staging_files(service)
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
+# a load waits for a save in flight (the only copy of its step) to be written, then takes its memory
+def test_a_staged_load_waits_for_a_save_in_flight_then_stages(tmp_path: Path) -> None:
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=MiB + MiB // 2), write_throttle=SLOW)
+
+    async def run() -> None:
+        await _on_disk_only(service, "a", 1)
+        await _save(service, "b", 1)
+        assert _writing(service, "b", 1)
+        _, load_id = await _staged_load(service, "a", 1)
+        assert service.jobs["b"].recent[1].state is SaveState.COMMITTED and not service.jobs["b"].pool.sets
+        service.load_done(load_id)
+        assert service.engine.memory.staging_bytes() == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
+# staging that can never fit fails at once, saying what to change; nothing is staged or counted
+def test_staging_more_than_the_budget_fails_with_what_to_change(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+
+    async def run() -> None:
+        await _on_disk_only(service, "a", 1)
+        service.reconfigure(DaemonConfig(**{**service.config.__dict__, "shm_budget": ShmBudget(nbytes=MiB // 2)}))
+        try:
+            await _staged_load(service, "a", 1)
+        except Exhausted as exc:
+            assert "staging 1 MiB of step 1 of job 'a'" in str(exc) and "--shm-budget" in str(exc)
+            assert "let the ranks read the checkpoint files themselves" in str(exc)
+        else:
+            raise AssertionError("the load staged more than the budget")
+        assert service.engine.memory.staging_bytes() == 0 and not _staging_files(service)
+        assert (await _load(service, "a", 1))[0] == "disk"  # a rank that reads the root stages nothing
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
+# a prefetch takes only free memory: no other job's snapshot, no wait
+def test_a_prefetch_takes_only_free_memory(tmp_path: Path) -> None:
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=2 * MiB))
+    memory = service.engine.memory
+
+    async def run() -> None:
+        await _saved(service, "b", 1)
+        assert not await memory.try_stage_room("a", 1, 2 * MiB)  # only with b's snapshot given back
+        assert memory.staging_bytes() == 0 and len(service.jobs["b"].pool.sets) == 1
+        assert await memory.try_stage_room("a", 1, MiB) and memory.staging_bytes() == MiB
+        memory.staging_removed("a", 1)
+        assert memory.staging_bytes() == 0
 
     try:
         asyncio.run(run())

@@ -102,6 +102,25 @@ def test_the_budget_bounds_the_arenas_of_all_jobs(daemons: DaemonFactory) -> Non
     assert "budget 40 MiB" in ckptd("status", "--address", daemon.address).stdout
 
 
+# a load whose ranks cannot read the root stages its bytes in shared memory: within the budget,
+# another job's idle snapshot given back to make room, the staging gone once the load is done
+def test_a_loads_staging_files_stay_within_the_budget(daemons: DaemonFactory) -> None:
+    daemon = daemons.start("--shm-budget", "40MiB")
+    save(daemon.address, "s0", 1, 0)
+    assert ckptd("gc", "--address", daemon.address, "--job", "s0").returncode == 0  # s0's step 1 on disk only
+    save(daemon.address, "s1", 1, 1)
+    save(daemon.address, "s2", 1, 2)  # 32 MiB held: 16 MiB of staging would exceed the budget
+    with CheckpointClient("s0", address=daemon.address, on_error="raise", read_files=False) as ckpt:
+        target = state_of(9, 9)
+        assert ckpt.load(target) == 1 and torch.equal(target["model"]["w"], state_of(0, 1)["model"]["w"])
+    doc = status(daemon.address)
+    assert [h["job"] for h in doc["arena_holders"]] == ["s2"] and doc["arena_bytes"] <= 40 * MiB  # s1, idle longest, made room
+    deadline = time.monotonic() + 10
+    while any("-fetch-" in p.name for p in daemons.shm_dir.iterdir()):  # the staging file goes once the load is done
+        assert time.monotonic() < deadline, sorted(p.name for p in daemons.shm_dir.iterdir())
+        time.sleep(0.1)
+
+
 # issue 30 finding 5 (a): ckptd gc and ckptd status: who holds what, then given back
 def test_status_names_the_holders_and_gc_gives_their_memory_back(daemons: DaemonFactory) -> None:
     daemon = daemons.start()

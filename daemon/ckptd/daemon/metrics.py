@@ -66,6 +66,7 @@ class LiveState:
     arena_bytes / arenas: shared memory reserved for snapshots (bytes / count), all jobs.
     job_arena_bytes / job_idle_s: per job, its arena sets' bytes and seconds since its last save
         or load (0 while in use); shm_budget: --shm-budget in bytes (0: none).
+    staging_bytes: shared memory counted for loads' staging files (against the same budget).
     loads_active: loads being read (their steps are protected from retention).
     draining: 1 while shutting down.
     """
@@ -81,6 +82,7 @@ class LiveState:
     job_arena_bytes: dict[str, int] = field(default_factory=dict)
     job_idle_s: dict[str, float] = field(default_factory=dict)
     shm_budget: int = 0
+    staging_bytes: int = 0
 
 
 class _LiveCollector(Collector):
@@ -114,6 +116,9 @@ class _LiveCollector(Collector):
             job_idle.add_metric([job], s)
         yield job_idle
         yield GaugeMetricFamily("ckptd_shm_budget_bytes", "--shm-budget in bytes (0: none, the shared-memory directory's size).", value=state.shm_budget)
+        yield GaugeMetricFamily(
+            "ckptd_staging_bytes", "Shared memory counted for loads' staging files (bytes fetched for ranks), within --shm-budget.", value=state.staging_bytes
+        )
         yield GaugeMetricFamily("ckptd_loads_active", "Loads in progress (their steps are kept by retention).", value=state.loads_active)
         yield GaugeMetricFamily("ckptd_draining", "1 while the daemon is shutting down and takes no new saves.", value=int(state.draining))
         yield GaugeMetricFamily("ckptd_replica_bytes", "Memory held for other nodes' replicas (the replica tiers), received and being received, in bytes.", value=state.replica_bytes)

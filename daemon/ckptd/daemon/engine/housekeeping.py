@@ -199,6 +199,7 @@ class Housekeeping:
             job_arena_bytes={h.job: h.bytes for h in holders},
             job_idle_s={h.job: h.idle_s for h in holders},
             shm_budget=self.engine.memory.budget or 0,
+            staging_bytes=self.engine.memory.staging_bytes(),
         )
         for tier in self._tiers:
             state = tier.live(state)

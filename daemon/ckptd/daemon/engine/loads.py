@@ -60,6 +60,7 @@ LOAD_LEASE_S = 3600.0
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
 PREFETCH_HOLD_S = 600.0  # seconds a prefetched part stays staged for loads that have not come
+STAGE_ROOM_WAIT_S = 30.0  # seconds a load waits for saves in flight to leave room under --shm-budget for its staging files
 Sources = tuple[dict[str, int], dict[str, TierName]]  # Loads._file_sources' answer: file -> node, file -> replica tier
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
 
@@ -303,17 +304,24 @@ class Loads:
             elif task not in waits:
                 waits.append(task)
         for name, todo in by_tier.items():
-            staging = (
-                self.broadcast.fetch(index, todo, target, routes) if name == FETCH
-                else self._stage_own(index, todo, target) if name == READ_ONCE
-                else self._stage(self._tiers[TierName(name)], index, todo, target)
-            )
-            task = asyncio.get_running_loop().create_task(staging)
+            task = asyncio.get_running_loop().create_task(self._stage_counted(index, name, todo, target, routes))
             for read in todo:
                 self._fetches[(index.job, index.step, read.file, read.offset)] = task
             await asyncio.shield(task)
         for task in waits:
             await asyncio.shield(task)
+
+    async def _stage_counted(
+        self, index: CheckpointIndex, route: TierName | str, reads: Sequence[StagedRead], target: StagingTarget, routes: BroadcastRoutes
+    ) -> None:
+        """Stage `reads` by `route` once --shm-budget has room for their bytes (engine/memory.py:
+        counted until the step's staging files are removed; Exhausted after STAGE_ROOM_WAIT_S)."""
+        await self.engine.memory.stage_room(index.job, index.step, sum(r.nbytes for r in reads), STAGE_ROOM_WAIT_S)
+        await (
+            self.broadcast.fetch(index, reads, target, routes) if route == FETCH
+            else self._stage_own(index, reads, target) if route == READ_ONCE
+            else self._stage(self._tiers[TierName(route)], index, reads, target)
+        )
 
     async def prefetch(self, job: str, step: int) -> int:
         """Stage this node's own data files of `step` whole, before its ranks ask, when this root
@@ -339,6 +347,9 @@ class Loads:
         try:
             where, tiers = await self._file_sources(index, lacking, sizes)
             if self._loading(key):  # a load came meanwhile: it stages what it reads
+                return 0
+            if not await self.engine.memory.try_stage_room(job, step, nbytes := sum(f.size for f in lacking)):
+                log.info("step %s of job %s: no free room under --shm-budget to prefetch this node's part (%d bytes): its ranks' loads stage it", step, job, nbytes)
                 return 0
             locations = file_locations(data_files, node, where, lambda file: None, lambda file: str(self.staging.path(job, step, file)), tiers)
             paths = {name: location.path for name, location in locations.items()}
@@ -461,6 +472,7 @@ class Loads:
             detached = self.staging.detach(self.staging.path(job, step, file))
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once
                 self.engine.spawn(asyncio.to_thread(self.staging.free, detached))
+        self.engine.memory.staging_removed(job, step)
 
     def expire_leases(self) -> None:
         now = time.monotonic()

@@ -14,12 +14,18 @@ first, then held snapshots, the job idle longest first; after `idle_release_s` w
 or load of a job; and by `ckptd gc`. Never a set in flight (being filled, or being written: the
 only copy of a step not yet durable) nor one a load is reading.
 
+A load's staging files (engine/staging.py: a step's bytes fetched from peers, replicas or a root
+the ranks cannot read) live in the same directory and count against the same budget: room is
+made for them as for a snapshot before they are staged (`stage_room`; a prefetch takes only
+what is free, `try_stage_room`), and they count as in use until the load's files are removed.
+
 Runs on the event loop; arenas are made and closed in threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -58,6 +64,8 @@ class ArenaMemory:
         self._spawn = spawn
         self._host_memory = host_memory_bytes()
         self._pending = 0  # bytes allowed for sets being allocated now (not yet in any pool's nbytes)
+        self._staged: dict[tuple[str, int], int] = {}  # (job, step) -> bytes counted for its loads' staging files
+        self._freed = asyncio.Event()  # set (and replaced) whenever memory goes back or sets become idle
 
     def _pools(self) -> dict[str, ArenaPool]:
         return {job: state.pool for job, state in self._jobs.items()}
@@ -75,8 +83,12 @@ class ArenaMemory:
             return 0
 
     def in_use(self) -> int:
-        """Bytes of every job's arena sets, and of those being allocated."""
-        return sum(pool.nbytes for pool in self._pools().values()) + self._pending
+        """Bytes of every job's arena sets, of those being allocated and of loads' staging files."""
+        return sum(pool.nbytes for pool in self._pools().values()) + self._pending + self.staging_bytes()
+
+    def staging_bytes(self) -> int:
+        """Bytes counted for the staging files of loads (until they are removed)."""
+        return sum(self._staged.values())
 
     # ------------------------------------------------------------------ taking memory
 
@@ -112,7 +124,10 @@ class ArenaMemory:
         """Raise Exhausted at once when `sizes` can never fit: more than the whole budget or the
         whole shared-memory file system, however much is given back (waiting would only hold the
         save until its timeout)."""
-        need = sum(sizes)
+        self._check_fits(sum(sizes), f"a snapshot of job {pool.job!r}", "or save a smaller state per node")
+
+    def _check_fits(self, need: int, what_for: str, remedy: str) -> None:
+        """Exhausted when `need` bytes exceed the whole budget or the whole shared-memory directory."""
         settings = self._settings()
         budget = self.budget
         try:
@@ -124,9 +139,55 @@ class ArenaMemory:
         for limit, what in limits:
             if need > limit:
                 raise Exhausted(
-                    f"cannot reserve {human_bytes(need)} of shared memory for a snapshot of job {pool.job!r}: more than {what}; "
-                    "give the daemon more shared memory or a larger --shm-budget, or save a smaller state per node"
+                    f"cannot reserve {human_bytes(need)} of shared memory for {what_for}: more than {what}; "
+                    f"give the daemon more shared memory or a larger --shm-budget, {remedy}"
                 )
+
+    # ------------------------------------------------------------------ loads' staging files
+
+    async def stage_room(self, job: str, step: int, nbytes: int, wait_s: float) -> None:
+        """Count `nbytes` of staging files for a load of `step` of `job`, once the budget and the
+        directory have room for them: idle sets of any job are given back first (held snapshots
+        too, the job idle longest first, as for a save), then sets in flight are waited for, up
+        to `wait_s` seconds. Exhausted, naming what holds the memory, when they never fit or did
+        not within `wait_s`."""
+        what_for = f"staging {human_bytes(nbytes)} of step {step} of job {job!r} for its ranks"
+        self._check_fits(nbytes, what_for, "or let the ranks read the checkpoint files themselves (they then stage nothing)")
+        deadline = time.monotonic() + wait_s
+        while not await self._room(nbytes, None, evict=True):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Exhausted(self._staging_shortage(what_for))
+            freed = self._freed
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(freed.wait(), left)
+        self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
+
+    async def try_stage_room(self, job: str, step: int, nbytes: int) -> bool:
+        """Count `nbytes` of staging files of `step` of `job` if they fit now, giving back only
+        free sets (a prefetch: never another job's snapshot, never a wait); False, nothing counted, if not."""
+        budget = self.budget
+        if budget is not None and nbytes > budget:
+            return False
+        if not await self._room(nbytes, None, evict=False):
+            return False
+        self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
+        return True
+
+    def staging_removed(self, job: str, step: int) -> None:
+        """The staging files of `step` of `job` were removed: their bytes are free again (saves waiting are woken)."""
+        if self._staged.pop((job, step), None):
+            self._spawn(self._notify())
+
+    def _staging_shortage(self, what_for: str) -> str:
+        held = "; ".join(
+            f"job {name!r} {human_bytes(p.nbytes)}: {', '.join(s.describe() for s in p.sets)}" for name, p in self._pools().items() if p.sets
+        ) or "none"
+        return (
+            f"no room for {what_for}: {human_bytes(self.in_use())} of shared memory in use (arenas: {held}; staging "
+            f"{human_bytes(self.staging_bytes())}), none of it idle to give back. Retry once the saves in flight are written, "
+            "raise --shm-budget, or let the ranks read the checkpoint files themselves"
+        )
 
     async def prewarm(self, state: JobState, sizes: tuple[int, ...]) -> None:
         """With hold_while_saving: make the job's next set now, while this snapshot is copied
@@ -169,7 +230,7 @@ class ArenaMemory:
             self._pending -= grow
         return arena_set
 
-    async def _room(self, need: int, exclude: ArenaSet, evict: bool, everything: bool = False) -> bool:
+    async def _room(self, need: int, exclude: ArenaSet | None, evict: bool, everything: bool = False) -> bool:
         """Whether `need` more bytes fit in the budget and the directory, after giving back idle
         sets as needed (free ones; with `evict` held snapshots too, the job idle longest first).
         everything: give back until `need` bytes went back, whatever the checks say."""
@@ -201,7 +262,7 @@ class ArenaMemory:
             log.warning("cannot check the free space of %s: %s", self._settings().shm_dir, exc)
             return 0
 
-    def _victim(self, exclude: ArenaSet, evict: bool) -> tuple[ArenaPool, ArenaSet] | None:
+    def _victim(self, exclude: ArenaSet | None, evict: bool) -> tuple[ArenaPool, ArenaSet] | None:
         """The idle set to give back first: free sets before held snapshots, the pool idle longest first."""
         candidates = [
             (arena_set.state is SetState.HELD, pool.last_used, pool, arena_set)
@@ -244,7 +305,10 @@ class ArenaMemory:
         await self._notify()
 
     async def _notify(self) -> None:
-        """Wake the saves of every job that wait for an arena set (JobState.arena_freed)."""
+        """Wake the saves of every job that wait for an arena set (JobState.arena_freed), and the
+        loads that wait for room to stage."""
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()
         for state in list(self._jobs.values()):
             async with state.arena_freed:
                 state.arena_freed.notify_all()
