@@ -232,3 +232,19 @@ def test_a_state_of_local_shards_is_built_as_layout_state_describes_it(monkeypat
     ]
     assert built.fingerprint == fingerprint_of(flat, general)
     assert {f.name for _, f in built.fragments} >= {"extra/rank1/noise", "model/w4"}
+
+
+# a restarted trainer's load names its tensors by the fingerprint: a plain state's fragments are
+# made only when asked for (a save's slots, metadata resent), and are those of the general path
+def test_a_plain_states_fragments_are_made_when_first_asked_for_and_its_targets_are_theirs() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _step(model, opt)
+    flat = _flat({"model": model, "optimizer": opt})
+    structure = StructureCache().for_state(flat, None, None)
+    assert "fragments" not in vars(structure)  # not made yet
+    fresh = fragments_of_state(flat)
+    assert structure.fingerprint == fingerprint_of(flat, fresh)
+    assert [t.data_ptr() for t in structure.targets] == [f.local.data_ptr() for _, f in fresh]
+    assert [(e.name, f.box, f.global_shape) for e, f in structure.fragments] == [(e.name, f.box, f.global_shape) for e, f in fresh]
+    assert structure.fragments is structure.fragments  # made once

@@ -403,7 +403,7 @@ class DaemonRpc:
             direct_read=direct_read,
             decodes=True,
             decodes_frames=True,
-            fingerprint=structure.fingerprint if structure.fragments else "",
+            fingerprint=structure.fingerprint if structure.targets else "",
             known_plans=known_plans,
             memory_columns=True,
         )

@@ -34,10 +34,11 @@ check, takes the general path, which raises the error; both give the same Struct
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -54,20 +55,32 @@ Signature = tuple[Any, ...]
 class Structure:
     """A flattened state's derived structure (see the module docstring).
 
-    fragments: (entry, fragment) for every fragment of every entry, in entry order.
     fingerprint: hex digest of the names, kinds, dtypes, shapes, aliases and boxes: the name
     under which this rank's daemon keeps the metadata once it was sent (BeginSave, PlanLoad);
     the daemon plans from its own digest of the metadata, so the fingerprint is only a handle
-    (ckptd.client.slots checks every slot of the plan against the tensors). `cache` holds what
-    callers derive from this structure and its bindings (metadata messages, placements, copy
-    plans): it is dropped with it.
+    (ckptd.client.slots checks every slot of the plan against the tensors). targets: each
+    fragment's local tensor, in order (what a load from memory copies into). `fragments`:
+    (entry, fragment) for every fragment of every entry, in entry order, made when first asked
+    (`make_fragments`): a restarted trainer's load from memory names its tensors by the
+    fingerprint and needs only the targets. `cache` holds what callers derive from this
+    structure and its bindings (metadata messages, placements, copy plans): it is dropped with it.
     """
 
     signature: Signature
     pointers: Sequence[int]
-    fragments: tuple[tuple[TensorEntry, Fragment], ...]
     fingerprint: str
+    targets: tuple[torch.Tensor, ...]
+    make_fragments: Callable[[], tuple[tuple[TensorEntry, Fragment], ...]] = field(repr=False)
     cache: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def fragments(self) -> tuple[tuple[TensorEntry, Fragment], ...]:
+        return self.make_fragments()
+
+    @staticmethod
+    def of_fragments(signature: Signature, pointers: Sequence[int], fragments: tuple[tuple[TensorEntry, Fragment], ...], fingerprint: str) -> "Structure":
+        """A structure whose fragments are made already."""
+        return Structure(signature, pointers, fingerprint, tuple(map(_LOCAL, map(_FRAGMENT, fragments))), lambda: fragments)
 
 
 class StructureCache:
@@ -110,7 +123,7 @@ class StructureCache:
             fragments = fragments_of_state(flat, rules, coords)
             if signature is None:  # cannot happen for a state that validates; never reused
                 signature = (object(),)
-            built = Structure(signature, _pointers(tensors), fragments, fingerprint_of(flat, fragments))
+            built = Structure.of_fragments(signature, _pointers(tensors), fragments, fingerprint_of(flat, fragments))
         self.builds += 1
         return built
 
@@ -126,15 +139,17 @@ def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Sign
     dtypes, shapes, devices = signature[_DTYPES_AT], signature[_SHAPES_AT], signature[_DEVICES_AT]
     if not plain_entries_valid(flat.tensors, tensors, dtypes, devices):
         return None
-    fragments = whole_fragments(flat, tensors, shapes)
-    names = map(_FRAGMENT_NAME, map(_FRAGMENT, fragments))
-    if any(map(_PLACED, flat.tensors)):  # LocalShards': each fragment's place is its own
-        places = list(map(_PLACE, map(_FRAGMENT, fragments)))
-    else:  # every fragment is all of its tensor: its place (global shape, offsets, lengths) is its shape's
-        place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
-        places = list(map(place_of.__getitem__, shapes))
-    fingerprint = _fingerprint(entries_fingerprint(flat.tensors, dtypes, shapes), names, places)
-    return Structure(signature, _pointers(tensors), fragments, fingerprint)
+    entries_digest = entries_fingerprint(flat.tensors, dtypes, shapes)
+    if any(map(_PLACED, flat.tensors)) or any(map(_PER_RANK, flat.tensors)):  # a fragment's name or place is its own
+        fragments = whole_fragments(flat, tensors, shapes)
+        named = list(map(_FRAGMENT, fragments))
+        fingerprint = _fingerprint(entries_digest, map(_FRAGMENT_NAME, named), list(map(_PLACE, named)))
+        return Structure.of_fragments(signature, _pointers(tensors), fragments, fingerprint)
+    # every fragment is all of its tensor, under its name: its place (global shape, offsets,
+    # lengths) is its shape's, and the fragments are made only when asked for
+    place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
+    fingerprint = _fingerprint(entries_digest, map(_ENTRY_NAME, flat.tensors), list(map(place_of.__getitem__, shapes)))
+    return Structure(signature, _pointers(tensors), fingerprint, tuple(tensors), lambda: whole_fragments(flat, tensors, shapes))
 
 
 def fragments_of_state(
@@ -167,7 +182,8 @@ def _fingerprint(entries_fingerprint: str, names: Iterable[str], places: list[tu
 
 
 _FRAGMENT = itemgetter(1)
-_FRAGMENT_NAME = attrgetter("name")
+_FRAGMENT_NAME, _LOCAL = attrgetter("name"), attrgetter("local")
+_ENTRY_NAME, _PER_RANK = itemgetter(0), itemgetter(6)  # a TensorEntry's name, and whether it is the rank's own
 _PLACE = attrgetter("global_shape", "box.offsets", "box.lengths")  # a fragment's place in its logical tensor
 _PLACED = itemgetter(4)  # a TensorEntry's placement: a LocalShard's (offsets, global shape), else None
 
@@ -235,4 +251,4 @@ def _rebind(last: Structure, flat: FlatState, rules: LayoutRules | None, coords:
         layout = layout_state(FlatState((entry,), {}, rank=flat.rank), rules, coords)[0]
         by_entry[i] = [(entry, f) for f in layout.fragments]
     fragments = tuple(pair for pairs in by_entry for pair in pairs)
-    return Structure(last.signature, pointers, fragments, last.fingerprint)
+    return Structure.of_fragments(last.signature, pointers, fragments, last.fingerprint)

@@ -52,7 +52,7 @@ def fill_plan(plan: LoadPlan, structure: Structure, maps: ArenaMaps, pool: Threa
     if reused is not None:
         made = reused
     elif plan.columns is not None:
-        targets = [f.local for _, f in structure.fragments]
+        targets = structure.targets
         on_device = any(map(owns, targets))  # they go through pinned host memory
         made = KnownPlan(None, plan.columns, None if on_device else MemoryCopies.of_columns(maps, targets, plan.columns))
     else:
