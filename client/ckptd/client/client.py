@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from operator import itemgetter, methodcaller
 from typing import Any, Literal, Mapping
 
 from ckptd.client.arenas import ArenaMaps
@@ -41,6 +42,8 @@ from ckptd.common.retention import JobRetention
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
+# a tensor's top-level key: its name up to the first "/" (C-level maps: thousands of names per load)
+_NAME, _PARTED, _BEFORE_SLASH = itemgetter(0), methodcaller("partition", "/"), itemgetter(0)
 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
@@ -453,7 +456,7 @@ def _load_request_of(structure: Structure, flat: FlatState) -> tuple[list[str], 
     """The kinds (top-level keys) and known plan ids a load of `flat` with `structure` sends."""
     tensor_kinds = structure.cache.get("kinds")  # the same names while the structure is the same
     if tensor_kinds is None:
-        tensor_kinds = structure.cache["kinds"] = frozenset(e.name.split("/", 1)[0] for e in flat.tensors)
+        tensor_kinds = structure.cache["kinds"] = frozenset(map(_BEFORE_SLASH, map(_PARTED, map(_NAME, flat.tensors))))
     return sorted(tensor_kinds | set(flat.extras)), list(structure.cache.get("load_plans", ()))
 
 
