@@ -328,7 +328,7 @@ def test_a_loads_staging_counts_against_the_budget_and_takes_idle_snapshots_firs
         assert memory.staging_bytes() == MiB and _staging_files(service)
         assert [len(service.jobs[j].pool.sets) for j in "bc"] == [0, 1] and _released(service, "pressure") == MiB
         assert memory.in_use() == 2 * MiB <= memory.budget
-        assert service.live_state().staging_bytes == MiB
+        assert service.live_state().staging_bytes == MiB and service.status().shm_staging == MiB
         await _saved(service, "b", 2)  # a save sees the staging as in use: c's snapshot goes back, never the load's files
         assert [len(service.jobs[j].pool.sets) for j in "bc"] == [1, 0] and memory.in_use() == 2 * MiB
         service.load_done(load_id)

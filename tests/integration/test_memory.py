@@ -114,6 +114,7 @@ def test_a_loads_staging_files_stay_within_the_budget(daemons: DaemonFactory) ->
         target = state_of(9, 9)
         assert ckpt.load(target) == 1 and torch.equal(target["model"]["w"], state_of(0, 1)["model"]["w"])
     doc = status(daemon.address)
+    assert doc["shm_staging"] in (0, STATE_BYTES)  # counted until the load's files are removed (LoadDone, just sent)
     assert [h["job"] for h in doc["arena_holders"]] == ["s2"] and doc["arena_bytes"] <= 40 * MiB  # s1, idle longest, made room
     deadline = time.monotonic() + 10
     while any("-fetch-" in p.name for p in daemons.shm_dir.iterdir()):  # the staging file goes once the load is done

@@ -203,6 +203,7 @@ class StatusSnapshot:
     arena_holders: tuple[ArenaHolder, ...] = ()  # the jobs with arena sets
     shm_budget: int = 0  # --shm-budget in bytes; 0: none (the shared-memory directory's size)
     shm_free: int = 0  # bytes free in the shared-memory directory
+    shm_staging: int = 0  # bytes counted for loads' staging files (within the budget)
 
     def of_job(self, job: str) -> "StatusSnapshot":
         """The same snapshot with only `job`'s saves in flight and arena sets."""

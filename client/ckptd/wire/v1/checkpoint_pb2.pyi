@@ -472,7 +472,7 @@ class LastCommit(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed_at: _Optional[float] = ..., latency_s: _Optional[float] = ..., bytes: _Optional[int] = ..., step_dir: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas", "link_mismatches_total", "arena_holders", "shm_budget", "shm_free")
+    __slots__ = ("version", "root", "in_flight", "arena_bytes", "arena_count", "committed_total", "failed_total", "skipped_total", "last_error", "draining", "queue_depth", "last_commit", "node_rank", "nodes", "bytes_written_total", "uptime_s", "loads_active", "remote", "replicas", "link_mismatches_total", "arena_holders", "shm_budget", "shm_free", "shm_staging")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +496,7 @@ class StatusResponse(_message.Message):
     ARENA_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     SHM_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SHM_FREE_FIELD_NUMBER: _ClassVar[int]
+    SHM_STAGING_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
@@ -519,7 +520,8 @@ class StatusResponse(_message.Message):
     arena_holders: _containers.RepeatedCompositeFieldContainer[ArenaHolder]
     shm_budget: int
     shm_free: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., link_mismatches_total: _Optional[int] = ..., arena_holders: _Optional[_Iterable[_Union[ArenaHolder, _Mapping]]] = ..., shm_budget: _Optional[int] = ..., shm_free: _Optional[int] = ...) -> None: ...
+    shm_staging: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., arena_bytes: _Optional[int] = ..., arena_count: _Optional[int] = ..., committed_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., skipped_total: _Optional[int] = ..., last_error: _Optional[str] = ..., draining: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., last_commit: _Optional[_Union[LastCommit, _Mapping]] = ..., node_rank: _Optional[int] = ..., nodes: _Optional[int] = ..., bytes_written_total: _Optional[int] = ..., uptime_s: _Optional[float] = ..., loads_active: _Optional[int] = ..., remote: _Optional[_Union[RemoteStatus, _Mapping]] = ..., replicas: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., link_mismatches_total: _Optional[int] = ..., arena_holders: _Optional[_Iterable[_Union[ArenaHolder, _Mapping]]] = ..., shm_budget: _Optional[int] = ..., shm_free: _Optional[int] = ..., shm_staging: _Optional[int] = ...) -> None: ...
 
 class ArenaHolder(_message.Message):
     __slots__ = ("job", "bytes", "sets", "held_steps", "in_flight", "readers", "idle_s")

@@ -248,6 +248,7 @@ class Housekeeping:
             arena_holders=tuple(engine.memory.holders()),
             shm_budget=engine.memory.budget or 0,
             shm_free=engine.memory.free(),
+            shm_staging=engine.memory.staging_bytes(),
         )
         for tier in self._tiers:
             status = replace(status, **tier.status_fields())  # remote, replicas: None without the tier

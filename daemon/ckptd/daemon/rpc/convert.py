@@ -224,7 +224,7 @@ def status_pb(status: StatusSnapshot) -> pb.StatusResponse:
             )
             for h in status.arena_holders
         ],
-        shm_budget=status.shm_budget, shm_free=status.shm_free,
+        shm_budget=status.shm_budget, shm_free=status.shm_free, shm_staging=status.shm_staging,
     )
 
 

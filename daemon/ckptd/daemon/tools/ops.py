@@ -108,6 +108,7 @@ def status_doc(reply: pb.StatusResponse, address: str) -> dict[str, Any]:
         "arena_count": reply.arena_count,
         "shm_budget": reply.shm_budget,
         "shm_free": reply.shm_free,
+        "shm_staging": reply.shm_staging,
         "arena_holders": [
             {"job": h.job, "bytes": h.bytes, "sets": h.sets, "held_steps": list(h.held_steps), "in_flight": h.in_flight,
              "readers": h.readers, "idle_s": h.idle_s}
@@ -194,7 +195,8 @@ def render_status(doc: dict[str, Any], now: float) -> str:
         f"ckptd {doc['version']} at {doc['address']} (node {doc['node_rank']} of {doc['nodes']}), root {doc['root']}, "
         f"up {human_seconds(doc['uptime_s'])}" + (", DRAINING (shutting down, no new saves)" if doc["draining"] else ""),
         f"arenas: {doc['arena_count']} holding {human_bytes(doc['arena_bytes'])} of shared memory (budget {budget}, "
-        f"{human_bytes(doc.get('shm_free', 0))} free); queue depth {doc['queue_depth']}; loads in progress {doc['loads_active']}",
+        f"{human_bytes(doc.get('shm_free', 0))} free)" + (f"; loads' staging files {human_bytes(doc['shm_staging'])}" if doc.get("shm_staging") else "")
+        + f"; queue depth {doc['queue_depth']}; loads in progress {doc['loads_active']}",
         *_holder_lines(doc),
         f"since start: {doc['committed_total']} committed, {doc['failed_total']} failed, {doc['skipped_total']} skipped; "
         f"{human_bytes(doc['bytes_written_total'])} written"
