@@ -180,11 +180,8 @@ class ArenaMemory:
             self._spawn(self._notify())
 
     def _staging_shortage(self, what_for: str) -> str:
-        held = "; ".join(
-            f"job {name!r} {human_bytes(p.nbytes)}: {', '.join(s.describe() for s in p.sets)}" for name, p in self._pools().items() if p.sets
-        ) or "none"
         return (
-            f"no room for {what_for}: {human_bytes(self.in_use())} of shared memory in use (arenas: {held}; staging "
+            f"no room for {what_for}: {human_bytes(self.in_use())} of shared memory in use (arenas: {self._holdings()}; staging "
             f"{human_bytes(self.staging_bytes())}), none of it idle to give back. Retry once the saves in flight are written, "
             "raise --shm-budget, or let the ranks read the checkpoint files themselves"
         )
@@ -387,11 +384,14 @@ class ArenaMemory:
         except OSError as exc:
             room = f"{settings.shm_dir} unreadable ({exc.strerror or exc})"
         where = f"{room}, budget {human_bytes(budget)} (--shm-budget {settings.shm_budget})" if budget is not None else room
-        held = "; ".join(
-            f"job {name!r} {human_bytes(p.nbytes)}: {', '.join(s.describe() for s in p.sets)}" for name, p in self._pools().items() if p.sets
-        ) or "none"
         return (
             f"job {pool.job!r} needs {human_bytes(sum(sizes))} of shared memory for a snapshot and there is no room "
-            f"({human_bytes(self.in_use())} of arenas in use, {where}); arenas: {held}; none of them is idle to give back. "
+            f"({human_bytes(self.in_use())} in use by arenas and loads' staging files, {where}); arenas: {self._holdings()}; none of them is idle to give back. "
             f"Raise --shm-budget, give {settings.shm_dir} more memory, or lower --max-inflight"
         )
+
+    def _holdings(self) -> str:
+        """Every job's arena sets, for the messages of a shortage."""
+        return "; ".join(
+            f"job {name!r} {human_bytes(p.nbytes)}: {', '.join(s.describe() for s in p.sets)}" for name, p in self._pools().items() if p.sets
+        ) or "none"
