@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import Arena, SetState
@@ -25,6 +27,7 @@ from ckptd.daemon.plan.save_plan import TensorSpec
 from ckptd.daemon.records import ArenaHolder
 from ckptd.daemon.engine.sessions import SaveSession
 from ckptd.daemon.errors import Exhausted
+from ckptd.daemon.engine import memory as memory_module
 from ckptd.daemon.service import CheckpointService
 from ckptd.daemon.handoff.shm_dir import ShmBudget
 
@@ -394,6 +397,25 @@ def test_a_prefetch_takes_only_free_memory(tmp_path: Path) -> None:
         assert await memory.try_stage_room("a", 1, MiB) and memory.staging_bytes() == MiB
         memory.staging_removed("a", 1)
         assert memory.staging_bytes() == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
+# two loads counted at once must both fit in the directory: staged bytes not written yet count
+def test_staging_counted_but_not_yet_written_counts_against_the_directorys_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    service = _service(tmp_path)
+    memory = service.engine.memory
+    monkeypatch.setattr(memory_module, "free_bytes", lambda _: MiB + MiB // 2)  # a nearly full directory
+
+    async def run() -> None:
+        await memory.stage_room("a", 1, MiB, 0.0)  # fits; nothing of it written yet
+        with pytest.raises(Exhausted, match="no room for staging 1 MiB of step 2 of job 'b'"):
+            await memory.stage_room("b", 2, MiB, 0.0)
+        memory.staging_removed("a", 1)
+        await memory.stage_room("b", 2, MiB, 0.0)
 
     try:
         asyncio.run(run())

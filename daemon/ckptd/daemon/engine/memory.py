@@ -66,6 +66,7 @@ class ArenaMemory:
         self._pending = 0  # bytes allowed for sets being allocated now (not yet in any pool's nbytes)
         self._staged: dict[tuple[str, int], int] = {}  # (job, step) -> bytes counted for its loads' staging files
         self._freed = asyncio.Event()  # set (and replaced) whenever memory goes back or sets become idle
+        self._staging_written: Callable[[], int] = lambda: 0  # bytes the staging files take in the directory now
 
     def _pools(self) -> dict[str, ArenaPool]:
         return {job: state.pool for job, state in self._jobs.items()}
@@ -174,6 +175,11 @@ class ArenaMemory:
         self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
         return True
 
+    def track_staging_files(self, written: Callable[[], int]) -> None:
+        """`written()`: the bytes the staging files take in the directory now (engine/staging.py),
+        so that the directory's check counts only the staged bytes not yet written."""
+        self._staging_written = written
+
     def staging_removed(self, job: str, step: int) -> None:
         """The staging files of `step` of `job` were removed: their bytes are free again (saves waiting are woken)."""
         if self._staged.pop((job, step), None):
@@ -252,9 +258,11 @@ class ArenaMemory:
         return self.in_use() + need - budget if budget is not None else 0
 
     def _over_directory(self, need: int) -> int:
-        """Bytes by which `need` more would exceed the directory's free space (<= 0: they fit)."""
+        """Bytes by which `need` more would exceed the directory's free space (<= 0: they fit), the
+        staging counted but not written yet included (two loads counted at once must both fit)."""
+        unwritten = max(0, self.staging_bytes() - self._staging_written()) if self._staged else 0
         try:
-            return need + self._pending - free_bytes(self._settings().shm_dir)
+            return need + self._pending + unwritten - free_bytes(self._settings().shm_dir)
         except OSError as exc:  # allocation will say what is wrong with the directory
             log.warning("cannot check the free space of %s: %s", self._settings().shm_dir, exc)
             return 0

@@ -78,6 +78,18 @@ class StagingFiles:
         os.set_blocking(fd, True)
         return fd
 
+    def written_bytes(self) -> int:
+        """Bytes this daemon's staging files take in their directory now (their allocated blocks)."""
+        with self._lock:
+            paths = list(self._made)
+        total = 0
+        for path in paths:
+            try:
+                total += os.stat(path, follow_symlinks=False).st_blocks * 512
+            except OSError:
+                continue  # removed meanwhile: it takes nothing
+        return total
+
     def mark_checked(self, path: str, offset: int) -> None:
         """The range at `offset` of the staging file `path` was staged whole, each byte checked
         against the step's checksums before it was written (StagingTarget.checked)."""
