@@ -13,7 +13,7 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Coroutine
 
 import pytest
 
@@ -89,6 +89,14 @@ async def _load(service: CheckpointService, job: str, step: int, nbytes: int = M
     return plan.tier, plan.load_id
 
 
+def _run(service: CheckpointService, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a test's coroutine, then close the service whatever happened."""
+    try:
+        asyncio.run(run())
+    finally:
+        service.close()
+
+
 def _arena_files(service: CheckpointService) -> list[str]:
     return sorted(p.name for p in service.config.shm_dir.iterdir() if "-fetch-" not in p.name)
 
@@ -121,10 +129,7 @@ def test_a_job_keeps_one_arena_set_and_each_save_reuses_it(tmp_path: Path) -> No
         assert len(_arena_files(service)) == 1
         assert (await _load(service, "a", 3))[0] == "memory"  # the restore from memory is kept
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # issue 30 finding 5 (b): a second set only while saves overlap, given back once idle
@@ -145,10 +150,7 @@ def test_a_save_while_the_previous_one_is_written_takes_a_second_set_given_back_
         assert _released(service, "spare") == MiB
         assert (await _load(service, "a", 3))[0] == "memory"
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # issue 30 finding 5 (b): hold_while_saving keeps the restore from memory during the next save
@@ -163,10 +165,7 @@ def test_hold_while_saving_keeps_the_held_snapshot_while_the_next_save_is_writte
         assert await _durable(service, "a", 2) is SaveState.COMMITTED
         assert service.jobs["a"].pool.nbytes == 2 * MiB  # the price: twice the state
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # ------------------------------------------------------------------ one budget, given back under pressure
@@ -188,10 +187,7 @@ def test_a_save_over_the_budget_takes_other_jobs_idle_snapshots_longest_idle_fir
         assert [len(service.jobs[j].pool.sets) for j in "abc"] == [1, 0, 1]
         assert _released(service, "pressure") == 2 * MiB
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # issue 30 finding 5 (a): never a snapshot in flight (the only copy of a step not yet durable) or being read
@@ -214,10 +210,7 @@ def test_pressure_never_takes_a_snapshot_being_written_or_read(tmp_path: Path) -
         await _saved(service, "b", 3)  # now idle: given back to b
         assert not service.jobs["a"].pool.sets and (await _load(service, "a", 2))[0] == "disk"
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # issue 30 finding 5 (a): a save waiting for memory gets it once another job's snapshot is durable
@@ -231,10 +224,7 @@ def test_a_save_waits_for_another_jobs_snapshot_to_be_durable_then_takes_its_mem
         assert service.jobs["a"].recent[1].state is SaveState.COMMITTED
         assert not service.jobs["a"].pool.sets and (await _load(service, "a", 1))[0] == "disk"
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # ------------------------------------------------------------------ idle time and gc
@@ -256,10 +246,7 @@ def test_a_job_idle_for_idle_release_s_gives_its_arenas_back(tmp_path: Path) -> 
         assert (await _load(service, "a", 1))[0] == "disk"
         assert _released(service, "idle") == MiB
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
     never = _service(tmp_path / "never", idle_release_s=0)
     try:
         asyncio.run(_saved(never, "a", 1))
@@ -285,10 +272,7 @@ def test_gc_gives_back_idle_arenas_but_not_a_snapshot_being_written(tmp_path: Pa
         assert await _durable(service, "b", 2) is SaveState.COMMITTED
         assert (await _load(service, "b", 2))[0] == "memory" and (await _load(service, "a", 1))[0] == "disk"
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # ------------------------------------------------------------------ loads' staging files
@@ -337,10 +321,7 @@ def test_a_loads_staging_counts_against_the_budget_and_takes_idle_snapshots_firs
         service.load_done(load_id)
         assert memory.staging_bytes() == 0 and not _staging_files(service)
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # a load waits for a save in flight (the only copy of its step) to be written, then takes its memory
@@ -356,10 +337,7 @@ def test_a_staged_load_waits_for_a_save_in_flight_then_stages(tmp_path: Path) ->
         service.load_done(load_id)
         assert service.engine.memory.staging_bytes() == 0
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # staging that can never fit fails at once, saying what to change; nothing is staged or counted
@@ -379,29 +357,25 @@ def test_staging_more_than_the_budget_fails_with_what_to_change(tmp_path: Path) 
         assert service.engine.memory.staging_bytes() == 0 and not _staging_files(service)
         assert (await _load(service, "a", 1))[0] == "disk"  # a rank that reads the root stages nothing
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
-# a prefetch takes only free memory: no other job's snapshot, no wait
+# a prefetch's call (Loads.prefetch: evict=False, no wait) takes only free memory: no other job's snapshot
 def test_a_prefetch_takes_only_free_memory(tmp_path: Path) -> None:
     service = _service(tmp_path, shm_budget=ShmBudget(nbytes=2 * MiB))
     memory = service.engine.memory
 
     async def run() -> None:
         await _saved(service, "b", 1)
-        assert not await memory.try_stage_room("a", 1, 2 * MiB)  # only with b's snapshot given back
+        with pytest.raises(Exhausted, match="no room for staging 2 MiB of step 1 of job 'a'"):
+            await memory.stage_room("a", 1, 2 * MiB, 0.0, evict=False)  # only with b's snapshot given back
         assert memory.staging_bytes() == 0 and len(service.jobs["b"].pool.sets) == 1
-        assert await memory.try_stage_room("a", 1, MiB) and memory.staging_bytes() == MiB
+        await memory.stage_room("a", 1, MiB, 0.0, evict=False)
+        assert memory.staging_bytes() == MiB
         memory.staging_removed("a", 1)
         assert memory.staging_bytes() == 0
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # two loads counted at once must both fit in the directory: staged bytes not written yet count
@@ -417,10 +391,7 @@ def test_staging_counted_but_not_yet_written_counts_against_the_directorys_free_
         memory.staging_removed("a", 1)
         await memory.stage_room("b", 2, MiB, 0.0)
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # ------------------------------------------------------------------ reports
@@ -442,10 +413,7 @@ def test_status_and_metrics_say_who_holds_what(tmp_path: Path) -> None:
         assert live.job_arena_bytes == {"a": MiB, "b": 2 * MiB} and live.job_idle_s["b"] == 0.0 and live.shm_budget == 64 * MiB
         await _durable(service, "b", 1)
 
-    try:
-        asyncio.run(run())
-    finally:
-        service.close()
+    _run(service, run)
 
 
 # issue 30 finding 5: the budget and the release settings change on SIGHUP (CheckpointService.reconfigure)

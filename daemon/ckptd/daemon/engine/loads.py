@@ -32,7 +32,7 @@ from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
 from ckptd.daemon.memo import IdentityMemo
-from ckptd.daemon.errors import NotFound, Precondition, Unavailable
+from ckptd.daemon.errors import Exhausted, NotFound, Precondition, Unavailable
 from ckptd.format.file_plan import SHM_SOURCE, PlannedPieces, StagedRead, extras_source, rank_extras
 from ckptd.format.index import EXTRA_JSON, CheckpointIndex, FileRecord, FormatError
 from ckptd.daemon.plan.load_plan import (
@@ -311,11 +311,8 @@ class Loads:
         for task in waits:
             await asyncio.shield(task)
 
-    async def _stage_counted(
-        self, index: CheckpointIndex, route: TierName | str, reads: Sequence[StagedRead], target: StagingTarget, routes: BroadcastRoutes
-    ) -> None:
-        """Stage `reads` by `route` once --shm-budget has room for their bytes (engine/memory.py:
-        counted until the step's staging files are removed; Exhausted after STAGE_ROOM_WAIT_S)."""
+    async def _stage_counted(self, index: CheckpointIndex, route: TierName | str, reads: Sequence[StagedRead], target: StagingTarget, routes: BroadcastRoutes) -> None:
+        """Stage `reads` by `route` once the budget has room for their bytes (ArenaMemory.stage_room)."""
         await self.engine.memory.stage_room(index.job, index.step, sum(r.nbytes for r in reads), STAGE_ROOM_WAIT_S)
         await (
             self.broadcast.fetch(index, reads, target, routes) if route == FETCH
@@ -348,8 +345,10 @@ class Loads:
             where, tiers = await self._file_sources(index, lacking, sizes)
             if self._loading(key):  # a load came meanwhile: it stages what it reads
                 return 0
-            if not await self.engine.memory.try_stage_room(job, step, nbytes := sum(f.size for f in lacking)):
-                log.info("step %s of job %s: no free room under --shm-budget to prefetch this node's part (%d bytes): its ranks' loads stage it", step, job, nbytes)
+            try:  # only free memory: no other job's snapshot given back, no wait
+                await self.engine.memory.stage_room(job, step, sum(f.size for f in lacking), 0.0, evict=False)
+            except Exhausted as exc:
+                log.info("no prefetch of this node's part of step %s of job %s (its ranks' loads stage it): %s", step, job, exc)
                 return 0
             locations = file_locations(data_files, node, where, lambda file: None, lambda file: str(self.staging.path(job, step, file)), tiers)
             paths = {name: location.path for name, location in locations.items()}

@@ -17,7 +17,7 @@ only copy of a step not yet durable) nor one a load is reading.
 A load's staging files (engine/staging.py: a step's bytes fetched from peers, replicas or a root
 the ranks cannot read) live in the same directory and count against the same budget: room is
 made for them as for a snapshot before they are staged (`stage_room`; a prefetch takes only
-what is free, `try_stage_room`), and they count as in use until the load's files are removed.
+what is free), and they count as in use until the load's files are removed.
 
 Runs on the event loop; arenas are made and closed in threads.
 """
@@ -146,16 +146,17 @@ class ArenaMemory:
 
     # ------------------------------------------------------------------ loads' staging files
 
-    async def stage_room(self, job: str, step: int, nbytes: int, wait_s: float) -> None:
+    async def stage_room(self, job: str, step: int, nbytes: int, wait_s: float, evict: bool = True) -> None:
         """Count `nbytes` of staging files for a load of `step` of `job`, once the budget and the
-        directory have room for them: idle sets of any job are given back first (held snapshots
-        too, the job idle longest first, as for a save), then sets in flight are waited for, up
-        to `wait_s` seconds. Exhausted, naming what holds the memory, when they never fit or did
-        not within `wait_s`."""
+        directory have room for them: idle sets of any job are given back first (free ones; with
+        `evict` held snapshots too, the job idle longest first, as for a save), then sets in
+        flight are waited for, up to `wait_s` seconds (a prefetch: evict False, wait 0). Exhausted,
+        naming what holds the memory, when they never fit or did not within `wait_s`; nothing is
+        counted then."""
         what_for = f"staging {human_bytes(nbytes)} of step {step} of job {job!r} for its ranks"
         self._check_fits(nbytes, what_for, "or let the ranks read the checkpoint files themselves (they then stage nothing)")
         deadline = time.monotonic() + wait_s
-        while not await self._room(nbytes, None, evict=True):
+        while not await self._room(nbytes, None, evict):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Exhausted(self._staging_shortage(what_for))
@@ -163,17 +164,6 @@ class ArenaMemory:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(freed.wait(), left)
         self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
-
-    async def try_stage_room(self, job: str, step: int, nbytes: int) -> bool:
-        """Count `nbytes` of staging files of `step` of `job` if they fit now, giving back only
-        free sets (a prefetch: never another job's snapshot, never a wait); False, nothing counted, if not."""
-        budget = self.budget
-        if budget is not None and nbytes > budget:
-            return False
-        if not await self._room(nbytes, None, evict=False):
-            return False
-        self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
-        return True
 
     def track_staging_files(self, written: Callable[[], int]) -> None:
         """`written()`: the bytes the staging files take in the directory now (engine/staging.py),
