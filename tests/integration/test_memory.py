@@ -120,6 +120,7 @@ def test_a_loads_staging_files_stay_within_the_budget(daemons: DaemonFactory) ->
     while any("-fetch-" in p.name for p in daemons.shm_dir.iterdir()):  # the staging file goes once the load is done
         assert time.monotonic() < deadline, sorted(p.name for p in daemons.shm_dir.iterdir())
         time.sleep(0.1)
+    assert status(daemon.address)["shm_staging"] == 0  # no longer counted once its files are removed
 
 
 # issue 30 finding 5 (a): ckptd gc and ckptd status: who holds what, then given back
