@@ -123,6 +123,34 @@ def test_a_loads_staging_files_stay_within_the_budget(daemons: DaemonFactory) ->
     assert status(daemon.address)["shm_staging"] == 0  # no longer counted once its files are removed
 
 
+# A rank killed mid-load (after PlanLoad, before LoadDone) held its lease for LOAD_LEASE_S (an hour):
+# its staging bytes stayed counted under the budget (another job's saves found no room) and its
+# step's snapshot stayed pinned. The daemon sees the client's Attach call end and ends the lease.
+KILLED_BEFORE_LOAD_DONE = """
+import os, signal, sys, torch
+from ckptd.client import CheckpointClient
+from ckptd.client import _rpc
+_rpc.DaemonRpc.load_done = lambda self, load_id: os.kill(os.getpid(), signal.SIGKILL)
+with CheckpointClient("s0", address=sys.argv[1], on_error="raise", read_files=False) as ckpt:
+    ckpt.load({"model": {"w": torch.zeros(%d)}})
+""" % (STATE_BYTES // 4)
+
+
+def test_a_rank_killed_mid_load_leaves_no_staging_counted_and_no_lease(daemons: DaemonFactory) -> None:
+    daemon = daemons.start("--shm-budget", "40MiB")
+    save(daemon.address, "s0", 1, 0)
+    assert ckptd("gc", "--address", daemon.address, "--job", "s0").returncode == 0  # s0's step 1 on disk only: a load stages it
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_LOAD_DONE, daemon.address], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    deadline = time.monotonic() + 10
+    while (doc := status(daemon.address))["loads_active"] or doc["shm_staging"]:
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.1)
+    save(daemon.address, "s1", 1, 1)  # the whole budget is there for another job's saves
+    save(daemon.address, "s2", 1, 2)
+    assert {h["job"] for h in status(daemon.address)["arena_holders"]} == {"s1", "s2"}
+
+
 # issue 30 finding 5 (a): ckptd gc and ckptd status: who holds what, then given back
 def test_status_names_the_holders_and_gc_gives_their_memory_back(daemons: DaemonFactory) -> None:
     daemon = daemons.start()

@@ -4,8 +4,9 @@ and lease what it reads until LoadDone. The tiers (engine/tiers.py) are asked in
 which holds the step (the root, the peers' roots, the bucket), whether one holds it whole in
 memory (HELD), and which files each holds; a file is staged by the tier its location names.
 
-A lease keeps a held snapshot (and staging files) from being reused or removed while a rank
-reads it; leases expire after LOAD_LEASE_S (a rank that died mid-load).
+A lease (engine/load_leases.py) keeps a held snapshot (and staging files) from being reused or
+removed while a rank reads it; it ends at LoadDone, when the client that planned it ends, or
+after LOAD_LEASE_S.
 
 A replaced node's daemon stages its own part of a step before its ranks ask (`prefetch`, started
 by engine/prefetch.py): whole files, by the same tiers and checks as a load's reads, which a load
@@ -18,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ckptd.daemon.engine.broadcast import Broadcast
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.load_leases import LoadLeases
 from ckptd.daemon.engine.requests import PlanLoad
 from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.sessions import JobState
@@ -56,21 +57,12 @@ from ckptd.daemon.records import PeerInventory
 
 log = logging.getLogger(__name__)
 
-LOAD_LEASE_S = 3600.0
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
 PREFETCH_HOLD_S = 600.0  # seconds a prefetched part stays staged for loads that have not come
 STAGE_ROOM_WAIT_S = 30.0  # seconds a load waits for saves in flight to leave room under --shm-budget for its staging files
 Sources = tuple[dict[str, int], dict[str, TierName]]  # Loads._file_sources' answer: file -> node, file -> replica tier
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
-
-
-@dataclass
-class LoadLease:
-    job: str
-    step: int
-    held: Snapshot | None
-    expires: float  # monotonic seconds
 
 
 class DecodingNeeds:
@@ -96,7 +88,7 @@ class Loads:
         self._tiers = tiers
         self._root = root  # tiers[ROOT]: where a located step's index is read unless a tier names another copy
         self._copies: dict[tuple[str, int], StepCopy] = {}  # steps being loaded that this root lacks (a replaced node): their copy
-        self.leases: dict[str, LoadLease] = {}
+        self.leases = LoadLeases()
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._whole: dict[tuple[str, int, str], asyncio.Task[None]] = {}  # (job, step, file) -> its prefetch (the whole file)
         self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> until when (monotonic s) its prefetched files stay
@@ -213,13 +205,10 @@ class Loads:
         source = extras_source(rank, index.world_size)
         extras_by_rank = in_memory if in_memory is not None and source in in_memory else await self._extras(job, step)
         extras = rank_extras(extras_by_rank, rank, index.world_size)
-        load_id = uuid.uuid4().hex
         state = self.engine.jobs.get(job)
         if state is not None:
             state.pool.mark_used()  # a load is use: the job is not idle (engine/memory.py)
-        if held is not None:
-            held.lease()
-        self.leases[load_id] = LoadLease(job, step, held, time.monotonic() + LOAD_LEASE_S)
+        load_id = self.leases.add(job, step, held, request.client)
         self.expire_leases()
         tier = "memory" if plan_id else load_tier(found.pieces, held)  # a plan id: every piece is from memory
         self.engine.metrics.loads.labels(tier).inc()
@@ -443,11 +432,9 @@ class Loads:
 
     def done(self, load_id: str) -> None:
         """LoadDone: the rank has read what it needed."""
-        lease = self.leases.pop(load_id, None)
+        lease = self.leases.pop(load_id)  # its snapshot released: idle now, it may be reused or given back
         if lease is None:
             return
-        if lease.held is not None:
-            lease.held.release()  # the snapshot may be idle now: reusable, or given back
         if self._holds.get((lease.job, lease.step), 0.0) < float("inf"):  # a prefetch done: it served this load
             self._holds.pop((lease.job, lease.step), None)
         self._release_staging(lease.job, lease.step)
@@ -456,7 +443,7 @@ class Loads:
         """Remove the step's staging files (shared memory) once no load of the step is being
         planned or reading: they would otherwise hold host memory until shutdown. A later load
         of the step fetches again."""
-        if (job, step) in self._planning or (job, step) in self._holds or any(lease.job == job and lease.step == step for lease in self.leases.values()):
+        if (job, step) in self._planning or (job, step) in self._holds or self.leases.reading(job, step):
             return
         keys = [k for k in self._fetches if k[:2] == (job, step)]
         whole = [k for k in self._whole if k[:2] == (job, step)]
@@ -473,16 +460,19 @@ class Loads:
                 self.engine.spawn(asyncio.to_thread(self.staging.free, detached))
         self.engine.memory.staging_removed(job, step)
 
+    def client_gone(self, job: str, client: str) -> None:
+        """A client of `job` ended (exited, maybe mid-load): the loads it did not finish are done."""
+        for load_id in self.leases.of_client(job, client):
+            self.done(load_id)
+
     def expire_leases(self) -> None:
-        now = time.monotonic()
-        for load_id, lease in list(self.leases.items()):
-            if lease.expires < now:
-                self.done(load_id)
+        for load_id in self.leases.expired():
+            self.done(load_id)
 
     def leased_steps(self, job: str) -> set[int]:
         """The steps of `job` that loads are reading (retention keeps them)."""
         self.expire_leases()
-        return {lease.step for lease in self.leases.values() if lease.job == job}
+        return self.leases.steps(job)
 
     def close(self) -> None:
         self.staging.close()

@@ -105,3 +105,4 @@ class PlanLoad:
     decodes: bool = True  # the client decodes quantized codes and residuals
     decodes_frames: bool = True  # the client reads codes in zstd frames
     run: str = ""  # the rank's run: its open saves are abandoned, another run's never
+    client: str = ""  # the client id of the rank ("": a client older than client ids): its end ends the load's lease
