@@ -154,6 +154,30 @@ def test_buffers_of_dead_trainers_are_closed() -> None:
     staging.shutdown()
 
 
+def test_the_buffers_a_client_opened_are_closed_when_it_ends_and_no_other() -> None:
+    """A trainer killed never closes its buffer; the mapping keeps its GPU memory allocated
+    until the daemon closes it: at the end of its client (its Attach call), not its next save."""
+    rt = FakeRuntime()
+    for handle in (b"1" * 64, b"2" * 64, b"3" * 64, b"4" * 64):
+        rt.buffers[handle] = (ctypes.c_char * 64)()
+    staging = GpuStaging(lambda: rt)  # type: ignore[arg-type, return-value]
+    pid = os.getpid()  # alive: only the client's end closes its buffer
+
+    async def scenario() -> None:
+        gone, _ = await staging.open("job", 0, UUID_A, b"1" * 64, 64, pid, "client0a")
+        other, _ = await staging.open("job", 1, UUID_A, b"2" * 64, 64, pid, "client1a")
+        other_job, _ = await staging.open("job2", 0, UUID_A, b"3" * 64, 64, pid, "client0a")
+        unnamed, _ = await staging.open("job", 2, UUID_A, b"4" * 64, 64, pid)  # a client older than client ids
+        await staging.client_gone("job", "client0a")
+        assert set(staging.buffers) == {other, other_job, unnamed} and gone not in staging.buffers
+        assert [c for c in rt.calls if c[0] == "close"] == [("close", ctypes.addressof(rt.buffers[b"1" * 64]))]
+        await staging.client_gone("job", "")  # an unnamed client's end closes nothing
+        assert set(staging.buffers) == {other, other_job, unnamed}
+
+    run(scenario())
+    staging.shutdown()
+
+
 GIB = 1 << 30
 MB = 1 << 20
 

@@ -12,7 +12,10 @@ a CPU machine refuses the buffer and the client falls back to "overlap"
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,6 +69,39 @@ def test_ipc_saves_through_the_staging_buffer_the_daemon_opened(gpu_daemon, monk
             assert reader.load(target, step=step) == step
         assert all(torch.equal(target["model"][k], v) for k, v in saved[step].items())
         assert torch.equal(target["extra"]["cpu"], torch.arange(10.0))
+
+
+# The trainer's process, under the stand-in: saves once in mode "ipc", then dies by SIGKILL with
+# its staging buffer open (a killed trainer never closes it).
+KILLED_WITH_ITS_BUFFER_OPEN = """
+import os, signal, sys
+import pytest, torch
+sys.path.insert(0, sys.argv[3])
+import fakecuda
+from ckptd.client import CheckpointClient
+cuda = fakecuda.FakeCuda(lib=fakecuda.SharedDeviceLib(sys.argv[2])).install(pytest.MonkeyPatch())
+state = {"model": {"w": cuda.to_device(torch.arange(4096.0))}}
+ckpt = CheckpointClient("killed", address=sys.argv[1], rank=0, world_size=1, mode="ipc", on_error="raise")
+handle = ckpt.save(1, state)
+assert handle.mode == "ipc", ckpt.mode_reason
+handle.wait_durable(timeout=60)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_trainers_staging_buffer_is_closed_when_its_client_ends(gpu_daemon) -> None:  # noqa: ANN001
+    """The daemon's mapping of a staging buffer keeps the trainer's GPU memory allocated after the
+    trainer died: it is closed when the client's Attach call ends, not at the job's next save."""
+    daemon, device_dir = gpu_daemon
+    tests_dir = str(Path(fakecuda.__file__).parent)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WITH_ITS_BUFFER_OPEN, daemon.address, str(device_dir), tests_dir],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    assert "opened the staging buffer of job killed rank 0" in daemon.log_text()
+    deadline = time.monotonic() + 10
+    while "closing the staging buffer of job killed rank 0: its client ended" not in daemon.log_text():
+        assert time.monotonic() < deadline, daemon.log_text()[-2000:]
+        time.sleep(0.1)
 
 
 def _counted(cuda: "fakecuda.FakeCuda", counts: dict[str, int]) -> None:

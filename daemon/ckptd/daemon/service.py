@@ -251,10 +251,13 @@ class CheckpointService:
     def detach(self, job: str, client_id: str, only: Client | None = None) -> None:
         """A client detached (Detach, or its process ended; `only`: that attachment only): the
         open saves it joined and did not hand its part of over fail (Saves.client_gone, in the
-        background), and the loads it did not finish are done (Loads.client_gone)."""
+        background), the loads it did not finish are done (Loads.client_gone) and the GPU staging
+        buffers it opened are closed (GpuStaging.client_gone)."""
         if self.engine.runs.detach(job, client_id, only) is not None:
             self.loads.client_gone(job, client_id)
             self.engine.spawn(self.saves.client_gone(job, client_id))
+            if self.gpu.buffers:
+                self.engine.spawn(self.gpu.client_gone(job, client_id))
 
     async def commit_snapshot(self, request: CommitSnapshot) -> None:
         """Saves.hand_over."""

@@ -5,7 +5,8 @@ any other length is refused on receipt, see ckptd.common.cudart.ipc_handle_probl
 GPU's UUID once (OpenStaging). The daemon finds the GPU with that UUID among the ones it sees
 (device indices differ between processes with different CUDA_VISIBLE_DEVICES), opens the
 handle once with cudaIpcOpenMemHandle and keeps the mapping until the rank closes it, opens a
-new one, or the daemon exits. At each commit it copies the staged ranges to the rank's arena
+new one, its client ends (its Attach call ends: a trainer killed never closes it, and the
+mapping keeps the dead trainer's GPU memory allocated), or the daemon exits. At each commit it copies the staged ranges to the rank's arena
 with cudaMemcpy, after page-locking the arena once, in ONE cudaHostRegister call of the whole
 mapping (ckptd.common.cudart.register_host: a copy may not span two registrations, CUDA
 refuses it with `invalid argument`); unlocked before the arena is unmapped.
@@ -60,6 +61,7 @@ class OpenBuffer:
     ptr: int  # the daemon's address of the buffer
     nbytes: int
     pid: int
+    client: str = ""  # the client id of the rank that opened it ("": a client older than client ids)
 
 
 class GpuStaging:
@@ -94,8 +96,9 @@ class GpuStaging:
         assert self._devices is not None
         return self._runtime, self._devices
 
-    async def open(self, job: str, rank: int, gpu_uuid: str, handle: bytes, nbytes: int, pid: int) -> tuple[str, str]:
-        """Open a rank's staging buffer; returns (staging_id, "") or ("", the reason it cannot).
+    async def open(self, job: str, rank: int, gpu_uuid: str, handle: bytes, nbytes: int, pid: int, client: str = "") -> tuple[str, str]:
+        """Open a rank's staging buffer (`client`: the id of the client that asks); returns
+        (staging_id, "") or ("", the reason it cannot).
 
         Raises InvalidRequest for malformed fields (a handle that is not exactly 64 bytes among
         them: checked here, on receipt). The rank's previous buffer is closed first.
@@ -129,7 +132,7 @@ class GpuStaging:
         except CudaRuntimeError as exc:
             return "", f"{exc}; {NAMESPACE_HINT}"
         staging_id = uuidlib.uuid4().hex
-        self.buffers[staging_id] = OpenBuffer(staging_id, job, rank, device, ptr, nbytes, pid)
+        self.buffers[staging_id] = OpenBuffer(staging_id, job, rank, device, ptr, nbytes, pid, client)
         log.info("opened the staging buffer of job %s rank %s (pid %s): %.2f GiB on GPU %s", job, rank, pid, nbytes / 2**30, device)
         return staging_id, ""
 
@@ -201,6 +204,13 @@ class GpuStaging:
             if not _alive(buf.pid):
                 log.info("closing the staging buffer of job %s rank %s: its process %s is gone", buf.job, buf.rank, buf.pid)
                 await self._close(buf)
+
+    async def client_gone(self, job: str, client: str) -> None:
+        """A client of `job` ended (Detach, or its process exited): close the buffers it opened.
+        A killed trainer never closes its own, and its GPU memory stays allocated while open here."""
+        for buf in [b for b in self.buffers.values() if client and b.client == client and b.job == job]:
+            log.info("closing the staging buffer of job %s rank %s: its client ended", buf.job, buf.rank)
+            await self._close(buf)
 
     async def close(self, job: str, rank: int, staging_id: str) -> None:
         buf = self.buffer(job, rank, staging_id)

@@ -123,7 +123,9 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
 
     async def OpenStaging(self, request: pb.OpenStagingRequest, context: grpc.aio.ServicerContext) -> pb.OpenStagingResponse:
         job, rank, _ = checks.check_who(request.who)
-        staging_id, reason = await self._staging.open(job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid)
+        staging_id, reason = await self._staging.open(
+            job, rank, request.gpu_uuid, request.ipc_handle, request.nbytes, request.pid, checks.check_client_id(request.who)
+        )
         if reason:
             log.warning("rank %s of job %s cannot use mode 'ipc' (it falls back to 'overlap'): %s", rank, job, reason)
         return pb.OpenStagingResponse(staging_id=staging_id, reason=reason)
