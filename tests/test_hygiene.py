@@ -44,7 +44,7 @@ def test_the_client_never_imports_the_daemon() -> None:
 
 def test_the_pure_core_does_no_io_and_no_rpc() -> None:
     pure = [REPO / f for f in (
-        "daemon/ckptd/daemon/plan/save_plan.py", "client/ckptd/format/index.py", "client/ckptd/common/boxes.py", "client/ckptd/common/reshard.py", "client/ckptd/common/tiling.py", "client/ckptd/common/quant.py", "client/ckptd/common/quant_options.py", "client/ckptd/common/codecs.py", "client/ckptd/common/blocks.py",
+        "daemon/ckptd/daemon/plan/save_plan.py", "client/ckptd/format/index.py", "client/ckptd/format/safetensors_header.py", "client/ckptd/common/boxes.py", "client/ckptd/common/reshard.py", "client/ckptd/common/tiling.py", "client/ckptd/common/quant.py", "client/ckptd/common/quant_options.py", "client/ckptd/common/codecs.py", "client/ckptd/common/blocks.py",
         "daemon/ckptd/daemon/plan/load_plan.py", "daemon/ckptd/daemon/plan/compression.py", "daemon/ckptd/daemon/plan/files.py", "client/ckptd/format/units.py", "client/ckptd/format/file_plan.py",
         "daemon/ckptd/daemon/plan/rollback.py", "daemon/ckptd/daemon/plan/node_files.py",
     )]

@@ -72,7 +72,8 @@ from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.rpc.peer_links import PeerLinks
 from ckptd.daemon.heap import quiet_collector
 from ckptd.daemon.plan.load_plan import file_locations, plan_pieces
-from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files, safetensors_header
+from ckptd.format.index import CheckpointIndex, FileRecord, FragmentRecord, layout_files
+from ckptd.format.safetensors_header import safetensors_header
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
 from ckptd.daemon.plan.files import NodeManifest, stored_tensors

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from ckptd.common.boxes import Box
 from ckptd.daemon.tools.export import ExportError, export_model
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, TensorRecord, safetensors_header
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, TensorRecord
+from ckptd.format.safetensors_header import safetensors_header
 from ckptd.common.chunks import checksum_name
 
 

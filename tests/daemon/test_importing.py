@@ -4,6 +4,7 @@ committed step, what is refused and why, and what an import leaves behind when i
 from __future__ import annotations
 
 import json
+import struct
 import os
 import pickle
 import random
@@ -334,6 +335,24 @@ def test_a_broken_hugging_face_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "neither").mkdir()
     with pytest.raises(ImportRefused, match="neither a Hugging Face model directory .* nor a torch.distributed.checkpoint directory"):
         import_checkpoint(tmp_path / "neither", tmp_path / "root", "hf", 1)
+
+
+@pytest.mark.parametrize(
+    "header, data, expected",
+    [
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', 12, "'a' and 'b' overlap"),
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}', 12, "names 'a' twice"),
+        ("[]", 0, "not an object of tensors"),
+    ],
+)
+def test_a_safetensors_file_that_is_two_things_at_once_is_refused_and_nothing_is_written(tmp_path: Path, header: str, data: int, expected: str) -> None:
+    """Overlapping tensors or a key named twice: which bytes are which tensor is not clear (the
+    safetensors library refuses such files); a header that is no object was a crash."""
+    source = tmp_path / "polyglot.safetensors"
+    source.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(data))
+    with pytest.raises(ImportRefused, match=expected):
+        import_checkpoint(source, tmp_path / "root", "j", 1)
+    assert not (tmp_path / "root" / "j").exists()
 
 
 # ------------------------------------------------------------------ DCP

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.format.index import CheckpointIndex, FragmentRecord, QuantRecord, layout_files, safetensors_header
+from ckptd.format.index import CheckpointIndex, FragmentRecord, QuantRecord, layout_files
+from ckptd.format.safetensors_header import safetensors_header
 from ckptd.common.chunks import checksum_name
 from ckptd.daemon.plan.files import NodeManifest, PlacedTensor, fragment_records, step_files, stored_tensors
 from ckptd.daemon.plan.node_files import (

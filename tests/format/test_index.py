@@ -1,12 +1,9 @@
-"""The on-disk format: golden bytes of the safetensors header, index round trip, file layout."""
+"""The on-disk format: index round trip, golden records, file layout (the safetensors header: test_safetensors_header.py)."""
 
 import json
 from typing import Any
-import struct
 
 import pytest
-import torch
-from safetensors.torch import load as st_load
 
 from ckptd.common.boxes import Box
 from ckptd.format.index import (
@@ -21,61 +18,9 @@ from ckptd.format.index import (
     TensorRecord,
     file_key,
     layout_files,
-    parse_safetensors_header,
     parse_step_dir_name,
-    safetensors_header,
     step_dir_name,
 )
-
-
-def test_header_golden_bytes() -> None:
-    header, entries = safetensors_header([("a", "F32", (2,)), ("b", "BF16", (1, 3))])
-    text = b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,3],"data_offsets":[8,14]}}'
-    pad = b" " * (-(len(text) + 8) % 8)
-    assert header == struct.pack("<Q", len(text) + len(pad)) + text + pad
-    assert len(header) % 8 == 0
-    assert [(e.key, e.begin, e.end) for e in entries] == [("a", 0, 8), ("b", 8, 14)]
-
-
-def test_header_is_read_by_the_safetensors_library() -> None:
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    b = torch.tensor([1, 2, 3], dtype=torch.int64)
-    header, _ = safetensors_header([("a", "F32", (2, 3)), ("b", "I64", (3,))])
-    loaded = st_load(header + a.numpy().tobytes() + b.numpy().tobytes())
-    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
-    data_start, entries = parse_safetensors_header(header)
-    assert data_start == len(header) and entries["b"].begin == 24
-
-
-def test_a_header_padded_into_reserved_room_is_still_read() -> None:
-    """A header written last, into room reserved before the data (codes whose size was known
-    only once coded), is padded with spaces to exactly that room."""
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    header, _ = safetensors_header([("a", "F32", (2, 3))], size=200)
-    assert len(header) == 200 and header.endswith(b" ")
-    assert torch.equal(st_load(header + a.numpy().tobytes())["a"], a)
-    with pytest.raises(FormatError, match="does not fit the 64 bytes reserved"):
-        safetensors_header([("a", "F32", (2, 3))], size=64)
-
-
-@pytest.mark.parametrize(
-    "blob, message",
-    [
-        (b"\x01", "too short"),
-        (struct.pack("<Q", 1 << 40), "larger than"),
-        (struct.pack("<Q", 4) + b"nope", "not JSON"),
-        (struct.pack("<Q", 48) + b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'[:48], "not JSON"),
-    ],
-)
-def test_malformed_headers_are_refused(blob: bytes, message: str) -> None:
-    with pytest.raises(FormatError, match=message):
-        parse_safetensors_header(blob)
-
-
-def test_wrong_size_entry_is_refused() -> None:
-    text = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}'
-    with pytest.raises(FormatError, match="4 bytes for F32"):
-        parse_safetensors_header(struct.pack("<Q", len(text)) + text)
 
 
 def test_index_round_trip() -> None:

@@ -1,8 +1,6 @@
 """The on-disk format (docs/architecture.md §7), as pure functions: no file system access here.
 
-- safetensors files: an 8-byte little-endian header length, a JSON header
-  ({key: {dtype, shape, data_offsets}, "__metadata__": {"format": "pt"}}) padded with spaces
-  to a multiple of 8 bytes, then the tensors' bytes back to back in header order.
+- safetensors files: ckptd.format.safetensors_header.
 - `ckptd.index.json`: the full index, written last; its presence makes a step committed.
 - `<group>.safetensors.index.json`: the Hugging Face index (metadata.total_size + weight_map).
 """
@@ -12,9 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import xxhash
 
@@ -46,8 +43,6 @@ INDEX_FORMAT = "ckptd/1"
 INDEX_FORMAT_QUANT = "ckptd/2"
 READABLE_FORMATS = (INDEX_FORMAT, INDEX_FORMAT_QUANT)
 EXTRA_FORMAT = "ckptd-extra/1"
-HEADER_ALIGN = 8
-MAX_HEADER_BYTES = 100 * 2**20
 
 # kind -> file name stem. Model files are what Hugging Face and safetensors users read.
 GROUP_OF_KIND = {"model": "model", "master": "master_weights", "optimizer": "optimizer", "extra": "extra"}
@@ -67,95 +62,6 @@ def parse_step_dir_name(name: str) -> int | None:
         return None
     digits = name[5:]
     return int(digits) if digits.isdigit() and len(digits) >= 8 else None
-
-
-# ------------------------------------------------------------------ safetensors
-
-
-@dataclass(frozen=True, slots=True)
-class HeaderEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # byte offset in the data region
-    end: int
-
-
-def safetensors_header(
-    entries: Iterable[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None = None, size: int = 0
-) -> tuple[bytes, list[HeaderEntry]]:
-    """The header bytes (length prefix included) for tensors stored back to back in this order.
-
-    Returns the bytes and each tensor's place; a tensor's absolute file offset is
-    len(header) + entry.begin. `size` > 0: pad the header with spaces (which the format allows)
-    to exactly `size` bytes, for a header written after data whose place was reserved for it;
-    raises FormatError if it does not fit.
-    """
-    encode = json.JSONEncoder(separators=(",", ":")).encode
-    parts = [f'{{"__metadata__":{encode({"format": "pt", **(metadata or {})})}']
-    keys = {"__metadata__"}
-    placed = []
-    cursor = 0
-    for key, dtype, shape in entries:  # encoded one at a time: no document of dicts (issue 30 finding 5)
-        if key in keys:
-            raise FormatError(f"key {key!r} appears twice in one safetensors file")
-        keys.add(key)
-        nbytes = dtypes.nbytes(dtype, shape)
-        parts.append(f"{encode(key)}:{encode({'dtype': dtype, 'shape': list(shape), 'data_offsets': [cursor, cursor + nbytes]})}")
-        placed.append(HeaderEntry(key, dtype, tuple(shape), cursor, cursor + nbytes))
-        cursor += nbytes
-    text = (",".join(parts) + "}").encode()
-    if size:
-        assert size % HEADER_ALIGN == 0, f"header room {size} is not a multiple of {HEADER_ALIGN}"
-        if 8 + len(text) > size:
-            raise FormatError(f"a safetensors header of {8 + len(text)} bytes does not fit the {size} bytes reserved for it")
-        text += b" " * (size - 8 - len(text))
-    else:
-        text += b" " * (-(len(text) + 8) % HEADER_ALIGN)
-    return struct.pack("<Q", len(text)) + text, placed
-
-
-def read_header(pread: Callable[[int, int], bytes], size: int) -> bytes | None:
-    """The safetensors header of a `size`-byte file read through pread(nbytes, offset): its
-    8-byte length and JSON, as the index's file checksum covers them; None when the length is
-    not a valid one (past the file's end, or over MAX_HEADER_BYTES)."""
-    prefix = pread(8, 0)
-    length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-    if not 0 <= length <= min(size - 8, MAX_HEADER_BYTES):
-        return None
-    return prefix + pread(length, 8)
-
-
-def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tuple[int, dict[str, HeaderEntry]]:
-    """Parse a header from the first bytes of a file. Returns (data region offset, entries by key).
-
-    `prefix` must hold at least the whole header; raises FormatError on anything malformed.
-    """
-    if len(prefix) < 8:
-        raise FormatError("file too short for a safetensors header")
-    (length,) = struct.unpack("<Q", prefix[:8])
-    if length > MAX_HEADER_BYTES or 8 + length > len(prefix):
-        raise FormatError(f"safetensors header of {length} bytes is larger than the file or the {MAX_HEADER_BYTES} limit")
-    try:
-        header = json.loads(prefix[8 : 8 + length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"safetensors header is not JSON: {exc}") from None
-    entries = {}
-    for key, value in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in value["data_offsets"])
-            entry = HeaderEntry(key, str(value["dtype"]), tuple(int(d) for d in value["shape"]), begin, end)
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"safetensors header entry {key!r} is malformed: {value!r}") from None
-        expected = dtypes.nbytes(entry.dtype, entry.shape)
-        if end - begin != expected:
-            raise FormatError(f"tensor {key!r}: {end - begin} bytes for {entry.dtype}{list(entry.shape)}")
-        if file_size is not None and 8 + length + end > file_size:
-            raise FormatError(f"tensor {key!r} ends past the end of the file")
-        entries[key] = entry
-    return 8 + length, entries
 
 
 # ------------------------------------------------------------------ index

@@ -44,7 +44,8 @@ from torch._weights_only_unpickler import UnpicklingError  # type: ignore[attr-d
 
 from ckptd.common import dtypes
 from ckptd.daemon import errors
-from ckptd.format.index import MAX_HEADER_BYTES, MODEL_FILES, FormatError, parse_safetensors_header
+from ckptd.format.index import MODEL_FILES, FormatError
+from ckptd.format.safetensors_header import MAX_HEADER_BYTES, parse_safetensors_header
 from ckptd.daemon.importer.direct_write import DirectTensor, ImportRefused, check_target, write_step
 from ckptd.daemon.importer.refusals import refused_global, short_reason, weights_only_refusal
 from ckptd.daemon.importer.source import check_source, has_entry, open_source, read_source, source_file
@@ -235,8 +236,6 @@ class _MappedFile:
             raise ImportRefused(f"{self.path} is not a safetensors file ckptd can import: {exc}") from None
         out = {}
         for key, entry in entries.items():
-            if entry.begin < 0:
-                raise ImportRefused(f"{self.path} is not a valid safetensors file: tensor {key!r} starts at a negative offset")
             view = self._base[data_start + entry.begin : data_start + entry.end]
             self._slices.append(view)
             out[key] = (entry.dtype, entry.shape, view)

@@ -22,16 +22,15 @@ from ckptd.common.boxes import Box, contiguous_runs
 from ckptd.common.chunks import checksum_name
 from ckptd.common.codecs import codec_for
 from ckptd.format.index import (
-    HEADER_ALIGN,
     CheckpointIndex,
     FileLayout,
     FileRecord,
     FragmentRecord,
     StoredTensor,
     layout_files,
-    safetensors_header,
     scales_key,
 )
+from ckptd.format.safetensors_header import HEADER_ALIGN, safetensors_header
 from ckptd.daemon.plan.files import Coding, stored_tensors
 from ckptd.daemon.plan.save_plan import FragmentSlot, LogicalTensor, SavePlan
 

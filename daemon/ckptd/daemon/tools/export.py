@@ -34,8 +34,8 @@ from ckptd.format.index import (
     check_small_file,
     file_key,
     layout_files,
-    safetensors_header,
 )
+from ckptd.format.safetensors_header import safetensors_header
 from ckptd.format.json_text import hf_index_json
 from ckptd.daemon.remote.bucket_step import BucketStepError
 from ckptd.daemon.storage import StepReader, fsync_dir

@@ -24,7 +24,8 @@ import xxhash
 
 from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, HeaderEntry, parse_safetensors_header, read_header
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
+from ckptd.format.safetensors_header import HeaderEntry, parse_safetensors_header, read_header
 from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader
 from ckptd.daemon.tools.locate import open_step_reader
 

@@ -28,7 +28,8 @@ import xxhash
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name, chunk_bytes_for
 from ckptd.common.frames import compress as compress_frames
 from ckptd.daemon.errors import NoSpace
-from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, FragmentRecord, StoredTensor, safetensors_header, scales_key
+from ckptd.format.index import CheckpointIndex, FileRecord, FormatError, FragmentRecord, StoredTensor, scales_key
+from ckptd.format.safetensors_header import safetensors_header
 from ckptd.format.units import Unit, file_units
 from ckptd.daemon.plan.files import CodedWrite, NodeManifest, PlacedTensor, fragment_records, step_files
 from ckptd.daemon.plan.node_files import AppendedItem, FileItem, FilePlan, FileSpace, NodeFilePlans, TensorBytes
