@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from ckptd.common.boxes import Box
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FragmentRecord, QuantRecord, SideRecord
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FragmentRecord, QuantRecord, SideRecord
 from ckptd.daemon.plan.files import IncompleteStep, NodeManifest, step_files
 from ckptd.daemon.plan.index_layout import IndexLayout, IndexLayouts
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec, make_save_plan
@@ -45,7 +45,12 @@ def _manifests(plan: SavePlan, salt: str = "0", offset: int = 0) -> list[NodeMan
         )
         by_node[part.node].append((part.name, record))
         at += nbytes
-    return [NodeManifest(0, (), tuple(by_node[0])), NodeManifest(1, (), tuple(reversed(by_node[1])))]
+    return [NodeManifest(node, _files_of(by_node[node]), tuple(by_node[node] if node == 0 else reversed(by_node[node]))) for node in (0, 1)]
+
+
+def _files_of(fragments: list[tuple[str, FragmentRecord]]) -> tuple[FileRecord, ...]:
+    """The data files the fragments are in (a manifest lists every file its fragments name)."""
+    return tuple(FileRecord(name, 1, "xxh3-64:" + "0" * 16) for name in sorted({record.file for _, record in fragments}))
 
 
 def _general_index_bytes(index: CheckpointIndex) -> bytes:

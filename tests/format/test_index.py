@@ -62,7 +62,9 @@ def test_a_records_json_text_is_what_jsons_encoder_makes_of_it(record: TensorRec
 def test_an_index_is_its_records_encoded_one_at_a_time() -> None:
     encode = json.JSONEncoder(separators=(",", ":")).encode
     tensors = tuple(_records_of_every_shape())
-    index = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=tensors, files=(FileRecord("m.safetensors", 9, "xxh3-64:1"),))
+    sides = [side for t in tensors for f in t.fragments if f.quant is not None for side in (f.quant.scales, f.quant.base) if side is not None]
+    used = sorted({f.file for t in tensors for f in t.fragments} | {side.file for side in sides})
+    index = CheckpointIndex(job="j", step=1, created_at=1.5, world_size=1, tensors=tensors, files=tuple(FileRecord(name, 9, "xxh3-64:1") for name in used))
     data = index.to_json_bytes()
     one_at_a_time = ",".join(f"{encode(t.name)}:{encode(t.to_json())}" for t in tensors)
     assert data.endswith(f',"tensors":{{{one_at_a_time}}}}}\n'.encode())
@@ -112,7 +114,8 @@ def test_compressed_index_round_trip_and_golden_records() -> None:
             TensorRecord("master/v", "master", "F32", (4, 6), (cast,)),
             TensorRecord("optimizer/state/w/exp_avg", "optimizer", "F32", (4, 6), (quantized,)),
         ),
-        files=(), quantization={"generation": 1, "quantize": "O2", "master_weights": "residual"},
+        files=tuple(FileRecord(name, 1, "xxh3-64:01") for name in (model.file, residual.file, quantized.file)),
+        quantization={"generation": 1, "quantize": "O2", "master_weights": "residual"},
     )
     data = index.to_json_bytes()
     again = CheckpointIndex.from_json_bytes(data)
@@ -129,7 +132,7 @@ def test_compressed_index_round_trip_and_golden_records() -> None:
     assert doc["tensors"]["master/w"]["fragments"][0]["quant"]["base"]["key"] == "w"
     assert "quant" not in doc["tensors"]["model/w"]["fragments"][0]
     # a lossless index stays ckptd/1, without a quantization record
-    plain = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "BF16", (4, 6), (model,)),), ())
+    plain = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "BF16", (4, 6), (model,)),), (FileRecord(model.file, 1, "xxh3-64:01"),))
     assert json.loads(plain.to_json_bytes())["format"] == "ckptd/1" and "quantization" not in json.loads(plain.to_json_bytes())
     assert CheckpointIndex.from_json_bytes(plain.to_json_bytes()).generation == 0
     # issue 30 finding 5: encoded tensor by tensor, the same text as the whole document compact
@@ -213,3 +216,20 @@ def test_a_malformed_fragment_record_is_a_format_error(change: dict[str, Any]) -
     doc["tensors"]["model/w"]["fragments"][0].update(change)
     with pytest.raises(FormatError, match="ckptd.index.json is malformed"):
         CheckpointIndex.from_json_bytes(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("name", ["../../secret.safetensors", "a/b.safetensors", "/etc/passwd", "", ".", "..", "x\n.safetensors", "é" * 200])
+def test_an_index_naming_a_file_outside_its_step_directory_is_a_format_error(name: str) -> None:
+    """File names are read as names in the step directory: one with '/' or '..' would lead a reader
+    (the daemon's load, verify, a rank reading the file itself) out of the step or the root."""
+    fragment = FragmentRecord(name, "w", Box((0,), (2,)), "F32", 8, 8, "xxh3-64:01")
+    index = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "F32", (2,), (fragment,)),), (FileRecord(name, 16, "xxh3-64:02"),))
+    with pytest.raises(FormatError, match="not a plain file name of a step directory"):
+        CheckpointIndex.from_json_bytes(index.to_json_bytes())
+
+
+def test_an_index_whose_tensor_is_in_a_file_it_does_not_list_is_a_format_error() -> None:
+    fragment = FragmentRecord("other.safetensors", "w", Box((0,), (2,)), "F32", 8, 8, "xxh3-64:01")
+    index = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "F32", (2,), (fragment,)),), (FileRecord("model.safetensors", 16, "xxh3-64:02"),))
+    with pytest.raises(FormatError, match="tensor 'model/w' is stored in 'other.safetensors', a file the index does not list"):
+        CheckpointIndex.from_json_bytes(index.to_json_bytes())

@@ -356,7 +356,7 @@ class CheckpointIndex:
             for key in ("quantization", "retention"):
                 if doc.get(key) is not None and not isinstance(doc[key], dict):
                     raise FormatError(f"{where}: {key!r} must be an object, got {doc[key]!r}")
-            return CheckpointIndex(
+            index = CheckpointIndex(
                 job=str(doc["job"]),
                 step=int(doc["step"]),
                 created_at=float(doc["created_at"]),
@@ -370,10 +370,31 @@ class CheckpointIndex:
                 quantization=doc.get("quantization"),
                 retention=doc.get("retention"),
             )
+            _check_file_names(index, where)
+            return index
         except FormatError:
             raise
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise FormatError(f"{where} is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _check_file_names(index: CheckpointIndex, where: str) -> None:
+    """Every file an index lists is a plain name in its step directory, and every file its
+    fragments are stored in is one it lists: an index names nothing elsewhere (a name with '/'
+    or '..' would lead a reader out of the step, or out of the root)."""
+    names = {f.name for f in index.files}
+    for name in names:
+        if not name or len(name.encode()) > 255 or "/" in name or name in (".", "..") or _CONTROL_CHARS.search(name):
+            raise FormatError(f"{where} lists a file {name[:80]!r}, which is not a plain file name of a step directory")
+    for tensor in index.tensors:
+        for fragment in tensor.fragments:
+            sides = (fragment.quant.scales, fragment.quant.base) if fragment.quant is not None else ()
+            for file in [fragment.file, *(side.file for side in sides if side is not None)]:
+                if file not in names:
+                    raise FormatError(f"{where}: tensor {tensor.name!r} is stored in {file[:80]!r}, a file the index does not list")
+
+
+_CONTROL_CHARS = re.compile("[\x00-\x1f]")
 
 
 INDEX_HEAD_BYTES = 512

@@ -83,7 +83,7 @@ class PosixFiles:
 
     def local_path(self, job: str, step: int, name: str) -> str | None:
         """The file's path: ranks read it directly."""
-        return str(self.tree.step_dir(job, step) / name)
+        return str(self.tree.step_file(job, step, name))
 
     def step_reader(self, job: str, step: int) -> PosixStepReader:
         return PosixStepReader(self.tree.step_dir(job, step))

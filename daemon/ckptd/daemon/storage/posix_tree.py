@@ -46,17 +46,22 @@ class PosixTree:
         is not a step of the job: never listed, loaded, or deleted through)."""
         return real_dir_at(self.job_dir(job)) and committed_at(self.step_dir(job, step))
 
+    def step_file(self, job: str, step: int, name: str) -> Path:
+        """The path of file `name` of a step; ValueError unless `name` is a plain name (no '/',
+        not '.' or '..'): no name leads out of the step directory."""
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a file name of a step directory")
+        return self.step_dir(job, step) / name
+
     def open_step_file(self, job: str, step: int, name: str) -> int:
         """A descriptor to read file `name` of a step (a plain name, no '/'), never through a
         link nor blocking on a FIFO (open_for_reading), nor inside a step or job directory that
         is a link (ForeignEntry naming it)."""
-        if not name or "/" in name or name in (".", ".."):
-            raise ValueError(f"{name!r} is not a file name of a step directory")
-        step_dir = self.step_dir(job, step)
-        for d in (self.job_dir(job), step_dir):
+        path = self.step_file(job, step, name)
+        for d in (self.job_dir(job), path.parent):
             if os.path.lexists(d) and not real_dir_at(d):
                 raise ForeignEntry(f"{d} is {lkind(d)}, not a directory the daemon made: it is not followed; remove it or move it away")
-        return open_for_reading(step_dir / name)
+        return open_for_reading(path)
 
 
 def committed_at(path: Path) -> bool:
