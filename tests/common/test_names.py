@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.common.names import json_depth, per_rank_name, shared_name
+from ckptd.common.names import MAX_STEP, check_step, json_depth, per_rank_name, shared_name
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,14 @@ def test_json_depth_of_a_value_deeper_than_python_recurses() -> None:
         inner.append([])
         inner = inner[0]  # type: ignore[assignment]
     assert json_depth({"k": deep}) == 50_002
+
+
+@pytest.mark.parametrize("step", [-1, True, False, 1.0, 1.5, "3", None, MAX_STEP + 1, 2**64])
+def test_a_step_that_is_no_step_number_is_refused_saying_what_one_is(step: object) -> None:
+    with pytest.raises(ValueError, match=r"step must be an integer from 0 to 2\*\*63 - 1"):
+        check_step(step)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [0, 1, 10**8, MAX_STEP])
+def test_every_int64_step_from_zero_is_one(step: int) -> None:
+    assert check_step(step) == step

@@ -34,7 +34,7 @@ from ckptd.client.slots import Placed, SlotMismatch, place
 from ckptd.client.state import FlatState, restore_state
 from ckptd.client.walk import StateWalk
 from ckptd.client.structure import Structure, StructureCache
-from ckptd.common.names import check_job_id
+from ckptd.common.names import check_job_id, check_step
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.retention import JobRetention
@@ -218,8 +218,7 @@ class CheckpointClient:
         """
         started = time.perf_counter()
         try:
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"step must be an integer >= 0, got {step!r}")
+            check_step(step)
             no_quantize = quantize == "none"
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
@@ -364,6 +363,8 @@ class CheckpointClient:
         """
         if strict not in (True, False, "missing"):
             raise ValueError(f"strict={strict!r}: pass True, False or 'missing'")
+        if step is not None:
+            check_step(step)
         flat = self._walk.flatten(state, rank=self.rank, rng=rng)
         previous = self._handoff.commits.settle()  # a snapshot still being handed over would be abandoned by the load
         if previous is not None:

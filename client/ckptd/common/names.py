@@ -42,6 +42,16 @@ def check_job_id(job: str) -> str:
     return job
 
 
+MAX_STEP = 2**63 - 1  # steps travel as int64 (the wire) and name directories step-NNNNNNNN
+
+
+def check_step(step: int) -> int:
+    """Return `step` if it is a step number (an int, not a bool, 0 to MAX_STEP), else raise ValueError."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be an integer from 0 to 2**63 - 1, got {step!r}")
+    return step
+
+
 def check_run_id(run_id: str) -> str:
     """Return `run_id` if it is a valid run id (the job id's alphabet: client/ckptd/client/run_id.py),
     else raise InvalidNameError saying why."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.common.files import read_regular, real_dir_at, real_file_at
-from ckptd.common.names import check_job_id
+from ckptd.common.names import check_job_id, check_step
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, CheckpointIndex, parse_step_dir_name, step_dir_name
 
 
@@ -31,9 +31,7 @@ class StepRoot:
         return self.root / check_job_id(job)
 
     def step_dir(self, job: str, step: int) -> Path:
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        return self.job_dir(job) / step_dir_name(step)
+        return self.job_dir(job) / step_dir_name(check_step(step))
 
     def is_committed(self, job: str, step: int) -> bool:
         """Whether the step's directory holds its index, neither of them nor the job directory a link."""
