@@ -1,4 +1,4 @@
-"""Default locations shared by the daemon and the client."""
+"""Default locations shared by the daemon and the client, and the check of an export's output directory."""
 
 from __future__ import annotations
 
@@ -49,3 +49,15 @@ def daemon_address(address: str) -> str:
         f"ckptd address {address!r} is not a Unix socket: the daemon serves ranks on its socket only (`ckptd serve "
         "--socket PATH`); set CKPTD_ADDRESS (or address=) to unix:///path/to/ckptd.sock or to the socket's path"
     )
+
+
+def new_directory_problem(out: Path) -> str | None:
+    """Why `out` cannot be the directory an export creates (None: it can): it must not exist, or
+    be an empty directory; never a link (nothing is written through one) nor a file."""
+    if out.is_symlink():
+        return f"{out} is a symbolic link; give a new directory (an export never writes through a link)"
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a directory; give a new directory"
+    if out.is_dir() and any(out.iterdir()):
+        return f"{out} exists and is not empty; choose a new directory"
+    return None

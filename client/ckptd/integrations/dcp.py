@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from ckptd.client import CheckpointClient, ClientOptions, LocalShard, LocalShards, SaveHandle
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
+from ckptd.common.paths import new_directory_problem
 from ckptd.integrations._dcp_plan import CkptdSavePlanner
 from ckptd.offline import Step, open_step
 
@@ -440,8 +441,9 @@ def export_dcp(step_dir: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        raise ValueError(f"{target} exists and is not empty; choose a new directory")
+    problem = new_directory_problem(target)
+    if problem is not None:
+        raise ValueError(problem)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("export_dcp runs in a single process: call it outside torch.distributed (it would save collectively)")
     step = open_step(step_dir)

@@ -24,6 +24,7 @@ import xxhash
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, contiguous_runs
 from ckptd.common.chunks import checksum_name
+from ckptd.common.paths import new_directory_problem
 from ckptd.format.index import (
     INDEX_NAME,
     MODEL_FILES,
@@ -62,8 +63,9 @@ def export_files(step: StepReader, out: Path, max_file_bytes: int = 4 * 2**30) -
     index_path = f"{step_dir}/{INDEX_NAME}"
     if not step.exists(INDEX_NAME):
         raise ExportError(f"{step_dir} is not a committed checkpoint (no {INDEX_NAME})")
-    if out.exists() and any(out.iterdir()):
-        raise ExportError(f"{out} exists and is not empty; choose a new directory")
+    problem = new_directory_problem(out)
+    if problem is not None:
+        raise ExportError(problem)
     try:
         index = CheckpointIndex.from_json_bytes(step.read_small(INDEX_NAME), where=index_path)
     except FormatError as exc:
