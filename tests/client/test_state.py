@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from ckptd.client.state import FlatState, TensorEntry, flatten_state, restore_state
+from ckptd.client.restore import restore_state
+from ckptd.client.state import FlatState, TensorEntry, flatten_state
 
 
 class Net(nn.Module):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from ckptd.client.state import flatten_state, restore_state
+from ckptd.client.restore import restore_state
+from ckptd.client.state import flatten_state
 from ckptd.client.structure import StructureCache, fingerprint_of, fragments_of_state
 from ckptd.client.tree import TreeIdentity
 from ckptd.client.walk import StateWalk

@@ -31,7 +31,8 @@ from ckptd.client.options import ClientOptions
 from ckptd.client.ranks import rank_and_world
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
-from ckptd.client.state import FlatState, restore_state
+from ckptd.client.restore import restore_state
+from ckptd.client.state import FlatState
 from ckptd.client.walk import StateWalk
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id, check_step

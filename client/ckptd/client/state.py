@@ -44,7 +44,6 @@ import functools
 import json
 import logging
 import random
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -54,7 +53,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from ckptd.client import tree
@@ -168,7 +167,7 @@ def flatten_value(state: Mapping[str, Any], key: str, entries: Entries, for_save
     if isinstance(value, nn.Module):
         return _flatten_module(key, value, entries)
     if isinstance(value, torch.optim.Optimizer):
-        model = _model_of(state, key)
+        model = model_of(state, key)
         fresh = not value.state
         optimizer_state = _optimizer_state(model, key, value)
         if fresh and for_save:
@@ -188,61 +187,6 @@ def flatten_rng(rank: int, entries: Entries) -> Any:
     """Add the random generators' tensors to `entries`, named by rank already (and optional on
     load: the daemon's load planner); return their extras tree."""
     return tree.encode(_rng_state(), f"{RNG_KEY}/rank{rank}", entries.adder(kind_of(RNG_KEY)))
-
-
-def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
-    """Put a loaded checkpoint back into `state` once the transport has filled `targets`.
-
-    targets: `flatten_state(state, ...)` whose tensors now hold the checkpoint's values.
-    extras: the checkpoint's extras {top key: tree} of this rank.
-    - modules: already restored by the in-place fill (state_dict tensors share the parameters'
-      memory, so tied weights stay tied); load_state_dict is called only for their non-tensor
-      items (extra state);
-    - optimizers: set_optimizer_state_dict with the filled tensors and the saved param_groups
-      (the load side's structure: see _restore_optimizer);
-    - stateful objects: load_state_dict of the saved tree;
-    - tensors: copied into in place; lists: their items replaced in place;
-    - dicts: updated in place (cleared, then filled), so references to them see the values;
-    - other values (int, str, tuple, ...) cannot change in place: state[key] is replaced,
-      which needs a mutable mapping (pass a dict, or wrap the value in a dict);
-    - "rng" (when targets has it): every generator is set back.
-    A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
-    as it is with a warning.
-
-    A key of plain values whose extras are the very object `targets.extras` holds for it (the
-    caller found the checkpoint's extras JSON equal to the targets' own, `FlatState.extras_json`,
-    and passes `targets.extras`) needs nothing put back: its values equal the checkpoint's and
-    the fill put the tensors' values in place. Modules, optimizers, stateful objects and the RNG
-    state are restored as always.
-    """
-    tensors = _TensorLookup(targets)
-    for key in sorted(state):
-        value = state[key]
-        if isinstance(value, nn.Module) and key not in targets.extras:
-            continue  # only tensors, and the transport has filled them in place
-        if key not in extras:
-            _missing(key, strict)
-            continue
-        if isinstance(value, torch.optim.Optimizer):
-            live = tree.decode(targets.extras[key], tensors.getter(key))
-            _restore_optimizer(state, key, value, live, extras[key])
-            continue
-        plain = not isinstance(value, nn.Module) and not is_stateful(value)
-        if plain and extras[key] is targets.extras.get(key):
-            continue  # the checkpoint's own values: nothing to put back
-        loaded = tree.decode(extras[key], tensors.getter(key))
-        if isinstance(value, nn.Module):
-            _restore_module_items(key, value, loaded)
-        elif is_stateful(value):
-            value.load_state_dict(loaded)
-        else:
-            _put_back(state, key, value, loaded)
-    if RNG_KEY in targets.extras and RNG_KEY not in state:
-        if RNG_KEY not in extras:
-            # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
-            log.warning("the checkpoint has no RNG state for this rank: the generators are left as they are")
-        else:
-            _set_rng_state(tree.decode(extras[RNG_KEY], tensors.getter(RNG_KEY)))
 
 
 # ------------------------------------------------------------------ flatten
@@ -393,7 +337,7 @@ def _frozen_names(module: nn.Module) -> dict[str, str]:
     return frozen
 
 
-def _wrapped_key(model: nn.Module, fqn: str) -> str:
+def wrapped_key(model: nn.Module, fqn: str) -> str:
     """The key that model.load_state_dict takes for canonical `fqn`: DDP's and torch.compile's
     prefixes put back where the module tree has such wrappers (FSDP and checkpoint wrappers take
     canonical keys: their load hooks put their own prefixes back)."""
@@ -419,7 +363,7 @@ def _wrapped_key(model: nn.Module, fqn: str) -> str:
     return ".".join(out)
 
 
-def _model_of(state: Mapping[str, Any], key: str) -> nn.Module:
+def model_of(state: Mapping[str, Any], key: str) -> nn.Module:
     model = state.get(MODEL_KEY)
     if not isinstance(model, nn.Module):
         raise ValueError(
@@ -479,117 +423,3 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-# ------------------------------------------------------------------ restore
-
-
-class _TensorLookup:
-    """The targets' tensors by every name and alias, gathered at the first key that asks."""
-
-    def __init__(self, targets: FlatState) -> None:
-        self._targets = targets
-        self._found: dict[str, torch.Tensor] | None = None
-
-    def getter(self, key: str) -> Callable[[str], torch.Tensor]:
-        def get(name: str) -> torch.Tensor:
-            if self._found is None:
-                self._found = {n: e.tensor for e in self._targets.tensors for n in (e.name, *e.aliases)}
-            try:
-                return self._found[name]
-            except KeyError:
-                raise ValueError(
-                    f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
-                    f"no place for; give state[{key!r}] the structure it had when it was saved"
-                ) from None
-
-        return get
-
-
-def _missing(key: str, strict: bool) -> None:
-    if strict:
-        raise ValueError(f"the checkpoint has no value for {key!r}; save it with that key, or leave it out of the load")
-    log.warning("the checkpoint has no value for %r: left as it was", key)
-
-
-class _SavedTensor:
-    """Stands for a tensor of the checkpoint's tree: its bytes are already in the targets."""
-
-
-_SAVED_TENSOR = _SavedTensor()
-
-
-def _restore_optimizer(
-    state: Mapping[str, Any], key: str, optimizer: torch.optim.Optimizer, live: Any, saved_json: Any
-) -> None:
-    """Load the optimizer with the load side's structure and filled tensors plus the saved non-tensor values.
-
-    The structure (which parameters, which fields, the params of each group) is the load side's,
-    so a checkpoint of a tied model loads into an untied one (the tensors came by alias); the
-    checkpoint gives the param_groups' hyperparameters and non-tensor state fields.
-    """
-    saved = tree.decode(saved_json, lambda name: _SAVED_TENSOR)
-    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("param_groups"), list)):
-        raise ValueError(f"the checkpoint's value of {key!r} is not an optimizer state that ckptd wrote")
-    if len(saved["param_groups"]) != len(live["param_groups"]):
-        raise ValueError(
-            f"the checkpoint's optimizer {key!r} has {len(saved['param_groups'])} parameter groups, "
-            f"the one being loaded has {len(live['param_groups'])}; build the optimizer with the same groups"
-        )
-    for group, saved_group in zip(live["param_groups"], saved["param_groups"]):
-        group.update((k, v) for k, v in saved_group.items() if k != "params" and v is not _SAVED_TENSOR)
-    for fqn, fields in live["state"].items():
-        saved_fields = saved["state"].get(fqn, {})
-        fields.update((k, v) for k, v in saved_fields.items() if v is not _SAVED_TENSOR)
-    set_optimizer_state_dict(_model_of(state, key), optimizer, optim_state_dict=live)
-    if saved.get(FRESH_OPTIMIZER) is True:
-        optimizer.state.clear()  # saved before its first step: it resumes as fresh as it was
-
-
-def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
-    if not isinstance(items, dict):
-        raise ValueError(f"the checkpoint's extra items of module {key!r} are a {type(items).__name__}, not a dict")
-    result = module.load_state_dict({_wrapped_key(module, fqn): value for fqn, value in items.items()}, strict=False)
-    if result.unexpected_keys:
-        raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
-
-
-def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        if not isinstance(loaded, torch.Tensor) or loaded.shape != value.shape:
-            raise ValueError(f"state[{key!r}] is a tensor of shape {list(value.shape)}; the checkpoint holds {_describe(loaded)}")
-        if loaded is not value:
-            with torch.no_grad():
-                value.copy_(loaded)
-    elif isinstance(value, dict):
-        if not isinstance(loaded, dict):
-            raise ValueError(f"state[{key!r}] is a dict; the checkpoint holds {_describe(loaded)}")
-        value.clear()
-        value.update(loaded)
-    elif isinstance(value, list):
-        if not isinstance(loaded, list):
-            raise ValueError(f"state[{key!r}] is a list; the checkpoint holds {_describe(loaded)}")
-        value[:] = loaded
-    elif isinstance(state, MutableMapping):
-        state[key] = loaded
-    else:
-        raise TypeError(
-            f"state[{key!r}] is a {type(value).__name__}, which cannot be changed in place, and the state is a "
-            f"read-only {type(state).__name__}; pass the state as a dict or wrap the value in a dict"
-        )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _set_rng_state(saved: Any) -> None:
-    if not isinstance(saved, dict) or not {"torch_cpu", "python", "numpy"} <= saved.keys():
-        raise ValueError("the checkpoint's 'rng' value is not a set of generator states that ckptd wrote")
-    torch.set_rng_state(saved["torch_cpu"])
-    random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
-    if "torch_cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["torch_cuda"])

@@ -32,7 +32,8 @@ from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.layout import LayoutRules, RankCoords
 from ckptd.client.reader.fill import Fill, fill_all
 from ckptd.client.reader.pieces import Decoding, Source
-from ckptd.client.state import flatten_state, restore_state
+from ckptd.client.restore import restore_state
+from ckptd.client.state import flatten_state
 from ckptd.client.structure import fragments_of_state
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box, intersect
