@@ -39,7 +39,9 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
       which needs a mutable mapping (pass a dict, or wrap the value in a dict);
     - "rng" (when targets has it): every generator is set back.
     A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
-    as it is with a warning.
+    as it is with a warning. A tensor of the checkpoint's tree that the state has no place for
+    raises ValueError when strict is True; with strict False or "missing" it is left out (a
+    warning names it) and a dict keeps its own items the checkpoint does not hold.
 
     A key of plain values whose extras are the very object `targets.extras` holds for it (the
     caller found the checkpoint's extras JSON equal to the targets' own, `FlatState.extras_json`,
@@ -47,7 +49,7 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
     the fill put the tensors' values in place. Modules, optimizers, stateful objects and the RNG
     state are restored as always.
     """
-    tensors = _TensorLookup(targets)
+    tensors = _TensorLookup(targets, strict is True)
     for key in sorted(state):
         value = state[key]
         if isinstance(value, nn.Module) and key not in targets.extras:
@@ -63,12 +65,14 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
         if plain and extras[key] is targets.extras.get(key):
             continue  # the checkpoint's own values: nothing to put back
         loaded = tree.decode(extras[key], tensors.getter(key))
+        if strict is not True:  # tensors without a place in the state are left out
+            loaded = _placed(loaded, key)
         if isinstance(value, nn.Module):
             _restore_module_items(key, value, loaded)
         elif is_stateful(value):
             value.load_state_dict(loaded)
         else:
-            _put_back(state, key, value, loaded)
+            _put_back(state, key, value, loaded, keep_own=strict is not True)
     if RNG_KEY in targets.extras and RNG_KEY not in state:
         if RNG_KEY not in extras:
             # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
@@ -77,26 +81,51 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             _set_rng_state(tree.decode(extras[RNG_KEY], tensors.getter(RNG_KEY)))
 
 
-class _TensorLookup:
-    """The targets' tensors by every name and alias, gathered at the first key that asks."""
+class _NoPlace:
+    """Stands for a tensor of the checkpoint's tree that the state has no place for (not strict)."""
 
-    def __init__(self, targets: FlatState) -> None:
+
+_NO_PLACE = _NoPlace()
+
+
+class _TensorLookup:
+    """The targets' tensors by every name and alias, gathered at the first key that asks. A name
+    without a target raises ValueError when `strict`, else is _NO_PLACE (left out by _placed)."""
+
+    def __init__(self, targets: FlatState, strict: bool) -> None:
         self._targets = targets
+        self._strict = strict
         self._found: dict[str, torch.Tensor] | None = None
 
-    def getter(self, key: str) -> Callable[[str], torch.Tensor]:
-        def get(name: str) -> torch.Tensor:
+    def getter(self, key: str) -> Callable[[str], Any]:
+        def get(name: str) -> Any:
             if self._found is None:
                 self._found = {n: e.tensor for e in self._targets.tensors for n in (e.name, *e.aliases)}
-            try:
-                return self._found[name]
-            except KeyError:
+            found = self._found.get(name, _NO_PLACE)
+            if found is _NO_PLACE and self._strict:
                 raise ValueError(
                     f"the checkpoint's value of {key!r} holds a tensor {name!r} that the state being loaded has "
-                    f"no place for; give state[{key!r}] the structure it had when it was saved"
-                ) from None
+                    f"no place for; give state[{key!r}] the structure it had when it was saved (or load with strict=False)"
+                )
+            if found is _NO_PLACE:
+                log.warning("the checkpoint's tensor %r has no place in the state being loaded: left out", name)
+            return found
 
         return get
+
+
+def _placed(loaded: Any, key: str) -> Any:
+    """`loaded` without the dict items whose tensor had no place in the state (_NO_PLACE)."""
+    if isinstance(loaded, dict):
+        return {k: _placed(v, key) for k, v in loaded.items() if v is not _NO_PLACE}
+    if isinstance(loaded, (list, tuple)):
+        if any(item is _NO_PLACE for item in loaded):
+            raise ValueError(
+                f"the checkpoint's value of {key!r} holds a list with a tensor the state being loaded has no place for; "
+                f"give state[{key!r}] the structure it had when it was saved"
+            )
+        return type(loaded)(_placed(item, key) for item in loaded)
+    return loaded
 
 
 def _missing(key: str, strict: bool) -> None:
@@ -147,7 +176,9 @@ def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
         raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
 
 
-def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any) -> None:
+def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False) -> None:
+    """Put `loaded` into state[key] (`value`) in place where it can be; keep_own: a dict keeps
+    its items the checkpoint does not hold (not strict)."""
     if isinstance(value, torch.Tensor):
         if not isinstance(loaded, torch.Tensor) or loaded.shape != value.shape:
             raise ValueError(f"state[{key!r}] is a tensor of shape {list(value.shape)}; the checkpoint holds {_describe(loaded)}")
@@ -157,7 +188,8 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any) -> No
     elif isinstance(value, dict):
         if not isinstance(loaded, dict):
             raise ValueError(f"state[{key!r}] is a dict; the checkpoint holds {_describe(loaded)}")
-        value.clear()
+        if not keep_own:
+            value.clear()
         value.update(loaded)
     elif isinstance(value, list):
         if not isinstance(loaded, list):
