@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import MutableMapping
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ckptd.format.file_plan import RNG_KEY
 log = logging.getLogger("ckptd.client")
 
 
-def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool = True) -> None:
+def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool | Literal["missing"] = True) -> None:
     """Put a loaded checkpoint back into `state` once the transport has filled `targets`.
 
     targets: `flatten_state(state, ...)` whose tensors now hold the checkpoint's values.
@@ -130,7 +130,7 @@ def _placed(loaded: Any, key: str) -> Any:
     return loaded
 
 
-def _missing(key: str, strict: bool) -> None:
+def _missing(key: str, strict: bool | Literal["missing"]) -> None:
     if strict:
         raise ValueError(f"the checkpoint has no value for {key!r}; save it with that key, or leave it out of the load")
     log.warning("the checkpoint has no value for %r: left as it was", key)
