@@ -34,9 +34,7 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
       (the load side's structure: see _restore_optimizer);
     - stateful objects: load_state_dict of the saved tree;
     - tensors: copied into in place; lists: their items replaced in place;
-    - dicts: updated in place (cleared, then filled), so references to them see the values; the
-      state's own items that hold tensors stay when the checkpoint's tree lacks them (a rank's
-      tree names the tensors that rank saved; in another layout a rank holds others' too);
+    - dicts: updated in place (cleared, then filled), so references to them see the values;
     - other values (int, str, tuple, ...) cannot change in place: state[key] is replaced,
       which needs a mutable mapping (pass a dict, or wrap the value in a dict);
     - "rng" (when targets has it): every generator is set back.
@@ -179,8 +177,8 @@ def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
 
 
 def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False) -> None:
-    """Put `loaded` into state[key] (`value`) in place where it can be; a dict keeps its items
-    holding tensors the checkpoint's tree lacks, and with keep_own (not strict) all of them."""
+    """Put `loaded` into state[key] (`value`) in place where it can be; keep_own: a dict keeps
+    its items the checkpoint does not hold (not strict)."""
     if isinstance(value, torch.Tensor):
         if not isinstance(loaded, torch.Tensor) or loaded.shape != value.shape:
             raise ValueError(f"state[{key!r}] is a tensor of shape {list(value.shape)}; the checkpoint holds {_describe(loaded)}")
@@ -190,9 +188,9 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_
     elif isinstance(value, dict):
         if not isinstance(loaded, dict):
             raise ValueError(f"state[{key!r}] is a dict; the checkpoint holds {_describe(loaded)}")
-        merged = _merged(value, loaded, keep_own)
-        value.clear()
-        value.update(merged)
+        if not keep_own:
+            value.clear()
+        value.update(loaded)
     elif isinstance(value, list):
         if not isinstance(loaded, list):
             raise ValueError(f"state[{key!r}] is a list; the checkpoint holds {_describe(loaded)}")
@@ -204,31 +202,6 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_
             f"state[{key!r}] is a {type(value).__name__}, which cannot be changed in place, and the state is a "
             f"read-only {type(state).__name__}; pass the state as a dict or wrap the value in a dict"
         )
-
-
-def _merged(own: dict[Any, Any], loaded: dict[Any, Any], keep_all: bool) -> dict[Any, Any]:
-    """The checkpoint's dict `loaded` with the items of the state's dict `own` it lacks that stay:
-    every one when keep_all (not strict), else those holding tensors, which the fill has put the
-    checkpoint's values in (a rank's tree names only the tensors that rank saved: loaded in another
-    layout, a rank holds tensors other ranks saved). Dicts in both are merged the same way; own's
-    order first."""
-    out: dict[Any, Any] = {}
-    for key, mine in own.items():
-        if key in loaded:
-            theirs = loaded[key]
-            out[key] = _merged(mine, theirs, keep_all) if isinstance(mine, dict) and isinstance(theirs, dict) else theirs
-        elif keep_all or _holds_tensor(mine):
-            out[key] = mine
-    out.update((key, theirs) for key, theirs in loaded.items() if key not in out)
-    return out
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(map(_holds_tensor, value.values()))
-    return isinstance(value, (list, tuple)) and any(map(_holds_tensor, value))
 
 
 def _describe(value: Any) -> str:
