@@ -233,3 +233,11 @@ def test_an_index_whose_tensor_is_in_a_file_it_does_not_list_is_a_format_error()
     index = CheckpointIndex("j", 1, 0.0, 1, (TensorRecord("model/w", "model", "F32", (2,), (fragment,)),), (FileRecord("model.safetensors", 16, "xxh3-64:02"),))
     with pytest.raises(FormatError, match="tensor 'model/w' is stored in 'other.safetensors', a file the index does not list"):
         CheckpointIndex.from_json_bytes(index.to_json_bytes())
+
+
+@pytest.mark.parametrize("name, plain", [("model-00001-of-00002.safetensors", True), ("extra.json", True), ("é" * 127, True), ("é" * 128, False),
+                                         ("", False), (".", False), ("..", False), ("a/b", False), ("/x", False), ("x\n", False), ("x\x00", False)])
+def test_a_plain_file_name_names_a_file_of_the_step_directory_and_nothing_elsewhere(name: str, plain: bool) -> None:
+    from ckptd.format.index import is_plain_file_name
+
+    assert is_plain_file_name(name) is plain

@@ -384,7 +384,7 @@ def _check_file_names(index: CheckpointIndex, where: str) -> None:
     or '..' would lead a reader out of the step, or out of the root)."""
     names = {f.name for f in index.files}
     for name in names:
-        if not name or len(name.encode()) > 255 or "/" in name or name in (".", "..") or _CONTROL_CHARS.search(name):
+        if not is_plain_file_name(name):
             raise FormatError(f"{where} lists a file {name[:80]!r}, which is not a plain file name of a step directory")
     for tensor in index.tensors:
         for fragment in tensor.fragments:
@@ -392,6 +392,13 @@ def _check_file_names(index: CheckpointIndex, where: str) -> None:
             for file in [fragment.file, *(side.file for side in sides if side is not None)]:
                 if file not in names:
                     raise FormatError(f"{where}: tensor {tensor.name!r} is stored in {file[:80]!r}, a file the index does not list")
+
+
+def is_plain_file_name(name: str) -> bool:
+    """Whether `name` names a file in a step directory and nothing elsewhere: not empty, at most
+    255 bytes, no '/', not '.' or '..', no control characters. Every reader of a step's files
+    by name (the storage backends, the object-store keys, the offline root) checks it."""
+    return bool(name) and len(name.encode()) <= 255 and "/" not in name and name not in (".", "..") and not _CONTROL_CHARS.search(name)
 
 
 _CONTROL_CHARS = re.compile("[\x00-\x1f]")

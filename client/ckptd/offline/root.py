@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ckptd.common.files import read_regular, real_dir_at, real_file_at
 from ckptd.common.names import check_job_id, check_step
-from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, CheckpointIndex, parse_step_dir_name, step_dir_name
+from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, CheckpointIndex, is_plain_file_name, parse_step_dir_name, step_dir_name
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class StepRoot:
 
     def file_path(self, job: str, step: int, name: str) -> Path:
         """The path of file `name` (a plain name) of a step, which the client's reader opens itself."""
-        if not name or "/" in name or name in (".", ".."):
+        if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a file name of a step directory")
         return self.step_dir(job, step) / name
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ckptd.common.names import JOB_ID_PATTERN, check_job_id
-from ckptd.format.index import parse_step_dir_name, step_dir_name
+from ckptd.format.index import is_plain_file_name, parse_step_dir_name, step_dir_name
 
 SCHEME = "s3://"
 # S3's rules for bucket names: 3-63 characters of lowercase letters, digits, '.' and '-',
@@ -54,7 +54,7 @@ class RemoteLocation:
 
     def key(self, job: str, step: int, name: str) -> str:
         """The object key of file `name` of a step (a plain file name, as in a step directory)."""
-        if not name or "/" in name or name in (".", ".."):
+        if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a file name of a step directory")
         return self.step_prefix(job, step) + name
 

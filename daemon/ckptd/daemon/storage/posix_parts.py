@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ckptd.common.files import real_dir_at
+from ckptd.format.index import is_plain_file_name
 from ckptd.daemon.storage.fs import (
     ForeignEntry,
     create_file,
@@ -111,7 +112,7 @@ class PosixStepReader:
         self.where = str(step_dir)
 
     def _path(self, name: str) -> Path:
-        if not name or "/" in name or name in (".", ".."):
+        if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a file name of a step directory")
         return self.step_dir / name
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from ckptd.common.files import real_dir_at, real_file_at
 from ckptd.common.names import check_job_id
 from ckptd.daemon.storage.fs import RECYCLE_DIR, ForeignEntry, lkind, open_for_reading
-from ckptd.format.index import INDEX_NAME, LATEST, parse_step_dir_name, step_dir_name
+from ckptd.format.index import INDEX_NAME, LATEST, is_plain_file_name, parse_step_dir_name, step_dir_name
 
 ROOT_ID_FILE = ".ckptd-root-id"  # the root's id (PosixCatalog.root_id): a directory holding one is a storage root
 
@@ -49,7 +49,7 @@ class PosixTree:
     def step_file(self, job: str, step: int, name: str) -> Path:
         """The path of file `name` of a step; ValueError unless `name` is a plain name (no '/',
         not '.' or '..'): no name leads out of the step directory."""
-        if not name or "/" in name or name in (".", ".."):
+        if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a file name of a step directory")
         return self.step_dir(job, step) / name
 
