@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def torchrun(
@@ -31,8 +31,9 @@ def torchrun(
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def finish(run: subprocess.Popen[bytes], log: Path, timeout: float = 240, ok: bool = True) -> str:
-    """Wait for a torchrun; its output. ok: fail the test unless it exited 0."""
+def finish(run: subprocess.Popen[bytes], log: Path, timeout: float = 240, ok: bool = True, daemon_log: Callable[[], str] | None = None) -> str:
+    """Wait for a torchrun; its output. ok: fail the test unless it exited 0, with the end of
+    its output and of `daemon_log()` (the daemon's log: why it answered what it did)."""
     try:
         run.wait(timeout)
     finally:
@@ -41,5 +42,5 @@ def finish(run: subprocess.Popen[bytes], log: Path, timeout: float = 240, ok: bo
             run.wait()
     output = log.read_text(errors="replace")
     if ok:
-        assert run.returncode == 0, output[-4000:]
+        assert run.returncode == 0, output[-4000:] + ("\n--- the daemon's log ends:\n" + daemon_log()[-4000:] if daemon_log else "")
     return output

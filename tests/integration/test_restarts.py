@@ -54,8 +54,8 @@ def test_torchrun_restart_after_sigkill_resumes_from_memory_with_identical_losse
     spec = {"job": "restarted", "steps": STEPS, "out": str(tmp_path / "restarted"), "kill": {"rank": 1, "step": KILL_STEP, "hide": str(hidden)}}
     reference = torchrun(WORKER, daemon.address, {"job": "reference", "steps": STEPS, "out": str(tmp_path / "reference")}, log=tmp_path / "reference.log")
     run = torchrun(WORKER, daemon.address, spec, log=tmp_path / "restarted.log", max_restarts=1)  # side by side: the time is mostly start-up
-    finish(reference, tmp_path / "reference.log")
-    output = finish(run, tmp_path / "restarted.log")
+    finish(reference, tmp_path / "reference.log", daemon_log=daemon.log_text)
+    output = finish(run, tmp_path / "restarted.log", daemon_log=daemon.log_text)
     assert "exitcode: -9) local_rank: 1" in output, output[-4000:]  # torchrun saw rank 1 killed, and restarted the group
     # the second attempt is a new run (torchrun's restart count is part of its id) that resumed
     assert "job restarted: run " in daemon.log_text() and "(resumed)" in daemon.log_text(), daemon.log_text()[-3000:]

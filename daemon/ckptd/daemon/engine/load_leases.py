@@ -24,6 +24,8 @@ class LoadLease:
     held: Snapshot | None  # the snapshot in memory the load reads, if any
     expires: float  # monotonic seconds
     client: str = ""  # the client id of the rank that planned the load ("": a client older than client ids)
+    rank: int = 0  # the rank that planned it
+    local_ranks: int = 1  # how many of the job's ranks this daemon serves (the rank's local world)
 
 
 class LoadLeases:
@@ -36,13 +38,13 @@ class LoadLeases:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def add(self, job: str, step: int, held: Snapshot | None, client: str) -> str:
-        """A new lease of a load of `step` of `job` by `client` (`held`, the snapshot it reads,
-        leased with it: Snapshot.lease): its load id."""
+    def add(self, job: str, step: int, held: Snapshot | None, client: str, rank: int = 0, local_ranks: int = 1) -> str:
+        """A new lease of a load of `step` of `job` by `client`, rank `rank` of the `local_ranks`
+        this daemon serves (`held`, the snapshot it reads, leased with it: Snapshot.lease): its load id."""
         if held is not None:
             held.lease()
         load_id = uuid.uuid4().hex
-        self._by_id[load_id] = LoadLease(job, step, held, time.monotonic() + self._lease_s, client)
+        self._by_id[load_id] = LoadLease(job, step, held, time.monotonic() + self._lease_s, client, rank, local_ranks)
         return load_id
 
     def pop(self, load_id: str) -> LoadLease | None:

@@ -10,15 +10,14 @@ after LOAD_LEASE_S.
 
 A replaced node's daemon stages its own part of a step before its ranks ask (`prefetch`, started
 by engine/prefetch.py): whole files, by the same tiers and checks as a load's reads, which a load
-of the step then waits for instead of staging them again. They are held for PREFETCH_HOLD_S or
-until a load of the step is done, whichever comes first.
+of the step then waits for instead of staging them again. How long staged files stay for loads
+that have not come yet (a prefetch's, the node's other ranks') is engine/staging_holds.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -29,6 +28,7 @@ from ckptd.daemon.engine.load_leases import LoadLeases
 from ckptd.daemon.engine.requests import PlanLoad
 from ckptd.daemon.engine.root import Root
 from ckptd.daemon.engine.sessions import JobState
+from ckptd.daemon.engine.staging_holds import StagingHolds
 from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.staging import StagingFiles
 from ckptd.daemon.engine.tiers import Snapshot, StagingTarget, StepCopy, Tier, Tiers, locate
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 EXTRAS_KEPT = 4  # steps whose parsed extra.json loads keep (a restarted daemon's ranks all read the same step's)
 ELSEWHERE = -1  # a planned load's node for the files this root lacks, until the peers say which node has them (Loads._plan)
-PREFETCH_HOLD_S = 600.0  # seconds a prefetched part stays staged for loads that have not come
 STAGE_ROOM_WAIT_S = 30.0  # seconds a load waits for saves in flight to leave room under --shm-budget for its staging files
 Sources = tuple[dict[str, int], dict[str, TierName]]  # Loads._file_sources' answer: file -> node, file -> replica tier
 FETCH, READ_ONCE = "broadcast-fetch", "broadcast-read-once"  # the load broadcast's routes among a load's staged reads (beside the tiers)
@@ -91,7 +90,7 @@ class Loads:
         self.leases = LoadLeases()
         self._fetches: dict[tuple[str, int, str, int], asyncio.Task[None]] = {}
         self._whole: dict[tuple[str, int, str], asyncio.Task[None]] = {}  # (job, step, file) -> its prefetch (the whole file)
-        self._holds: dict[tuple[str, int], float] = {}  # (job, step) -> until when (monotonic s) its prefetched files stay
+        self._holds = StagingHolds(engine.spawn, self._release_staging)  # staging files kept for loads not come yet
         self._prefetched: dict[tuple[str, int], Sources] = {}  # (job, step) -> where its prefetch staged each file from
         self._planning: dict[tuple[str, int], int] = {}  # (job, step) -> loads being planned: their staging files must stay
         self._memory_plans = MemoryPlans()
@@ -208,7 +207,7 @@ class Loads:
         state = self.engine.jobs.get(job)
         if state is not None:
             state.pool.mark_used()  # a load is use: the job is not idle (engine/memory.py)
-        load_id = self.leases.add(job, step, held, request.client)
+        load_id = self.leases.add(job, step, held, request.client, rank, self._local_ranks(request))
         self.expire_leases()
         tier = "memory" if plan_id else load_tier(found.pieces, held)  # a plan id: every piece is from memory
         self.engine.metrics.loads.labels(tier).inc()
@@ -328,7 +327,7 @@ class Loads:
         lacking = [f for f in data_files if f.node == node and sizes.get(f.name) != f.size]
         if not lacking or key in self._holds or self._loading(key):
             return 0
-        self._holds[key] = float("inf")  # kept while staging; PREFETCH_HOLD_S after
+        self._holds.prefetching(key)
         staged = False
         try:
             where, tiers = await self._file_sources(index, lacking, sizes)
@@ -362,22 +361,15 @@ class Loads:
             self._prefetched[key] = (where, tiers)
         finally:
             if staged:
-                until = self._holds[key] = time.monotonic() + PREFETCH_HOLD_S
-                self.engine.spawn(self._end_hold(key, until))
+                self._holds.prefetched(key)
             else:  # what did arrive is not kept: a load stages what it reads
-                del self._holds[key]
+                self._holds.drop(key)
                 self._release_staging(job, step)
         return sum(f.size for f in lacking)
 
     def _loading(self, key: tuple[str, int]) -> bool:
         """Whether a load of (job, step) is being planned or staged here."""
         return key in self._planning or any(k[:2] == key for k in self._fetches)
-
-    async def _end_hold(self, key: tuple[str, int], until: float) -> None:
-        await asyncio.sleep(max(0.0, until - time.monotonic()))
-        if self._holds.get(key) == until:
-            del self._holds[key]
-            self._release_staging(*key)
 
     async def _stage(self, tier: Tier, index: CheckpointIndex, reads: Sequence[StagedRead], target: StagingTarget) -> None:
         """Stage `reads` through `tier`; what it could not (a replica lost or damaged since the
@@ -430,13 +422,21 @@ class Loads:
         while len(self._extras_read) > EXTRAS_KEPT:
             del self._extras_read[next(iter(self._extras_read))]
 
+    def _local_ranks(self, request: PlanLoad) -> int:
+        """How many of the job's ranks load through this daemon: the rank's local world; every
+        rank on a single node; 1 when a rank of a cluster does not say (an older client)."""
+        if request.local_world_size:
+            return request.local_world_size
+        return request.world_size if self.engine.cluster is None else 1
+
     def done(self, load_id: str) -> None:
         """LoadDone: the rank has read what it needed."""
         lease = self.leases.pop(load_id)  # its snapshot released: idle now, it may be reused or given back
         if lease is None:
             return
-        if self._holds.get((lease.job, lease.step), 0.0) < float("inf"):  # a prefetch done: it served this load
-            self._holds.pop((lease.job, lease.step), None)
+        key = (lease.job, lease.step)
+        if any(k[:2] == key for k in self._fetches) or any(k[:2] == key for k in self._whole):  # it staged files: kept for the node's other ranks
+            self._holds.load_done(key, lease.rank, lease.local_ranks)
         self._release_staging(lease.job, lease.step)
 
     def _release_staging(self, job: str, step: int) -> None:
@@ -454,6 +454,7 @@ class Loads:
         for file_key in whole:
             del self._whole[file_key]
         self._prefetched.pop((job, step), None)
+        self._holds.forget((job, step))
         for file in {key[2] for key in keys} | {key[2] for key in whole}:  # a fetch per range, many ranges per file
             detached = self.staging.detach(self.staging.path(job, step, file))
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once

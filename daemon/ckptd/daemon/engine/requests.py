@@ -106,3 +106,4 @@ class PlanLoad:
     decodes_frames: bool = True  # the client reads codes in zstd frames
     run: str = ""  # the rank's run: its open saves are abandoned, another run's never
     client: str = ""  # the client id of the rank ("": a client older than client ids): its end ends the load's lease
+    local_world_size: int = 0  # the job's ranks this daemon serves (0: not said; all of them on a single node)

@@ -397,7 +397,7 @@ def plan_load_of(request: pb.PlanLoadRequest, wanted_of: Callable[[str, int], Se
     kinds = check_kinds(request.kinds)
     return PlanLoad(
         job, rank, world_size, step, wanted, kinds, request.strict, request.direct_read, request.decodes, request.decodes_frames,
-        check_run(request.who), check_client_id(request.who),
+        check_run(request.who), check_client_id(request.who), check_local_world_size(request.who.local_world_size, world_size),
     )
 
 
