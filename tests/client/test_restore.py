@@ -1,6 +1,7 @@
-"""restore_state (ckptd.client.restore) when the state being loaded holds fewer tensors than the
-checkpoint's tree: refused when strict, left out (and the state's own items kept) otherwise, as
-load(strict=False) and load(strict="missing") promise."""
+"""restore_state (ckptd.client.restore) when the state being loaded holds other tensors than the
+rank's tree of the checkpoint: a tensor without a place is refused when strict, left out (and
+the state's own items kept) otherwise, as load(strict=False) and load(strict="missing") promise;
+tensors the tree does not name (other ranks saved them) stay in the state's dicts."""
 
 from __future__ import annotations
 
@@ -59,3 +60,29 @@ def test_a_list_with_a_tensor_the_state_has_no_place_for_is_refused_even_when_no
     targets = flatten_state(state, rank=0)
     with pytest.raises(ValueError, match="holds a list with a tensor the state being loaded has no place for"):
         restore_state(state, targets, _transfer(saved, targets), strict=False)
+
+
+def test_a_dict_keeps_its_tensors_the_ranks_own_tree_does_not_name_when_strict() -> None:
+    """Saved by two pipeline ranks, each its own layers; loaded by one rank holding both: the
+    fill put both layers' values in, and rank 0's tree names only layer 0 (nested dicts too)."""
+    saved = flatten_state({"model": {"layer0": {"w": torch.ones(2)}, "head": torch.ones(1)}, "extra": {"stale": 1}}, rank=0)
+    layer1 = torch.full((2,), 2.0)  # filled from rank 1's fragment by the transport
+    state: dict[str, Any] = {"model": {"layer0": {"w": torch.zeros(2)}, "layer1": {"w": layer1}, "head": torch.zeros(1)}, "extra": {"stale": 0, "mine": 5}}
+    targets = flatten_state(state, rank=0)
+    restore_state(state, targets, _transfer(saved, targets))
+    assert list(state["model"]) == ["layer0", "layer1", "head"] and state["model"]["layer1"]["w"] is layer1
+    assert torch.equal(state["model"]["layer0"]["w"], torch.ones(2)) and torch.equal(state["model"]["head"], torch.ones(1))
+    assert state["extra"] == {"stale": 1}  # strict: a plain value the checkpoint lacks goes, as before
+
+
+def test_a_flat_template_of_a_nested_tree_comes_back_as_the_checkpoint_nests_it() -> None:
+    """A template {"0/state/w": t} flattens to the names the saved {"0": {"state": {"w": ...}}}
+    does (the Lightning integration loads into one): its items are the tree's tensors under
+    another structure, so the dict comes back nested, with no flat key left over."""
+    saved = flatten_state({"opt": {"0": {"state": {"w": torch.ones(2)}, "lr": 0.5}}}, rank=0)
+    template = {"0/state/w": torch.empty(2)}
+    state: dict[str, Any] = {"opt": template}
+    targets = flatten_state(state, rank=0)
+    restore_state(state, targets, _transfer(saved, targets))
+    assert list(state["opt"]) == ["0"] and state["opt"]["0"]["lr"] == 0.5
+    assert torch.equal(state["opt"]["0"]["state"]["w"], torch.ones(2))

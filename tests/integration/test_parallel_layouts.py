@@ -6,6 +6,7 @@ client and through torch.distributed.checkpoint. The scenarios: tests/integratio
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,30 @@ def test_an_expert_index_outside_the_ranks_share_is_refused(daemon) -> None:
     with CheckpointClient("pp-bad", address=daemon.address, on_error="raise", layout=LayoutRules([Rule(r"lm_head\.weight", StoredAs("embed.weight"))]), coords=RankCoords(0, 1)) as ckpt:
         with pytest.raises(LayoutError, match="also holds 'model/embed.weight'"):
             ckpt.save(1, clash)
+
+
+def test_plain_dicts_saved_by_two_pipeline_ranks_load_whole_into_one_rank(daemon) -> None:
+    """Each stage saves a plain dict of its own layers; one rank loads both: every layer is in
+    the dict after the load (a rank's tree names only its own layers; the dict was cleared and
+    refilled from rank 0's, dropping layer 1 though its values had been filled)."""
+    states = {rank: {"model": {f"layer{rank}.w": torch.full((4,), rank + 1.0)}} for rank in (0, 1)}
+    errors: list[BaseException] = []
+
+    def save(rank: int) -> None:
+        try:
+            with CheckpointClient("pp-dicts", address=daemon.address, rank=rank, world_size=2, on_error="raise") as ckpt:
+                ckpt.save(1, states[rank]).wait_durable(timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    stages = [threading.Thread(target=save, args=(rank,)) for rank in (0, 1)]
+    for stage in stages:
+        stage.start()
+    for stage in stages:
+        stage.join()
+    assert errors == []
+    whole = {"model": {"layer0.w": torch.zeros(4), "layer1.w": torch.zeros(4)}}
+    with CheckpointClient("pp-dicts", address=daemon.address, rank=0, world_size=1, on_error="raise") as ckpt:
+        assert ckpt.load(whole) == 1
+    assert list(whole["model"]) == ["layer0.w", "layer1.w"]
+    assert torch.equal(whole["model"]["layer0.w"], torch.full((4,), 1.0)) and torch.equal(whole["model"]["layer1.w"], torch.full((4,), 2.0))

@@ -35,6 +35,9 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
     - stateful objects: load_state_dict of the saved tree;
     - tensors: copied into in place; lists: their items replaced in place;
     - dicts: updated in place (cleared, then filled), so references to them see the values;
+      an item of the state's dict holding tensors that the checkpoint's tree does not name stays
+      (a rank's tree names the tensors that rank saved: in another layout, a rank holds tensors
+      other ranks saved, and the fill has put their values in);
     - other values (int, str, tuple, ...) cannot change in place: state[key] is replaced,
       which needs a mutable mapping (pass a dict, or wrap the value in a dict);
     - "rng" (when targets has it): every generator is set back.
@@ -72,7 +75,7 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
         elif is_stateful(value):
             value.load_state_dict(loaded)
         else:
-            _put_back(state, key, value, loaded, keep_own=strict is not True)
+            _put_back(state, key, value, loaded, keep_own=strict is not True, named=tensors.handed_out)
     if RNG_KEY in targets.extras and RNG_KEY not in state:
         if RNG_KEY not in extras:
             # e.g. a rank that did not exist when the checkpoint was saved (more ranks now)
@@ -96,6 +99,7 @@ class _TensorLookup:
         self._targets = targets
         self._strict = strict
         self._found: dict[str, torch.Tensor] | None = None
+        self.handed_out: set[int] = set()  # id() of every target tensor a tree named
 
     def getter(self, key: str) -> Callable[[str], Any]:
         def get(name: str) -> Any:
@@ -109,6 +113,8 @@ class _TensorLookup:
                 )
             if found is _NO_PLACE:
                 log.warning("the checkpoint's tensor %r has no place in the state being loaded: left out", name)
+            else:
+                self.handed_out.add(id(found))
             return found
 
         return get
@@ -176,9 +182,10 @@ def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
         raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
 
 
-def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False) -> None:
+def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False, named: set[int] | frozenset[int] = frozenset()) -> None:
     """Put `loaded` into state[key] (`value`) in place where it can be; keep_own: a dict keeps
-    its items the checkpoint does not hold (not strict)."""
+    its items the checkpoint does not hold (not strict), else those holding tensors of which
+    the checkpoint's trees named none (`named`: their id()s)."""
     if isinstance(value, torch.Tensor):
         if not isinstance(loaded, torch.Tensor) or loaded.shape != value.shape:
             raise ValueError(f"state[{key!r}] is a tensor of shape {list(value.shape)}; the checkpoint holds {_describe(loaded)}")
@@ -188,9 +195,9 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_
     elif isinstance(value, dict):
         if not isinstance(loaded, dict):
             raise ValueError(f"state[{key!r}] is a dict; the checkpoint holds {_describe(loaded)}")
-        if not keep_own:
-            value.clear()
-        value.update(loaded)
+        merged = {**value, **loaded} if keep_own else _with_unnamed(value, loaded, named)
+        value.clear()
+        value.update(merged)
     elif isinstance(value, list):
         if not isinstance(loaded, list):
             raise ValueError(f"state[{key!r}] is a list; the checkpoint holds {_describe(loaded)}")
@@ -202,6 +209,35 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_
             f"state[{key!r}] is a {type(value).__name__}, which cannot be changed in place, and the state is a "
             f"read-only {type(state).__name__}; pass the state as a dict or wrap the value in a dict"
         )
+
+
+def _with_unnamed(own: dict[Any, Any], loaded: dict[Any, Any], named: set[int] | frozenset[int]) -> dict[Any, Any]:
+    """The checkpoint's dict `loaded` with the items of the state's dict `own` that hold tensors
+    none of which the checkpoint's trees named (`named`, by id()): tensors other ranks saved,
+    their values filled in place. Dicts in both are merged the same way; own's order first.
+    (An item whose tensors a tree names under another structure, such as a flat template of a
+    nested tree, is the checkpoint's: not kept.)"""
+    out: dict[Any, Any] = {}
+    for key, mine in own.items():
+        if key in loaded:
+            theirs = loaded[key]
+            out[key] = _with_unnamed(mine, theirs, named) if isinstance(mine, dict) and isinstance(theirs, dict) else theirs
+        else:
+            held = _tensors_in(mine)
+            if held and not any(id(t) in named for t in held):
+                out[key] = mine
+    out.update((key, theirs) for key, theirs in loaded.items() if key not in out)
+    return out
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def _describe(value: Any) -> str:
