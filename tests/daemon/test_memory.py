@@ -324,6 +324,27 @@ def test_a_loads_staging_counts_against_the_budget_and_takes_idle_snapshots_firs
     _run(service, run)
 
 
+# staging kept for a node's ranks that have not loaded yet (engine/staging_holds.py) gives way
+# when a save finds nothing else to give back: the late rank stages again, the save is not refused
+def test_staging_kept_for_ranks_not_come_yet_gives_way_to_a_save(tmp_path: Path) -> None:
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=MiB + MiB // 2))
+    memory = service.engine.memory
+
+    async def run() -> None:
+        await _on_disk_only(service, "a", 1)
+        plan = await service.plan_load(PlanLoad("a", 0, 2, 1, [_spec(MiB)], ["model"], True, direct_read=False, local_world_size=2))
+        service.load_done(plan.load_id)
+        assert memory.staging_bytes() == MiB and _staging_files(service)  # kept for rank 1, which has not loaded
+        await _saved(service, "b", 1)
+        assert memory.staging_bytes() == 0
+        await asyncio.sleep(0.1)  # the pages are freed off the loop
+        assert not _staging_files(service)
+        _, load_id = await _staged_load(service, "a", 1)  # rank 1's load, late, stages again
+        service.load_done(load_id)
+
+    _run(service, run)
+
+
 # a load waits for a save in flight (the only copy of its step) to be written, then takes its memory
 def test_a_staged_load_waits_for_a_save_in_flight_then_stages(tmp_path: Path) -> None:
     service = _service(tmp_path, shm_budget=ShmBudget(nbytes=MiB + MiB // 2), write_throttle=SLOW)

@@ -83,3 +83,13 @@ def test_a_failed_prefetch_keeps_nothing() -> None:
     r.holds.prefetching(KEY)
     r.holds.drop(KEY)
     assert KEY not in r.holds
+
+
+def test_memory_short_ends_every_hold_but_a_prefetch_still_staging() -> None:
+    r = Recorder()
+    r.holds.load_done(KEY, rank=0, local_ranks=2)
+    r.holds.prefetching(("job", 8))
+    assert r.holds.end_waiting() == [KEY]
+    assert KEY not in r.holds and ("job", 8) in r.holds
+    for timer in r.timers:
+        timer.close()

@@ -111,7 +111,7 @@ class CheckpointService:
             tiers.append(self.remote)
         self.tiers = Tiers(tiers)
         self.loads = Loads(self.engine, self._abort_left_behind, self.tiers, root)
-        self.engine.memory.track_staging_files(self.loads.staging.written_bytes)  # one budget for arenas and staging
+        self.engine.memory.track_staging_files(self.loads.staging.written_bytes, self.loads.drop_kept_staging)  # one budget for arenas and staging
         self.housekeeping = Housekeeping(self.engine, self.loads.leased_steps, lambda: len(self.loads.leases), self.tiers)
         self.commit = Commit(self.engine, self.housekeeping.after_commit, self._writer, self.tiers)
         self.saves = Saves(self.engine, self.commit.write)

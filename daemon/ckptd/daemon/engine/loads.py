@@ -207,7 +207,7 @@ class Loads:
         state = self.engine.jobs.get(job)
         if state is not None:
             state.pool.mark_used()  # a load is use: the job is not idle (engine/memory.py)
-        load_id = self.leases.add(job, step, held, request.client, rank, self._local_ranks(request))
+        load_id = self.leases.add(job, step, held, request.client, rank, local_ranks(request, self.engine.cluster is None))
         self.expire_leases()
         tier = "memory" if plan_id else load_tier(found.pieces, held)  # a plan id: every piece is from memory
         self.engine.metrics.loads.labels(tier).inc()
@@ -422,13 +422,6 @@ class Loads:
         while len(self._extras_read) > EXTRAS_KEPT:
             del self._extras_read[next(iter(self._extras_read))]
 
-    def _local_ranks(self, request: PlanLoad) -> int:
-        """How many of the job's ranks load through this daemon: the rank's local world; every
-        rank on a single node; 1 when a rank of a cluster does not say (an older client)."""
-        if request.local_world_size:
-            return request.local_world_size
-        return request.world_size if self.engine.cluster is None else 1
-
     def done(self, load_id: str) -> None:
         """LoadDone: the rank has read what it needed."""
         lease = self.leases.pop(load_id)  # its snapshot released: idle now, it may be reused or given back
@@ -438,6 +431,14 @@ class Loads:
         if any(k[:2] == key for k in self._fetches) or any(k[:2] == key for k in self._whole):  # it staged files: kept for the node's other ranks
             self._holds.load_done(key, lease.rank, lease.local_ranks)
         self._release_staging(lease.job, lease.step)
+
+    def drop_kept_staging(self) -> bool:
+        """Shared memory is short: remove the staging files that only a hold keeps (for ranks that
+        have not loaded yet, which then stage again); whether any went."""
+        before = self.engine.memory.staging_bytes()
+        for job, step in self._holds.end_waiting():
+            self._release_staging(job, step)
+        return self.engine.memory.staging_bytes() < before
 
     def _release_staging(self, job: str, step: int) -> None:
         """Remove the step's staging files (shared memory) once no load of the step is being
@@ -477,6 +478,14 @@ class Loads:
 
     def close(self) -> None:
         self.staging.close()
+
+
+def local_ranks(request: PlanLoad, single_node: bool) -> int:
+    """How many of the job's ranks load through this daemon: the rank's local world; every rank
+    on a single node; 1 when a rank of a cluster does not say (an older client)."""
+    if request.local_world_size:
+        return request.local_world_size
+    return request.world_size if single_node else 1
 
 
 def files_read(planned: PlannedPieces, locations: Mapping[str, Location]) -> set[str]:

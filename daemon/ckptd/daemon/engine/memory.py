@@ -67,6 +67,7 @@ class ArenaMemory:
         self._staged: dict[tuple[str, int], int] = {}  # (job, step) -> bytes counted for its loads' staging files
         self._freed = asyncio.Event()  # set (and replaced) whenever memory goes back or sets become idle
         self._staging_written: Callable[[], int] = lambda: 0  # bytes the staging files take in the directory now
+        self._drop_kept_staging: Callable[[], bool] = lambda: False  # remove staging files only holds keep; whether any went
 
     def _pools(self) -> dict[str, ArenaPool]:
         return {job: state.pool for job, state in self._jobs.items()}
@@ -165,10 +166,13 @@ class ArenaMemory:
                 await asyncio.wait_for(freed.wait(), left)
         self._staged[(job, step)] = self._staged.get((job, step), 0) + nbytes
 
-    def track_staging_files(self, written: Callable[[], int]) -> None:
+    def track_staging_files(self, written: Callable[[], int], drop_kept: Callable[[], bool]) -> None:
         """`written()`: the bytes the staging files take in the directory now (engine/staging.py),
-        so that the directory's check counts only the staged bytes not yet written."""
+        so that the directory's check counts only the staged bytes not yet written. `drop_kept()`:
+        remove the staging files that no load reads, only a hold keeps for ranks not come yet
+        (engine/staging_holds.py), when nothing else can be given back; whether any went."""
         self._staging_written = written
+        self._drop_kept_staging = drop_kept
 
     def staging_removed(self, job: str, step: int) -> None:
         """The staging files of `step` of `job` were removed: their bytes are free again (saves waiting are woken)."""
@@ -234,6 +238,8 @@ class ArenaMemory:
                 return True
             victim = self._victim(exclude, evict)
             if victim is None:
+                if self._drop_kept_staging():  # a late rank would stage it again: memory comes first
+                    continue
                 return False
             pool, arena_set = victim
             released += arena_set.nbytes

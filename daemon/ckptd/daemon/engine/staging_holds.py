@@ -11,7 +11,8 @@ keeps them:
   job do not load at once, and one that came after the others had finished would otherwise
   stage the same bytes again, from a peer at network cost.
 
-The last of a step's ranks ends every hold but a prefetch still staging. Pure bookkeeping on
+The last of a step's ranks ends every hold but a prefetch still staging, and so does memory
+running short (engine/memory.py asks when it has nothing else to give back). Pure bookkeeping on
 the event loop; `release(job, step)` is called when a hold ends by time.
 """
 
@@ -63,6 +64,13 @@ class StagingHolds:
                 del self._until[key]
         elif until is None or until < time.monotonic() + SIBLINGS_WAIT_S:
             self._hold(key, SIBLINGS_WAIT_S)
+
+    def end_waiting(self) -> list[Key]:
+        """End every hold but a prefetch's still staging (memory is short); the steps they held."""
+        ended = [key for key, until in self._until.items() if until < float("inf")]
+        for key in ended:
+            del self._until[key]
+        return ended
 
     def forget(self, key: Key) -> None:
         """The step's staging files were removed: a later load starts afresh."""
