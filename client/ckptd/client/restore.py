@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Set
 from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
@@ -182,7 +182,7 @@ def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:
         raise ValueError(f"module {key!r} does not take these saved items: {', '.join(result.unexpected_keys)}")
 
 
-def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False, named: set[int] | frozenset[int] = frozenset()) -> None:
+def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_own: bool = False, named: Set[int] = frozenset()) -> None:
     """Put `loaded` into state[key] (`value`) in place where it can be; keep_own: a dict keeps
     its items the checkpoint does not hold (not strict), else those holding tensors of which
     the checkpoint's trees named none (`named`: their id()s)."""
@@ -211,7 +211,7 @@ def _put_back(state: Mapping[str, Any], key: str, value: Any, loaded: Any, keep_
         )
 
 
-def _with_unnamed(own: dict[Any, Any], loaded: dict[Any, Any], named: set[int] | frozenset[int]) -> dict[Any, Any]:
+def _with_unnamed(own: dict[Any, Any], loaded: dict[Any, Any], named: Set[int]) -> dict[Any, Any]:
     """The checkpoint's dict `loaded` with the items of the state's dict `own` that hold tensors
     none of which the checkpoint's trees named (`named`, by id()): tensors other ranks saved,
     their values filled in place. Dicts in both are merged the same way; own's order first.

@@ -427,27 +427,23 @@ class Loads:
         lease = self.leases.pop(load_id)  # its snapshot released: idle now, it may be reused or given back
         if lease is None:
             return
-        key = (lease.job, lease.step)
-        if any(k[:2] == key for k in self._fetches) or any(k[:2] == key for k in self._whole):  # it staged files: kept for the node's other ranks
-            self._holds.load_done(key, lease.rank, lease.local_ranks)
+        if any(self._staging_of(lease.job, lease.step)):  # files staged: kept for the node's other ranks
+            self._holds.load_done((lease.job, lease.step), lease.rank, lease.local_ranks)
         self._release_staging(lease.job, lease.step)
 
     def drop_kept_staging(self) -> bool:
-        """Shared memory is short: remove the staging files that only a hold keeps (for ranks that
-        have not loaded yet, which then stage again); whether any went."""
+        """Memory is short: remove the staging files only a hold keeps (late ranks stage again); whether any went."""
         before = self.engine.memory.staging_bytes()
         for job, step in self._holds.end_waiting():
             self._release_staging(job, step)
         return self.engine.memory.staging_bytes() < before
 
     def _release_staging(self, job: str, step: int) -> None:
-        """Remove the step's staging files (shared memory) once no load of the step is being
-        planned or reading: they would otherwise hold host memory until shutdown. A later load
-        of the step fetches again."""
+        """Remove the step's staging files (shared memory, else held until shutdown) once no load
+        plans or reads them and no hold keeps them (engine/staging_holds.py); later loads stage again."""
         if (job, step) in self._planning or (job, step) in self._holds or self.leases.reading(job, step):
             return
-        keys = [k for k in self._fetches if k[:2] == (job, step)]
-        whole = [k for k in self._whole if k[:2] == (job, step)]
+        keys, whole = self._staging_of(job, step)
         if any(not self._fetches[k].done() for k in keys) or any(not self._whole[k].done() for k in whole):  # fetches run inside plan() or a hold: not expected
             return
         for key in keys:
@@ -461,6 +457,10 @@ class Loads:
             if detached is not None:  # its pages freed off the loop: LoadDone answers at once
                 self.engine.spawn(asyncio.to_thread(self.staging.free, detached))
         self.engine.memory.staging_removed(job, step)
+
+    def _staging_of(self, job: str, step: int) -> tuple[list[tuple[str, int, str, int]], list[tuple[str, int, str]]]:
+        """The step's staging: its loads' fetches (a range each) and its prefetched files."""
+        return [k for k in self._fetches if k[:2] == (job, step)], [k for k in self._whole if k[:2] == (job, step)]
 
     def client_gone(self, job: str, client: str) -> None:
         """A client of `job` ended (exited, maybe mid-load): the loads it did not finish are done."""
