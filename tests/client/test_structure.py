@@ -248,3 +248,36 @@ def test_a_plain_states_fragments_are_made_when_first_asked_for_and_its_targets_
     assert [t.data_ptr() for t in structure.targets] == [f.local.data_ptr() for _, f in fresh]
     assert [(e.name, f.box, f.global_shape) for e, f in structure.fragments] == [(e.name, f.box, f.global_shape) for e, f in fresh]
     assert structure.fragments is structure.fragments  # made once
+
+
+def test_fingerprint_first_is_the_fingerprint_the_first_build_gives_and_that_build_reuses_its_digest() -> None:
+    state = {"model": {"a": torch.zeros(3, 2), "b": torch.ones(4)}}
+    flat = _flat(state)
+    cache = StructureCache()
+    first = cache.fingerprint_first(flat, None, None)
+    built = cache.for_state(flat, None, None)
+    assert first == built.fingerprint == StructureCache().for_state(flat, None, None).fingerprint == fingerprint_of(flat, fragments_of_state(flat))
+    assert cache.builds == 1
+    assert cache.fingerprint_first(_flat(state), None, None) is None  # a structure is known: for_state alone tells
+
+
+@pytest.mark.parametrize("case", ["rules", "per_rank", "another_flat", "fails_checks"])
+def test_fingerprint_first_says_nothing_or_is_not_trusted_when_the_build_may_differ(case: str) -> None:
+    state: dict[str, Any] = {"model": {"w": torch.zeros(4, 6)}}
+    cache = StructureCache()
+    if case == "rules":
+        assert cache.fingerprint_first(_flat(state), LayoutRules([Rule(r"w", Split(dim=1))]), RankCoords(0, 2)) is None
+    elif case == "per_rank":
+        flat = flatten_state({"extra": {"ema": torch.zeros(2)}}, rank=1, validate=False)  # a tensor under "extra": the rank's own
+        assert cache.fingerprint_first(flat, None, None) is None  # the per-rank names are the fragments'
+    elif case == "another_flat":
+        first = cache.fingerprint_first(_flat(state), None, None)
+        state["model"]["w"] = torch.zeros(4, 7)
+        built = cache.for_state(_flat(state), None, None)  # not the flat state fingerprint_first saw: built from scratch
+        assert built.fingerprint != first and built.fingerprint == StructureCache().for_state(_flat(state), None, None).fingerprint
+    else:
+        state["model"]["bad name\n"] = torch.zeros(1)
+        flat = _flat(state)
+        assert cache.fingerprint_first(flat, None, None) is not None
+        with pytest.raises(ValueError, match="bad name"):
+            cache.for_state(flat, None, None)  # the checks still run, and raise

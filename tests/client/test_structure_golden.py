@@ -110,7 +110,12 @@ def _reference(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
             _check_tensor(name, entry.tensor)
     fragments = tuple((layout.entry, f) for layout in layout_state(flat, rules, coords) for f in layout.fragments)
     meta = [[e.name, e.kind, str(e.tensor.dtype), list(e.tensor.shape), list(e.aliases), e.frozen, e.per_rank] for e in flat.tensors]
-    h = hashlib.sha256(hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest().encode())
+    digest = hashlib.sha256(json.dumps(meta, separators=(",", ":")).encode()).hexdigest()
+    if [f.name for _, f in fragments] == [e.name for e in flat.tensors] and all(
+        f.global_shape == f.box.lengths == tuple(e.tensor.shape) and not any(f.box.offsets) for e, (_, f) in zip(flat.tensors, fragments)
+    ):  # each tensor whole under its name: the lines would say nothing the digest does not
+        return fragments, hashlib.sha256(f"whole:{digest}".encode()).hexdigest()
+    h = hashlib.sha256(digest.encode())
     for _, f in fragments:
         h.update(f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n".encode())
     return fragments, h.hexdigest()

@@ -161,19 +161,43 @@ def test_a_new_client_restores_exactly(client: CheckpointClient, daemon: DaemonP
 
 class _Counted:
     """The stub's PlanLoad (called, or sent ahead as a future), recording how many tensors each
-    request described."""
+    request described, and how each went out ("call" or "ahead")."""
 
     def __init__(self, plan: Any) -> None:
         self.plan = plan
         self.counts: list[int] = []
+        self.how: list[str] = []
 
     def __call__(self, request: Any, **kw: Any) -> Any:
         self.counts.append(len(request.tensors))
+        self.how.append("call")
         return self.plan(request, **kw)
 
     def future(self, request: Any, **kw: Any) -> Any:
         self.counts.append(len(request.tensors))
+        self.how.append("ahead")
         return self.plan.future(request, **kw)
+
+
+class _WithoutColumns:
+    """The stub's PlanLoad as a daemon that predates columns answers it: the request's
+    memory_columns flag ignored (cleared in a copy: the client compares what it sent ahead)."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    @staticmethod
+    def _old(request: Any) -> Any:
+        old = type(request)()
+        old.CopyFrom(request)
+        old.memory_columns = False
+        return old
+
+    def __call__(self, request: Any, **kw: Any) -> Any:
+        return self.plan(self._old(request), **kw)
+
+    def future(self, request: Any, **kw: Any) -> Any:
+        return self.plan.future(self._old(request), **kw)
 
 
 def _described(ckpt: CheckpointClient) -> list[int]:
@@ -206,6 +230,32 @@ def test_a_restarted_trainer_names_its_structure_by_fingerprint_only_once_the_da
         with pytest.raises(Exception, match="t0"):
             fresh.load(other)
         assert later == [0, 0, 0, COUNT]  # sent ahead for the last structure (released), then unknown, then described
+
+
+def test_a_new_clients_first_load_sends_its_plan_load_before_checking_the_structure(client: CheckpointClient, daemon: DaemonProcess) -> None:
+    """A restarted trainer's first load names its structure by the fingerprint it will have
+    (StructureCache.fingerprint_first) in a PlanLoad sent before the structure's checks, and
+    uses the answer; a state that fails the checks raises their error and leaves no load leased."""
+    state = _state(11)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        calls = _Counted(fresh._rpc.stub.PlanLoad)
+        fresh._rpc.stub.PlanLoad = calls
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        assert fresh.load(other) == 1
+        _assert_same(other, expected)
+        assert (calls.how, calls.counts) == (["ahead"], [0])  # sent ahead, named by its fingerprint, used
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        calls = _Counted(fresh._rpc.stub.PlanLoad)
+        fresh._rpc.stub.PlanLoad = calls
+        bad = {"model": {**{k: torch.zeros_like(v) for k, v in expected["model"].items()}, "bad name\n": torch.zeros(1)}}
+        with pytest.raises(ValueError, match="bad name"):
+            fresh.load(bad)
+        assert calls.how == ["ahead"]  # sent, then released
+        fresh._rpc.settle_load_done()
+        assert fresh.status().loads_active == 0
+        assert all(torch.equal(bad["model"][k], torch.zeros_like(v)) for k, v in expected["model"].items())  # nothing loaded
 
 
 def test_a_large_tensor_takes_the_one_call_copy_in_the_client_that_saved_and_in_a_new_one(
@@ -280,13 +330,7 @@ def test_columns_from_a_daemon_that_sends_pieces_and_a_plan_of_another_layout_st
     expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
     client.save(1, state).wait_durable()
     with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
-        plan = fresh._rpc.stub.PlanLoad
-
-        def old_daemon(request: Any, **kw: Any) -> Any:
-            request.memory_columns = False
-            return plan(request, **kw)
-
-        fresh._rpc.stub.PlanLoad = old_daemon
+        fresh._rpc.stub.PlanLoad = _WithoutColumns(fresh._rpc.stub.PlanLoad)
         plans = _plans(fresh)
         other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
         assert fresh.load(other) == 1

@@ -165,6 +165,11 @@ def tensor_metas(structure: Structure) -> list[pb.TensorMeta]:
     return [tensor_meta(e, f) for e, f in structure.fragments]
 
 
+def load_fingerprint(structure: Structure) -> str:
+    """What a PlanLoad names `structure` by: its fingerprint, none for a state without tensors."""
+    return structure.fingerprint if structure.targets else ""
+
+
 def _source(p: pb.Piece) -> Source:
     decoding = None
     if p.HasField("decode"):
@@ -358,7 +363,7 @@ class DaemonRpc:
         from an earlier load or save; with the metadata when it has not (or forgot it: restarted): `_plan_load`.
         ahead: a PlanLoad sent before (`plan_load_ahead`), whose answer is taken when its request
         is this one, field for field; else it is released."""
-        request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
+        request = self._plan_load_request(load_fingerprint(structure), step, kinds, strict, direct_read, known_plans)
         if ahead is not None and ahead.request != request:
             self.drop_ahead(ahead)
             ahead = None
@@ -372,12 +377,12 @@ class DaemonRpc:
         )
 
     def plan_load_ahead(
-        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+        self, fingerprint: str, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
     ) -> "PlanAhead":
-        """Send PlanLoad (the fingerprint alone) without waiting for the answer: `plan_load` takes
-        it, or releases it, later."""
+        """Send PlanLoad (the structure's fingerprint alone) without waiting for the answer:
+        `plan_load` takes it, or releases it, later."""
         self.settle_load_done()
-        request = self._plan_load_request(structure, step, kinds, strict, direct_read, known_plans)
+        request = self._plan_load_request(fingerprint, step, kinds, strict, direct_read, known_plans)
         return PlanAhead(request, self.stub.PlanLoad.future(request, timeout=self.timeout_s + 30))
 
     def drop_ahead(self, ahead: "PlanAhead | None") -> None:
@@ -392,7 +397,7 @@ class DaemonRpc:
         self.load_done(reply.load_id)
 
     def _plan_load_request(
-        self, structure: Structure, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
+        self, fingerprint: str, step: int | None, kinds: Sequence[str], strict: bool, direct_read: bool, known_plans: Sequence[str]
     ) -> pb.PlanLoadRequest:
         return pb.PlanLoadRequest(
             who=self.who,
@@ -403,7 +408,7 @@ class DaemonRpc:
             direct_read=direct_read,
             decodes=True,
             decodes_frames=True,
-            fingerprint=structure.fingerprint if structure.targets else "",
+            fingerprint=fingerprint,
             known_plans=known_plans,
             memory_columns=True,
         )

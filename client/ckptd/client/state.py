@@ -46,7 +46,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -96,7 +96,8 @@ class TensorEntry(NamedTuple):
 
 
 # TensorEntry's fields and tensors' attributes, read by C-level maps over whole lists
-_TENSOR = itemgetter(2)
+_NAME, _TENSOR = itemgetter(0), itemgetter(2)
+_PARTED, _BEFORE_SLASH = methodcaller("partition", "/"), itemgetter(0)
 _DTYPE, _SHAPE, _DEVICE = attrgetter("dtype"), attrgetter("shape"), attrgetter("device")
 _PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
 
@@ -123,6 +124,11 @@ class FlatState:
         """The extras as the strict JSON text a save sends (made once per flat state: a state
         walked again unchanged is the same FlatState, ckptd.client.walk.StateWalk)."""
         return self.extras_text if self.extras_text is not None else json.dumps(self.extras, allow_nan=False)
+
+    @functools.cached_property
+    def tensor_kinds(self) -> frozenset[str]:
+        """The top-level keys its tensors' names begin with."""
+        return frozenset(map(_BEFORE_SLASH, map(_PARTED, map(_NAME, self.tensors))))
 
     def fingerprint(self) -> str:
         """A hex digest of every entry's (name, kind, dtype, shape, aliases, frozen, per_rank), in order.

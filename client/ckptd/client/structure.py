@@ -38,7 +38,7 @@ import functools
 import hashlib
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -93,6 +93,7 @@ class StructureCache:
     def __init__(self) -> None:
         self._last: Structure | None = None
         self._entries: tuple[TensorEntry, ...] = ()  # the entries whose fields _last's signature holds
+        self._first: tuple[Any, ...] | None = None  # (flat, rules, coords, tensors, signature, entries digest) of fingerprint_first
         self.builds = 0  # how many times a structure was derived from scratch (tests, metrics)
         self.rebinds = 0  # how many times some entries' memory moved and was taken again
 
@@ -100,6 +101,12 @@ class StructureCache:
         """The Structure of `flat` (flattened with validate=False): the cached one when nothing
         changed; one with some fragments taken anew when only memory moved; else built (and
         validated: raises ValueError/TypeError/LayoutError naming the tensor) from scratch."""
+        first, self._first = self._first, None
+        if first is not None and first[0] is flat and first[1] is rules and first[2] == coords and self._last is None:
+            _, _, _, tensors, signature, digest = first
+            self._last = self._build(flat, rules, coords, signature, tensors, digest)
+            self._entries = flat.tensors
+            return self._last
         last = self._last
         same_entries = last is not None and flat.tensors is self._entries and len(last.signature) > _ENTRIES_AT
         tensors = list(map(_TENSOR, flat.tensors))
@@ -116,8 +123,25 @@ class StructureCache:
         self.rebinds += 1
         return self._last
 
-    def _build(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, signature: Signature | None, tensors: list[Any]) -> Structure:
-        built = _plain_structure(flat, rules, signature, tensors) if signature is not None else None
+    def fingerprint_first(self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None) -> str | None:
+        """The fingerprint that the next `for_state(flat, rules, coords)` gives if its checks pass,
+        known before them: for a plain state (each tensor one whole fragment) whose structure is
+        the first this cache builds (a new client's first load, whose PlanLoad then travels while
+        the checks run). None for any other state or cache: for_state alone knows."""
+        if self._last is not None or rules is not None:
+            return None
+        tensors = list(map(_TENSOR, flat.tensors))
+        signature = _signature(flat, rules, coords, tensors)
+        if signature is None or len(signature) <= _DEVICES_AT or any(map(_PLACED, flat.tensors)) or any(map(_PER_RANK, flat.tensors)):
+            return None
+        digest = entries_fingerprint(flat.tensors, signature[_DTYPES_AT], signature[_SHAPES_AT])
+        self._first = (flat, rules, coords, tensors, signature, digest)
+        return _whole_fingerprint(digest)
+
+    def _build(
+        self, flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, signature: Signature | None, tensors: list[Any], digest: str | None = None
+    ) -> Structure:
+        built = _plain_structure(flat, rules, signature, tensors, digest) if signature is not None else None
         if built is None:
             validate_entries(flat)
             fragments = fragments_of_state(flat, rules, coords)
@@ -128,27 +152,24 @@ class StructureCache:
         return built
 
 
-def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Signature, tensors: list[Any]) -> Structure | None:
+def _plain_structure(flat: FlatState, rules: LayoutRules | None, signature: Signature, tensors: list[Any], digest: str | None = None) -> Structure | None:
     """What `StructureCache._build` derives, for the common state: plain tensors (the signature's
     plain form, also LocalShards' tensors) without layout rules, whose checks all pass; None for any other
     (the general path then checks, and raises the error). One pass over the tensors' metadata:
     the dtypes and shapes the signature read serve the checks, the fragments and the fingerprint
-    (a new client's first build costs a few µs per tensor: bench_structure.py)."""
+    (a new client's first build costs a few µs per tensor: bench_structure.py). digest: the
+    entries' (plain_entries.entries_fingerprint), when known already."""
     if rules is not None or len(signature) <= _DEVICES_AT:
         return None
     dtypes, shapes, devices = signature[_DTYPES_AT], signature[_SHAPES_AT], signature[_DEVICES_AT]
     if not plain_entries_valid(flat.tensors, tensors, dtypes, devices):
         return None
-    entries_digest = entries_fingerprint(flat.tensors, dtypes, shapes)
+    entries_digest = digest if digest is not None else entries_fingerprint(flat.tensors, dtypes, shapes)
     if any(map(_PLACED, flat.tensors)) or any(map(_PER_RANK, flat.tensors)):  # a fragment's name or place is its own
         fragments = whole_fragments(flat, tensors, shapes)
-        named = list(map(_FRAGMENT, fragments))
-        fingerprint = _fingerprint(entries_digest, map(_FRAGMENT_NAME, named), list(map(_PLACE, named)))
-        return Structure.of_fragments(signature, _pointers(tensors), fragments, fingerprint)
-    # every fragment is all of its tensor, under its name: its place (global shape, offsets,
-    # lengths) is its shape's, and the fragments are made only when asked for
-    place_of = {shape: (whole := tuple(shape), (0,) * len(whole), whole) for shape in set(shapes)}
-    fingerprint = _fingerprint(entries_digest, map(_ENTRY_NAME, flat.tensors), list(map(place_of.__getitem__, shapes)))
+        return Structure.of_fragments(signature, _pointers(tensors), fragments, _fingerprint(entries_digest, flat.tensors, shapes, fragments))
+    # every fragment is all of its tensor under its name (the fingerprint's whole form), made only when asked for
+    fingerprint = _whole_fingerprint(entries_digest)
     return Structure(signature, _pointers(tensors), fingerprint, tuple(tensors), lambda: whole_fragments(flat, tensors, shapes))
 
 
@@ -165,20 +186,34 @@ def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragm
     sent to the daemon says, so that equal fingerprints name equal metadata (the global shape
     too: rank 0's half of a tensor split over two ranks has the box and local shape of a whole
     tensor of half the size)."""
-    fragments_only = list(map(_FRAGMENT, fragments))
-    return _fingerprint(flat.fingerprint(), map(_FRAGMENT_NAME, fragments_only), list(map(_PLACE, fragments_only)))
+    return _fingerprint(flat.fingerprint(), flat.tensors, list(map(_SHAPE, map(_TENSOR, flat.tensors))), fragments)
 
 
-def _fingerprint(entries_fingerprint: str, names: Iterable[str], places: list[tuple[tuple[int, ...], ...]]) -> str:
+def _fingerprint(entries_digest: str, entries: Sequence[TensorEntry], shapes: Sequence[Sequence[int]], fragments: Sequence[tuple[TensorEntry, Fragment]]) -> str:
     """`fingerprint_of` a flat state whose own fingerprint (FlatState.fingerprint) is given, of
-    fragments given by their names and places (global shape, box offsets, box lengths), in order."""
-    h = hashlib.sha256(entries_fingerprint.encode())
+    its entries, their tensors' shapes (as in that fingerprint) and their fragments in order.
+
+    Two forms, never equal (their texts differ): when every entry is one fragment of all of its
+    tensor under its own name, the fragments say nothing the entries' digest does not, and the
+    fingerprint is its whole form (`_whole_fingerprint`: a restarted trainer's thousands of
+    tensors hashed once, not twice); else the digest and one line per fragment."""
+    named = list(map(_FRAGMENT, fragments))
+    names, places = list(map(_FRAGMENT_NAME, named)), list(map(_PLACE, named))
+    if names == list(map(_ENTRY_NAME, entries)) and places == [(whole := tuple(s), (0,) * len(whole), whole) for s in shapes]:
+        return _whole_fingerprint(entries_digest)
+    h = hashlib.sha256(entries_digest.encode())
     # A fragment's line is f"{f.name}|{f.global_shape}|{f.box.offsets}|{f.box.lengths}\n". Tuples'
     # repr is slow, and fragments of one shape share the part after the name: made once per
     # distinct place, and the lines hashed as one text (the same digest as one update per line).
     tails = {place: "|{}|{}|{}\n".format(*place) for place in set(places)}
     h.update("".join(map(str.__add__, names, map(tails.__getitem__, places))).encode())
     return h.hexdigest()
+
+
+def _whole_fingerprint(entries_digest: str) -> str:
+    """The fingerprint of entries each one fragment of all of its tensor under its own name: the
+    entries' digest (64 hex characters) under a prefix no digest begins with."""
+    return hashlib.sha256(("whole:" + entries_digest).encode()).hexdigest()
 
 
 _FRAGMENT = itemgetter(1)
