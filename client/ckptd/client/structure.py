@@ -134,7 +134,10 @@ class StructureCache:
         signature = _signature(flat, rules, coords, tensors)
         if signature is None or len(signature) <= _DEVICES_AT or any(map(_PLACED, flat.tensors)) or any(map(_PER_RANK, flat.tensors)):
             return None
-        digest = entries_fingerprint(flat.tensors, signature[_DTYPES_AT], signature[_SHAPES_AT])
+        try:
+            digest = entries_fingerprint(flat.tensors, signature[_DTYPES_AT], signature[_SHAPES_AT])
+        except (TypeError, ValueError):  # metadata JSON cannot hold: for_state's checks name what is wrong
+            return None
         self._first = (flat, rules, coords, tensors, signature, digest)
         return _whole_fingerprint(digest)
 
