@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -406,10 +407,10 @@ def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(module
     for read_files in (True, False):
         fresh_state = dict(zip(("model", "optimizer"), fresh())) if mode == "O2" else dict(zip(("model", "master"), mixed_precision(seed=5)[:2]))
         with CheckpointClient(job, address=daemon.address, on_error="raise", read_files=read_files) as ckpt:
-            plans = []
-            plan_load = ckpt._rpc.stub.PlanLoad
-            ckpt._rpc.stub.PlanLoad = lambda request, **kw: plans.append(plan_load(request, **kw)) or plans[-1]
+            recorded = _RecordedPlanLoad(ckpt._rpc.stub.PlanLoad)
+            ckpt._rpc.stub.PlanLoad = recorded
             ckpt.load(fresh_state)
+            plans = recorded.answers
         coded = [p for plan in plans for p in plan.pieces if p.decode.codec]
         assert coded and all(p.decode.scales.path or p.decode.base.path for p in coded)
         for piece in coded:
@@ -421,3 +422,34 @@ def test_a_trainer_that_cannot_read_the_root_gets_compressed_steps_staged(module
         else:
             loaded.append(fresh_state["master"]["up.weight"].clone())
     assert torch.equal(loaded[0], loaded[1])
+
+
+class _RecordedPlanLoad:
+    """The stub's PlanLoad, called or sent ahead (a future), recording every answer taken."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+        self.answers: list[Any] = []
+
+    def __call__(self, request: Any, **kw: Any) -> Any:
+        answer = self.plan(request, **kw)
+        self.answers.append(answer)
+        return answer
+
+    def future(self, request: Any, **kw: Any) -> Any:
+        return _RecordedCall(self.plan.future(request, **kw), self.answers)
+
+
+class _RecordedCall:
+    """A PlanLoad future whose answer is recorded when taken."""
+
+    def __init__(self, call: Any, answers: list[Any]) -> None:
+        self._call, self._answers = call, answers
+
+    def result(self, *args: Any, **kw: Any) -> Any:
+        answer = self._call.result(*args, **kw)
+        self._answers.append(answer)
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
