@@ -1,7 +1,12 @@
 """ckptd.common._copy.stream_copy copies every byte, whatever the alignment and length, and
-refuses buffers it cannot write or whose lengths differ."""
+refuses buffers it cannot write or whose lengths differ; populate maps a mapping's pages and
+changes nothing."""
 
 from __future__ import annotations
+
+import mmap
+import resource
+import tempfile
 
 import numpy as np
 import pytest
@@ -114,3 +119,36 @@ def test_copy_pieces_refuses_arrays_of_other_lengths_or_itemsizes_and_no_threads
         _copy.copy_pieces(np.zeros(3, np.uint8), np.zeros(3, np.uint8), np.zeros(3, np.uint8), 1)
     with pytest.raises(ValueError, match="threads=0 must be at least 1"):
         _copy.copy_pieces(one, one, one, 0)
+
+
+def _read_faults(mapping: mmap.mmap) -> int:
+    """Minor page faults this process takes reading one byte of every page of `mapping`."""
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    total = int(view[:: mmap.PAGESIZE].sum())
+    del view
+    assert total >= 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.parametrize("offset", [0, 1, 5000])
+def test_populate_fills_the_page_tables_of_a_fresh_mapping_and_changes_nothing(offset: int) -> None:
+    size = 16 * 2**20
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="ckptd-test-") as f:
+        f.write(bytes(range(256)) * (size // 256))
+        f.flush()
+        fresh = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        cold_faults = _read_faults(fresh)
+        fresh.close()
+        mapping = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        _copy.populate(mapping, offset, size - offset)
+        assert _read_faults(mapping) * 4 < cold_faults  # the pages were mapped already
+        assert mapping[:512] == bytes(range(256)) * 2 and mapping[-256:] == bytes(range(256))
+        with pytest.raises(ValueError, match="not inside"):
+            _copy.populate(mapping, offset, size - offset + 1)
+        with pytest.raises(ValueError, match="not inside"):
+            _copy.populate(mapping, -1, 10)
+        _copy.populate(mapping, size, 0)  # nothing: allowed
+        mapping.close()
+        with pytest.raises(ValueError):
+            _copy.populate(mapping, 0, 1)  # unmapped: refused, never read

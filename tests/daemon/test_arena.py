@@ -75,3 +75,30 @@ def test_when_one_ranks_arena_cannot_be_made_none_of_the_set_is_kept(shm_dir: Pa
     assert taken.arena_set.arenas == []
     pool.undo(taken)
     pool.close()
+
+
+class _Plan:
+    """What held_part reads of a SavePlan: the bytes each rank's part fills."""
+
+    def __init__(self, arena_bytes: tuple[int, ...]) -> None:
+        self.arena_bytes = arena_bytes
+
+
+def test_held_part_names_the_ranks_arena_of_the_newest_held_snapshot(shm_dir: Path) -> None:
+    pool = ArenaPool(shm_dir, "job", max_inflight=2)
+    assert pool.held_part(0) is None  # nothing held
+    older, newer = pool.reserve_new().arena_set, pool.reserve_new().arena_set
+    pool.allocate(older, (2 * MiB, MiB))
+    pool.allocate(newer, (2 * MiB, 0, MiB))
+    pool.hold(older, 3, _Plan((MiB + 5, 4096)), {})
+    older.readers = 1  # a load reads step 3: it stays held beside step 4
+    pool.hold(newer, 4, _Plan((MiB, 0, 512)), {})
+    part = pool.held_part(0)
+    assert part is not None and (part.step, part.path, part.nbytes) == (4, newer.arenas[0].path_text, MiB)
+    assert pool.held_part(1) is None  # the rank copied nothing into step 4
+    assert pool.held_part(2) is not None and pool.held_part(2).nbytes == 512
+    assert pool.held_part(3) is None and pool.held_part(-1) is None  # no such rank
+    pool.release(newer)
+    part = pool.held_part(1)
+    assert part is not None and (part.step, part.nbytes) == (3, 4096)  # step 3 is the newest held now
+    pool.close()

@@ -518,6 +518,22 @@ def test_fuzz_load_done(single: Place, stub: pb_grpc.CheckpointStub, counts: col
     run()
 
 
+def test_fuzz_held_arena(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
+    """HeldArena names nothing but an arena of the daemon's: never the canary, never a path
+    outside its shared-memory directory."""
+    caller = Caller(counts)
+
+    @fuzz
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        code, reply = caller.unary("Checkpoint.HeldArena", stub.HeldArena, pb.HeldArenaRequest(who=data.draw(who(single))))
+        if reply is not None and reply.path:
+            assert str(single.canary) not in reply.path and Path(reply.path).name.startswith("ckptd-"), reply
+            assert reply.step > 0 and reply.nbytes > 0
+
+    run()
+
+
 def test_fuzz_list_status_collect(single: Place, stub: pb_grpc.CheckpointStub, counts: collections.Counter[str], fuzz: settings) -> None:
     """The queries and gc: List, Status and Collect (dry runs and real ones)."""
     caller = Caller(counts)

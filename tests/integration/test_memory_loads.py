@@ -258,6 +258,28 @@ def test_a_new_clients_first_load_sends_its_plan_load_before_checking_the_struct
         assert all(torch.equal(bad["model"][k], torch.zeros_like(v)) for k, v in expected["model"].items())  # nothing loaded
 
 
+def test_a_new_client_fills_the_page_tables_of_its_ranks_part_before_its_first_load(client: CheckpointClient, daemon: DaemonProcess) -> None:
+    """Made after a save, a client maps the arena of its rank's part of the held step and fills
+    its page tables (ckptd.client.arena_warm) before it is asked to load; the load then copies
+    through that very mapping, and restores exactly."""
+    state = _state(12)
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    client.save(1, state).wait_durable()
+    part = sum(t.numel() * t.element_size() for t in state["model"].values())
+    with CheckpointClient(job=client.job, address=str(daemon.address), rank=0, world_size=1, on_error="raise") as fresh:
+        fresh._warmup.join(30)
+        assert part <= fresh._warmup.populated < part + 4096 * COUNT  # the rank's part (slots aligned), no more
+        (path,) = fresh._maps._maps
+        mapping = fresh._maps._maps[path]
+        other = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}}
+        assert fresh.load(other) == 1
+        _assert_same(other, expected)
+        assert list(fresh._maps._maps) == [path] and fresh._maps._maps[path] is mapping  # copied through the warm mapping
+    with CheckpointClient(job="no-such-job", address=str(daemon.address), rank=0, world_size=1, on_error="raise") as other_job:
+        other_job._warmup.join(30)
+        assert other_job._warmup.populated == 0 and not other_job._maps._maps  # nothing held: nothing mapped
+
+
 def test_a_large_tensor_takes_the_one_call_copy_in_the_client_that_saved_and_in_a_new_one(
     daemon: DaemonProcess, client: CheckpointClient, prepared: list[int]
 ) -> None:

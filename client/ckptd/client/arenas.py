@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,45 +34,52 @@ class ArenaMaps:
     page tables yet, so copies populate them chunk by chunk first (see CopyTask and
     ckptd.client.arena_copy). On a warm
     mapping that would only cost time.
+
+    Thread-safe: a client's warm-up (ckptd.client.arena_warm) maps an arena on its own thread.
     """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._warm: set[str] = set()
         self._addresses: dict[str, tuple[mmap.mmap, int]] = {}
+        self._lock = threading.RLock()
 
     def is_cold(self, path: str) -> bool:
-        return path not in self._warm
+        with self._lock:
+            return path not in self._warm
 
     def mark_warm(self, path: str) -> None:
-        if path in self._maps:
-            self._warm.add(path)
+        with self._lock:
+            if path in self._maps:
+                self._warm.add(path)
 
     def get(self, path: str, size: int | None = None) -> mmap.mmap:
-        mm = self._maps.get(path)
-        if mm is not None and (size is None or len(mm) >= size):
+        with self._lock:
+            mm = self._maps.get(path)
+            if mm is not None and (size is None or len(mm) >= size):
+                return mm
+            if mm is not None:
+                self._drop(path)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                length = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self._maps[path] = mm
+            if len(self._maps) > 8:  # arenas replaced by the daemon: unmap the oldest
+                self._drop(next(iter(self._maps)))
             return mm
-        if mm is not None:
-            self._drop(path)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            length = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._maps[path] = mm
-        if len(self._maps) > 8:  # arenas replaced by the daemon: unmap the oldest
-            self._drop(next(iter(self._maps)))
-        return mm
 
     def address(self, path: str, size: int | None = None) -> int:
         """The address of the mapping of `path` (`get` semantics); valid while it stays mapped,
         that is until `close`, or until more than 8 other arenas have been mapped since."""
-        mm = self.get(path, size)
-        found = self._addresses.get(path)
-        if found is None or found[0] is not mm:
-            found = self._addresses[path] = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)) if len(mm) else 0)
-        return found[1]
+        with self._lock:
+            mm = self.get(path, size)
+            found = self._addresses.get(path)
+            if found is None or found[0] is not mm:
+                found = self._addresses[path] = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)) if len(mm) else 0)
+            return found[1]
 
     def _drop(self, path: str) -> None:
         self._warm.discard(path)
@@ -83,8 +91,9 @@ class ArenaMaps:
             pass  # still viewed by a copy in progress; unmapped when that view goes away
 
     def close(self) -> None:
-        for path in list(self._maps):
-            self._drop(path)
+        with self._lock:
+            for path in list(self._maps):
+                self._drop(path)
 
 
 # madvise(2) advice that maps a range's pages for writing in one call (Linux >= 5.14). A fresh mapping of

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Mapping
 
+from ckptd.client.arena_warm import ArenaWarmup
 from ckptd.client.arenas import ArenaMaps
 from ckptd.client._handoff.base import DeviceBackend, Fenced
 from ckptd.client._handoff.cuda import CudaBackend
@@ -132,6 +133,7 @@ class CheckpointClient:
         threads = options.copy_threads
         self._pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
         self._maps = ArenaMaps()
+        self._warmup = ArenaWarmup(self._rpc.stub, self._rpc.who, self._maps)  # a restarted trainer's first load copies through warm page tables
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1
         copy_workers = max(1, min((threads or 4) + 1, os.cpu_count() or 1))
         self._load_threads = copy_workers  # the threads of a restore from the daemon's memory (MemoryCopies.run)
@@ -445,6 +447,7 @@ class CheckpointClient:
 
     def close(self) -> None:
         """Wait for a snapshot still being handed over, release the GPU resources and the arenas."""
+        self._warmup.stop()
         self._handoff.close()
         self._pool.shutdown(wait=True)
         self._maps.close()

@@ -40,7 +40,7 @@ from ckptd.daemon.engine.saves import Saves
 from ckptd.daemon.engine.sessions import JobState, SaveSession
 from ckptd.daemon.engine.tiers import Listing, Tier, Tiers
 from ckptd.format.index import CheckpointIndex
-from ckptd.daemon.handoff.arena import remove_stale_arenas
+from ckptd.daemon.handoff.arena import HeldPart, remove_stale_arenas
 from ckptd.daemon.handoff.gpu_ipc import GpuStaging
 from ckptd.daemon.metrics import LiveState, Metrics
 from ckptd.daemon.plan.compression import Compression, SaveOptions
@@ -150,6 +150,11 @@ class CheckpointService:
         (JobState.saved_specs), or None: a load names the same structure by that fingerprint."""
         state = self.engine.jobs.get(job)
         return None if state is None else state.saved_specs(rank, fingerprint)
+
+    def held_part(self, job: str, rank: int) -> HeldPart | None:
+        """Where `rank`'s part of `job`'s newest held snapshot lies (ArenaPool.held_part), or None."""
+        state = self.engine.jobs.get(job)
+        return None if state is None else state.pool.held_part(rank)
 
     @property
     def draining(self) -> bool:

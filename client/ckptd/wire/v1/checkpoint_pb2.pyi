@@ -381,6 +381,22 @@ class MemoryColumns(_message.Message):
     nbytes: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, paths: _Optional[_Iterable[str]] = ..., file: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class HeldArenaRequest(_message.Message):
+    __slots__ = ("who",)
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    who: RankId
+    def __init__(self, who: _Optional[_Union[RankId, _Mapping]] = ...) -> None: ...
+
+class HeldArenaResponse(_message.Message):
+    __slots__ = ("step", "path", "nbytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    nbytes: int
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class LoadDoneRequest(_message.Message):
     __slots__ = ("who", "load_id")
     WHO_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class CheckpointStub:
                 request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadResponse.FromString,
                 _registered_method=True)
+        self.HeldArena = channel.unary_unary(
+                '/ckptd.v1.Checkpoint/HeldArena',
+                request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaResponse.FromString,
+                _registered_method=True)
         self.LoadDone = channel.unary_unary(
                 '/ckptd.v1.Checkpoint/LoadDone',
                 request_serializer=ckptd_dot_v1_dot_checkpoint__pb2.LoadDoneRequest.SerializeToString,
@@ -129,6 +134,12 @@ class CheckpointServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PlanLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeldArena(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +220,11 @@ def add_CheckpointServicer_to_server(servicer, server):
                     servicer.PlanLoad,
                     request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadResponse.SerializeToString,
+            ),
+            'HeldArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldArena,
+                    request_deserializer=ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaResponse.SerializeToString,
             ),
             'LoadDone': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadDone,
@@ -386,6 +402,33 @@ class Checkpoint:
             '/ckptd.v1.Checkpoint/PlanLoad',
             ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadRequest.SerializeToString,
             ckptd_dot_v1_dot_checkpoint__pb2.PlanLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Checkpoint/HeldArena',
+            ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaRequest.SerializeToString,
+            ckptd_dot_v1_dot_checkpoint__pb2.HeldArenaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -188,6 +188,15 @@ class ArenaSet:
 
 
 @dataclass(frozen=True)
+class HeldPart:
+    """A rank's part of a held snapshot: `nbytes` from the start of the arena file `path`."""
+
+    step: int
+    path: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Reservation:
     """An arena set taken for a snapshot (FILLING) before its memory is known to be there:
     `ArenaPool.undo` puts it back as it was (a new set is removed)."""
@@ -375,6 +384,18 @@ class ArenaPool:
             if s.state is SetState.HELD and s.step == step:
                 return s
         return None
+
+    def held_part(self, rank: int) -> HeldPart | None:
+        """Where `rank`'s part of the newest held snapshot lies, or None (nothing held, or the
+        rank copied nothing into it)."""
+        held = [s for s in self.sets if s.state is SetState.HELD and s.step is not None]
+        if not held:
+            return None
+        newest = max(held, key=lambda s: s.held_order)
+        arena = newest.arenas[rank] if 0 <= rank < len(newest.arenas) else None
+        nbytes = newest.plan.arena_bytes[rank] if arena is not None and rank < len(newest.plan.arena_bytes) else 0
+        assert newest.step is not None
+        return HeldPart(newest.step, arena.path_text, nbytes) if arena is not None and nbytes > 0 else None
 
     def close(self) -> None:
         for s in self.sets:

@@ -161,6 +161,11 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         pieces = [self._shm_pieces.get(p) if p.source == "shm" else rpc_convert.piece_pb(p) for p in plan.pieces]
         return rpc_convert.plan_load_response(plan, pieces)
 
+    async def HeldArena(self, request: pb.HeldArenaRequest, context: grpc.aio.ServicerContext) -> pb.HeldArenaResponse:
+        job, rank, _ = checks.check_who(request.who)
+        part = self.service.held_part(job, rank)
+        return pb.HeldArenaResponse() if part is None else pb.HeldArenaResponse(step=part.step, path=part.path, nbytes=part.nbytes)
+
     async def LoadDone(self, request: pb.LoadDoneRequest, context: grpc.aio.ServicerContext) -> pb.LoadDoneResponse:
         checks.check_who(request.who)
         self.service.load_done(request.load_id)
