@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
+import torch
 import pytest
 
 from ckptd.client import arena_warm
@@ -126,3 +127,17 @@ def test_a_mapping_closed_by_the_client_stops_the_populate(arena: Path, monkeypa
     warm = ArenaWarmup(_Stub(_Future(pb.HeldArenaResponse(step=1, path=str(arena), nbytes=3 * MiB))), _who(), maps)
     warm.join(10)
     assert calls == [0, MiB] and warm.populated == MiB  # the second call found the mapping closed: refused, and the warm-up ended
+
+
+def test_a_clients_first_load_stops_its_warm_up_before_it_touches_an_arena(tmp_path: Path) -> None:
+    """The warm-up's mapping could otherwise unmap one the load copies through (ArenaMaps keeps
+    at most 8): the load ends it first, cancelling an answer still awaited."""
+    from ckptd.client import CheckpointClient, CheckpointError
+
+    with CheckpointClient("j", address=f"unix://{tmp_path / 'none.sock'}", on_error="raise", timeout_s=1) as client:
+        client._warmup.join(10)  # its own call failed: no daemon
+        pending = _Future(wait=True)
+        client._warmup = ArenaWarmup(_Stub(pending), _who(), client._maps)
+        with pytest.raises(CheckpointError):
+            client.load({"model": {"w": torch.zeros(2)}})
+        assert pending.cancelled

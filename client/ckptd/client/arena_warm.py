@@ -11,7 +11,8 @@ of its own, the GIL released (`ckptd.common._copy.populate`), while the trainer 
 A hint only: nothing is leased, the load still plans and checks everything, and the arena may
 hold another step by the time it comes (the pages are then the next save's). Any failure (an
 older daemon, nothing held, the arena gone) ends the warm-up quietly: the load faults the
-pages in as before.
+pages in as before. The client's first save or load stops it (`stop`, within one populate
+call) before it touches an arena: the warm-up's mapping never races a copy's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ckptd.wire.v1 import checkpoint_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-POPULATE_CHUNK = 64 * 2**20  # bytes populated per call: `stop` takes effect within one (a few ms)
+POPULATE_CHUNK = 16 * 2**20  # bytes populated per call: `stop` takes effect within one (about 1 ms)
 ANSWER_TIMEOUT_S = 10.0
 
 
