@@ -3,8 +3,12 @@ set's arenas are made several at once, and when one cannot be made none is left 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -12,7 +16,7 @@ import pytest
 
 from ckptd.daemon.errors import Exhausted
 from ckptd.daemon.handoff import arena as arena_module
-from ckptd.daemon.handoff.arena import ARENA_PREFIX, Arena, ArenaPool
+from ckptd.daemon.handoff.arena import ARENA_PREFIX, Arena, ArenaPool, remove_stale_arenas
 
 MiB = 1 << 20
 
@@ -102,3 +106,41 @@ def test_held_part_names_the_ranks_arena_of_the_newest_held_snapshot(shm_dir: Pa
     part = pool.held_part(1)
     assert part is not None and (part.step, part.nbytes) == (3, 4096)  # step 3 is the newest held now
     pool.close()
+
+
+def _plant(shm_dir: Path, *names: str) -> None:
+    for name in names:
+        (shm_dir / name).write_bytes(b"x")
+
+
+def test_the_files_of_an_earlier_daemon_with_this_pid_are_removed_at_start(shm_dir: Path) -> None:
+    """A container restarted: the daemon is pid 1 again, and the node's /dev/shm still holds
+    the files its earlier run made under pid 1 (left alone, they took the names this run makes:
+    its first save failed with "File exists", and their memory never went back)."""
+    me = os.getpid()
+    _plant(shm_dir, f"{ARENA_PREFIX}{me}-job-s0-g1-r0", f"{ARENA_PREFIX}{me}-fetch-job-3-data.safetensors", f"{ARENA_PREFIX}{me}-replica-2")
+    removed = remove_stale_arenas(shm_dir, me)
+    assert sorted(p.name for p in removed) == sorted(
+        [f"{ARENA_PREFIX}{me}-job-s0-g1-r0", f"{ARENA_PREFIX}{me}-fetch-job-3-data.safetensors", f"{ARENA_PREFIX}{me}-replica-2"]
+    )
+    assert _files(shm_dir) == []
+
+
+def test_another_daemons_files_live_while_a_ckptd_has_their_pid(shm_dir: Path) -> None:
+    dead = 2**22 + 19  # above pid_max's default: no such process here
+    with subprocess.Popen(["sleep", "30"]) as other, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "ckptd"]) as daemon:
+        try:
+            deadline = time.monotonic() + 10
+            while b"ckptd" not in Path(f"/proc/{daemon.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+                time.sleep(0.01)  # its exec may not have finished
+            _plant(
+                shm_dir, f"{ARENA_PREFIX}{dead}-job-s0-g1-r0", f"{ARENA_PREFIX}{other.pid}-job-s0-g1-r0", f"{ARENA_PREFIX}{daemon.pid}-job-s0-g1-r0",
+                "ckptd-user-notes", f"{ARENA_PREFIX}x-1",
+            )
+            removed = remove_stale_arenas(shm_dir, os.getpid())
+        finally:
+            other.kill()
+            daemon.kill()
+    # no such pid; a pid alive but no ckptd's; a live ckptd's stays; names without a pid are not the daemon's
+    assert sorted(p.name for p in removed) == sorted([f"{ARENA_PREFIX}{dead}-job-s0-g1-r0", f"{ARENA_PREFIX}{other.pid}-job-s0-g1-r0"])
+    assert _files(shm_dir) == sorted([f"{ARENA_PREFIX}{daemon.pid}-job-s0-g1-r0", "ckptd-user-notes", f"{ARENA_PREFIX}x-1"])

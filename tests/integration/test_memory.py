@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +21,7 @@ import torch
 from daemon_rig import DaemonFactory, free_port
 from metrics_scrape import scrape  # tests/metrics_scrape.py
 from ckptd.client import CheckpointClient
+from ckptd.demo.process import wait_healthy
 
 MiB = 1 << 20
 STATE_BYTES = 16 * MiB
@@ -194,3 +197,50 @@ def test_a_snapshot_being_written_is_never_given_to_another_job(daemons: DaemonF
         target = state_of(0, 0)
         assert first.load(target) == 1 and torch.equal(target["model"]["w"], state_of(1, 1)["model"]["w"])
     assert [h["job"] for h in status(daemon.address)["arena_holders"]] == ["second"]
+
+
+def test_a_daemon_restarted_under_the_same_pid_removes_its_earlier_runs_files_and_saves_at_once(tmp_path: Path) -> None:
+    """A container restarted: ckptd is pid 1 of its pid namespace again, and the node's /dev/shm
+    (hostIPC) still holds what its earlier run made under pid 1. Those files are an earlier
+    run's (the lock they were made under is free): removed at start, so the first save after
+    the restart does not collide with their names ("File exists", once per job) and their
+    memory goes back. Two real daemons, each pid 1 of a pid namespace of its own (unshare)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("cannot make a pid namespace here (unshare needs root)")
+    shm = Path(tempfile.mkdtemp(prefix="ckptd-samepid-", dir="/dev/shm"))
+    socket = Path(tempfile.mkdtemp(prefix="ckptd-samepid-", dir="/tmp")) / "d.sock"
+    state = {"model": {"w": torch.arange(1 << 18, dtype=torch.float32)}}
+
+    def start(log: Path) -> subprocess.Popen[bytes]:
+        cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "ckptd.daemon.app.cli", "serve",
+               "--root", str(tmp_path / "root"), "--socket", str(socket), "--shm-dir", str(shm)]
+        daemon = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        wait_healthy(f"unix://{socket}", 30, daemon)
+        return daemon
+
+    first = start(tmp_path / "first.log")
+    try:
+        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
+            client.save(1, state).wait_durable(timeout=60)
+        left = sorted(p.name for p in shm.iterdir() if p.name.startswith("ckptd-"))
+        assert any(name.startswith("ckptd-1-samepid-") for name in left), left
+    finally:
+        first.kill()  # unshare --kill-child: the daemon (pid 1 there) dies with it
+        first.wait(30)
+    second = start(tmp_path / "second.log")
+    try:
+        assert not set(left) & set(p.name for p in shm.iterdir())  # the earlier run's files are gone
+        assert "removed stale shared-memory arena" in (tmp_path / "second.log").read_text()
+        state["model"]["w"] += 1
+        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
+            handle = client.save(2, state)
+            assert handle.wait_durable(timeout=60) is not None, handle.error  # at once: no name of the earlier run in the way
+        loaded = {"model": {"w": torch.zeros(1 << 18)}}
+        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
+            assert client.load(loaded) == 2
+        assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+    finally:
+        second.kill()
+        second.wait(30)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(socket.parent, ignore_errors=True)

@@ -210,13 +210,20 @@ class Reservation:
 
 
 def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
-    """Delete arena files left by daemons that no longer run (their pid is part of the name)."""
+    """Delete the files (arenas, staging, replicas) that daemons which no longer run left in
+    `shm_dir`; called at this daemon's start, before it makes any. Their names begin with the
+    pid of the daemon that made them: another pid's are live while a ckptd process has that pid;
+    this daemon's own pid's cannot be its own yet, so they are an earlier daemon's that had the
+    same pid: a container restarted (ckptd is pid 1 again), whose earlier run's arenas would
+    otherwise hold the node's memory for good and take the names of this run's first arenas
+    (that job's first save failed: "File exists")."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid_text = path.name[len(ARENA_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == live_pid:
+        if not pid_text.isdigit():
             continue
-        if pid_alive(int(pid_text)) and _is_ckptd(int(pid_text)):
+        pid = int(pid_text)
+        if pid != live_pid and pid_alive(pid) and _is_ckptd(pid):
             continue
         try:
             path.unlink()
