@@ -182,6 +182,19 @@ def test_arenas_the_daemon_deleted_are_released(cuda, tmp_path: Path) -> None:  
     assert cuda.lib.registered == {}
 
 
+def test_a_new_file_under_an_arenas_name_is_mapped_and_registered_anew(cuda, tmp_path: Path) -> None:  # noqa: ANN001
+    """A daemon restarted under the same pid makes its arenas under the names its earlier run
+    used: the earlier file's mapping (the same size) must not be taken for the new one."""
+    arenas = cuda_module.PinnedArenas()
+    old = arenas.get(_arena(tmp_path, PAGE))
+    assert arenas.get(str(tmp_path / "ckptd-1-job-s0-g1-r0")) is old  # the same file: the same mapping
+    (tmp_path / "ckptd-1-job-s0-g1-r0").unlink()
+    new = arenas.get(_arena(tmp_path, PAGE))
+    assert new is not old and old.registration is None and arenas.registrations == 2
+    arenas.close()
+    assert cuda.lib.registered == {}
+
+
 def test_with_registration_pieces_the_copies_are_split_at_their_boundaries(cuda) -> None:  # noqa: ANN001
     """ckptd registers arenas whole; should a destination ever be registered in pieces, the
     planner keeps every copy inside one (runs split, a non-contiguous tensor in two pieces)."""

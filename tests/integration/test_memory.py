@@ -199,12 +199,13 @@ def test_a_snapshot_being_written_is_never_given_to_another_job(daemons: DaemonF
     assert [h["job"] for h in status(daemon.address)["arena_holders"]] == ["second"]
 
 
-def test_a_daemon_restarted_under_the_same_pid_removes_its_earlier_runs_files_and_saves_at_once(tmp_path: Path) -> None:
+def test_a_daemon_restarted_under_the_same_pid_removes_its_earlier_runs_files_and_its_trainer_saves_exactly(tmp_path: Path) -> None:
     """A container restarted: ckptd is pid 1 of its pid namespace again, and the node's /dev/shm
-    (hostIPC) still holds what its earlier run made under pid 1. Those files are an earlier
-    run's (the lock they were made under is free): removed at start, so the first save after
-    the restart does not collide with their names ("File exists", once per job) and their
-    memory goes back. Two real daemons, each pid 1 of a pid namespace of its own (unshare)."""
+    (hostIPC) still holds what its earlier run made under pid 1. Those files are removed at
+    start (they held the node's memory for good and took the names of this run's first arenas:
+    its first save failed, "File exists"), and a trainer that lived through the restart saves
+    into the new arena, not through its mapping of the earlier file of the same name (its step
+    was durable, and held zeros). Two real daemons, each pid 1 of a pid namespace of its own."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
         pytest.skip("cannot make a pid namespace here (unshare needs root)")
     shm = Path(tempfile.mkdtemp(prefix="ckptd-samepid-", dir="/dev/shm"))
@@ -218,29 +219,26 @@ def test_a_daemon_restarted_under_the_same_pid_removes_its_earlier_runs_files_an
         wait_healthy(f"unix://{socket}", 30, daemon)
         return daemon
 
-    first = start(tmp_path / "first.log")
+    daemon = start(tmp_path / "first.log")
     try:
-        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
-            client.save(1, state).wait_durable(timeout=60)
-        left = sorted(p.name for p in shm.iterdir() if p.name.startswith("ckptd-"))
-        assert any(name.startswith("ckptd-1-samepid-") for name in left), left
-    finally:
-        first.kill()  # unshare --kill-child: the daemon (pid 1 there) dies with it
-        first.wait(30)
-    second = start(tmp_path / "second.log")
-    try:
-        assert not set(left) & set(p.name for p in shm.iterdir())  # the earlier run's files are gone
-        assert "removed stale shared-memory arena" in (tmp_path / "second.log").read_text()
-        state["model"]["w"] += 1
-        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
-            handle = client.save(2, state)
+        with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise", timeout_s=30) as trainer:
+            trainer.save(1, state).wait_durable(timeout=60)
+            left = sorted(p.name for p in shm.iterdir() if p.name.startswith("ckptd-"))
+            assert any(name.startswith("ckptd-1-samepid-") for name in left), left
+            daemon.kill()  # unshare --kill-child: the daemon (pid 1 there) dies with it
+            daemon.wait(30)
+            daemon = start(tmp_path / "second.log")
+            assert not set(left) & set(p.name for p in shm.iterdir())  # the earlier run's files are gone
+            assert "removed stale shared-memory arena" in (tmp_path / "second.log").read_text()
+            state["model"]["w"] += 1
+            handle = trainer.save(2, state)  # the same trainer, its arena mappings made before the restart
             assert handle.wait_durable(timeout=60) is not None, handle.error  # at once: no name of the earlier run in the way
         loaded = {"model": {"w": torch.zeros(1 << 18)}}
         with CheckpointClient("samepid", address=f"unix://{socket}", on_error="raise") as client:
             assert client.load(loaded) == 2
         assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     finally:
-        second.kill()
-        second.wait(30)
+        daemon.kill()
+        daemon.wait(30)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(socket.parent, ignore_errors=True)

@@ -42,6 +42,7 @@ class ArenaMaps:
         self._maps: dict[str, mmap.mmap] = {}
         self._warm: set[str] = set()
         self._addresses: dict[str, tuple[mmap.mmap, int]] = {}
+        self._ids: dict[str, tuple[int, int]] = {}  # path -> (device, inode) of the file mapped
         self._lock = threading.RLock()
 
     def is_cold(self, path: str) -> bool:
@@ -54,19 +55,25 @@ class ArenaMaps:
                 self._warm.add(path)
 
     def get(self, path: str, size: int | None = None) -> mmap.mmap:
+        """The mapping of the file at `path` (at least `size` bytes): the one made before while
+        `path` still names that very file (device and inode), else a new one. A name alone is
+        never trusted: a daemon restarted under the same pid (a container's pid 1) makes its
+        arenas under the names its earlier run used, and a copy through the earlier file's
+        mapping would have gone where the daemon never reads."""
         with self._lock:
             mm = self._maps.get(path)
-            if mm is not None and (size is None or len(mm) >= size):
+            if mm is not None and (size is None or len(mm) >= size) and file_id(path) == self._ids.get(path):
                 return mm
             if mm is not None:
                 self._drop(path)
             fd = os.open(path, os.O_RDWR)
             try:
-                length = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                st = os.fstat(fd)
+                mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
             self._maps[path] = mm
+            self._ids[path] = (st.st_dev, st.st_ino)
             if len(self._maps) > 8:  # arenas replaced by the daemon: unmap the oldest
                 self._drop(next(iter(self._maps)))
             return mm
@@ -84,6 +91,7 @@ class ArenaMaps:
     def _drop(self, path: str) -> None:
         self._warm.discard(path)
         self._addresses.pop(path, None)
+        self._ids.pop(path, None)
         mm = self._maps.pop(path)
         try:
             mm.close()
@@ -94,6 +102,15 @@ class ArenaMaps:
         with self._lock:
             for path in list(self._maps):
                 self._drop(path)
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file `path` names now, None when it names none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 # madvise(2) advice that maps a range's pages for writing in one call (Linux >= 5.14). A fresh mapping of

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ckptd.client.arenas import file_id
 from ckptd.client.devcopy import MAX_GATHER_BYTES, SMALL_BYTES, BoundCopies, DeviceCopyPlan, bind_copies, issue_copies, item_of, plan_copies
 from ckptd.client.errors import CheckpointError
 from ckptd.common.cudart import CudaRuntime, CudaRuntimeError, HostRegistration, register_host
@@ -56,7 +57,9 @@ class PinnedMapping:
     def __init__(self, path: str, runtime: CudaRuntime, size: int | None = None) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            length = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            length = st.st_size
+            self.file_id = (st.st_dev, st.st_ino)  # the file mapped (ckptd.client.arenas.file_id)
             if size is not None and length < size:
                 raise CheckpointError(f"arena {path} has {length} bytes, the daemon said {size}: it was replaced; save again")
             self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -113,9 +116,9 @@ class PinnedArenas:
         """The mapping of the arena at `path` (at least `size` bytes), mapped and registered on
         first use. Raises CheckpointError when it cannot be mapped or page-locked."""
         mapping = self._maps.get(path)
-        if mapping is not None and (size is None or mapping.size >= size):
+        if mapping is not None and (size is None or mapping.size >= size) and file_id(path) == mapping.file_id:
             return mapping
-        if mapping is not None:  # the daemon grew the arena: a new file under the same name
+        if mapping is not None:  # a new file under the same name: the daemon grew the arena, or restarted (ArenaMaps.get)
             self._maps.pop(path).close()
         for stale in [p for p in self._maps if not os.path.exists(p)]:  # arenas the daemon deleted
             self._maps.pop(stale).close()
