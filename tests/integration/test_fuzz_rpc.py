@@ -522,13 +522,16 @@ def test_fuzz_held_arena(single: Place, stub: pb_grpc.CheckpointStub, counts: co
     """HeldArena names nothing but an arena of the daemon's: never the canary, never a path
     outside its shared-memory directory."""
     caller = Caller(counts)
+    known = stub.HeldArena(pb.HeldArenaRequest(who=pb.RankId(job="real", rank=0, world_size=1)), timeout=10)
+    assert known.step == 1 and known.nbytes > 0 and Path(known.path).name.startswith("ckptd-")  # "real"'s step is held
+    arenas = Path(known.path).parent
 
     @fuzz
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         code, reply = caller.unary("Checkpoint.HeldArena", stub.HeldArena, pb.HeldArenaRequest(who=data.draw(who(single))))
         if reply is not None and reply.path:
-            assert str(single.canary) not in reply.path and Path(reply.path).name.startswith("ckptd-"), reply
+            assert str(single.canary) not in reply.path and Path(reply.path).parent == arenas and Path(reply.path).name.startswith("ckptd-"), reply
             assert reply.step > 0 and reply.nbytes > 0
 
     run()

@@ -43,7 +43,6 @@ from ckptd.common.retention import JobRetention
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
-# a tensor's top-level key: its name up to the first "/" (C-level maps: thousands of names per load)
 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
@@ -468,12 +467,13 @@ def _load_request_of(structure: Structure, flat: FlatState) -> tuple[list[str], 
     tensor_kinds = structure.cache.get("kinds")  # the same names while the structure is the same
     if tensor_kinds is None:
         tensor_kinds = structure.cache["kinds"] = flat.tensor_kinds
-    return sorted(tensor_kinds | set(flat.extras)), list(structure.cache.get("load_plans", ()))
+    return _kinds_of(flat, tensor_kinds), list(structure.cache.get("load_plans", ()))
 
 
-def _kinds_of(flat: FlatState) -> list[str]:
-    """The kinds a load of `flat` sends."""
-    return sorted(flat.tensor_kinds | set(flat.extras))
+def _kinds_of(flat: FlatState, tensor_kinds: frozenset[str] | None = None) -> list[str]:
+    """The kinds (top-level keys) a load of `flat` sends: its tensors' (`tensor_kinds` when
+    known) and its extras'."""
+    return sorted((flat.tensor_kinds if tensor_kinds is None else tensor_kinds) | set(flat.extras))
 
 
 def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:

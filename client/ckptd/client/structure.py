@@ -38,7 +38,7 @@ import functools
 import hashlib
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -83,6 +83,17 @@ class Structure:
         return Structure(signature, pointers, fingerprint, tuple(map(_LOCAL, map(_FRAGMENT, fragments))), lambda: fragments)
 
 
+class _FirstBuild(NamedTuple):
+    """What `StructureCache.fingerprint_first` derived of `flat` (without layout rules), which
+    the next `for_state` of the very same flat state and coordinates builds from."""
+
+    flat: FlatState
+    coords: RankCoords | None
+    tensors: list[Any]
+    signature: Signature
+    digest: str  # the entries' (plain_entries.entries_fingerprint)
+
+
 class StructureCache:
     """The structure of the last state seen, reused while the next one has the same signature.
 
@@ -93,7 +104,7 @@ class StructureCache:
     def __init__(self) -> None:
         self._last: Structure | None = None
         self._entries: tuple[TensorEntry, ...] = ()  # the entries whose fields _last's signature holds
-        self._first: tuple[Any, ...] | None = None  # (flat, rules, coords, tensors, signature, entries digest) of fingerprint_first
+        self._first: _FirstBuild | None = None  # what fingerprint_first derived, for the next for_state of that flat state
         self.builds = 0  # how many times a structure was derived from scratch (tests, metrics)
         self.rebinds = 0  # how many times some entries' memory moved and was taken again
 
@@ -102,9 +113,8 @@ class StructureCache:
         changed; one with some fragments taken anew when only memory moved; else built (and
         validated: raises ValueError/TypeError/LayoutError naming the tensor) from scratch."""
         first, self._first = self._first, None
-        if first is not None and first[0] is flat and first[1] is rules and first[2] == coords and self._last is None:
-            _, _, _, tensors, signature, digest = first
-            self._last = self._build(flat, rules, coords, signature, tensors, digest)
+        if first is not None and first.flat is flat and rules is None and first.coords == coords and self._last is None:
+            self._last = self._build(flat, rules, coords, first.signature, first.tensors, first.digest)
             self._entries = flat.tensors
             return self._last
         last = self._last
@@ -134,11 +144,8 @@ class StructureCache:
         signature = _signature(flat, rules, coords, tensors)
         if signature is None or len(signature) <= _DEVICES_AT or any(map(_PLACED, flat.tensors)) or any(map(_PER_RANK, flat.tensors)):
             return None
-        try:
-            digest = entries_fingerprint(flat.tensors, signature[_DTYPES_AT], signature[_SHAPES_AT])
-        except (TypeError, ValueError):  # metadata JSON cannot hold: for_state's checks name what is wrong
-            return None
-        self._first = (flat, rules, coords, tensors, signature, digest)
+        digest = entries_fingerprint(flat.tensors, signature[_DTYPES_AT], signature[_SHAPES_AT])
+        self._first = _FirstBuild(flat, coords, tensors, signature, digest)
         return _whole_fingerprint(digest)
 
     def _build(
@@ -189,7 +196,9 @@ def fingerprint_of(flat: FlatState, fragments: Sequence[tuple[TensorEntry, Fragm
     sent to the daemon says, so that equal fingerprints name equal metadata (the global shape
     too: rank 0's half of a tensor split over two ranks has the box and local shape of a whole
     tensor of half the size)."""
-    return _fingerprint(flat.fingerprint(), flat.tensors, list(map(_SHAPE, map(_TENSOR, flat.tensors))), fragments)
+    tensors = list(map(_TENSOR, flat.tensors))
+    shapes = list(map(_SHAPE, tensors))  # read once: the entries' digest and the whole form's test share them
+    return _fingerprint(entries_fingerprint(flat.tensors, list(map(_DTYPE, tensors)), shapes), flat.tensors, shapes, fragments)
 
 
 def _fingerprint(entries_digest: str, entries: Sequence[TensorEntry], shapes: Sequence[Sequence[int]], fragments: Sequence[tuple[TensorEntry, Fragment]]) -> str:

@@ -395,13 +395,10 @@ class ArenaPool:
     def held_part(self, rank: int) -> HeldPart | None:
         """Where `rank`'s part of the newest held snapshot lies, or None (nothing held, or the
         rank copied nothing into it)."""
-        held = [s for s in self.sets if s.state is SetState.HELD and s.step is not None]
-        if not held:
+        newest = max((s for s in self.sets if s.state is SetState.HELD), key=lambda s: s.held_order, default=None)
+        if newest is None or newest.step is None or not 0 <= rank < len(newest.arenas):
             return None
-        newest = max(held, key=lambda s: s.held_order)
-        arena = newest.arenas[rank] if 0 <= rank < len(newest.arenas) else None
-        nbytes = newest.plan.arena_bytes[rank] if arena is not None and rank < len(newest.plan.arena_bytes) else 0
-        assert newest.step is not None
+        arena, nbytes = newest.arenas[rank], newest.plan.arena_bytes[rank]  # one of each per rank (allocate)
         return HeldPart(newest.step, arena.path_text, nbytes) if arena is not None and nbytes > 0 else None
 
     def close(self) -> None:
