@@ -1,10 +1,10 @@
-"""ckptd.common.names: the per-rank names of a rank's own extras tensors (issue 30 finding 3); json_depth."""
+"""ckptd.common.names: the per-rank names of a rank's own extras tensors (issue 30 finding 3); json_depth; decimal."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptd.common.names import MAX_STEP, check_step, json_depth, per_rank_name, shared_name
+from ckptd.common.names import MAX_STEP, check_step, decimal, json_depth, per_rank_name, shared_name
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,18 @@ def test_a_step_that_is_no_step_number_is_refused_saying_what_one_is(step: objec
 @pytest.mark.parametrize("step", [0, 1, 10**8, MAX_STEP])
 def test_every_int64_step_from_zero_is_one(step: int) -> None:
     assert check_step(step) == step
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("0", 0), ("00000042", 42), ("9223372036854775807", MAX_STEP),
+        ("", None), ("-1", None), ("+1", None), (" 1", None), ("1 ", None), ("1_000", None), ("0x10", None),
+        ("²", None), ("²²²²²²²²", None), ("١٢", None), ("１２", None),  # other scripts' digits: str.isdigit() takes them, int() not all
+        ("1" * 20, None),  # more digits than an int64 has
+    ],
+)
+def test_decimal_takes_ascii_digits_alone(text: str, number: int | None) -> None:
+    """Found by an attacker's probe: a directory named step-²²²²²²²² under the root stopped the
+    daemon from starting (str.isdigit() said yes, int() raised)."""
+    assert decimal(text) == number

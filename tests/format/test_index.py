@@ -195,6 +195,21 @@ def test_names() -> None:
     assert parse_step_dir_name("step-42") is None and parse_step_dir_name("latest") is None
 
 
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("step-00000003", 3), ("step-123456789", 123456789), ("step-9223372036854775807", 2**63 - 1),
+        ("step-000000003", None),  # a padded copy of step 3 would list it twice (retention refused the listing)
+        ("step-0000003", None), ("step-9223372036854775808", None), ("step-²²²²²²²²", None), ("step-0000000٣", None),
+        ("step-00000003 ", None), ("step--0000003", None), ("Step-00000003", None), (".step-00000003", None),
+    ],
+)
+def test_a_step_directory_is_known_by_its_canonical_name_alone(name: str, step: int | None) -> None:
+    assert parse_step_dir_name(name) == step
+    if step is not None:
+        assert step_dir_name(step) == name
+
+
 def test_a_file_record_is_found_by_name_and_an_unknown_name_is_none() -> None:
     files = tuple(FileRecord(f"model-{i:05d}-of-10000.safetensors", i, "xxh3-64:0", i) for i in range(10000))
     index = CheckpointIndex("j", 1, 0.0, 1, (), files)

@@ -21,6 +21,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -472,3 +473,36 @@ def test_a_full_disk_fails_saves_with_their_cause_at_every_fill_level(tmpfs_root
         ckpt.save(99, last).wait_durable(timeout=60)
         assert_loads(ckpt, last, 99)
     assert not [p for p in (root / "full").iterdir() if p.name.startswith((".tmp-", ".deleting-"))]
+
+
+def test_names_that_only_look_like_the_daemons_own_are_left_alone(daemons) -> None:
+    """Found by an attacker's probe: a directory `step-²²²²²²²²` (str.isdigit() takes '²', int()
+    does not) under a job, a lock file `.ckptd-node-².lock` in the root or an arena-like
+    `ckptd-²-x` in the shared-memory directory stopped the daemon from starting; a copy of a
+    committed step under a padded name (`step-000000003`) listed step 3 twice, after which every
+    save was reported failed though committed, and retention stopped. Names are trusted only in
+    the exact form the daemon writes: the others are not steps, locks or arenas, and stay."""
+    root = daemons.root
+    daemon = daemons.start("--keep-last", "2")
+    with CheckpointClient("planted", address=daemon.address, on_error="raise", timeout_s=60) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state_of(step)).wait_durable(timeout=60)
+    daemon.stop()
+    job = root / "planted"
+    planted = [job / "step-²²²²²²²²", job / "step-000000003", root / ".ckptd-node-².lock", daemons.shm_dir / "ckptd-²-x",
+               daemons.shm_dir / "ckptd-99999999999999999999999-x"]
+    (job / "step-²²²²²²²²").mkdir()
+    subprocess.run(["cp", "-a", str(job / "step-00000003"), str(job / "step-000000003")], check=True)
+    for path in planted[2:]:
+        path.write_bytes(b"")
+    daemon = daemons.start("--keep-last", "2")
+    assert daemon.popen.poll() is None
+    with CheckpointClient("planted", address=daemon.address, on_error="raise", timeout_s=60) as ckpt:
+        assert [info.step for info in ckpt.list()] == [2, 3]
+        for step in (4, 5):
+            assert ckpt.save(step, state_of(step)).wait_durable(timeout=60).step == step
+        assert [info.step for info in ckpt.list()] == [4, 5]  # retention ran at each commit
+        assert_loads(ckpt, state_of(5), 5)
+    listing = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(root)], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and "step-²" not in listing.stdout, listing
+    assert all(path.exists() for path in planted)

@@ -41,7 +41,7 @@ from ckptd.client.replicas import replicated_checksum as replicated_checksum, ve
 from ckptd.client.state import FlatState, TensorEntry
 from ckptd.client.subclasses import inner_tensor
 from ckptd.common.boxes import Box
-from ckptd.common.names import per_rank_name
+from ckptd.common.names import decimal, per_rank_name
 
 
 # ------------------------------------------------------------------ data
@@ -335,7 +335,8 @@ def stored_name(entry_name: str, rule: Rule, coords: RankCoords | None) -> str:
         match = re.fullmatch(rule.pattern, key)
         assert match is not None  # the rule matched this key
         local = match.group(1)
-        if local is None or not local.isdigit() or int(local) >= per_rank:
+        index = None if local is None else decimal(local)
+        if index is None or index >= per_rank:
             raise LayoutError(
                 f"{entry_name!r} matches Expert rule {rule.pattern!r} with local expert index {local!r}, but rank "
                 f"{ep_rank} of ep_size {ep_size} holds {per_rank} of the {layout.num_experts} experts (local indices "

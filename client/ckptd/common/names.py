@@ -52,6 +52,16 @@ def check_step(step: int) -> int:
     return step
 
 
+def decimal(text: str, max_digits: int = 19) -> int | None:
+    """The integer `text` writes in ASCII decimal digits alone (no sign, space or underscore, none
+    of another script's digits: str.isdigit takes '²', which int() refuses), at most `max_digits`
+    of them (19 hold any int64); else None. For numbers read from names nobody checked: files
+    and directories under the storage root or the shared-memory directory, flags."""
+    if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
 def check_run_id(run_id: str) -> str:
     """Return `run_id` if it is a valid run id (the job id's alphabet: client/ckptd/client/run_id.py),
     else raise InvalidNameError saying why."""

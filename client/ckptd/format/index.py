@@ -18,6 +18,7 @@ import xxhash
 from ckptd.common import chunks, dtypes
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
+from ckptd.common.names import MAX_STEP, decimal
 from ckptd.common.quant_options import CAST
 from ckptd.format.json_text import compact_json, extra_json_text, json_str, tensor_json
 
@@ -57,11 +58,13 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir_name(name: str) -> int | None:
-    """The step of a directory named like step_dir_name(), else None."""
+    """The step of a directory named exactly as step_dir_name() names it, else None: a name is
+    never trusted for less ('step-000000003', a copy under a padded name, would list step 3
+    twice; 'step-²²²²²²²²' is no number)."""
     if not name.startswith("step-"):
         return None
-    digits = name[5:]
-    return int(digits) if digits.isdigit() and len(digits) >= 8 else None
+    step = decimal(name[5:])
+    return step if step is not None and step <= MAX_STEP and step_dir_name(step) == name else None
 
 
 # ------------------------------------------------------------------ index

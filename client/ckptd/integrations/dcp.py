@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from ckptd.common.names import decimal
 from ckptd.client import CheckpointClient, ClientOptions, LocalShard, LocalShards, SaveHandle
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
@@ -96,9 +97,10 @@ def _step_of(checkpoint_id: str | os.PathLike[str] | int | None) -> int | None:
     if checkpoint_id is None:
         return None
     text = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
-    if isinstance(checkpoint_id, bool) or not text.isdigit():
+    step = None if isinstance(checkpoint_id, bool) else decimal(text)
+    if step is None:
         raise ValueError(f"checkpoint_id={checkpoint_id!r}: CkptdStorageWriter takes the step number (an integer >= 0) as the checkpoint id")
-    return int(text)
+    return step
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from ckptd.common.boxes import Box, intersect
 from ckptd.common.frames import Frames
 from ckptd.common.names import check_job_id
 from ckptd.format.file_plan import FileInPlace, LoadMismatch, PieceInfo, Wanted, plan_pieces, rank_extras
-from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json
+from ckptd.format.index import ENVIRONMENT_JSON, EXTRA_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, parse_extra_json, parse_step_dir_name
 from ckptd.format.index import check_small_file as _check_small_file
 from ckptd.offline.root import StepRoot
 
@@ -327,10 +327,10 @@ def _step_root(root: str | os.PathLike[str]) -> StepRoot:
 
 
 def _step_number(step_dir: Path) -> int:
-    name = step_dir.name
-    if not name.startswith("step-") or not name[5:].isdigit():
+    step = parse_step_dir_name(step_dir.name)
+    if step is None:
         raise CheckpointError(f"{step_dir} is not a step directory (ROOT/JOB/step-NNNNNNNN)")
-    return int(name[5:])
+    return step
 
 
 def _check_directory(path: Path) -> None:

@@ -5,9 +5,8 @@ Each setting has one name, the `DaemonConfig` field name; the same name, spelled
 - flag: `--` + the name with dashes (`--max-inflight`); exceptions: `save_timeout_s` is `--save-timeout`,
   `idle_release_s` is `--idle-release`;
 - environment: `CKPTD_` + the name upper-cased (`CKPTD_MAX_INFLIGHT`); an empty value counts as unset;
-- TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the
-  retention settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`,
-  `keep_best`, `best_mode`).
+- TOML file (`--config FILE`, else `$CKPTD_CONFIG`): a top-level key (`max_inflight = 2`); the retention
+  settings may instead sit in a `[retention]` table (`keep_last`, `keep_every`, `keep_best`, `best_mode`).
   Relative paths in the file are relative to the file's directory. Unknown keys are errors.
 
 deploy/ckptd.example.toml lists every setting with its default.
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Final, Mapping
 
 from ckptd.common.codecs import builtin as builtin_codecs
+from ckptd.common.names import decimal
 from ckptd.common.paths import default_root, default_socket
 from ckptd.common.quant_options import MASTER_MODES, SCHEMES
 from ckptd.daemon.handoff.shm_dir import ShmBudget
@@ -360,7 +360,7 @@ def _peers(raw: Any, text: bool) -> tuple[str, ...]:
         raise _Expected(expected)
     for peer in raw:
         host, sep, port = peer.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not 0 < (decimal(port) or 0) < 65536:
             raise _Expected(f"{expected}; {peer!r} is not host:port")
     return tuple(raw)
 

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Final
 
+from ckptd.common.names import decimal
+
 __all__ = [
     "IONICE_CLASSES", "BackgroundPriority", "PriorityError", "cpus_setting", "ionice_setting", "nice_setting", "parse_cpus", "thread_ionice",
     "thread_nice",
@@ -118,8 +120,8 @@ class BackgroundPriority:
 def nice_setting(raw: object) -> int:
     """--background-nice: 0 (off) .. 19, as an integer or its text."""
     value = -1
-    if isinstance(raw, str) and raw.strip().isdigit():
-        value = int(raw.strip())
+    if isinstance(raw, str) and (number := decimal(raw.strip())) is not None:
+        value = number
     elif isinstance(raw, int) and not isinstance(raw, bool):
         value = raw
     if not 0 <= value <= MAX_NICE:

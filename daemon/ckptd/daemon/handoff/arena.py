@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ckptd.common.names import decimal
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.errors import Exhausted
 from ckptd.daemon.private_dirs import create_file
@@ -219,10 +220,9 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
     (that job's first save failed: "File exists")."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
-        pid_text = path.name[len(ARENA_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
+        pid = decimal(path.name[len(ARENA_PREFIX) :].split("-", 1)[0])
+        if pid is None:
             continue
-        pid = int(pid_text)
         if pid != live_pid and pid_alive(pid) and _is_ckptd(pid):
             continue
         try:
@@ -233,8 +233,14 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
     return removed
 
 
+PID_MAX_LIMIT = 1 << 22  # Linux's highest possible pid_max (include/linux/threads.h)
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (one of another user counts as alive)."""
+    """Whether process `pid` exists (one of another user counts as alive); a number no Linux pid
+    can be (0, or above PID_MAX_LIMIT, as a planted file name may say) is no process."""
+    if not 0 < pid <= PID_MAX_LIMIT:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

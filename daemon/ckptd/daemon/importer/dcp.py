@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from ckptd.common.names import decimal
 from ckptd.common.boxes import Box, coverage_problems
 from ckptd.daemon.importer.direct_write import ImportRefused
 from ckptd.daemon.importer.refusals import short_reason, weights_only_refusal
@@ -344,8 +345,9 @@ def _dotted_path(fqn: str) -> tuple[Any, ...]:
             param, _, field = tail.rpartition(".")
             return (top, part, param, field)
         index, _, key = tail.partition(".")
-        if part == "param_groups" and index.isdigit() and key:
-            return (top, part, int(index), key)
+        number = decimal(index)
+        if part == "param_groups" and number is not None and key:
+            return (top, part, number, key)
     return (top, rest)
 
 

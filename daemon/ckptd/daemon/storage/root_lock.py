@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.common.names import decimal
 from ckptd.daemon.storage.fs import FILE_MODE, ForeignEntry, foreign_reason, make_dirs, new_file, open_for_reading
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ class RootLock:
         found = []
         for entry in sorted(os.listdir(self.root)):
             number = entry[len(LOCK_PREFIX):-len(LOCK_SUFFIX)] if entry.startswith(LOCK_PREFIX) and entry.endswith(LOCK_SUFFIX) else ""
-            if not number.isdigit() or int(number) == self.node:
+            if decimal(number) in (None, self.node):
                 continue
             try:
                 fd = open_for_reading(self.root / entry)

@@ -30,6 +30,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ckptd.common.names import decimal
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.records import BulkPortStatus
 
@@ -141,7 +142,7 @@ class PortHealth:
 
 def _errno_of(text: str) -> int | None:
     digits = text.removeprefix("[Errno ").split("]", 1)[0]
-    return int(digits) if digits.isdigit() else None
+    return decimal(digits)
 
 
 def _advice(code: int | None) -> str:
