@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -157,6 +159,75 @@ def test_retention_keeps_the_newest_steps_after_each_commit(service: CheckpointS
             await _save(service, 3)
 
     asyncio.run(run())
+
+
+def test_a_commit_stands_when_the_retention_after_it_fails(service: CheckpointService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an attacker's probe: retention that raised after a commit (it refused a listing
+    with a step twice) turned the committed, acknowledged step into a failed save. The commit
+    stands; the failure is logged; the next commit applies retention again."""
+    real = service.housekeeping.apply_retention
+    failing = [True]
+
+    async def apply_retention(job: str, dry_run: bool = False, committed: int | None = None) -> list[Any]:
+        if failing[0]:
+            raise ValueError("committed steps [1] are listed more than once")
+        return await real(job, dry_run, committed)
+
+    monkeypatch.setattr(service.housekeeping, "apply_retention", apply_retention)
+
+    async def run() -> None:
+        for step in (1, 2, 3):
+            await _save(service, step)
+            done = await _durable(service, step)
+            assert isinstance(done, SaveSession) and done.state is SaveState.COMMITTED, done
+        assert _steps(service) == [1, 2, 3]  # nothing removed while retention fails
+        failing[0] = False
+        await _save(service, 4)
+        await _durable(service, 4)
+        assert _steps(service) == [3, 4]
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    assert "retention of job job after the commit of step 3 failed" in caplog.text
+
+
+def test_two_retention_runs_of_a_job_take_turns(service: CheckpointService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an attacker's probe: the retention runs of two commits in quick succession
+    overlapped and both removed the same step (the second logged "could not remove step 90").
+    A job's runs take turns: each step is removed once, by one of them."""
+    async def no_retention(job: str, step: int) -> None:
+        return None
+
+    monkeypatch.setattr(service.housekeeping, "after_commit", no_retention)
+    monkeypatch.setattr(service.commit, "_retention", no_retention)
+    removing: list[int] = []
+    at_once = [0, 0]  # now, most
+    real_remove = service.storage.janitor.remove_step
+
+    def remove_step(job: str, step: int, recycle: bool = False) -> Any:
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        removing.append(step)
+        time.sleep(0.05)
+        try:
+            return real_remove(job, step, recycle)
+        finally:
+            at_once[0] -= 1
+
+    monkeypatch.setattr(service.storage.janitor, "remove_step", remove_step)
+
+    async def run() -> list[list[Any]]:
+        for step in (1, 2, 3, 4):
+            await _save(service, step)
+            await _durable(service, step)
+        assert _steps(service) == [1, 2, 3, 4]
+        return await asyncio.gather(service.housekeeping.apply_retention("job"), service.housekeeping.apply_retention("job"))
+
+    with caplog.at_level(logging.ERROR):
+        first, second = asyncio.run(run())
+    assert sorted(removing) == [1, 2] and at_once[1] == 1, (removing, at_once)
+    assert sorted(c.step for c in first + second) == [1, 2] and _steps(service) == [3, 4]
+    assert "could not remove" not in caplog.text
 
 
 def test_a_save_reads_no_index_back_from_the_storage(service: CheckpointService, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -293,7 +293,7 @@ class CheckpointService:
 
     async def _retention_after_coordinator_commit(self, index: CheckpointIndex) -> None:
         self.engine.indexes.put((index.job, index.step), index)  # retention reads the newest step's policy: from memory, not the disk
-        await self.housekeeping.apply_retention(index.job)
+        await self.housekeeping.after_commit(index.job, index.step)
 
     # Loads.
 

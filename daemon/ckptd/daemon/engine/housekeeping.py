@@ -40,6 +40,7 @@ class Housekeeping:
         self._tiers = tiers  # what they keep from retention, add to listings and report
         self._leased_steps = leased_steps  # Loads.leased_steps: steps being read are kept
         self._loads_active = loads_active
+        self._retention_locks: dict[str, asyncio.Lock] = {}  # job -> held while its retention runs
 
     async def retention_at_start(self) -> None:
         """Apply retention to every job once at start-up, on a single node and on node 0 (the
@@ -49,7 +50,7 @@ class Housekeeping:
         if self.engine.cluster is not None and self.engine.node != 0:
             return
         for job in await asyncio.to_thread(self.engine.storage.catalog.jobs):
-            await self.apply_retention(job)
+            await self._retention_logged(job, None, "at start-up")
 
     async def member_retention_at_start(self) -> None:
         """retention_at_start for a member (node != 0) with a root of its own (node 0 applies it
@@ -64,18 +65,33 @@ class Housekeeping:
                 return
             if answer.root_id == cluster.root_id:
                 return  # a root shared with node 0: its retention is node 0's
-            await self.apply_retention(job)
+            await self._retention_logged(job, None, "at start-up")
 
     async def after_commit(self, job: str, step: int) -> None:
-        """Retention after `step` of `job` was committed (that step is kept)."""
-        await self.apply_retention(job, committed=step)
+        """Retention after `step` of `job` was committed (that step is kept). Never raises: the
+        step is committed whatever retention meets (a root it cannot list or order, a step it
+        cannot remove), which is logged; the next commit, or the next start, applies it again."""
+        await self._retention_logged(job, step, f"after the commit of step {step}")
+
+    async def _retention_logged(self, job: str, committed: int | None, when: str) -> None:
+        """apply_retention, its failure logged: a commit stands, and a daemon starts, whatever
+        one job's retention meets; the daemon serves every other job."""
+        try:
+            await self.apply_retention(job, committed=committed)
+        except Exception:  # retention runs again at the next commit
+            log.exception("retention of job %s %s failed; nothing else is affected", job, when, extra={"job": job})
 
     async def apply_retention(self, job: str, dry_run: bool = False, committed: int | None = None) -> list[Collected]:
         """Delete the job's committed steps that the retention policy does not keep; returns them.
 
         The policy sees the steps in commit order (a rolled-back job's newest step may have a
         lower number than older ones). Never deleted: `committed` (the step whose commit runs
-        this), the step `latest` names (written before this runs), steps being loaded."""
+        this), the step `latest` names (written before this runs), steps being loaded. One run
+        per job at a time: two commits' runs overlapping would remove the same step twice."""
+        async with self._retention_locks.setdefault(job, asyncio.Lock()):
+            return await self._apply_retention(job, dry_run, committed)
+
+    async def _apply_retention(self, job: str, dry_run: bool, committed: int | None) -> list[Collected]:
         engine = self.engine
         storage = engine.storage
         steps = await asyncio.to_thread(storage.catalog.commit_order, job)
