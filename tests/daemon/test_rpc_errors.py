@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -110,6 +111,28 @@ def test_each_domain_error_is_its_status_with_its_message(tmp_path: Path, error:
         assert (caught.value.code(), caught.value.details()) == (code, str(error))
 
     serve(tmp_path, scenario)
+
+
+@pytest.mark.parametrize("text", ["ranks [1, 2, 3] never started it " * 2000, "é" * 30000])
+def test_a_message_too_long_for_grpcs_metadata_is_cut_not_lost(tmp_path: Path, text: str) -> None:
+    """Found by an attacker's probe: a save timeout of a 4,096-rank job named every missing rank
+    in its message (23 KB), which gRPC's 16 KiB metadata limit turned into a transport error
+    (RESOURCE_EXHAUSTED) instead of the reason. The message is cut to MESSAGE_BYTES and says so."""
+    async def scenario(channel: grpc.aio.Channel, servicer: Raising) -> None:
+        servicer.to_raise = errors.Aborted(text)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await pb_grpc.CheckpointStub(channel).BeginSave(pb.BeginSaveRequest())
+        details = caught.value.details()
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert text.startswith(details[: details.index(" ... (")]) and details.endswith("more bytes cut)"), details[-80:]
+        assert len(urllib.parse.quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")) <= errors.MESSAGE_BYTES
+
+    serve(tmp_path, scenario)
+
+
+@pytest.mark.parametrize(("values", "text"), [([], "[]"), ([3], "[3]"), (list(range(16)), str(list(range(16)))), (list(range(4096)), "[0, 1, 2, 3, ... 4096 in all]")])
+def test_listed_shows_a_few_numbers_and_how_many(values: list[int], text: str) -> None:
+    assert errors.listed(values, limit=16 if len(values) <= 16 else 4) == text
 
 
 def test_an_unexpected_error_is_internal_names_the_rpc_and_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

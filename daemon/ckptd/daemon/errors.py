@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from itertools import accumulate
+from typing import Sequence
+
 from ckptd.wire import RUN_REFUSED, UNKNOWN_FINGERPRINT
+
+MESSAGE_BYTES = 4096  # an error message's most bytes on the wire (abort_with): gRPC refuses metadata over 8 KiB at random, over 16 KiB always
+
+
+def listed(values: Sequence[int], limit: int = 16) -> str:
+    """Numbers (ranks, nodes) as a message shows them: the first `limit`, and how many in all,
+    so that a job of 10,000 ranks gets a message, not a transport error."""
+    shown = ", ".join(str(v) for v in values[:limit])
+    return f"[{shown}, ... {len(values)} in all]" if len(values) > limit else f"[{shown}]"
+
+
+def bounded(message: str, limit: int = MESSAGE_BYTES) -> str:
+    """`message` cut, saying so, to take at most `limit` bytes on the wire: gRPC sends it
+    percent-encoded, 3 bytes for each byte of its UTF-8 outside printable ASCII. Whole
+    characters only."""
+    raw = message.encode()
+    wire = list(accumulate(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in raw))
+    if not wire or wire[-1] <= limit:
+        return message
+    kept = raw[: bisect_right(wire, limit - 64)].decode(errors="ignore")  # 64: room for the note
+    return f"{kept} ... ({len(raw) - len(kept.encode())} more bytes cut)"
 
 
 class CkptdError(Exception):

@@ -28,14 +28,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable
 
 from ckptd.daemon.engine.admission import Admission
 from ckptd.daemon.engine.peers import NoPeers, PeerProbe
 from ckptd.daemon.engine.plan_inputs import JobPlans, plan_key
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
 from ckptd.daemon.engine.runs import NO_CLAIM, RunClaim, Runs, short
-from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused
+from ckptd.daemon.errors import Aborted, InvalidRequest, Precondition, RunRefused, listed
 from ckptd.format.index import ADAPTER_WEIGHTS, CheckpointIndex, FileRecord
 from ckptd.daemon.plan.compression import NO_OPTIONS, Compression, Decide, SaveOptions, lossless_by_default
 from ckptd.daemon.plan.files import IncompleteStep, NodeManifest, adapter_source, step_files
@@ -277,7 +277,7 @@ class Coordinator:
             missing = sorted(set(range(save.world_size)) - set(save.fingerprints))
             await self._abort(
                 save,
-                f"ranks {_short(missing)} never joined the save of step {save.step} within {save.timeout_s:.0f} s "
+                f"ranks {listed(missing)} never joined the save of step {save.step} within {save.timeout_s:.0f} s "
                 f"(nodes that joined: {sorted(save.nodes)})",
             )
             save.planned.set()
@@ -411,11 +411,6 @@ def _check_file(present: dict[str, int], record: FileRecord, node: int) -> None:
         raise IncompleteStep(f"{record.name}, written by node {node}, is not in the shared root")
     if size != record.size:
         raise IncompleteStep(f"{record.name}, written by node {node}, has {size} bytes, its manifest says {record.size}")
-
-
-def _short(values: Sequence[int], limit: int = 16) -> str:
-    shown = ", ".join(str(v) for v in values[:limit])
-    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 class SingleNode:

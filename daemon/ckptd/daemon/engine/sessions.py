@@ -26,7 +26,7 @@ from enum import StrEnum
 from typing import Any, Iterator, Mapping
 
 from ckptd.daemon.engine.plan_inputs import JobPlans
-from ckptd.daemon.errors import InvalidRequest, Precondition
+from ckptd.daemon.errors import InvalidRequest, Precondition, listed
 from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
@@ -193,9 +193,9 @@ class SaveSession:
         waiting = sorted(set(range(self.world_size)) - set(self.committed))
         missing = sorted(set(range(self.world_size)) - set(self.arrived))
         if self.joining and missing:  # several nodes: this node's ranks are all here
-            what = f"ranks {missing} of the other nodes never joined it"
+            what = f"ranks {listed(missing)} of the other nodes never joined it"
         else:
-            what = f"ranks {missing} never started it" if missing else f"ranks {waiting} did not hand their snapshot over"
+            what = f"ranks {listed(missing)} never started it" if missing else f"ranks {listed(waiting)} did not hand their snapshot over"
         return f"{what} within {self.timeout_s:.0f} s"
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
-from ckptd.daemon.errors import Aborted, InvalidRequest
+from ckptd.daemon.errors import Aborted, InvalidRequest, listed
 from ckptd.daemon.memo import IdentityMemo
 from ckptd.format.file_plan import SHM_SOURCE
 from ckptd.format.index import FileRecord, FragmentRecord, QuantRecord
@@ -357,7 +357,7 @@ def join_result_of(reply: ppb.JoinSaveResponse, world_size: int) -> JoinResult:
             if fingerprint:
                 by_fingerprint.setdefault(fingerprint, by_rank[rank])
         if len(by_rank) != world_size or not all(map(by_rank.__contains__, range(world_size))):
-            raise Aborted(f"the coordinator sent metadata for ranks {sorted(by_rank)}, expected 0..{world_size - 1}")
+            raise Aborted(f"the coordinator sent metadata for ranks {listed(sorted(by_rank))}, expected 0..{world_size - 1}")
         specs_out = tuple(map(by_rank.__getitem__, range(world_size)))
         digests = tuple(map(digest_of.__getitem__, range(world_size)))
         nodes = dict(reply.node_of_rank)

@@ -72,6 +72,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, where: s
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error in %s", where)
         message = f"internal error in {where}: {type(exc).__name__}: {exc}"
+    message = errors.bounded(message)  # a longer one would reach the caller as a transport error instead
     reason = reason_of(exc)
     if reason:
         await context.abort(code, message, ((REASON_KEY, reason),))
