@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound
+from ckptd.client import CheckpointClient, CheckpointError, CheckpointNotFound, LocalShard
 from ckptd.format.index import INDEX_NAME
 from ckptd.demo.process import DaemonProcess
 
@@ -193,6 +194,35 @@ def test_saving_a_committed_step_again_is_refused_and_the_old_one_kept(daemon) -
         with pytest.raises(CheckpointError, match="already committed"):
             ckpt.save(5, {"model": model})
         assert ckpt.latest() == 5
+
+
+def test_a_rank_holding_no_bytes_saves_with_the_others_and_the_step_loads(daemon) -> None:
+    """Found by an attacker's probe: a rank whose tensors are all empty (FSDP's Shard(0) over more
+    ranks than rows) gets no arena, and its save opened the arena path "" (FileNotFoundError),
+    failing the step on every rank. It has nothing to copy: the step commits."""
+    full = torch.arange(4.0).reshape(1, 4)
+    local = {0: LocalShard(full.clone(), (0, 0), (1, 4)), 1: LocalShard(torch.zeros(0, 4), (1, 0), (1, 4))}
+    done: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        with CheckpointClient("no-bytes", address=daemon.address, rank=r, world_size=2, on_error="raise", timeout_s=30) as ckpt:
+            try:
+                done[r] = ckpt.save(1, {"model": {"w": local[r]}}).wait_durable(timeout=60).step
+            except CheckpointError as exc:
+                done[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert done == {0: 1, 1: 1}, done
+    with CheckpointClient("no-bytes", address=daemon.address, on_error="raise") as ckpt:
+        restored = {"model": {"w": torch.zeros(1, 4)}}
+        assert ckpt.load(restored) == 1 and torch.equal(restored["model"]["w"], full)
+        assert ckpt.save(2, {"model": {"empty": torch.zeros(0, 5)}}).wait_durable(timeout=60).step == 2  # one rank, no bytes at all
+        empty = {"model": {"empty": torch.ones(0, 5)}}
+        assert ckpt.load(empty) == 2
 
 
 def test_retention_keeps_the_last_three(daemon) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping
 
 from ckptd.client.arena_warm import ArenaWarmup
 from ckptd.client.arenas import ArenaMaps
-from ckptd.client._handoff.base import DeviceBackend, Fenced
+from ckptd.client._handoff.base import DeviceBackend, Fenced, Started
 from ckptd.client._handoff.cuda import CudaBackend
 from ckptd.client._handoff.modes import AUTO
 from ckptd.client._handoff.select import Handoff
@@ -269,7 +269,9 @@ class CheckpointClient:
         try:
             placed = self._placed_for(structure, placed, grant)
             transport = self._handoff.transport_for(placed)
-            copies = transport.start(state, placed, grant)  # CPU tensors: in the arena when it returns
+            # CPU tensors: in the arena when it returns. A rank of no bytes (empty shards: more
+            # FSDP ranks than rows) has no arena to copy into, and nothing to copy.
+            copies = transport.start(state, placed, grant) if placed.nbytes else Started((), transport.mode)
             try:
                 commit = self._rpc.commit_request(grant.save_id, flat.extras_json, self._step_files(state, structure) if self.rank == 0 else {}, time.perf_counter() - started)
                 if copies.staging_id:
