@@ -354,6 +354,9 @@ def meta_model() -> nn.Module:
         ({"extra": {"s": torch.eye(3).to_sparse()}}, TypeError, r"'extra/s'.*torch.sparse_coo.*to_dense"),
         ({"model": meta_model()}, ValueError, r"'model/weight'.*meta device"),
         ({"extra": torch.zeros(2, dtype=torch.complex64)}, TypeError, r"'extra'.*complex64 cannot be checkpointed"),
+        # a lazily negated view's memory holds the negatives: stored as memory, it loaded back with the sign flipped
+        ({"model": {"t": torch._neg_view(torch.arange(1.0, 5.0))}}, ValueError, r"'model/t'.*negated view.*resolve_neg\(\)"),
+        ({"model": {"t": torch.tensor([1 + 2j]).conj().imag}}, ValueError, r"'model/t'.*negated view"),
         ({"extra": {"a/b": torch.ones(1), "a": {"b": torch.ones(1)}}}, ValueError, "both named 'extra/a/b'"),
         ({"optimizer": torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)}, ValueError, "put its model in the same state under 'model'"),
     ],
@@ -401,3 +404,14 @@ def test_frozen_parameters_and_buffers_are_marked_and_a_tied_trained_tensor_is_n
     entries = {e.name: e for e in flatten_state({"model": tied}, rank=0).tensors}
     assert entries["model/a.weight"].frozen == "" and entries["model/a.weight"].aliases == ("model/b.weight",)
     assert entries["model/frozen_copy.weight"].frozen == "param"
+
+
+def test_a_negated_view_is_refused_also_by_the_structures_fast_checks() -> None:
+    """Found by an attacker's probe: the plain-state fast path (a new client's first build, every
+    save's) must refuse what the general check refuses: the negated view round-tripped as -x."""
+    from ckptd.client.structure import StructureCache
+
+    state = {"model": {"w": torch.ones(3), "t": torch._neg_view(torch.arange(1.0, 5.0))}}
+    flat = flatten_state(state, rank=0, validate=False)
+    with pytest.raises(ValueError, match=r"'model/t'.*negated view"):
+        StructureCache().for_state(flat, None, None)

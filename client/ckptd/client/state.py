@@ -292,9 +292,16 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         check_tensor_name(name)
     except InvalidNameError as exc:
         raise ValueError(f"cannot checkpoint {name!r}: {exc}") from None
-    check_wrapper(name, tensor._local_tensor if isinstance(tensor, DTensor) else tensor)
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    check_wrapper(name, local)
     if tensor.layout != torch.strided:
         raise TypeError(f"cannot checkpoint {name!r}: it is a {tensor.layout} tensor; convert it with .to_dense() first")
+    if local.is_neg():  # ckptd copies memory as it is: a save would store, and a load write, the values negated
+        raise ValueError(
+            f"cannot checkpoint {name!r}: it is a lazily negated view (torch's negative bit, is_neg() is True: e.g. the "
+            ".imag of a conjugated view), whose memory holds the negatives of its values; checkpoint tensor.resolve_neg() "
+            "or the tensor it views instead"
+        )
     if tensor.is_meta:
         raise ValueError(
             f"cannot checkpoint {name!r}: it is on the meta device and has no data; "
