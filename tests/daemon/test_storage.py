@@ -9,7 +9,7 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -188,6 +188,27 @@ def test_open_recycled_takes_the_daemons_own_file_as_a_0640_file(tmp_path: Path,
     finally:
         os.close(fd)
     assert not (bin_dir / "00000").exists() and dest.read_bytes()[:4] == b"newr" and _mode(dest) == 0o640
+
+
+def test_open_recycled_takes_a_file_the_bin_trim_unlinked_meanwhile_as_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an attacker's probe: under many back-to-back saves the daemon's own trim of the
+    bin unlinked a file another save had just opened, which was then warned about as "a file
+    with 0 hard links, which the daemon did not make". It is gone, as if never found: quietly."""
+    storage = Storage(tmp_path / "root")
+    bin_dir = _recycled_bin(storage, "b", [4096])
+    dest = _prepared(storage, "b", 2) / ".tmp-model.safetensors.1"
+    real_open = os.open
+
+    def open_then_trimmed(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if path == "00000":
+            os.unlink(path, dir_fd=dir_fd)  # the trim, between the open and the checks
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_trimmed)
+    with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
+        assert storage_module.open_recycled(bin_dir / "00000", dest) is None
+    assert "leaving" not in caplog.text and not os.path.lexists(dest)
 
 
 def test_create_file_does_not_follow_a_link_and_replaces_only_its_own_leftover(tmp_path: Path) -> None:

@@ -305,6 +305,9 @@ def open_recycled(recycled: Path, dest: Path) -> int | None:
                 return None
             try:
                 st = os.fstat(fd)
+                if st.st_nlink == 0:  # unlinked since it was opened (the daemon trims its bin): gone, as FileNotFoundError above
+                    os.close(fd)
+                    return None
                 why = foreign_reason(st, dev)
                 if why is not None:
                     log.warning("leaving %s in the recycle bin alone: it is %s, which the daemon did not make", recycled, why)
