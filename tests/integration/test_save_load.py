@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -223,6 +225,29 @@ def test_a_rank_holding_no_bytes_saves_with_the_others_and_the_step_loads(daemon
         assert ckpt.save(2, {"model": {"empty": torch.zeros(0, 5)}}).wait_durable(timeout=60).step == 2  # one rank, no bytes at all
         empty = {"model": {"empty": torch.ones(0, 5)}}
         assert ckpt.load(empty) == 2
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, torch
+from ckptd.client import CheckpointClient
+model = torch.nn.Linear(4, 4)
+client = CheckpointClient(job=sys.argv[2], address=sys.argv[1], on_error="raise")
+if sys.argv[3] == "save":
+    client.save(1, {"model": model}).wait_durable(timeout=60)
+print("loaded", client.load({"model": model}, step=1), flush=True)  # the last call; no close()
+"""
+
+
+def test_a_process_whose_last_call_is_a_load_exits_without_closing_the_client(daemon, tmp_path: Path) -> None:
+    """Found by a new user's probe: a script (an evaluation job) whose last ckptd call was load(),
+    without close(), hung at exit in 7 runs of 8: the load's LoadDone call, left in flight,
+    deadlocked grpc's channel as the interpreter tore it down. The client closes at exit."""
+    script = tmp_path / "eval.py"
+    script.write_text(EXIT_WITHOUT_CLOSE)
+    for i in range(4):
+        out = subprocess.run([sys.executable, str(script), daemon.address, "exit", "save" if i == 0 else "load"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "loaded 1" in out.stdout, (i, out.stdout, out.stderr[-2000:])
 
 
 def test_retention_keeps_the_last_three(daemon) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Mapping
 
@@ -141,6 +142,9 @@ class CheckpointClient:
         backend_factory = (lambda: device) if device is not None else CudaBackend
         owns = device.owns if device is not None else CudaBackend.owns
         self._handoff = Handoff(self.mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
+        # close() at the latest when the client is collected or the interpreter exits: a call
+        # left in flight (the last load's LoadDone) deadlocked grpc's channel in its teardown
+        self._closer = weakref.finalize(self, _close, self._warmup, self._handoff, self._pool, self._maps, self._rpc)
         # what stays the same from save to save (and load to load): see ckptd.client.walk.StateWalk and ckptd.client.structure
         self._walk = StateWalk()
         self._save_structures = StructureCache()
@@ -450,18 +454,24 @@ class CheckpointClient:
         return self._rpc.status()
 
     def close(self) -> None:
-        """Wait for a snapshot still being handed over, release the GPU resources and the arenas."""
-        self._warmup.stop()
-        self._handoff.close()
-        self._pool.shutdown(wait=True)
-        self._maps.close()
-        self._rpc.close()
+        """Wait for a snapshot still being handed over, release the GPU resources and the arenas.
+        Done also when the client is collected, or at exit, if not called; a second call does nothing."""
+        self._closer()
 
     def __enter__(self) -> "CheckpointClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(warmup: ArenaWarmup, handoff: Handoff, pool: ThreadPoolExecutor, maps: ArenaMaps, rpc: DaemonRpc) -> None:
+    """CheckpointClient.close's work, on the client's parts (a finalizer must not hold the client)."""
+    warmup.stop()
+    handoff.close()
+    pool.shutdown(wait=True)
+    maps.close()
+    rpc.close()
 
 
 def _load_request_of(structure: Structure, flat: FlatState) -> tuple[list[str], list[str]]:
