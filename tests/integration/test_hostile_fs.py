@@ -452,13 +452,17 @@ def test_a_full_disk_fails_saves_with_their_cause_at_every_fill_level(tmpfs_root
             step = trial + 2
             state = {"model": {"w": torch.randn(MiB // 2, generator=g)}, "extra": {"n": step}}
             set_free(root, filler, max(0, shard + extra_pages * page))
-            result = call_with_timeout(lambda: ckpt.save(step, state).wait_durable(timeout=60))
+            handles = []
+            result = call_with_timeout(lambda: handles.append(ckpt.save(step, state)) or handles[-1].wait_durable(timeout=60))
             set_free(root, filler, 8 * MiB)  # room for the check below; the daemon's state is as the save left it
             if isinstance(result, BaseException):
                 reason = str(result)
                 assert isinstance(result, CheckpointError), repr(result)
+                # a new user's probe: ok stayed True and error None after wait_durable had seen the failure
+                assert not handles or (not handles[0].ok and handles[0].error == reason), (handles, reason)
                 assert reason.strip() and ("No space left" in reason or "not enough disk space" in reason), f"trial {trial}: {reason!r}"
                 outcomes.append("refused" if "not enough disk space" in reason else "ENOSPC")
+                assert handles or outcomes[-1] == "refused", "ENOSPC while writing: the save was handed over, wait_durable saw it"
                 assert not (root / "full" / f"step-{step:08d}" / INDEX_NAME).exists()
             else:
                 outcomes.append("ok")

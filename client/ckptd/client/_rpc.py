@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Sequence
 import grpc
 
 from ckptd.client.reader.pieces import ArenaColumns, Decoding, Source
-from ckptd.client.errors import CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
+from ckptd.client.errors import ABORTED, CheckpointError, CheckpointNotFound, DaemonUnavailable, InvalidState
 from ckptd.client.layout import Fragment
 from ckptd.client.slots import SlotLike
 from ckptd.client.state import TensorEntry
@@ -54,10 +54,11 @@ class CheckpointInfo:
 class DurableInfo:
     """A committed checkpoint: on disk, fsynced, visible to loads.
 
-    `bytes_written`: the bytes of stored tensors that this rank's node daemon wrote for the step
-    (its part of it). `bytes_linked`: those it did not write because an incremental save linked
-    them, unchanged and read back against their checksums, from the previous step (files of
-    frozen tensors). Both are 0 when the daemon no longer knows the save (a step committed
+    `bytes_written`: the bytes of the tensor files (safetensors, headers included; a compressed
+    step's, as encoded) that this rank's node daemon wrote for the step (its part of it).
+    `bytes_linked`: those of the files it did not write because an incremental save linked them,
+    unchanged and read back against their checksums, from the previous step (files of frozen
+    tensors). Both are 0 when the daemon no longer knows the save (a step committed
     before it restarted)."""
 
     step: int
@@ -331,7 +332,7 @@ class DaemonRpc:
             raise status_error(exc, self.address) from None
         if last is None or last.state != "committed":
             reason = last.error if last is not None else "no answer"
-            raise CheckpointError(f"step {step} was not committed: {reason}", "ABORTED")
+            raise CheckpointError(f"step {step} was not committed: {reason}", ABORTED)
         return DurableInfo(step=step, step_dir=last.step_dir, bytes_written=last.bytes_written, bytes_linked=last.bytes_linked)
 
     # ------------------------------------------------------------ mode "ipc"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+ABORTED = "ABORTED"  # CheckpointError.code of a save the daemon failed or skipped after the hand-off
+
+
 class CheckpointError(RuntimeError):
     """A save or load failed. `code` is the gRPC status name when the daemon answered."""
 

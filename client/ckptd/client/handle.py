@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ckptd.client._handoff.modes import CPU
 from ckptd.client._rpc import DurableInfo
-from ckptd.client.errors import CheckpointError
+from ckptd.client.errors import ABORTED, CheckpointError
 
 if TYPE_CHECKING:
     from ckptd.client._handoff.base import Pending
@@ -18,7 +18,9 @@ log = logging.getLogger("ckptd.client")
 
 
 class SaveHandle:
-    """The result of one `save`. `ok` is False when the hand-off failed or was skipped.
+    """The result of one `save`. `ok` is False when the hand-off failed or was skipped, and,
+    once `wait_durable()` has heard it from the daemon, when the step failed after the hand-off
+    (a full disk, an I/O error, a rank that never came); `error` then says why.
 
     `kept` (a message, else None): the step was committed already and this run resumed from it
     or from a step before it (it redid that interval); the daemon keeps the committed step, the
@@ -110,6 +112,8 @@ class SaveHandle:
                 raise CheckpointError(f"step {self.step} was not handed over: {self.error}")
             return self._wait_durable(self.step, timeout)
         except CheckpointError as exc:
+            if exc.code == ABORTED and self._error is None:  # the daemon failed the step: not a wait that timed out, nor a daemon away
+                self._error = str(exc)
             if self._on_error == "raise":
                 raise
             log.warning("checkpoint of step %s is not durable: %s", self.step, exc)
