@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptd.client import CheckpointClient
@@ -37,6 +38,19 @@ def test_ls_lists_committed_checkpoints(daemon) -> None:
     assert asked == rows
     nobody = ckptd("ls", "--address", f"unix://{daemon.root}/none.sock")
     assert nobody.returncode == 1 and "no daemon socket" in nobody.stderr
+    # a new user's probe: a job directory given as the root answered "no committed checkpoints", exit 0
+    job_dir = json.loads(ckptd("ls", str(daemon.root / "listed"), "--json").stdout)
+    assert job_dir == rows
+    step_dir = ckptd("ls", str(daemon.root / "listed" / "step-00000010"))
+    assert step_dir.returncode == 2 and "is a step directory" in step_dir.stderr and "ckptd inspect" in step_dir.stderr
+    other = ckptd("ls", str(daemon.root / "listed"), "other")
+    assert other.returncode == 2 and "is the directory of job 'listed'" in other.stderr
+
+
+@pytest.mark.parametrize("seconds", ["-1", "0", "nan", "inf", "soon"])
+def test_status_refuses_a_watch_that_is_no_positive_number_of_seconds(seconds: str) -> None:
+    out = ckptd("status", "--watch", seconds)
+    assert out.returncode == 2 and "argument --watch" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_ls_explains_bad_input(tmp_path: Path) -> None:

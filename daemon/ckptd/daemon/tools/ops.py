@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ import grpc
 
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
-from ckptd.format.index import CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.daemon.plan.rollback import rollbacks
 from ckptd.daemon.storage import Storage, is_job_dir, is_storage_root
 from ckptd.wire.v1 import checkpoint_pb2 as pb
@@ -425,6 +426,12 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
     storage = Storage(root)
     if not storage.root.is_dir():
         _fail(f"ckptd ls: {storage.root} is not a directory", 2)
+    if parse_step_dir_name(storage.root.name) is not None or (storage.root / INDEX_NAME).is_file():
+        _fail(f"ckptd ls: {storage.root} is a step directory; `ckptd ls ROOT JOB` lists a job's steps, `ckptd inspect {storage.root}` shows this one", 2)
+    if is_job_dir(storage.root):  # ROOT/JOB given as the root: its steps, as `ckptd ls ROOT JOB` lists them
+        if job not in (None, storage.root.name):
+            _fail(f"ckptd ls: {storage.root} is the directory of job {storage.root.name!r}, not a storage root holding job {job!r}", 2)
+        return _root_rows(storage.root.parent, storage.root.name, uncommitted)
     rows = []
     for name in [job] if job else storage.catalog.jobs():
         try:
@@ -488,7 +495,7 @@ def _uncommitted_rows(storage: Storage, job: str) -> list[dict[str, Any]]:
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="the daemon's socket (its --socket), unix:///path.sock or the path (default: $CKPTD_ADDRESS, else the default socket)")
     parser.add_argument("--job", help="only this job's checkpoints in flight")
-    parser.add_argument("--watch", type=float, metavar="SECONDS", default=0.0, help="refresh every SECONDS until interrupted")
+    parser.add_argument("--watch", type=_watch_seconds, metavar="SECONDS", default=0.0, help="refresh every SECONDS until interrupted")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -504,6 +511,17 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         "or a step in an object store, s3://BUCKET/PREFIX/JOB/step-00001000 (as `ckptd ls` shows it; credentials as for `ckptd serve --remote`)")
     parser.add_argument("--node", type=int, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _watch_seconds(text: str) -> float:
+    """--watch's value: a number of seconds > 0 (argparse names the flag in its error)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 (e.g. 2)")
+    return seconds
 
 
 def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
