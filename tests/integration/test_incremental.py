@@ -217,5 +217,24 @@ def test_durable_info_reports_written_and_linked_bytes_apart(daemons) -> None:
         _train(model, opt)
         second = client.save(2, {"model": model, "optimizer": opt}).wait_durable(60)
     assert first.bytes_linked == 0 and first.bytes_written >= frozen_bytes
-    assert second.bytes_linked == frozen_bytes  # every frozen byte linked, none written again
-    assert second.bytes_written == first.bytes_written - frozen_bytes  # only the adapters and the optimizer
+    # the files' bytes: the frozen tensors' file (its safetensors header too) linked, not written again
+    assert frozen_bytes < second.bytes_linked < frozen_bytes + 4096
+    assert second.bytes_written == first.bytes_written - second.bytes_linked  # only the adapters and the optimizer
+    files = sorted(_step_dir(daemon.root, 1).glob("*.safetensors"))
+    assert first.bytes_written == sum(f.stat().st_size for f in files)
+
+
+def test_durable_info_of_a_compressed_step_counts_the_bytes_its_files_take(daemons) -> None:
+    """Found by a new user's probe: a step saved with quantize="O2", master_weights="drop" reported
+    the bytes of the snapshot (165,128) where its files hold 47,490: the writer's progress counts
+    what it has consumed; the committed step reports what its files take."""
+    daemon = daemons.start()
+    model, opt = _lora_and_adam()
+    with CheckpointClient("packed", address=daemon.address, on_error="raise") as client:
+        _train(model, opt)
+        plain = client.save(1, {"model": model, "optimizer": opt}, quantize="none").wait_durable(60)
+        packed = client.save(2, {"model": model, "optimizer": opt}, quantize="O2").wait_durable(60)
+    for info in (plain, packed):
+        files = sorted(Path(info.step_dir).glob("*.safetensors"))
+        assert info.bytes_written + info.bytes_linked == sum(f.stat().st_size for f in files), info
+    assert packed.bytes_written < plain.bytes_written

@@ -124,10 +124,10 @@ class Commit:
         for tier in self._tiers:
             tier.after_commit(commit)
 
-    def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> None:
+    def _wrote(self, job: str, manifest: NodeManifest, seconds: float) -> tuple[int, int]:
         """Count the data bytes this node wrote for a step (metrics: bytes, throughput), the
         bytes it linked from the previous step instead (incremental saves), and the linked files
-        it found damaged and wrote again."""
+        it found damaged and wrote again; returns (written, linked) bytes of its files."""
         engine = self.engine
         linked = set(manifest.linked)
         mine = [f for f in manifest.files if f.node == engine.node and f.name.endswith(".safetensors")]
@@ -135,11 +135,13 @@ class Commit:
         engine.counters.bytes_written += nbytes
         engine.counters.link_mismatches += len(manifest.rewritten)
         engine.metrics.bytes_written.labels(job).inc(nbytes)
-        engine.metrics.bytes_linked.labels(job).inc(sum(f.size for f in mine if f.name in linked))
+        linked_bytes = sum(f.size for f in mine if f.name in linked)
+        engine.metrics.bytes_linked.labels(job).inc(linked_bytes)
         if manifest.rewritten:
             engine.metrics.link_mismatches.labels(job).inc(len(manifest.rewritten))
         if seconds > 0:
             engine.metrics.throughput.labels(job).set(nbytes / seconds)
+        return nbytes, linked_bytes
 
     async def write(self, state: JobState, session: SaveSession) -> None:
         """Write this node's files of the complete snapshot of `session`, report them to the
@@ -163,7 +165,7 @@ class Commit:
         started = time.monotonic()
         try:
             manifest = await self._executor.run(write_node_files, storage, request, session.progress)
-            self._wrote(session.job, manifest, time.monotonic() - started)
+            session.progress.settle(*self._wrote(session.job, manifest, time.monotonic() - started))
         except NoSpace as exc:  # refused before writing: the coordinator aborts the step on every node
             engine.metrics.refused_no_space.labels(session.job).inc()
             error, cause = str(exc), "no_space"

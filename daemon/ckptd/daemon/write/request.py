@@ -56,6 +56,13 @@ class Progress:
         with self._lock:
             self._linked += nbytes
 
+    def settle(self, written: int, linked: int) -> None:
+        """The node's files are written: from now on the bytes they take (written, and linked
+        from the previous step), not the snapshot's bytes they were made of (a compressed
+        step's files hold fewer)."""
+        with self._lock:
+            self._written, self._linked = written, linked
+
     @property
     def written(self) -> int:
         return self._written
