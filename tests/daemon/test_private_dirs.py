@@ -185,3 +185,14 @@ def test_a_replica_part_is_not_received_through_a_planted_link(tmp_path: Path) -
     with pytest.raises(FileExistsError):
         ReplicaStore.create_parts(receipt)
     assert victim.read_text() == "precious" and os.path.islink(part)  # nothing written, nothing removed
+
+
+def test_the_file_system_of_the_shared_memory_directory_is_known(tmp_path: Path) -> None:
+    """A new user's probe: `--shm-dir` with a typo made a directory on the disk and served from it
+    without a word; the daemon now warns when the directory is not on a file system in memory."""
+    from ckptd.daemon.app.server import MEMORY_FILE_SYSTEMS, mount_of
+
+    assert mount_of(Path("/dev/shm"))[0] in MEMORY_FILE_SYSTEMS
+    kind, _ = mount_of(tmp_path)
+    assert kind  # whatever it is (ext4, overlay, or a tmpfs /tmp): known from /proc/mounts
+    assert mount_of(Path("/proc/self")) == ("proc", mount_of(Path("/proc"))[1])

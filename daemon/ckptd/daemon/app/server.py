@@ -78,19 +78,27 @@ def _prepare_socket(path: Path) -> None:
             probe.close()
 
 
-def tmpfs_options(path: Path) -> str:
-    """The mount options of the file system holding `path` ("" if unknown), from /proc/mounts."""
-    best, options = "", ""
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")  # what --shm-dir should be on: files that live in memory
+
+
+def mount_of(path: Path) -> tuple[str, str]:
+    """(type, mount options) of the file system holding `path` (("", "") if unknown), from /proc/mounts."""
+    best, found = "", ("", "")
     try:
         lines = Path("/proc/mounts").read_text().splitlines()
     except OSError:
-        return ""
+        return found
     target = str(path.resolve())
     for line in lines:
         fields = line.split()
         if len(fields) >= 4 and (target == fields[1] or target.startswith(fields[1].rstrip("/") + "/")) and len(fields[1]) > len(best):
-            best, options = fields[1], fields[3]
-    return options
+            best, found = fields[1], (fields[2], fields[3])
+    return found
+
+
+def tmpfs_options(path: Path) -> str:
+    """The mount options of the file system holding `path` ("" if unknown), from /proc/mounts."""
+    return mount_of(path)[1]
 
 
 async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
@@ -113,7 +121,13 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     small = check_shm(config.shm_dir, SHM_WARN_BYTES)
     if small:
         log.warning("%s", small)
-    if "huge=always" not in tmpfs_options(config.shm_dir):
+    kind, options = mount_of(config.shm_dir)
+    if kind and kind not in MEMORY_FILE_SYSTEMS:
+        log.warning(
+            "shared-memory directory %s is on %s, not a file system in memory: every snapshot goes to that disk before "
+            "it is written to the root; point --shm-dir at a tmpfs such as /dev/shm", config.shm_dir, kind,
+        )
+    elif "huge=always" not in options:
         log.info(
             "arenas in %s use 4 KiB pages; a tmpfs mounted with huge=always makes restores into a "
             "restarted trainer about 2x faster (docs/operations.md: The daemon, shared memory)", config.shm_dir,
