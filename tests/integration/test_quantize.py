@@ -388,6 +388,8 @@ def test_inspect_a_lossless_step_and_a_wrong_directory(daemon, tmp_path: Path) -
     assert "quantization: none (lossless, generation 0)" in run.stdout and "model/up.weight" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a committed step directory" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "inspect", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "nowhere does not exist" in missing.stderr  # not "has no ckptd.index.json"
 
 
 @pytest.mark.parametrize("mode", ["O2", "residual"])

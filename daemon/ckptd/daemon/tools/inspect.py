@@ -35,7 +35,8 @@ def read_index_of(step: StepReader) -> CheckpointIndex:
     try:
         data = step.read_small(INDEX_NAME)
     except FileNotFoundError:
-        raise InspectError(f"{step.where} has no {INDEX_NAME}: it is not a committed step directory (give ROOT/JOB/step-NNNNNNNN)") from None
+        what = "does not exist" if "://" not in str(step.where) and not os.path.lexists(step.where) else f"has no {INDEX_NAME}"
+        raise InspectError(f"{step.where} {what}: it is not a committed step directory (give ROOT/JOB/step-NNNNNNNN)") from None
     except OSError as exc:
         raise InspectError(f"cannot read the index of {step.where}: {exc}") from None
     try:
