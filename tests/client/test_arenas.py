@@ -47,3 +47,33 @@ def test_an_arena_gone_is_not_served_from_its_old_mapping(shm_dir: Path) -> None
     with pytest.raises(FileNotFoundError):
         maps.get(path)
     maps.close()
+
+
+def test_the_arenas_of_sixteen_local_ranks_stay_mapped_and_removed_ones_are_dropped(shm_dir: Path) -> None:
+    """A load from the held snapshot of 16 local ranks maps 16 arenas (and the rank's own): with
+    at most 8 mappings kept, the copy plan's addresses never stayed valid and every such load
+    fell back to the per-piece fill, mapping the arenas again each time. Up to MAX_MAPPINGS stay;
+    the mapping of an arena the daemon removed goes when the next arena is mapped."""
+    from ckptd.client.arenas import MAX_MAPPINGS
+
+    maps = ArenaMaps()
+    paths = []
+    for rank in range(18):
+        path = shm_dir / f"ckptd-1-job-s0-g1-r{rank}"
+        path.write_bytes(bytes([rank]) * 8192)
+        paths.append(str(path))
+    addresses = [maps.address(p, 8192) for p in paths]
+    assert [maps.address(p, 8192) for p in paths] == addresses  # none unmapped and mapped again
+    gone = maps.get(paths[3])
+    os.unlink(paths[3])
+    extra = shm_dir / "ckptd-1-job-s1-g1-r0"
+    extra.write_bytes(b"x" * 8192)
+    maps.get(str(extra))
+    assert gone.closed and maps.address(paths[4], 8192) == addresses[4]
+    oldest = maps.get(paths[0])
+    for i in range(MAX_MAPPINGS):  # beyond the bound: the oldest go
+        more = shm_dir / f"ckptd-1-other-s0-g1-r{i}"
+        more.write_bytes(b"y" * 4096)
+        maps.get(str(more))
+    assert oldest.closed
+    maps.close()

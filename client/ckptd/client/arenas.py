@@ -17,6 +17,10 @@ import numpy as np
 import torch
 
 CHUNK = 32 * 2**20
+# Arenas mapped at once, at most. A load from a snapshot held in the daemon's memory maps the
+# arena of every local rank that saved it (a node of 16 ranks resharded: 16, and the rank's own
+# two); more are arenas the daemon has replaced, whose files are dropped first.
+MAX_MAPPINGS = 32
 SPLIT_BYTES = 4 * 2**20  # whole pieces below this are copied or read in batches, not one task each
 
 
@@ -74,13 +78,16 @@ class ArenaMaps:
                 os.close(fd)
             self._maps[path] = mm
             self._ids[path] = (st.st_dev, st.st_ino)
-            if len(self._maps) > 8:  # arenas replaced by the daemon: unmap the oldest
+            for gone in [p for p in self._maps if p != path and file_id(p) != self._ids[p]]:  # arenas the daemon removed or replaced
+                self._drop(gone)
+            while len(self._maps) > MAX_MAPPINGS:  # the oldest
                 self._drop(next(iter(self._maps)))
             return mm
 
     def address(self, path: str, size: int | None = None) -> int:
         """The address of the mapping of `path` (`get` semantics); valid while it stays mapped,
-        that is until `close`, or until more than 8 other arenas have been mapped since."""
+        that is until `close`, until its file is removed or replaced and another arena is mapped,
+        or until more than MAX_MAPPINGS other arenas have been mapped since."""
         with self._lock:
             mm = self.get(path, size)
             found = self._addresses.get(path)

@@ -120,7 +120,7 @@ def fill_all(pool: ThreadPoolExecutor, maps: ArenaMaps, fills: Sequence[Fill]) -
     big: list[_Span] = []  # split into CHUNKs over the threads
     small_shm: list[tuple[int, int, int]] = []  # (target address, arena address, bytes)
     # An export of every mapping copied from by address: ArenaMaps cannot unmap one (it keeps
-    # at most 8) until the copies are done; `fills` keeps the targets alive.
+    # at most MAX_MAPPINGS) until the copies are done; `fills` keeps the targets alive.
     held: dict[int, memoryview] = {}
     for span in arena_spans:
         src = span.src
