@@ -250,6 +250,28 @@ def test_a_process_whose_last_call_is_a_load_exits_without_closing_the_client(da
         assert out.returncode == 0 and "loaded 1" in out.stdout, (i, out.stdout, out.stderr[-2000:])
 
 
+FORKED_CHILD_EXITS = """
+import os, sys, torch
+from ckptd.client import CheckpointClient
+client = CheckpointClient(job=sys.argv[2], address=sys.argv[1], on_error="raise")
+client.save(1, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # exits normally: atexit runs, and must leave the parent's client alone
+_, status = os.waitpid(child, 0)
+print("child", status, "then step", client.save(2, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60).step, flush=True)
+"""
+
+
+def test_a_forked_child_that_exits_does_not_close_its_parents_client(daemon, tmp_path: Path) -> None:
+    """The client closes itself at exit (above), but not in a process forked from the one that
+    made it: the connection, the threads and the arenas are the parent's, which saves on."""
+    script = tmp_path / "fork.py"
+    script.write_text(FORKED_CHILD_EXITS)
+    out = subprocess.run([sys.executable, str(script), daemon.address, "forked"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0 and "child 0 then step 2" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
 def test_retention_keeps_the_last_three(daemon) -> None:
     model, _, _ = make_training(0)
     with CheckpointClient("keep", address=daemon.address, on_error="raise") as ckpt:

@@ -144,7 +144,7 @@ class CheckpointClient:
         self._handoff = Handoff(self.mode, backend_factory, owns, self._rpc, self._maps, self._pool, copy_workers)
         # close() at the latest when the client is collected or the interpreter exits: a call
         # left in flight (the last load's LoadDone) deadlocked grpc's channel in its teardown
-        self._closer = weakref.finalize(self, _close, self._warmup, self._handoff, self._pool, self._maps, self._rpc)
+        self._closer = weakref.finalize(self, _close, os.getpid(), self._warmup, self._handoff, self._pool, self._maps, self._rpc)
         # what stays the same from save to save (and load to load): see ckptd.client.walk.StateWalk and ckptd.client.structure
         self._walk = StateWalk()
         self._save_structures = StructureCache()
@@ -465,8 +465,12 @@ class CheckpointClient:
         self.close()
 
 
-def _close(warmup: ArenaWarmup, handoff: Handoff, pool: ThreadPoolExecutor, maps: ArenaMaps, rpc: DaemonRpc) -> None:
-    """CheckpointClient.close's work, on the client's parts (a finalizer must not hold the client)."""
+def _close(pid: int, warmup: ArenaWarmup, handoff: Handoff, pool: ThreadPoolExecutor, maps: ArenaMaps, rpc: DaemonRpc) -> None:
+    """CheckpointClient.close's work, on the client's parts (a finalizer must not hold the client).
+    Not in a process forked from the one that made the client: its daemon connection, threads
+    and arenas are the parent's."""
+    if os.getpid() != pid:
+        return
     warmup.stop()
     handoff.close()
     pool.shutdown(wait=True)
