@@ -415,3 +415,19 @@ def test_a_negated_view_is_refused_also_by_the_structures_fast_checks() -> None:
     flat = flatten_state(state, rank=0, validate=False)
     with pytest.raises(ValueError, match=r"'model/t'.*negated view"):
         StructureCache().for_state(flat, None, None)
+
+
+def test_a_negated_view_or_zero_tensor_put_where_a_tensor_was_is_refused_by_the_cached_structure() -> None:
+    """Found in review: the checks ran only when a structure was built, and a negated view of a
+    tensor has its address, dtype, shape and strides: the cached structure took it in (and the
+    rebind, at another address). The signature says whether a tensor's memory holds its values."""
+    from ckptd.client.structure import StructureCache
+
+    cache = StructureCache()
+    t = torch.arange(1.0, 5.0)
+    cache.for_state(flatten_state({"model": {"t": t}}, rank=0, validate=False), None, None)
+    for swapped in (torch._neg_view(t), torch._neg_view(torch.arange(2.0, 6.0)), torch._efficientzerotensor(4)):
+        with pytest.raises(ValueError, match=r"'model/t'.*(negated view|efficient zero)"):
+            cache.for_state(flatten_state({"model": {"t": swapped}}, rank=0, validate=False), None, None)
+    with pytest.raises(ValueError, match=r"'extra/z'.*efficient zero"):
+        flatten_state({"extra": {"z": torch._efficientzerotensor(3)}}, rank=0)

@@ -48,7 +48,7 @@ def plain_entries_valid(
         return False
     if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
         return False
-    if any(map(torch.Tensor.is_neg, tensors)):  # a negated view: refused by the general check
+    if any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor._is_zerotensor, tensors)):  # refused by the general check
         return False
     return all(map(_storable, set(tensor_dtypes)))  # per distinct dtype: a few
 

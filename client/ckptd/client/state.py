@@ -302,6 +302,8 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
             ".imag of a conjugated view), whose memory holds the negatives of its values; checkpoint tensor.resolve_neg() "
             "or the tensor it views instead"
         )
+    if local._is_zerotensor():  # no memory at all: a copy would read, or write, address 0
+        raise ValueError(f"cannot checkpoint {name!r}: it is one of torch's efficient zero tensors, which have no memory; checkpoint torch.zeros_like(tensor)")
     if tensor.is_meta:
         raise ValueError(
             f"cannot checkpoint {name!r}: it is on the meta device and has no data; "

@@ -236,7 +236,8 @@ _PLACED = itemgetter(4)  # a TensorEntry's placement: a LocalShard's (offsets, g
 
 
 # A signature: (id(rules), coords, rank, the entries, then per entry of plain tensors their dtypes,
-# shapes, strides and devices, in four lists, or per entry one tuple when some tensor is not plain).
+# shapes, strides and devices, in four lists, and whether one is unmaterialized; or per entry one
+# tuple when some tensor is not plain).
 # Made by C-level maps over the entries: no Python runs per tensor while the state is plain.
 # TensorEntry's name, kind, aliases, placement, frozen and per_rank: a plain signature holds one
 # list of each (no tuple per entry: a first build makes thousands of objects as it is)
@@ -258,7 +259,7 @@ def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | 
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
         fields = known if known is not None else tuple([list(map(getter, flat.tensors)) for getter in _ENTRY_FIELDS])
         return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
-                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
+                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)), _unmaterialized(tensors))
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -268,8 +269,15 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
     if isinstance(t, DTensor):
         local = t._local_tensor
         return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
-                local.shape, local.stride(), local.device)
-    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank)
+                local.shape, local.stride(), local.device, _unmaterialized([local]))
+    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank, _unmaterialized([t]))
+
+
+def _unmaterialized(tensors: list[Any]) -> bool:
+    """Whether some tensor's memory does not hold its values (a lazily negated view, torch's
+    efficient zero tensor): the checks refuse those, and a cached structure must not take one
+    in for the tensor it replaced at the same address."""
+    return any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor._is_zerotensor, tensors))
 
 
 def _pointers(tensors: list[Any]) -> list[int]:
