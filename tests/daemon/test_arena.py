@@ -3,6 +3,7 @@ set's arenas are made several at once, and when one cannot be made none is left 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -144,3 +145,19 @@ def test_another_daemons_files_live_while_a_ckptd_has_their_pid(shm_dir: Path) -
     # no such pid; a pid alive but no ckptd's; a live ckptd's stays; names without a pid are not the daemon's
     assert sorted(p.name for p in removed) == sorted([f"{ARENA_PREFIX}{dead}-job-s0-g1-r0", f"{ARENA_PREFIX}{other.pid}-job-s0-g1-r0"])
     assert _files(shm_dir) == sorted([f"{ARENA_PREFIX}{daemon.pid}-job-s0-g1-r0", "ckptd-user-notes", f"{ARENA_PREFIX}x-1"])
+
+
+def test_entries_named_like_arenas_that_the_daemon_did_not_make_are_left_and_it_starts(shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found in review: a directory (or a link, or another user's file) under a dead pid's arena
+    name made the sweep raise (IsADirectoryError) and the daemon not start."""
+    dead = 2**22 + 19
+    (shm_dir / f"{ARENA_PREFIX}{dead}-job-s0-g1-r0").mkdir()
+    (shm_dir / f"{ARENA_PREFIX}{dead}-job-s0-g1-r1").symlink_to("/etc/hostname")
+    planted = shm_dir / f"{ARENA_PREFIX}{dead}-job-s0-g1-r2"
+    planted.write_bytes(b"x")
+    os.chown(planted, 65534, 65534)
+    _plant(shm_dir, f"{ARENA_PREFIX}{dead}-job-s0-g1-r3")
+    with caplog.at_level(logging.WARNING):
+        removed = remove_stale_arenas(shm_dir, os.getpid())
+    assert [p.name for p in removed] == [f"{ARENA_PREFIX}{dead}-job-s0-g1-r3"]
+    assert len(list(shm_dir.iterdir())) == 3 and caplog.text.count("is not a file the daemon made") == 3
