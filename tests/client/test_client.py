@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 
 from ckptd.client import CheckpointClient, ClientOptions
@@ -60,3 +64,45 @@ def test_issue30_finding11_a_sockets_bare_path_saves_and_loads(daemon, monkeypat
     with CheckpointClient("bare-path", address=socket, rank=0, world_size=1, on_error="raise") as ckpt:
         assert ckpt.load(state) == 1
     assert state["model"]["w"].tolist() == [1.0] * 3
+
+
+class _Part:
+    """A stand-in for one of a client's parts: records which thread closed it; may fail."""
+
+    def __init__(self, closed: list[str], name: str, fails: bool = False) -> None:
+        self.closed, self.name, self.fails = closed, name, fails
+
+    def close(self, *args: object, **kwargs: object) -> None:
+        self.closed.append(f"{self.name} on {threading.current_thread().name}")
+        if self.fails:
+            raise OSError(f"{self.name} failed")
+
+    stop = shutdown = close
+
+
+def test_close_closes_every_part_even_when_one_fails_and_raises_the_first_failure() -> None:
+    from ckptd.client.client import _close
+
+    closed: list[str] = []
+    parts = [_Part(closed, n, fails=n in ("handoff", "maps")) for n in ("warmup", "handoff", "pool", "maps", "rpc")]
+    with pytest.raises(OSError, match="handoff failed"):
+        _close(os.getpid(), *parts)  # type: ignore[arg-type]
+    assert [c.split(" on ")[0] for c in closed] == ["warmup", "handoff", "pool", "maps", "rpc"]
+
+
+def test_close_on_one_of_the_clients_own_threads_runs_on_another() -> None:
+    """A client's last reference may go on its commit thread (its callback done): closing there,
+    the commit pool would join the thread it runs on (RuntimeError) and nothing after it closed."""
+    from ckptd.client.client import THREAD_PREFIX, _close
+
+    closed: list[str] = []
+    parts = [_Part(closed, n) for n in ("warmup", "handoff", "pool", "maps", "rpc")]
+    own = threading.Thread(target=_close, args=(os.getpid(), *parts), name=f"{THREAD_PREFIX}commit_0")
+    own.start()
+    own.join(10)
+    deadline = time.monotonic() + 10
+    while len(closed) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(closed) == 5 and all(not c.endswith(f"{THREAD_PREFIX}commit_0") for c in closed), closed
+    _close(os.getpid() + 1, *parts)  # type: ignore[arg-type]  # a forked child: nothing
+    assert len(closed) == 5

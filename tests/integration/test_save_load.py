@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +263,19 @@ if child == 0:
 _, status = os.waitpid(child, 0)
 print("child", status, "then step", client.save(2, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60).step, flush=True)
 """
+
+
+def test_a_client_dropped_without_close_is_closed_when_collected(daemon) -> None:
+    """Found in review of the close at exit: a save's commit, kept by the hand-off, held the
+    client through its callbacks, so a dropped client lived (threads, channel, mappings) until
+    the process ended. Nothing the hand-off keeps holds the client."""
+    client = CheckpointClient("dropped", address=daemon.address, on_error="raise")
+    client.save(1, {"model": nn.Linear(2, 2)}).wait_durable(timeout=60)
+    client.load({"model": nn.Linear(2, 2)})
+    alive, closer = weakref.ref(client), client._closer
+    del client
+    gc.collect()
+    assert alive() is None and not closer.alive
 
 
 def test_a_forked_child_that_exits_does_not_close_its_parents_client(daemon, tmp_path: Path) -> None:

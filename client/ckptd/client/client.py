@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,7 @@ from ckptd.common.retention import JobRetention
 __all__ = ["CheckpointClient", "CheckpointInfo"]
 
 log = logging.getLogger("ckptd.client")
+THREAD_PREFIX = "ckptd-"  # what the names of a client's threads begin with (its copy pool, ckptd-warm, ckptd-commit)
 
 
 def _model_files(state: Mapping[str, Any]) -> dict[str, str]:
@@ -131,7 +133,7 @@ class CheckpointClient:
         self._rules_reported = False
         self._rpc = DaemonRpc(self.address, self.job, self.rank, self.world_size, self.local_world_size, self.timeout_s, options.retention)
         threads = options.copy_threads
-        self._pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), thread_name_prefix="ckptd-copy")
+        self._pool = ThreadPoolExecutor(threads or min(4, os.cpu_count() or 1), thread_name_prefix=f"{THREAD_PREFIX}copy")
         self._maps = ArenaMaps()
         self._warmup = ArenaWarmup(self._rpc.stub, self._rpc.who, self._maps)  # a restarted trainer's first load copies through warm page tables
         # groups of a hand-off copy: one per core (the calling thread takes one), at most the pool's threads + 1
@@ -297,16 +299,19 @@ class CheckpointClient:
 
         # The trainer goes on while a helper thread tells the daemon, once the copies (if any)
         # are done. The next save, load or close waits for that commit first; a failed one
-        # shows on the handle and is logged.
+        # shows on the handle and is logged. What the hand-off keeps of this commit must not
+        # hold the client: a client dropped without close() is closed when collected.
+        rpc, client = self._rpc, weakref.ref(self)
+
         def send() -> None:
             try:
-                self._rpc.commit(commit)
+                rpc.commit(commit)
             except CheckpointError as exc:
                 transport.on_commit_error(exc)
                 raise
 
-        pending = self._handoff.commits.start_commit(step, in_flight, send, lambda reason: self._rpc.abort(grant.save_id, reason))
-        pending.future.add_done_callback(lambda done: self._late_failure(step, done))
+        pending = self._handoff.commits.start_commit(step, in_flight, send, lambda reason: rpc.abort(grant.save_id, reason))
+        pending.future.add_done_callback(lambda done: _late_failure(client, step, done))
         return SaveHandle(
             self._wait_durable, self.on_error, step, time.perf_counter() - started, bytes_copied=placed.nbytes, pending=pending, mode=copies.mode,
             copy_s=copy_s,
@@ -338,13 +343,6 @@ class CheckpointClient:
                 raise
         self._placed = placed
         return placed
-
-    def _late_failure(self, step: int, done: Any) -> None:
-        """A snapshot that failed after save() returned (copy or commit): logged and counted at once."""
-        exc = done.exception()
-        if exc is not None:
-            self.failed_saves += 1
-            log.warning("checkpoint of step %s failed after save() returned, training goes on: %s", step, exc)
 
     def _failed_save(self, step: int, exc: Exception, started: float) -> SaveHandle:
         self.failed_saves += 1
@@ -455,7 +453,8 @@ class CheckpointClient:
 
     def close(self) -> None:
         """Wait for a snapshot still being handed over, release the GPU resources and the arenas.
-        Done also when the client is collected, or at exit, if not called; a second call does nothing."""
+        Done also when the client is collected, or at exit, if not called; a second call does
+        nothing, and so does a call in a process forked from the one that made the client."""
         self._closer()
 
     def __enter__(self) -> "CheckpointClient":
@@ -465,17 +464,36 @@ class CheckpointClient:
         self.close()
 
 
+def _late_failure(client: "weakref.ref[CheckpointClient]", step: int, done: Any) -> None:
+    """A snapshot that failed after save() returned (copy or commit): logged, and counted by
+    the client if it still lives."""
+    exc = done.exception()
+    if exc is not None:
+        log.warning("checkpoint of step %s failed after save() returned, training goes on: %s", step, exc)
+        alive = client()
+        if alive is not None:
+            alive.failed_saves += 1
+
+
 def _close(pid: int, warmup: ArenaWarmup, handoff: Handoff, pool: ThreadPoolExecutor, maps: ArenaMaps, rpc: DaemonRpc) -> None:
     """CheckpointClient.close's work, on the client's parts (a finalizer must not hold the client).
     Not in a process forked from the one that made the client: its daemon connection, threads
-    and arenas are the parent's."""
+    and arenas are the parent's. On one of the client's own threads (its last reference went
+    there), on a thread of its own: a pool cannot join the thread it runs on. Every part is
+    closed even when one fails; the first failure is raised."""
     if os.getpid() != pid:
         return
-    warmup.stop()
-    handoff.close()
-    pool.shutdown(wait=True)
-    maps.close()
-    rpc.close()
+    if threading.current_thread().name.startswith(THREAD_PREFIX):
+        threading.Thread(target=_close, args=(pid, warmup, handoff, pool, maps, rpc), name="closing a ckptd client", daemon=True).start()
+        return
+    failures = []
+    for close in (warmup.stop, handoff.close, lambda: pool.shutdown(wait=True), maps.close, rpc.close):
+        try:
+            close()
+        except Exception as exc:  # the next parts are closed all the same
+            failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def _load_request_of(structure: Structure, flat: FlatState) -> tuple[list[str], list[str]]:
