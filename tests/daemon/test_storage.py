@@ -15,6 +15,7 @@ import pytest
 
 from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon import storage as storage_module
+from ckptd.daemon.storage import posix_janitor
 from ckptd.daemon.storage import ROOT_ID_FILE, ForeignEntry, RecycledFile, Storage, is_job_dir, is_storage_root, open_for_reading, read_file, start_writeback, write_small_file
 from ckptd.daemon.storage.fs import new_file
 
@@ -120,12 +121,18 @@ def _recycled_bin(storage: Storage, job: str, sizes: list[int]) -> Path:
     return storage.tree.recycle_dir(job)
 
 
+def _only(bin_dir: Path) -> Path:
+    """The one entry of the bin (its name is the daemon's to choose)."""
+    (entry,) = bin_dir.iterdir()
+    return entry
+
+
 def test_take_recycled_accepts_only_the_daemons_own_regular_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 5000)
     before = victim.read_bytes()
     bin_dir = _recycled_bin(storage, "b", [3000])
-    own = bin_dir / "00000"
+    own = _only(bin_dir)
     (bin_dir / "link").symlink_to(victim)
     os.link(victim, bin_dir / "hard")  # nlink 2: another job's committed shard
     os.mkfifo(bin_dir / "fifo")
@@ -135,7 +142,7 @@ def test_take_recycled_accepts_only_the_daemons_own_regular_files(tmp_path: Path
     warned = " ".join(r.getMessage() for r in caplog.records)
     for name, what in (("link", "a symbolic link"), ("hard", "2 hard links"), ("fifo", "a FIFO"), ("dir", "a directory")):
         assert f"{bin_dir / name} in the recycle bin alone: it is " in warned and what in warned, (name, warned)
-    assert sorted(p.name for p in bin_dir.iterdir()) == ["00000", "dir", "fifo", "hard", "link"]  # all left in place
+    assert sorted(p.name for p in bin_dir.iterdir()) == sorted([own.name, "dir", "fifo", "hard", "link"])  # all left in place
     assert victim.read_bytes() == before and os.readlink(bin_dir / "link") == str(victim)
 
 
@@ -178,16 +185,16 @@ def test_open_recycled_never_opens_truncates_or_moves_a_foreign_entry(tmp_path: 
 
 def test_open_recycled_takes_the_daemons_own_file_as_a_0640_file(tmp_path: Path, umask_007: None) -> None:
     storage = Storage(tmp_path / "root")
-    bin_dir = _recycled_bin(storage, "b", [4096])
-    os.chmod(bin_dir / "00000", 0o660)  # as an older version under UMask=0007 left it
+    own = _only(_recycled_bin(storage, "b", [4096]))
+    os.chmod(own, 0o660)  # as an older version under UMask=0007 left it
     dest = _prepared(storage, "b", 2) / ".tmp-model.safetensors.1"
-    fd = storage_module.open_recycled(bin_dir / "00000", dest)
+    fd = storage_module.open_recycled(own, dest)
     assert fd is not None
     try:
         os.pwrite(fd, b"new", 0)
     finally:
         os.close(fd)
-    assert not (bin_dir / "00000").exists() and dest.read_bytes()[:4] == b"newr" and _mode(dest) == 0o640
+    assert not own.exists() and dest.read_bytes()[:4] == b"newr" and _mode(dest) == 0o640
 
 
 def test_open_recycled_takes_a_file_the_bin_trim_unlinked_meanwhile_as_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -195,19 +202,19 @@ def test_open_recycled_takes_a_file_the_bin_trim_unlinked_meanwhile_as_gone(tmp_
     bin unlinked a file another save had just opened, which was then warned about as "a file
     with 0 hard links, which the daemon did not make". It is gone, as if never found: quietly."""
     storage = Storage(tmp_path / "root")
-    bin_dir = _recycled_bin(storage, "b", [4096])
+    own = _only(_recycled_bin(storage, "b", [4096]))
     dest = _prepared(storage, "b", 2) / ".tmp-model.safetensors.1"
     real_open = os.open
 
     def open_then_trimmed(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         fd = real_open(path, flags, mode, dir_fd=dir_fd)
-        if path == "00000":
+        if path == own.name:
             os.unlink(path, dir_fd=dir_fd)  # the trim, between the open and the checks
         return fd
 
     monkeypatch.setattr(os, "open", open_then_trimmed)
     with caplog.at_level(logging.WARNING, logger="ckptd.daemon.storage"):
-        assert storage_module.open_recycled(bin_dir / "00000", dest) is None
+        assert storage_module.open_recycled(own, dest) is None
     assert "leaving" not in caplog.text and not os.path.lexists(dest)
 
 
@@ -332,17 +339,29 @@ def test_a_job_directory_that_is_a_link_is_not_a_job(tmp_path: Path) -> None:
     assert sorted(p.name for p in storage.tree.job_dir("a").iterdir()) == ["step-00000001"]
 
 
-def test_recycling_leaves_foreign_entries_in_the_bin_and_takes_other_names(tmp_path: Path) -> None:
+def test_recycling_leaves_foreign_entries_in_the_bin_and_takes_other_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     storage = Storage(tmp_path / "root")
     victim = _committed_step(storage, "a", 1, b"A" * 100)
     bin_dir = _recycled_bin(storage, "b", [7])
-    (bin_dir / "00000").unlink()
-    (bin_dir / "00000").symlink_to(victim)
-    os.mkfifo(bin_dir / "00001")
+    first = _only(bin_dir)
+    first.unlink()
+    first.symlink_to(victim)
+    monkeypatch.setattr(posix_janitor.time, "time_ns", lambda: 0xABC)  # the names the next removal would take
+    os.mkfifo(bin_dir / "abc-00000")
     _recycled_bin(storage, "b", [5, 6])  # the next step removed: its two files go in beside them
-    assert os.readlink(bin_dir / "00000") == str(victim) and stat.S_ISFIFO(os.lstat(bin_dir / "00001").st_mode)
-    assert sorted((p.name, p.stat().st_size) for p in bin_dir.iterdir() if p.name not in ("00000", "00001")) == [("00002", 5), ("00003", 6)]
+    assert os.readlink(first) == str(victim) and stat.S_ISFIFO(os.lstat(bin_dir / "abc-00000").st_mode)
+    assert sorted((p.name, p.stat().st_size) for p in bin_dir.iterdir() if p.name not in (first.name, "abc-00000")) == [("abc-00001", 5), ("abc-00002", 6)]
     assert victim.read_bytes() == b"A" * 100
+
+
+def test_the_bin_never_reuses_a_name_a_save_may_be_taking(tmp_path: Path) -> None:
+    """Found in review: the bin was emptied and refilled under the same names (00000, ...); a save
+    that had opened 00000 before and renamed it after moved the new file instead, found another
+    inode than it had checked, and failed ("is not the daemon's file"). Each refill's names are new."""
+    storage = Storage(tmp_path / "root")
+    first = _only(_recycled_bin(storage, "b", [7]))
+    second = _only(_recycled_bin(storage, "b", [9]))
+    assert second.name != first.name and not first.exists()
 
 
 def test_copy_range_and_read_index_do_not_follow_links(tmp_path: Path) -> None:

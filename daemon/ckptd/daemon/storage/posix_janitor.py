@@ -8,6 +8,7 @@ import logging
 import os
 import stat
 import time
+from itertools import count
 from pathlib import Path
 from typing import Sequence
 
@@ -63,7 +64,10 @@ def recycle_files(bin_dir: Path, doomed: Path) -> None:
                 continue
             log.warning("leaving %s in the recycle bin alone: it is %s, which the daemon did not make", bin_dir / name, why)
             taken.add(name)
-        free = (name for name in (f"{i:05d}" for i in range(1 << 30)) if name not in taken)
+        # Names never used before: a save taking a file of the bin meanwhile (fs.open_recycled)
+        # finds the one it opened gone, never another file under its name (it would fail).
+        batch = f"{time.time_ns():x}"
+        free = (name for name in (f"{batch}-{i:05d}" for i in count()) if name not in taken)
         for f in sorted(doomed.glob("*.safetensors")):
             if foreign_reason(os.lstat(f), dev) is None:
                 os.replace(f, next(free), dst_dir_fd=bin_fd)
