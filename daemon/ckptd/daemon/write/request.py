@@ -38,7 +38,8 @@ class PersistRequest:
 class Progress:
     """A save's bytes (of stored tensors) written so far, and those linked from the previous step
     instead (incremental saves: read back and checked, not written); read by WaitDurable and
-    Status from another thread. `total`: all of the save's bytes, written or linked."""
+    Status from another thread. `total`: all of the save's bytes, written or linked. In the
+    snapshot's bytes while the files are written; in the files' bytes once `settle`d."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -62,6 +63,7 @@ class Progress:
         step's files hold fewer)."""
         with self._lock:
             self._written, self._linked = written, linked
+            self.total = written + linked  # done: a compressed step's progress must not read 47 KiB of 165
 
     @property
     def written(self) -> int:
