@@ -45,6 +45,10 @@ def test_ls_lists_committed_checkpoints(daemon) -> None:
     assert step_dir.returncode == 2 and "is a step directory" in step_dir.stderr and "ckptd inspect" in step_dir.stderr
     other = ckptd("ls", str(daemon.root / "listed"), "other")
     assert other.returncode == 2 and "is the directory of job 'listed'" in other.stderr
+    with CheckpointClient("latest", address=daemon.address, on_error="raise") as ckpt:  # a job named like the file of a job
+        ckpt.save(1, {"model": model}).wait_durable(timeout=60)
+    named = json.loads(ckptd("ls", str(daemon.root), "--json").stdout)
+    assert [(r["job"], r["step"]) for r in named] == [("latest", 1), ("listed", 10), ("listed", 20)]
 
 
 @pytest.mark.parametrize("seconds", ["-1", "0", "nan", "inf", "soon"])

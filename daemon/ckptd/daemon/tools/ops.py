@@ -426,12 +426,13 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
     storage = Storage(root)
     if not storage.root.is_dir():
         _fail(f"ckptd ls: {storage.root} is not a directory", 2)
-    if parse_step_dir_name(storage.root.name) is not None or (storage.root / INDEX_NAME).is_file():
-        _fail(f"ckptd ls: {storage.root} is a step directory; `ckptd ls ROOT JOB` lists a job's steps, `ckptd inspect {storage.root}` shows this one", 2)
-    if is_job_dir(storage.root):  # ROOT/JOB given as the root: its steps, as `ckptd ls ROOT JOB` lists them
-        if job not in (None, storage.root.name):
-            _fail(f"ckptd ls: {storage.root} is the directory of job {storage.root.name!r}, not a storage root holding job {job!r}", 2)
-        return _root_rows(storage.root.parent, storage.root.name, uncommitted)
+    if not is_storage_root(storage.root):  # (a root is one whatever its jobs are named: "latest", like a step)
+        if (storage.root / INDEX_NAME).is_file() or (parse_step_dir_name(storage.root.name) is not None and is_job_dir(storage.root.parent)):
+            _fail(f"ckptd ls: {storage.root} is a step directory; `ckptd ls ROOT JOB` lists a job's steps, `ckptd inspect {storage.root}` shows this one", 2)
+        if is_job_dir(storage.root):  # ROOT/JOB given as the root: its steps, as `ckptd ls ROOT JOB` lists them
+            if job not in (None, storage.root.name):
+                _fail(f"ckptd ls: {storage.root} is the directory of job {storage.root.name!r}, not a storage root holding job {job!r}", 2)
+            return _root_rows(storage.root.parent, storage.root.name, uncommitted)
     rows = []
     for name in [job] if job else storage.catalog.jobs():
         try:
