@@ -173,7 +173,7 @@ class CheckpointClient:
     def _in_run(self) -> None:
         """Before a call to the daemon: the run id settled and sent, this client attached, and
         the warm-up ended (its mapping of an arena could otherwise unmap one a copy of this save
-        or load is using: ArenaMaps keeps at most 8)."""
+        or load uses by address: ArenaMaps keeps at most MAX_MAPPINGS)."""
         self._warmup.stop()
         self._rpc.identify(self._run.get())
         self._rpc.attach()

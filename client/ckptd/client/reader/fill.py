@@ -288,7 +288,9 @@ class MemoryCopies:
         return MemoryCopies(bases, addresses, sources, sizes, tuple(targets))
 
     def run(self, maps: ArenaMaps, threads: int) -> bool:
-        """Copy on `threads` threads; False (nothing copied) when an arena is no longer mapped where it was."""
+        """Copy on `threads` threads; False (nothing copied) when an arena is no longer mapped where it was.
+        The copy reads by address, holding no export of the mappings: nothing may map an arena
+        meanwhile (the client's warm-up is stopped before every save and load, CheckpointClient._in_run)."""
         if any(maps.address(path, size) != base for path, size, base in self.bases):
             return False
         copy_pieces(self.destinations, self.sources, self.sizes, threads)

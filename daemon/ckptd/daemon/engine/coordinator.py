@@ -278,7 +278,7 @@ class Coordinator:
             await self._abort(
                 save,
                 f"ranks {listed(missing)} never joined the save of step {save.step} within {save.timeout_s:.0f} s "
-                f"(nodes that joined: {sorted(save.nodes)})",
+                f"(nodes that joined: {listed(sorted(save.nodes))})",
             )
             save.planned.set()
 

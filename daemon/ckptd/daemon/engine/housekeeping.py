@@ -88,7 +88,10 @@ class Housekeeping:
         lower number than older ones). Never deleted: `committed` (the step whose commit runs
         this), the step `latest` names (written before this runs), steps being loaded. One run
         per job at a time: two commits' runs overlapping would remove the same step twice."""
-        async with self._retention_locks.setdefault(job, asyncio.Lock()):
+        lock = self._retention_locks.get(job)
+        if lock is None:
+            lock = self._retention_locks[job] = asyncio.Lock()
+        async with lock:  # (a commit's reply may so wait for a `ckptd gc` of its job: seconds at most)
             return await self._apply_retention(job, dry_run, committed)
 
     async def _apply_retention(self, job: str, dry_run: bool, committed: int | None) -> list[Collected]:

@@ -22,7 +22,7 @@ from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.requests import BeginSave, CommitSnapshot, JoinSave
 from ckptd.daemon.engine.runs import RunClaim
 from ckptd.daemon.engine.sessions import JobState, SaveSession, SaveState
-from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint
+from ckptd.daemon.errors import Aborted, AlreadyExists, Exhausted, InvalidRequest, NotFound, Precondition, RunRefused, Timeout, Unavailable, UnknownFingerprint, bounded
 from ckptd.daemon.handoff.arena import ArenaSet
 from ckptd.daemon.plan.save_plan import PlanError, SavePlan, make_save_plan, spec_digest
 from ckptd.daemon.records import JoinResult
@@ -313,7 +313,8 @@ class Saves:
     async def abort(self, job: str, rank: int, save_id: str, reason: str) -> None:
         state, session = self.find(job, save_id)
         if session.open:
-            await self.engine.fail(state, session, f"rank {rank} aborted: {reason or 'no reason given'}", "rank_aborted")
+            # the reason is the rank's own text: kept to a size a message (and the log) can carry
+            await self.engine.fail(state, session, f"rank {rank} aborted: {bounded(reason, 1024) or 'no reason given'}", "rank_aborted")
 
     def find(self, job: str, save_id: str) -> tuple[JobState, SaveSession]:
         state = self.engine.jobs.get(job)
