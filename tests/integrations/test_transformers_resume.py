@@ -104,6 +104,7 @@ def test_save_total_limit_keeps_that_many_steps_and_pointers_and_an_older_pointe
     index = json.loads((daemon.root / "hf-ptr" / "step-00000006" / "ckptd.index.json").read_text())
     assert index["retention"]["asked"] == {"keep_last": 2} and index["retention"]["keep_last"] == 2
     (out_dir / "checkpoint-9").mkdir()  # not a pointer: left alone
+    shutil.copytree(out_dir / "checkpoint-4", out_dir / "checkpoint-0004")  # a copy under a padded name: not the Trainer's, never pruned for step 4
     state = json.loads((out_dir / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["stateful_callbacks"][pointers.MARKER_KEY]["attributes"] == {"job": "hf-ptr", "step": 4}
 
@@ -115,6 +116,8 @@ def test_save_total_limit_keeps_that_many_steps_and_pointers_and_an_older_pointe
     assert again.losses == {k: record.losses[k] for k in (5, 6)}
     assert trainer.state.global_step == 6
     assert (out_dir / "checkpoint-9").is_dir() and _pointer_steps_of(out_dir) == [4, 6]
+    assert pointers.pointer_steps(str(out_dir), "hf-ptr") == {4: str(out_dir / "checkpoint-4"), 6: str(out_dir / "checkpoint-6")}
+    assert (out_dir / "checkpoint-0004").is_dir()
 
 
 # issue 31 item 7

@@ -43,7 +43,7 @@ log = logging.getLogger("ckptd.integrations.transformers")
 EMPTY_SHARD_NAME = "ckptd-weights-come-from-ckptd.safetensors"  # a resume directory's tensorless shard
 POINTER_FILE = "ckptd-pointer.json"
 MARKER_KEY = "ckptd"  # trainer_state.json's stateful_callbacks entry: no callback class has this name
-_POINTER_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_POINTER_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-([1-9][0-9]*|0)$")  # as the Trainer names it: ASCII digits, no padding
 
 
 def write_resume_dir(directory: str, job: str, step: int, trainer_state: Mapping[str, Any], model_keys: Iterable[str]) -> None:
