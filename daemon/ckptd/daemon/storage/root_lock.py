@@ -222,7 +222,8 @@ class RootLock:
         found = []
         for entry in sorted(os.listdir(self.root)):
             number = entry[len(LOCK_PREFIX):-len(LOCK_SUFFIX)] if entry.startswith(LOCK_PREFIX) and entry.endswith(LOCK_SUFFIX) else ""
-            if decimal(number) in (None, self.node):
+            node = decimal(number)
+            if node is None or str(node) != number or node == self.node:  # a lock file's name exactly as a daemon writes it
                 continue
             try:
                 fd = open_for_reading(self.root / entry)
