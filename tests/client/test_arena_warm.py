@@ -141,7 +141,7 @@ def test_a_mapping_closed_by_the_client_stops_the_populate(arena: Path, monkeypa
 
 def test_a_clients_first_load_stops_its_warm_up_before_it_touches_an_arena(tmp_path: Path) -> None:
     """The warm-up's mapping could otherwise unmap one the load copies through (ArenaMaps keeps
-    at most 8): the load ends it first, cancelling an answer still awaited."""
+    at most MAX_MAPPINGS): the load ends it first, cancelling an answer still awaited."""
     with CheckpointClient("j", address=f"unix://{tmp_path / 'none.sock'}", on_error="raise", timeout_s=1) as client:
         client._warmup.join(10)  # its own call failed: no daemon
         pending = _Future(wait=True)
