@@ -783,7 +783,7 @@ def run_part(name: str, bench: Callable[..., None], state: State, workdir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ckptd.daemon.app.server import tmpfs_options
+    from ckptd.daemon.app.server import mount_of
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         f"software: Python {machine['python']}, torch {machine['torch']} ({machine['torch_threads']} threads), numpy {machine['numpy']}",
         f"state: {ntensors} fp32 tensors, {nbytes:,} bytes ({nbytes / GIB:.2f} GiB): weights + AdamW exp_avg, exp_avg_sq "
         f"of a {shape.layers}-layer transformer, hidden {shape.hidden}, vocab {shape.vocab}",
-        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}   ckptd arenas in: {args.shm_dir} ({tmpfs_options(args.shm_dir) or 'mount options unknown'})",
+        f"scratch: {workdir} ({machine['out_fs']})   reps: {args.reps}   parts: {','.join(args.parts)}   ckptd arenas in: {args.shm_dir} ({mount_of(args.shm_dir)[1] or 'mount options unknown'})",
         f"load average at start: {load_average()}",
     ]
     print("\n".join(header), flush=True)

@@ -431,3 +431,18 @@ def test_a_negated_view_or_zero_tensor_put_where_a_tensor_was_is_refused_by_the_
             cache.for_state(flatten_state({"model": {"t": swapped}}, rank=0, validate=False), None, None)
     with pytest.raises(ValueError, match=r"'extra/z'.*efficient zero"):
         flatten_state({"extra": {"z": torch._efficientzerotensor(3)}}, rank=0)
+
+
+def test_a_tensor_made_a_negated_view_through_data_is_refused_by_the_cached_structure() -> None:
+    """`t.data = torch._neg_view(u)` makes the very same tensor object (the same entries of an
+    unchanged state walk) a negated view: the signature reads the flag every time."""
+    from ckptd.client.structure import StructureCache
+    from ckptd.client.walk import StateWalk
+
+    walk, cache = StateWalk(), StructureCache()
+    t = torch.arange(1.0, 5.0)
+    state = {"model": {"t": t}}
+    cache.for_state(walk.flatten(state, rank=0), None, None)
+    t.data = torch._neg_view(torch.arange(2.0, 6.0))
+    with pytest.raises(ValueError, match=r"'model/t'.*negated view"):
+        cache.for_state(walk.flatten(state, rank=0), None, None)

@@ -5,6 +5,7 @@ socket's directory of a daemon that is not root. Run as root; other users are ot
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from pathlib import Path
@@ -190,9 +191,16 @@ def test_a_replica_part_is_not_received_through_a_planted_link(tmp_path: Path) -
 def test_the_file_system_of_the_shared_memory_directory_is_known(tmp_path: Path) -> None:
     """A new user's probe: `--shm-dir` with a typo made a directory on the disk and served from it
     without a word; the daemon now warns when the directory is not on a file system in memory."""
-    from ckptd.daemon.app.server import MEMORY_FILE_SYSTEMS, mount_of
+    from ckptd.daemon.app.server import MEMORY_FILE_SYSTEMS, mount_of, shm_dir_notice
 
     assert mount_of(Path("/dev/shm"))[0] in MEMORY_FILE_SYSTEMS
     kind, _ = mount_of(tmp_path)
     assert kind  # whatever it is (ext4, overlay, or a tmpfs /tmp): known from /proc/mounts
     assert mount_of(Path("/proc/self")) == ("proc", mount_of(Path("/proc"))[1])
+    on_disk = shm_dir_notice("ext4", "rw,relatime")
+    assert on_disk is not None and on_disk[0] == logging.WARNING and "is on ext4, not a file system in memory" in on_disk[1]
+    small_pages = shm_dir_notice("tmpfs", "rw,nosuid,nodev")
+    assert small_pages is not None and small_pages[0] == logging.INFO and "huge=always" in small_pages[1]
+    assert shm_dir_notice("tmpfs", "rw,huge=always") is None
+    unknown = shm_dir_notice("", "")  # /proc/mounts unreadable: not warned about
+    assert unknown is not None and unknown[0] == logging.INFO

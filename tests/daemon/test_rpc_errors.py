@@ -116,7 +116,7 @@ def test_each_domain_error_is_its_status_with_its_message(tmp_path: Path, error:
 @pytest.mark.parametrize("text", ["ranks [1, 2, 3] never started it " * 2000, "é" * 30000])
 def test_a_message_too_long_for_grpcs_metadata_is_cut_not_lost(tmp_path: Path, text: str) -> None:
     """Found by an attacker's probe: a save timeout of a 4,096-rank job named every missing rank
-    in its message (23 KB), which gRPC's 16 KiB metadata limit turned into a transport error
+    in its message (23 KB, the probe reported), which gRPC's 16 KiB metadata limit turned into a transport error
     (RESOURCE_EXHAUSTED) instead of the reason. The message is cut to MESSAGE_BYTES and says so."""
     async def scenario(channel: grpc.aio.Channel, servicer: Raising) -> None:
         servicer.to_raise = errors.Aborted(text)

@@ -428,7 +428,7 @@ def test_many_small_tensors_are_written_in_few_writes_and_writeback_starts(
 
 def test_a_settled_progress_counts_the_files_bytes_in_every_field() -> None:
     """Review of d77c003: once the files were written, `written` counted their bytes while `total`
-    still counted the snapshot's: a compressed step's finished save read 47 KiB of 165."""
+    still counted the snapshot's: a compressed step's finished save read 47 KiB of 165 (the figures the probe reported)."""
     progress = Progress(165_128)
     progress.add(165_128)
     progress.settle(47_490, 1_024)

@@ -226,7 +226,7 @@ def test_durable_info_reports_written_and_linked_bytes_apart(daemons) -> None:
 
 def test_durable_info_of_a_compressed_step_counts_the_bytes_its_files_take(daemons) -> None:
     """Found by a new user's probe: a step saved with quantize="O2", master_weights="drop" reported
-    the bytes of the snapshot (165,128) where its files hold 47,490: the writer's progress counts
+    the bytes of the snapshot (165,128) where its files hold 47,490 (the probe's figures): the writer's progress counts
     what it has consumed; the committed step reports what its files take."""
     daemon = daemons.start()
     model, opt = _lora_and_adam()

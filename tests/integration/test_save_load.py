@@ -242,7 +242,7 @@ print("loaded", client.load({"model": model}, step=1), flush=True)  # the last c
 
 def test_a_process_whose_last_call_is_a_load_exits_without_closing_the_client(daemon, tmp_path: Path) -> None:
     """Found by a new user's probe: a script (an evaluation job) whose last ckptd call was load(),
-    without close(), hung at exit in 7 runs of 8: the load's LoadDone call, left in flight,
+    without close(), hung at exit (the probe: 7 runs of 8; reproduced here in 3 of 6): the load's LoadDone call, left in flight,
     deadlocked grpc's channel as the interpreter tore it down. The client closes at exit."""
     script = tmp_path / "eval.py"
     script.write_text(EXIT_WITHOUT_CLOSE)

@@ -48,9 +48,16 @@ def plain_entries_valid(
         return False
     if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
         return False
-    if any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor._is_zerotensor, tensors)):  # refused by the general check
+    if unmaterialized(tensors):  # refused by the general check
         return False
     return all(map(_storable, set(tensor_dtypes)))  # per distinct dtype: a few
+
+
+def unmaterialized(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether some tensor's memory does not hold its values (a lazily negated view, torch's
+    efficient zero tensor): the checks refuse those, and a cached structure must not take one
+    in for the tensor it replaced at the same address (its signature says it)."""
+    return any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor._is_zerotensor, tensors))
 
 
 def _storable(dtype: torch.dtype) -> bool:

@@ -44,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckptd.client.layout import Fragment, LayoutRules, RankCoords, layout_state, whole_fragments
-from ckptd.client.plain_entries import entries_fingerprint, plain_entries_valid
+from ckptd.client.plain_entries import entries_fingerprint, plain_entries_valid, unmaterialized
 from ckptd.client.state import FlatState, TensorEntry, validate_entries
 from ckptd.client.subclasses import inner_tensor
 
@@ -118,9 +118,9 @@ class StructureCache:
             self._entries = flat.tensors
             return self._last
         last = self._last
-        same_entries = last is not None and flat.tensors is self._entries and len(last.signature) > _ENTRIES_AT
+        same_entries = last is not None and flat.tensors is self._entries
         tensors = list(map(_TENSOR, flat.tensors))
-        signature = _signature(flat, rules, coords, tensors, last.signature[_ENTRIES_AT] if same_entries and last is not None else None)
+        signature = _signature(flat, rules, coords, tensors, last.signature if same_entries and last is not None else None)
         if signature is None or last is None or signature != last.signature:
             self._last = self._build(flat, rules, coords, signature, tensors)
             self._entries = flat.tensors
@@ -251,15 +251,17 @@ _DTYPES_AT, _SHAPES_AT, _DEVICES_AT = 4, 5, 7  # where a plain signature's lists
 
 def _signature(flat: FlatState, rules: LayoutRules | None, coords: RankCoords | None, tensors: list[Any], known: Any = None) -> Signature | None:
     """Everything the structure depends on (see above); None when a tensor has no strides (a
-    sparse tensor: validation names it). tensors: the entries' tensors; `known`: the entries'
-    fields of a signature made of the very same entries (the same tuple: a StateWalk's unchanged
-    state), taken over."""
+    sparse tensor: validation names it). tensors: the entries' tensors; `known`: a signature
+    made of the very same entries (the same tuple: a StateWalk's unchanged state), whose entry
+    fields are taken over. Not the unmaterialized flag: `t.data = torch._neg_view(u)` makes the
+    very same tensor object a negated view."""
     try:
         if not _PLAIN.issuperset(map(type, tensors)):
             return (id(rules), coords, flat.rank, [_entry_signature(e) for e in flat.tensors])
-        fields = known if known is not None else tuple([list(map(getter, flat.tensors)) for getter in _ENTRY_FIELDS])
+        plain = known is not None and len(known) > _DEVICES_AT
+        fields = known[_ENTRIES_AT] if plain else tuple([list(map(getter, flat.tensors)) for getter in _ENTRY_FIELDS])
         return (id(rules), coords, flat.rank, fields, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
-                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)), _unmaterialized(tensors))
+                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)), unmaterialized(tensors))
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -269,15 +271,8 @@ def _entry_signature(e: TensorEntry) -> tuple[Any, ...]:
     if isinstance(t, DTensor):
         local = t._local_tensor
         return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, tuple(t.placements), id(t.device_mesh),
-                local.shape, local.stride(), local.device, _unmaterialized([local]))
-    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank, _unmaterialized([t]))
-
-
-def _unmaterialized(tensors: list[Any]) -> bool:
-    """Whether some tensor's memory does not hold its values (a lazily negated view, torch's
-    efficient zero tensor): the checks refuse those, and a cached structure must not take one
-    in for the tensor it replaced at the same address."""
-    return any(map(torch.Tensor.is_neg, tensors)) or any(map(torch.Tensor._is_zerotensor, tensors))
+                local.shape, local.stride(), local.device, unmaterialized([local]))
+    return (e.name, e.kind, e.aliases, e.frozen, t.dtype, t.shape, t.stride(), t.device, e.placement, e.per_rank, unmaterialized([t]))
 
 
 def _pointers(tensors: list[Any]) -> list[int]:

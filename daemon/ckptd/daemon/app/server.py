@@ -96,9 +96,21 @@ def mount_of(path: Path) -> tuple[str, str]:
     return found
 
 
-def tmpfs_options(path: Path) -> str:
-    """The mount options of the file system holding `path` ("" if unknown), from /proc/mounts."""
-    return mount_of(path)[1]
+def shm_dir_notice(kind: str, options: str) -> tuple[int, str] | None:
+    """What the start-up log says of a shared-memory directory on a file system of type `kind`
+    mounted with `options` (mount_of; "" unknown): (logging level, message with one %s for the
+    directory), or None."""
+    if kind and kind not in MEMORY_FILE_SYSTEMS:
+        return logging.WARNING, (
+            f"shared-memory directory %s is on {kind.replace('%', '%%')}, not a file system in memory: every snapshot goes to that disk before "
+            "it is written to the root; point --shm-dir at a tmpfs such as /dev/shm"
+        )
+    if "huge=always" not in options:
+        return logging.INFO, (
+            "arenas in %s use 4 KiB pages; a tmpfs mounted with huge=always makes restores into a "
+            "restarted trainer about 2x faster (docs/operations.md: The daemon, shared memory)"
+        )
+    return None
 
 
 async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None = None) -> int:
@@ -121,17 +133,9 @@ async def serve(config: DaemonConfig, reload: Callable[[], DaemonConfig] | None 
     small = check_shm(config.shm_dir, SHM_WARN_BYTES)
     if small:
         log.warning("%s", small)
-    kind, options = mount_of(config.shm_dir)
-    if kind and kind not in MEMORY_FILE_SYSTEMS:
-        log.warning(
-            "shared-memory directory %s is on %s, not a file system in memory: every snapshot goes to that disk before "
-            "it is written to the root; point --shm-dir at a tmpfs such as /dev/shm", config.shm_dir, kind,
-        )
-    elif "huge=always" not in options:
-        log.info(
-            "arenas in %s use 4 KiB pages; a tmpfs mounted with huge=always makes restores into a "
-            "restarted trainer about 2x faster (docs/operations.md: The daemon, shared memory)", config.shm_dir,
-        )
+    notice = shm_dir_notice(*mount_of(config.shm_dir))
+    if notice is not None:
+        log.log(notice[0], notice[1], config.shm_dir)
     _prepare_socket(config.socket)
     faults = None
     if os.environ.get("CKPTD_FAULT_KILL_AT") or os.environ.get("CKPTD_FAULT_LOG"):  # tests only (faults.py)

@@ -105,9 +105,7 @@ class SaveSession:
     @property
     def bytes_total(self) -> int:
         """The bytes `progress` counts toward: the plan's while writing, the files' once written (Progress.settle)."""
-        if self.progress is not None:
-            return self.progress.total
-        return self.plan.total_bytes if self.plan else 0
+        return self.progress.total if self.progress is not None else 0
 
     # The transitions. Each checks that it is allowed now and raises a CkptdError that says why
     # not (the engine passes it to the rank); `fail` never raises.

@@ -19,7 +19,6 @@ import functools
 import logging
 import mmap
 import os
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from ckptd.common.names import decimal
 from ckptd.common.sizes import human_bytes
 from ckptd.daemon.errors import Exhausted
 from ckptd.daemon.private_dirs import create_file
+from ckptd.daemon.storage.fs import foreign_reason
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +218,9 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
     this daemon's own pid's cannot be its own yet, so they are an earlier daemon's that had the
     same pid: a container restarted (ckptd is pid 1 again), whose earlier run's arenas would
     otherwise hold the node's memory for good and take the names of this run's first arenas
-    (that job's first save failed: "File exists"). Only regular files of the daemon's uid are
-    removed: anything else under such a name (a directory, a link, another user's file) is left
-    where it is, with a warning, and the daemon starts."""
+    (that job's first save failed: "File exists"). Only the daemon's own files are removed
+    (storage.fs.foreign_reason): anything else under such a name (a directory, a link, another
+    user's file) is left where it is, with a warning, and the daemon starts."""
     removed = []
     for path in shm_dir.glob(f"{ARENA_PREFIX}*"):
         pid = decimal(path.name[len(ARENA_PREFIX) :].split("-", 1)[0])
@@ -229,9 +229,9 @@ def remove_stale_arenas(shm_dir: Path, live_pid: int) -> list[Path]:
         if pid != live_pid and pid_alive(pid) and _is_ckptd(pid):
             continue
         try:
-            st = path.lstat()
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                log.warning("leaving %s alone: it is named like an arena but is not a file the daemon made", path)
+            why = foreign_reason(path.lstat())
+            if why is not None:
+                log.warning("leaving %s alone: it is named like an arena but is not a file the daemon made (it is %s)", path, why)
                 continue
             path.unlink()
             removed.append(path)

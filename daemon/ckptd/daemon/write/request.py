@@ -63,7 +63,7 @@ class Progress:
         step's files hold fewer)."""
         with self._lock:
             self._written, self._linked = written, linked
-            self.total = written + linked  # done: a compressed step's progress must not read 47 KiB of 165
+            self.total = written + linked  # done: a compressed step's progress reads whole, not a part of the snapshot's bytes
 
     @property
     def written(self) -> int:
