@@ -137,6 +137,7 @@ def test_a_save_goes_through_its_states_to_a_commit_and_loads_from_memory_then_d
         assert isinstance(outcome, SaveSession) and outcome.state is SaveState.COMMITTED
         assert _steps(service) == [10] and outcome.step_dir == storage.catalog.step_location("job", 10)
         assert service.status().committed_total == 1 and service.engine.last_commit is not None
+        assert service.status("job").last_commit == service.engine.last_commit and service.status("other").last_commit is None
         assert await _check_load(service, None, 10) == "memory"  # the held snapshot
         assert await _durable(service, 10) is outcome  # a finished save is reported as it ended
 
@@ -262,6 +263,7 @@ def test_a_rank_that_never_hands_over_fails_the_save_at_its_timeout_and_frees_th
         assert outcome.error.startswith("ranks [1] did not hand their snapshot over within")
         assert sessions[0].arenas is not None and service.jobs["job"].pool.count >= 1
         assert service.status().failed_total == 1 and "step 5" in service.status().last_error
+        assert "step 5" in service.status("job").last_error and service.status("other").last_error == ""  # not another job's
         assert _steps(service) == [] and not service.storage.files.step_file_sizes("job", 5)
         await _save(service, 6)  # the arenas came back: the next save gets them
         assert (await _durable(service, 6)).state is SaveState.COMMITTED  # type: ignore[union-attr]

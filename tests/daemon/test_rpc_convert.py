@@ -174,9 +174,11 @@ def test_a_status_snapshot_crosses_the_wire_and_narrows_to_a_job() -> None:
         last_commit=LastCommit("a", 1, 2.0, 3.0, 4, "/r/a/step-1"), node_rank=0, nodes=2, bytes_written_total=7,
         uptime_s=8.0, loads_active=9, link_mismatches_total=1,
     )
-    message = rpc_convert.status_pb(snapshot.of_job("b"))
+    message = rpc_convert.status_pb(snapshot.of_job("b", LastCommit("b", 7, 2.0, 3.0, 4, "/r/b/step-7"), "job b step 8: disk full"))
     assert [f.job for f in message.in_flight] == ["b"] and message.in_flight[0].bytes_written == 5
-    assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/a/step-1")
+    assert (message.draining, message.nodes, message.loads_active, message.last_commit.step_dir) == (True, 2, 9, "/r/b/step-7")
+    assert (message.last_error, message.committed_total) == ("job b step 8: disk full", 3)  # the job's own; daemon-wide counters stay
+    assert not rpc_convert.status_pb(snapshot.of_job("c", None, "")).HasField("last_commit")  # job a's commit is not job c's
     assert message.link_mismatches_total == 1
     assert not rpc_convert.status_pb(replace(snapshot, last_commit=None)).HasField("last_commit")
     assert len(snapshot.in_flight) == 2

@@ -205,8 +205,14 @@ class StatusSnapshot:
     shm_free: int = 0  # bytes free in the shared-memory directory
     shm_staging: int = 0  # bytes counted for loads' staging files (within the budget)
 
-    def of_job(self, job: str) -> "StatusSnapshot":
-        """The same snapshot with only `job`'s saves in flight and arena sets."""
+    def of_job(self, job: str, last_commit: LastCommit | None, last_error: str) -> "StatusSnapshot":
+        """The same snapshot told of `job` alone: its saves in flight, arena sets and replicas,
+        its newest commit and its last failure (`last_commit`, `last_error`: the job's own);
+        the daemon-wide counters and totals stay."""
+        replicas = self.replicas
+        if replicas is not None:
+            replicas = replace(replicas, held=tuple(h for h in replicas.held if h[0] == job), jobs=tuple(j for j in replicas.jobs if j.job == job))
         return replace(
-            self, in_flight=tuple(f for f in self.in_flight if f.job == job), arena_holders=tuple(h for h in self.arena_holders if h.job == job)
+            self, in_flight=tuple(f for f in self.in_flight if f.job == job), arena_holders=tuple(h for h in self.arena_holders if h.job == job),
+            last_commit=last_commit, last_error=last_error, replicas=replicas,
         )

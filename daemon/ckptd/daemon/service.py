@@ -343,5 +343,5 @@ class CheckpointService:
     def live_state(self) -> LiveState:
         return self.housekeeping.live_state()
 
-    def status(self) -> StatusSnapshot:
-        return self.housekeeping.status()
+    def status(self, job: str | None = None) -> StatusSnapshot:
+        return self.housekeeping.status(job)

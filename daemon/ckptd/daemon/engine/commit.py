@@ -113,7 +113,7 @@ class Commit:
         engine.counters.committed += 1
         state.pool.hold(session.arenas, session.step, session.plan, dict(session.committed))
         latency = time.monotonic() - session.snapshot_done
-        engine.last_commit = LastCommit(session.job, session.step, time.time(), latency, index.size_bytes, session.step_dir)
+        engine.last_commit = state.last_commit = LastCommit(session.job, session.step, time.time(), latency, index.size_bytes, session.step_dir)
         engine.metrics.commits.labels(session.job).inc()
         engine.metrics.commit_latency.labels(session.job).observe(latency)
         engine.metrics.last_commit.labels(session.job).set(engine.last_commit.committed_at)

@@ -254,7 +254,7 @@ class Engine:
         if not session.fail(reason):
             return
         self.counters.failed += 1
-        self.counters.last_error = f"job {session.job} step {session.step}: {reason}"
+        self.counters.last_error = state.last_error = f"job {session.job} step {session.step}: {reason}"
         self.metrics.failed(cause)
         log.warning(
             "save of step %s of job %s failed: %s", session.step, session.job, reason, extra={"job": session.job, "step": session.step, "cause": cause}

@@ -224,8 +224,9 @@ class Housekeeping:
             state = tier.live(state)
         return state
 
-    def status(self) -> StatusSnapshot:
-        """`ckptd status`: saves in flight, arenas, counters, the newest commit, the tiers'."""
+    def status(self, job: str | None = None) -> StatusSnapshot:
+        """`ckptd status`: saves in flight, arenas, counters, the newest commit, the tiers';
+        of `job` alone when given (StatusSnapshot.of_job: its newest commit and last failure)."""
         engine = self.engine
         now = time.monotonic()
         in_flight = tuple(
@@ -271,4 +272,7 @@ class Housekeeping:
         )
         for tier in self._tiers:
             status = replace(status, **tier.status_fields())  # remote, replicas: None without the tier
-        return status
+        if job is None:
+            return status
+        state = engine.jobs.get(job)
+        return status.of_job(job, state.last_commit if state is not None else None, state.last_error if state is not None else "")

@@ -30,6 +30,7 @@ from ckptd.daemon.errors import InvalidRequest, Precondition, listed
 from ckptd.daemon.handoff.arena import ArenaPool, ArenaSet, SetState
 from ckptd.daemon.plan.compression import Compression, SaveOptions
 from ckptd.daemon.plan.save_plan import SavePlan, TensorSpec
+from ckptd.daemon.records import LastCommit
 from ckptd.daemon.write.request import Progress
 
 RECENT_RESULTS = 16  # ended saves a job remembers (WaitDurable of a save that just ended)
@@ -218,6 +219,8 @@ class JobState:
     acquire_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     arena_freed: asyncio.Condition = field(default_factory=asyncio.Condition)
     lineage: int = 0  # quantization generation of the step this job last loaded from this daemon
+    last_commit: LastCommit | None = None  # this job's newest commit here (`ckptd status --job`)
+    last_error: str = ""  # why this job's last failed save failed
 
     def __post_init__(self) -> None:
         self.cache = JobPlans(self.world_size)

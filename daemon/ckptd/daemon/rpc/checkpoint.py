@@ -177,10 +177,7 @@ class CheckpointServicer(pb_grpc.CheckpointServicer):
         return pb.ListResponse(checkpoints=[rpc_convert.checkpoint_info_pb(summary, path, in_memory) for summary, path, in_memory in listed])
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        status = self.service.status()
-        if request.job:
-            status = status.of_job(check_job_id(request.job))
-        return rpc_convert.status_pb(status)
+        return rpc_convert.status_pb(self.service.status(check_job_id(request.job) if request.job else None))
 
     async def Collect(self, request: pb.CollectRequest, context: grpc.aio.ServicerContext) -> pb.CollectResponse:
         job = check_job_id(request.job) if request.job else None
