@@ -42,10 +42,10 @@ def _records_of_every_shape() -> list[TensorRecord]:
     scales = SideRecord("o.safetensors", "w@scales", "F32", (4, 1), 208, 16, "xxh3-64:02", 65536, "ab" * 8)
     plain = FragmentRecord("m.safetensors", 'w"\\é\n', Box((0, 0), (4, 6)), "F32", 128, 96, "xxh3-64:00ff")
     chunked = FragmentRecord("m.safetensors", "w", Box((2, 0), (2, 6)), "F32", 0, 48, "xxh3-64:01", 65536, "cd" * 8)
-    coded = FragmentRecord("o.safetensors", "w", Box((0,), (0,)), "U8", 192, 12, "xxh3-64:03", quant=QuantRecord("lin-i4", 128, scales=scales))
+    coded = FragmentRecord("o.safetensors", "w", Box((0, 0), (2, 6)), "U8", 192, 12, "xxh3-64:03", quant=QuantRecord("lin-i4", 128, scales=scales))
     return [
         TensorRecord('model/w"\\é', "model", "F32", (4, 6), (plain,), ("model/v", "ü")),
-        TensorRecord("model/s", "model", "F32", (), (chunked, coded), (), rank=3),
+        TensorRecord("model/s", "model", "F32", (4, 6), (chunked, coded), (), rank=3),
         TensorRecord("model/e", "model", "F32", (0,), ()),
     ]
 

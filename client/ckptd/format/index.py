@@ -15,11 +15,12 @@ from typing import Any, Mapping, Sequence
 
 import xxhash
 
-from ckptd.common import chunks, dtypes
+from ckptd.common import chunks, dtypes, json_read
 from ckptd.common.boxes import Box
 from ckptd.common.frames import Frames
 from ckptd.common.names import MAX_STEP, decimal
 from ckptd.common.quant_options import CAST
+from ckptd.format.index_checks import tensor_problem
 from ckptd.format.json_text import compact_json, extra_json_text, json_str, tensor_json
 
 INDEX_NAME = "ckptd.index.json"
@@ -291,12 +292,17 @@ class CheckpointIndex:
         return sum(f.size for f in self.files)
 
     @classmethod
-    def of_step(cls, data: bytes, job: str, step: int, where: str) -> "CheckpointIndex":
-        """An index's bytes (from a peer, a bucket) -> the index; FormatError naming `where`
-        unless it is valid and is the index of step `step` of `job`."""
+    def of_step(cls, data: bytes, job: str | None, step: int, where: str) -> "CheckpointIndex":
+        """An index's bytes (from a peer, a bucket, a step directory) -> the index; FormatError
+        naming `where` unless it is valid and is the index of step `step` of `job`. job None:
+        any job's (a root's own step directory: a job directory copied or renamed to fork a run
+        stays loadable; a step directory copied under another step's name does not)."""
         index = cls.from_json_bytes(data, where=where)
-        if index.job != job or index.step != step:
-            raise FormatError(f"{where} is the index of job {index.job!r} step {index.step}, not of job {job!r} step {step}")
+        if index.step != step or (job is not None and index.job != job):
+            raise FormatError(
+                f"{where} is the index of job {index.job!r} step {index.step}, not of {'' if job is None else f'job {job!r} '}step {step}"
+                " (a step directory copied or renamed by hand?)"
+            )
         return index
 
     def by_name(self) -> dict[str, TensorRecord]:
@@ -353,7 +359,7 @@ class CheckpointIndex:
     @staticmethod
     def from_json_bytes(data: bytes, where: str = INDEX_NAME) -> "CheckpointIndex":
         try:
-            doc = json.loads(data)
+            doc = json_read.loads(data)
             if doc.get("format") not in READABLE_FORMATS:
                 raise FormatError(f"{where}: format {doc.get('format')!r}, this ckptd reads {' and '.join(map(repr, READABLE_FORMATS))}")
             for key in ("quantization", "retention"):
@@ -374,6 +380,9 @@ class CheckpointIndex:
                 retention=doc.get("retention"),
             )
             _check_file_names(index, where)
+            for tensor in index.tensors:
+                if (problem := tensor_problem(tensor)) is not None:
+                    raise FormatError(f"{where}: tensor {tensor.name[:200]!r} cannot be read as recorded: {problem} (a damaged or altered index)")
             return index
         except FormatError:
             raise
@@ -437,7 +446,7 @@ def parse_extra_json(data: bytes, record: FileRecord) -> dict[int, Any]:
     step's index); raises FormatError naming the file otherwise, or when it is malformed."""
     check_small_file(record, data)
     try:
-        doc = json.loads(data)
+        doc = json_read.loads(data)
         return {int(r): tree for r, tree in doc["ranks"].items()}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"{EXTRA_JSON} is malformed: {exc}") from None

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ckptd.common import dtypes
+from ckptd.common import dtypes, json_read
 from ckptd.format.index import FormatError
 
 HEADER_ALIGN = 8
@@ -91,7 +91,7 @@ def parse_safetensors_header(prefix: bytes, file_size: int | None = None) -> tup
     if length > MAX_HEADER_BYTES or 8 + length > len(prefix):
         raise FormatError(f"safetensors header of {length} bytes is larger than the file or the {MAX_HEADER_BYTES} limit")
     try:
-        header = json.loads(prefix[8 : 8 + length], object_pairs_hook=_object_naming_each_key_once, parse_constant=_no_constant)
+        header = json_read.loads(prefix[8 : 8 + length], object_pairs_hook=_object_naming_each_key_once, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"safetensors header is not JSON: {exc}") from None
     if not isinstance(header, dict):

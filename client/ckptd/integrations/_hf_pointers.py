@@ -35,6 +35,7 @@ import safetensors.torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
+from ckptd.common import json_read
 
 __all__ = ["EMPTY_SHARD_NAME", "MARKER_KEY", "POINTER_FILE", "marked_step", "pointer_steps", "prune", "publish", "write_resume_dir"]
 
@@ -141,7 +142,7 @@ def _pointer_of(path: str) -> tuple[str, int] | None:
         return None
     try:
         with open(os.path.join(path, POINTER_FILE), encoding="utf-8") as src:
-            doc = json.load(src)
+            doc = json_read.loads(src.read())
     except (OSError, ValueError):
         return None
     job, step = doc.get("job") if isinstance(doc, dict) else None, doc.get("step") if isinstance(doc, dict) else None

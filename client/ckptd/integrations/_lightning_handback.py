@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ckptd.common import dtypes
+from ckptd.common import dtypes, json_read
 
 FORMAT = "ckptd-lightning-handback"
 _LENGTH = 8  # the header's length, little-endian, before the header (safetensors)
@@ -67,7 +67,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         data = f.read()
     length = int.from_bytes(data[:_LENGTH], "little")
     try:
-        header = json.loads(data[_LENGTH : _LENGTH + length])
+        header = json_read.loads(data[_LENGTH : _LENGTH + length])
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict) or header.pop("__metadata__", None) != {"format": FORMAT}:

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ckptd.common import json_read
 from ckptd.common.names import InvalidNameError, check_job_id
 
 log = logging.getLogger("ckptd.integrations.lightning")
@@ -98,7 +99,7 @@ def read_pointer(path: str) -> Pointer:
     if len(data) > MAX_POINTER_BYTES:
         raise _not_a_pointer(path, f"it is larger than {MAX_POINTER_BYTES} bytes; a pointer is a small JSON file")
     try:
-        body = json.loads(data.decode("utf-8"))
+        body = json_read.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _not_a_pointer(path, f"it is not JSON ({exc})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:

@@ -17,7 +17,6 @@ only what its ckptd.index.json says it is.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ckptd.common import json_read
 from ckptd.client.arenas import ArenaMaps
 from ckptd.client.errors import CheckpointError, CheckpointNotFound
 from ckptd.client.layout import LayoutRules, RankCoords
@@ -147,7 +147,7 @@ class Step:
         """The environment record (environment.json: versions, layout, run config); None for a
         step written before ckptd kept one."""
         data = self._small_file(ENVIRONMENT_JSON)
-        return None if data is None else json.loads(data)
+        return None if data is None else json_read.loads(data)
 
     def extras(self, rank: int = 0) -> dict[str, Any]:
         """Rank `rank`'s extras as saved (the JSON tree, tensors as {"__tensor__": name}

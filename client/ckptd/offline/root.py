@@ -10,12 +10,12 @@ an index or a small file that is a link is none of the job's), and only regular 
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.common import json_read
 from ckptd.common.files import read_regular, real_dir_at, real_file_at
 from ckptd.common.names import check_job_id, check_step
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, CheckpointIndex, is_plain_file_name, parse_step_dir_name, step_dir_name
@@ -54,7 +54,7 @@ class StepRoot:
     def read_index(self, job: str, step: int) -> CheckpointIndex:
         """The step's parsed index. Raises OSError (a link or no file in its place) or FormatError."""
         path = self.step_dir(job, step) / INDEX_NAME
-        return CheckpointIndex.from_json_bytes(self.read_small(job, step, INDEX_NAME), where=str(path))
+        return CheckpointIndex.of_step(self.read_small(job, step, INDEX_NAME), None, step, where=str(path))
 
     def read_small(self, job: str, step: int, name: str, limit: int = 1 << 30) -> bytes:
         """The whole file `name` of a step; OSError when it or a directory above it up to the job's
@@ -89,7 +89,7 @@ def _commit_time(index: Path) -> float:
     try:
         created = CheckpointIndex.created_at_of(read_regular(index, INDEX_HEAD_BYTES))
         if created is None:
-            created = float(json.loads(read_regular(index, 1 << 30))["created_at"])
+            created = float(json_read.loads(read_regular(index, 1 << 30))["created_at"])
     except (OSError, ValueError, KeyError, TypeError):
         created = float("nan")
     return created if math.isfinite(created) else mtime

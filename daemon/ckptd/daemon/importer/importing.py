@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 from torch._weights_only_unpickler import UnpicklingError  # type: ignore[attr-defined]  # pickle's, re-exported
 
-from ckptd.common import dtypes
+from ckptd.common import dtypes, json_read
 from ckptd.daemon import errors
 from ckptd.format.index import MODEL_FILES, FormatError
 from ckptd.format.safetensors_header import MAX_HEADER_BYTES, parse_safetensors_header
@@ -310,7 +310,7 @@ def _weight_files(directory: Path, index_name: str) -> dict[str, set[str]]:
     for an index that is malformed or names a file that is not a plain name of the directory."""
     path = directory / index_name
     try:
-        doc = json.loads(read_source(source_file(directory, index_name), MAX_INDEX_BYTES))
+        doc = json_read.loads(read_source(source_file(directory, index_name), MAX_INDEX_BYTES))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ImportRefused(f"{path} is not JSON: {exc}") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -11,6 +11,7 @@ import json
 from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from ckptd.common import json_read
 from ckptd.common.boxes import Box
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.daemon.engine.requests import JoinSave, ReportManifest
@@ -392,7 +393,7 @@ def manifest_from_wire(node: int, files: Sequence[ppb.FileEntry], fragments: Seq
                 FragmentRecord(
                     f.file, f.key, Box(tuple(f.box.offsets), tuple(f.box.lengths)), f.dtype, f.offset, f.nbytes, f.checksum,
                     f.chunk_bytes, f.chunk_xxh3,
-                    QuantRecord.from_json(json.loads(f.quant_json)) if f.quant_json else None,
+                    QuantRecord.from_json(json_read.loads(f.quant_json)) if f.quant_json else None,
                 ),
             )
             for f in fragments

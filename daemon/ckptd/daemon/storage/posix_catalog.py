@@ -4,7 +4,6 @@ the order they were committed in, `latest`, the root's id."""
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import time
@@ -12,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.common import json_read
 from ckptd.common.files import real_dir_at
 from ckptd.daemon.storage.fs import FILE_MODE, TMP_MARK, fsync_dir, open_for_reading, read_file, tree_bytes
 from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
@@ -159,7 +159,7 @@ def _created_at(path: Path) -> float:
     finally:
         os.close(fd)
     created = CheckpointIndex.created_at_of(head)
-    return created if created is not None else float(json.loads(read_file(path))["created_at"])
+    return created if created is not None else float(json_read.loads(read_file(path))["created_at"])
 
 
 def _link_new_id(path: Path) -> None:

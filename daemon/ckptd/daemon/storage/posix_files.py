@@ -28,7 +28,7 @@ class PosixFiles:
         if not real_dir_at(job_dir) or (os.path.lexists(path.parent) and not real_dir_at(path.parent)):
             where = path.parent if real_dir_at(job_dir) else job_dir
             raise ForeignEntry(f"{where} is {lkind(where)}, not a directory the daemon made: it is not followed; remove it or move it away")
-        return CheckpointIndex.from_json_bytes(read_file(path), where=str(path))
+        return CheckpointIndex.of_step(read_file(path), None, step, where=str(path))
 
     def read_small(self, job: str, step: int, name: str, limit: int = 1 << 30) -> bytes:
         """A whole file of a step (open_step_file: no link followed); OSError EFBIG over `limit`."""

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptd.common import json_read
 from ckptd.common.names import decimal
 from ckptd.daemon.storage.fs import FILE_MODE, ForeignEntry, foreign_reason, make_dirs, new_file, open_for_reading
 
@@ -76,7 +77,7 @@ class LockOwner:
     @classmethod
     def from_json(cls, data: bytes) -> "LockOwner | None":
         try:
-            doc = json.loads(data.decode("utf-8", "replace") or "null")
+            doc = json_read.loads(data.decode("utf-8", "replace") or "null")
             return cls(str(doc["host"]), int(doc["pid"]), str(doc["socket"]), int(doc["node"]), float(doc.get("since", 0.0)))
         except (ValueError, KeyError, TypeError):
             return None

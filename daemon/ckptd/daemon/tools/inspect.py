@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from ckptd.common import dtypes
+from ckptd.common import dtypes, json_read
 from ckptd.common.sizes import human_bytes
 from ckptd.format.index import ENVIRONMENT_JSON, INDEX_NAME, CheckpointIndex, FormatError, TensorRecord, check_small_file
 from ckptd.daemon.remote.bucket_step import BucketStepError
@@ -54,7 +54,7 @@ def read_environment(step: StepReader, index: CheckpointIndex) -> dict[str, Any]
     try:
         data = step.read_small(ENVIRONMENT_JSON, max(record.size, 1))
         check_small_file(record, data)
-        doc = json.loads(data)
+        doc = json_read.loads(data)
     except (OSError, FormatError, ValueError) as exc:
         raise InspectError(f"{step.where}/{ENVIRONMENT_JSON} cannot be read: {exc}; `ckptd verify {step.where}` shows what else is damaged") from None
     if not isinstance(doc, dict):

@@ -17,6 +17,7 @@ can be left out with `node` (check them on that node).
 from __future__ import annotations
 
 import os
+from pathlib import PurePosixPath
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +25,7 @@ import xxhash
 
 from ckptd.common.boxes import coverage_problems
 from ckptd.common.chunks import HASH_SLICE, ChunkHasher, checksum_name
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
 from ckptd.format.safetensors_header import HeaderEntry, parse_safetensors_header, read_header
 from ckptd.daemon.storage import TMP_MARK, ForeignEntry, ReadHandle, StepReader
 from ckptd.daemon.tools.locate import open_step_reader
@@ -97,6 +98,9 @@ def verify_files(files: StepReader, node: int | None = None, on_bytes: Callable[
     except (OSError, FormatError) as exc:
         return VerifyReport(str(step_dir), problems=(Problem("index", INDEX_NAME, f"the index cannot be read: {exc}"),))
 
+    named = parse_step_dir_name(PurePosixPath(str(step_dir)).name)
+    if named is not None and named != index.step:
+        problems.append(Problem("index", INDEX_NAME, f"{step_dir} holds the index of step {index.step} (a step directory copied or renamed by hand?)"))
     tensors_in: dict[str, list[str]] = {}
     for t in index.tensors:
         for frag in t.fragments:
