@@ -29,6 +29,7 @@ import torch
 
 from ckptd.client import CheckpointClient
 from daemon_rig import free_port
+from on_disk import committed  # tests/on_disk.py
 
 WORKER = Path(__file__).with_name("identity_rank.py")
 
@@ -206,3 +207,32 @@ def test_a_rollback_is_logged_with_the_steps_it_passes_over_and_marked_by_ls(dae
     assert [line for line in text.splitlines() if "(rollback:" in line] == [line for line in text.splitlines() if "step-00000015" in line]
     assert "(rollback: committed after steps 20, 30)" in text and "(latest)" in text
 
+
+
+# a new user's probe, 2026-12-01: a new run under a used job name pushed the job's steps out
+def test_a_new_run_that_loaded_nothing_may_not_save_below_the_jobs_steps(daemons) -> None:
+    daemon = daemons.start("--keep-last", "3")
+    model = torch.nn.Linear(4, 4)
+    with CheckpointClient("reuse", address=daemon.address, on_error="raise", run_id="first") as first:
+        for step in (10, 20, 30, 40, 50):
+            first.save(step, {"model": model}).wait_durable(timeout=60)
+    with CheckpointClient("reuse", address=daemon.address, run_id="second") as second:  # on_error="warn": a failed handle
+        handles = [second.save(step, {"model": model}) for step in (5, 15, 25)]
+        for handle in handles:
+            handle.wait_durable(timeout=60)
+        assert [h.ok for h in handles] == [False] * 3
+        assert "this run loaded none of them before saving below them (a new run under a used job name?)" in str(handles[0].error)
+        assert committed(daemon.root, "reuse") == [30, 40, 50]  # nothing saved, nothing pushed out
+        second.save(60, {"model": model}).wait_durable(timeout=60)  # above them: the job's next step, accepted
+    with CheckpointClient("reuse", address=daemon.address, on_error="raise", run_id="third") as third:
+        assert third.load({"model": model}, step=40) == 40
+        third.save(45, {"model": model}).wait_durable(timeout=60)  # a deliberate rollback: loaded first
+    assert committed(daemon.root, "reuse") == [45, 50, 60]  # the last three committed
+
+
+def test_a_run_that_saves_a_step_twice_is_told_so(daemon) -> None:
+    model = torch.nn.Linear(4, 4)
+    with CheckpointClient("twice", address=daemon.address) as ckpt:
+        ckpt.save(10, {"model": model}).wait_durable(timeout=60)
+        again = ckpt.save(10, {"model": model})
+        assert again.ok is False and "this run saved it already" in str(again.error) and "a new run under a used job name" not in str(again.error)

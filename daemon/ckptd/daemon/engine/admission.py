@@ -11,6 +11,7 @@ import logging
 
 from ckptd.daemon.engine.peers import PeerProbe
 from ckptd.daemon.engine.runs import RunClaim, Runs
+from ckptd.daemon.errors import RunRefused
 from ckptd.daemon.plan.rollback import passed_over
 from ckptd.daemon.storage import StorageBackend
 
@@ -42,27 +43,40 @@ class Admission:
     async def admit(self, job: str, step: int, claim: RunClaim) -> str:
         """Every rank of a save has joined: `claim`'s run may save into the job (RunRefused if
         not: engine/runs.py); returns the run it took the job over from ("" none). A save below
-        the job's newest committed step is logged as a rollback, with the steps it passes over."""
+        the job's newest committed step is a rollback, logged with the steps it passes over; a
+        run that loaded no step and has not saved into the job yet may not begin one (RunRefused):
+        a new run under a used job name would otherwise push the job's steps out by retention."""
+        newest, above = await self._passed_over(job, step)
+        if above and claim.run and not claim.resumed and self.runs.owner(job) != claim.run:
+            raise RunRefused(
+                f"job {job!r} holds steps {_shown(above)} above step {step} (newest: {newest}) and this run loaded none of them before "
+                "saving below them (a new run under a used job name?): nothing was saved, so that retention does not push the job's "
+                "steps out. Give this run a new job name, load the job's newest step first (load() without a step) to resume "
+                "it, or load an older step to roll back to it deliberately"
+            )
         displaced = ""
         if claim.run:
             owner = self.runs.owner(job)
             owner_live = bool(owner) and owner != claim.run and await self.live(job, owner)
             displaced = self.runs.claim(job, claim.run, claim.resumed, owner_live)
-        await self._note_rollback(job, step)
+        if above:
+            log.warning(
+                "job %s saves step %s below its newest committed step %s: a rollback. It passes over steps %s, which stay on disk "
+                "but are no longer the newest (`ckptd ls` marks the rollback)", job, step, newest, _shown(above),
+            )
         return displaced
 
-    async def _note_rollback(self, job: str, step: int) -> None:
-        """Log a save below the job's newest committed step, with the steps it passes over. The
-        job's `latest` (one small read) rules out the usual case, a save above it, without
+    async def _passed_over(self, job: str, step: int) -> tuple[int | None, list[int]]:
+        """The job's newest committed step and the committed steps above `step` that a save of
+        it passes over (rollback.passed_over: none when it is not below the newest).
+        The job's `latest` (one small read) rules out the usual case, a save above it, without
         listing every committed step on each save; only a save below it lists them."""
         hint = await asyncio.to_thread(self._storage.catalog.latest_named, job)
         if hint is not None and step >= hint:
-            return
+            return hint, []
         order = await asyncio.to_thread(self._storage.catalog.commit_order, job)
-        above = passed_over(order, step)
-        if above:
-            shown = ", ".join(map(str, above[:16])) + (", ..." if len(above) > 16 else "")
-            log.warning(
-                "job %s saves step %s below its newest committed step %s: a rollback. It passes over steps %s, which stay on disk "
-                "but are no longer the newest (`ckptd ls` marks the rollback)", job, step, order[-1], shown,
-            )
+        return (order[-1] if order else None), passed_over(order, step)
+
+
+def _shown(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:16])) + (", ..." if len(steps) > 16 else "")

@@ -161,7 +161,14 @@ class Saves:
             kept.step_dir = self.engine.storage.catalog.step_location(job, step)
             log.info("%s", kept.kept)
             return kept
-        if resumed_from is not None and resumed_from in order:
+        state = self.engine.jobs.get(job)
+        earlier = state.recent.get(step) if state is not None else None
+        if request.run and earlier is not None and earlier.run == request.run:
+            advice = (
+                "this run saved it already (two saves of one step, such as a periodic and an end-of-epoch one?): "
+                "save each step once, or the second under another step number"
+            )
+        elif resumed_from is not None and resumed_from in order:
             advice = (
                 f"this run resumed from step {resumed_from}, committed after step {step}: step {step} belongs to the timeline it "
                 "rolled back from. Save under step numbers not on disk (`ckptd ls` lists them), or give the new timeline a new job name"
