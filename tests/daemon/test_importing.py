@@ -73,6 +73,15 @@ def test_a_state_dict_file_becomes_the_model_weights(tmp_path: Path) -> None:
     assert_verified(report.step_dir)
 
 
+# an attacker's probe, 2026-12-01: a lazily negated view in a torch.save file ended in a traceback
+def test_a_negated_view_in_a_torch_file_is_imported_with_its_values(tmp_path: Path) -> None:
+    values = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch.save({"w": torch._neg_view(values)}, tmp_path / "neg.pt")
+    report = import_checkpoint(tmp_path / "neg.pt", tmp_path / "root", "run", 1)
+    assert torch.equal(step_tensors(report.step_dir)["model/w"], -values)
+    assert_verified(report.step_dir)
+
+
 def test_a_training_checkpoint_keeps_its_plain_values_and_says_what_it_skipped(tmp_path: Path) -> None:
     model = small_model()
     opt = torch.optim.AdamW(model.parameters())

@@ -80,6 +80,8 @@ F32_2 = '{"dtype":"F32","shape":[2],"data_offsets":[%d,%d]}'
         ('{"a":{"dtype":"F32","shape":[true,2],"data_offsets":[0,8]}}', bytes(8), "entry 'a' is malformed"),
         ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8.0]}}', bytes(8), "entry 'a' is malformed"),
         ('{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}', bytes(8), "entry 'a' is malformed"),
+        ('{"a":{"dtype":"F32","shape":[18446744073709551616,0],"data_offsets":[0,0]}}', b"", "shape of integers in"),  # no bytes, yet no tensor has it
+        ('[' * 100000 + ']' * 100000, b"", "header is not JSON: nested too deep"),
         ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}}', bytes(8), "entry 'a' is malformed"),
         ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,9]}}', bytes(8), "entry 'a' is malformed"),
         ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,NaN]}}', bytes(8), "holds NaN"),

@@ -125,7 +125,7 @@ def _entry(key: str, value: Any) -> HeaderEntry:
     if not (isinstance(dtype, str) and _naturals(shape) and _naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
         raise FormatError(
             f"safetensors header entry {key!r} is malformed: {_shown(value)} (it needs a dtype string, a shape of "
-            "non-negative integers and data_offsets [begin, end] with 0 <= begin <= end)"
+            "integers in [0, 2**63) and data_offsets [begin, end] with 0 <= begin <= end)"
         )
     begin, end = offsets
     entry = HeaderEntry(key, dtype, tuple(shape), begin, end)
@@ -136,7 +136,12 @@ def _entry(key: str, value: Any) -> HeaderEntry:
 
 
 def _naturals(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+    """A list of ints in [0, 2**63): what a dimension or byte offset can be (torch and numpy
+    take sizes as int64; a shape [2**64, 0] holds no bytes and would be taken otherwise)."""
+    return isinstance(value, list) and all(type(v) is int and 0 <= v < _INT64_END for v in value)
+
+
+_INT64_END = 1 << 63
 
 
 def _check_coverage(entries: dict[str, HeaderEntry], data_bytes: int | None) -> None:

@@ -176,6 +176,8 @@ def direct_tensor(name: str, kind: str, tensor: torch.Tensor, aliases: tuple[str
     except dtypes.UnknownDtypeError as exc:
         raise ImportRefused(f"tensor {name!r}: {exc}") from None
     values = tensor.detach().to("cpu")
+    if values.is_neg():  # a lazily negated view (torch.save keeps the bit): its memory holds the negatives
+        values = values.resolve_neg()
     if not values.is_contiguous():
         values = values.contiguous()  # this tensor's own copy: ckptd stores C order
     data = values.reshape(-1).view(torch.uint8).numpy().data  # a view; the numpy array under it keeps the tensor alive
