@@ -122,6 +122,20 @@ def test_a_writer_needs_a_step(daemon) -> None:
     writer.close()
 
 
+# a new user's probe, 2026-12-01: dcp.save took a datetime, then dcp.load refused the whole step
+def test_a_value_a_load_could_not_read_back_is_refused_at_save(daemon) -> None:
+    import datetime
+
+    writer = CkptdStorageWriter("dcp-datetime", address=daemon.address)
+    writer.reset(1)
+    with pytest.raises(CheckpointException, match=r"cannot checkpoint DCP entry 'when' with ckptd: .*store it as plain values"):
+        dcp.save({"model": {"w": torch.ones(2)}, "when": datetime.datetime(2026, 12, 1)}, storage_writer=writer)
+    writer.reset(2)
+    dcp.save({"model": {"w": torch.ones(2)}, "when": "2026-12-01"}, storage_writer=writer)  # plain values: saved
+    assert writer.handle is not None and writer.handle.wait_durable(timeout=60).step == 2
+    writer.close()
+
+
 def test_export_refuses_a_non_empty_target(daemon, tmp_path: Path) -> None:
     with CheckpointClient("exp", address=daemon.address, on_error="raise") as ckpt:
         info = ckpt.save(1, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60)

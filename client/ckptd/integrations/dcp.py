@@ -258,6 +258,7 @@ class CkptdStorageWriter(StorageWriter):
         for item in layout.bytes_items:
             data = planner.resolve_data(item)
             raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            _check_loadable(item.index.fqn, raw)
             encoded[item.index.fqn] = base64.b64encode(raw).decode("ascii")
             results.append(WriteResult(item.index, len(raw), None))
         state[BYTES_KEY] = encoded  # always a key: a rank with nothing to write still joins the save
@@ -406,6 +407,24 @@ class CkptdStorageReader(StorageReader):
         done.set_result(None)
         return done
 
+
+
+def _check_loadable(fqn: str, raw: bytes) -> None:
+    """Refuse (TypeError, before anything is handed over) a DCP entry whose value a load could
+    never read back: loads accept only what torch.load(weights_only=True) does (_safe_bytes)."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler is the answer
+        raise TypeError(
+            f"cannot checkpoint DCP entry {fqn!r} with ckptd: a load reads DCP's non-tensor values only as "
+            f"torch.load(weights_only=True) accepts them, and it refuses this one ({type(exc).__name__}: {_first_line(exc)}); store it as "
+            "plain values (str, int, float, bool, None, lists, dicts), a tensor, or an object with state_dict()/load_state_dict()"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
