@@ -425,7 +425,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_tensors(daemon, tmp_path: Path) -> None:
+def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_tensors(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model, optimizer = _trained()
     io = CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise")
     first, second = _checkpoint(model, optimizer, 7, "first"), _checkpoint(model, optimizer, 7, "second")
@@ -447,6 +447,16 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
         model[0].weight.add_(1.0)
     with pytest.raises(ValueError, match="global_step 7 was already saved.*'model/0.weight' changed"):
         io.save_checkpoint(_checkpoint(model, optimizer, 7, "first"), tmp_path / "c.ckpt")
+
+    # on_error="warn" (the default): training goes on, that file is not written (a new user's probe: it crashed fit)
+    warned = CkptdCheckpointIO(job="same-warn", address=daemon.address)
+    warned.save_checkpoint(_checkpoint(model, optimizer, 9, "full"), tmp_path / "full.ckpt")
+    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 9, "full").items() if k not in ("optimizer_states", "callbacks")}
+    with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
+        warned.save_checkpoint(weights_only, tmp_path / "weights.ckpt")
+    assert "a weights-only save of a step saved in full?" in caplog.text and "weights.ckpt is not written" in caplog.text
+    warned.teardown()
+    assert (tmp_path / "full.ckpt").exists() and not (tmp_path / "weights.ckpt").exists()
 
     # a removal before the pointer is written withdraws it
     io.save_checkpoint(_checkpoint(model, optimizer, 8, "x"), tmp_path / "gone.ckpt")

@@ -305,7 +305,10 @@ class SameStep:
         known = set(self._identity) | set(self._values)
         if names != known:
             changed = sorted(names ^ known)
-            return f"other tensors ({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''})"
+            listed = f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}"
+            if names < known:
+                return f"it holds {len(names)} of the step's {len(known)} tensors (not {listed}: a weights-only save of a step saved in full?)"
+            return f"other tensors ({listed})"
         for name, tensor in mapped.tensors.items():
             if name in self._identity:
                 if _identity(tensor) != self._identity[name]:

@@ -224,11 +224,16 @@ class CkptdCheckpointIO(CheckpointIO):
             same, durable = self._last
             why = same.mismatch(mapped)
             if why is not None:
-                raise ValueError(
+                message = (
                     f"global_step {step} was already saved to ckptd (job {self.job!r}) by this run, and the checkpoint for "
-                    f"{target} differs from it: {why}. ckptd holds one checkpoint per step: save again only after "
-                    "the next optimizer step"
+                    f"{target} differs from it: {why}. ckptd holds one checkpoint per step, so {target} is not written: save "
+                    "a step once (a weights-only and a full save of one step, two ModelCheckpoints meeting at a step?), or "
+                    "save again only after the next optimizer step"
                 )
+                if self.on_error == "raise":
+                    raise ValueError(message)
+                log.warning("%s", message)  # on_error="warn": training goes on, as for any failed save
+                return
             if pointer:
                 self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
             return
