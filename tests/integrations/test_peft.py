@@ -252,3 +252,13 @@ def test_other_misuse_is_refused_with_what_to_do() -> None:
     prompt = peft.get_peft_model(train.tiny_llama(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     with pytest.raises(ValueError, match=r"PROMPT_TUNING\) with tensors computed from the model.*'prompt_embeddings'"):
         AdapterModel(prompt)
+
+
+# a new user's probe, 2026-12-01: the HF callback saved a PEFT model's whole state that neither resume path could use
+def test_the_trainer_callback_refuses_a_peft_model_when_the_trainer_is_made(daemon, tmp_path: Path) -> None:
+    from ckptd.integrations.transformers import CkptdCallback
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    callback = CkptdCallback("peft-trainer", address=daemon.address)
+    with pytest.raises(ValueError, match=r"cannot checkpoint a PEFT model through the Trainer: .*ckptd.integrations.peft.adapter_state"):
+        transformers.Trainer(model=train.lora_model(), args=args, callbacks=[callback])

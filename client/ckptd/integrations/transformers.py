@@ -277,6 +277,12 @@ class CkptdCallback(TrainerCallback):
         key = self.metric if self.metric is not None else args.metric_for_best_model
         self._metric_key = None if key is None else key if key.startswith("eval_") else f"eval_{key}"
         model = kwargs.get("model")
+        if model is not None and _is_peft(model):
+            raise ValueError(
+                "CkptdCallback cannot checkpoint a PEFT model through the Trainer: neither resume path could use its "
+                "checkpoints (the Trainer's loads adapter files); save and load the adapter with "
+                "ckptd.integrations.peft.adapter_state in your own loop (docs/integrations/peft.md)"
+            )
         self._model_keys = list(model.state_dict().keys()) if model is not None else []
         if self.pointer_dirs:
             # the other ranks wait (a barrier) until the pointers are synced: then every rank's train() finds the same newest one
