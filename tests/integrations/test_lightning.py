@@ -417,6 +417,20 @@ def _checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: 
     }
 
 
+# a new user's probe, 2026-12-01: ckpt_path="last" followed the job's newest step, another ModelCheckpoint's weights-only one
+def test_a_last_checkpoint_does_not_follow_a_newer_step_that_lacks_its_parts(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, optimizer = _trained()
+    io = CkptdCheckpointIO(job="last-wo", address=daemon.address, on_error="raise")
+    io.save_checkpoint(_checkpoint(model, optimizer, 10, "full"), tmp_path / "last.ckpt")
+    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 12, "wo").items() if k not in ("optimizer_states", "callbacks")}
+    io.save_checkpoint(weights_only, tmp_path / "wo" / "epoch=0-step=12.ckpt")
+    io.teardown()
+    with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
+        loaded = CkptdCheckpointIO(job="last-wo", address=daemon.address).load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 10 and "optimizer_states" in loaded
+    assert "the job's newest committed step 12 lacks its callbacks, optimizer_states" in caplog.text
+
+
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -472,11 +472,25 @@ class CkptdCheckpointIO(CheckpointIO):
         except ValueError as exc:
             raise ValueError(f"{path} names step {pointer.step} of ckptd job {pointer.job!r}, which CkptdCheckpointIO did not save: {exc}") from None
         if loaded != pointer.step:
-            log.warning(
-                "%s names step %s of ckptd job %r, whose newest committed step is %s (the run stopped after saving it and before the "
-                "pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
-            )
-            pointer = Pointer(pointer.job, loaded)  # the step's own layout
+            named: dict[str, Any] = {}
+            try:
+                client.load({LAYOUT: named}, step=pointer.step, strict=False)
+            except CheckpointNotFound:  # removed since: the newest it is
+                pass
+            lacking = sorted(set(named.get("order", ())) - set(layout.get("order", ())))
+            if lacking:  # another ModelCheckpoint's step (weights only): not this checkpoint's newer self
+                log.warning(
+                    "%s names step %s of ckptd job %r; the job's newest committed step %s lacks its %s (another "
+                    "ModelCheckpoint's, weights only?): loading step %s", path, pointer.step, pointer.job, loaded,
+                    ", ".join(lacking), pointer.step,
+                )
+                layout = named
+            else:
+                log.warning(
+                    "%s names step %s of ckptd job %r, whose newest committed step is %s (the run stopped after saving it and "
+                    "before the pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
+                )
+                pointer = Pointer(pointer.job, loaded)  # the step's own layout
         fresh = templates(layout, skip=set(targets or ()))
         state = {**fresh.state, **(targets or {})}
         if fill is None:
