@@ -88,6 +88,30 @@ def test_a_native_ckptd_step_loads_with_dcp_under_dcp_names(daemon) -> None:
     assert torch.equal(state["optimizer"]["state"]["weight"]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 
+# a new user's probe, 2026-12-01: get_state_dict's optimizer dict asked for param_groups the reader did not serve
+def test_a_native_ckptd_step_loads_into_get_state_dicts_dicts(daemon) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with CheckpointClient("native-gsd", address=daemon.address, on_error="raise") as ckpt:
+        info = ckpt.save(5, {"model": model, "optimizer": opt}).wait_durable(timeout=60)
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    fresh(torch.randn(2, 4)).sum().backward()
+    fresh_opt.step()
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, storage_reader=CkptdStorageReader(info.step_dir))
+    group = state["optimizer"]["param_groups"][0]
+    assert (group["lr"], tuple(group["betas"]), group["params"]) == (0.01, (0.8, 0.9), ["weight", "bias"])
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+    assert torch.equal(state["optimizer"]["state"]["weight"]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+
 def test_async_save_in_one_process_hands_off_and_commits(daemon) -> None:
     state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "meta": {"lr": 0.1}}
     writer = CkptdStorageWriter("async", address=daemon.address)

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from ckptd.common.names import decimal
-from ckptd.client import CheckpointClient, ClientOptions, LocalShard, LocalShards, SaveHandle
+from ckptd.client import CheckpointClient, ClientOptions, LocalShard, LocalShards, SaveHandle, tree
 from ckptd.client.errors import CheckpointError
 from ckptd.common import dtypes
 from ckptd.common.paths import new_directory_problem
@@ -373,8 +373,8 @@ class CkptdStorageReader(StorageReader):
             chunks = [ChunkStorageMetadata(torch.Size(f.box.offsets), torch.Size(f.box.lengths)) for f in record.fragments]
             for name in (record.name, *record.aliases):
                 entries[dcp_fqn(name)] = TensorStorageMetadata(properties, torch.Size(record.shape), chunks)
-        for fqn in _dcp_bytes(step):
-            entries[fqn] = BytesStorageMetadata()
+        for fqn in (*_dcp_bytes(step), *_native_values(step)):
+            entries.setdefault(fqn, BytesStorageMetadata())
         return Metadata(state_dict_metadata=entries, storage_meta=StorageMeta(checkpoint_id=str(step.path)))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -390,11 +390,19 @@ class CkptdStorageReader(StorageReader):
         step = self.step
         names = {dcp_fqn(n): n for t in step.index.tensors for n in (t.name, *t.aliases)}
         stored = _dcp_bytes(step)
+        native: dict[str, Any] | None = None  # made when first asked for
         reads = []
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(_safe_bytes(fqn, stored[fqn], step)))
+                if fqn in stored:
+                    planner.load_bytes(item, io.BytesIO(_safe_bytes(fqn, stored[fqn], step)))
+                else:  # a plain value of a CheckpointClient's step (read from its JSON: nothing to unpickle)
+                    native = _native_values(step) if native is None else native
+                    serialized = io.BytesIO()
+                    torch.save(native[fqn], serialized)
+                    serialized.seek(0)
+                    planner.load_bytes(item, serialized)
                 continue
             chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             offsets = [c + o for c, o in zip(chunk_at, item.storage_offsets)]
@@ -440,6 +448,47 @@ def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
             f"({type(exc).__name__}); it is not handed to DCP's planner, which would unpickle it without restriction"
         ) from None
     return raw
+
+
+class _TensorLeaf:
+    """Where a tensor sits in a step's extras tree (DCP sees it as a tensor entry of its own)."""
+
+
+_TENSOR_LEAF = _TensorLeaf()
+
+
+def _native_values(step: Step) -> dict[str, Any]:
+    """The plain values of a step written by CheckpointClient (rank 0's extras: an optimizer's
+    param_groups, counters), under the keys DCP flattens a state dict's non-tensor leaves to
+    (`optimizer.param_groups.0.lr`): what dcp.load of get_state_dict's dicts asks for. A step
+    written through the storage writer has its own (DCP's bytes entries): none here."""
+    extras = step.extras_by_rank().get(0, {})
+    if BYTES_KEY in extras:
+        return {}
+    found: dict[str, Any] = {}
+    for key, encoded in extras.items():
+        if isinstance(key, str):
+            _dcp_leaves(tree.decode(encoded, lambda name: _TENSOR_LEAF), key, found)
+    return found
+
+
+def _dcp_leaves(value: Any, fqn: str, found: dict[str, Any]) -> None:
+    """DCP's flattening (torch.distributed.checkpoint._traverse): dicts of string keys and lists
+    holding containers or tensors are walked into, other values are leaves."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                _dcp_leaves(item, f"{fqn}.{key}", found)
+    elif _walked_list(value):
+        for i, item in enumerate(value):
+            _dcp_leaves(item, f"{fqn}.{i}", found)
+    elif not isinstance(value, _TensorLeaf):
+        found[fqn] = value
+
+
+def _walked_list(value: Any) -> bool:
+    """A list DCP walks into: one holding a dict, a tensor, or such a list."""
+    return isinstance(value, list) and any(isinstance(v, (dict, _TensorLeaf)) or _walked_list(v) for v in value)
 
 
 def _dcp_bytes(step: Step) -> dict[str, str]:
