@@ -457,6 +457,10 @@ class _TensorLeaf:
 _TENSOR_LEAF = _TensorLeaf()
 
 
+def _tensor_leaf(name: str) -> Any:  # tree.decode's get_tensor: a marker, never read
+    return _TENSOR_LEAF
+
+
 def _native_values(step: Step) -> dict[str, Any]:
     """The plain values of a step written by CheckpointClient (rank 0's extras: an optimizer's
     param_groups, counters), under the keys DCP flattens a state dict's non-tensor leaves to
@@ -468,7 +472,7 @@ def _native_values(step: Step) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key, encoded in extras.items():
         if isinstance(key, str):
-            _dcp_leaves(tree.decode(encoded, lambda name: _TENSOR_LEAF), key, found)
+            _dcp_leaves(tree.decode(encoded, _tensor_leaf), key, found)
     return found
 
 
