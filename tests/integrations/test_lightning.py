@@ -431,6 +431,23 @@ def test_a_last_checkpoint_does_not_follow_a_newer_step_that_lacks_its_parts(dae
     assert "the job's newest committed step 12 lacks its callbacks, optimizer_states" in caplog.text
 
 
+# a new user's probe, 2026-12-01: killed after a durable top-k save and before its pointer, the resumed
+# run's best_model_path named a file that never appeared
+def test_a_resume_writes_the_pointer_the_stopped_run_did_not(daemon, tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    best = str(tmp_path / "epoch=0-step=8.ckpt")
+    io = CkptdCheckpointIO(job="healed", address=daemon.address, on_error="raise")
+    io.save_checkpoint(_checkpoint(model, optimizer, 4, "four"), tmp_path / "last.ckpt")
+    eight = _checkpoint(model, optimizer, 8, "eight")
+    eight["callbacks"]["ModelCheckpoint{'monitor': 'loss'}"] = {"best_model_path": best, "best_k_models": {best: torch.tensor(0.1)}}
+    io.save_checkpoint(eight, best)
+    io.teardown()
+    os.remove(best)  # as if the run was killed before this pointer was written
+    loaded = CkptdCheckpointIO(job="healed", address=daemon.address).load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 8 and os.path.exists(best)
+    assert CkptdCheckpointIO(job="healed", address=daemon.address).load_checkpoint(best)["global_step"] == 8
+
+
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -146,6 +146,35 @@ def write_pointer(path: str, pointer: Pointer, publish: Callable[[Callable[[], N
     return True
 
 
+def restore_missing_pointer(job: str, step: int, saved: str | None, target: str, callbacks: Any) -> bool:
+    """Write the pointer of step `step` at `saved`, the file it was saved to, when that is
+    missing (the run stopped after the save was durable and before its pointer was written),
+    lies beside `target` (the pointer just loaded) and the loaded ModelCheckpoint states
+    (`callbacks`: the checkpoint's) name it as their best, top-k or last file: else the resumed
+    run's best_model_path names a file that never appears. Returns whether it was written."""
+    if saved is None or os.path.lexists(saved) or os.path.dirname(saved) != os.path.dirname(os.path.abspath(target)):
+        return False
+    if not isinstance(callbacks, dict) or not any(saved in _named_files(state) for state in callbacks.values()):
+        return False
+
+    def publish(rename: Callable[[], None]) -> bool:
+        rename()
+        return True
+
+    written = write_pointer(saved, Pointer(job, step), publish)
+    log.warning("%s (step %s of ckptd job %r) had no pointer: the run stopped before writing it; written now", saved, step, job)
+    return written
+
+
+def _named_files(state: Any) -> set[str]:
+    """The files a ModelCheckpoint's saved state names (best, k-th best, top-k, last)."""
+    if not isinstance(state, dict):
+        return set()
+    named = {state.get(key) for key in ("best_model_path", "kth_best_model_path", "last_model_path")}
+    named.update(state.get("best_k_models") or ())
+    return {os.path.abspath(p) for p in named if isinstance(p, str) and p}
+
+
 class PointerWriter:
     """Writes pointers in the background, each once its save is durable, in the order of the saves.
 

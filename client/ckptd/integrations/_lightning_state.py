@@ -86,8 +86,10 @@ def global_step_of(checkpoint: Any) -> int:
     return step
 
 
-def to_state(checkpoint: dict[Any, Any]) -> Mapped:
+def to_state(checkpoint: dict[Any, Any], path: str | None = None) -> Mapped:
     """The ckptd state of a Lightning checkpoint (see the module docstring); nothing is copied.
+    path: the file it is saved to (its pointer's), kept in the layout: a resume finds it there
+    when the run stopped before the pointer was written (CkptdCheckpointIO.load_checkpoint).
 
     Raises TypeError naming the checkpoint key (and the path below it) of a value that is
     neither a tensor nor JSON-able, with how to fix it.
@@ -117,6 +119,8 @@ def to_state(checkpoint: dict[Any, Any]) -> Mapped:
         "order": shape["order"],
         "state_dict_metadata": shape["state_dict_metadata"],
     }
+    if path is not None:
+        state[LAYOUT]["path"] = path
     return Mapped(state, shape, tensors)
 
 

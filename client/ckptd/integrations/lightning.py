@@ -58,7 +58,7 @@ from ckptd.common.quant_options import check_scheme
 from ckptd.integrations._lightning_caller import check_saver, find_caller, is_last_checkpoint, resuming_fit
 from ckptd.integrations._lightning_deepspeed import CkptdDeepSpeedStrategy
 from ckptd.integrations._lightning_handback import read_weights, write_weights
-from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer
+from ckptd.integrations._lightning_pointer import Pointer, PointerWriter, local_path, read_pointer, restore_missing_pointer
 from ckptd.integrations._lightning_sharded import CkptdFSDPStrategy, CkptdModelParallelStrategy
 from ckptd.integrations._lightning_state import (
     LAYOUT,
@@ -141,6 +141,7 @@ class CkptdCheckpointIO(CheckpointIO):
         # the step handed over last and whether it became durable: a later save of the same
         # global_step reuses it (kept across teardown: trainer.save_checkpoint after fit)
         self._last: tuple[SameStep, _Durable] | None = None
+        self._loaded: tuple[str, int, str | None] | None = None  # (job, step, the file it was saved to) of the last load
         self._pid = os.getpid()  # the process the connections and the pointer writer's thread belong to
 
     def __getstate__(self) -> dict[str, Any]:
@@ -219,7 +220,7 @@ class CkptdCheckpointIO(CheckpointIO):
         target = local_path(path)
         self._raise_background_error()
         step = global_step_of(checkpoint)
-        mapped = to_state(checkpoint)
+        mapped = to_state(checkpoint, os.path.abspath(target))
         if self._last is not None and self._last[0].step == step:
             same, durable = self._last
             why = same.mismatch(mapped)
@@ -284,6 +285,8 @@ class CkptdCheckpointIO(CheckpointIO):
         rng = self.rng and rank == 0 and resuming_fit(caller)  # the saving rank's generators (a job of one rank): see docs
         if pointer.job == self.job:
             checkpoint = self._load(self._load_client(rank, world_size), pointer, target, follow_newest, rng=rng)
+            if rank == 0 and self._loaded is not None:
+                restore_missing_pointer(*self._loaded, target, checkpoint.get("callbacks"))
         else:  # a checkpoint of another job (e.g. the run this one was started from)
             who = (rank, world_size) if rank else (0, 1)
             with self._new_client(pointer.job, "raise", *who) as client:
@@ -491,6 +494,8 @@ class CkptdCheckpointIO(CheckpointIO):
                     "before the pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
                 )
                 pointer = Pointer(pointer.job, loaded)  # the step's own layout
+        saved_path = layout.get("path")
+        self._loaded = (pointer.job, pointer.step, saved_path if isinstance(saved_path, str) else None)
         fresh = templates(layout, skip=set(targets or ()))
         state = {**fresh.state, **(targets or {})}
         if fill is None:
