@@ -54,7 +54,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from ckptd.common.names import decimal
@@ -397,12 +399,9 @@ class CkptdStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if fqn in stored:
                     planner.load_bytes(item, io.BytesIO(_safe_bytes(fqn, stored[fqn], step)))
-                else:  # a plain value of a CheckpointClient's step (read from its JSON: nothing to unpickle)
+                else:  # a plain value of a CheckpointClient's step, read from its JSON
                     native = _native_values(step) if native is None else native
-                    serialized = io.BytesIO()
-                    torch.save(native[fqn], serialized)
-                    serialized.seek(0)
-                    planner.load_bytes(item, serialized)
+                    _set_value(planner, item, native[fqn])
                 continue
             chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
             offsets = [c + o for c, o in zip(chunk_at, item.storage_offsets)]
@@ -474,6 +473,21 @@ def _native_values(step: Step) -> dict[str, Any]:
         if isinstance(key, str):
             _dcp_leaves(tree.decode(encoded, _tensor_leaf), key, found)
     return found
+
+
+def _set_value(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Put a plain value where DefaultLoadPlanner.load_bytes would put what it unpickles: a
+    value made from JSON goes in as it is (never pickled to be unpickled again)."""
+    if not isinstance(planner, DefaultLoadPlanner):
+        raise CheckpointError(
+            f"DCP entry {item.dest_index.fqn!r} is a plain value of a step CheckpointClient wrote, which CkptdStorageReader "
+            f"hands to DefaultLoadPlanner only (this load's planner is a {type(planner).__name__}): use DCP's default "
+            "planner, or leave the key out of the state dict you load"
+        )
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[item.dest_index.fqn], value)
+    else:
+        planner.state_dict[item.dest_index.fqn] = value
 
 
 def _dcp_leaves(value: Any, fqn: str, found: dict[str, Any]) -> None:

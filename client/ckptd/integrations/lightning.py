@@ -233,8 +233,7 @@ class CkptdCheckpointIO(CheckpointIO):
                 )
                 if self.on_error == "raise":
                     raise ValueError(message)
-                log.warning("%s", message)  # on_error="warn": training goes on, as for any failed save
-                return
+                return log.warning("%s", message)  # on_error="warn": training goes on, as for any failed save
             if pointer:
                 self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
             return
@@ -475,27 +474,8 @@ class CkptdCheckpointIO(CheckpointIO):
         except ValueError as exc:
             raise ValueError(f"{path} names step {pointer.step} of ckptd job {pointer.job!r}, which CkptdCheckpointIO did not save: {exc}") from None
         if loaded != pointer.step:
-            named: dict[str, Any] = {}
-            try:
-                client.load({LAYOUT: named}, step=pointer.step, strict=False)
-            except CheckpointNotFound:  # removed since: the newest it is
-                pass
-            lacking = sorted(set(named.get("order", ())) - set(layout.get("order", ())))
-            if lacking:  # another ModelCheckpoint's step (weights only): not this checkpoint's newer self
-                log.warning(
-                    "%s names step %s of ckptd job %r; the job's newest committed step %s lacks its %s (another "
-                    "ModelCheckpoint's, weights only?): loading step %s", path, pointer.step, pointer.job, loaded,
-                    ", ".join(lacking), pointer.step,
-                )
-                layout = named
-            else:
-                log.warning(
-                    "%s names step %s of ckptd job %r, whose newest committed step is %s (the run stopped after saving it and "
-                    "before the pointer was updated): loading step %s", path, pointer.step, pointer.job, loaded, loaded,
-                )
-                pointer = Pointer(pointer.job, loaded)  # the step's own layout
-        saved_path = layout.get("path")
-        self._loaded = (pointer.job, pointer.step, saved_path if isinstance(saved_path, str) else None)
+            layout, pointer = _newest_or_named(client, layout, loaded, pointer, path)
+        self._loaded = (pointer.job, pointer.step, layout["path"] if isinstance(layout.get("path"), str) else None)
         fresh = templates(layout, skip=set(targets or ()))
         state = {**fresh.state, **(targets or {})}
         if fill is None:
@@ -507,6 +487,29 @@ class CkptdCheckpointIO(CheckpointIO):
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
         parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
+
+
+def _newest_or_named(client: CheckpointClient, layout: dict[str, Any], newest: int, pointer: Pointer, path: str) -> tuple[dict[str, Any], Pointer]:
+    """A last checkpoint whose pointer names an older step than the job's newest: the newest
+    (its layout given), unless it lacks a top-level part of the named step (another
+    ModelCheckpoint's, weights only): then the named one. Either way with a warning."""
+    named: dict[str, Any] = {}
+    try:
+        client.load({LAYOUT: named}, step=pointer.step, strict=False)
+    except CheckpointNotFound:  # removed since: the newest it is
+        pass
+    lacking = sorted(set(named.get("order", ())) - set(layout.get("order", ())))
+    if lacking:
+        log.warning(
+            "%s names step %s of ckptd job %r; the job's newest committed step %s lacks its %s (another "
+            "ModelCheckpoint's, weights only?): loading step %s", path, pointer.step, pointer.job, newest, ", ".join(lacking), pointer.step,
+        )
+        return named, pointer
+    log.warning(
+        "%s names step %s of ckptd job %r, whose newest committed step is %s (the run stopped after saving it and "
+        "before the pointer was updated): loading step %s", path, pointer.step, pointer.job, newest, newest,
+    )
+    return layout, Pointer(pointer.job, newest)  # the step's own layout
 
 
 class CkptdLoadFromCheckpoint:
