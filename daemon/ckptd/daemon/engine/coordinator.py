@@ -381,7 +381,7 @@ class Coordinator:
                 failures[node] = 0 if saving else failures.get(node, 0) + 1
                 if failures[node] >= LIVENESS_FAILURES:
                     what = "stopped answering" if saving is None else "lost the save (its daemon restarted)"
-                    await self._abort(save, f"node {node}  {what} while writing step {save.step}")
+                    await self._abort(save, f"{self.peers.describe(node)} {what} while writing step {save.step}")
                     return
 
     def deciding(self, job: str, step: int) -> bool:

@@ -46,7 +46,8 @@ class BucketCatalog:
         return found
 
     def incomplete(self, job: str, indexes: Sequence[CheckpointIndex]) -> dict[int, list[str]]:
-        """step -> the files its index lists that the bucket lacks (or holds with another size),
+        """step -> the files its index lists that the bucket lacks or holds with another size (a
+        name, or a name and both sizes),
         for each of `indexes` (the job's) that is not complete; one listing of the job's prefix.
         A step is complete when its index is written (upload.py), but objects can be deleted
         after that: by hand, by a lifecycle rule."""
@@ -54,7 +55,7 @@ class BucketCatalog:
         gaps = {}
         for index in indexes:
             prefix = self.location.step_prefix(job, index.step)
-            lacking = [f.name for f in index.files if listed.get(prefix + f.name) != f.size]
+            lacking = [_gap(f.name, listed.get(prefix + f.name), f.size) for f in index.files if listed.get(prefix + f.name) != f.size]
             if lacking:
                 gaps[index.step] = lacking
         return gaps
@@ -150,3 +151,9 @@ class BucketCatalog:
                 self.store.abort_upload(key, upload_id)
                 aborted += 1
         return aborted
+
+
+def _gap(name: str, stored: int | None, size: int) -> str:
+    """A file of a step the bucket does not hold as its index says: its name, and the sizes when
+    an object of another size holds its place (overwritten, or cut short)."""
+    return name if stored is None else f"{name} ({stored} bytes in the bucket, {size} in the index)"

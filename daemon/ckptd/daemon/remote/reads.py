@@ -185,7 +185,7 @@ class BucketReads:
             advice = f"no complete step of the job was committed before it, in the bucket or in {self.engine.storage.location}"
         raise DownloadDamaged(
             f"its index is in the bucket but {len(lacking)} of the {len(index.files)} files it lists {'is' if len(lacking) == 1 else 'are'} "
-            f"not ({shown}): deleted after the upload (by hand, or a lifecycle rule); {advice}"
+            f"missing or of another size ({shown}): deleted or replaced after the upload (by hand, or a lifecycle rule); {advice}"
         )
 
     async def _wait_for_node0(self, job: str, step: int) -> None:
