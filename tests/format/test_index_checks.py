@@ -72,6 +72,14 @@ def test_the_records_a_save_writes_are_taken() -> None:
     assert CheckpointIndex.from_json_bytes(_index(*tensors)).tensors == tensors
 
 
+def test_a_grid_of_fragments_tiles_and_a_grid_missing_a_cell_does_not() -> None:
+    cells = [FragmentRecord(FILE, f"g{r}{c}", Box((2 * r, 3 * c), (2, 3)), "F32", 24 * (2 * r + c), 24, "xxh3-64:01") for r in range(2) for c in range(2)]
+    grid = TensorRecord("model/w", "model", "F32", (4, 6), tuple(cells))
+    assert CheckpointIndex.from_json_bytes(_index(grid)).tensors == (grid,)
+    with pytest.raises(FormatError, match="boxes cover 18 of 24 elements"):
+        CheckpointIndex.from_json_bytes(_index(TensorRecord("model/w", "model", "F32", (4, 6), tuple(cells[:3]))))
+
+
 def test_json_nested_too_deep_is_a_malformed_index_not_a_recursion_error() -> None:
     with pytest.raises(FormatError, match="is malformed: JSONDecodeError: nested too deep"):
         CheckpointIndex.from_json_bytes(b"[" * 100_000 + b"]" * 100_000, where="x/ckptd.index.json")

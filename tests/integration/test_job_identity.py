@@ -228,6 +228,10 @@ def test_a_new_run_that_loaded_nothing_may_not_save_below_the_jobs_steps(daemons
         assert third.load({"model": model}, step=40) == 40
         third.save(45, {"model": model}).wait_durable(timeout=60)  # a deliberate rollback: loaded first
     assert committed(daemon.root, "reuse") == [45, 50, 60]  # the last three committed
+    with CheckpointClient("reuse", address=daemon.address, on_error="raise", run_id="fourth") as fourth:
+        fourth.mark_resumed(45)  # loaded another way (DCP's reader): a resume all the same
+        fourth.save(47, {"model": model}).wait_durable(timeout=60)
+    assert committed(daemon.root, "reuse") == [45, 47, 60]
 
 
 def test_a_run_that_saves_a_step_twice_is_told_so(daemon) -> None:

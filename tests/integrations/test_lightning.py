@@ -448,6 +448,21 @@ def test_a_resume_writes_the_pointer_the_stopped_run_did_not(daemon, tmp_path: P
     assert CkptdCheckpointIO(job="healed", address=daemon.address).load_checkpoint(best)["global_step"] == 8
 
 
+def test_a_redone_step_kept_weights_only_gets_no_full_pointer(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, optimizer = _trained()
+    first = CkptdCheckpointIO(job="kept-wo", address=daemon.address, on_error="raise")
+    first.save_checkpoint(_checkpoint(model, optimizer, 10, "full"), tmp_path / "ten.ckpt")
+    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 12, "wo").items() if k not in ("optimizer_states", "callbacks")}
+    first.save_checkpoint(weights_only, tmp_path / "wo" / "twelve.ckpt")
+    first.teardown()
+    resumed = CkptdCheckpointIO(job="kept-wo", address=daemon.address, on_error="raise")
+    assert resumed.load_checkpoint(tmp_path / "ten.ckpt")["global_step"] == 10  # a resume from 10
+    with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
+        resumed.save_checkpoint(_checkpoint(model, optimizer, 12, "redone"), tmp_path / "last.ckpt")  # the daemon keeps its 12
+        resumed.teardown()
+    assert not (tmp_path / "last.ckpt").exists() and "lacks its callbacks, optimizer_states" in caplog.text
+
+
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -486,6 +501,9 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
     with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
         warned.save_checkpoint(weights_only, tmp_path / "weights.ckpt")
     assert "a weights-only save of a step saved in full?" in caplog.text and "weights.ckpt is not written" in caplog.text
+    warned.save_checkpoint(weights_only | {"global_step": 11}, tmp_path / "wo-11.ckpt")  # weights only first, then in full:
+    with pytest.raises(ValueError, match="global_step 11 was already saved"):  # every full save would be left out: raised
+        warned.save_checkpoint(_checkpoint(model, optimizer, 11, "full"), tmp_path / "full-11.ckpt")
     warned.teardown()
     assert (tmp_path / "full.ckpt").exists() and not (tmp_path / "weights.ckpt").exists()
 

@@ -170,6 +170,14 @@ class CheckpointClient:
         """The step this client loaded before its first save (it resumed the job from it), else None."""
         return self._resumed_from
 
+    def mark_resumed(self, step: int) -> None:
+        """This run resumed the job from committed `step`, loaded another way (DCP's reader,
+        ckptd.offline): its saves count as a resume's, as after load() (a rollback below the
+        job's newer steps, taking the job over). Before this client's first save; later, no-op."""
+        check_step(step)
+        if not self._began_save:
+            self._resumed_from = step
+
     def _in_run(self) -> None:
         """Before a call to the daemon: the run id settled and sent, this client attached, and
         the warm-up ended (its mapping of an arena could otherwise unmap one a copy of this save

@@ -58,7 +58,7 @@ def tensor_problem(t: Any) -> str | None:
         if problem is not None:
             return problem
     boxes = [f.box for f in fragments]
-    if _slabs(shape, boxes):
+    if _grid(shape, boxes):
         return None
     problems = coverage_problems(shape, boxes)
     if problems:
@@ -66,20 +66,23 @@ def tensor_problem(t: Any) -> str | None:
     return None
 
 
-def _slabs(shape: tuple[int, ...], boxes: list[Any]) -> bool:
-    """Whether `boxes` are slabs of the whole tensor along one dimension, back to back from 0 to
-    its end (row or column shards: most multi-fragment tensors), which tile it exactly; False
-    says nothing (coverage_problems decides)."""
-    for d in range(len(shape)):
-        rest = shape[:d] + shape[d + 1 :]
-        if all(b.lengths[:d] + b.lengths[d + 1 :] == rest and not any(b.offsets[:d] + b.offsets[d + 1 :]) for b in boxes):
-            at = 0
-            for offset, length in sorted((b.offsets[d], b.lengths[d]) for b in boxes):
-                if offset != at or length == 0:
-                    return False
-                at += length
-            return at == shape[d]
-    return False
+def _grid(shape: tuple[int, ...], boxes: list[Any]) -> bool:
+    """Whether distinct `boxes` are every cell of a grid over the tensor: along each dimension
+    their spans tile it back to back from 0 to its end, and there are as many boxes as cells
+    (row or column shards, and their products: TP within FSDP), which tiles it exactly; False
+    says nothing (coverage_problems decides). O(boxes x rank)."""
+    cells = 1
+    for d, size in enumerate(shape):
+        spans = sorted({(b.offsets[d], b.lengths[d]) for b in boxes})
+        at = 0
+        for offset, length in spans:
+            if offset != at or length == 0:
+                return False
+            at += length
+        if at != size:
+            return False
+        cells *= len(spans)
+    return cells == len(boxes)  # distinct boxes, each a cell: all of them
 
 
 def _fragment_problem(f: Any, dtype: str, size: int) -> str | None:

@@ -303,6 +303,10 @@ class SameStep:
         trees = {key: tree_ for key, tree_ in mapped.shape["trees"].items() if self.shape["trees"].get(key) != tree_}
         return {"order": mapped.shape["order"], "trees": trees, "state_dict_metadata": mapped.shape["state_dict_metadata"]}
 
+    def fewer(self, mapped: Mapped) -> bool:
+        """Whether `mapped` holds only some of this step's tensors (a weights-only save of it)."""
+        return set(mapped.tensors) < set(self._identity) | set(self._values)
+
     def mismatch(self, mapped: Mapped) -> str | None:
         """Why `mapped` is not the same checkpoint's tensors, or None when it is."""
         names = set(mapped.tensors)

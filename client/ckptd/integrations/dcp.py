@@ -400,7 +400,8 @@ class CkptdStorageReader(StorageReader):
                 if fqn in stored:
                     planner.load_bytes(item, io.BytesIO(_safe_bytes(fqn, stored[fqn], step)))
                 else:  # a plain value of a CheckpointClient's step, read from its JSON
-                    native = _native_values(step) if native is None else native
+                    if native is None:  # this rank's values, over rank 0's (the keys DCP was told of)
+                        native = {**_native_values(step), **_native_values(step, dist.get_rank() if dist.is_initialized() else 0)}
                     _set_value(planner, item, native[fqn])
                 continue
             chunk_at = item.storage_index.offset or torch.Size([0] * len(item.lengths))
@@ -460,12 +461,14 @@ def _tensor_leaf(name: str) -> Any:  # tree.decode's get_tensor: a marker, never
     return _TENSOR_LEAF
 
 
-def _native_values(step: Step) -> dict[str, Any]:
-    """The plain values of a step written by CheckpointClient (rank 0's extras: an optimizer's
-    param_groups, counters), under the keys DCP flattens a state dict's non-tensor leaves to
-    (`optimizer.param_groups.0.lr`): what dcp.load of get_state_dict's dicts asks for. A step
-    written through the storage writer has its own (DCP's bytes entries): none here."""
-    extras = step.extras_by_rank().get(0, {})
+def _native_values(step: Step, rank: int = 0) -> dict[str, Any]:
+    """The plain values of a step written by CheckpointClient (`rank`'s extras, else rank 0's:
+    an optimizer's param_groups, counters), under the keys DCP flattens a state dict's
+    non-tensor leaves to (`optimizer.param_groups.0.lr`): what dcp.load of get_state_dict's
+    dicts asks for. A step written through the storage writer has its own (DCP's bytes
+    entries): none here."""
+    by_rank = step.extras_by_rank()
+    extras = by_rank.get(rank, by_rank.get(0, {}))
     if BYTES_KEY in extras:
         return {}
     found: dict[str, Any] = {}
@@ -500,8 +503,16 @@ def _dcp_leaves(value: Any, fqn: str, found: dict[str, Any]) -> None:
     elif _walked_list(value):
         for i, item in enumerate(value):
             _dcp_leaves(item, f"{fqn}.{i}", found)
-    elif not isinstance(value, _TensorLeaf):
+    elif not _holds_tensor(value):  # a tuple holding a tensor: not a plain value DCP could have
         found[fqn] = value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, _TensorLeaf):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_tensor, value))
+    return isinstance(value, dict) and any(map(_holds_tensor, value.values()))
 
 
 def _walked_list(value: Any) -> bool:

@@ -64,6 +64,7 @@ from ckptd.integrations._lightning_state import (
     LAYOUT,
     PARTS,
     MapLocation,
+    Mapped,
     SameStep,
     assemble,
     decode_parts,
@@ -231,9 +232,9 @@ class CkptdCheckpointIO(CheckpointIO):
                     "a step once (a weights-only and a full save of one step, two ModelCheckpoints meeting at a step?), or "
                     "save again only after the next optimizer step"
                 )
-                if self.on_error == "raise":
+                if self.on_error == "raise" or not same.fewer(mapped):  # else every full save of a step would be left out
                     raise ValueError(message)
-                return log.warning("%s", message)  # on_error="warn": training goes on, as for any failed save
+                return log.warning("%s", message)  # weights only, on_error="warn": training goes on
             if pointer:
                 self._writer.submit(target, Pointer(self.job, step, same.own_shape(mapped)), durable)
             return
@@ -253,7 +254,7 @@ class CkptdCheckpointIO(CheckpointIO):
             return
         durable = _Durable(handle, self.durable_timeout_s)
         self._last = (SameStep(step, mapped), durable)
-        if pointer:
+        if pointer and not (handle.kept and _kept_lacks_parts(client, step, mapped, target)):
             self._writer.submit(target, Pointer(self.job, step), durable)
 
     def load_checkpoint(self, path: Any, map_location: MapLocation = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -487,6 +488,19 @@ class CkptdCheckpointIO(CheckpointIO):
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
         parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
+
+
+def _kept_lacks_parts(client: CheckpointClient, step: int, mapped: Mapped, target: str) -> bool:
+    """A resumed run redid `step`, and the daemon kept the step it holds: whether that one lacks
+    top-level parts of this checkpoint (another ModelCheckpoint's weights-only save), which a
+    pointer at `target` would then not hold (warned)."""
+    kept: dict[str, Any] = {}
+    client.load({LAYOUT: kept}, step=step, strict=False)
+    lacking = sorted(set(mapped.state[LAYOUT]["order"]) - set(kept.get("order", ())))
+    if lacking:
+        log.warning("%s is not written: step %s, which the job holds already and keeps, lacks its %s (a weights-only save "
+                    "of that step before the resume?)", target, step, ", ".join(map(str, lacking)))
+    return bool(lacking)
 
 
 def _newest_or_named(client: CheckpointClient, layout: dict[str, Any], newest: int, pointer: Pointer, path: str) -> tuple[dict[str, Any], Pointer]:

@@ -204,7 +204,10 @@ class CkptdCheckpointManager(CheckpointManager):  # type: ignore[misc]
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         nested = self._nest_model(state_dict)
-        dcp_load(nested, storage_reader=CkptdStorageReader(checkpoint_id))
+        reader = CkptdStorageReader(checkpoint_id)
+        dcp_load(nested, storage_reader=reader)
+        if reader.step.job == self.writer.job:
+            self.client.mark_resumed(reader.step.step)  # a resume of this job: its saves may roll back
         state_dict.update(nested.get(MODEL, {}))  # DCP may replace a non-tensor entry of the model's
         if MODEL in self.states:  # the model's entries are flattened into state_dict (torchtitan's layout)
             self.states[MODEL].load_state_dict(state_dict)

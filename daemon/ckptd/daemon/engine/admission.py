@@ -44,19 +44,21 @@ class Admission:
         """Every rank of a save has joined: `claim`'s run may save into the job (RunRefused if
         not: engine/runs.py); returns the run it took the job over from ("" none). A save below
         the job's newest committed step is a rollback, logged with the steps it passes over; a
-        run that loaded no step and has not saved into the job yet may not begin one (RunRefused):
-        a new run under a used job name would otherwise push the job's steps out by retention."""
+        run that loaded no step may not begin one while another run owns the job (RunRefused): a
+        new run under a used job name would otherwise push the job's steps out by retention. The
+        owner is this daemon's to know: after it restarted, the first run to save owns the job."""
         newest, above = await self._passed_over(job, step)
-        if above and claim.run and not claim.resumed and self.runs.owner(job) != claim.run:
+        owner = self.runs.owner(job)  # "" after this daemon restarted: then any run may roll back, as before
+        if above and claim.run and not claim.resumed and owner and owner != claim.run:
             raise RunRefused(
                 f"job {job!r} holds steps {_shown(above)} above step {step} (newest: {newest}) and this run loaded none of them before "
                 "saving below them (a new run under a used job name?): nothing was saved, so that retention does not push the job's "
                 "steps out. Give this run a new job name, load the job's newest step first (load() without a step) to resume "
-                "it, or load an older step to roll back to it deliberately"
+                "it, or load an older step to roll back to it deliberately (a step loaded another way, such as DCP's "
+                "reader: client.mark_resumed(step) before the first save)"
             )
         displaced = ""
         if claim.run:
-            owner = self.runs.owner(job)
             owner_live = bool(owner) and owner != claim.run and await self.live(job, owner)
             displaced = self.runs.claim(job, claim.run, claim.resumed, owner_live)
         if above:
