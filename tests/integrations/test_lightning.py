@@ -422,7 +422,7 @@ def test_a_last_checkpoint_does_not_follow_a_newer_step_that_lacks_its_parts(dae
     model, optimizer = _trained()
     io = CkptdCheckpointIO(job="last-wo", address=daemon.address, on_error="raise")
     io.save_checkpoint(_checkpoint(model, optimizer, 10, "full"), tmp_path / "last.ckpt")
-    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 12, "wo").items() if k not in ("optimizer_states", "callbacks")}
+    weights_only = _weights_only(model, optimizer, 12)
     io.save_checkpoint(weights_only, tmp_path / "wo" / "epoch=0-step=12.ckpt")
     io.teardown()
     with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
@@ -452,7 +452,7 @@ def test_a_redone_step_kept_weights_only_gets_no_full_pointer(daemon, tmp_path: 
     model, optimizer = _trained()
     first = CkptdCheckpointIO(job="kept-wo", address=daemon.address, on_error="raise")
     first.save_checkpoint(_checkpoint(model, optimizer, 10, "full"), tmp_path / "ten.ckpt")
-    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 12, "wo").items() if k not in ("optimizer_states", "callbacks")}
+    weights_only = _weights_only(model, optimizer, 12)
     first.save_checkpoint(weights_only, tmp_path / "wo" / "twelve.ckpt")
     first.teardown()
     resumed = CkptdCheckpointIO(job="kept-wo", address=daemon.address, on_error="raise")
@@ -461,6 +461,11 @@ def test_a_redone_step_kept_weights_only_gets_no_full_pointer(daemon, tmp_path: 
         resumed.save_checkpoint(_checkpoint(model, optimizer, 12, "redone"), tmp_path / "last.ckpt")  # the daemon keeps its 12
         resumed.teardown()
     assert not (tmp_path / "last.ckpt").exists() and "lacks its callbacks, optimizer_states" in caplog.text
+
+
+def _weights_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    """What save_checkpoint(weights_only=True) hands over: no optimizer states, no callbacks."""
+    return {k: v for k, v in _checkpoint(model, optimizer, step, "weights").items() if k not in ("optimizer_states", "callbacks")}
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -497,11 +502,11 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
     # on_error="warn" (the default): training goes on, that file is not written (a new user's probe: it crashed fit)
     warned = CkptdCheckpointIO(job="same-warn", address=daemon.address)
     warned.save_checkpoint(_checkpoint(model, optimizer, 9, "full"), tmp_path / "full.ckpt")
-    weights_only = {k: v for k, v in _checkpoint(model, optimizer, 9, "full").items() if k not in ("optimizer_states", "callbacks")}
+    weights_only = _weights_only(model, optimizer, 9)
     with caplog.at_level(logging.WARNING, logger="ckptd.integrations.lightning"):
         warned.save_checkpoint(weights_only, tmp_path / "weights.ckpt")
     assert "a weights-only save of a step saved in full?" in caplog.text and "weights.ckpt is not written" in caplog.text
-    warned.save_checkpoint(weights_only | {"global_step": 11}, tmp_path / "wo-11.ckpt")  # weights only first, then in full:
+    warned.save_checkpoint(_weights_only(model, optimizer, 11), tmp_path / "wo-11.ckpt")  # weights only first, then in full:
     with pytest.raises(ValueError, match="global_step 11 was already saved"):  # every full save would be left out: raised
         warned.save_checkpoint(_checkpoint(model, optimizer, 11, "full"), tmp_path / "full-11.ckpt")
     warned.teardown()

@@ -386,3 +386,16 @@ def _apply(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, tuple):
         return tuple(_apply(v, move) for v in value)
     return value
+
+
+def layout_of(client: Any, step: int) -> dict[str, Any]:
+    """The layout saved with `step` (to_state's LAYOUT: its top-level parts are "order"), read
+    through `client` (a CheckpointClient of the job)."""
+    layout: dict[str, Any] = {}
+    client.load({LAYOUT: layout}, step=step, strict=False)
+    return layout
+
+
+def parts_lacking(wanted: dict[str, Any], held: dict[str, Any]) -> list[str]:
+    """The top-level parts of the layout `wanted` that the layout `held` lacks, sorted."""
+    return sorted(map(str, set(wanted.get("order", ())) - set(held.get("order", ()))))

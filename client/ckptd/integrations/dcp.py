@@ -420,19 +420,23 @@ class CkptdStorageReader(StorageReader):
 def _check_loadable(fqn: str, raw: bytes) -> None:
     """Refuse (TypeError, before anything is handed over) a DCP entry whose value a load could
     never read back: loads accept only what torch.load(weights_only=True) does (_safe_bytes)."""
+    refused = _weights_only_refusal(raw)
+    if refused is not None:
+        raise TypeError(
+            f"cannot checkpoint DCP entry {fqn!r} with ckptd: a load reads DCP's non-tensor values only as "
+            f"torch.load(weights_only=True) accepts them, and it refuses this one ({refused}); store it as "
+            "plain values (str, int, float, bool, None, lists, dicts), a tensor, or an object with state_dict()/load_state_dict()"
+        )
+
+
+def _weights_only_refusal(raw: bytes) -> str | None:
+    """Why torch's restricted (weights-only) unpickler refuses `raw` ("Type: first line"), or None."""
     try:
         torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler is the answer
-        raise TypeError(
-            f"cannot checkpoint DCP entry {fqn!r} with ckptd: a load reads DCP's non-tensor values only as "
-            f"torch.load(weights_only=True) accepts them, and it refuses this one ({type(exc).__name__}: {_first_line(exc)}); store it as "
-            "plain values (str, int, float, bool, None, lists, dicts), a tensor, or an object with state_dict()/load_state_dict()"
-        ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else ""
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+    return None
 
 
 def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
@@ -440,13 +444,12 @@ def _safe_bytes(fqn: str, encoded: str, step: Step) -> bytes:
     them: DCP's default load planner unpickles them without restriction, so a step altered to
     hold a crafted object must fail here, before that. CheckpointError names the entry."""
     raw = base64.b64decode(encoded)
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler is the answer
+    refused = _weights_only_refusal(raw)
+    if refused is not None:
         raise CheckpointError(
             f"step {step.step} of job {step.job!r}: DCP entry {fqn!r} is not a value torch.load(weights_only=True) accepts "
-            f"({type(exc).__name__}); it is not handed to DCP's planner, which would unpickle it without restriction"
-        ) from None
+            f"({refused.split(':', 1)[0]}); it is not handed to DCP's planner, which would unpickle it without restriction"
+        )
     return raw
 
 

@@ -68,6 +68,8 @@ from ckptd.integrations._lightning_state import (
     SameStep,
     assemble,
     decode_parts,
+    layout_of,
+    parts_lacking,
     global_step_of,
     map_tensors,
     monitored_metric,
@@ -494,12 +496,10 @@ def _kept_lacks_parts(client: CheckpointClient, step: int, mapped: Mapped, targe
     """A resumed run redid `step`, and the daemon kept the step it holds: whether that one lacks
     top-level parts of this checkpoint (another ModelCheckpoint's weights-only save), which a
     pointer at `target` would then not hold (warned)."""
-    kept: dict[str, Any] = {}
-    client.load({LAYOUT: kept}, step=step, strict=False)
-    lacking = sorted(set(mapped.state[LAYOUT]["order"]) - set(kept.get("order", ())))
+    lacking = parts_lacking(mapped.state[LAYOUT], layout_of(client, step))
     if lacking:
         log.warning("%s is not written: step %s, which the job holds already and keeps, lacks its %s (a weights-only save "
-                    "of that step before the resume?)", target, step, ", ".join(map(str, lacking)))
+                    "of that step before the resume?)", target, step, ", ".join(lacking))
     return bool(lacking)
 
 
@@ -507,12 +507,11 @@ def _newest_or_named(client: CheckpointClient, layout: dict[str, Any], newest: i
     """A last checkpoint whose pointer names an older step than the job's newest: the newest
     (its layout given), unless it lacks a top-level part of the named step (another
     ModelCheckpoint's, weights only): then the named one. Either way with a warning."""
-    named: dict[str, Any] = {}
     try:
-        client.load({LAYOUT: named}, step=pointer.step, strict=False)
+        named = layout_of(client, pointer.step)
     except CheckpointNotFound:  # removed since: the newest it is
-        pass
-    lacking = sorted(set(named.get("order", ())) - set(layout.get("order", ())))
+        named = {}
+    lacking = parts_lacking(named, layout)
     if lacking:
         log.warning(
             "%s names step %s of ckptd job %r; the job's newest committed step %s lacks its %s (another "
