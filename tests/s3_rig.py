@@ -116,12 +116,13 @@ class StatusPoller:
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.CheckpointStub(self.channel)
 
-    def status(self) -> dict[str, Any]:
-        """The daemon's `ckptd status --json` document (its Status RPC, as the CLI renders it)."""
+    def status(self, job: str = "") -> dict[str, Any]:
+        """The daemon's `ckptd status --json` document (its Status RPC, as the CLI renders it);
+        of `job` alone when given (`ckptd status --job`)."""
         from ckptd.daemon.tools.ops import status_doc
         from ckptd.wire.v1 import checkpoint_pb2 as pb
 
-        return status_doc(self.stub.Status(pb.StatusRequest(), timeout=10), self.address)
+        return status_doc(self.stub.Status(pb.StatusRequest(job=job), timeout=10), self.address)
 
     def settled(self) -> dict[str, Any] | None:
         """The tier's status once nothing is pending and it is idle (else None)."""

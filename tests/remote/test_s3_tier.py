@@ -19,7 +19,7 @@ from ckptd.client.errors import CheckpointError
 from ckptd.format.index import INDEX_NAME
 from ckptd.daemon.tools.verify import verify_step
 from metrics_scrape import scrape
-from s3_rig import Bucket, Node, daemon_env, equal_states, remote_status, state_of, uploads_settled, wait_for, zeros_like
+from s3_rig import Bucket, Node, StatusPoller, daemon_env, equal_states, remote_status, state_of, uploads_settled, wait_for, zeros_like
 from s3_server import S3Server, module_s3_server  # noqa: F401  (the fixture)
 
 JOB = "run-7"
@@ -60,6 +60,13 @@ def test_committed_steps_are_uploaded_as_on_disk_and_a_fresh_daemon_restores_the
     remote = settle(first)
     assert (remote["uploaded_steps"], remote["pending_steps"], remote["failures"], remote["lag_s"]) == (3, 0, 0, 0.0)
     assert remote["location"] == bucket.url and remote["last_uploaded"] == f"job {JOB} step 3"
+    poller = StatusPoller(first.daemon.address)  # type: ignore[union-attr]
+    try:  # `ckptd status --job`: the job's own uploads; another job sees none of them
+        assert poller.status(JOB)["remote"]["last_uploaded"] == f"job {JOB} step 3"
+        other = poller.status("another-job")["remote"]
+        assert (other["last_uploaded"], other["last_error"], other["pending_steps"]) == ("", "", 0)
+    finally:
+        poller.close()
     # the same layout as on disk: every file of every local step, same names and sizes, nothing else
     local = {f"{p.parent.name}/{p.name}": p.stat().st_size for p in (first.root / JOB).glob("step-*/*")}
     assert {k.split(f"/{JOB}/", 1)[1]: v for k, v in bucket.keys(f"{JOB}/").items()} == local

@@ -271,7 +271,7 @@ class Housekeeping:
             shm_staging=engine.memory.staging_bytes(),
         )
         for tier in self._tiers:
-            status = replace(status, **tier.status_fields())  # remote, replicas: None without the tier
+            status = replace(status, **tier.status_fields(job))  # remote, replicas: None without the tier
         if job is None:
             return status
         state = engine.jobs.get(job)

@@ -141,8 +141,9 @@ class Tier:
         """The job's steps as listed (`ckptd ls`, List), with this tier's added."""
         return rows
 
-    def status_fields(self) -> dict[str, Any]:
-        """What `ckptd status` shows of this tier (StatusSnapshot fields)."""
+    def status_fields(self, job: str | None = None) -> dict[str, Any]:
+        """What `ckptd status` shows of this tier (StatusSnapshot fields); of `job` alone when
+        given (`ckptd status --job`: no other job's steps, uploads or errors)."""
         return {}
 
     def live(self, state: LiveState) -> LiveState:

@@ -4,7 +4,7 @@ listed in docs/operations.md (Metrics)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -32,6 +32,10 @@ class TierCounters:
     restored_bytes: int = 0
     last_uploaded: str = ""
     last_error: str = ""
+    # for `ckptd status --job`: each job's newest upload, and the newest failure of each job
+    # (None: of no one job, e.g. the store unreachable at start: every job's), oldest first
+    job_uploaded: dict[str, str] = field(default_factory=dict)
+    job_errors: dict[str | None, str] = field(default_factory=dict)
 
 
 class TierMetrics:

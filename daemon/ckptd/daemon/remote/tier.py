@@ -196,9 +196,9 @@ class RemoteTier(Tier):
             return set(self.engine.storage.catalog.committed_steps(job))
         return {step for j, step in self._queue if j == job}
 
-    def lag(self) -> float:
-        """Seconds since the commit of the oldest step not uploaded yet (0: none)."""
-        oldest = min((created for _, created in list(self._queue.values())), default=None)
+    def lag(self, job: str | None = None) -> float:
+        """Seconds since the commit of the oldest step (of `job`, when given) not uploaded yet (0: none)."""
+        oldest = min((created for (j, _), (_, created) in list(self._queue.items()) if job is None or j == job), default=None)
         return 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
     async def _work(self) -> None:
@@ -219,7 +219,7 @@ class RemoteTier(Tier):
             except (StepGone, LocalDamage) as exc:
                 self._queue.pop((job, step), None)
                 if isinstance(exc, LocalDamage):
-                    self._failed("local", str(exc))
+                    self._failed("local", str(exc), job)
                     log.error("step %s of job %s is not uploaded: %s", step, job, exc, extra={"job": job, "step": step})
                 else:
                     log.info("step %s of job %s is not uploaded: %s", step, job, exc, extra={"job": job, "step": step})
@@ -227,7 +227,7 @@ class RemoteTier(Tier):
                 failures += 1
                 first, cap = BACKOFF_S if transient(exc) or not isinstance(exc, RemoteError) else FIX_BACKOFF_S
                 delay = backoff_s(failures, first, min(cap, self._max_backoff_s))
-                self._failed(_reason(exc), str(exc))
+                self._failed(_reason(exc), str(exc), job)
                 if not isinstance(exc, (RemoteError, OSError, FormatError)):
                     log.exception("uploading step %s of job %s failed unexpectedly", step, job)
                 log.warning("uploading step %s of job %s failed (attempt %s), retrying in %.0f s: %s", step, job, failures, delay, exc,
@@ -259,7 +259,7 @@ class RemoteTier(Tier):
         self.metrics.copied_bytes.labels(job).inc(result.copied)
         if result.already:
             return
-        counters.last_uploaded = f"job {job} step {step}"
+        counters.last_uploaded = counters.job_uploaded[job] = f"job {job} step {step}"
         if result.published:
             counters.uploaded_steps += 1
             self.metrics.uploaded_steps.labels(job).inc()
@@ -365,10 +365,14 @@ class RemoteTier(Tier):
         shared = self.engine.node == 0 and all(f.name in sizes for f in index.files)
         return any(f.name == name for f in uploads_of(index, self.engine.node, shared))
 
-    def _failed(self, reason: str, message: str) -> None:
+    def _failed(self, reason: str, message: str, job: str | None = None) -> None:
+        """Count a failed attempt; `job`: the job whose step failed (None: every job's, e.g. the
+        store unreachable)."""
         self._retrying = reason != "local"
         self.counters.failures += 1
         self.counters.last_error = message
+        self.counters.job_errors.pop(job, None)  # put back last: the newest
+        self.counters.job_errors[job] = message
         self.metrics.failures.labels(reason).inc()
 
     # ------------------------------------------------------------ restores and listings
@@ -407,15 +411,22 @@ class RemoteTier(Tier):
 
     # ------------------------------------------------------------ status
 
-    def status_fields(self) -> dict[str, Any]:
-        return {"remote": self.status()}
+    def status_fields(self, job: str | None = None) -> dict[str, Any]:
+        return {"remote": self.status(job)}
 
-    def status(self) -> RemoteStatus:
+    def status(self, job: str | None = None) -> RemoteStatus:
+        """The tier's counters since the daemon started; told of `job` when given: its steps
+        waiting, its lag, its newest upload and failure (a failure of no one job included)."""
         c = self.counters
+        pending = sum(1 for j, _ in list(self._queue) if job is None or j == job)
+        last_uploaded, last_error = c.last_uploaded, c.last_error
+        if job is not None:
+            last_uploaded = c.job_uploaded.get(job, "")
+            last_error = next((m for j, m in reversed(c.job_errors.items()) if j in (job, None)), "")
         return RemoteStatus(
             location=self.location.url, endpoint=self.endpoint, state=self.state, uploaded_steps=c.uploaded_steps,
-            uploaded_bytes=c.uploaded_bytes, copied_bytes=c.copied_bytes, failures=c.failures, pending_steps=len(self._queue),
-            lag_s=self.lag(), last_uploaded=c.last_uploaded, last_error=c.last_error, restored_steps=c.restored_steps,
+            uploaded_bytes=c.uploaded_bytes, copied_bytes=c.copied_bytes, failures=c.failures, pending_steps=pending,
+            lag_s=self.lag(job), last_uploaded=last_uploaded, last_error=last_error, restored_steps=c.restored_steps,
             restored_bytes=c.restored_bytes,
         )
 

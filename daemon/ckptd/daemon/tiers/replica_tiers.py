@@ -82,8 +82,8 @@ class ReplicasHere(Tier):
         if not commit.adopted:  # a step adopted after a restart is not the newest: not pushed
             self.replication.committed(commit.job, commit.step, commit.index)
 
-    def status_fields(self) -> dict[str, Any]:
-        return {"replicas": self.replication.status()}
+    def status_fields(self, job: str | None = None) -> dict[str, Any]:
+        return {"replicas": self.replication.status()}  # told of one job by StatusSnapshot.of_job
 
     def live(self, state: LiveState) -> LiveState:
         store = self.replication.store
