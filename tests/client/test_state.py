@@ -352,6 +352,7 @@ def meta_model() -> nn.Module:
         ({"": 1}, ValueError, "non-empty string"),
         ({"extra": {"when": object()}}, TypeError, r"'extra/when'.*state_dict\(\)/load_state_dict\(\)"),
         ({"extra": {"s": torch.eye(3).to_sparse()}}, TypeError, r"'extra/s'.*torch.sparse_coo.*to_dense"),
+        ({"model": {"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}}, TypeError, r"'model/n'.*nested tensor.*unbind\(\)"),
         ({"model": meta_model()}, ValueError, r"'model/weight'.*meta device"),
         ({"extra": torch.zeros(2, dtype=torch.complex64)}, TypeError, r"'extra'.*complex64 cannot be checkpointed"),
         # a lazily negated view's memory holds the negatives: stored as memory, it loaded back with the sign flipped
@@ -361,6 +362,7 @@ def meta_model() -> nn.Module:
         ({"optimizer": torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)}, ValueError, "put its model in the same state under 'model'"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_bad_states_are_refused_with_the_key_named(state: Any, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         flatten_state(state, rank=0)

@@ -22,6 +22,7 @@ from ckptd.common.names import tensor_names_valid
 # TensorEntry's fields (name, kind, tensor, aliases, placement, frozen, per_rank) and tensors' attributes
 _NAME, _KIND, _ALIASES, _FROZEN, _PER_RANK = (itemgetter(i) for i in (0, 1, 3, 5, 6))
 _LAYOUT = attrgetter("layout")
+_NESTED = attrgetter("is_nested")
 
 
 def entries_fingerprint(entries: Sequence[Any], tensor_dtypes: list[torch.dtype], tensor_shapes: list[torch.Size]) -> str:
@@ -47,6 +48,8 @@ def plain_entries_valid(
     if not tensor_names_valid([*map(_NAME, entries), *chain.from_iterable(map(_ALIASES, entries))]):
         return False
     if not {torch.strided}.issuperset(map(_LAYOUT, tensors)) or any(device.type == "meta" for device in set(tensor_devices)):
+        return False
+    if any(map(_NESTED, tensors)):  # torch.nested's strided layout (refused by the general check)
         return False
     if unmaterialized(tensors):  # refused by the general check
         return False

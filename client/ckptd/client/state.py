@@ -294,6 +294,12 @@ def _check_tensor(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"cannot checkpoint {name!r}: {exc}") from None
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     check_wrapper(name, local)
+    if local.is_nested:  # torch.nested's strided layout: no sizes of its own to store (its jagged one is a wrapper, refused above)
+        raise TypeError(
+            f"cannot checkpoint {name!r}: it is a nested tensor, whose components have shapes of their own; save its "
+            "components as tensors of their own (tensor.unbind()) or a padded copy (tensor.to_padded_tensor(0)) and "
+            "rebuild it after a load"
+        )
     if tensor.layout != torch.strided:
         raise TypeError(f"cannot checkpoint {name!r}: it is a {tensor.layout} tensor; convert it with .to_dense() first")
     if local.is_neg():  # ckptd copies memory as it is: a save would store, and a load write, the values negated
