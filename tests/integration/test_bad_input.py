@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ckptd.client import CheckpointClient, tree
+from ckptd.client.errors import CheckpointError
 from ckptd.common.names import InvalidNameError, check_tensor_name
 from ckptd.wire.v1 import checkpoint_pb2 as pb
 from ckptd.wire.v1 import checkpoint_pb2_grpc as pb_grpc
@@ -151,3 +152,26 @@ def test_a_deleted_shard_loaded_through_shared_memory_names_the_file(daemons) ->
         assert ckpt.load({"model": torch.nn.Linear(4, 4)}, step=1) == 1  # the older step still loads
     assert not list(daemons.shm_dir.glob("*-fetch-*"))  # no staging copy left behind
     assert _stub(daemon).Status(pb.StatusRequest(), timeout=5).root
+
+
+# --- (d) a load into a target whose elements share memory -------------------------------------
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_load_into_an_expanded_view_is_refused_before_anything_is_written(daemons, restarted: bool) -> None:
+    """Found by an attacker's probe: torch's own error ("more than one element of the written-to
+    tensor refers to a single memory location"), raised in the middle of the fill, after other
+    tensors of the state had been overwritten. From memory (the saving client) and from disk."""
+    daemon = daemons.start()
+    saved = {"model": {"a": torch.arange(6.0), "w": torch.arange(12.0).reshape(4, 3)}}
+    with CheckpointClient("expanded", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, saved).wait_durable(timeout=60)
+        if restarted:
+            daemon.stop()
+            daemon = daemons.start()
+        target = {"model": {"a": torch.full((6,), -1.0), "w": torch.zeros(3).expand(4, 3)}}
+        with pytest.raises(CheckpointError, match=r"cannot load into 'model/w'.*share memory.*strides \[0, 1\].*nothing was loaded"):
+            ckpt.load(target, step=1)
+        assert torch.equal(target["model"]["a"], torch.full((6,), -1.0))  # untouched
+        fine = {"model": {"a": torch.zeros(6), "w": torch.zeros(4, 3)}}
+        assert ckpt.load(fine, step=1) == 1 and all(torch.equal(fine["model"][k], v) for k, v in saved["model"].items())

@@ -18,6 +18,7 @@ import torch
 from ckptd.client._handoff.select import Handoff
 from ckptd.client._rpc import LoadPlan
 from ckptd.client.arenas import ArenaMaps
+from ckptd.client.errors import CheckpointError
 from ckptd.client.reader.fill import Fill, MemoryCopies, column_fills, fill_all, fill_onto_devices
 from ckptd.client.reader.pieces import ArenaColumns
 from ckptd.client.structure import Structure
@@ -42,10 +43,29 @@ class KnownPlan:
         return self.fills
 
 
+def check_writable(structure: Structure) -> None:
+    """CheckpointError, before anything is written, naming the first target whose elements share
+    memory (an expanded view, a stride 0): a load cannot give them their different values. Once
+    per structure (its strides are part of its identity); contiguous targets cost one C check."""
+    if structure.cache.get("writable") or all(map(torch.Tensor.is_contiguous, structure.targets)):
+        structure.cache["writable"] = True
+        return
+    for index, target in enumerate(structure.targets):
+        if not target.is_contiguous() and torch._debug_has_internal_overlap(target) == 1:
+            entry, _ = structure.fragments[index]
+            raise CheckpointError(
+                f"cannot load into {entry.name!r}: its elements share memory (strides {list(target.stride())} of shape "
+                f"{list(target.shape)}: an expanded view), so they cannot take the step's different values; nothing was "
+                "loaded. Load into a tensor of its own (e.g. tensor.clone() or torch.empty of its shape) and expand that"
+            )
+    structure.cache["writable"] = True
+
+
 def fill_plan(plan: LoadPlan, structure: Structure, maps: ArenaMaps, pool: ThreadPoolExecutor, threads: int, handoff: Handoff) -> None:
     """Fill the structure's tensors from the plan's pieces or columns (GPU targets through the
     handoff's backend), reusing what was made of a known plan; `threads` copy a restore from
     the daemon's memory (MemoryCopies.run)."""
+    check_writable(structure)
     known: dict[str, KnownPlan] = structure.cache.setdefault("load_plans", {})  # plan id -> ..., newest last
     reused = known.get(plan.plan_id) if plan.plan_id and not plan.pieces and plan.columns is None else None
     owns = handoff.owns
