@@ -8,6 +8,7 @@ Ranks are coroutines that copy their bytes into the arenas, as in test_engine.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import mmap
 import os
@@ -223,6 +224,57 @@ def test_a_save_waits_for_another_jobs_snapshot_to_be_durable_then_takes_its_mem
         await _saved(service, "b", 1)  # waited for a's commit, then took a's arenas
         assert service.jobs["a"].recent[1].state is SaveState.COMMITTED
         assert not service.jobs["a"].pool.sets and (await _load(service, "a", 1))[0] == "disk"
+
+    _run(service, run)
+
+
+def test_a_job_saving_back_to_back_does_not_starve_another_jobs_save(tmp_path: Path) -> None:
+    """Found by an attacker's probe: job a saving back to back reused each of its sets the moment
+    it went idle, so job b's saves never found idle memory to take and all timed out (most
+    reported as ranks that "did not hand their snapshot over"). Saves waiting for room are served
+    oldest first across jobs: b gets a's idle set, and a goes on saving."""
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=2 * MiB + MiB // 2), write_throttle=4 * MiB)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        handed: list[int] = []
+
+        async def saving_a() -> None:
+            step = 0
+            while not stop.is_set():
+                step += 1
+                session = await _save(service, "a", step, timeout_s=20)
+                assert session.state is not SaveState.FAILED, session.error
+                handed.append(step)
+
+        a = asyncio.create_task(saving_a())
+        await asyncio.sleep(1.0)  # a holds two sets, both busy most of the time
+        before = len(handed)
+        session = await _save(service, "b", 1, timeout_s=8)
+        assert await _durable(service, "b", 1) is SaveState.COMMITTED, session.error
+        await asyncio.sleep(0.5)
+        stop.set()
+        await a
+        assert len(handed) > before, "a stopped saving"
+        assert (await _load(service, "b", 1, done=True))[0] in ("memory", "disk")
+
+    _run(service, run)
+
+
+def test_a_save_that_times_out_waiting_for_memory_says_so(tmp_path: Path) -> None:
+    """The watchdog's reason for a save that never got memory names the shortage, not its ranks."""
+    service = _service(tmp_path, shm_budget=ShmBudget(nbytes=MiB + MiB // 2), write_throttle=MiB // 4)
+
+    async def run() -> None:
+        await _save(service, "a", 1)  # written for about 4 s: its memory is not idle meanwhile
+        task = asyncio.create_task(_save(service, "b", 1, timeout_s=1))
+        await asyncio.sleep(2.0)
+        session = service.jobs["b"].recent[1]
+        assert session.state is SaveState.FAILED
+        assert "shared memory" in session.error and "did not hand" not in session.error, session.error
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
     _run(service, run)
 

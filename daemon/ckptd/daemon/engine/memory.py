@@ -14,6 +14,10 @@ first, then held snapshots, the job idle longest first; after `idle_release_s` w
 or load of a job; and by `ckptd gc`. Never a set in flight (being filled, or being written: the
 only copy of a step not yet durable) nor one a load is reading.
 
+Saves that wait for room are served oldest first across jobs: while a save of another job has
+waited longer, a job takes no set (not even its own idle one, which the waiting save may take
+instead), so a job saving back to back cannot keep reusing memory another job waits for.
+
 A load's staging files (engine/staging.py: a step's bytes fetched from peers, replicas or a root
 the ranks cannot read) live in the same directory and count against the same budget: room is
 made for them as for a snapshot before they are staged (`stage_room`; a prefetch takes only
@@ -66,6 +70,7 @@ class ArenaMemory:
         self._pending = 0  # bytes allowed for sets being allocated now (not yet in any pool's nbytes)
         self._staged: dict[tuple[str, int], int] = {}  # (job, step) -> bytes counted for its loads' staging files
         self._freed = asyncio.Event()  # set (and replaced) whenever memory goes back or sets become idle
+        self._waiting: dict[object, tuple[str, float]] = {}  # a save waiting for room (its waiter token) -> (its job, since: monotonic s)
         self._staging_written: Callable[[], int] = lambda: 0  # bytes the staging files take in the directory now
         self._drop_kept_staging: Callable[[], bool] = lambda: False  # remove staging files only holds keep; whether any went
 
@@ -94,17 +99,51 @@ class ArenaMemory:
 
     # ------------------------------------------------------------------ taking memory
 
-    async def acquire(self, state: JobState, sizes: tuple[int, ...]) -> ArenaSet | None:
+    async def acquire(self, state: JobState, sizes: tuple[int, ...], waiter: object | None = None) -> ArenaSet | None:
         """A set of the job's with room for `sizes` (bytes per rank), FILLING; None when every
         set it may have is busy or the memory is not there now (wait, or skip).
 
         Preference: a free set that fits; with hold_while_saving a new set, if there is room
         without taking anyone's memory; an idle held snapshot that fits (its arenas are
         reused); an idle set reallocated; a new set. The last two may take other jobs' idle
-        sets (`_room`). Raises Exhausted when the shared-memory directory refuses the memory."""
+        sets (`_room`). Raises Exhausted when the shared-memory directory refuses the memory.
+
+        waiter: a token of the save asking, the same at each of its tries (None: no turn kept).
+        A save that got None for want of room keeps its turn until it gets a set or
+        `stop_waiting(waiter)`; saves of other jobs that came later get None meanwhile."""
         pool = state.pool
         pool.mark_used()
         self._check_possible(pool, sizes)
+        if waiter is not None and self._behind(waiter, pool.job):
+            self._waiting.setdefault(waiter, (pool.job, time.monotonic()))
+            return None
+        own_limit = not pool.idle_sets() and not pool.can_grow  # its own saves hold every set it may have: not a wait for room
+        taken = await self._take(pool, sizes)
+        if waiter is not None:
+            if taken is None and not own_limit:
+                self._waiting.setdefault(waiter, (pool.job, time.monotonic()))
+            elif self._waiting.pop(waiter, None) is not None and self._waiting:
+                await self._notify()  # the next in line may try now
+        return taken
+
+    def stop_waiting(self, waiter: object) -> None:
+        """The save of `waiter` no longer waits (it got a set, failed or timed out): the saves
+        behind it may go (they are woken)."""
+        if self._waiting.pop(waiter, None) is not None:
+            self._spawn(self._notify())
+
+    def _behind(self, waiter: object, job: str) -> bool:
+        """Whether a save of another job has waited for room longer than `waiter` has."""
+        mine = self._waiting.get(waiter, (job, float("inf")))[1]
+        return any(other != job and since < mine for other, since in self._waiting.values())
+
+    def waiting_before(self, waiter: object, job: str) -> list[str]:
+        """The other jobs whose saves wait for room longer than `waiter` (for messages)."""
+        mine = self._waiting.get(waiter, (job, float("inf")))[1]
+        return sorted({other for other, since in self._waiting.values() if other != job and since < mine})
+
+    async def _take(self, pool: ArenaPool, sizes: tuple[int, ...]) -> ArenaSet | None:
+        """acquire's choice of a set, without the turns."""
         free = pool.fitting(sizes, SetState.FREE)
         if free is not None:
             return pool.reserve(free).arena_set
@@ -190,7 +229,7 @@ class ArenaMemory:
         """With hold_while_saving: make the job's next set now, while this snapshot is copied
         and written, if the budget has room without taking anyone's memory."""
         pool = state.pool
-        if not self._settings().hold_while_saving or not pool.can_grow or pool.fitting(sizes, SetState.FREE) is not None:
+        if not self._settings().hold_while_saving or not pool.can_grow or pool.fitting(sizes, SetState.FREE) is not None or self._waiting:
             return
         made = await self._make(pool, pool.reserve_new(), sizes, evict=False)
         if made is not None:
@@ -374,9 +413,18 @@ class ArenaMemory:
             ))
         return out
 
-    def shortage(self, pool: ArenaPool, sizes: tuple[int, ...]) -> str:
-        """Why a save of the job with `sizes` gets no arena set now, and what would help."""
+    def shortage(self, pool: ArenaPool, sizes: tuple[int, ...], waiter: object | None = None) -> str:
+        """Why a save of the job with `sizes` (and `waiter`, see acquire) gets no arena set now,
+        and what would help."""
         settings = self._settings()
+        before = self.waiting_before(waiter, pool.job) if waiter is not None else []
+        if before:
+            named = ", ".join(repr(job) for job in before)
+            return (
+                f"job {pool.job!r} needs {human_bytes(sum(sizes))} of shared memory for a snapshot and saves of job {named} have waited "
+                f"for room longer: they go first ({human_bytes(self.in_use())} in use; arenas: {self._holdings()}). "
+                f"Raise --shm-budget, give {settings.shm_dir} more memory, or save these jobs less often"
+            )
         if not pool.idle_sets() and not pool.can_grow:
             busy = ", ".join(s.describe() for s in pool.sets)
             return (

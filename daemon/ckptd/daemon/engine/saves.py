@@ -264,22 +264,27 @@ class Saves:
         engine = self.engine
         deadline = session.created + session.timeout_s
         sizes = plan.arena_bytes_of(engine.node)
-        while True:
-            async with state.acquire_lock:
-                arenas = await engine.memory.acquire(state, sizes)
-            if arenas is not None:
-                return arenas
-            if engine.config.arena_policy == "skip":
-                engine.skip(state, session, engine.memory.shortage(state.pool, sizes))
-                return None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Exhausted(f"no arena set for step {session.step} within {session.timeout_s:.0f} s: {engine.memory.shortage(state.pool, sizes)}")
-            async with state.arena_freed:
-                try:
-                    await asyncio.wait_for(state.arena_freed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass  # the deadline: checked at the top
+        waiter = (session.job, session.save_id)  # its turn among the saves waiting for room (ArenaMemory.acquire)
+        try:
+            while True:
+                async with state.acquire_lock:
+                    arenas = await engine.memory.acquire(state, sizes, waiter=waiter)
+                if arenas is not None:
+                    return arenas
+                session.memory_short = engine.memory.shortage(state.pool, sizes, waiter=waiter)
+                if engine.config.arena_policy == "skip":
+                    engine.skip(state, session, session.memory_short)
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Exhausted(f"no arena set for step {session.step} within {session.timeout_s:.0f} s: {session.memory_short}")
+                async with state.arena_freed:
+                    try:
+                        await asyncio.wait_for(state.arena_freed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass  # the deadline: checked at the top
+        finally:
+            engine.memory.stop_waiting(waiter)  # its turn goes to the next save waiting, whatever ended the wait
 
     async def _prewarm(self, state: JobState, plan: SavePlan) -> None:
         """With hold_while_saving: allocate the next arena set in the background while this

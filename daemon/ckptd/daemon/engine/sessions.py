@@ -75,6 +75,7 @@ class SaveSession:
     plan: SavePlan | None = None
     arenas: ArenaSet | None = None
     skip_reason: str | None = None
+    memory_short: str | None = None  # why its snapshot waits for an arena set, while it does (engine/memory.py: shortage)
     state: SaveState = SaveState.GATHERING
     error: str = ""
     refused: bool = False  # failed because the request itself was bad (INVALID_ARGUMENT)
@@ -194,6 +195,8 @@ class SaveSession:
         """Why the save did not complete in time (for the watchdog's failure)."""
         waiting = sorted(set(range(self.world_size)) - set(self.committed))
         missing = sorted(set(range(self.world_size)) - set(self.arrived))
+        if self.state is SaveState.GATHERING and self.plan is not None and self.arenas is None and self.memory_short:
+            return f"no shared memory for its snapshot within {self.timeout_s:.0f} s: {self.memory_short}"
         if self.joining and missing:  # several nodes: this node's ranks are all here
             what = f"ranks {listed(missing)} of the other nodes never joined it"
         else:
