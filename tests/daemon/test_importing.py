@@ -235,6 +235,10 @@ def test_the_root_must_be_new_empty_or_a_ckptd_root(tmp_path: Path, weights: Pat
     assert Storage(tmp_path / "empty").catalog.committed_steps("other") == [1]
     with pytest.raises(ImportRefused, match="invalid job id"):
         import_checkpoint(weights, tmp_path / "empty", "../up", 1)
+    for step in (-1, 2**63, True):  # 2**63: written, pointed at by `latest`, but never a step to the daemon
+        with pytest.raises(ImportRefused, match=r"step must be an integer from 0 to 2\*\*63 - 1"):
+            import_checkpoint(weights, tmp_path / "empty", "run", step)
+    assert Storage(tmp_path / "empty").catalog.committed_steps("run") == [1]
 
 
 def test_nothing_under_the_root_is_followed_as_a_link(tmp_path: Path, weights: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ckptd.common import dtypes
 from ckptd.common.boxes import Box
-from ckptd.common.names import InvalidNameError, check_job_id
+from ckptd.common.names import InvalidNameError, check_job_id, check_step
 from ckptd.daemon.config import DaemonConfig
 from ckptd.format.index import LATEST, CheckpointIndex
 from ckptd.daemon.handoff.arena import Arena, ArenaSet
@@ -140,10 +140,9 @@ def check_target(root: Path, job: str, step: int) -> Storage:
     exists in any state, a job directory or `latest` that is a link."""
     try:
         check_job_id(job)
-    except InvalidNameError as exc:
+        check_step(step)
+    except (InvalidNameError, ValueError) as exc:
         raise ImportRefused(str(exc)) from None
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ImportRefused(f"step must be an integer >= 0, got {step!r}")
     check_root(root)
     storage = Storage(root)
     _check_new_step(storage, job, step)
