@@ -21,7 +21,11 @@ def torchrun(
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the restarted ranks' store is rank 0's, new at each
     # attempt; with the agent's store shared across attempts, a restarted rank may read the dead
     # rank 0's gloo address of the first attempt (pytorch/pytorch#135712) and fail to connect
-    env = {**os.environ, "CKPTD_ADDRESS": address, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # TMPDIR: the elastic agent's torchelastic_* directories (never removed when a rank is killed)
+    # go under the test's own directory rather than accumulate in /tmp
+    scratch = log.parent / f"{log.stem}.tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "CKPTD_ADDRESS": address, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(scratch)}
     env.pop("CKPTD_RUN_ID", None)  # the run id is torchrun's (run id, restart count, rendezvous)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
