@@ -190,12 +190,19 @@ class MemoryCatalog:
     def committed_steps(self, job: str) -> list[int]:
         return sorted(s for j, s in self.state.steps if j == job and self.is_committed(j, s))
 
-    def commit_order(self, job: str) -> list[int]:
-        def created(step: int) -> float:
-            value = float(json.loads(self.state.file(job, step, INDEX_NAME))["created_at"])
-            return value if math.isfinite(value) else 0.0
+    def _created(self, job: str, step: int) -> float:
+        value = float(json.loads(self.state.file(job, step, INDEX_NAME))["created_at"])
+        return value if math.isfinite(value) else 0.0
 
-        return sorted(self.committed_steps(job), key=lambda s: (created(s), s))
+    def commit_order(self, job: str) -> list[int]:
+        return sorted(self.committed_steps(job), key=lambda s: (self._created(job, s), s))
+
+    def not_followed(self, job: str, step: int | None = None) -> list[str]:
+        return []  # nothing in memory is a link
+
+    def newest_commit_time(self, job: str) -> float | None:
+        order = self.commit_order(job)
+        return self._created(job, order[-1]) if order else None
 
     def latest_step(self, job: str) -> int | None:
         order = self.commit_order(job)

@@ -633,3 +633,24 @@ def test_one_rule_says_what_a_job_directory_and_a_storage_root_are(tmp_path: Pat
     assert is_storage_root(root) and not is_storage_root(root / "job") and not is_storage_root(root / "plain")
     (root / "plain" / ROOT_ID_FILE).write_text("id\n")
     assert is_storage_root(root / "plain")
+
+
+@pytest.mark.parametrize("linked", ["step", "job"])
+def test_a_step_read_through_a_linked_directory_is_refused_naming_the_link(tmp_path: Path, linked: str) -> None:
+    """Found by an attacker's probe: `ckptd verify/inspect/export ROOT/jobE/step-2`, with step-2
+    (or jobE) a link to another job's step, read that job's files as jobE's (verify then crashed
+    on its listing). The step reader refuses a linked step or job directory as the daemon does."""
+    real = tmp_path / "root" / "jobA" / "step-00000002"
+    real.mkdir(parents=True)
+    (real / INDEX_NAME).write_text("{}")
+    if linked == "step":
+        (tmp_path / "root" / "jobE").mkdir()
+        (tmp_path / "root" / "jobE" / "step-00000002").symlink_to(real)
+        reader, link = storage_module.step_at(tmp_path / "root" / "jobE" / "step-00000002"), tmp_path / "root" / "jobE" / "step-00000002"
+    else:
+        (tmp_path / "root" / "jobL").symlink_to(real.parent)
+        reader, link = storage_module.step_at(tmp_path / "root" / "jobL" / "step-00000002"), tmp_path / "root" / "jobL"
+    for call in (reader.names, lambda: reader.read_small(INDEX_NAME), lambda: reader.open(INDEX_NAME), lambda: reader.exists(INDEX_NAME)):
+        with pytest.raises(ForeignEntry, match=f"{link} is a symbolic link.*give the directory itself"):
+            call()
+    assert storage_module.step_at(real).read_small(INDEX_NAME) == b"{}"

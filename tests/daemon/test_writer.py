@@ -20,6 +20,7 @@ from safetensors.torch import load as load_bytes
 from ckptd.common.boxes import Box
 from ckptd.daemon.handoff.arena import ArenaPool
 from ckptd.format.index import INDEX_NAME
+from ckptd.daemon.plan.files import commit_time
 from ckptd.daemon.plan.save_plan import TensorSpec, make_save_plan
 from ckptd.daemon.storage import Storage, StorageBackend
 from ckptd.daemon.tools.verify import verify_files
@@ -226,6 +227,32 @@ def test_retention_recycles_data_files_into_the_next_save(backend: StorageBacken
     assert len(storage.writing.take_recycled("job")) == 2
     loaded = _load(storage, "job", 2, "model-00001-of-00001.safetensors")
     assert all(torch.equal(loaded[n.split("/", 1)[1]], t) for n, t in tensors.items())
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("now", "after", "expected"),
+    [(100.0, None, 100.0), (100.0, 50.0, 100.0), (40.0, 50.0, 50.001), (50.0, 50.0, 50.001), (40.0, float("nan"), 40.0)],
+)
+def test_a_commit_time_is_after_the_jobs_newest_whatever_the_clock(now: float, after: float | None, expected: float) -> None:
+    assert commit_time(now, after) == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_clock_stepped_back_commits_the_next_step_as_the_newest(backend: StorageBackend, shm_dir: Path) -> None:
+    """NTP or a restored VM sets the clock back a minute between two saves: the step committed
+    after it is still the newest (latest_step, the last of commit_order), never the one retention
+    takes for the oldest."""
+    specs = [TensorSpec("model/w", "model", "F32", (64,), Box.full((64,)))]
+    plan = make_save_plan([specs])
+    pool = ArenaPool(shm_dir, "job", max_inflight=1)
+    arenas = take_arenas(pool, plan.arena_bytes)
+    _fill(arenas, plan, {"model/w": torch.randn(64)})
+    for step, now in [(1, 1000.0), (2, 1001.0), (3, 1002.0), (4, 942.0), (5, 943.0)]:
+        persist(backend, PersistRequest("job", step, plan, arenas, {}, {}, None, 2**30, 1), Progress(plan.total_bytes), clock=lambda: now)
+    assert backend.catalog.commit_order("job") == [1, 2, 3, 4, 5]
+    assert backend.catalog.latest_step("job") == 5
+    created = [backend.files.read_index("job", step).created_at for step in (3, 4, 5)]
+    assert created[0] < created[1] < created[2]
     pool.close()
 
 

@@ -57,6 +57,12 @@ def test_status_refuses_a_watch_that_is_no_positive_number_of_seconds(seconds: s
     assert out.returncode == 2 and "argument --watch" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("node", ["-1", "x", "1.5", "²"])
+def test_verify_refuses_a_node_that_is_no_node_rank(node: str, tmp_path: Path) -> None:
+    out = ckptd("verify", "--node", node, str(tmp_path))
+    assert out.returncode == 2 and "argument --node" in out.stderr and "is not a node rank" in out.stderr, out.stderr
+
+
 def test_ls_explains_bad_input(tmp_path: Path) -> None:
     out = ckptd("ls", str(tmp_path / "nowhere"))
     assert out.returncode == 2 and "is not a directory" in out.stderr

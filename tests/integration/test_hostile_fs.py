@@ -512,3 +512,36 @@ def test_names_that_only_look_like_the_daemons_own_are_left_alone(daemons) -> No
     listing = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(root)], capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "step-²" not in listing.stdout, listing
     assert all(path.exists() for path in planted)
+
+
+@pytest.mark.parametrize("moved", ["job", "step"])
+def test_a_directory_moved_behind_a_link_is_named_never_passed_over(moved: str, daemons, tmp_path: Path) -> None:
+    """Found by an attacker's probe: an operator moves a job's directory (or its newest step's)
+    to another disk and leaves a symbolic link. The daemon follows no link under its root, and
+    its load of the newest step answered "no checkpoint" (or the older step): the run started
+    over beside its own checkpoints, without a word. The load is refused, naming the link and
+    the fix; `ckptd ls` says what it does not list; once the directory is back, all loads."""
+    root = daemons.root
+    daemon = daemons.start()
+    with CheckpointClient("moved", address=daemon.address, on_error="raise", timeout_s=60) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state_of(step)).wait_durable(timeout=60)
+    daemon.stop()
+    place = root / "moved" if moved == "job" else root / "moved" / "step-00000002"
+    away = tmp_path / "other-disk" / place.name
+    away.parent.mkdir()
+    os.rename(place, away)
+    place.symlink_to(away)
+    daemon = daemons.start()
+    with CheckpointClient("moved", address=daemon.address, on_error="raise", timeout_s=60, run_id="resumed") as ckpt:
+        for asked in (None, 2):
+            error = call_with_timeout(lambda: ckpt.load(empty_like(state_of(2)), step=asked))
+            assert isinstance(error, CheckpointError) and f"{place} is a symbolic link" in str(error), error
+            assert "move the directory itself back" in str(error), error
+        listing = subprocess.run([sys.executable, "-m", "ckptd.daemon.app.cli", "ls", str(root), "moved"], capture_output=True, text=True, timeout=60)
+        assert f"not listed: {place} is a symbolic link" in listing.stderr, listing
+        place.unlink()
+        os.rename(away, place)
+        assert_loads(ckpt, state_of(2), 2)
+        restored = empty_like(state_of(2))
+        assert call_with_timeout(lambda: ckpt.load(restored)) == 2

@@ -345,6 +345,7 @@ class Coordinator:
             retention=None if asked is None else policy_record(self.job_policy(asked), asked),
             layouts=save.cache.index_layouts if save.cache is not None else None,
             extras_texts=save.cache.extras_texts if save.cache is not None else None,
+            after=self.storage.catalog.newest_commit_time(save.job),
         )
         if shared:
             present = self.storage.files.step_file_sizes(save.job, save.step)

@@ -27,11 +27,19 @@ class Root(Tier):
     async def newest(self, job: str, found: Located | None) -> Located | None:
         if found is not None:
             return None
-        step = await asyncio.to_thread(self.engine.storage.catalog.latest_step, job)
+        step = await asyncio.to_thread(self._newest, job)
         return None if step is None else Located(step)
 
+    def _newest(self, job: str) -> int | None:
+        catalog = self.engine.storage.catalog
+        _refuse_links(catalog.not_followed(job), job, None)
+        return catalog.latest_step(job)
+
     async def locate(self, job: str, step: int) -> Located | None:
-        return Located(step) if await self.engine.committed(job, step) else None
+        if await self.engine.committed(job, step):
+            return Located(step)
+        _refuse_links(await asyncio.to_thread(self.engine.storage.catalog.not_followed, job, step), job, step)
+        return None
 
     async def index(self, job: str, step: int) -> CheckpointIndex:
         return await self.engine.index(job, step)
@@ -77,3 +85,12 @@ class Root(Tier):
             f"step {step} of job {job!r} cannot be loaded: {problem}; load an older step (`{example}`), "
             f"and see what else is damaged with `ckptd verify {storage.catalog.step_location(job, step)}`"
         )
+
+
+def _refuse_links(found: list[str], job: str, step: int | None) -> None:
+    """Precondition when a link (or a file) stands where the job's directory or a step directory
+    of it belongs (`found`: StepCatalog.not_followed): the load would otherwise pass over it, and
+    a run asking for its newest step would start over, or resume from an older one, without a word."""
+    if found:
+        asked = "the newest step" if step is None else f"step {step}"
+        raise Precondition(f"cannot load {asked} of job {job!r}: " + "; ".join(found))

@@ -6,6 +6,7 @@ step. One node's data files are planned in plan/node_files.py. No I/O: write/wri
 from __future__ import annotations
 
 import json
+import math
 import platform
 import socket
 import time
@@ -39,6 +40,7 @@ from ckptd.daemon.plan.index_layout import IndexLayouts
 from ckptd.daemon.plan.save_plan import SavePlan, StoredPart
 
 VERSION = "0.1.0"
+COMMIT_TIME_STEP_S = 0.001  # a commit after its job's newest by at least this, when the clock reads earlier (commit_time)
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,16 @@ class CompactExtras:
         return out
 
 
+def commit_time(now: float, after: float | None) -> float:
+    """A commit's `created_at` (unix seconds): `now`, or just after the job's newest commit
+    (`after`) when the clock reads earlier (stepped back by NTP, a VM restored): steps are
+    ordered by it (StepCatalog.commit_order), so a step committed later must never sort as older,
+    where retention would take it for the oldest and loads would skip it."""
+    if after is None or not math.isfinite(after) or now > after:
+        return now
+    return after + COMMIT_TIME_STEP_S
+
+
 def step_files(
     job: str,
     step: int,
@@ -223,6 +235,7 @@ def step_files(
     retention: dict[str, Any] | None = None,
     layouts: IndexLayouts | None = None,
     extras_texts: CompactExtras | None = None,
+    after: float | None = None,
 ) -> tuple[CheckpointIndex, dict[str, bytes]]:
     """The index and the small files that commit a step whose data files the nodes wrote.
 
@@ -232,7 +245,9 @@ def step_files(
     index. layouts: the job's index layouts (plan/index_layout.py), which make the index of a
     save that repeats the last one's layout without its per-tensor work; extras_texts: the
     job's texts of its ranks' extras (CompactExtras), which make extra.json without encoding
-    unchanged ones again. Returns (index, {file
+    unchanged ones again. after: the `created_at` of the job's most recently committed step
+    (StepCatalog.newest_commit_time): this commit's is later, whatever `clock` says (commit_time).
+    Returns (index, {file
     name: bytes}) with ckptd.index.json last. Pure. Raises IncompleteStep when the manifests do
     not hold every tensor's bytes exactly once.
     """
@@ -255,7 +270,7 @@ def step_files(
     index = CheckpointIndex(
         job=job,
         step=step,
-        created_at=clock(),
+        created_at=commit_time(clock(), after),
         world_size=plan.world_size,
         tensors=layout.tensors(fragments),
         files=tuple(data_files + records),

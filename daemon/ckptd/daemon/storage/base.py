@@ -151,6 +151,16 @@ class StepCatalog(Protocol):
 
     def latest_step(self, job: str) -> int | None: ...
 
+    def not_followed(self, job: str, step: int | None = None) -> list[str]:
+        """What stands where the job's directory or a step directory of it (`step`'s alone when
+        given) belongs but is never taken for one (a symbolic link, a file), each said with how to
+        fix it; [] when nothing: a load that would silently pass over them (and start the run
+        over, or from an older step) is refused instead."""
+
+    def newest_commit_time(self, job: str) -> float | None:
+        """The `created_at` of the job's most recently committed step (the last of commit_order),
+        None when it has none: the next commit's is later (plan/files.commit_time)."""
+
     def latest_named(self, job: str) -> int | None:
         """The step the job's `latest` names (a hint for other tools), or None."""
 

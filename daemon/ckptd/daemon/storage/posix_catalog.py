@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckptd.common import json_read
 from ckptd.common.files import real_dir_at
-from ckptd.daemon.storage.fs import FILE_MODE, TMP_MARK, fsync_dir, open_for_reading, read_file, tree_bytes
+from ckptd.daemon.storage.fs import FILE_MODE, TMP_MARK, fsync_dir, lkind, open_for_reading, read_file, tree_bytes
 from ckptd.daemon.storage.posix_tree import ROOT_ID_FILE, PosixTree, committed_at
 from ckptd.format.index import INDEX_HEAD_BYTES, INDEX_NAME, LATEST, CheckpointIndex, parse_step_dir_name
 
@@ -123,6 +123,23 @@ class PosixCatalog:
         number. `latest` is a hint for other tools; the index files decide."""
         order = self.commit_order(job)
         return order[-1] if order else None
+
+    def not_followed(self, job: str, step: int | None = None) -> list[str]:
+        job_dir = self.tree.job_dir(job)
+        if not os.path.lexists(job_dir):
+            return []
+        fix = "ckptd follows no link under its root: move the directory itself back in place of the link"
+        if not real_dir_at(job_dir):
+            return [f"{job_dir} is {lkind(job_dir)}, not a job directory ({fix})"]
+        found = []
+        for p in sorted(job_dir.iterdir()) if step is None else [self.tree.step_dir(job, step)]:
+            if parse_step_dir_name(p.name) is not None and os.path.lexists(p) and not real_dir_at(p):
+                found.append(f"{p} is {lkind(p)}, not a step directory ({fix}, or remove it)")
+        return found
+
+    def newest_commit_time(self, job: str) -> float | None:
+        order = self.commit_order(job)
+        return self._commit_time(job, order[-1]) if order else None
 
     def latest_named(self, job: str) -> int | None:
         """The step the job's `latest` file names, or None (no file, or not a step name). Not

@@ -15,6 +15,7 @@ from ckptd.daemon.storage.fs import (
     ForeignEntry,
     create_file,
     link_own_file,
+    lkind,
     open_for_reading,
     open_recycled,
     pwrite_all,
@@ -105,21 +106,35 @@ class PosixReadHandle:
 class PosixStepReader:
     """A step directory read by the operator tools (base.StepReader): any directory, also one
     copied out of a root. A file name is a plain name; no file is read through a link or waited
-    on as a FIFO (ForeignEntry names it)."""
+    on as a FIFO, and neither the step directory nor the job directory holding it may be a link
+    (ForeignEntry names it: the tools read a step where the daemon would, or not at all)."""
 
     def __init__(self, step_dir: Path) -> None:
         self.step_dir = step_dir
         self.where = str(step_dir)
+        self._checked = False
+
+    def _check_dirs(self) -> None:
+        """ForeignEntry when the step directory or its job directory is a link or no directory."""
+        if self._checked:
+            return
+        for where, what in ((self.step_dir.parent, "job"), (self.step_dir, "step")):
+            if os.path.lexists(where) and not real_dir_at(where):
+                raise ForeignEntry(
+                    f"{where} is {lkind(where)}, not a {what} directory: no link under a storage root is followed; "
+                    f"give the directory itself ({os.path.realpath(where)}), or move it back in place of the link"
+                )
+        self._checked = True
 
     def _path(self, name: str) -> Path:
         if not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not a file name of a step directory")
+        self._check_dirs()
         return self.step_dir / name
 
     def names(self) -> list[str]:
+        self._check_dirs()
         if not real_dir_at(self.step_dir):
-            if os.path.lexists(self.step_dir):
-                raise ForeignEntry(f"{self.step_dir} is not a directory the daemon made: it is not followed")
             raise FileNotFoundError(errno.ENOENT, "no such step directory", str(self.step_dir))
         return sorted(p.name for p in self.step_dir.iterdir())
 

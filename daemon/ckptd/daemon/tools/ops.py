@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 
 import grpc
 
+from ckptd.common.names import decimal
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.sizes import human_bytes
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FormatError, parse_step_dir_name
@@ -321,6 +322,8 @@ def _is_local_job(location: str) -> bool:
     """Whether `location` is a job directory (storage.is_job_dir); exits 2 when it is no
     directory at all, or a whole storage root."""
     path = Path(location)
+    if path.is_symlink():
+        _fail(f"ckptd verify: {path} is a symbolic link: no link under a storage root is followed; give the directory itself ({os.path.realpath(path)})", 2)
     if not path.is_dir():
         _fail(f"ckptd verify: {path} is not a directory; give a step directory such as ROOT/JOB/step-00001000, a job directory ROOT/JOB "
               "(`ckptd ls ROOT` lists them) or s3://BUCKET/PREFIX/JOB/step-00001000", 2)
@@ -439,6 +442,8 @@ def _root_rows(root: Path, job: str | None, uncommitted: bool) -> tuple[str, lis
             steps = storage.catalog.commit_order(name)  # the newest is the most recently committed, not the highest step
         except ValueError as exc:
             _fail(f"ckptd ls: {exc}", 2)
+        for problem in storage.catalog.not_followed(name):
+            print(f"ckptd ls: not listed: {problem}", file=sys.stderr)
         marked = rollbacks(steps)
         for step in steps:
             try:
@@ -510,8 +515,16 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("step_dir", metavar="LOCATION", help="a committed step directory, e.g. ROOT/JOB/step-00001000, a job directory ROOT/JOB (all its committed steps), "
                         "or a step in an object store, s3://BUCKET/PREFIX/JOB/step-00001000 (as `ckptd ls` shows it; credentials as for `ckptd serve --remote`)")
-    parser.add_argument("--node", type=int, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
+    parser.add_argument("--node", type=_node_rank, default=None, metavar="N", help="node-local roots: check only the data files node N wrote (default: all)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _node_rank(text: str) -> int:
+    """--node's value: a node rank, 0 or more (argparse names the flag in its error)."""
+    rank = decimal(text, 9)
+    if rank is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a node rank (0, 1, ...: the --node-rank its daemon was started with)")
+    return rank
 
 
 def _watch_seconds(text: str) -> float:

@@ -84,7 +84,8 @@ def persist(storage: StorageBackend, req: PersistRequest, progress: Progress, cl
     try:
         manifest = write_node_files(storage, req, progress)
         index, files = step_files(
-            req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization
+            req.job, req.step, req.plan, [manifest], req.extras, req.model_files, req.metric, clock, req.quantization,
+            after=storage.catalog.newest_commit_time(req.job),
         )
         StepCommit(storage.writing, storage.catalog, req.job, req.step).commit(files)
         return index
