@@ -69,7 +69,10 @@ class Saves:
         client_id = request.client_id
         if session is not None and session.open and client_id and rank in session.arrived and session.clients.get(rank) != client_id:
             # another client of this rank began the step: the rank restarted (a retry of one client is refused by arrive)
-            await engine.fail(state, session, f"rank {rank} began step {step} again (it restarted)", "rank_restarted")
+            await engine.fail(state, session, (
+                f"rank {rank} began step {step} again from another client: the rank restarted, or two clients of job {job!r} "
+                f"claim rank {rank} (each process of a job needs its own RANK)"
+            ), "rank_restarted")
             session = state.sessions.get(step)
         if session is None or not session.open:
             if session is not None:
