@@ -373,3 +373,27 @@ def test_resume_from_needs_the_trainer_it_belongs_to(tmp_path: Path) -> None:
     trainer.add_callback(ckpt)
     with pytest.raises(ValueError, match="step=-1"):
         ckpt.resume_from(trainer, step=-1)
+
+
+def test_load_best_model_at_end_loads_nothing_when_the_best_evaluation_had_no_save(daemon, tmp_path: Path, one_thread: None) -> None:
+    """Found by a probe: evaluated every step, saved every second, the best evaluation at step 1
+    (greater_is_better on the loss: the first is the highest). The Trainer's own checkpoints find
+    no checkpoint-1 and load nothing; the callback loaded "ckptd step 1", never saved, and under
+    on_error="raise" train() failed after all its steps with CheckpointNotFound."""
+    ckpt = CkptdCallback(job="hf-best-unsaved", address=daemon.address, on_error="raise")
+    args = hf.training_args(str(tmp_path / "out"), max_steps=4, save_steps=2, ckptd=True, eval_strategy="steps", eval_steps=1,
+                            metric_for_best_model="loss", greater_is_better=True, load_best_model_at_end=True, per_device_eval_batch_size=8)
+    trainer = transformers.Trainer(model=hf.tiny_model(), args=args, train_dataset=hf.TokenData(), eval_dataset=hf.TokenData(),
+                                   callbacks=[ckpt])
+    assert ckpt.resume_from(trainer) is None
+    last: dict[str, torch.Tensor] = {}
+
+    class Weights(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            last.update({k: v.clone() for k, v in kwargs["model"].state_dict().items()})
+
+    trainer.add_callback(Weights())
+    trainer.train(resume_from_checkpoint=None)
+    assert trainer.state.best_global_step % 2 == 1, trainer.state.log_history  # the premise: the best step had no save
+    assert trainer.state.best_model_checkpoint is None
+    assert all(torch.equal(v, last[k]) for k, v in trainer.model.state_dict().items())  # the last step's model, as the Trainer leaves it

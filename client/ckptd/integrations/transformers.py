@@ -66,7 +66,8 @@ Trainer would (best_metric, best_global_step); the Trainer then finds no improve
 save, and ckptd saves the step, with its metric. load_best_model_at_end: the Trainer finds no
 `checkpoint-*` directory (`best_model_checkpoint` stays None) and loads nothing; `on_train_end`,
 after the last save is durable, loads the model of ckptd step `best_global_step` and sets
-`best_model_checkpoint` to its directory. Retention is the job's own (`job_retention`, sent with
+`best_model_checkpoint` to its directory; when that step had no save (evaluated between saves),
+nothing is loaded, as the Trainer does. Retention is the job's own (`job_retention`, sent with
 every save, within the daemon's flags, which bound it): `save_total_limit` keeps that many steps,
 and load_best_model_at_end / save_strategy="best" keep the best one (keep-best 1).
 
@@ -203,6 +204,7 @@ class CkptdCallback(TrainerCallback):
         self._warned_no_trainer = False
         self._training = False  # between on_train_begin and on_train_end
         self._best_saved: int | None = None  # the newest step saved while it was state.best_global_step
+        self._resumed = False  # this run resumed from a step of the job (state.best_global_step may be an earlier run's save)
         self._model_keys: list[str] = []  # the model's state_dict keys (a pointer's weights index), from on_init_end
         self._unpublished: dict[int, dict[str, Any]] = {}  # step -> trainer state tree: saved, pointer not yet published
 
@@ -256,6 +258,7 @@ class CkptdCallback(TrainerCallback):
         directory = os.path.join(trainer.args.output_dir, f"{RESUME_DIR_PREFIX}{trainer.args.process_index}")
         pointers.write_resume_dir(directory, self.job, loaded, trainer_state, model.state_dict().keys())
         self._resume = _Resume(loaded, int(trainer_state["global_step"]), str(position["at"]), directory)
+        self._resumed = True
         log.info("resuming job %s from ckptd step %d (global step %d)", self.job, loaded, self._resume.global_step)
         return directory
 
@@ -366,6 +369,7 @@ class CkptdCallback(TrainerCallback):
         position = found[POSITION_KEY]
         _warn_on_changed_data_args(position.get("data_args", {}), args)
         self._resume = _Resume(step, step, str(position["at"]), None)
+        self._resumed = True
         self._rng_due = AT_STEP if self._resume.rng_at == AT_STEP else AT_EPOCH
         log.info("resuming job %s from ckptd step %d (the Trainer's resume_from_checkpoint)", self.job, step)
 
@@ -446,11 +450,20 @@ class CkptdCallback(TrainerCallback):
     def _load_best_model(self, args: TrainingArguments, state: TrainerState, model: torch.nn.Module | None) -> None:
         """load_best_model_at_end: the model's weights of the newest step saved while it was the
         best (as the Trainer's best_model_checkpoint: the best evaluated step may have had no save),
-        else, in a run resumed since, of state.best_global_step. The Trainer's own _load_best_model
-        finds no checkpoint-* directory and does not run."""
-        step = self._best_saved if self._best_saved is not None else state.best_global_step
+        else, in a run resumed since, of state.best_global_step if the job has that step. Nothing
+        is loaded when no saved step was the best (the best evaluation fell between saves), as the
+        Trainer does then. The Trainer's own _load_best_model finds no checkpoint-* directory and
+        does not run."""
         if model is None:
             raise ValueError("the Trainer passed no model to CkptdCallback.on_train_end: it cannot load the best model")
+        step = self._best_saved
+        if step is None and self._resumed and state.best_global_step:
+            committed = {info.step for info in self._client(args).list()}
+            step = state.best_global_step if state.best_global_step in committed else None
+        if step is None:
+            log.info("load_best_model_at_end: the best evaluation (global step %s, %s %s) has no save; the model stays the "
+                     "last step's, as with the Trainer's own checkpoints", state.best_global_step, args.metric_for_best_model, state.best_metric)
+            return
         try:
             self._client(args).load({"model": model}, step=step)
         except CheckpointError as exc:  # not found (retention removed it, or no save at that step), daemon down
