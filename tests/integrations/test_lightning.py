@@ -476,7 +476,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_tensors(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_small_tensors_and_refuses_other_tensors(daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model, optimizer = _trained()
     io = CkptdCheckpointIO(job="same", address=daemon.address, on_error="raise")
     first, second = _checkpoint(model, optimizer, 7, "first"), _checkpoint(model, optimizer, 7, "second")
@@ -490,10 +490,20 @@ def test_a_second_save_of_a_step_keeps_its_own_bookkeeping_and_refuses_other_ten
     assert set(json.loads((tmp_path / "b.ckpt").read_text())["shape"]["trees"]) == {"lightning"}  # only what differs
     assert ckptd_steps(daemon.address, "same") == {7}
 
+    # two ModelCheckpoints meeting at a step (a probe: fit died): the second's own small tensors
+    # (its best_model_score, a new best_k_models entry) differ; its pointer carries them
     changed_score = _checkpoint(model, optimizer, 7, "first")
     changed_score["callbacks"]["Note"]["score"] = torch.tensor(0.25)
-    with pytest.raises(ValueError, match="global_step 7 was already saved.*'lightning/callbacks/Note/score' has another value"):
-        io.save_checkpoint(changed_score, tmp_path / "c.ckpt")
+    changed_score["callbacks"]["Best"] = {"best_k_models": {"c.ckpt": torch.tensor(1.5, dtype=torch.float64)}, "current": torch.arange(3)}
+    expected["c.ckpt"] = clone(changed_score)
+    io.save_checkpoint(changed_score, tmp_path / "c.ckpt")
+    io.teardown()  # the pointers are written
+    carried = json.loads((tmp_path / "c.ckpt").read_text())["shape"]["tensors"]
+    assert set(carried) == {"lightning/callbacks/Note/score", "lightning/callbacks/Best/best_k_models/c.ckpt", "lightning/callbacks/Best/current"}
+    for name, want in expected.items():
+        loaded = io.load_checkpoint(tmp_path / name)
+        assert differences(loaded, want) == [], name
+    assert ckptd_steps(daemon.address, "same") == {7}
     with torch.no_grad():
         model[0].weight.add_(1.0)
     with pytest.raises(ValueError, match="global_step 7 was already saved.*'model/0.weight' changed"):

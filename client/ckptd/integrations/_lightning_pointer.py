@@ -10,7 +10,9 @@ A pointer of a save that repeated a step already saved under another path (Model
 last.ckpt right after the top-k file of the same global_step) also carries "shape": that save's
 key order and the encoded JSON of the parts that differ from the step's (see
 _lightning_state.SameStep.own_shape), because Lightning's bookkeeping differs between the two
-files (ModelCheckpoint's last_model_path) while their tensors are the same.
+files (ModelCheckpoint's last_model_path) while their tensors are the same; and "tensors":
+Lightning's own small tensors of that save that the step lacks or holds other values of (a
+second ModelCheckpoint's best_model_score at the step; at most 1 MiB, base64 of their bytes).
 
 A pointer is written once its step is durable (committed by ckptd), atomically: a temporary
 file in the same directory, fsynced, renamed over the path, then the directory fsynced. So a
@@ -115,7 +117,10 @@ def read_pointer(path: str) -> Pointer:
         raise _not_a_pointer(path, f"its job is bad: {exc}") from None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise _not_a_pointer(path, f"its step is {step!r}, not an integer >= 0")
-    if shape is not None and not (isinstance(shape, dict) and set(shape) == _SHAPE_KEYS and isinstance(shape["trees"], dict)):
+    if shape is not None and not (
+        isinstance(shape, dict) and set(shape) - {"tensors"} == _SHAPE_KEYS and isinstance(shape["trees"], dict)
+        and isinstance(shape.get("tensors", {}), dict)
+    ):
         raise _not_a_pointer(path, "its \"shape\" is not one CkptdCheckpointIO writes")
     return Pointer(job, step, shape)
 

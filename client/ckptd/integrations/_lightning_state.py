@@ -31,6 +31,7 @@ Pure: no I/O, no RPC, no Lightning import.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ STATE_DICT = "state_dict"
 OPTIMIZER_STATES = "optimizer_states"
 # Lightning's key -> the ckptd key its value is saved under; every other key goes to REST.
 PARTS: Mapping[str, str] = {STATE_DICT: MODEL, OPTIMIZER_STATES: OPTIMIZER}
+# Bytes of Lightning's own tensors (callbacks' scores: REST) that a pointer may carry when a later
+# save of a step differs from it in those alone (SameStep.rest_only); more is not bookkeeping.
+MAX_INLINE_BYTES = 1 << 20
 # Lightning keys whose value must be a dict (state_dict) or a list (optimizer_states).
 _PART_TYPES: Mapping[str, type] = {STATE_DICT: dict, OPTIMIZER_STATES: list}
 
@@ -220,11 +224,34 @@ def templates(layout: Mapping[str, Any], skip: Collection[str] = ()) -> Template
     return Templates(state, tensors)
 
 
-def decode_parts(trees: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def inline_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """A small tensor as JSON a pointer carries: its dtype (safetensors name), shape and bytes (base64)."""
+    local = tensor.detach().cpu().contiguous()
+    raw = local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b""
+    return {"dtype": dtypes.from_torch_name(str(local.dtype)), "shape": list(local.shape), "data": base64.b64encode(raw).decode("ascii")}
+
+
+def _from_inline(name: str, value: Any) -> torch.Tensor:
+    """The tensor `inline_tensor` wrote; ValueError naming it when the JSON is not one it writes."""
+    try:
+        dtype, shape, data = value["dtype"], [int(n) for n in value["shape"]], base64.b64decode(value["data"], validate=True)
+        if len(data) != dtypes.nbytes(dtype, shape) or any(n < 0 for n in shape):
+            raise ValueError(f"{len(data)} bytes for {dtype}{shape}")
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, dtypes.torch_name(dtype))).reshape(shape)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"the pointer's copy of tensor {name!r} is not one CkptdCheckpointIO writes ({exc})") from None
+
+
+def decode_parts(trees: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], inline: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Parts of a checkpoint from their encoded trees (those a pointer's own shape carries), with
-    the step's loaded tensors. Raises ValueError naming a tensor the trees refer to that the step lacks."""
+    the pointer's own small tensors (`inline`: `inline_tensor`'s JSON by name) and else the
+    step's loaded tensors. Raises ValueError naming a tensor the trees refer to that neither holds."""
+    carried = {name: _from_inline(name, value) for name, value in (inline or {}).items()}
 
     def get(name: str) -> torch.Tensor:
+        if name in carried:
+            return carried[name]
         try:
             return tensors[name]
         except KeyError:
@@ -285,7 +312,10 @@ class SameStep:
     last_model_path, loop counters) may differ. A later save is accepted when it has the same
     tensor names, every model and optimizer tensor is the same memory not written since
     (torch's version counter), and every other tensor (small: scores, RNG states) has equal
-    values to a copy taken at the first save. Its shape may differ: the caller keeps that.
+    values to a copy taken at the first save. Its shape may differ: the caller keeps that. A
+    save whose model and optimizer tensors are the step's but whose own small tensors differ
+    (two ModelCheckpoints meeting at a step: the second one's best_model_score, best_k_models)
+    is accepted too (`rest_only`): its pointer carries those tensors (`own_shape`).
     """
 
     def __init__(self, step: int, mapped: Mapped) -> None:
@@ -296,12 +326,28 @@ class SameStep:
 
     def own_shape(self, mapped: Mapped) -> dict[str, Any] | None:
         """What a pointer to this step must carry for `mapped` (a later save of the step): None
-        when its shape is the step's; else its key order, its state_dict metadata and the
-        encoded trees of the parts that differ (the others are the step's)."""
-        if mapped.shape == self.shape:
+        when it is the step's; else its key order, its state_dict metadata, the encoded trees of
+        the parts that differ (the others are the step's) and, under "tensors", the bytes of its
+        own small tensors that the step lacks or holds other values of (`inline_tensor`)."""
+        inline = {
+            name: inline_tensor(t) for name, t in mapped.tensors.items()
+            if name.startswith(REST + "/") and (name not in self._values or not _equal(t, self._values[name]))
+        }
+        if mapped.shape == self.shape and not inline:
             return None
-        trees = {key: tree_ for key, tree_ in mapped.shape["trees"].items() if self.shape["trees"].get(key) != tree_}
-        return {"order": mapped.shape["order"], "trees": trees, "state_dict_metadata": mapped.shape["state_dict_metadata"]}
+        trees = {key: tree_ for key, tree_ in mapped.shape["trees"].items() if self.shape["trees"].get(key) != tree_ or (key == REST and inline)}
+        shape = {"order": mapped.shape["order"], "trees": trees, "state_dict_metadata": mapped.shape["state_dict_metadata"]}
+        return {**shape, "tensors": inline} if inline else shape
+
+    def rest_only(self, mapped: Mapped) -> bool:
+        """Whether `mapped` differs from this step in Lightning's own small tensors alone: every
+        model and optimizer tensor is the step's, unwritten since, and its other tensors hold at
+        most MAX_INLINE_BYTES (a pointer carries those that differ: own_shape)."""
+        own = {name: t for name, t in mapped.tensors.items() if not name.startswith(REST + "/")}
+        if set(own) != set(self._identity) or any(_identity(t) != self._identity[name] for name, t in own.items()):
+            return False
+        rest = [t for name, t in mapped.tensors.items() if name.startswith(REST + "/")]
+        return not any(isinstance(t, DTensor) for t in rest) and sum(t.numel() * t.element_size() for t in rest) <= MAX_INLINE_BYTES
 
     def fewer(self, mapped: Mapped) -> bool:
         """Whether `mapped` holds only some of this step's tensors (a weights-only save of it)."""

@@ -227,7 +227,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if self._last is not None and self._last[0].step == step:
             same, durable = self._last
             why = same.mismatch(mapped)
-            if why is not None:
+            if why is not None and not same.rest_only(mapped):  # rest_only: the pointer carries its own small tensors
                 message = (
                     f"global_step {step} was already saved to ckptd (job {self.job!r}) by this run, and the checkpoint for "
                     f"{target} differs from it: {why}. ckptd holds one checkpoint per step, so {target} is not written: save "
@@ -488,7 +488,7 @@ class CkptdCheckpointIO(CheckpointIO):
         if pointer.shape is None:
             return assemble(layout["order"], layout["state_dict_metadata"], state)
         shape = pointer.shape  # a later save of the step: its own key order and the parts that differ
-        parts = {**state, **decode_parts(shape["trees"], fresh.tensors)}
+        parts = {**state, **decode_parts(shape["trees"], fresh.tensors, shape.get("tensors"))}
         return assemble(shape["order"], shape["state_dict_metadata"], parts)
 
 
