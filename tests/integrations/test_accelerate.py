@@ -6,6 +6,7 @@ no pickle; several models and optimizers round-trip; mismatches and misuse are r
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,27 @@ def test_misuse_is_refused(daemon) -> None:
     with CheckpointClient("accel-bad", address=daemon.address, rank=1, world_size=2) as other_ranks:
         with pytest.raises(ValueError, match="rank 1 of 2, the Accelerator process 0 of 1"):
             save_state(acc, other_ranks, 1)
+
+
+def test_a_save_in_the_middle_of_a_gradient_accumulation_is_warned(daemon, caplog: pytest.LogCaptureFixture) -> None:
+    """A probe: save_state between two micro-batches of one optimizer step resumed without their
+    gradients, silently (the DeepSpeed path refuses it): the plain path warns, and saves."""
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=3)
+    linear = nn.Linear(2, 2)
+    model, optimizer = acc.prepare(linear, torch.optim.SGD(linear.parameters(), lr=0.1))
+    with CheckpointClient("accel-accumulating", address=daemon.address, on_error="raise") as ckpt:
+        with acc.accumulate(model):
+            acc.backward(model(torch.ones(1, 2)).sum())
+        assert not acc.sync_gradients
+        with caplog.at_level(logging.WARNING, logger="ckptd.integrations.accelerate"):
+            save_state(acc, ckpt, 1).wait_durable(timeout=60)
+        assert "in the middle of a gradient accumulation (3 micro-batches" in caplog.text
+        caplog.clear()
+        for _ in range(2):
+            with acc.accumulate(model):
+                acc.backward(model(torch.ones(1, 2)).sum())
+        assert acc.sync_gradients
+        with caplog.at_level(logging.WARNING, logger="ckptd.integrations.accelerate"):
+            save_state(acc, ckpt, 2).wait_durable(timeout=60)
+        assert "gradient accumulation" not in caplog.text
+

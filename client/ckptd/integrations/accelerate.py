@@ -110,6 +110,12 @@ def save_state(
     saved (an unsupported distributed setup, a client made for other ranks).
     """
     _check(accelerator, client)
+    if accelerator.gradient_accumulation_steps > 1 and not accelerator.sync_gradients:
+        log.warning(
+            "save_state of step %d in the middle of a gradient accumulation (%d micro-batches per optimizer step): the "
+            "gradients accumulated so far are not saved (nor by Accelerate's save_state), so a resume from it loses them; "
+            "save after the optimizer step (when accelerator.sync_gradients is True)", step, accelerator.gradient_accumulation_steps,
+        )
     engine = _deepspeed_engine(accelerator)
     if engine is not None:
         if master_weights not in (None, "keep"):
