@@ -60,9 +60,10 @@ class Position:
         self.seen = state["seen"].clone()
 
 
-def config(stage: int, world: int, bf16: bool) -> dict[str, Any]:
+def config(stage: int, world: int, bf16: bool, fp16: bool = False) -> dict[str, Any]:
     return {
         "bf16": {"enabled": bf16},
+        "fp16": {"enabled": fp16, "initial_scale_power": 16},
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -85,6 +86,8 @@ def gathered(engine: Any) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue  # frozen: no master weight, no optimizer state
         out[f"master.{name}"] = safe_get_full_fp32_param(p).clone()
         for key in ("exp_avg", "exp_avg_sq"):
             out[f"{key}.{name}"] = safe_get_full_optimizer_state(p, key).clone()
@@ -115,9 +118,24 @@ def body(spec: dict[str, Any]) -> None:
     deepspeed.init_distributed(dist_backend="gloo")  # joins the group run_rank made
     torch.manual_seed(0 if spec.get("resume") is None else 7)  # a resumed run starts from other weights
     model = Net()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(spec["stage"], world, spec.get("bf16", False)))
-    dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
+    if spec.get("frozen"):
+        model.inp.weight.requires_grad_(False)  # trained with a frozen layer: saved as a model tensor, not a master weight
     out = Path(spec["out"])
+    if spec.get("no_optimizer"):  # an engine for evaluation: deepspeed.initialize without an optimizer
+        bare = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "zero_optimization": {"stage": spec["stage"]}}
+        engine, *_ = deepspeed.initialize(model=model, config=bare)
+        with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
+            try:
+                save(engine, ckpt, 1)
+                refused = ""
+            except (TypeError, ValueError) as exc:
+                refused = f"{type(exc).__name__}: {exc}"
+        (out / f"{rank}.json").write_text(json.dumps({"refused": refused}))
+        return
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config(spec["stage"], world, spec.get("bf16", False), spec.get("fp16", False))
+    )
+    dtype = torch.bfloat16 if spec.get("bf16") else torch.float16 if spec.get("fp16") else torch.float32
     report: dict[str, Any] = {"losses": {}}
     extra: dict[str, Any] = {"epoch": -1, "position": Position(-1)}
     start = 0
@@ -127,6 +145,8 @@ def body(spec: dict[str, Any]) -> None:
             report["loaded_step"] = loaded
             report["extra"] = {"epoch": extra["epoch"], "position": int(extra["position"].seen)}
             report["loaded"] = facts(engine)
+            scaler = getattr(engine.optimizer, "loss_scaler", None)
+            report["loss_scaler"] = {"scale": float(getattr(scaler, "cur_scale", 0.0)), "dynamic": bool(getattr(scaler, "dynamic", False))}
             if loaded is not None:  # a fresh engine has no optimizer state to gather yet
                 save_file(gathered(engine), str(out / f"{rank}-loaded.safetensors"))
             start = loaded or 0

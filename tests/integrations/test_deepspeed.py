@@ -191,3 +191,37 @@ def test_issue31_item2_a_job_without_a_checkpoint_starts_fresh(ds_daemon: Any, t
     (report,) = _run(ds_daemon, tmp_path / "fresh", 1, job="ds-fresh", stage=1, resume=True, steps=1)
     assert report["loaded_step"] is None and report["extra"] == {"epoch": -1, "position": -1}
     assert list(report["losses"]) == ["1"] and report["final"]["counters"][0] == 1
+
+
+def test_a_checkpoint_of_another_precision_keeps_the_engines_own_loss_scaler(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    """Found by a probe: the fp32 run's static scale (1.0, dynamic off) was set into an fp16
+    engine asking for a dynamic scale of 2**16, which then trained fp16 unscaled, silently."""
+    job, _, _ = saved_runs(2)
+    resumed = _run(ds_daemon, tmp_path / "fp16", 1, job=job, stage=2, resume=True, steps=SAVE_AT + 1, fp16=True)
+    assert resumed[0]["loaded_step"] == SAVE_AT
+    assert resumed[0]["loss_scaler"] == {"scale": 2.0**16, "dynamic": True}
+
+
+def test_an_engine_without_an_optimizer_is_refused_saying_what_to_save(ds_daemon: Any, tmp_path: Path) -> None:
+    """Found by a probe: ZeRO-3 built without an optimizer (an evaluation engine) failed with
+    DeepSpeed's AttributeError ('bit16_groups') instead of the documented ValueError."""
+    (report,) = _run(ds_daemon, tmp_path / "bare", 1, job="ds-bare", stage=3, no_optimizer=True)
+    assert report["refused"].startswith("ValueError: this engine has no ZeRO optimizer"), report
+    assert "CheckpointClient.save({'model': engine.module})" in report["refused"]
+
+
+def test_a_consolidated_load_takes_weights_frozen_in_training_from_the_step(ds_daemon: Any, module_daemons: Any, tmp_path: Path) -> None:
+    """Found by a probe: a parameter frozen in training is stored as a model tensor, not a master
+    weight; a fresh evaluation model (every requires_grad True, as the docs describe it) was
+    refused as lacking it."""
+    _run(ds_daemon, tmp_path / "frozen", 1, job="ds-frozen", stage=2, save_at=SAVE_AT, steps=SAVE_AT, frozen=True)
+    net = load_worker(WORKER).Net
+    torch.manual_seed(0)
+    expected = net().inp.weight.detach().clone()  # never trained: the worker's initial value
+    model = net()
+    assert all(p.requires_grad for p in model.parameters())
+    assert load_consolidated(model, module_daemons.root, job="ds-frozen") == SAVE_AT
+    assert torch.equal(model.inp.weight.detach(), expected)
+    model.head = torch.nn.Linear(3, 2)  # still named when truly missing
+    with pytest.raises(ValueError, match=r"not in the checkpoint: head\.bias, head\.weight"):
+        load_consolidated(model, module_daemons.root, job="ds-frozen")

@@ -49,6 +49,7 @@ a save in the middle of a gradient accumulation.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,8 @@ import torch
 from torch import nn
 
 from ckptd.client import CheckpointClient, LocalShard, SaveHandle
+
+log = logging.getLogger("ckptd.integrations.deepspeed")
 
 __all__ = ["FORMAT", "RESERVED_KEYS", "load", "load_consolidated", "save"]
 
@@ -125,10 +128,12 @@ def save(
         "zero_stage": engine.zero_optimization_stage(),
         "dp_world_size": engine.dp_world_size,
         "params": {s.fqn: list(s.shape) for s in slots},
+        "frozen": sorted({name for name, _ in engine.module.named_parameters()} - {s.fqn for s in slots}),  # stored as model tensors
         "state_keys": keys,
         "param_groups": meta_groups,
         "counters": {name: int(getattr(engine, name)) for name in _COUNTERS},
         "loss_scaler": _scalars(vars(optimizer.loss_scaler)) if getattr(optimizer, "loss_scaler", None) is not None else {},
+        "loss_scaler_kind": _scaler_kind(engine, optimizer),
     }
     return client.save(step, state, metric=metric, quantize=quantize, master_weights="keep", rng=True)
 
@@ -166,9 +171,13 @@ def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extr
     for name, value in meta["counters"].items():
         setattr(engine, name, int(value))
     if meta.get("loss_scaler") and getattr(optimizer, "loss_scaler", None) is not None:
-        for name, value in meta["loss_scaler"].items():
-            if hasattr(optimizer.loss_scaler, name):
-                setattr(optimizer.loss_scaler, name, value)
+        kind, saved_kind = _scaler_kind(engine, optimizer), meta.get("loss_scaler_kind", _scaler_kind(engine, optimizer))
+        if saved_kind == kind:
+            for name, value in meta["loss_scaler"].items():
+                if hasattr(optimizer.loss_scaler, name):
+                    setattr(optimizer.loss_scaler, name, value)
+        else:  # another precision or scaler: its scale (an fp32 run's static 1.0) would be wrong here
+            log.warning("step %s was saved with loss scaling %s, this engine runs %s: its own loss scaler is kept", loaded, saved_kind, kind)
     _master_to_module(optimizer)
     return loaded
 
@@ -236,6 +245,11 @@ def _check(engine: Any, client: CheckpointClient) -> Any:
     if getattr(engine, "has_moe_layers", False):
         raise ValueError("ckptd.integrations.deepspeed does not serve MoE expert groups (their partitions follow expert-parallel groups)")
     optimizer = engine.optimizer
+    if not (_is_stage3(optimizer) or hasattr(optimizer, "bit16_groups")):
+        raise ValueError(
+            f"this engine has no ZeRO optimizer (engine.optimizer is {type(optimizer).__name__}: deepspeed.initialize was given "
+            "no optimizer); save its weights with CheckpointClient.save({'model': engine.module}) instead"
+        )
     if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "optimizer_swapper", None) is not None:
         raise ValueError("ckptd.integrations.deepspeed does not serve ZeRO-Infinity's NVMe offload (the optimizer state lives in swap files)")
     if (client.rank, client.world_size) != (engine.global_rank, engine.world_size):
@@ -275,6 +289,15 @@ def _listing(names: list[str]) -> str:
 
 
 # ------------------------------------------------------------------ the partitions
+
+
+def _scaler_kind(engine: Any, optimizer: Any) -> str:
+    """The engine's precision and its loss scaler's kind, e.g. "fp16 DynamicLossScaler": a
+    scaler's state is set back only into an engine of the same kind."""
+    precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+    scaler = getattr(optimizer, "loss_scaler", None)
+    dynamic = "dynamic" if getattr(scaler, "dynamic", False) else "static"
+    return f"{precision} {type(scaler).__name__} {dynamic}"
 
 
 def _is_stage3(optimizer: Any) -> bool:
@@ -459,10 +482,13 @@ def _consolidated_state(model: nn.Module, meta: Mapping[str, Any], strict: bool,
     """{"master": flat views of the model's parameters, "model": its buffers and frozen parameters}."""
     shapes = {name: tuple(shape) for name, shape in meta["params"].items()}
     params = dict(model.named_parameters())
+    # parameters frozen in training are the step's model tensors, whatever requires_grad says now (a
+    # checkpoint from before "frozen" was recorded: the model's own frozen ones)
+    frozen = set(meta["frozen"]) if isinstance(meta.get("frozen"), list) else {n for n, p in params.items() if not p.requires_grad}
     problems = [
         f"{what}: {_listing(names)}"
         for what, names in (
-            ("not in the checkpoint", sorted(n for n, p in params.items() if p.requires_grad and n not in shapes)),
+            ("not in the checkpoint", sorted(n for n in params if n not in shapes and n not in frozen)),
             ("not in the model", sorted(set(shapes) - set(params))),
             ("of another shape", sorted(n for n in set(shapes) & set(params) if tuple(params[n].shape) != shapes[n])),
         )
