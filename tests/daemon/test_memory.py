@@ -262,7 +262,8 @@ def test_a_job_saving_back_to_back_does_not_starve_another_jobs_save(tmp_path: P
 
 
 def test_a_save_that_times_out_waiting_for_memory_says_so(tmp_path: Path) -> None:
-    """The watchdog's reason for a save that never got memory names the shortage, not its ranks."""
+    """A save that never got memory fails naming the shortage, not its ranks (whichever ends it
+    first: its own wait's deadline or the session's watchdog, SaveSession.memory_short)."""
     service = _service(tmp_path, shm_budget=ShmBudget(nbytes=MiB + MiB // 2), write_throttle=MiB // 4)
 
     async def run() -> None:

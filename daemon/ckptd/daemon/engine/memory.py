@@ -114,7 +114,7 @@ class ArenaMemory:
         pool = state.pool
         pool.mark_used()
         self._check_possible(pool, sizes)
-        if waiter is not None and self._behind(waiter, pool.job):
+        if waiter is not None and self.waiting_before(waiter, pool.job):
             self._waiting.setdefault(waiter, (pool.job, time.monotonic()))
             return None
         own_limit = not pool.idle_sets() and not pool.can_grow  # its own saves hold every set it may have: not a wait for room
@@ -131,11 +131,6 @@ class ArenaMemory:
         behind it may go (they are woken)."""
         if self._waiting.pop(waiter, None) is not None:
             self._spawn(self._notify())
-
-    def _behind(self, waiter: object, job: str) -> bool:
-        """Whether a save of another job has waited for room longer than `waiter` has."""
-        mine = self._waiting.get(waiter, (job, float("inf")))[1]
-        return any(other != job and since < mine for other, since in self._waiting.values())
 
     def waiting_before(self, waiter: object, job: str) -> list[str]:
         """The other jobs whose saves wait for room longer than `waiter` (for messages)."""
