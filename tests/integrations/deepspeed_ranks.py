@@ -60,8 +60,8 @@ class Position:
         self.seen = state["seen"].clone()
 
 
-def config(stage: int, world: int, bf16: bool, fp16: bool = False) -> dict[str, Any]:
-    return {
+def config(stage: int, world: int, bf16: bool, fp16: bool = False, scheduler: bool = True) -> dict[str, Any]:
+    made: dict[str, Any] = {
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": fp16, "initial_scale_power": 16},
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
@@ -71,6 +71,9 @@ def config(stage: int, world: int, bf16: bool, fp16: bool = False) -> dict[str, 
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 4}},
         "zero_optimization": {"stage": stage},
     }
+    if not scheduler:
+        del made["scheduler"]
+    return made
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +103,7 @@ def facts(engine: Any) -> dict[str, Any]:
     return {
         "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps],
         "lr": [g["lr"] for g in inner.param_groups],
-        "scheduler": engine.lr_scheduler.state_dict(),
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "adam_steps": steps,
     }
 
@@ -133,7 +136,7 @@ def body(spec: dict[str, Any]) -> None:
         (out / f"{rank}.json").write_text(json.dumps({"refused": refused}))
         return
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config(spec["stage"], world, spec.get("bf16", False), spec.get("fp16", False))
+        model=model, model_parameters=model.parameters(), config=config(spec["stage"], world, spec.get("bf16", False), spec.get("fp16", False), spec.get("scheduler", True)),
     )
     dtype = torch.bfloat16 if spec.get("bf16") else torch.float16 if spec.get("fp16") else torch.float32
     report: dict[str, Any] = {"losses": {}}
@@ -141,7 +144,11 @@ def body(spec: dict[str, Any]) -> None:
     start = 0
     with CheckpointClient(spec["job"], address=spec["address"], on_error="raise", timeout_s=60) as ckpt:
         if spec.get("resume"):
-            loaded = load(engine, ckpt, extra=extra)
+            try:
+                loaded = load(engine, ckpt, extra=extra)
+            except ValueError as exc:
+                (out / f"{rank}.json").write_text(json.dumps({"refused": str(exc), "after": facts(engine)}))
+                return
             report["loaded_step"] = loaded
             report["extra"] = {"epoch": extra["epoch"], "position": int(extra["position"].seen)}
             report["loaded"] = facts(engine)

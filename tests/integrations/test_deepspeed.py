@@ -193,6 +193,16 @@ def test_issue31_item2_a_job_without_a_checkpoint_starts_fresh(ds_daemon: Any, t
     assert list(report["losses"]) == ["1"] and report["final"]["counters"][0] == 1
 
 
+def _cpu_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator takes fp16 on this machine (it asks oneDNN: AVX512-FP16
+    or AMX CPUs; an AMD EPYC without them is refused with "Type fp16 is not supported")."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@pytest.mark.skipif(not _cpu_fp16(), reason="DeepSpeed's CPU accelerator refuses fp16 on this CPU (no AVX512-FP16/AMX in oneDNN)")
 def test_a_checkpoint_of_another_precision_keeps_the_engines_own_loss_scaler(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
     """Found by a probe: the fp32 run's static scale (1.0, dynamic off) was set into an fp16
     engine asking for a dynamic scale of 2**16, which then trained fp16 unscaled, silently."""
@@ -225,3 +235,18 @@ def test_a_consolidated_load_takes_weights_frozen_in_training_from_the_step(ds_d
     model.head = torch.nn.Linear(3, 2)  # still named when truly missing
     with pytest.raises(ValueError, match=r"not in the checkpoint: head\.bias, head\.weight"):
         load_consolidated(model, module_daemons.root, job="ds-frozen")
+
+
+def test_a_step_saved_without_a_scheduler_is_refused_by_an_engine_with_one(ds_daemon: Any, saved_runs: Any, tmp_path: Path) -> None:
+    """Found by a probe: the refusal said "save it with that key, or leave it out of the load",
+    neither of which the user can do. The step now says it was saved without a scheduler, before
+    anything of the engine changed; a step saved with one loads into an engine without one."""
+    _run(ds_daemon, tmp_path / "saved", 1, job="ds-nosched", stage=2, save_at=SAVE_AT, steps=SAVE_AT, scheduler=False)
+    (refused,) = _run(ds_daemon, tmp_path / "with", 1, job="ds-nosched", stage=2, resume=True)
+    assert "was saved from an engine without an LR scheduler, and this engine has one (WarmupLR)" in refused["refused"], refused
+    assert refused["after"]["counters"] == [0, 0, 0, 0] and refused["after"]["adam_steps"] == []
+    (resumed,) = _run(ds_daemon, tmp_path / "without", 1, job="ds-nosched", stage=2, resume=True, steps=SAVE_AT + 1, scheduler=False)
+    assert resumed["loaded_step"] == SAVE_AT
+    job, _, _ = saved_runs(2)
+    (other,) = _run(ds_daemon, tmp_path / "other", 1, job=job, stage=2, resume=True, steps=SAVE_AT + 1, scheduler=False)
+    assert other["loaded_step"] == SAVE_AT and other["loaded"]["scheduler"] is None

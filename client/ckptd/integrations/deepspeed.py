@@ -134,6 +134,7 @@ def save(
         "counters": {name: int(getattr(engine, name)) for name in _COUNTERS},
         "loss_scaler": _scalars(vars(optimizer.loss_scaler)) if getattr(optimizer, "loss_scaler", None) is not None else {},
         "loss_scaler_kind": _scaler_kind(engine, optimizer),
+        "scheduler": engine.lr_scheduler is not None,
     }
     return client.save(step, state, metric=metric, quantize=quantize, master_weights="keep", rng=True)
 
@@ -149,7 +150,8 @@ def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extr
     extra, with objects of the same structure: stateful objects, tensors and dicts are filled in
     place, and every entry of `extra` is then set to what was loaded. Returns the step loaded, or None when the job has no
     checkpoint yet (nothing changed). Raises CheckpointError when the step cannot be loaded and
-    ValueError when it holds another model or was not saved by this module.
+    ValueError when it holds another model, was not saved by this module, or was saved without
+    the LR scheduler this engine has (nothing changed then).
     """
     optimizer = _check(engine, client)
     probe: dict[str, Any] = {META_KEY: {}}
@@ -159,6 +161,7 @@ def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extr
     meta = probe[META_KEY]
     slots = _slots(engine, optimizer)
     _check_meta(meta, {s.fqn: s.shape for s in slots}, loaded)
+    _check_scheduler(engine, meta, loaded)
     flats = _flats(optimizer)
     _init_state(optimizer, flats, meta["state_keys"], meta["param_groups"])
     if _is_stage3(optimizer):
@@ -171,7 +174,8 @@ def load(engine: Any, client: CheckpointClient, step: int | None = None, *, extr
     for name, value in meta["counters"].items():
         setattr(engine, name, int(value))
     if meta.get("loss_scaler") and getattr(optimizer, "loss_scaler", None) is not None:
-        kind, saved_kind = _scaler_kind(engine, optimizer), meta.get("loss_scaler_kind", _scaler_kind(engine, optimizer))
+        kind = _scaler_kind(engine, optimizer)
+        saved_kind = meta.get("loss_scaler_kind", kind)  # a step saved before the kind was recorded: taken as this one
         if saved_kind == kind:
             for name, value in meta["loss_scaler"].items():
                 if hasattr(optimizer.loss_scaler, name):
@@ -281,6 +285,20 @@ def _check_meta(meta: Any, shapes: Mapping[str, tuple[int, ...]], step: int) -> 
     ]
     if problems:
         raise ValueError(f"ckptd step {step} holds another model than this engine's trained parameters ({'; '.join(problems)})")
+
+
+def _check_scheduler(engine: Any, meta: Mapping[str, Any], step: int) -> None:
+    """An engine with an LR scheduler loads only a step saved with one: a fresh schedule would
+    start over at its first step in the middle of the run. (A step saved with a scheduler loads
+    into an engine without one: the scheduler's state is left unread.)"""
+    if engine.lr_scheduler is not None and meta.get("scheduler") is False:
+        raise ValueError(
+            f"ckptd step {step} was saved from an engine without an LR scheduler, and this engine has one "
+            f"({type(engine.lr_scheduler).__name__}): its schedule would start over at step {step}. Resume this step "
+            "with an engine built without lr_scheduler (then set up your schedule at that step yourself), or load a step saved with one"
+        )
+    if engine.lr_scheduler is None and meta.get("scheduler"):
+        log.warning("step %s was saved with an LR scheduler, and this engine has none: the scheduler's state is not loaded", step)
 
 
 def _listing(names: list[str]) -> str:
