@@ -63,7 +63,7 @@ class PeerInventory:
 
     root_id: str  # the peer's storage root id: equal to ours when the root is shared
     committed: bool  # the step's index is on the peer's root
-    sizes: dict[str, int]  # data file name -> bytes (empty unless committed)
+    sizes: dict[str, int]  # data file name -> bytes (empty unless committed, or its part prepared: written, its commit not recorded yet)
     in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
     replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (the replica tiers)
     newest: int | None = None  # when asked: the peer's newest committed step of the job (None: none)

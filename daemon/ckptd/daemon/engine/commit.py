@@ -34,6 +34,7 @@ from ckptd.daemon.write.writer import write_node_files
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+RECORD_RETRY_S = 2.0  # a node that could not record node 0's commit (its disk full) tries again this often
 HEAP_SETTLE_DELAY_S = 0.05  # after a commit, before the heap's housekeeping: WaitDurable's answers go out first
 
 
@@ -191,7 +192,12 @@ class Commit:
                     index = await asyncio.to_thread(storage.files.read_index, session.job, session.step)
             except (OSError, FormatError) as exc:
                 log.exception("step %s of job %s is committed but node %s could not record it", session.step, session.job, node)
-                await engine.fail(state, session, f"committed elsewhere, but node {node} could not write its index: {exc}", "write_error")
+                await engine.fail(
+                    state, session, f"not on node {node}, whose root could not record node 0's commit ({exc}); node {node} keeps its "
+                    "part and records the commit as soon as it can (free the space or fix the root)", "write_error",
+                )
+                if node != 0 and not session.shared_root:  # its part stays prepared: node 0's commit is adopted when it can be
+                    engine.spawn(self.resolve_prepared(retry_s=RECORD_RETRY_S))
                 return
             self._committed_here(state, session, index)
             if node != 0 and outcome.step_files:
@@ -278,7 +284,7 @@ class Commit:
 
     async def _adopt_commit(self, job: str, step: int) -> None:
         """Write the index (and the small files) that node 0 committed for a step whose data
-        files this node wrote before it restarted."""
+        files this node wrote before it restarted, or before its root could record the commit."""
         cluster = self.engine.cluster
         assert cluster is not None
         data = await cluster.fetch_bytes(0, job, step, INDEX_NAME)
@@ -291,7 +297,7 @@ class Commit:
         files[INDEX_NAME] = data
         await asyncio.to_thread(self._write_commit_here, job, step, files)
         self._after_commit(Committed(job, step, index, False, adopted=True))  # a node-local root's part, committed by node 0 before this restart
-        log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit after its restart", step, job, self.engine.node)
+        log.info("step %s of job %s: node 0 had committed it; node %s recorded the commit now (after a restart, or once its root could)", step, job, self.engine.node)
 
 
 class ThreadPool:

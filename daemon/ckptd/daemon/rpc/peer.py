@@ -16,7 +16,7 @@ from ckptd.common.names import check_job_id, check_run_id
 from ckptd.daemon import errors
 from ckptd.daemon.engine.coordinator import Coordinator
 from ckptd.daemon.engine.requests import ReportManifest
-from ckptd.format.index import INDEX_NAME, FormatError
+from ckptd.format.index import INDEX_NAME, PREPARED_NAME, CheckpointIndex, FormatError
 from ckptd.daemon.records import PeerInventory
 from ckptd.daemon.rpc import convert as rpc_convert
 from ckptd.daemon.rpc import validate as checks
@@ -82,9 +82,9 @@ class PeerServicer(ppb_grpc.PeerServicer):
         step = checks.check_step(request.step)
         storage = self.service.storage
         committed = await asyncio.to_thread(storage.catalog.is_committed, job, step)  # links not followed
+        files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
         sizes = {}
-        if committed:
-            files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
+        if committed or PREPARED_NAME in files:  # or written and fsynced, its commit not recorded here yet (node 0 decides)
             sizes = {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
         coordinator = self.cluster.coordinator
         in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
@@ -135,15 +135,20 @@ class PeerServicer(ppb_grpc.PeerServicer):
         job = check_job_id(request.job)
         step = checks.check_step(request.step)
         name = checks.check_file_name(request.file, data_only=False)
-        try:
-            index = await self.service.index(job, step)
-        except (errors.Precondition, OSError):
-            raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}") from None
         storage = self.service.storage
-        record = index.file(name)
-        if name == INDEX_NAME:
-            size: int | None = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
+        try:
+            index: CheckpointIndex | None = await self.service.index(job, step)
+        except (errors.Precondition, OSError):
+            index = None
+        if index is None:  # a data file of this node's prepared part, whose commit node 0 made and this node records later
+            files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
+            if PREPARED_NAME not in files or not name.endswith(".safetensors"):
+                raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}")
+            size: int | None = files.get(name)
+        elif name == INDEX_NAME:
+            size = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
         else:
+            record = index.file(name)
             size = record.size if record is not None else None
         if size is None:
             raise errors.NotFound(f"{name} is not a file of step {step} of job {job!r}")
@@ -152,7 +157,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
         while done < nbytes:
             n = min(FETCH_CHUNK, nbytes - done)
             try:  # no link followed, no FIFO waited on; a short file is an error, not a short answer
-                data = await self.service.fetched_range(index, name, request.offset + done, n)
+                if index is None:  # the requester checks the bytes against node 0's index
+                    data = await asyncio.to_thread(storage.files.read_range, job, step, name, request.offset + done, n)
+                else:
+                    data = await self.service.fetched_range(index, name, request.offset + done, n)
             except ForeignEntry as exc:
                 raise errors.Precondition(f"{name} on node {self.cluster.node} is not served: {exc}") from None
             except FormatError as exc:

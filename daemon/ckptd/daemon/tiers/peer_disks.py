@@ -57,11 +57,15 @@ class PeerDisks(Tier):
         return answers
 
     async def newest(self, job: str, found: Located | None) -> Located | None:
-        """When no tier before found a step (a replaced node, on an empty root): the job's newest
-        committed step as node 0 records it (the node that commits), else as the first other
-        node that answers records it; None when none has one."""
+        """The job's newest step as node 0 records it (the node that commits), so that every
+        node's ranks load the same step. On a node other than 0 whose root has a step (`found`):
+        node 0's newest when it differs (this root lags: it has not recorded node 0's last commit
+        yet, or it was restored from an older copy; or node 0's root is the older one); this
+        root's when node 0 does not answer. When no tier before found a step (a replaced node,
+        on an empty root): node 0's newest, else the first other node's that answers; None when
+        none has one."""
         if found is not None:
-            return None
+            return await self._node0_newest(job, found) if self.cluster.node != 0 else None
         answers = await self._answers(job, 0, newest=True, wanted=lambda a: a.newest is not None)
         for node in sorted(answers):
             step = answers[node].newest
@@ -69,6 +73,19 @@ class PeerDisks(Tier):
                 log.info("job %s has no step in this root; node %s's newest committed step is %s", job, node, step)
                 return Located(step, self)
         return None
+
+    async def _node0_newest(self, job: str, found: Located) -> Located | None:
+        """Node 0's newest step of `job` where it is not `found`'s (PeerDisks.newest); None: keep `found`."""
+        answer = await self.cluster.inventory(0, job, 0, newest=True)
+        if isinstance(answer, str):
+            log.warning("job %s: node 0 does not answer (%s); loading this root's newest step %s", job, answer, found.step)
+            return None
+        if answer.root_id == self.cluster.root_id or answer.newest is None or answer.newest == found.step:
+            return None  # a shared root, a root node 0 lost (it takes this node's newest), or the same step
+        log.warning("job %s: node 0's newest committed step is %s, this root's %s: loading step %s, as node 0's ranks do", job, answer.newest, found.step, answer.newest)
+        if await self.engine.committed(job, answer.newest):
+            return Located(answer.newest)
+        return Located(answer.newest, self)
 
     async def locate(self, job: str, step: int) -> Located | None:
         """A step this root lacks that a peer committed: read from there (nothing is written here)."""
