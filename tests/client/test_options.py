@@ -54,6 +54,8 @@ def test_values_that_work_are_taken_as_given(fields: dict[str, Any]) -> None:
         ({"run_config": [1]}, TypeError, "run_config must be a dict"),
         ({"run_id": "no spaces here"}, ValueError, "run id"),
         ({"retention": {"keep_last": 2}}, TypeError, "retention={'keep_last': 2}: pass ckptd.client.JobRetention"),
+        ({"world_size": 2**40}, ValueError, "world_size=1099511627776: pass a number from 0 to 2147483647"),  # was protobuf's "Value out of range"
+        ({"rank": -1}, ValueError, "rank=-1: pass a number from 0"),
     ],
 )
 def test_values_that_cannot_work_are_refused_at_once(fields: dict[str, Any], error: type[Exception], words: str) -> None:

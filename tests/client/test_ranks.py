@@ -22,3 +22,11 @@ def test_given_else_the_environment_else_one_process(
     rank: int | None, world_size: int | None, env: dict[str, str], expected: tuple[int, int]
 ) -> None:
     assert rank_and_world(rank, world_size, env) == expected  # torch.distributed is not initialized in this process
+
+
+@pytest.mark.parametrize("env", [{"RANK": "abc"}, {"WORLD_SIZE": "two"}, {"RANK": "1.5", "WORLD_SIZE": "4"}])
+def test_an_environment_variable_that_is_not_an_integer_is_named(env: dict[str, str]) -> None:
+    """Found by a probe: int()'s bare "invalid literal for int() with base 10: 'abc'"."""
+    name = next(k for k, v in env.items() if not v.isdigit())
+    with pytest.raises(ValueError, match=rf"\${name}='.*' is not an integer: set it to this process's .*, or unset it"):
+        rank_and_world(None, None, env)

@@ -448,3 +448,9 @@ def test_a_tensor_made_a_negated_view_through_data_is_refused_by_the_cached_stru
     t.data = torch._neg_view(torch.arange(2.0, 6.0))
     with pytest.raises(ValueError, match=r"'model/t'.*negated view"):
         cache.for_state(walk.flatten(state, rank=0), None, None)
+
+
+def test_rng_must_be_a_bool() -> None:
+    """Found by a probe: rng="yes" was taken as True."""
+    with pytest.raises(TypeError, match=r"rng='yes': pass True"):
+        flatten_state({"model": torch.nn.Linear(2, 2)}, rank=0, rng="yes")  # type: ignore[arg-type]

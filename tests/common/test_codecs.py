@@ -40,7 +40,7 @@ def test_the_schemes_are_built_from_the_registry() -> None:
     for scheme, (first, second) in {"O1": ("lin-i8", "log-u8"), "O2": ("lin-i4", "log-u4")}.items():
         got = [codecs.codec_for(scheme, f"optimizer/state/w/{f}", "optimizer", "F32", (64, 128)) for f in ("exp_avg", "exp_avg_sq")]
         assert got == [codec(first), codec(second)]
-    with pytest.raises(QuantError, match="use None \\(lossless\\), 'O1' \\(int8\\) or 'O2' \\(int4\\)"):
+    with pytest.raises(QuantError, match="use 'O1' \\(int8\\), 'O2' \\(int4\\), 'none' \\(lossless\\) or None"):
         quant_options.check_scheme("O3")
 
 

@@ -175,3 +175,46 @@ def test_a_load_into_an_expanded_view_is_refused_before_anything_is_written(daem
         assert torch.equal(target["model"]["a"], torch.full((6,), -1.0))  # untouched
         fine = {"model": {"a": torch.zeros(6), "w": torch.zeros(4, 3)}}
         assert ckpt.load(fine, step=1) == 1 and all(torch.equal(fine["model"][k], v) for k, v in saved["model"].items())
+
+
+# --- (e) a load of a state with keys the step was saved without ------------------------------
+
+
+class _Position:
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+def test_a_key_the_step_lacks_is_refused_before_anything_is_written(daemons) -> None:
+    """Found by a probe: resuming with code that added a key (an extras dict, a stateful object)
+    raised only after the fill had overwritten the model and a fresh optimizer's state; and a
+    step saved from a module could not be loaded into a plain dict of its tensors."""
+    daemon = daemons.start()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    trained = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    trained.step()
+    with CheckpointClient("added-keys", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": trained}).wait_durable(timeout=60)
+        fresh = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            fresh.weight.fill_(-1.0)
+        optimizer = torch.optim.Adam(fresh.parameters())
+        for added in ({"extra": {"epoch": 0}}, {"position": _Position()}, {"extra": {"epoch": 0}, "position": _Position()}):
+            with pytest.raises(CheckpointError, match=r"step 1 has no value for 'extra'|step 1 has no value for 'position'") as refused:
+                ckpt.load({"model": fresh, "optimizer": optimizer, **added}, step=1)
+            assert "nothing was loaded" in str(refused.value) and isinstance(refused.value, ValueError)
+            assert torch.equal(fresh.weight.detach(), torch.full((2, 3), -1.0)) and not optimizer.state
+        kept = {"model": fresh, "optimizer": optimizer, "extra": {"epoch": 0}}
+        assert ckpt.load(kept, step=1, strict=False) == 1 and kept["extra"] == {"epoch": 0}
+        assert torch.equal(fresh.weight.detach(), model.weight.detach())
+        plain = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}}
+        assert ckpt.load(plain, step=1) == 1
+        assert torch.equal(plain["model"]["weight"], model.weight.detach()) and torch.equal(plain["model"]["bias"], model.bias.detach())

@@ -400,3 +400,54 @@ def test_a_load_that_finds_no_checkpoint_leaves_a_fresh_optimizer_fresh(daemon) 
         with pytest.raises(CheckpointNotFound):
             ckpt.load({"model": model, "optimizer": opt}, step=3)
         assert not opt.state
+
+
+class _TwoHeads(torch.nn.Module):
+    """A model whose second head gets no gradient before step 3 (Adam holds no state for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.late = torch.nn.Linear(4, 4)
+
+
+def _two_heads_step(model: _TwoHeads, optimizer: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
+    x = torch.arange(8.0).reshape(2, 4) * step
+    out = model.used(x) if step < 3 else model.late(model.used(x))
+    optimizer.zero_grad()
+    out.square().mean().backward()
+    optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("strict", [True, "missing"])
+def test_a_parameter_without_optimizer_state_yet_resumes_under_a_strict_load(daemon, strict) -> None:
+    """Found by a probe: a parameter not stepped yet (an unused branch, a head trained later)
+    has no Adam state; a strict load into the restarted program's fresh optimizer, which the load
+    initializes for every parameter, was refused as missing that state. It now resumes as the
+    uninterrupted run, the late head's state starting at its first gradient, and loads into the
+    saving process's own optimizer too; a tensor truly missing is still refused."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in (1, 2):
+        _two_heads_step(model, optimizer, step)
+    with CheckpointClient(f"late-head-{strict}", address=daemon.address, on_error="raise") as ckpt:
+        ckpt.save(2, {"model": model, "optimizer": optimizer}).wait_durable(timeout=60)
+        saved_avg = optimizer.state[model.used.weight]["exp_avg"].clone()
+        expected = [_two_heads_step(model, optimizer, step) for step in (3, 4)]
+        torch.manual_seed(1)
+        resumed = _TwoHeads()
+        fresh = torch.optim.Adam(resumed.parameters(), lr=0.01)
+        assert ckpt.load({"model": resumed, "optimizer": fresh}, strict=strict) == 2
+        assert set(fresh.state) == set(resumed.used.parameters())
+        got = [_two_heads_step(resumed, fresh, step) for step in (3, 4)]
+        assert all(torch.equal(a, b) for a, b in zip(sum(expected, []), sum(got, []))), "the resumed run differs"
+        again = _TwoHeads()
+        stepped = torch.optim.Adam(again.parameters(), lr=0.01)
+        _two_heads_step(again, stepped, 1)  # state for `used` only, as at the save
+        assert ckpt.load({"model": again, "optimizer": stepped}, step=2, strict=strict) == 2
+        assert torch.equal(stepped.state[again.used.weight]["exp_avg"], saved_avg)
+        other = _TwoHeads()
+        with pytest.raises(CheckpointError, match=r"missing from step 2: extra/"):
+            ckpt.load({"model": other, "optimizer": torch.optim.Adam(other.parameters()), "extra": {"t": torch.zeros(1)}}, step=2, strict=strict)

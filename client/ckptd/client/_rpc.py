@@ -108,6 +108,7 @@ class LoadPlan:
     missing: Sequence[str]
     pieces: list[Source]
     columns: ArenaColumns | None = None
+    unexpected: Sequence[str] = ()  # in the step, not in the request (reported when the request was not strict)
 
 
 @dataclass(frozen=True)
@@ -374,7 +375,8 @@ class DaemonRpc:
             c = reply.columns
             columns = ArenaColumns.of(c.paths, c.file, c.offset, c.nbytes)
         return LoadPlan(
-            reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces], columns
+            reply.load_id, reply.plan_id, reply.step, reply.generation, reply.extras_json, reply.missing, [_source(p) for p in reply.pieces], columns,
+            reply.unexpected,
         )
 
     def plan_load_ahead(

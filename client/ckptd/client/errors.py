@@ -25,9 +25,10 @@ class DaemonUnavailable(CheckpointError):
 
 class InvalidState(CheckpointError, ValueError):
     """The daemon refused what the caller passed to `save` (INVALID_ARGUMENT: bad tensor names,
-    shapes that do not tile, options the ranks disagree on). Like the ValueError/TypeError that
-    `save` raises before asking the daemon, a caller error: retrying cannot help, so `save`
-    raises it whatever `on_error` says; the message says how to fix the state."""
+    shapes that do not tile, options the ranks disagree on), or a strict `load` found keys of
+    the state that the step has no value for (before anything was loaded). Like the
+    ValueError/TypeError that `save` raises before asking the daemon, a caller error: retrying
+    cannot help, so `save` raises it whatever `on_error` says; the message says how to fix the state."""
 
 
 class LayoutError(ValueError):

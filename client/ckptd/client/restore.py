@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Mapping
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from ckptd.client import tree
 from ckptd.client.state import FRESH_OPTIMIZER, FlatState, is_stateful, model_of, wrapped_key
@@ -22,7 +22,9 @@ from ckptd.format.file_plan import RNG_KEY
 log = logging.getLogger("ckptd.client")
 
 
-def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool | Literal["missing"] = True) -> None:
+def restore_state(
+    state: Mapping[str, Any], targets: FlatState, extras: dict[str, Any], *, strict: bool | Literal["missing"] = True, never_stepped: Set[str] = frozenset()
+) -> None:
     """Put a loaded checkpoint back into `state` once the transport has filled `targets`.
 
     targets: `flatten_state(state, ...)` whose tensors now hold the checkpoint's values.
@@ -41,6 +43,8 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
     - other values (int, str, tuple, ...) cannot change in place: state[key] is replaced,
       which needs a mutable mapping (pass a dict, or wrap the value in a dict);
     - "rng" (when targets has it): every generator is set back.
+    never_stepped: tensors of fresh optimizers ("<key>/state/<fqn>/<field>") that the step has
+    no state for (the parameter had no gradient yet): their parameters get no state, as at the save.
     A key that needs extras the checkpoint lacks raises ValueError when strict, else is left
     as it is with a warning. A tensor of the checkpoint's tree that the state has no place for
     raises ValueError when strict is True; with strict False or "missing" it is left out (a
@@ -58,11 +62,14 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
         if isinstance(value, nn.Module) and key not in targets.extras:
             continue  # only tensors, and the transport has filled them in place
         if key not in extras:
-            _missing(key, strict)
+            if not _filled_whole(key, value, targets):
+                _missing(key, strict)
             continue
         if isinstance(value, torch.optim.Optimizer):
             live = tree.decode(targets.extras[key], tensors.getter(key))
-            _restore_optimizer(state, key, value, live, extras[key])
+            prefix = f"{key}/state/"
+            unstepped = {n[len(prefix):].rpartition("/")[0] for n in never_stepped if n.startswith(prefix)}
+            _restore_optimizer(state, key, value, live, extras[key], unstepped)
             continue
         plain = not isinstance(value, nn.Module) and not is_stateful(value)
         if plain and extras[key] is targets.extras.get(key):
@@ -82,6 +89,35 @@ def restore_state(state: Mapping[str, Any], targets: FlatState, extras: dict[str
             log.warning("the checkpoint has no RNG state for this rank: the generators are left as they are")
         else:
             _set_rng_state(tree.decode(extras[RNG_KEY], tensors.getter(RNG_KEY)))
+
+
+def keys_without_values(state: Mapping[str, Any], targets: FlatState, extras: Mapping[str, Any]) -> list[str]:
+    """The keys of `state` that a checkpoint with these `extras` has no value for, which
+    `restore_state` refuses when strict: what a load checks before the fill writes a byte, so
+    that a refused load leaves the state as it was."""
+    return [key for key in sorted(state) if key not in extras and not _filled_whole(key, state[key], targets)]
+
+
+def _filled_whole(key: str, value: Any, targets: FlatState) -> bool:
+    """Whether the fill alone restores state[key], so it needs no extras of the checkpoint: a
+    module of tensors only, or a tree of nothing but tensors (str-keyed dicts and lists: a step
+    saved from a module loads into a plain dict of its tensors)."""
+    if isinstance(value, nn.Module):
+        return key not in targets.extras
+    return not is_stateful(value) and not isinstance(value, torch.optim.Optimizer) and key in targets.extras and _only_tensors(targets.extras[key])
+
+
+def _only_tensors(encoded: Any) -> bool:
+    """Whether an encoded extras tree (ckptd.client.tree) holds tensors and nothing else, in
+    dicts of str keys and lists; not an empty one (a container to be filled with the
+    checkpoint's values)."""
+    if isinstance(encoded, dict):
+        if len(encoded) == 1 and next(iter(encoded)) in tree.TAGS:
+            return tree.TENSOR in encoded
+        return bool(encoded) and all(map(_only_tensors, encoded.values()))
+    if isinstance(encoded, list):
+        return bool(encoded) and all(map(_only_tensors, encoded))
+    return False
 
 
 class _NoPlace:
@@ -148,13 +184,16 @@ _SAVED_TENSOR = _SavedTensor()
 
 
 def _restore_optimizer(
-    state: Mapping[str, Any], key: str, optimizer: torch.optim.Optimizer, live: Any, saved_json: Any
+    state: Mapping[str, Any], key: str, optimizer: torch.optim.Optimizer, live: Any, saved_json: Any, never_stepped: Set[str] = frozenset()
 ) -> None:
     """Load the optimizer with the load side's structure and filled tensors plus the saved non-tensor values.
 
     The structure (which parameters, which fields, the params of each group) is the load side's,
     so a checkpoint of a tied model loads into an untied one (the tensors came by alias); the
     checkpoint gives the param_groups' hyperparameters and non-tensor state fields.
+    never_stepped: the FQNs of parameters whose state the load initialized (a fresh optimizer)
+    and the checkpoint has none of (no gradient yet when saved): they get none, as torch's
+    load_state_dict leaves them.
     """
     saved = tree.decode(saved_json, lambda name: _SAVED_TENSOR)
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict) and isinstance(saved.get("param_groups"), list)):
@@ -169,9 +208,18 @@ def _restore_optimizer(
     for fqn, fields in live["state"].items():
         saved_fields = saved["state"].get(fqn, {})
         fields.update((k, v) for k, v in saved_fields.items() if v is not _SAVED_TENSOR)
-    set_optimizer_state_dict(model_of(state, key), optimizer, optim_state_dict=live)
+    model = model_of(state, key)
+    # not torch's strict check (a trainable parameter without state): the state is the load side's
+    # own, which may hold none for a parameter not stepped yet; ckptd's own checks named the tensors
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=live, options=_OPTIMIZER_LOAD)
+    for fqn, param in model.named_parameters(remove_duplicate=False) if never_stepped else ():
+        if fqn in never_stepped:
+            optimizer.state.pop(param, None)
     if saved.get(FRESH_OPTIMIZER) is True:
         optimizer.state.clear()  # saved before its first step: it resumes as fresh as it was
+
+
+_OPTIMIZER_LOAD = StateDictOptions(strict=False)
 
 
 def _restore_module_items(key: str, module: nn.Module, items: Any) -> None:

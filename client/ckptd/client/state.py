@@ -274,6 +274,8 @@ class Entries:
 
 
 def check_state(state: Mapping[str, Any], rng: bool) -> None:
+    if not isinstance(rng, bool):
+        raise TypeError(f"rng={rng!r}: pass True (save or load the random generators' states too) or False")
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping such as {{'model': model, 'optimizer': optimizer}}, got {type(state).__name__}")
     if not state:

@@ -23,7 +23,7 @@ def check_scheme(scheme: str | None) -> str | None:
         return None
     if scheme not in SCHEMES:
         choices = [f"{s.name!r} ({s.summary})" for s in builtin().schemes()]
-        raise QuantError(f"quantize={scheme!r}: use None (lossless), {', '.join(choices[:-1])} or {choices[-1]}")
+        raise QuantError(f"quantize={scheme!r}: use {', '.join(choices)}, 'none' (lossless) or None (the daemon's --quantize)")
     return scheme
 
 

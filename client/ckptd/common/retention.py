@@ -38,3 +38,17 @@ def check_job_retention(value: object) -> JobRetention | None:
     if value is not None and not isinstance(value, JobRetention):
         raise TypeError(f"retention={value!r}: pass ckptd.client.JobRetention(keep_last=..., keep_best=..., best_mode=...), or None")
     return value
+
+
+def check_metric(value: object) -> float | None:
+    """A save's metric (what keep_best ranks steps by) as a float: a real number, a NumPy
+    scalar or a one-element tensor (the loss as it is); None stays None. TypeError or
+    ValueError, naming `metric` and saying what to pass, for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not hasattr(value, "__float__") or getattr(value, "is_complex", lambda: False)() or isinstance(value, complex):
+        raise TypeError(f"metric={value!r}: pass a number (a float, or a one-element tensor such as the loss), or None")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (OverflowError, RuntimeError, TypeError, ValueError) as exc:  # a huge int; a tensor of several elements
+        raise ValueError(f"metric={value!r} is not one float ({exc}): pass a number, or a one-element tensor, or None") from None
