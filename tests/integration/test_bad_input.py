@@ -218,3 +218,13 @@ def test_a_key_the_step_lacks_is_refused_before_anything_is_written(daemons) -> 
         plain = {"model": {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}}
         assert ckpt.load(plain, step=1) == 1
         assert torch.equal(plain["model"]["weight"], model.weight.detach()) and torch.equal(plain["model"]["bias"], model.bias.detach())
+
+
+def test_a_state_without_a_tensor_is_refused_saying_what_to_add(daemon) -> None:
+    """Found by a probe: every save of a state of plain values failed, under on_error="warn"
+    too, with the daemon's "unknown fingerprint: send the tensor metadata with this request"."""
+    for on_error in ("warn", "raise"):
+        with CheckpointClient(f"no-tensor-{on_error}", address=daemon.address, on_error=on_error) as ckpt:
+            with pytest.raises(ValueError, match="state holds no tensor: .*add them to the state"):
+                ckpt.save(1, {"extra": {"epoch": 3}, "model": torch.nn.Identity()})
+            assert ckpt.latest() is None

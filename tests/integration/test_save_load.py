@@ -259,7 +259,11 @@ client = CheckpointClient(job=sys.argv[2], address=sys.argv[1], on_error="raise"
 client.save(1, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60)
 child = os.fork()
 if child == 0:
-    sys.exit(0)  # exits normally: atexit runs, and must leave the parent's client alone
+    try:
+        client.save(2, {"model": torch.nn.Linear(2, 2)})
+    except Exception as exc:  # the inherited client refuses to work in the child, at once
+        sys.exit(0 if "make a new CheckpointClient in this process" in str(exc) else 3)
+    sys.exit(4)  # exits normally: atexit runs, and must leave the parent's client alone
 _, status = os.waitpid(child, 0)
 print("child", status, "then step", client.save(2, {"model": torch.nn.Linear(2, 2)}).wait_durable(timeout=60).step, flush=True)
 """
@@ -280,7 +284,9 @@ def test_a_client_dropped_without_close_is_closed_when_collected(daemon) -> None
 
 def test_a_forked_child_that_exits_does_not_close_its_parents_client(daemon, tmp_path: Path) -> None:
     """The client closes itself at exit (above), but not in a process forked from the one that
-    made it: the connection, the threads and the arenas are the parent's, which saves on."""
+    made it: the connection, the threads and the arenas are the parent's, which saves on. The
+    child's save with it is refused at once (found by a probe: it returned ok=True, nothing was
+    written, and wait_durable hung)."""
     script = tmp_path / "fork.py"
     script.write_text(FORKED_CHILD_EXITS)
     out = subprocess.run([sys.executable, str(script), daemon.address, "forked"], capture_output=True, text=True, timeout=90)

@@ -203,6 +203,7 @@ class DaemonRpc:
         self._attachment: Any = None  # the open Attach call (grpc's call object), None before the first
         self._attach_unsupported = False  # the daemon predates Attach
         self._load_done: Any = None  # the LoadDone call in flight (grpc's future), None when none is
+        self._pid = os.getpid()  # grpc's channel is this process's: a forked child cannot use it
 
     # ------------------------------------------------------------ run
 
@@ -447,7 +448,14 @@ class DaemonRpc:
         self._load_done = self.stub.LoadDone.future(pb.LoadDoneRequest(who=self.who, load_id=load_id), timeout=10)
 
     def settle_load_done(self) -> None:
-        """Wait for the LoadDone call in flight, if any (at most its 10 s timeout); log its failure."""
+        """Before every call: in the process that made this connection (else CheckpointError
+        saying to make a new client; a forked child's calls on it hang or go nowhere); then wait
+        for the LoadDone call in flight, if any (at most its 10 s timeout); log its failure."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"this CheckpointClient was made in process {self._pid}, and process {os.getpid()} (a fork of it) cannot use its "
+                "connection to the daemon or its shared memory: make a new CheckpointClient in this process"
+            )
         call, self._load_done = self._load_done, None
         if call is None:
             return

@@ -241,7 +241,7 @@ class CheckpointClient:
             no_quantize = quantize == "none"
             scheme = None if no_quantize else check_scheme(quantize)
             check_master_mode(master_weights)
-            flat = self._walk.flatten(state, rank=self.rank, rng=rng, for_save=True)
+            flat = _with_tensors(self._walk.flatten(state, rank=self.rank, rng=rng, for_save=True))
             structure = self._save_structures.for_state(flat, self.layout, self.coords)  # validates the state
         except (ValueError, TypeError):  # LayoutError, QuantError included
             # What the caller passed can never be saved: raised now, whatever on_error says, with
@@ -526,6 +526,14 @@ def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:
     if text and text == targets.extras_json:
         return targets.extras
     return json.loads(text) if text else {}
+
+
+def _with_tensors(flat: FlatState) -> FlatState:
+    """`flat`, which a save hands over, once it holds a tensor: the daemon plans, writes and
+    commits tensors, and the values beside them ride along (ValueError otherwise)."""
+    if not flat.tensors:
+        raise ValueError("state holds no tensor: a ckptd checkpoint holds tensors (a model, an optimizer) and the values beside them; add them to the state")
+    return flat
 
 
 def _daemon_strict(strict: bool | Literal["missing"], flat: FlatState) -> bool:

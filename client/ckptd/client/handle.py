@@ -62,6 +62,7 @@ class SaveHandle:
         self.mode = mode  # "cpu" (no CUDA tensors), "copy", "overlap" or "ipc"
         self.copy_s = copy_s  # mode "copy": seconds from queueing the device copies until they were done
         self.kept = kept  # the step was committed already and a resumed run redid it: why (the save is ok), else None
+        self.durable: DurableInfo | None = None  # set once wait_durable() heard the step committed
 
     @property
     def error(self) -> str | None:
@@ -74,6 +75,8 @@ class SaveHandle:
 
     @property
     def ok(self) -> bool:
+        """No failure is known (the step may still fail, or its outcome be unknown: a wait that
+        timed out, a daemon that went away); `durable` says whether it is committed."""
         return self.error is None
 
     @property
@@ -103,14 +106,17 @@ class SaveHandle:
         """Block until the step is committed (fsynced, index written) and return where it is.
 
         A failed or skipped save raises CheckpointError with on_error="raise"; with "warn" it is
-        logged and None is returned, so training goes on.
+        logged and None is returned, so training goes on. The answer is kept in `durable`: None
+        until the daemon said the step is committed (a wait that timed out or lost the daemon
+        leaves `ok` True, the outcome unknown, and `durable` None).
         """
         try:
             if self._pending is not None:
                 self._pending.future.exception()  # the hand-off first
             if self.error is not None:
                 raise CheckpointError(f"step {self.step} was not handed over: {self.error}")
-            return self._wait_durable(self.step, timeout)
+            self.durable = self._wait_durable(self.step, timeout)
+            return self.durable
         except CheckpointError as exc:
             if exc.code == ABORTED and self._error is None:  # the daemon failed the step: not a wait that timed out, nor a daemon away
                 self._error = str(exc)
