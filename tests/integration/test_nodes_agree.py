@@ -126,3 +126,47 @@ def test_a_member_that_could_not_record_a_commit_records_it_once_it_can(member_o
         time.sleep(0.1)
     assert committed(cluster.root(1), "full") == [1, 2] and not prepared.exists()
     assert _run_ranks(cluster, "full", lambda ckpt, rank: _load(ckpt)) == [(2, True)] * 4
+
+
+def test_retention_of_a_shared_root_keeps_a_step_another_node_is_loading(node_sets, monkeypatch) -> None:
+    """Found by a probe: with one root shared by the nodes, node 0 applies the retention for
+    all of them but kept only the steps its own ranks were loading; a load on node 1 failed
+    midway ("cannot read ...: No such file or directory"). Node 0 now asks the other nodes."""
+    import ckptd.client.client as client_module
+
+    cluster = node_sets(2, shared_root=True)
+    cluster.start_all("--keep-last", "1")
+
+    def save(step: int) -> None:
+        results = _run_ranks(cluster, "shared", lambda ckpt, rank: _save(ckpt, step))
+        assert all(not isinstance(r, Exception) for r in results), results
+
+    save(1)
+    filling, go_on = threading.Event(), threading.Event()
+    fill = client_module.fill_plan
+
+    def held_fill(*args: Any) -> None:  # the reader's load is planned (its lease open) and waits here
+        filling.set()
+        assert go_on.wait(60)
+        fill(*args)
+
+    monkeypatch.setattr(client_module, "fill_plan", held_fill)
+    loaded: list[Any] = []
+
+    def read() -> None:
+        with CheckpointClient("shared", address=cluster.address(1), rank=0, world_size=1, on_error="raise", timeout_s=60) as ckpt:
+            target = {"model": {f"w{i}": torch.zeros(65536) for i in range(4)}}
+            loaded.append((ckpt.load(target, step=1), all(torch.equal(target["model"][k], v) for k, v in _state(1)["model"].items())))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert filling.wait(60)
+    monkeypatch.setattr(client_module, "fill_plan", fill)  # the savers' loads, if any, are not held
+    save(2)
+    save(3)
+    assert committed(cluster.root(0), "shared") == [1, 3]  # 2 went; 1 is being read on node 1
+    go_on.set()
+    reader.join(60)
+    assert loaded == [(1, True)]
+    save(4)
+    assert committed(cluster.root(0), "shared") == [4]

@@ -67,6 +67,7 @@ class PeerInventory:
     in_flight: bool  # the peer is saving (or, on node 0, deciding) the step now
     replicas: tuple[tuple[int, str, int], ...] = ()  # (node, file, size) the peer holds in memory for other nodes (the replica tiers)
     newest: int | None = None  # when asked: the peer's newest committed step of the job (None: none)
+    loading: bool = False  # a load of the step is in progress on the peer (a shared root's retention keeps it)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ class ReplicaFile(_message.Message):
     def __init__(self, node: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("root_id", "committed", "files", "in_flight", "replicas", "newest_step", "run_attached")
+    __slots__ = ("root_id", "committed", "files", "in_flight", "replicas", "newest_step", "run_attached", "loading")
     ROOT_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class InventoryResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
     RUN_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
     root_id: str
     committed: bool
     files: _containers.RepeatedCompositeFieldContainer[FileEntry]
@@ -228,7 +229,8 @@ class InventoryResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaFile]
     newest_step: int
     run_attached: bool
-    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., newest_step: _Optional[int] = ..., run_attached: _Optional[bool] = ...) -> None: ...
+    loading: bool
+    def __init__(self, root_id: _Optional[str] = ..., committed: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ..., in_flight: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaFile, _Mapping]]] = ..., newest_step: _Optional[int] = ..., run_attached: _Optional[bool] = ..., loading: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("job", "step", "file", "offset", "nbytes")

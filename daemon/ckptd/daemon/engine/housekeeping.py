@@ -107,7 +107,12 @@ class Housekeeping:
         policy = await self.policy(job, steps)
         metrics = await self._step_metrics(job, steps) if policy.keep_best else {}
         removed = []
-        for step in policy.to_delete(steps, {s for s in protected if s is not None}, metrics):
+        doomed = policy.to_delete(steps, {s for s in protected if s is not None}, metrics)
+        loaded_elsewhere = await self._loaded_on_sharing_nodes(job, doomed) if doomed else set()
+        for step in doomed:
+            if step in loaded_elsewhere:
+                log.info("retention keeps step %s of job %s for now: another node sharing this root is loading it", step, job)
+                continue
             where = storage.catalog.step_location(job, step)
             size = await asyncio.to_thread(storage.catalog.step_bytes, job, step)
             if not dry_run:
@@ -121,6 +126,25 @@ class Housekeeping:
                 log.info("retention removed step %s of job %s", step, job, extra={"job": job, "step": step})
             removed.append(Collected(job, step, where, "retention", size))
         return removed
+
+    async def _loaded_on_sharing_nodes(self, job: str, steps: Sequence[int]) -> set[int]:
+        """Of `steps`, those that another node sharing this root is loading (node 0 applies a
+        shared root's retention for every node, and each node leases only its own loads): asked
+        of every other node, a few RPCs per step about to go (node-local roots: none, each node
+        keeps its own loads' steps). A node that does not answer loads nothing that counts: its
+        loads fail with it."""
+        cluster = self.engine.cluster
+        state = self.engine.jobs.get(job)
+        last = state.last_committed() if state is not None else None
+        if cluster is None or self.engine.node != 0 or last is None or not last.shared_root:
+            return set()
+        others = [n for n in range(cluster.nodes) if n != self.engine.node]
+        loading = set()
+        for step in steps:
+            answers = await asyncio.gather(*(cluster.inventory(n, job, step) for n in others))
+            if any(not isinstance(a, str) and a.loading and a.root_id == cluster.root_id for a in answers):
+                loading.add(step)
+        return loading
 
     async def policy(self, job: str, steps: Sequence[int]) -> RetentionPolicy:
         """The retention policy of `job`: the one its newest committed step's index records (the

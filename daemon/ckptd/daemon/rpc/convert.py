@@ -427,14 +427,17 @@ def inventory_response(inventory: PeerInventory) -> ppb.InventoryResponse:
     replicas = [ppb.ReplicaFile(node=node, name=name, size=size) for node, name, size in inventory.replicas]
     newest = -1 if inventory.newest is None else inventory.newest
     return ppb.InventoryResponse(
-        root_id=inventory.root_id, committed=inventory.committed, files=files, in_flight=inventory.in_flight, replicas=replicas, newest_step=newest
+        root_id=inventory.root_id, committed=inventory.committed, files=files, in_flight=inventory.in_flight, replicas=replicas, newest_step=newest,
+        loading=inventory.loading,
     )
 
 
 def inventory_of(reply: ppb.InventoryResponse) -> PeerInventory:
     replicas = tuple((r.node, r.name, r.size) for r in reply.replicas)
     newest = reply.newest_step if reply.newest_step >= 0 else None
-    return PeerInventory(reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas=replicas, newest=newest)
+    return PeerInventory(
+        reply.root_id, reply.committed, {f.name: f.size for f in reply.files}, reply.in_flight, replicas=replicas, newest=newest, loading=reply.loading
+    )
 
 
 def bulk_ticket(answer: BulkAnswer) -> ppb.BulkTicket:

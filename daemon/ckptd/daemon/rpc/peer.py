@@ -91,7 +91,8 @@ class PeerServicer(ppb_grpc.PeerServicer):
         replication = self.service.replication
         replicas = tuple(replication.store.files_of(job, step)) if replication is not None else ()
         newest = await asyncio.to_thread(storage.catalog.latest_step, job) if request.newest else None
-        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas=replicas, newest=newest))
+        loading = step in self.service.loads.leased_steps(job)
+        reply = rpc_convert.inventory_response(PeerInventory(self.cluster.root_id, committed, sizes, in_flight, replicas=replicas, newest=newest, loading=loading))
         if request.run_id:
             reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
         return reply
