@@ -18,6 +18,7 @@ import os
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
+from ckptd.daemon.engine.single_flight import SingleFlight
 from ckptd.daemon.engine.tiers import Located, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import CkptdError, NotFound, Precondition, Unavailable
 from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json
@@ -41,6 +42,7 @@ class PeerDisks(Tier):
         self.engine = engine
         self.cluster = engine.cluster
         self._holders: dict[tuple[str, int], int] = {}  # a node found to have the step committed (asked again when it fails)
+        self._asking_node0: SingleFlight[str, PeerInventory | str] = SingleFlight()  # by job: a node's ranks loading at once ask node 0 once
 
     async def _answers(self, job: str, step: int, newest: bool, wanted: Callable[[PeerInventory], bool]) -> dict[int, PeerInventory]:
         """The other nodes' inventories of the step, by node (those that answered): the lowest
@@ -76,7 +78,7 @@ class PeerDisks(Tier):
 
     async def _node0_newest(self, job: str, found: Located) -> Located | None:
         """Node 0's newest step of `job` where it is not `found`'s (PeerDisks.newest); None: keep `found`."""
-        answer = await self.cluster.inventory(0, job, 0, newest=True)
+        answer = await self._asking_node0.run(job, lambda: self.cluster.inventory(0, job, 0, newest=True))
         if isinstance(answer, str):
             log.warning("job %s: node 0 does not answer (%s); loading this root's newest step %s", job, answer, found.step)
             return None
