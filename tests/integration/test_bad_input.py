@@ -180,17 +180,6 @@ def test_a_load_into_an_expanded_view_is_refused_before_anything_is_written(daem
 # --- (e) a load of a state with keys the step was saved without ------------------------------
 
 
-class _Position:
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seen = state["seen"]
-
-
 def test_a_key_the_step_lacks_is_refused_before_anything_is_written(daemons) -> None:
     """Found by a probe: resuming with code that added a key (an extras dict, a stateful object)
     raised only after the fill had overwritten the model and a fresh optimizer's state; and a
@@ -207,8 +196,9 @@ def test_a_key_the_step_lacks_is_refused_before_anything_is_written(daemons) -> 
         with torch.no_grad():
             fresh.weight.fill_(-1.0)
         optimizer = torch.optim.Adam(fresh.parameters())
-        for added in ({"extra": {"epoch": 0}}, {"position": _Position()}, {"extra": {"epoch": 0}, "position": _Position()}):
-            with pytest.raises(CheckpointError, match=r"step 1 has no value for 'extra'|step 1 has no value for 'position'") as refused:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)  # a stateful object added since the save
+        for added in ({"extra": {"epoch": 0}}, {"scheduler": scheduler}, {"extra": {"epoch": 0}, "scheduler": scheduler}):
+            with pytest.raises(CheckpointError, match=r"step 1 has no value for 'extra'|step 1 has no value for 'scheduler'") as refused:
                 ckpt.load({"model": fresh, "optimizer": optimizer, **added}, step=1)
             assert "nothing was loaded" in str(refused.value) and isinstance(refused.value, ValueError)
             assert torch.equal(fresh.weight.detach(), torch.full((2, 3), -1.0)) and not optimizer.state

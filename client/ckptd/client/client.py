@@ -8,7 +8,6 @@ filling a load's targets ckptd.client.reader.fill.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -33,12 +32,12 @@ from ckptd.client.options import ClientOptions
 from ckptd.client.ranks import env_int, rank_and_world
 from ckptd.client.run_id import RunIdentity
 from ckptd.client.slots import Placed, SlotMismatch, place
-from ckptd.client.restore import keys_without_values, restore_state
+from ckptd.client.load_checks import checked_plan, daemon_strict, warn_missing
+from ckptd.client.restore import restore_state
 from ckptd.client.state import FlatState
 from ckptd.client.walk import StateWalk
 from ckptd.client.structure import Structure, StructureCache
 from ckptd.common.names import check_job_id, check_step
-from ckptd.format.file_plan import names_text
 from ckptd.common.paths import daemon_address, default_address
 from ckptd.common.quant_options import check_master_mode, check_scheme
 from ckptd.common.retention import JobRetention, check_metric
@@ -397,15 +396,12 @@ class CheckpointClient:
         asked = time.perf_counter()
         try:
             self._in_run()
-            plan = self._rpc.plan_load(structure, step, kinds, _daemon_strict(strict, flat), self.read_files is not False, known_plans, ahead)
+            plan = self._rpc.plan_load(structure, step, kinds, daemon_strict(strict, flat), self.read_files is not False, known_plans, ahead)
             if self.read_files is None and (unreadable := _unreadable_file(plan)) is not None:
                 log.info("cannot read %s here: the daemon copies the checkpoint's bytes into shared memory instead", unreadable)
                 self._rpc.load_done(plan.load_id)
-                plan = self._rpc.plan_load(structure, step, kinds, _daemon_strict(strict, flat), False, known_plans)
-            extras = _checkpoint_extras(plan.extras_json, flat)
-            if (refused := _strict_refusal(plan, state, flat, extras, strict)) is not None:
-                self._rpc.load_done(plan.load_id)
-                raise refused
+                plan = self._rpc.plan_load(structure, step, kinds, daemon_strict(strict, flat), False, known_plans)
+            extras, unstepped = checked_plan(plan, state, flat, strict, self._rpc.load_done)
         except CheckpointNotFound:
             flat.unfresh(state)  # nothing loaded: a fresh optimizer stays as fresh as it was
             if step is None:
@@ -418,12 +414,12 @@ class CheckpointClient:
         planned = time.perf_counter()
         try:
             fill_plan(plan, structure, self._maps, self._pool, self._load_threads, self._handoff)
-            restore_state(state, flat, extras, strict=strict, never_stepped={n for n in plan.missing if _never_stepped(n, flat, extras)})
+            restore_state(state, flat, extras, strict=strict, never_stepped=unstepped)
             plan_s, fill_s = planned - asked, time.perf_counter() - planned  # tests/bench/bench_recovery.py reads them
             log.debug("step %s loaded: planned in %.3f s, filled in %.3f s", plan.step, plan_s, fill_s, extra={"plan_s": plan_s, "fill_s": fill_s})
         finally:
             self._rpc.load_done(plan.load_id)
-        _warn_missing(plan, flat, extras)
+        warn_missing(plan, unstepped)
         if not self._began_save:
             self._resumed_from = plan.step  # a resume: the daemon lets this run take the job over (docs/usage.md)
         return plan.step
@@ -443,7 +439,7 @@ class CheckpointClient:
         else:
             return None
         self._in_run()
-        return self._rpc.plan_load_ahead(fingerprint, step, kinds, _daemon_strict(strict, flat), self.read_files is not False, known_plans)
+        return self._rpc.plan_load_ahead(fingerprint, step, kinds, daemon_strict(strict, flat), self.read_files is not False, known_plans)
 
     # ------------------------------------------------------------ queries
 
@@ -519,71 +515,12 @@ def _kinds_of(flat: FlatState, tensor_kinds: frozenset[str] | None = None) -> li
     return sorted((flat.tensor_kinds if tensor_kinds is None else tensor_kinds) | set(flat.extras))
 
 
-def _checkpoint_extras(text: str, targets: FlatState) -> dict[str, Any]:
-    """The checkpoint's extras {top key: tree} of this rank from their JSON `text`: the targets'
-    own extras object when the text is theirs to the byte (the state holds the checkpoint's
-    values already: restore_state puts back none of its plain trees), else the parsed text."""
-    if text and text == targets.extras_json:
-        return targets.extras
-    return json.loads(text) if text else {}
-
-
 def _with_tensors(flat: FlatState) -> FlatState:
     """`flat`, which a save hands over, once it holds a tensor: the daemon plans, writes and
     commits tensors, and the values beside them ride along (ValueError otherwise)."""
     if not flat.tensors:
         raise ValueError("state holds no tensor: a ckptd checkpoint holds tensors (a model, an optimizer) and the values beside them; add them to the state")
     return flat
-
-
-def _daemon_strict(strict: bool | Literal["missing"], flat: FlatState) -> bool:
-    """Whether a load's PlanLoad asks the daemon to refuse missing and unexpected tensors: for
-    strict=True, unless the state has a fresh optimizer, whose state the load initialized for
-    every parameter while the step may hold none for some (never stepped: no gradient yet), which
-    `_strict_refusal` excuses; the daemon then reports both, and the client refuses the rest."""
-    return strict is True and not flat.fresh
-
-
-def _strict_refusal(
-    plan: LoadPlan, state: Mapping[str, Any], flat: FlatState, extras: dict[str, Any], strict: bool | Literal["missing"]
-) -> CheckpointError | None:
-    """What a strict load refuses once the daemon's plan is known, before the fill writes a
-    byte: tensors of the state that the step lacks (strict="missing", or strict=True when the
-    daemon did not check: `_daemon_strict`) but a fresh optimizer's state of a parameter the
-    step holds no state for; tensors of the step the state lacks (strict=True); and keys of the
-    state that the step has no value for (both)."""
-    missing = [name for name in plan.missing if not _never_stepped(name, flat, extras)] if strict else []
-    unexpected = list(plan.unexpected) if strict is True else []
-    if missing or unexpected:
-        parts = [f"missing from step {plan.step}: {names_text(sorted(missing))}"] if missing else []
-        parts += [f"in step {plan.step} but not in the state being loaded: {names_text(sorted(unexpected))}"] if unexpected else []
-        return CheckpointError("; ".join(parts) + " (pass strict=False to load the rest)")
-    if strict and (absent := keys_without_values(state, flat, extras)):
-        them, as_is = ("it", "it is") if len(absent) == 1 else ("them", "they are")
-        return InvalidState(
-            f"step {plan.step} has no value for {', '.join(map(repr, absent))}, and nothing was loaded: leave {them} out of "
-            f"the state you load (and set {them} up yourself), or load with strict=False to keep {them} as {as_is}"
-        )
-    return None
-
-
-def _warn_missing(plan: LoadPlan, flat: FlatState, extras: dict[str, Any]) -> None:
-    """Name each tensor of a non-strict load that the step lacks and that was left as it was."""
-    for name in plan.missing:
-        if not _never_stepped(name, flat, extras):  # that state was dropped: as the step has it
-            log.warning("not in step %s, left as it was: %s", plan.step, name)
-
-
-def _never_stepped(name: str, flat: FlatState, extras: dict[str, Any]) -> bool:
-    """Whether tensor `name` is the state of a parameter in a fresh optimizer of the load
-    ("<key>/state/<fqn>/<field>") for which the step's optimizer holds no state at all: the
-    parameter had no gradient when the step was saved (restore_state drops that state again)."""
-    key, _, rest = name.partition("/")
-    if key not in flat.fresh or not rest.startswith("state/"):
-        return False
-    saved = extras.get(key)
-    fqn = rest[len("state/"):].rpartition("/")[0]
-    return isinstance(saved, dict) and isinstance(saved.get("state"), dict) and fqn not in saved["state"]
 
 
 def _unreadable_file(plan: LoadPlan) -> str | None:

@@ -90,12 +90,10 @@ class ClientOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name}={value!r}: pass an integer, or None")
+            if value is not None and name != "copy_threads" and not 0 <= value < MAX_RANKS:
+                raise ValueError(f"{name}={value}: pass a number from 0 to {MAX_RANKS - 1}")
         if self.copy_threads is not None and self.copy_threads < 0:
             raise ValueError(f"copy_threads={self.copy_threads}: pass the number of copy threads (>= 1), or None (or 0) for min(4, cores)")
-        for name in ("rank", "world_size", "local_world_size"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < MAX_RANKS:
-                raise ValueError(f"{name}={value}: pass a number from 0 to {MAX_RANKS - 1}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(f"timeout_s={self.timeout_s!r}: pass the seconds a save or load may wait for the other ranks (> 0)")
         if self.read_files not in (None, True, False):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from ckptd.client import tree
-from ckptd.client.state import FRESH_OPTIMIZER, FlatState, is_stateful, model_of, wrapped_key
+from ckptd.client.state import FRESH_OPTIMIZER, FlatState, is_stateful, model_of, optimizer_state_name, wrapped_key
 from ckptd.format.file_plan import RNG_KEY
 
 log = logging.getLogger("ckptd.client")
@@ -67,8 +67,7 @@ def restore_state(
             continue
         if isinstance(value, torch.optim.Optimizer):
             live = tree.decode(targets.extras[key], tensors.getter(key))
-            prefix = f"{key}/state/"
-            unstepped = {n[len(prefix):].rpartition("/")[0] for n in never_stepped if n.startswith(prefix)}
+            unstepped = {parsed[1] for parsed in map(optimizer_state_name, never_stepped) if parsed is not None and parsed[0] == key}
             _restore_optimizer(state, key, value, live, extras[key], unstepped)
             continue
         plain = not isinstance(value, nn.Module) and not is_stateful(value)
@@ -212,9 +211,10 @@ def _restore_optimizer(
     # not torch's strict check (a trainable parameter without state): the state is the load side's
     # own, which may hold none for a parameter not stepped yet; ckptd's own checks named the tensors
     set_optimizer_state_dict(model, optimizer, optim_state_dict=live, options=_OPTIMIZER_LOAD)
-    for fqn, param in model.named_parameters(remove_duplicate=False) if never_stepped else ():
-        if fqn in never_stepped:
-            optimizer.state.pop(param, None)
+    if never_stepped:
+        for fqn, param in model.named_parameters(remove_duplicate=False):
+            if fqn in never_stepped:
+                optimizer.state.pop(param, None)
     if saved.get(FRESH_OPTIMIZER) is True:
         optimizer.state.clear()  # saved before its first step: it resumes as fresh as it was
 

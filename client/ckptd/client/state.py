@@ -417,13 +417,20 @@ def _optimizer_adders(key: str, model: nn.Module, entries: Entries) -> tuple[Cal
     kind = kind_of(key)
 
     def add(name: str, tensor: torch.Tensor) -> None:
-        parts = name.split("/", 3)  # key, "state", fqn, field path
+        parsed = optimizer_state_name(name)
         aliases: tuple[str, ...] = ()
-        if len(parts) == 4 and parts[1] == "state" and parts[2] in tied:
-            aliases = tuple(f"{key}/state/{other}/{parts[3]}" for other in tied[parts[2]])
+        if parsed is not None and parsed[1] in tied:
+            aliases = tuple(f"{key}/state/{other}/{parsed[2]}" for other in tied[parsed[1]])
         entries.add(TensorEntry(name, kind, tensor, aliases))
 
     return add, None if tied else entries.plain_adder(kind)
+
+
+def optimizer_state_name(name: str) -> tuple[str, str, str] | None:
+    """(optimizer key, parameter FQN, field path) of an optimizer state tensor's name
+    "<key>/state/<fqn>/<field>", else None."""
+    parts = name.split("/", 3)
+    return (parts[0], parts[2], parts[3]) if len(parts) == 4 and parts[1] == "state" else None
 
 
 def _tied_parameter_names(model: nn.Module) -> dict[str, list[str]]:

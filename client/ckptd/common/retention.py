@@ -46,7 +46,7 @@ def check_metric(value: object) -> float | None:
     ValueError, naming `metric` and saying what to pass, for anything else."""
     if value is None:
         return None
-    if isinstance(value, bool) or not hasattr(value, "__float__") or getattr(value, "is_complex", lambda: False)() or isinstance(value, complex):
+    if isinstance(value, bool) or not hasattr(value, "__float__") or getattr(value, "is_complex", lambda: False)():  # a complex tensor has __float__
         raise TypeError(f"metric={value!r}: pass a number (a float, or a one-element tensor such as the loss), or None")
     try:
         return float(value)  # type: ignore[arg-type]

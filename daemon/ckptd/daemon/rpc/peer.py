@@ -82,10 +82,7 @@ class PeerServicer(ppb_grpc.PeerServicer):
         step = checks.check_step(request.step)
         storage = self.service.storage
         committed = await asyncio.to_thread(storage.catalog.is_committed, job, step)  # links not followed
-        files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
-        sizes = {}
-        if committed or PREPARED_NAME in files:  # or written and fsynced, its commit not recorded here yet (node 0 decides)
-            sizes = {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
+        sizes = await self._data_files(job, step, committed)
         coordinator = self.cluster.coordinator
         in_flight = self.service.saving(job, step) or (coordinator is not None and coordinator.deciding(job, step))
         replication = self.service.replication
@@ -96,6 +93,15 @@ class PeerServicer(ppb_grpc.PeerServicer):
         if request.run_id:
             reply.run_attached = self.service.runs.live(job, check_run_id(request.run_id))
         return reply
+
+    async def _data_files(self, job: str, step: int, committed: bool) -> dict[str, int]:
+        """The step's data files this node offers its peers, name -> bytes: those of a committed
+        step, or of its part prepared here (written and fsynced) whose commit node 0 made and
+        this node has not recorded yet; {} for any other step."""
+        files = await asyncio.to_thread(self.service.storage.files.step_file_sizes, job, step)
+        if not committed and PREPARED_NAME not in files:
+            return {}
+        return {name: size for name, size in sorted(files.items()) if name.endswith(".safetensors")}
 
     def _replication(self) -> Replication:
         if self.service.replication is None:
@@ -142,10 +148,10 @@ class PeerServicer(ppb_grpc.PeerServicer):
         except (errors.Precondition, OSError):
             index = None
         if index is None:  # a data file of this node's prepared part, whose commit node 0 made and this node records later
-            files = await asyncio.to_thread(storage.files.step_file_sizes, job, step)
-            if PREPARED_NAME not in files or not name.endswith(".safetensors"):
+            offered = await self._data_files(job, step, committed=False)
+            if not offered:
                 raise errors.NotFound(f"step {step} of job {job!r} is not committed on node {self.cluster.node}")
-            size: int | None = files.get(name)
+            size: int | None = offered.get(name)
         elif name == INDEX_NAME:
             size = (await asyncio.to_thread(storage.files.step_file_sizes, job, step)).get(name, 0)
         else:
