@@ -6,9 +6,10 @@ environment). Each rank appends one JSON line per trained step to OUT/rank<R>.js
 ($TORCHELASTIC_RESTART_COUNT), step, loss (its own batch's, before the update), resumed_from.
 
 Spec (JSON): job, steps, out (a directory), and optionally
-- kill: {"rank": R, "step": K, "hide": DIR}: on the first attempt, rank R waits until step K is
+- kill: {"rank": R, "step": K, "hide": DIR}: on the first attempt that gets past start-up (none
+  has written OUT/killed yet), rank R waits until step K is
   durable, moves the step's data files into DIR (so a load that read them would fail), and
-  SIGKILLs itself in the middle of step K+1 (after the forward pass);
+  writes OUT/killed and SIGKILLs itself in the middle of step K+1 (after the forward pass);
 - preempt: {"grace_s": G, "step_sleep": S}: train inside `ckptd.client.preemption.Preemption`,
   saving only when preempted (each step sleeps S seconds so a signal lands mid-training); before
   the save each rank writes its state to OUT/state<R>.safetensors (what the step must restore).
@@ -70,7 +71,10 @@ def main(spec: dict[str, Any]) -> None:
     state = {"model": model, "optimizer": optimizer}
     ckpt = CheckpointClient(spec["job"], on_error="raise", timeout_s=60)
     start = ckpt.load(state) or 0
-    kill = spec.get("kill") if attempt == 0 else None
+    # the kill happens once, in the first attempt that gets this far: an attempt may die before
+    # (rank 0's store port, picked free by torchrun, taken by another process before it binds)
+    killed = out / "killed"
+    kill = spec.get("kill") if not killed.exists() else None
     preempt = spec.get("preempt")
     preemption = Preemption(ckpt, grace_s=preempt["grace_s"]) if preempt else None
     if preemption is not None:
@@ -80,6 +84,7 @@ def main(spec: dict[str, Any]) -> None:
         x, y = batch(step, rank)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         if kill is not None and kill["rank"] == rank and step == kill["step"] + 1:
+            killed.touch()
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward, before the gradients' all-reduce
         optimizer.zero_grad()
         loss.backward()

@@ -53,7 +53,9 @@ def test_sigterm_to_torchrun_saves_the_step_durably_and_exits(daemons: DaemonFac
     daemon = daemons.start()
     out = tmp_path / "out"
     spec = {"job": "preempted", "steps": 10_000, "out": str(out), "preempt": {"grace_s": 25, "step_sleep": 0.05}}
-    run = torchrun(WORKER, daemon.address, spec, log=tmp_path / "torchrun.log", extra=("--shutdown-timeout", "30"))
+    # a restart spare: an attempt can die at start-up for a reason outside ckptd (rank 0's store
+    # port, picked free by torchrun, taken before it binds); a SIGTERM stops the agent regardless
+    run = torchrun(WORKER, daemon.address, spec, log=tmp_path / "torchrun.log", max_restarts=1, extra=("--shutdown-timeout", "30"))
     wait_for_steps(out, 0, 3)
     run.send_signal(signal.SIGTERM)  # the agent only, as a container runtime signals PID 1
     output = finish(run, tmp_path / "torchrun.log", ok=False)
