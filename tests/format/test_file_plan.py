@@ -8,7 +8,7 @@ import pytest
 
 from ckptd.common.boxes import Box
 from ckptd.format.file_plan import FileInPlace, LoadMismatch, PieceInfo, StagedRead, Wanted, extras_source, plan_pieces, rank_extras
-from ckptd.format.index import QuantRecord, SideRecord, TensorRecord
+from ckptd.format.index import FragmentRecord, QuantRecord, SideRecord, TensorRecord
 from index_rig import B, F1, F2, OPT, W, fragment, index_of  # tests/index_rig.py
 
 
@@ -163,3 +163,44 @@ def test_a_held_snapshot_serves_the_lossless_tensors_it_has_and_files_the_rest()
     planned = plan_pieces(index_of((W, lossy, OPT)), [_want("model/w", (4, 2)), _want("model/b", (2,)), _want("optim/m", (2,))], ["model"], False, _local(), 0, in_memory)
     assert [(p.name, p.source) for p in planned.pieces] == [("model/w", "shm"), ("model/b", "file"), ("optim/m", "file")]
     assert asked == ["model/w", "optim/m"]
+
+
+def _bias(name: str, checksum: str, offset: int = 32, dtype: str = "F32", quant: QuantRecord | None = None) -> TensorRecord:
+    """A (2,) tensor of the step stored whole in F1, its bytes' checksum `checksum`."""
+    stored = FragmentRecord(F1, f"k{offset}", Box((0,), (2,)), dtype, offset, 8, checksum, quant=quant)
+    return TensorRecord(name, "model", "F32", (2,), (stored,))
+
+
+@pytest.mark.parametrize(
+    ("alias", "strict", "unexpected", "refused"),
+    [
+        # saved untied (or imported) with equal values: the alias is the same tensor, found
+        (_bias("model/tied", "xxh3-64:aa"), True, (), False),
+        # different values: one tensor cannot take both; strict refuses, non-strict loads the name's
+        (_bias("model/tied", "xxh3-64:bb"), True, (), True),
+        (_bias("model/tied", "xxh3-64:bb"), False, ("model/tied",), False),
+        # equal bytes of another dtype, or coded bytes: not told equal
+        (_bias("model/tied", "xxh3-64:aa", dtype="BF16"), False, ("model/tied",), False),
+        (_bias("model/tied", "xxh3-64:aa", quant=QuantRecord("lin-i8", 2)), False, ("model/tied",), False),
+    ],
+)
+def test_a_tied_tensors_alias_stored_apart_is_found_when_its_values_are_the_same(
+    alias: TensorRecord, strict: bool, unexpected: tuple[str, ...], refused: bool
+) -> None:
+    index = index_of((_bias("model/own", "xxh3-64:aa", offset=16), alias))
+    want = Wanted("model/own", "model", (2,), Box.full((2,)), aliases=("model/tied",))
+    if refused:
+        with pytest.raises(LoadMismatch, match=r"'model/own' and 'model/tied' are one tensor in the state being loaded \(tied\), but step 7 holds different values"):
+            plan_pieces(index, [want], ["model"], strict, _local())
+        return
+    planned = plan_pieces(index, [want], ["model"], strict, _local())
+    assert [p.name for p in planned.pieces] == ["model/own"]  # the name's value, read once
+    assert planned.unexpected == unexpected and planned.missing == ()
+    assert planned.compared == ("model/tied",)  # the plan holds for this step's values only: not reused for another step
+
+
+def test_a_tied_tensors_alias_saved_as_its_alias_is_the_same_record() -> None:
+    tied = TensorRecord("model/own", "model", "F32", (2,), _bias("model/own", "xxh3-64:aa").fragments, aliases=("model/tied",))
+    want = Wanted("model/own", "model", (2,), Box.full((2,)), aliases=("model/tied",))
+    planned = plan_pieces(index_of((tied,)), [want], ["model"], True, _local())
+    assert (planned.missing, planned.unexpected, planned.compared, len(planned.pieces)) == ((), (), (), 1)

@@ -175,6 +175,27 @@ def test_model_files_load_with_safetensors_and_tied_weights_are_stored_once(daem
         assert torch.equal(untied.head.weight, model.embed.weight)
 
 
+def test_an_untied_step_loads_into_a_tied_model_when_the_two_weights_are_equal_and_is_refused_when_not(daemon) -> None:
+    untied, _, _ = make_training(0, tied=False)
+    tied, _, _ = make_training(3, tied=True)
+    with CheckpointClient("untied-into-tied", address=daemon.address, on_error="raise") as ckpt:
+        with torch.no_grad():
+            untied.head.weight.copy_(untied.embed.weight)  # saved apart, equal
+        ckpt.save(1, {"model": untied}).wait_durable(timeout=60)
+        assert ckpt.load({"model": tied}) == 1
+        assert tied.head.weight is tied.embed.weight and torch.equal(tied.embed.weight, untied.embed.weight)
+
+        with torch.no_grad():
+            untied.head.weight.add_(1.0)  # now different: one tensor cannot take both
+        ckpt.save(2, {"model": untied}).wait_durable(timeout=60)
+        before = {k: v.clone() for k, v in tied.state_dict().items()}
+        with pytest.raises(CheckpointError, match=r"'model/embed.weight' and 'model/head.weight' are one tensor in the state being loaded \(tied\), but step 2 holds different values"):
+            ckpt.load({"model": tied})
+        assert all(torch.equal(v, before[k]) for k, v in tied.state_dict().items())  # refused before a byte was filled
+        assert ckpt.load({"model": tied}, strict=False) == 2
+        assert torch.equal(tied.head.weight, untied.embed.weight)  # the name's value, as the message says
+
+
 def test_strict_load_names_missing_and_unexpected_tensors(daemon) -> None:
     model, opt, sched = make_training(0)
     with CheckpointClient("strict", address=daemon.address, on_error="raise") as ckpt:

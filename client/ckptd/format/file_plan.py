@@ -93,6 +93,9 @@ class WantedBox(Protocol):
     @property
     def per_rank(self) -> bool:
         """A rank's own extras tensor, named for the rank (ckptd.common.names.per_rank_name)."""
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """The state's other names of this one tensor (tied to it)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Wanted:
     shape: tuple[int, ...]
     box: Box
     per_rank: bool = False
+    aliases: tuple[str, ...] = ()
 
 
 class FileLocation(Protocol):
@@ -146,6 +150,9 @@ class PlannedPieces:
     missing: tuple[str, ...]
     unexpected: tuple[str, ...]
     reads: tuple[StagedRead, ...]  # to perform before the rank reads (in the order found)
+    # a tied tensor's aliases that the step holds apart, found or not by their values: a plan
+    # that holds for this step's values only (not for another step of the same layout)
+    compared: tuple[str, ...] = ()
 
 
 W = TypeVar("W", bound=WantedBox)
@@ -170,7 +177,12 @@ def plan_pieces(
 
     A rank's own extras tensor (`WantedBox.per_rank`, named for `rank`) comes from the copy of
     `extras_source`'s rank, or from the one tensor of that name a step saved before extras were
-    per rank; other ranks' own tensors are neither expected nor unexpected."""
+    per rank; other ranks' own tensors are neither expected nor unexpected.
+
+    A tied tensor (a spec with aliases) loads its name's value. A step that holds one of its
+    aliases as a tensor apart (saved untied, or imported) has it found too when the two hold the
+    same values (`_same_values`); with different values it stays unexpected (strict: LoadMismatch),
+    since one tensor cannot take both."""
     table = index.by_name()
     step = index.step
     source = extras_source(rank, index.world_size)
@@ -178,6 +190,8 @@ def plan_pieces(
     pieces: list[PieceInfo] = []
     reads: dict[tuple[str, int], StagedRead] = {}
     found: set[str] = set()
+    torn: list[tuple[str, str]] = []  # (name, alias): one tensor of the state, two values in the step
+    compared: list[str] = []
     for spec in wanted:
         record = _record_of(table, spec, rank, source)
         if record is None:
@@ -185,6 +199,14 @@ def plan_pieces(
                 missing.append(spec.name)
             continue
         found.add(record.name)
+        for alias in spec.aliases:
+            other = table.get(alias)
+            if other is not None and other is not record:
+                compared.append(alias)
+                if _same_values(record, other):
+                    found.add(other.name)
+                else:
+                    torn.append((spec.name, alias))
         if tuple(record.shape) != tuple(spec.shape):
             raise LoadMismatch(
                 f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
@@ -199,6 +221,14 @@ def plan_pieces(
         if t.name not in found and t.name.split("/", 1)[0] in requested_kinds and not t.name.startswith(OPTIONAL_PREFIXES)
         and t.rank in (None, source)
     )
+    if strict and torn:
+        name, alias = torn[0]
+        more = f" (and {len(torn) - 1} more such pairs)" if len(torn) > 1 else ""
+        raise LoadMismatch(
+            f"{name!r} and {alias!r} are one tensor in the state being loaded (tied), but step {step} holds different values "
+            f"for them{more}; load into a model where they are not tied (and tie them after), or pass strict=False to load "
+            f"the value of {name!r} into both"
+        )
     if strict and (missing or unexpected):
         parts = []
         if missing:
@@ -206,7 +236,20 @@ def plan_pieces(
         if unexpected:
             parts.append(f"in step {step} but not in the state being loaded: {names_text(unexpected)}")
         raise LoadMismatch("; ".join(parts) + " (pass strict=False to load the rest)")
-    return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()))
+    return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()), tuple(compared))
+
+
+def _same_values(record: TensorRecord, other: TensorRecord) -> bool:
+    """Whether two tensors of a step hold the same values, told by their records alone: same
+    dtype and shape, stored as values (not coded) in fragments of the same boxes with the same
+    checksums. False when that cannot be told (coded, or cut into other fragments)."""
+    if record.dtype != other.dtype or tuple(record.shape) != tuple(other.shape) or record.lossy or other.lossy:
+        return False
+
+    def stored(t: TensorRecord) -> set[tuple[Any, ...]]:
+        return {(f.box.offsets, f.box.lengths, f.dtype, f.checksum) for f in t.fragments}
+
+    return stored(record) == stored(other)
 
 
 def names_text(names: Sequence[str], limit: int = 20) -> str:

@@ -229,7 +229,7 @@ class Step:
         fragments = fragments_of_state(flat, layout, coords)
         kinds = sorted({e.name.split("/", 1)[0] for e in flat.tensors} | set(flat.extras))
         specs = [
-            Wanted(f.name, entry.kind, f.global_shape, f.box, per_rank=f.per_rank)
+            Wanted(f.name, entry.kind, f.global_shape, f.box, per_rank=f.per_rank, aliases=entry.aliases)
             for entry, f in fragments
         ]
         self._read(specs, [f.local for _, f in fragments], kinds, strict, rank)

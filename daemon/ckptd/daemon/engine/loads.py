@@ -187,7 +187,7 @@ class Loads:
         await self._stage_all(index, planned.reads, locations, routes)
         planned = replace(planned, pieces=self.staging.checked_pieces(planned.pieces))
         plan_id = ""
-        if held is not None and planned.pieces and all(p.source == SHM_SOURCE for p in planned.pieces):
+        if held is not None and planned.pieces and not planned.compared and all(p.source == SHM_SOURCE for p in planned.pieces):
             plan_id = plan_digest(planned.pieces)
             self._memory_plans.put(memo_key, MemoryPlan(held, held.layout, wanted, planned.pieces, planned.missing, planned.unexpected, plan_id))
         return await self._lease(request, step, held, index, planned, plan_id)
