@@ -64,7 +64,8 @@ def test_every_rank_loads_a_step_the_moment_it_is_acknowledged(node_sets) -> Non
 
 def test_a_member_whose_root_lags_loads_the_step_node_0_committed(node_sets) -> None:
     """Node 1 restarted on an older copy of its root: its ranks loaded that copy's newest step
-    while node 0's loaded the job's newest. Every rank now loads node 0's newest."""
+    while node 0's loaded the job's newest. Every rank now loads node 0's newest, and latest()
+    and list() name it on every node."""
     cluster = node_sets(2, shared_root=False)
     cluster.start_all()
     for step in (1, 2):
@@ -77,6 +78,10 @@ def test_a_member_whose_root_lags_loads_the_step_node_0_committed(node_sets) -> 
     shutil.copytree(copy, cluster.root(1), symlinks=True)
     cluster.start(1)
     assert committed(cluster.root(1), "lag") == [1, 2]
+    # latest() and list() answer node 0's newest on every node too (they answered node 1's root's)
+    listed = _run_ranks(cluster, "lag", lambda ckpt, rank: (ckpt.latest(), [info.step for info in ckpt.list()]))
+    assert listed == [(3, [1, 2, 3])] * 4, listed
+    assert "node 0 (" in [info.path for info in _run_ranks(cluster, "lag", lambda ckpt, rank: ckpt.list())[2]][-1]
     results = _run_ranks(cluster, "lag", lambda ckpt, rank: _load(ckpt))
     # node 1's part of step 3 is in node 0's memory (a replica), or the load fails on every rank alike
     assert results == [(3, True)] * 4 or all(isinstance(r, Exception) and "step 3" in str(r) for r in results), results

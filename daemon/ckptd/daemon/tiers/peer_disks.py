@@ -15,16 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.single_flight import SingleFlight
-from ckptd.daemon.engine.tiers import Located, StagingTarget, Tier, Unstaged
+from ckptd.daemon.engine.tiers import Listing, Located, StagingTarget, Tier, Unstaged
 from ckptd.daemon.errors import CkptdError, NotFound, Precondition, Unavailable
-from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json
+from ckptd.format.index import INDEX_NAME, CheckpointIndex, FileRecord, FormatError, check_small_file, parse_extra_json, step_dir_name
 from ckptd.daemon.plan.load_plan import TierName
 from ckptd.format.file_plan import StagedRead
-from ckptd.daemon.records import PeerInventory
+from ckptd.daemon.records import PeerInventory, StepSummary
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,37 @@ class PeerDisks(Tier):
                 return Located(step, self)
         return None
 
+    async def listing(self, job: str, rows: Listing) -> Listing:
+        """On a node other than 0 with a root of its own: `rows` ending with node 0's newest step,
+        what a load without a step restores on every node (`newest`), so that latest() and List
+        answer that step on every node: added (read from a peer, where: node 0) when this root
+        has not recorded it yet, moved last when this root holds newer steps than node 0 has.
+        `rows` as they are when node 0 does not answer or has no step."""
+        if self.cluster.node == 0:
+            return rows
+        answer = await self._ask_node0(job)
+        if isinstance(answer, str) or answer.root_id == self.cluster.root_id or answer.newest is None:
+            return rows
+        newest = answer.newest
+        if rows and rows[-1][0].step == newest:
+            return rows
+        here = next((row for row in rows if row[0].step == newest), None)
+        if here is None:
+            try:
+                summary = StepSummary.of(await self.index(job, newest))
+            except CkptdError as exc:
+                log.warning("job %s: node 0's newest step %s is not listed: %s", job, newest, exc)
+                return rows
+            here = (summary, f"{self.cluster.describe(0)}: {job}/{step_dir_name(newest)}", False)
+        return [*(row for row in rows if row[0].step != newest), here]
+
+    def _ask_node0(self, job: str) -> Awaitable[PeerInventory | str]:
+        """Node 0's inventory of `job` with its newest step; a node's ranks asking at once ask once."""
+        return self._asking_node0.run(job, lambda: self.cluster.inventory(0, job, 0, newest=True))
+
     async def _node0_newest(self, job: str, found: Located) -> Located | None:
         """Node 0's newest step of `job` where it is not `found`'s (PeerDisks.newest); None: keep `found`."""
-        answer = await self._asking_node0.run(job, lambda: self.cluster.inventory(0, job, 0, newest=True))
+        answer = await self._ask_node0(job)
         if isinstance(answer, str):
             log.warning("job %s: node 0 does not answer (%s); loading this root's newest step %s", job, answer, found.step)
             return None
