@@ -204,3 +204,26 @@ def test_a_tied_tensors_alias_saved_as_its_alias_is_the_same_record() -> None:
     want = Wanted("model/own", "model", (2,), Box.full((2,)), aliases=("model/tied",))
     planned = plan_pieces(index_of((tied,)), [want], ["model"], True, _local())
     assert (planned.missing, planned.unexpected, planned.compared, len(planned.pieces)) == ((), (), (), 1)
+
+
+@pytest.mark.parametrize(
+    ("alias", "why"),
+    [
+        (_bias("model/tied", "xxh3-64:bb"), "different values"),
+        (TensorRecord("model/tied", "model", "BF16", (2,), _bias("model/tied", "xxh3-64:aa", dtype="BF16").fragments), "values of different dtypes or shapes"),
+        (_bias("model/tied", "xxh3-64:aa", quant=QuantRecord("lin-i8", 2)), "values stored coded (quantized or cast), which cannot be told equal,"),
+        (
+            TensorRecord(
+                "model/tied", "model", "F32", (2,),
+                (FragmentRecord(F1, "k40", Box((0,), (1,)), "F32", 40, 4, "xxh3-64:a1"), FragmentRecord(F1, "k44", Box((1,), (1,)), "F32", 44, 4, "xxh3-64:a2")),
+            ),
+            "values stored in fragments of different boxes, which cannot be told equal,",
+        ),
+    ],
+)
+def test_a_strict_refusal_of_a_tied_tensor_says_what_the_step_holds(alias: TensorRecord, why: str) -> None:
+    index = index_of((_bias("model/own", "xxh3-64:aa", offset=16), alias))
+    want = Wanted("model/own", "model", (2,), Box.full((2,)), aliases=("model/tied",))
+    with pytest.raises(LoadMismatch) as refused:
+        plan_pieces(index, [want], ["model"], True, _local())
+    assert f"but step 7 holds {why} for them; load into a model where they are not tied" in str(refused.value)

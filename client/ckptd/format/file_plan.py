@@ -181,7 +181,7 @@ def plan_pieces(
 
     A tied tensor (a spec with aliases) loads its name's value. A step that holds one of its
     aliases as a tensor apart (saved untied, or imported) has it found too when the two hold the
-    same values (`_same_values`); with different values it stays unexpected (strict: LoadMismatch),
+    same values (`_told_apart`); with different values it stays unexpected (strict: LoadMismatch),
     since one tensor cannot take both."""
     table = index.by_name()
     step = index.step
@@ -190,7 +190,7 @@ def plan_pieces(
     pieces: list[PieceInfo] = []
     reads: dict[tuple[str, int], StagedRead] = {}
     found: set[str] = set()
-    torn: list[tuple[str, str]] = []  # (name, alias): one tensor of the state, two values in the step
+    torn: list[tuple[str, str, str]] = []  # (name, alias, why): one tensor of the state, two values in the step
     compared: list[str] = []
     for spec in wanted:
         record = _record_of(table, spec, rank, source)
@@ -203,10 +203,11 @@ def plan_pieces(
             other = table.get(alias)
             if other is not None and other is not record:
                 compared.append(alias)
-                if _same_values(record, other):
+                why = _told_apart(record, other)
+                if why is None:
                     found.add(other.name)
                 else:
-                    torn.append((spec.name, alias))
+                    torn.append((spec.name, alias, why))
         if tuple(record.shape) != tuple(spec.shape):
             raise LoadMismatch(
                 f"tensor {spec.name!r} has shape {list(record.shape)} in step {step} but the state being "
@@ -222,10 +223,10 @@ def plan_pieces(
         and t.rank in (None, source)
     )
     if strict and torn:
-        name, alias = torn[0]
+        name, alias, why = torn[0]
         more = f" (and {len(torn) - 1} more such pairs)" if len(torn) > 1 else ""
         raise LoadMismatch(
-            f"{name!r} and {alias!r} are one tensor in the state being loaded (tied), but step {step} holds different values "
+            f"{name!r} and {alias!r} are one tensor in the state being loaded (tied), but step {step} holds {why} "
             f"for them{more}; load into a model where they are not tied (and tie them after), or pass strict=False to load "
             f"the value of {name!r} into both"
         )
@@ -239,17 +240,21 @@ def plan_pieces(
     return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()), tuple(compared))
 
 
-def _same_values(record: TensorRecord, other: TensorRecord) -> bool:
-    """Whether two tensors of a step hold the same values, told by their records alone: same
+def _told_apart(record: TensorRecord, other: TensorRecord) -> str | None:
+    """None when two tensors of a step hold the same values, told by their records alone: same
     dtype and shape, stored as values (not coded) in fragments of the same boxes with the same
-    checksums. False when that cannot be told (coded, or cut into other fragments)."""
-    if record.dtype != other.dtype or tuple(record.shape) != tuple(other.shape) or record.lossy or other.lossy:
-        return False
+    checksums; else what the step holds for them, for a message."""
+    if record.lossy or other.lossy:
+        return "values stored coded (quantized or cast), which cannot be told equal,"
+    if record.dtype != other.dtype or tuple(record.shape) != tuple(other.shape):
+        return "values of different dtypes or shapes"
 
     def stored(t: TensorRecord) -> set[tuple[Any, ...]]:
         return {(f.box.offsets, f.box.lengths, f.dtype, f.checksum) for f in t.fragments}
 
-    return stored(record) == stored(other)
+    if {f.box for f in record.fragments} != {f.box for f in other.fragments}:
+        return "values stored in fragments of different boxes, which cannot be told equal,"
+    return None if stored(record) == stored(other) else "different values"
 
 
 def names_text(names: Sequence[str], limit: int = 20) -> str:
