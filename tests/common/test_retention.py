@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from ckptd.common.retention import check_metric
+
+
 @pytest.mark.parametrize("value, expected", [(None, None), (1, 1.0), (0.25, 0.25), (torch.tensor(2.5), 2.5), (torch.tensor([0.5]), 0.5), (np.float32(1.5), 1.5)])
 def test_a_metric_is_a_number_or_a_one_element_tensor(value: object, expected: float | None) -> None:
     assert check_metric(value) == expected

@@ -12,7 +12,7 @@ from ckptd.client._rpc import LoadPlan
 from ckptd.client.errors import CheckpointError, InvalidState
 from ckptd.client.restore import keys_without_values
 from ckptd.client.state import FlatState, optimizer_state_name
-from ckptd.format.file_plan import names_text
+from ckptd.format.file_plan import mismatch_text
 
 log = logging.getLogger("ckptd.client")
 
@@ -50,9 +50,7 @@ def _strict_refusal(
     missing = [name for name in plan.missing if name not in unstepped] if strict else []
     unexpected = list(plan.unexpected) if strict is True else []
     if missing or unexpected:
-        parts = [f"missing from step {plan.step}: {names_text(sorted(missing))}"] if missing else []
-        parts += [f"in step {plan.step} but not in the state being loaded: {names_text(sorted(unexpected))}"] if unexpected else []
-        return CheckpointError("; ".join(parts) + " (pass strict=False to load the rest)")
+        return CheckpointError(mismatch_text(plan.step, sorted(missing), sorted(unexpected)))
     if strict and (absent := keys_without_values(state, flat, extras)):
         them, as_is = ("it", "it is") if len(absent) == 1 else ("them", "they are")
         return InvalidState(

@@ -231,13 +231,15 @@ def plan_pieces(
             f"the value of {name!r} into both"
         )
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from step {step}: {names_text(missing)}")
-        if unexpected:
-            parts.append(f"in step {step} but not in the state being loaded: {names_text(unexpected)}")
-        raise LoadMismatch("; ".join(parts) + " (pass strict=False to load the rest)")
+        raise LoadMismatch(mismatch_text(step, missing, unexpected))
     return PlannedPieces(tuple(pieces), tuple(missing), tuple(unexpected), tuple(reads.values()), tuple(compared))
+
+
+def mismatch_text(step: int, missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """What a strict load refuses: the state's tensors the step lacks and the step's tensors the state lacks."""
+    parts = [f"missing from step {step}: {names_text(missing)}"] if missing else []
+    parts += [f"in step {step} but not in the state being loaded: {names_text(unexpected)}"] if unexpected else []
+    return "; ".join(parts) + " (pass strict=False to load the rest)"
 
 
 def _told_apart(record: TensorRecord, other: TensorRecord) -> str | None:
@@ -248,13 +250,10 @@ def _told_apart(record: TensorRecord, other: TensorRecord) -> str | None:
         return "values stored coded (quantized or cast), which cannot be told equal,"
     if record.dtype != other.dtype or tuple(record.shape) != tuple(other.shape):
         return "values of different dtypes or shapes"
-
-    def stored(t: TensorRecord) -> set[tuple[Any, ...]]:
-        return {(f.box.offsets, f.box.lengths, f.dtype, f.checksum) for f in t.fragments}
-
     if {f.box for f in record.fragments} != {f.box for f in other.fragments}:
         return "values stored in fragments of different boxes, which cannot be told equal,"
-    return None if stored(record) == stored(other) else "different values"
+    stored = {(f.box, f.dtype, f.checksum) for f in record.fragments}
+    return None if stored == {(f.box, f.dtype, f.checksum) for f in other.fragments} else "different values"
 
 
 def names_text(names: Sequence[str], limit: int = 20) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from ckptd.daemon.engine.context import Engine
 from ckptd.daemon.engine.single_flight import SingleFlight
@@ -84,11 +84,8 @@ class PeerDisks(Tier):
         `rows` as they are when node 0 does not answer or has no step."""
         if self.cluster.node == 0:
             return rows
-        answer = await self._ask_node0(job)
-        if isinstance(answer, str) or answer.root_id == self.cluster.root_id or answer.newest is None:
-            return rows
-        newest = answer.newest
-        if rows and rows[-1][0].step == newest:
+        newest = await self._node0s_newest(job)
+        if not isinstance(newest, int) or (rows and rows[-1][0].step == newest):
             return rows
         here = next((row for row in rows if row[0].step == newest), None)
         if here is None:
@@ -100,22 +97,27 @@ class PeerDisks(Tier):
             here = (summary, f"{self.cluster.describe(0)}: {job}/{step_dir_name(newest)}", False)
         return [*(row for row in rows if row[0].step != newest), here]
 
-    def _ask_node0(self, job: str) -> Awaitable[PeerInventory | str]:
-        """Node 0's inventory of `job` with its newest step; a node's ranks asking at once ask once."""
-        return self._asking_node0.run(job, lambda: self.cluster.inventory(0, job, 0, newest=True))
+    async def _node0s_newest(self, job: str) -> int | None | str:
+        """Node 0's newest committed step of `job` in a root other than this node's; None for a
+        shared root or when node 0 has none (a root it lost); why, when node 0 does not answer.
+        A node's ranks asking at once ask node 0 once."""
+        answer = await self._asking_node0.run(job, lambda: self.cluster.inventory(0, job, 0, newest=True))
+        if isinstance(answer, str) or answer.root_id == self.cluster.root_id:
+            return answer if isinstance(answer, str) else None
+        return answer.newest
 
     async def _node0_newest(self, job: str, found: Located) -> Located | None:
         """Node 0's newest step of `job` where it is not `found`'s (PeerDisks.newest); None: keep `found`."""
-        answer = await self._ask_node0(job)
-        if isinstance(answer, str):
-            log.warning("job %s: node 0 does not answer (%s); loading this root's newest step %s", job, answer, found.step)
+        newest = await self._node0s_newest(job)
+        if isinstance(newest, str):
+            log.warning("job %s: node 0 does not answer (%s); loading this root's newest step %s", job, newest, found.step)
             return None
-        if answer.root_id == self.cluster.root_id or answer.newest is None or answer.newest == found.step:
+        if newest is None or newest == found.step:
             return None  # a shared root, a root node 0 lost (it takes this node's newest), or the same step
-        log.warning("job %s: node 0's newest committed step is %s, this root's %s: loading step %s, as node 0's ranks do", job, answer.newest, found.step, answer.newest)
-        if await self.engine.committed(job, answer.newest):
-            return Located(answer.newest)
-        return Located(answer.newest, self)
+        log.warning("job %s: node 0's newest committed step is %s, this root's %s: loading step %s, as node 0's ranks do", job, newest, found.step, newest)
+        if await self.engine.committed(job, newest):
+            return Located(newest)
+        return Located(newest, self)
 
     async def locate(self, job: str, step: int) -> Located | None:
         """A step this root lacks that a peer committed: read from there (nothing is written here)."""
