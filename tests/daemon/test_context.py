@@ -68,3 +68,28 @@ def test_an_index_is_read_once_for_all_who_ask_while_it_is_read_then_served_from
         assert cache.get(("j", 7)) is got[0]
 
     asyncio.run(main())
+
+
+def test_a_read_from_the_peers_does_not_take_the_failure_of_a_read_of_this_root_at_the_same_time() -> None:
+    """Found by a flaky multi-node test: a member whose root had not recorded node 0's commit
+    read node 0's index from a peer for its ranks' loads, while a peer's Fetch of its prepared
+    part read its own root for the same step; the loads got the root's FileNotFoundError
+    ("internal error in PlanLoad")."""
+
+    async def main() -> None:
+        cache = IndexCache(4)
+
+        async def from_root() -> CheckpointIndex:
+            await asyncio.sleep(0.01)
+            raise FileNotFoundError("root/j/step-00000007/ckptd.index.json")
+
+        async def from_peers() -> CheckpointIndex:
+            await asyncio.sleep(0.02)
+            return _index(7)
+
+        root, peers = await asyncio.gather(cache.read(("j", 7), from_root), cache.read(("j", 7), from_peers, source="peers"), return_exceptions=True)
+        assert isinstance(root, FileNotFoundError) and isinstance(peers, CheckpointIndex)
+        assert cache.get(("j", 7)) is peers  # one cache: the root's readers find it next
+        assert await cache.read(("j", 7), from_root) is peers
+
+    asyncio.run(main())

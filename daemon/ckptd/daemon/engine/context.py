@@ -48,9 +48,11 @@ class IndexCache:
     tensors) in the soak benchmark (tests/bench/soak.py); 16 indexes of a 1,000-tensor job took
     20 MiB, 8% of its 256 MiB state (issue 30 finding 5). An index not cached is read again.
 
-    An index being read is read once however many ask for it at once (`read`): the local ranks of
-    a restarted daemon all plan their loads together, and parsing a 1,000-tensor index costs
-    ~50 ms of the event loop each time.
+    An index being read is read once however many ask for it at once from the same source
+    (`read`): the local ranks of a restarted daemon all plan their loads together, and parsing a
+    1,000-tensor index costs ~50 ms of the event loop each time. Readers of another source do not
+    join that read: a member's loads read node 0's index from a peer while its own root, which
+    has not recorded the commit yet, fails to have it (a peer's Fetch of its prepared part asks).
 
     The summary of every index read or put is kept longer (`summary`, at most SUMMARIES_KEPT):
     a listing reads each committed step's, and at 4,000 tensors parsing each index again for
@@ -61,16 +63,16 @@ class IndexCache:
         self.tensors = tensors
         self._items: OrderedDict[tuple[str, int], CheckpointIndex] = OrderedDict()
         self._records = 0
-        self._reading: SingleFlight[tuple[str, int], CheckpointIndex] = SingleFlight()
+        self._reading: SingleFlight[tuple[str, int, str], CheckpointIndex] = SingleFlight()
         self._summaries: OrderedDict[tuple[str, int], StepSummary] = OrderedDict()
 
-    async def read(self, key: tuple[str, int], read: Callable[[], Coroutine[Any, Any, CheckpointIndex]]) -> CheckpointIndex:
+    async def read(self, key: tuple[str, int], read: Callable[[], Coroutine[Any, Any, CheckpointIndex]], source: str = "root") -> CheckpointIndex:
         """The cached index of `key`, else the one `read()` returns (then cached), read once for
-        all who ask meanwhile (SingleFlight)."""
+        all who ask meanwhile from the same `source` (SingleFlight): this root's, or "peers"."""
         index = self.get(key)
         if index is not None:
             return index
-        return await self._reading.run(key, read, lambda index: self.put(key, index))
+        return await self._reading.run((*key, source), read, lambda index: self.put(key, index))
 
     def get(self, key: tuple[str, int]) -> CheckpointIndex | None:
         index = self._items.get(key)

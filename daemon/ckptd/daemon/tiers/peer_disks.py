@@ -185,7 +185,7 @@ class PeerDisks(Tier):
                     f"step {step} of job {job!r} is not in this node's root, and its index could not be read from {self.cluster.describe(node)}: {exc}"
                 ) from None
 
-        return await self.engine.indexes.read((job, step), read)
+        return await self.engine.indexes.read((job, step), read, source="peers")
 
     async def extras(self, job: str, step: int, record: FileRecord) -> dict[int, Any]:
         """Every rank's extras from the extra.json of a peer that committed the step, checked
